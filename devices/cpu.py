@@ -1,0 +1,268 @@
+"""`--device cpu`: im2col + OpenBLAS sgemm, with the data-movement kernels in Numba.
+
+Design, and what it costs:
+- A convolution is one GEMM per chunk of images: Y (K, P) = W (K, C*kh*kw) @ cols.T, where
+  cols (P, C*kh*kw) is the im2col of the chunk (P = images * Ho * Wo). The GEMM is the whole
+  arithmetic cost and runs in BLAS; everything else is memory-bound and runs in Numba
+  `parallel=True` kernels that also absorb the layout changes (no transposes through numpy).
+- The batch is cut into chunks so cols stays under `im2col_budget_bytes` (default 64 MB): the
+  paper's conv2 at batch 128 would otherwise need a 640 MB im2col.
+- The fused forward (conv + bias + ReLU + 2x2 max-pool) keeps only the layer input and an int8
+  argmax per pooled value for backward (-1 where the ReLU is off): 1 byte per pooled output
+  instead of the 16 bytes of the pre-pool activation. Backward recomputes im2col from the
+  saved input, which costs a memory pass but no FLOPs worth counting next to the GEMMs.
+- `threads` caps both Numba's and BLAS's threads, so that several workers on one host can be
+  given disjoint cores.
+- Kernels release the GIL (nogil) so a worker's heartbeat thread keeps running during compute.
+"""
+import os
+
+import numba
+import numpy as np
+from numba import prange
+from threadpoolctl import threadpool_info, threadpool_limits
+
+from hetconv.devices.base import Device, DeviceError
+
+DEFAULT_IM2COL_BUDGET_BYTES = 64 << 20
+
+_jit = numba.njit(parallel=True, nogil=True, cache=True)
+
+
+@_jit
+def _im2col(x, n0, n1, kh, kw, padding, ho, wo, cols):
+    """cols[p, (c*kh+u)*kw+v] = xpad[n, c, i+u, j+v] for p = ((n-n0)*ho + i)*wo + j."""
+    c_in, h, w = x.shape[1], x.shape[2], x.shape[3]
+    rows = (n1 - n0) * ho * wo
+    for p in prange(rows):
+        n = n0 + p // (ho * wo)
+        i = (p // wo) % ho
+        j = p % wo
+        col = 0
+        for c in range(c_in):
+            for u in range(kh):
+                r = i + u - padding
+                for v in range(kw):
+                    s = j + v - padding
+                    if 0 <= r < h and 0 <= s < w:
+                        cols[p, col] = x[n, c, r, s]
+                    else:
+                        cols[p, col] = 0.0
+                    col += 1
+
+
+@_jit
+def _col2im_add(dcols, n0, n1, kh, kw, padding, ho, wo, dx):
+    """dx[n, c] += the im2col-adjoint of dcols; parallel over (image, channel), so race-free."""
+    c_in, h, w = dx.shape[1], dx.shape[2], dx.shape[3]
+    count = (n1 - n0) * c_in
+    for t in prange(count):
+        nl = t // c_in
+        c = t % c_in
+        for i in range(ho):
+            for j in range(wo):
+                p = (nl * ho + i) * wo + j
+                base = c * kh * kw
+                for u in range(kh):
+                    r = i + u - padding
+                    if r < 0 or r >= h:
+                        continue
+                    for v in range(kw):
+                        s = j + v - padding
+                        if 0 <= s < w:
+                            dx[n0 + nl, c, r, s] += dcols[p, base + u * kw + v]
+
+
+@_jit
+def _bias_relu_pool(y, b, n0, n1, ho, wo, out, argmax):
+    """out[n, k, a, e] = max over the 2x2 window of relu(y + b); argmax = first max in row-major
+    order (0..3), or -1 where that max is not > 0. y is (K, P) with p = ((n-n0)*ho + i)*wo + j."""
+    k_out = y.shape[0]
+    hp, wp = ho // 2, wo // 2
+    for k in prange(k_out):
+        bk = b[k]
+        for nl in range(n1 - n0):
+            base = nl * ho * wo
+            for a in range(hp):
+                for e in range(wp):
+                    p0 = base + (2 * a) * wo + 2 * e
+                    best = y[k, p0] + bk
+                    arg = 0
+                    v = y[k, p0 + 1] + bk
+                    if v > best:
+                        best = v
+                        arg = 1
+                    v = y[k, p0 + wo] + bk
+                    if v > best:
+                        best = v
+                        arg = 2
+                    v = y[k, p0 + wo + 1] + bk
+                    if v > best:
+                        best = v
+                        arg = 3
+                    if best > 0:
+                        out[n0 + nl, k, a, e] = best
+                        argmax[n0 + nl, k, a, e] = arg
+                    else:
+                        out[n0 + nl, k, a, e] = 0.0
+                        argmax[n0 + nl, k, a, e] = -1
+
+
+@_jit
+def _unpool(dpooled, argmax, n0, n1, ho, wo, dy):
+    """dy (K, P) = the gradient routed back through max-pool and ReLU; zero elsewhere."""
+    k_out = dy.shape[0]
+    hp, wp = ho // 2, wo // 2
+    for k in prange(k_out):
+        for p in range(dy.shape[1]):
+            dy[k, p] = 0.0
+        for nl in range(n1 - n0):
+            base = nl * ho * wo
+            for a in range(hp):
+                for e in range(wp):
+                    arg = argmax[n0 + nl, k, a, e]
+                    if arg >= 0:
+                        p = base + (2 * a + arg // 2) * wo + 2 * e + arg % 2
+                        dy[k, p] = dpooled[n0 + nl, k, a, e]
+
+
+class _PoolContext:
+    """What the fused backward needs: the layer input and the pooling argmax (int8)."""
+
+    def __init__(self, x, argmax, padding, w_shape):
+        self.x = x
+        self.argmax = argmax
+        self.padding = padding
+        self.w_shape = w_shape
+        self.pooled_shape = argmax.shape
+
+
+class CpuDevice(Device):
+    def __init__(self, threads=None, im2col_budget_bytes=DEFAULT_IM2COL_BUDGET_BYTES):
+        available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        if threads is None:
+            threads = available
+        if not isinstance(threads, (int, np.integer)) or threads < 1:
+            raise DeviceError(f"threads must be a positive integer, got {threads!r}")
+        self.threads = int(min(threads, numba.config.NUMBA_NUM_THREADS))
+        numba.set_num_threads(self.threads)
+        # Held for the device's lifetime: BLAS threads beyond our share only oversubscribe cores
+        # that another worker on this host was given.
+        self._blas_limit = threadpool_limits(limits=self.threads, user_api="blas")
+        self.im2col_budget_bytes = int(im2col_budget_bytes)
+        self.name = "cpu"
+
+    def describe(self):
+        blas = [f"{i['internal_api']} {i.get('version', '?')} ({i.get('architecture', '?')})"
+                for i in threadpool_info() if i.get("user_api") == "blas"]
+        return f"cpu ({self.threads} thread{'s' if self.threads > 1 else ''}, BLAS {', '.join(blas) or 'unknown'})"
+
+    def _chunks(self, n, rows_per_image, ckk):
+        per_image = max(1, rows_per_image * ckk * 4)
+        step = max(1, min(n, self.im2col_budget_bytes // per_image))
+        return [(n0, min(n, n0 + step)) for n0 in range(0, n, step)], step
+
+    # ---- forward -----------------------------------------------------------------------------
+    def _forward_chunks(self, x, w, padding, consume):
+        """Run Y (K, P) = W @ im2col(chunk).T per chunk and hand each Y to `consume(n0, n1, y)`."""
+        n, c, h, wd = x.shape
+        k, _, kh, kw = w.shape
+        ho, wo = h + 2 * padding - kh + 1, wd + 2 * padding - kw + 1
+        ckk = c * kh * kw
+        w2 = w.reshape(k, ckk)
+        chunks, step = self._chunks(n, ho * wo, ckk)
+        cols_buf = np.empty((step * ho * wo, ckk), np.float32)
+        y_buf = np.empty((k, step * ho * wo), np.float32)
+        for n0, n1 in chunks:
+            rows = (n1 - n0) * ho * wo
+            cols, y = cols_buf[:rows], y_buf[:, :rows]
+            _im2col(x, n0, n1, kh, kw, padding, ho, wo, cols)
+            np.matmul(w2, cols.T, out=y)        # the FLOPs: (K, ckk) x (ckk, rows) in sgemm
+            consume(n0, n1, y)
+        return ho, wo
+
+    def _conv2d(self, x, w, b, padding):
+        n, k = x.shape[0], w.shape[0]
+        out = {}
+
+        def to_nchw(n0, n1, y):
+            out[n0] = y.reshape(k, n1 - n0, -1).transpose(1, 0, 2).copy()
+
+        ho, wo = self._forward_chunks(x, w, padding, to_nchw)
+        y = np.concatenate([out[n0] for n0 in sorted(out)], axis=0).reshape(n, k, ho, wo)
+        y += b[None, :, None, None]
+        return y
+
+    def _conv_relu_pool(self, x, w, b, padding):
+        w = np.ascontiguousarray(w, np.float32)
+        b = self._check_bias(b, w.shape[0])
+        n, c, h, wd = x.shape
+        k, _, kh, kw = w.shape
+        ho, wo = h + 2 * padding - kh + 1, wd + 2 * padding - kw + 1
+        out = np.empty((n, k, ho // 2, wo // 2), np.float32)
+        argmax = np.empty(out.shape, np.int8)
+        self._forward_chunks(x, w, padding,
+                             lambda n0, n1, y: _bias_relu_pool(y, b, n0, n1, ho, wo, out, argmax))
+        return out, _PoolContext(x, argmax, padding, w.shape)
+
+    # ---- backward ----------------------------------------------------------------------------
+    def _backward_chunks(self, x, w, padding, need_dx, fill_dy):
+        """dW, db, dx from per-chunk dY (K, P) produced by `fill_dy(n0, n1, dy_out)`."""
+        n, c, h, wd = x.shape
+        k, _, kh, kw = w.shape
+        ho, wo = h + 2 * padding - kh + 1, wd + 2 * padding - kw + 1
+        ckk = c * kh * kw
+        w2 = w.reshape(k, ckk)
+        chunks, step = self._chunks(n, ho * wo, ckk)
+        cols_buf = np.empty((step * ho * wo, ckk), np.float32)
+        dy_buf = np.empty((k, step * ho * wo), np.float32)
+        dw = np.zeros((k, ckk), np.float32)
+        dw_part = np.empty((k, ckk), np.float32) if len(chunks) > 1 else dw
+        db = np.zeros(k, np.float64)
+        dx = np.zeros(x.shape, np.float32) if need_dx else None
+        for n0, n1 in chunks:
+            rows = (n1 - n0) * ho * wo
+            cols, dy = cols_buf[:rows], dy_buf[:, :rows]
+            fill_dy(n0, n1, dy)
+            db += dy.sum(axis=1, dtype=np.float64)
+            _im2col(x, n0, n1, kh, kw, padding, ho, wo, cols)
+            np.matmul(dy, cols, out=dw_part)            # (K, rows) x (rows, ckk)
+            if dw_part is not dw:
+                dw += dw_part
+            if need_dx:
+                np.matmul(dy.T, w2, out=cols)           # dcols reuses the im2col buffer
+                _col2im_add(cols, n0, n1, kh, kw, padding, ho, wo, dx)
+        return dx, dw.reshape(w.shape), db.astype(np.float32)
+
+    def _conv2d_backward(self, x, w, dy, padding, need_dx):
+        k = w.shape[0]
+
+        def from_nchw(n0, n1, out):
+            out[:] = dy[n0:n1].reshape(n1 - n0, k, -1).transpose(1, 0, 2).reshape(k, -1)
+
+        return self._backward_chunks(x, w, padding, need_dx, from_nchw)
+
+    def _conv_relu_pool_backward(self, ctx, w, dpooled, need_dx):
+        w = np.ascontiguousarray(w, np.float32)
+        if tuple(w.shape) != tuple(ctx.w_shape):
+            raise ValueError(f"weights changed shape since forward, {w.shape!r} != {ctx.w_shape!r}")
+        x = ctx.x
+        ho = x.shape[2] + 2 * ctx.padding - w.shape[2] + 1
+        wo = x.shape[3] + 2 * ctx.padding - w.shape[3] + 1
+        return self._backward_chunks(
+            x, w, ctx.padding, need_dx,
+            lambda n0, n1, dy: _unpool(dpooled, ctx.argmax, n0, n1, ho, wo, dy))
+
+    # ---- optimizer ---------------------------------------------------------------------------
+    def _sgd_(self, param, velocity, grad, lr, momentum, weight_decay):
+        velocity *= momentum
+        velocity += grad
+        if weight_decay:
+            velocity += weight_decay * param
+        param -= lr * velocity
+
+
+def open(index=None, threads=None, **options):
+    if index is not None:
+        raise DeviceError(f"the cpu device takes no index, got cpu:{index}")
+    return CpuDevice(threads=threads, **options)

@@ -1,0 +1,407 @@
+"""`hetconv-coordinator`: data, FC layers, loss, planner, checkpoints; conv kernels on workers.
+
+    hetconv-coordinator --spawn cpu,cpu            # start two local CPU workers and train
+    hetconv-coordinator --bind tcp://0.0.0.0:5555 --workers 3   # wait for three external workers
+    hetconv-coordinator --local                    # the single-device baseline, in one process
+
+The RemoteEngine below is the distributed counterpart of shard.LocalEngine: the same forward /
+backward / gather interface, over a ZeroMQ ROUTER socket. Every wait has a deadline; workers send
+heartbeats, so a dead or stuck worker is named within `--worker-timeout` seconds.
+"""
+import argparse
+import atexit
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from hetconv import protocol as P
+from hetconv.config import add_config_flags, config_from_args
+from hetconv.planner import PlanError, make_plan
+
+
+class WorkerError(RuntimeError):
+    """A worker raised while serving a request; carries its name, what it was doing and its traceback."""
+
+    def __init__(self, worker, doing, name, message, remote_traceback=""):
+        super().__init__(f"worker {worker} failed during {doing}: {name}: {message}")
+        self.worker, self.doing, self.remote_traceback = worker, doing, remote_traceback
+
+
+class WorkerLost(RuntimeError):
+    """A worker stopped answering (died, hung, or its process exited)."""
+
+
+class _Peer:
+    def __init__(self, identity, hello, process=None):
+        self.identity = identity                   # bytes: the ROUTER routing id
+        self.name = hello.get("name", identity.decode(errors="replace"))
+        self.device = hello.get("device", "?")
+        self.host = hello.get("host", "?")
+        self.pid = hello.get("pid", 0)
+        self.description = hello.get("description", self.device)
+        self.process = process
+        self.last_seen = time.monotonic()
+        self.reset_stats()
+
+    def reset_stats(self):
+        self.stats = {"compute_s": 0.0, "roundtrip_s": 0.0, "bytes_sent": 0, "bytes_recv": 0}
+
+    def label(self):
+        return f"{self.name} ({self.device} on {self.host}, pid {self.pid})"
+
+
+class RemoteEngine:
+    def __init__(self, bind, expected_workers, spawn=(), threads=0, worker_timeout=10.0,
+                 connect_timeout=60.0, op_timeout=600.0, pin=True, log=print):
+        import zmq
+        self.zmq = zmq
+        self.log = log
+        self.worker_timeout, self.connect_timeout, self.op_timeout = worker_timeout, connect_timeout, op_timeout
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.linger = 0
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)      # an unknown peer is an error, not a silent drop
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
+        self.processes = []
+        self.peers = {}                                     # name -> _Peer, in plan order
+        self.seq = 0
+        self.plan = None
+        try:
+            if bind.endswith(":0") or bind.endswith(":*"):
+                port = self.sock.bind_to_random_port(bind.rsplit(":", 1)[0])
+                self.address = f"{bind.rsplit(':', 1)[0]}:{port}"
+            else:
+                self.sock.bind(bind)
+                self.address = bind
+        except zmq.ZMQError as e:
+            self.close()
+            raise SystemExit(f"hetconv-coordinator: cannot bind {bind}: {e.strerror} "
+                             f"(is another coordinator running there? choose another --bind port)") from None
+        atexit.register(self.close)
+        try:
+            self._spawn(spawn, threads, pin)
+            self._await_workers(expected_workers + len(spawn))
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- processes ---------------------------------------------------------------------------
+    def _spawn(self, devices, threads, pin):
+        if not devices:
+            return
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
+        cpu_workers = [i for i, d in enumerate(devices) if d == "cpu"]
+        per_worker = threads or max(1, len(cores) // max(1, len(cpu_workers)))
+        for i, device in enumerate(devices):
+            cmd = [sys.executable, "-m", "hetconv.worker", "--device", device, "--connect", self.address,
+                   "--name", f"w{i}-{device}", "--parent-pid", str(os.getpid()),
+                   "--connect-timeout", str(self.connect_timeout)]
+            if device == "cpu":
+                cmd += ["--threads", str(per_worker)]
+                slot = cpu_workers.index(i)
+                if pin and len(cores) >= per_worker * len(cpu_workers):
+                    mine = cores[slot * per_worker:(slot + 1) * per_worker]
+                    cmd += ["--cores", ",".join(map(str, mine))]
+            # A session of its own: Ctrl-C reaches only the coordinator, which finishes the step,
+            # checkpoints and then ends its workers itself.
+            self.processes.append((f"w{i}-{device}", subprocess.Popen(cmd, start_new_session=True)))
+
+    def _await_workers(self, n):
+        deadline = time.monotonic() + self.connect_timeout
+        self.log(f"waiting for {n} worker(s) on {self.address} ...")
+        while len(self.peers) < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WorkerLost(f"only {len(self.peers)} of {n} workers connected to {self.address} within "
+                                 f"{self.connect_timeout:.0f}s: start more with `hetconv-worker --device cpu --connect {self.address}`")
+            self._check_processes("starting")
+            if not self.sock.poll(int(min(left, 0.5) * 1000)):
+                continue
+            frames = self.sock.recv_multipart(copy=False)
+            identity = frames[0].bytes
+            try:
+                msg = P.unpack(frames[1:])
+            except P.ProtocolVersionError as e:
+                self._send_raw(identity, P.pack("ERROR", 0, name="ProtocolVersionError", message=str(e),
+                                                worker=identity.decode(errors="replace"), doing="HELLO", traceback=""))
+                self.log(f"refused worker {identity.decode(errors='replace')}: {e}")
+                continue
+            except P.ProtocolError as e:
+                self.log(f"ignored a malformed message from {identity!r:.80}: {e}")
+                continue
+            if msg.op == "ERROR":
+                raise WorkerError(msg.fields.get("worker"), msg.fields.get("doing"), msg.fields.get("name"),
+                                  msg.fields.get("message"), msg.fields.get("traceback", ""))
+            if msg.op != "HELLO":
+                continue
+            name = str(msg.fields.get("name", "worker"))
+            base, k = name, 2
+            while name in self.peers:                        # labels need not be unique; names in plans must
+                name, k = f"{base}#{k}", k + 1
+            process = next((p for label, p in self.processes if label == base and p.pid == msg.fields.get("pid")), None)
+            peer = _Peer(identity, {**msg.fields, "name": name}, process)
+            self.peers[name] = peer
+            self._send(peer, "WELCOME")
+            self.log(f"worker {peer.label()}: {peer.description}")
+        # Spawned workers first, in the order asked, then external ones by arrival.
+        order = [n for label, _ in self.processes for n, p in self.peers.items() if p.name == label]
+        order += [n for n in self.peers if n not in order]
+        self.peers = {n: self.peers[n] for n in order}
+
+    def _check_processes(self, doing):
+        for label, proc in self.processes:
+            code = proc.poll()
+            if code is not None:
+                raise WorkerLost(f"worker {label} (pid {proc.pid}) exited with code {code} while {doing}")
+
+    # ---- messaging ---------------------------------------------------------------------------
+    def _send_raw(self, identity, frames):
+        try:
+            self.sock.send_multipart([identity] + frames, copy=False)
+        except self.zmq.ZMQError as e:
+            raise WorkerLost(f"cannot send to {identity.decode(errors='replace')}: {e.strerror}") from None
+
+    def _send(self, peer, op, arrays=(), **fields):
+        self.seq += 1
+        frames = P.pack(op, self.seq, arrays, **fields)
+        peer.stats["bytes_sent"] += sum(len(f) for f in frames)
+        self._send_raw(peer.identity, frames)
+        return self.seq
+
+    def _request_all(self, requests, doing):
+        """requests: {peer name: (op, arrays, fields)}; sends all, then waits for every reply.
+        Returns {peer name: Message}. Raises WorkerError / WorkerLost naming the worker."""
+        pending, sent_at = {}, {}
+        for name, (op, arrays, fields) in requests.items():
+            peer = self.peers[name]
+            pending[self._send(peer, op, arrays, **fields)] = name
+            sent_at[name] = time.perf_counter()
+        replies = {}
+        deadline = time.monotonic() + self.op_timeout
+        by_identity = {p.identity: p for p in self.peers.values()}
+        while pending:
+            now = time.monotonic()
+            if now > deadline:
+                late = ", ".join(self.peers[n].label() for n in pending.values())
+                raise WorkerLost(f"no reply within {self.op_timeout:.0f}s from {late} during {doing}")
+            for name in pending.values():
+                peer = self.peers[name]
+                if now - peer.last_seen > self.worker_timeout:
+                    raise WorkerLost(f"worker {peer.label()} stopped answering (no heartbeat for "
+                                     f"{now - peer.last_seen:.1f}s) during {doing}")
+                if peer.process is not None and peer.process.poll() is not None:
+                    raise WorkerLost(f"worker {peer.label()} exited with code {peer.process.returncode} during {doing}")
+            if not self.sock.poll(200):
+                continue
+            frames = self.sock.recv_multipart(copy=False)
+            peer = by_identity.get(frames[0].bytes)
+            if peer is None:
+                continue                                   # a stranger (late or stale worker): ignore
+            peer.last_seen = time.monotonic()
+            try:
+                msg = P.unpack(frames[1:])
+            except P.ProtocolError as e:
+                self.log(f"ignored a malformed message from {peer.label()}: {e}")
+                continue
+            if msg.op == "HEARTBEAT":
+                continue
+            if msg.op == "ERROR" and (msg.seq in pending or msg.seq == -1):
+                raise WorkerError(peer.label(), msg.fields.get("doing", doing), msg.fields.get("name", "Error"),
+                                  msg.fields.get("message", ""), msg.fields.get("traceback", ""))
+            if msg.seq not in pending or pending[msg.seq] != peer.name:
+                continue                                   # stale reply to an abandoned request
+            del pending[msg.seq]
+            replies[peer.name] = msg
+            peer.stats["bytes_recv"] += sum(len(f) for f in frames[1:])
+            peer.stats["compute_s"] += float(msg.fields.get("compute_s", 0.0))
+            peer.stats["roundtrip_s"] += time.perf_counter() - sent_at[peer.name]
+        return replies
+
+    # ---- the engine interface ------------------------------------------------------------------
+    @property
+    def workers(self):
+        return list(self.peers)
+
+    def calibrate(self, specs, input_shapes, cfg):
+        """Each worker times its fused kernels on the real layer shapes, its equal share of kernels,
+        after a JIT warm-up. Returns {worker: [kernels/s per layer]} and the raw replies."""
+        batch = min(cfg.calibration_batch, cfg.batch_size)
+        n = len(self.peers)
+        layers = [{"spec": s.to_json(), "input_shape": [batch] + list(shape[1:]), "kernels": -(-s.kernels // n)}
+                  for s, shape in zip(specs, input_shapes)]
+        t0 = time.perf_counter()
+        replies = self._request_all({name: ("CALIBRATE", [], {"layers": layers}) for name in self.peers}, "calibration")
+        self.calibration_s = time.perf_counter() - t0
+        self.calibration = {name: {"batch": batch, "kernels": [l["kernels"] for l in layers],
+                                   "seconds": list(m.fields["seconds"]), "speeds": list(m.fields["speeds"])}
+                            for name, m in replies.items()}
+        return {name: list(replies[name].fields["speeds"]) for name in self.peers}
+
+    def plan_for(self, specs, input_shapes, cfg):
+        kernels = [s.kernels for s in specs]
+        too_few = [k for k in kernels if k < len(self.peers)]
+        if too_few:
+            raise PlanError(f"{len(self.peers)} workers but a conv layer has only {min(too_few)} kernels: "
+                            f"every worker needs at least one kernel of every layer (use fewer workers or wider --conv)")
+        speeds = self.calibrate(specs, input_shapes, cfg)
+        self.log(f"calibrated {len(self.peers)} worker(s) in {self.calibration_s:.1f}s")
+        return make_plan(kernels, speeds, cfg.split)
+
+    def load(self, plan, specs, params):
+        self.plan = plan
+        for lp, spec, (w, b, vw, vb) in zip(plan.layers, specs, params):
+            requests = {}
+            for name, (s, e) in lp.ranges.items():
+                arrays = [w[s:e], b[s:e]] + ([] if vw is None else [vw[s:e], vb[s:e]])
+                requests[name] = ("LOAD", arrays, {"layer": lp.layer, "spec": spec.to_json(), "start": s, "stop": e})
+            self._request_all(requests, f"loading conv{lp.layer + 1}")
+        for peer in self.peers.values():
+            peer.reset_stats()
+
+    def forward(self, layer, x):
+        x = np.ascontiguousarray(x)     # one buffer, sent to every worker, never written while in flight
+        replies = self._request_all({name: ("FORWARD", [x], {"layer": layer}) for name in self.plan.workers},
+                                    f"forward conv{layer + 1}")
+        parts = [replies[name].arrays[0] for name in self.plan.workers]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+
+    def backward(self, layer, dpooled, lr, momentum, weight_decay, need_dx):
+        lp = self.plan.layers[layer]
+        fields = {"layer": layer, "lr": lr, "momentum": momentum, "weight_decay": weight_decay, "need_dx": need_dx}
+        requests = {name: ("BACKWARD", [np.ascontiguousarray(dpooled[:, s:e])], fields)
+                    for name, (s, e) in lp.ranges.items()}
+        replies = self._request_all(requests, f"backward conv{layer + 1}")
+        if not need_dx:
+            return None
+        dx = None
+        for name in self.plan.workers:                    # the one reduction: dX = sum of partial dX
+            part = replies[name].arrays[0]
+            dx = part.copy() if dx is None else np.add(dx, part, out=dx)
+        return dx
+
+    def gather(self):
+        out = []
+        for lp in self.plan.layers:
+            replies = self._request_all({name: ("FETCH", [], {"layer": lp.layer}) for name in self.plan.workers},
+                                        f"fetching conv{lp.layer + 1} for a checkpoint")
+            parts = [replies[name].arrays for name in self.plan.workers]
+            out.append(tuple(np.concatenate([p[i] for p in parts], axis=0) for i in range(4)))
+        return out
+
+    def step_stats(self):
+        """Per worker, since the last call: compute seconds, round-trip seconds, bytes each way."""
+        stats = {name: dict(peer.stats) for name, peer in self.peers.items()}
+        for peer in self.peers.values():
+            peer.reset_stats()
+        return stats
+
+    def close(self):
+        """Shut every worker down; on every exit path, spawned processes end."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        for peer in list(self.peers.values()):
+            try:
+                self.sock.send_multipart([peer.identity] + P.pack("SHUTDOWN", 0), flags=self.zmq.NOBLOCK)
+            except Exception:
+                pass
+        deadline = time.monotonic() + 3.0
+        for label, proc in self.processes:
+            try:
+                proc.wait(timeout=max(0.05, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.terminate()
+        for label, proc in self.processes:
+            try:
+                proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+# ---- command line --------------------------------------------------------------------------------
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="hetconv-coordinator",
+        description="Train a CNN with each conv layer's kernels split across CPU/GPU workers in proportion to "
+                    "their measured speed; FC layers, loss and checkpoints stay here. With no mode flag it "
+                    "spawns two local CPU workers (--spawn cpu,cpu) and trains the paper network on the "
+                    "built-in synthetic data set.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    mode = p.add_argument_group("where the conv layers run (choose one)")
+    mode.add_argument("--local", action="store_true", help="in this process on one CPU device: the single-device baseline")
+    mode.add_argument("--spawn", default="", help="start these workers on this host, e.g. cpu,cpu or cpu,cuda:0")
+    mode.add_argument("--workers", type=int, default=0, help="wait for this many external hetconv-worker processes")
+    net = p.add_argument_group("network")
+    net.add_argument("--bind", default="", help="address to listen on (default tcp://127.0.0.1:5555 with --workers, "
+                                                "a free loopback port with --spawn)")
+    net.add_argument("--worker-timeout", type=float, default=10.0, help="seconds without a heartbeat before a worker counts as lost")
+    net.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for workers to connect")
+    net.add_argument("--op-timeout", type=float, default=600.0, help="seconds any one request may take")
+    net.add_argument("--no-pin", action="store_true", help="do not pin spawned CPU workers to disjoint cores")
+    p.add_argument("--resume", default="", help="a checkpoint file, or a directory (its newest checkpoint)")
+    add_config_flags(p)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        print(f"hetconv-coordinator: {e}", file=sys.stderr)
+        return 2
+    modes = [bool(args.local), bool(args.spawn), args.workers > 0]
+    if sum(modes) > 1:
+        print("hetconv-coordinator: choose one of --local, --spawn, --workers", file=sys.stderr)
+        return 2
+    if args.workers < 0:
+        print(f"hetconv-coordinator: --workers must be >= 1, got {args.workers}", file=sys.stderr)
+        return 2
+    if sum(modes) == 0:
+        args.spawn = "cpu,cpu"
+    # SIGTERM ends the run like an exception, so the finally below still ends every worker.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(143)))
+    engine = None
+    from hetconv.checkpoint import CheckpointError
+    from hetconv.data import DataError
+    from hetconv.devices import DeviceError, parse_device
+    try:
+        if args.local:
+            from hetconv.devices import open_device
+            from hetconv.shard import ConvShard, LocalEngine
+            device = open_device("cpu", threads=cfg.threads or None)
+            print(f"local: {device.describe()}")
+            engine = LocalEngine({"local": ConvShard(device)})
+        else:
+            spawn = [s.strip() for s in args.spawn.split(",") if s.strip()] if args.spawn else []
+            for s in spawn:
+                parse_device(s)
+            bind = args.bind or ("tcp://127.0.0.1:0" if spawn else "tcp://127.0.0.1:5555")
+            engine = RemoteEngine(bind, args.workers, spawn, threads=cfg.threads, worker_timeout=args.worker_timeout,
+                                  connect_timeout=args.connect_timeout, op_timeout=args.op_timeout, pin=not args.no_pin)
+        from hetconv.train import train
+        summary = train(cfg, engine, resume=args.resume or None)
+    except (WorkerError, WorkerLost, PlanError, DeviceError, DataError, CheckpointError, ValueError, FloatingPointError) as e:
+        print(f"hetconv-coordinator: {e}", file=sys.stderr)
+        if isinstance(e, WorkerError) and e.remote_traceback:
+            print(f"--- worker traceback ---\n{e.remote_traceback}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("hetconv-coordinator: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if engine is not None:
+            engine.close()
+    return 0 if not summary.get("interrupted") else 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""The network and one training step.
+
+conv layers (kernels split across shards by an engine) -> flatten -> FC + ReLU ... -> FC 10 ->
+softmax cross-entropy. The conv layers live behind an engine (in-process or over ZeroMQ); the FC
+layers, the loss and their optimizer live here, on the coordinator.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+from hetconv.layers import Linear, relu, relu_backward, softmax_cross_entropy
+from hetconv.shard import ConvSpec
+
+IMAGE_SHAPE = (3, 32, 32)
+NUM_CLASSES = 10
+
+
+def conv_specs(kernels, ksize=5, padding=0, in_channels=IMAGE_SHAPE[0]):
+    specs = []
+    for k in kernels:
+        specs.append(ConvSpec(in_channels, k, ksize, padding))
+        in_channels = k
+    return specs
+
+
+def layer_input_shapes(specs, batch, image_shape=IMAGE_SHAPE):
+    """(N, C, H, W) entering each conv layer; raises if the image shrinks away."""
+    c, h, w = image_shape
+    shapes = []
+    for i, spec in enumerate(specs):
+        if h + 2 * spec.padding - spec.ksize + 1 < 2 or w + 2 * spec.padding - spec.ksize + 1 < 2:
+            raise ValueError(f"conv layer {i + 1} ({spec.ksize}x{spec.ksize}, padding {spec.padding}) gets a {h}x{w} input: "
+                             f"too small for the conv and its 2x2 pool; use fewer conv layers or more padding")
+        shapes.append((batch, c, h, w))
+        h, w = spec.output_hw(h, w)
+        c = spec.kernels
+    return shapes, (c, h, w)
+
+
+def init_conv_params(specs, rng):
+    """He-initialised (w, b, vw=None, vb=None) per conv layer, drawn before any FC layer so the
+    same seed gives the same conv weights whatever the FC sizes."""
+    params = []
+    for spec in specs:
+        fan_in = spec.in_channels * spec.ksize ** 2
+        w = rng.standard_normal((spec.kernels, spec.in_channels, spec.ksize, spec.ksize), dtype=np.float32)
+        w *= np.float32(np.sqrt(2.0 / fan_in))
+        params.append((w, np.zeros(spec.kernels, np.float32), None, None))
+    return params
+
+
+@dataclass
+class StepResult:
+    loss: float
+    correct: int
+
+
+class Network:
+    def __init__(self, specs, fc_sizes, engine, rng):
+        self.specs = specs
+        self.engine = engine
+        _, (c, h, w) = layer_input_shapes(specs, 1)
+        widths = [c * h * w] + list(fc_sizes) + [NUM_CLASSES]
+        self.fc = [Linear.init(a, b, rng) for a, b in zip(widths[:-1], widths[1:])]
+
+    def _conv_forward(self, x):
+        h = x
+        for layer in range(len(self.specs)):
+            h = self.engine.forward(layer, h)     # (N, K_l, H_l, W_l): every shard's channels
+        return h
+
+    def _fc_forward(self, flat):
+        acts = [flat]
+        h = flat
+        for i, fc in enumerate(self.fc):
+            h = fc.forward(h)
+            if i < len(self.fc) - 1:
+                h = relu(h)
+            acts.append(h)
+        return h, acts
+
+    def train_step(self, x, labels, lr, momentum, weight_decay):
+        # 1. conv forward: each layer's input goes to every shard; channel slices come back
+        features = self._conv_forward(x)
+        flat = features.reshape(features.shape[0], -1)
+        # 2. FC forward, loss, FC backward and update: all local
+        logits, acts = self._fc_forward(flat)
+        loss, grad = softmax_cross_entropy(logits, labels)
+        correct = int((logits.argmax(axis=1) == labels).sum())
+        for i in reversed(range(len(self.fc))):
+            if i < len(self.fc) - 1:
+                grad = relu_backward(acts[i + 1], grad)
+            grad = self.fc[i].backward(grad)
+        for fc in self.fc:
+            fc.step(lr, momentum, weight_decay)
+        # 3. conv backward: each shard gets its slice of the gradient and updates its kernels;
+        #    partial dX are summed for every layer but the first
+        grad = grad.reshape(features.shape)
+        for layer in reversed(range(len(self.specs))):
+            grad = self.engine.backward(layer, grad, lr, momentum, weight_decay, need_dx=layer > 0)
+        return StepResult(loss, correct)
+
+    def predict(self, x):
+        """Logits, without touching any training state that matters (the shards' saved forward
+        context is overwritten and dropped at the next training forward)."""
+        features = self._conv_forward(x)
+        logits, _ = self._fc_forward(features.reshape(features.shape[0], -1))
+        return logits
+
+    # ---- state for checkpoints ------------------------------------------------------------
+    def fc_state(self):
+        return [(fc.w, fc.b, fc.vw, fc.vb) for fc in self.fc]
+
+    def load_fc_state(self, state):
+        if len(state) != len(self.fc):
+            raise ValueError(f"checkpoint has {len(state)} FC layers, the network has {len(self.fc)}")
+        for fc, (w, b, vw, vb) in zip(self.fc, state):
+            if w.shape != fc.w.shape:
+                raise ValueError(f"checkpoint FC weights {w.shape} do not match the network's {fc.w.shape}")
+            fc.w[...], fc.b[...], fc.vw[...], fc.vb[...] = w, b, vw, vb

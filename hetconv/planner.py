@@ -1,0 +1,121 @@
+"""The planner: measured device speeds in, a kernel split per conv layer out. Pure: no sockets,
+no clocks, deterministic for the same input.
+
+A plan is data: per layer, a contiguous kernel range [start, stop) per worker, in worker order.
+Shares are integers by largest remainder, so they sum exactly to the layer's kernel count, and
+every worker gets at least one kernel of every layer (a worker with no kernels would only add a
+round trip).
+"""
+from dataclasses import dataclass, field
+
+POLICIES = ("proportional", "equal")
+
+
+class PlanError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    layer: int
+    kernels: int
+    ranges: dict                      # worker name -> (start, stop)
+    speeds: dict = field(default_factory=dict)   # worker name -> kernels/s used for the split
+
+    def count(self, worker):
+        start, stop = self.ranges[worker]
+        return stop - start
+
+
+@dataclass(frozen=True)
+class Plan:
+    policy: str
+    workers: tuple
+    layers: tuple
+
+    def to_json(self):
+        return {"policy": self.policy, "workers": list(self.workers), "layers": [
+            {"layer": lp.layer, "kernels": {w: lp.count(w) for w in self.workers},
+             "ranges": {w: list(lp.ranges[w]) for w in self.workers},
+             "speeds": {w: lp.speeds.get(w) for w in self.workers}} for lp in self.layers]}
+
+    def table(self):
+        """A printable table: one row per worker, kernels (and measured kernels/s) per layer."""
+        head = ["worker"] + [f"conv{lp.layer + 1} ({lp.kernels})" for lp in self.layers]
+        rows = [head]
+        for w in self.workers:
+            row = [w]
+            for lp in self.layers:
+                s = lp.speeds.get(w)
+                row.append(f"{lp.count(w)}" + (f"  @ {s:,.0f}/s" if s else ""))
+            rows.append(row)
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        lines = ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r)) for r in rows]
+        lines.insert(1, "  ".join("-" * wd for wd in widths))
+        return f"split: {self.policy}\n" + "\n".join(lines)
+
+
+def largest_remainder(total, weights, minimum=1):
+    """Integer shares of `total` proportional to `weights`, each >= minimum, summing to total."""
+    n = len(weights)
+    if n == 0:
+        raise PlanError("no workers to split kernels across")
+    if total < minimum * n:
+        raise PlanError(f"cannot give {n} workers at least {minimum} kernel(s) each of a layer with {total} kernels: "
+                        f"use at most {total // max(minimum, 1)} workers or a wider layer")
+    bad = [w for w in weights if not (w > 0) or w != w or w == float("inf")]
+    if bad:
+        raise PlanError(f"speeds must be positive and finite, got {list(weights)!r}")
+    free = total - minimum * n
+    s = float(sum(weights))
+    exact = [free * w / s for w in weights]
+    shares = [int(e) for e in exact]
+    # Hand out what rounding down left, biggest remainder first; ties go to the earlier worker.
+    order = sorted(range(n), key=lambda i: (-(exact[i] - shares[i]), i))
+    for i in order[:free - sum(shares)]:
+        shares[i] += 1
+    return [sh + minimum for sh in shares]
+
+
+def make_plan(layer_kernels, speeds, policy="proportional"):
+    """layer_kernels: kernels per conv layer, e.g. [500, 1500].
+    speeds: {worker: [kernels/s for each layer]} in the order workers should hold the ranges
+    (ignored by the `equal` policy except for its worker names)."""
+    if policy not in POLICIES:
+        raise PlanError(f"unknown split policy {policy!r}: expected one of {', '.join(POLICIES)}")
+    workers = tuple(speeds)
+    layers = []
+    for li, total in enumerate(layer_kernels):
+        if policy == "equal":
+            weights = [1.0] * len(workers)
+        else:
+            weights = []
+            for w in workers:
+                per_layer = speeds[w]
+                if len(per_layer) != len(layer_kernels):
+                    raise PlanError(f"worker {w!r} reported {len(per_layer)} layer speeds, expected {len(layer_kernels)}")
+                weights.append(float(per_layer[li]))
+        shares = largest_remainder(int(total), weights)
+        ranges, start = {}, 0
+        for w, sh in zip(workers, shares):
+            ranges[w] = (start, start + sh)
+            start += sh
+        layer_speeds = {w: float(speeds[w][li]) for w in workers if speeds[w] is not None and len(speeds[w]) > li}
+        layers.append(LayerPlan(li, int(total), ranges, layer_speeds))
+    return Plan(policy, workers, tuple(layers))
+
+
+def fixed_plan(layer_kernels, counts, policy="fixed"):
+    """A plan from explicit kernel counts {worker: [count per layer]}: for tests and experiments."""
+    workers = tuple(counts)
+    layers = []
+    for li, total in enumerate(layer_kernels):
+        got = sum(counts[w][li] for w in workers)
+        if got != total or any(counts[w][li] < 1 for w in workers):
+            raise PlanError(f"layer {li}: counts {[counts[w][li] for w in workers]} must be >= 1 and sum to {total}")
+        ranges, start = {}, 0
+        for w in workers:
+            ranges[w] = (start, start + counts[w][li])
+            start += counts[w][li]
+        layers.append(LayerPlan(li, total, ranges, {}))
+    return Plan(policy, workers, tuple(layers))

@@ -1,0 +1,138 @@
+"""The wire format, and the only code that knows msgpack.
+
+A message is a list of ZeroMQ frames: [header, *arrays]. The header is a msgpack map
+{v, op, seq, arrays: [[dtype, shape], ...], ...fields}; each array travels as its own raw,
+C-contiguous frame, so large ones go zero-copy. Nothing is ever pickled, and every received
+message is checked here (version, op, declared dtype and shape against each frame, limits)
+before anyone looks at it. docs/protocol.md lists every message.
+"""
+from dataclasses import dataclass, field
+
+import msgpack
+import numpy as np
+
+PROTOCOL_VERSION = 1
+
+# Coordinator -> worker requests, worker -> coordinator replies and notices.
+REQUESTS = ("WELCOME", "CALIBRATE", "LOAD", "FORWARD", "BACKWARD", "FETCH", "SHUTDOWN")
+REPLIES = ("HELLO", "HEARTBEAT", "CALIBRATED", "LOADED", "FORWARD_DONE", "BACKWARD_DONE", "SHARD", "BYE", "ERROR")
+OPS = frozenset(REQUESTS + REPLIES)
+
+DTYPES = frozenset({"float32", "float64", "int8", "uint8", "int32", "int64"})
+MAX_HEADER_BYTES = 1 << 20
+MAX_ARRAYS = 16
+MAX_NDIM = 8
+MAX_ARRAY_BYTES = 4 << 30         # 4 GiB: far above any layer this project sends
+
+
+class ProtocolError(ValueError):
+    """A message that is not well-formed hetconv protocol."""
+
+
+class ProtocolVersionError(ProtocolError):
+    """A well-formed header from a peer that speaks another protocol version."""
+
+    def __init__(self, message, header):
+        super().__init__(message)
+        self.header = header
+
+
+@dataclass
+class Message:
+    op: str
+    seq: int
+    fields: dict = field(default_factory=dict)
+    arrays: list = field(default_factory=list)
+
+    def nbytes(self):
+        return sum(a.nbytes for a in self.arrays)
+
+
+def pack(op, seq=0, arrays=(), **fields):
+    """-> [header bytes, *array buffers]. Arrays are made C-contiguous (a copy only if they are
+    not already); the buffers alias the arrays, so the caller must not modify an array until the
+    message has left (pyzmq's send with copy=False keeps a reference until then)."""
+    if op not in OPS:
+        raise ProtocolError(f"unknown op {op!r}: expected one of {sorted(OPS)}")
+    for reserved in ("v", "op", "seq", "arrays"):
+        if reserved in fields:
+            raise ProtocolError(f"field name {reserved!r} is reserved by the header")
+    frames, specs = [], []
+    for i, a in enumerate(arrays):
+        a = np.ascontiguousarray(a)
+        if a.dtype.name not in DTYPES:
+            raise ProtocolError(f"array {i} has dtype {a.dtype.name}: expected one of {sorted(DTYPES)}")
+        specs.append([a.dtype.name, list(a.shape)])
+        frames.append(memoryview(a.reshape(-1)).cast("B") if a.size else b"")
+    header = msgpack.packb({"v": PROTOCOL_VERSION, "op": op, "seq": int(seq), "arrays": specs, **fields},
+                           use_bin_type=True)
+    return [header] + frames
+
+
+def _frame_bytes(frame):
+    """bytes-like view of a frame: zmq.Frame (copy=False), bytes or memoryview."""
+    buffer = getattr(frame, "buffer", None)
+    return buffer if buffer is not None else memoryview(frame)
+
+
+def unpack(frames, accept_any_version=False):
+    """[header, *arrays] -> Message. Raises ProtocolError, with what was wrong, for anything
+    malformed; arrays are read-only views of the received frames (never write into them)."""
+    if not frames:
+        raise ProtocolError("empty message: expected [header, *arrays]")
+    raw = _frame_bytes(frames[0])
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header is {len(raw)} bytes, the limit is {MAX_HEADER_BYTES}")
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as e:
+        raise ProtocolError(f"header is not msgpack ({type(e).__name__}: {e})") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}")
+    version = header.get("v")
+    if version != PROTOCOL_VERSION and not accept_any_version:
+        raise ProtocolVersionError(f"peer speaks protocol version {version!r}, this side speaks {PROTOCOL_VERSION}",
+                                   header)
+    op, seq, specs = header.get("op"), header.get("seq"), header.get("arrays", [])
+    if op not in OPS:
+        raise ProtocolError(f"unknown op {op!r}: expected one of {sorted(OPS)}")
+    if not isinstance(seq, int) or isinstance(seq, bool):
+        raise ProtocolError(f"seq must be an integer, got {seq!r}")
+    if not isinstance(specs, list) or len(specs) > MAX_ARRAYS:
+        raise ProtocolError(f"'arrays' must be a list of at most {MAX_ARRAYS} [dtype, shape] pairs, got {specs!r:.200}")
+    if len(specs) != len(frames) - 1:
+        raise ProtocolError(f"header declares {len(specs)} arrays but {len(frames) - 1} array frames arrived")
+    arrays = []
+    for i, (spec, frame) in enumerate(zip(specs, frames[1:])):
+        arrays.append(_array_from_frame(i, spec, frame))
+    fields = {k: v for k, v in header.items() if k not in ("v", "op", "seq", "arrays")}
+    return Message(op, seq, fields, arrays)
+
+
+def _array_from_frame(i, spec, frame):
+    if (not isinstance(spec, list) or len(spec) != 2 or not isinstance(spec[0], str)
+            or not isinstance(spec[1], list)):
+        raise ProtocolError(f"array {i}: spec must be [dtype, shape], got {spec!r:.200}")
+    dtype, shape = spec
+    if dtype not in DTYPES:
+        raise ProtocolError(f"array {i}: dtype {dtype!r} is not allowed: expected one of {sorted(DTYPES)}")
+    if len(shape) > MAX_NDIM or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise ProtocolError(f"array {i}: shape {shape!r:.200} must be at most {MAX_NDIM} non-negative integers")
+    itemsize = np.dtype(dtype).itemsize
+    expected = itemsize * int(np.prod(shape, dtype=np.int64)) if shape else itemsize
+    if expected > MAX_ARRAY_BYTES:
+        raise ProtocolError(f"array {i}: {dtype}{tuple(shape)} is {expected} bytes, the limit is {MAX_ARRAY_BYTES}")
+    buf = _frame_bytes(frame)
+    if len(buf) != expected:
+        raise ProtocolError(f"array {i}: declared {dtype}{tuple(shape)} needs {expected} bytes, the frame has {len(buf)}")
+    a = np.frombuffer(buf, dtype=dtype) if expected else np.empty(0, dtype)
+    a = a.reshape(shape)
+    a.flags.writeable = False
+    return a
+
+
+def error_fields(exc, worker, doing):
+    """The fields of an ERROR message for an exception raised while `doing` something."""
+    import traceback
+    return {"name": type(exc).__name__, "message": str(exc)[:4000], "worker": worker, "doing": doing,
+            "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-8000:]}

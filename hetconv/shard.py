@@ -1,0 +1,173 @@
+"""A conv shard: one device's slice of every conv layer's kernels, with its SGD state.
+
+This is the code a worker runs for every FORWARD / BACKWARD it serves, and the code `--local`
+runs in-process, so the single-device baseline and a distributed run differ only in transport.
+"""
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from hetconv.planner import make_plan
+
+
+@dataclass(frozen=True)
+class ConvSpec:
+    """One conv layer of the network: in_channels -> kernels, ksize x ksize, then ReLU + pool."""
+    in_channels: int
+    kernels: int
+    ksize: int = 5
+    padding: int = 0
+
+    def to_json(self):
+        return {"in_channels": self.in_channels, "kernels": self.kernels, "ksize": self.ksize, "padding": self.padding}
+
+    @classmethod
+    def from_json(cls, d):
+        return cls(int(d["in_channels"]), int(d["kernels"]), int(d["ksize"]), int(d["padding"]))
+
+    def output_hw(self, h, w):
+        """Spatial size after conv and 2x2 pool."""
+        return (h + 2 * self.padding - self.ksize + 1) // 2, (w + 2 * self.padding - self.ksize + 1) // 2
+
+
+class ShardError(ValueError):
+    """A request the shard cannot serve (unknown layer, wrong shapes)."""
+
+
+class _LayerSlice:
+    def __init__(self, device, spec, start, stop, w, b, vw, vb):
+        self.spec, self.start, self.stop = spec, start, stop
+        self.w, self.b = device.upload(w), device.upload(b)
+        self.vw = device.upload(vw) if vw is not None else device.zeros_like(self.w)
+        self.vb = device.upload(vb) if vb is not None else device.zeros_like(self.b)
+        self.ctx = None
+
+
+class ConvShard:
+    def __init__(self, device):
+        self.device = device
+        self.layers = {}
+
+    def load(self, layer, spec, start, stop, w, b, vw=None, vb=None):
+        k = stop - start
+        expect_w = (k, spec.in_channels, spec.ksize, spec.ksize)
+        if w.shape != expect_w or b.shape != (k,):
+            raise ShardError(f"layer {layer}: weights {w.shape} / bias {b.shape} do not match kernels "
+                             f"[{start}, {stop}) of {spec}: expected {expect_w} / {(k,)}")
+        for name, a, shape in (("momentum of w", vw, expect_w), ("momentum of b", vb, (k,))):
+            if a is not None and a.shape != shape:
+                raise ShardError(f"layer {layer}: {name} has shape {a.shape}, expected {shape}")
+        self.layers[layer] = _LayerSlice(self.device, spec, start, stop, w, b, vw, vb)
+
+    def _layer(self, layer):
+        if layer not in self.layers:
+            raise ShardError(f"layer {layer} is not loaded on this shard (loaded: {sorted(self.layers)})")
+        return self.layers[layer]
+
+    def forward(self, layer, x):
+        """x (N, C, H, W) -> this shard's channels of pool(relu(conv(x)))."""
+        sl = self._layer(layer)
+        if x.ndim != 4 or x.shape[1] != sl.spec.in_channels:
+            raise ShardError(f"layer {layer}: input shape {x.shape} does not have {sl.spec.in_channels} channels (N, C, H, W)")
+        y, sl.ctx = self.device.conv_relu_pool(x, sl.w, sl.b, sl.spec.padding)
+        return y
+
+    def backward(self, layer, dpooled, lr, momentum, weight_decay, need_dx):
+        """Gradient of this shard's channels in, SGD on its kernels, partial dX (or None) out."""
+        sl = self._layer(layer)
+        if sl.ctx is None:
+            raise ShardError(f"layer {layer}: backward without a forward to match")
+        dx, dw, db = self.device.conv_relu_pool_backward(sl.ctx, sl.w, dpooled, need_dx)
+        sl.ctx = None                      # frees the saved input: it is the largest buffer we hold
+        self.device.sgd_(sl.w, sl.vw, dw, lr, momentum, weight_decay)
+        self.device.sgd_(sl.b, sl.vb, db, lr, momentum, 0.0)
+        return dx
+
+    def fetch(self, layer):
+        """(w, b, vw, vb) as numpy, for checkpoints."""
+        sl = self._layer(layer)
+        d = self.device
+        return d.download(sl.w), d.download(sl.b), d.download(sl.vw), d.download(sl.vb)
+
+    def calibrate(self, specs, input_shapes, kernels, repeats=2):
+        """Seconds for one fused forward + backward of `kernels[i]` kernels on each layer's real
+        input shape, after a warm-up run that absorbs JIT compilation. Returns kernels/s per layer
+        (per batch of input_shapes[i][0] images) and the raw seconds."""
+        rng = np.random.default_rng(0)
+        speeds, seconds = [], []
+        for li, (spec, shape, k) in enumerate(zip(specs, input_shapes, kernels)):
+            k = max(1, int(k))
+            x = rng.standard_normal(shape, dtype=np.float32)
+            w = rng.standard_normal((k, spec.in_channels, spec.ksize, spec.ksize), dtype=np.float32)
+            w *= np.float32(np.sqrt(2.0 / (spec.in_channels * spec.ksize ** 2)))
+            w_dev, b_dev = self.device.upload(w), self.device.upload(np.zeros(k, np.float32))
+            need_dx = li > 0
+            best = float("inf")
+            for rep in range(repeats + 1):           # rep 0 is the warm-up
+                t0 = time.perf_counter()
+                y, ctx = self.device.conv_relu_pool(x, w_dev, b_dev, spec.padding)
+                self.device.conv_relu_pool_backward(ctx, w_dev, np.ones_like(y), need_dx)
+                self.device.synchronize()
+                dt = time.perf_counter() - t0
+                if rep > 0:
+                    best = min(best, dt)
+            seconds.append(best)
+            speeds.append(k / best)
+        return speeds, seconds
+
+
+class LocalEngine:
+    """The conv layers run in this process on in-process shards: `--local`, and tests.
+
+    Same interface as the distributed engine: forward/backward per layer, gather for checkpoints."""
+
+    def __init__(self, shards):
+        self.shards = dict(shards)          # worker name -> ConvShard
+        self.plan = None
+        self.fixed_plan = None
+
+    @property
+    def workers(self):
+        return list(self.shards)
+
+    def plan_for(self, specs, input_shapes, cfg):
+        """In-process shards share one machine: split equally unless a plan was set by hand."""
+        if self.fixed_plan is not None:
+            return self.fixed_plan
+        return make_plan([s.kernels for s in specs], {name: None for name in self.shards}, "equal")
+
+    def load(self, plan, specs, params):
+        """params: per layer (w, b, vw, vb) full arrays (momentum may be None)."""
+        self.plan = plan
+        for lp, spec, (w, b, vw, vb) in zip(plan.layers, specs, params):
+            for name, (s, e) in lp.ranges.items():
+                self.shards[name].load(lp.layer, spec, s, e, w[s:e], b[s:e],
+                                       None if vw is None else vw[s:e], None if vb is None else vb[s:e])
+
+    def forward(self, layer, x):
+        parts = [self.shards[name].forward(layer, x) for name in self.plan.workers]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+
+    def backward(self, layer, dpooled, lr, momentum, weight_decay, need_dx):
+        lp = self.plan.layers[layer]
+        dx = None
+        for name in self.plan.workers:
+            s, e = lp.ranges[name]
+            part = self.shards[name].backward(layer, np.ascontiguousarray(dpooled[:, s:e]), lr, momentum, weight_decay, need_dx)
+            if need_dx:
+                dx = part if dx is None else dx + part
+        return dx
+
+    def gather(self):
+        out = []
+        for lp in self.plan.layers:
+            parts = [self.shards[name].fetch(lp.layer) for name in self.plan.workers]
+            out.append(tuple(np.concatenate([p[i] for p in parts], axis=0) for i in range(4)))
+        return out
+
+    def step_stats(self):
+        return {}
+
+    def close(self):
+        pass

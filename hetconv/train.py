@@ -1,0 +1,182 @@
+"""The training loop, the same for `--local` and for a distributed run: only the engine differs."""
+import json
+import math
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+from tqdm import tqdm
+
+from hetconv import checkpoint
+from hetconv.data import batches, load_dataset, test_batches
+from hetconv.model import Network, conv_specs, init_conv_params, layer_input_shapes
+
+
+class MetricsWriter:
+    """JSON lines, flushed per record so a crash loses at most the line being written."""
+
+    def __init__(self, path):
+        self.file = None
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self.file = open(path, "w")
+
+    def write(self, event, **fields):
+        if self.file:
+            self.file.write(json.dumps({"event": event, **fields}) + "\n")
+            self.file.flush()
+
+    def close(self):
+        if self.file:
+            self.file.close()
+
+
+class _StopAfterStep:
+    """First Ctrl-C: finish the running step, checkpoint, stop. Second Ctrl-C: stop at once."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self):
+        if threading_is_main():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\ninterrupt: finishing this step, then saving and stopping (Ctrl-C again to stop now)",
+              file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+def threading_is_main():
+    import threading
+    return threading.current_thread() is threading.main_thread()
+
+
+def _compatible(saved, cfg):
+    for key in ("conv", "fc", "ksize", "padding"):
+        if str(saved.get(key)) != str(getattr(cfg, key)):
+            raise checkpoint.CheckpointError(
+                f"checkpoint was trained with --{key} {saved.get(key)!r}, this run asks for {getattr(cfg, key)!r}")
+
+
+def evaluate(net, ds, batch_size, max_batches=0):
+    correct = seen = 0
+    for i, (x, y) in enumerate(test_batches(ds, batch_size)):
+        if max_batches and i >= max_batches:
+            break
+        correct += int((net.predict(x).argmax(axis=1) == y).sum())
+        seen += len(y)
+    return correct / max(seen, 1), seen
+
+
+def train(cfg, engine, log=print, resume=None, metrics_extra=None):
+    """Train per `cfg` with conv layers on `engine`. `engine.plan_for(specs, input_shapes, cfg)`
+    returns the kernel split; the loop is otherwise transport-agnostic. Returns a summary dict."""
+    metrics = MetricsWriter(cfg.metrics)
+    try:
+        return _train(cfg, engine, log, resume, metrics, metrics_extra or {})
+    finally:
+        metrics.close()
+
+
+def _train(cfg, engine, log, resume, metrics, metrics_extra):
+    t_setup = time.perf_counter()
+    ds = load_dataset(cfg.data, seed=cfg.seed,
+                      n_train=cfg.synthetic_train if cfg.data == "synthetic" else None,
+                      n_test=cfg.synthetic_test if cfg.data == "synthetic" else None)
+    specs = conv_specs(cfg.conv_kernels(), cfg.ksize, cfg.padding)
+    input_shapes, _ = layer_input_shapes(specs, cfg.batch_size)
+    steps_per_epoch = len(ds.train_y) // cfg.batch_size
+    if steps_per_epoch < 1:
+        raise ValueError(f"--batch-size {cfg.batch_size} is larger than the {len(ds.train_y)} training images of {ds.name}")
+    total_steps = cfg.epochs * steps_per_epoch
+    if cfg.steps:
+        total_steps = min(total_steps, cfg.steps)
+    metrics.write("config", config=cfg.to_json(), data=repr(ds), **metrics_extra)
+
+    rng = np.random.default_rng(cfg.seed)
+    conv_params = init_conv_params(specs, rng)
+    net = Network(specs, cfg.fc_sizes(), engine, rng)
+    start_step = 0
+    if resume:
+        meta, conv_params, fc_state = checkpoint.load(resume)
+        _compatible(meta["config"], cfg)
+        net.load_fc_state(fc_state)
+        start_step = meta["step"]
+        log(f"resumed from {meta['path']} at step {start_step}")
+
+    plan = engine.plan_for(specs, input_shapes, cfg)
+    engine.load(plan, specs, conv_params)
+    del conv_params                             # the shards own the conv weights from here on
+    log(plan.table())
+    metrics.write("plan", **plan.to_json())
+    setup_s = time.perf_counter() - t_setup
+    log(f"{ds!r}; {total_steps - start_step} steps of {cfg.batch_size} images "
+        f"({steps_per_epoch} per epoch); setup {setup_s:.1f}s")
+
+    def save(step, epoch):
+        if not cfg.checkpoint_dir:
+            return None
+        path = checkpoint.save(cfg.checkpoint_dir, step, epoch, cfg, engine.gather(), net.fc_state(), plan)
+        metrics.write("checkpoint", step=step, path=path)
+        return path
+
+    step = start_step
+    losses, step_times = [], []
+    last_ckpt = None
+    interrupted = False
+    bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, disable=None)
+    with _StopAfterStep() as stop:
+        while step < total_steps and not stop.requested:
+            epoch = step // steps_per_epoch
+            skip = step % steps_per_epoch
+            # the epoch's order depends only on (seed, epoch), so a resumed run sees the same batches
+            order_rng = np.random.default_rng([cfg.seed, epoch])
+            for i, (x, y) in enumerate(batches(ds, cfg.batch_size, order_rng)):
+                if i < skip:
+                    continue
+                t0 = time.perf_counter()
+                result = net.train_step(x, y, cfg.lr, cfg.momentum, cfg.weight_decay)
+                dt = time.perf_counter() - t0
+                if not math.isfinite(result.loss):
+                    raise FloatingPointError(f"loss became {result.loss} at step {step + 1}: lower --lr (now {cfg.lr})")
+                step += 1
+                losses.append(result.loss)
+                step_times.append(dt)
+                metrics.write("step", step=step, epoch=epoch, loss=result.loss, accuracy=result.correct / len(y),
+                              step_s=dt, images_per_s=len(y) / dt, workers=engine.step_stats())
+                bar.update(1)
+                bar.set_postfix(loss=f"{result.loss:.3f}", img_s=f"{len(y) / dt:.0f}")
+                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                    last_ckpt = save(step, epoch)
+                if step >= total_steps or stop.requested:
+                    break
+        interrupted = stop.requested
+    bar.close()
+    if step > start_step or not last_ckpt:
+        last_ckpt = save(step, step // steps_per_epoch) or last_ckpt
+    if interrupted:
+        log(f"stopped at step {step}" + (f"; checkpoint {last_ckpt}" if last_ckpt else ""))
+        metrics.write("interrupted", step=step, checkpoint=last_ckpt)
+        return {"step": step, "interrupted": True, "checkpoint": last_ckpt, "losses": losses}
+
+    accuracy, seen = evaluate(net, ds, cfg.batch_size, cfg.eval_batches)
+    summary = {"step": step, "test_accuracy": accuracy, "test_images": seen,
+               "final_loss": losses[-1] if losses else None,
+               "median_step_s": float(np.median(step_times[1:] or step_times)) if step_times else None,
+               "checkpoint": last_ckpt, "setup_s": setup_s}
+    metrics.write("done", **summary)
+    log(f"done: {step} steps, test accuracy {accuracy:.3f} on {seen} images"
+        + (f", final loss {losses[-1]:.4f}" if losses else ""))
+    summary["losses"] = losses
+    return summary

@@ -1,0 +1,266 @@
+"""`hetconv-worker`: owns a slice of every conv layer's kernels on one device and serves the
+coordinator over ZeroMQ.
+
+Two threads. The I/O thread (main) owns the DEALER socket: it forwards requests to the compute
+thread, forwards replies back, and sends a HEARTBEAT every `--heartbeat` seconds even while a
+long kernel runs (the kernels release the GIL). The compute thread owns the device and the
+shard. They talk over an inproc PAIR socket, so a reply wakes the I/O thread at once.
+An exception while serving becomes an ERROR message naming the worker, and the worker goes on.
+"""
+import argparse
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+
+# Pinning and thread caps must happen before numpy/numba load their thread pools.
+def _early_pin(argv):
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--cores", default="")
+    known, _ = parser.parse_known_args(argv)
+    if known.cores and hasattr(os, "sched_setaffinity"):
+        cores = {int(c) for c in known.cores.split(",") if c.strip()}
+        os.sched_setaffinity(0, cores)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="hetconv-worker",
+        description="Serve a slice of every conv layer's kernels on one device to a hetconv coordinator. "
+                    "Start one per device; the coordinator calibrates them and splits kernels by speed.",
+        epilog="example: hetconv-worker --device cpu --connect tcp://10.0.0.5:5555 --threads 4")
+    p.add_argument("--device", required=True, help="'cpu' or 'cuda:N' (GPU N of this host)")
+    p.add_argument("--connect", required=True, help="the coordinator's address, e.g. tcp://127.0.0.1:5555")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads for a cpu device (0: every core this process may use)")
+    p.add_argument("--name", default="", help="a label for tables and logs (default: DEVICE@HOST)")
+    p.add_argument("--cores", default="", help="pin this worker to these CPU cores, e.g. 0,1 (before any thread pool starts)")
+    p.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the coordinator to answer HELLO")
+    p.add_argument("--idle-timeout", type=float, default=900.0, help="exit after this many seconds with no request")
+    p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats")
+    p.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
+    return p
+
+
+class WorkerExit(Exception):
+    pass
+
+
+def _serve_compute(ctx, endpoint, device_spec, threads, identity):
+    """The compute thread: one request in, one reply out, strictly in order."""
+    import zmq
+
+    from hetconv import protocol as P
+    from hetconv.shard import ConvShard, ConvSpec
+
+    pair = ctx.socket(zmq.PAIR)
+    pair.linger = 0
+    pair.connect(endpoint)
+    shard = None
+    device = None
+    try:
+        from hetconv.devices import open_device
+        options = {"threads": threads or None} if device_spec == "cpu" else {}
+        device = open_device(device_spec, **options)
+        shard = ConvShard(device)
+        pair.send_multipart(P.pack("HELLO", 0, description=device.describe()))
+    except Exception as e:
+        pair.send_multipart(P.pack("ERROR", 0, **P.error_fields(e, identity, f"opening device {device_spec}")))
+        return
+
+    def handle_calibrate(msg):
+        f = msg.fields
+        specs = [ConvSpec.from_json(layer["spec"]) for layer in f["layers"]]
+        shapes = [tuple(layer["input_shape"]) for layer in f["layers"]]
+        kernels = [int(layer["kernels"]) for layer in f["layers"]]
+        speeds, seconds = shard.calibrate(specs, shapes, kernels, repeats=int(f.get("repeats", 2)))
+        return "CALIBRATED", [], {"speeds": speeds, "seconds": seconds}
+
+    def handle_load(msg):
+        f = msg.fields
+        arrays = msg.arrays
+        vw, vb = (arrays[2], arrays[3]) if len(arrays) == 4 else (None, None)
+        shard.load(int(f["layer"]), ConvSpec.from_json(f["spec"]), int(f["start"]), int(f["stop"]),
+                   arrays[0], arrays[1], vw, vb)
+        return "LOADED", [], {"layer": f["layer"]}
+
+    def handle_forward(msg):
+        y = shard.forward(int(msg.fields["layer"]), msg.arrays[0])
+        return "FORWARD_DONE", [y], {"layer": msg.fields["layer"]}
+
+    def handle_backward(msg):
+        f = msg.fields
+        dx = shard.backward(int(f["layer"]), msg.arrays[0], float(f["lr"]), float(f["momentum"]),
+                            float(f["weight_decay"]), bool(f["need_dx"]))
+        return "BACKWARD_DONE", [] if dx is None else [dx], {"layer": f["layer"]}
+
+    def handle_fetch(msg):
+        return "SHARD", list(shard.fetch(int(msg.fields["layer"]))), {"layer": msg.fields["layer"]}
+
+    handlers = {"CALIBRATE": handle_calibrate, "LOAD": handle_load, "FORWARD": handle_forward,
+                "BACKWARD": handle_backward, "FETCH": handle_fetch}
+    while True:
+        frames = pair.recv_multipart(copy=False)
+        if len(frames) == 1 and frames[0].bytes == b"STOP":
+            return
+        doing, seq = "reading a request", -1
+        try:
+            msg = P.unpack(frames)
+            seq = msg.seq
+            doing = f"{msg.op} " + " ".join(f"{k}={v}" for k, v in msg.fields.items() if k in ("layer", "need_dx"))
+            handler = handlers.get(msg.op)
+            if handler is None:
+                raise P.ProtocolError(f"a worker does not serve {msg.op!r}: expected one of {sorted(handlers)}")
+            t0 = time.perf_counter()
+            op, arrays, fields = handler(msg)
+            device.synchronize()
+            # compute time rides in the header, so the coordinator can separate it from the wire
+            reply = P.pack(op, seq, arrays, compute_s=time.perf_counter() - t0, **fields)
+        except Exception as e:
+            reply = P.pack("ERROR", seq, **P.error_fields(e, identity, doing))
+        pair.send_multipart(reply, copy=False)
+        msg = frames = None
+
+
+def run(args):
+    import zmq
+
+    from hetconv import __version__
+    from hetconv import protocol as P
+    from hetconv.devices import DeviceError, parse_device
+
+    try:
+        parse_device(args.device)
+    except DeviceError as e:
+        raise WorkerExit(str(e)) from None
+    host = socket.gethostname()
+    label = args.name or f"{args.device}@{host}"
+    # Unique per incarnation: a restarted worker is a new peer, never mistaken for the old one.
+    identity = f"{label}/{host}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
+
+    ctx = zmq.Context()
+    endpoint = f"inproc://compute-{uuid.uuid4().hex}"
+    pair = ctx.socket(zmq.PAIR)
+    pair.linger = 0
+    pair.bind(endpoint)
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.linger = 0
+    dealer.setsockopt(zmq.IDENTITY, identity.encode())
+    compute = threading.Thread(target=_serve_compute, args=(ctx, endpoint, args.device, args.threads, identity),
+                               name="compute", daemon=True)
+    compute.start()
+    try:
+        # The device opens first (it may fail: no GPU, bad index) and says so before we connect.
+        first = P.unpack(pair.recv_multipart())
+        dealer.connect(args.connect)
+        if first.op == "ERROR":
+            dealer.send_multipart(P.pack("ERROR", 0, **first.fields))
+            time.sleep(0.2)                         # let the error leave before the socket closes
+            raise WorkerExit(f"{first.fields['doing']}: {first.fields['message']}")
+        dealer.send_multipart(P.pack("HELLO", 0, name=label, identity=identity, device=args.device, host=host,
+                                     pid=os.getpid(), version=__version__, threads=args.threads,
+                                     description=first.fields["description"]))
+        _await_welcome(dealer, args, P)
+        print(f"hetconv-worker {identity}: serving {first.fields['description']} for {args.connect}", flush=True)
+        _io_loop(dealer, pair, args, P)
+    finally:
+        try:
+            pair.send(b"STOP")
+        except zmq.ZMQError:
+            pass
+        compute.join(timeout=2)
+        dealer.close(linger=0)
+        pair.close(linger=0)
+        ctx.term()
+
+
+def _await_welcome(dealer, args, P):
+    import zmq
+    deadline = time.monotonic() + args.connect_timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise WorkerExit(f"no coordinator answered at {args.connect} within {args.connect_timeout:.0f}s "
+                             f"(is hetconv-coordinator running and bound there?)")
+        if dealer.poll(int(min(left, 1.0) * 1000), zmq.POLLIN):
+            frames = dealer.recv_multipart()
+            try:
+                msg = P.unpack(frames, accept_any_version=True)
+            except P.ProtocolError as e:
+                print(f"hetconv-worker: ignoring a malformed message while waiting for WELCOME: {e}", file=sys.stderr)
+                continue
+            if msg.op == "ERROR":
+                raise WorkerExit(f"the coordinator refused this worker: {msg.fields.get('message')}")
+            if msg.op == "WELCOME":
+                return
+        _check_parent(args)
+
+
+def _check_parent(args):
+    if args.parent_pid and not _alive(args.parent_pid):
+        raise WorkerExit(f"the coordinator process {args.parent_pid} that started this worker is gone")
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _io_loop(dealer, pair, args, P):
+    import zmq
+    poller = zmq.Poller()
+    poller.register(dealer, zmq.POLLIN)
+    poller.register(pair, zmq.POLLIN)
+    hb = P.pack("HEARTBEAT", 0)
+    last_request = last_sent = time.monotonic()
+    while True:
+        events = dict(poller.poll(int(args.heartbeat * 1000)))
+        now = time.monotonic()
+        if dealer in events:
+            frames = dealer.recv_multipart(copy=False)
+            last_request = now
+            try:
+                msg = P.unpack(frames)
+            except P.ProtocolError as e:
+                # A malformed request never reaches the device: answer it and keep serving.
+                dealer.send_multipart(P.pack("ERROR", -1, **P.error_fields(e, dealer.getsockopt_string(zmq.IDENTITY),
+                                                                          "reading a request")))
+                continue
+            if msg.op == "SHUTDOWN":
+                dealer.send_multipart(P.pack("BYE", msg.seq))
+                time.sleep(0.05)
+                return
+            pair.send_multipart(frames, copy=False)
+        if pair in events:
+            dealer.send_multipart(pair.recv_multipart(copy=False), copy=False)
+            last_sent = now
+        if now - last_sent >= args.heartbeat:
+            dealer.send_multipart(hb)
+            last_sent = now
+        if now - last_request > args.idle_timeout:
+            raise WorkerExit(f"no request for {args.idle_timeout:.0f}s: the coordinator is gone or idle; exiting")
+        _check_parent(args)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    _early_pin(argv)
+    args = build_parser().parse_args(argv)
+    try:
+        run(args)
+    except WorkerExit as e:
+        print(f"hetconv-worker: {e}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
