@@ -70,6 +70,9 @@ class RemoteEngine:
         self.peers = {}                                     # name -> _Peer, in plan order
         self.seq = 0
         self.plan = None
+        self.fixed_plan = None          # set by hand (tests, experiments) to skip calibration
+        self.calibration = {}
+        self.calibration_s = 0.0
         try:
             if bind.endswith(":0") or bind.endswith(":*"):
                 port = self.sock.bind_to_random_port(bind.rsplit(":", 1)[0])
@@ -165,11 +168,17 @@ class RemoteEngine:
         except self.zmq.ZMQError as e:
             raise WorkerLost(f"cannot send to {identity.decode(errors='replace')}: {e.strerror}") from None
 
-    def _send(self, peer, op, arrays=(), **fields):
+    def _send(self, peer, op, arrays=(), doing="", **fields):
         self.seq += 1
         frames = P.pack(op, self.seq, arrays, **fields)
         peer.stats["bytes_sent"] += sum(len(f) for f in frames)
-        self._send_raw(peer.identity, frames)
+        try:
+            self._send_raw(peer.identity, frames)
+        except WorkerLost as e:
+            if peer.process is not None and peer.process.poll() is not None:
+                raise WorkerLost(f"worker {peer.label()} exited with code {peer.process.returncode} during {doing or op}") from None
+            raise WorkerLost(f"worker {peer.label()} is unreachable ({e}) during {doing or op}: "
+                             f"it disconnected or died") from None
         return self.seq
 
     def _request_all(self, requests, doing):
@@ -178,7 +187,7 @@ class RemoteEngine:
         pending, sent_at = {}, {}
         for name, (op, arrays, fields) in requests.items():
             peer = self.peers[name]
-            pending[self._send(peer, op, arrays, **fields)] = name
+            pending[self._send(peer, op, arrays, doing=doing, **fields)] = name
             sent_at[name] = time.perf_counter()
         replies = {}
         deadline = time.monotonic() + self.op_timeout
@@ -247,6 +256,8 @@ class RemoteEngine:
         if too_few:
             raise PlanError(f"{len(self.peers)} workers but a conv layer has only {min(too_few)} kernels: "
                             f"every worker needs at least one kernel of every layer (use fewer workers or wider --conv)")
+        if self.fixed_plan is not None:
+            return self.fixed_plan
         speeds = self.calibrate(specs, input_shapes, cfg)
         self.log(f"calibrated {len(self.peers)} worker(s) in {self.calibration_s:.1f}s")
         return make_plan(kernels, speeds, cfg.split)

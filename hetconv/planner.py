@@ -66,15 +66,20 @@ def largest_remainder(total, weights, minimum=1):
     bad = [w for w in weights if not (w > 0) or w != w or w == float("inf")]
     if bad:
         raise PlanError(f"speeds must be positive and finite, got {list(weights)!r}")
-    free = total - minimum * n
     s = float(sum(weights))
-    exact = [free * w / s for w in weights]
+    exact = [total * w / s for w in weights]
     shares = [int(e) for e in exact]
     # Hand out what rounding down left, biggest remainder first; ties go to the earlier worker.
     order = sorted(range(n), key=lambda i: (-(exact[i] - shares[i]), i))
-    for i in order[:free - sum(shares)]:
+    for i in order[:total - sum(shares)]:
         shares[i] += 1
-    return [sh + minimum for sh in shares]
+    # A very slow worker still gets `minimum`, taken from whoever holds the most.
+    for i in range(n):
+        while shares[i] < minimum:
+            donor = max(range(n), key=lambda j: (shares[j], -j))
+            shares[donor] -= 1
+            shares[i] += 1
+    return shares
 
 
 def make_plan(layer_kernels, speeds, policy="proportional"):

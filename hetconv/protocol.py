@@ -59,7 +59,9 @@ def pack(op, seq=0, arrays=(), **fields):
             raise ProtocolError(f"field name {reserved!r} is reserved by the header")
     frames, specs = [], []
     for i, a in enumerate(arrays):
-        a = np.ascontiguousarray(a)
+        a = np.asarray(a)
+        if not a.flags.c_contiguous:
+            a = a.copy(order="C")
         if a.dtype.name not in DTYPES:
             raise ProtocolError(f"array {i} has dtype {a.dtype.name}: expected one of {sorted(DTYPES)}")
         specs.append([a.dtype.name, list(a.shape)])

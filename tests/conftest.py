@@ -1,0 +1,50 @@
+"""Test-suite set-up that must happen before anything imports numba.
+
+CUDA kernels run under Numba's CUDA simulator unless HETCONV_TEST_REAL_GPU=1 is set (on a GPU
+machine), so the one test command works on a machine without a GPU. Worker processes that the
+tests start inherit this environment.
+"""
+import os
+import signal
+import subprocess
+import sys
+
+if os.environ.get("HETCONV_TEST_REAL_GPU") != "1":
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+import pytest  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def procs():
+    """Start processes through this fixture: every one is ended when the test ends, pass or fail."""
+    started = []
+
+    def start(args, **kwargs):
+        kwargs.setdefault("stdout", subprocess.PIPE)
+        kwargs.setdefault("stderr", subprocess.STDOUT)
+        kwargs.setdefault("text", True)
+        p = subprocess.Popen(args, start_new_session=True, **kwargs)
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        for stream in (p.stdout, p.stderr):
+            if stream:
+                stream.close()
+
+
+def python_cmd(module, *args):
+    return [sys.executable, "-m", module, *map(str, args)]

@@ -1,0 +1,144 @@
+"""The CPU device against the numpy reference, over many shapes, plain and fused."""
+import numpy as np
+import pytest
+
+from hetconv import reference as R
+from hetconv.devices import DeviceError, open_device, parse_device
+from hetconv.layers import sgd_update
+
+# (N, C, H, W, K, kh, kw, padding): batch 1, one channel, odd sizes, padding 0..2, kernels 1..5
+SHAPES = [
+    (1, 1, 5, 5, 1, 1, 1, 0),
+    (1, 1, 6, 6, 1, 3, 3, 1),
+    (2, 3, 9, 7, 4, 3, 3, 1),
+    (3, 2, 8, 8, 5, 5, 5, 2),
+    (2, 4, 6, 7, 3, 2, 3, 0),
+    (1, 3, 11, 13, 6, 4, 2, 2),
+    (4, 5, 7, 7, 2, 5, 5, 0),
+    (2, 1, 10, 9, 7, 1, 4, 1),
+]
+
+
+def tensors(shape, seed):
+    n, c, h, w, k, kh, kw, p = shape
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    wt = rng.standard_normal((k, c, kh, kw)).astype(np.float32)
+    b = rng.standard_normal(k).astype(np.float32)
+    return x, wt, b, p, rng
+
+
+def close(a, b):
+    scale = max(1.0, float(np.abs(b).max()))
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * scale)
+
+
+@pytest.fixture(scope="module", params=[{"threads": 1}, {"threads": 2, "im2col_budget_bytes": 4000}],
+                ids=["1thread", "2threads-chunked"])
+def cpu(request):
+    return open_device("cpu", **request.param)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_plain_forward_and_backward_match_reference(cpu, shape):
+    x, w, b, p, rng = tensors(shape, 0)
+    y = cpu.conv2d(x, w, b, p)
+    close(y, R.conv2d(x, w, b, p))
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    for need_dx in (True, False):
+        dx, dw, db = cpu.conv2d_backward(x, w, dy, p, need_dx=need_dx)
+        rdx, rdw, rdb = R.conv2d_backward(x, w, dy, p, need_dx=need_dx)
+        close(dw, rdw)
+        close(db, rdb)
+        if need_dx:
+            close(dx, rdx)
+        else:
+            assert dx is None
+
+
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[2] + 2 * s[7] - s[5] >= 1 and s[3] + 2 * s[7] - s[6] >= 1], ids=str)
+def test_fused_forward_and_backward_match_reference(cpu, shape):
+    x, w, b, p, rng = tensors(shape, 1)
+    y, ctx = cpu.conv_relu_pool(x, w, b, p)
+    close(y, R.conv_relu_pool(x, w, b, p))
+    dp = rng.standard_normal(y.shape).astype(np.float32)
+    dx, dw, db = cpu.conv_relu_pool_backward(ctx, w, dp, need_dx=True)
+    rdx, rdw, rdb = R.conv_relu_pool_backward(x, w, b, dp, p)
+    close(dx, rdx)
+    close(dw, rdw)
+    close(db, rdb)
+    dx, dw2, _ = cpu.conv_relu_pool_backward(ctx, w, dp, need_dx=False)
+    assert dx is None
+    close(dw2, rdw)
+
+
+def test_chunking_does_not_change_results():
+    x, w, b, p, rng = tensors((9, 3, 8, 8, 4, 3, 3, 1), 2)
+    whole = open_device("cpu", threads=1)
+    chunked = open_device("cpu", threads=1, im2col_budget_bytes=1)    # one image per chunk
+    y1, c1 = whole.conv_relu_pool(x, w, b, p)
+    y2, c2 = chunked.conv_relu_pool(x, w, b, p)
+    np.testing.assert_array_equal(y1, y2)
+    dp = rng.standard_normal(y1.shape).astype(np.float32)
+    for a, r in zip(chunked.conv_relu_pool_backward(c2, w, dp), whole.conv_relu_pool_backward(c1, w, dp)):
+        close(a, r)
+
+
+def test_fused_forward_accepts_read_only_input(cpu):
+    # arrays received from the network are read-only views of the frames
+    x, w, b, p, rng = tensors((2, 2, 6, 6, 3, 3, 3, 0), 3)
+    x.flags.writeable = False
+    y, ctx = cpu.conv_relu_pool(x, w, b, p)
+    dp = np.ones_like(y)
+    dp.flags.writeable = False
+    cpu.conv_relu_pool_backward(ctx, w, dp)
+
+
+def test_sgd_matches_the_fc_rule(cpu):
+    rng = np.random.default_rng(4)
+    p, v, g = (rng.standard_normal(10).astype(np.float32) for _ in range(3))
+    p2, v2 = p.copy(), v.copy()
+    cpu.sgd_(p, v, g, 0.05, 0.9, 1e-3)
+    sgd_update(p2, v2, g, 0.05, 0.9, 1e-3)
+    np.testing.assert_array_equal(p, p2)
+    np.testing.assert_array_equal(v, v2)
+
+
+def test_upload_copies_so_received_buffers_are_never_written(cpu):
+    w = np.ones(4, np.float32)
+    w.flags.writeable = False
+    owned = cpu.upload(w)
+    owned += 1
+    assert w[0] == 1 and owned.flags.writeable
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda d: d.conv2d(np.ones((1, 2, 5, 5)), np.ones((1, 2, 3, 3), np.float32), None), "x must be float32, got float64"),
+    (lambda d: d.conv2d(np.ones((1, 2, 5, 5), np.float32), np.ones((1, 3, 3, 3), np.float32), None), "weights expect 3 input channels but input has 2"),
+    (lambda d: d.conv2d(np.ones((2, 5, 5), np.float32), np.ones((1, 2, 3, 3), np.float32), None), "x must have 4 dimensions"),
+    (lambda d: d.conv2d(np.ones((1, 1, 2, 2), np.float32), np.ones((1, 1, 3, 3), np.float32), None), "kernel 3x3 does not fit input 2x2"),
+    (lambda d: d.conv2d(np.ones((1, 1, 5, 5), np.float32), np.ones((2, 1, 3, 3), np.float32), np.ones(3, np.float32)), "bias must have one value per kernel"),
+    (lambda d: d.conv2d(np.ones((1, 1, 5, 5), np.float32), np.ones((2, 1, 3, 3), np.float32), None, padding=-1), "padding must be a non-negative integer"),
+    (lambda d: d.conv2d_backward(np.ones((1, 1, 5, 5), np.float32), np.ones((2, 1, 3, 3), np.float32), np.ones((1, 2, 2, 2), np.float32)), "dy shape must match the conv output"),
+    (lambda d: d.conv_relu_pool(np.ones((1, 1, 3, 3), np.float32), np.ones((1, 1, 3, 3), np.float32), None), "too small for a 2x2 max-pool"),
+])
+def test_bad_input_is_named(cpu, call, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        call(cpu)
+
+
+def test_backward_with_wrong_gradient_shape_is_named(cpu):
+    y, ctx = cpu.conv_relu_pool(np.ones((1, 1, 6, 6), np.float32), np.ones((2, 1, 3, 3), np.float32), None)
+    with pytest.raises(ValueError, match=r"dpooled shape must match the pooled output, \(1, 2, 1, 1\) != \(1, 2, 2, 2\)"):
+        cpu.conv_relu_pool_backward(ctx, np.ones((2, 1, 3, 3), np.float32), np.ones((1, 2, 1, 1), np.float32))
+
+
+@pytest.mark.parametrize("spec", ["gpu", "cpu:1", "cuda:x", "tpu:0", ""])
+def test_unknown_device_strings_are_refused(spec):
+    with pytest.raises(DeviceError, match="unknown device"):
+        parse_device(spec)
+
+
+def test_threads_must_be_positive():
+    with pytest.raises(DeviceError, match="threads must be a positive integer, got 0"):
+        open_device("cpu", threads=0)

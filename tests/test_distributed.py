@@ -1,0 +1,370 @@
+"""Real coordinator and worker processes on loopback: the distributed step must equal the
+single-process step, and every failure must be named, bounded in time, and leave no process."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import python_cmd
+from hetconv import checkpoint
+from hetconv import reference as R
+from hetconv.config import Config
+from hetconv.coordinator import RemoteEngine, WorkerError, WorkerLost
+from hetconv.devices import open_device
+from hetconv.planner import PlanError, fixed_plan
+from hetconv.shard import ConvShard, ConvSpec, LocalEngine
+from hetconv.train import train
+
+TINY = dict(conv="6,12", fc="32", batch_size=32, synthetic_train=512, synthetic_test=64, lr=0.01, threads=1,
+            calibration_batch=4)
+
+
+def quiet(*_):
+    pass
+
+
+def remote(n, **kw):
+    kw.setdefault("worker_timeout", 10.0)
+    return RemoteEngine("tcp://127.0.0.1:0", 0, ["cpu"] * n, threads=1, connect_timeout=60, log=quiet, **kw)
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:                                    # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_dead(pids, seconds=10):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("local")
+    cfg = Config(**TINY, steps=3, checkpoint_dir=str(d)).validate()
+    summary = train(cfg, LocalEngine({"local": ConvShard(open_device("cpu", threads=1))}), log=quiet)
+    return summary["losses"], checkpoint.load(str(d))
+
+
+@pytest.mark.parametrize("workers,counts", [
+    (1, None), (2, None), (3, None),
+    (2, {"w0-cpu": [1, 11], "w1-cpu": [5, 1]}),                  # deliberately uneven
+    (3, {"w0-cpu": [4, 2], "w1-cpu": [1, 3], "w2-cpu": [1, 7]}),
+], ids=["1w", "2w-proportional", "3w-proportional", "2w-uneven", "3w-uneven"])
+def test_distributed_training_equals_local(local_run, tmp_path, workers, counts):
+    local_losses, (_, local_conv, local_fc) = local_run
+    engine = remote(workers)
+    try:
+        if counts:
+            engine.fixed_plan = fixed_plan([6, 12], counts)
+        cfg = Config(**TINY, steps=3, checkpoint_dir=str(tmp_path)).validate()
+        summary = train(cfg, engine, log=quiet)
+        if counts:
+            assert {w: engine.plan.layers[1].count(w) for w in engine.workers} == {w: c[1] for w, c in counts.items()}
+    finally:
+        engine.close()
+    np.testing.assert_allclose(summary["losses"], local_losses, rtol=1e-5)
+    _, conv, fc = checkpoint.load(str(tmp_path))
+    for got, want in zip(conv + fc, local_conv + local_fc):
+        for a, b in zip(got, want):                  # w, b and both momenta, every layer
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_equal_split_equals_local_too(local_run):
+    engine = remote(2)
+    try:
+        summary = train(Config(**{**TINY, "split": "equal"}, steps=3).validate(), engine, log=quiet)
+        assert engine.plan.layers[0].ranges == {"w0-cpu": (0, 3), "w1-cpu": (3, 6)}
+    finally:
+        engine.close()
+    np.testing.assert_allclose(summary["losses"], local_run[0], rtol=1e-5)
+
+
+@pytest.fixture
+def loaded_pair():
+    """Two spawned workers holding conv1 (3 -> 4 kernels, 3x3)."""
+    engine = remote(2, worker_timeout=2.0)
+    spec = ConvSpec(3, 4, 3, 0)
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(4).astype(np.float32)
+    engine.load(fixed_plan([4], {"w0-cpu": [1], "w1-cpu": [3]}), [spec], [(w, b, None, None)])
+    yield engine, w, b
+    pids = [p.pid for _, p in engine.processes]
+    engine.close()
+    assert not wait_dead(pids), "a spawned worker outlived close()"
+
+
+def test_forward_backward_over_the_wire_match_reference(loaded_pair):
+    engine, w, b = loaded_pair
+    x = np.random.default_rng(1).standard_normal((2, 3, 8, 8)).astype(np.float32)
+    y = engine.forward(0, x)
+    np.testing.assert_allclose(y, R.conv_relu_pool(x, w, b), rtol=1e-5, atol=1e-5)
+    dp = np.ones_like(y)
+    dx = engine.backward(0, dp, 0.0, 0.0, 0.0, need_dx=True)
+    np.testing.assert_allclose(dx, R.conv_relu_pool_backward(x, w, b, dp)[0], rtol=1e-4, atol=1e-5)
+    stats = engine.step_stats()
+    assert stats["w1-cpu"]["bytes_sent"] > stats["w1-cpu"]["bytes_recv"] > 0
+    assert stats["w0-cpu"]["compute_s"] > 0
+
+
+def test_worker_error_names_the_worker_and_the_worker_keeps_serving(loaded_pair):
+    engine, w, b = loaded_pair
+    with pytest.raises(WorkerError, match=r"worker w[01]-cpu .* failed during FORWARD layer=0: ShardError: layer 0: input shape \(2, 5, 8, 8\) does not have 3 channels"):
+        engine.forward(0, np.ones((2, 5, 8, 8), np.float32))
+    x = np.ones((2, 3, 8, 8), np.float32)
+    np.testing.assert_allclose(engine.forward(0, x), R.conv_relu_pool(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_dead_worker_is_named_within_seconds(loaded_pair):
+    engine, _, _ = loaded_pair
+    victim = engine.processes[1][1]
+    victim.kill()
+    victim.wait()
+    t0 = time.monotonic()
+    with pytest.raises(WorkerLost, match=r"worker w1-cpu .* exited with code -9 during forward conv1"):
+        engine.forward(0, np.ones((2, 3, 8, 8), np.float32))
+    assert time.monotonic() - t0 < 5
+
+
+def test_hung_worker_is_named_within_the_heartbeat_limit(loaded_pair):
+    engine, _, _ = loaded_pair
+    victim = engine.processes[0][1]
+    os.kill(victim.pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(WorkerLost, match=r"worker w0-cpu .* stopped answering \(no heartbeat for .*\) during forward conv1"):
+            engine.forward(0, np.ones((2, 3, 8, 8), np.float32))
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
+    assert time.monotonic() - t0 < 6
+
+
+def test_more_workers_than_kernels_is_refused_clearly(procs):
+    p = procs(python_cmd("hetconv.coordinator", "--spawn", "cpu,cpu,cpu", "--conv", "2,8", "--fc", "8", "--steps", "1"))
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 1
+    assert "3 workers but a conv layer has only 2 kernels" in out
+
+
+def test_unknown_device_is_refused_by_worker_and_coordinator(procs):
+    w = procs(python_cmd("hetconv.worker", "--device", "gpu", "--connect", "tcp://127.0.0.1:9"))
+    out, _ = w.communicate(timeout=30)
+    assert w.returncode == 2 and "unknown device 'gpu': expected 'cpu' or 'cuda:N'" in out
+    c = procs(python_cmd("hetconv.coordinator", "--spawn", "cpu,gpu", "--steps", "1"))
+    out, _ = c.communicate(timeout=30)
+    assert c.returncode == 1 and "unknown device 'gpu'" in out
+
+
+def test_worker_without_a_coordinator_gives_up_with_a_message(procs):
+    port = free_port()
+    w = procs(python_cmd("hetconv.worker", "--device", "cpu", "--connect", f"tcp://127.0.0.1:{port}",
+                         "--connect-timeout", "2"))
+    out, _ = w.communicate(timeout=30)
+    assert w.returncode == 2 and f"no coordinator answered at tcp://127.0.0.1:{port} within 2s" in out
+
+
+def test_busy_port_and_missing_workers_are_reported(procs):
+    port = free_port()
+    first = procs(python_cmd("hetconv.coordinator", "--workers", "1", "--bind", f"tcp://127.0.0.1:{port}",
+                             "--connect-timeout", "20", "--conv", "2,2", "--fc", "4"))
+    time.sleep(2.5)
+    second = procs(python_cmd("hetconv.coordinator", "--workers", "1", "--bind", f"tcp://127.0.0.1:{port}",
+                              "--connect-timeout", "3", "--conv", "2,2", "--fc", "4"))
+    out, _ = second.communicate(timeout=30)
+    assert second.returncode != 0 and f"cannot bind tcp://127.0.0.1:{port}" in out and "Address already in use" in out
+    first.send_signal(signal.SIGTERM)
+    first.communicate(timeout=15)
+
+
+def test_coordinator_survives_garbage_and_refuses_a_version_mismatch(procs):
+    import zmq
+
+    from hetconv import protocol as P
+    port = free_port()
+    coord = procs(python_cmd("hetconv.coordinator", "--workers", "1", "--bind", f"tcp://127.0.0.1:{port}",
+                             "--connect-timeout", "6", "--conv", "2,2", "--fc", "4"))
+    time.sleep(2.0)
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:     # not even ZMTP
+        raw.sendall(os.urandom(512))
+    ctx = zmq.Context()
+    try:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.linger = 0
+        dealer.connect(f"tcp://127.0.0.1:{port}")
+        dealer.send_multipart([b"\xc1garbage", b"more"])                        # ZMTP, but not our protocol
+        header = P.pack("HELLO", 0, name="old")[0]
+        import msgpack
+        h = msgpack.unpackb(header)
+        h["v"] = 99
+        dealer.send_multipart([msgpack.packb(h)])
+        assert dealer.poll(10000), "no answer to a HELLO of the wrong version"
+        reply = P.unpack(dealer.recv_multipart(), accept_any_version=True)
+        assert reply.op == "ERROR" and "peer speaks protocol version 99, this side speaks 1" in reply.fields["message"]
+    finally:
+        ctx.destroy(linger=0)
+    out, _ = coord.communicate(timeout=30)
+    assert coord.returncode == 1
+    assert "ignored a malformed message" in out and "only 0 of 1 workers connected" in out
+
+
+def test_worker_answers_malformed_requests_with_errors_and_keeps_serving(procs):
+    import zmq
+
+    from hetconv import protocol as P
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.linger = 0
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        w = procs(python_cmd("hetconv.worker", "--device", "cpu", "--connect", f"tcp://127.0.0.1:{port}",
+                             "--threads", "1", "--name", "probe"))
+
+        def recv(expect_op=None):
+            while True:
+                assert router.poll(30000), "worker went silent"
+                frames = router.recv_multipart()
+                msg = P.unpack(frames[1:])
+                if msg.op != "HEARTBEAT":
+                    return frames[0], msg
+
+        ident, hello = recv()
+        assert hello.op == "HELLO" and hello.fields["name"] == "probe" and hello.fields["device"] == "cpu"
+        router.send_multipart([ident] + P.pack("WELCOME", 1))
+        router.send_multipart([ident, b"\x00not msgpack"])
+        _, err = recv()
+        assert err.op == "ERROR" and "header is not msgpack" in err.fields["message"]
+        router.send_multipart([ident] + P.pack("FORWARD", 2, [np.ones((1, 3, 6, 6), np.float32)], layer=0))
+        _, err = recv()
+        assert err.op == "ERROR" and err.seq == 2 and "layer 0 is not loaded on this shard" in err.fields["message"]
+        assert err.fields["worker"].startswith("probe/")
+        w0 = np.ones((2, 3, 3, 3), np.float32)
+        router.send_multipart([ident] + P.pack("LOAD", 3, [w0, np.zeros(2, np.float32)], layer=0,
+                                               spec=ConvSpec(3, 2, 3, 0).to_json(), start=0, stop=2))
+        assert recv()[1].op == "LOADED"
+        x = np.ones((1, 3, 6, 6), np.float32)
+        router.send_multipart([ident] + P.pack("FORWARD", 4, [x], layer=0))
+        _, done = recv()
+        assert done.op == "FORWARD_DONE" and done.seq == 4 and done.fields["compute_s"] >= 0
+        np.testing.assert_allclose(done.arrays[0], R.conv_relu_pool(x, w0, np.zeros(2, np.float32)), rtol=1e-6)
+        router.send_multipart([ident] + P.pack("SHUTDOWN", 5))
+        assert recv()[1].op == "BYE"
+        assert w.wait(timeout=10) == 0
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_refused_worker_exits_with_the_coordinators_reason(procs):
+    import zmq
+
+    from hetconv import protocol as P
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.linger = 0
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        w = procs(python_cmd("hetconv.worker", "--device", "cpu", "--connect", f"tcp://127.0.0.1:{port}"))
+        assert router.poll(30000)
+        ident = router.recv_multipart()[0]
+        router.send_multipart([ident] + P.pack("ERROR", 0, name="ProtocolVersionError", message="speaks 2, not 1",
+                                               worker="", doing="HELLO", traceback=""))
+        out, _ = w.communicate(timeout=15)
+        assert w.returncode == 2 and "the coordinator refused this worker: speaks 2, not 1" in out
+    finally:
+        ctx.destroy(linger=0)
+
+
+def coordinator_pids(out_path):
+    pids = []
+    for line in open(out_path):
+        if line.startswith("worker ") and ", pid " in line:
+            pids.append(int(line.split(", pid ")[1].split(")")[0]))
+    return pids
+
+
+def wait_for_step(metrics, seconds=90):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if metrics.exists() and any('"event": "step"' in line for line in metrics.read_text().splitlines()):
+            return
+        time.sleep(0.2)
+    raise AssertionError("no training step was recorded in time")
+
+
+def test_ctrl_c_finishes_the_step_checkpoints_and_ends_every_worker(procs, tmp_path):
+    metrics, log = tmp_path / "m.jsonl", tmp_path / "out.txt"
+    with open(log, "w") as out:
+        coord = procs(python_cmd("hetconv.coordinator", "--spawn", "cpu,cpu", "--conv", "6,12", "--fc", "16",
+                                 "--batch-size", "32", "--synthetic-train", "20000", "--synthetic-test", "64",
+                                 "--calibration-batch", "4", "--metrics", metrics, "--checkpoint-dir", tmp_path / "ck"),
+                      stdout=out, stderr=subprocess.STDOUT)
+        wait_for_step(metrics)
+        coord.send_signal(signal.SIGINT)
+        assert coord.wait(timeout=60) == 130
+    text = log.read_text()
+    assert "finishing this step, then saving and stopping" in text
+    saved = checkpoint.latest(str(tmp_path / "ck"))
+    assert saved is not None
+    last = json.loads(metrics.read_text().splitlines()[-1])
+    assert last["event"] == "interrupted" and last["checkpoint"] == saved
+    pids = coordinator_pids(log)
+    assert len(pids) == 2 and not wait_dead(pids, 10)
+
+
+def test_killed_coordinator_leaves_no_worker_behind(procs, tmp_path):
+    metrics, log = tmp_path / "m.jsonl", tmp_path / "out.txt"
+    with open(log, "w") as out:
+        coord = procs(python_cmd("hetconv.coordinator", "--spawn", "cpu,cpu", "--conv", "6,12", "--fc", "16",
+                                 "--batch-size", "32", "--synthetic-train", "20000", "--synthetic-test", "64",
+                                 "--calibration-batch", "4", "--metrics", metrics),
+                      stdout=out, stderr=subprocess.STDOUT)
+        wait_for_step(metrics)
+        coord.kill()
+        coord.wait(timeout=10)
+    pids = coordinator_pids(log)
+    assert len(pids) == 2 and not wait_dead(pids, 10), "workers outlived a SIGKILLed coordinator"
+
+
+def test_external_workers_join_and_match_local(procs, tmp_path):
+    port = free_port()
+    common = ["--conv", "6,12", "--fc", "16", "--batch-size", "32", "--synthetic-train", "256", "--synthetic-test",
+              "64", "--steps", "3", "--threads", "1", "--calibration-batch", "4"]
+    coord = procs(python_cmd("hetconv.coordinator", "--workers", "2", "--bind", f"tcp://127.0.0.1:{port}",
+                             "--metrics", tmp_path / "dist.jsonl", *common))
+    workers = [procs(python_cmd("hetconv.worker", "--device", "cpu", "--connect", f"tcp://127.0.0.1:{port}",
+                                "--threads", "1", "--name", f"ext{i}")) for i in range(2)]
+    out, _ = coord.communicate(timeout=120)
+    assert coord.returncode == 0, out
+    for w in workers:
+        assert w.wait(timeout=15) == 0
+    local = subprocess.run(python_cmd("hetconv.coordinator", "--local", "--metrics", tmp_path / "local.jsonl", *common),
+                           capture_output=True, text=True, timeout=120)
+    assert local.returncode == 0, local.stderr
+
+    def losses(path):
+        return [json.loads(l)["loss"] for l in open(path) if '"event": "step"' in l]
+    np.testing.assert_allclose(losses(tmp_path / "dist.jsonl"), losses(tmp_path / "local.jsonl"), rtol=1e-5)
+    plan = next(json.loads(l) for l in open(tmp_path / "dist.jsonl") if '"event": "plan"' in l)
+    assert set(plan["layers"][0]["kernels"]) == {"ext0", "ext1"}
+    assert all(s > 0 for s in plan["layers"][1]["speeds"].values())

@@ -1,0 +1,58 @@
+import numpy as np
+import pytest
+
+from hetconv.layers import Linear, relu, relu_backward, sgd_update, softmax_cross_entropy
+
+
+def test_linear_gradients_match_finite_differences():
+    rng = np.random.default_rng(0)
+    fc = Linear.init(7, 5, rng)
+    x = rng.standard_normal((4, 7)).astype(np.float32)
+    dy = rng.standard_normal((4, 5)).astype(np.float64)
+    fc.forward(x)
+    dx = fc.backward(dy.astype(np.float32))
+    v = rng.standard_normal(x.shape).astype(np.float32)
+    numeric = (np.sum(dy * (fc.forward(x + v) @ np.eye(5))) - np.sum(dy * fc.forward(x - v))) / 2
+    assert numeric == pytest.approx(float(np.sum(dx * v)), rel=1e-4)
+    fc.forward(x)
+    fc.backward(dy.astype(np.float32))
+    vw = rng.standard_normal(fc.w.shape).astype(np.float32)
+    w0 = fc.w.copy()
+    fc.w = w0 + vw
+    lp = np.sum(dy * fc.forward(x))
+    fc.w = w0 - vw
+    lm = np.sum(dy * fc.forward(x))
+    assert (lp - lm) / 2 == pytest.approx(float(np.sum(fc.dw * vw)), rel=1e-4)
+    np.testing.assert_allclose(fc.db, dy.sum(axis=0), rtol=1e-5)
+
+
+def test_softmax_cross_entropy_value_and_gradient():
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal((6, 10))
+    labels = rng.integers(0, 10, 6)
+    loss, grad = softmax_cross_entropy(logits, labels)
+    p = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
+    assert loss == pytest.approx(-np.mean(np.log(p[np.arange(6), labels])))
+    eps = 1e-5
+    v = rng.standard_normal(logits.shape)
+    numeric = (softmax_cross_entropy(logits + eps * v, labels)[0] - softmax_cross_entropy(logits - eps * v, labels)[0]) / (2 * eps)
+    assert numeric == pytest.approx(float(np.sum(grad * v)), rel=1e-4)
+
+
+def test_softmax_cross_entropy_is_stable_for_huge_logits():
+    loss, grad = softmax_cross_entropy(np.array([[1e4, 0.0, -1e4]]), np.array([0]))
+    assert loss == pytest.approx(0.0) and np.all(np.isfinite(grad))
+
+
+def test_relu_backward_passes_only_where_active():
+    x = np.array([[-1.0, 0.0, 2.0]], np.float32)
+    assert relu_backward(relu(x), np.ones_like(x)).tolist() == [[0, 0, 1]]
+
+
+def test_sgd_matches_pytorch_rule():
+    p, v, g = np.array([1.0, -2.0], np.float32), np.array([0.5, 0.5], np.float32), np.array([0.1, 0.2], np.float32)
+    expected_v = 0.9 * v + g + 0.01 * p
+    expected_p = p - 0.1 * expected_v
+    sgd_update(p, v, g, lr=0.1, momentum=0.9, weight_decay=0.01)
+    np.testing.assert_allclose(v, expected_v, rtol=1e-6)
+    np.testing.assert_allclose(p, expected_p, rtol=1e-6)

@@ -1,0 +1,64 @@
+import json
+
+import pytest
+
+from hetconv.planner import PlanError, fixed_plan, largest_remainder, make_plan
+
+
+@pytest.mark.parametrize("total,weights", [(500, [1, 1]), (1500, [3, 1, 1]), (7, [1, 2, 3]), (10, [0.001, 1000]),
+                                           (4, [1, 1, 1, 1]), (1501, [2.5, 2.5])])
+def test_shares_sum_exactly_and_each_worker_gets_one(total, weights):
+    shares = largest_remainder(total, weights)
+    assert sum(shares) == total and min(shares) >= 1 and len(shares) == len(weights)
+
+
+def test_shares_are_proportional_within_one_kernel():
+    shares = largest_remainder(1500, [300.0, 100.0, 100.0])
+    assert shares == [900, 300, 300]
+    assert largest_remainder(10, [1000.0, 1.0]) == [9, 1]      # the slow worker still gets one
+    assert largest_remainder(10, [1, 1, 1]) == [4, 3, 3]        # ties go to the earlier worker
+
+
+def test_plan_ranges_are_contiguous_and_per_layer():
+    plan = make_plan([500, 1500], {"gpu": [1000.0, 5000.0], "cpu": [1000.0, 1000.0]})
+    l0, l1 = plan.layers
+    assert l0.ranges == {"gpu": (0, 250), "cpu": (250, 500)}
+    assert l1.ranges == {"gpu": (0, 1250), "cpu": (1250, 1500)}     # the GPU's lead differs per layer
+
+
+def test_equal_policy_ignores_speeds():
+    plan = make_plan([10], {"a": [100.0], "b": [1.0]}, "equal")
+    assert plan.layers[0].ranges == {"a": (0, 5), "b": (5, 10)}
+
+
+def test_plan_is_deterministic_and_serialisable():
+    speeds = {"w0": [3.0, 5.0], "w1": [7.0, 1.0]}
+    a, b = make_plan([50, 60], speeds), make_plan([50, 60], speeds)
+    assert a == b
+    data = json.loads(json.dumps(a.to_json()))
+    assert data["layers"][1]["kernels"] == {"w0": 50, "w1": 10}
+    assert "w0" in a.table() and "conv2 (60)" in a.table()
+
+
+def test_more_workers_than_kernels_is_refused():
+    with pytest.raises(PlanError, match="cannot give 3 workers at least 1 kernel"):
+        make_plan([2], {"a": [1.0], "b": [1.0], "c": [1.0]})
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
+def test_bad_speeds_are_refused(bad):
+    with pytest.raises(PlanError, match="speeds must be positive and finite"):
+        make_plan([10], {"a": [1.0], "b": [bad]})
+
+
+def test_unknown_policy_and_wrong_layer_count():
+    with pytest.raises(PlanError, match="unknown split policy 'fastest'"):
+        make_plan([10], {"a": [1.0]}, "fastest")
+    with pytest.raises(PlanError, match="reported 1 layer speeds, expected 2"):
+        make_plan([10, 10], {"a": [1.0]})
+
+
+def test_fixed_plan_checks_counts():
+    assert fixed_plan([5], {"a": [2], "b": [3]}).layers[0].ranges == {"a": (0, 2), "b": (2, 5)}
+    with pytest.raises(PlanError, match="must be >= 1 and sum to 5"):
+        fixed_plan([5], {"a": [1], "b": [1]})

@@ -1,0 +1,122 @@
+"""Single-process training: the baseline every distributed run must equal."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hetconv import checkpoint
+from hetconv.config import Config
+from hetconv.devices import open_device
+from hetconv.shard import ConvShard, LocalEngine
+from hetconv.train import train
+
+TINY = dict(conv="6,12", fc="32", batch_size=32, synthetic_train=4000, synthetic_test=500, lr=0.01, threads=1)
+
+
+def local_engine(n_shards=1):
+    device = open_device("cpu", threads=1)
+    return LocalEngine({f"s{i}": ConvShard(device) for i in range(n_shards)})
+
+
+def quiet(*_):
+    pass
+
+
+def test_short_synthetic_run_learns(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    cfg = Config(**TINY, steps=120, metrics=str(metrics)).validate()
+    summary = train(cfg, local_engine(), log=quiet)
+    losses = summary["losses"]
+    assert len(losses) == 120
+    assert np.mean(losses[-20:]) < 0.75 * np.mean(losses[:10])
+    assert summary["test_accuracy"] > 0.3                     # chance is 0.1
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    events = [r["event"] for r in records]
+    assert events[0] == "config" and events[1] == "plan" and events[-1] == "done"
+    assert records[0]["config"]["conv"] == "6,12"
+    step = next(r for r in records if r["event"] == "step")
+    assert {"step", "epoch", "loss", "images_per_s"} <= set(step)
+    assert records[-1]["test_accuracy"] == summary["test_accuracy"]
+
+
+def test_several_local_shards_equal_one(tmp_path):
+    cfg = Config(**TINY, steps=4).validate()
+    one = train(cfg, local_engine(1), log=quiet)["losses"]
+    three = train(cfg, local_engine(3), log=quiet)["losses"]
+    np.testing.assert_allclose(three, one, rtol=1e-5)
+
+
+def test_checkpoint_and_resume_continue_exactly(tmp_path):
+    full = Config(**TINY, steps=6, checkpoint_dir=str(tmp_path / "full")).validate()
+    straight = train(full, local_engine(), log=quiet)
+
+    first = Config(**TINY, steps=3, checkpoint_dir=str(tmp_path / "part")).validate()
+    train(first, local_engine(), log=quiet)
+    assert checkpoint.latest(str(tmp_path / "part")).endswith("ckpt-step0000003.npz")
+    second = Config(**TINY, steps=6, checkpoint_dir=str(tmp_path / "part")).validate()
+    resumed = train(second, local_engine(), log=quiet, resume=str(tmp_path / "part"))
+    np.testing.assert_allclose(resumed["losses"], straight["losses"][3:], rtol=1e-6)
+    _, conv_a, fc_a = checkpoint.load(str(tmp_path / "full"))
+    _, conv_b, fc_b = checkpoint.load(str(tmp_path / "part"))
+    for a, b in zip(conv_a + fc_a, conv_b + fc_b):
+        for x, y in zip(a, b):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+    assert not [f for f in os.listdir(tmp_path / "part") if f.endswith(".tmp")]
+
+
+def test_resume_refuses_a_different_network(tmp_path):
+    train(Config(**TINY, steps=1, checkpoint_dir=str(tmp_path)).validate(), local_engine(), log=quiet)
+    other = Config(**{**TINY, "conv": "6,10"}, steps=2).validate()
+    with pytest.raises(checkpoint.CheckpointError, match="checkpoint was trained with --conv '6,12', this run asks for '6,10'"):
+        train(other, local_engine(), log=quiet, resume=str(tmp_path))
+
+
+def test_checkpoint_errors_name_the_file(tmp_path):
+    with pytest.raises(checkpoint.CheckpointError, match="no checkpoint"):
+        checkpoint.load(str(tmp_path))
+    bad = tmp_path / "ckpt-step0000001.npz"
+    bad.write_bytes(b"not a zip")
+    with pytest.raises(checkpoint.CheckpointError, match="ckpt-step0000001.npz: not a readable hetconv checkpoint"):
+        checkpoint.load(str(bad))
+
+
+def run_cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "hetconv.coordinator", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--conv", "500,x"], "--conv must be comma-separated positive integers, got '500,x'"),
+    (["--conv", "0"], "--conv must be comma-separated positive integers"),
+    (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+    (["--lr", "-1"], "--lr must be > 0"),
+    (["--split", "random"], "--split must be 'proportional' or 'equal'"),
+    (["--data", "/nonexistent/cifar"], "/nonexistent/cifar"),
+    (["--conv", "4,4,4,4"], "too small for the conv and its 2x2 pool"),
+    (["--batch-size", "9999", "--synthetic-train", "100"], "larger than the 100 training images"),
+])
+def test_cli_bad_input_gets_a_clear_error(args, message):
+    result = run_cli("--local", "--steps", "1", "--fc", "8", *(["--conv", "2,2"] if "--conv" not in args else []), *args)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_cli_local_run_writes_metrics_and_checkpoint(tmp_path):
+    result = run_cli("--local", "--conv", "4,8", "--fc", "16", "--steps", "3", "--batch-size", "16",
+                     "--synthetic-train", "200", "--synthetic-test", "50", "--threads", "1",
+                     "--metrics", str(tmp_path / "m.jsonl"), "--checkpoint-dir", str(tmp_path / "ck"))
+    assert result.returncode == 0, result.stderr
+    assert "test accuracy" in result.stdout
+    assert checkpoint.latest(str(tmp_path / "ck")).endswith("ckpt-step0000003.npz")
+    assert json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])["event"] == "done"
+
+
+def test_help_explains_the_modes():
+    result = run_cli("--help")
+    assert result.returncode == 0
+    for flag in ("--local", "--spawn", "--workers", "--split", "--resume", "--conv", "--checkpoint-dir"):
+        assert flag in result.stdout
