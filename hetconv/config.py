@@ -12,6 +12,7 @@ class Config:
     data: str = "synthetic"            # 'synthetic' (built in) or a CIFAR-10 python-format dir / .tar.gz
     synthetic_train: int = 5000         # images in the built-in training set
     synthetic_test: int = 1000          # images in the built-in test set
+    crop: int = 0                      # center-crop images to crop x crop (0: the full 32x32)
     conv: str = "500,1500"             # kernels per conv layer (the paper network: 500,1500)
     ksize: int = 5                     # conv kernel size (square), stride 1
     padding: int = 0                   # zero padding of every conv layer
@@ -40,6 +41,9 @@ class Config:
     def fc_sizes(self):
         return parse_int_list("--fc", self.fc, allow_empty=True)
 
+    def image_shape(self):
+        return (3, self.crop, self.crop) if self.crop else (3, 32, 32)
+
     def to_json(self):
         return dataclasses.asdict(self)
 
@@ -58,10 +62,12 @@ class Config:
                   ("--ksize", self.ksize, 1), ("--padding", self.padding, 0), ("--threads", self.threads, 0),
                   ("--calibration-batch", self.calibration_batch, 1), ("--checkpoint-every", self.checkpoint_every, 0),
                   ("--synthetic-train", self.synthetic_train, 1), ("--synthetic-test", self.synthetic_test, 1),
-                  ("--eval-batches", self.eval_batches, 0)]
+                  ("--eval-batches", self.eval_batches, 0), ("--crop", self.crop, 0)]
         for flag, value, lowest in checks:
             if value < lowest:
                 raise ValueError(f"{flag} must be >= {lowest}, got {value}")
+        if self.crop > 32:
+            raise ValueError(f"--crop must be at most the image size 32, got {self.crop}")
         if not self.lr > 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
         if not 0 <= self.momentum < 1:

@@ -56,10 +56,10 @@ class StepResult:
 
 
 class Network:
-    def __init__(self, specs, fc_sizes, engine, rng):
+    def __init__(self, specs, fc_sizes, engine, rng, image_shape=IMAGE_SHAPE):
         self.specs = specs
         self.engine = engine
-        _, (c, h, w) = layer_input_shapes(specs, 1)
+        _, (c, h, w) = layer_input_shapes(specs, 1, image_shape)
         widths = [c * h * w] + list(fc_sizes) + [NUM_CLASSES]
         self.fc = [Linear.init(a, b, rng) for a, b in zip(widths[:-1], widths[1:])]
 

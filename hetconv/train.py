@@ -69,12 +69,20 @@ def _compatible(saved, cfg):
                 f"checkpoint was trained with --{key} {saved.get(key)!r}, this run asks for {getattr(cfg, key)!r}")
 
 
-def evaluate(net, ds, batch_size, max_batches=0):
+def center_crop(x, size):
+    """(N, C, H, W) -> (N, C, size, size), C-contiguous; size 0 keeps the image whole."""
+    if not size or size == x.shape[2]:
+        return x
+    top, left = (x.shape[2] - size) // 2, (x.shape[3] - size) // 2
+    return np.ascontiguousarray(x[:, :, top:top + size, left:left + size])
+
+
+def evaluate(net, ds, batch_size, max_batches=0, crop=0):
     correct = seen = 0
     for i, (x, y) in enumerate(test_batches(ds, batch_size)):
         if max_batches and i >= max_batches:
             break
-        correct += int((net.predict(x).argmax(axis=1) == y).sum())
+        correct += int((net.predict(center_crop(x, crop)).argmax(axis=1) == y).sum())
         seen += len(y)
     return correct / max(seen, 1), seen
 
@@ -95,7 +103,7 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra):
                       n_train=cfg.synthetic_train if cfg.data == "synthetic" else None,
                       n_test=cfg.synthetic_test if cfg.data == "synthetic" else None)
     specs = conv_specs(cfg.conv_kernels(), cfg.ksize, cfg.padding)
-    input_shapes, _ = layer_input_shapes(specs, cfg.batch_size)
+    input_shapes, _ = layer_input_shapes(specs, cfg.batch_size, cfg.image_shape())
     steps_per_epoch = len(ds.train_y) // cfg.batch_size
     if steps_per_epoch < 1:
         raise ValueError(f"--batch-size {cfg.batch_size} is larger than the {len(ds.train_y)} training images of {ds.name}")
@@ -106,7 +114,7 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra):
 
     rng = np.random.default_rng(cfg.seed)
     conv_params = init_conv_params(specs, rng)
-    net = Network(specs, cfg.fc_sizes(), engine, rng)
+    net = Network(specs, cfg.fc_sizes(), engine, rng, cfg.image_shape())
     start_step = 0
     if resume:
         meta, conv_params, fc_state = checkpoint.load(resume)
@@ -146,7 +154,7 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra):
                 if i < skip:
                     continue
                 t0 = time.perf_counter()
-                result = net.train_step(x, y, cfg.lr, cfg.momentum, cfg.weight_decay)
+                result = net.train_step(center_crop(x, cfg.crop), y, cfg.lr, cfg.momentum, cfg.weight_decay)
                 dt = time.perf_counter() - t0
                 if not math.isfinite(result.loss):
                     raise FloatingPointError(f"loss became {result.loss} at step {step + 1}: lower --lr (now {cfg.lr})")
@@ -170,7 +178,7 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra):
         metrics.write("interrupted", step=step, checkpoint=last_ckpt)
         return {"step": step, "interrupted": True, "checkpoint": last_ckpt, "losses": losses}
 
-    accuracy, seen = evaluate(net, ds, cfg.batch_size, cfg.eval_batches)
+    accuracy, seen = evaluate(net, ds, cfg.batch_size, cfg.eval_batches, cfg.crop)
     summary = {"step": step, "test_accuracy": accuracy, "test_images": seen,
                "final_loss": losses[-1] if losses else None,
                "median_step_s": float(np.median(step_times[1:] or step_times)) if step_times else None,

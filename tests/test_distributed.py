@@ -368,3 +368,26 @@ def test_external_workers_join_and_match_local(procs, tmp_path):
     plan = next(json.loads(l) for l in open(tmp_path / "dist.jsonl") if '"event": "plan"' in l)
     assert set(plan["layers"][0]["kernels"]) == {"ext0", "ext1"}
     assert all(s > 0 for s in plan["layers"][1]["speeds"].values())
+
+
+def test_cuda_worker_joins_under_the_simulator_and_matches_local(tmp_path):
+    # conftest runs CUDA on Numba's simulator: very slow, so calibration must give it a small share
+    # 10x10 crops and 3x3 kernels keep the simulated GPU's share of work to seconds
+    cfg = Config(**{**TINY, "conv": "4,6", "fc": "8", "batch_size": 4, "synthetic_train": 64, "synthetic_test": 8,
+                    "crop": 10, "ksize": 3, "calibration_batch": 2}, steps=2).validate()
+    local = train(cfg, LocalEngine({"local": ConvShard(open_device("cpu", threads=1))}), log=quiet)["losses"]
+    engine = RemoteEngine("tcp://127.0.0.1:0", 0, ["cpu", "cuda:0"], threads=1, connect_timeout=60, log=quiet)
+    try:
+        summary = train(cfg, engine, log=quiet)
+        counts = {w: [lp.count(w) for lp in engine.plan.layers] for w in engine.workers}
+    finally:
+        engine.close()
+    np.testing.assert_allclose(summary["losses"], local, rtol=1e-5)
+    assert counts["w1-cuda:0"][1] < counts["w0-cpu"][1], counts
+
+
+def test_missing_gpu_is_named_through_the_coordinator(procs):
+    c = procs(python_cmd("hetconv.coordinator", "--spawn", "cpu,cuda:7", "--conv", "2,2", "--fc", "4", "--steps", "1"))
+    out, _ = c.communicate(timeout=60)
+    assert c.returncode == 1
+    assert "opening device cuda:7" in out and "cuda:7 requested but this machine has 1 GPU (cuda:0)" in out

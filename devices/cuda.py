@@ -1,0 +1,524 @@
+"""`--device cuda:N`: conv layers on one NVIDIA GPU, with numba.cuda kernels.
+
+Design. Every convolution is a GEMM over an implicit im2col: the kernels gather the im2col
+operand straight from the NCHW tensor while filling shared memory, so im2col never exists in
+global memory. One tiled GEMM kernel body serves all three products:
+
+    forward     y[k, (n,i,j)]     = sum over (c,u,v) of w[k, (c,u,v)] * im2col(x)[(c,u,v), (n,i,j)]
+    input grad  dx[c, (n,h,w)]    = sum over (k,u,v) of w[k,c,u,v] * dy[n, k, h+p-u, w+p-v]
+    weight grad dw[k, (c,u,v)]    = sum over (n,i,j) of dy[n,k,i,j] * im2col(x)[(c,u,v), (n,i,j)]
+
+A block of 16x16 threads computes a 64x64 output tile, each thread a 4x4 register tile, walking
+the reduction in steps of 16 through two shared-memory tiles (16x64 each, one column of padding
+against bank conflicts). Each operand is loaded so that consecutive threads read consecutive
+addresses: along the output pixels for x and dy, along the reduction for w and for the
+weight-gradient operands. The weight gradient reduces over N*Ho*Wo while its output is small,
+so it is split along the reduction (split-K, blockIdx.z) into per-split partial sums, then
+added in a fixed order: deterministic, no atomics. The bias joins in the forward epilogue; ReLU
+and the 2x2 max-pool run in a second kernel that records which element of each window won
+(int8, -1 when ReLU cut it); the pre-activation y makes one round trip through global memory
+for it. Costs of this design: every gathered element pays some integer index math (divisions
+by kh*kw and Ho*Wo), and a tile of 64 kernels idles rows when a worker holds few. The bias gradient is the weight-gradient GEMM's one extra column,
+whose B operand is all ones (db = dy @ 1), so it costs no pass of its own. Pool backward and SGD
+with momentum are small elementwise kernels.
+
+Resident on the GPU between steps: weights, biases, momentum buffers, and the backward context
+of the fused forward (the layer input x and the int8 pooling winners). Only layer inputs,
+pooled outputs, their gradients and dx cross PCIe.
+"""
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda, float32, int8, int64, types
+from numba.cuda.core import config as cuda_config
+
+from hetconv.devices.base import Device, DeviceError, _as_f32, conv_output_shape, pooled_shape
+
+# ---- tile sizes ----------------------------------------------------------------------------
+# Under Numba's CUDA simulator every GPU thread is a Python thread, so blocks shrink (same
+# kernels, same code paths): tests then cover several tiles per dimension on tiny shapes.
+SIMULATED = bool(cuda_config.ENABLE_CUDASIM)
+THREADS_X = 4 if SIMULATED else 16  # threads per block along output columns
+THREADS_Y = 4 if SIMULATED else 16  # threads per block along output rows
+MICRO_M = 4                         # output rows per thread (strided by THREADS_Y)
+MICRO_N = 4                         # output columns per thread (strided by THREADS_X)
+TILE_R = 8 if SIMULATED else 16     # reduction step held in shared memory
+THREADS = THREADS_X * THREADS_Y
+TILE_M = THREADS_Y * MICRO_M        # output rows per block (64 on a GPU, 16 simulated)
+TILE_N = THREADS_X * MICRO_N        # output columns per block (64 on a GPU, 16 simulated)
+A_ROW = TILE_M + 1                  # shared-memory row length: one column of padding against
+B_ROW = TILE_N + 1                  # bank conflicts when threads store along the reduction
+A_LOADS = TILE_R * TILE_M // THREADS    # elements of the A tile each thread loads per step
+B_LOADS = TILE_R * TILE_N // THREADS
+ELEMENTWISE_THREADS = 32 if SIMULATED else 256      # block of the 1-D elementwise kernels
+BLOCK_2D = (8, 4) if SIMULATED else (32, 8)         # block of the 2-D elementwise kernels
+
+# Split-K for the weight gradient: aim for this many blocks in flight (a few per SM on an
+# H100's 132 SMs), but give each split at least this many reduction terms, so the partial
+# sums (splits * K * C*kh*kw floats) stay small next to the work.
+WGRAD_TARGET_BLOCKS = 512
+WGRAD_MIN_R_PER_SPLIT = 1024
+
+_ZERO = np.float32(0)
+_ONE = np.float32(1)
+
+# geometry, one int tuple passed to every conv kernel: (N, C, H, W, K, KH, KW, HO, WO, PAD)
+GEOMETRY = types.UniTuple(int64, 10)
+
+
+def _geometry(x_shape, w_shape, padding):
+    n, c, h, w = x_shape
+    k, _, kh, kw = w_shape
+    ho, wo = h + 2 * padding - kh + 1, w + 2 * padding - kw + 1
+    return tuple(int(v) for v in (n, c, h, w, k, kh, kw, ho, wo, padding))
+
+
+# ---- GEMM sizes (M rows, N columns, R reduction), host and device ---------------------------
+def _forward_dims(g):
+    n, c, h, w, k, kh, kw, ho, wo, pad = g
+    return k, n * ho * wo, c * kh * kw
+
+
+def _input_grad_dims(g):
+    n, c, h, w, k, kh, kw, ho, wo, pad = g
+    return c, n * h * w, k * kh * kw
+
+
+def _weight_grad_dims(g):
+    n, c, h, w, k, kh, kw, ho, wo, pad = g
+    return k, c * kh * kw + 1, n * ho * wo      # the extra column is db
+
+
+_forward_dims_dev = cuda.jit(device=True)(_forward_dims)
+_input_grad_dims_dev = cuda.jit(device=True)(_input_grad_dims)
+_weight_grad_dims_dev = cuda.jit(device=True)(_weight_grad_dims)
+
+
+# ---- index math shared by the kernels ------------------------------------------------------
+@cuda.jit(device=True)
+def _split3(flat, mid, last):
+    """flat index over (outer, mid, last) -> (outer, m, l)."""
+    outer = flat // (mid * last)
+    rest = flat - outer * (mid * last)
+    m = rest // last
+    return outer, m, rest - m * last
+
+
+@cuda.jit(device=True)
+def _im2col(x, g, tap, pixel):
+    """im2col(x)[(c,u,v), (n,i,j)] = x padded at [n, c, i+u, j+v]; zero in the padding."""
+    n, c, h, w, k, kh, kw, ho, wo, pad = g
+    ci, u, v = _split3(tap, kh, kw)
+    ni, i, j = _split3(pixel, ho, wo)
+    row, col = i + u - pad, j + v - pad
+    if 0 <= row < h and 0 <= col < w:
+        return x[ni, ci, row, col]
+    return _ZERO
+
+
+# forward: A = w viewed as (K, C*kh*kw), B = im2col(x), C = y (+ bias)
+@cuda.jit(device=True)
+def _forward_a(w2, g, kernel, tap):
+    return w2[kernel, tap]
+
+
+@cuda.jit(device=True)
+def _forward_b(x, g, tap, pixel):
+    return _im2col(x, g, tap, pixel)
+
+
+@cuda.jit(device=True)
+def _forward_store(y, bias, g, kernel, pixel, split, value):
+    n, c, h, w, k, kh, kw, ho, wo, pad = g
+    ni, i, j = _split3(pixel, ho, wo)
+    y[ni, kernel, i, j] = value + bias[kernel]
+
+
+# input grad: A[c, (k,u,v)] = w[k,c,u,v], B[(k,u,v), (n,h,w)] = dy[n, k, h+p-u, w+p-v]
+@cuda.jit(device=True)
+def _input_grad_a(w, g, channel, tap):
+    n, c, h, wd, k, kh, kw, ho, wo, pad = g
+    ki, u, v = _split3(tap, kh, kw)
+    return w[ki, channel, u, v]
+
+
+@cuda.jit(device=True)
+def _input_grad_b(dy, g, tap, pixel):
+    n, c, h, w, k, kh, kw, ho, wo, pad = g
+    ki, u, v = _split3(tap, kh, kw)
+    ni, row, col = _split3(pixel, h, w)
+    i, j = row + pad - u, col + pad - v
+    if 0 <= i < ho and 0 <= j < wo:
+        return dy[ni, ki, i, j]
+    return _ZERO
+
+
+@cuda.jit(device=True)
+def _input_grad_store(dx, bias, g, channel, pixel, split, value):
+    n, c, h, w, k, kh, kw, ho, wo, pad = g
+    ni, row, col = _split3(pixel, h, w)
+    dx[ni, channel, row, col] = value
+
+
+# weight grad: A[k, (n,i,j)] = dy[n,k,i,j], B[(n,i,j), (c,u,v)] = im2col(x)[(c,u,v), (n,i,j)],
+# and B's last column, tap = C*kh*kw, is all ones: that output column is db
+@cuda.jit(device=True)
+def _weight_grad_a(dy, g, kernel, pixel):
+    n, c, h, w, k, kh, kw, ho, wo, pad = g
+    ni, i, j = _split3(pixel, ho, wo)
+    return dy[ni, kernel, i, j]
+
+
+@cuda.jit(device=True)
+def _weight_grad_b(x, g, pixel, tap):
+    n, c, h, w, k, kh, kw, ho, wo, pad = g
+    if tap == c * kh * kw:
+        return _ONE
+    return _im2col(x, g, tap, pixel)
+
+
+@cuda.jit(device=True)
+def _weight_grad_store(partial, bias, g, kernel, tap, split, value):
+    partial[split, kernel, tap] = value
+
+
+def _implicit_gemm(gemm_dims, load_a, load_b, store, a_along_r, b_along_r):
+    """A tiled GEMM kernel out = A @ B whose operands are gathered by load_a(a_src, g, m, r) and
+    load_b(b_src, g, r, n) and whose result goes through store(out, bias, g, m, n, split, value).
+    a_along_r / b_along_r: the operand is contiguous along the reduction, so consecutive threads
+    load consecutive r (otherwise consecutive m or n). blockIdx.z picks a slice of the reduction
+    of r_per_split terms (split-K)."""
+
+    def kernel(a_src, b_src, out, bias, g, r_per_split):
+        m_size, n_size, r_size = gemm_dims(g)
+        a_tile = cuda.shared.array((TILE_R, A_ROW), float32)   # a_tile[r, m]
+        b_tile = cuda.shared.array((TILE_R, B_ROW), float32)   # b_tile[r, n]
+        acc = cuda.local.array((MICRO_M, MICRO_N), float32)
+        a_frag = cuda.local.array(MICRO_M, float32)
+        b_frag = cuda.local.array(MICRO_N, float32)
+        tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+        tid = ty * THREADS_X + tx
+        m0 = cuda.blockIdx.y * TILE_M
+        n0 = cuda.blockIdx.x * TILE_N
+        split = cuda.blockIdx.z
+        r_begin = split * r_per_split
+        r_end = min(r_begin + r_per_split, r_size)
+        for a in range(MICRO_M):
+            for b in range(MICRO_N):
+                acc[a, b] = 0
+
+        for r0 in range(r_begin, r_end, TILE_R):
+            for t in range(A_LOADS):
+                e = tid + t * THREADS
+                if a_along_r:
+                    rr, mm = e % TILE_R, e // TILE_R
+                else:
+                    rr, mm = e // TILE_M, e % TILE_M
+                if m0 + mm < m_size and r0 + rr < r_end:
+                    a_tile[rr, mm] = load_a(a_src, g, m0 + mm, r0 + rr)
+                else:
+                    a_tile[rr, mm] = 0
+            for t in range(B_LOADS):
+                e = tid + t * THREADS
+                if b_along_r:
+                    rr, nn = e % TILE_R, e // TILE_R
+                else:
+                    rr, nn = e // TILE_N, e % TILE_N
+                if n0 + nn < n_size and r0 + rr < r_end:
+                    b_tile[rr, nn] = load_b(b_src, g, r0 + rr, n0 + nn)
+                else:
+                    b_tile[rr, nn] = 0
+            cuda.syncthreads()
+            for rr in range(TILE_R):
+                for a in range(MICRO_M):
+                    a_frag[a] = a_tile[rr, ty + a * THREADS_Y]
+                for b in range(MICRO_N):
+                    b_frag[b] = b_tile[rr, tx + b * THREADS_X]
+                for a in range(MICRO_M):
+                    for b in range(MICRO_N):
+                        acc[a, b] += a_frag[a] * b_frag[b]
+            cuda.syncthreads()   # the tiles are overwritten next step
+
+        for a in range(MICRO_M):
+            m = m0 + ty + a * THREADS_Y
+            for b in range(MICRO_N):
+                n = n0 + tx + b * THREADS_X
+                if m < m_size and n < n_size:
+                    store(out, bias, g, m, n, split, acc[a, b])
+
+    return kernel
+
+
+_conv_forward_py = _implicit_gemm(_forward_dims_dev, _forward_a, _forward_b, _forward_store,
+                                  a_along_r=True, b_along_r=False)
+_conv_input_grad_py = _implicit_gemm(_input_grad_dims_dev, _input_grad_a, _input_grad_b, _input_grad_store,
+                                     a_along_r=True, b_along_r=False)
+_conv_weight_grad_py = _implicit_gemm(_weight_grad_dims_dev, _weight_grad_a, _weight_grad_b, _weight_grad_store,
+                                      a_along_r=True, b_along_r=True)
+conv_forward_kernel = cuda.jit(_conv_forward_py)
+conv_input_grad_kernel = cuda.jit(_conv_input_grad_py)
+conv_weight_grad_kernel = cuda.jit(_conv_weight_grad_py)
+
+
+def _weight_grad_finish(partial, dw, db):
+    """Adds the split-K partial sums in order s = 0, 1, ... (deterministic) and separates the
+    GEMM's columns: dw[k, tap] for the C*kh*kw taps, db[k] from the last column."""
+    tap, kernel = cuda.grid(2)
+    splits, k, columns = partial.shape
+    if kernel < k and tap < columns:
+        total = partial[0, kernel, tap]
+        for s in range(1, splits):
+            total += partial[s, kernel, tap]
+        if tap < columns - 1:
+            dw[kernel, tap] = total
+        else:
+            db[kernel] = total
+
+
+weight_grad_finish_kernel = cuda.jit(_weight_grad_finish)
+
+
+def _relu_maxpool2(y, pooled, winner):
+    """pooled = max of relu(y) over each 2x2 window; winner = row-major index (0..3) of the
+    window's first maximum, or -1 where that maximum is <= 0 (ReLU passes no gradient)."""
+    pixel, plane = cuda.grid(2)
+    nk, kk, hp, wp = pooled.shape
+    if pixel < hp * wp and plane < nk * kk:
+        ni, ki = plane // kk, plane % kk
+        i, j = pixel // wp, pixel % wp
+        best = y[ni, ki, 2 * i, 2 * j]
+        arg = 0
+        for t in range(1, 4):
+            v = y[ni, ki, 2 * i + t // 2, 2 * j + t % 2]
+            if v > best:            # strict: the first maximum wins
+                best = v
+                arg = t
+        if best > 0:
+            pooled[ni, ki, i, j] = best
+            winner[ni, ki, i, j] = arg
+        else:
+            pooled[ni, ki, i, j] = 0
+            winner[ni, ki, i, j] = -1
+
+
+relu_maxpool2_kernel = cuda.jit(_relu_maxpool2)
+
+
+def _relu_maxpool2_backward(winner, dpooled, dy):
+    """dy (pre-activation) gets each window's gradient at its winner; zero elsewhere, including
+    the odd trailing row/column the pool dropped. One thread per dy element: no zero-fill pass."""
+    pixel, plane = cuda.grid(2)
+    nk, kk, ho, wo = dy.shape
+    hp, wp = winner.shape[2], winner.shape[3]
+    if pixel < ho * wo and plane < nk * kk:
+        ni, ki = plane // kk, plane % kk
+        row, col = pixel // wo, pixel % wo
+        i, j = row // 2, col // 2
+        value = _ZERO
+        if i < hp and j < wp and winner[ni, ki, i, j] == (row % 2) * 2 + col % 2:
+            value = dpooled[ni, ki, i, j]
+        dy[ni, ki, row, col] = value
+
+
+relu_maxpool2_backward_kernel = cuda.jit(_relu_maxpool2_backward)
+
+
+def _sgd(param, velocity, grad, lr, momentum, weight_decay):
+    """PyTorch's SGD: v = momentum*v + grad + weight_decay*param; param -= lr*v."""
+    i = cuda.grid(1)
+    if i < param.shape[0]:
+        v = momentum * velocity[i] + grad[i] + weight_decay * param[i]
+        velocity[i] = v
+        param[i] -= lr * v
+
+
+sgd_kernel = cuda.jit(_sgd)
+
+
+# ---- signatures of every kernel, as launched; tests compile each to PTX --------------------
+_F1 = float32[::1]
+_F2 = float32[:, ::1]
+_F3 = float32[:, :, ::1]
+_F4 = float32[:, :, :, ::1]
+_I4 = int8[:, :, :, ::1]
+PTX_SIGNATURES = [
+    (_conv_forward_py, (_F2, _F4, _F4, _F1, GEOMETRY, int64)),
+    (_conv_input_grad_py, (_F4, _F4, _F4, _F1, GEOMETRY, int64)),
+    (_conv_weight_grad_py, (_F4, _F4, _F3, _F1, GEOMETRY, int64)),
+    (_weight_grad_finish, (_F3, _F2, _F1)),
+    (_relu_maxpool2, (_F4, _F4, _I4)),
+    (_relu_maxpool2_backward, (_I4, _F4, _F4)),
+    (_sgd, (_F1, _F1, _F1, float32, float32, float32)),
+]
+
+
+# ---- host side ---------------------------------------------------------------------------------
+def _is_device_array(a):
+    return hasattr(a, "copy_to_host")
+
+
+@dataclass
+class _PoolContext:
+    """What the fused backward needs, kept on the GPU."""
+    x: object               # device (N, C, H, W) float32: the layer input
+    winner: object          # device (N, K, Ho//2, Wo//2) int8: pooling winners, -1 = cut by ReLU
+    padding: int
+    w_shape: tuple
+    conv_shape: tuple       # (N, K, Ho, Wo)
+    pooled_shape: tuple     # (N, K, Ho//2, Wo//2)
+
+
+class CudaDevice(Device):
+    def __init__(self, index, gpu_name):
+        self.index = index
+        self.name = f"cuda:{index}"
+        self.gpu_name = gpu_name
+        self._no_bias = cuda.to_device(np.zeros(1, np.float32))   # for kernels that add none
+
+    def describe(self):
+        return f"{self.name} ({self.gpu_name})"
+
+    # ---- arrays -----------------------------------------------------------------------------
+    def upload(self, a):
+        return cuda.to_device(np.ascontiguousarray(a, dtype=np.float32))
+
+    def download(self, a):
+        if _is_device_array(a):
+            return a.copy_to_host()     # note: a CPU-GPU sync point
+        return np.asarray(a, dtype=np.float32)
+
+    def zeros_like(self, a):
+        # a host-side zero buffer crosses PCIe once: used when optimizer state is created
+        return cuda.to_device(np.zeros(tuple(a.shape), np.float32))
+
+    def synchronize(self):
+        cuda.synchronize()
+
+    def _resident(self, name, a, shape):
+        """A device float32 array of `shape`: device arrays are used as they are, numpy uploaded."""
+        if _is_device_array(a):
+            if a.dtype != np.float32:
+                raise TypeError(f"{name} must be float32, got {a.dtype}")
+            if tuple(a.shape) != tuple(shape):
+                raise ValueError(f"{name} shape must be {tuple(shape)!r}, got {tuple(a.shape)!r}")
+            return a
+        a = _as_f32(name, a, len(shape))
+        if a.shape != tuple(shape):
+            raise ValueError(f"{name} shape must be {tuple(shape)!r}, got {a.shape!r}")
+        return cuda.to_device(a)
+
+    # ---- kernel launches --------------------------------------------------------------------
+    def _forward(self, x_dev, w_dev, b_dev, padding):
+        """y = conv2d(x, w) + b on the device, (N, K, Ho, Wo)."""
+        g = _geometry(x_dev.shape, w_dev.shape, padding)
+        m, n, r = _forward_dims(g)
+        y = cuda.device_array(conv_output_shape(x_dev.shape, w_dev.shape, padding), np.float32)
+        grid = (math.ceil(n / TILE_N), math.ceil(m / TILE_M), 1)
+        conv_forward_kernel[grid, (THREADS_X, THREADS_Y)](w_dev.reshape(m, r), x_dev, y, b_dev, g, r)
+        return y
+
+    def _relu_pool(self, y):
+        nb, k, ho, wo = y.shape
+        pooled = cuda.device_array((nb, k, ho // 2, wo // 2), np.float32)
+        winner = cuda.device_array((nb, k, ho // 2, wo // 2), np.int8)
+        grid = (math.ceil((ho // 2) * (wo // 2) / BLOCK_2D[0]), math.ceil(nb * k / BLOCK_2D[1]))
+        relu_maxpool2_kernel[grid, BLOCK_2D](y, pooled, winner)
+        return pooled, winner
+
+    def _gradients(self, x_dev, w_dev, dy_dev, padding, need_dx):
+        """(dx device or None, dw device, db device) from the pre-activation gradient dy."""
+        g = _geometry(x_dev.shape, w_dev.shape, padding)
+        k, columns, r = _weight_grad_dims(g)
+
+        # dw and db: split-K over N*Ho*Wo so that a small dw still fills the GPU
+        blocks = math.ceil(columns / TILE_N) * math.ceil(k / TILE_M)
+        splits = max(1, min(math.ceil(WGRAD_TARGET_BLOCKS / blocks), r // WGRAD_MIN_R_PER_SPLIT))
+        r_per_split = math.ceil(math.ceil(r / splits) / TILE_R) * TILE_R
+        splits = math.ceil(r / r_per_split)
+        partial = cuda.device_array((splits, k, columns), np.float32)
+        grid = (math.ceil(columns / TILE_N), math.ceil(k / TILE_M), splits)
+        conv_weight_grad_kernel[grid, (THREADS_X, THREADS_Y)](dy_dev, x_dev, partial, self._no_bias, g, r_per_split)
+        dw = cuda.device_array(w_dev.shape, np.float32)
+        db = cuda.device_array(k, np.float32)
+        grid = (math.ceil(columns / BLOCK_2D[0]), math.ceil(k / BLOCK_2D[1]))
+        weight_grad_finish_kernel[grid, BLOCK_2D](partial, dw.reshape(k, columns - 1), db)
+
+        dx = None
+        if need_dx:
+            c, pixels, r = _input_grad_dims(g)
+            dx = cuda.device_array(x_dev.shape, np.float32)
+            grid = (math.ceil(pixels / TILE_N), math.ceil(c / TILE_M), 1)
+            conv_input_grad_kernel[grid, (THREADS_X, THREADS_Y)](w_dev, dy_dev, dx, self._no_bias, g, r)
+        return dx, dw, db
+
+    # ---- the contract -----------------------------------------------------------------------
+    def _conv2d(self, x, w, b, padding):
+        y = self._forward(cuda.to_device(x), cuda.to_device(w), cuda.to_device(b), padding)
+        return y.copy_to_host()
+
+    def _conv2d_backward(self, x, w, dy, padding, need_dx):
+        dx, dw, db = self._gradients(cuda.to_device(x), cuda.to_device(w), cuda.to_device(dy), padding, need_dx)
+        return (dx.copy_to_host() if need_dx else None), dw.copy_to_host(), db.copy_to_host()
+
+    def _conv_relu_pool(self, x, w, b, padding):
+        w_shape = tuple(w.shape)
+        w_dev = self._resident("w", w, w_shape)
+        b_dev = self._resident("b", np.zeros(w_shape[0], np.float32) if b is None else b, (w_shape[0],))
+        x_dev = cuda.to_device(x)
+        y = self._forward(x_dev, w_dev, b_dev, padding)
+        pooled, winner = self._relu_pool(y)
+        ctx = _PoolContext(x=x_dev, winner=winner, padding=padding, w_shape=w_shape,
+                           conv_shape=tuple(y.shape), pooled_shape=pooled_shape(x.shape, w_shape, padding))
+        return pooled.copy_to_host(), ctx
+
+    def _conv_relu_pool_backward(self, ctx, w, dpooled, need_dx):
+        w_dev = self._resident("w", w, ctx.w_shape)
+        dy = cuda.device_array(ctx.conv_shape, np.float32)
+        nb, k, ho, wo = ctx.conv_shape
+        grid = (math.ceil(ho * wo / BLOCK_2D[0]), math.ceil(nb * k / BLOCK_2D[1]))
+        relu_maxpool2_backward_kernel[grid, BLOCK_2D](ctx.winner, cuda.to_device(dpooled), dy)
+        dx, dw, db = self._gradients(ctx.x, w_dev, dy, ctx.padding, need_dx)
+        return (dx.copy_to_host() if need_dx else None), dw, db
+
+    def _sgd_(self, param, velocity, grad, lr, momentum, weight_decay):
+        for name, a in (("param", param), ("velocity", velocity), ("grad", grad)):
+            if not _is_device_array(a):
+                raise TypeError(f"sgd_ updates arrays on {self.name}: {name} is {type(a).__name__}, upload it first")
+            if tuple(a.shape) != tuple(param.shape):
+                raise ValueError(f"{name} shape must match param, {tuple(a.shape)!r} != {tuple(param.shape)!r}")
+        size = int(np.prod(param.shape))
+        grid = math.ceil(size / ELEMENTWISE_THREADS)
+        sgd_kernel[grid, ELEMENTWISE_THREADS](param.reshape(size), velocity.reshape(size), grad.reshape(size),
+                                              np.float32(lr), np.float32(momentum), np.float32(weight_decay))
+
+
+def _gpu_count(requested):
+    """Number of GPUs numba.cuda sees; DeviceError when there is no usable driver."""
+    try:
+        return len(cuda.gpus)
+    except Exception as e:   # CudaSupportError and driver errors carry the reason
+        reason = " ".join(str(e).split()).rstrip(" :")
+        raise DeviceError(f"{requested} requested but no CUDA driver found: {reason}") from e
+
+
+def open(index=0, **options):
+    """Open cuda:`index` (DeviceError names what was asked and what exists)."""
+    requested = f"cuda:{index}"
+    if options:
+        raise DeviceError(f"{requested} takes no options, got {sorted(options)!r}")
+    count = _gpu_count(requested)
+    if count == 0:
+        raise DeviceError(f"{requested} requested but this machine has no GPU")
+    if not 0 <= index < count:
+        existing = "cuda:0" if count == 1 else f"cuda:0 .. cuda:{count - 1}"
+        raise DeviceError(f"{requested} requested but this machine has {count} GPU{'s' if count > 1 else ''} ({existing})")
+    try:
+        cuda.select_device(index)
+        gpu = cuda.get_current_device()
+    except Exception as e:
+        raise DeviceError(f"{requested} could not be opened: {' '.join(str(e).split())}") from e
+    gpu_name = getattr(gpu, "name", "CUDA simulator")
+    if isinstance(gpu_name, bytes):
+        gpu_name = gpu_name.decode()
+    return CudaDevice(index, gpu_name)

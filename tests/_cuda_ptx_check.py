@@ -1,0 +1,65 @@
+"""Compile every kernel of hetconv.devices.cuda to PTX for one compute capability, with no GPU.
+
+Run by tests/test_cuda_ptx.py in a subprocess whose environment has NUMBA_ENABLE_CUDASIM removed
+(the simulator does not compile). Prints one JSON object on stdout:
+
+    python tests/_cuda_ptx_check.py 9.0              every kernel in PTX_SIGNATURES, plus coverage
+    python tests/_cuda_ptx_check.py 9.0 --mistyped   a real kernel under a wrong signature
+"""
+import json
+import sys
+import types as pytypes
+
+
+def _compile_device_functions_for(cc):
+    """compile_ptx needs no driver, but a device function called from a kernel is compiled for
+    the current device's compute capability (numba-cuda 0.30), which needs one. Pretend the
+    current device is the target: the kernel's own PTX is produced for `cc` either way."""
+    import numba.cuda.dispatcher as dispatcher
+    dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=cc)
+
+
+def main(argv):
+    cc = tuple(int(p) for p in argv[1].split("."))
+    mistyped = "--mistyped" in argv[2:]
+    from numba import cuda, float32, int8
+    from numba.cuda.cudadrv import nvvm
+    from numba.cuda.dispatcher import CUDADispatcher
+
+    if not nvvm.is_available():
+        return {"no_nvvm": "NVVM not found: install numba-cuda with its CUDA extra, e.g. numba-cuda[cu13]"}
+    _compile_device_functions_for(cc)
+    import hetconv.devices.cuda as module
+
+    if mistyped:
+        # relu_maxpool2 indexes 4-D arrays; 2-D ones must be refused at compile time
+        f2, i2 = float32[:, ::1], int8[:, ::1]
+        try:
+            cuda.compile_ptx(module._relu_maxpool2, (f2, f2, i2), cc=cc)
+        except Exception as e:
+            return {"rejected": True, "error": type(e).__name__, "message": str(e)[:400]}
+        return {"rejected": False}
+
+    listed = {fn for fn, _ in module.PTX_SIGNATURES}
+    kernels = {name: obj for name, obj in vars(module).items()
+               if isinstance(obj, CUDADispatcher) and not obj.targetoptions.get("device")}
+    unlisted = sorted(name for name, k in kernels.items() if k.py_func not in listed)
+    compiled, failed = [], []
+    target = f".target sm_{cc[0]}{cc[1]}"
+    for fn, sig in module.PTX_SIGNATURES:
+        name = f"{fn.__module__}.{fn.__qualname__}{tuple(str(t) for t in sig)}"
+        try:
+            ptx, _ = cuda.compile_ptx(fn, sig, cc=cc)
+        except Exception as e:
+            failed.append({"kernel": name, "error": f"{type(e).__name__}: {str(e)[:2000]}"})
+            continue
+        if target not in ptx:
+            failed.append({"kernel": name, "error": f"PTX lacks {target!r}"})
+        else:
+            compiled.append(name)
+    return {"cc": list(cc), "kernels": sorted(kernels), "unlisted": unlisted,
+            "compiled": compiled, "failed": failed}
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv)))
