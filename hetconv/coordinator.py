@@ -245,8 +245,8 @@ class RemoteEngine:
         t0 = time.perf_counter()
         replies = self._request_all({name: ("CALIBRATE", [], {"layers": layers}) for name in self.peers}, "calibration")
         self.calibration_s = time.perf_counter() - t0
-        self.calibration = {name: {"batch": batch, "kernels": [l["kernels"] for l in layers],
-                                   "seconds": list(m.fields["seconds"]), "speeds": list(m.fields["speeds"])}
+        self.calibration = {name: {"device": self.peers[name].device, "description": self.peers[name].description,
+                                   "speeds": list(m.fields["speeds"]), "layers": list(m.fields["timings"])}
                             for name, m in replies.items()}
         return {name: list(replies[name].fields["speeds"]) for name in self.peers}
 

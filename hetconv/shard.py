@@ -91,30 +91,42 @@ class ConvShard:
         return d.download(sl.w), d.download(sl.b), d.download(sl.vw), d.download(sl.vb)
 
     def calibrate(self, specs, input_shapes, kernels, repeats=2):
-        """Seconds for one fused forward + backward of `kernels[i]` kernels on each layer's real
-        input shape, after a warm-up run that absorbs JIT compilation. Returns kernels/s per layer
-        (per batch of input_shapes[i][0] images) and the raw seconds."""
+        """Time the fused forward and backward on each layer's real input shape, after a warm-up
+        run that absorbs JIT compilation, at two kernel counts: `kernels[i]` and half of it.
+        Two points separate the per-kernel cost from the part every shard pays whatever its
+        share (im2col, the input's trip through memory), which the cost model needs.
+
+        Returns (kernels/s per layer at kernels[i], per-layer timing dicts)."""
         rng = np.random.default_rng(0)
-        speeds, seconds = [], []
+        speeds, timings = [], []
         for li, (spec, shape, k) in enumerate(zip(specs, input_shapes, kernels)):
-            k = max(1, int(k))
             x = rng.standard_normal(shape, dtype=np.float32)
-            w = rng.standard_normal((k, spec.in_channels, spec.ksize, spec.ksize), dtype=np.float32)
-            w *= np.float32(np.sqrt(2.0 / (spec.in_channels * spec.ksize ** 2)))
-            w_dev, b_dev = self.device.upload(w), self.device.upload(np.zeros(k, np.float32))
-            need_dx = li > 0
-            best = float("inf")
-            for rep in range(repeats + 1):           # rep 0 is the warm-up
-                t0 = time.perf_counter()
-                y, ctx = self.device.conv_relu_pool(x, w_dev, b_dev, spec.padding)
-                self.device.conv_relu_pool_backward(ctx, w_dev, np.ones_like(y), need_dx)
-                self.device.synchronize()
-                dt = time.perf_counter() - t0
-                if rep > 0:
-                    best = min(best, dt)
-            seconds.append(best)
-            speeds.append(k / best)
-        return speeds, seconds
+            counts = sorted({max(1, int(k)), max(1, int(k) // 2)}, reverse=True)
+            fwd, bwd = [], []
+            for count in counts:
+                f, b = self._time_layer(spec, x, count, need_dx=li > 0, repeats=repeats, rng=rng)
+                fwd.append(f)
+                bwd.append(b)
+            speeds.append(counts[0] / (fwd[0] + bwd[0]))
+            timings.append({"batch": int(shape[0]), "kernels": counts, "forward_s": fwd, "backward_s": bwd})
+        return speeds, timings
+
+    def _time_layer(self, spec, x, k, need_dx, repeats, rng):
+        w = rng.standard_normal((k, spec.in_channels, spec.ksize, spec.ksize), dtype=np.float32)
+        w *= np.float32(np.sqrt(2.0 / (spec.in_channels * spec.ksize ** 2)))
+        w_dev, b_dev = self.device.upload(w), self.device.upload(np.zeros(k, np.float32))
+        best_f = best_b = float("inf")
+        for rep in range(repeats + 1):                 # rep 0 is the warm-up
+            t0 = time.perf_counter()
+            y, ctx = self.device.conv_relu_pool(x, w_dev, b_dev, spec.padding)
+            self.device.synchronize()
+            t1 = time.perf_counter()
+            self.device.conv_relu_pool_backward(ctx, w_dev, np.ones_like(y), need_dx)
+            self.device.synchronize()
+            t2 = time.perf_counter()
+            if rep > 0:
+                best_f, best_b = min(best_f, t1 - t0), min(best_b, t2 - t1)
+        return best_f, best_b
 
 
 class LocalEngine:

@@ -1,0 +1,396 @@
+"""The cost model: a step's time, speedup and wire bytes, predicted from calibrated device timings,
+layer shapes, batch size and link bandwidth — before anything is bought or wired.
+
+    hetconv-predict --devices cpu:1x4 --bandwidth 1gbit       # four 1-thread CPUs like this one, 1 GbE
+    hetconv-predict --devices cpu:1,@gpu-host.json --bandwidth 10gbit
+
+The model of one step, phase by phase (each conv layer's forward, then each one's backward):
+- Device time: from calibration, per layer, seconds = batch * (fixed + per_kernel * k). Two
+  calibration points (k and k/2 kernels) separate the part every shard pays whatever its share
+  (im2col, reading the input) from the per-kernel GEMM cost.
+- Wire: all traffic goes through the coordinator's one link. Requests leave one after another
+  (the layer input is sent to every worker: a broadcast costs n sends); a worker starts when its
+  request has arrived; replies come back over the same link in the order they are ready.
+- Coordinator: FC layers, loss, concatenating channel slices and summing partial dX, measured
+  on this host and added once per step (the workers are idle meanwhile: a step is synchronous).
+The pure functions below (fit, wire bytes, predict) take no clocks and no sockets; the
+measuring helpers are at the end.
+"""
+import argparse
+import json
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+FLOAT_BYTES = 4
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One device on one conv layer, per image: seconds = fixed + per_kernel * kernels."""
+    forward_fixed_s: float
+    forward_per_kernel_s: float
+    backward_fixed_s: float
+    backward_per_kernel_s: float
+
+    def forward_s(self, kernels, batch):
+        return batch * (self.forward_fixed_s + self.forward_per_kernel_s * kernels)
+
+    def backward_s(self, kernels, batch):
+        return batch * (self.backward_fixed_s + self.backward_per_kernel_s * kernels)
+
+    @classmethod
+    def fit(cls, timing):
+        """From a calibration timing {batch, kernels: [k1, k2], forward_s: [..], backward_s: [..]}."""
+        batch = timing["batch"]
+        ks = timing["kernels"]
+        out = []
+        for ts in (timing["forward_s"], timing["backward_s"]):
+            fixed, per_kernel = _fit_line(ks, ts)
+            out += [fixed / batch, per_kernel / batch]
+        return cls(*out)
+
+
+def _fit_line(ks, ts):
+    """(fixed, per_kernel) through the calibration points; the fixed part is never negative
+    (noise can make the two points disagree) and never more than the smallest measurement."""
+    if len(ks) < 2 or ks[0] == ks[1]:
+        return 0.0, ts[0] / ks[0]
+    per_kernel = (ts[0] - ts[1]) / (ks[0] - ks[1])
+    fixed = ts[0] - per_kernel * ks[0]
+    if per_kernel <= 0 or fixed < 0:
+        return 0.0, ts[0] / ks[0]
+    return fixed, per_kernel
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    device: str
+    description: str
+    layers: tuple                     # LayerCost per conv layer
+
+    def to_json(self):
+        return {"name": self.name, "device": self.device, "description": self.description,
+                "layers": [asdict(lc) for lc in self.layers]}
+
+    @classmethod
+    def from_json(cls, d):
+        return cls(d["name"], d["device"], d.get("description", ""), tuple(LayerCost(**lc) for lc in d["layers"]))
+
+
+def profiles_from_calibration(calibration):
+    """RemoteEngine.calibration -> {worker: DeviceProfile}."""
+    return {name: DeviceProfile(name, c["device"], c.get("description", ""),
+                                tuple(LayerCost.fit(t) for t in c["layers"]))
+            for name, c in calibration.items()}
+
+
+@dataclass(frozen=True)
+class Link:
+    """The coordinator's link: bytes per second, and a per-message latency."""
+    bytes_per_s: float
+    latency_s: float = 50e-6
+    name: str = ""
+
+
+def parse_bandwidth(text):
+    """'100mbit', '1gbit', '10gbit', '2.5gbit' (bits per second, as tc writes them) or '500MB'
+    (bytes per second) -> Link."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgKMG])(bit|B)\s*", str(text))
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"bandwidth {text!r}: expected a rate such as 100mbit, 1gbit, 10gbit or 500MB")
+    per_s = float(m.group(1)) * {"k": 1e3, "m": 1e6, "g": 1e9}[m.group(2).lower()]
+    return Link(per_s / 8 if m.group(3) == "bit" else per_s, name=text)
+
+
+def layer_geometry(specs, image_shape, batch):
+    """Per layer: (input shape (N,C,H,W), pooled output shape without K (N,H',W'))."""
+    c, h, w = image_shape
+    out = []
+    for spec in specs:
+        hp, wp = spec.output_hw(h, w)
+        out.append(((batch, c, h, w), (batch, hp, wp)))
+        c, h, w = spec.kernels, hp, wp
+    return out
+
+
+def wire_bytes(specs, image_shape, batch, counts):
+    """Bytes per step each way for each worker: {worker: {"sent": to it, "recv": from it}}, and
+    the same per phase. counts: {worker: [kernels per layer]}."""
+    geometry = layer_geometry(specs, image_shape, batch)
+    per_worker = {w: {"sent": 0, "recv": 0} for w in counts}
+    phases = []
+    for li, ((n, c, h, wd), (_, hp, wp)) in enumerate(geometry):
+        x_bytes = n * c * h * wd * FLOAT_BYTES
+        fwd = {w: (x_bytes, n * counts[w][li] * hp * wp * FLOAT_BYTES) for w in counts}
+        phases.append(("forward", li, fwd))
+    for li in reversed(range(len(geometry))):
+        (n, c, h, wd), (_, hp, wp) = geometry[li]
+        dx_bytes = n * c * h * wd * FLOAT_BYTES if li > 0 else 0
+        bwd = {w: (n * counts[w][li] * hp * wp * FLOAT_BYTES, dx_bytes) for w in counts}
+        phases.append(("backward", li, bwd))
+    for _, _, traffic in phases:
+        for w, (sent, recv) in traffic.items():
+            per_worker[w]["sent"] += sent
+            per_worker[w]["recv"] += recv
+    return per_worker, phases
+
+
+@dataclass
+class Prediction:
+    step_s: float
+    coordinator_s: float
+    workers: dict            # worker -> {compute_s, wire_s, wait_s, sent, recv}
+    phases: list             # (phase, layer, seconds)
+
+    def to_json(self):
+        return {"step_s": self.step_s, "coordinator_s": self.coordinator_s, "workers": self.workers,
+                "phases": [{"phase": p, "layer": l, "seconds": s} for p, l, s in self.phases]}
+
+
+def predict_step(specs, image_shape, batch, counts, profiles, link, coordinator_s):
+    """Predicted seconds for one training step of `counts` kernels per worker per layer."""
+    per_worker, phases = wire_bytes(specs, image_shape, batch, counts)
+    workers = {w: {"compute_s": 0.0, "wire_s": 0.0, "sent": per_worker[w]["sent"], "recv": per_worker[w]["recv"]}
+               for w in counts}
+    timeline = []
+    total = coordinator_s
+    for phase, li, traffic in phases:
+        compute = {}
+        for w in counts:
+            cost = profiles[w].layers[li]
+            k = counts[w][li]
+            compute[w] = cost.forward_s(k, batch) if phase == "forward" else cost.backward_s(k, batch)
+            workers[w]["compute_s"] += compute[w]
+        # requests leave one after another over the coordinator's link
+        link_free, ready = 0.0, {}
+        for w in counts:
+            sent = traffic[w][0]
+            link_free += sent / link.bytes_per_s + link.latency_s
+            workers[w]["wire_s"] += sent / link.bytes_per_s
+            ready[w] = link_free + compute[w]
+        # replies share the link, in the order they are ready
+        end = 0.0
+        for w in sorted(counts, key=lambda name: ready[name]):
+            recv = traffic[w][1]
+            end = max(end, ready[w]) + recv / link.bytes_per_s + link.latency_s
+            workers[w]["wire_s"] += recv / link.bytes_per_s
+        timeline.append((phase, li, end))
+        total += end
+    for w in workers:
+        workers[w]["wait_s"] = max(0.0, total - coordinator_s - workers[w]["compute_s"] - workers[w]["wire_s"])
+    return Prediction(total, coordinator_s, workers, timeline)
+
+
+def predict_local(specs, batch, profile, coordinator_s):
+    """The single-device baseline: every kernel on one device, in process, no wire."""
+    conv = sum(profile.layers[li].forward_s(s.kernels, batch) + profile.layers[li].backward_s(s.kernels, batch)
+               for li, s in enumerate(specs))
+    return conv + coordinator_s
+
+
+# ---- measuring helpers (clocks and sockets live here, not above) ---------------------------------
+
+class _TimingEngine:
+    """Stands in for the workers so the coordinator's own share of a step can be timed: it
+    returns ready-made feature maps, concatenated from `n` slices, and sums `n` partial dX,
+    exactly the array work the real coordinator does around the wire."""
+
+    def __init__(self, specs, image_shape, batch, n, rng):
+        self.geometry = layer_geometry(specs, image_shape, batch)
+        self.specs, self.n = specs, n
+        self.outputs = []
+        for spec, (_, (b, hp, wp)) in zip(specs, self.geometry):
+            parts = np.array_split(np.arange(spec.kernels), n)
+            self.outputs.append([rng.random((b, len(p), hp, wp), dtype=np.float32) for p in parts])
+
+    def forward(self, layer, x):
+        parts = self.outputs[layer]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+
+    def backward(self, layer, dpooled, lr, momentum, weight_decay, need_dx):
+        if not need_dx:
+            return None
+        shape = self.geometry[layer][0]
+        partial = np.ones(shape, np.float32)
+        dx = partial.copy()
+        for _ in range(self.n - 1):
+            np.add(dx, partial, out=dx)
+        return dx
+
+
+def measure_coordinator_s(specs, fc_sizes, image_shape, batch, n_workers, repeats=3):
+    """Seconds of coordinator work per step (FC, loss, concatenation, dX sum) on this host."""
+    from hetconv.model import Network
+    rng = np.random.default_rng(0)
+    engine = _TimingEngine(specs, image_shape, batch, n_workers, rng)
+    net = Network(specs, fc_sizes, engine, rng, image_shape)
+    x = np.zeros((batch,) + tuple(image_shape), np.float32)
+    labels = rng.integers(0, 10, batch)
+    best = float("inf")
+    for rep in range(repeats + 1):
+        t0 = time.perf_counter()
+        net.train_step(x, labels, 1e-6, 0.0, 0.0)
+        if rep:
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_loopback(megabytes=64, repeats=3):
+    """Bytes/s of one large ZeroMQ message over TCP on 127.0.0.1, one way, as hetconv sends them."""
+    import threading
+
+    import zmq
+    ctx = zmq.Context()
+    try:
+        rx, tx = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+        rx.linger = tx.linger = 0
+        port = rx.bind_to_random_port("tcp://127.0.0.1")
+        tx.connect(f"tcp://127.0.0.1:{port}")
+        payload = np.ones(megabytes << 18, np.float32)            # megabytes MiB
+        best = float("inf")
+        for _ in range(repeats + 1):
+            done = threading.Event()
+            threading.Thread(target=lambda: (rx.recv(copy=False), done.set()), daemon=True).start()
+            t0 = time.perf_counter()
+            tx.send(payload, copy=False)
+            if not done.wait(30):
+                raise RuntimeError("loopback measurement: no message arrived within 30s")
+            best = min(best, time.perf_counter() - t0)
+        return payload.nbytes / best
+    finally:
+        ctx.destroy(linger=0)
+
+
+def calibrate_local(device_spec, specs, input_shapes, kernels, threads=None, repeats=2):
+    """A DeviceProfile for a device in this process (what a worker on it would report)."""
+    from hetconv.devices import open_device
+    from hetconv.shard import ConvShard
+    options = {"threads": threads} if device_spec == "cpu" and threads else {}
+    device = open_device(device_spec, **options)
+    _, timings = ConvShard(device).calibrate(specs, input_shapes, kernels, repeats=repeats)
+    return DeviceProfile(f"{device_spec}:{threads}" if threads else device_spec, device_spec, device.describe(),
+                         tuple(LayerCost.fit(t) for t in timings))
+
+
+# ---- hetconv-predict ------------------------------------------------------------------------
+
+def _parse_devices(text):
+    """'cpu:1x4,cuda:0,@gpu.json' -> [(kind, threads, count, profile path)]."""
+    entries = []
+    for item in [t.strip() for t in text.split(",") if t.strip()]:
+        m = re.fullmatch(r"(@[^x]+|cpu(?::(\d+))?|cuda:\d+)(?:x(\d+))?", item)
+        if not m:
+            raise ValueError(f"device entry {item!r}: expected cpu, cpu:THREADS, cuda:N or @PROFILE.json, "
+                             f"optionally followed by xCOUNT (e.g. cpu:1x4)")
+        head, threads, count = m.group(1), m.group(2), int(m.group(3) or 1)
+        if count < 1:
+            raise ValueError(f"device entry {item!r}: the count must be >= 1")
+        entries.append((head, int(threads) if threads else None, count))
+    if not entries:
+        raise ValueError("--devices needs at least one entry, e.g. cpu:1x4")
+    return entries
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="hetconv-predict",
+        description="Predict step time, speedup over one device, and wire bytes for a set of devices, from "
+                    "calibrating the devices you have (or saved profiles) and the link's bandwidth.",
+        epilog="examples: hetconv-predict --devices cpu:1x4 --bandwidth 1gbit  |  "
+               "hetconv-predict --devices cpu:4,@gpu.json --bandwidth 10gbit --batch-size 32")
+    p.add_argument("--devices", default="cpu:1x2",
+                   help="comma list: cpu (all cores), cpu:THREADS, cuda:N, or @PROFILE.json (saved with "
+                        "--save-profiles on another host); xCOUNT repeats an entry (default: cpu:1x2)")
+    p.add_argument("--bandwidth", default="loopback",
+                   help="the coordinator's link: 100mbit, 1gbit, 10gbit, ... or 'loopback' (measured here)")
+    p.add_argument("--conv", default="500,1500", help="kernels per conv layer")
+    p.add_argument("--fc", default="256", help="hidden FC widths")
+    p.add_argument("--ksize", type=int, default=5)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--split", default="proportional", choices=["proportional", "equal"])
+    p.add_argument("--calibration-batch", type=int, default=16, help="images per calibration run")
+    p.add_argument("--save-profiles", default="", help="write the calibrated device profiles to this JSON file")
+    p.add_argument("--json", action="store_true", help="print the prediction as JSON")
+    return p
+
+
+def main(argv=None):
+    from hetconv.config import parse_int_list
+    from hetconv.model import conv_specs, layer_input_shapes
+    from hetconv.planner import make_plan
+
+    args = build_parser().parse_args(argv)
+    try:
+        entries = _parse_devices(args.devices)
+        specs = conv_specs(parse_int_list("--conv", args.conv, False), args.ksize)
+        fc = parse_int_list("--fc", args.fc, True)
+        image = (3, 32, 32)
+        input_shapes, _ = layer_input_shapes(specs, args.batch_size, image)
+        link = (Link(measure_loopback(), name="loopback (measured)") if args.bandwidth == "loopback"
+                else parse_bandwidth(args.bandwidth))
+    except (ValueError, OSError) as e:
+        print(f"hetconv-predict: {e}", file=sys.stderr)
+        return 2
+    n_total = sum(count for _, _, count in entries)
+    cal_batch = min(args.calibration_batch, args.batch_size)
+    cal_shapes = [(cal_batch,) + s[1:] for s in input_shapes]
+    share = [-(-s.kernels // n_total) for s in specs]
+    profiles, order = {}, []
+    for head, threads, count in entries:
+        key = head
+        if key not in profiles:
+            try:
+                if head.startswith("@"):
+                    with open(head[1:]) as f:
+                        saved = json.load(f)
+                    saved = saved if isinstance(saved, list) else [saved]
+                    profiles[key] = DeviceProfile.from_json(saved[0])
+                    if len(profiles[key].layers) != len(specs):
+                        raise ValueError(f"{head[1:]}: profile has {len(profiles[key].layers)} layers, --conv has {len(specs)}")
+                else:
+                    print(f"calibrating {key} ...", file=sys.stderr, flush=True)
+                    profiles[key] = calibrate_local(head.split(":")[0] if head.startswith("cpu") else head, specs,
+                                                    cal_shapes, share, threads=threads)
+            except Exception as e:
+                print(f"hetconv-predict: {key}: {e}", file=sys.stderr)
+                return 2
+        order += [key] * count
+    if args.save_profiles:
+        with open(args.save_profiles, "w") as f:
+            json.dump([p.to_json() for p in profiles.values()], f, indent=1)
+    names = [f"d{i}-{key}" for i, key in enumerate(order)]
+    by_name = {n: profiles[k] for n, k in zip(names, order)}
+    coordinator_s = {n: measure_coordinator_s(specs, fc, image, args.batch_size, n) for n in range(1, len(names) + 1)}
+    local_s = predict_local(specs, args.batch_size, by_name[names[0]], coordinator_s[1])
+    rows = []
+    for n in range(1, len(names) + 1):
+        subset = names[:n]
+        speeds = {w: [1.0 / (by_name[w].layers[li].forward_s(1, 1) + by_name[w].layers[li].backward_s(1, 1))
+                      for li in range(len(specs))] for w in subset}
+        plan = make_plan([s.kernels for s in specs], speeds, args.split)
+        counts = {w: [lp.count(w) for lp in plan.layers] for w in subset}
+        pred = predict_step(specs, image, args.batch_size, counts, by_name, link, coordinator_s[n])
+        rows.append({"devices": order[:n], "step_s": pred.step_s,
+                     "speedup": local_s / pred.step_s, "efficiency": local_s / pred.step_s / n,
+                     "wire_mb": sum(v["sent"] + v["recv"] for v in pred.workers.values()) / 1e6,
+                     "counts": counts, "prediction": pred.to_json()})
+    if args.json:
+        print(json.dumps({"link": asdict(link), "local_step_s": local_s, "rows": rows}, indent=1))
+        return 0
+    print(f"link: {link.name} = {link.bytes_per_s / 1e6:,.0f} MB/s; batch {args.batch_size}; conv {args.conv}; "
+          f"split {args.split}; single-device baseline {local_s:.3f} s/step ({order[0]})")
+    for key, prof in profiles.items():
+        print(f"  {key}: {prof.description}")
+    print(f"{'devices':<34} {'step s':>8} {'speedup':>8} {'effic.':>7} {'wire MB/step':>13}")
+    for r in rows:
+        print(f"{','.join(r['devices']):<34} {r['step_s']:8.3f} {r['speedup']:8.2f} {r['efficiency']:7.2f} {r['wire_mb']:13.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

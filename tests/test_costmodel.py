@@ -1,0 +1,96 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hetconv.costmodel import (DeviceProfile, LayerCost, Link, _parse_devices, parse_bandwidth, predict_local,
+                               predict_step, profiles_from_calibration, wire_bytes)
+from hetconv.model import conv_specs
+
+PAPER = conv_specs([500, 1500])
+IMAGE = (3, 32, 32)
+
+
+def test_fit_separates_fixed_and_per_kernel_cost():
+    # 8 images: 100 kernels take 1.2 s, 50 take 0.7 s -> 0.2 s fixed, 0.01 s per kernel
+    cost = LayerCost.fit({"batch": 8, "kernels": [100, 50], "forward_s": [1.2, 0.7], "backward_s": [2.0, 1.0]})
+    assert cost.forward_fixed_s == pytest.approx(0.2 / 8) and cost.forward_per_kernel_s == pytest.approx(0.01 / 8)
+    assert cost.backward_fixed_s == pytest.approx(0.0) and cost.backward_s(100, 8) == pytest.approx(2.0)
+    # noise that would make the fixed part negative falls back to purely per-kernel
+    noisy = LayerCost.fit({"batch": 1, "kernels": [10, 5], "forward_s": [1.0, 0.6], "backward_s": [1.0, 0.4]})
+    assert noisy.backward_fixed_s == 0.0 and noisy.backward_s(10, 1) == pytest.approx(1.0)
+
+
+def test_wire_bytes_of_the_paper_network():
+    per_worker, phases = wire_bytes(PAPER, IMAGE, 128, {"a": [250, 750], "b": [250, 750]})
+    x1, y1 = 128 * 3 * 32 * 32 * 4, 128 * 250 * 14 * 14 * 4
+    x2, y2 = 128 * 500 * 14 * 14 * 4, 128 * 750 * 5 * 5 * 4
+    assert per_worker["a"] == {"sent": x1 + x2 + y2 + y1, "recv": y1 + y2 + x2}     # no dX for conv1
+    assert [p[:2] for p in phases] == [("forward", 0), ("forward", 1), ("backward", 1), ("backward", 0)]
+
+
+def flat_profile(name, per_kernel):
+    return DeviceProfile(name, "cpu", "", (LayerCost(0.0, per_kernel, 0.0, per_kernel),) * 2)
+
+
+def test_prediction_scales_with_devices_and_bandwidth():
+    profiles = {"a": flat_profile("a", 1e-4), "b": flat_profile("b", 1e-4)}
+    fast, slow = Link(1e12, 0.0), parse_bandwidth("100mbit")
+    one = predict_step(PAPER, IMAGE, 32, {"a": [500, 1500]}, profiles, fast, 0.0)
+    two = predict_step(PAPER, IMAGE, 32, {"a": [250, 750], "b": [250, 750]}, profiles, fast, 0.0)
+    assert one.step_s == pytest.approx(2 * 32 * 2000 * 1e-4, rel=1e-4)
+    assert two.step_s == pytest.approx(one.step_s / 2, rel=1e-3)
+    assert predict_step(PAPER, IMAGE, 32, {"a": [250, 750], "b": [250, 750]}, profiles, slow, 0.0).step_s > two.step_s + 1
+    assert predict_local(PAPER, 32, profiles["a"], 0.5) == pytest.approx(one.step_s + 0.5, rel=1e-4)
+
+
+def test_an_uneven_split_of_equal_devices_waits_for_the_slowest():
+    profiles = {"a": flat_profile("a", 1e-4), "b": flat_profile("b", 1e-4)}
+    link = Link(1e12, 0.0)
+    even = predict_step(PAPER, IMAGE, 8, {"a": [250, 750], "b": [250, 750]}, profiles, link, 0.0)
+    uneven = predict_step(PAPER, IMAGE, 8, {"a": [400, 1200], "b": [100, 300]}, profiles, link, 0.0)
+    assert uneven.step_s == pytest.approx(even.step_s * 1.6, rel=1e-3)
+    assert uneven.workers["b"]["wait_s"] > uneven.workers["a"]["wait_s"]
+
+
+def test_profiles_from_calibration_round_trip():
+    cal = {"w0": {"device": "cpu", "description": "cpu (1 thread)",
+                  "layers": [{"batch": 4, "kernels": [4, 2], "forward_s": [0.4, 0.2], "backward_s": [0.8, 0.4]}]}}
+    prof = profiles_from_calibration(cal)["w0"]
+    assert DeviceProfile.from_json(json.loads(json.dumps(prof.to_json()))) == prof
+    assert prof.layers[0].forward_s(4, 4) == pytest.approx(0.4)
+
+
+@pytest.mark.parametrize("text,bytes_per_s", [("100mbit", 12.5e6), ("1gbit", 125e6), ("10gbit", 1.25e9),
+                                               ("2.5gbit", 312.5e6), ("500MB", 500e6)])
+def test_parse_bandwidth(text, bytes_per_s):
+    assert parse_bandwidth(text).bytes_per_s == pytest.approx(bytes_per_s)
+
+
+@pytest.mark.parametrize("text", ["fast", "1gigabit", "-1gbit", "0mbit"])
+def test_bad_bandwidth_is_named(text):
+    with pytest.raises(ValueError, match=f"bandwidth '{text}': expected a rate"):
+        parse_bandwidth(text)
+
+
+def test_device_lists():
+    assert _parse_devices("cpu:1x4,cuda:0,@gpu.json") == [("cpu:1", 1, 4), ("cuda:0", None, 1), ("@gpu.json", None, 1)]
+    with pytest.raises(ValueError, match="device entry 'gpu'"):
+        _parse_devices("cpu,gpu")
+
+
+def test_predict_command_end_to_end(tmp_path):
+    profile = tmp_path / "cpu.json"
+    result = subprocess.run([sys.executable, "-m", "hetconv.costmodel", "--devices", "cpu:1x2", "--conv", "4,8",
+                             "--fc", "8", "--batch-size", "8", "--calibration-batch", "4", "--bandwidth", "1gbit",
+                             "--save-profiles", str(profile), "--json"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert [r["devices"] for r in out["rows"]] == [["cpu:1"], ["cpu:1", "cpu:1"]]
+    assert all(r["step_s"] > 0 and r["wire_mb"] > 0 for r in out["rows"])
+    again = subprocess.run([sys.executable, "-m", "hetconv.costmodel", "--devices", f"@{profile}x3", "--conv", "4,8",
+                            "--fc", "8", "--batch-size", "8", "--bandwidth", "100mbit"], capture_output=True, text=True,
+                           timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert "100mbit = 12 MB/s" in again.stdout and again.stdout.count(f"@{profile}") >= 3
