@@ -157,22 +157,22 @@ class CpuDevice(Device):
                 for i in threadpool_info() if i.get("user_api") == "blas"]
         return f"cpu ({self.threads} thread{'s' if self.threads > 1 else ''}, BLAS {', '.join(blas) or 'unknown'})"
 
-    def _chunks(self, n, rows_per_image, ckk):
-        per_image = max(1, rows_per_image * ckk * 4)
-        step = max(1, min(n, self.im2col_budget_bytes // per_image))
-        return [(n0, min(n, n0 + step)) for n0 in range(0, n, step)], step
-
-    # ---- forward -----------------------------------------------------------------------------
-    def _forward_chunks(self, x, w, padding, consume):
-        """Run Y (K, P) = W @ im2col(chunk).T per chunk and hand each Y to `consume(n0, n1, y)`."""
+    def _chunk_plan(self, x, w, padding):
+        """What forward and backward share: kernel and output size, W as (K, C*kh*kw), the image
+        ranges of each chunk, and an im2col buffer sized for the largest chunk."""
         n, c, h, wd = x.shape
         k, _, kh, kw = w.shape
         ho, wo = h + 2 * padding - kh + 1, wd + 2 * padding - kw + 1
         ckk = c * kh * kw
-        w2 = w.reshape(k, ckk)
-        chunks, step = self._chunks(n, ho * wo, ckk)
-        cols_buf = np.empty((step * ho * wo, ckk), np.float32)
-        y_buf = np.empty((k, step * ho * wo), np.float32)
+        step = max(1, min(n, self.im2col_budget_bytes // max(1, ho * wo * ckk * 4)))
+        chunks = [(n0, min(n, n0 + step)) for n0 in range(0, n, step)]
+        return (kh, kw, ho, wo), w.reshape(k, ckk), chunks, np.empty((step * ho * wo, ckk), np.float32)
+
+    # ---- forward -----------------------------------------------------------------------------
+    def _forward_chunks(self, x, w, padding, consume):
+        """Run Y (K, P) = W @ im2col(chunk).T per chunk and hand each Y to `consume(n0, n1, y)`."""
+        (kh, kw, ho, wo), w2, chunks, cols_buf = self._chunk_plan(x, w, padding)
+        y_buf = np.empty((w.shape[0], cols_buf.shape[0]), np.float32)
         for n0, n1 in chunks:
             rows = (n1 - n0) * ho * wo
             cols, y = cols_buf[:rows], y_buf[:, :rows]
@@ -208,14 +208,9 @@ class CpuDevice(Device):
     # ---- backward ----------------------------------------------------------------------------
     def _backward_chunks(self, x, w, padding, need_dx, fill_dy):
         """dW, db, dx from per-chunk dY (K, P) produced by `fill_dy(n0, n1, dy_out)`."""
-        n, c, h, wd = x.shape
-        k, _, kh, kw = w.shape
-        ho, wo = h + 2 * padding - kh + 1, wd + 2 * padding - kw + 1
-        ckk = c * kh * kw
-        w2 = w.reshape(k, ckk)
-        chunks, step = self._chunks(n, ho * wo, ckk)
-        cols_buf = np.empty((step * ho * wo, ckk), np.float32)
-        dy_buf = np.empty((k, step * ho * wo), np.float32)
+        (kh, kw, ho, wo), w2, chunks, cols_buf = self._chunk_plan(x, w, padding)
+        k, ckk = w2.shape
+        dy_buf = np.empty((k, cols_buf.shape[0]), np.float32)
         dw = np.zeros((k, ckk), np.float32)
         dw_part = np.empty((k, ckk), np.float32) if len(chunks) > 1 else dw
         db = np.zeros(k, np.float64)

@@ -143,6 +143,7 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra):
     losses, step_times = [], []
     last_ckpt = None
     interrupted = False
+    last_line = time.monotonic()
     bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, disable=None)
     with _StopAfterStep() as stop:
         while step < total_steps and not stop.requested:
@@ -165,6 +166,10 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra):
                               step_s=dt, images_per_s=len(y) / dt, workers=engine.step_stats())
                 bar.update(1)
                 bar.set_postfix(loss=f"{result.loss:.3f}", img_s=f"{len(y) / dt:.0f}")
+                if bar.disable and time.monotonic() - last_line >= 30:
+                    # no terminal (a log file, CI): a plain line every 30 s instead of the bar
+                    last_line = time.monotonic()
+                    log(f"step {step}/{total_steps}  loss {result.loss:.4f}  {len(y) / dt:.1f} img/s")
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                     last_ckpt = save(step, epoch)
                 if step >= total_steps or stop.requested:

@@ -312,16 +312,23 @@ def wait_for_step(metrics, seconds=90):
     raise AssertionError("no training step was recorded in time")
 
 
-def test_ctrl_c_finishes_the_step_checkpoints_and_ends_every_worker(procs, tmp_path):
-    metrics, log = tmp_path / "m.jsonl", tmp_path / "out.txt"
-    with open(log, "w") as out:
+def start_long_run(procs, tmp_path, *extra):
+    """A --spawn cpu,cpu run far longer than any test, its output in tmp_path/out.txt; returns
+    once it has finished a step."""
+    metrics = tmp_path / "m.jsonl"
+    with open(tmp_path / "out.txt", "w") as out:
         coord = procs(python_cmd("hetconv.coordinator", "--spawn", "cpu,cpu", "--conv", "6,12", "--fc", "16",
                                  "--batch-size", "32", "--synthetic-train", "20000", "--synthetic-test", "64",
-                                 "--calibration-batch", "4", "--metrics", metrics, "--checkpoint-dir", tmp_path / "ck"),
+                                 "--calibration-batch", "4", "--metrics", metrics, *extra),
                       stdout=out, stderr=subprocess.STDOUT)
-        wait_for_step(metrics)
-        coord.send_signal(signal.SIGINT)
-        assert coord.wait(timeout=60) == 130
+    wait_for_step(metrics)
+    return coord, metrics, tmp_path / "out.txt"
+
+
+def test_ctrl_c_finishes_the_step_checkpoints_and_ends_every_worker(procs, tmp_path):
+    coord, metrics, log = start_long_run(procs, tmp_path, "--checkpoint-dir", tmp_path / "ck")
+    coord.send_signal(signal.SIGINT)
+    assert coord.wait(timeout=60) == 130
     text = log.read_text()
     assert "finishing this step, then saving and stopping" in text
     saved = checkpoint.latest(str(tmp_path / "ck"))
@@ -333,15 +340,9 @@ def test_ctrl_c_finishes_the_step_checkpoints_and_ends_every_worker(procs, tmp_p
 
 
 def test_killed_coordinator_leaves_no_worker_behind(procs, tmp_path):
-    metrics, log = tmp_path / "m.jsonl", tmp_path / "out.txt"
-    with open(log, "w") as out:
-        coord = procs(python_cmd("hetconv.coordinator", "--spawn", "cpu,cpu", "--conv", "6,12", "--fc", "16",
-                                 "--batch-size", "32", "--synthetic-train", "20000", "--synthetic-test", "64",
-                                 "--calibration-batch", "4", "--metrics", metrics),
-                      stdout=out, stderr=subprocess.STDOUT)
-        wait_for_step(metrics)
-        coord.kill()
-        coord.wait(timeout=10)
+    coord, metrics, log = start_long_run(procs, tmp_path)
+    coord.kill()
+    coord.wait(timeout=10)
     pids = coordinator_pids(log)
     assert len(pids) == 2 and not wait_dead(pids, 10), "workers outlived a SIGKILLed coordinator"
 
