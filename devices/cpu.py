@@ -11,6 +11,8 @@ Design, and what it costs:
   argmax per pooled value for backward (-1 where the ReLU is off): 1 byte per pooled output
   instead of the 16 bytes of the pre-pool activation. Backward recomputes im2col from the
   saved input, which costs a memory pass but no FLOPs worth counting next to the GEMMs.
+- Work buffers (im2col, Y/dY, partial dW) are kept between calls; what is returned is always
+  freshly allocated, because a returned array may still be in flight on the wire.
 - `threads` caps both Numba's and BLAS's threads, so that several workers on one host can be
   given disjoint cores.
 - Kernels release the GIL (nogil) so a worker's heartbeat thread keeps running during compute.
@@ -52,13 +54,15 @@ def _im2col(x, n0, n1, kh, kw, padding, ho, wo, cols):
 
 
 @_jit
-def _col2im_add(dcols, n0, n1, kh, kw, padding, ho, wo, dx):
-    """dx[n, c] += the im2col-adjoint of dcols; parallel over (image, channel), so race-free."""
+def _col2im(dcols, n0, n1, kh, kw, padding, ho, wo, dx):
+    """dx[n, c] = the im2col-adjoint of dcols for images n0..n1 (each written whole, so dx may
+    start uninitialised); parallel over (image, channel), so race-free."""
     c_in, h, w = dx.shape[1], dx.shape[2], dx.shape[3]
     count = (n1 - n0) * c_in
     for t in prange(count):
         nl = t // c_in
         c = t % c_in
+        dx[n0 + nl, c] = 0.0
         for i in range(ho):
             for j in range(wo):
                 p = (nl * ho + i) * wo + j
@@ -126,6 +130,24 @@ def _unpool(dpooled, argmax, n0, n1, ho, wo, dy):
                         dy[k, p] = dpooled[n0 + nl, k, a, e]
 
 
+@_jit
+def _add_into(dst, src):
+    """dst += src for 2-D arrays, parallel over rows (numpy's add runs on one thread)."""
+    for r in prange(dst.shape[0]):
+        for c in range(dst.shape[1]):
+            dst[r, c] += src[r, c]
+
+
+@_jit
+def _add_row_sums(a, out):
+    """out[r] += sum of row r of a, accumulated in float64."""
+    for r in prange(a.shape[0]):
+        total = 0.0
+        for c in range(a.shape[1]):
+            total += a[r, c]
+        out[r] += total
+
+
 class _PoolContext:
     """What the fused backward needs: the layer input and the pooling argmax (int8)."""
 
@@ -151,6 +173,16 @@ class CpuDevice(Device):
         self._blas_limit = threadpool_limits(limits=self.threads, user_api="blas")
         self.im2col_budget_bytes = int(im2col_budget_bytes)
         self.name = "cpu"
+        self._scratch_buffers = {}
+
+    def _scratch(self, name, shape):
+        """A float32 work buffer kept between calls and grown when needed: allocating and first-
+        touching ~100 MB per call cost about 5% of conv2's step. Never returned to a caller."""
+        size = int(np.prod(shape))
+        flat = self._scratch_buffers.get(name)
+        if flat is None or flat.size < size:
+            flat = self._scratch_buffers[name] = np.empty(size, np.float32)
+        return flat[:size].reshape(shape)
 
     def describe(self):
         blas = [f"{i['internal_api']} {i.get('version', '?')} ({i.get('architecture', '?')})"
@@ -166,13 +198,13 @@ class CpuDevice(Device):
         ckk = c * kh * kw
         step = max(1, min(n, self.im2col_budget_bytes // max(1, ho * wo * ckk * 4)))
         chunks = [(n0, min(n, n0 + step)) for n0 in range(0, n, step)]
-        return (kh, kw, ho, wo), w.reshape(k, ckk), chunks, np.empty((step * ho * wo, ckk), np.float32)
+        return (kh, kw, ho, wo), w.reshape(k, ckk), chunks, self._scratch("cols", (step * ho * wo, ckk))
 
     # ---- forward -----------------------------------------------------------------------------
     def _forward_chunks(self, x, w, padding, consume):
         """Run Y (K, P) = W @ im2col(chunk).T per chunk and hand each Y to `consume(n0, n1, y)`."""
         (kh, kw, ho, wo), w2, chunks, cols_buf = self._chunk_plan(x, w, padding)
-        y_buf = np.empty((w.shape[0], cols_buf.shape[0]), np.float32)
+        y_buf = self._scratch("y", (w.shape[0], cols_buf.shape[0]))
         for n0, n1 in chunks:
             rows = (n1 - n0) * ho * wo
             cols, y = cols_buf[:rows], y_buf[:, :rows]
@@ -210,23 +242,25 @@ class CpuDevice(Device):
         """dW, db, dx from per-chunk dY (K, P) produced by `fill_dy(n0, n1, dy_out)`."""
         (kh, kw, ho, wo), w2, chunks, cols_buf = self._chunk_plan(x, w, padding)
         k, ckk = w2.shape
-        dy_buf = np.empty((k, cols_buf.shape[0]), np.float32)
-        dw = np.zeros((k, ckk), np.float32)
-        dw_part = np.empty((k, ckk), np.float32) if len(chunks) > 1 else dw
+        dy_buf = self._scratch("y", (k, cols_buf.shape[0]))
+        dw = np.empty((k, ckk), np.float32)           # returned: never a scratch buffer
         db = np.zeros(k, np.float64)
-        dx = np.zeros(x.shape, np.float32) if need_dx else None
-        for n0, n1 in chunks:
+        dx = np.empty(x.shape, np.float32) if need_dx else None    # every image written by _col2im
+        for i, (n0, n1) in enumerate(chunks):
             rows = (n1 - n0) * ho * wo
             cols, dy = cols_buf[:rows], dy_buf[:, :rows]
             fill_dy(n0, n1, dy)
-            db += dy.sum(axis=1, dtype=np.float64)
+            _add_row_sums(dy, db)
             _im2col(x, n0, n1, kh, kw, padding, ho, wo, cols)
-            np.matmul(dy, cols, out=dw_part)            # (K, rows) x (rows, ckk)
-            if dw_part is not dw:
-                dw += dw_part
+            if i == 0:
+                np.matmul(dy, cols, out=dw)             # (K, rows) x (rows, ckk)
+            else:
+                dw_part = self._scratch("dw", (k, ckk))
+                np.matmul(dy, cols, out=dw_part)
+                _add_into(dw, dw_part)
             if need_dx:
                 np.matmul(dy.T, w2, out=cols)           # dcols reuses the im2col buffer
-                _col2im_add(cols, n0, n1, kh, kw, padding, ho, wo, dx)
+                _col2im(cols, n0, n1, kh, kw, padding, ho, wo, dx)
         return dx, dw.reshape(w.shape), db.astype(np.float32)
 
     def _conv2d_backward(self, x, w, dy, padding, need_dx):
