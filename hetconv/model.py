@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hetconv.layers import Linear, relu, relu_backward, softmax_cross_entropy
+from hetconv.layers import Linear, default_init, relu, relu_backward, softmax_cross_entropy
 from hetconv.shard import ConvSpec
 
 IMAGE_SHAPE = (3, 32, 32)
@@ -38,13 +38,12 @@ def layer_input_shapes(specs, batch, image_shape=IMAGE_SHAPE):
 
 
 def init_conv_params(specs, rng):
-    """He-initialised (w, b, vw=None, vb=None) per conv layer, drawn before any FC layer so the
+    """Initial (w, b, vw=None, vb=None) per conv layer, drawn before any FC layer so the
     same seed gives the same conv weights whatever the FC sizes."""
     params = []
     for spec in specs:
         fan_in = spec.in_channels * spec.ksize ** 2
-        w = rng.standard_normal((spec.kernels, spec.in_channels, spec.ksize, spec.ksize), dtype=np.float32)
-        w *= np.float32(np.sqrt(2.0 / fan_in))
+        w = default_init(rng, (spec.kernels, spec.in_channels, spec.ksize, spec.ksize), fan_in)
         params.append((w, np.zeros(spec.kernels, np.float32), None, None))
     return params
 
