@@ -392,3 +392,20 @@ def test_missing_gpu_is_named_through_the_coordinator(procs):
     out, _ = c.communicate(timeout=60)
     assert c.returncode == 1
     assert "opening device cuda:7" in out and "cuda:7 requested but this machine has 1 GPU (cuda:0)" in out
+
+
+def test_resume_restores_a_checkpoint_onto_a_different_plan(tmp_path):
+    straight = train(Config(**TINY, steps=5).validate(),
+                     LocalEngine({"local": ConvShard(open_device("cpu", threads=1))}), log=quiet)["losses"]
+    first = remote(2)
+    try:
+        train(Config(**TINY, steps=2, checkpoint_dir=str(tmp_path)).validate(), first, log=quiet)
+    finally:
+        first.close()
+    second = remote(3)                                  # more workers, a plan the checkpoint never saw
+    try:
+        second.fixed_plan = fixed_plan([6, 12], {"w0-cpu": [1, 2], "w1-cpu": [4, 3], "w2-cpu": [1, 7]})
+        resumed = train(Config(**TINY, steps=5).validate(), second, log=quiet, resume=str(tmp_path))
+    finally:
+        second.close()
+    np.testing.assert_allclose(resumed["losses"], straight[2:], rtol=1e-5)
