@@ -29,6 +29,7 @@ class Config:
     threads: int = 0                   # threads per CPU device (0: every core this process may use)
     split: str = "proportional"        # 'proportional' to measured speed, or 'equal' (the naive baseline)
     calibration_batch: int = 16        # images per calibration run (real layer shapes otherwise)
+    rebalance_after: int = 3           # every N steps, re-split from measured compute while it gains, up to 3 times (0: never)
     # output
     metrics: str = ""                  # JSON-lines metrics file ('' for none)
     checkpoint_dir: str = ""           # where checkpoints go ('' for none)
@@ -62,10 +63,14 @@ class Config:
                   ("--ksize", self.ksize, 1), ("--padding", self.padding, 0), ("--threads", self.threads, 0),
                   ("--calibration-batch", self.calibration_batch, 1), ("--checkpoint-every", self.checkpoint_every, 0),
                   ("--synthetic-train", self.synthetic_train, 1), ("--synthetic-test", self.synthetic_test, 1),
-                  ("--eval-batches", self.eval_batches, 0), ("--crop", self.crop, 0)]
+                  ("--eval-batches", self.eval_batches, 0), ("--crop", self.crop, 0),
+                  ("--rebalance-after", self.rebalance_after, 0)]
         for flag, value, lowest in checks:
             if value < lowest:
                 raise ValueError(f"{flag} must be >= {lowest}, got {value}")
+        if self.rebalance_after == 1:
+            raise ValueError("--rebalance-after must be 0 (never) or at least 2: step 1 pays for growing buffers "
+                             "and is not measured")
         if self.crop > 32:
             raise ValueError(f"--crop must be at most the image size 32, got {self.crop}")
         if not self.lr > 0:

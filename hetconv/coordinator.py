@@ -45,6 +45,8 @@ class _Peer:
         self.description = hello.get("description", self.device)
         self.process = process
         self.last_seen = time.monotonic()
+        self.layer_compute = {}                    # layer -> compute seconds since the last reset
+        self.layer_calls = {}                      # layer -> forward requests since the last reset
         self.reset_stats()
 
     def reset_stats(self):
@@ -73,6 +75,7 @@ class RemoteEngine:
         self.fixed_plan = None          # set by hand (tests, experiments) to skip calibration
         self.calibration = {}
         self.calibration_s = 0.0
+        self.batch = 0
         try:
             if bind.endswith(":0") or bind.endswith(":*"):
                 port = self.sock.bind_to_random_port(bind.rsplit(":", 1)[0])
@@ -181,7 +184,7 @@ class RemoteEngine:
                              f"it disconnected or died") from None
         return self.seq
 
-    def _request_all(self, requests, doing):
+    def _request_all(self, requests, doing, layer=None):
         """requests: {peer name: (op, arrays, fields)}; sends all, then waits for every reply.
         Returns {peer name: Message}. Raises WorkerError / WorkerLost naming the worker."""
         pending, sent_at = {}, {}
@@ -227,6 +230,10 @@ class RemoteEngine:
             replies[peer.name] = msg
             peer.stats["bytes_recv"] += sum(len(f) for f in frames[1:])
             peer.stats["compute_s"] += float(msg.fields.get("compute_s", 0.0))
+            if layer is not None:
+                peer.layer_compute[layer] = peer.layer_compute.get(layer, 0.0) + float(msg.fields.get("compute_s", 0.0))
+                if msg.op == "FORWARD_DONE":
+                    peer.layer_calls[layer] = peer.layer_calls.get(layer, 0) + 1
             peer.stats["roundtrip_s"] += time.perf_counter() - sent_at[peer.name]
         return replies
 
@@ -274,9 +281,10 @@ class RemoteEngine:
             peer.reset_stats()
 
     def forward(self, layer, x):
-        x = np.ascontiguousarray(x)     # one buffer, sent to every worker, never written while in flight
+        x = np.ascontiguousarray(x)
+        self.batch = x.shape[0]     # one buffer, sent to every worker, never written while in flight
         replies = self._request_all({name: ("FORWARD", [x], {"layer": layer}) for name in self.plan.workers},
-                                    f"forward conv{layer + 1}")
+                                    f"forward conv{layer + 1}", layer)
         parts = [replies[name].arrays[0] for name in self.plan.workers]
         return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
 
@@ -285,7 +293,7 @@ class RemoteEngine:
         fields = {"layer": layer, "lr": lr, "momentum": momentum, "weight_decay": weight_decay, "need_dx": need_dx}
         requests = {name: ("BACKWARD", [np.ascontiguousarray(dpooled[:, s:e])], fields)
                     for name, (s, e) in lp.ranges.items()}
-        replies = self._request_all(requests, f"backward conv{layer + 1}")
+        replies = self._request_all(requests, f"backward conv{layer + 1}", layer)
         if not need_dx:
             return None
         dx = None
@@ -309,6 +317,53 @@ class RemoteEngine:
         for peer in self.peers.values():
             peer.reset_stats()
         return stats
+
+    def reset_layer_timings(self):
+        for peer in self.peers.values():
+            peer.layer_compute, peer.layer_calls = {}, {}
+
+    def rebalance(self, specs, min_gain=0.05):
+        """Re-split the kernels from what training measured: each worker's compute seconds per
+        layer since reset_layer_timings(), under the current plan. Calibration can be fooled (a
+        burst of outside load, a cache that behaves differently at the calibration batch); real
+        steps cannot. Each worker's calibrated line (fixed + per-kernel cost) is scaled by how far
+        the real steps were from it, so a worker holding few kernels, whose time is mostly the
+        fixed im2col pass, is not mistaken for a slow one. Moves kernels (gather, then load) only
+        if the slowest worker's predicted compute drops by more than `min_gain`. Returns the new
+        plan or None."""
+        if self.plan is None or len(self.plan.workers) < 2:
+            return None
+        from hetconv.costmodel import profiles_from_calibration
+        profiles = profiles_from_calibration(self.calibration) if self.calibration else {}
+        fixed, per_kernel, now = {}, {}, {}
+        for name in self.plan.workers:
+            peer = self.peers[name]
+            steps = peer.layer_calls.get(0, 0)
+            if steps == 0 or any(peer.layer_compute.get(lp.layer, 0.0) <= 0 for lp in self.plan.layers):
+                return None
+            fixed[name], per_kernel[name] = [], []
+            for lp in self.plan.layers:
+                measured = peer.layer_compute[lp.layer] / steps            # seconds per step
+                k = lp.count(name)
+                cost = profiles[name].layers[lp.layer] if name in profiles else None
+                if cost is not None:
+                    f = self.batch * (cost.forward_fixed_s + cost.backward_fixed_s)
+                    p = self.batch * (cost.forward_per_kernel_s + cost.backward_per_kernel_s)
+                    scale = measured / (f + p * k)      # how far real steps are from calibration
+                    f, p = f * scale, p * scale
+                else:                                   # no calibration: all of it per kernel
+                    f, p = 0.0, measured / k
+                fixed[name].append(f)
+                per_kernel[name].append(p)
+            now[name] = sum(peer.layer_compute[lp.layer] for lp in self.plan.layers) / steps
+        speeds = {name: [1.0 / p for p in per_kernel[name]] for name in self.plan.workers}
+        proposal = make_plan([lp.kernels for lp in self.plan.layers], speeds, "proportional")
+        then = {name: sum(fixed[name][lp.layer] + lp.count(name) * per_kernel[name][lp.layer]
+                          for lp in proposal.layers) for name in proposal.workers}
+        if max(then.values()) > (1 - min_gain) * max(now.values()):
+            return None
+        self.load(proposal, specs, self.gather())
+        return proposal
 
     def close(self):
         """Shut every worker down; on every exit path, spawned processes end."""

@@ -266,7 +266,7 @@ def measure_loopback(megabytes=64, repeats=3):
         ctx.destroy(linger=0)
 
 
-def calibrate_local(device_spec, specs, input_shapes, kernels, threads=None, repeats=2):
+def calibrate_local(device_spec, specs, input_shapes, kernels, threads=None, repeats=3):
     """A DeviceProfile for a device in this process (what a worker on it would report)."""
     from hetconv.devices import open_device
     from hetconv.shard import ConvShard

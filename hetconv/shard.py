@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hetconv.layers import default_init
 from hetconv.planner import make_plan
 
 
@@ -90,11 +91,13 @@ class ConvShard:
         d = self.device
         return d.download(sl.w), d.download(sl.b), d.download(sl.vw), d.download(sl.vb)
 
-    def calibrate(self, specs, input_shapes, kernels, repeats=2):
-        """Time the fused forward and backward on each layer's real input shape, after a warm-up
-        run that absorbs JIT compilation, at two kernel counts: `kernels[i]` and half of it.
-        Two points separate the per-kernel cost from the part every shard pays whatever its
-        share (im2col, the input's trip through memory), which the cost model needs.
+    def calibrate(self, specs, input_shapes, kernels, repeats=3):
+        """Time the fused forward and backward on each layer's real input shape at two kernel
+        counts, `kernels[i]` and half of it, after a warm-up of each that absorbs JIT compilation
+        and buffer growth. Two points separate the per-kernel cost from the part every shard pays
+        whatever its share (im2col, the input's trip through memory), which the cost model needs.
+        The two counts alternate over `repeats` rounds and each keeps its median, so a burst of
+        outside load skews neither the speed nor the fitted line for long.
 
         Returns (kernels/s per layer at kernels[i], per-layer timing dicts)."""
         rng = np.random.default_rng(0)
@@ -102,31 +105,32 @@ class ConvShard:
         for li, (spec, shape, k) in enumerate(zip(specs, input_shapes, kernels)):
             x = rng.standard_normal(shape, dtype=np.float32)
             counts = sorted({max(1, int(k)), max(1, int(k) // 2)}, reverse=True)
-            fwd, bwd = [], []
-            for count in counts:
-                f, b = self._time_layer(spec, x, count, need_dx=li > 0, repeats=repeats, rng=rng)
-                fwd.append(f)
-                bwd.append(b)
+            layers = [self._calibration_weights(spec, count, rng) for count in counts]
+            samples = [[] for _ in counts]
+            for rep in range(repeats + 1):                 # rep 0 is the warm-up
+                for i, (w_dev, b_dev) in enumerate(layers):
+                    f, b = self._time_once(spec, x, w_dev, b_dev, need_dx=li > 0)
+                    if rep:
+                        samples[i].append((f, b))
+            fwd = [float(np.median([f for f, _ in smp])) for smp in samples]
+            bwd = [float(np.median([b for _, b in smp])) for smp in samples]
             speeds.append(counts[0] / (fwd[0] + bwd[0]))
             timings.append({"batch": int(shape[0]), "kernels": counts, "forward_s": fwd, "backward_s": bwd})
         return speeds, timings
 
-    def _time_layer(self, spec, x, k, need_dx, repeats, rng):
-        w = rng.standard_normal((k, spec.in_channels, spec.ksize, spec.ksize), dtype=np.float32)
-        w *= np.float32(np.sqrt(2.0 / (spec.in_channels * spec.ksize ** 2)))
-        w_dev, b_dev = self.device.upload(w), self.device.upload(np.zeros(k, np.float32))
-        best_f = best_b = float("inf")
-        for rep in range(repeats + 1):                 # rep 0 is the warm-up
-            t0 = time.perf_counter()
-            y, ctx = self.device.conv_relu_pool(x, w_dev, b_dev, spec.padding)
-            self.device.synchronize()
-            t1 = time.perf_counter()
-            self.device.conv_relu_pool_backward(ctx, w_dev, np.ones_like(y), need_dx)
-            self.device.synchronize()
-            t2 = time.perf_counter()
-            if rep > 0:
-                best_f, best_b = min(best_f, t1 - t0), min(best_b, t2 - t1)
-        return best_f, best_b
+    def _calibration_weights(self, spec, k, rng):
+        fan_in = spec.in_channels * spec.ksize ** 2
+        w = default_init(rng, (k, spec.in_channels, spec.ksize, spec.ksize), fan_in)
+        return self.device.upload(w), self.device.upload(np.zeros(k, np.float32))
+
+    def _time_once(self, spec, x, w_dev, b_dev, need_dx):
+        t0 = time.perf_counter()
+        y, ctx = self.device.conv_relu_pool(x, w_dev, b_dev, spec.padding)
+        self.device.synchronize()
+        t1 = time.perf_counter()
+        self.device.conv_relu_pool_backward(ctx, w_dev, np.ones_like(y), need_dx)
+        self.device.synchronize()
+        return t1 - t0, time.perf_counter() - t1
 
 
 class LocalEngine:
@@ -180,6 +184,13 @@ class LocalEngine:
 
     def step_stats(self):
         return {}
+
+    def reset_layer_timings(self):
+        pass
+
+    def rebalance(self, specs, min_gain=0.05):
+        """In-process shards share one device: nothing to rebalance."""
+        return None
 
     def close(self):
         pass

@@ -14,6 +14,9 @@ from hetconv.data import batches, load_dataset, test_batches
 from hetconv.model import Network, conv_specs, init_conv_params, layer_input_shapes
 
 
+MAX_REBALANCES = 3
+
+
 class MetricsWriter:
     """JSON lines, flushed per record so a crash loses at most the line being written."""
 
@@ -135,11 +138,18 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra):
     def save(step, epoch):
         if not cfg.checkpoint_dir:
             return None
-        path = checkpoint.save(cfg.checkpoint_dir, step, epoch, cfg, engine.gather(), net.fc_state(), plan)
+        path = checkpoint.save(cfg.checkpoint_dir, step, epoch, cfg, engine.gather(), net.fc_state(), engine.plan)
         metrics.write("checkpoint", step=step, path=path)
         return path
 
     step = start_step
+    # early on, the split from calibration is checked against real steps and corrected, up to
+    # MAX_REBALANCES times while it still gains (never for `equal`, the baseline, nor for a
+    # plan set by hand)
+    rebalances = 0
+    rebalance_at = (start_step + cfg.rebalance_after
+                    if cfg.rebalance_after >= 2 and cfg.split == "proportional"
+                    and getattr(engine, "fixed_plan", None) is None else 0)
     losses, step_times = [], []
     last_ckpt = None
     interrupted = False
@@ -170,6 +180,18 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra):
                     # no terminal (a log file, CI): a plain line every 30 s instead of the bar
                     last_line = time.monotonic()
                     log(f"step {step}/{total_steps}  loss {result.loss:.4f}  {len(y) / dt:.1f} img/s")
+                if rebalance_at and step == rebalance_at - (cfg.rebalance_after - 1):
+                    engine.reset_layer_timings()       # the first step pays for growing buffers
+                if rebalance_at and step == rebalance_at:
+                    new_plan = engine.rebalance(specs)
+                    rebalance_at = 0
+                    if new_plan is not None:
+                        plan = new_plan
+                        rebalances += 1
+                        log("rebalanced from measured step times:\n" + plan.table())
+                        metrics.write("plan", reason="rebalance", step=step, **plan.to_json())
+                        if rebalances < MAX_REBALANCES:   # check again: each round corrects the last
+                            rebalance_at = step + cfg.rebalance_after
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                     last_ckpt = save(step, epoch)
                 if step >= total_steps or stop.requested:

@@ -74,7 +74,7 @@ def _serve_compute(ctx, endpoint, device_spec, threads, identity):
         specs = [ConvSpec.from_json(layer["spec"]) for layer in f["layers"]]
         shapes = [tuple(layer["input_shape"]) for layer in f["layers"]]
         kernels = [int(layer["kernels"]) for layer in f["layers"]]
-        speeds, timings = shard.calibrate(specs, shapes, kernels, repeats=int(f.get("repeats", 2)))
+        speeds, timings = shard.calibrate(specs, shapes, kernels, repeats=int(f.get("repeats", 3)))
         return "CALIBRATED", [], {"speeds": speeds, "timings": timings}
 
     def handle_load(msg):

@@ -409,3 +409,29 @@ def test_resume_restores_a_checkpoint_onto_a_different_plan(tmp_path):
     finally:
         second.close()
     np.testing.assert_allclose(resumed["losses"], straight[2:], rtol=1e-5)
+
+
+def test_a_bad_split_is_rebalanced_from_measured_steps_without_changing_the_math(tmp_path):
+    cfg = Config(**{**TINY, "conv": "32,256"}, steps=10, rebalance_after=3, metrics=str(tmp_path / "m.jsonl")).validate()
+    local = train(cfg, LocalEngine({"local": ConvShard(open_device("cpu", threads=1))}), log=quiet)["losses"]
+    engine = remote(2)
+    calibrate_then_plan = engine.plan_for
+
+    def fooled(*args):                              # as if calibration had been badly fooled
+        calibrate_then_plan(*args)
+        return fixed_plan([32, 256], {"w0-cpu": [2, 8], "w1-cpu": [30, 248]})
+    engine.plan_for = fooled
+    try:
+        summary = train(cfg, engine, log=quiet)
+        final = {w: engine.plan.layers[1].count(w) for w in engine.workers}
+    finally:
+        engine.close()
+    np.testing.assert_allclose(summary["losses"], local, rtol=1e-5)
+    plans = [json.loads(l) for l in open(tmp_path / "m.jsonl") if '"event": "plan"' in l]
+    assert len(plans) >= 2 and plans[1]["reason"] == "rebalance" and plans[1]["step"] == 3
+    assert 64 < final["w0-cpu"] < 192, final          # two equal cores: near 128 each
+
+
+def test_rebalance_after_one_step_is_refused():
+    with pytest.raises(ValueError, match="--rebalance-after must be 0 \\(never\\) or at least 2"):
+        Config(rebalance_after=1).validate()

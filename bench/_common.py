@@ -1,0 +1,126 @@
+"""Helpers shared by the bench/ scripts: a clean BLAS environment, machine facts, timing, output.
+
+Import this module before numpy, and call `reexec_without_blas_overrides()` first thing: it may
+replace the process, which only works while nothing heavy has been loaded yet.
+"""
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+# Some images set these for an older OpenBLAS; a current numpy's OpenBLAS then picks a slower
+# kernel (or a wrong cache size). Only the benchmark process drops them; the product never does.
+BLAS_OVERRIDES = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+_DROPPED_MARK = "HETCONV_BENCH_DROPPED_BLAS_ENV"
+
+
+def reexec_without_blas_overrides(keep=False):
+    """Re-exec this script once with BLAS_OVERRIDES unset; returns a line saying what happened."""
+    present = {k: os.environ[k] for k in BLAS_OVERRIDES if k in os.environ}
+    if present and not keep:
+        assert "numpy" not in sys.modules, "call reexec_without_blas_overrides() before importing numpy"
+        env = {k: v for k, v in os.environ.items() if k not in BLAS_OVERRIDES}
+        env[_DROPPED_MARK] = " ".join(f"{k}={v}" for k, v in present.items())
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:]], env)
+    if os.environ.get(_DROPPED_MARK):
+        return f"re-executed without {os.environ[_DROPPED_MARK]} (benchmark process only)"
+    if present:
+        return f"kept {' '.join(f'{k}={v}' for k, v in present.items())} (--keep-blas-env)"
+    return f"{' and '.join(BLAS_OVERRIDES)} not set"
+
+
+def cpu_model():
+    """'AMD EPYC (family 25 model 17), 2 cores' from /proc/cpuinfo where there is one."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break                        # the first processor is enough
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:
+        pass
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields:
+        name += f" (family {fields['cpu family']} model {fields.get('model', '?')})"
+    flags = fields.get("flags", "").split()
+    simd = "avx512f" if "avx512f" in flags else "avx2" if "avx2" in flags else None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{name}, {cores} cores" + (f", {simd}" if simd else "")
+
+
+def blas_info():
+    """One line per BLAS library loaded, from threadpoolctl (the kernel OpenBLAS actually picked)."""
+    from threadpoolctl import threadpool_info
+    return [f"{i.get('internal_api')} {i.get('version')} architecture={i.get('architecture')} "
+            f"num_threads={i.get('num_threads')} ({os.path.basename(i.get('filepath', ''))})"
+            for i in threadpool_info() if i.get("user_api") == "blas"]
+
+
+def torch_info(torch):
+    """torch's version, the key lines of its parallel config and whether oneDNN (mkldnn) is on."""
+    keys = ("get_num_threads", "OpenMP", "Math Kernel", "MKL-DNN", "parallel backend")
+    parallel = [s.strip() for s in torch.__config__.parallel_info().splitlines() if any(k in s for k in keys)]
+    return [f"torch {torch.__version__}, mkldnn available={torch.backends.mkldnn.is_available()} "
+            f"enabled={torch.backends.mkldnn.enabled}", *parallel]
+
+
+def load_average():
+    try:
+        return "load average " + " ".join(f"{v:.2f}" for v in os.getloadavg())
+    except OSError:
+        return "load average unknown"
+
+
+def time_interleaved(cases, min_reps, max_reps, budget_s, burn_in=1):
+    """Time several cases round-robin, so a noisy neighbour hurts them alike.
+
+    `cases` maps a name to a callable that runs one step and returns {phase: seconds}. Each case
+    runs `burn_in` times untimed (JIT, caches, allocator), then rounds continue until every case
+    has `min_reps` samples and `budget_s` has passed, or `max_reps` rounds. The order alternates
+    each round. Returns {name: {phase: [seconds, ...]}}.
+    """
+    names = list(cases)
+    for _ in range(burn_in):
+        for name in names:
+            cases[name]()
+    samples = {name: {} for name in names}
+    start = time.perf_counter()
+    for rep in range(max_reps):
+        if rep >= min_reps and time.perf_counter() - start > budget_s:
+            break
+        for name in (names if rep % 2 == 0 else names[::-1]):
+            for phase, seconds in cases[name]().items():
+                samples[name].setdefault(phase, []).append(seconds)
+    return samples
+
+
+def summarize(seconds):
+    """median and min in ms, and the spread (max - min) / median of the samples."""
+    med = statistics.median(seconds)
+    return {"median_ms": med * 1e3, "min_ms": min(seconds) * 1e3,
+            "spread": (max(seconds) - min(seconds)) / med if med > 0 else 0.0,
+            "samples_ms": [round(s * 1e3, 3) for s in seconds]}
+
+
+def markdown_table(headers, rows):
+    """rows: lists of already formatted cells."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_results(out_dir, stem, rows, markdown):
+    """OUT/<stem>.json (the list of rows) and OUT/<stem>.md; returns both paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    json_path, md_path = os.path.join(out_dir, f"{stem}.json"), os.path.join(out_dir, f"{stem}.md")
+    for path, text in ((json_path, json.dumps(rows, indent=1) + "\n"), (md_path, markdown + "\n")):
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    return json_path, md_path

@@ -1,0 +1,242 @@
+"""Shared by bench/speedup.py and bench/bandwidth.py: run ONE training configuration in a fresh
+process, time it, and predict it with the cost model.
+
+    python bench/_speedup_common.py '{"devices": ["local"], "batch_size": 32, "local": true, ...}' OUT.json
+
+Why a process per configuration: numba and BLAS thread counts are process-global and read at
+import, so the single-device baseline must start in a process pinned to one core before numpy is
+imported; a fresh process also keeps one configuration's JIT caches and heap out of the next.
+
+Definitions (per worker, per step, medians over the timed steps):
+- compute_s: the seconds the worker itself reported computing (sum over the step's requests).
+- wire_s:    roundtrip_s - compute_s: the time its requests and replies spent outside its compute
+             (serialization, the transfer itself, socket queues, the coordinator picking the reply up).
+- wait_s:    step_s - roundtrip_s: the time the worker had nothing in flight: the coordinator's
+             own work (FC layers, loss, concat, dX sum) and waiting for the slower workers.
+- sent/recv: bytes coordinator -> worker and worker -> coordinator.
+"""
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _cost_prediction(specs, fc, image, batch, counts, profiles, link, n_workers, local_profile=None):
+    from hetconv import costmodel as cm
+    coordinator_s = cm.measure_coordinator_s(specs, fc, image, batch, n_workers)
+    if local_profile is not None:
+        return {"step_s": cm.predict_local(specs, batch, local_profile, coordinator_s),
+                "coordinator_s": coordinator_s, "workers": {}}
+    pred = cm.predict_step(specs, image, batch, counts, profiles, link, coordinator_s)
+    return pred.to_json()
+
+
+def run_one(spec):
+    """spec keys: tag, devices (device strings), local (in-process baseline), batch_size, warmup, steps, split,
+    pin (cores for the local baseline), bind / external (namespace runs), link (cost-model link:
+    'loopback' or a tc rate), calibration_batch, out_dir."""
+    if spec.get("pin") is not None:
+        os.sched_setaffinity(0, set(spec["pin"]))        # before numpy/numba start any thread pool
+    import numpy as np
+    from threadpoolctl import threadpool_limits
+
+    from hetconv import costmodel as cm
+    from hetconv.config import Config
+    from hetconv.model import conv_specs, layer_input_shapes
+    from hetconv.train import train
+
+    threadpool_limits(1)      # the coordinator's own BLAS (FC layers) runs on one thread, as the baseline's
+    devices, batch = spec["devices"], spec["batch_size"]
+    warmup, timed = spec["warmup"], spec["steps"]
+    metrics = os.path.join(spec["out_dir"], f"metrics-{spec['tag']}.jsonl")
+    cfg = Config(conv=spec.get("conv", "500,1500"), fc=spec.get("fc", "256"), batch_size=batch,
+                 steps=warmup + timed, threads=1, split=spec["split"], synthetic_train=batch * (warmup + timed),
+                 synthetic_test=batch, eval_batches=1, calibration_batch=spec.get("calibration_batch", 16),
+                 metrics=metrics,
+                 # the split under test is the calibrated one (the model predicts from the same
+                 # calibration); training's own correction after a few steps is measured apart
+                 rebalance_after=spec.get("rebalance_after", 0)).validate()
+    specs = conv_specs(cfg.conv_kernels(), cfg.ksize, cfg.padding)
+    image = cfg.image_shape()
+    cal_shapes = [(min(cfg.calibration_batch, batch),) + s[1:] for s in layer_input_shapes(specs, batch, image)[0]]
+    logs = []
+    log = lambda msg: (logs.append(str(msg)), print(f"    | {msg}", flush=True))   # noqa: E731
+    engine = None
+    row = {"tag": spec["tag"], "set": spec.get("set", ""), "devices": devices, "batch_size": batch, "split": spec["split"],
+           "warmup_steps": warmup, "timed_steps": timed}
+    t_start = time.perf_counter()
+    try:
+        if spec.get("local"):
+            from hetconv.devices import open_device
+            from hetconv.shard import ConvShard, LocalEngine
+            engine = LocalEngine({"local": ConvShard(open_device("cpu", threads=1))})
+        else:
+            from hetconv.coordinator import RemoteEngine
+            engine = RemoteEngine(spec.get("bind", "tcp://127.0.0.1:0"), spec.get("external", 0),
+                                  [] if spec.get("external") else devices, threads=1, pin=True,
+                                  connect_timeout=spec.get("connect_timeout", 120.0), log=log)
+        summary = train(cfg, engine, log=log)
+        # ---- measured ---------------------------------------------------------------------
+        with open(metrics) as f:
+            steps = [r for r in map(json.loads, f) if r["event"] == "step"][warmup:]
+        step_s = [r["step_s"] for r in steps]
+        row["step_s"] = float(np.median(step_s))
+        row["step_s_all"] = step_s
+        row["setup_s"] = summary["setup_s"]
+        row["calibration_s"] = getattr(engine, "calibration_s", 0.0)
+        row["workers"] = {}
+        for name in (steps[0]["workers"] if steps else {}):
+            med = lambda key: float(np.median([r["workers"][name][key] for r in steps]))   # noqa: E731
+            compute, roundtrip = med("compute_s"), med("roundtrip_s")
+            row["workers"][name] = {"compute_s": compute, "wire_s": max(0.0, roundtrip - compute),
+                                    "wait_s": max(0.0, row["step_s"] - roundtrip), "roundtrip_s": roundtrip,
+                                    "sent": int(med("bytes_sent")), "recv": int(med("bytes_recv"))}
+        # ---- predicted (cost model) ---------------------------------------------------------
+        if spec.get("local"):
+            t0 = time.perf_counter()
+            profile = cm.calibrate_local("cpu", specs, cal_shapes, [s.kernels for s in specs], threads=1)
+            row["calibration_s"] = time.perf_counter() - t0
+            pred = _cost_prediction(specs, cfg.fc_sizes(), image, batch, None, None, None, 1, local_profile=profile)
+            row["profile_source"] = "calibrate_local in the baseline's process (1 thread, all kernels and half)"
+            row["profiles"] = {"local": profile.to_json()}
+            row["plan"] = None
+        else:
+            profiles = cm.profiles_from_calibration(engine.calibration)
+            counts = {w: [lp.count(w) for lp in engine.plan.layers] for w in engine.plan.workers}
+            link_name = spec.get("link", "loopback")
+            link = (cm.Link(cm.measure_loopback(), name="loopback (measured)") if link_name == "loopback"
+                    else cm.parse_bandwidth(link_name))
+            pred = _cost_prediction(specs, cfg.fc_sizes(), image, batch, counts, profiles, link, len(counts))
+            row["profile_source"] = "the workers' own calibration in this run (RemoteEngine.calibration)"
+            row["profiles"] = {w: p.to_json() for w, p in profiles.items()}
+            row["plan"] = engine.plan.to_json()
+            row["counts"] = counts
+            row["link"] = {"name": link.name, "bytes_per_s": link.bytes_per_s, "latency_s": link.latency_s}
+            row["calibration"] = engine.calibration
+        row["predicted_step_s"] = pred["step_s"]
+        row["prediction"] = pred
+        row["model_error_pct"] = 100.0 * (pred["step_s"] - row["step_s"]) / row["step_s"]
+        row["ok"] = True
+    except Exception as e:          # the row records the failure; the benchmark goes on
+        import traceback
+        row["ok"] = False
+        row["error"] = f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+    finally:
+        if engine is not None:
+            engine.close()
+    row["wall_s"] = time.perf_counter() - t_start
+    row["log"] = logs[-20:]
+    return row
+
+
+# ---- the parent side -------------------------------------------------------------------------
+
+def run_in_subprocess(spec, prefix=(), timeout=1800):
+    """Run one configuration in a fresh Python (optionally under `prefix`, e.g. ip netns exec);
+    returns its row. The child's process group is ended on every exit path."""
+    import subprocess
+    out = os.path.join(spec["out_dir"], f"row-{spec['tag']}.json")
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    cmd = [*prefix, sys.executable, os.path.abspath(__file__), json.dumps(spec), out]
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            _kill_group(proc)
+    if not os.path.exists(out):
+        return {**{k: spec.get(k) for k in ("tag", "set", "devices", "batch_size", "split")}, "ok": False,
+                "error": f"runner exited with code {proc.returncode} and wrote no row"}
+    with open(out) as f:
+        return json.load(f)
+
+
+def _kill_group(proc):
+    import signal
+    import subprocess
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=5)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+class CoRunner:
+    """A CPU-bound process pinned to `core` (pure-Python busy loop), to make that core slower for
+    whoever shares it. Use as a context manager: it is killed on every exit path."""
+
+    def __init__(self, core):
+        self.core, self.proc = core, None
+
+    def __enter__(self):
+        import subprocess
+        code = f"import os\nos.sched_setaffinity(0, {{{self.core}}})\nx = 0\nwhile True:\n    x += 1\n"
+        self.proc = subprocess.Popen([sys.executable, "-c", code])
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class ForeignLoad:
+    """How many cores' worth of CPU time processes other than ours used during a block: busy time
+    from /proc/stat (steal included) minus the CPU time of our reaped children. The machine is
+    shared; a row measured while something else ran says so."""
+
+    def __enter__(self):
+        self.t0, self.busy0, self.ours0 = time.perf_counter(), _busy_s(), _ours_s()
+        return self
+
+    def __exit__(self, *exc):
+        wall = max(1e-9, time.perf_counter() - self.t0)
+        self.cores = max(0.0, (_busy_s() - self.busy0) - (_ours_s() - self.ours0)) / wall
+
+
+def _busy_s():
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return 0.0
+    idle = v[3] + (v[4] if len(v) > 4 else 0)
+    return (sum(v[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _ours_s():
+    import resource
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def machine():
+    sys.path.insert(0, HERE)
+    from _common import cpu_model
+    return cpu_model()
+
+
+def fmt_row(r):
+    if not r.get("ok"):
+        return f"FAILED: {r.get('error')}"
+    return (f"step {r['step_s']:.3f}s (steps {', '.join(f'{s:.2f}' for s in r['step_s_all'])}), predicted "
+            f"{r['predicted_step_s']:.3f}s ({r['model_error_pct']:+.1f}%), calibration {r['calibration_s']:.1f}s, "
+            f"setup {r['setup_s']:.1f}s")
+
+
+if __name__ == "__main__":
+    spec = json.loads(sys.argv[1])
+    row = run_one(spec)
+    tmp = sys.argv[2] + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(row, f)
+    os.replace(tmp, sys.argv[2])
+    sys.exit(0 if row["ok"] else 1)

@@ -1,0 +1,321 @@
+"""Conv kernels: hetconv's devices against PyTorch on the paper's two conv layers.
+
+    python bench/conv.py [--quick] [--device cpu|cuda:0] [--out DIR]
+
+What it measures, per layer, batch N and thread count T (CPU) or per layer and N (CUDA):
+- hetconv plain: the contract, conv2d then conv2d_backward (dx only where a layer below needs it:
+  conv2 yes, conv1 no);
+- hetconv fused: conv_relu_pool then conv_relu_pool_backward, what a worker runs each step;
+- torch: F.conv2d (plain) and F.max_pool2d(F.relu(F.conv2d)) (fused), backward by autograd with
+  the input requiring grad only for conv2; torch.set_num_threads(T) against hetconv's threads=T.
+"fwd" is the forward part of the training step, "fwd+bwd" the whole step (torch's forward
+therefore records its autograd graph, as in training).
+
+Correctness first: on a small batch every output and gradient must match torch (allclose, rtol
+1e-3, atol 1e-3 x the reference's magnitude) or the script stops before timing anything. Then
+one burn-in step per case, then rounds that alternate hetconv and torch (a shared machine slows
+both alike) until a time budget is spent; the median is reported, the min and all samples are in
+the JSON. FLOPs: forward 2*N*K*C*kh*kw*Ho*Wo; backward 2x that with dx (dW and dX), 1x without.
+Results: a markdown table on stdout, OUT/conv.json (a list of rows) and OUT/conv.md.
+"""
+import argparse
+import os
+import sys
+import time
+
+import _common
+
+LAYERS = {  # the paper network's conv layers: input (C, H, W), weights (K, C, kh, kw); padding 0
+    "conv1": {"x": (3, 32, 32), "w": (500, 3, 5, 5), "need_dx": False},
+    "conv2": {"x": (500, 14, 14), "w": (1500, 500, 5, 5), "need_dx": True},
+}
+PADDING = 0
+CHECK_BATCH = 2             # batch of the correctness check
+RTOL, ATOL = 1e-3, 1e-3     # atol is relative to the reference's largest magnitude
+
+# fp32 FMA lanes per SM by compute capability (NVIDIA CUDA C programming guide, arithmetic throughput)
+CORES_PER_SM = {(5, 0): 128, (5, 2): 128, (5, 3): 128, (6, 0): 64, (6, 1): 128, (6, 2): 128,
+                (7, 0): 64, (7, 2): 64, (7, 5): 64, (8, 0): 64, (8, 6): 128, (8, 7): 128,
+                (8, 9): 128, (9, 0): 128, (10, 0): 128, (10, 3): 128, (12, 0): 128, (12, 1): 128}
+# Fallback: published dense fp32 peaks (TFLOP/s, boost clock), matched as a substring of the name
+KNOWN_PEAK_TFLOPS = [("H200", 66.9), ("H100 SXM", 66.9), ("H100 80GB HBM3", 66.9), ("H100 NVL", 60.0),
+                     ("H100 PCIe", 51.2), ("H100", 51.2), ("A100", 19.5), ("L40S", 91.6), ("L4", 30.3), ("A10", 31.2),
+                     ("RTX 4090", 82.6), ("RTX 3090", 35.6), ("V100", 15.7), ("T4", 8.1)]
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="batch 32 only, fewer repeats (~2 min on 2 cores)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+                   help="where conv.json and conv.md go (default bench/results)")
+    p.add_argument("--layers", default="conv1,conv2", help="subset to re-run, e.g. conv2")
+    p.add_argument("--batches", default=None, help="comma list; default 32,128 (--quick: 32)")
+    p.add_argument("--threads", default=None, help="comma list of CPU threads; default 1,2")
+    p.add_argument("--budget", type=float, default=None, help="seconds of timing per (layer, N, T)")
+    p.add_argument("--keep-blas-env", action="store_true", help="do not drop OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE")
+    args = p.parse_args()
+    args.layers = args.layers.split(",")
+    unknown = [name for name in args.layers if name not in LAYERS]
+    if unknown:
+        p.error(f"unknown layers {unknown!r}; known: {sorted(LAYERS)!r}")
+    args.batches = [int(v) for v in (args.batches or ("32" if args.quick else "32,128")).split(",")]
+    args.threads = [int(v) for v in (args.threads or "1,2").split(",")]
+    args.min_reps, args.max_reps = (2, 3) if args.quick else (3, 7)
+    if args.budget is None:
+        args.budget = 5.0 if args.quick else 30.0
+    return args
+
+
+ARGS = parse_args()
+BLAS_ENV_NOTE = _common.reexec_without_blas_overrides(keep=ARGS.keep_blas_env)   # before numpy loads
+
+import numpy as np  # noqa: E402
+
+
+def geometry(layer, n):
+    spec = LAYERS[layer]
+    c, h, wd = spec["x"]
+    k, _, kh, kw = spec["w"]
+    ho, wo = h + 2 * PADDING - kh + 1, wd + 2 * PADDING - kw + 1
+    return (n, c, h, wd), spec["w"], (n, k, ho, wo), (n, k, ho // 2, wo // 2)
+
+
+def flops(layer, n):
+    """(forward, forward+backward) FLOPs; backward is dW (= forward) plus dX (= forward) if needed."""
+    _, (k, c, kh, kw), (_, _, ho, wo), _ = geometry(layer, n)
+    fwd = 2 * n * k * c * kh * kw * ho * wo
+    return fwd, fwd * (3 if LAYERS[layer]["need_dx"] else 2)
+
+
+def make_inputs(layer, n, seed=0):
+    """Unit-scale data (no denormals): x, w (PyTorch's default init scale), b, dy, dpooled."""
+    x_shape, w_shape, y_shape, p_shape = geometry(layer, n)
+    rng = np.random.default_rng(seed)
+    fan_in = w_shape[1] * w_shape[2] * w_shape[3]
+    return {"x": rng.standard_normal(x_shape, dtype=np.float32),
+            "w": (rng.uniform(-1, 1, w_shape) / np.sqrt(fan_in)).astype(np.float32),
+            "b": (rng.uniform(-1, 1, w_shape[0]) / np.sqrt(fan_in)).astype(np.float32),
+            "dy": rng.standard_normal(y_shape, dtype=np.float32),
+            "dpooled": rng.standard_normal(p_shape, dtype=np.float32)}
+
+
+# ---- one training step of each contender, returning {phase: seconds} ---------------------------
+def hetconv_steps(dev, data, need_dx):
+    x, w, b, dy, dpooled = (data[k] for k in ("x", "w", "b", "dy", "dpooled"))
+    w_dev, b_dev = dev.upload(w), dev.upload(b)      # the fused form keeps parameters resident
+
+    def plain():
+        t0 = time.perf_counter()
+        y = dev.conv2d(x, w, b, PADDING)
+        dev.synchronize()
+        t1 = time.perf_counter()
+        grads = dev.conv2d_backward(x, w, dy, PADDING, need_dx)
+        dev.synchronize()        # note: without it a GPU timer stops at launch, not at completion
+        t2 = time.perf_counter()
+        return {"fwd": t1 - t0, "fwd+bwd": t2 - t0, "out": (y, *grads)}
+
+    def fused():
+        t0 = time.perf_counter()
+        pooled, ctx = dev.conv_relu_pool(x, w_dev, b_dev, PADDING)
+        dev.synchronize()
+        t1 = time.perf_counter()
+        dx, dw, db = dev.conv_relu_pool_backward(ctx, w_dev, dpooled, need_dx)
+        dev.synchronize()
+        t2 = time.perf_counter()
+        return {"fwd": t1 - t0, "fwd+bwd": t2 - t0, "out": (pooled, dx, dev.download(dw), dev.download(db))}
+
+    return {"plain": plain, "fused": fused}
+
+
+def torch_steps(torch, tdev, data, need_dx):
+    F = torch.nn.functional
+    t = {k: torch.from_numpy(v).to(tdev) for k, v in data.items()}
+    x = t["x"].requires_grad_(need_dx)
+    w, b = t["w"].requires_grad_(True), t["b"].requires_grad_(True)
+    sync = torch.cuda.synchronize if tdev.startswith("cuda") else (lambda: None)
+
+    def step(forward, grad_out):
+        def run():
+            x.grad = w.grad = b.grad = None          # no gradient accumulation inside the timing
+            t0 = time.perf_counter()
+            y = forward()
+            sync()
+            t1 = time.perf_counter()
+            y.backward(grad_out)
+            sync()
+            t2 = time.perf_counter()
+            out = [y.detach(), x.grad if need_dx else None, w.grad, b.grad]
+            return {"fwd": t1 - t0, "fwd+bwd": t2 - t0,
+                    "out": tuple(None if a is None else a.cpu().numpy() for a in out)}
+        return run
+
+    return {"plain": step(lambda: F.conv2d(x, w, b, padding=PADDING), t["dy"]),
+            "fused": step(lambda: F.max_pool2d(F.relu(F.conv2d(x, w, b, padding=PADDING)), 2), t["dpooled"])}
+
+
+def timed(step):
+    """A step for timing: drop the outputs, keep the phases."""
+    def run():
+        result = step()
+        return {k: v for k, v in result.items() if k != "out"}
+    return run
+
+
+# ---- correctness first -------------------------------------------------------------------------
+def check_against_torch(dev, torch, layers):
+    """Every output and gradient of both hetconv forms against torch CPU on a small batch."""
+    names = ("y", "dx", "dw", "db")
+    for layer in layers:
+        data = make_inputs(layer, CHECK_BATCH, seed=1)
+        need_dx = LAYERS[layer]["need_dx"]
+        ours, theirs = hetconv_steps(dev, data, need_dx), torch_steps(torch, "cpu", data, need_dx)
+        for form in ("plain", "fused"):
+            got, ref = ours[form]()["out"], theirs[form]()["out"]
+            for name, a, r in zip(names, got, ref):
+                if (a is None) != (r is None):
+                    sys.exit(f"ABORT: {layer} {form} {name}: hetconv gave {a is not None and 'an array'} "
+                             f"where torch gave {r is not None and 'an array'}")
+                if a is None:
+                    continue
+                a = np.asarray(a)
+                if a.shape != r.shape:
+                    sys.exit(f"ABORT: {layer} {form} {name} shape {a.shape!r} != torch {r.shape!r}")
+                scale = max(float(np.abs(r).max()), 1e-30)
+                err = float(np.abs(a - r).max())
+                if not np.allclose(a, r, rtol=RTOL, atol=ATOL * scale):
+                    sys.exit(f"ABORT: hetconv {dev.describe()} differs from torch on {layer} {form} {name}: "
+                             f"max |diff| {err:.3g}, max |torch| {scale:.3g} (rtol {RTOL}, atol {ATOL} x magnitude)")
+        print(f"check {layer} (N={CHECK_BATCH}): plain and fused y, dx, dw, db match torch", flush=True)
+
+
+# ---- the GPU's peak ----------------------------------------------------------------------------
+def gpu_peak_flops(gpu_name):
+    """(fp32 FLOP/s, how it was obtained): 2 * SMs * fp32 lanes per SM * clock, else a table."""
+    try:
+        from numba import cuda
+        gpu = cuda.get_current_device()
+        cc = tuple(gpu.compute_capability)
+        sms, clock_khz = int(gpu.MULTIPROCESSOR_COUNT), int(gpu.CLOCK_RATE)
+        if cc in CORES_PER_SM and clock_khz > 0:
+            cores = CORES_PER_SM[cc]
+            return (2.0 * sms * cores * clock_khz * 1e3,
+                    f"2 x {sms} SMs x {cores} lanes (cc {cc[0]}.{cc[1]}) x {clock_khz / 1e6:.3f} GHz")
+    except Exception as e:   # attribute missing on this driver: fall through to the table
+        print(f"note: could not read SM count/clock from numba.cuda ({' '.join(str(e).split())})")
+    for key, tflops in KNOWN_PEAK_TFLOPS:
+        if key.lower() in gpu_name.lower():
+            return tflops * 1e12, f"published peak for {key}"
+    return None, "unknown GPU: no peak"
+
+
+# ---- main ---------------------------------------------------------------------------------------
+def fmt(v, digits=1):
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def main():
+    args = ARGS
+    from threadpoolctl import threadpool_info  # noqa: F401  (fail early if the venv lacks it)
+    try:
+        import torch
+    except ImportError:
+        sys.exit("bench/conv.py needs torch: pip install -e '.[bench]' (torch==2.13.0)")
+    from hetconv.devices import DeviceError, open_device
+
+    is_cuda = args.device.startswith("cuda")
+    if is_cuda and os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"):
+        sys.exit("refusing to benchmark under Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM is set): "
+                 "its timings say nothing about a GPU. Unset it and run on a machine with a GPU.")
+    header = [f"command: python bench/conv.py {' '.join(sys.argv[1:])}".rstrip(),
+              f"machine: {_common.cpu_model()}; {_common.load_average()} at start",
+              f"BLAS env: {BLAS_ENV_NOTE}",
+              *(f"BLAS: {line}" for line in _common.blas_info()),
+              *_common.torch_info(torch)]
+    print("\n".join(header), flush=True)
+
+    peak, peak_note = None, ""
+    if is_cuda:
+        try:
+            devices = {None: open_device(args.device)}
+        except DeviceError as e:
+            sys.exit(f"no GPU to benchmark: {e}")
+        peak, peak_note = gpu_peak_flops(devices[None].describe())
+        torch_dev = "cuda" if torch.cuda.is_available() else None
+        header.append(f"GPU: {devices[None].describe()}; fp32 peak "
+                      f"{fmt(peak and peak / 1e12)} TFLOP/s ({peak_note})")
+        if torch_dev is None:
+            header.append("torch has no CUDA here: no torch comparison on the GPU")
+        print("\n".join(header[-2 if torch_dev is None else -1:]), flush=True)
+    else:
+        devices = {t: None for t in args.threads}        # opened per thread count, below
+        torch_dev = "cpu"
+
+    check_dev = devices[None] if is_cuda else open_device("cpu", threads=max(args.threads))
+    check_against_torch(check_dev, torch, args.layers)
+    del check_dev
+
+    rows = []
+    for threads in devices:
+        if is_cuda:
+            dev = devices[None]
+            print(f"timing {dev.describe()}" + (" vs torch on the same GPU" if torch_dev else ""), flush=True)
+        else:
+            dev = open_device("cpu", threads=threads)   # sets Numba's (process-wide) and BLAS threads
+            torch.set_num_threads(threads)
+            print(f"timing {dev.describe()} vs torch with {torch.get_num_threads()} threads", flush=True)
+        for layer in args.layers:
+            need_dx = LAYERS[layer]["need_dx"]
+            for n in args.batches:
+                data = make_inputs(layer, n)
+                cases = {("hetconv", form): timed(step) for form, step in hetconv_steps(dev, data, need_dx).items()}
+                if torch_dev is not None:
+                    cases.update({("torch", form): timed(step)
+                                  for form, step in torch_steps(torch, torch_dev, data, need_dx).items()})
+                samples = _common.time_interleaved(cases, args.min_reps, args.max_reps, args.budget)
+                fwd_flops, step_flops = flops(layer, n)
+                for form in ("plain", "fused"):
+                    for phase, flop in (("fwd", fwd_flops), ("fwd+bwd", step_flops)):
+                        ours = _common.summarize(samples[("hetconv", form)][phase])
+                        ref = _common.summarize(samples[("torch", form)][phase]) if torch_dev else None
+                        row = {"layer": layer, "N": n, "threads": threads, "form": form, "phase": phase,
+                               "need_dx": need_dx, "gflop": flop / 1e9, "device": dev.describe(),
+                               "hetconv": ours, "hetconv_gflops": flop / ours["median_ms"] / 1e6,
+                               "torch": ref, "torch_gflops": ref and flop / ref["median_ms"] / 1e6,
+                               "ratio": ref and ours["median_ms"] / ref["median_ms"],
+                               "ratio_min": ref and ours["min_ms"] / ref["min_ms"]}
+                        if peak:
+                            row["peak_fraction"] = row["hetconv_gflops"] * 1e9 / peak
+                        rows.append(row)
+                        print(f"  {layer} N={n} T={threads} {form:5s} {phase:7s} hetconv "
+                              f"{ours['median_ms']:9.1f} ms {row['hetconv_gflops']:6.1f} GFLOP/s"
+                              + (f" | torch {ref['median_ms']:9.1f} ms  ratio {row['ratio']:.2f}" if ref else "")
+                              + f"  ({len(ours['samples_ms'])} runs, spread {ours['spread']:.0%})", flush=True)
+        if not is_cuda:
+            del dev
+
+    rows.sort(key=lambda r: (r["layer"], r["N"], r["threads"] or 0, r["form"] != "plain", r["phase"]))
+    headers = ["layer", "N", "T", "form", "phase", "hetconv ms", "GFLOP/s"]
+    headers += ["% peak"] if peak else []
+    headers += ["torch ms", "GFLOP/s", "ratio", "ratio of mins"] if torch_dev else []
+    table = []
+    for r in rows:
+        cells = [r["layer"], r["N"], r["threads"] or "-", r["form"], r["phase"],
+                 fmt(r["hetconv"]["median_ms"]), fmt(r["hetconv_gflops"])]
+        cells += [fmt(100 * r["peak_fraction"])] if peak else []
+        if torch_dev:
+            cells += [fmt(r["torch"]["median_ms"]), fmt(r["torch_gflops"]), f"{r['ratio']:.2f}", f"{r['ratio_min']:.2f}"]
+        table.append(cells)
+    md = _common.markdown_table(headers, table)
+    print("\n" + md)
+    notes = ["", f"{_common.load_average()} at end. ms = median of the timed runs; ratio = hetconv / torch "
+             "medians (<= 1.00: hetconv at least as fast); ratio of mins = the same on the fastest runs, "
+             "less sensitive to a shared machine. fused = conv+bias+ReLU+2x2 max-pool (torch: "
+             "F.max_pool2d(F.relu(F.conv2d))). FLOPs count the convolutions only."]
+    json_path, md_path = _common.write_results(args.out, "conv", rows,
+                                               "\n".join(f"- {h}" for h in header) + "\n\n" + md + "\n".join(notes))
+    print(f"\nwrote {json_path} and {md_path}")
+
+
+if __name__ == "__main__":
+    main()
