@@ -25,6 +25,7 @@ from numba import prange
 from threadpoolctl import threadpool_info, threadpool_limits
 
 from hetconv.devices.base import Device, DeviceError
+from hetconv.layers import sgd_update
 
 DEFAULT_IM2COL_BUDGET_BYTES = 64 << 20
 
@@ -284,11 +285,7 @@ class CpuDevice(Device):
 
     # ---- optimizer ---------------------------------------------------------------------------
     def _sgd_(self, param, velocity, grad, lr, momentum, weight_decay):
-        velocity *= momentum
-        velocity += grad
-        if weight_decay:
-            velocity += weight_decay * param
-        param -= lr * velocity
+        sgd_update(param, velocity, grad, lr, momentum, weight_decay)
 
 
 def open(index=None, threads=None, **options):

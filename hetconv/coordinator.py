@@ -21,6 +21,7 @@ import numpy as np
 from hetconv import protocol as P
 from hetconv.config import add_config_flags, config_from_args
 from hetconv.planner import PlanError, make_plan
+from hetconv.shard import concat_channels, concat_shards
 
 
 class WorkerError(RuntimeError):
@@ -70,6 +71,7 @@ class RemoteEngine:
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
         self.processes = []
         self.peers = {}                                     # name -> _Peer, in plan order
+        self.by_identity = {}
         self.seq = 0
         self.plan = None
         self.fixed_plan = None          # set by hand (tests, experiments) to skip calibration
@@ -157,6 +159,7 @@ class RemoteEngine:
         order = [n for label, _ in self.processes for n, p in self.peers.items() if p.name == label]
         order += [n for n in self.peers if n not in order]
         self.peers = {n: self.peers[n] for n in order}
+        self.by_identity = {p.identity: p for p in self.peers.values()}   # routing id -> peer
 
     def _check_processes(self, doing):
         for label, proc in self.processes:
@@ -194,7 +197,6 @@ class RemoteEngine:
             sent_at[name] = time.perf_counter()
         replies = {}
         deadline = time.monotonic() + self.op_timeout
-        by_identity = {p.identity: p for p in self.peers.values()}
         while pending:
             now = time.monotonic()
             if now > deadline:
@@ -210,7 +212,7 @@ class RemoteEngine:
             if not self.sock.poll(200):
                 continue
             frames = self.sock.recv_multipart(copy=False)
-            peer = by_identity.get(frames[0].bytes)
+            peer = self.by_identity.get(frames[0].bytes)
             if peer is None:
                 continue                                   # a stranger (late or stale worker): ignore
             peer.last_seen = time.monotonic()
@@ -285,8 +287,7 @@ class RemoteEngine:
         self.batch = x.shape[0]     # one buffer, sent to every worker, never written while in flight
         replies = self._request_all({name: ("FORWARD", [x], {"layer": layer}) for name in self.plan.workers},
                                     f"forward conv{layer + 1}", layer)
-        parts = [replies[name].arrays[0] for name in self.plan.workers]
-        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+        return concat_channels([replies[name].arrays[0] for name in self.plan.workers])
 
     def backward(self, layer, dpooled, lr, momentum, weight_decay, need_dx):
         lp = self.plan.layers[layer]
@@ -307,8 +308,7 @@ class RemoteEngine:
         for lp in self.plan.layers:
             replies = self._request_all({name: ("FETCH", [], {"layer": lp.layer}) for name in self.plan.workers},
                                         f"fetching conv{lp.layer + 1} for a checkpoint")
-            parts = [replies[name].arrays for name in self.plan.workers]
-            out.append(tuple(np.concatenate([p[i] for p in parts], axis=0) for i in range(4)))
+            out.append(concat_shards([replies[name].arrays for name in self.plan.workers]))
         return out
 
     def step_stats(self):

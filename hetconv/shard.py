@@ -133,6 +133,16 @@ class ConvShard:
         return t1 - t0, time.perf_counter() - t1
 
 
+def concat_channels(parts):
+    """Workers' channel slices (N, k_i, H, W) in plan order -> the layer's (N, K, H, W)."""
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+
+
+def concat_shards(parts):
+    """Per worker (w, b, vw, vb) slices in plan order -> the layer's full (w, b, vw, vb)."""
+    return tuple(np.concatenate([p[i] for p in parts], axis=0) for i in range(4))
+
+
 class LocalEngine:
     """The conv layers run in this process on in-process shards: `--local`, and tests.
 
@@ -162,8 +172,7 @@ class LocalEngine:
                                        None if vw is None else vw[s:e], None if vb is None else vb[s:e])
 
     def forward(self, layer, x):
-        parts = [self.shards[name].forward(layer, x) for name in self.plan.workers]
-        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+        return concat_channels([self.shards[name].forward(layer, x) for name in self.plan.workers])
 
     def backward(self, layer, dpooled, lr, momentum, weight_decay, need_dx):
         lp = self.plan.layers[layer]
@@ -178,8 +187,7 @@ class LocalEngine:
     def gather(self):
         out = []
         for lp in self.plan.layers:
-            parts = [self.shards[name].fetch(lp.layer) for name in self.plan.workers]
-            out.append(tuple(np.concatenate([p[i] for p in parts], axis=0) for i in range(4)))
+            out.append(concat_shards([self.shards[name].fetch(lp.layer) for name in self.plan.workers]))
         return out
 
     def step_stats(self):

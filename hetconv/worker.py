@@ -4,11 +4,13 @@ coordinator over ZeroMQ.
 Two threads. The I/O thread (main) owns the DEALER socket: it forwards requests to the compute
 thread, forwards replies back, and sends a HEARTBEAT every `--heartbeat` seconds even while a
 long kernel runs (the kernels release the GIL). The compute thread owns the device and the
-shard. They talk over an inproc PAIR socket, so a reply wakes the I/O thread at once.
+shard. Requests reach it through a queue, already parsed and checked; replies come back over an
+inproc PAIR socket, so a reply wakes the I/O thread's poll at once.
 An exception while serving becomes an ERROR message naming the worker, and the worker goes on.
 """
 import argparse
 import os
+import queue
 import socket
 import sys
 import threading
@@ -20,9 +22,17 @@ def _early_pin(argv):
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--cores", default="")
     known, _ = parser.parse_known_args(argv)
-    if known.cores and hasattr(os, "sched_setaffinity"):
+    if not known.cores or not hasattr(os, "sched_setaffinity"):
+        return
+    allowed = sorted(os.sched_getaffinity(0))
+    try:
         cores = {int(c) for c in known.cores.split(",") if c.strip()}
+        if not cores or not cores <= set(allowed):      # Linux silently drops unknown cores
+            raise ValueError(known.cores)
         os.sched_setaffinity(0, cores)
+    except (ValueError, OSError):
+        raise WorkerExit(f"--cores {known.cores!r}: expected a comma list of CPU cores this process may use, "
+                         f"some of {','.join(map(str, allowed))}") from None
 
 
 def build_parser():
@@ -47,8 +57,9 @@ class WorkerExit(Exception):
     pass
 
 
-def _serve_compute(ctx, endpoint, device_spec, threads, identity):
-    """The compute thread: one request in, one reply out, strictly in order."""
+def _serve_compute(ctx, endpoint, requests, device_spec, threads, identity):
+    """The compute thread: one request (a Message the I/O thread already checked) in from the
+    `requests` queue, one reply out over the PAIR socket, strictly in order; None stops it."""
     import zmq
 
     from hetconv import protocol as P
@@ -101,14 +112,12 @@ def _serve_compute(ctx, endpoint, device_spec, threads, identity):
     handlers = {"CALIBRATE": handle_calibrate, "LOAD": handle_load, "FORWARD": handle_forward,
                 "BACKWARD": handle_backward, "FETCH": handle_fetch}
     while True:
-        frames = pair.recv_multipart(copy=False)
-        if len(frames) == 1 and frames[0].bytes == b"STOP":
+        msg = requests.get()
+        if msg is None:
             return
-        doing, seq = "reading a request", -1
+        seq = msg.seq
+        doing = " ".join([msg.op] + [f"{k}={v}" for k, v in msg.fields.items() if k in ("layer", "need_dx")])
         try:
-            msg = P.unpack(frames)
-            seq = msg.seq
-            doing = f"{msg.op} " + " ".join(f"{k}={v}" for k, v in msg.fields.items() if k in ("layer", "need_dx"))
             handler = handlers.get(msg.op)
             if handler is None:
                 raise P.ProtocolError(f"a worker does not serve {msg.op!r}: expected one of {sorted(handlers)}")
@@ -120,7 +129,7 @@ def _serve_compute(ctx, endpoint, device_spec, threads, identity):
         except Exception as e:
             reply = P.pack("ERROR", seq, **P.error_fields(e, identity, doing))
         pair.send_multipart(reply, copy=False)
-        msg = frames = None
+        msg = None                               # drop the received frames before blocking again
 
 
 def run(args):
@@ -147,7 +156,9 @@ def run(args):
     dealer = ctx.socket(zmq.DEALER)
     dealer.linger = 0
     dealer.setsockopt(zmq.IDENTITY, identity.encode())
-    compute = threading.Thread(target=_serve_compute, args=(ctx, endpoint, args.device, args.threads, identity),
+    requests = queue.Queue()
+    compute = threading.Thread(target=_serve_compute,
+                               args=(ctx, endpoint, requests, args.device, args.threads, identity),
                                name="compute", daemon=True)
     compute.start()
     try:
@@ -163,12 +174,9 @@ def run(args):
                                      description=first.fields["description"]))
         _await_welcome(dealer, args, P)
         print(f"hetconv-worker {identity}: serving {first.fields['description']} for {args.connect}", flush=True)
-        _io_loop(dealer, pair, args, P)
+        _io_loop(dealer, pair, requests, args, P)
     finally:
-        try:
-            pair.send(b"STOP")
-        except zmq.ZMQError:
-            pass
+        requests.put(None)
         compute.join(timeout=2)
         dealer.close(linger=0)
         pair.close(linger=0)
@@ -212,7 +220,7 @@ def _alive(pid):
         return True
 
 
-def _io_loop(dealer, pair, args, P):
+def _io_loop(dealer, pair, requests, args, P):
     import zmq
     poller = zmq.Poller()
     poller.register(dealer, zmq.POLLIN)
@@ -236,7 +244,7 @@ def _io_loop(dealer, pair, args, P):
                 dealer.send_multipart(P.pack("BYE", msg.seq))
                 time.sleep(0.05)
                 return
-            pair.send_multipart(frames, copy=False)
+            requests.put(msg)                 # checked once, here; the arrays keep their frames alive
         if pair in events:
             dealer.send_multipart(pair.recv_multipart(copy=False), copy=False)
             last_sent = now
@@ -250,10 +258,9 @@ def _io_loop(dealer, pair, args, P):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    _early_pin(argv)
-    args = build_parser().parse_args(argv)
     try:
-        run(args)
+        _early_pin(argv)
+        run(build_parser().parse_args(argv))
     except WorkerExit as e:
         print(f"hetconv-worker: {e}", file=sys.stderr, flush=True)
         return 2

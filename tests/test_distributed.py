@@ -177,6 +177,14 @@ def test_unknown_device_is_refused_by_worker_and_coordinator(procs):
     assert c.returncode == 1 and "unknown device 'gpu'" in out
 
 
+@pytest.mark.parametrize("cores", ["x", "0,999"])
+def test_bad_core_list_is_refused_clearly(procs, cores):
+    w = procs(python_cmd("hetconv.worker", "--device", "cpu", "--connect", "tcp://127.0.0.1:9", "--cores", cores))
+    out, _ = w.communicate(timeout=30)
+    assert w.returncode == 2 and f"--cores '{cores}': expected a comma list of CPU cores" in out
+    assert "Traceback" not in out
+
+
 def test_worker_without_a_coordinator_gives_up_with_a_message(procs):
     port = free_port()
     w = procs(python_cmd("hetconv.worker", "--device", "cpu", "--connect", f"tcp://127.0.0.1:{port}",
@@ -229,70 +237,69 @@ def test_coordinator_survives_garbage_and_refuses_a_version_mismatch(procs):
     assert "ignored a malformed message" in out and "only 0 of 1 workers connected" in out
 
 
-def test_worker_answers_malformed_requests_with_errors_and_keeps_serving(procs):
+@pytest.fixture
+def fake_coordinator():
+    """A bare ROUTER on a free loopback port, playing the coordinator: (socket, port)."""
     import zmq
-
-    from hetconv import protocol as P
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.linger = 0
     port = router.bind_to_random_port("tcp://127.0.0.1")
-    try:
-        w = procs(python_cmd("hetconv.worker", "--device", "cpu", "--connect", f"tcp://127.0.0.1:{port}",
-                             "--threads", "1", "--name", "probe"))
-
-        def recv(expect_op=None):
-            while True:
-                assert router.poll(30000), "worker went silent"
-                frames = router.recv_multipart()
-                msg = P.unpack(frames[1:])
-                if msg.op != "HEARTBEAT":
-                    return frames[0], msg
-
-        ident, hello = recv()
-        assert hello.op == "HELLO" and hello.fields["name"] == "probe" and hello.fields["device"] == "cpu"
-        router.send_multipart([ident] + P.pack("WELCOME", 1))
-        router.send_multipart([ident, b"\x00not msgpack"])
-        _, err = recv()
-        assert err.op == "ERROR" and "header is not msgpack" in err.fields["message"]
-        router.send_multipart([ident] + P.pack("FORWARD", 2, [np.ones((1, 3, 6, 6), np.float32)], layer=0))
-        _, err = recv()
-        assert err.op == "ERROR" and err.seq == 2 and "layer 0 is not loaded on this shard" in err.fields["message"]
-        assert err.fields["worker"].startswith("probe/")
-        w0 = np.ones((2, 3, 3, 3), np.float32)
-        router.send_multipart([ident] + P.pack("LOAD", 3, [w0, np.zeros(2, np.float32)], layer=0,
-                                               spec=ConvSpec(3, 2, 3, 0).to_json(), start=0, stop=2))
-        assert recv()[1].op == "LOADED"
-        x = np.ones((1, 3, 6, 6), np.float32)
-        router.send_multipart([ident] + P.pack("FORWARD", 4, [x], layer=0))
-        _, done = recv()
-        assert done.op == "FORWARD_DONE" and done.seq == 4 and done.fields["compute_s"] >= 0
-        np.testing.assert_allclose(done.arrays[0], R.conv_relu_pool(x, w0, np.zeros(2, np.float32)), rtol=1e-6)
-        router.send_multipart([ident] + P.pack("SHUTDOWN", 5))
-        assert recv()[1].op == "BYE"
-        assert w.wait(timeout=10) == 0
-    finally:
-        ctx.destroy(linger=0)
+    yield router, port
+    ctx.destroy(linger=0)
 
 
-def test_refused_worker_exits_with_the_coordinators_reason(procs):
-    import zmq
-
+def test_worker_answers_malformed_requests_with_errors_and_keeps_serving(procs, fake_coordinator):
     from hetconv import protocol as P
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.linger = 0
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    try:
-        w = procs(python_cmd("hetconv.worker", "--device", "cpu", "--connect", f"tcp://127.0.0.1:{port}"))
-        assert router.poll(30000)
-        ident = router.recv_multipart()[0]
-        router.send_multipart([ident] + P.pack("ERROR", 0, name="ProtocolVersionError", message="speaks 2, not 1",
-                                               worker="", doing="HELLO", traceback=""))
-        out, _ = w.communicate(timeout=15)
-        assert w.returncode == 2 and "the coordinator refused this worker: speaks 2, not 1" in out
-    finally:
-        ctx.destroy(linger=0)
+    router, port = fake_coordinator
+    w = procs(python_cmd("hetconv.worker", "--device", "cpu", "--connect", f"tcp://127.0.0.1:{port}",
+                         "--threads", "1", "--name", "probe"))
+
+    def recv():
+        while True:
+            assert router.poll(30000), "worker went silent"
+            frames = router.recv_multipart()
+            msg = P.unpack(frames[1:])
+            if msg.op != "HEARTBEAT":
+                return frames[0], msg
+
+    ident, hello = recv()
+    assert hello.op == "HELLO" and hello.fields["name"] == "probe" and hello.fields["device"] == "cpu"
+    router.send_multipart([ident] + P.pack("WELCOME", 1))
+    router.send_multipart([ident, b"\x00not msgpack"])
+    _, err = recv()
+    assert err.op == "ERROR" and "header is not msgpack" in err.fields["message"]
+    router.send_multipart([ident] + P.pack("CALIBRATED", 6))              # a reply op, not a request
+    _, err = recv()
+    assert err.op == "ERROR" and "a worker does not serve 'CALIBRATED'" in err.fields["message"]
+    router.send_multipart([ident] + P.pack("FORWARD", 2, [np.ones((1, 3, 6, 6), np.float32)], layer=0))
+    _, err = recv()
+    assert err.op == "ERROR" and err.seq == 2 and "layer 0 is not loaded on this shard" in err.fields["message"]
+    assert err.fields["worker"].startswith("probe/")
+    w0 = np.ones((2, 3, 3, 3), np.float32)
+    router.send_multipart([ident] + P.pack("LOAD", 3, [w0, np.zeros(2, np.float32)], layer=0,
+                                           spec=ConvSpec(3, 2, 3, 0).to_json(), start=0, stop=2))
+    assert recv()[1].op == "LOADED"
+    x = np.ones((1, 3, 6, 6), np.float32)
+    router.send_multipart([ident] + P.pack("FORWARD", 4, [x], layer=0))
+    _, done = recv()
+    assert done.op == "FORWARD_DONE" and done.seq == 4 and done.fields["compute_s"] >= 0
+    np.testing.assert_allclose(done.arrays[0], R.conv_relu_pool(x, w0, np.zeros(2, np.float32)), rtol=1e-6)
+    router.send_multipart([ident] + P.pack("SHUTDOWN", 5))
+    assert recv()[1].op == "BYE"
+    assert w.wait(timeout=10) == 0
+
+
+def test_refused_worker_exits_with_the_coordinators_reason(procs, fake_coordinator):
+    from hetconv import protocol as P
+    router, port = fake_coordinator
+    w = procs(python_cmd("hetconv.worker", "--device", "cpu", "--connect", f"tcp://127.0.0.1:{port}"))
+    assert router.poll(30000)
+    ident = router.recv_multipart()[0]
+    router.send_multipart([ident] + P.pack("ERROR", 0, name="ProtocolVersionError", message="speaks 2, not 1",
+                                           worker="", doing="HELLO", traceback=""))
+    out, _ = w.communicate(timeout=15)
+    assert w.returncode == 2 and "the coordinator refused this worker: speaks 2, not 1" in out
 
 
 def coordinator_pids(out_path):

@@ -105,6 +105,17 @@ def test_cli_bad_input_gets_a_clear_error(args, message):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--local", "--spawn", "cpu"], "choose one of --local, --spawn, --workers"),
+    (["--workers", "-1"], "--workers must be >= 1, got -1"),
+    (["--local", "--rebalance-after", "1"], "--rebalance-after must be 0 (never) or at least 2"),
+    (["--local", "--crop", "40"], "--crop must be at most the image size 32, got 40"),
+])
+def test_cli_mode_flags_are_checked(args, message):
+    result = run_cli("--steps", "1", *args)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
 def test_cli_local_run_writes_metrics_and_checkpoint(tmp_path):
     result = run_cli("--local", "--conv", "4,8", "--fc", "16", "--steps", "3", "--batch-size", "16",
                      "--synthetic-train", "200", "--synthetic-test", "50", "--threads", "1",
