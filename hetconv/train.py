@@ -4,6 +4,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 
 import numpy as np
@@ -44,7 +45,7 @@ class _StopAfterStep:
         self._previous = None
 
     def __enter__(self):
-        if threading_is_main():
+        if threading.current_thread() is threading.main_thread():   # signals only work there
             self._previous = signal.signal(signal.SIGINT, self._handle)
         return self
 
@@ -58,11 +59,6 @@ class _StopAfterStep:
     def __exit__(self, *exc):
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
-
-
-def threading_is_main():
-    import threading
-    return threading.current_thread() is threading.main_thread()
 
 
 def _compatible(saved, cfg):
