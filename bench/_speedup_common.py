@@ -44,7 +44,7 @@ def run_one(spec):
 
     from hetconv import costmodel as cm
     from hetconv.config import Config
-    from hetconv.model import conv_specs, layer_input_shapes
+    from hetconv.geometry import conv_specs, layer_input_shapes
     from hetconv.train import train
 
     threadpool_limits(1)      # the coordinator's own BLAS (FC layers) runs on one thread, as the baseline's

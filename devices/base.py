@@ -13,6 +13,8 @@ For the CPU device both are identities.
 """
 import numpy as np
 
+from hetconv.geometry import conv_output_hw, pooled_hw
+
 
 class DeviceError(RuntimeError):
     """A device cannot be opened or was asked for something it cannot do."""
@@ -34,7 +36,7 @@ def conv_output_shape(x_shape, w_shape, padding):
         raise ValueError(f"weights expect {wc} input channels but input has {c}: w {tuple(w_shape)!r}, x {tuple(x_shape)!r}")
     if not isinstance(padding, (int, np.integer)) or padding < 0:
         raise ValueError(f"padding must be a non-negative integer, got {padding!r}")
-    ho, wo = h + 2 * padding - kh + 1, w + 2 * padding - kw + 1
+    ho, wo = conv_output_hw(h, w, kh, kw, padding)
     if ho < 1 or wo < 1:
         raise ValueError(f"kernel {kh}x{kw} does not fit input {h}x{w} with padding {padding}")
     return n, k, ho, wo
@@ -44,7 +46,7 @@ def pooled_shape(x_shape, w_shape, padding):
     n, k, ho, wo = conv_output_shape(x_shape, w_shape, padding)
     if ho < 2 or wo < 2:
         raise ValueError(f"conv output {ho}x{wo} is too small for a 2x2 max-pool")
-    return n, k, ho // 2, wo // 2
+    return (n, k) + pooled_hw(ho, wo)
 
 
 class Device:

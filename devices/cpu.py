@@ -25,7 +25,8 @@ from numba import prange
 from threadpoolctl import threadpool_info, threadpool_limits
 
 from hetconv.devices.base import Device, DeviceError
-from hetconv.layers import sgd_update
+from hetconv.geometry import conv_output_hw
+from hetconv.params import sgd_update
 
 DEFAULT_IM2COL_BUDGET_BYTES = 64 << 20
 
@@ -195,7 +196,7 @@ class CpuDevice(Device):
         ranges of each chunk, and an im2col buffer sized for the largest chunk."""
         n, c, h, wd = x.shape
         k, _, kh, kw = w.shape
-        ho, wo = h + 2 * padding - kh + 1, wd + 2 * padding - kw + 1
+        ho, wo = conv_output_hw(h, wd, kh, kw, padding)
         ckk = c * kh * kw
         step = max(1, min(n, self.im2col_budget_bytes // max(1, ho * wo * ckk * 4)))
         chunks = [(n0, min(n, n0 + step)) for n0 in range(0, n, step)]
@@ -231,7 +232,7 @@ class CpuDevice(Device):
         b = self._check_bias(b, w.shape[0])
         n, c, h, wd = x.shape
         k, _, kh, kw = w.shape
-        ho, wo = h + 2 * padding - kh + 1, wd + 2 * padding - kw + 1
+        ho, wo = conv_output_hw(h, wd, kh, kw, padding)
         out = np.empty((n, k, ho // 2, wo // 2), np.float32)
         argmax = np.empty(out.shape, np.int8)
         self._forward_chunks(x, w, padding,
@@ -277,8 +278,7 @@ class CpuDevice(Device):
         if tuple(w.shape) != tuple(ctx.w_shape):
             raise ValueError(f"weights changed shape since forward, {w.shape!r} != {ctx.w_shape!r}")
         x = ctx.x
-        ho = x.shape[2] + 2 * ctx.padding - w.shape[2] + 1
-        wo = x.shape[3] + 2 * ctx.padding - w.shape[3] + 1
+        ho, wo = conv_output_hw(x.shape[2], x.shape[3], w.shape[2], w.shape[3], ctx.padding)
         return self._backward_chunks(
             x, w, ctx.padding, need_dx,
             lambda n0, n1, dy: _unpool(dpooled, ctx.argmax, n0, n1, ho, wo, dy))

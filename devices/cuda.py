@@ -34,6 +34,7 @@ from numba import cuda, float32, int8, int64, types
 from numba.cuda.core import config as cuda_config
 
 from hetconv.devices.base import Device, DeviceError, _as_f32, conv_output_shape, pooled_shape
+from hetconv.geometry import conv_output_hw
 
 # ---- tile sizes ----------------------------------------------------------------------------
 # Under Numba's CUDA simulator every GPU thread is a Python thread, so blocks shrink (same
@@ -70,7 +71,7 @@ GEOMETRY = types.UniTuple(int64, 10)
 def _geometry(x_shape, w_shape, padding):
     n, c, h, w = x_shape
     k, _, kh, kw = w_shape
-    ho, wo = h + 2 * padding - kh + 1, w + 2 * padding - kw + 1
+    ho, wo = conv_output_hw(h, w, kh, kw, padding)
     return tuple(int(v) for v in (n, c, h, w, k, kh, kw, ho, wo, padding))
 
 

@@ -5,6 +5,8 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
+from hetconv.geometry import IMAGE_SHAPE
+
 
 @dataclass
 class Config:
@@ -43,7 +45,8 @@ class Config:
         return parse_int_list("--fc", self.fc, allow_empty=True)
 
     def image_shape(self):
-        return (3, self.crop, self.crop) if self.crop else (3, 32, 32)
+        c, h, w = IMAGE_SHAPE
+        return (c, self.crop, self.crop) if self.crop else (c, h, w)
 
     def to_json(self):
         return dataclasses.asdict(self)

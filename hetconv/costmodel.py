@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from hetconv.geometry import IMAGE_SHAPE, layer_input_shapes
+
 FLOAT_BYTES = 4
 
 
@@ -109,13 +111,9 @@ def parse_bandwidth(text):
 
 def layer_geometry(specs, image_shape, batch):
     """Per layer: (input shape (N,C,H,W), pooled output shape without K (N,H',W'))."""
-    c, h, w = image_shape
-    out = []
-    for spec in specs:
-        hp, wp = spec.output_hw(h, w)
-        out.append(((batch, c, h, w), (batch, hp, wp)))
-        c, h, w = spec.kernels, hp, wp
-    return out
+    shapes, last = layer_input_shapes(specs, batch, image_shape)
+    outputs = [s[2:] for s in shapes[1:]] + [last[1:]]
+    return [(shape, (batch,) + tuple(hw)) for shape, hw in zip(shapes, outputs)]
 
 
 def wire_bytes(specs, image_shape, batch, counts):
@@ -321,7 +319,7 @@ def build_parser():
 
 def main(argv=None):
     from hetconv.config import parse_int_list
-    from hetconv.model import conv_specs, layer_input_shapes
+    from hetconv.geometry import conv_specs
     from hetconv.planner import make_plan
 
     args = build_parser().parse_args(argv)
@@ -329,7 +327,7 @@ def main(argv=None):
         entries = _parse_devices(args.devices)
         specs = conv_specs(parse_int_list("--conv", args.conv, False), args.ksize)
         fc = parse_int_list("--fc", args.fc, True)
-        image = (3, 32, 32)
+        image = IMAGE_SHAPE
         input_shapes, _ = layer_input_shapes(specs, args.batch_size, image)
         link = (Link(measure_loopback(), name="loopback (measured)") if args.bandwidth == "loopback"
                 else parse_bandwidth(args.bandwidth))

@@ -22,6 +22,8 @@ from typing import Iterator
 
 import numpy as np
 
+from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES
+
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer",
                    "dog", "frog", "horse", "ship", "truck")
 # Per-channel statistics of the CIFAR-10 training set, fixed so that every run (and every data
@@ -29,9 +31,7 @@ CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer",
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 
-IMAGE_SHAPE = (3, 32, 32)                    # (C, H, W)
 ROW_BYTES = 3 * 32 * 32                      # one image in a CIFAR file: R, G, B planes of 32x32
-NUM_CLASSES = 10
 
 DIR_NAME = "cifar-10-batches-py"
 TAR_NAME = "cifar-10-python.tar.gz"

@@ -1,28 +1,10 @@
-"""The layers that stay on the coordinator: fully connected, ReLU, softmax cross-entropy, and SGD.
+"""The layers that stay on the coordinator: fully connected, ReLU, softmax cross-entropy.
 
 Plain numpy on float32; the FC GEMMs go to BLAS. Shapes are noted as (batch, features).
 """
 import numpy as np
 
-
-def default_init(rng, shape, fan_in):
-    """PyTorch's default for Linear and Conv2d: uniform in +-1/sqrt(fan_in) (std 1/sqrt(3 fan_in)).
-    He's sqrt(2/fan_in) is 2.4x wider; with two max-pools (which keep the largest of four) in
-    front of a 37500-wide FC layer it starts the paper network at a loss of 4.5 and makes the
-    first SGD steps blow up."""
-    bound = np.float32(1.0 / np.sqrt(fan_in))
-    return rng.uniform(-bound, bound, size=shape).astype(np.float32)
-
-
-def sgd_update(param, velocity, grad, lr, momentum, weight_decay):
-    """In place, PyTorch's SGD: v = momentum*v + grad + weight_decay*param; param -= lr*v.
-
-    The same rule as every device's `sgd_`, so conv shards and FC layers train alike."""
-    velocity *= momentum
-    velocity += grad
-    if weight_decay:
-        velocity += weight_decay * param
-    param -= lr * velocity
+from hetconv.params import default_init, sgd_update
 
 
 class Linear:

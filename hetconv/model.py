@@ -8,34 +8,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hetconv.layers import Linear, default_init, relu, relu_backward, softmax_cross_entropy
-from hetconv.shard import ConvSpec
-
-IMAGE_SHAPE = (3, 32, 32)
-NUM_CLASSES = 10
-
-
-def conv_specs(kernels, ksize=5, padding=0, in_channels=IMAGE_SHAPE[0]):
-    specs = []
-    for k in kernels:
-        specs.append(ConvSpec(in_channels, k, ksize, padding))
-        in_channels = k
-    return specs
-
-
-def layer_input_shapes(specs, batch, image_shape=IMAGE_SHAPE):
-    """(N, C, H, W) entering each conv layer; raises if the image shrinks away."""
-    c, h, w = image_shape
-    shapes = []
-    for i, spec in enumerate(specs):
-        if h + 2 * spec.padding - spec.ksize + 1 < 2 or w + 2 * spec.padding - spec.ksize + 1 < 2:
-            raise ValueError(f"conv layer {i + 1} ({spec.ksize}x{spec.ksize}, padding {spec.padding}) gets a {h}x{w} input: "
-                             f"too small for the conv and its 2x2 pool; use fewer conv layers or more padding")
-        shapes.append((batch, c, h, w))
-        h, w = spec.output_hw(h, w)
-        c = spec.kernels
-    return shapes, (c, h, w)
-
+from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES, layer_input_shapes
+from hetconv.layers import Linear, relu, relu_backward, softmax_cross_entropy
+from hetconv.params import default_init
 
 def init_conv_params(specs, rng):
     """Initial (w, b, vw=None, vb=None) per conv layer, drawn before any FC layer so the

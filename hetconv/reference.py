@@ -8,9 +8,7 @@ Everything is computed in float64 and returned as float32.
 """
 import numpy as np
 
-
-def output_size(h, w, kh, kw, padding):
-    return h + 2 * padding - kh + 1, w + 2 * padding - kw + 1
+from hetconv.geometry import conv_output_hw
 
 
 def conv2d(x, w, b, padding=0):
@@ -19,7 +17,7 @@ def conv2d(x, w, b, padding=0):
     w = np.asarray(w, np.float64)
     n, c, h, wd = x.shape
     k, _, kh, kw = w.shape
-    ho, wo = output_size(h, wd, kh, kw, padding)
+    ho, wo = conv_output_hw(h, wd, kh, kw, padding)
     xp = np.pad(x, ((0, 0), (0, 0), (padding, padding), (padding, padding)))
     y = np.zeros((n, k, ho, wo))
     for u in range(kh):
@@ -38,7 +36,7 @@ def conv2d_backward(x, w, dy, padding=0, need_dx=True):
     dy = np.asarray(dy, np.float64)
     n, c, h, wd = x.shape
     k, _, kh, kw = w.shape
-    ho, wo = output_size(h, wd, kh, kw, padding)
+    ho, wo = conv_output_hw(h, wd, kh, kw, padding)
     xp = np.pad(x, ((0, 0), (0, 0), (padding, padding), (padding, padding)))
     dw = np.zeros(w.shape)
     dxp = np.zeros(xp.shape)

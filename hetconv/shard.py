@@ -4,32 +4,11 @@ This is the code a worker runs for every FORWARD / BACKWARD it serves, and the c
 runs in-process, so the single-device baseline and a distributed run differ only in transport.
 """
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
-from hetconv.layers import default_init
+from hetconv.params import default_init
 from hetconv.planner import make_plan
-
-
-@dataclass(frozen=True)
-class ConvSpec:
-    """One conv layer of the network: in_channels -> kernels, ksize x ksize, then ReLU + pool."""
-    in_channels: int
-    kernels: int
-    ksize: int = 5
-    padding: int = 0
-
-    def to_json(self):
-        return {"in_channels": self.in_channels, "kernels": self.kernels, "ksize": self.ksize, "padding": self.padding}
-
-    @classmethod
-    def from_json(cls, d):
-        return cls(int(d["in_channels"]), int(d["kernels"]), int(d["ksize"]), int(d["padding"]))
-
-    def output_hw(self, h, w):
-        """Spatial size after conv and 2x2 pool."""
-        return (h + 2 * self.padding - self.ksize + 1) // 2, (w + 2 * self.padding - self.ksize + 1) // 2
 
 
 class ShardError(ValueError):

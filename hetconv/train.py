@@ -12,7 +12,8 @@ from tqdm import tqdm
 
 from hetconv import checkpoint
 from hetconv.data import batches, load_dataset, test_batches
-from hetconv.model import Network, conv_specs, init_conv_params, layer_input_shapes
+from hetconv.geometry import conv_specs, layer_input_shapes
+from hetconv.model import Network, init_conv_params
 
 
 MAX_REBALANCES = 3

@@ -63,7 +63,8 @@ def _serve_compute(ctx, endpoint, requests, device_spec, threads, identity):
     import zmq
 
     from hetconv import protocol as P
-    from hetconv.shard import ConvShard, ConvSpec
+    from hetconv.geometry import ConvSpec
+    from hetconv.shard import ConvShard
 
     pair = ctx.socket(zmq.PAIR)
     pair.linger = 0

@@ -6,7 +6,7 @@ import pytest
 
 from hetconv.costmodel import (DeviceProfile, LayerCost, Link, _parse_devices, parse_bandwidth, predict_local,
                                predict_step, profiles_from_calibration, wire_bytes)
-from hetconv.model import conv_specs
+from hetconv.geometry import conv_specs
 
 PAPER = conv_specs([500, 1500])
 IMAGE = (3, 32, 32)

@@ -4,7 +4,7 @@ import pytest
 
 from hetconv import reference as R
 from hetconv.devices import DeviceError, open_device, parse_device
-from hetconv.layers import sgd_update
+from hetconv.params import sgd_update
 
 # (N, C, H, W, K, kh, kw, padding): batch 1, one channel, odd sizes, padding 0..2, kernels 1..5
 SHAPES = [

@@ -18,7 +18,8 @@ from hetconv.config import Config
 from hetconv.coordinator import RemoteEngine, WorkerError, WorkerLost
 from hetconv.devices import open_device
 from hetconv.planner import PlanError, fixed_plan
-from hetconv.shard import ConvShard, ConvSpec, LocalEngine
+from hetconv.geometry import ConvSpec
+from hetconv.shard import ConvShard, LocalEngine
 from hetconv.train import train
 
 TINY = dict(conv="6,12", fc="32", batch_size=32, synthetic_train=512, synthetic_test=64, lr=0.01, threads=1,

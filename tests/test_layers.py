@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from hetconv.layers import Linear, relu, relu_backward, sgd_update, softmax_cross_entropy
+from hetconv.layers import Linear, relu, relu_backward, softmax_cross_entropy
+from hetconv.params import sgd_update
 
 
 def test_linear_gradients_match_finite_differences():

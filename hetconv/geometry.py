@@ -1,0 +1,68 @@
+"""What the network looks like, written once: the image, the classes, one conv layer's spec, and
+the size arithmetic every part of hetconv uses (reference, devices, model, cost model, bench).
+
+A conv layer here is always conv (stride 1, zero padding) -> ReLU -> 2x2 max-pool.
+"""
+from dataclasses import dataclass
+
+IMAGE_SHAPE = (3, 32, 32)           # (C, H, W) of a CIFAR-10 image
+NUM_CLASSES = 10
+
+
+def conv_output_hw(h, w, kh, kw, padding):
+    """Spatial size of a stride-1 convolution's output: the one place this formula lives."""
+    return h + 2 * padding - kh + 1, w + 2 * padding - kw + 1
+
+
+def pooled_hw(h, w):
+    """Spatial size after a 2x2, stride-2 max-pool (an odd last row or column is dropped)."""
+    return h // 2, w // 2
+
+
+@dataclass(frozen=True)
+class ConvSpec:
+    """One conv layer of the network: in_channels -> kernels, ksize x ksize, then ReLU + pool."""
+    in_channels: int
+    kernels: int
+    ksize: int = 5
+    padding: int = 0
+
+    def to_json(self):
+        return {"in_channels": self.in_channels, "kernels": self.kernels, "ksize": self.ksize, "padding": self.padding}
+
+    @classmethod
+    def from_json(cls, d):
+        return cls(int(d["in_channels"]), int(d["kernels"]), int(d["ksize"]), int(d["padding"]))
+
+    def conv_hw(self, h, w):
+        """Spatial size after the conv, before the pool."""
+        return conv_output_hw(h, w, self.ksize, self.ksize, self.padding)
+
+    def output_hw(self, h, w):
+        """Spatial size after conv and 2x2 pool."""
+        return pooled_hw(*self.conv_hw(h, w))
+
+
+def conv_specs(kernels, ksize=5, padding=0, in_channels=IMAGE_SHAPE[0]):
+    """One ConvSpec per entry of `kernels`, each layer's input channels the previous layer's kernels."""
+    specs = []
+    for k in kernels:
+        specs.append(ConvSpec(in_channels, k, ksize, padding))
+        in_channels = k
+    return specs
+
+
+def layer_input_shapes(specs, batch, image_shape=IMAGE_SHAPE):
+    """(N, C, H, W) entering each conv layer, and the (C, H, W) leaving the last one; raises if
+    the image shrinks away."""
+    c, h, w = image_shape
+    shapes = []
+    for i, spec in enumerate(specs):
+        ho, wo = spec.conv_hw(h, w)
+        if ho < 2 or wo < 2:
+            raise ValueError(f"conv layer {i + 1} ({spec.ksize}x{spec.ksize}, padding {spec.padding}) gets a {h}x{w} input: "
+                             f"too small for the conv and its 2x2 pool; use fewer conv layers or more padding")
+        shapes.append((batch, c, h, w))
+        h, w = pooled_hw(ho, wo)
+        c = spec.kernels
+    return shapes, (c, h, w)
