@@ -70,10 +70,11 @@ def run_one(spec):
     try:
         if spec.get("local"):
             from hetconv.devices import open_device
-            from hetconv.shard import ConvShard, LocalEngine
+            from hetconv.engine import LocalEngine
+            from hetconv.shard import ConvShard
             engine = LocalEngine({"local": ConvShard(open_device("cpu", threads=1))})
         else:
-            from hetconv.coordinator import RemoteEngine
+            from hetconv.remote import RemoteEngine
             engine = RemoteEngine(spec.get("bind", "tcp://127.0.0.1:0"), spec.get("external", 0),
                                   [] if spec.get("external") else devices, threads=1, pin=True,
                                   connect_timeout=spec.get("connect_timeout", 120.0), log=log)

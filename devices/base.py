@@ -72,6 +72,14 @@ class Device:
         """In place: v = momentum*v + grad + weight_decay*param; param -= lr*v (PyTorch's SGD)."""
         self._sgd_(param, velocity, grad, float(lr), float(momentum), float(weight_decay))
 
+    def accumulate_(self, total, grad):
+        """In place: total += grad, where both live (micro-batches add their gradients up before
+        the one update of a step)."""
+        if tuple(self._shape(total)) != tuple(self._shape(grad)):
+            raise ValueError(f"gradient shape must match the total, {tuple(self._shape(grad))!r} != "
+                             f"{tuple(self._shape(total))!r}")
+        self._accumulate_(total, grad)
+
     # ---- the plain contract ------------------------------------------------------------------
     def conv2d(self, x, w, b, padding=0):
         x, w = _as_f32("x", x, 4), _as_f32("w", w, 4)
@@ -140,3 +148,6 @@ class Device:
 
     def _sgd_(self, param, velocity, grad, lr, momentum, weight_decay):
         raise NotImplementedError
+
+    def _accumulate_(self, total, grad):
+        np.add(total, grad, out=total)

@@ -337,6 +337,16 @@ def _sgd(param, velocity, grad, lr, momentum, weight_decay):
 sgd_kernel = cuda.jit(_sgd)
 
 
+def _accumulate(total, grad):
+    """total += grad, elementwise: micro-batch gradients summed where they live."""
+    i = cuda.grid(1)
+    if i < total.shape[0]:
+        total[i] += grad[i]
+
+
+accumulate_kernel = cuda.jit(_accumulate)
+
+
 # ---- signatures of every kernel, as launched; tests compile each to PTX --------------------
 _F1 = float32[::1]
 _F2 = float32[:, ::1]
@@ -351,6 +361,7 @@ PTX_SIGNATURES = [
     (_relu_maxpool2, (_F4, _F4, _I4)),
     (_relu_maxpool2_backward, (_I4, _F4, _F4)),
     (_sgd, (_F1, _F1, _F1, float32, float32, float32)),
+    (_accumulate, (_F1, _F1)),
 ]
 
 
@@ -492,6 +503,13 @@ class CudaDevice(Device):
         grid = math.ceil(size / ELEMENTWISE_THREADS)
         sgd_kernel[grid, ELEMENTWISE_THREADS](param.reshape(size), velocity.reshape(size), grad.reshape(size),
                                               np.float32(lr), np.float32(momentum), np.float32(weight_decay))
+
+    def _accumulate_(self, total, grad):
+        if not (_is_device_array(total) and _is_device_array(grad)):
+            raise TypeError(f"accumulate_ adds arrays on {self.name}: upload them first")
+        size = int(np.prod(total.shape))
+        grid = math.ceil(size / ELEMENTWISE_THREADS)
+        accumulate_kernel[grid, ELEMENTWISE_THREADS](total.reshape(size), grad.reshape(size))
 
 
 def _gpu_count(requested):

@@ -6,9 +6,10 @@ The same as `hetconv-coordinator --spawn cpu,cpu --conv 16,32 --fc 64 --steps 10
 people who drive training from their own scripts.
 """
 from hetconv.config import Config
-from hetconv.coordinator import RemoteEngine
+from hetconv.remote import RemoteEngine
 from hetconv.devices import open_device
-from hetconv.shard import ConvShard, LocalEngine
+from hetconv.engine import LocalEngine
+from hetconv.shard import ConvShard
 from hetconv.train import train
 
 cfg = Config(conv="16,32", fc="64", batch_size=32, steps=100, synthetic_train=10000, synthetic_test=1000,

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 
 from hetconv.geometry import IMAGE_SHAPE
+from hetconv.wire import check_wire_dtype
 
 
 @dataclass
@@ -32,6 +33,9 @@ class Config:
     split: str = "proportional"        # 'proportional' to measured speed, or 'equal' (the naive baseline)
     calibration_batch: int = 16        # images per calibration run (real layer shapes otherwise)
     rebalance_after: int = 3           # every N steps, re-split from measured compute while it gains, up to 3 times (0: never)
+    exchange: str = "peer"             # 'peer': workers pass feature maps among themselves; 'star': all through the coordinator
+    micro_batches: int = 0             # pieces each batch is cut into so wire and compute overlap (0: auto, 1: none)
+    wire_dtype: str = "float32"        # feature maps and gradients on the wire: float32 (exact), bfloat16 or float16
     # output
     metrics: str = ""                  # JSON-lines metrics file ('' for none)
     checkpoint_dir: str = ""           # where checkpoints go ('' for none)
@@ -67,7 +71,7 @@ class Config:
                   ("--calibration-batch", self.calibration_batch, 1), ("--checkpoint-every", self.checkpoint_every, 0),
                   ("--synthetic-train", self.synthetic_train, 1), ("--synthetic-test", self.synthetic_test, 1),
                   ("--eval-batches", self.eval_batches, 0), ("--crop", self.crop, 0),
-                  ("--rebalance-after", self.rebalance_after, 0)]
+                  ("--rebalance-after", self.rebalance_after, 0), ("--micro-batches", self.micro_batches, 0)]
         for flag, value, lowest in checks:
             if value < lowest:
                 raise ValueError(f"{flag} must be >= {lowest}, got {value}")
@@ -82,6 +86,11 @@ class Config:
             raise ValueError(f"--momentum must be in [0, 1), got {self.momentum}")
         if self.weight_decay < 0:
             raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        if self.exchange not in ("peer", "star"):
+            raise ValueError(f"--exchange must be 'peer' or 'star', got {self.exchange!r}")
+        if self.micro_batches > self.batch_size:
+            raise ValueError(f"--micro-batches {self.micro_batches} is more than the {self.batch_size} images of a batch")
+        check_wire_dtype(self.wire_dtype)
         if self.split not in ("proportional", "equal"):
             raise ValueError(f"--split must be 'proportional' or 'equal', got {self.split!r}")
         return self

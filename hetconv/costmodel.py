@@ -193,39 +193,42 @@ def predict_local(specs, batch, profile, coordinator_s):
 
 # ---- measuring helpers (clocks and sockets live here, not above) ---------------------------------
 
-class _TimingEngine:
-    """Stands in for the workers so the coordinator's own share of a step can be timed: it
-    returns ready-made feature maps, concatenated from `n` slices, and sums `n` partial dX,
-    exactly the array work the real coordinator does around the wire."""
+def _timing_engine(specs, image_shape, batch, n, rng):
+    """Stands in for `n` workers so the coordinator's own share of a step can be timed: the
+    engine's real concatenation and dX sum around ready-made replies (no shard computes)."""
+    from hetconv.engine import Engine
+    from hetconv.planner import make_plan
 
-    def __init__(self, specs, image_shape, batch, n, rng):
-        self.geometry = layer_geometry(specs, image_shape, batch)
-        self.specs, self.n = specs, n
-        self.outputs = []
-        for spec, (_, (b, hp, wp)) in zip(specs, self.geometry):
-            parts = np.array_split(np.arange(spec.kernels), n)
-            self.outputs.append([rng.random((b, len(p), hp, wp), dtype=np.float32) for p in parts])
+    geometry = layer_geometry(specs, image_shape, batch)
+    names = [f"w{i}" for i in range(n)]
 
-    def forward(self, layer, x):
-        parts = self.outputs[layer]
-        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+    class TimingEngine(Engine):
+        workers = names
 
-    def backward(self, layer, dpooled, lr, momentum, weight_decay, need_dx):
-        if not need_dx:
-            return None
-        shape = self.geometry[layer][0]
-        partial = np.ones(shape, np.float32)
-        dx = partial.copy()
-        for _ in range(self.n - 1):
-            np.add(dx, partial, out=dx)
-        return dx
+        def __init__(self):
+            super().__init__()
+            self.plan = make_plan([s.kernels for s in specs], {w: None for w in names}, "equal")
+            self.outputs = [{w: rng.random((b, lp.count(w), hp, wp), dtype=np.float32) for w in names}
+                            for lp, (_, (b, hp, wp)) in zip(self.plan.layers, geometry)]
+            self.partials = [np.ones(shape, np.float32) for shape, _ in geometry]
+
+        def _call(self, requests, doing, layer=None):
+            replies = {}
+            for name, (op, arrays, fields) in requests.items():
+                if op == "FORWARD":
+                    replies[name] = ([self.outputs[layer][name]], {})
+                else:
+                    replies[name] = ([self.partials[layer]] if fields["need_dx"] else [], {})
+            return replies
+
+    return TimingEngine()
 
 
 def measure_coordinator_s(specs, fc_sizes, image_shape, batch, n_workers, repeats=3):
     """Seconds of coordinator work per step (FC, loss, concatenation, dX sum) on this host."""
     from hetconv.model import Network
     rng = np.random.default_rng(0)
-    engine = _TimingEngine(specs, image_shape, batch, n_workers, rng)
+    engine = _timing_engine(specs, image_shape, batch, n_workers, rng)
     net = Network(specs, fc_sizes, engine, rng, image_shape)
     x = np.zeros((batch,) + tuple(image_shape), np.float32)
     labels = rng.integers(0, 10, batch)

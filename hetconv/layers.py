@@ -25,9 +25,13 @@ class Linear:
         self._x = x
         return x @ self.w.T + self.b
 
-    def backward(self, dy):                          # (N, out) -> (N, in); keeps dw, db
-        self.dw = dy.T @ self._x
-        self.db = dy.sum(axis=0)
+    def backward(self, dy, accumulate=False):        # (N, out) -> (N, in); keeps (or adds to) dw, db
+        dw, db = dy.T @ self._x, dy.sum(axis=0)
+        if accumulate:                               # a later micro-batch of the same step
+            self.dw += dw
+            self.db += db
+        else:
+            self.dw, self.db = dw, db
         dx = dy @ self.w
         self._x = None
         return dx
@@ -35,6 +39,7 @@ class Linear:
     def step(self, lr, momentum, weight_decay):
         sgd_update(self.w, self.vw, self.dw, lr, momentum, weight_decay)
         sgd_update(self.b, self.vb, self.db, lr, momentum, 0.0)   # no decay on biases
+        self.dw = self.db = None
 
 
 def relu(x):

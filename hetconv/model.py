@@ -12,6 +12,7 @@ from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES, layer_input_shapes
 from hetconv.layers import Linear, relu, relu_backward, softmax_cross_entropy
 from hetconv.params import default_init
 
+
 def init_conv_params(specs, rng):
     """Initial (w, b, vw=None, vb=None) per conv layer, drawn before any FC layer so the
     same seed gives the same conv weights whatever the FC sizes."""
@@ -37,12 +38,6 @@ class Network:
         widths = [c * h * w] + list(fc_sizes) + [NUM_CLASSES]
         self.fc = [Linear.init(a, b, rng) for a, b in zip(widths[:-1], widths[1:])]
 
-    def _conv_forward(self, x):
-        h = x
-        for layer in range(len(self.specs)):
-            h = self.engine.forward(layer, h)     # (N, K_l, H_l, W_l): every shard's channels
-        return h
-
     def _fc_forward(self, flat):
         acts = [flat]
         h = flat
@@ -53,31 +48,39 @@ class Network:
             acts.append(h)
         return h, acts
 
-    def train_step(self, x, labels, lr, momentum, weight_decay):
-        # 1. conv forward: each layer's input goes to every shard; channel slices come back
-        features = self._conv_forward(x)
-        flat = features.reshape(features.shape[0], -1)
-        # 2. FC forward, loss, FC backward and update: all local
-        logits, acts = self._fc_forward(flat)
-        loss, grad = softmax_cross_entropy(logits, labels)
-        correct = int((logits.argmax(axis=1) == labels).sum())
-        for i in reversed(range(len(self.fc))):
-            if i < len(self.fc) - 1:
-                grad = relu_backward(acts[i + 1], grad)
-            grad = self.fc[i].backward(grad)
+    def train_step(self, x, labels, lr, momentum, weight_decay, micro_batches=1):
+        """One SGD step on the batch, cut into `micro_batches` pieces whose gradients add up to
+        the whole batch's (the loss is the mean over the whole batch)."""
+        xs = np.array_split(x, micro_batches)
+        ys = np.array_split(labels, micro_batches)
+        total = len(labels)
+        result = StepResult(0.0, 0)
+
+        def head(m, features):
+            # FC forward, loss, FC backward on micro-batch m: all local; its gradients add up
+            logits, acts = self._fc_forward(features.reshape(features.shape[0], -1))
+            loss, grad = softmax_cross_entropy(logits, ys[m])        # mean over this micro-batch
+            share = len(ys[m]) / total
+            if share != 1.0:
+                grad *= np.float32(share)                              # ... made a mean over the batch
+            result.loss += loss * share
+            result.correct += int((logits.argmax(axis=1) == ys[m]).sum())
+            for i in reversed(range(len(self.fc))):
+                if i < len(self.fc) - 1:
+                    grad = relu_backward(acts[i + 1], grad)
+                grad = self.fc[i].backward(grad, accumulate=m > 0)
+            return grad.reshape(features.shape)
+
+        # conv forward, head, conv backward per micro-batch: the engine decides how they overlap;
+        # the conv kernels get their one update per step where they live
+        self.engine.conv_step(xs, head, (lr, momentum, weight_decay))
         for fc in self.fc:
             fc.step(lr, momentum, weight_decay)
-        # 3. conv backward: each shard gets its slice of the gradient and updates its kernels;
-        #    partial dX are summed for every layer but the first
-        grad = grad.reshape(features.shape)
-        for layer in reversed(range(len(self.specs))):
-            grad = self.engine.backward(layer, grad, lr, momentum, weight_decay, need_dx=layer > 0)
-        return StepResult(loss, correct)
+        return result
 
     def predict(self, x):
-        """Logits, without touching any training state that matters (the shards' saved forward
-        context is overwritten and dropped at the next training forward)."""
-        features = self._conv_forward(x)
+        """Logits, without touching any training state."""
+        features = self.engine.predict(x)
         logits, _ = self._fc_forward(features.reshape(features.shape[0], -1))
         return logits
 

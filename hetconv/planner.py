@@ -124,3 +124,41 @@ def fixed_plan(layer_kernels, counts, policy="fixed"):
             start += counts[w][li]
         layers.append(LayerPlan(li, total, ranges, {}))
     return Plan(policy, workers, tuple(layers))
+
+
+def replan(plan, lines, measured, min_gain=0.05):
+    """Re-split a proportional plan from what real steps took under it.
+
+    lines: {worker: [(fixed_s, per_kernel_s) per layer]}, the calibrated seconds per step at
+        the step's batch, or None for a worker without calibration (then all of its time counts
+        as per-kernel).
+    measured: {worker: [compute seconds per step, per layer]} under `plan`.
+
+    Calibration can be fooled (a burst of outside load, a cache that behaves differently at the
+    calibration batch); real steps cannot. Each worker's calibrated line is scaled by how far the
+    real steps were from it, so a worker holding few kernels, whose time is mostly the fixed
+    part, is not mistaken for a slow one. Returns the proportional plan of the scaled lines if
+    it cuts the slowest worker's predicted compute by more than `min_gain`, else None."""
+    fixed, per_kernel, now = {}, {}, {}
+    for name in plan.workers:
+        fixed[name], per_kernel[name] = [], []
+        for lp in plan.layers:
+            seconds = float(measured[name][lp.layer])
+            k = lp.count(name)
+            line = lines.get(name)
+            if line is not None:
+                f, p = line[lp.layer]
+                scale = seconds / (f + p * k)
+                f, p = f * scale, p * scale
+            else:
+                f, p = 0.0, seconds / k
+            fixed[name].append(f)
+            per_kernel[name].append(p)
+        now[name] = sum(float(measured[name][lp.layer]) for lp in plan.layers)
+    speeds = {name: [1.0 / p for p in per_kernel[name]] for name in plan.workers}
+    proposal = make_plan([lp.kernels for lp in plan.layers], speeds, "proportional")
+    then = {name: sum(fixed[name][lp.layer] + lp.count(name) * per_kernel[name][lp.layer] for lp in proposal.layers)
+            for name in proposal.workers}
+    if max(then.values()) > (1 - min_gain) * max(now.values()):
+        return None
+    return proposal

@@ -11,14 +11,17 @@ from dataclasses import dataclass, field
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
-# Coordinator -> worker requests, worker -> coordinator replies and notices.
-REQUESTS = ("WELCOME", "CALIBRATE", "LOAD", "FORWARD", "BACKWARD", "FETCH", "SHUTDOWN")
-REPLIES = ("HELLO", "HEARTBEAT", "CALIBRATED", "LOADED", "FORWARD_DONE", "BACKWARD_DONE", "SHARD", "BYE", "ERROR")
-OPS = frozenset(REQUESTS + REPLIES)
+# Coordinator -> worker requests, worker -> coordinator replies and notices, worker -> worker.
+REQUESTS = ("WELCOME", "CALIBRATE", "LOAD", "FORWARD", "BACKWARD", "FETCH", "SHUTDOWN",
+            "PEERS", "STEP", "INPUT", "GRAD")
+REPLIES = ("HELLO", "HEARTBEAT", "CALIBRATED", "LOADED", "FORWARD_DONE", "BACKWARD_DONE", "SHARD", "BYE", "ERROR",
+           "PEERS_OK", "FEATURES", "STEP_DONE")
+PEER_OPS = ("SLICE",)
+OPS = frozenset(REQUESTS + REPLIES + PEER_OPS)
 
-DTYPES = frozenset({"float32", "float64", "int8", "uint8", "int32", "int64"})
+DTYPES = frozenset({"float32", "float64", "float16", "int8", "uint8", "uint16", "int32", "int64"})
 MAX_HEADER_BYTES = 1 << 20
 MAX_ARRAYS = 16
 MAX_NDIM = 8

@@ -7,8 +7,9 @@ import time
 
 import numpy as np
 
+from hetconv.geometry import ConvSpec
 from hetconv.params import default_init
-from hetconv.planner import make_plan
+from hetconv.wire import decode, encode
 
 
 class ShardError(ValueError):
@@ -21,7 +22,8 @@ class _LayerSlice:
         self.w, self.b = device.upload(w), device.upload(b)
         self.vw = device.upload(vw) if vw is not None else device.zeros_like(self.w)
         self.vb = device.upload(vb) if vb is not None else device.zeros_like(self.b)
-        self.ctx = None
+        self.ctx = {}                      # micro-batch -> what its backward needs
+        self.dw = self.db = None           # gradients summed over the step's micro-batches so far
 
 
 class ConvShard:
@@ -45,23 +47,37 @@ class ConvShard:
             raise ShardError(f"layer {layer} is not loaded on this shard (loaded: {sorted(self.layers)})")
         return self.layers[layer]
 
-    def forward(self, layer, x):
-        """x (N, C, H, W) -> this shard's channels of pool(relu(conv(x)))."""
+    def forward(self, layer, x, micro=0, keep=True):
+        """x (N, C, H, W) -> this shard's channels of pool(relu(conv(x))). With `keep`, what the
+        backward of this micro-batch needs stays here until that backward."""
         sl = self._layer(layer)
         if x.ndim != 4 or x.shape[1] != sl.spec.in_channels:
             raise ShardError(f"layer {layer}: input shape {x.shape} does not have {sl.spec.in_channels} channels (N, C, H, W)")
-        y, sl.ctx = self.device.conv_relu_pool(x, sl.w, sl.b, sl.spec.padding)
+        y, ctx = self.device.conv_relu_pool(x, sl.w, sl.b, sl.spec.padding)
+        if keep:
+            sl.ctx[micro] = ctx
         return y
 
-    def backward(self, layer, dpooled, lr, momentum, weight_decay, need_dx):
-        """Gradient of this shard's channels in, SGD on its kernels, partial dX (or None) out."""
+    def backward(self, layer, dpooled, need_dx, micro=0, sgd=None):
+        """Gradient of this shard's channels in, partial dX (or None) out. The kernels' gradients
+        add up over micro-batches; `sgd` = (lr, momentum, weight_decay) on a layer's last
+        micro-batch applies the one update of the step to what was summed."""
         sl = self._layer(layer)
-        if sl.ctx is None:
-            raise ShardError(f"layer {layer}: backward without a forward to match")
-        dx, dw, db = self.device.conv_relu_pool_backward(sl.ctx, sl.w, dpooled, need_dx)
-        sl.ctx = None                      # frees the saved input: it is the largest buffer we hold
-        self.device.sgd_(sl.w, sl.vw, dw, lr, momentum, weight_decay)
-        self.device.sgd_(sl.b, sl.vb, db, lr, momentum, 0.0)
+        ctx = sl.ctx.pop(micro, None)      # frees the saved input: it is the largest buffer we hold
+        if ctx is None:
+            raise ShardError(f"layer {layer}: backward of micro-batch {micro} without a forward to match "
+                             f"(waiting: {sorted(sl.ctx)})")
+        dx, dw, db = self.device.conv_relu_pool_backward(ctx, sl.w, dpooled, need_dx)
+        if sl.dw is None:
+            sl.dw, sl.db = dw, db          # the device returned fresh arrays: ours to add into
+        else:
+            self.device.accumulate_(sl.dw, dw)
+            self.device.accumulate_(sl.db, db)
+        if sgd is not None:
+            lr, momentum, weight_decay = sgd
+            self.device.sgd_(sl.w, sl.vw, sl.dw, lr, momentum, weight_decay)
+            self.device.sgd_(sl.b, sl.vb, sl.db, lr, momentum, 0.0)      # no decay on biases
+            sl.dw = sl.db = None
         return dx
 
     def fetch(self, layer):
@@ -112,72 +128,48 @@ class ConvShard:
         return t1 - t0, time.perf_counter() - t1
 
 
-def concat_channels(parts):
-    """Workers' channel slices (N, k_i, H, W) in plan order -> the layer's (N, K, H, W)."""
-    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+class ShardServer:
+    """The requests one shard serves, by op: the table a worker process runs for every message
+    from the coordinator, and the one `--local` calls in-process with no sockets. Arrays of
+    feature maps and gradients arrive and leave in the step's wire dtype (hetconv.wire)."""
 
+    def __init__(self, shard):
+        self.shard = shard
+        self.handlers = {"CALIBRATE": self.calibrate, "LOAD": self.load, "FORWARD": self.forward,
+                         "BACKWARD": self.backward, "FETCH": self.fetch}
 
-def concat_shards(parts):
-    """Per worker (w, b, vw, vb) slices in plan order -> the layer's full (w, b, vw, vb)."""
-    return tuple(np.concatenate([p[i] for p in parts], axis=0) for i in range(4))
+    def handle(self, op, arrays, fields):
+        """-> (reply op, arrays, fields). Raises ShardError for what it cannot serve."""
+        handler = self.handlers.get(op)
+        if handler is None:
+            raise ShardError(f"a worker does not serve {op!r} here: expected one of {sorted(self.handlers)}")
+        return handler(arrays, fields)
 
+    def calibrate(self, arrays, f):
+        specs = [ConvSpec.from_json(layer["spec"]) for layer in f["layers"]]
+        shapes = [tuple(layer["input_shape"]) for layer in f["layers"]]
+        kernels = [int(layer["kernels"]) for layer in f["layers"]]
+        speeds, timings = self.shard.calibrate(specs, shapes, kernels, repeats=int(f.get("repeats", 3)))
+        return "CALIBRATED", [], {"speeds": speeds, "timings": timings}
 
-class LocalEngine:
-    """The conv layers run in this process on in-process shards: `--local`, and tests.
+    def load(self, arrays, f):
+        vw, vb = (arrays[2], arrays[3]) if len(arrays) == 4 else (None, None)
+        self.shard.load(int(f["layer"]), ConvSpec.from_json(f["spec"]), int(f["start"]), int(f["stop"]),
+                        arrays[0], arrays[1], vw, vb)
+        return "LOADED", [], {"layer": f["layer"]}
 
-    Same interface as the distributed engine: forward/backward per layer, gather for checkpoints."""
+    def forward(self, arrays, f):
+        wire = f.get("wire", "float32")
+        y = self.shard.forward(int(f["layer"]), decode(arrays[0], wire), int(f.get("micro", 0)),
+                               bool(f.get("keep", True)))
+        return "FORWARD_DONE", [encode(y, wire)], {"layer": f["layer"]}
 
-    def __init__(self, shards):
-        self.shards = dict(shards)          # worker name -> ConvShard
-        self.plan = None
-        self.fixed_plan = None
+    def backward(self, arrays, f):
+        wire = f.get("wire", "float32")
+        sgd = f.get("sgd")
+        dx = self.shard.backward(int(f["layer"]), decode(arrays[0], wire), bool(f["need_dx"]),
+                                 int(f.get("micro", 0)), None if sgd is None else tuple(float(v) for v in sgd))
+        return "BACKWARD_DONE", [] if dx is None else [encode(dx, wire)], {"layer": f["layer"]}
 
-    @property
-    def workers(self):
-        return list(self.shards)
-
-    def plan_for(self, specs, input_shapes, cfg):
-        """In-process shards share one machine: split equally unless a plan was set by hand."""
-        if self.fixed_plan is not None:
-            return self.fixed_plan
-        return make_plan([s.kernels for s in specs], {name: None for name in self.shards}, "equal")
-
-    def load(self, plan, specs, params):
-        """params: per layer (w, b, vw, vb) full arrays (momentum may be None)."""
-        self.plan = plan
-        for lp, spec, (w, b, vw, vb) in zip(plan.layers, specs, params):
-            for name, (s, e) in lp.ranges.items():
-                self.shards[name].load(lp.layer, spec, s, e, w[s:e], b[s:e],
-                                       None if vw is None else vw[s:e], None if vb is None else vb[s:e])
-
-    def forward(self, layer, x):
-        return concat_channels([self.shards[name].forward(layer, x) for name in self.plan.workers])
-
-    def backward(self, layer, dpooled, lr, momentum, weight_decay, need_dx):
-        lp = self.plan.layers[layer]
-        dx = None
-        for name in self.plan.workers:
-            s, e = lp.ranges[name]
-            part = self.shards[name].backward(layer, np.ascontiguousarray(dpooled[:, s:e]), lr, momentum, weight_decay, need_dx)
-            if need_dx:
-                dx = part if dx is None else dx + part
-        return dx
-
-    def gather(self):
-        out = []
-        for lp in self.plan.layers:
-            out.append(concat_shards([self.shards[name].fetch(lp.layer) for name in self.plan.workers]))
-        return out
-
-    def step_stats(self):
-        return {}
-
-    def reset_layer_timings(self):
-        pass
-
-    def rebalance(self, specs, min_gain=0.05):
-        """In-process shards share one device: nothing to rebalance."""
-        return None
-
-    def close(self):
-        pass
+    def fetch(self, arrays, f):
+        return "SHARD", list(self.shard.fetch(int(f["layer"]))), {"layer": f["layer"]}

@@ -69,6 +69,17 @@ def _compatible(saved, cfg):
                 f"checkpoint was trained with --{key} {saved.get(key)!r}, this run asks for {getattr(cfg, key)!r}")
 
 
+def resolve_micro_batches(cfg, engine):
+    """--micro-batches 0 (auto): pieces only where something overlaps, the peer exchange over
+    two or more workers; at least 16 images a piece, since smaller GEMMs lose efficiency, and at
+    most 4, since each adds a round of messages."""
+    if cfg.micro_batches:
+        return cfg.micro_batches
+    if getattr(engine, "exchange", None) != "peer" or len(engine.workers) < 2:
+        return 1
+    return max(1, min(4, cfg.batch_size // 16))
+
+
 def center_crop(x, size):
     """(N, C, H, W) -> (N, C, size, size), C-contiguous; size 0 keeps the image whole."""
     if not size or size == x.shape[2]:
@@ -128,9 +139,11 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra):
     del conv_params                             # the shards own the conv weights from here on
     log(plan.table())
     metrics.write("plan", **plan.to_json())
+    micro_batches = resolve_micro_batches(cfg, engine)
     setup_s = time.perf_counter() - t_setup
     log(f"{ds!r}; {total_steps - start_step} steps of {cfg.batch_size} images "
-        f"({steps_per_epoch} per epoch); setup {setup_s:.1f}s")
+        f"({steps_per_epoch} per epoch" + (f", {micro_batches} micro-batches each" if micro_batches > 1 else "")
+        + f"); setup {setup_s:.1f}s")
 
     def save(step, epoch):
         if not cfg.checkpoint_dir:
@@ -146,7 +159,7 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra):
     rebalances = 0
     rebalance_at = (start_step + cfg.rebalance_after
                     if cfg.rebalance_after >= 2 and cfg.split == "proportional"
-                    and getattr(engine, "fixed_plan", None) is None else 0)
+                    and engine.fixed_plan is None else 0)
     losses, step_times = [], []
     last_ckpt = None
     interrupted = False
@@ -162,7 +175,8 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra):
                 if i < skip:
                     continue
                 t0 = time.perf_counter()
-                result = net.train_step(center_crop(x, cfg.crop), y, cfg.lr, cfg.momentum, cfg.weight_decay)
+                result = net.train_step(center_crop(x, cfg.crop), y, cfg.lr, cfg.momentum, cfg.weight_decay,
+                                        micro_batches)
                 dt = time.perf_counter() - t0
                 if not math.isfinite(result.loss):
                     raise FloatingPointError(f"loss became {result.loss} at step {step + 1}: lower --lr (now {cfg.lr})")

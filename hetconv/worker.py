@@ -49,6 +49,8 @@ def build_parser():
     p.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the coordinator to answer HELLO")
     p.add_argument("--idle-timeout", type=float, default=900.0, help="exit after this many seconds with no request")
     p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats")
+    p.add_argument("--peer-address", default="", help="address other workers reach this one on (default: the "
+                                                      "interface this host uses to reach the coordinator)")
     p.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
     return p
 
@@ -57,80 +59,57 @@ class WorkerExit(Exception):
     pass
 
 
-def _serve_compute(ctx, endpoint, requests, device_spec, threads, identity):
+def _serve_compute(ctx, endpoint, requests, device_spec, threads, identity, name):
     """The compute thread: one request (a Message the I/O thread already checked) in from the
-    `requests` queue, one reply out over the PAIR socket, strictly in order; None stops it."""
+    `requests` queue, its reply out over the PAIR socket, strictly in order; None stops it. A
+    STEP reads its further messages (INPUT, GRAD, peers' SLICEs) from the same queue."""
     import zmq
 
     from hetconv import protocol as P
-    from hetconv.geometry import ConvSpec
-    from hetconv.shard import ConvShard
+    from hetconv.peers import PeerLinks
+    from hetconv.shard import ConvShard, ShardServer
 
     pair = ctx.socket(zmq.PAIR)
     pair.linger = 0
     pair.connect(endpoint)
-    shard = None
-    device = None
     try:
         from hetconv.devices import open_device
         options = {"threads": threads or None} if device_spec == "cpu" else {}
         device = open_device(device_spec, **options)
         shard = ConvShard(device)
+        server = ShardServer(shard)
         pair.send_multipart(P.pack("HELLO", 0, description=device.describe()))
     except Exception as e:
         pair.send_multipart(P.pack("ERROR", 0, **P.error_fields(e, identity, f"opening device {device_spec}")))
         return
-
-    def handle_calibrate(msg):
-        f = msg.fields
-        specs = [ConvSpec.from_json(layer["spec"]) for layer in f["layers"]]
-        shapes = [tuple(layer["input_shape"]) for layer in f["layers"]]
-        kernels = [int(layer["kernels"]) for layer in f["layers"]]
-        speeds, timings = shard.calibrate(specs, shapes, kernels, repeats=int(f.get("repeats", 3)))
-        return "CALIBRATED", [], {"speeds": speeds, "timings": timings}
-
-    def handle_load(msg):
-        f = msg.fields
-        arrays = msg.arrays
-        vw, vb = (arrays[2], arrays[3]) if len(arrays) == 4 else (None, None)
-        shard.load(int(f["layer"]), ConvSpec.from_json(f["spec"]), int(f["start"]), int(f["stop"]),
-                   arrays[0], arrays[1], vw, vb)
-        return "LOADED", [], {"layer": f["layer"]}
-
-    def handle_forward(msg):
-        y = shard.forward(int(msg.fields["layer"]), msg.arrays[0])
-        return "FORWARD_DONE", [y], {"layer": msg.fields["layer"]}
-
-    def handle_backward(msg):
-        f = msg.fields
-        dx = shard.backward(int(f["layer"]), msg.arrays[0], float(f["lr"]), float(f["momentum"]),
-                            float(f["weight_decay"]), bool(f["need_dx"]))
-        return "BACKWARD_DONE", [] if dx is None else [dx], {"layer": f["layer"]}
-
-    def handle_fetch(msg):
-        return "SHARD", list(shard.fetch(int(msg.fields["layer"]))), {"layer": msg.fields["layer"]}
-
-    handlers = {"CALIBRATE": handle_calibrate, "LOAD": handle_load, "FORWARD": handle_forward,
-                "BACKWARD": handle_backward, "FETCH": handle_fetch}
-    while True:
-        msg = requests.get()
-        if msg is None:
-            return
-        seq = msg.seq
-        doing = " ".join([msg.op] + [f"{k}={v}" for k, v in msg.fields.items() if k in ("layer", "need_dx")])
-        try:
-            handler = handlers.get(msg.op)
-            if handler is None:
-                raise P.ProtocolError(f"a worker does not serve {msg.op!r}: expected one of {sorted(handlers)}")
-            t0 = time.perf_counter()
-            op, arrays, fields = handler(msg)
-            device.synchronize()
-            # compute time rides in the header, so the coordinator can separate it from the wire
-            reply = P.pack(op, seq, arrays, compute_s=time.perf_counter() - t0, **fields)
-        except Exception as e:
-            reply = P.pack("ERROR", seq, **P.error_fields(e, identity, doing))
-        pair.send_multipart(reply, copy=False)
-        msg = None                               # drop the received frames before blocking again
+    peers = PeerLinks(ctx, name, shard, requests, lambda frames: pair.send_multipart(frames, copy=False), P)
+    try:
+        while True:
+            msg = requests.get()
+            if msg is None:
+                return
+            seq = msg.seq
+            doing = " ".join([msg.op] + [f"{k}={v}" for k, v in msg.fields.items() if k in ("layer", "need_dx", "step")])
+            try:
+                t0 = time.perf_counter()
+                if msg.op == "STEP":
+                    op, arrays, fields = peers.run_step(seq, msg.fields)
+                elif msg.op == "PEERS":
+                    op, arrays, fields = ("PEERS_OK", [], peers.connect(msg.fields))
+                elif msg.op in ("SLICE", "INPUT", "GRAD"):
+                    continue                     # left over from an abandoned step
+                else:
+                    op, arrays, fields = server.handle(msg.op, msg.arrays, msg.fields)
+                device.synchronize()
+                # compute time rides in the header, so the coordinator can separate it from the wire
+                fields.setdefault("compute_s", time.perf_counter() - t0)
+                reply = P.pack(op, seq, arrays, **fields)
+            except Exception as e:
+                reply = P.pack("ERROR", seq, **P.error_fields(e, identity, doing))
+            pair.send_multipart(reply, copy=False)
+            msg = None                           # drop the received frames before blocking again
+    finally:
+        peers.close()
 
 
 def run(args):
@@ -158,8 +137,14 @@ def run(args):
     dealer.linger = 0
     dealer.setsockopt(zmq.IDENTITY, identity.encode())
     requests = queue.Queue()
+    from hetconv.peers import bind_inbox, host_key, route_address
+    peer_address = args.peer_address or route_address(args.connect)
+    try:
+        inbox, peer_endpoints = bind_inbox(ctx, peer_address)
+    except zmq.ZMQError as e:
+        raise WorkerExit(f"--peer-address {peer_address}: cannot listen for peers there ({e.strerror})") from None
     compute = threading.Thread(target=_serve_compute,
-                               args=(ctx, endpoint, requests, args.device, args.threads, identity),
+                               args=(ctx, endpoint, requests, args.device, args.threads, identity, label),
                                name="compute", daemon=True)
     compute.start()
     try:
@@ -172,13 +157,21 @@ def run(args):
             raise WorkerExit(f"{first.fields['doing']}: {first.fields['message']}")
         dealer.send_multipart(P.pack("HELLO", 0, name=label, identity=identity, device=args.device, host=host,
                                      pid=os.getpid(), version=__version__, threads=args.threads,
-                                     description=first.fields["description"]))
+                                     description=first.fields["description"], peer_endpoints=peer_endpoints,
+                                     host_key=host_key()))
         _await_welcome(dealer, args, P)
         print(f"hetconv-worker {identity}: serving {first.fields['description']} for {args.connect}", flush=True)
-        _io_loop(dealer, pair, requests, args, P)
+        _io_loop(dealer, pair, inbox, requests, args, P)
     finally:
         requests.put(None)
         compute.join(timeout=2)
+        inbox.close(linger=0)
+        for endpoint_path in peer_endpoints:
+            if endpoint_path.startswith("ipc://"):
+                try:
+                    os.unlink(endpoint_path[len("ipc://"):])
+                except OSError:
+                    pass
         dealer.close(linger=0)
         pair.close(linger=0)
         ctx.term()
@@ -221,11 +214,12 @@ def _alive(pid):
         return True
 
 
-def _io_loop(dealer, pair, requests, args, P):
+def _io_loop(dealer, pair, inbox, requests, args, P):
     import zmq
     poller = zmq.Poller()
     poller.register(dealer, zmq.POLLIN)
     poller.register(pair, zmq.POLLIN)
+    poller.register(inbox, zmq.POLLIN)
     hb = P.pack("HEARTBEAT", 0)
     last_request = last_sent = time.monotonic()
     while True:
@@ -246,6 +240,15 @@ def _io_loop(dealer, pair, requests, args, P):
                 time.sleep(0.05)
                 return
             requests.put(msg)                 # checked once, here; the arrays keep their frames alive
+        if inbox in events:
+            frames = inbox.recv_multipart(copy=False)
+            try:
+                msg = P.unpack(frames)
+            except P.ProtocolError as e:
+                print(f"hetconv-worker: ignored a malformed message from a peer: {e}", file=sys.stderr, flush=True)
+                msg = None
+            if msg is not None and msg.op == "SLICE":
+                requests.put(msg)             # only slices come from peers; the compute thread matches them
         if pair in events:
             dealer.send_multipart(pair.recv_multipart(copy=False), copy=False)
             last_sent = now

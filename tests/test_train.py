@@ -10,7 +10,8 @@ import pytest
 from hetconv import checkpoint
 from hetconv.config import Config
 from hetconv.devices import open_device
-from hetconv.shard import ConvShard, LocalEngine
+from hetconv.engine import LocalEngine
+from hetconv.shard import ConvShard
 from hetconv.train import train
 
 TINY = dict(conv="6,12", fc="32", batch_size=32, synthetic_train=4000, synthetic_test=500, lr=0.01, threads=1)

@@ -1,0 +1,223 @@
+"""The engine: the one contract between the training loop (and the network) and the conv shards.
+
+What the loop and the network may call, and nothing else:
+
+    engine.workers                              names of the shards, in plan order
+    engine.plan_for(specs, input_shapes, cfg)   -> Plan (calibrates where there is something to measure)
+    engine.load(plan, specs, params)            slices full (w, b, vw, vb) per layer onto the shards
+    engine.conv_step(xs, head, sgd)             one training step's conv work over micro-batches xs:
+                                                forward, head(m, features) -> dfeatures, backward,
+                                                gradients summed over micro-batches, one SGD update
+    engine.predict(x)                           -> features of the last conv layer, no state kept
+    engine.gather()                             -> full (w, b, vw, vb) per layer (checkpoints)
+    engine.step_stats()                         per worker, since the last call: compute, wire, bytes
+    engine.rebalance(specs)                     -> a new Plan from measured step times, or None
+    engine.close()
+
+Everything above is written here once: slicing by plan, concatenation of channel slices, the sum
+of partial dX in plan order, gather. A transport implements only how a batch of requests reaches
+the shards (`_call`) and how they are planned (`plan_for`): in-process (LocalEngine, below), over
+ZeroMQ (hetconv.remote.RemoteEngine, which also runs the peer-exchange step), or not at all (the
+cost model's timing engine).
+"""
+import time
+
+import numpy as np
+
+from hetconv.planner import make_plan, replan
+from hetconv.shard import ShardServer
+from hetconv.wire import decode, encode
+
+
+def concat_channels(parts):
+    """Workers' channel slices (N, k_i, H, W) in plan order -> the layer's (N, K, H, W)."""
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+
+
+def concat_shards(parts):
+    """Per worker (w, b, vw, vb) slices in plan order -> the layer's full (w, b, vw, vb)."""
+    return tuple(np.concatenate([p[i] for p in parts], axis=0) for i in range(4))
+
+
+def sum_in_order(parts):
+    """Partial dX in plan order -> their sum, added left to right: the same float result whatever
+    order the parts arrived in, and the same as every other engine's sum."""
+    total = np.array(parts[0], dtype=np.float32, copy=True)
+    for part in parts[1:]:
+        np.add(total, part, out=total)
+    return total
+
+
+class Engine:
+    """Base class: the contract above, over an abstract `_call`."""
+
+    wire = "float32"            # dtype of feature maps and gradients between coordinator and shards
+
+    def __init__(self):
+        self.plan = None
+        self.fixed_plan = None      # a plan set by hand (tests, experiments): no calibration, no rebalancing
+        self.calibration = {}       # worker -> {device, description, speeds, layers: timings}
+        self.batch = 0
+        self.reset_layer_timings()
+        self._stats = {}
+
+    # ---- what a transport provides -------------------------------------------------------------
+    @property
+    def workers(self):
+        raise NotImplementedError
+
+    def _call(self, requests, doing, layer=None):
+        """requests: {worker: (op, arrays, fields)} -> {worker: (arrays, fields)}, every reply in."""
+        raise NotImplementedError
+
+    def plan_for(self, specs, input_shapes, cfg):
+        """Shards that cannot be measured apart (one process): an equal split, unless set by hand."""
+        if self.fixed_plan is not None:
+            return self.fixed_plan
+        return make_plan([s.kernels for s in specs], {name: None for name in self.workers}, "equal")
+
+    def close(self):
+        pass
+
+    # ---- written once ------------------------------------------------------------------------------
+    def load(self, plan, specs, params):
+        """params: per layer (w, b, vw, vb) full arrays (momentum may be None)."""
+        self.plan = plan
+        for lp, spec, (w, b, vw, vb) in zip(plan.layers, specs, params):
+            requests = {}
+            for name, (s, e) in lp.ranges.items():
+                arrays = [w[s:e], b[s:e]] + ([] if vw is None else [vw[s:e], vb[s:e]])
+                requests[name] = ("LOAD", arrays, {"layer": lp.layer, "spec": spec.to_json(), "start": s, "stop": e})
+            self._call(requests, f"loading conv{lp.layer + 1}")
+        self.step_stats()
+
+    def forward(self, layer, x, micro=0, keep=True):
+        """Layer input (N, C, H, W) to every shard -> the layer's pooled output (N, K, H', W')."""
+        sent = encode(np.ascontiguousarray(x), self.wire)      # one buffer for every shard, never written
+        fields = {"layer": layer, "micro": micro, "keep": keep, "wire": self.wire}
+        replies = self._call({name: ("FORWARD", [sent], fields) for name in self.plan.workers},
+                             f"forward conv{layer + 1}", layer)
+        return concat_channels([decode(replies[name][0][0], self.wire) for name in self.plan.workers])
+
+    def backward(self, layer, dpooled, need_dx, micro=0, sgd=None):
+        """Each shard gets its slice of dL/d(pooled output); returns dL/d(layer input), the sum
+        of the shards' partial dX in plan order (None when not needed)."""
+        lp = self.plan.layers[layer]
+        fields = {"layer": layer, "micro": micro, "need_dx": need_dx, "wire": self.wire,
+                  "sgd": None if sgd is None else [float(v) for v in sgd]}
+        requests = {name: ("BACKWARD", [encode(np.ascontiguousarray(dpooled[:, s:e]), self.wire)], fields)
+                    for name, (s, e) in lp.ranges.items()}
+        replies = self._call(requests, f"backward conv{layer + 1}", layer)
+        if not need_dx:
+            return None
+        return sum_in_order([decode(replies[name][0][0], self.wire) for name in self.plan.workers])
+
+    def conv_step(self, xs, head, sgd):
+        """One step's conv work, micro-batch after micro-batch, layer by layer through this
+        process: forward, `head(m, features) -> dfeatures` (the FC layers and the loss), backward.
+        Each layer's last micro-batch applies the step's one update, sgd = (lr, momentum, decay)."""
+        last_layer = len(self.plan.layers) - 1
+        self.batch = sum(len(x) for x in xs)
+        for m, x in enumerate(xs):
+            h = x
+            for layer in range(last_layer + 1):
+                h = self.forward(layer, h, micro=m)
+            grad = head(m, h)
+            update = sgd if m == len(xs) - 1 else None
+            for layer in reversed(range(last_layer + 1)):
+                grad = self.backward(layer, grad, need_dx=layer > 0, micro=m, sgd=update)
+        self.measured_steps += 1
+
+    def predict(self, x):
+        h = x
+        for layer in range(len(self.plan.layers)):
+            h = self.forward(layer, h, keep=False)
+        return h
+
+    def gather(self):
+        out = []
+        for lp in self.plan.layers:
+            replies = self._call({name: ("FETCH", [], {"layer": lp.layer}) for name in self.plan.workers},
+                                 f"fetching conv{lp.layer + 1} for a checkpoint")
+            out.append(concat_shards([replies[name][0] for name in self.plan.workers]))
+        return out
+
+    # ---- measurements ------------------------------------------------------------------------------
+    def _record(self, name, layer, fields, roundtrip_s=0.0, sent=0, received=0):
+        """Book one reply: per-step stats, and per-layer compute for rebalancing."""
+        stats = self._stats.setdefault(name, {"compute_s": 0.0, "roundtrip_s": 0.0, "bytes_sent": 0, "bytes_recv": 0})
+        compute = float(fields.get("compute_s", 0.0))
+        stats["compute_s"] += compute
+        stats["roundtrip_s"] += roundtrip_s
+        stats["bytes_sent"] += sent
+        stats["bytes_recv"] += received
+        for key in ("peer_bytes_sent", "peer_bytes_recv", "peer_wait_s"):
+            if key in fields:
+                stats[key] = stats.get(key, 0) + fields[key]
+        per_layer = self.layer_compute.setdefault(name, {})
+        if "layer_compute_s" in fields:                  # a whole step's worth, from the peer step
+            for li, seconds in enumerate(fields["layer_compute_s"]):
+                per_layer[li] = per_layer.get(li, 0.0) + float(seconds)
+        elif layer is not None:
+            per_layer[layer] = per_layer.get(layer, 0.0) + compute
+
+    def step_stats(self):
+        """Per worker, since the last call: compute seconds, round-trip seconds, bytes each way."""
+        stats = {name: dict(self._stats.get(name, {"compute_s": 0.0, "roundtrip_s": 0.0, "bytes_sent": 0,
+                                                   "bytes_recv": 0})) for name in self.workers}
+        self._stats = {}
+        return stats
+
+    def reset_layer_timings(self):
+        self.layer_compute = {}          # worker -> {layer: compute seconds since the reset}
+        self.measured_steps = 0          # training steps since the reset
+
+    def rebalance(self, specs, min_gain=0.05):
+        """Re-split the kernels from what training measured since reset_layer_timings() (see
+        planner.replan); moves them (gather, then load) when it gains. Returns the new plan or None."""
+        if self.plan is None or len(self.plan.workers) < 2:
+            return None
+        from hetconv.costmodel import profiles_from_calibration
+        profiles = profiles_from_calibration(self.calibration) if self.calibration else {}
+        lines, measured = {}, {}
+        steps = self.measured_steps
+        for name in self.plan.workers:
+            compute = self.layer_compute.get(name, {})
+            if steps == 0 or any(compute.get(lp.layer, 0.0) <= 0 for lp in self.plan.layers):
+                return None
+            measured[name] = [compute[lp.layer] / steps for lp in self.plan.layers]
+            cost = profiles.get(name)
+            lines[name] = None if cost is None else [
+                (self.batch * (c.forward_fixed_s + c.backward_fixed_s),
+                 self.batch * (c.forward_per_kernel_s + c.backward_per_kernel_s)) for c in cost.layers]
+        proposal = replan(self.plan, lines, measured, min_gain)
+        if proposal is None:
+            return None
+        self.load(proposal, specs, self.gather())
+        return proposal
+
+
+class LocalEngine(Engine):
+    """The conv layers in this process, on in-process shards: `--local`, and tests. The shards
+    are served by the same ShardServer a worker process runs; only the sockets are missing."""
+
+    def __init__(self, shards):
+        self.servers = {name: ShardServer(shard) for name, shard in dict(shards).items()}
+        super().__init__()
+
+    @property
+    def workers(self):
+        return list(self.servers)
+
+    def _call(self, requests, doing, layer=None):
+        replies = {}
+        for name, (op, arrays, fields) in requests.items():
+            t0 = time.perf_counter()
+            _, out, reply = self.servers[name].handle(op, arrays, fields)
+            replies[name] = (out, reply)
+            self._record(name, layer, {"compute_s": time.perf_counter() - t0})
+        return replies
+
+    def rebalance(self, specs, min_gain=0.05):
+        """In-process shards share one device: nothing to rebalance."""
+        return None

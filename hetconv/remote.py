@@ -1,0 +1,400 @@
+"""The distributed engine: conv shards in hetconv-worker processes, reached over ZeroMQ.
+
+The coordinator binds a ROUTER; workers connect with DEALERs (so one can join late and a dead one
+can be replaced) and send heartbeats, so a dead or stuck worker is named within
+`worker_timeout` seconds. Every wait has a deadline.
+
+Two ways through a training step (`exchange`):
+- "peer" (default): one STEP per step; the workers pass feature maps and partial dX among
+  themselves (hetconv.peers), so this link carries the images once, the last layer's features
+  and their gradient, whatever the number of workers; micro-batches overlap wire and compute,
+  and the FC work here overlaps the workers' next micro-batch.
+- "star": every layer's input goes out from here to every worker and every partial dX comes back
+  here, layer by layer (Engine.conv_step): the first design, kept for comparison.
+"""
+import atexit
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from hetconv import protocol as P
+from hetconv.engine import Engine, concat_channels
+from hetconv.planner import PlanError, make_plan
+from hetconv.wire import decode, encode
+
+EXCHANGES = ("peer", "star")
+
+
+class WorkerError(RuntimeError):
+    """A worker raised while serving a request; carries its name, what it was doing and its traceback."""
+
+    def __init__(self, worker, doing, name, message, remote_traceback=""):
+        super().__init__(f"worker {worker} failed during {doing}: {name}: {message}")
+        self.worker, self.doing, self.remote_traceback = worker, doing, remote_traceback
+
+
+class WorkerLost(RuntimeError):
+    """A worker stopped answering (died, hung, or its process exited)."""
+
+
+class _Peer:
+    def __init__(self, identity, hello, process=None):
+        self.identity = identity                   # bytes: the ROUTER routing id
+        self.name = hello.get("name", identity.decode(errors="replace"))
+        self.device = hello.get("device", "?")
+        self.host = hello.get("host", "?")
+        self.pid = hello.get("pid", 0)
+        self.description = hello.get("description", self.device)
+        self.peer_endpoints = list(hello.get("peer_endpoints", []))
+        self.host_key = hello.get("host_key", "")
+        self.process = process
+        self.last_seen = time.monotonic()
+
+    def label(self):
+        return f"{self.name} ({self.device} on {self.host}, pid {self.pid})"
+
+
+class RemoteEngine(Engine):
+    def __init__(self, bind, expected_workers, spawn=(), threads=0, worker_timeout=10.0,
+                 connect_timeout=60.0, op_timeout=600.0, pin=True, log=print, exchange="peer", wire="float32"):
+        import zmq
+        super().__init__()
+        if exchange not in EXCHANGES:
+            raise ValueError(f"--exchange must be one of {', '.join(EXCHANGES)}, got {exchange!r}")
+        self.exchange, self.wire = exchange, wire
+        self.step_id = 0
+        self.zmq = zmq
+        self.log = log
+        self.worker_timeout, self.connect_timeout, self.op_timeout = worker_timeout, connect_timeout, op_timeout
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.linger = 0
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)      # an unknown peer is an error, not a silent drop
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
+        self.processes = []
+        self.peers = {}                                     # name -> _Peer, in plan order
+        self.by_identity = {}
+        self.seq = 0
+        self.calibration_s = 0.0
+        self._sent_bytes, self._recv_bytes = {}, {}
+        try:
+            if bind.endswith(":0") or bind.endswith(":*"):
+                port = self.sock.bind_to_random_port(bind.rsplit(":", 1)[0])
+                self.address = f"{bind.rsplit(':', 1)[0]}:{port}"
+            else:
+                self.sock.bind(bind)
+                self.address = bind
+        except zmq.ZMQError as e:
+            self.close()
+            raise SystemExit(f"hetconv-coordinator: cannot bind {bind}: {e.strerror} "
+                             f"(is another coordinator running there? choose another --bind port)") from None
+        atexit.register(self.close)
+        try:
+            self._spawn(spawn, threads, pin)
+            self._await_workers(expected_workers + len(spawn))
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- processes ---------------------------------------------------------------------------
+    def _spawn(self, devices, threads, pin):
+        if not devices:
+            return
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
+        cpu_workers = [i for i, d in enumerate(devices) if d == "cpu"]
+        per_worker = threads or max(1, len(cores) // max(1, len(cpu_workers)))
+        for i, device in enumerate(devices):
+            cmd = [sys.executable, "-m", "hetconv.worker", "--device", device, "--connect", self.address,
+                   "--name", f"w{i}-{device}", "--parent-pid", str(os.getpid()),
+                   "--connect-timeout", str(self.connect_timeout)]
+            if device == "cpu":
+                cmd += ["--threads", str(per_worker)]
+                slot = cpu_workers.index(i)
+                if pin and len(cores) >= per_worker * len(cpu_workers):
+                    mine = cores[slot * per_worker:(slot + 1) * per_worker]
+                    cmd += ["--cores", ",".join(map(str, mine))]
+            # A session of its own: Ctrl-C reaches only the coordinator, which finishes the step,
+            # checkpoints and then ends its workers itself.
+            self.processes.append((f"w{i}-{device}", subprocess.Popen(cmd, start_new_session=True)))
+
+    def _await_workers(self, n):
+        deadline = time.monotonic() + self.connect_timeout
+        self.log(f"waiting for {n} worker(s) on {self.address} ...")
+        while len(self.peers) < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WorkerLost(f"only {len(self.peers)} of {n} workers connected to {self.address} within "
+                                 f"{self.connect_timeout:.0f}s: start more with `hetconv-worker --device cpu --connect {self.address}`")
+            self._check_processes("starting")
+            if not self.sock.poll(int(min(left, 0.5) * 1000)):
+                continue
+            frames = self.sock.recv_multipart(copy=False)
+            identity = frames[0].bytes
+            try:
+                msg = P.unpack(frames[1:])
+            except P.ProtocolVersionError as e:
+                self._send_raw(identity, P.pack("ERROR", 0, name="ProtocolVersionError", message=str(e),
+                                                worker=identity.decode(errors="replace"), doing="HELLO", traceback=""))
+                self.log(f"refused worker {identity.decode(errors='replace')}: {e}")
+                continue
+            except P.ProtocolError as e:
+                self.log(f"ignored a malformed message from {identity!r:.80}: {e}")
+                continue
+            if msg.op == "ERROR":
+                raise WorkerError(msg.fields.get("worker"), msg.fields.get("doing"), msg.fields.get("name"),
+                                  msg.fields.get("message"), msg.fields.get("traceback", ""))
+            if msg.op != "HELLO":
+                continue
+            name = str(msg.fields.get("name", "worker"))
+            base, k = name, 2
+            while name in self.peers:                        # labels need not be unique; names in plans must
+                name, k = f"{base}#{k}", k + 1
+            process = next((p for label, p in self.processes if label == base and p.pid == msg.fields.get("pid")), None)
+            peer = _Peer(identity, {**msg.fields, "name": name}, process)
+            self.peers[name] = peer
+            self._send(peer, "WELCOME")
+            self.log(f"worker {peer.label()}: {peer.description}")
+        # Spawned workers first, in the order asked, then external ones by arrival.
+        order = [n for label, _ in self.processes for n, p in self.peers.items() if p.name == label]
+        order += [n for n in self.peers if n not in order]
+        self.peers = {n: self.peers[n] for n in order}
+        self.by_identity = {p.identity: p for p in self.peers.values()}   # routing id -> peer
+
+    def _check_processes(self, doing):
+        for label, proc in self.processes:
+            code = proc.poll()
+            if code is not None:
+                raise WorkerLost(f"worker {label} (pid {proc.pid}) exited with code {code} while {doing}")
+
+    # ---- messaging ---------------------------------------------------------------------------
+    def _send_raw(self, identity, frames):
+        try:
+            self.sock.send_multipart([identity] + frames, copy=False)
+        except self.zmq.ZMQError as e:
+            raise WorkerLost(f"cannot send to {identity.decode(errors='replace')}: {e.strerror}") from None
+
+    def _send(self, peer, op, arrays=(), doing="", **fields):
+        self.seq += 1
+        frames = P.pack(op, self.seq, arrays, **fields)
+        self._sent_bytes[peer.name] = self._sent_bytes.get(peer.name, 0) + sum(len(f) for f in frames)
+        try:
+            self._send_raw(peer.identity, frames)
+        except WorkerLost:
+            if peer.process is not None and peer.process.poll() is not None:
+                raise WorkerLost(f"worker {peer.label()} exited with code {peer.process.returncode} during {doing or op}") from None
+            raise WorkerLost(f"worker {peer.label()} is unreachable during {doing or op}: "
+                             f"it disconnected or died") from None
+        return self.seq
+
+    def _check_alive(self, names, doing):
+        now = time.monotonic()
+        for name in names:
+            peer = self.peers[name]
+            if now - peer.last_seen > self.worker_timeout:
+                raise WorkerLost(f"worker {peer.label()} stopped answering (no heartbeat for "
+                                 f"{now - peer.last_seen:.1f}s) during {doing}")
+            if peer.process is not None and peer.process.poll() is not None:
+                raise WorkerLost(f"worker {peer.label()} exited with code {peer.process.returncode} during {doing}")
+
+    def _receive(self, pending, deadline, doing):
+        """The next message from a known worker, or None after a 200 ms poll. pending: {seq: worker}
+        of the requests still waited on. Heartbeats, strangers, malformed messages and errors
+        about abandoned requests are absorbed here; an ERROR about a pending request raises
+        WorkerError naming the worker; a silent or exited worker among them raises WorkerLost."""
+        waiting_on = list(pending.values())
+        if time.monotonic() > deadline:
+            late = ", ".join(self.peers[n].label() for n in waiting_on)
+            raise WorkerLost(f"no reply within {self.op_timeout:.0f}s from {late} during {doing}")
+        self._check_alive(waiting_on, doing)
+        if not self.sock.poll(200):
+            return None
+        frames = self.sock.recv_multipart(copy=False)
+        peer = self.by_identity.get(frames[0].bytes)
+        if peer is None:
+            return None                                    # a stranger (late or stale worker): ignore
+        peer.last_seen = time.monotonic()
+        try:
+            msg = P.unpack(frames[1:])
+        except P.ProtocolError as e:
+            self.log(f"ignored a malformed message from {peer.label()}: {e}")
+            return None
+        if msg.op == "HEARTBEAT":
+            return None
+        if msg.op == "ERROR":
+            if pending.get(msg.seq) != peer.name and msg.seq != -1:
+                return None                                # about a request given up on earlier
+            raise WorkerError(peer.label(), msg.fields.get("doing", doing), msg.fields.get("name", "Error"),
+                              msg.fields.get("message", ""), msg.fields.get("traceback", ""))
+        self._recv_bytes[peer.name] = self._recv_bytes.get(peer.name, 0) + sum(len(f) for f in frames[1:])
+        return peer, msg
+
+    def _call(self, requests, doing, layer=None):
+        """Sends every request, then waits for every reply. Raises WorkerError / WorkerLost naming
+        the worker. Stale replies (to abandoned requests) are dropped."""
+        pending, sent_at = {}, {}
+        for name, (op, arrays, fields) in requests.items():
+            pending[self._send(self.peers[name], op, arrays, doing=doing, **fields)] = name
+            sent_at[name] = time.perf_counter()
+        replies = {}
+        deadline = time.monotonic() + self.op_timeout
+        while pending:
+            got = self._receive(pending, deadline, doing)
+            if got is None:
+                continue
+            peer, msg = got
+            if pending.get(msg.seq) != peer.name:
+                continue                                   # stale reply to an abandoned request
+            del pending[msg.seq]
+            replies[peer.name] = (msg.arrays, msg.fields)
+            self._record(peer.name, layer, msg.fields, roundtrip_s=time.perf_counter() - sent_at[peer.name])
+        return replies
+
+    def step_stats(self):
+        stats = super().step_stats()
+        for name, s in stats.items():
+            s["bytes_sent"] = self._sent_bytes.get(name, 0)
+            s["bytes_recv"] = self._recv_bytes.get(name, 0)
+        self._sent_bytes, self._recv_bytes = {}, {}
+        return stats
+
+    # ---- the engine interface ------------------------------------------------------------------
+    @property
+    def workers(self):
+        return list(self.peers)
+
+    def calibrate(self, specs, input_shapes, cfg):
+        """Each worker times its fused kernels on the real layer shapes, its equal share of kernels,
+        after a JIT warm-up. Returns {worker: [kernels/s per layer]}."""
+        batch = min(cfg.calibration_batch, cfg.batch_size)
+        n = len(self.peers)
+        layers = [{"spec": s.to_json(), "input_shape": [batch] + list(shape[1:]), "kernels": -(-s.kernels // n)}
+                  for s, shape in zip(specs, input_shapes)]
+        t0 = time.perf_counter()
+        replies = self._call({name: ("CALIBRATE", [], {"layers": layers}) for name in self.peers}, "calibration")
+        self.calibration_s = time.perf_counter() - t0
+        self.calibration = {name: {"device": self.peers[name].device, "description": self.peers[name].description,
+                                   "speeds": list(fields["speeds"]), "layers": list(fields["timings"])}
+                            for name, (_, fields) in replies.items()}
+        return {name: list(replies[name][1]["speeds"]) for name in self.peers}
+
+    def plan_for(self, specs, input_shapes, cfg):
+        kernels = [s.kernels for s in specs]
+        too_few = [k for k in kernels if k < len(self.peers)]
+        if too_few:
+            raise PlanError(f"{len(self.peers)} workers but a conv layer has only {min(too_few)} kernels: "
+                            f"every worker needs at least one kernel of every layer (use fewer workers or wider --conv)")
+        if self.fixed_plan is not None:
+            return self.fixed_plan
+        speeds = self.calibrate(specs, input_shapes, cfg)
+        self.log(f"calibrated {len(self.peers)} worker(s) in {self.calibration_s:.1f}s")
+        return make_plan(kernels, speeds, cfg.split)
+
+    def load(self, plan, specs, params):
+        super().load(plan, specs, params)
+        if self.exchange == "peer":
+            self._connect_peers()
+
+    def _connect_peers(self):
+        """Tell every worker of the plan who its peers are, where to reach them, and who holds
+        which kernels; each connects to the others (ipc on its own host, tcp elsewhere)."""
+        peers = [{"name": name, "endpoints": self.peers[name].peer_endpoints, "host_key": self.peers[name].host_key}
+                 for name in self.plan.workers]
+        missing = [p["name"] for p in peers if not p["endpoints"]]
+        if missing:
+            raise WorkerLost(f"worker(s) {', '.join(missing)} announced no peer address: they cannot take part in "
+                             f"--exchange peer (use --exchange star, or a hetconv-worker of this version)")
+        ranges = [{name: list(lp.ranges[name]) for name in self.plan.workers} for lp in self.plan.layers]
+        self._call({name: ("PEERS", [], {"peers": peers, "ranges": ranges, "you": name, "timeout": self.op_timeout})
+                    for name in self.plan.workers}, "connecting workers to each other")
+
+    def conv_step(self, xs, head, sgd):
+        if self.exchange == "star":
+            return super().conv_step(xs, head, sgd)
+        self.batch = sum(len(x) for x in xs)
+        self._peer_step(xs, head, sgd)
+        self.measured_steps += 1
+
+    def predict(self, x):
+        if self.exchange == "star":
+            return super().predict(x)
+        return self._peer_step([x], None, None)[0]
+
+    def _peer_step(self, xs, head, sgd):
+        """One STEP through the workers: images out (each worker 1/P of every micro-batch), the
+        last layer's channel slices in, per micro-batch; with a head (training), FC work here on
+        micro-batch m while the workers compute m+1, and its gradient slices back out. Returns
+        the last layer's features per micro-batch when there is no head."""
+        self.step_id += 1
+        step, names, micros = self.step_id, self.plan.workers, len(xs)
+        train = head is not None
+        doing = f"{'training' if train else 'inference'} step {step}"
+        last = self.plan.layers[-1]
+        sent_at = time.perf_counter()
+        pending = {}
+        for name in names:
+            seq = self._send(self.peers[name], "STEP", doing=doing, step=step, micro=micros, train=train,
+                             wire=self.wire, sgd=None if sgd is None else [float(v) for v in sgd])
+            pending[seq] = name
+        for m, x in enumerate(xs):
+            rows = np.array_split(np.ascontiguousarray(x), len(names))
+            for name, piece in zip(names, rows):
+                self._send(self.peers[name], "INPUT", [encode(piece, self.wire)], doing=doing, step=step, micro=m)
+        slices = [dict() for _ in range(micros)]
+        features, next_micro = [None] * micros, 0
+        deadline = time.monotonic() + self.op_timeout
+        while pending:
+            got = self._receive(pending, deadline, doing)
+            if got is None:
+                continue
+            peer, msg = got
+            if msg.fields.get("step") != step:
+                continue                                       # from an abandoned step
+            if msg.op == "FEATURES":
+                slices[int(msg.fields["micro"])][peer.name] = decode(msg.arrays[0], self.wire)
+                # in micro-batch order, so the FC gradients add up in the same order as anywhere else
+                while next_micro < micros and len(slices[next_micro]) == len(names):
+                    h = concat_channels([slices[next_micro][n] for n in names])
+                    slices[next_micro] = None
+                    if train:
+                        grad = head(next_micro, h)
+                        for name in names:
+                            s, e = last.ranges[name]
+                            self._send(self.peers[name], "GRAD", [encode(np.ascontiguousarray(grad[:, s:e]), self.wire)],
+                                       doing=doing, step=step, micro=next_micro)
+                    else:
+                        features[next_micro] = h
+                    next_micro += 1
+            elif msg.op == "STEP_DONE" and pending.get(msg.seq) == peer.name:
+                del pending[msg.seq]
+                self._record(peer.name, None, msg.fields, roundtrip_s=time.perf_counter() - sent_at)
+        if next_micro < micros:
+            raise WorkerLost(f"{doing}: the workers finished without sending micro-batch {next_micro}'s features")
+        return features
+
+    def close(self):
+        """Shut every worker down; on every exit path, spawned processes end."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        for peer in list(self.peers.values()):
+            try:
+                self.sock.send_multipart([peer.identity] + P.pack("SHUTDOWN", 0), flags=self.zmq.NOBLOCK)
+            except Exception:
+                pass
+        deadline = time.monotonic() + 3.0
+        for label, proc in self.processes:
+            try:
+                proc.wait(timeout=max(0.05, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.terminate()
+        for label, proc in self.processes:
+            try:
+                proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.sock.close(linger=0)
+        self.ctx.term()
