@@ -69,18 +69,25 @@ def local_run(tmp_path_factory):
     return summary["losses"], checkpoint.load(str(d))
 
 
-@pytest.mark.parametrize("workers,counts", [
-    (1, None), (2, None), (3, None),
-    (2, {"w0-cpu": [1, 11], "w1-cpu": [5, 1]}),                  # deliberately uneven
-    (3, {"w0-cpu": [4, 2], "w1-cpu": [1, 3], "w2-cpu": [1, 7]}),
-], ids=["1w", "2w-proportional", "3w-proportional", "2w-uneven", "3w-uneven"])
-def test_distributed_training_equals_local(local_run, tmp_path, workers, counts):
+UNEVEN3 = {"w0-cpu": [4, 2], "w1-cpu": [1, 3], "w2-cpu": [1, 7]}
+
+
+@pytest.mark.parametrize("workers,counts,exchange,micro", [
+    (1, None, "peer", 0), (2, None, "peer", 0), (3, None, "peer", 0),
+    (2, {"w0-cpu": [1, 11], "w1-cpu": [5, 1]}, "peer", 0),                  # deliberately uneven
+    (3, UNEVEN3, "peer", 1), (3, UNEVEN3, "peer", 4),
+    (3, UNEVEN3, "star", 1), (2, None, "star", 4),
+], ids=["1w", "2w-proportional", "3w-proportional", "2w-uneven", "3w-uneven-peer-m1", "3w-uneven-peer-m4",
+        "3w-uneven-star-m1", "2w-star-m4"])
+def test_distributed_training_equals_local(local_run, tmp_path, workers, counts, exchange, micro):
+    """Local runs the whole batch at once on one shard; every distributed way must give the same
+    losses, weights and momenta up to float rounding (micro-batches sum their gradients)."""
     local_losses, (_, local_conv, local_fc) = local_run
-    engine = remote(workers)
+    engine = remote(workers, exchange=exchange)
     try:
         if counts:
             engine.fixed_plan = fixed_plan([6, 12], counts)
-        cfg = Config(**TINY, steps=3, checkpoint_dir=str(tmp_path)).validate()
+        cfg = Config(**TINY, steps=3, checkpoint_dir=str(tmp_path), exchange=exchange, micro_batches=micro).validate()
         summary = train(cfg, engine, log=quiet)
         if counts:
             assert {w: engine.plan.layers[1].count(w) for w in engine.workers} == {w: c[1] for w, c in counts.items()}
@@ -444,3 +451,34 @@ def test_a_bad_split_is_rebalanced_from_measured_steps_without_changing_the_math
 def test_rebalance_after_one_step_is_refused():
     with pytest.raises(ValueError, match="--rebalance-after must be 0 \\(never\\) or at least 2"):
         Config(rebalance_after=1).validate()
+
+
+def _coordinator_bytes_per_step(workers, exchange, tmp_path):
+    metrics = tmp_path / f"{exchange}-{workers}.jsonl"
+    engine = remote(workers, exchange=exchange)
+    try:
+        train(Config(**TINY, steps=2, exchange=exchange, micro_batches=1, metrics=str(metrics)).validate(),
+              engine, log=quiet)
+    finally:
+        engine.close()
+    steps = [json.loads(l) for l in open(metrics) if '"event": "step"' in l]
+    return sum(w["bytes_sent"] + w["bytes_recv"] for w in steps[-1]["workers"].values())
+
+
+def test_peer_exchange_keeps_the_coordinators_bytes_flat_as_workers_are_added(tmp_path):
+    peer2, peer3 = (_coordinator_bytes_per_step(n, "peer", tmp_path) for n in (2, 3))
+    star2, star3 = (_coordinator_bytes_per_step(n, "star", tmp_path) for n in (2, 3))
+    assert peer3 < 1.02 * peer2, (peer2, peer3)          # headers only: a few hundred bytes a worker
+    assert star3 > 1.3 * star2, (star2, star3)           # the star's link carries every layer per worker
+    assert peer2 < star2
+
+
+@pytest.mark.parametrize("wire", ["bfloat16", "float16"])
+def test_a_16_bit_wire_trains_like_float32(local_run, wire):
+    engine = remote(2, wire=wire)
+    try:
+        summary = train(Config(**TINY, steps=3, wire_dtype=wire).validate(), engine, log=quiet)
+    finally:
+        engine.close()
+    np.testing.assert_allclose(summary["losses"], local_run[0], rtol=2e-2)
+    assert not np.allclose(summary["losses"], local_run[0], rtol=1e-7, atol=0), "a 16-bit wire cannot be exact"

@@ -62,3 +62,34 @@ def test_fixed_plan_checks_counts():
     assert fixed_plan([5], {"a": [2], "b": [3]}).layers[0].ranges == {"a": (0, 2), "b": (2, 5)}
     with pytest.raises(PlanError, match="must be >= 1 and sum to 5"):
         fixed_plan([5], {"a": [1], "b": [1]})
+
+
+def test_replan_moves_kernels_toward_the_worker_that_measured_faster():
+    from hetconv.planner import replan
+    plan = fixed_plan([32, 256], {"a": [2, 8], "b": [30, 248]})
+    # two equal devices, each 1 ms a kernel: a holding few kernels finished quickly, b slowly
+    measured = {"a": [0.002, 0.008], "b": [0.030, 0.248]}
+    lines = {"a": [(0.0, 0.001), (0.0, 0.001)], "b": [(0.0, 0.001), (0.0, 0.001)]}
+    new = replan(plan, lines, measured)
+    assert new is not None
+    assert new.layers[1].count("a") == 128 and new.layers[0].count("a") == 16
+
+
+def test_replan_keeps_a_balanced_plan():
+    from hetconv.planner import replan
+    plan = fixed_plan([32, 256], {"a": [16, 128], "b": [16, 128]})
+    measured = {"a": [0.016, 0.128], "b": [0.0165, 0.129]}
+    assert replan(plan, {"a": None, "b": None}, measured) is None
+
+
+def test_replan_does_not_take_fixed_cost_for_slowness():
+    from hetconv.planner import replan
+    # a's time is mostly a fixed pass (0.05 s) that every share pays: per kernel, both are equal
+    plan = fixed_plan([100], {"a": [10], "b": [90]})
+    lines = {"a": [(0.05, 0.001)], "b": [(0.05, 0.001)]}
+    measured = {"a": [0.06], "b": [0.14]}
+    new = replan(plan, lines, measured)
+    assert new.layers[0].count("a") == 50
+    # without the calibrated line the same numbers read as a being 2.3x slower per kernel
+    blind = replan(plan, {"a": None, "b": None}, measured)
+    assert blind is None or blind.layers[0].count("a") < 50

@@ -1,0 +1,42 @@
+"""The 16-bit wire forms against their definitions."""
+import numpy as np
+import pytest
+
+from hetconv.wire import WIRE_DTYPES, check_wire_dtype, decode, encode
+
+
+def test_float32_is_passed_through_untouched():
+    a = np.arange(6, dtype=np.float32)
+    assert encode(a, "float32") is a
+    assert decode(a, "float32") is a
+
+
+def test_bfloat16_rounds_to_nearest_even_and_halves_the_bytes():
+    rng = np.random.default_rng(0)
+    a = (rng.standard_normal(10000) * 10.0 ** rng.integers(-20, 20, 10000)).astype(np.float32)
+    wire = encode(a, "bfloat16")
+    assert wire.dtype == np.uint16 and wire.nbytes == a.nbytes // 2
+    back = decode(wire, "bfloat16")
+    assert back.dtype == np.float32
+    np.testing.assert_array_less(np.abs(back - a), np.abs(a) * 2.0 ** -8 + 1e-45)
+    # exactly representable values survive; a tie goes to the even neighbour
+    exact = np.array([1.0, -2.5, 0.0, 3.140625], np.float32)
+    np.testing.assert_array_equal(decode(encode(exact, "bfloat16"), "bfloat16"), exact)
+    tie = np.array([1.0 + 2.0 ** -8], np.float32)        # halfway between 1 and 1 + 2^-7
+    assert decode(encode(tie, "bfloat16"), "bfloat16")[0] == 1.0
+    assert np.isnan(decode(encode(np.array([np.nan], np.float32), "bfloat16"), "bfloat16")[0])
+
+
+def test_float16_round_trip():
+    a = np.array([0.5, -1.25, 1000.0], np.float32)
+    wire = encode(a, "float16")
+    assert wire.dtype == np.float16
+    np.testing.assert_array_equal(decode(wire, "float16"), a)
+
+
+def test_a_wire_of_the_wrong_dtype_is_refused():
+    with pytest.raises(ValueError, match="a bfloat16 wire carried float32"):
+        decode(np.zeros(2, np.float32), "bfloat16")
+    with pytest.raises(ValueError, match="--wire-dtype must be one of float32, bfloat16, float16, got 'int8'"):
+        check_wire_dtype("int8")
+    assert set(WIRE_DTYPES) == {"float32", "bfloat16", "float16"}
