@@ -116,20 +116,20 @@ def layer_geometry(specs, image_shape, batch):
     return [(shape, (batch,) + tuple(hw)) for shape, hw in zip(shapes, outputs)]
 
 
-def wire_bytes(specs, image_shape, batch, counts):
+def wire_bytes(specs, image_shape, batch, counts, value_bytes=FLOAT_BYTES):
     """Bytes per step each way for each worker: {worker: {"sent": to it, "recv": from it}}, and
     the same per phase. counts: {worker: [kernels per layer]}."""
     geometry = layer_geometry(specs, image_shape, batch)
     per_worker = {w: {"sent": 0, "recv": 0} for w in counts}
     phases = []
     for li, ((n, c, h, wd), (_, hp, wp)) in enumerate(geometry):
-        x_bytes = n * c * h * wd * FLOAT_BYTES
-        fwd = {w: (x_bytes, n * counts[w][li] * hp * wp * FLOAT_BYTES) for w in counts}
+        x_bytes = n * c * h * wd * value_bytes
+        fwd = {w: (x_bytes, n * counts[w][li] * hp * wp * value_bytes) for w in counts}
         phases.append(("forward", li, fwd))
     for li in reversed(range(len(geometry))):
         (n, c, h, wd), (_, hp, wp) = geometry[li]
-        dx_bytes = n * c * h * wd * FLOAT_BYTES if li > 0 else 0
-        bwd = {w: (n * counts[w][li] * hp * wp * FLOAT_BYTES, dx_bytes) for w in counts}
+        dx_bytes = n * c * h * wd * value_bytes if li > 0 else 0
+        bwd = {w: (n * counts[w][li] * hp * wp * value_bytes, dx_bytes) for w in counts}
         phases.append(("backward", li, bwd))
     for _, _, traffic in phases:
         for w, (sent, recv) in traffic.items():
@@ -150,9 +150,9 @@ class Prediction:
                 "phases": [{"phase": p, "layer": l, "seconds": s} for p, l, s in self.phases]}
 
 
-def predict_step(specs, image_shape, batch, counts, profiles, link, coordinator_s):
-    """Predicted seconds for one training step of `counts` kernels per worker per layer."""
-    per_worker, phases = wire_bytes(specs, image_shape, batch, counts)
+def predict_step(specs, image_shape, batch, counts, profiles, link, coordinator_s, value_bytes=FLOAT_BYTES):
+    """Predicted seconds for one --exchange star training step of `counts` kernels per worker per layer."""
+    per_worker, phases = wire_bytes(specs, image_shape, batch, counts, value_bytes)
     workers = {w: {"compute_s": 0.0, "wire_s": 0.0, "sent": per_worker[w]["sent"], "recv": per_worker[w]["recv"]}
                for w in counts}
     timeline = []
@@ -182,6 +182,152 @@ def predict_step(specs, image_shape, batch, counts, profiles, link, coordinator_
     for w in workers:
         workers[w]["wait_s"] = max(0.0, total - coordinator_s - workers[w]["compute_s"] - workers[w]["wire_s"])
     return Prediction(total, coordinator_s, workers, timeline)
+
+
+class _Timeline:
+    """List scheduling on sequential resources (a device, a link's one direction, the
+    coordinator's CPU): a task starts when its inputs are ready and its resources are free, in
+    the order tasks are issued, which is the order a worker or the coordinator runs them."""
+
+    def __init__(self):
+        self.free = {}
+        self.busy = {}
+        self.bytes = {}
+
+    def run(self, resources, ready, seconds):
+        start = max([ready] + [self.free.get(r, 0.0) for r in resources])
+        end = start + seconds
+        for r in resources:
+            self.free[r] = end
+            self.busy[r] = self.busy.get(r, 0.0) + seconds
+        return end
+
+    def send(self, src, dst, nbytes, ready, link):
+        """A message from host src to host dst: one host's uplink and the other's downlink
+        (a switched network: each host has its own full-duplex link)."""
+        if src == dst or nbytes == 0:
+            return ready
+        for r in (f"{src} out", f"{dst} in"):
+            self.bytes[r] = self.bytes.get(r, 0) + nbytes
+        return self.run((f"{src} out", f"{dst} in"), ready, nbytes / link.bytes_per_s + link.latency_s)
+
+
+def predict_peer_step(specs, image_shape, batch, counts, profiles, link, coordinator_s, micro_batches=1,
+                      value_bytes=FLOAT_BYTES):
+    """Predicted seconds for one training step with --exchange peer: every worker and the
+    coordinator on a host of its own, each with its own `link` to a switch; M micro-batches;
+    `value_bytes` per feature-map value on the wire (4, or 2 for a 16-bit wire). Follows
+    hetconv.peers: images 1/P from the coordinator, all-gathered; every layer's output
+    all-gathered, micro-batch by micro-batch, layer by layer; the last layer's slices to the
+    coordinator, FC there per micro-batch, gradient slices back; partial dX reduce-scattered."""
+    names = list(counts)
+    geometry = layer_geometry(specs, image_shape, batch)
+    layers = len(specs)
+    sizes = [len(part) for part in np.array_split(np.arange(batch), micro_batches)]
+    t = _Timeline()
+    c = "coordinator"
+    compute = {w: 0.0 for w in names}
+
+    def device(w, seconds, ready):
+        compute[w] += seconds
+        return t.run((w,), ready, seconds)
+
+    # images: 1/P of each micro-batch to each worker, then each worker's rows to every other
+    have_input = {}
+    for m, b in enumerate(sizes):
+        (_, ch, h, wd), _ = geometry[0]
+        rows = [len(r) for r in np.array_split(np.arange(b), len(names))]
+        arrived = {w: t.send(c, w, r * ch * h * wd * value_bytes, 0.0, link) for w, r in zip(names, rows)}
+        gathered = {w: arrived[w] for w in names}
+        for src, r in zip(names, rows):
+            for dst in names:
+                if dst != src:
+                    gathered[dst] = max(gathered[dst], t.send(src, dst, r * ch * h * wd * value_bytes, arrived[src], link))
+        for w in names:
+            have_input[(0, m, w)] = gathered[w]
+    # forward, layer by layer, micro-batch by micro-batch
+    features_in = {}
+    for li in range(layers):
+        _, (_, hp, wp) = geometry[li]
+        for m, b in enumerate(sizes):
+            done = {w: device(w, profiles[w].layers[li].forward_s(counts[w][li], b), have_input[(li, m, w)]) for w in names}
+            for src in names:
+                nbytes = b * counts[src][li] * hp * wp * value_bytes
+                if li == layers - 1:
+                    features_in[m] = max(features_in.get(m, 0.0), t.send(src, c, nbytes, done[src], link))
+                    continue
+                for dst in names:
+                    key = (li + 1, m, dst)
+                    arrival = done[src] if dst == src else t.send(src, dst, nbytes, done[src], link)
+                    have_input[key] = max(have_input.get(key, 0.0), arrival)
+    # the coordinator's FC work per micro-batch, then the gradient slices back
+    have_grad = {}
+    _, (_, hp, wp) = geometry[-1]
+    for m, b in enumerate(sizes):
+        head_done = t.run((c,), features_in[m], coordinator_s * b / batch)
+        for w in names:
+            have_grad[(layers - 1, m, w)] = t.send(c, w, b * counts[w][-1] * hp * wp * value_bytes, head_done, link)
+    # backward, with the partial dX reduce-scattered by the layer below's ranges
+    for li in reversed(range(layers)):
+        (_, _, h, wd), _ = geometry[li]
+        for m, b in enumerate(sizes):
+            done = {w: device(w, profiles[w].layers[li].backward_s(counts[w][li], b), have_grad[(li, m, w)]) for w in names}
+            if li == 0:
+                continue
+            for src in names:
+                for dst in names:
+                    key = (li - 1, m, dst)
+                    nbytes = b * counts[dst][li - 1] * h * wd * value_bytes
+                    arrival = done[src] if dst == src else t.send(src, dst, nbytes, done[src], link)
+                    have_grad[key] = max(have_grad.get(key, 0.0), arrival)
+    step = max(t.free.values())
+    workers = {}
+    for w in names:
+        wire = t.busy.get(f"{w} out", 0.0) + t.busy.get(f"{w} in", 0.0)
+        workers[w] = {"compute_s": compute[w], "wire_s": wire, "wait_s": max(0.0, step - compute[w]),
+                      "sent": t.bytes.get(f"{w} in", 0), "recv": t.bytes.get(f"{w} out", 0)}
+    pred = Prediction(step, coordinator_s, workers, [("step", -1, step)])
+    pred.busy = dict(t.busy)
+    pred.coordinator_bytes = t.bytes.get(f"{c} in", 0) + t.bytes.get(f"{c} out", 0)
+    return pred
+
+
+def predict_any(exchange, specs, image_shape, batch, counts, profiles, link, coordinator_s, micro_batches=1,
+                value_bytes=FLOAT_BYTES):
+    """predict_peer_step or, for --exchange star, predict_step once per micro-batch (the star
+    overlaps nothing, so micro-batches only add round trips)."""
+    if exchange == "peer":
+        return predict_peer_step(specs, image_shape, batch, counts, profiles, link, coordinator_s,
+                                 micro_batches, value_bytes)
+    if exchange != "star":
+        raise ValueError(f"exchange must be 'peer' or 'star', got {exchange!r}")
+    sizes = [len(part) for part in np.array_split(np.arange(batch), micro_batches)]
+    parts = [predict_step(specs, image_shape, b, counts, profiles, link, coordinator_s * b / batch, value_bytes)
+             for b in sizes]
+    workers = {w: {key: sum(p.workers[w][key] for p in parts) for key in parts[0].workers[w]} for w in counts}
+    pred = Prediction(sum(p.step_s for p in parts), coordinator_s, workers, [ph for p in parts for ph in p.phases])
+    pred.coordinator_bytes = sum(v["sent"] + v["recv"] for v in workers.values())
+    return pred
+
+
+def dominant_term(pred):
+    """The resource busiest during a predicted step, in words: what to buy or fix first."""
+    busy = getattr(pred, "busy", None)
+    if not busy:
+        busy = {w: v["compute_s"] for w, v in pred.workers.items()}
+        busy["coordinator link"] = sum(v["wire_s"] for v in pred.workers.values())   # the star: all of it
+        busy["coordinator"] = pred.coordinator_s
+    name, seconds = max(busy.items(), key=lambda kv: kv[1])
+    if name == "coordinator":
+        what = "the coordinator's FC work"
+    elif name.endswith(" out") or name.endswith(" in"):
+        host, direction = name.rsplit(" ", 1)
+        what = f"{host}'s link ({'sending' if direction == 'out' else 'receiving'})"
+    elif name == "coordinator link":
+        what = "the coordinator's link"
+    else:
+        what = f"{name}'s compute"
+    return what, seconds, seconds / pred.step_s if pred.step_s else 0.0
 
 
 def predict_local(specs, batch, profile, coordinator_s):

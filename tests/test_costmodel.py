@@ -94,3 +94,52 @@ def test_predict_command_end_to_end(tmp_path):
                            timeout=120)
     assert again.returncode == 0, again.stderr
     assert "100mbit = 12 MB/s" in again.stdout and again.stdout.count(f"@{profile}") >= 3
+
+
+def _even_counts(n):
+    from hetconv.planner import make_plan
+    names = [f"w{i}" for i in range(n)]
+    plan = make_plan([500, 1500], {w: [1.0, 1.0] for w in names}, "proportional")
+    return {w: [lp.count(w) for lp in plan.layers] for w in names}
+
+
+def test_peer_model_keeps_the_coordinators_bytes_flat_and_beats_the_star_on_a_shared_link():
+    from hetconv.costmodel import predict_any
+    link = parse_bandwidth("1gbit")
+    bytes_by_n, speedups = {}, {}
+    for n in (2, 4, 8):
+        counts = _even_counts(n)
+        profiles = {w: flat_profile(w, 1e-4) for w in counts}
+        local = predict_local(PAPER, 32, profiles["w0"], 0.05)
+        peer = predict_any("peer", PAPER, IMAGE, 32, counts, profiles, link, 0.05, micro_batches=2)
+        star = predict_any("star", PAPER, IMAGE, 32, counts, profiles, link, 0.05)
+        bytes_by_n[n] = peer.coordinator_bytes
+        speedups[n] = (local / peer.step_s, local / star.step_s)
+        assert peer.step_s < star.step_s, n
+    # images once, the last layer's features and their gradient: whatever the number of workers
+    assert bytes_by_n[2] == bytes_by_n[4] == bytes_by_n[8] == 32 * 4 * (3 * 32 * 32 + 2 * 1500 * 5 * 5)
+    assert speedups[8][0] > speedups[4][0] > speedups[2][0]
+
+
+def test_peer_model_with_a_free_link_is_the_compute_and_micro_batches_hide_the_coordinator():
+    from hetconv.costmodel import predict_peer_step
+    counts = _even_counts(2)
+    profiles = {w: flat_profile(w, 1e-4) for w in counts}
+    free = Link(1e15, 0.0)
+    compute = sum(profiles["w0"].layers[i].forward_s(counts["w0"][i], 32)
+                  + profiles["w0"].layers[i].backward_s(counts["w0"][i], 32) for i in range(2))
+    one = predict_peer_step(PAPER, IMAGE, 32, counts, profiles, free, 0.5, micro_batches=1)
+    assert one.step_s == pytest.approx(compute + 0.5)              # nothing to overlap the FC work with
+    four = predict_peer_step(PAPER, IMAGE, 32, counts, profiles, free, 0.5, micro_batches=4)
+    assert four.step_s < one.step_s - 0.2                           # FC on piece m while conv runs m+1
+
+
+def test_dominant_term_names_the_bottleneck():
+    from hetconv.costmodel import dominant_term, predict_any
+    counts = _even_counts(4)
+    profiles = {w: flat_profile(w, 1e-4) for w in counts}
+    star = predict_any("star", PAPER, IMAGE, 32, counts, profiles, parse_bandwidth("100mbit"), 0.05)
+    assert dominant_term(star)[0] == "the coordinator's link"
+    peer = predict_any("peer", PAPER, IMAGE, 32, counts, profiles, Link(1e15, 0.0), 0.05)
+    what, seconds, share = dominant_term(peer)
+    assert what.endswith("'s compute") and 0 < share <= 1
