@@ -36,6 +36,8 @@ class Config:
     exchange: str = "peer"             # 'peer': workers pass feature maps among themselves; 'star': all through the coordinator
     micro_batches: int = 0             # pieces each batch is cut into so wire and compute overlap (0: auto, 1: none)
     wire_dtype: str = "float32"        # feature maps and gradients on the wire: float32 (exact), bfloat16 or float16
+    snapshot_every: int = 0            # steps between in-memory snapshots a lost worker is recovered from (0: auto: at most 2 percent of step time)
+    min_workers: int = 1               # below this many workers, checkpoint and stop instead of going on
     # output
     metrics: str = ""                  # JSON-lines metrics file ('' for none)
     checkpoint_dir: str = ""           # where checkpoints go ('' for none)
@@ -71,7 +73,8 @@ class Config:
                   ("--calibration-batch", self.calibration_batch, 1), ("--checkpoint-every", self.checkpoint_every, 0),
                   ("--synthetic-train", self.synthetic_train, 1), ("--synthetic-test", self.synthetic_test, 1),
                   ("--eval-batches", self.eval_batches, 0), ("--crop", self.crop, 0),
-                  ("--rebalance-after", self.rebalance_after, 0), ("--micro-batches", self.micro_batches, 0)]
+                  ("--rebalance-after", self.rebalance_after, 0), ("--micro-batches", self.micro_batches, 0),
+                  ("--snapshot-every", self.snapshot_every, 0), ("--min-workers", self.min_workers, 1)]
         for flag, value, lowest in checks:
             if value < lowest:
                 raise ValueError(f"{flag} must be >= {lowest}, got {value}")

@@ -29,6 +29,23 @@ from hetconv.shard import ShardServer
 from hetconv.wire import decode, encode
 
 
+class WorkerError(RuntimeError):
+    """A worker raised while serving a request; carries its name, what it was doing and its traceback."""
+
+    def __init__(self, worker, doing, name, message, remote_traceback=""):
+        super().__init__(f"worker {worker} failed during {doing}: {name}: {message}")
+        self.worker, self.doing, self.remote_traceback = worker, doing, remote_traceback
+
+
+class WorkerLost(RuntimeError):
+    """A worker stopped answering (died, hung, disconnected, or its process exited). `workers`
+    names the ones known lost (empty when it is not known which)."""
+
+    def __init__(self, message, workers=()):
+        super().__init__(message)
+        self.workers = list(workers)
+
+
 def concat_channels(parts):
     """Workers' channel slices (N, k_i, H, W) in plan order -> the layer's (N, K, H, W)."""
     return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)

@@ -73,6 +73,10 @@ def bind_inbox(ctx, address):
     return inbox, endpoints
 
 
+class StepAbandoned(RuntimeError):
+    """The coordinator gave up on the step this worker was in (and will not wait for its reply)."""
+
+
 class PeerLinks:
     """The compute thread's sockets to the other workers of the plan, and the step it runs."""
 
@@ -84,6 +88,7 @@ class PeerLinks:
         self.outboxes = {}                       # peer name -> PUSH socket
         self.order, self.ranges = [name], []
         self.held = {}                           # (step, phase, layer, micro, sender) -> array, arrived early
+        self.deferred = []                       # a request that ended a step early, to serve next
         self.timeout = 600.0
 
     def connect(self, fields):
@@ -143,7 +148,10 @@ class PeerLinks:
                 raise InterruptedError("worker shutting down")
             key = self._key(msg)
             if key is None:
-                raise ValueError(f"step {step}: unexpected {msg.op} in the middle of a step")
+                # The coordinator moved on (a worker was lost and the survivors are being
+                # reloaded, or it is shutting down): give up this step, serve that request next.
+                self.deferred.append(msg)
+                raise StepAbandoned(f"step {step} abandoned: the coordinator sent {msg.op} before it ended")
             if key[0] != step:
                 continue                         # left over from an abandoned step
             if key in wanted:

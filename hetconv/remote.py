@@ -21,23 +21,11 @@ import time
 import numpy as np
 
 from hetconv import protocol as P
-from hetconv.engine import Engine, concat_channels
+from hetconv.engine import Engine, WorkerError, WorkerLost, concat_channels  # noqa: F401  (raised here, caught by callers)
 from hetconv.planner import PlanError, make_plan
 from hetconv.wire import decode, encode
 
 EXCHANGES = ("peer", "star")
-
-
-class WorkerError(RuntimeError):
-    """A worker raised while serving a request; carries its name, what it was doing and its traceback."""
-
-    def __init__(self, worker, doing, name, message, remote_traceback=""):
-        super().__init__(f"worker {worker} failed during {doing}: {name}: {message}")
-        self.worker, self.doing, self.remote_traceback = worker, doing, remote_traceback
-
-
-class WorkerLost(RuntimeError):
-    """A worker stopped answering (died, hung, or its process exited)."""
 
 
 class _Peer:
@@ -91,6 +79,13 @@ class RemoteEngine(Engine):
             self.close()
             raise SystemExit(f"hetconv-coordinator: cannot bind {bind}: {e.strerror} "
                              f"(is another coordinator running there? choose another --bind port)") from None
+        # A killed worker's TCP connection closes at once: the monitor hears it long before a
+        # heartbeat is missed, and a probe (ROUTER_MANDATORY) tells which worker it was.
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
+        self.joining = {}                                   # routing id -> HELLO fields, admitted at a snapshot
         atexit.register(self.close)
         try:
             self._spawn(spawn, threads, pin)
@@ -148,10 +143,8 @@ class RemoteEngine(Engine):
                                   msg.fields.get("message"), msg.fields.get("traceback", ""))
             if msg.op != "HELLO":
                 continue
-            name = str(msg.fields.get("name", "worker"))
-            base, k = name, 2
-            while name in self.peers:                        # labels need not be unique; names in plans must
-                name, k = f"{base}#{k}", k + 1
+            base = str(msg.fields.get("name", "worker"))
+            name = self._unique_name(base)
             process = next((p for label, p in self.processes if label == base and p.pid == msg.fields.get("pid")), None)
             peer = _Peer(identity, {**msg.fields, "name": name}, process)
             self.peers[name] = peer
@@ -184,9 +177,10 @@ class RemoteEngine(Engine):
             self._send_raw(peer.identity, frames)
         except WorkerLost:
             if peer.process is not None and peer.process.poll() is not None:
-                raise WorkerLost(f"worker {peer.label()} exited with code {peer.process.returncode} during {doing or op}") from None
+                raise WorkerLost(f"worker {peer.label()} exited with code {peer.process.returncode} during {doing or op}",
+                                 [peer.name]) from None
             raise WorkerLost(f"worker {peer.label()} is unreachable during {doing or op}: "
-                             f"it disconnected or died") from None
+                             f"it disconnected or died", [peer.name]) from None
         return self.seq
 
     def _check_alive(self, names, doing):
@@ -195,9 +189,9 @@ class RemoteEngine(Engine):
             peer = self.peers[name]
             if now - peer.last_seen > self.worker_timeout:
                 raise WorkerLost(f"worker {peer.label()} stopped answering (no heartbeat for "
-                                 f"{now - peer.last_seen:.1f}s) during {doing}")
+                                 f"{now - peer.last_seen:.1f}s) during {doing}", [name])
             if peer.process is not None and peer.process.poll() is not None:
-                raise WorkerLost(f"worker {peer.label()} exited with code {peer.process.returncode} during {doing}")
+                raise WorkerLost(f"worker {peer.label()} exited with code {peer.process.returncode} during {doing}", [name])
 
     def _receive(self, pending, deadline, doing):
         """The next message from a known worker, or None after a 200 ms poll. pending: {seq: worker}
@@ -207,14 +201,18 @@ class RemoteEngine(Engine):
         waiting_on = list(pending.values())
         if time.monotonic() > deadline:
             late = ", ".join(self.peers[n].label() for n in waiting_on)
-            raise WorkerLost(f"no reply within {self.op_timeout:.0f}s from {late} during {doing}")
+            raise WorkerLost(f"no reply within {self.op_timeout:.0f}s from {late} during {doing}", waiting_on)
         self._check_alive(waiting_on, doing)
-        if not self.sock.poll(200):
+        events = dict(self.poller.poll(200))
+        if self.monitor in events:
+            self._probe_after_disconnect(doing)
+        if self.sock not in events:
             return None
         frames = self.sock.recv_multipart(copy=False)
         peer = self.by_identity.get(frames[0].bytes)
         if peer is None:
-            return None                                    # a stranger (late or stale worker): ignore
+            self._note_stranger(frames)                    # a worker joining mid-run, or a stale one
+            return None
         peer.last_seen = time.monotonic()
         try:
             msg = P.unpack(frames[1:])
@@ -260,6 +258,81 @@ class RemoteEngine(Engine):
         self._sent_bytes, self._recv_bytes = {}, {}
         return stats
 
+    # ---- losing and gaining workers -----------------------------------------------------------------
+    def _probe_after_disconnect(self, doing):
+        """Some connection dropped: a send to a vanished routing id fails at once."""
+        from zmq.utils.monitor import recv_monitor_message
+        while self.monitor.poll(0):
+            recv_monitor_message(self.monitor)
+        lost = []
+        for name, peer in self.peers.items():
+            try:
+                self.sock.send_multipart([peer.identity] + P.pack("HEARTBEAT", 0), flags=self.zmq.NOBLOCK)
+            except self.zmq.ZMQError:
+                lost.append(name)
+        if lost:
+            raise WorkerLost(f"worker {', '.join(self.peers[n].label() for n in lost)} disconnected during {doing}", lost)
+
+    def _note_stranger(self, frames):
+        try:
+            msg = P.unpack(frames[1:])
+        except P.ProtocolError:
+            return
+        if msg.op == "HELLO":
+            self.joining[frames[0].bytes] = msg.fields
+            self.log(f"worker {msg.fields.get('name', '?')} asks to join: admitted at the next snapshot")
+
+    def drop(self, names):
+        """Forget lost workers; a spawned one that is still running (hung) is ended."""
+        for name in names:
+            peer = self.peers.pop(name, None)
+            if peer is None:
+                continue
+            self.by_identity.pop(peer.identity, None)
+            if peer.process is not None and peer.process.poll() is None:
+                peer.process.kill()
+            self.log(f"dropped worker {peer.label()}")
+        if self.calibration:
+            self.calibration = {n: c for n, c in self.calibration.items() if n in self.peers}
+
+    def admit(self, specs, input_shapes, cfg):
+        """Workers that said HELLO mid-run join now: welcomed, calibrated, and given a plan
+        with everyone. Returns the new plan, or None when nobody is waiting."""
+        if not self.joining:
+            return None
+        new = []
+        for identity, hello in self.joining.items():
+            name = self._unique_name(str(hello.get("name", "worker")))
+            peer = _Peer(identity, {**hello, "name": name})
+            self.peers[name] = peer
+            self.by_identity[identity] = peer
+            self._send(peer, "WELCOME")
+            new.append(name)
+            self.log(f"worker {peer.label()} joined: {peer.description}")
+        self.joining = {}
+        if self.fixed_plan is not None:
+            self.fixed_plan = None                          # a hand-set plan does not cover the newcomers
+        return self.replan(specs, input_shapes, cfg, calibrate=new)
+
+    def replan(self, specs, input_shapes, cfg, calibrate=()):
+        """A plan over the workers there are now, from their calibration (measuring `calibrate`,
+        the ones that have none)."""
+        if calibrate:
+            known = self.calibration
+            self._calibrate_some(specs, input_shapes, cfg, list(calibrate))
+            self.calibration = {**known, **self.calibration}
+        speeds = {name: self.calibration[name]["speeds"] if name in self.calibration else None
+                  for name in self.peers}
+        if any(v is None for v in speeds.values()):
+            return make_plan([s.kernels for s in specs], {n: [1.0] * len(specs) for n in self.peers}, "equal")
+        return make_plan([s.kernels for s in specs], speeds, cfg.split)
+
+    def _unique_name(self, name):
+        base, k = name, 2
+        while name in self.peers:                            # labels need not be unique; names in plans must
+            name, k = f"{base}#{k}", k + 1
+        return name
+
     # ---- the engine interface ------------------------------------------------------------------
     @property
     def workers(self):
@@ -268,17 +341,20 @@ class RemoteEngine(Engine):
     def calibrate(self, specs, input_shapes, cfg):
         """Each worker times its fused kernels on the real layer shapes, its equal share of kernels,
         after a JIT warm-up. Returns {worker: [kernels/s per layer]}."""
+        return self._calibrate_some(specs, input_shapes, cfg, list(self.peers))
+
+    def _calibrate_some(self, specs, input_shapes, cfg, names):
         batch = min(cfg.calibration_batch, cfg.batch_size)
         n = len(self.peers)
         layers = [{"spec": s.to_json(), "input_shape": [batch] + list(shape[1:]), "kernels": -(-s.kernels // n)}
                   for s, shape in zip(specs, input_shapes)]
         t0 = time.perf_counter()
-        replies = self._call({name: ("CALIBRATE", [], {"layers": layers}) for name in self.peers}, "calibration")
+        replies = self._call({name: ("CALIBRATE", [], {"layers": layers}) for name in names}, "calibration")
         self.calibration_s = time.perf_counter() - t0
         self.calibration = {name: {"device": self.peers[name].device, "description": self.peers[name].description,
                                    "speeds": list(fields["speeds"]), "layers": list(fields["timings"])}
                             for name, (_, fields) in replies.items()}
-        return {name: list(replies[name][1]["speeds"]) for name in self.peers}
+        return {name: list(replies[name][1]["speeds"]) for name in names}
 
     def plan_for(self, specs, input_shapes, cfg):
         kernels = [s.kernels for s in specs]
@@ -396,5 +472,8 @@ class RemoteEngine(Engine):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if getattr(self, "monitor", None) is not None:
+            self.sock.disable_monitor()
+            self.monitor.close(linger=0)
         self.sock.close(linger=0)
         self.ctx.term()

@@ -12,6 +12,8 @@ from tqdm import tqdm
 
 from hetconv import checkpoint
 from hetconv.data import batches, load_dataset, test_batches
+from hetconv.elastic import Elastic
+from hetconv.engine import WorkerLost
 from hetconv.geometry import conv_specs, layer_input_shapes
 from hetconv.model import Network, init_conv_params
 
@@ -136,6 +138,8 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra):
 
     plan = engine.plan_for(specs, input_shapes, cfg)
     engine.load(plan, specs, conv_params)
+    elastic = Elastic(cfg, engine, net, specs, input_shapes, steps_per_epoch, log, metrics)
+    elastic.start(start_step, conv_params)      # the first snapshot (kept only where a worker can be lost)
     del conv_params                             # the shards own the conv weights from here on
     log(plan.table())
     metrics.write("plan", **plan.to_json())
@@ -175,8 +179,18 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra):
                 if i < skip:
                     continue
                 t0 = time.perf_counter()
-                result = net.train_step(center_crop(x, cfg.crop), y, cfg.lr, cfg.momentum, cfg.weight_decay,
-                                        micro_batches)
+                try:
+                    result = net.train_step(center_crop(x, cfg.crop), y, cfg.lr, cfg.momentum, cfg.weight_decay,
+                                            micro_batches)
+                except WorkerLost as lost:
+                    # go on without it: survivors reloaded from the last snapshot, the steps since replayed
+                    step, plan = elastic.recover(lost, step)
+                    micro_batches = resolve_micro_batches(cfg, engine)
+                    rebalance_at = 0                   # the survivors' split comes from their calibration
+                    del losses[step - start_step:], step_times[step - start_step:]
+                    bar.n = step
+                    bar.refresh()
+                    break                              # the epoch loop starts again at `step`
                 dt = time.perf_counter() - t0
                 if not math.isfinite(result.loss):
                     raise FloatingPointError(f"loss became {result.loss} at step {step + 1}: lower --lr (now {cfg.lr})")
@@ -203,6 +217,9 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra):
                         metrics.write("plan", reason="rebalance", step=step, **plan.to_json())
                         if rebalances < MAX_REBALANCES:   # check again: each round corrects the last
                             rebalance_at = step + cfg.rebalance_after
+                if elastic.after_step(step, dt) is not None:
+                    plan = engine.plan
+                    micro_batches = resolve_micro_batches(cfg, engine)
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                     last_ckpt = save(step, epoch)
                 if step >= total_steps or stop.requested:

@@ -85,7 +85,7 @@ def _serve_compute(ctx, endpoint, requests, device_spec, threads, identity, name
     peers = PeerLinks(ctx, name, shard, requests, lambda frames: pair.send_multipart(frames, copy=False), P)
     try:
         while True:
-            msg = requests.get()
+            msg = peers.deferred.pop(0) if peers.deferred else requests.get()
             if msg is None:
                 return
             seq = msg.seq
@@ -235,6 +235,8 @@ def _io_loop(dealer, pair, inbox, requests, args, P):
                 dealer.send_multipart(P.pack("ERROR", -1, **P.error_fields(e, dealer.getsockopt_string(zmq.IDENTITY),
                                                                           "reading a request")))
                 continue
+            if msg.op == "HEARTBEAT":
+                continue                      # the coordinator probing that this link is up
             if msg.op == "SHUTDOWN":
                 dealer.send_multipart(P.pack("BYE", msg.seq))
                 time.sleep(0.05)

@@ -482,3 +482,58 @@ def test_a_16_bit_wire_trains_like_float32(local_run, wire):
         engine.close()
     np.testing.assert_allclose(summary["losses"], local_run[0], rtol=2e-2)
     assert not np.allclose(summary["losses"], local_run[0], rtol=1e-7, atol=0), "a 16-bit wire cannot be exact"
+
+
+def _kill_on_step(engine, victim_index, at_step):
+    """Make the engine's conv_step kill one spawned worker (SIGKILL) when step `at_step` starts."""
+    real = engine.conv_step
+    calls = {"n": 0}
+
+    def conv_step(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] == at_step:
+            proc = engine.processes[victim_index][1]
+            proc.kill()
+            proc.wait()
+        return real(*args, **kw)
+    engine.conv_step = conv_step
+
+
+def test_a_killed_worker_is_survived_and_the_run_equals_an_uninterrupted_one(tmp_path):
+    cfg = dict(TINY, steps=6, snapshot_every=2, rebalance_after=0)
+    local_dir, dist_dir = tmp_path / "local", tmp_path / "dist"
+    local = train(Config(**cfg, checkpoint_dir=str(local_dir)).validate(),
+                  LocalEngine({"local": ConvShard(open_device("cpu", threads=1))}), log=quiet)
+    metrics = tmp_path / "m.jsonl"
+    engine = remote(3)
+    _kill_on_step(engine, 1, at_step=4)             # snapshots after steps 2 and 4: steps 3 (and 4) replay
+    try:
+        summary = train(Config(**cfg, checkpoint_dir=str(dist_dir), metrics=str(metrics)).validate(), engine, log=quiet)
+        survivors = list(engine.plan.workers)
+    finally:
+        engine.close()
+    assert survivors == ["w0-cpu", "w2-cpu"]
+    np.testing.assert_allclose(summary["losses"], local["losses"], rtol=1e-5)
+    _, conv, fc = checkpoint.load(str(dist_dir))
+    _, local_conv, local_fc = checkpoint.load(str(local_dir))
+    for got, want in zip(conv + fc, local_conv + local_fc):
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    records = [json.loads(line) for line in open(metrics)]
+    lost = [r for r in records if r["event"] == "worker_lost"]
+    assert len(lost) == 1 and lost[0]["worker"] == "w1-cpu" and lost[0]["step"] == 4
+    assert any(r["event"] == "plan" and r.get("reason") == "lost w1-cpu" and r["step"] == 2 for r in records)
+    assert records[-1]["event"] == "done"
+
+
+def test_below_min_workers_the_run_checkpoints_and_stops_clearly(tmp_path):
+    engine = remote(2)
+    _kill_on_step(engine, 0, at_step=3)
+    try:
+        with pytest.raises(WorkerLost, match=r"1 worker\(s\) left, below --min-workers 2: saved step 2 to .*ckpt-step0000002"):
+            train(Config(**TINY, steps=5, snapshot_every=2, min_workers=2, checkpoint_dir=str(tmp_path)).validate(),
+                  engine, log=quiet)
+    finally:
+        engine.close()
+    meta, _, _ = checkpoint.load(str(tmp_path))
+    assert meta["step"] == 2

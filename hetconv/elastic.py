@@ -1,0 +1,103 @@
+"""Elastic training: in-memory snapshots, and what the loop does when a worker is lost or joins.
+
+The shards hold the only copy of the conv weights during training, so the coordinator keeps a
+snapshot every N steps: every layer's full (w, b, vw, vb) gathered from the workers, the FC layers
+and their momentum, and the step (the batch order depends only on the seed and the epoch, so the
+step is the whole data position). When a worker is lost, the survivors are re-planned from their
+calibration, reloaded from the snapshot, and the steps since it are replayed: the run ends with
+the weights an uninterrupted run would have, up to float rounding (a different plan sums partial
+dX in another grouping). A worker that connects mid-run is calibrated and admitted right after a
+snapshot.
+
+What it costs: a snapshot gathers every conv weight and momentum over the workers' links (the
+paper network: ~150 MB). N is chosen so snapshots take at most SNAPSHOT_BUDGET of the step
+time, unless --snapshot-every sets it; a loss recomputes at most N steps.
+"""
+import math
+import os
+import time
+
+from hetconv import checkpoint
+from hetconv.engine import WorkerLost
+
+SNAPSHOT_BUDGET = 0.02        # of step time
+RESCUE_DIR = "hetconv-rescue"
+
+
+class Snapshot:
+    def __init__(self, step, conv, fc):
+        self.step = step
+        self.conv = conv                                    # per layer (w, b, vw, vb), full size
+        self.fc = [tuple(a.copy() for a in layer) for layer in fc]
+
+
+class Elastic:
+    """Owned by the training loop; a no-op for engines that cannot lose workers (--local)."""
+
+    def __init__(self, cfg, engine, net, specs, input_shapes, steps_per_epoch, log, metrics):
+        self.cfg, self.engine, self.net = cfg, engine, net
+        self.steps_per_epoch = steps_per_epoch
+        self.specs, self.input_shapes = specs, input_shapes
+        self.log, self.metrics = log, metrics
+        self.enabled = hasattr(engine, "drop")
+        self.every = cfg.snapshot_every or None             # None: decided after the first timed snapshot
+        self.snapshot = None
+        self.snapshot_s = 0.0
+
+    def start(self, step, conv_params):
+        """The weights the shards were just loaded with are the first snapshot: no gather needed."""
+        if self.enabled:
+            self.snapshot = Snapshot(step, conv_params, self.net.fc_state())
+
+    def after_step(self, step, step_s):
+        """Take a snapshot when one is due; admit waiting workers right after it. Returns a new
+        plan when one was made (a join), else None."""
+        if not self.enabled:
+            return None
+        since = step - self.snapshot.step
+        due = since >= self.every if self.every else since >= 2    # the 1st step pays for warm-up
+        if not due:
+            return None
+        t0 = time.perf_counter()
+        self.snapshot = Snapshot(step, self.engine.gather(), self.net.fc_state())
+        self.snapshot_s = time.perf_counter() - t0
+        if self.every is None:
+            self.every = max(1, math.ceil(self.snapshot_s / (SNAPSHOT_BUDGET * max(step_s, 1e-9))))
+            self.log(f"snapshots every {self.every} step(s): one takes {self.snapshot_s:.2f}s against "
+                     f"{step_s:.2f}s a step")
+        plan = self.engine.admit(self.specs, self.input_shapes, self.cfg)
+        if plan is not None:
+            self.engine.load(plan, self.specs, self.snapshot.conv)
+            self.metrics.write("worker_joined", step=step, workers=list(plan.workers))
+            self.metrics.write("plan", reason="worker joined", step=step, **plan.to_json())
+            self.log("a worker joined:\n" + plan.table())
+        return plan
+
+    def recover(self, error, step):
+        """After `error` (WorkerLost) in step `step` + 1: drop the lost workers, re-plan the
+        survivors, reload them from the snapshot. Returns (the step to go on from, the new plan).
+        Below --min-workers, saves the snapshot as a checkpoint and raises WorkerLost saying so."""
+        if not self.enabled or not error.workers:
+            raise error
+        self.engine.drop(error.workers)
+        for name in error.workers:
+            self.metrics.write("worker_lost", step=step + 1, worker=name, reason=str(error))
+        self.log(f"lost {', '.join(error.workers)} at step {step + 1}: {error}")
+        left = len(self.engine.workers)
+        if left < self.cfg.min_workers:
+            path = self._save_snapshot()
+            raise WorkerLost(f"{error}; {left} worker(s) left, below --min-workers {self.cfg.min_workers}: "
+                             f"saved step {self.snapshot.step} to {path}; resume with --resume {path}",
+                             error.workers) from None
+        plan = self.engine.replan(self.specs, self.input_shapes, self.cfg)
+        self.engine.load(plan, self.specs, self.snapshot.conv)
+        self.net.load_fc_state(self.snapshot.fc)
+        self.metrics.write("plan", reason=f"lost {', '.join(error.workers)}", step=self.snapshot.step, **plan.to_json())
+        self.log(f"going on with {left} worker(s) from the snapshot at step {self.snapshot.step} "
+                 f"(replaying {step - self.snapshot.step} step(s)):\n" + plan.table())
+        return self.snapshot.step, plan
+
+    def _save_snapshot(self):
+        directory = self.cfg.checkpoint_dir or os.path.abspath(RESCUE_DIR)
+        return checkpoint.save(directory, self.snapshot.step, self.snapshot.step // self.steps_per_epoch,
+                               self.cfg, self.snapshot.conv, self.snapshot.fc, self.engine.plan)
