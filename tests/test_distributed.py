@@ -537,3 +537,54 @@ def test_below_min_workers_the_run_checkpoints_and_stops_clearly(tmp_path):
         engine.close()
     meta, _, _ = checkpoint.load(str(tmp_path))
     assert meta["step"] == 2
+
+
+def _external_worker(procs, address, name):
+    return procs(python_cmd("hetconv.worker", "--device", "cpu", "--connect", address, "--threads", "1",
+                            "--name", name, "--connect-timeout", "60", "--idle-timeout", "120"),
+                 stdout=subprocess.DEVNULL)
+
+
+def test_a_killed_external_worker_is_heard_disconnecting_not_waited_out(procs):
+    """No process handle and a heartbeat limit of a minute: only the socket monitor can name it."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    workers = [_external_worker(procs, address, f"ext{i}") for i in range(2)]
+    engine = RemoteEngine(address, 2, [], threads=1, connect_timeout=60, worker_timeout=60, op_timeout=60, log=quiet)
+    try:
+        spec = ConvSpec(3, 4, 3, 0)
+        w = np.ones((4, 3, 3, 3), np.float32)
+        engine.load(fixed_plan([4], {"ext0": [2], "ext1": [2]}), [spec], [(w, np.zeros(4, np.float32), None, None)])
+        workers[1].kill()
+        workers[1].wait()
+        with pytest.raises(WorkerLost, match=r"worker ext1 .* disconnected") as lost:
+            for _ in range(50):                          # the first calls may still find the socket open
+                engine.forward(0, np.ones((2, 3, 8, 8), np.float32))
+        assert lost.value.workers == ["ext1"]
+    finally:
+        engine.close()
+
+
+def test_a_worker_that_connects_mid_run_joins_at_a_snapshot(tmp_path, procs):
+    cfg = dict(TINY, steps=6, snapshot_every=2, rebalance_after=0)
+    local = train(Config(**cfg).validate(), LocalEngine({"local": ConvShard(open_device("cpu", threads=1))}), log=quiet)
+    metrics = tmp_path / "m.jsonl"
+    engine = remote(2)
+    real, calls = engine.conv_step, {"n": 0}
+
+    def conv_step(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            _external_worker(procs, engine.address, "late")
+            time.sleep(3.0)                                # its HELLO arrives while step 2 runs
+        return real(*args, **kw)
+    engine.conv_step = conv_step
+    try:
+        summary = train(Config(**cfg, metrics=str(metrics)).validate(), engine, log=quiet)
+        workers = list(engine.plan.workers)
+    finally:
+        engine.close()
+    assert workers == ["w0-cpu", "w1-cpu", "late"]
+    np.testing.assert_allclose(summary["losses"], local["losses"], rtol=1e-5)
+    records = [json.loads(line) for line in open(metrics)]
+    assert any(r["event"] == "worker_joined" for r in records)
+    assert any(r["event"] == "plan" and r.get("reason") == "worker joined" for r in records)
