@@ -23,14 +23,18 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _cost_prediction(specs, fc, image, batch, counts, profiles, link, n_workers, local_profile=None):
+def _cost_prediction(specs, fc, image, batch, counts, profiles, link, n_workers, local_profile=None,
+                     exchange="peer", micro_batches=1, wire="float32"):
     from hetconv import costmodel as cm
     coordinator_s = cm.measure_coordinator_s(specs, fc, image, batch, n_workers)
     if local_profile is not None:
         return {"step_s": cm.predict_local(specs, batch, local_profile, coordinator_s),
                 "coordinator_s": coordinator_s, "workers": {}}
-    pred = cm.predict_step(specs, image, batch, counts, profiles, link, coordinator_s)
-    return pred.to_json()
+    pred = cm.predict_any(exchange, specs, image, batch, counts, profiles, link, coordinator_s, micro_batches,
+                          2 if wire != "float32" else 4)
+    out = pred.to_json()
+    out["dominant"] = list(cm.dominant_term(pred))
+    return out
 
 
 def run_one(spec):
@@ -54,7 +58,8 @@ def run_one(spec):
     cfg = Config(conv=spec.get("conv", "500,1500"), fc=spec.get("fc", "256"), batch_size=batch,
                  steps=warmup + timed, threads=1, split=spec["split"], synthetic_train=batch * (warmup + timed),
                  synthetic_test=batch, eval_batches=1, calibration_batch=spec.get("calibration_batch", 16),
-                 metrics=metrics,
+                 metrics=metrics, exchange=spec.get("exchange", "peer"), micro_batches=spec.get("micro_batches", 0),
+                 wire_dtype=spec.get("wire", "float32"),
                  # the split under test is the calibrated one (the model predicts from the same
                  # calibration); training's own correction after a few steps is measured apart
                  rebalance_after=spec.get("rebalance_after", 0)).validate()
@@ -77,8 +82,12 @@ def run_one(spec):
             from hetconv.remote import RemoteEngine
             engine = RemoteEngine(spec.get("bind", "tcp://127.0.0.1:0"), spec.get("external", 0),
                                   [] if spec.get("external") else devices, threads=1, pin=True,
-                                  connect_timeout=spec.get("connect_timeout", 120.0), log=log)
+                                  connect_timeout=spec.get("connect_timeout", 120.0), log=log,
+                                  exchange=cfg.exchange, wire=cfg.wire_dtype)
         summary = train(cfg, engine, log=log)
+        from hetconv.train import resolve_micro_batches
+        micro = resolve_micro_batches(cfg, engine)
+        row.update(exchange=cfg.exchange, micro_batches=micro, wire=cfg.wire_dtype)
         # ---- measured ---------------------------------------------------------------------
         with open(metrics) as f:
             steps = [r for r in map(json.loads, f) if r["event"] == "step"][warmup:]
@@ -93,7 +102,9 @@ def run_one(spec):
             compute, roundtrip = med("compute_s"), med("roundtrip_s")
             row["workers"][name] = {"compute_s": compute, "wire_s": max(0.0, roundtrip - compute),
                                     "wait_s": max(0.0, row["step_s"] - roundtrip), "roundtrip_s": roundtrip,
-                                    "sent": int(med("bytes_sent")), "recv": int(med("bytes_recv"))}
+                                    "sent": int(med("bytes_sent")), "recv": int(med("bytes_recv")),
+                                    "peer_sent": int(np.median([r["workers"][name].get("peer_bytes_sent", 0)
+                                                                for r in steps]))}
         # ---- predicted (cost model) ---------------------------------------------------------
         if spec.get("local"):
             t0 = time.perf_counter()
@@ -109,7 +120,8 @@ def run_one(spec):
             link_name = spec.get("link", "loopback")
             link = (cm.Link(cm.measure_loopback(), name="loopback (measured)") if link_name == "loopback"
                     else cm.parse_bandwidth(link_name))
-            pred = _cost_prediction(specs, cfg.fc_sizes(), image, batch, counts, profiles, link, len(counts))
+            pred = _cost_prediction(specs, cfg.fc_sizes(), image, batch, counts, profiles, link, len(counts),
+                                    exchange=cfg.exchange, micro_batches=micro, wire=cfg.wire_dtype)
             row["profile_source"] = "the workers' own calibration in this run (RemoteEngine.calibration)"
             row["profiles"] = {w: p.to_json() for w, p in profiles.items()}
             row["plan"] = engine.plan.to_json()

@@ -52,12 +52,12 @@ def write_digits_as_cifar(directory):
     return root, len(train_rows), n_test
 
 
-def run(data, wire, args, log):
+def run(data, wire, seed, args, log):
     from hetconv.config import Config
     from hetconv.remote import RemoteEngine
     from hetconv.train import train
     cfg = Config(data=data, conv=args.conv, fc=args.fc, batch_size=args.batch_size, epochs=args.epochs,
-                 lr=args.lr, seed=args.seed, threads=1, wire_dtype=wire, exchange="peer",
+                 lr=args.lr, seed=seed, threads=1, wire_dtype=wire, exchange="peer",
                  rebalance_after=0, synthetic_train=args.synthetic_train, synthetic_test=args.synthetic_test).validate()
     engine = RemoteEngine("tcp://127.0.0.1:0", 0, ["cpu", "cpu"], threads=1, log=log, exchange="peer", wire=wire)
     t0 = time.perf_counter()
@@ -65,7 +65,8 @@ def run(data, wire, args, log):
         summary = train(cfg, engine, log=log)
     finally:
         engine.close()
-    return {"data": data if data == "synthetic" else "digits", "wire": wire, "test_accuracy": summary["test_accuracy"],
+    return {"data": data if data == "synthetic" else "digits", "wire": wire, "seed": seed,
+            "test_accuracy": summary["test_accuracy"],
             "test_images": summary["test_images"], "final_loss": summary["final_loss"], "steps": summary["step"],
             "wall_s": time.perf_counter() - t0}
 
@@ -78,7 +79,9 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--lr", type=float, default=0.02)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, default=3, help="repeat every run with seeds 0..N-1: one run's accuracy "
+                                                       "moves by points with any perturbation of SGD, so the "
+                                                       "comparison is of means, against float32's own spread")
     p.add_argument("--synthetic-train", type=int, default=5000)
     p.add_argument("--synthetic-test", type=int, default=1000)
     p.add_argument("--render", default="", help="only rewrite the .md beside this saved wire_accuracy.json")
@@ -96,22 +99,37 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="hetconv-digits-") as scratch:
         digits, n_train, n_test = write_digits_as_cifar(scratch)
         for data in ("synthetic", digits):
-            for wire in WIRES:
-                print(f"[{'synthetic' if data == 'synthetic' else 'digits'}] --wire-dtype {wire} ...", flush=True)
-                row = run(data, wire, args, quiet)
-                rows.append(row)
-                print(f"    test accuracy {row['test_accuracy']:.4f} on {row['test_images']} images, "
-                      f"{row['wall_s']:.0f}s", flush=True)
-    for row in rows:
-        base = next(r for r in rows if r["data"] == row["data"] and r["wire"] == "float32")
-        row["points_vs_float32"] = 100.0 * (row["test_accuracy"] - base["test_accuracy"])
+            for seed in range(args.seeds):
+                for wire in WIRES:
+                    print(f"[{'synthetic' if data == 'synthetic' else 'digits'}] seed {seed}, --wire-dtype {wire} ...",
+                          flush=True)
+                    row = run(data, wire, seed, args, quiet)
+                    rows.append(row)
+                    print(f"    test accuracy {row['test_accuracy']:.4f} on {row['test_images']} images, "
+                          f"{row['wall_s']:.0f}s", flush=True)
     result = {"machine": _common.cpu_model(), "command": command, "wall_s": time.perf_counter() - t_all,
               "load_before": load_before, "load_after": _common.load_average(),
               "network": {"conv": args.conv, "fc": args.fc, "batch_size": args.batch_size, "epochs": args.epochs,
-                          "lr": args.lr, "seed": args.seed},
+                          "lr": args.lr, "seeds": args.seeds},
               "digits": {"train": n_train, "test": n_test}, "rows": rows}
     write(args.out, result)
     return 0
+
+
+def summarize(rows):
+    """Per (data, wire): mean test accuracy over seeds, its spread, and the mean difference
+    from float32 in points, seed by seed (the same seed: the same start and the same batches)."""
+    import numpy as np
+    out = []
+    for data in dict.fromkeys(r["data"] for r in rows):
+        base = {r["seed"]: r["test_accuracy"] for r in rows if r["data"] == data and r["wire"] == "float32"}
+        for wire in WIRES:
+            acc = {r["seed"]: r["test_accuracy"] for r in rows if r["data"] == data and r["wire"] == wire}
+            diffs = [100.0 * (acc[s] - base[s]) for s in acc if s in base]
+            out.append({"data": data, "wire": wire, "seeds": len(acc), "mean_accuracy": float(np.mean(list(acc.values()))),
+                        "std_points": float(100.0 * np.std(list(acc.values()))),
+                        "mean_points_vs_float32": float(np.mean(diffs)) if diffs else float("nan")})
+    return out
 
 
 def render(result):
@@ -119,12 +137,16 @@ def render(result):
     lines = [f"Machine: {result['machine']}. Command: `{result['command']}` ({result['wall_s'] / 60:.1f} min; "
              f"{result['load_before']} before, {result['load_after']} after).",
              f"Two CPU workers, --exchange peer, conv {net['conv']}, fc {net['fc']}, batch {net['batch_size']}, "
-             f"{net['epochs']} epochs, lr {net['lr']}, seed {net['seed']}; digits: {result['digits']['train']} "
+             f"{net['epochs']} epochs, lr {net['lr']}, seeds 0..{net['seeds'] - 1}; digits: {result['digits']['train']} "
              f"train / {result['digits']['test']} test images.", ""]
-    table = [[r["data"], r["wire"], f"{r['test_accuracy']:.4f}", f"{r['points_vs_float32']:+.2f}",
-              f"{r['final_loss']:.4f}", r["steps"]] for r in result["rows"]]
-    lines.append(_common.markdown_table(["data", "wire", "test accuracy", "points vs float32", "final loss", "steps"],
-                                        table))
+    table = [[s["data"], s["wire"], s["seeds"], f"{s['mean_accuracy']:.4f}", f"{s['std_points']:.2f}",
+              f"{s['mean_points_vs_float32']:+.2f}"] for s in summarize(result["rows"])]
+    lines.append(_common.markdown_table(["data", "wire", "runs", "mean test accuracy", "spread over seeds (std, points)",
+                                         "mean points vs float32 (same seed)"], table))
+    lines += ["", "Every run:", ""]
+    lines.append(_common.markdown_table(["data", "wire", "seed", "test accuracy", "final loss", "steps"],
+                                        [[r["data"], r["wire"], r["seed"], f"{r['test_accuracy']:.4f}",
+                                          f"{r['final_loss']:.4f}", r["steps"]] for r in result["rows"]]))
     return "\n".join(lines)
 
 

@@ -1,0 +1,82 @@
+"""The peer a user would otherwise pick: PyTorch DistributedDataParallel (gloo), one rank per host,
+the same network, global batch and synthetic data shapes as hetconv's bandwidth rows.
+
+    python bench/_ddp_baseline.py '{"rank": 0, "world": 2, "master": "10.0.0.1", "port": 29500,
+                                    "batch_size": 32, "conv": "500,1500", "fc": "256", "warmup": 1,
+                                    "steps": 2, "threads": 1}' OUT.json
+
+Each rank trains on batch_size / world images a step (data parallel: the global batch is the
+same as hetconv's), one CPU thread, SGD with momentum; DDP all-reduces every gradient (conv and
+FC) each step. Rank 0 writes the row: median step seconds over the timed steps, and the bytes one
+all-reduce moves.
+"""
+import json
+import os
+import sys
+import time
+
+
+def main(spec, out_path):
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    torch.set_num_threads(int(spec.get("threads", 1)))
+    rank, world = int(spec["rank"]), int(spec["world"])
+    dist.init_process_group("gloo", init_method=f"tcp://{spec['master']}:{spec['port']}", rank=rank,
+                            world_size=world, timeout=__import__("datetime").timedelta(seconds=600))
+    kernels = [int(k) for k in spec.get("conv", "500,1500").split(",")]
+    hidden = [int(k) for k in spec.get("fc", "256").split(",") if k]
+
+    class Net(nn.Module):               # the paper network: conv 5x5 -> ReLU -> pool, twice; FC
+        def __init__(self):
+            super().__init__()
+            chans = [3] + kernels
+            self.convs = nn.ModuleList(nn.Conv2d(a, b, 5) for a, b in zip(chans[:-1], chans[1:]))
+            size = 32
+            for _ in kernels:
+                size = (size - 4) // 2
+            widths = [kernels[-1] * size * size] + hidden + [10]
+            self.fcs = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:]))
+
+        def forward(self, x):
+            for conv in self.convs:
+                x = F.max_pool2d(F.relu(conv(x)), 2)
+            x = x.flatten(1)
+            for i, fc in enumerate(self.fcs):
+                x = fc(x)
+                if i < len(self.fcs) - 1:
+                    x = F.relu(x)
+            return x
+
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(Net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
+    local_batch = int(spec["batch_size"]) // world
+    gen = torch.Generator().manual_seed(rank)
+    times = []
+    for step in range(int(spec["warmup"]) + int(spec["steps"])):
+        x = torch.randn(local_batch, 3, 32, 32, generator=gen)
+        y = torch.randint(0, 10, (local_batch,), generator=gen)
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()                    # DDP all-reduces the gradients in buckets here
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    params = sum(p.numel() for p in model.parameters())
+    dist.destroy_process_group()
+    if rank == 0:
+        timed = sorted(times[int(spec["warmup"]):])
+        row = {"ok": True, "step_s": timed[len(timed) // 2], "step_s_all": times[int(spec["warmup"]):],
+               "allreduce_mb": params * 4 / 1e6, "local_batch": local_batch, "torch": torch.__version__}
+        tmp = out_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(row, f)
+        os.replace(tmp, out_path)
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]), sys.argv[2])
