@@ -31,6 +31,7 @@ class Config:
     # devices
     threads: int = 0                   # threads per CPU device (0: every core this process may use)
     split: str = "proportional"        # 'proportional' to measured speed, or 'equal' (the naive baseline)
+    use_all: bool = False              # keep every worker, even one whose fixed work makes the step slower
     calibration_batch: int = 16        # images per calibration run (real layer shapes otherwise)
     rebalance_after: int = 3           # every N steps, re-split from measured compute while it gains, up to 3 times (0: never)
     exchange: str = "peer"             # 'peer': workers pass feature maps among themselves; 'star': all through the coordinator
@@ -126,6 +127,9 @@ def add_config_flags(parser: argparse.ArgumentParser):
     group = parser.add_argument_group("training")
     for f in dataclasses.fields(Config):
         flag = "--" + f.name.replace("_", "-")
+        if f.type in (bool, "bool"):
+            group.add_argument(flag, action="store_true", help=comments.get(f.name, ""))
+            continue
         group.add_argument(flag, type=f.type, default=f.default,
                            help=f"{comments.get(f.name, '')} (default: {f.default!r})")
 

@@ -32,9 +32,10 @@ class Plan:
     policy: str
     workers: tuple
     layers: tuple
+    left_out: dict = field(default_factory=dict)     # worker -> why it takes no part
 
     def to_json(self):
-        return {"policy": self.policy, "workers": list(self.workers), "layers": [
+        return {"policy": self.policy, "workers": list(self.workers), "left_out": dict(self.left_out), "layers": [
             {"layer": lp.layer, "kernels": {w: lp.count(w) for w in self.workers},
              "ranges": {w: list(lp.ranges[w]) for w in self.workers},
              "speeds": {w: lp.speeds.get(w) for w in self.workers}} for lp in self.layers]}
@@ -52,6 +53,7 @@ class Plan:
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         lines = ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r)) for r in rows]
         lines.insert(1, "  ".join("-" * wd for wd in widths))
+        lines += [f"{w}: left out, {why}" for w, why in self.left_out.items()]
         return f"split: {self.policy}\n" + "\n".join(lines)
 
 
@@ -155,10 +157,93 @@ def replan(plan, lines, measured, min_gain=0.05):
             fixed[name].append(f)
             per_kernel[name].append(p)
         now[name] = sum(float(measured[name][lp.layer]) for lp in plan.layers)
-    speeds = {name: [1.0 / p for p in per_kernel[name]] for name in plan.workers}
-    proposal = make_plan([lp.kernels for lp in plan.layers], speeds, "proportional")
+    scaled = {name: list(zip(fixed[name], per_kernel[name])) for name in plan.workers}
+    proposal = plan_from_lines([lp.kernels for lp in plan.layers], scaled, use_all=True)
     then = {name: sum(fixed[name][lp.layer] + lp.count(name) * per_kernel[name][lp.layer] for lp in proposal.layers)
             for name in proposal.workers}
     if max(then.values()) > (1 - min_gain) * max(now.values()):
         return None
     return proposal
+
+
+# ---- splitting by calibrated cost lines, and choosing the devices ------------------------------
+
+def affine_shares(total, lines):
+    """Kernel counts (floats) that finish together: each device's seconds are fixed + per_kernel * k,
+    and the split makes them equal where it can (T = F_i + p_i k_i for every device that gets
+    kernels). A device whose fixed part alone exceeds T gets none. lines: [(fixed_s, per_kernel_s)]."""
+    active = [i for i, (_, p) in enumerate(lines) if p > 0]
+    while active:
+        inv = sum(1.0 / lines[i][1] for i in active)
+        finish = (total + sum(lines[i][0] / lines[i][1] for i in active)) / inv
+        shares = {i: (finish - lines[i][0]) / lines[i][1] for i in active}
+        negative = [i for i, k in shares.items() if k < 0]
+        if not negative:
+            return [shares.get(i, 0.0) for i in range(len(lines))]
+        active = [i for i in active if i not in negative]
+    raise PlanError("no device has a usable cost line (per-kernel cost must be > 0)")
+
+
+def _integer_shares(total, exact):
+    """Floats summing to total -> integers summing to total, each >= 1 (largest remainder)."""
+    shares = [int(e) for e in exact]
+    order = sorted(range(len(exact)), key=lambda i: (-(exact[i] - shares[i]), i))
+    for i in order[:total - sum(shares)]:
+        shares[i] += 1
+    for i in range(len(shares)):
+        while shares[i] < 1:
+            donor = max(range(len(shares)), key=lambda j: (shares[j], -j))
+            shares[donor] -= 1
+            shares[i] += 1
+    return shares
+
+
+def predicted_compute_s(layer_kernels, lines, workers):
+    """Seconds of conv compute a step takes with `workers` sharing every layer by affine_shares:
+    layers run one after another (each needs the whole previous layer), the slowest device
+    sets each layer's time."""
+    total = 0.0
+    for li, kernels in enumerate(layer_kernels):
+        layer_lines = [lines[w][li] for w in workers]
+        shares = _integer_shares(kernels, affine_shares(kernels, layer_lines))
+        total += max(f + p * k for (f, p), k in zip(layer_lines, shares))
+    return total
+
+
+def plan_from_lines(layer_kernels, lines, use_all=False):
+    """The proportional plan from calibrated cost lines {worker: [(fixed_s, per_kernel_s) per
+    layer]} (seconds a step at the step's batch), choosing the devices: a device whose part in
+    the plan makes the predicted step slower (its fixed work outweighs its share, or its share
+    would round to nothing) is left out, greedily, most harmful first, and the plan says why.
+    `use_all` keeps every device. Pure: the same input gives the same plan."""
+    workers = list(lines)
+    left_out = {}
+    if not use_all:
+        while len(workers) > 1:
+            now = predicted_compute_s(layer_kernels, lines, workers)
+            best = min(workers, key=lambda w: predicted_compute_s(layer_kernels, lines, [v for v in workers if v != w]))
+            without = predicted_compute_s(layer_kernels, lines, [v for v in workers if v != best])
+            if without >= now:
+                break
+            fixed = sum(lines[best][li][0] for li in range(len(layer_kernels)))
+            exact = [affine_shares(k, [lines[w][li] for w in workers])[workers.index(best)]
+                     for li, k in enumerate(layer_kernels)]
+            share = sum(exact) / sum(layer_kernels)
+            left_out[best] = (f"adds {fixed:.3g} s of fixed work a step for {100 * share:.1f}% of the kernels "
+                              f"(step {now:.3g} s with it, {without:.3g} s without)")
+            workers.remove(best)
+    too_few = [k for k in layer_kernels if k < len(workers)]
+    if too_few:
+        raise PlanError(f"{len(workers)} workers but a conv layer has only {min(too_few)} kernels: "
+                        f"every worker needs at least one kernel of every layer")
+    layers = []
+    for li, total in enumerate(layer_kernels):
+        layer_lines = [lines[w][li] for w in workers]
+        shares = _integer_shares(int(total), affine_shares(int(total), layer_lines))
+        ranges, start = {}, 0
+        for w, sh in zip(workers, shares):
+            ranges[w] = (start, start + sh)
+            start += sh
+        speeds = {w: 1.0 / p for w, (f, p) in zip(workers, layer_lines)}    # kernels/s, past the fixed part
+        layers.append(LayerPlan(li, int(total), ranges, speeds))
+    return Plan("proportional", tuple(workers), tuple(layers), left_out)

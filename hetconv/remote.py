@@ -22,7 +22,7 @@ import numpy as np
 
 from hetconv import protocol as P
 from hetconv.engine import Engine, WorkerError, WorkerLost, concat_channels  # noqa: F401  (raised here, caught by callers)
-from hetconv.planner import PlanError, make_plan
+from hetconv.planner import PlanError, make_plan, plan_from_lines
 from hetconv.wire import decode, encode
 
 EXCHANGES = ("peer", "star")
@@ -270,8 +270,11 @@ class RemoteEngine(Engine):
                 self.sock.send_multipart([peer.identity] + P.pack("HEARTBEAT", 0), flags=self.zmq.NOBLOCK)
             except self.zmq.ZMQError:
                 lost.append(name)
-        if lost:
-            raise WorkerLost(f"worker {', '.join(self.peers[n].label() for n in lost)} disconnected during {doing}", lost)
+        in_plan = [n for n in lost if self.plan is None or n in self.plan.workers]
+        self.drop([n for n in lost if n not in in_plan])      # idle, left out of the plan: nothing to redo
+        if in_plan:
+            raise WorkerLost(f"worker {', '.join(self.peers[n].label() for n in in_plan)} disconnected during {doing}",
+                             in_plan)
 
     def _note_stranger(self, frames):
         try:
@@ -325,7 +328,7 @@ class RemoteEngine(Engine):
                   for name in self.peers}
         if any(v is None for v in speeds.values()):
             return make_plan([s.kernels for s in specs], {n: [1.0] * len(specs) for n in self.peers}, "equal")
-        return make_plan([s.kernels for s in specs], speeds, cfg.split)
+        return self._plan_from_calibration([s.kernels for s in specs], speeds, cfg)
 
     def _unique_name(self, name):
         base, k = name, 2
@@ -366,7 +369,19 @@ class RemoteEngine(Engine):
             return self.fixed_plan
         speeds = self.calibrate(specs, input_shapes, cfg)
         self.log(f"calibrated {len(self.peers)} worker(s) in {self.calibration_s:.1f}s")
-        return make_plan(kernels, speeds, cfg.split)
+        return self._plan_from_calibration(kernels, speeds, cfg)
+
+    def _plan_from_calibration(self, kernels, speeds, cfg):
+        """`proportional`: split by each worker's calibrated cost line (fixed + per kernel) at the
+        step's batch, leaving out a worker that would slow the step (unless --use-all);
+        `equal`: the naive baseline."""
+        if cfg.split != "proportional":
+            return make_plan(kernels, speeds, cfg.split)
+        from hetconv.costmodel import profiles_from_calibration
+        lines = {name: [(cfg.batch_size * (c.forward_fixed_s + c.backward_fixed_s),
+                         cfg.batch_size * (c.forward_per_kernel_s + c.backward_per_kernel_s)) for c in profile.layers]
+                 for name, profile in profiles_from_calibration({n: self.calibration[n] for n in speeds}).items()}
+        return plan_from_lines(kernels, lines, use_all=cfg.use_all)
 
     def load(self, plan, specs, params):
         super().load(plan, specs, params)

@@ -143,3 +143,22 @@ def test_dominant_term_names_the_bottleneck():
     peer = predict_any("peer", PAPER, IMAGE, 32, counts, profiles, Link(1e15, 0.0), 0.05)
     what, seconds, share = dominant_term(peer)
     assert what.endswith("'s compute") and 0 < share <= 1
+
+
+def test_the_cost_model_agrees_with_the_device_set_the_planner_picks():
+    from hetconv.costmodel import predict_peer_step
+    from hetconv.planner import plan_from_lines
+    batch = 32
+    gpu = DeviceProfile("gpu", "cuda:0", "", (LayerCost(0.0002, 0.000006, 0.0002, 0.000006),) * 2)
+    cpu = DeviceProfile("cpu", "cpu", "", (LayerCost(0.006, 0.0003, 0.006, 0.0003),) * 2)
+    profiles = {"gpu": gpu, "cpu": cpu}
+    lines = {n: [(batch * (c.forward_fixed_s + c.backward_fixed_s), batch * (c.forward_per_kernel_s + c.backward_per_kernel_s))
+                 for c in p.layers] for n, p in profiles.items()}
+    plan = plan_from_lines([500, 1500], lines)
+    assert plan.workers == ("gpu",)
+    fast = Link(1e15, 0.0)
+    alone = predict_peer_step(PAPER, IMAGE, batch, {"gpu": [500, 1500]}, profiles, fast, 0.0)
+    forced = plan_from_lines([500, 1500], lines, use_all=True)
+    both = predict_peer_step(PAPER, IMAGE, batch, {w: [lp.count(w) for lp in forced.layers] for w in forced.workers},
+                             profiles, fast, 0.0)
+    assert alone.step_s < both.step_s

@@ -391,7 +391,7 @@ def test_cuda_worker_joins_under_the_simulator_and_matches_local(tmp_path):
     # conftest runs CUDA on Numba's simulator: very slow, so calibration must give it a small share
     # 10x10 crops and 3x3 kernels keep the simulated GPU's share of work to seconds
     cfg = Config(**{**TINY, "conv": "4,6", "fc": "8", "batch_size": 4, "synthetic_train": 64, "synthetic_test": 8,
-                    "crop": 10, "ksize": 3, "calibration_batch": 2}, steps=2).validate()
+                    "crop": 10, "ksize": 3, "calibration_batch": 2, "use_all": True}, steps=2).validate()
     local = train(cfg, LocalEngine({"local": ConvShard(open_device("cpu", threads=1))}), log=quiet)["losses"]
     engine = RemoteEngine("tcp://127.0.0.1:0", 0, ["cpu", "cuda:0"], threads=1, connect_timeout=60, log=quiet)
     try:

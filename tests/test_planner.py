@@ -93,3 +93,36 @@ def test_replan_does_not_take_fixed_cost_for_slowness():
     # without the calibrated line the same numbers read as a being 2.3x slower per kernel
     blind = replan(plan, {"a": None, "b": None}, measured)
     assert blind is None or blind.layers[0].count("a") < 50
+
+
+def _lines(fixed, per_kernel, layers=2):
+    return [(fixed, per_kernel)] * layers
+
+
+def test_affine_shares_finish_together_and_drop_a_device_whose_fixed_part_is_too_long():
+    from hetconv.planner import affine_shares
+    shares = affine_shares(100, [(0.0, 1.0), (10.0, 1.0)])      # the second pays 10 s before its first kernel
+    assert shares == pytest.approx([55.0, 45.0])
+    assert affine_shares(100, [(0.0, 0.01), (5.0, 1.0)]) == pytest.approx([100.0, 0.0])
+
+
+def test_a_slow_cpu_beside_a_50x_gpu_is_left_out_when_its_fixed_work_slows_the_step():
+    from hetconv.planner import plan_from_lines, predicted_compute_s
+    # per step at the batch: the GPU 50x faster per kernel and with little fixed work
+    gpu, cpu = _lines(0.005, 0.0002), _lines(0.4, 0.01)
+    plan = plan_from_lines([500, 1500], {"gpu": gpu, "cpu": cpu})
+    assert plan.workers == ("gpu",) and "cpu" in plan.left_out
+    assert "adds 0.8 s of fixed work a step" in plan.left_out["cpu"]
+    assert "left out, adds" in plan.table()
+    forced = plan_from_lines([500, 1500], {"gpu": gpu, "cpu": cpu}, use_all=True)
+    assert forced.workers == ("gpu", "cpu") and not forced.left_out
+    lines = {"gpu": gpu, "cpu": cpu}
+    assert predicted_compute_s([500, 1500], lines, ["gpu"]) < predicted_compute_s([500, 1500], lines, ["gpu", "cpu"])
+
+
+def test_a_cpu_that_helps_is_kept():
+    from hetconv.planner import plan_from_lines
+    gpu, cpu = _lines(0.005, 0.0002), _lines(0.001, 0.004)      # little fixed work: its share pays
+    plan = plan_from_lines([500, 1500], {"gpu": gpu, "cpu": cpu})
+    assert plan.workers == ("gpu", "cpu") and not plan.left_out
+    assert 0 < plan.layers[1].count("cpu") < plan.layers[1].count("gpu")
