@@ -29,7 +29,8 @@ class CheckpointError(ValueError):
 
 
 def _digest(arrays, meta_body):
-    """sha256 over every array in sorted name order, then the meta without its digest."""
+    """sha256 over every array in sorted name order, then the meta without its digest. Costs one
+    pass over the bytes (about 1 GB/s on one core): a fraction of a second for the paper network."""
     h = hashlib.sha256()
     for name in sorted(arrays):
         a = np.ascontiguousarray(arrays[name])

@@ -197,7 +197,8 @@ def serve_curve(ctx, sock, keydir, log=print):
     """Make `sock` (the coordinator's ROUTER, not yet bound) a CURVE server that admits only the
     worker keys in keydir/authorized, and start the ZAP handler that checks them on `ctx` (one per
     context). Call before bind: a connection accepted before the handler runs would skip the check.
-    Returns the authenticator; call its .stop() before closing the context."""
+    `log` is called from the authenticator's thread, once per refused connection. Returns the
+    authenticator; call its .stop() before terminating the context."""
     public, secret, authorized = coordinator_keys(keydir)
     auth = LoggingAuthenticator(ctx, log)
     auth.start()
