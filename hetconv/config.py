@@ -43,6 +43,7 @@ class Config:
     metrics: str = ""                  # JSON-lines metrics file ('' for none)
     checkpoint_dir: str = ""           # where checkpoints go ('' for none)
     checkpoint_every: int = 0          # steps between checkpoints (0: only at the end)
+    keep_checkpoints: int = 3          # newest checkpoints kept; older ones are deleted after each save
     eval_batches: int = 0              # test batches to evaluate at the end (0: the whole test set)
 
     def conv_kernels(self):
@@ -72,6 +73,7 @@ class Config:
         checks = [("--epochs", self.epochs, 1), ("--batch-size", self.batch_size, 1), ("--steps", self.steps, 0),
                   ("--ksize", self.ksize, 1), ("--padding", self.padding, 0), ("--threads", self.threads, 0),
                   ("--calibration-batch", self.calibration_batch, 1), ("--checkpoint-every", self.checkpoint_every, 0),
+                  ("--keep-checkpoints", self.keep_checkpoints, 1),
                   ("--synthetic-train", self.synthetic_train, 1), ("--synthetic-test", self.synthetic_test, 1),
                   ("--eval-batches", self.eval_batches, 0), ("--crop", self.crop, 0),
                   ("--rebalance-after", self.rebalance_after, 0), ("--micro-batches", self.micro_batches, 0),

@@ -6,6 +6,7 @@ C-contiguous frame, so large ones go zero-copy. Nothing is ever pickled, and eve
 message is checked here (version, op, declared dtype and shape against each frame, limits)
 before anyone looks at it. docs/protocol.md lists every message.
 """
+import math
 from dataclasses import dataclass, field
 
 import msgpack
@@ -99,8 +100,8 @@ def unpack(frames, accept_any_version=False):
         raise ProtocolVersionError(f"peer speaks protocol version {version!r}, this side speaks {PROTOCOL_VERSION}",
                                    header)
     op, seq, specs = header.get("op"), header.get("seq"), header.get("arrays", [])
-    if op not in OPS:
-        raise ProtocolError(f"unknown op {op!r}: expected one of {sorted(OPS)}")
+    if not isinstance(op, str) or op not in OPS:     # a list or map is unhashable: test the type first
+        raise ProtocolError(f"unknown op {op!r:.200}: expected one of {sorted(OPS)}")
     if not isinstance(seq, int) or isinstance(seq, bool):
         raise ProtocolError(f"seq must be an integer, got {seq!r}")
     if not isinstance(specs, list) or len(specs) > MAX_ARRAYS:
@@ -124,9 +125,12 @@ def _array_from_frame(i, spec, frame):
     if len(shape) > MAX_NDIM or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise ProtocolError(f"array {i}: shape {shape!r:.200} must be at most {MAX_NDIM} non-negative integers")
     itemsize = np.dtype(dtype).itemsize
-    expected = itemsize * int(np.prod(shape, dtype=np.int64)) if shape else itemsize
-    if expected > MAX_ARRAY_BYTES:
-        raise ProtocolError(f"array {i}: {dtype}{tuple(shape)} is {expected} bytes, the limit is {MAX_ARRAY_BYTES}")
+    # Python ints, not np.prod: a hostile shape must not wrap around int64 to a small size. numpy
+    # also refuses an empty array whose other dimensions overflow, so those count towards the limit.
+    declared = itemsize * math.prod(d for d in shape if d)
+    if declared > MAX_ARRAY_BYTES:
+        raise ProtocolError(f"array {i}: {dtype}{tuple(shape)} declares {declared} bytes, the limit is {MAX_ARRAY_BYTES}")
+    expected = itemsize * math.prod(shape)
     buf = _frame_bytes(frame)
     if len(buf) != expected:
         raise ProtocolError(f"array {i}: declared {dtype}{tuple(shape)} needs {expected} bytes, the frame has {len(buf)}")

@@ -130,11 +130,15 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra):
     net = Network(specs, cfg.fc_sizes(), engine, rng, cfg.image_shape())
     start_step = 0
     if resume:
-        meta, conv_params, fc_state = checkpoint.load(resume)
+        meta, conv_params, fc_state, skipped = checkpoint.load_newest_valid(resume)
+        for name, reason in skipped:
+            log(f"skipped {name}: {reason}")
         _compatible(meta["config"], cfg)
         net.load_fc_state(fc_state)
         start_step = meta["step"]
         log(f"resumed from {meta['path']} at step {start_step}")
+        metrics.write("resume", path=meta["path"], step=start_step,
+                      skipped=[{"file": name, "reason": reason} for name, reason in skipped])
 
     plan = engine.plan_for(specs, input_shapes, cfg)
     engine.load(plan, specs, conv_params)
@@ -152,7 +156,8 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra):
     def save(step, epoch):
         if not cfg.checkpoint_dir:
             return None
-        path = checkpoint.save(cfg.checkpoint_dir, step, epoch, cfg, engine.gather(), net.fc_state(), engine.plan)
+        path = checkpoint.save(cfg.checkpoint_dir, step, epoch, cfg, engine.gather(), net.fc_state(), engine.plan,
+                               keep=cfg.keep_checkpoints)
         metrics.write("checkpoint", step=step, path=path)
         return path
 

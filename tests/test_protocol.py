@@ -70,6 +70,13 @@ GOOD_FRAME = np.ones(2, np.float32).tobytes()
     ([header(arrays=[["float32"]]), GOOD_FRAME], r"spec must be \[dtype, shape\]"),
     ([header(arrays="float32"), GOOD_FRAME], "'arrays' must be a list"),
     ([b"\x00" * (P.MAX_HEADER_BYTES + 1)], "header is"),
+    # found by tests/test_protocol_fuzz.py: an unhashable op raised TypeError, and a declared
+    # shape whose dimensions overflow int64 (even next to a 0) got past the size check to numpy
+    ([header(op=[], arrays=[])], r"unknown op \[\]"),
+    ([header(op={"a": 1}, arrays=[])], "unknown op"),
+    ([header(arrays=[["float64", [0, 1 << 60]]]), b""], "declares 9223372036854775808 bytes, the limit is"),
+    ([header(arrays=[["float32", [1 << 62, 4]]]), GOOD_FRAME], "the limit is"),
+    ([header(arrays=[["int8", [(1 << 64) - 1]]]), GOOD_FRAME], "the limit is"),
 ])
 def test_malformed_messages_are_refused_with_a_reason(frames, message):
     with pytest.raises(P.ProtocolError, match=message):

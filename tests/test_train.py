@@ -68,6 +68,23 @@ def test_checkpoint_and_resume_continue_exactly(tmp_path):
     assert not [f for f in os.listdir(tmp_path / "part") if f.endswith(".tmp")]
 
 
+def test_resume_skips_a_truncated_newest_checkpoint_and_says_so(tmp_path):
+    ck = tmp_path / "ck"
+    train(Config(**TINY, steps=3, checkpoint_every=1, keep_checkpoints=2, checkpoint_dir=str(ck)).validate(),
+          local_engine(), log=quiet)
+    assert sorted(os.listdir(ck)) == ["ckpt-step0000002.npz", "ckpt-step0000003.npz"]
+    with open(ck / "ckpt-step0000003.npz", "r+b") as f:
+        f.truncate(200)
+    lines = []
+    metrics = tmp_path / "m.jsonl"
+    cfg = Config(**TINY, steps=4, checkpoint_dir=str(ck), metrics=str(metrics)).validate()
+    result = train(cfg, local_engine(), log=lines.append, resume=str(ck))
+    assert result["step"] == 4 and len(result["losses"]) == 2          # resumed at step 2
+    assert any(line.startswith("skipped ckpt-step0000003.npz: truncated") for line in lines)
+    resume = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["event"] == "resume"]
+    assert resume[0]["step"] == 2 and resume[0]["skipped"][0]["file"] == "ckpt-step0000003.npz"
+
+
 def test_resume_refuses_a_different_network(tmp_path):
     train(Config(**TINY, steps=1, checkpoint_dir=str(tmp_path)).validate(), local_engine(), log=quiet)
     other = Config(**{**TINY, "conv": "6,10"}, steps=2).validate()

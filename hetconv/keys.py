@@ -1,0 +1,296 @@
+"""Only workers holding keys are admitted: ZeroMQ CURVE, the Ironhouse pattern.
+
+The coordinator's ROUTER is a CURVE server; a ZAP handler (pyzmq's ThreadAuthenticator) admits
+a worker only if its public key is one of the authorised ones, and every refusal is logged with
+the peer's address. Workers' DEALERs are CURVE clients that know the coordinator's public key, so
+they also know they are talking to the real coordinator. Traffic is encrypted either way.
+
+Key directory, as `hetconv-keygen DIR` writes it (`--worker NAME` adds a worker):
+
+    DIR/coordinator.key_secret        the coordinator's keypair (secret, mode 0600): coordinator host only
+    DIR/coordinator.key               the coordinator's public key
+    DIR/authorized/NAME.key           one public key per admitted worker: the coordinator admits exactly these
+    DIR/workers/NAME/worker.key_secret   worker NAME's keypair (secret, mode 0600)
+    DIR/workers/NAME/worker.key          its public key
+    DIR/workers/NAME/coordinator.key     a copy of the coordinator's public key
+
+The coordinator reads DIR (`--curve DIR`). A worker reads a folder holding worker.key_secret and
+coordinator.key: copy DIR/workers/NAME to the worker's host and pass that folder (`--curve
+DIR/workers/NAME`); on the coordinator's own host `--curve DIR` works too while DIR holds a
+single worker. Revoking a worker is deleting its authorized/NAME.key (read when the coordinator
+starts). The files are zmq certificates (zmq.auth.create_certificates), so czmq tools read them.
+
+Also here: `refuse_open_bind`, which stops an address off loopback from being bound without keys,
+and `set_message_limit`, ZeroMQ's per-socket cap on the size of one received frame.
+"""
+import argparse
+import ipaddress
+import os
+import re
+import shutil
+import sys
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
+
+COORDINATOR = "coordinator"
+WORKER = "worker"
+AUTHORIZED = "authorized"
+WORKERS = "workers"
+DEFAULT_WORKER = "worker1"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class KeyDirError(ValueError):
+    """A key directory or key file that is missing, empty or not what hetconv-keygen writes."""
+
+
+# -- making keys ------------------------------------------------------------------------------
+
+def _private_dir(path):
+    """A folder only its owner can enter: its secret files are never readable by others, even in
+    the moment between being written and being chmod-ed to 0600."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    os.chmod(path, 0o700)
+
+
+def _keypair(directory, name):
+    public, secret = zmq.auth.create_certificates(directory, name)
+    os.chmod(secret, 0o600)
+    return public, secret
+
+
+def make_keys(directory, worker=DEFAULT_WORKER):
+    """The coordinator's keypair and one worker's, laid out as the module docstring says.
+    Refuses a directory that already holds coordinator keys (new keys would lock out every
+    worker holding the old ones). Returns the worker's key folder."""
+    if os.path.exists(os.path.join(directory, f"{COORDINATOR}.key_secret")):
+        raise KeyDirError(f"{directory} already holds coordinator keys: add a worker with "
+                          f"`hetconv-keygen {directory} --worker NAME`, or choose an empty directory")
+    _check_name(worker)
+    _private_dir(directory)
+    _keypair(directory, COORDINATOR)
+    _private_dir(os.path.join(directory, AUTHORIZED))
+    _private_dir(os.path.join(directory, WORKERS))
+    return add_worker(directory, worker)
+
+
+def add_worker(directory, name):
+    """A new worker keypair in DIR/workers/NAME, its public key admitted in DIR/authorized.
+    Returns the worker's key folder."""
+    _check_name(name)
+    coordinator_public, _ = _read_key(os.path.join(directory, f"{COORDINATOR}.key_secret"), secret=True)
+    folder = os.path.join(directory, WORKERS, name)
+    admitted = os.path.join(directory, AUTHORIZED, f"{name}.key")
+    if os.path.exists(folder) or os.path.exists(admitted):
+        raise KeyDirError(f"worker {name!r} already has keys in {directory}: choose another --worker NAME")
+    _private_dir(os.path.join(directory, AUTHORIZED))
+    _private_dir(folder)
+    public, _ = _keypair(folder, WORKER)
+    shutil.copyfile(public, admitted)
+    shutil.copyfile(os.path.join(directory, f"{COORDINATOR}.key"), os.path.join(folder, f"{COORDINATOR}.key"))
+    return folder
+
+
+def ephemeral_keys(directory):
+    """Fresh keys for one run's own workers (`--spawn`): the caller makes `directory` (e.g.
+    tempfile.mkdtemp(), mode 0700) and removes it when the run ends. Every spawned worker uses the
+    same worker keypair. Returns (coordinator key dir, worker key dir)."""
+    return directory, make_keys(directory, worker="spawned")
+
+
+def _check_name(name):
+    if not _NAME_RE.match(name or ""):
+        raise KeyDirError(f"worker name {name!r} must be letters, digits, '_', '.' or '-' (at most 64), "
+                          "starting with a letter or digit")
+
+
+# -- reading keys -----------------------------------------------------------------------------
+
+def _read_key(path, secret):
+    """(public, secret or None) from a zmq certificate file, both checked to be 32-byte keys."""
+    if not os.path.isfile(path):
+        raise KeyDirError(f"missing key file {path}: make keys with `hetconv-keygen DIR`")
+    try:
+        public, secret_key = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as e:
+        raise KeyDirError(f"{path} is not a zmq certificate ({e})") from None
+    for label, key in (("public-key", public), ("secret-key", secret_key if secret else public)):
+        if key is None:
+            raise KeyDirError(f"{path} is not a zmq secret certificate: it has no {label} line")
+        try:
+            ok = len(z85.decode(key)) == 32
+        except Exception:
+            ok = False
+        if not ok:
+            raise KeyDirError(f"{path} is not a zmq certificate: its {label} is not a 40-character Z85 key")
+    return public, secret_key
+
+
+def _check_dir(keydir):
+    if not keydir or not os.path.isdir(keydir):
+        raise KeyDirError(f"no key directory {keydir!r}: make one with `hetconv-keygen DIR`")
+    if not os.listdir(keydir):
+        raise KeyDirError(f"key directory {keydir} is empty: make keys in it with `hetconv-keygen {keydir}`")
+
+
+def coordinator_keys(keydir):
+    """-> (public, secret, authorised folder) for the coordinator, every file checked."""
+    _check_dir(keydir)
+    public, secret = _read_key(os.path.join(keydir, f"{COORDINATOR}.key_secret"), secret=True)
+    authorized = os.path.join(keydir, AUTHORIZED)
+    keys = sorted(n for n in os.listdir(authorized) if n.endswith(".key")) if os.path.isdir(authorized) else []
+    if not keys:
+        raise KeyDirError(f"{authorized} holds no worker public keys (NAME.key), so no worker could join: "
+                          f"add one with `hetconv-keygen {keydir} --worker NAME`")
+    for name in keys:
+        _read_key(os.path.join(authorized, name), secret=False)
+    return public, secret, authorized
+
+
+def worker_keys(keydir):
+    """-> (public, secret, coordinator's public) for a worker. `keydir` is a worker's folder, or a
+    whole DIR from hetconv-keygen that holds exactly one worker."""
+    _check_dir(keydir)
+    if not os.path.exists(os.path.join(keydir, f"{WORKER}.key_secret")):
+        workers = os.path.join(keydir, WORKERS)
+        names = sorted(os.listdir(workers)) if os.path.isdir(workers) else []
+        if len(names) == 1:
+            keydir = os.path.join(workers, names[0])
+        elif len(names) > 1:
+            raise KeyDirError(f"{keydir} holds keys for workers {', '.join(names)}: pass one worker's folder, "
+                              f"e.g. --curve {os.path.join(workers, names[0])}")
+    public, secret = _read_key(os.path.join(keydir, f"{WORKER}.key_secret"), secret=True)
+    server_public, _ = _read_key(os.path.join(keydir, f"{COORDINATOR}.key"), secret=False)
+    return public, secret, server_public
+
+
+# -- sockets ----------------------------------------------------------------------------------
+
+class LoggingAuthenticator(ThreadAuthenticator):
+    """ZAP handler that reports each refused connection, with the peer's address, through `log`
+    (pyzmq only logs refusals at debug level, with no address next to the reason)."""
+
+    def __init__(self, context, log):
+        super().__init__(context)
+        self._report = log
+        self._peer = "unknown address"
+        self.refused = 0
+
+    def handle_zap_message(self, msg):
+        # ZAP request frames: version, request id, domain, address, identity, mechanism, credentials
+        if len(msg) > 3:
+            self._peer = msg[3].decode("utf-8", "replace") or "unknown address"
+        return super().handle_zap_message(msg)      # a coroutine on pyzmq >= 25: the caller awaits it
+
+    def _send_zap_reply(self, request_id, status_code, status_text, user_id="anonymous"):
+        if status_code != b"200":
+            self.refused += 1
+            self._report(f"refused a connection from {self._peer}: "
+                         f"{status_text.decode('utf-8', 'replace')} (its key is not an authorised worker's)")
+        super()._send_zap_reply(request_id, status_code, status_text, user_id)
+
+
+def serve_curve(ctx, sock, keydir, log=print):
+    """Make `sock` (the coordinator's ROUTER, not yet bound) a CURVE server that admits only the
+    worker keys in keydir/authorized, and start the ZAP handler that checks them on `ctx` (one per
+    context). Call before bind: a connection accepted before the handler runs would skip the check.
+    `log` is called from the authenticator's thread, once per refused connection. Returns the
+    authenticator; call its .stop() before terminating the context."""
+    public, secret, authorized = coordinator_keys(keydir)
+    auth = LoggingAuthenticator(ctx, log)
+    auth.start()
+    try:
+        auth.configure_curve(domain="*", location=authorized)
+        sock.curve_secretkey = secret
+        sock.curve_publickey = public
+        sock.curve_server = True
+    except BaseException:
+        auth.stop()
+        raise
+    return auth
+
+
+def connect_curve(sock, keydir):
+    """Make `sock` (a worker's DEALER, not yet connected) a CURVE client with the worker's keypair
+    that only talks to the coordinator holding the matching secret key. Call before connect."""
+    public, secret, server_public = worker_keys(keydir)
+    sock.curve_secretkey = secret
+    sock.curve_publickey = public
+    sock.curve_serverkey = server_public
+
+
+def set_message_limit(sock, nbytes):
+    """Cap one received frame at `nbytes` (ZMQ_MAXMSGSIZE): a peer that sends a bigger one is
+    disconnected and the frame is never delivered, so a bad peer cannot make this process
+    allocate without bound. Set it before bind/connect; the limit applies per frame."""
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 1:
+        raise ValueError(f"message limit must be a positive number of bytes, got {nbytes!r}")
+    sock.setsockopt(zmq.MAXMSGSIZE, nbytes)
+
+
+def is_loopback(address):
+    """True for addresses only this host can reach: ipc://, inproc://, tcp on 127.0.0.0/8, ::1 or
+    localhost. Anything else (0.0.0.0, *, a host name, an interface name) counts as open."""
+    scheme, sep, rest = address.partition("://")
+    if not sep:
+        return False
+    if scheme in ("ipc", "inproc"):
+        return True
+    if scheme != "tcp":
+        return False
+    host = rest.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def refuse_open_bind(address, curve_dir, insecure):
+    """Raise ValueError when `address` is reachable from other hosts and no keys were given:
+    anyone reaching it could join as a worker and receive the training data and weights."""
+    if curve_dir or insecure or is_loopback(address):
+        return
+    raise ValueError(f"refusing to bind {address} without keys: any host that reaches it could join as a "
+                     "worker and receive the training data and weights. Make keys with `hetconv-keygen DIR`, "
+                     "then pass `--curve DIR` to the coordinator and every worker; or pass --insecure to bind "
+                     "it open anyway")
+
+
+# -- command line -----------------------------------------------------------------------------
+
+def main(argv=None):
+    layout = __doc__[__doc__.index("Key directory"):__doc__.index("Also here")].rstrip()
+    p = argparse.ArgumentParser(
+        prog="hetconv-keygen", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Make CURVE keys so that only your workers can join a coordinator that listens off "
+                    "loopback.\n\n" + layout,
+        epilog="example: hetconv-keygen keys && hetconv-keygen keys --worker gpu-box\n"
+               "then: hetconv-coordinator --bind tcp://0.0.0.0:5555 --curve keys ...\n"
+               "      hetconv-worker --connect tcp://HOST:5555 --curve keys/workers/gpu-box ...")
+    p.add_argument("dir", help="the key directory (made if missing)")
+    p.add_argument("--worker", metavar="NAME",
+                   help="add a keypair for worker NAME to an existing DIR (without it: make DIR's coordinator "
+                        f"keys and a first worker, {DEFAULT_WORKER!r})")
+    args = p.parse_args(argv)
+    try:
+        if args.worker:
+            if not os.path.isdir(args.dir):
+                raise KeyDirError(f"no key directory {args.dir}: make it first with `hetconv-keygen {args.dir}`")
+            folder = add_worker(args.dir, args.worker)
+        else:
+            folder = make_keys(args.dir)
+    except (KeyDirError, OSError) as e:
+        print(f"hetconv-keygen: {e}", file=sys.stderr)
+        return 2
+    print(f"worker keys in {folder}: copy that folder to the worker's host and pass --curve {folder}; "
+          f"the coordinator takes --curve {args.dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""Checkpoints: the last K kept, checksummed, and resume takes the newest valid one."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from hetconv import checkpoint
+from hetconv.config import Config
+
+
+def params(step):
+    """Tiny conv and FC layers whose values say which step they were saved at."""
+    rng = np.random.default_rng(step)
+    conv = [tuple(rng.standard_normal(s).astype(np.float32) + step for s in ((4, 3, 3, 3), (4,), (4, 3, 3, 3), (4,)))]
+    fc = [tuple(rng.standard_normal(s).astype(np.float32) for s in ((10, 8), (10,), (10, 8), (10,)))]
+    return conv, fc
+
+
+def save(directory, step, keep=3):
+    conv, fc = params(step)
+    return checkpoint.save(str(directory), step, 0, Config(), conv, fc, keep=keep)
+
+
+def names(directory):
+    return sorted(os.listdir(directory))
+
+
+def rewrite(path, change_arrays=None, change_meta=None):
+    """Write `path` again as a well-formed npz (so zip CRCs pass) with an array or the meta changed
+    but the stored digest kept: what silent corruption or tampering looks like to the checksum."""
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {name: z[name].copy() for name in z.files}
+    meta = json.loads(bytes(arrays["meta"]).decode())
+    if change_arrays:
+        change_arrays(arrays)
+    if change_meta:
+        change_meta(meta)
+    arrays["meta"] = np.frombuffer(json.dumps(meta, sort_keys=True).encode(), dtype=np.uint8)
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
+
+
+def test_round_trip_returns_what_was_saved(tmp_path):
+    path = save(tmp_path, 5)
+    meta, conv, fc = checkpoint.load(path)
+    assert meta["step"] == 5 and meta["format"] == checkpoint.FORMAT and meta["path"] == path
+    for got, want in zip(conv + fc, sum(params(5), [])):
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+
+
+def test_keep_k_deletes_the_oldest_after_saving(tmp_path):
+    for step in (10, 20, 30):
+        save(tmp_path, step, keep=3)
+    assert names(tmp_path) == ["ckpt-step0000010.npz", "ckpt-step0000020.npz", "ckpt-step0000030.npz"]
+    save(tmp_path, 40, keep=3)
+    assert names(tmp_path) == ["ckpt-step0000020.npz", "ckpt-step0000030.npz", "ckpt-step0000040.npz"]
+    save(tmp_path, 50, keep=1)
+    assert names(tmp_path) == ["ckpt-step0000050.npz"]
+
+
+def test_keep_k_never_deletes_the_checkpoint_just_written(tmp_path):
+    for step in (40, 50):
+        save(tmp_path, step, keep=2)
+    save(tmp_path, 31, keep=2)              # a resume from an earlier file writes into the same dir
+    assert names(tmp_path) == ["ckpt-step0000031.npz", "ckpt-step0000050.npz"]
+
+
+def test_a_failed_save_deletes_nothing(tmp_path, monkeypatch):
+    for step in (10, 20):
+        save(tmp_path, step, keep=2)
+
+    def disk_full(*_, **__):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(np, "savez", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        save(tmp_path, 30, keep=2)
+    assert names(tmp_path) == ["ckpt-step0000010.npz", "ckpt-step0000020.npz"]
+
+
+def test_truncated_newest_falls_back_to_the_previous_and_says_so(tmp_path):
+    save(tmp_path, 30)
+    newest = save(tmp_path, 40)
+    size = os.path.getsize(newest)
+    with open(newest, "r+b") as f:
+        f.truncate(size // 2)
+    meta, conv, _, skipped = checkpoint.load_newest_valid(str(tmp_path))
+    assert meta["step"] == 30
+    np.testing.assert_array_equal(conv[0][0], params(30)[0][0][0])
+    assert len(skipped) == 1 and skipped[0][0] == "ckpt-step0000040.npz"
+    assert "truncated" in skipped[0][1] and "BadZipFile" in skipped[0][1]
+
+
+def test_a_bad_file_given_directly_is_an_error_naming_it(tmp_path):
+    save(tmp_path, 30)
+    newest = save(tmp_path, 40)
+    with open(newest, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(checkpoint.CheckpointError, match=r"ckpt-step0000040\.npz: truncated"):
+        checkpoint.load_newest_valid(newest)
+
+
+def test_a_flipped_byte_in_an_array_is_caught_by_the_checksum(tmp_path):
+    save(tmp_path, 30)
+    newest = save(tmp_path, 40)
+
+    def flip(arrays):
+        raw = arrays["conv0.vw"].view(np.uint8).reshape(-1)
+        raw[7] ^= 0x10
+    rewrite(newest, change_arrays=flip)
+    with pytest.raises(checkpoint.CheckpointError, match=r"ckpt-step0000040\.npz: checksum mismatch"):
+        checkpoint.load(newest)
+    meta, _, _, skipped = checkpoint.load_newest_valid(str(tmp_path))
+    assert meta["step"] == 30 and skipped == [("ckpt-step0000040.npz", skipped[0][1])]
+    assert "checksum mismatch" in skipped[0][1]
+
+
+@pytest.mark.parametrize("change", [
+    lambda meta: meta.update(step=41),                          # the metadata is covered too
+    lambda meta: meta["config"].update(lr=0.5),
+])
+def test_changed_metadata_is_caught_by_the_checksum(tmp_path, change):
+    path = save(tmp_path, 40)
+    rewrite(path, change_meta=change)
+    with pytest.raises(checkpoint.CheckpointError, match="checksum mismatch"):
+        checkpoint.load(path)
+
+
+def test_a_raw_flipped_byte_in_array_data_is_never_loaded(tmp_path):
+    # in the file itself the zip's CRC or the sha256 catches it: either way it is refused
+    path = save(tmp_path, 40)
+    data = open(path, "rb").read()
+    start = data.find(params(40)[0][0][0].tobytes())
+    assert start > 0
+    for offset in (start, start + 17, start + 4 * 4 * 27 - 1):
+        flipped = bytearray(data)
+        flipped[offset] ^= 0x01
+        open(path, "wb").write(bytes(flipped))
+        with pytest.raises(checkpoint.CheckpointError, match="ckpt-step0000040.npz"):
+            checkpoint.load(path)
+
+
+def test_an_all_bad_directory_is_a_clear_error_listing_each_file(tmp_path):
+    for step in (10, 20):
+        with open(save(tmp_path, step), "r+b") as f:
+            f.truncate(50)
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"no valid checkpoint among 2: ckpt-step0000020\.npz: truncated.*; "
+                             r"ckpt-step0000010\.npz: truncated"):
+        checkpoint.load_newest_valid(str(tmp_path))
+
+
+def test_an_old_format_file_without_a_checksum_is_refused(tmp_path):
+    path = save(tmp_path, 40)
+
+    def as_format_1(meta):
+        meta["format"] = 1
+        del meta["sha256"]
+    rewrite(path, change_meta=as_format_1)
+    with pytest.raises(checkpoint.CheckpointError, match="checkpoint format 1, expected 2 .*has no checksum"):
+        checkpoint.load(path)
+
+
+def test_a_partial_temp_file_from_a_killed_save_is_ignored_and_cleaned_up(tmp_path):
+    save(tmp_path, 30)
+    good = open(save(tmp_path, 40), "rb").read()
+    # a kill mid-write leaves the temporary file, half written, and never renames it
+    partial = tmp_path / ".ckpt-abc123.npz.tmp"
+    partial.write_bytes(good[:len(good) // 2])
+    assert checkpoint.latest(str(tmp_path)).endswith("ckpt-step0000040.npz")
+    meta, _, _, skipped = checkpoint.load_newest_valid(str(tmp_path))
+    assert meta["step"] == 40 and skipped == []
+    save(tmp_path, 50)
+    assert not partial.exists()
+    assert not [n for n in names(tmp_path) if n.endswith(".tmp")]
+
+
+def test_keep_checkpoints_is_range_checked():
+    with pytest.raises(ValueError, match="--keep-checkpoints must be >= 1, got 0"):
+        Config(keep_checkpoints=0).validate()
