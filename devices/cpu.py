@@ -231,6 +231,10 @@ class CpuDevice(Device):
         ho, wo = conv_output_hw(h, wd, kh, kw, padding)
         ckk = c * kh * kw
         step = max(1, min(n, self.im2col_budget_bytes // max(1, ho * wo * ckk * 4)))
+        # equal chunks (conv2 at N=32: 11+11+10 images, not 13+13+6): a short last chunk runs
+        # thin GEMMs, which cost most where a worker holds few kernels
+        pieces = (n + step - 1) // step
+        step = (n + pieces - 1) // pieces
         chunks = [(n0, min(n, n0 + step)) for n0 in range(0, n, step)]
         return (kh, kw, ho, wo), w.reshape(k, ckk), chunks, self._scratch("cols", (step * ho * wo, ckk))
 
