@@ -53,6 +53,28 @@ def cpu_model():
     return f"{name}, {cores} cores" + (f", {simd}" if simd else "")
 
 
+ISA_FLAGS = ("avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile")
+
+
+def cpu_isa_flags():
+    """The SIMD flags of /proc/cpuinfo that decide which BLAS and oneDNN kernels run."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    present = set(line.partition(":")[2].split())
+                    return [flag for flag in ISA_FLAGS if flag in present]
+    except OSError:
+        pass
+    return []
+
+
+def relative_path(path):
+    """`path` relative to the repository root (the parent of bench/), for results files."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.relpath(os.path.abspath(path), root)
+
+
 def blas_info():
     """One line per BLAS library loaded, from threadpoolctl (the kernel OpenBLAS actually picked)."""
     from threadpoolctl import threadpool_info
@@ -115,7 +137,8 @@ def markdown_table(headers, rows):
 
 
 def write_results(out_dir, stem, rows, markdown):
-    """OUT/<stem>.json (the list of rows) and OUT/<stem>.md; returns both paths."""
+    """OUT/<stem>.json (the rows: a list, or an object holding them with the run's facts) and
+    OUT/<stem>.md; returns both paths."""
     os.makedirs(out_dir, exist_ok=True)
     json_path, md_path = os.path.join(out_dir, f"{stem}.json"), os.path.join(out_dir, f"{stem}.md")
     for path, text in ((json_path, json.dumps(rows, indent=1) + "\n"), (md_path, markdown + "\n")):

@@ -1,6 +1,7 @@
 """Conv kernels: hetconv's devices against PyTorch on the paper's two conv layers.
 
     python bench/conv.py [--quick] [--device cpu|cuda:0] [--out DIR]
+    python bench/conv.py --share-scaling [--share 375] [--threads 1] [--batches 32]
 
 What it measures, per layer, batch N and thread count T (CPU) or per layer and N (CUDA):
 - hetconv plain: the contract, conv2d then conv2d_backward (dx only where a layer below needs it:
@@ -17,6 +18,13 @@ one burn-in step per case, then rounds that alternate hetconv and torch (a share
 both alike) until a time budget is spent; the median is reported, the min and all samples are in
 the JSON. FLOPs: forward 2*N*K*C*kh*kw*Ho*Wo; backward 2x that with dx (dW and dX), 1x without.
 Results: a markdown table on stdout, OUT/conv.json (a list of rows) and OUT/conv.md.
+
+--share-scaling asks whether a CPU worker's time is proportional to the kernels it holds: conv2's
+fused step with dx (what a worker runs) at a share of the kernels (w[:share]) against the full
+1500, hetconv and torch alternating in one run, one thread and N=32 by default. The ratio is the
+median over rounds of t(share) / t(full) within each round (ideal share/1500 = 0.25); the full
+layer's hetconv / torch ratio sits beside it. Results: OUT/conv_share_scaling.json (rows plus the
+command, machine, BLAS, load during the run and wall time) and OUT/conv_share_scaling.md.
 """
 import argparse
 import os
@@ -54,14 +62,27 @@ def parse_args():
     p.add_argument("--threads", default=None, help="comma list of CPU threads; default 1,2")
     p.add_argument("--budget", type=float, default=None, help="seconds of timing per (layer, N, T)")
     p.add_argument("--keep-blas-env", action="store_true", help="do not drop OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE")
+    p.add_argument("--share-scaling", action="store_true",
+                   help="conv2 fused fwd+bwd at --share kernels over the full layer (CPU; default T=1, N=32)")
+    p.add_argument("--share", type=int, default=375, help="kernels a worker holds in --share-scaling")
     args = p.parse_args()
+    if args.share_scaling:
+        if args.device != "cpu":
+            p.error("--share-scaling measures the CPU device")
+        if not 1 <= args.share <= LAYERS["conv2"]["w"][0]:
+            p.error(f"--share must be 1..{LAYERS['conv2']['w'][0]}, got {args.share}")
+        args.layers = "conv2"
+        args.batches = args.batches or "32"
+        args.threads = args.threads or "1"
+        if args.budget is None:
+            args.budget = 40.0
     args.layers = args.layers.split(",")
     unknown = [name for name in args.layers if name not in LAYERS]
     if unknown:
         p.error(f"unknown layers {unknown!r}; known: {sorted(LAYERS)!r}")
     args.batches = [int(v) for v in (args.batches or ("32" if args.quick else "32,128")).split(",")]
     args.threads = [int(v) for v in (args.threads or "1,2").split(",")]
-    args.min_reps, args.max_reps = (2, 3) if args.quick else (3, 7)
+    args.min_reps, args.max_reps = (2, 3) if args.quick else (5, 9) if args.share_scaling else (3, 7)
     if args.budget is None:
         args.budget = 5.0 if args.quick else 30.0
     return args
@@ -162,6 +183,16 @@ def timed(step):
     return run
 
 
+def share_inputs(layer, n, kernels, seed=0):
+    """make_inputs with only the first `kernels` kernels: what a worker holding them gets."""
+    data = make_inputs(layer, n, seed)
+    for name in ("w", "b"):
+        data[name] = np.ascontiguousarray(data[name][:kernels])
+    for name in ("dy", "dpooled"):
+        data[name] = np.ascontiguousarray(data[name][:, :kernels])
+    return data
+
+
 # ---- correctness first -------------------------------------------------------------------------
 def check_against_torch(dev, torch, layers):
     """Every output and gradient of both hetconv forms against torch CPU on a small batch."""
@@ -209,6 +240,90 @@ def gpu_peak_flops(gpu_name):
     return None, "unknown GPU: no peak"
 
 
+# ---- share scaling ---------------------------------------------------------------------------
+def share_scaling(args, torch, header, open_device):
+    """conv2 fused fwd+bwd at args.share kernels and at all of them, hetconv and torch, alternating."""
+    layer, started = "conv2", time.time()
+    full = LAYERS[layer]["w"][0]
+    check_dev = open_device("cpu", threads=max(args.threads))
+    check_against_torch(check_dev, torch, [layer])
+    del check_dev
+    loads = [os.getloadavg()[0]]
+
+    def sampling_load(step):
+        def run():
+            result = step()
+            loads.append(os.getloadavg()[0])
+            return result
+        return run
+
+    rows, summary = [], []
+    for threads in args.threads:
+        dev = open_device("cpu", threads=threads)
+        torch.set_num_threads(threads)
+        print(f"timing {dev.describe()} vs torch with {torch.get_num_threads()} threads", flush=True)
+        for n in args.batches:
+            cases = {}
+            for kernels in (args.share, full):
+                data = share_inputs(layer, n, kernels)
+                cases[("hetconv", kernels)] = sampling_load(timed(hetconv_steps(dev, data, True)["fused"]))
+                cases[("torch", kernels)] = sampling_load(timed(torch_steps(torch, "cpu", data, True)["fused"]))
+            samples = _common.time_interleaved(cases, args.min_reps, args.max_reps, args.budget)
+            stats = {case: _common.summarize(samples[case]["fwd+bwd"]) for case in cases}
+
+            def per_round(num, den):
+                """median over rounds of num/den, both timed in the same round"""
+                a, b = samples[num]["fwd+bwd"], samples[den]["fwd+bwd"]
+                return float(np.median([x / y for x, y in zip(a, b)]))
+
+            for who in ("hetconv", "torch"):
+                rows.append({"who": who, "layer": layer, "N": n, "threads": threads, "form": "fused",
+                             "phase": "fwd+bwd", "need_dx": True, "share": args.share, "full": full,
+                             "share_ms": stats[(who, args.share)], "full_ms": stats[(who, full)],
+                             "share_ratio": per_round((who, args.share), (who, full)),
+                             "share_ratio_of_medians": stats[(who, args.share)]["median_ms"] / stats[(who, full)]["median_ms"],
+                             "share_ratio_of_mins": stats[(who, args.share)]["min_ms"] / stats[(who, full)]["min_ms"],
+                             "ideal": args.share / full})
+            vs_torch = {"full_vs_torch": per_round(("hetconv", full), ("torch", full)),
+                        "full_vs_torch_of_mins": stats[("hetconv", full)]["min_ms"] / stats[("torch", full)]["min_ms"],
+                        "share_vs_torch": per_round(("hetconv", args.share), ("torch", args.share))}
+            rows[-2].update(vs_torch)
+            summary.append((threads, n, rows[-2], rows[-1]))
+            print(f"  N={n} T={threads}: hetconv {rows[-2]['share_ratio']:.3f} of full at {args.share}/{full} "
+                  f"(torch {rows[-1]['share_ratio']:.3f}); full layer hetconv/torch {vs_torch['full_vs_torch']:.2f}", flush=True)
+        del dev
+
+    wall_s = time.time() - started
+    load = {"start": loads[0], "max": max(loads), "mean": float(np.mean(loads)), "end": os.getloadavg()[0],
+            "samples": len(loads)}
+    headers = ["N", "T", "kernels", "hetconv ms", f"hetconv t({args.share})/t({full})", "torch ms",
+               f"torch t({args.share})/t({full})", "hetconv/torch"]
+    table = []
+    for threads, n, ours, theirs in summary:
+        for kernels, key in ((args.share, "share_ms"), (full, "full_ms")):
+            table.append([n, threads, kernels, fmt(ours[key]["median_ms"]),
+                          f"{ours['share_ratio']:.3f}" if kernels == args.share else "-",
+                          fmt(theirs[key]["median_ms"]),
+                          f"{theirs['share_ratio']:.3f}" if kernels == args.share else "-",
+                          f"{ours['share_vs_torch' if kernels == args.share else 'full_vs_torch']:.2f}"])
+    md = _common.markdown_table(headers, table)
+    print("\n" + md)
+    load_line = (f"1-minute load average during the run: {load['start']:.2f} at start, mean {load['mean']:.2f}, "
+                 f"max {load['max']:.2f} ({load['samples']} samples), {load['end']:.2f} at end; wall time {wall_s:.0f} s")
+    notes = ["", load_line + ". Layer conv2 (x (N,500,14,14), w (K,500,5,5)), fused conv+bias+ReLU+2x2 max-pool, "
+             "forward and backward with dx. ms = median of the timed runs. t(share)/t(full) = median over rounds of "
+             f"the ratio within each round (ideal {args.share / full:.3f}); hetconv/torch = the same for hetconv "
+             "against torch at that kernel count (<= 1.00: hetconv at least as fast)."]
+    result = {"command": header[0].partition(": ")[2], "machine": _common.cpu_model(), "isa": _common.cpu_isa_flags(),
+              "blas": _common.blas_info(), "blas_env": BLAS_ENV_NOTE, "torch": _common.torch_info(torch),
+              "out": _common.relative_path(args.out), "load_average_1min": load, "wall_s": wall_s,
+              "timing": {"budget_s": args.budget, "min_reps": args.min_reps, "max_reps": args.max_reps}, "rows": rows}
+    json_path, md_path = _common.write_results(
+        args.out, "conv_share_scaling", result,
+        "\n".join(f"- {h}" for h in header) + f"\n- ISA: {' '.join(result['isa'])}\n\n" + md + "\n".join(notes))
+    print(f"\nwrote {_common.relative_path(json_path)} and {_common.relative_path(md_path)}")
+
+
 # ---- main ---------------------------------------------------------------------------------------
 def fmt(v, digits=1):
     return "-" if v is None else f"{v:.{digits}f}"
@@ -233,6 +348,8 @@ def main():
               *(f"BLAS: {line}" for line in _common.blas_info()),
               *_common.torch_info(torch)]
     print("\n".join(header), flush=True)
+    if args.share_scaling:
+        return share_scaling(args, torch, header, open_device)
 
     peak, peak_note = None, ""
     if is_cuda:

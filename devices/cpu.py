@@ -9,8 +9,14 @@ Design, and what it costs:
   paper's conv2 at batch 128 would otherwise need a 640 MB im2col.
 - The fused forward (conv + bias + ReLU + 2x2 max-pool) keeps only the layer input and an int8
   argmax per pooled value for backward (-1 where the ReLU is off): 1 byte per pooled output
-  instead of the 16 bytes of the pre-pool activation. Backward recomputes im2col from the
-  saved input, which costs a memory pass but no FLOPs worth counting next to the GEMMs.
+  instead of the 16 bytes of the pre-pool activation.
+- im2col, col2im and the pool kernels cost the same whatever K is: they are what keeps a worker
+  holding a quarter of the kernels from taking a quarter of the time. So the fused forward keeps
+  its im2col for backward when the whole layer's fits `saved_cols_budget_bytes` (default 256 MB;
+  the paper's conv2 at batch 32 needs 160 MB), instead of recomputing it: on conv2 at 375 of
+  1500 kernels that pass was ~5% of the step. The buffer comes back to a pool after backward,
+  so steady state pays no allocation or page faults; a forward whose backward never runs leaves
+  its buffer to the garbage collector. Over the budget, backward recomputes im2col per chunk.
 - Work buffers (im2col, Y/dY, partial dW) are kept between calls; what is returned is always
   freshly allocated, because a returned array may still be in flight on the wire.
 - `threads` caps both Numba's and BLAS's threads, so that several workers on one host can be
@@ -29,6 +35,7 @@ from hetconv.geometry import conv_output_hw
 from hetconv.params import sgd_update
 
 DEFAULT_IM2COL_BUDGET_BYTES = 64 << 20
+DEFAULT_SAVED_COLS_BUDGET_BYTES = 256 << 20
 
 _jit = numba.njit(parallel=True, nogil=True, cache=True)
 
@@ -151,18 +158,21 @@ def _add_row_sums(a, out):
 
 
 class _PoolContext:
-    """What the fused backward needs: the layer input and the pooling argmax (int8)."""
+    """What the fused backward needs: the layer input, the pooling argmax (int8) and, when it fit
+    the budget, the forward's im2col of the whole batch (flat; None otherwise)."""
 
-    def __init__(self, x, argmax, padding, w_shape):
+    def __init__(self, x, argmax, padding, w_shape, cols=None):
         self.x = x
         self.argmax = argmax
         self.padding = padding
         self.w_shape = w_shape
         self.pooled_shape = argmax.shape
+        self.cols = cols
 
 
 class CpuDevice(Device):
-    def __init__(self, threads=None, im2col_budget_bytes=DEFAULT_IM2COL_BUDGET_BYTES):
+    def __init__(self, threads=None, im2col_budget_bytes=DEFAULT_IM2COL_BUDGET_BYTES,
+                 saved_cols_budget_bytes=DEFAULT_SAVED_COLS_BUDGET_BYTES):
         available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         if threads is None:
             threads = available
@@ -174,8 +184,30 @@ class CpuDevice(Device):
         # that another worker on this host was given.
         self._blas_limit = threadpool_limits(limits=self.threads, user_api="blas")
         self.im2col_budget_bytes = int(im2col_budget_bytes)
+        self.saved_cols_budget_bytes = int(saved_cols_budget_bytes)
         self.name = "cpu"
         self._scratch_buffers = {}
+        self._saved_cols_pool = []      # flat float32 buffers handed back by backward
+
+    def _take_saved_cols(self, size):
+        """A flat float32 buffer of at least `size` for a forward's im2col: the smallest pooled
+        one that fits, else a new one."""
+        fits = [b for b in self._saved_cols_pool if b.size >= size]
+        if not fits:
+            return np.empty(size, np.float32)
+        best = min(fits, key=lambda b: b.size)
+        self._saved_cols_pool = [b for b in self._saved_cols_pool if b is not best]
+        return best
+
+    def _give_back_saved_cols(self, buf):
+        """Pool a buffer, keeping at most the budget's worth (the largest ones) in the pool."""
+        pool = sorted(self._saved_cols_pool + [buf], key=lambda b: b.size, reverse=True)
+        kept, total = [], 0
+        for b in pool:
+            if total + b.nbytes <= self.saved_cols_budget_bytes:
+                kept.append(b)
+                total += b.nbytes
+        self._saved_cols_pool = kept
 
     def _scratch(self, name, shape):
         """A float32 work buffer kept between calls and grown when needed: allocating and first-
@@ -199,17 +231,27 @@ class CpuDevice(Device):
         ho, wo = conv_output_hw(h, wd, kh, kw, padding)
         ckk = c * kh * kw
         step = max(1, min(n, self.im2col_budget_bytes // max(1, ho * wo * ckk * 4)))
+        # equal chunks (conv2 at N=32: 11+11+10 images, not 13+13+6): a short last chunk runs
+        # thin GEMMs, which cost most where a worker holds few kernels
+        pieces = (n + step - 1) // step
+        step = (n + pieces - 1) // pieces
         chunks = [(n0, min(n, n0 + step)) for n0 in range(0, n, step)]
         return (kh, kw, ho, wo), w.reshape(k, ckk), chunks, self._scratch("cols", (step * ho * wo, ckk))
 
     # ---- forward -----------------------------------------------------------------------------
-    def _forward_chunks(self, x, w, padding, consume):
-        """Run Y (K, P) = W @ im2col(chunk).T per chunk and hand each Y to `consume(n0, n1, y)`."""
+    def _forward_chunks(self, x, w, padding, consume, saved_cols=None):
+        """Run Y (K, P) = W @ im2col(chunk).T per chunk and hand each Y to `consume(n0, n1, y)`.
+        With `saved_cols` (flat, the whole batch's size) im2col goes there, kept for backward."""
         (kh, kw, ho, wo), w2, chunks, cols_buf = self._chunk_plan(x, w, padding)
+        ckk = w2.shape[1]
         y_buf = self._scratch("y", (w.shape[0], cols_buf.shape[0]))
         for n0, n1 in chunks:
             rows = (n1 - n0) * ho * wo
-            cols, y = cols_buf[:rows], y_buf[:, :rows]
+            if saved_cols is None:
+                cols = cols_buf[:rows]
+            else:
+                cols = saved_cols[n0 * ho * wo * ckk:n1 * ho * wo * ckk].reshape(rows, ckk)
+            y = y_buf[:, :rows]
             _im2col(x, n0, n1, kh, kw, padding, ho, wo, cols)
             np.matmul(w2, cols.T, out=y)        # the FLOPs: (K, ckk) x (ckk, rows) in sgemm
             consume(n0, n1, y)
@@ -235,13 +277,18 @@ class CpuDevice(Device):
         ho, wo = conv_output_hw(h, wd, kh, kw, padding)
         out = np.empty((n, k, ho // 2, wo // 2), np.float32)
         argmax = np.empty(out.shape, np.int8)
+        cols_size = n * ho * wo * c * kh * kw
+        saved_cols = self._take_saved_cols(cols_size) if cols_size * 4 <= self.saved_cols_budget_bytes else None
         self._forward_chunks(x, w, padding,
-                             lambda n0, n1, y: _bias_relu_pool(y, b, n0, n1, ho, wo, out, argmax))
-        return out, _PoolContext(x, argmax, padding, w.shape)
+                             lambda n0, n1, y: _bias_relu_pool(y, b, n0, n1, ho, wo, out, argmax),
+                             saved_cols=saved_cols)
+        return out, _PoolContext(x, argmax, padding, w.shape, cols=saved_cols)
 
     # ---- backward ----------------------------------------------------------------------------
-    def _backward_chunks(self, x, w, padding, need_dx, fill_dy):
-        """dW, db, dx from per-chunk dY (K, P) produced by `fill_dy(n0, n1, dy_out)`."""
+    def _backward_chunks(self, x, w, padding, need_dx, fill_dy, saved_cols=None):
+        """dW, db, dx from per-chunk dY (K, P) produced by `fill_dy(n0, n1, dy_out)`. With
+        `saved_cols` (the forward's im2col of the whole batch) no im2col runs, and dcols
+        overwrites it chunk by chunk."""
         (kh, kw, ho, wo), w2, chunks, cols_buf = self._chunk_plan(x, w, padding)
         k, ckk = w2.shape
         dy_buf = self._scratch("y", (k, cols_buf.shape[0]))
@@ -250,10 +297,14 @@ class CpuDevice(Device):
         dx = np.empty(x.shape, np.float32) if need_dx else None    # every image written by _col2im
         for i, (n0, n1) in enumerate(chunks):
             rows = (n1 - n0) * ho * wo
-            cols, dy = cols_buf[:rows], dy_buf[:, :rows]
+            dy = dy_buf[:, :rows]
             fill_dy(n0, n1, dy)
             _add_row_sums(dy, db)
-            _im2col(x, n0, n1, kh, kw, padding, ho, wo, cols)
+            if saved_cols is None:
+                cols = cols_buf[:rows]
+                _im2col(x, n0, n1, kh, kw, padding, ho, wo, cols)
+            else:
+                cols = saved_cols[n0 * ho * wo * ckk:n1 * ho * wo * ckk].reshape(rows, ckk)
             if i == 0:
                 np.matmul(dy, cols, out=dw)             # (K, rows) x (rows, ckk)
             else:
@@ -261,7 +312,7 @@ class CpuDevice(Device):
                 np.matmul(dy, cols, out=dw_part)
                 _add_into(dw, dw_part)
             if need_dx:
-                np.matmul(dy.T, w2, out=cols)           # dcols reuses the im2col buffer
+                np.matmul(dy.T, w2, out=cols)           # dcols overwrites this chunk's im2col
                 _col2im(cols, n0, n1, kh, kw, padding, ho, wo, dx)
         return dx, dw.reshape(w.shape), db.astype(np.float32)
 
@@ -279,9 +330,13 @@ class CpuDevice(Device):
             raise ValueError(f"weights changed shape since forward, {w.shape!r} != {ctx.w_shape!r}")
         x = ctx.x
         ho, wo = conv_output_hw(x.shape[2], x.shape[3], w.shape[2], w.shape[3], ctx.padding)
-        return self._backward_chunks(
+        saved_cols, ctx.cols = ctx.cols, None      # overwritten below: a second backward recomputes
+        grads = self._backward_chunks(
             x, w, ctx.padding, need_dx,
-            lambda n0, n1, dy: _unpool(dpooled, ctx.argmax, n0, n1, ho, wo, dy))
+            lambda n0, n1, dy: _unpool(dpooled, ctx.argmax, n0, n1, ho, wo, dy), saved_cols=saved_cols)
+        if saved_cols is not None:
+            self._give_back_saved_cols(saved_cols)
+        return grads
 
     # ---- optimizer ---------------------------------------------------------------------------
     def _sgd_(self, param, velocity, grad, lr, momentum, weight_decay):

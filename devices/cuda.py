@@ -30,7 +30,8 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32, int8, int64, types
+from numba import cuda, float32, int8, int32, types
+from numba.core.extending import intrinsic
 from numba.cuda.core import config as cuda_config
 
 from hetconv.devices.base import Device, DeviceError, _as_f32, conv_output_shape, pooled_shape
@@ -64,15 +65,25 @@ WGRAD_MIN_R_PER_SPLIT = 1024
 _ZERO = np.float32(0)
 _ONE = np.float32(1)
 
-# geometry, one int tuple passed to every conv kernel: (N, C, H, W, K, KH, KW, HO, WO, PAD)
-GEOMETRY = types.UniTuple(int64, 10)
+# geometry, one int32 tuple passed to every conv kernel: (N, C, H, W, K, KH, KW, HO, WO, PAD).
+# Index math is 32-bit: a 64-bit integer division is a ~70-instruction software routine on the
+# GPU, and the gathers divide by kh*kw and Ho*Wo for every element they load.
+GEOMETRY = types.UniTuple(int32, 10)
+INDEX_LIMIT = 2**31 - 1
 
 
 def _geometry(x_shape, w_shape, padding):
     n, c, h, w = x_shape
     k, _, kh, kw = w_shape
     ho, wo = conv_output_hw(h, w, kh, kw, padding)
-    return tuple(int(v) for v in (n, c, h, w, k, kh, kw, ho, wo, padding))
+    g = tuple(int(v) for v in (n, c, h, w, k, kh, kw, ho, wo, padding))
+    # every flat index the kernels form is below one of these: tensor sizes and GEMM extents
+    largest = max(n * c * h * w, n * k * ho * wo, k * c * kh * kw,
+                  *_forward_dims(g), *_input_grad_dims(g), *_weight_grad_dims(g))
+    if largest > INDEX_LIMIT:
+        raise DeviceError(f"conv too large for 32-bit indices: {largest} elements > {INDEX_LIMIT} "
+                          f"(x {tuple(x_shape)!r}, w {tuple(w_shape)!r}); split the batch")
+    return tuple(np.int32(v) for v in g)
 
 
 # ---- GEMM sizes (M rows, N columns, R reduction), host and device ---------------------------
@@ -97,13 +108,36 @@ _weight_grad_dims_dev = cuda.jit(device=True)(_weight_grad_dims)
 
 
 # ---- index math shared by the kernels ------------------------------------------------------
+if SIMULATED:
+    @cuda.jit(device=True)
+    def _udiv32(a, b):
+        """a // b for indices (a >= 0, b > 0, both below 2**31); the simulator runs Python."""
+        return a // b
+else:
+    @intrinsic
+    def _udiv32(typingctx, a, b):
+        """a // b for indices (a >= 0, b > 0, both below 2**31) as one 32-bit unsigned division:
+        Numba widens integer arithmetic to int64, and even int32 operands get a 64-bit div.s64
+        (a software routine on the GPU) plus a floor fix-up for negative values."""
+        def codegen(context, builder, sig, args):
+            a32, b32 = (context.cast(builder, v, t, int32) for v, t in zip(args, sig.args))
+            return builder.udiv(a32, b32)
+        return int32(a, b), codegen
+
+
+@cuda.jit(device=True)
+def _divmod32(a, b):
+    """(a // b, a % b) for indices, one 32-bit division."""
+    q = _udiv32(a, b)
+    return q, a - q * b
+
+
 @cuda.jit(device=True)
 def _split3(flat, mid, last):
     """flat index over (outer, mid, last) -> (outer, m, l)."""
-    outer = flat // (mid * last)
-    rest = flat - outer * (mid * last)
-    m = rest // last
-    return outer, m, rest - m * last
+    outer, rest = _divmod32(flat, mid * last)
+    m, l = _divmod32(rest, last)
+    return outer, m, l
 
 
 @cuda.jit(device=True)
@@ -286,8 +320,8 @@ def _relu_maxpool2(y, pooled, winner):
     pixel, plane = cuda.grid(2)
     nk, kk, hp, wp = pooled.shape
     if pixel < hp * wp and plane < nk * kk:
-        ni, ki = plane // kk, plane % kk
-        i, j = pixel // wp, pixel % wp
+        ni, ki = _divmod32(plane, kk)
+        i, j = _divmod32(pixel, wp)
         best = y[ni, ki, 2 * i, 2 * j]
         arg = 0
         for t in range(1, 4):
@@ -313,8 +347,8 @@ def _relu_maxpool2_backward(winner, dpooled, dy):
     nk, kk, ho, wo = dy.shape
     hp, wp = winner.shape[2], winner.shape[3]
     if pixel < ho * wo and plane < nk * kk:
-        ni, ki = plane // kk, plane % kk
-        row, col = pixel // wo, pixel % wo
+        ni, ki = _divmod32(plane, kk)
+        row, col = _divmod32(pixel, wo)
         i, j = row // 2, col // 2
         value = _ZERO
         if i < hp and j < wp and winner[ni, ki, i, j] == (row % 2) * 2 + col % 2:
@@ -354,9 +388,9 @@ _F3 = float32[:, :, ::1]
 _F4 = float32[:, :, :, ::1]
 _I4 = int8[:, :, :, ::1]
 PTX_SIGNATURES = [
-    (_conv_forward_py, (_F2, _F4, _F4, _F1, GEOMETRY, int64)),
-    (_conv_input_grad_py, (_F4, _F4, _F4, _F1, GEOMETRY, int64)),
-    (_conv_weight_grad_py, (_F4, _F4, _F3, _F1, GEOMETRY, int64)),
+    (_conv_forward_py, (_F2, _F4, _F4, _F1, GEOMETRY, int32)),
+    (_conv_input_grad_py, (_F4, _F4, _F4, _F1, GEOMETRY, int32)),
+    (_conv_weight_grad_py, (_F4, _F4, _F3, _F1, GEOMETRY, int32)),
     (_weight_grad_finish, (_F3, _F2, _F1)),
     (_relu_maxpool2, (_F4, _F4, _I4)),
     (_relu_maxpool2_backward, (_I4, _F4, _F4)),
@@ -427,7 +461,7 @@ class CudaDevice(Device):
         m, n, r = _forward_dims(g)
         y = cuda.device_array(conv_output_shape(x_dev.shape, w_dev.shape, padding), np.float32)
         grid = (math.ceil(n / TILE_N), math.ceil(m / TILE_M), 1)
-        conv_forward_kernel[grid, (THREADS_X, THREADS_Y)](w_dev.reshape(m, r), x_dev, y, b_dev, g, r)
+        conv_forward_kernel[grid, (THREADS_X, THREADS_Y)](w_dev.reshape(m, r), x_dev, y, b_dev, g, np.int32(r))
         return y
 
     def _relu_pool(self, y):
@@ -450,7 +484,8 @@ class CudaDevice(Device):
         splits = math.ceil(r / r_per_split)
         partial = cuda.device_array((splits, k, columns), np.float32)
         grid = (math.ceil(columns / TILE_N), math.ceil(k / TILE_M), splits)
-        conv_weight_grad_kernel[grid, (THREADS_X, THREADS_Y)](dy_dev, x_dev, partial, self._no_bias, g, r_per_split)
+        conv_weight_grad_kernel[grid, (THREADS_X, THREADS_Y)](dy_dev, x_dev, partial, self._no_bias, g,
+                                                              np.int32(r_per_split))
         dw = cuda.device_array(w_dev.shape, np.float32)
         db = cuda.device_array(k, np.float32)
         grid = (math.ceil(columns / BLOCK_2D[0]), math.ceil(k / BLOCK_2D[1]))
@@ -461,7 +496,7 @@ class CudaDevice(Device):
             c, pixels, r = _input_grad_dims(g)
             dx = cuda.device_array(x_dev.shape, np.float32)
             grid = (math.ceil(pixels / TILE_N), math.ceil(c / TILE_M), 1)
-            conv_input_grad_kernel[grid, (THREADS_X, THREADS_Y)](w_dev, dy_dev, dx, self._no_bias, g, r)
+            conv_input_grad_kernel[grid, (THREADS_X, THREADS_Y)](w_dev, dy_dev, dx, self._no_bias, g, np.int32(r))
         return dx, dw, db
 
     # ---- the contract -----------------------------------------------------------------------

@@ -4,11 +4,30 @@ Run by tests/test_cuda_ptx.py in a subprocess whose environment has NUMBA_ENABLE
 (the simulator does not compile). Prints one JSON object on stdout:
 
     python tests/_cuda_ptx_check.py 9.0              every kernel in PTX_SIGNATURES, plus coverage
+                                                     and its slow-instruction counts
     python tests/_cuda_ptx_check.py 9.0 --mistyped   a real kernel under a wrong signature
+    python tests/_cuda_ptx_check.py 9.0 --int64-toy  counts for a kernel that divides int64 on purpose
 """
 import json
+import re
 import sys
 import types as pytypes
+
+# 64-bit integer division and remainder: no hardware instruction, a long software routine per use
+DIV64 = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:div|rem)\.[su]64\b", re.M)
+# any double-precision instruction: a 1/64-rate unit on most GPUs, and a sign of a stray float64
+F64 = re.compile(r"^\s*(?:@!?%p\d+\s+)?[a-z][\w.]*\.f64\b", re.M)
+
+
+def slow_instruction_counts(ptx):
+    return {"div_rem_64": len(DIV64.findall(ptx)), "f64": len(F64.findall(ptx))}
+
+
+def _int64_toy(a, n):
+    """Divides and takes the remainder of int64 values, and mixes in a float64: what the counts
+    must catch."""
+    i = a.shape[0] - 1
+    a[i % n] = (i // n) * 0.5
 
 
 def _compile_device_functions_for(cc):
@@ -22,7 +41,7 @@ def _compile_device_functions_for(cc):
 def main(argv):
     cc = tuple(int(p) for p in argv[1].split("."))
     mistyped = "--mistyped" in argv[2:]
-    from numba import cuda, float32, int8
+    from numba import cuda, float32, float64, int8, int64
     from numba.cuda.cudadrv import nvvm
     from numba.cuda.dispatcher import CUDADispatcher
 
@@ -39,12 +58,15 @@ def main(argv):
         except Exception as e:
             return {"rejected": True, "error": type(e).__name__, "message": str(e)[:400]}
         return {"rejected": False}
+    if "--int64-toy" in argv[2:]:
+        ptx, _ = cuda.compile_ptx(_int64_toy, (float64[::1], int64), cc=cc)
+        return {"kernel": "_int64_toy", **slow_instruction_counts(ptx)}
 
     listed = {fn for fn, _ in module.PTX_SIGNATURES}
     kernels = {name: obj for name, obj in vars(module).items()
                if isinstance(obj, CUDADispatcher) and not obj.targetoptions.get("device")}
     unlisted = sorted(name for name, k in kernels.items() if k.py_func not in listed)
-    compiled, failed = [], []
+    compiled, failed, counts = [], [], {}
     target = f".target sm_{cc[0]}{cc[1]}"
     for fn, sig in module.PTX_SIGNATURES:
         name = f"{fn.__module__}.{fn.__qualname__}{tuple(str(t) for t in sig)}"
@@ -57,8 +79,9 @@ def main(argv):
             failed.append({"kernel": name, "error": f"PTX lacks {target!r}"})
         else:
             compiled.append(name)
+            counts[name] = slow_instruction_counts(ptx)
     return {"cc": list(cc), "kernels": sorted(kernels), "unlisted": unlisted,
-            "compiled": compiled, "failed": failed}
+            "compiled": compiled, "failed": failed, "counts": counts}
 
 
 if __name__ == "__main__":

@@ -33,8 +33,9 @@ def close(a, b):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * scale)
 
 
-@pytest.fixture(scope="module", params=[{"threads": 1}, {"threads": 2, "im2col_budget_bytes": 4000}],
-                ids=["1thread", "2threads-chunked"])
+@pytest.fixture(scope="module", params=[{"threads": 1}, {"threads": 2, "im2col_budget_bytes": 4000},
+                                        {"threads": 2, "im2col_budget_bytes": 4000, "saved_cols_budget_bytes": 0}],
+                ids=["1thread", "2threads-chunked", "2threads-chunked-recomputed"])
 def cpu(request):
     return open_device("cpu", **request.param)
 
@@ -82,6 +83,28 @@ def test_chunking_does_not_change_results():
     dp = rng.standard_normal(y1.shape).astype(np.float32)
     for a, r in zip(chunked.conv_relu_pool_backward(c2, w, dp), whole.conv_relu_pool_backward(c1, w, dp)):
         close(a, r)
+
+
+def test_saved_im2col_gives_the_recomputed_results_across_interleaved_steps():
+    """Backward from the forward's kept im2col equals backward that recomputes it, chunk
+    boundaries included, when two forwards are in flight and buffers come back to the pool."""
+    shapes = [(5, 3, 8, 7, 4, 3, 3, 1), (3, 2, 9, 9, 6, 5, 5, 2)]
+    saved = open_device("cpu", threads=1, im2col_budget_bytes=700)
+    recomputed = open_device("cpu", threads=1, im2col_budget_bytes=700, saved_cols_budget_bytes=0)
+    for step in range(2):
+        runs = []
+        for seed, shape in enumerate(shapes):
+            x, w, b, p, rng = tensors(shape, 10 * step + seed)
+            y, ctx = saved.conv_relu_pool(x, w, b, p)
+            y_ref, ctx_ref = recomputed.conv_relu_pool(x, w, b, p)
+            assert ctx.cols is not None and ctx_ref.cols is None
+            np.testing.assert_array_equal(y, y_ref)
+            runs.append((ctx, ctx_ref, w, rng.standard_normal(y.shape).astype(np.float32)))
+        for ctx, ctx_ref, w, dp in reversed(runs):
+            for a, r in zip(saved.conv_relu_pool_backward(ctx, w, dp), recomputed.conv_relu_pool_backward(ctx_ref, w, dp)):
+                np.testing.assert_array_equal(a, r)
+            assert ctx.cols is None
+    assert saved._saved_cols_pool, "backward hands its im2col buffer back for the next step"
 
 
 def test_fused_forward_accepts_read_only_input(cpu):

@@ -44,3 +44,21 @@ def test_a_mistyped_kernel_is_rejected():
     result = _run_check("9.0", "--mistyped")
     assert result["rejected"], "compile_ptx accepted 2-D arrays for a kernel that indexes 4-D ones"
     assert result["error"] == "TypingError", result
+
+
+def test_index_math_has_no_64_bit_division_or_float64():
+    """Every kernel's sm_90 PTX: no div/rem on 64-bit integers (a software routine of tens of
+    instructions per use) and no .f64 instruction (a stray float64 in float32 code)."""
+    result = _run_check("9.0")
+    assert result["failed"] == [], result["failed"]
+    assert result["counts"], result
+    slow = {name: c for name, c in result["counts"].items() if c["div_rem_64"] or c["f64"]}
+    assert not slow, "kernels with 64-bit div/rem or f64 instructions:\n" + "\n".join(
+        f"{name}: {c['div_rem_64']} div/rem .s64/.u64, {c['f64']} .f64" for name, c in slow.items())
+
+
+def test_the_slow_instruction_count_catches_int64_division():
+    """The check above can fail: a kernel dividing int64 and computing in float64 is counted."""
+    result = _run_check("9.0", "--int64-toy")
+    assert result["div_rem_64"] >= 2, result
+    assert result["f64"] >= 1, result
