@@ -172,10 +172,11 @@ def test_more_workers_than_kernels_is_refused_clearly(procs):
 def test_unknown_device_is_refused_by_worker_and_coordinator(procs):
     w = procs(python_cmd("hetconv.worker", "--device", "gpu", "--connect", "tcp://127.0.0.1:9"))
     out, _ = w.communicate(timeout=30)
-    assert w.returncode == 2 and "unknown device 'gpu': expected 'cpu' or 'cuda:N'" in out
+    assert w.returncode == 2 and "--device entry 'gpu': expected cpu, cpu:THREADS, cuda:N" in out
     c = procs(python_cmd("hetconv.coordinator", "--spawn", "cpu,gpu", "--steps", "1"))
     out, _ = c.communicate(timeout=30)
-    assert c.returncode == 1 and "unknown device 'gpu'" in out
+    # refused before any worker starts
+    assert c.returncode == 2 and "--spawn entry 'gpu'" in out and "waiting for" not in out
 
 
 @pytest.mark.parametrize("cores", ["x", "0,999"])
@@ -338,7 +339,7 @@ def test_ctrl_c_finishes_the_step_checkpoints_and_ends_every_worker(procs, tmp_p
     coord.send_signal(signal.SIGINT)
     assert coord.wait(timeout=60) == 130
     text = log.read_text()
-    assert "finishing this step, then saving and stopping" in text
+    assert "finishing this step, then saving a checkpoint and stopping" in text
     saved = checkpoint.latest(str(tmp_path / "ck"))
     assert saved is not None
     last = json.loads(metrics.read_text().splitlines()[-1])
