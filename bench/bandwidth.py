@@ -26,6 +26,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
 import _speedup_common as C  # noqa: E402
 
 
@@ -135,7 +136,13 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--runs-dir", default="", help="keep each run's metrics JSON lines here (default: a temp dir)")
+    p.add_argument("--render", default="", metavar="JSON",
+                   help="run nothing: rewrite bandwidth.md (and the plot) beside a saved bandwidth.json")
     args = p.parse_args(argv)
+    if args.render:
+        print(f"wrote {_common.render_saved(args.render, 'bandwidth', markdown)}")
+        _common.plot_saved(args.render, plot)
+        return 0
     why = missing_requirements()
     if why:
         print(f"bench/bandwidth.py: skipped: {why}")
@@ -147,7 +154,8 @@ def main(argv=None):
     # SIGTERM ends the run like Ctrl-C, so the finally below still removes the namespace
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(143)))
     machine = C.machine()
-    command = "python bench/bandwidth.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = _common.recorded_command("bandwidth.py", argv if argv is not None else sys.argv[1:])
+    load_start = _common.load_average()
     common = {"batch_size": args.batch_size, "warmup": args.warmup, "steps": args.steps, "out_dir": scratch,
               "split": "proportional"}
     rows, workers = [], []
@@ -192,23 +200,30 @@ def main(argv=None):
             C._kill_group(w)
         bed.__exit__()
         print(f"removed namespace {bed.ns} and link {bed.veth}", flush=True)
-        write_outputs(args.out, rows, machine, command, time.perf_counter() - t_all)
+        add_speedups(rows)
+        write_outputs(args.out, {"machine": machine, "command": command, "wall_s": time.perf_counter() - t_all,
+                                 "load": {"start": load_start, "end": _common.load_average()}, "rows": rows})
     return 0
 
 
-def write_outputs(out_dir, rows, machine, command, wall_s):
+def add_speedups(rows):
     base = next((r for r in rows if r.get("local") or r.get("rate") == "in-process"), None)
     for r in rows:
         if r.get("ok") and base and base.get("ok"):
             r["speedup"] = base["step_s"] / r["step_s"]
             r["predicted_speedup"] = base["predicted_step_s"] / r["predicted_step_s"]
-    with open(os.path.join(out_dir, "bandwidth.json"), "w") as f:
-        json.dump({"machine": machine, "command": command, "wall_s": wall_s, "rows": rows}, f, indent=1)
-    lines = [f"Machine: {machine}. Command: `{command}` ({wall_s / 60:.1f} min).", "",
-             "| link | batch | step s | predicted s | model error | speedup | predicted speedup | "
-             "MB per step (all workers, both ways) | wire s (max worker) | foreign load |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
+
+
+def markdown(doc):
+    """bandwidth.md, from bandwidth.json's contents alone."""
+    load = doc.get("load")
+    lines = [f"Machine: {doc['machine']}. Command: `{doc['command']}` ({doc['wall_s'] / 60:.1f} min).", ""]
+    if load:
+        lines += [f"Whole run: {load['start']} at start, {load['end']} at end; foreign load below is per row.", ""]
+    lines += ["| link | batch | step s | predicted s | model error | speedup | predicted speedup | "
+              "MB per step (all workers, both ways) | wire s (max worker) | foreign load |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in doc["rows"]:
         if not r.get("ok"):
             lines.append(f"| {r.get('rate')} | {r.get('batch_size')} | failed: {r.get('error', '?')} |")
             continue
@@ -219,14 +234,15 @@ def write_outputs(out_dir, rows, machine, command, wall_s):
                      f"{r['model_error_pct']:+.1f}% | {r.get('speedup', float('nan')):.2f}x | "
                      f"{r.get('predicted_speedup', float('nan')):.2f}x | {mb:.1f} | {wire:.3f} | "
                      f"{r.get('foreign_load_cores', 0):.2f} |")
-    text = "\n".join(lines) + "\n"
-    with open(os.path.join(out_dir, "bandwidth.md"), "w") as f:
-        f.write(text)
-    print("\n" + text)
-    try:
-        plot(out_dir, rows, machine)
-    except ImportError as e:
-        print(f"no plot: {e}")
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(out_dir, doc):
+    json_path = os.path.join(out_dir, "bandwidth.json")
+    _common.write_text(json_path, json.dumps(doc, indent=1))
+    print("\n" + markdown(doc))
+    _common.render_saved(json_path, "bandwidth", markdown)
+    _common.plot_saved(json_path, plot)
 
 
 def plot(out_dir, rows, machine):

@@ -30,6 +30,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
 import _speedup_common as C  # noqa: E402
 
 
@@ -72,7 +73,13 @@ def main(argv=None):
     p.add_argument("--gpu", default="", help="comma list of cuda devices, e.g. cuda:0: adds GPU rows")
     p.add_argument("--only", default="", help="run only the sets whose name contains this (debugging)")
     p.add_argument("--runs-dir", default="", help="keep each run's metrics JSON lines here (default: a temp dir)")
+    p.add_argument("--render", default="", metavar="JSON",
+                   help="run nothing: rewrite speedup.md (and the plots) beside a saved speedup.json")
     args = p.parse_args(argv)
+    if args.render:
+        print(f"wrote {_common.render_saved(args.render, 'speedup', markdown)}")
+        _common.plot_saved(args.render, plot)
+        return 0
     args.batch_sizes = [int(b) for b in (args.batch_sizes or "32,128").split(",")]
     args.steps = args.steps or (2 if args.quick else 3)
     if args.warmup < 1:
@@ -84,7 +91,8 @@ def main(argv=None):
 
     runs = [r for r in plan_runs(args) if args.only in r["set"]]
     machine = C.machine()
-    command = "python bench/speedup.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = _common.recorded_command("speedup.py", argv if argv is not None else sys.argv[1:])
+    load_start = _common.load_average()
     print(f"machine: {machine}\n{len(runs)} configurations; {args.warmup} warm-up + {args.steps} timed steps each",
           flush=True)
     # SIGTERM ends the run like Ctrl-C: the finally blocks stop the runner, its workers and the co-runner
@@ -108,7 +116,8 @@ def main(argv=None):
         print("interrupted: writing the rows measured so far", file=sys.stderr)
     finally:
         add_speedups(rows)
-        write_outputs(args.out, rows, machine, command, time.perf_counter() - t_all)
+        write_outputs(args.out, {"machine": machine, "command": command, "wall_s": time.perf_counter() - t_all,
+                                 "load": {"start": load_start, "end": _common.load_average()}, "rows": rows})
     return 0 if rows and all(r.get("ok") for r in rows) else 1
 
 
@@ -130,11 +139,16 @@ def kernels_text(r):
     return " / ".join("+".join(str(c[li]) for c in counts.values()) for li in range(2)) if counts else "500 / 1500"
 
 
-def markdown(rows, machine, command, wall_s):
-    out = [f"Machine: {machine}. Command: `{command}` ({wall_s / 60:.1f} min).", "",
-           "| set | batch | split | kernels conv1 / conv2 | step s | predicted s | model error | speedup | "
-           "efficiency | calibration s | setup s | foreign load |",
-           "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+def markdown(doc):
+    """speedup.md, from speedup.json's contents alone."""
+    rows = doc["rows"]
+    load = doc.get("load")
+    out = [f"Machine: {doc['machine']}. Command: `{doc['command']}` ({doc['wall_s'] / 60:.1f} min).", ""]
+    if load:
+        out += [f"Whole run: {load['start']} at start, {load['end']} at end; foreign load below is per row.", ""]
+    out += ["| set | batch | split | kernels conv1 / conv2 | step s | predicted s | model error | speedup | "
+            "efficiency | calibration s | setup s | foreign load |",
+            "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if not r.get("ok"):
             out.append(f"| {r['set']} | {r['batch_size']} | {r['split']} | failed: {r.get('error', '?')} |")
@@ -158,16 +172,12 @@ def markdown(rows, machine, command, wall_s):
     return "\n".join(out) + "\n"
 
 
-def write_outputs(out_dir, rows, machine, command, wall_s):
-    with open(os.path.join(out_dir, "speedup.json"), "w") as f:
-        json.dump({"machine": machine, "command": command, "wall_s": wall_s, "rows": rows}, f, indent=1)
-    with open(os.path.join(out_dir, "speedup.md"), "w") as f:
-        f.write(markdown(rows, machine, command, wall_s))
-    print("\n" + markdown(rows, machine, command, wall_s))
-    try:
-        plot(out_dir, rows, machine)
-    except ImportError as e:
-        print(f"no plots: {e} (pip install matplotlib)")
+def write_outputs(out_dir, doc):
+    json_path = os.path.join(out_dir, "speedup.json")
+    _common.write_text(json_path, json.dumps(doc, indent=1))
+    print("\n" + markdown(doc))
+    _common.render_saved(json_path, "speedup", markdown)
+    _common.plot_saved(json_path, plot)
     print(f"wrote {out_dir}/speedup.json, speedup.md, speedup.png, speedup_breakdown.png")
 
 
