@@ -1,8 +1,9 @@
 """Speedup of the paper network over the single-device baseline, per device set and batch size,
 measured and predicted by the cost model.
 
-    python bench/speedup.py --quick --out bench/results        # a few minutes
-    python bench/speedup.py --out bench/results                # the full table (~15-25 min on 2 cores)
+    python bench/speedup.py --quick --out bench/results        # fewer sets at batch 128, 2 timed steps
+    python bench/speedup.py --out bench/results                # the full table (9.7 min in results/speedup.json)
+    python bench/speedup.py --render bench/results/speedup.json   # rewrite speedup.md from the JSON only
     python bench/speedup.py --gpu cuda:0 --out runs/gpu        # adds cuda rows (needs a GPU)
 
 The network: 3x32x32 -> conv 5x5 500 -> ReLU -> pool -> conv 5x5 1500 -> ReLU -> pool -> FC 256 -> FC 10.
@@ -66,7 +67,7 @@ def main(argv=None):
                                 epilog=__doc__.split("\n\n", 2)[1])
     p.add_argument("--out", default="bench/results", help="directory for speedup.json / .md / .png")
     p.add_argument("--quick", action="store_true",
-                   help="1 warm-up + 2 timed steps; at batch 128 only local and 2 workers (~5-8 min on 2 cores)")
+                   help="1 warm-up + 2 timed steps; at batch 128 only local and 2 workers")
     p.add_argument("--batch-sizes", default="", help="comma list (default 32,128)")
     p.add_argument("--warmup", type=int, default=1, help="steps discarded before timing (>= 1: JIT, first-touch)")
     p.add_argument("--steps", type=int, default=0, help="timed steps per configuration (default 2 quick, 3 full)")
