@@ -164,3 +164,27 @@ def plot_saved(json_path, plot):
         plot(os.path.dirname(os.path.abspath(json_path)), doc["rows"], doc["machine"])
     except ImportError as e:
         print(f"no plots: {e} (pip install matplotlib)")
+
+
+def save_outputs(out_dir, stem, doc, markdown, plot):
+    """OUT/<stem>.json holds `doc`, as the run recorded it; the .md and the plots are rendered from
+    that file, never from anything else."""
+    json_path = os.path.join(out_dir, f"{stem}.json")
+    write_text(json_path, json.dumps(doc, indent=1))
+    print("\n" + markdown(doc))
+    rerender(json_path, stem, markdown, plot)
+
+
+def rerender(json_path, stem, markdown, plot):
+    """--render: the .md (and the plots, where matplotlib is installed) beside a saved JSON."""
+    print(f"wrote {render_saved(json_path, stem, markdown)}")
+    plot_saved(json_path, plot)
+
+
+def run_header(doc):
+    """The lines above a results table: machine, command, wall time and, where recorded, the load."""
+    lines = [f"Machine: {doc['machine']}. Command: `{doc['command']}` ({doc['wall_s'] / 60:.1f} min).", ""]
+    load = doc.get("load")
+    if load:
+        lines += [f"Whole run: {load['start']} at start, {load['end']} at end; foreign load below is per row.", ""]
+    return lines

@@ -140,8 +140,7 @@ def main(argv=None):
                    help="run nothing: rewrite bandwidth.md (and the plot) beside a saved bandwidth.json")
     args = p.parse_args(argv)
     if args.render:
-        print(f"wrote {_common.render_saved(args.render, 'bandwidth', markdown)}")
-        _common.plot_saved(args.render, plot)
+        _common.rerender(args.render, "bandwidth", markdown, plot)
         return 0
     why = missing_requirements()
     if why:
@@ -201,8 +200,9 @@ def main(argv=None):
         bed.__exit__()
         print(f"removed namespace {bed.ns} and link {bed.veth}", flush=True)
         add_speedups(rows)
-        write_outputs(args.out, {"machine": machine, "command": command, "wall_s": time.perf_counter() - t_all,
-                                 "load": {"start": load_start, "end": _common.load_average()}, "rows": rows})
+        doc = {"machine": machine, "command": command, "wall_s": time.perf_counter() - t_all,
+               "load": {"start": load_start, "end": _common.load_average()}, "rows": rows}
+        _common.save_outputs(args.out, "bandwidth", doc, markdown, plot)
     return 0
 
 
@@ -216,13 +216,10 @@ def add_speedups(rows):
 
 def markdown(doc):
     """bandwidth.md, from bandwidth.json's contents alone."""
-    load = doc.get("load")
-    lines = [f"Machine: {doc['machine']}. Command: `{doc['command']}` ({doc['wall_s'] / 60:.1f} min).", ""]
-    if load:
-        lines += [f"Whole run: {load['start']} at start, {load['end']} at end; foreign load below is per row.", ""]
-    lines += ["| link | batch | step s | predicted s | model error | speedup | predicted speedup | "
-              "MB per step (all workers, both ways) | wire s (max worker) | foreign load |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = _common.run_header(doc) + [
+        "| link | batch | step s | predicted s | model error | speedup | predicted speedup | "
+        "MB per step (all workers, both ways) | wire s (max worker) | foreign load |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in doc["rows"]:
         if not r.get("ok"):
             lines.append(f"| {r.get('rate')} | {r.get('batch_size')} | failed: {r.get('error', '?')} |")
@@ -235,14 +232,6 @@ def markdown(doc):
                      f"{r.get('predicted_speedup', float('nan')):.2f}x | {mb:.1f} | {wire:.3f} | "
                      f"{r.get('foreign_load_cores', 0):.2f} |")
     return "\n".join(lines) + "\n"
-
-
-def write_outputs(out_dir, doc):
-    json_path = os.path.join(out_dir, "bandwidth.json")
-    _common.write_text(json_path, json.dumps(doc, indent=1))
-    print("\n" + markdown(doc))
-    _common.render_saved(json_path, "bandwidth", markdown)
-    _common.plot_saved(json_path, plot)
 
 
 def plot(out_dir, rows, machine):

@@ -78,8 +78,7 @@ def main(argv=None):
                    help="run nothing: rewrite speedup.md (and the plots) beside a saved speedup.json")
     args = p.parse_args(argv)
     if args.render:
-        print(f"wrote {_common.render_saved(args.render, 'speedup', markdown)}")
-        _common.plot_saved(args.render, plot)
+        _common.rerender(args.render, "speedup", markdown, plot)
         return 0
     args.batch_sizes = [int(b) for b in (args.batch_sizes or "32,128").split(",")]
     args.steps = args.steps or (2 if args.quick else 3)
@@ -117,8 +116,9 @@ def main(argv=None):
         print("interrupted: writing the rows measured so far", file=sys.stderr)
     finally:
         add_speedups(rows)
-        write_outputs(args.out, {"machine": machine, "command": command, "wall_s": time.perf_counter() - t_all,
-                                 "load": {"start": load_start, "end": _common.load_average()}, "rows": rows})
+        doc = {"machine": machine, "command": command, "wall_s": time.perf_counter() - t_all,
+               "load": {"start": load_start, "end": _common.load_average()}, "rows": rows}
+        _common.save_outputs(args.out, "speedup", doc, markdown, plot)
     return 0 if rows and all(r.get("ok") for r in rows) else 1
 
 
@@ -143,13 +143,10 @@ def kernels_text(r):
 def markdown(doc):
     """speedup.md, from speedup.json's contents alone."""
     rows = doc["rows"]
-    load = doc.get("load")
-    out = [f"Machine: {doc['machine']}. Command: `{doc['command']}` ({doc['wall_s'] / 60:.1f} min).", ""]
-    if load:
-        out += [f"Whole run: {load['start']} at start, {load['end']} at end; foreign load below is per row.", ""]
-    out += ["| set | batch | split | kernels conv1 / conv2 | step s | predicted s | model error | speedup | "
-            "efficiency | calibration s | setup s | foreign load |",
-            "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = _common.run_header(doc) + [
+        "| set | batch | split | kernels conv1 / conv2 | step s | predicted s | model error | speedup | "
+        "efficiency | calibration s | setup s | foreign load |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if not r.get("ok"):
             out.append(f"| {r['set']} | {r['batch_size']} | {r['split']} | failed: {r.get('error', '?')} |")
@@ -171,15 +168,6 @@ def markdown(doc):
                        f"{m['wait_s']:.3f} | {m['sent'] / 1e6:.1f} | {m['recv'] / 1e6:.1f} | "
                        f"{pw.get('compute_s', float('nan')):.3f} | {pw.get('wire_s', float('nan')):.3f} |")
     return "\n".join(out) + "\n"
-
-
-def write_outputs(out_dir, doc):
-    json_path = os.path.join(out_dir, "speedup.json")
-    _common.write_text(json_path, json.dumps(doc, indent=1))
-    print("\n" + markdown(doc))
-    _common.render_saved(json_path, "speedup", markdown)
-    _common.plot_saved(json_path, plot)
-    print(f"wrote {out_dir}/speedup.json, speedup.md, speedup.png, speedup_breakdown.png")
 
 
 def plot(out_dir, rows, machine):
