@@ -181,6 +181,20 @@ def check_endpoint(flag, text, bind=False):
     return text
 
 
+def usable_cores():
+    """How many cores this process may run on (its affinity, where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def threads_note(threads):
+    """A line when --threads asks for more than this process's cores: a CPU device caps it there."""
+    cores = usable_cores()
+    if threads > cores:
+        return (f"note: --threads {threads} is more than the {cores} core(s) this process may use: "
+                f"a CPU device runs {cores} thread(s)")
+    return ""
+
+
 def check_output_file(flag, path):
     """Make sure `path` can be written (its folder is created), before any work is done."""
     if not path:

@@ -20,7 +20,7 @@ import numpy as np
 
 from hetconv import protocol as P
 from hetconv.config import (HelpFormatter, add_config_flags, check_endpoint, check_output_dir, check_output_file,
-                            check_range, config_from_args)
+                            check_range, config_from_args, threads_note, usable_cores)
 from hetconv.planner import PlanError, make_plan
 from hetconv.shard import concat_channels, concat_shards
 
@@ -456,7 +456,7 @@ def _check_args(args, cfg):
 
 def _pinning_note(spawn, threads, pin):
     """A line when spawned CPU workers cannot each have their own cores (so they are not pinned)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = usable_cores()
     cpu_workers = spawn.count("cpu")
     if pin and threads and cpu_workers and threads * cpu_workers > cores:
         return (f"note: {cpu_workers} CPU worker(s) x --threads {threads} is more than the {cores} core(s) "
@@ -487,7 +487,7 @@ def main(argv=None):
     except (ValueError, DeviceError, DataError) as e:
         print(f"hetconv-coordinator: {e}", file=sys.stderr)
         return 2
-    note = _pinning_note(spawn, cfg.threads, not args.no_pin)
+    note = threads_note(cfg.threads) if args.local else _pinning_note(spawn, cfg.threads, not args.no_pin)
     if note:
         print(note, file=sys.stderr)
     signal.signal(signal.SIGTERM, _on_sigterm)

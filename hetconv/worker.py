@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 
-from hetconv.config import HelpFormatter, check_endpoint, check_range
+from hetconv.config import HelpFormatter, check_endpoint, check_range, threads_note
 
 # Pinning and thread caps must happen before numpy/numba load their thread pools.
 def _early_pin(argv):
@@ -171,6 +171,10 @@ def run(args):
     from hetconv import protocol as P
 
     _check_args(args)
+    if args.threads and not args.parent_pid:      # a spawned worker's coordinator has said it already
+        note = threads_note(args.threads)
+        if note:
+            print(f"hetconv-worker: {note}", file=sys.stderr)
     host = socket.gethostname()
     label = args.name or f"{args.device}@{host}"
     # Unique per incarnation: a restarted worker is a new peer, never mistaken for the old one.

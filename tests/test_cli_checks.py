@@ -109,6 +109,12 @@ def test_short_runs_say_what_they_leave_out(tmp_path):
     assert "the workers are not pinned to cores" in result.stderr
 
 
+def test_more_threads_than_cores_is_said():
+    result = run("hetconv.coordinator", *TINY, "--local", "--steps", "1", "--threads", "999")
+    assert result.returncode == 0, result.stderr
+    assert "--threads 999 is more than the" in result.stderr and "a CPU device runs" in result.stderr
+
+
 def test_resume_appends_to_the_metrics_file(tmp_path):
     metrics, ckpt = str(tmp_path / "m.jsonl"), str(tmp_path / "ck")
     first = run("hetconv.coordinator", *TINY, "--local", "--steps", "2", "--metrics", metrics, "--checkpoint-dir", ckpt)
