@@ -142,8 +142,72 @@ def write_results(out_dir, stem, rows, markdown):
     os.makedirs(out_dir, exist_ok=True)
     json_path, md_path = os.path.join(out_dir, f"{stem}.json"), os.path.join(out_dir, f"{stem}.md")
     for path, text in ((json_path, json.dumps(rows, indent=1) + "\n"), (md_path, markdown + "\n")):
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
+        write_text(path, text)
     return json_path, md_path
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def recorded_command(script, argv):
+    """The command as typed, with paths inside the repository made relative to it, so a results
+    file names a command that works from any checkout."""
+    def relative(arg):
+        path = os.path.abspath(arg) if os.path.exists(arg) or os.sep in arg else ""
+        if path and (path == REPO or path.startswith(REPO + os.sep)):
+            return os.path.relpath(path, REPO)
+        return arg
+    return " ".join(["python", f"bench/{script}", *map(relative, argv)])
+
+
+def write_text(path, text):
+    """Write `text` to `path` through a temporary file, so a reader never sees half a file."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def render_saved(json_path, stem, render):
+    """`--render OUT/<stem>.json`: rewrite OUT/<stem>.md from the saved JSON alone, without running
+    anything, so a results table is always exactly its JSON's rendering. Returns the .md path."""
+    with open(json_path) as f:
+        doc = json.load(f)
+    md_path = os.path.join(os.path.dirname(os.path.abspath(json_path)), f"{stem}.md")
+    write_text(md_path, render(doc).rstrip("\n") + "\n")
+    return md_path
+
+
+def plot_saved(json_path, plot):
+    """plot(out_dir, rows, machine) from a saved results JSON, into the folder beside it; says so
+    and goes on where matplotlib is missing (the .md does not need it)."""
+    with open(json_path) as f:
+        doc = json.load(f)
+    try:
+        plot(os.path.dirname(os.path.abspath(json_path)), doc["rows"], doc["machine"])
+    except ImportError as e:
+        print(f"no plots: {e} (pip install matplotlib)")
+
+
+def save_outputs(out_dir, stem, doc, markdown, plot):
+    """OUT/<stem>.json holds `doc`, as the run recorded it; the .md and the plots are rendered from
+    that file, never from anything else."""
+    json_path = os.path.join(out_dir, f"{stem}.json")
+    write_text(json_path, json.dumps(doc, indent=1))
+    print("\n" + markdown(doc))
+    rerender(json_path, stem, markdown, plot)
+
+
+def rerender(json_path, stem, markdown, plot):
+    """--render: the .md (and the plots, where matplotlib is installed) beside a saved JSON."""
+    print(f"wrote {render_saved(json_path, stem, markdown)}")
+    plot_saved(json_path, plot)
+
+
+def run_header(doc):
+    """The lines above a results table: machine, command, wall time and, where recorded, the load."""
+    lines = [f"Machine: {doc['machine']}. Command: `{doc['command']}` ({doc['wall_s'] / 60:.1f} min).", ""]
+    load = doc.get("load")
+    if load:
+        lines += [f"Whole run: {load['start']} at start, {load['end']} at end; foreign load below is per row.", ""]
+    return lines

@@ -26,7 +26,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def _cost_prediction(specs, fc, image, batch, counts, profiles, link, n_workers, local_profile=None,
                      exchange="peer", micro_batches=1, wire="float32"):
     from hetconv import costmodel as cm
-    coordinator_s = cm.measure_coordinator_s(specs, fc, image, batch, n_workers)
+    from hetconv.predict import measure_coordinator_s
+    coordinator_s = measure_coordinator_s(specs, fc, image, batch, n_workers)
     if local_profile is not None:
         return {"step_s": cm.predict_local(specs, batch, local_profile, coordinator_s),
                 "coordinator_s": coordinator_s, "workers": {}}
@@ -47,6 +48,7 @@ def run_one(spec):
     from threadpoolctl import threadpool_limits
 
     from hetconv import costmodel as cm
+    from hetconv import predict
     from hetconv.config import Config
     from hetconv.geometry import conv_specs, layer_input_shapes
     from hetconv.train import train
@@ -108,7 +110,7 @@ def run_one(spec):
         # ---- predicted (cost model) ---------------------------------------------------------
         if spec.get("local"):
             t0 = time.perf_counter()
-            profile = cm.calibrate_local("cpu", specs, cal_shapes, [s.kernels for s in specs], threads=1)
+            profile = predict.calibrate_local("cpu", specs, cal_shapes, [s.kernels for s in specs], threads=1)
             row["calibration_s"] = time.perf_counter() - t0
             pred = _cost_prediction(specs, cfg.fc_sizes(), image, batch, None, None, None, 1, local_profile=profile)
             row["profile_source"] = "calibrate_local in the baseline's process (1 thread, all kernels and half)"
@@ -118,7 +120,7 @@ def run_one(spec):
             profiles = cm.profiles_from_calibration(engine.calibration)
             counts = {w: [lp.count(w) for lp in engine.plan.layers] for w in engine.plan.workers}
             link_name = spec.get("link", "loopback")
-            link = (cm.Link(cm.measure_loopback(), name="loopback (measured)") if link_name == "loopback"
+            link = (cm.Link(predict.measure_loopback(), name="loopback (measured)") if link_name == "loopback"
                     else cm.parse_bandwidth(link_name))
             pred = _cost_prediction(specs, cfg.fc_sizes(), image, batch, counts, profiles, link, len(counts),
                                     exchange=cfg.exchange, micro_batches=micro, wire=cfg.wire_dtype)

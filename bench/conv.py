@@ -17,7 +17,8 @@ Correctness first: on a small batch every output and gradient must match torch (
 one burn-in step per case, then rounds that alternate hetconv and torch (a shared machine slows
 both alike) until a time budget is spent; the median is reported, the min and all samples are in
 the JSON. FLOPs: forward 2*N*K*C*kh*kw*Ho*Wo; backward 2x that with dx (dW and dX), 1x without.
-Results: a markdown table on stdout, OUT/conv.json (a list of rows) and OUT/conv.md.
+Results: a markdown table on stdout, OUT/conv.json (the header lines and the rows) and OUT/conv.md,
+which `--render OUT/conv.json` rewrites from the JSON alone.
 
 --share-scaling asks whether a CPU worker's time is proportional to the kernels it holds: conv2's
 fused step with dx (what a worker runs) at a share of the kernels (w[:share]) against the full
@@ -65,6 +66,7 @@ def parse_args():
     p.add_argument("--share-scaling", action="store_true",
                    help="conv2 fused fwd+bwd at --share kernels over the full layer (CPU; default T=1, N=32)")
     p.add_argument("--share", type=int, default=375, help="kernels a worker holds in --share-scaling")
+    p.add_argument("--render", default="", metavar="JSON", help="run nothing: rewrite conv.md beside a saved conv.json")
     args = p.parse_args()
     if args.share_scaling:
         if args.device != "cpu":
@@ -329,8 +331,37 @@ def fmt(v, digits=1):
     return "-" if v is None else f"{v:.{digits}f}"
 
 
+def markdown(doc):
+    """conv.md, from conv.json's contents alone."""
+    rows = doc["rows"]
+    peak = any("peak_fraction" in r for r in rows)
+    with_torch = any(r["torch"] for r in rows)
+    headers = ["layer", "N", "T", "form", "phase", "hetconv ms", "GFLOP/s"]
+    headers += ["% peak"] if peak else []
+    headers += ["torch ms", "GFLOP/s", "ratio", "ratio of mins"] if with_torch else []
+    table = []
+    for r in rows:
+        cells = [r["layer"], r["N"], r["threads"] or "-", r["form"], r["phase"],
+                 fmt(r["hetconv"]["median_ms"]), fmt(r["hetconv_gflops"])]
+        cells += [fmt(100 * r["peak_fraction"])] if peak else []
+        if with_torch:
+            cells += [fmt(r["torch"]["median_ms"]), fmt(r["torch_gflops"]), f"{r['ratio']:.2f}", f"{r['ratio_min']:.2f}"]
+        table.append(cells)
+    wall = f" Wall time {doc['wall_s'] / 60:.1f} min." if "wall_s" in doc else ""
+    notes = (f"{doc['load_end']} at end.{wall} ms = median of the timed runs; ratio = hetconv / torch "
+             "medians (<= 1.00: hetconv at least as fast); ratio of mins = the same on the fastest runs, "
+             "less sensitive to a shared machine. fused = conv+bias+ReLU+2x2 max-pool (torch: "
+             "F.max_pool2d(F.relu(F.conv2d))). FLOPs count the convolutions only.")
+    return ("\n".join(f"- {h}" for h in doc["header"]) + "\n\n" + _common.markdown_table(headers, table)
+            + "\n" + notes)
+
+
 def main():
     args = ARGS
+    if args.render:
+        print(f"wrote {_common.render_saved(args.render, 'conv', markdown)}")
+        return
+    t_start = time.perf_counter()
     from threadpoolctl import threadpool_info  # noqa: F401  (fail early if the venv lacks it)
     try:
         import torch
@@ -342,7 +373,7 @@ def main():
     if is_cuda and os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"):
         sys.exit("refusing to benchmark under Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM is set): "
                  "its timings say nothing about a GPU. Unset it and run on a machine with a GPU.")
-    header = [f"command: python bench/conv.py {' '.join(sys.argv[1:])}".rstrip(),
+    header = [f"command: {_common.recorded_command('conv.py', sys.argv[1:])}",
               f"machine: {_common.cpu_model()}; {_common.load_average()} at start",
               f"BLAS env: {BLAS_ENV_NOTE}",
               *(f"BLAS: {line}" for line in _common.blas_info()),
@@ -412,25 +443,10 @@ def main():
             del dev
 
     rows.sort(key=lambda r: (r["layer"], r["N"], r["threads"] or 0, r["form"] != "plain", r["phase"]))
-    headers = ["layer", "N", "T", "form", "phase", "hetconv ms", "GFLOP/s"]
-    headers += ["% peak"] if peak else []
-    headers += ["torch ms", "GFLOP/s", "ratio", "ratio of mins"] if torch_dev else []
-    table = []
-    for r in rows:
-        cells = [r["layer"], r["N"], r["threads"] or "-", r["form"], r["phase"],
-                 fmt(r["hetconv"]["median_ms"]), fmt(r["hetconv_gflops"])]
-        cells += [fmt(100 * r["peak_fraction"])] if peak else []
-        if torch_dev:
-            cells += [fmt(r["torch"]["median_ms"]), fmt(r["torch_gflops"]), f"{r['ratio']:.2f}", f"{r['ratio_min']:.2f}"]
-        table.append(cells)
-    md = _common.markdown_table(headers, table)
+    doc = {"header": header, "load_end": _common.load_average(), "wall_s": time.perf_counter() - t_start, "rows": rows}
+    md = markdown(doc)
     print("\n" + md)
-    notes = ["", f"{_common.load_average()} at end. ms = median of the timed runs; ratio = hetconv / torch "
-             "medians (<= 1.00: hetconv at least as fast); ratio of mins = the same on the fastest runs, "
-             "less sensitive to a shared machine. fused = conv+bias+ReLU+2x2 max-pool (torch: "
-             "F.max_pool2d(F.relu(F.conv2d))). FLOPs count the convolutions only."]
-    json_path, md_path = _common.write_results(args.out, "conv", rows,
-                                               "\n".join(f"- {h}" for h in header) + "\n\n" + md + "\n".join(notes))
+    json_path, md_path = _common.write_results(args.out, "conv", doc, md)
     print(f"\nwrote {json_path} and {md_path}")
 
 

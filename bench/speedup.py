@@ -1,8 +1,9 @@
 """Speedup of the paper network over the single-device baseline, per device set and batch size,
 measured and predicted by the cost model.
 
-    python bench/speedup.py --quick --out bench/results        # a few minutes
-    python bench/speedup.py --out bench/results                # the full table (~15-25 min on 2 cores)
+    python bench/speedup.py --quick --out bench/results        # fewer sets at batch 128, 2 timed steps
+    python bench/speedup.py --out bench/results                # the full table (9.7 min in results/speedup.json)
+    python bench/speedup.py --render bench/results/speedup.json   # rewrite speedup.md from the JSON only
     python bench/speedup.py --gpu cuda:0 --out runs/gpu        # adds cuda rows (needs a GPU)
 
 The network: 3x32x32 -> conv 5x5 500 -> ReLU -> pool -> conv 5x5 1500 -> ReLU -> pool -> FC 256 -> FC 10.
@@ -30,6 +31,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
 import _speedup_common as C  # noqa: E402
 
 
@@ -65,14 +67,19 @@ def main(argv=None):
                                 epilog=__doc__.split("\n\n", 2)[1])
     p.add_argument("--out", default="bench/results", help="directory for speedup.json / .md / .png")
     p.add_argument("--quick", action="store_true",
-                   help="1 warm-up + 2 timed steps; at batch 128 only local and 2 workers (~5-8 min on 2 cores)")
+                   help="1 warm-up + 2 timed steps; at batch 128 only local and 2 workers")
     p.add_argument("--batch-sizes", default="", help="comma list (default 32,128)")
     p.add_argument("--warmup", type=int, default=1, help="steps discarded before timing (>= 1: JIT, first-touch)")
     p.add_argument("--steps", type=int, default=0, help="timed steps per configuration (default 2 quick, 3 full)")
     p.add_argument("--gpu", default="", help="comma list of cuda devices, e.g. cuda:0: adds GPU rows")
     p.add_argument("--only", default="", help="run only the sets whose name contains this (debugging)")
     p.add_argument("--runs-dir", default="", help="keep each run's metrics JSON lines here (default: a temp dir)")
+    p.add_argument("--render", default="", metavar="JSON",
+                   help="run nothing: rewrite speedup.md (and the plots) beside a saved speedup.json")
     args = p.parse_args(argv)
+    if args.render:
+        _common.rerender(args.render, "speedup", markdown, plot)
+        return 0
     args.batch_sizes = [int(b) for b in (args.batch_sizes or "32,128").split(",")]
     args.steps = args.steps or (2 if args.quick else 3)
     if args.warmup < 1:
@@ -84,7 +91,8 @@ def main(argv=None):
 
     runs = [r for r in plan_runs(args) if args.only in r["set"]]
     machine = C.machine()
-    command = "python bench/speedup.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = _common.recorded_command("speedup.py", argv if argv is not None else sys.argv[1:])
+    load_start = _common.load_average()
     print(f"machine: {machine}\n{len(runs)} configurations; {args.warmup} warm-up + {args.steps} timed steps each",
           flush=True)
     # SIGTERM ends the run like Ctrl-C: the finally blocks stop the runner, its workers and the co-runner
@@ -108,7 +116,9 @@ def main(argv=None):
         print("interrupted: writing the rows measured so far", file=sys.stderr)
     finally:
         add_speedups(rows)
-        write_outputs(args.out, rows, machine, command, time.perf_counter() - t_all)
+        doc = {"machine": machine, "command": command, "wall_s": time.perf_counter() - t_all,
+               "load": {"start": load_start, "end": _common.load_average()}, "rows": rows}
+        _common.save_outputs(args.out, "speedup", doc, markdown, plot)
     return 0 if rows and all(r.get("ok") for r in rows) else 1
 
 
@@ -130,11 +140,13 @@ def kernels_text(r):
     return " / ".join("+".join(str(c[li]) for c in counts.values()) for li in range(2)) if counts else "500 / 1500"
 
 
-def markdown(rows, machine, command, wall_s):
-    out = [f"Machine: {machine}. Command: `{command}` ({wall_s / 60:.1f} min).", "",
-           "| set | batch | split | kernels conv1 / conv2 | step s | predicted s | model error | speedup | "
-           "efficiency | calibration s | setup s | foreign load |",
-           "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+def markdown(doc):
+    """speedup.md, from speedup.json's contents alone."""
+    rows = doc["rows"]
+    out = _common.run_header(doc) + [
+        "| set | batch | split | kernels conv1 / conv2 | step s | predicted s | model error | speedup | "
+        "efficiency | calibration s | setup s | foreign load |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if not r.get("ok"):
             out.append(f"| {r['set']} | {r['batch_size']} | {r['split']} | failed: {r.get('error', '?')} |")
@@ -156,19 +168,6 @@ def markdown(rows, machine, command, wall_s):
                        f"{m['wait_s']:.3f} | {m['sent'] / 1e6:.1f} | {m['recv'] / 1e6:.1f} | "
                        f"{pw.get('compute_s', float('nan')):.3f} | {pw.get('wire_s', float('nan')):.3f} |")
     return "\n".join(out) + "\n"
-
-
-def write_outputs(out_dir, rows, machine, command, wall_s):
-    with open(os.path.join(out_dir, "speedup.json"), "w") as f:
-        json.dump({"machine": machine, "command": command, "wall_s": wall_s, "rows": rows}, f, indent=1)
-    with open(os.path.join(out_dir, "speedup.md"), "w") as f:
-        f.write(markdown(rows, machine, command, wall_s))
-    print("\n" + markdown(rows, machine, command, wall_s))
-    try:
-        plot(out_dir, rows, machine)
-    except ImportError as e:
-        print(f"no plots: {e} (pip install matplotlib)")
-    print(f"wrote {out_dir}/speedup.json, speedup.md, speedup.png, speedup_breakdown.png")
 
 
 def plot(out_dir, rows, machine):

@@ -5,12 +5,12 @@ host that never runs a GPU worker never imports CUDA.
 """
 import importlib
 import re
+from dataclasses import dataclass
 
 from hetconv.devices.base import Device, DeviceError
 
-__all__ = ["Device", "DeviceError", "open_device", "parse_device", "KINDS"]
+__all__ = ["Device", "DeviceError", "DeviceEntry", "open_device", "parse_device", "parse_device_list"]
 
-KINDS = ("cpu", "cuda")
 _DEVICE_RE = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
 
 
@@ -28,3 +28,63 @@ def open_device(spec="cpu", **options):
     kind, index = parse_device(spec)
     module = importlib.import_module(f"hetconv.devices.{kind}")
     return module.open(index=index, **options)
+
+
+@dataclass(frozen=True)
+class DeviceEntry:
+    """One entry of a device list: `device` is 'cpu' or 'cuda:N'; `threads` is set by cpu:THREADS;
+    `profile` is the path of a saved profile (@FILE) instead of a device; `count` repeats it."""
+    device: str
+    threads: int | None = None
+    count: int = 1
+    profile: str = ""
+
+    @property
+    def label(self):
+        if self.profile:
+            return "@" + self.profile
+        return f"{self.device}:{self.threads}" if self.threads else self.device
+
+
+_COUNT_RE = re.compile(r"^(.*?)x(\d+)$")
+_CPU_THREADS_RE = re.compile(r"^cpu:(\d+)$")
+
+
+def parse_device_list(flag, text, allow_profiles=False):
+    """The one device-list syntax of `--spawn` and `hetconv-predict --devices`: a comma list of
+    cpu, cpu:THREADS, cuda:N (and @PROFILE.json where allowed), each optionally followed by xCOUNT.
+    'cpu:1x4,cuda:0' -> [DeviceEntry('cpu', 1, 4), DeviceEntry('cuda:0')]. Raises DeviceError
+    naming the entry. A path may contain 'x': only a trailing x<digits> is a count."""
+    expected = "cpu, cpu:THREADS, cuda:N" + (" or @PROFILE.json" if allow_profiles else "")
+    items = [t.strip() for t in str(text).split(",")]
+    if not any(items):
+        raise DeviceError(f"{flag} needs at least one device, e.g. {flag} cpu,cpu")
+    entries = []
+    for item in items:
+        if not item:
+            raise DeviceError(f"{flag} {text!r} has an empty entry: expected a comma list of {expected}")
+        head, count = item, 1
+        m = _COUNT_RE.match(item)
+        if m and m.group(1):
+            head, count = m.group(1), int(m.group(2))
+            if count < 1:
+                raise DeviceError(f"{flag} entry {item!r}: the count after x must be >= 1")
+        if head.startswith("@"):
+            if not allow_profiles or len(head) == 1:
+                raise DeviceError(f"{flag} entry {item!r}: expected {expected}, optionally followed by xCOUNT")
+            entries.append(DeviceEntry(device="", count=count, profile=head[1:]))
+            continue
+        cpu = _CPU_THREADS_RE.match(head)
+        if cpu:
+            threads = int(cpu.group(1))
+            if threads < 1:
+                raise DeviceError(f"{flag} entry {item!r}: a CPU device needs at least 1 thread")
+            entries.append(DeviceEntry("cpu", threads, count))
+            continue
+        try:
+            kind, index = parse_device(head)
+        except DeviceError:
+            raise DeviceError(f"{flag} entry {item!r}: expected {expected}, optionally followed by xCOUNT "
+                              f"(e.g. cpu:1x4)") from None
+        entries.append(DeviceEntry("cpu" if kind == "cpu" else f"cuda:{index}", None, count))
+    return entries

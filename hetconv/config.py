@@ -2,49 +2,60 @@
 raise; the whole config is saved with the run (metrics file and every checkpoint)."""
 import argparse
 import dataclasses
-import json
-from dataclasses import dataclass
+import os
+import re
+from dataclasses import dataclass, field
 
 from hetconv.geometry import IMAGE_SHAPE
 from hetconv.wire import check_wire_dtype
+from hetconv.planner import POLICIES
+
+# the fields that fix the network's shape: a checkpoint resumes only into the same ones
+NETWORK_FIELDS = ("conv", "fc", "ksize", "padding", "crop")
+
+
+def option(default, help):
+    """A Config field: its default, and its help text for the command line."""
+    return field(default=default, metadata={"help": help})
+
 
 
 @dataclass
 class Config:
     # data and network
-    data: str = "synthetic"            # 'synthetic' (built in) or a CIFAR-10 python-format dir / .tar.gz
-    synthetic_train: int = 5000         # images in the built-in training set
-    synthetic_test: int = 1000          # images in the built-in test set
-    crop: int = 0                      # center-crop images to crop x crop (0: the full 32x32)
-    conv: str = "500,1500"             # kernels per conv layer (the paper network: 500,1500)
-    ksize: int = 5                     # conv kernel size (square), stride 1
-    padding: int = 0                   # zero padding of every conv layer
-    fc: str = "256"                    # hidden FC widths before the 10-way output ('' for none)
+    data: str = option("synthetic", "'synthetic' (built in) or a CIFAR-10 python-format dir / .tar.gz")
+    synthetic_train: int = option(5000, "images in the built-in training set")
+    synthetic_test: int = option(1000, "images in the built-in test set")
+    crop: int = option(0, "center-crop images to crop x crop (0: the full 32x32)")
+    conv: str = option("500,1500", "kernels per conv layer (the paper network: 500,1500)")
+    ksize: int = option(5, "conv kernel size (square), stride 1")
+    padding: int = option(0, "zero padding of every conv layer")
+    fc: str = option("256", "hidden FC widths before the 10-way output ('' for none)")
     # optimisation
-    epochs: int = 1                    # passes over the training set
-    steps: int = 0                     # stop after this many steps in total (0: run all epochs)
-    batch_size: int = 128              # images per step
-    lr: float = 0.01                   # SGD learning rate
-    momentum: float = 0.9              # SGD momentum
-    weight_decay: float = 5e-4         # L2 on weights (not on biases)
-    seed: int = 0                      # initial weights and data order
+    epochs: int = option(1, "passes over the training set")
+    steps: int = option(0, "stop after this many steps in total (0: run all epochs)")
+    batch_size: int = option(128, "images per step")
+    lr: float = option(0.01, "SGD learning rate")
+    momentum: float = option(0.9, "SGD momentum")
+    weight_decay: float = option(5e-4, "L2 on weights (not on biases)")
+    seed: int = option(0, "initial weights and data order")
     # devices
-    threads: int = 0                   # threads per CPU device (0: every core this process may use)
-    split: str = "proportional"        # 'proportional' to measured speed, or 'equal' (the naive baseline)
-    use_all: bool = False              # keep every worker, even one whose fixed work makes the step slower
-    calibration_batch: int = 16        # images per calibration run (real layer shapes otherwise)
-    rebalance_after: int = 3           # every N steps, re-split from measured compute while it gains, up to 3 times (0: never)
-    exchange: str = "peer"             # 'peer': workers pass feature maps among themselves; 'star': all through the coordinator
-    micro_batches: int = 0             # pieces each batch is cut into so wire and compute overlap (0: auto, 1: none)
-    wire_dtype: str = "float32"        # feature maps and gradients on the wire: float32 (exact), bfloat16 or float16
-    snapshot_every: int = 0            # steps between in-memory snapshots a lost worker is recovered from (0: auto: at most 2 percent of step time)
-    min_workers: int = 1               # below this many workers, checkpoint and stop instead of going on
+    threads: int = option(0, "threads per CPU device (0: every core this process may use)")
+    split: str = option("proportional", "'proportional' to measured speed, or 'equal' (the naive baseline)")
+    use_all: bool = option(False, "keep every worker, even one whose fixed work makes the step slower")
+    calibration_batch: int = option(16, "images per calibration run (real layer shapes otherwise)")
+    rebalance_after: int = option(3, "every N steps, re-split from measured compute while it gains, up to 3 times (0: never)")
+    exchange: str = option("peer", "'peer': workers pass feature maps among themselves; 'star': all through the coordinator")
+    micro_batches: int = option(0, "pieces each batch is cut into so wire and compute overlap (0: auto, 1: none)")
+    wire_dtype: str = option("float32", "feature maps and gradients on the wire: float32 (exact), bfloat16 or float16")
+    snapshot_every: int = option(0, "steps between in-memory snapshots a lost worker is recovered from (0: auto: at most 2 percent of step time)")
+    min_workers: int = option(1, "below this many workers, checkpoint and stop instead of going on")
     # output
-    metrics: str = ""                  # JSON-lines metrics file ('' for none)
-    checkpoint_dir: str = ""           # where checkpoints go ('' for none)
-    checkpoint_every: int = 0          # steps between checkpoints (0: only at the end)
-    keep_checkpoints: int = 3          # newest checkpoints kept; older ones are deleted after each save
-    eval_batches: int = 0              # test batches to evaluate at the end (0: the whole test set)
+    metrics: str = option("", "JSON-lines metrics file ('' for none)")
+    checkpoint_dir: str = option("", "where checkpoints go ('' for none)")
+    checkpoint_every: int = option(0, "steps between checkpoints (0: only at the end)")
+    keep_checkpoints: int = option(3, "newest checkpoints kept; older ones are deleted after each save")
+    eval_batches: int = option(0, "test batches to evaluate at the end (0: the whole test set)")
 
     def conv_kernels(self):
         return parse_int_list("--conv", self.conv, allow_empty=False)
@@ -97,9 +108,17 @@ class Config:
         if self.micro_batches > self.batch_size:
             raise ValueError(f"--micro-batches {self.micro_batches} is more than the {self.batch_size} images of a batch")
         check_wire_dtype(self.wire_dtype)
-        if self.split not in ("proportional", "equal"):
-            raise ValueError(f"--split must be 'proportional' or 'equal', got {self.split!r}")
+        if self.split not in POLICIES:
+            raise ValueError(f"--split must be one of {', '.join(POLICIES)}, got {self.split!r}")
         return self
+
+    def check_same_network(self, saved):
+        """Raise unless `saved` (a Config) describes the same network as this one."""
+        for key in NETWORK_FIELDS:
+            then, now = getattr(saved, key), getattr(self, key)
+            if then != now:
+                raise ValueError(f"the checkpoint was trained with --{key.replace('_', '-')} {then!r}, "
+                                 f"this run asks for {now!r}")
 
 
 def parse_int_list(flag, text, allow_empty):
@@ -117,28 +136,111 @@ def parse_int_list(flag, text, allow_empty):
     return values
 
 
-def add_config_flags(parser: argparse.ArgumentParser):
-    """One flag per Config field, its default and its comment as help."""
-    import inspect
-    source = inspect.getsource(Config)
-    comments = {}
-    for line in source.splitlines():
-        line = line.strip()
-        if ":" in line and "#" in line and not line.startswith("#"):
-            comments[line.split(":")[0].strip()] = line.split("#", 1)[1].strip()
-    group = parser.add_argument_group("training")
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default once, after its help; text written in lines (the epilog's examples)
+    keeps them. An empty or off default (no file, a switch) is not printed: '(default: )' says
+    nothing."""
+
+    def _fill_text(self, text, width, indent):
+        if "\n" in text:
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.default == "" \
+                or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def add_config_flags(parser: argparse.ArgumentParser, names=None, title="training"):
+    """One flag per Config field (or per field in `names`): its default, and its help from the
+    field's metadata."""
+    group = parser.add_argument_group(title)
     for f in dataclasses.fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in (bool, "bool"):
-            group.add_argument(flag, action="store_true", help=comments.get(f.name, ""))
-            continue
-        group.add_argument(flag, type=f.type, default=f.default,
-                           help=f"{comments.get(f.name, '')} (default: {f.default!r})")
+        if names is None or f.name in names:
+            flag = "--" + f.name.replace("_", "-")
+            if f.type in (bool, "bool"):
+                group.add_argument(flag, action="store_true", help=f.metadata["help"])
+                continue
+            group.add_argument(flag, type=f.type, default=f.default,
+                               choices=POLICIES if f.name == "split" else None, help=f.metadata["help"])
+    return group
 
 
 def config_from_args(args):
     return Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config)}).validate()
 
 
-def dump(config):
-    return json.dumps(config.to_json(), sort_keys=True)
+# ---- checks of command-line values that are not part of the run's config ---------------------
+
+def check_range(flag, value, low, inclusive=True):
+    """Raise ValueError naming the flag unless value >= low (value > low when not inclusive)."""
+    if value < low or (not inclusive and value == low):
+        raise ValueError(f"{flag} must be {'>=' if inclusive else '>'} {low}, got {value}")
+    return value
+
+
+_ENDPOINT_RE = re.compile(r"^(tcp|ipc)://(.+)$")
+
+
+def check_endpoint(flag, text, bind=False):
+    """A ZeroMQ endpoint: tcp://HOST:PORT or ipc://PATH (a bind may use port 0 or * for any free
+    port). Raises ValueError naming what is missing, before zmq raises ZMQError about it."""
+    m = _ENDPOINT_RE.match(str(text).strip())
+    example = "tcp://127.0.0.1:5555"
+    if not m:
+        raise ValueError(f"{flag} {text!r}: expected tcp://HOST:PORT or ipc://PATH, e.g. {example}")
+    if m.group(1) == "ipc":
+        return text
+    host, sep, port = m.group(2).rpartition(":")
+    if not sep or not host or not port:
+        raise ValueError(f"{flag} {text!r} has no port: expected tcp://HOST:PORT, e.g. {example}")
+    if not (bind and port in ("0", "*")) and not (port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(f"{flag} {text!r}: the port must be a number from 1 to 65535, got {port!r}")
+    return text
+
+
+def usable_cores():
+    """How many cores this process may run on (its affinity, where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def threads_note(threads):
+    """A line when --threads asks for more than this process's cores: a CPU device caps it there."""
+    cores = usable_cores()
+    if threads > cores:
+        return (f"note: --threads {threads} is more than the {cores} core(s) this process may use: "
+                f"a CPU device runs {cores} thread(s)")
+    return ""
+
+
+def check_output_file(flag, path):
+    """Make sure `path` can be written (its folder is created), before any work is done."""
+    if not path:
+        return
+    existed = os.path.exists(path)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        if os.path.isdir(path):
+            raise IsADirectoryError("it is a directory")
+        with open(path, "a"):           # append: an existing file is left as it is
+            pass
+        if not existed:
+            os.remove(path)
+    except OSError as e:
+        raise ValueError(f"{flag} {path!r} cannot be written: {e.strerror or e}") from None
+
+
+def check_output_dir(flag, path):
+    """Make sure `path` is (or can be made) a writable directory, before any work is done."""
+    if not path:
+        return
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{flag} {path!r} is a file, not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{flag} {path!r} cannot be created: {e.strerror or e}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path!r} is not writable")

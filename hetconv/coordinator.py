@@ -8,15 +8,26 @@ The engines live in hetconv.engine (the contract, and --local) and hetconv.remot
 ZeroMQ); this module is the command line.
 """
 import argparse
+import os
 import signal
 import sys
 
-from hetconv.config import add_config_flags, config_from_args
+from hetconv.config import (HelpFormatter, add_config_flags, check_endpoint, check_output_dir, check_output_file,
+                            check_range, config_from_args, threads_note, usable_cores)
 from hetconv.planner import PlanError
 from hetconv.remote import RemoteEngine, WorkerError, WorkerLost
 
 
 # ---- command line --------------------------------------------------------------------------------
+
+EXAMPLES = """examples:
+  hetconv-coordinator --spawn cpu,cpu                       two local CPU workers (the default)
+  hetconv-coordinator --spawn cpu:1,cpu:1,cuda:0            two 1-thread CPU workers and GPU 0
+  hetconv-coordinator --local --conv 4,8 --fc 8 --steps 2   a tiny single-device run
+  hetconv-coordinator --bind tcp://0.0.0.0:5555 --workers 3 wait for three hetconv-worker processes
+  hetconv-coordinator --spawn cpu,cpu --checkpoint-dir ckpt --metrics run.jsonl
+  hetconv-coordinator --spawn cpu,cpu --resume ckpt --checkpoint-dir ckpt --metrics run.jsonl"""
+
 
 def build_parser():
     p = argparse.ArgumentParser(
@@ -25,45 +36,88 @@ def build_parser():
                     "their measured speed; FC layers, loss and checkpoints stay here. With no mode flag it "
                     "spawns two local CPU workers (--spawn cpu,cpu) and trains the paper network on the "
                     "built-in synthetic data set.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    mode = p.add_argument_group("where the conv layers run (choose one)")
+        epilog=EXAMPLES, formatter_class=HelpFormatter)
+    group = p.add_argument_group("where the conv layers run (choose one)")
+    mode = group.add_mutually_exclusive_group()
     mode.add_argument("--local", action="store_true", help="in this process on one CPU device: the single-device baseline")
-    mode.add_argument("--spawn", default="", help="start these workers on this host, e.g. cpu,cpu or cpu,cuda:0")
-    mode.add_argument("--workers", type=int, default=0, help="wait for this many external hetconv-worker processes")
+    mode.add_argument("--spawn", default=None,
+                      help="start these workers on this host: a comma list of cpu, cpu:THREADS, cuda:N, each "
+                           "optionally xCOUNT, e.g. cpu,cpu or cpu:1x2,cuda:0 (default: cpu,cpu)")
+    mode.add_argument("--workers", type=int, default=None, help="wait for this many external hetconv-worker processes")
     net = p.add_argument_group("network")
-    net.add_argument("--bind", default="", help="address to listen on (default tcp://127.0.0.1:5555 with --workers, "
+    net.add_argument("--bind", default="", help="address to listen on (default: tcp://127.0.0.1:5555 with --workers, "
                                                 "a free loopback port with --spawn)")
     net.add_argument("--worker-timeout", type=float, default=10.0, help="seconds without a heartbeat before a worker counts as lost")
     net.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for workers to connect")
     net.add_argument("--op-timeout", type=float, default=600.0, help="seconds any one request may take")
     net.add_argument("--no-pin", action="store_true", help="do not pin spawned CPU workers to disjoint cores")
     p.add_argument("--resume", default="", help="a checkpoint file, or a directory (its newest checkpoint)")
+    p.add_argument("--verbose", action="store_true", help="print a failing worker's own traceback too")
     add_config_flags(p)
     return p
 
 
+def _spawn_list(args):
+    """--spawn's devices, one string per worker: 'cpu', 'cpu:THREADS' or 'cuda:N'."""
+    from hetconv.devices import parse_device_list
+    entries = parse_device_list("--spawn", "cpu,cpu" if args.spawn is None else args.spawn)
+    return [e.label for e in entries for _ in range(e.count)]
+
+
+def _check_args(args, cfg):
+    """Every value that can be checked before any work starts (workers, calibration, training)."""
+    for flag, value in (("--worker-timeout", args.worker_timeout), ("--connect-timeout", args.connect_timeout),
+                        ("--op-timeout", args.op_timeout)):
+        check_range(flag, value, 0, inclusive=False)
+    if args.workers is not None:
+        check_range("--workers", args.workers, 1)
+    if args.bind:
+        check_endpoint("--bind", args.bind, bind=True)
+    check_output_dir("--checkpoint-dir", cfg.checkpoint_dir)
+    check_output_file("--metrics", cfg.metrics)
+    if args.resume and not os.path.exists(args.resume):
+        raise ValueError(f"--resume {args.resume!r}: no such checkpoint file or directory")
+
+
+def _pinning_note(spawn, threads, pin):
+    """A line when spawned CPU workers cannot each have their own cores (so they are not pinned)."""
+    cores = usable_cores()
+    cpu_workers = spawn.count("cpu")
+    if pin and threads and cpu_workers and threads * cpu_workers > cores:
+        return (f"note: {cpu_workers} CPU worker(s) x --threads {threads} is more than the {cores} core(s) "
+                f"this process may use: the workers are not pinned to cores and will share them")
+    return ""
+
+
+def _on_sigterm(signum, frame):
+    # SIGTERM ends the run like an exception, so the finally in main still ends every worker.
+    print("hetconv-coordinator: terminated (SIGTERM): stopping the workers, no checkpoint is written",
+          file=sys.stderr, flush=True)
+    raise SystemExit(143)
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    from hetconv.checkpoint import CheckpointError
+    from hetconv.data import DataError, load_dataset
+    from hetconv.devices import DeviceError
     try:
         cfg = config_from_args(args)
-    except ValueError as e:
+        _check_args(args, cfg)
+        spawn = [] if args.local or args.workers else _spawn_list(args)
+        # the data set is read before any worker starts: a wrong --data costs nothing
+        ds = load_dataset(cfg.data, seed=cfg.seed,
+                          n_train=cfg.synthetic_train if cfg.data == "synthetic" else None,
+                          n_test=cfg.synthetic_test if cfg.data == "synthetic" else None)
+    except (ValueError, DeviceError, DataError) as e:
         print(f"hetconv-coordinator: {e}", file=sys.stderr)
         return 2
-    modes = [bool(args.local), bool(args.spawn), args.workers > 0]
-    if sum(modes) > 1:
-        print("hetconv-coordinator: choose one of --local, --spawn, --workers", file=sys.stderr)
-        return 2
-    if args.workers < 0:
-        print(f"hetconv-coordinator: --workers must be >= 1, got {args.workers}", file=sys.stderr)
-        return 2
-    if sum(modes) == 0:
-        args.spawn = "cpu,cpu"
-    # SIGTERM ends the run like an exception, so the finally below still ends every worker.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(143)))
+    note = threads_note(cfg.threads) if args.local else _pinning_note(spawn, cfg.threads, not args.no_pin)
+    if note:
+        print(note, file=sys.stderr)
+    signal.signal(signal.SIGTERM, _on_sigterm)
     engine = None
-    from hetconv.checkpoint import CheckpointError
-    from hetconv.data import DataError
-    from hetconv.devices import DeviceError, parse_device
+    summary = {}
     try:
         if args.local:
             from hetconv.devices import open_device
@@ -73,18 +127,16 @@ def main(argv=None):
             print(f"local: {device.describe()}")
             engine = LocalEngine({"local": ConvShard(device)})
         else:
-            spawn = [s.strip() for s in args.spawn.split(",") if s.strip()] if args.spawn else []
-            for s in spawn:
-                parse_device(s)
             bind = args.bind or ("tcp://127.0.0.1:0" if spawn else "tcp://127.0.0.1:5555")
-            engine = RemoteEngine(bind, args.workers, spawn, threads=cfg.threads, worker_timeout=args.worker_timeout,
-                                  connect_timeout=args.connect_timeout, op_timeout=args.op_timeout, pin=not args.no_pin,
+            engine = RemoteEngine(bind, args.workers or 0, spawn, threads=cfg.threads,
+                                  worker_timeout=args.worker_timeout, connect_timeout=args.connect_timeout,
+                                  op_timeout=args.op_timeout, pin=not args.no_pin,
                                   exchange=cfg.exchange, wire=cfg.wire_dtype)
         from hetconv.train import train
-        summary = train(cfg, engine, resume=args.resume or None)
+        summary = train(cfg, engine, resume=args.resume or None, dataset=ds)
     except (WorkerError, WorkerLost, PlanError, DeviceError, DataError, CheckpointError, ValueError, FloatingPointError) as e:
         print(f"hetconv-coordinator: {e}", file=sys.stderr)
-        if isinstance(e, WorkerError) and e.remote_traceback:
+        if args.verbose and isinstance(e, WorkerError) and e.remote_traceback:
             print(f"--- worker traceback ---\n{e.remote_traceback}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

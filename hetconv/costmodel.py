@@ -1,8 +1,6 @@
 """The cost model: a step's time, speedup and wire bytes, predicted from calibrated device timings,
-layer shapes, batch size and link bandwidth — before anything is bought or wired.
-
-    hetconv-predict --devices cpu:1x4 --bandwidth 1gbit       # four 1-thread CPUs like this one, 1 GbE
-    hetconv-predict --devices cpu:1,@gpu-host.json --bandwidth 10gbit
+layer shapes, batch size and link bandwidth — before anything is bought or wired. The
+`hetconv-predict` command (hetconv/predict.py) measures what this model needs and prints it.
 
 The model of one step, phase by phase (each conv layer's forward, then each one's backward):
 - Device time: from calibration, per layer, seconds = batch * (fixed + per_kernel * k). Two
@@ -13,19 +11,12 @@ The model of one step, phase by phase (each conv layer's forward, then each one'
   request has arrived; replies come back over the same link in the order they are ready.
 - Coordinator: FC layers, loss, concatenating channel slices and summing partial dX, measured
   on this host and added once per step (the workers are idle meanwhile: a step is synchronous).
-The pure functions below (fit, wire bytes, predict) take no clocks and no sockets; the
-measuring helpers are at the end.
+Everything here is pure: no clocks, no sockets, no devices (those are in hetconv/predict.py).
 """
-import argparse
-import json
 import re
-import sys
-import time
 from dataclasses import asdict, dataclass
 
-import numpy as np
-
-from hetconv.geometry import IMAGE_SHAPE, layer_input_shapes
+from hetconv.geometry import layer_input_shapes
 
 FLOAT_BYTES = 4
 
@@ -184,6 +175,12 @@ def predict_step(specs, image_shape, batch, counts, profiles, link, coordinator_
     return Prediction(total, coordinator_s, workers, timeline)
 
 
+def split_sizes(total, parts):
+    """The sizes numpy.array_split gives: the first total % parts pieces one larger."""
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
 class _Timeline:
     """List scheduling on sequential resources (a device, a link's one direction, the
     coordinator's CPU): a task starts when its inputs are ready and its resources are free, in
@@ -223,7 +220,7 @@ def predict_peer_step(specs, image_shape, batch, counts, profiles, link, coordin
     names = list(counts)
     geometry = layer_geometry(specs, image_shape, batch)
     layers = len(specs)
-    sizes = [len(part) for part in np.array_split(np.arange(batch), micro_batches)]
+    sizes = split_sizes(batch, micro_batches)
     t = _Timeline()
     c = "coordinator"
     compute = {w: 0.0 for w in names}
@@ -236,7 +233,7 @@ def predict_peer_step(specs, image_shape, batch, counts, profiles, link, coordin
     have_input = {}
     for m, b in enumerate(sizes):
         (_, ch, h, wd), _ = geometry[0]
-        rows = [len(r) for r in np.array_split(np.arange(b), len(names))]
+        rows = split_sizes(b, len(names))
         arrived = {w: t.send(c, w, r * ch * h * wd * value_bytes, 0.0, link) for w, r in zip(names, rows)}
         gathered = {w: arrived[w] for w in names}
         for src, r in zip(names, rows):
@@ -301,7 +298,7 @@ def predict_any(exchange, specs, image_shape, batch, counts, profiles, link, coo
                                  micro_batches, value_bytes)
     if exchange != "star":
         raise ValueError(f"exchange must be 'peer' or 'star', got {exchange!r}")
-    sizes = [len(part) for part in np.array_split(np.arange(batch), micro_batches)]
+    sizes = split_sizes(batch, micro_batches)
     parts = [predict_step(specs, image_shape, b, counts, profiles, link, coordinator_s * b / batch, value_bytes)
              for b in sizes]
     workers = {w: {key: sum(p.workers[w][key] for p in parts) for key in parts[0].workers[w]} for w in counts}
@@ -335,209 +332,3 @@ def predict_local(specs, batch, profile, coordinator_s):
     conv = sum(profile.layers[li].forward_s(s.kernels, batch) + profile.layers[li].backward_s(s.kernels, batch)
                for li, s in enumerate(specs))
     return conv + coordinator_s
-
-
-# ---- measuring helpers (clocks and sockets live here, not above) ---------------------------------
-
-def _timing_engine(specs, image_shape, batch, n, rng):
-    """Stands in for `n` workers so the coordinator's own share of a step can be timed: the
-    engine's real concatenation and dX sum around ready-made replies (no shard computes)."""
-    from hetconv.engine import Engine
-    from hetconv.planner import make_plan
-
-    geometry = layer_geometry(specs, image_shape, batch)
-    names = [f"w{i}" for i in range(n)]
-
-    class TimingEngine(Engine):
-        workers = names
-
-        def __init__(self):
-            super().__init__()
-            self.plan = make_plan([s.kernels for s in specs], {w: None for w in names}, "equal")
-            self.outputs = [{w: rng.random((b, lp.count(w), hp, wp), dtype=np.float32) for w in names}
-                            for lp, (_, (b, hp, wp)) in zip(self.plan.layers, geometry)]
-            self.partials = [np.ones(shape, np.float32) for shape, _ in geometry]
-
-        def _call(self, requests, doing, layer=None):
-            replies = {}
-            for name, (op, arrays, fields) in requests.items():
-                if op == "FORWARD":
-                    replies[name] = ([self.outputs[layer][name]], {})
-                else:
-                    replies[name] = ([self.partials[layer]] if fields["need_dx"] else [], {})
-            return replies
-
-    return TimingEngine()
-
-
-def measure_coordinator_s(specs, fc_sizes, image_shape, batch, n_workers, repeats=3):
-    """Seconds of coordinator work per step (FC, loss, concatenation, dX sum) on this host."""
-    from hetconv.model import Network
-    rng = np.random.default_rng(0)
-    engine = _timing_engine(specs, image_shape, batch, n_workers, rng)
-    net = Network(specs, fc_sizes, engine, rng, image_shape)
-    x = np.zeros((batch,) + tuple(image_shape), np.float32)
-    labels = rng.integers(0, 10, batch)
-    best = float("inf")
-    for rep in range(repeats + 1):
-        t0 = time.perf_counter()
-        net.train_step(x, labels, 1e-6, 0.0, 0.0)
-        if rep:
-            best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def measure_loopback(megabytes=64, repeats=3):
-    """Bytes/s of one large ZeroMQ message over TCP on 127.0.0.1, one way, as hetconv sends them."""
-    import threading
-
-    import zmq
-    ctx = zmq.Context()
-    try:
-        rx, tx = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-        rx.linger = tx.linger = 0
-        port = rx.bind_to_random_port("tcp://127.0.0.1")
-        tx.connect(f"tcp://127.0.0.1:{port}")
-        payload = np.ones(megabytes << 18, np.float32)            # megabytes MiB
-        best = float("inf")
-        for _ in range(repeats + 1):
-            done = threading.Event()
-            threading.Thread(target=lambda: (rx.recv(copy=False), done.set()), daemon=True).start()
-            t0 = time.perf_counter()
-            tx.send(payload, copy=False)
-            if not done.wait(30):
-                raise RuntimeError("loopback measurement: no message arrived within 30s")
-            best = min(best, time.perf_counter() - t0)
-        return payload.nbytes / best
-    finally:
-        ctx.destroy(linger=0)
-
-
-def calibrate_local(device_spec, specs, input_shapes, kernels, threads=None, repeats=3):
-    """A DeviceProfile for a device in this process (what a worker on it would report)."""
-    from hetconv.devices import open_device
-    from hetconv.shard import ConvShard
-    options = {"threads": threads} if device_spec == "cpu" and threads else {}
-    device = open_device(device_spec, **options)
-    _, timings = ConvShard(device).calibrate(specs, input_shapes, kernels, repeats=repeats)
-    return DeviceProfile(f"{device_spec}:{threads}" if threads else device_spec, device_spec, device.describe(),
-                         tuple(LayerCost.fit(t) for t in timings))
-
-
-# ---- hetconv-predict ------------------------------------------------------------------------
-
-def _parse_devices(text):
-    """'cpu:1x4,cuda:0,@gpu.json' -> [(kind, threads, count, profile path)]."""
-    entries = []
-    for item in [t.strip() for t in text.split(",") if t.strip()]:
-        m = re.fullmatch(r"(@[^x]+|cpu(?::(\d+))?|cuda:\d+)(?:x(\d+))?", item)
-        if not m:
-            raise ValueError(f"device entry {item!r}: expected cpu, cpu:THREADS, cuda:N or @PROFILE.json, "
-                             f"optionally followed by xCOUNT (e.g. cpu:1x4)")
-        head, threads, count = m.group(1), m.group(2), int(m.group(3) or 1)
-        if count < 1:
-            raise ValueError(f"device entry {item!r}: the count must be >= 1")
-        entries.append((head, int(threads) if threads else None, count))
-    if not entries:
-        raise ValueError("--devices needs at least one entry, e.g. cpu:1x4")
-    return entries
-
-
-def build_parser():
-    p = argparse.ArgumentParser(
-        prog="hetconv-predict",
-        description="Predict step time, speedup over one device, and wire bytes for a set of devices, from "
-                    "calibrating the devices you have (or saved profiles) and the link's bandwidth.",
-        epilog="examples: hetconv-predict --devices cpu:1x4 --bandwidth 1gbit  |  "
-               "hetconv-predict --devices cpu:4,@gpu.json --bandwidth 10gbit --batch-size 32")
-    p.add_argument("--devices", default="cpu:1x2",
-                   help="comma list: cpu (all cores), cpu:THREADS, cuda:N, or @PROFILE.json (saved with "
-                        "--save-profiles on another host); xCOUNT repeats an entry (default: cpu:1x2)")
-    p.add_argument("--bandwidth", default="loopback",
-                   help="the coordinator's link: 100mbit, 1gbit, 10gbit, ... or 'loopback' (measured here)")
-    p.add_argument("--conv", default="500,1500", help="kernels per conv layer")
-    p.add_argument("--fc", default="256", help="hidden FC widths")
-    p.add_argument("--ksize", type=int, default=5)
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--split", default="proportional", choices=["proportional", "equal"])
-    p.add_argument("--calibration-batch", type=int, default=16, help="images per calibration run")
-    p.add_argument("--save-profiles", default="", help="write the calibrated device profiles to this JSON file")
-    p.add_argument("--json", action="store_true", help="print the prediction as JSON")
-    return p
-
-
-def main(argv=None):
-    from hetconv.config import parse_int_list
-    from hetconv.geometry import conv_specs
-    from hetconv.planner import make_plan
-
-    args = build_parser().parse_args(argv)
-    try:
-        entries = _parse_devices(args.devices)
-        specs = conv_specs(parse_int_list("--conv", args.conv, False), args.ksize)
-        fc = parse_int_list("--fc", args.fc, True)
-        image = IMAGE_SHAPE
-        input_shapes, _ = layer_input_shapes(specs, args.batch_size, image)
-        link = (Link(measure_loopback(), name="loopback (measured)") if args.bandwidth == "loopback"
-                else parse_bandwidth(args.bandwidth))
-    except (ValueError, OSError) as e:
-        print(f"hetconv-predict: {e}", file=sys.stderr)
-        return 2
-    n_total = sum(count for _, _, count in entries)
-    cal_batch = min(args.calibration_batch, args.batch_size)
-    cal_shapes = [(cal_batch,) + s[1:] for s in input_shapes]
-    share = [-(-s.kernels // n_total) for s in specs]
-    profiles, order = {}, []
-    for head, threads, count in entries:
-        key = head
-        if key not in profiles:
-            try:
-                if head.startswith("@"):
-                    with open(head[1:]) as f:
-                        saved = json.load(f)
-                    saved = saved if isinstance(saved, list) else [saved]
-                    profiles[key] = DeviceProfile.from_json(saved[0])
-                    if len(profiles[key].layers) != len(specs):
-                        raise ValueError(f"{head[1:]}: profile has {len(profiles[key].layers)} layers, --conv has {len(specs)}")
-                else:
-                    print(f"calibrating {key} ...", file=sys.stderr, flush=True)
-                    profiles[key] = calibrate_local(head.split(":")[0] if head.startswith("cpu") else head, specs,
-                                                    cal_shapes, share, threads=threads)
-            except Exception as e:
-                print(f"hetconv-predict: {key}: {e}", file=sys.stderr)
-                return 2
-        order += [key] * count
-    if args.save_profiles:
-        with open(args.save_profiles, "w") as f:
-            json.dump([p.to_json() for p in profiles.values()], f, indent=1)
-    names = [f"d{i}-{key}" for i, key in enumerate(order)]
-    by_name = {n: profiles[k] for n, k in zip(names, order)}
-    coordinator_s = {n: measure_coordinator_s(specs, fc, image, args.batch_size, n) for n in range(1, len(names) + 1)}
-    local_s = predict_local(specs, args.batch_size, by_name[names[0]], coordinator_s[1])
-    rows = []
-    for n in range(1, len(names) + 1):
-        subset = names[:n]
-        speeds = {w: [1.0 / (by_name[w].layers[li].forward_s(1, 1) + by_name[w].layers[li].backward_s(1, 1))
-                      for li in range(len(specs))] for w in subset}
-        plan = make_plan([s.kernels for s in specs], speeds, args.split)
-        counts = {w: [lp.count(w) for lp in plan.layers] for w in subset}
-        pred = predict_step(specs, image, args.batch_size, counts, by_name, link, coordinator_s[n])
-        rows.append({"devices": order[:n], "step_s": pred.step_s,
-                     "speedup": local_s / pred.step_s, "efficiency": local_s / pred.step_s / n,
-                     "wire_mb": sum(v["sent"] + v["recv"] for v in pred.workers.values()) / 1e6,
-                     "counts": counts, "prediction": pred.to_json()})
-    if args.json:
-        print(json.dumps({"link": asdict(link), "local_step_s": local_s, "rows": rows}, indent=1))
-        return 0
-    print(f"link: {link.name} = {link.bytes_per_s / 1e6:,.0f} MB/s; batch {args.batch_size}; conv {args.conv}; "
-          f"split {args.split}; single-device baseline {local_s:.3f} s/step ({order[0]})")
-    for key, prof in profiles.items():
-        print(f"  {key}: {prof.description}")
-    print(f"{'devices':<34} {'step s':>8} {'speedup':>8} {'effic.':>7} {'wire MB/step':>13}")
-    for r in rows:
-        print(f"{','.join(r['devices']):<34} {r['step_s']:8.3f} {r['speedup']:8.2f} {r['efficiency']:7.2f} {r['wire_mb']:13.1f}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

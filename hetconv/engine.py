@@ -30,11 +30,12 @@ from hetconv.wire import decode, encode
 
 
 class WorkerError(RuntimeError):
-    """A worker raised while serving a request; carries its name, what it was doing and its traceback."""
+    """A worker raised while serving a request; its message names the worker and what it was doing,
+    and it carries the worker's traceback."""
 
     def __init__(self, worker, doing, name, message, remote_traceback=""):
         super().__init__(f"worker {worker} failed during {doing}: {name}: {message}")
-        self.worker, self.doing, self.remote_traceback = worker, doing, remote_traceback
+        self.worker, self.remote_traceback = worker, remote_traceback
 
 
 class WorkerLost(RuntimeError):

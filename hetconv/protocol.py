@@ -36,10 +36,6 @@ class ProtocolError(ValueError):
 class ProtocolVersionError(ProtocolError):
     """A well-formed header from a peer that speaks another protocol version."""
 
-    def __init__(self, message, header):
-        super().__init__(message)
-        self.header = header
-
 
 @dataclass
 class Message:
@@ -47,9 +43,6 @@ class Message:
     seq: int
     fields: dict = field(default_factory=dict)
     arrays: list = field(default_factory=list)
-
-    def nbytes(self):
-        return sum(a.nbytes for a in self.arrays)
 
 
 def pack(op, seq=0, arrays=(), **fields):
@@ -97,8 +90,7 @@ def unpack(frames, accept_any_version=False):
         raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}")
     version = header.get("v")
     if version != PROTOCOL_VERSION and not accept_any_version:
-        raise ProtocolVersionError(f"peer speaks protocol version {version!r}, this side speaks {PROTOCOL_VERSION}",
-                                   header)
+        raise ProtocolVersionError(f"peer speaks protocol version {version!r}, this side speaks {PROTOCOL_VERSION}")
     op, seq, specs = header.get("op"), header.get("seq"), header.get("arrays", [])
     if not isinstance(op, str) or op not in OPS:     # a list or map is unhashable: test the type first
         raise ProtocolError(f"unknown op {op!r:.200}: expected one of {sorted(OPS)}")

@@ -11,6 +11,7 @@ import numpy as np
 from tqdm import tqdm
 
 from hetconv import checkpoint
+from hetconv.config import Config
 from hetconv.data import batches, load_dataset, test_batches
 from hetconv.elastic import Elastic
 from hetconv.engine import WorkerLost
@@ -22,13 +23,14 @@ MAX_REBALANCES = 3
 
 
 class MetricsWriter:
-    """JSON lines, flushed per record so a crash loses at most the line being written."""
+    """JSON lines, flushed per record so a crash loses at most the line being written. A resumed
+    run appends, so the records of the steps before the checkpoint stay."""
 
-    def __init__(self, path):
+    def __init__(self, path, append=False):
         self.file = None
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self.file = open(path, "w")
+            self.file = open(path, "a" if append else "w")
 
     def write(self, event, **fields):
         if self.file:
@@ -43,7 +45,8 @@ class MetricsWriter:
 class _StopAfterStep:
     """First Ctrl-C: finish the running step, checkpoint, stop. Second Ctrl-C: stop at once."""
 
-    def __init__(self):
+    def __init__(self, saving):
+        self.saving = saving
         self.requested = False
         self._previous = None
 
@@ -56,8 +59,8 @@ class _StopAfterStep:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        print("\ninterrupt: finishing this step, then saving and stopping (Ctrl-C again to stop now)",
-              file=sys.stderr, flush=True)
+        then = "saving a checkpoint and stopping" if self.saving else "stopping (no --checkpoint-dir: nothing is saved)"
+        print(f"\ninterrupt: finishing this step, then {then} (Ctrl-C again to stop now)", file=sys.stderr, flush=True)
 
     def __exit__(self, *exc):
         if self._previous is not None:
@@ -65,10 +68,11 @@ class _StopAfterStep:
 
 
 def _compatible(saved, cfg):
-    for key in ("conv", "fc", "ksize", "padding"):
-        if str(saved.get(key)) != str(getattr(cfg, key)):
-            raise checkpoint.CheckpointError(
-                f"checkpoint was trained with --{key} {saved.get(key)!r}, this run asks for {getattr(cfg, key)!r}")
+    """Raise CheckpointError unless the checkpoint's saved config has this run's network."""
+    try:
+        cfg.check_same_network(Config.from_json(saved))
+    except (TypeError, ValueError) as e:
+        raise checkpoint.CheckpointError(f"cannot resume: {e}") from None
 
 
 def resolve_micro_batches(cfg, engine):
@@ -100,29 +104,35 @@ def evaluate(net, ds, batch_size, max_batches=0, crop=0):
     return correct / max(seen, 1), seen
 
 
-def train(cfg, engine, log=print, resume=None, metrics_extra=None):
+def train(cfg, engine, log=print, resume=None, metrics_extra=None, dataset=None):
     """Train per `cfg` with conv layers on `engine`. `engine.plan_for(specs, input_shapes, cfg)`
-    returns the kernel split; the loop is otherwise transport-agnostic. Returns a summary dict."""
-    metrics = MetricsWriter(cfg.metrics)
+    returns the kernel split; the loop is otherwise transport-agnostic. `dataset`, when given, is
+    cfg.data already loaded (the command line loads it before starting workers). Returns a
+    summary dict."""
+    metrics = MetricsWriter(cfg.metrics, append=bool(resume))
     try:
-        return _train(cfg, engine, log, resume, metrics, metrics_extra or {})
+        return _train(cfg, engine, log, resume, metrics, metrics_extra or {}, dataset)
     finally:
         metrics.close()
 
 
-def _train(cfg, engine, log, resume, metrics, metrics_extra):
+def _train(cfg, engine, log, resume, metrics, metrics_extra, ds):
     t_setup = time.perf_counter()
-    ds = load_dataset(cfg.data, seed=cfg.seed,
-                      n_train=cfg.synthetic_train if cfg.data == "synthetic" else None,
-                      n_test=cfg.synthetic_test if cfg.data == "synthetic" else None)
+    if ds is None:
+        ds = load_dataset(cfg.data, seed=cfg.seed,
+                          n_train=cfg.synthetic_train if cfg.data == "synthetic" else None,
+                          n_test=cfg.synthetic_test if cfg.data == "synthetic" else None)
     specs = conv_specs(cfg.conv_kernels(), cfg.ksize, cfg.padding)
     input_shapes, _ = layer_input_shapes(specs, cfg.batch_size, cfg.image_shape())
     steps_per_epoch = len(ds.train_y) // cfg.batch_size
     if steps_per_epoch < 1:
         raise ValueError(f"--batch-size {cfg.batch_size} is larger than the {len(ds.train_y)} training images of {ds.name}")
     total_steps = cfg.epochs * steps_per_epoch
-    if cfg.steps:
-        total_steps = min(total_steps, cfg.steps)
+    if cfg.steps > total_steps:
+        log(f"--steps {cfg.steps} is more than {cfg.epochs} epoch(s) of {steps_per_epoch} steps: "
+            f"stopping after {total_steps} (raise --epochs for more)")
+    elif cfg.steps:
+        total_steps = cfg.steps
     metrics.write("config", config=cfg.to_json(), data=repr(ds), **metrics_extra)
 
     rng = np.random.default_rng(cfg.seed)
@@ -169,12 +179,17 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra):
     rebalance_at = (start_step + cfg.rebalance_after
                     if cfg.rebalance_after >= 2 and cfg.split == "proportional"
                     and engine.fixed_plan is None else 0)
+    if rebalance_at >= total_steps:
+        if rebalance_at and len(getattr(engine, "workers", ())) > 1:
+            log(f"no rebalancing: {total_steps} steps are too few (the first re-split comes after step {rebalance_at}, "
+                f"see --rebalance-after)")
+        rebalance_at = 0
     losses, step_times = [], []
     last_ckpt = None
     interrupted = False
     last_line = time.monotonic()
     bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, disable=None)
-    with _StopAfterStep() as stop:
+    with _StopAfterStep(saving=bool(cfg.checkpoint_dir)) as stop:
         while step < total_steps and not stop.requested:
             epoch = step // steps_per_epoch
             skip = step % steps_per_epoch

@@ -17,6 +17,8 @@ import threading
 import time
 import uuid
 
+from hetconv.config import HelpFormatter, check_endpoint, check_range, threads_note
+
 # Pinning and thread caps must happen before numpy/numba load their thread pools.
 def _early_pin(argv):
     parser = argparse.ArgumentParser(add_help=False)
@@ -40,9 +42,12 @@ def build_parser():
         prog="hetconv-worker",
         description="Serve a slice of every conv layer's kernels on one device to a hetconv coordinator. "
                     "Start one per device; the coordinator calibrates them and splits kernels by speed.",
-        epilog="example: hetconv-worker --device cpu --connect tcp://10.0.0.5:5555 --threads 4")
-    p.add_argument("--device", required=True, help="'cpu' or 'cuda:N' (GPU N of this host)")
-    p.add_argument("--connect", required=True, help="the coordinator's address, e.g. tcp://127.0.0.1:5555")
+        epilog="examples:\n"
+               "  hetconv-worker --device cpu --connect tcp://10.0.0.5:5555 --threads 4\n"
+               "  hetconv-worker --device cuda:0 --connect tcp://10.0.0.5:5555 --name gpu0",
+        formatter_class=HelpFormatter)
+    p.add_argument("--device", required=True, help="'cpu', 'cpu:THREADS' or 'cuda:N' (GPU N of this host)")
+    p.add_argument("--connect", required=True, help="the coordinator's address, tcp://HOST:PORT, e.g. tcp://127.0.0.1:5555")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for a cpu device (0: every core this process may use)")
     p.add_argument("--name", default="", help="a label for tables and logs (default: DEVICE@HOST)")
     p.add_argument("--cores", default="", help="pin this worker to these CPU cores, e.g. 0,1 (before any thread pool starts)")
@@ -51,8 +56,34 @@ def build_parser():
     p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats")
     p.add_argument("--peer-address", default="", help="address other workers reach this one on (default: the "
                                                       "interface this host uses to reach the coordinator)")
+    p.add_argument("--verbose", action="store_true", help="print the traceback of a failure while serving")
     p.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
     return p
+
+
+def _check_args(args):
+    """Range and syntax checks of every flag, before a device opens or a socket connects. Turns
+    --device cpu:THREADS into --device cpu --threads THREADS."""
+    from hetconv.devices import DeviceError, parse_device_list
+    try:
+        check_endpoint("--connect", args.connect)
+        for flag, value in (("--connect-timeout", args.connect_timeout), ("--idle-timeout", args.idle_timeout),
+                            ("--heartbeat", args.heartbeat)):
+            check_range(flag, value, 0, inclusive=False)
+        check_range("--threads", args.threads, 0)
+        entries = parse_device_list("--device", args.device)
+        if len(entries) != 1 or entries[0].count != 1:
+            raise ValueError(f"--device {args.device!r}: one device per worker, e.g. cpu or cuda:0")
+    except (ValueError, DeviceError) as e:
+        raise WorkerExit(str(e)) from None
+    entry = entries[0]
+    if entry.threads:
+        if args.threads and args.threads != entry.threads:
+            raise WorkerExit(f"--device {args.device} and --threads {args.threads} disagree: give one of them")
+        args.threads = entry.threads
+    args.device = entry.device
+    if args.heartbeat >= args.idle_timeout:
+        raise WorkerExit(f"--heartbeat {args.heartbeat} must be shorter than --idle-timeout {args.idle_timeout}")
 
 
 class WorkerExit(Exception):
@@ -117,12 +148,12 @@ def run(args):
 
     from hetconv import __version__
     from hetconv import protocol as P
-    from hetconv.devices import DeviceError, parse_device
 
-    try:
-        parse_device(args.device)
-    except DeviceError as e:
-        raise WorkerExit(str(e)) from None
+    _check_args(args)
+    if args.threads and not args.parent_pid:      # a spawned worker's coordinator has said it already
+        note = threads_note(args.threads)
+        if note:
+            print(f"hetconv-worker: {note}", file=sys.stderr)
     host = socket.gethostname()
     label = args.name or f"{args.device}@{host}"
     # Unique per incarnation: a restarted worker is a new peer, never mistaken for the old one.
@@ -154,6 +185,8 @@ def run(args):
         if first.op == "ERROR":
             dealer.send_multipart(P.pack("ERROR", 0, **first.fields))
             time.sleep(0.2)                         # let the error leave before the socket closes
+            if args.verbose and first.fields.get("traceback"):
+                print(first.fields["traceback"], file=sys.stderr)
             raise WorkerExit(f"{first.fields['doing']}: {first.fields['message']}")
         dealer.send_multipart(P.pack("HELLO", 0, name=label, identity=identity, device=args.device, host=host,
                                      pid=os.getpid(), version=__version__, threads=args.threads,

@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
-from hetconv.costmodel import (DeviceProfile, LayerCost, Link, _parse_devices, parse_bandwidth, predict_local,
-                               predict_step, profiles_from_calibration, wire_bytes)
+from hetconv.costmodel import (DeviceProfile, LayerCost, Link, parse_bandwidth, predict_local, predict_step,
+                               profiles_from_calibration, wire_bytes)
 from hetconv.geometry import conv_specs
 
 PAPER = conv_specs([500, 1500])
@@ -74,22 +74,16 @@ def test_bad_bandwidth_is_named(text):
         parse_bandwidth(text)
 
 
-def test_device_lists():
-    assert _parse_devices("cpu:1x4,cuda:0,@gpu.json") == [("cpu:1", 1, 4), ("cuda:0", None, 1), ("@gpu.json", None, 1)]
-    with pytest.raises(ValueError, match="device entry 'gpu'"):
-        _parse_devices("cpu,gpu")
-
-
 def test_predict_command_end_to_end(tmp_path):
     profile = tmp_path / "cpu.json"
-    result = subprocess.run([sys.executable, "-m", "hetconv.costmodel", "--devices", "cpu:1x2", "--conv", "4,8",
+    result = subprocess.run([sys.executable, "-m", "hetconv.predict", "--devices", "cpu:1x2", "--conv", "4,8",
                              "--fc", "8", "--batch-size", "8", "--calibration-batch", "4", "--bandwidth", "1gbit",
                              "--save-profiles", str(profile), "--json"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert [r["devices"] for r in out["rows"]] == [["cpu:1"], ["cpu:1", "cpu:1"]]
     assert all(r["step_s"] > 0 and r["wire_mb"] > 0 for r in out["rows"])
-    again = subprocess.run([sys.executable, "-m", "hetconv.costmodel", "--devices", f"@{profile}x3", "--conv", "4,8",
+    again = subprocess.run([sys.executable, "-m", "hetconv.predict", "--devices", f"@{profile}x3", "--conv", "4,8",
                             "--fc", "8", "--batch-size", "8", "--bandwidth", "100mbit"], capture_output=True, text=True,
                            timeout=120)
     assert again.returncode == 0, again.stderr
@@ -162,3 +156,58 @@ def test_the_cost_model_agrees_with_the_device_set_the_planner_picks():
     both = predict_peer_step(PAPER, IMAGE, batch, {w: [lp.count(w) for lp in forced.layers] for w in forced.workers},
                              profiles, fast, 0.0)
     assert alone.step_s < both.step_s
+
+
+def predict(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "hetconv.predict", "--conv", "4,8", "--fc", "8", "--batch-size", "8",
+                           "--bandwidth", "1gbit", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def saved_profile(name, layers=2):
+    cost = LayerCost(1e-5, 1e-6, 2e-5, 2e-6)
+    return DeviceProfile(name, "cpu", f"{name} described", (cost,) * layers).to_json()
+
+
+def test_every_profile_in_a_file_loads_and_a_path_may_contain_x(tmp_path):
+    folder = tmp_path / "alex"
+    folder.mkdir()
+    path = folder / "gpux.json"
+    path.write_text(json.dumps([saved_profile("a"), saved_profile("b")]))
+    result = predict("--devices", f"@{path}x2", "--json")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)["rows"]
+    assert rows[-1]["devices"] == [f"@{path}:a", f"@{path}:b"] * 2
+
+
+@pytest.mark.parametrize("content,message", [
+    ({"layers": []}, "not a saved profile: missing key 'name'"),
+    ("[1, 2]", "not a saved profile"),
+    ("{", "not a saved profile (not JSON"),
+])
+def test_a_bad_profile_file_is_named_in_one_line(tmp_path, content, message):
+    path = tmp_path / "bad.json"
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    result = predict("--devices", f"@{path}")
+    assert result.returncode == 2 and f"hetconv-predict: {path}: {message}" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+    (["--calibration-batch", "0"], "--calibration-batch must be >= 1, got 0"),
+    (["--ksize", "0"], "--ksize must be >= 1, got 0"),
+    (["--split", "fair"], "argument --split: invalid choice: 'fair'"),
+    (["--devices", "cpu,,cpu"], "--devices 'cpu,,cpu' has an empty entry"),
+    # refused before calibrating (no 'calibrating' line)
+    (["--save-profiles", "/proc/x/p.json"], "--save-profiles '/proc/x/p.json' cannot be written"),
+])
+def test_predict_ranges_are_checked_up_front(args, message):
+    result = predict(*args)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert "calibrating" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_predict_shares_the_coordinators_flags():
+    text = subprocess.run([sys.executable, "-m", "hetconv.predict", "--help"], capture_output=True, text=True).stdout
+    assert "images per step (default: 128)" in " ".join(text.split())
+    assert "{proportional,equal}" in text and "examples:" in text

@@ -8,9 +8,10 @@ import tarfile
 import numpy as np
 import pytest
 
+from cifar_fixture import write_cifar10
 from hetconv.data import (CIFAR10_CLASSES, CIFAR10_MEAN, CIFAR10_STD, DataError, DataSet,
                           batches, load_cifar10, load_dataset, normalize, synthetic,
-                          test_batches, write_cifar10)
+                          test_batches)
 
 N = 20  # images per generated CIFAR file: small, so every loader test takes milliseconds
 

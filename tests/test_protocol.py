@@ -1,3 +1,5 @@
+import pickle
+
 import msgpack
 import numpy as np
 import pytest
@@ -90,9 +92,13 @@ def test_version_mismatch_is_its_own_error_and_can_be_read_leniently():
     assert P.unpack(frames, accept_any_version=True).op == "HELLO"
 
 
-def test_nothing_is_pickled():
+def test_a_pickled_header_is_refused_and_ours_is_msgpack():
+    # a pickle arriving from the network is never unpickled: unpack refuses it as not msgpack
     frames = P.pack("HELLO", 0, [np.ones(2, np.float32)], name="w")
-    assert b"\x80\x04" not in bytes(frames[0]) and msgpack.unpackb(frames[0])["name"] == "w"
+    fields = msgpack.unpackb(frames[0])
+    assert fields["name"] == "w"
+    with pytest.raises(P.ProtocolError, match="header is not msgpack"):
+        P.unpack([pickle.dumps(fields)] + frames[1:])
 
 
 def test_error_fields_carry_name_message_and_traceback():

@@ -111,7 +111,7 @@ def run_cli(*args, timeout=120):
     (["--conv", "0"], "--conv must be comma-separated positive integers"),
     (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
     (["--lr", "-1"], "--lr must be > 0"),
-    (["--split", "random"], "--split must be 'proportional' or 'equal'"),
+    (["--split", "random"], "argument --split: invalid choice: 'random'"),
     (["--data", "/nonexistent/cifar"], "/nonexistent/cifar"),
     (["--conv", "4,4,4,4"], "too small for the conv and its 2x2 pool"),
     (["--batch-size", "9999", "--synthetic-train", "100"], "larger than the 100 training images"),
@@ -124,7 +124,8 @@ def test_cli_bad_input_gets_a_clear_error(args, message):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--local", "--spawn", "cpu"], "choose one of --local, --spawn, --workers"),
+    (["--local", "--spawn", "cpu"], "argument --spawn: not allowed with argument --local"),
+    (["--workers", "0"], "--workers must be >= 1, got 0"),
     (["--workers", "-1"], "--workers must be >= 1, got -1"),
     (["--local", "--rebalance-after", "1"], "--rebalance-after must be 0 (never) or at least 2"),
     (["--local", "--crop", "40"], "--crop must be at most the image size 32, got 40"),

@@ -1,0 +1,244 @@
+"""`hetconv-predict`: calibrate the devices you have (or load saved profiles), measure the link,
+and print the cost model's step time, speedup and wire bytes for one to all of them.
+
+    hetconv-predict --devices cpu:1x4 --bandwidth 1gbit       # four 1-thread CPUs like this one, 1 GbE
+    hetconv-predict --devices cpu:1,@gpu-host.json --bandwidth 10gbit
+
+The measuring helpers (calibration in this process, loopback bandwidth, the coordinator's own
+share of a step) live here, with their clocks and sockets; the model itself is hetconv.costmodel.
+"""
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+
+import numpy as np
+
+from hetconv.config import Config, HelpFormatter, add_config_flags, check_output_file
+from hetconv.costmodel import (DeviceProfile, LayerCost, Link, dominant_term, layer_geometry, parse_bandwidth, predict_any,
+                               predict_local)
+from hetconv.geometry import IMAGE_SHAPE, conv_specs, layer_input_shapes
+
+# the flags this command shares with the coordinator: their defaults and help come from Config
+NETWORK_FLAGS = ("conv", "fc", "ksize", "batch_size", "calibration_batch", "split", "exchange", "micro_batches",
+                 "wire_dtype")
+
+
+def _timing_engine(specs, image_shape, batch, n, rng):
+    """Stands in for `n` workers so the coordinator's own share of a step can be timed: the
+    engine's real concatenation and dX sum around ready-made replies (no shard computes)."""
+    from hetconv.engine import Engine
+    from hetconv.planner import make_plan
+
+    geometry = layer_geometry(specs, image_shape, batch)
+    names = [f"w{i}" for i in range(n)]
+
+    class TimingEngine(Engine):
+        workers = names
+
+        def __init__(self):
+            super().__init__()
+            self.plan = make_plan([s.kernels for s in specs], {w: None for w in names}, "equal")
+            self.outputs = [{w: rng.random((b, lp.count(w), hp, wp), dtype=np.float32) for w in names}
+                            for lp, (_, (b, hp, wp)) in zip(self.plan.layers, geometry)]
+            self.partials = [np.ones(shape, np.float32) for shape, _ in geometry]
+
+        def _call(self, requests, doing, layer=None):
+            replies = {}
+            for name, (op, arrays, fields) in requests.items():
+                if op == "FORWARD":
+                    replies[name] = ([self.outputs[layer][name]], {})
+                else:
+                    replies[name] = ([self.partials[layer]] if fields["need_dx"] else [], {})
+            return replies
+
+    return TimingEngine()
+
+
+def measure_coordinator_s(specs, fc_sizes, image_shape, batch, n_workers, repeats=3):
+    """Seconds of coordinator work per step (FC, loss, concatenation, dX sum) on this host."""
+    from hetconv.model import Network
+    rng = np.random.default_rng(0)
+    engine = _timing_engine(specs, image_shape, batch, n_workers, rng)
+    net = Network(specs, fc_sizes, engine, rng, image_shape)
+    x = np.zeros((batch,) + tuple(image_shape), np.float32)
+    labels = rng.integers(0, 10, batch)
+    best = float("inf")
+    for rep in range(repeats + 1):
+        t0 = time.perf_counter()
+        net.train_step(x, labels, 1e-6, 0.0, 0.0)
+        if rep:
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_loopback(megabytes=64, repeats=3):
+    """Bytes/s of one large ZeroMQ message over TCP on 127.0.0.1, one way, as hetconv sends them."""
+    import threading
+
+    import zmq
+    ctx = zmq.Context()
+    try:
+        rx, tx = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+        rx.linger = tx.linger = 0
+        port = rx.bind_to_random_port("tcp://127.0.0.1")
+        tx.connect(f"tcp://127.0.0.1:{port}")
+        payload = np.ones(megabytes << 18, np.float32)            # megabytes MiB
+        best = float("inf")
+        for _ in range(repeats + 1):
+            done = threading.Event()
+            threading.Thread(target=lambda: (rx.recv(copy=False), done.set()), daemon=True).start()
+            t0 = time.perf_counter()
+            tx.send(payload, copy=False)
+            if not done.wait(30):
+                raise RuntimeError("loopback measurement: no message arrived within 30s")
+            best = min(best, time.perf_counter() - t0)
+        return payload.nbytes / best
+    finally:
+        ctx.destroy(linger=0)
+
+
+def calibrate_local(device_spec, specs, input_shapes, kernels, threads=None, repeats=3):
+    """A DeviceProfile for a device in this process (what a worker on it would report)."""
+    from hetconv.devices import open_device
+    from hetconv.shard import ConvShard
+    options = {"threads": threads} if device_spec == "cpu" and threads else {}
+    device = open_device(device_spec, **options)
+    _, timings = ConvShard(device).calibrate(specs, input_shapes, kernels, repeats=repeats)
+    return DeviceProfile(f"{device_spec}:{threads}" if threads else device_spec, device_spec, device.describe(),
+                         tuple(LayerCost.fit(t) for t in timings))
+
+
+# ---- command line ----------------------------------------------------------------------------
+
+def load_profiles(path, n_layers):
+    """Every DeviceProfile saved in `path` (a file written by --save-profiles: one profile or a
+    list). Raises ValueError naming the file and what is wrong with it."""
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read a saved profile: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not a saved profile (not JSON: {e})") from None
+    saved = saved if isinstance(saved, list) else [saved]
+    profiles = []
+    for d in saved:
+        try:
+            profile = DeviceProfile.from_json(d)
+        except KeyError as e:
+            raise ValueError(f"{path}: not a saved profile: missing key {e}") from None
+        except (TypeError, AttributeError) as e:
+            raise ValueError(f"{path}: not a saved profile ({e})") from None
+        if len(profile.layers) != n_layers:
+            raise ValueError(f"{path}: profile {profile.name!r} has {len(profile.layers)} layers, --conv has {n_layers}")
+        profiles.append(profile)
+    if not profiles:
+        raise ValueError(f"{path}: holds no profile")
+    return profiles
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="hetconv-predict",
+        description="Predict step time, speedup over one device, and wire bytes for a set of devices, from "
+                    "calibrating the devices you have (or saved profiles) and the link's bandwidth.",
+        epilog="examples:\n"
+               "  hetconv-predict --devices cpu:1x4 --bandwidth 1gbit\n"
+               "  hetconv-predict --devices cpu:2 --save-profiles host-a.json\n"
+               "  hetconv-predict --devices cpu:4,@host-a.jsonx2 --bandwidth 10gbit --batch-size 32",
+        formatter_class=HelpFormatter)
+    p.add_argument("--devices", default="cpu:1x2",
+                   help="comma list: cpu (all cores), cpu:THREADS, cuda:N, or @PROFILE.json (every profile saved "
+                        "with --save-profiles, e.g. on another host); xCOUNT repeats an entry")
+    p.add_argument("--bandwidth", default="loopback",
+                   help="the coordinator's link: 100mbit, 1gbit, 10gbit, ... or 'loopback' (measured here)")
+    p.add_argument("--save-profiles", default="", help="write the calibrated device profiles to this JSON file")
+    p.add_argument("--json", action="store_true", help="print the prediction as JSON")
+    add_config_flags(p, NETWORK_FLAGS, title="network and batch (as hetconv-coordinator)")
+    return p
+
+
+def main(argv=None):
+    from hetconv.devices import DeviceError, parse_device_list
+    from hetconv.planner import make_plan
+
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = Config(**{name: getattr(args, name) for name in NETWORK_FLAGS}).validate()
+        entries = parse_device_list("--devices", args.devices, allow_profiles=True)
+        specs = conv_specs(cfg.conv_kernels(), cfg.ksize)
+        fc = cfg.fc_sizes()
+        image = IMAGE_SHAPE
+        input_shapes, _ = layer_input_shapes(specs, cfg.batch_size, image)
+        check_output_file("--save-profiles", args.save_profiles)
+        # saved profiles are read before anything is calibrated: a bad file costs nothing
+        saved = {e.profile: load_profiles(e.profile, len(specs)) for e in entries if e.profile}
+        link = (Link(measure_loopback(), name="loopback (measured)") if args.bandwidth == "loopback"
+                else parse_bandwidth(args.bandwidth))
+    except (ValueError, DeviceError) as e:
+        print(f"hetconv-predict: {e}", file=sys.stderr)
+        return 2
+    n_total = sum(e.count * (len(saved[e.profile]) if e.profile else 1) for e in entries)
+    cal_batch = min(cfg.calibration_batch, cfg.batch_size)
+    cal_shapes = [(cal_batch,) + s[1:] for s in input_shapes]
+    share = [-(-s.kernels // n_total) for s in specs]
+    profiles, order = {}, []
+    for entry in entries:
+        if entry.profile:
+            found = saved[entry.profile]
+            keys = [entry.label if len(found) == 1 else f"{entry.label}:{p.name}" for p in found]
+            profiles.update(zip(keys, found))
+        else:
+            keys = [entry.label]
+            if entry.label not in profiles:
+                print(f"calibrating {entry.label} ...", file=sys.stderr, flush=True)
+                try:
+                    profiles[entry.label] = calibrate_local(entry.device, specs, cal_shapes, share, threads=entry.threads)
+                except Exception as e:
+                    print(f"hetconv-predict: {entry.label}: {e}", file=sys.stderr)
+                    return 2
+        order += keys * entry.count
+    if args.save_profiles:
+        with open(args.save_profiles, "w") as f:
+            json.dump([p.to_json() for p in profiles.values()], f, indent=1)
+    names = [f"d{i}-{key}" for i, key in enumerate(order)]
+    by_name = {n: profiles[k] for n, k in zip(names, order)}
+    coordinator_s = {n: measure_coordinator_s(specs, fc, image, cfg.batch_size, n) for n in range(1, len(names) + 1)}
+    local_s = predict_local(specs, cfg.batch_size, by_name[names[0]], coordinator_s[1])
+    rows = []
+    for n in range(1, len(names) + 1):
+        subset = names[:n]
+        speeds = {w: [1.0 / (by_name[w].layers[li].forward_s(1, 1) + by_name[w].layers[li].backward_s(1, 1))
+                      for li in range(len(specs))] for w in subset}
+        plan = make_plan([s.kernels for s in specs], speeds, cfg.split)
+        counts = {w: [lp.count(w) for lp in plan.layers] for w in subset}
+        # micro-batches as training picks them (auto: 2-4 with two or more peer workers)
+        micro = cfg.micro_batches or (max(1, min(4, cfg.batch_size // 16)) if cfg.exchange == "peer" and n > 1 else 1)
+        pred = predict_any(cfg.exchange, specs, image, cfg.batch_size, counts, by_name, link, coordinator_s[n], micro,
+                           2 if cfg.wire_dtype != "float32" else 4)
+        what, seconds, share = dominant_term(pred)
+        rows.append({"devices": order[:n], "step_s": pred.step_s, "micro_batches": micro,
+                     "dominant": {"term": what, "seconds": seconds, "share": share},
+                     "speedup": local_s / pred.step_s, "efficiency": local_s / pred.step_s / n,
+                     "wire_mb": sum(v["sent"] + v["recv"] for v in pred.workers.values()) / 1e6,
+                     "counts": counts, "prediction": pred.to_json()})
+    if args.json:
+        print(json.dumps({"link": asdict(link), "local_step_s": local_s, "rows": rows}, indent=1))
+        return 0
+    print(f"link: {link.name} = {link.bytes_per_s / 1e6:,.0f} MB/s; batch {cfg.batch_size}; conv {cfg.conv}; "
+          f"split {cfg.split}; --exchange {cfg.exchange}, wire {cfg.wire_dtype}; "
+          f"single-device baseline {local_s:.3f} s/step ({order[0]})")
+    for key, prof in profiles.items():
+        print(f"  {key}: {prof.description}")
+    print(f"{'devices':<34} {'step s':>8} {'speedup':>8} {'effic.':>7} {'wire MB/step':>13}  dominant term")
+    for r in rows:
+        d = r["dominant"]
+        print(f"{','.join(r['devices']):<34} {r['step_s']:8.3f} {r['speedup']:8.2f} {r['efficiency']:7.2f} "
+              f"{r['wire_mb']:13.1f}  {d['term']} ({100 * d['share']:.0f}% of the step)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""Bad input on the command lines: refused up front with one line naming the value, before any
+worker starts or any training runs; nothing hangs, nothing is lost."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hetconv.config import Config, check_endpoint, check_output_dir, check_output_file
+from hetconv.devices import DeviceEntry, DeviceError, parse_device_list
+
+TINY = ["--conv", "4,8", "--fc", "8", "--batch-size", "8", "--synthetic-train", "64", "--synthetic-test", "16"]
+
+
+def run(module, *args, timeout=120):
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def assert_one_line_error(result, message):
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    assert message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--connect", "tcp://bad"], "--connect 'tcp://bad' has no port"),
+    (["--connect", "127.0.0.1:5555"], "--connect '127.0.0.1:5555': expected tcp://HOST:PORT or ipc://PATH"),
+    (["--connect", "tcp://127.0.0.1:5555", "--heartbeat", "0"], "--heartbeat must be > 0, got 0.0"),
+    (["--connect", "tcp://127.0.0.1:5555", "--idle-timeout", "0"], "--idle-timeout must be > 0, got 0.0"),
+    (["--connect", "tcp://127.0.0.1:5555", "--connect-timeout", "-1"], "--connect-timeout must be > 0, got -1.0"),
+    (["--connect", "tcp://127.0.0.1:5555", "--threads", "-1"], "--threads must be >= 0, got -1"),
+    (["--connect", "tcp://127.0.0.1:5555", "--device", "cpu,cpu"], "one device per worker"),
+])
+def test_worker_flags_are_checked_before_it_connects(args, message):
+    device = [] if "--device" in args else ["--device", "cpu"]
+    assert_one_line_error(run("hetconv.worker", *device, *args, timeout=30), message)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--spawn", "cpu,,cpu"], "--spawn 'cpu,,cpu' has an empty entry"),
+    (["--spawn", ""], "--spawn needs at least one device"),
+    (["--spawn", "cpu:0"], "--spawn entry 'cpu:0': a CPU device needs at least 1 thread"),
+    (["--workers", "0"], "--workers must be >= 1, got 0"),
+    (["--workers", "1", "--bind", "tcp://127.0.0.1"], "--bind 'tcp://127.0.0.1' has no port"),
+    (["--local", "--worker-timeout", "0"], "--worker-timeout must be > 0, got 0.0"),
+    (["--local", "--op-timeout", "0"], "--op-timeout must be > 0, got 0.0"),
+    (["--local", "--connect-timeout", "-1"], "--connect-timeout must be > 0, got -1.0"),
+    (["--local", "--checkpoint-dir", "/proc/x"], "--checkpoint-dir '/proc/x' cannot be created"),
+    (["--local", "--metrics", "/proc/x/m.jsonl"], "--metrics '/proc/x/m.jsonl' cannot be written"),
+    (["--local", "--resume", "/nonexistent/ckpt"], "--resume '/nonexistent/ckpt': no such checkpoint"),
+    # the data is read before any worker is spawned: no worker line, no wait
+    (["--spawn", "cpu,cpu", "--data", "/nonexistent/cifar"], "/nonexistent/cifar: does not exist"),
+])
+def test_coordinator_flags_are_checked_before_any_work(args, message):
+    assert_one_line_error(run("hetconv.coordinator", *TINY, "--steps", "2", *args, timeout=60), message)
+
+
+def test_output_paths_that_are_a_file_or_a_directory_are_refused(tmp_path):
+    somefile = tmp_path / "somefile"
+    somefile.write_text("")
+    assert_one_line_error(run("hetconv.coordinator", *TINY, "--local", "--checkpoint-dir", str(somefile)),
+                          "is a file, not a directory")
+    assert_one_line_error(run("hetconv.coordinator", *TINY, "--local", "--metrics", str(tmp_path)),
+                          "it is a directory")
+    with pytest.raises(ValueError, match="cannot be written"):
+        check_output_file("--save-profiles", "/proc/x/p.json")
+    check_output_dir("--checkpoint-dir", str(tmp_path / "new" / "dir"))
+    assert (tmp_path / "new" / "dir").is_dir()
+
+
+def test_endpoints():
+    assert check_endpoint("--connect", "tcp://10.0.0.5:5555") == "tcp://10.0.0.5:5555"
+    assert check_endpoint("--bind", "tcp://0.0.0.0:*", bind=True)
+    assert check_endpoint("--connect", "ipc:///tmp/hetconv.sock")
+    for bad in ("tcp://127.0.0.1:0", "tcp://h:99999", "udp://h:1", "tcp://:5555"):
+        with pytest.raises(ValueError, match="--connect"):
+            check_endpoint("--connect", bad)
+
+
+def test_one_device_list_syntax():
+    assert parse_device_list("--spawn", "cpu, cpu:2x2 ,cuda:1") == [
+        DeviceEntry("cpu"), DeviceEntry("cpu", 2, 2), DeviceEntry("cuda:1")]
+    entries = parse_device_list("--devices", "@/home/alex/gpu.json,@/home/alex/gpu.jsonx3", allow_profiles=True)
+    assert entries == [DeviceEntry("", None, 1, "/home/alex/gpu.json"), DeviceEntry("", None, 3, "/home/alex/gpu.json")]
+    with pytest.raises(DeviceError, match="'@gpu.json'"):
+        parse_device_list("--spawn", "@gpu.json")
+    for bad in ("cpu,gpu", "cuda:x", "cpux0", "cpu:1x"):
+        with pytest.raises(DeviceError, match="--spawn"):
+            parse_device_list("--spawn", bad)
+
+
+def test_spawned_cpu_threads_worker():
+    result = run("hetconv.coordinator", *TINY, "--steps", "2", "--spawn", "cpu:1,cpu:1", "--split", "equal")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("cpu (1 thread,") >= 2
+
+
+def test_short_runs_say_what_they_leave_out(tmp_path):
+    result = run("hetconv.coordinator", *TINY, "--local", "--steps", "40")
+    assert result.returncode == 0, result.stderr
+    assert "--steps 40 is more than 1 epoch(s) of 8 steps: stopping after 8" in result.stdout
+    result = run("hetconv.coordinator", *TINY, "--spawn", "cpu,cpu", "--steps", "3", "--threads", "999")
+    assert result.returncode == 0, result.stderr
+    assert "no rebalancing: 3 steps are too few" in result.stdout
+    assert "the workers are not pinned to cores" in result.stderr
+
+
+def test_more_threads_than_cores_is_said():
+    result = run("hetconv.coordinator", *TINY, "--local", "--steps", "1", "--threads", "999")
+    assert result.returncode == 0, result.stderr
+    assert "--threads 999 is more than the" in result.stderr and "a CPU device runs" in result.stderr
+
+
+def test_resume_appends_to_the_metrics_file(tmp_path):
+    metrics, ckpt = str(tmp_path / "m.jsonl"), str(tmp_path / "ck")
+    first = run("hetconv.coordinator", *TINY, "--local", "--steps", "2", "--metrics", metrics, "--checkpoint-dir", ckpt)
+    assert first.returncode == 0, first.stderr
+    second = run("hetconv.coordinator", *TINY, "--local", "--steps", "4", "--metrics", metrics,
+                 "--checkpoint-dir", ckpt, "--resume", ckpt)
+    assert second.returncode == 0, second.stderr
+    steps = [r["step"] for r in map(json.loads, open(metrics)) if r["event"] == "step"]
+    assert steps == [1, 2, 3, 4]
+
+
+def test_resume_names_both_values_of_a_changed_network(tmp_path):
+    ckpt = str(tmp_path / "ck")
+    assert run("hetconv.coordinator", *TINY, "--local", "--steps", "1", "--checkpoint-dir", ckpt).returncode == 0
+    result = run("hetconv.coordinator", *TINY, "--local", "--steps", "2", "--crop", "28", "--resume", ckpt)
+    assert result.returncode == 1
+    assert "the checkpoint was trained with --crop 0, this run asks for 28" in result.stderr
+    with pytest.raises(ValueError, match="unknown config keys"):
+        Config.from_json({**Config().to_json(), "colour": "blue"})
+
+
+def interrupt_after_first_step(extra, sig):
+    """Start a local run, send `sig` once its first step is done; return (returncode, stderr)."""
+    cmd = [sys.executable, "-m", "hetconv.coordinator", *TINY, "--local", "--steps", "0", "--epochs", "200",
+           "--conv", "8,16", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        for line in proc.stdout:                  # the set-up line comes just before the first step
+            if "steps of 8 images" in line:
+                break
+        time.sleep(0.5)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)     # a hang guard only
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, err
+
+
+def test_ctrl_c_without_a_checkpoint_dir_says_nothing_is_saved():
+    code, err = interrupt_after_first_step([], signal.SIGINT)
+    assert code == 130
+    assert "no --checkpoint-dir: nothing is saved" in err
+
+
+def test_sigterm_prints_a_line():
+    code, err = interrupt_after_first_step([], signal.SIGTERM)
+    assert code == 143
+    assert "terminated (SIGTERM)" in err
+
+
+def test_a_workers_traceback_only_with_verbose():
+    # cuda:7 fails to open (no such GPU, or no GPU at all): the worker reports it as an ERROR
+    quiet = run("hetconv.coordinator", *TINY, "--steps", "1", "--spawn", "cuda:7", "--connect-timeout", "30")
+    assert quiet.returncode == 1 and "failed during opening device cuda:7" in quiet.stderr, quiet.stderr
+    assert "Traceback" not in quiet.stderr
+    loud = run("hetconv.coordinator", *TINY, "--steps", "1", "--spawn", "cuda:7", "--connect-timeout", "30", "--verbose")
+    assert loud.returncode == 1 and "--- worker traceback ---" in loud.stderr
+
+
+def test_help_prints_each_default_once_and_examples():
+    text = run("hetconv.coordinator", "--help").stdout
+    assert text.count("(default: 500,1500)") == 1 and "(default: '500,1500')" not in text
+    assert "examples:\n  hetconv-coordinator --spawn cpu,cpu" in text
+    assert "default: 1.0" in run("hetconv.worker", "--help").stdout
