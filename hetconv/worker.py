@@ -135,6 +135,8 @@ def _serve_compute(ctx, endpoint, requests, device_spec, threads, identity, name
                 # compute time rides in the header, so the coordinator can separate it from the wire
                 fields.setdefault("compute_s", time.perf_counter() - t0)
                 reply = P.pack(op, seq, arrays, **fields)
+            except InterruptedError:
+                return                           # shutting down in the middle of a step
             except Exception as e:
                 reply = P.pack("ERROR", seq, **P.error_fields(e, identity, doing))
             pair.send_multipart(reply, copy=False)
@@ -207,7 +209,8 @@ def run(args):
                     pass
         dealer.close(linger=0)
         pair.close(linger=0)
-        ctx.term()
+        if not compute.is_alive():               # else a kernel still runs: its sockets end with the process
+            ctx.term()
 
 
 def _await_welcome(dealer, args, P):

@@ -469,10 +469,9 @@ def test_a_bad_split_is_rebalanced_from_measured_steps_without_changing_the_math
         # what the steps would measure on two equally fast, otherwise idle cores (compute in
         # proportion to kernels held), so the decision does not depend on what else this machine
         # runs; the gather / re-load it triggers mid-run is real
+        steps = engine.measured_steps
         for name in engine.plan.workers:
-            peer = engine.peers[name]
-            steps = peer.layer_calls.get(0, 0)
-            peer.layer_compute = {lp.layer: steps * 1e-3 * lp.count(name) for lp in engine.plan.layers}
+            engine.layer_compute[name] = {lp.layer: steps * 1e-3 * lp.count(name) for lp in engine.plan.layers}
         return measured_rebalance(specs, **kwargs)
     engine.rebalance = as_if_measured_on_equal_cores
     try:
