@@ -552,7 +552,7 @@ def test_a_killed_worker_is_survived_and_the_run_equals_an_uninterrupted_one(tmp
     finally:
         engine.close()
     assert survivors == ["w0-cpu", "w2-cpu"]
-    np.testing.assert_allclose(summary["losses"], local["losses"], rtol=1e-5)
+    np.testing.assert_allclose(summary["losses"], local["losses"], rtol=1e-4)   # another plan: other dX sums
     _, conv, fc = checkpoint.load(str(dist_dir))
     _, local_conv, local_fc = checkpoint.load(str(local_dir))
     for got, want in zip(conv + fc, local_conv + local_fc):
