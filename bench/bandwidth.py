@@ -227,7 +227,11 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.render:
         with open(args.render) as f:
-            write_outputs(os.path.dirname(os.path.abspath(args.render)), json.load(f))
+            saved = json.load(f)
+        if not isinstance(saved, dict) or any("kind" not in r for r in saved.get("rows", [None])):
+            p.error(f"--render {args.render}: not a bandwidth.json of this generator (rows without 'kind': "
+                    f"written by the earlier one-shared-link version; re-run the benchmark)")
+        write_outputs(os.path.dirname(os.path.abspath(args.render)), saved)
         return 0
     kinds = [k.strip() for k in args.rows.split(",") if k.strip()]
     unknown = [k for k in kinds if k not in ROW_KINDS]
