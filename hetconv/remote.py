@@ -229,6 +229,15 @@ class RemoteEngine(Engine):
         self._recv_bytes[peer.name] = self._recv_bytes.get(peer.name, 0) + sum(len(f) for f in frames[1:])
         return peer, msg
 
+    def _incoming(self, pending, doing):
+        """(peer, message) as they arrive, until `pending` ({seq: worker}, emptied by the caller)
+        is empty; one deadline of op_timeout for all of it."""
+        deadline = time.monotonic() + self.op_timeout
+        while pending:
+            got = self._receive(pending, deadline, doing)
+            if got is not None:
+                yield got
+
     def _call(self, requests, doing, layer=None):
         """Sends every request, then waits for every reply. Raises WorkerError / WorkerLost naming
         the worker. Stale replies (to abandoned requests) are dropped."""
@@ -237,12 +246,7 @@ class RemoteEngine(Engine):
             pending[self._send(self.peers[name], op, arrays, doing=doing, **fields)] = name
             sent_at[name] = time.perf_counter()
         replies = {}
-        deadline = time.monotonic() + self.op_timeout
-        while pending:
-            got = self._receive(pending, deadline, doing)
-            if got is None:
-                continue
-            peer, msg = got
+        for peer, msg in self._incoming(pending, doing):
             if pending.get(msg.seq) != peer.name:
                 continue                                   # stale reply to an abandoned request
             del pending[msg.seq]
@@ -435,12 +439,7 @@ class RemoteEngine(Engine):
                 self._send(self.peers[name], "INPUT", [encode(piece, self.wire)], doing=doing, step=step, micro=m)
         slices = [dict() for _ in range(micros)]
         features, next_micro = [None] * micros, 0
-        deadline = time.monotonic() + self.op_timeout
-        while pending:
-            got = self._receive(pending, deadline, doing)
-            if got is None:
-                continue
-            peer, msg = got
+        for peer, msg in self._incoming(pending, doing):
             if msg.fields.get("step") != step:
                 continue                                       # from an abandoned step
             if msg.op == "FEATURES":
