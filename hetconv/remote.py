@@ -79,12 +79,26 @@ class RemoteEngine(Engine):
             self.close()
             raise SystemExit(f"hetconv-coordinator: cannot bind {bind}: {e.strerror} "
                              f"(is another coordinator running there? choose another --bind port)") from None
+        # Heartbeats ride a connection of their own: on a slow link a big reply (a snapshot's
+        # 150 MB of weights takes 12 s at 100 Mbit/s) holds back everything behind it on the
+        # worker's main connection, and a live worker would look silent. A PULL costs one more
+        # port and one small message per worker per second.
+        self.heartbeats = self.ctx.socket(zmq.PULL)
+        self.heartbeats.linger = 0
+        self.heartbeats.setsockopt(zmq.MAXMSGSIZE, 4096)
+        if self.address.startswith("tcp://"):
+            self.heartbeat_port = self.heartbeats.bind_to_random_port(self.address.rsplit(":", 1)[0])
+            self.heartbeat_endpoint = ""
+        else:
+            self.heartbeat_port, self.heartbeat_endpoint = 0, self.address + ".heartbeat"
+            self.heartbeats.bind(self.heartbeat_endpoint)
         # A killed worker's TCP connection closes at once: the monitor hears it long before a
         # heartbeat is missed, and a probe (ROUTER_MANDATORY) tells which worker it was.
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
+        self.poller.register(self.heartbeats, zmq.POLLIN)
         self.joining = {}                                   # routing id -> HELLO fields, admitted at a snapshot
         atexit.register(self.close)
         try:
@@ -148,13 +162,31 @@ class RemoteEngine(Engine):
             process = next((p for label, p in self.processes if label == base and p.pid == msg.fields.get("pid")), None)
             peer = _Peer(identity, {**msg.fields, "name": name}, process)
             self.peers[name] = peer
-            self._send(peer, "WELCOME")
+            self._welcome(peer)
             self.log(f"worker {peer.label()}: {peer.description}")
         # Spawned workers first, in the order asked, then external ones by arrival.
         order = [n for label, _ in self.processes for n, p in self.peers.items() if p.name == label]
         order += [n for n in self.peers if n not in order]
         self.peers = {n: self.peers[n] for n in order}
         self.by_identity = {p.identity: p for p in self.peers.values()}   # routing id -> peer
+
+    def _welcome(self, peer):
+        """Admit a worker and tell it where to send heartbeats (a port on the host it reached us
+        on, or an ipc path)."""
+        self._send(peer, "WELCOME", heartbeat_port=self.heartbeat_port, heartbeat_endpoint=self.heartbeat_endpoint)
+
+    def _note_heartbeats(self):
+        """Drain the heartbeat channel: each names the worker's identity. Anything else there is
+        ignored (a stranger cannot do more than keep a name alive that it knows)."""
+        now = time.monotonic()
+        while self.heartbeats.poll(0):
+            try:
+                msg = P.unpack(self.heartbeats.recv_multipart())
+            except P.ProtocolError:
+                continue
+            peer = self.by_identity.get(str(msg.fields.get("identity", "")).encode())
+            if msg.op == "HEARTBEAT" and peer is not None:
+                peer.last_seen = now
 
     def _check_processes(self, doing):
         for label, proc in self.processes:
@@ -202,8 +234,10 @@ class RemoteEngine(Engine):
         if time.monotonic() > deadline:
             late = ", ".join(self.peers[n].label() for n in waiting_on)
             raise WorkerLost(f"no reply within {self.op_timeout:.0f}s from {late} during {doing}", waiting_on)
-        self._check_alive(waiting_on, doing)
         events = dict(self.poller.poll(200))
+        if self.heartbeats in events:
+            self._note_heartbeats()
+        self._check_alive(waiting_on, doing)
         if self.monitor in events:
             self._probe_after_disconnect(doing)
         if self.sock not in events:
@@ -313,7 +347,7 @@ class RemoteEngine(Engine):
             peer = _Peer(identity, {**hello, "name": name})
             self.peers[name] = peer
             self.by_identity[identity] = peer
-            self._send(peer, "WELCOME")
+            self._welcome(peer)
             new.append(name)
             self.log(f"worker {peer.label()} joined: {peer.description}")
         self.joining = {}
@@ -490,4 +524,6 @@ class RemoteEngine(Engine):
             self.sock.disable_monitor()
             self.monitor.close(linger=0)
         self.sock.close(linger=0)
+        if getattr(self, "heartbeats", None) is not None:
+            self.heartbeats.close(linger=0)
         self.ctx.term()

@@ -180,6 +180,7 @@ def run(args):
                                args=(ctx, endpoint, requests, args.device, args.threads, identity, label),
                                name="compute", daemon=True)
     compute.start()
+    heartbeats = None
     try:
         # The device opens first (it may fail: no GPU, bad index) and says so before we connect.
         first = P.unpack(pair.recv_multipart())
@@ -194,10 +195,13 @@ def run(args):
                                      pid=os.getpid(), version=__version__, threads=args.threads,
                                      description=first.fields["description"], peer_endpoints=peer_endpoints,
                                      host_key=host_key()))
-        _await_welcome(dealer, args, P)
+        welcome = _await_welcome(dealer, args, P)
+        heartbeats = _heartbeat_socket(ctx, args.connect, welcome.fields)
         print(f"hetconv-worker {identity}: serving {first.fields['description']} for {args.connect}", flush=True)
-        _io_loop(dealer, pair, inbox, requests, args, P)
+        _io_loop(dealer, pair, inbox, requests, args, P, heartbeats, identity)
     finally:
+        if heartbeats is not None:
+            heartbeats.close(linger=0)
         requests.put(None)
         compute.join(timeout=2)
         inbox.close(linger=0)
@@ -231,8 +235,25 @@ def _await_welcome(dealer, args, P):
             if msg.op == "ERROR":
                 raise WorkerExit(f"the coordinator refused this worker: {msg.fields.get('message')}")
             if msg.op == "WELCOME":
-                return
+                return msg
         _check_parent(args)
+
+
+def _heartbeat_socket(ctx, connect, welcome):
+    """A PUSH to the coordinator's heartbeat channel, where WELCOME says it is (a port on the
+    host --connect names, or an ipc path); None from a coordinator without one. Its own
+    connection, so a heartbeat is never queued behind a large reply on a slow link."""
+    import zmq
+    port, endpoint = int(welcome.get("heartbeat_port") or 0), str(welcome.get("heartbeat_endpoint") or "")
+    if port and connect.startswith("tcp://"):
+        endpoint = f"{connect.rsplit(':', 1)[0]}:{port}"
+    if not endpoint:
+        return None
+    sock = ctx.socket(zmq.PUSH)
+    sock.linger = 0
+    sock.sndhwm = 4                      # a gone coordinator: drop heartbeats, never pile them up
+    sock.connect(endpoint)
+    return sock
 
 
 def _check_parent(args):
@@ -250,14 +271,15 @@ def _alive(pid):
         return True
 
 
-def _io_loop(dealer, pair, inbox, requests, args, P):
+def _io_loop(dealer, pair, inbox, requests, args, P, heartbeats=None, identity=""):
     import zmq
     poller = zmq.Poller()
     poller.register(dealer, zmq.POLLIN)
     poller.register(pair, zmq.POLLIN)
     poller.register(inbox, zmq.POLLIN)
     hb = P.pack("HEARTBEAT", 0)
-    last_request = last_sent = time.monotonic()
+    hb_named = P.pack("HEARTBEAT", 0, identity=identity)
+    last_request = last_sent = last_beat = time.monotonic()
     while True:
         events = dict(poller.poll(int(args.heartbeat * 1000)))
         now = time.monotonic()
@@ -293,6 +315,12 @@ def _io_loop(dealer, pair, inbox, requests, args, P):
         if now - last_sent >= args.heartbeat:
             dealer.send_multipart(hb)
             last_sent = now
+        if heartbeats is not None and now - last_beat >= args.heartbeat:
+            try:
+                heartbeats.send_multipart(hb_named, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+            last_beat = now
         if now - last_request > args.idle_timeout:
             raise WorkerExit(f"no request for {args.idle_timeout:.0f}s: the coordinator is gone or idle; exiting")
         _check_parent(args)
