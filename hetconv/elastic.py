@@ -18,7 +18,7 @@ import os
 import time
 
 from hetconv import checkpoint
-from hetconv.engine import WorkerLost
+from hetconv.engine import WorkerLost, moved_bytes
 
 SNAPSHOT_BUDGET = 0.02        # of step time
 RESCUE_DIR = "hetconv-rescue"
@@ -61,6 +61,8 @@ class Elastic:
         t0 = time.perf_counter()
         self.snapshot = Snapshot(step, self.engine.gather(), self.net.fc_state())
         self.snapshot_s = time.perf_counter() - t0
+        # recorded as the snapshot's own traffic, so that the next step's stats stay the step's
+        self.metrics.write("snapshot", step=step, seconds=self.snapshot_s, bytes=moved_bytes(self.engine.step_stats()))
         if self.every is None:
             self.every = max(1, math.ceil(self.snapshot_s / (SNAPSHOT_BUDGET * max(step_s, 1e-9))))
             self.log(f"snapshots every {self.every} step(s): one takes {self.snapshot_s:.2f}s against "

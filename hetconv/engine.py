@@ -29,6 +29,11 @@ from hetconv.shard import ShardServer
 from hetconv.wire import decode, encode
 
 
+def moved_bytes(stats):
+    """Bytes both ways over every worker's link, from an Engine.step_stats()."""
+    return sum(int(s.get("bytes_sent", 0)) + int(s.get("bytes_recv", 0)) for s in stats.values())
+
+
 class WorkerError(RuntimeError):
     """A worker raised while serving a request; its message names the worker and what it was doing,
     and it carries the worker's traceback."""

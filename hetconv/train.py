@@ -14,7 +14,7 @@ from hetconv import checkpoint
 from hetconv.config import Config
 from hetconv.data import batches, load_dataset, test_batches
 from hetconv.elastic import Elastic
-from hetconv.engine import WorkerLost
+from hetconv.engine import WorkerLost, moved_bytes
 from hetconv.geometry import conv_specs, layer_input_shapes
 from hetconv.model import Network, init_conv_params
 
@@ -168,7 +168,8 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds):
             return None
         path = checkpoint.save(cfg.checkpoint_dir, step, epoch, cfg, engine.gather(), net.fc_state(), engine.plan,
                                keep=cfg.keep_checkpoints)
-        metrics.write("checkpoint", step=step, path=path)
+        # the gather's traffic is the checkpoint's, not the next step's
+        metrics.write("checkpoint", step=step, path=path, bytes=moved_bytes(engine.step_stats()))
         return path
 
     step = start_step
@@ -234,7 +235,8 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds):
                         plan = new_plan
                         rebalances += 1
                         log("rebalanced from measured step times:\n" + plan.table())
-                        metrics.write("plan", reason="rebalance", step=step, **plan.to_json())
+                        metrics.write("plan", reason="rebalance", step=step, bytes=moved_bytes(engine.step_stats()),
+                                      **plan.to_json())
                         if rebalances < MAX_REBALANCES:   # check again: each round corrects the last
                             rebalance_at = step + cfg.rebalance_after
                 if elastic.after_step(step, dt) is not None:

@@ -18,7 +18,7 @@ from hetconv.config import Config
 from hetconv.remote import RemoteEngine, WorkerError, WorkerLost
 from hetconv.devices import open_device
 from hetconv.planner import PlanError, fixed_plan
-from hetconv.geometry import ConvSpec
+from hetconv.geometry import ConvSpec, conv_specs
 from hetconv.engine import LocalEngine
 from hetconv.shard import ConvShard
 from hetconv.train import train
@@ -512,6 +512,23 @@ def test_peer_exchange_keeps_the_coordinators_bytes_flat_as_workers_are_added(tm
     assert peer3 < 1.02 * peer2, (peer2, peer3)          # headers only: a few hundred bytes a worker
     assert star3 > 1.3 * star2, (star2, star3)           # the star's link carries every layer per worker
     assert peer2 < star2
+
+
+def test_a_snapshots_traffic_is_its_own_not_the_next_steps(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    engine = remote(2)
+    try:
+        train(Config(**TINY, steps=4, snapshot_every=2, micro_batches=1, metrics=str(metrics)).validate(), engine, log=quiet)
+    finally:
+        engine.close()
+    records = [json.loads(line) for line in open(metrics)]
+    step_bytes = {r["step"]: sum(w["bytes_sent"] + w["bytes_recv"] for w in r["workers"].values())
+                  for r in records if r["event"] == "step"}
+    snapshots = [r for r in records if r["event"] == "snapshot"]
+    assert [r["step"] for r in snapshots] == [2, 4]
+    weights = 2 * 4 * sum(s.kernels * (s.in_channels * s.ksize ** 2 + 1) for s in conv_specs(Config(**TINY).conv_kernels()))
+    assert all(r["bytes"] >= weights for r in snapshots), (snapshots, weights)   # every weight and momentum
+    assert step_bytes[3] < step_bytes[2] + weights / 2, step_bytes   # step 3 carries none of it
 
 
 @pytest.mark.parametrize("wire", ["bfloat16", "float16"])
