@@ -161,7 +161,7 @@ def markdown(doc):
             "predicted compute s | predicted wire s |",
             "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        for w, m in (r.get("workers") or {}).items() if r.get("ok") else ():
+        for w, m in (r.get("workers") or {}).items() if r.get("ok") and "counts" in r else ():   # local rows hold no split
             pw = r["prediction"]["workers"].get(w, {})
             out.append(f"| {r['set']} | {r['batch_size']} | {r['split']} | {w} | "
                        f"{'+'.join(map(str, r['counts'][w]))} | {m['compute_s']:.3f} | {m['wire_s']:.3f} | "
