@@ -1,7 +1,7 @@
 """`hetconv-coordinator`: data, FC layers, loss, planner, checkpoints; conv kernels on workers.
 
     hetconv-coordinator --spawn cpu,cpu            # start two local CPU workers and train
-    hetconv-coordinator --bind tcp://0.0.0.0:5555 --workers 3   # wait for three external workers
+    hetconv-coordinator --bind tcp://0.0.0.0:5555 --curve keys --workers 3   # three keyed external workers
     hetconv-coordinator --local                    # the single-device baseline, in one process
 
 The engines live in hetconv.engine (the contract, and --local) and hetconv.remote (workers over
@@ -24,7 +24,8 @@ EXAMPLES = """examples:
   hetconv-coordinator --spawn cpu,cpu                       two local CPU workers (the default)
   hetconv-coordinator --spawn cpu:1,cpu:1,cuda:0            two 1-thread CPU workers and GPU 0
   hetconv-coordinator --local --conv 4,8 --fc 8 --steps 2   a tiny single-device run
-  hetconv-coordinator --bind tcp://0.0.0.0:5555 --workers 3 wait for three hetconv-worker processes
+  hetconv-keygen keys && hetconv-coordinator --bind tcp://0.0.0.0:5555 --curve keys --workers 3
+                                                            wait for three keyed hetconv-worker processes
   hetconv-coordinator --spawn cpu,cpu --checkpoint-dir ckpt --metrics run.jsonl
   hetconv-coordinator --spawn cpu,cpu --resume ckpt --checkpoint-dir ckpt --metrics run.jsonl"""
 
@@ -47,6 +48,12 @@ def build_parser():
     net = p.add_argument_group("network")
     net.add_argument("--bind", default="", help="address to listen on (default: tcp://127.0.0.1:5555 with --workers, "
                                                 "a free loopback port with --spawn)")
+    net.add_argument("--curve", default="", metavar="DIR",
+                     help="admit only workers whose public keys are in DIR/authorized (make DIR with hetconv-keygen); "
+                          "all traffic encrypted. Needed to --bind an address other hosts can reach")
+    net.add_argument("--insecure", action="store_true",
+                     help="no keys: bind off loopback without --curve, and let --spawn run its workers without the "
+                          "keys it otherwise makes for them (to measure what the encryption costs)")
     net.add_argument("--worker-timeout", type=float, default=10.0, help="seconds without a heartbeat before a worker counts as lost")
     net.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for workers to connect")
     net.add_argument("--op-timeout", type=float, default=600.0, help="seconds any one request may take")
@@ -73,6 +80,19 @@ def _check_args(args, cfg):
         check_range("--workers", args.workers, 1)
     if args.bind:
         check_endpoint("--bind", args.bind, bind=True)
+    if args.local and (args.curve or args.insecure):
+        raise ValueError("--curve and --insecure are for workers over the network; --local has none")
+    if args.curve and args.insecure:
+        raise ValueError("--curve and --insecure contradict each other: give one")
+    if args.curve:
+        from hetconv.keys import coordinator_keys
+        coordinator_keys(args.curve)                 # every key file read and checked before any work
+        if args.workers is None and not args.local:
+            from hetconv.keys import first_worker_dir
+            first_worker_dir(args.curve)             # --spawn's workers need a keypair from DIR
+    if not args.local:
+        from hetconv.keys import refuse_open_bind
+        refuse_open_bind(args.bind or "tcp://127.0.0.1:5555", args.curve, args.insecure)
     check_output_dir("--checkpoint-dir", cfg.checkpoint_dir)
     check_output_file("--metrics", cfg.metrics)
     if args.resume and not os.path.exists(args.resume):
@@ -127,11 +147,15 @@ def main(argv=None):
             print(f"local: {device.describe()}")
             engine = LocalEngine({"local": ConvShard(device)})
         else:
+            from hetconv.geometry import conv_specs, message_limit_bytes
             bind = args.bind or ("tcp://127.0.0.1:0" if spawn else "tcp://127.0.0.1:5555")
+            limit = message_limit_bytes(conv_specs(cfg.conv_kernels(), cfg.ksize, cfg.padding), cfg.batch_size,
+                                        cfg.image_shape())
             engine = RemoteEngine(bind, args.workers or 0, spawn, threads=cfg.threads,
                                   worker_timeout=args.worker_timeout, connect_timeout=args.connect_timeout,
                                   op_timeout=args.op_timeout, pin=not args.no_pin,
-                                  exchange=cfg.exchange, wire=cfg.wire_dtype)
+                                  exchange=cfg.exchange, wire=cfg.wire_dtype, curve=args.curve,
+                                  insecure=args.insecure, message_limit=limit)
         from hetconv.train import train
         summary = train(cfg, engine, resume=args.resume or None, dataset=ds)
     except (WorkerError, WorkerLost, PlanError, DeviceError, DataError, CheckpointError, ValueError, FloatingPointError) as e:

@@ -101,6 +101,18 @@ def ephemeral_keys(directory):
     return directory, make_keys(directory, worker="spawned")
 
 
+def first_worker_dir(keydir):
+    """A worker key folder of DIR for workers this coordinator spawns itself (any authorised
+    worker's keys will do): DIR/workers/NAME, the first by name."""
+    workers = os.path.join(keydir, WORKERS)
+    names = sorted(n for n in os.listdir(workers)
+                   if os.path.isfile(os.path.join(workers, n, f"{WORKER}.key_secret"))) if os.path.isdir(workers) else []
+    if not names:
+        raise KeyDirError(f"{keydir} holds no worker keypair (workers/NAME/worker.key_secret) for the workers "
+                          f"--spawn starts: add one with `hetconv-keygen {keydir} --worker NAME`")
+    return os.path.join(workers, names[0])
+
+
 def _check_name(name):
     if not _NAME_RE.match(name or ""):
         raise KeyDirError(f"worker name {name!r} must be letters, digits, '_', '.' or '-' (at most 64), "
@@ -169,15 +181,48 @@ def worker_keys(keydir):
 
 # -- sockets ----------------------------------------------------------------------------------
 
+class RefusalLog:
+    """One line per refused host, not per attempt: a refused peer reconnects every 100 ms, and a
+    log that repeats it ten times a second hides everything else. `count` keeps every attempt."""
+
+    def __init__(self, log):
+        self.log = log
+        self.reported = set()
+        self.count = 0
+
+    def refused(self, address, reason):
+        self.count += 1
+        host = address.split("://")[-1].rsplit(":", 1)[0] if "://" in address else address
+        if host not in self.reported:
+            self.reported.add(host)
+            self.log(f"refused a connection from {host}: {reason} (further attempts from it are refused silently)")
+
+
+def handshake_refusal(event):
+    """A line's reason for a socket-monitor event of a failed CURVE handshake, or None for any
+    other event. A peer whose keys come from another hetconv-keygen fails here, before ZAP: it
+    does not even hold this coordinator's public key."""
+    import zmq
+    kind = event.get("event")
+    if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return "its key is not an authorised worker's"
+    if kind in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+        return "failed the CURVE handshake (keys from another hetconv-keygen, or no keys)"
+    return None
+
+
 class LoggingAuthenticator(ThreadAuthenticator):
     """ZAP handler that reports each refused connection, with the peer's address, through `log`
     (pyzmq only logs refusals at debug level, with no address next to the reason)."""
 
     def __init__(self, context, log):
         super().__init__(context)
-        self._report = log
+        self.refusals = log if isinstance(log, RefusalLog) else RefusalLog(log)
         self._peer = "unknown address"
-        self.refused = 0
+
+    @property
+    def refused(self):
+        return self.refusals.count
 
     def handle_zap_message(self, msg):
         # ZAP request frames: version, request id, domain, address, identity, mechanism, credentials
@@ -187,30 +232,87 @@ class LoggingAuthenticator(ThreadAuthenticator):
 
     def _send_zap_reply(self, request_id, status_code, status_text, user_id="anonymous"):
         if status_code != b"200":
-            self.refused += 1
-            self._report(f"refused a connection from {self._peer}: "
-                         f"{status_text.decode('utf-8', 'replace')} (its key is not an authorised worker's)")
+            self.refusals.refused(self._peer, f"{status_text.decode('utf-8', 'replace')}: its key is not an "
+                                              "authorised worker's")
         super()._send_zap_reply(request_id, status_code, status_text, user_id)
 
 
-def serve_curve(ctx, sock, keydir, log=print):
-    """Make `sock` (the coordinator's ROUTER, not yet bound) a CURVE server that admits only the
-    worker keys in keydir/authorized, and start the ZAP handler that checks them on `ctx` (one per
-    context). Call before bind: a connection accepted before the handler runs would skip the check.
-    `log` is called from the authenticator's thread, once per refused connection. Returns the
-    authenticator; call its .stop() before terminating the context."""
+def serve_curve(ctx, sock, keydir, log=print, also=()):
+    """Make `sock` (the coordinator's ROUTER, not yet bound) and the sockets in `also` (its
+    heartbeat channel) CURVE servers that admit only the worker keys in keydir/authorized, and
+    start the ZAP handler that checks them on `ctx` (one per context). Call before bind: a
+    connection accepted before the handler runs would skip the check. `log` is called from the
+    authenticator's thread, once per refused connection. Returns the authenticator; call its
+    .stop() before terminating the context."""
     public, secret, authorized = coordinator_keys(keydir)
     auth = LoggingAuthenticator(ctx, log)
     auth.start()
     try:
         auth.configure_curve(domain="*", location=authorized)
-        sock.curve_secretkey = secret
-        sock.curve_publickey = public
-        sock.curve_server = True
+        for server in (sock, *also):
+            _make_server(server, public, secret)
     except BaseException:
         auth.stop()
         raise
     return auth
+
+
+def _make_server(sock, public, secret):
+    sock.curve_secretkey = secret
+    sock.curve_publickey = public
+    sock.curve_server = True
+
+
+def authenticated_key(frame):
+    """The z85 public key ZAP authenticated for the connection `frame` (received with
+    copy=False) came over, or "" on a connection without CURVE."""
+    try:
+        return frame.get("User-Id") or ""
+    except Exception:                  # no metadata on this frame (an inproc or NULL connection)
+        return ""
+
+
+class PeerKeys:
+    """ZAP credentials for a worker's peer inbox: only the public keys of the plan's other
+    workers, as the coordinator authenticated them (never as a worker claims), are admitted.
+    `allowed` is replaced at each PEERS."""
+
+    def __init__(self):
+        self.allowed = frozenset()
+
+    def callback(self, domain, key):
+        return key.decode("ascii", "replace") in self.allowed
+
+
+def serve_peers(ctx, sock, keydir, log=print):
+    """Make `sock` (a worker's peer inbox, not yet bound) a CURVE server with the worker's own
+    keypair, and start a ZAP handler on `ctx` that admits the keys in the returned PeerKeys.
+    Returns (authenticator, PeerKeys); stop the authenticator before terminating the context."""
+    public, secret, _ = worker_keys(keydir)
+    auth = LoggingAuthenticator(ctx, log)
+    auth.start()
+    keys = PeerKeys()
+    try:
+        auth.configure_curve_callback(domain="*", credentials_provider=keys)
+        _make_server(sock, public, secret)
+    except BaseException:
+        auth.stop()
+        raise
+    return auth, keys
+
+
+def connect_peer(sock, keydir, peer_public):
+    """Make `sock` (a PUSH to another worker's inbox, not yet connected) a CURVE client with this
+    worker's keypair that talks only to the holder of `peer_public` (z85)."""
+    public, secret, _ = worker_keys(keydir)
+    sock.curve_secretkey = secret
+    sock.curve_publickey = public
+    sock.curve_serverkey = peer_public.encode("ascii") if isinstance(peer_public, str) else peer_public
+
+
+def own_public_key(keydir):
+    """This worker's z85 public key (as the coordinator's ZAP will report it)."""
+    return worker_keys(keydir)[0].decode("ascii")
 
 
 def connect_curve(sock, keydir):

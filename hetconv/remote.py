@@ -14,13 +14,16 @@ Two ways through a training step (`exchange`):
 """
 import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
 
 from hetconv import protocol as P
+from hetconv.keys import authenticated_key
 from hetconv.engine import Engine, WorkerError, WorkerLost, concat_channels  # noqa: F401  (raised here, caught by callers)
 from hetconv.planner import PlanError, make_plan, plan_from_lines
 from hetconv.wire import decode, encode
@@ -29,8 +32,9 @@ EXCHANGES = ("peer", "star")
 
 
 class _Peer:
-    def __init__(self, identity, hello, process=None):
+    def __init__(self, identity, hello, process=None, public_key=""):
         self.identity = identity                   # bytes: the ROUTER routing id
+        self.public_key = public_key               # z85, as ZAP authenticated it ("" without keys)
         self.name = hello.get("name", identity.decode(errors="replace"))
         self.device = hello.get("device", "?")
         self.host = hello.get("host", "?")
@@ -47,8 +51,11 @@ class _Peer:
 
 class RemoteEngine(Engine):
     def __init__(self, bind, expected_workers, spawn=(), threads=0, worker_timeout=10.0,
-                 connect_timeout=60.0, op_timeout=600.0, pin=True, log=print, exchange="peer", wire="float32"):
+                 connect_timeout=60.0, op_timeout=600.0, pin=True, log=print, exchange="peer", wire="float32",
+                 curve="", insecure=False, message_limit=0):
         import zmq
+
+        from hetconv import keys
         super().__init__()
         if exchange not in EXCHANGES:
             raise ValueError(f"--exchange must be one of {', '.join(EXCHANGES)}, got {exchange!r}")
@@ -68,6 +75,30 @@ class RemoteEngine(Engine):
         self.seq = 0
         self.calibration_s = 0.0
         self._sent_bytes, self._recv_bytes = {}, {}
+        self.heartbeats = self.ctx.socket(zmq.PULL)
+        self.heartbeats.linger = 0
+        self.heartbeats.setsockopt(zmq.MAXMSGSIZE, 4096)
+        # A frame over the run's largest array is cut off by libzmq, which drops that connection:
+        # the worker counts as lost, and nothing of that size is ever allocated here.
+        self.message_limit = int(message_limit)
+        if self.message_limit:
+            keys.set_message_limit(self.sock, self.message_limit)
+        # Keys: --curve DIR admits the workers whose public keys DIR/authorized holds; --spawn
+        # without --curve makes a keypair for this run's own workers (removed at close), so no
+        # other process can join even on loopback; --insecure turns keys off.
+        self.auth, self._key_tmp, self.worker_keydir = None, None, ""
+        try:
+            if spawn and not curve and not insecure:
+                self._key_tmp = tempfile.mkdtemp(prefix="hetconv-keys-")
+                curve, self.worker_keydir = keys.ephemeral_keys(self._key_tmp)
+            elif spawn and curve:
+                self.worker_keydir = keys.first_worker_dir(curve)
+            self.curve = curve
+            if curve:
+                self.auth = keys.serve_curve(self.ctx, self.sock, curve, log=self.log, also=(self.heartbeats,))
+        except BaseException:
+            self.close()
+            raise
         try:
             if bind.endswith(":0") or bind.endswith(":*"):
                 port = self.sock.bind_to_random_port(bind.rsplit(":", 1)[0])
@@ -83,9 +114,6 @@ class RemoteEngine(Engine):
         # 150 MB of weights takes 12 s at 100 Mbit/s) holds back everything behind it on the
         # worker's main connection, and a live worker would look silent. A PULL costs one more
         # port and one small message per worker per second.
-        self.heartbeats = self.ctx.socket(zmq.PULL)
-        self.heartbeats.linger = 0
-        self.heartbeats.setsockopt(zmq.MAXMSGSIZE, 4096)
         if self.address.startswith("tcp://"):
             self.heartbeat_port = self.heartbeats.bind_to_random_port(self.address.rsplit(":", 1)[0])
             self.heartbeat_endpoint = ""
@@ -94,7 +122,12 @@ class RemoteEngine(Engine):
             self.heartbeats.bind(self.heartbeat_endpoint)
         # A killed worker's TCP connection closes at once: the monitor hears it long before a
         # heartbeat is missed, and a probe (ROUTER_MANDATORY) tells which worker it was.
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        # With keys, a failed handshake is heard there too, with the peer's address.
+        events = zmq.EVENT_DISCONNECTED
+        if self.auth is not None:
+            events |= (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                       | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        self.monitor = self.sock.get_monitor_socket(events)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
@@ -119,6 +152,10 @@ class RemoteEngine(Engine):
             cmd = [sys.executable, "-m", "hetconv.worker", "--device", device, "--connect", self.address,
                    "--name", f"w{i}-{device}", "--parent-pid", str(os.getpid()),
                    "--connect-timeout", str(self.connect_timeout)]
+            if self.worker_keydir:
+                cmd += ["--curve", self.worker_keydir]
+            if self.message_limit:
+                cmd += ["--message-limit-mb", f"{-(-self.message_limit // 1000) / 1000:.3f}"]
             if device == "cpu":
                 cmd += ["--threads", str(per_worker)]
                 slot = cpu_workers.index(i)
@@ -138,6 +175,8 @@ class RemoteEngine(Engine):
                 raise WorkerLost(f"only {len(self.peers)} of {n} workers connected to {self.address} within "
                                  f"{self.connect_timeout:.0f}s: start more with `hetconv-worker --device cpu --connect {self.address}`")
             self._check_processes("starting")
+            if self.monitor.poll(0):
+                self._read_monitor()                 # nobody is in a plan yet: only refusals matter
             if not self.sock.poll(int(min(left, 0.5) * 1000)):
                 continue
             frames = self.sock.recv_multipart(copy=False)
@@ -160,7 +199,7 @@ class RemoteEngine(Engine):
             base = str(msg.fields.get("name", "worker"))
             name = self._unique_name(base)
             process = next((p for label, p in self.processes if label == base and p.pid == msg.fields.get("pid")), None)
-            peer = _Peer(identity, {**msg.fields, "name": name}, process)
+            peer = _Peer(identity, {**msg.fields, "name": name}, process, authenticated_key(frames[1]))
             self.peers[name] = peer
             self._welcome(peer)
             self.log(f"worker {peer.label()}: {peer.description}")
@@ -173,7 +212,8 @@ class RemoteEngine(Engine):
     def _welcome(self, peer):
         """Admit a worker and tell it where to send heartbeats (a port on the host it reached us
         on, or an ipc path)."""
-        self._send(peer, "WELCOME", heartbeat_port=self.heartbeat_port, heartbeat_endpoint=self.heartbeat_endpoint)
+        self._send(peer, "WELCOME", heartbeat_port=self.heartbeat_port, heartbeat_endpoint=self.heartbeat_endpoint,
+                   message_limit=self.message_limit)
 
     def _note_heartbeats(self):
         """Drain the heartbeat channel: each names the worker's identity. Anything else there is
@@ -297,11 +337,25 @@ class RemoteEngine(Engine):
         return stats
 
     # ---- losing and gaining workers -----------------------------------------------------------------
+    def _read_monitor(self):
+        """Drain the monitor; log refused handshakes (once per host). True if a connection dropped."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        from hetconv.keys import handshake_refusal
+        dropped = False
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)
+            reason = handshake_refusal(event)
+            if reason is not None:
+                self.auth.refusals.refused(event.get("endpoint", b"").decode("utf-8", "replace"), reason)
+            elif event.get("event") == self.zmq.EVENT_DISCONNECTED:
+                dropped = True
+        return dropped
+
     def _probe_after_disconnect(self, doing):
         """Some connection dropped: a send to a vanished routing id fails at once."""
-        from zmq.utils.monitor import recv_monitor_message
-        while self.monitor.poll(0):
-            recv_monitor_message(self.monitor)
+        if not self._read_monitor():
+            return
         lost = []
         for name, peer in self.peers.items():
             try:
@@ -320,7 +374,7 @@ class RemoteEngine(Engine):
         except P.ProtocolError:
             return
         if msg.op == "HELLO":
-            self.joining[frames[0].bytes] = msg.fields
+            self.joining[frames[0].bytes] = (msg.fields, authenticated_key(frames[1]))
             self.log(f"worker {msg.fields.get('name', '?')} asks to join: admitted at the next snapshot")
 
     def drop(self, names):
@@ -342,9 +396,9 @@ class RemoteEngine(Engine):
         if not self.joining:
             return None
         new = []
-        for identity, hello in self.joining.items():
+        for identity, (hello, public_key) in self.joining.items():
             name = self._unique_name(str(hello.get("name", "worker")))
-            peer = _Peer(identity, {**hello, "name": name})
+            peer = _Peer(identity, {**hello, "name": name}, public_key=public_key)
             self.peers[name] = peer
             self.by_identity[identity] = peer
             self._welcome(peer)
@@ -429,15 +483,20 @@ class RemoteEngine(Engine):
     def _connect_peers(self):
         """Tell every worker of the plan who its peers are, where to reach them, and who holds
         which kernels; each connects to the others (ipc on its own host, tcp elsewhere)."""
-        peers = [{"name": name, "endpoints": self.peers[name].peer_endpoints, "host_key": self.peers[name].host_key}
-                 for name in self.plan.workers]
+        peers = [{"name": name, "endpoints": self.peers[name].peer_endpoints, "host_key": self.peers[name].host_key,
+                  "public_key": self.peers[name].public_key} for name in self.plan.workers]
         missing = [p["name"] for p in peers if not p["endpoints"]]
         if missing:
             raise WorkerLost(f"worker(s) {', '.join(missing)} announced no peer address: they cannot take part in "
                              f"--exchange peer (use --exchange star, or a hetconv-worker of this version)")
         ranges = [{name: list(lp.ranges[name]) for name in self.plan.workers} for lp in self.plan.layers]
-        self._call({name: ("PEERS", [], {"peers": peers, "ranges": ranges, "you": name, "timeout": self.op_timeout})
-                    for name in self.plan.workers}, "connecting workers to each other")
+        # Twice: first every worker learns whom to admit, then they connect. With keys, a peer
+        # that connects before its inbox knows it is refused, and libzmq does not retry a CURVE
+        # handshake that ZAP denied: its slices would never arrive. One more round trip per plan.
+        for connect in (False, True):
+            self._call({name: ("PEERS", [], {"peers": peers, "ranges": ranges, "you": name, "timeout": self.op_timeout,
+                                             "connect": connect})
+                        for name in self.plan.workers}, "connecting workers to each other")
 
     def conv_step(self, xs, head, sgd):
         if self.exchange == "star":
@@ -477,7 +536,17 @@ class RemoteEngine(Engine):
             if msg.fields.get("step") != step:
                 continue                                       # from an abandoned step
             if msg.op == "FEATURES":
-                slices[int(msg.fields["micro"])][peer.name] = decode(msg.arrays[0], self.wire)
+                m = msg.fields.get("micro")
+                k = last.ranges[peer.name][1] - last.ranges[peer.name][0] if peer.name in last.ranges else -1
+                got = msg.arrays[0].shape if msg.arrays else ()
+                if not isinstance(m, int) or not 0 <= m < micros or len(got) != 4 or got[:2] != (len(xs[m]), k):
+                    raise WorkerError(peer.label(), doing, "ShapeError",
+                                      f"FEATURES for micro-batch {m!r} with shape {got}: the plan expects "
+                                      f"({len(xs[m]) if isinstance(m, int) and 0 <= m < micros else 'N'}, {k}, H, W) "
+                                      f"for micro-batches 0..{micros - 1}", "")
+                if slices[m] is None or peer.name in slices[m]:
+                    continue                                   # a duplicate: the first one counted
+                slices[m][peer.name] = decode(msg.arrays[0], self.wire)
                 # in micro-batch order, so the FC gradients add up in the same order as anywhere else
                 while next_micro < micros and len(slices[next_micro]) == len(names):
                     h = concat_channels([slices[next_micro][n] for n in names])
@@ -526,4 +595,8 @@ class RemoteEngine(Engine):
         self.sock.close(linger=0)
         if getattr(self, "heartbeats", None) is not None:
             self.heartbeats.close(linger=0)
+        if getattr(self, "auth", None) is not None:
+            self.auth.stop()                                # its ZAP socket lives on this context
         self.ctx.term()
+        if getattr(self, "_key_tmp", None):
+            shutil.rmtree(self._key_tmp, ignore_errors=True)

@@ -56,6 +56,13 @@ def build_parser():
     p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats")
     p.add_argument("--peer-address", default="", help="address other workers reach this one on (default: the "
                                                       "interface this host uses to reach the coordinator)")
+    p.add_argument("--curve", default="", metavar="DIR",
+                   help="this worker's key folder from hetconv-keygen (DIR/workers/NAME, or a DIR holding one worker): "
+                        "talk only to the coordinator and peers holding the matching keys, encrypted")
+    p.add_argument("--message-limit-mb", type=float, default=1024.0,
+                   help="the largest frame accepted from the coordinator or a peer, in MB (ZMQ_MAXMSGSIZE): a bigger "
+                        "one drops that connection. The coordinator says at WELCOME what its run needs; a worker "
+                        "below it exits saying so")
     p.add_argument("--verbose", action="store_true", help="print the traceback of a failure while serving")
     p.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
     return p
@@ -71,9 +78,13 @@ def _check_args(args):
                             ("--heartbeat", args.heartbeat)):
             check_range(flag, value, 0, inclusive=False)
         check_range("--threads", args.threads, 0)
+        check_range("--message-limit-mb", args.message_limit_mb, 0, inclusive=False)
         entries = parse_device_list("--device", args.device)
         if len(entries) != 1 or entries[0].count != 1:
             raise ValueError(f"--device {args.device!r}: one device per worker, e.g. cpu or cuda:0")
+        if args.curve:
+            from hetconv.keys import worker_keys
+            worker_keys(args.curve)                # every key file read and checked before connecting
     except (ValueError, DeviceError) as e:
         raise WorkerExit(str(e)) from None
     entry = entries[0]
@@ -90,7 +101,7 @@ class WorkerExit(Exception):
     pass
 
 
-def _serve_compute(ctx, endpoint, requests, device_spec, threads, identity, name):
+def _serve_compute(ctx, endpoint, requests, device_spec, threads, identity, name, keydir="", peer_keys=None):
     """The compute thread: one request (a Message the I/O thread already checked) in from the
     `requests` queue, its reply out over the PAIR socket, strictly in order; None stops it. A
     STEP reads its further messages (INPUT, GRAD, peers' SLICEs) from the same queue."""
@@ -113,7 +124,8 @@ def _serve_compute(ctx, endpoint, requests, device_spec, threads, identity, name
     except Exception as e:
         pair.send_multipart(P.pack("ERROR", 0, **P.error_fields(e, identity, f"opening device {device_spec}")))
         return
-    peers = PeerLinks(ctx, name, shard, requests, lambda frames: pair.send_multipart(frames, copy=False), P)
+    peers = PeerLinks(ctx, name, shard, requests, lambda frames: pair.send_multipart(frames, copy=False), P,
+                      keydir=keydir, peer_keys=peer_keys)
     try:
         while True:
             msg = peers.deferred.pop(0) if peers.deferred else requests.get()
@@ -172,12 +184,20 @@ def run(args):
     requests = queue.Queue()
     from hetconv.peers import bind_inbox, host_key, route_address
     peer_address = args.peer_address or route_address(args.connect)
+    from hetconv.keys import set_message_limit
+    limit = int(args.message_limit_mb * 1e6)
+    set_message_limit(dealer, limit)               # before connect: libzmq copies it into the connection
+    if args.curve:
+        from hetconv.keys import connect_curve
+        connect_curve(dealer, args.curve)          # before connect: the handshake proves both sides' keys
+    auth = None
     try:
-        inbox, peer_endpoints = bind_inbox(ctx, peer_address)
+        inbox, peer_endpoints, auth, peer_keys = bind_inbox(ctx, peer_address, args.curve, log=_log, limit=limit)
     except zmq.ZMQError as e:
         raise WorkerExit(f"--peer-address {peer_address}: cannot listen for peers there ({e.strerror})") from None
     compute = threading.Thread(target=_serve_compute,
-                               args=(ctx, endpoint, requests, args.device, args.threads, identity, label),
+                               args=(ctx, endpoint, requests, args.device, args.threads, identity, label,
+                                     args.curve, peer_keys),
                                name="compute", daemon=True)
     compute.start()
     heartbeats = None
@@ -196,7 +216,16 @@ def run(args):
                                      description=first.fields["description"], peer_endpoints=peer_endpoints,
                                      host_key=host_key()))
         welcome = _await_welcome(dealer, args, P)
-        heartbeats = _heartbeat_socket(ctx, args.connect, welcome.fields)
+        needed = int(welcome.fields.get("message_limit") or 0)
+        if needed > limit:
+            why = (f"this run moves frames of up to {needed / 1e6:.1f} MB, more than --message-limit-mb "
+                   f"{args.message_limit_mb:g} allows: start the worker with --message-limit-mb {-(-needed // 1_000_000)}")
+            # seq -1: not an answer to a request, an error the coordinator raises naming this worker
+            dealer.send_multipart(P.pack("ERROR", -1, name="MessageLimitError", message=why, worker=identity,
+                                         doing="joining", traceback=""))
+            time.sleep(0.2)                         # let it leave before the socket closes
+            raise WorkerExit(why)
+        heartbeats = _heartbeat_socket(ctx, args.connect, welcome.fields, args.curve)
         print(f"hetconv-worker {identity}: serving {first.fields['description']} for {args.connect}", flush=True)
         _io_loop(dealer, pair, inbox, requests, args, P, heartbeats, identity)
     finally:
@@ -213,6 +242,8 @@ def run(args):
                     pass
         dealer.close(linger=0)
         pair.close(linger=0)
+        if auth is not None:
+            auth.stop()
         if not compute.is_alive():               # else a kernel still runs: its sockets end with the process
             ctx.term()
 
@@ -223,8 +254,11 @@ def _await_welcome(dealer, args, P):
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
+            refused = (" or it refused this worker's key (CURVE: is this worker's public key in the coordinator's "
+                       "--curve DIR/authorized, and coordinator.key its key?)") if args.curve else (
+                       "; a coordinator that uses keys needs --curve here too")
             raise WorkerExit(f"no coordinator answered at {args.connect} within {args.connect_timeout:.0f}s "
-                             f"(is hetconv-coordinator running and bound there?)")
+                             f"(is hetconv-coordinator running and bound there?{refused})")
         if dealer.poll(int(min(left, 1.0) * 1000), zmq.POLLIN):
             frames = dealer.recv_multipart()
             try:
@@ -239,7 +273,11 @@ def _await_welcome(dealer, args, P):
         _check_parent(args)
 
 
-def _heartbeat_socket(ctx, connect, welcome):
+def _log(line):
+    print(f"hetconv-worker: {line}", file=sys.stderr, flush=True)
+
+
+def _heartbeat_socket(ctx, connect, welcome, keydir=""):
     """A PUSH to the coordinator's heartbeat channel, where WELCOME says it is (a port on the
     host --connect names, or an ipc path); None from a coordinator without one. Its own
     connection, so a heartbeat is never queued behind a large reply on a slow link."""
@@ -252,6 +290,9 @@ def _heartbeat_socket(ctx, connect, welcome):
     sock = ctx.socket(zmq.PUSH)
     sock.linger = 0
     sock.sndhwm = 4                      # a gone coordinator: drop heartbeats, never pile them up
+    if keydir:
+        from hetconv.keys import connect_curve
+        connect_curve(sock, keydir)
     sock.connect(endpoint)
     return sock
 

@@ -229,9 +229,17 @@ def test_coordinator_survives_garbage_and_refuses_a_version_mismatch(procs):
     from hetconv import protocol as P
     port = free_port()
     coord = procs(python_cmd("hetconv.coordinator", "--workers", "1", "--bind", f"tcp://127.0.0.1:{port}",
-                             "--connect-timeout", "6", "--conv", "2,2", "--fc", "4"))
-    time.sleep(2.0)
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:     # not even ZMTP
+                             "--connect-timeout", "15", "--conv", "2,2", "--fc", "4"))
+    deadline = time.monotonic() + 30                                           # a loaded machine starts slowly
+    while True:
+        try:
+            raw = socket.create_connection(("127.0.0.1", port), timeout=5)
+            break
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    with raw:                                                                  # not even ZMTP
         raw.sendall(os.urandom(512))
     ctx = zmq.Context()
     try:
@@ -374,7 +382,7 @@ def test_killed_coordinator_leaves_no_worker_behind(procs, tmp_path):
 def test_external_workers_join_and_match_local(procs, tmp_path):
     port = free_port()
     common = ["--conv", "6,12", "--fc", "16", "--batch-size", "32", "--synthetic-train", "256", "--synthetic-test",
-              "64", "--steps", "3", "--threads", "1", "--calibration-batch", "4"]
+              "64", "--steps", "3", "--threads", "1", "--calibration-batch", "4", "--use-all"]
     coord = procs(python_cmd("hetconv.coordinator", "--workers", "2", "--bind", f"tcp://127.0.0.1:{port}",
                              "--metrics", tmp_path / "dist.jsonl", *common))
     workers = [procs(python_cmd("hetconv.worker", "--device", "cpu", "--connect", f"tcp://127.0.0.1:{port}",
@@ -597,9 +605,10 @@ def test_below_min_workers_the_run_checkpoints_and_stops_clearly(tmp_path):
     assert meta["step"] == 2
 
 
-def _external_worker(procs, address, name):
+def _external_worker(procs, address, name, keys=""):
     return procs(python_cmd("hetconv.worker", "--device", "cpu", "--connect", address, "--threads", "1",
-                            "--name", name, "--connect-timeout", "60", "--idle-timeout", "120"),
+                            "--name", name, "--connect-timeout", "60", "--idle-timeout", "120",
+                            *(["--curve", keys] if keys else [])),
                  stdout=subprocess.DEVNULL)
 
 
@@ -632,7 +641,7 @@ def test_a_worker_that_connects_mid_run_joins_at_a_snapshot(tmp_path, procs):
     def conv_step(*args, **kw):
         calls["n"] += 1
         if calls["n"] == 2:
-            _external_worker(procs, engine.address, "late")
+            _external_worker(procs, engine.address, "late", engine.worker_keydir)   # the run's own keys
             time.sleep(3.0)                                # its HELLO arrives while step 2 runs
         return real(*args, **kw)
     engine.conv_step = conv_step
