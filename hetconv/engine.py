@@ -105,7 +105,7 @@ class Engine:
     # ---- written once ------------------------------------------------------------------------------
     def load(self, plan, specs, params):
         """params: per layer (w, b, vw, vb) full arrays (momentum may be None)."""
-        self.plan = plan
+        self.plan, self.specs = plan, list(specs)
         for lp, spec, (w, b, vw, vb) in zip(plan.layers, specs, params):
             requests = {}
             for name, (s, e) in lp.ranges.items():
@@ -120,7 +120,22 @@ class Engine:
         fields = {"layer": layer, "micro": micro, "keep": keep, "wire": self.wire}
         replies = self._call({name: ("FORWARD", [sent], fields) for name in self.plan.workers},
                              f"forward conv{layer + 1}", layer)
-        return concat_channels([decode(replies[name][0][0], self.wire) for name in self.plan.workers])
+        lp, doing = self.plan.layers[layer], f"forward conv{layer + 1}"
+        first = self._reply_array(replies, self.plan.workers[0], 0, None, doing)
+        return concat_channels([decode(self._reply_array(replies, name, 0, (len(x), lp.ranges[name][1] - lp.ranges[name][0])
+                                                         + first.shape[2:], doing), self.wire)
+                                for name in self.plan.workers])
+
+    def _reply_array(self, replies, name, index, shape, doing):
+        """Array `index` of worker `name`'s reply, checked against the shape the plan expects
+        (None: any): a worker that sends something else fails the request, named, instead of
+        corrupting a concatenation, a sum or a snapshot."""
+        arrays = replies[name][0]
+        got = tuple(arrays[index].shape) if index < len(arrays) else None
+        if got is None or (shape is not None and got != tuple(shape)):
+            raise WorkerError(name, doing, "ShapeError", f"reply array {index} has shape {got}, the plan expects "
+                                                          f"{tuple(shape) if shape is not None else 'an array'}")
+        return arrays[index]
 
     def backward(self, layer, dpooled, need_dx, micro=0, sgd=None):
         """Each shard gets its slice of dL/d(pooled output); returns dL/d(layer input), the sum
@@ -133,7 +148,11 @@ class Engine:
         replies = self._call(requests, f"backward conv{layer + 1}", layer)
         if not need_dx:
             return None
-        return sum_in_order([decode(replies[name][0][0], self.wire) for name in self.plan.workers])
+        doing = f"backward conv{layer + 1}"
+        first = self._reply_array(replies, self.plan.workers[0], 0, None, doing)
+        expected = (len(dpooled), self.specs[layer].in_channels) + first.shape[2:]
+        return sum_in_order([decode(self._reply_array(replies, name, 0, expected, doing), self.wire)
+                             for name in self.plan.workers])
 
     def conv_step(self, xs, head, sgd):
         """One step's conv work, micro-batch after micro-batch, layer by layer through this
@@ -162,7 +181,14 @@ class Engine:
         for lp in self.plan.layers:
             replies = self._call({name: ("FETCH", [], {"layer": lp.layer}) for name in self.plan.workers},
                                  f"fetching conv{lp.layer + 1} for a checkpoint")
-            out.append(concat_shards([replies[name][0] for name in self.plan.workers]))
+            spec, doing = self.specs[lp.layer], f"fetching conv{lp.layer + 1}"
+            parts = []
+            for name in self.plan.workers:
+                s, e = lp.ranges[name]
+                w_shape = (e - s, spec.in_channels, spec.ksize, spec.ksize)
+                parts.append(tuple(self._reply_array(replies, name, i, shape, doing)
+                                   for i, shape in enumerate((w_shape, (e - s,), w_shape, (e - s,)))))
+            out.append(concat_shards(parts))
         return out
 
     # ---- measurements ------------------------------------------------------------------------------

@@ -66,3 +66,26 @@ def layer_input_shapes(specs, batch, image_shape=IMAGE_SHAPE):
         h, w = pooled_hw(ho, wo)
         c = spec.kernels
     return shapes, (c, h, w)
+
+
+def largest_array_bytes(specs, batch, image_shape=IMAGE_SHAPE, value_bytes=4):
+    """The largest array any message of a run moves, in bytes: a conv layer's whole input or
+    partial dX, its pooled output, or its weights (a worker holding every kernel). Sockets cap
+    each received frame near this (ZMQ_MAXMSGSIZE), so a peer cannot make a process allocate
+    more than the run itself ever needs."""
+    shapes, (c, h, w) = layer_input_shapes(specs, batch, image_shape)
+    sizes = [batch * c * h * w]
+    for spec, (n, cin, hin, win) in zip(specs, shapes):
+        sizes.append(n * cin * hin * win)
+        sizes.append(spec.kernels * cin * spec.ksize * spec.ksize)
+    return max(sizes) * value_bytes
+
+
+# A header frame (msgpack: plans, calibration timings) is small; this much room is given over the
+# largest array, and no limit is ever set below it.
+MESSAGE_SLACK_BYTES = 1 << 20
+
+
+def message_limit_bytes(specs, batch, image_shape=IMAGE_SHAPE):
+    """ZMQ_MAXMSGSIZE for a run's sockets: the largest array plus room for a header."""
+    return largest_array_bytes(specs, batch, image_shape) + MESSAGE_SLACK_BYTES

@@ -1,0 +1,63 @@
+"""Every socket caps the size of one received frame near the largest array the run moves: a peer
+cannot make a process allocate more, and a worker whose own cap is too low for the run says so."""
+import subprocess
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from conftest import python_cmd
+from hetconv import protocol as P
+from hetconv.geometry import conv_specs, largest_array_bytes, message_limit_bytes
+from hetconv.remote import RemoteEngine
+from test_distributed import free_port, quiet
+
+
+def test_the_largest_array_is_found_by_hand():
+    # conv 6,12 (5x5, no padding) on 3x32x32 at batch 4: the images are the largest array,
+    # 4*3*32*32 floats; conv2's input 4*6*14*14, its weights 12*6*5*5, the output 4*12*5*5
+    assert largest_array_bytes(conv_specs([6, 12]), 4) == 4 * 3 * 32 * 32 * 4
+    # wide kernels: conv2's weights (64*600*25) outgrow its input at batch 1 (600*14*14)
+    assert largest_array_bytes(conv_specs([600, 64]), 1) == 64 * 600 * 5 * 5 * 4
+    assert message_limit_bytes(conv_specs([6, 12]), 4) > largest_array_bytes(conv_specs([6, 12]), 4)
+
+
+@pytest.mark.timeout(60)
+def test_a_frame_over_the_limit_is_never_delivered_and_the_coordinator_keeps_serving():
+    limit = 200_000
+    engine = RemoteEngine("tcp://127.0.0.1:0", 0, ["cpu"], threads=1, log=quiet, message_limit=limit, insecure=True)
+    ctx = zmq.Context()
+    rogue = ctx.socket(zmq.DEALER)
+    rogue.linger = 0
+    try:
+        assert engine.sock.getsockopt(zmq.MAXMSGSIZE) == limit
+        rogue.connect(engine.address)
+        big = np.zeros(limit // 4 + 1000, np.float32)                  # one frame just over the limit
+        rogue.send_multipart(P.pack("HELLO", 0, [big], name="rogue"))
+        # libzmq drops the connection that carried it before the frame is read whole
+        name = engine.workers[0]
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:                              # the engine goes on serving meanwhile
+            replies = engine._call({name: ("CALIBRATE", [], {"layers": []})}, "a request after the big frame")
+            assert replies[name][1]["speeds"] == []
+        names = [hello.get("name") for hello, _ in engine.joining.values()]
+        assert "rogue" not in names, "a frame over the limit got through"   # (without the limit, it does)
+    finally:
+        rogue.close(0)
+        ctx.term()
+        engine.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_whose_limit_is_below_the_runs_says_how_to_raise_it(procs):
+    address = f"tcp://127.0.0.1:{free_port()}"
+    coord = procs(python_cmd("hetconv.coordinator", "--workers", "1", "--bind", address, "--connect-timeout", "15",
+                             "--conv", "6,12", "--fc", "8", "--batch-size", "8", "--steps", "1",
+                             "--synthetic-train", "64", "--synthetic-test", "16"))
+    worker = subprocess.run(python_cmd("hetconv.worker", "--device", "cpu", "--connect", address, "--threads", "1",
+                                       "--message-limit-mb", "0.01"), capture_output=True, text=True, timeout=60)
+    assert worker.returncode == 2, worker.stderr
+    assert "start the worker with --message-limit-mb 2" in worker.stderr, worker.stderr
+    out, _ = coord.communicate(timeout=60)
+    assert coord.returncode == 1 and "start the worker with --message-limit-mb 2" in out, out   # says why too
