@@ -103,7 +103,9 @@ class Run:
         return next((r for r in self.records() if r["event"] == "done"), None)
 
     def losses(self):
-        return [r["loss"] for r in self.records() if r["event"] == "step"]
+        """Per step, the loss that counted: a replayed step's record replaces the first one."""
+        by_step = {r["step"]: r["loss"] for r in self.records() if r["event"] == "step"}
+        return [by_step[k] for k in sorted(by_step)]
 
 
 def end(proc):

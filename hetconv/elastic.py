@@ -81,18 +81,25 @@ class Elastic:
         Below --min-workers, saves the snapshot as a checkpoint and raises WorkerLost saying so."""
         if not self.enabled or not error.workers:
             raise error
-        self.engine.drop(error.workers)
-        for name in error.workers:
-            self.metrics.write("worker_lost", step=step + 1, worker=name, reason=str(error))
-        self.log(f"lost {', '.join(error.workers)} at step {step + 1}: {error}")
-        left = len(self.engine.workers)
-        if left < self.cfg.min_workers:
-            path = self._save_snapshot()
-            raise WorkerLost(f"{error}; {left} worker(s) left, below --min-workers {self.cfg.min_workers}: "
-                             f"saved step {self.snapshot.step} to {path}; resume with --resume {path}",
-                             error.workers) from None
-        plan = self.engine.replan(self.specs, self.input_shapes, self.cfg)
-        self.engine.load(plan, self.specs, self.snapshot.conv)
+        while True:
+            self.engine.drop(error.workers)
+            for name in error.workers:
+                self.metrics.write("worker_lost", step=step + 1, worker=name, reason=str(error))
+            self.log(f"lost {', '.join(error.workers)} at step {step + 1}: {error}")
+            left = len(self.engine.workers)
+            if left < self.cfg.min_workers:
+                path = self._save_snapshot()
+                raise WorkerLost(f"{error}; {left} worker(s) left, below --min-workers {self.cfg.min_workers}: "
+                                 f"saved step {self.snapshot.step} to {path}; resume with --resume {path}",
+                                 error.workers) from None
+            try:
+                plan = self.engine.replan(self.specs, self.input_shapes, self.cfg)
+                self.engine.load(plan, self.specs, self.snapshot.conv)
+                break
+            except WorkerLost as again:          # another one went while the survivors were reloaded
+                if not again.workers:
+                    raise
+                error = again
         self.net.load_fc_state(self.snapshot.fc)
         self.metrics.write("plan", reason=f"lost {', '.join(error.workers)}", step=self.snapshot.step, **plan.to_json())
         self.log(f"going on with {left} worker(s) from the snapshot at step {self.snapshot.step} "

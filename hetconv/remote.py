@@ -192,8 +192,15 @@ class RemoteEngine(Engine):
                 self.log(f"ignored a malformed message from {identity!r:.80}: {e}")
                 continue
             if msg.op == "ERROR":
-                raise WorkerError(msg.fields.get("worker"), msg.fields.get("doing"), msg.fields.get("name"),
-                                  msg.fields.get("message"), msg.fields.get("traceback", ""))
+                # A worker that could not start (no such GPU) says so instead of HELLO. One we spawned
+                # ends the run, named; anyone else's is only logged: a stranger's ERROR must not be
+                # a way to stop a coordinator.
+                if self._spawned_here(msg.fields.get("worker")):
+                    raise WorkerError(msg.fields.get("worker"), msg.fields.get("doing"), msg.fields.get("name"),
+                                      msg.fields.get("message"), msg.fields.get("traceback", ""))
+                self.log(f"a worker at {identity!r:.80} could not start: {msg.fields.get('name')}: "
+                         f"{str(msg.fields.get('message'))[:200]}")
+                continue
             if msg.op != "HELLO":
                 continue
             base = str(msg.fields.get("name", "worker"))
@@ -227,6 +234,15 @@ class RemoteEngine(Engine):
             peer = self.by_identity.get(str(msg.fields.get("identity", "")).encode())
             if msg.op == "HEARTBEAT" and peer is not None:
                 peer.last_seen = now
+
+    def _spawned_here(self, worker_identity):
+        """Whether an identity ('label/host/pid/id', as hetconv-worker makes it) names one of the
+        processes this engine started."""
+        try:
+            pid = int(str(worker_identity).rsplit("/", 2)[-2])
+        except (ValueError, IndexError):
+            return False
+        return any(proc.pid == pid for _, proc in self.processes)
 
     def _check_processes(self, doing):
         for label, proc in self.processes:

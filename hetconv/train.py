@@ -187,6 +187,16 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds):
         rebalance_at = 0
     losses, step_times = [], []
     last_ckpt = None
+
+    def go_on_without(lost, step):
+        """After WorkerLost in step `step` + 1: survivors re-planned and reloaded from the last
+        snapshot; the records of the steps to replay are dropped. -> (step, plan, micro-batches)."""
+        step, plan = elastic.recover(lost, step)
+        del losses[step - start_step:], step_times[step - start_step:]
+        bar.n = step
+        bar.refresh()
+        return step, plan, resolve_micro_batches(cfg, engine)
+
     interrupted = False
     last_line = time.monotonic()
     bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, disable=None)
@@ -205,12 +215,8 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds):
                                             micro_batches)
                 except WorkerLost as lost:
                     # go on without it: survivors reloaded from the last snapshot, the steps since replayed
-                    step, plan = elastic.recover(lost, step)
-                    micro_batches = resolve_micro_batches(cfg, engine)
+                    step, plan, micro_batches = go_on_without(lost, step)
                     rebalance_at = 0                   # the survivors' split comes from their calibration
-                    del losses[step - start_step:], step_times[step - start_step:]
-                    bar.n = step
-                    bar.refresh()
                     break                              # the epoch loop starts again at `step`
                 dt = time.perf_counter() - t0
                 if not math.isfinite(result.loss):
@@ -239,9 +245,14 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds):
                                       **plan.to_json())
                         if rebalances < MAX_REBALANCES:   # check again: each round corrects the last
                             rebalance_at = step + cfg.rebalance_after
-                if elastic.after_step(step, dt) is not None:
-                    plan = engine.plan
-                    micro_batches = resolve_micro_batches(cfg, engine)
+                try:
+                    if elastic.after_step(step, dt) is not None:
+                        plan = engine.plan
+                        micro_batches = resolve_micro_batches(cfg, engine)
+                except WorkerLost as lost:             # lost while a snapshot was gathered: the last one stands
+                    step, plan, micro_batches = go_on_without(lost, step - 1)
+                    rebalance_at = 0
+                    break
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                     last_ckpt = save(step, epoch)
                 if step >= total_steps or stop.requested:

@@ -247,6 +247,9 @@ def test_coordinator_survives_garbage_and_refuses_a_version_mismatch(procs):
         dealer.linger = 0
         dealer.connect(f"tcp://127.0.0.1:{port}")
         dealer.send_multipart([b"\xc1garbage", b"more"])                        # ZMTP, but not our protocol
+        # an ERROR from a process it did not start: logged, never a way to stop the coordinator
+        dealer.send_multipart(P.pack("ERROR", 0, name="X", message="not yours", worker="a/b/1/c", doing="d",
+                                     traceback=""))
         header = P.pack("HELLO", 0, name="old")[0]
         import msgpack
         h = msgpack.unpackb(header)
@@ -260,6 +263,7 @@ def test_coordinator_survives_garbage_and_refuses_a_version_mismatch(procs):
     out, _ = coord.communicate(timeout=30)
     assert coord.returncode == 1
     assert "ignored a malformed message" in out and "only 0 of 1 workers connected" in out
+    assert "could not start: X: not yours" in out
 
 
 @pytest.fixture
@@ -602,6 +606,28 @@ def test_below_min_workers_the_run_checkpoints_and_stops_clearly(tmp_path):
     finally:
         engine.close()
     meta, _, _ = checkpoint.load(str(tmp_path))
+    assert meta["step"] == 2
+
+
+def test_a_second_loss_while_the_survivors_reload_is_survived_too_or_stops_at_the_floor(tmp_path):
+    engine = remote(3)
+    real, calls = engine.conv_step, {"n": 0}
+
+    def conv_step(*args, **kw):                     # two workers die at once in step 4
+        calls["n"] += 1
+        if calls["n"] == 4:
+            for _, proc in engine.processes[:2]:
+                proc.kill()
+                proc.wait()
+        return real(*args, **kw)
+    engine.conv_step = conv_step
+    try:
+        with pytest.raises(WorkerLost, match=r"1 worker\(s\) left, below --min-workers 2: saved step 2"):
+            train(Config(**TINY, steps=8, snapshot_every=2, min_workers=2, rebalance_after=0,
+                         checkpoint_dir=str(tmp_path / "ckpt")).validate(), engine, log=quiet)
+    finally:
+        engine.close()
+    meta, _, _ = checkpoint.load(str(tmp_path / "ckpt"))
     assert meta["step"] == 2
 
 
