@@ -409,7 +409,10 @@ SCENARIOS = [("kill-worker", kill_worker), ("hang-worker", hang_worker), ("kill-
 
 
 def markdown(doc):
-    lines = ["# Reliability: faults injected and what happened", ""] + _common.run_header(doc)
+    header = [line.replace("; foreign load below is per row.", " (a loaded machine: the faults, not the "
+                                                                   "timings, are the point).")
+              for line in _common.run_header(doc)]
+    lines = ["# Reliability: faults injected and what happened", ""] + header
     lines += ["Each row is a real run on loopback (the tiny network of `bench/faults.py`), the fault injected as "
               "written, and the facts measured in that run. `held` is decided from the facts by the rule in "
               "the last column. Nothing below is edited by hand: `python bench/faults.py --render "
