@@ -184,9 +184,12 @@ class RemoteEngine(Engine):
             try:
                 msg = P.unpack(frames[1:])
             except P.ProtocolVersionError as e:
-                self._send_raw(identity, P.pack("ERROR", 0, name="ProtocolVersionError", message=str(e),
-                                                worker=identity.decode(errors="replace"), doing="HELLO", traceback=""))
-                self.log(f"refused worker {identity.decode(errors='replace')}: {e}")
+                try:
+                    self._send_raw(identity, P.pack("ERROR", 0, name="ProtocolVersionError", message=str(e),
+                                                    worker=identity.decode(errors="replace"), doing="HELLO", traceback=""))
+                except WorkerLost:
+                    pass                                   # it has gone already: nobody to tell
+                self.log(f"refused worker {identity!r:.80}: {e}")
                 continue
             except P.ProtocolError as e:
                 self.log(f"ignored a malformed message from {identity!r:.80}: {e}")
