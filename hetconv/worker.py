@@ -226,7 +226,8 @@ def run(args):
             time.sleep(0.2)                         # let it leave before the socket closes
             raise WorkerExit(why)
         heartbeats = _heartbeat_socket(ctx, args.connect, welcome.fields, args.curve)
-        print(f"hetconv-worker {identity}: serving {first.fields['description']} for {args.connect}", flush=True)
+        print(f"hetconv-worker {identity}: serving {first.fields['description']} for {args.connect}; "
+              f"peers reach it at {' '.join(peer_endpoints)}", flush=True)
         _io_loop(dealer, pair, inbox, requests, args, P, heartbeats, identity)
     finally:
         if heartbeats is not None:
