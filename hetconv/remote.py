@@ -47,7 +47,8 @@ class _Peer:
 
 class RemoteEngine(Engine):
     def __init__(self, bind, expected_workers, spawn=(), threads=0, worker_timeout=10.0,
-                 connect_timeout=60.0, op_timeout=600.0, pin=True, log=print, exchange="peer", wire="float32"):
+                 connect_timeout=60.0, op_timeout=600.0, pin=True, log=print, exchange="peer", wire="float32",
+                 launcher=None):
         import zmq
         super().__init__()
         if exchange not in EXCHANGES:
@@ -62,7 +63,8 @@ class RemoteEngine(Engine):
         self.sock.linger = 0
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)      # an unknown peer is an error, not a silent drop
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
-        self.processes = []
+        self.processes = []                                 # (label, Popen or a launcher's look-alike)
+        self.launcher = launcher                            # None: spawned here; else e.g. launch_ray.RayLauncher
         self.peers = {}                                     # name -> _Peer, in plan order
         self.by_identity = {}
         self.seq = 0
@@ -112,6 +114,10 @@ class RemoteEngine(Engine):
     def _spawn(self, devices, threads, pin):
         if not devices:
             return
+        if self.launcher is not None:                       # placed elsewhere; pinning is the launcher's
+            self.processes += self.launcher.start([(f"w{i}-{d}", d) for i, d in enumerate(devices)], self.address,
+                                                  threads, self.connect_timeout)
+            return
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
         cpu_workers = [i for i, d in enumerate(devices) if d == "cpu"]
         per_worker = threads or max(1, len(cores) // max(1, len(cpu_workers)))
@@ -135,8 +141,10 @@ class RemoteEngine(Engine):
         while len(self.peers) < n:
             left = deadline - time.monotonic()
             if left <= 0:
+                hint = ("can the Ray nodes reach this address? (choose one with --bind)" if self.launcher is not None
+                        else f"start more with `hetconv-worker --device cpu --connect {self.address}`")
                 raise WorkerLost(f"only {len(self.peers)} of {n} workers connected to {self.address} within "
-                                 f"{self.connect_timeout:.0f}s: start more with `hetconv-worker --device cpu --connect {self.address}`")
+                                 f"{self.connect_timeout:.0f}s: {hint}")
             self._check_processes("starting")
             if not self.sock.poll(int(min(left, 0.5) * 1000)):
                 continue
