@@ -151,6 +151,39 @@ def test_a_killed_ray_actor_is_a_lost_worker_and_the_run_recovers(tmp_path, mark
     assert leftovers(marker) == [], f"the killed actor's worker (pid {worker_pid}) or Ray outlived the run"
 
 
+def test_sigterm_mid_run_ends_every_actor_and_ray(tmp_path, marker):
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'hetconv[ray]')")
+    from test_distributed import wait_for_step
+    key, value = marker.split("=", 1)
+    metrics = tmp_path / "m.jsonl"
+    with open(tmp_path / "out.txt", "w") as out:
+        coord = subprocess.Popen(python_cmd("hetconv.coordinator", "--launcher", "ray", "--spawn", "cpu,cpu",
+                                            "--conv", "6,12", "--fc", "16", "--batch-size", "32",
+                                            "--synthetic-train", "20000", "--synthetic-test", "64",
+                                            "--calibration-batch", "4", "--metrics", metrics),
+                                 env={**os.environ, key: value}, stdout=out, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+    try:
+        wait_for_step(metrics)
+        coord.send_signal(signal.SIGTERM)
+        assert coord.wait(timeout=60) == 143, (tmp_path / "out.txt").read_text()
+    finally:
+        if coord.poll() is None:
+            coord.kill()
+            coord.wait(timeout=10)
+    assert leftovers(marker) == []
+
+
+def test_a_worker_ray_cannot_place_is_named_and_nothing_is_left(marker):
+    """No node has 4096 CPUs: that worker's actor stays pending until --connect-timeout."""
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'hetconv[ray]')")
+    r = run_marked(marker, python_cmd("hetconv.coordinator", "--launcher", "ray", "--spawn", "cpu,cpu:4096",
+                                      "--connect-timeout", "5", *FLAGS), timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "Ray did not place worker w1-cpu:4096 within 5s: the cluster has" in r.stderr
+    assert leftovers(marker) == []
+
+
 def test_launcher_flags_are_checked_before_any_work(tmp_path):
     bad = [(["--launcher", "ray", "--local"], "--launcher ray places --spawn workers: it cannot go with --local"),
            (["--launcher", "ray", "--workers", "2"], "cannot go with --workers"),
