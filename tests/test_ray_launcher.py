@@ -238,3 +238,13 @@ def test_a_worker_with_no_coordinator_address_says_to_give_one():
     r = subprocess.run(python_cmd("hetconv.worker", "--device", "cpu"), capture_output=True, text=True, timeout=60,
                        env={**env, "HETCONV_COORDINATOR": "10.0.0.5"})
     assert r.returncode == 2 and "HETCONV_COORDINATOR '10.0.0.5': expected tcp://HOST:PORT" in r.stderr
+
+
+def test_the_slurm_recipe_is_valid_bash_and_sets_the_coordinator_address():
+    from conftest import REPO
+    script = os.path.join(REPO, "examples", "slurm", "train.sbatch")
+    r = subprocess.run(["bash", "-n", script], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    text = open(script).read()
+    assert 'export HETCONV_COORDINATOR="tcp://$COORDINATOR_HOST:$PORT"' in text
+    assert "scontrol show hostnames" in text
