@@ -154,6 +154,9 @@ class RayLauncher:
         """workers: [(label, device)] with device cpu, cpu:THREADS or cuda:N. Returns
         [(label, RayProcess)]. A worker Ray cannot place (too few CPUs or GPUs) stays pending, and
         the coordinator's --connect-timeout names it."""
+        host, port = address.rsplit(":", 1)
+        if host in ("tcp://0.0.0.0", "tcp://*"):             # listening everywhere: tell them a reachable one
+            address = f"tcp://{self.ray.util.get_node_ip_address()}:{port}"
         plain = sum(1 for _, d in workers if d == "cpu")
         default_threads = threads or self.cpu_threads(plain)
         procs = []
