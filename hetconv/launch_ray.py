@@ -181,12 +181,16 @@ class RayLauncher:
         return out
 
     def _started(self, label, ref):
+        from hetconv.engine import WorkerLost
         ready, _ = self.ray.wait([ref], timeout=self.start_timeout)
         if not ready:
-            from hetconv.engine import WorkerLost
             raise WorkerLost(f"Ray did not place worker {label} within {self.start_timeout:.0f}s: "
                              f"{self.resources_note()}")
-        return self.ray.get(ref)
+        try:
+            return self.ray.get(ref, timeout=5)
+        except Exception as e:                 # the actor died, or could not start python there
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise WorkerLost(f"Ray could not start worker {label}: {type(e).__name__}: {first}") from None
 
     def resources_note(self):
         try:
