@@ -69,15 +69,13 @@ def _check_args(args):
     """Range and syntax checks of every flag, before a device opens or a socket connects. Turns
     --device cpu:THREADS into --device cpu --threads THREADS."""
     from hetconv.devices import DeviceError, parse_device_list
+    source = "--connect"                        # what a bad address is blamed on
     if not args.connect:
-        args.connect = os.environ.get(COORDINATOR_ENV, "").strip()
+        args.connect, source = os.environ.get(COORDINATOR_ENV, "").strip(), COORDINATOR_ENV
         if not args.connect:
             raise WorkerExit(f"no coordinator address: give --connect tcp://HOST:PORT or set {COORDINATOR_ENV}")
-        flag = COORDINATOR_ENV
-    else:
-        flag = "--connect"
     try:
-        check_endpoint(flag, args.connect)
+        check_endpoint(source, args.connect)
         for flag, value in (("--connect-timeout", args.connect_timeout), ("--idle-timeout", args.idle_timeout),
                             ("--heartbeat", args.heartbeat)):
             check_range(flag, value, 0, inclusive=False)
