@@ -27,7 +27,9 @@ EXAMPLES = """examples:
   hetconv-keygen keys && hetconv-coordinator --bind tcp://0.0.0.0:5555 --curve keys --workers 3
                                                             wait for three keyed hetconv-worker processes
   hetconv-coordinator --spawn cpu,cpu --checkpoint-dir ckpt --metrics run.jsonl
-  hetconv-coordinator --spawn cpu,cpu --resume ckpt --checkpoint-dir ckpt --metrics run.jsonl"""
+  hetconv-coordinator --spawn cpu,cpu --resume ckpt --checkpoint-dir ckpt --metrics run.jsonl
+  hetconv-coordinator --launcher ray --spawn cpu:8x4,cuda:0x2 --ray-address HEAD:6379
+                                                            the same workers, placed by a Ray cluster"""
 
 
 def build_parser():
@@ -57,6 +59,11 @@ def build_parser():
     net.add_argument("--worker-timeout", type=float, default=10.0, help="seconds without a heartbeat before a worker counts as lost")
     net.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for workers to connect")
     net.add_argument("--op-timeout", type=float, default=600.0, help="seconds any one request may take")
+    net.add_argument("--launcher", choices=("local", "ray"), default="local",
+                     help="who starts the --spawn workers: 'local' (processes on this host) or 'ray' (Ray actors, "
+                          "placed by their threads and GPUs; needs pip install 'hetconv[ray]')")
+    net.add_argument("--ray-address", default="", help="with --launcher ray: the cluster to join, e.g. HEAD:6379 "
+                                                       "(default: start a local Ray instance on this host's cores)")
     net.add_argument("--no-pin", action="store_true", help="do not pin spawned CPU workers to disjoint cores")
     p.add_argument("--resume", default="", help="a checkpoint file, or a directory (its newest checkpoint)")
     p.add_argument("--verbose", action="store_true", help="print a failing worker's own traceback too")
@@ -78,6 +85,14 @@ def _check_args(args, cfg):
         check_range(flag, value, 0, inclusive=False)
     if args.workers is not None:
         check_range("--workers", args.workers, 1)
+    if args.launcher == "ray":
+        if args.local or args.workers:
+            raise ValueError(f"--launcher ray places --spawn workers: it cannot go with "
+                             f"{'--local' if args.local else '--workers'}")
+        from hetconv.launch_ray import import_ray
+        import_ray()                                   # a missing extra is named before any work starts
+    elif args.ray_address:
+        raise ValueError(f"--ray-address {args.ray_address!r} is for --launcher ray (add --launcher ray)")
     if args.bind:
         check_endpoint("--bind", args.bind, bind=True)
     if args.local and (args.curve or args.insecure):
@@ -91,8 +106,10 @@ def _check_args(args, cfg):
             from hetconv.keys import first_worker_dir
             first_worker_dir(args.curve)             # --spawn's workers need a keypair from DIR
     if not args.local:
+        # spawned workers (here or by Ray) get this run's own keys unless --insecure
         from hetconv.keys import refuse_open_bind
-        refuse_open_bind(args.bind or "tcp://127.0.0.1:5555", args.curve, args.insecure)
+        keyed = args.curve or (args.workers is None and not args.insecure)
+        refuse_open_bind(args.bind or "tcp://127.0.0.1:5555", keyed, args.insecure)
     check_output_dir("--checkpoint-dir", cfg.checkpoint_dir)
     check_output_file("--metrics", cfg.metrics)
     if args.resume and not os.path.exists(args.resume):
@@ -132,11 +149,12 @@ def main(argv=None):
     except (ValueError, DeviceError, DataError) as e:
         print(f"hetconv-coordinator: {e}", file=sys.stderr)
         return 2
-    note = threads_note(cfg.threads) if args.local else _pinning_note(spawn, cfg.threads, not args.no_pin)
+    note = (threads_note(cfg.threads) if args.local else
+            _pinning_note(spawn, cfg.threads, not args.no_pin) if args.launcher == "local" else "")
     if note:
         print(note, file=sys.stderr)
     signal.signal(signal.SIGTERM, _on_sigterm)
-    engine = None
+    engine = launcher = None
     summary = {}
     try:
         if args.local:
@@ -148,17 +166,24 @@ def main(argv=None):
             engine = LocalEngine({"local": ConvShard(device)})
         else:
             from hetconv.geometry import conv_specs, message_limit_bytes
-            bind = args.bind or ("tcp://127.0.0.1:0" if spawn else "tcp://127.0.0.1:5555")
+            if args.launcher == "ray":
+                from hetconv.launch_ray import RayLauncher
+                launcher = RayLauncher(args.ray_address or None, num_cpus=usable_cores(),
+                                       start_timeout=args.connect_timeout)
+                signal.signal(signal.SIGTERM, _on_sigterm)    # ray.init put its own in place
+            bind = args.bind or (launcher.bind_address() if launcher else
+                                 "tcp://127.0.0.1:0" if spawn else "tcp://127.0.0.1:5555")
             limit = message_limit_bytes(conv_specs(cfg.conv_kernels(), cfg.ksize, cfg.padding), cfg.batch_size,
                                         cfg.image_shape())
             engine = RemoteEngine(bind, args.workers or 0, spawn, threads=cfg.threads,
                                   worker_timeout=args.worker_timeout, connect_timeout=args.connect_timeout,
                                   op_timeout=args.op_timeout, pin=not args.no_pin,
                                   exchange=cfg.exchange, wire=cfg.wire_dtype, curve=args.curve,
-                                  insecure=args.insecure, message_limit=limit)
+                                  insecure=args.insecure, message_limit=limit, launcher=launcher)
         from hetconv.train import train
         summary = train(cfg, engine, resume=args.resume or None, dataset=ds)
-    except (WorkerError, WorkerLost, PlanError, DeviceError, DataError, CheckpointError, ValueError, FloatingPointError) as e:
+    except (WorkerError, WorkerLost, PlanError, DeviceError, DataError, CheckpointError, ValueError, FloatingPointError,
+            ConnectionError) as e:
         print(f"hetconv-coordinator: {e}", file=sys.stderr)
         if args.verbose and isinstance(e, WorkerError) and e.remote_traceback:
             print(f"--- worker traceback ---\n{e.remote_traceback}", file=sys.stderr)
@@ -169,6 +194,8 @@ def main(argv=None):
     finally:
         if engine is not None:
             engine.close()
+        if launcher is not None:
+            launcher.close()                           # every actor ends, and Ray if it was started here
     return 0 if not summary.get("interrupted") else 130
 
 

@@ -113,6 +113,32 @@ def first_worker_dir(keydir):
     return os.path.join(workers, names[0])
 
 
+def read_key_folder(folder):
+    """A worker key folder's files, {name: bytes}, to recreate it on another host (a Ray actor
+    writes them into a private temporary folder there; see hetconv.launch_ray)."""
+    worker_keys(folder)                                  # all there, all well-formed
+    names = (f"{WORKER}.key_secret", f"{WORKER}.key", f"{COORDINATOR}.key")
+    out = {}
+    for name in names:
+        with open(os.path.join(folder, name), "rb") as f:
+            out[name] = f.read()
+    return out
+
+
+def write_key_folder(files):
+    """The inverse of read_key_folder, into a new private temporary folder; returns its path
+    (the caller removes it)."""
+    import tempfile
+    folder = tempfile.mkdtemp(prefix="hetconv-keys-")      # mode 0700
+    for name, content in files.items():
+        if name not in (f"{WORKER}.key_secret", f"{WORKER}.key", f"{COORDINATOR}.key"):
+            raise KeyDirError(f"unexpected key file name {name!r}")
+        fd = os.open(os.path.join(folder, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(content)
+    return folder
+
+
 def _check_name(name):
     if not _NAME_RE.match(name or ""):
         raise KeyDirError(f"worker name {name!r} must be letters, digits, '_', '.' or '-' (at most 64), "

@@ -52,7 +52,7 @@ class _Peer:
 class RemoteEngine(Engine):
     def __init__(self, bind, expected_workers, spawn=(), threads=0, worker_timeout=10.0,
                  connect_timeout=60.0, op_timeout=600.0, pin=True, log=print, exchange="peer", wire="float32",
-                 curve="", insecure=False, message_limit=0):
+                 curve="", insecure=False, message_limit=0, launcher=None):
         import zmq
 
         from hetconv import keys
@@ -69,7 +69,8 @@ class RemoteEngine(Engine):
         self.sock.linger = 0
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)      # an unknown peer is an error, not a silent drop
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
-        self.processes = []
+        self.processes = []                                 # (label, Popen or a launcher's look-alike)
+        self.launcher = launcher                            # None: spawned here; else e.g. launch_ray.RayLauncher
         self.peers = {}                                     # name -> _Peer, in plan order
         self.by_identity = {}
         self.seq = 0
@@ -145,6 +146,13 @@ class RemoteEngine(Engine):
     def _spawn(self, devices, threads, pin):
         if not devices:
             return
+        if self.launcher is not None:                       # placed elsewhere; pinning is the launcher's
+            from hetconv.keys import read_key_folder
+            self.processes += self.launcher.start([(f"w{i}-{d}", d) for i, d in enumerate(devices)], self.address,
+                                                  threads, self.connect_timeout, extra_args=self._limit_args(),
+                                                  key_files=read_key_folder(self.worker_keydir) if self.worker_keydir
+                                                  else None)
+            return
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
         cpu_workers = [i for i, d in enumerate(devices) if d == "cpu"]
         per_worker = threads or max(1, len(cores) // max(1, len(cpu_workers)))
@@ -154,8 +162,7 @@ class RemoteEngine(Engine):
                    "--connect-timeout", str(self.connect_timeout)]
             if self.worker_keydir:
                 cmd += ["--curve", self.worker_keydir]
-            if self.message_limit:
-                cmd += ["--message-limit-mb", f"{-(-self.message_limit // 1000) / 1000:.3f}"]
+            cmd += self._limit_args()
             if device == "cpu":
                 cmd += ["--threads", str(per_worker)]
                 slot = cpu_workers.index(i)
@@ -172,8 +179,10 @@ class RemoteEngine(Engine):
         while len(self.peers) < n:
             left = deadline - time.monotonic()
             if left <= 0:
+                hint = ("can the Ray nodes reach this address? (choose one with --bind)" if self.launcher is not None
+                        else f"start more with `hetconv-worker --device cpu --connect {self.address}`")
                 raise WorkerLost(f"only {len(self.peers)} of {n} workers connected to {self.address} within "
-                                 f"{self.connect_timeout:.0f}s: start more with `hetconv-worker --device cpu --connect {self.address}`")
+                                 f"{self.connect_timeout:.0f}s: {hint}")
             self._check_processes("starting")
             if self.monitor.poll(0):
                 self._read_monitor()                 # nobody is in a plan yet: only refusals matter
@@ -218,6 +227,10 @@ class RemoteEngine(Engine):
         order += [n for n in self.peers if n not in order]
         self.peers = {n: self.peers[n] for n in order}
         self.by_identity = {p.identity: p for p in self.peers.values()}   # routing id -> peer
+
+    def _limit_args(self):
+        """The worker flag that gives a spawned worker this run's frame limit (rounded up to 1 kB)."""
+        return ["--message-limit-mb", f"{-(-self.message_limit // 1000) / 1000:.3f}"] if self.message_limit else []
 
     def _welcome(self, peer):
         """Admit a worker and tell it where to send heartbeats (a port on the host it reached us

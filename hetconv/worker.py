@@ -19,6 +19,9 @@ import uuid
 
 from hetconv.config import HelpFormatter, check_endpoint, check_range, threads_note
 
+COORDINATOR_ENV = "HETCONV_COORDINATOR"      # the coordinator's address when --connect is not given
+
+
 # Pinning and thread caps must happen before numpy/numba load their thread pools.
 def _early_pin(argv):
     parser = argparse.ArgumentParser(add_help=False)
@@ -47,7 +50,8 @@ def build_parser():
                "  hetconv-worker --device cuda:0 --connect tcp://10.0.0.5:5555 --name gpu0",
         formatter_class=HelpFormatter)
     p.add_argument("--device", required=True, help="'cpu', 'cpu:THREADS' or 'cuda:N' (GPU N of this host)")
-    p.add_argument("--connect", required=True, help="the coordinator's address, tcp://HOST:PORT, e.g. tcp://127.0.0.1:5555")
+    p.add_argument("--connect", default="", help="the coordinator's address, tcp://HOST:PORT, e.g. tcp://127.0.0.1:5555 "
+                                                 f"(default: ${COORDINATOR_ENV}, as a Slurm job script sets it)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for a cpu device (0: every core this process may use)")
     p.add_argument("--name", default="", help="a label for tables and logs (default: DEVICE@HOST)")
     p.add_argument("--cores", default="", help="pin this worker to these CPU cores, e.g. 0,1 (before any thread pool starts)")
@@ -72,8 +76,13 @@ def _check_args(args):
     """Range and syntax checks of every flag, before a device opens or a socket connects. Turns
     --device cpu:THREADS into --device cpu --threads THREADS."""
     from hetconv.devices import DeviceError, parse_device_list
+    source = "--connect"                        # what a bad address is blamed on
+    if not args.connect:
+        args.connect, source = os.environ.get(COORDINATOR_ENV, "").strip(), COORDINATOR_ENV
+        if not args.connect:
+            raise WorkerExit(f"no coordinator address: give --connect tcp://HOST:PORT or set {COORDINATOR_ENV}")
     try:
-        check_endpoint("--connect", args.connect)
+        check_endpoint(source, args.connect)
         for flag, value in (("--connect-timeout", args.connect_timeout), ("--idle-timeout", args.idle_timeout),
                             ("--heartbeat", args.heartbeat)):
             check_range(flag, value, 0, inclusive=False)
