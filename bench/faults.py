@@ -427,7 +427,9 @@ def markdown(doc):
                   "plan), `tests/test_checkpoint.py` (checksums, keep-K, damaged files), `tests/test_curve.py` "
                   "(keys), `tests/test_limits.py` (frame limits), `tests/test_protocol_fuzz.py` (hypothesis: "
                   "`unpack` on arbitrary frames returns a Message or raises ProtocolError), "
-                  "`tests/test_heartbeats.py` (a busy link does not hide a live worker)."]
+                  "`tests/test_heartbeats.py` (a busy link does not hide a live worker), `tests/test_live_fuzz.py` (hostile "
+                  "frames at a live coordinator's port and a worker's peer inbox: the run trains the same), "
+                  "`tests/test_ray_launcher.py` (a killed Ray actor is a lost worker)."]
     return "\n".join(lines) + "\n"
 
 
