@@ -78,6 +78,7 @@ class Engine:
 
     def __init__(self):
         self.plan = None
+        self.specs = []             # the loaded network's ConvSpecs, set by load()
         self.fixed_plan = None      # a plan set by hand (tests, experiments): no calibration, no rebalancing
         self.calibration = {}       # worker -> {device, description, speeds, layers: timings}
         self.batch = 0

@@ -40,6 +40,7 @@ def _timing_engine(specs, image_shape, batch, n, rng):
         def __init__(self):
             super().__init__()
             self.plan = make_plan([s.kernels for s in specs], {w: None for w in names}, "equal")
+            self.specs = list(specs)                 # what load() would have recorded
             self.outputs = [{w: rng.random((b, lp.count(w), hp, wp), dtype=np.float32) for w in names}
                             for lp, (_, (b, hp, wp)) in zip(self.plan.layers, geometry)]
             self.partials = [np.ones(shape, np.float32) for shape, _ in geometry]
