@@ -1,24 +1,34 @@
-"""`--device cpu`: im2col + OpenBLAS sgemm, with the data-movement kernels in Numba.
+"""`--device cpu`: OpenBLAS sgemm on views of the input, with the data-movement kernels in Numba.
 
 Design, and what it costs:
-- A convolution is one GEMM per chunk of images: Y (K, P) = W (K, C*kh*kw) @ cols.T, where
-  cols (P, C*kh*kw) is the im2col of the chunk (P = images * Ho * Wo). The GEMM is the whole
-  arithmetic cost and runs in BLAS; everything else is memory-bound and runs in Numba
-  `parallel=True` kernels that also absorb the layout changes (no transposes through numpy).
-- The batch is cut into chunks so cols stays under `im2col_budget_bytes` (default 64 MB): the
-  paper's conv2 at batch 128 would otherwise need a 640 MB im2col.
+- Two paths, chosen per layer (`conv_path="auto"`): where one GEMM's reduction C*kw is at least
+  SHIFTED_MIN_REDUCTION (64) the shifted-GEMM path, else im2col. The paper's conv2 (C*kw = 2500)
+  is shifted; conv1 (C*kw = 15, where five 15-long reductions would run thin GEMMs and im2col is
+  cheap) is im2col. `conv_path="im2col"` or `"shifted"` forces one (tests run both everywhere).
+- im2col: one GEMM per chunk of images, Y (K, P) = W (K, C*kh*kw) @ cols.T, cols (P, C*kh*kw)
+  the im2col of the chunk (P = images * Ho * Wo); backward writes dcols and folds it with col2im.
+- shifted: the input is expanded along the kernel's width only (kw copies, not kh*kw), rows
+  ordered (h, image, j), so that kernel row u reads one contiguous block of rows; Y is kh GEMMs
+  on those views, dW kh more, and dX kh GEMMs added into overlapping windows, folded back along
+  the width once (see CpuDevice._shifted_forward). No col2im, no FLOP computed and thrown away.
+- The GEMMs are the whole arithmetic cost and run in BLAS; everything else is memory-bound and
+  runs in Numba `parallel=True` kernels that also absorb the layout changes.
+- The batch is cut into chunks so cols (or the expansion) stays under `im2col_budget_bytes`
+  (default 64 MB): the paper's conv2 at batch 128 would otherwise need a 640 MB im2col.
 - The fused forward (conv + bias + ReLU + 2x2 max-pool) keeps only the layer input and an int8
   argmax per pooled value for backward (-1 where the ReLU is off): 1 byte per pooled output
   instead of the 16 bytes of the pre-pool activation.
-- im2col, col2im and the pool kernels cost the same whatever K is: they are what keeps a worker
-  holding a quarter of the kernels from taking a quarter of the time. So the fused forward keeps
-  its im2col for backward when the whole layer's fits `saved_cols_budget_bytes` (default 256 MB;
-  the paper's conv2 at batch 32 needs 160 MB), instead of recomputing it: on conv2 at 375 of
-  1500 kernels that pass was ~5% of the step. The buffer comes back to a pool after backward,
-  so steady state pays no allocation or page faults; a forward whose backward never runs leaves
-  its buffer to the garbage collector. Over the budget, backward recomputes im2col per chunk.
-- Work buffers (im2col, Y/dY, partial dW) are kept between calls; what is returned is always
-  freshly allocated, because a returned array may still be in flight on the wire.
+- What costs the same whatever K is keeps a worker holding a quarter of the kernels from taking
+  a quarter of the time: im2col and col2im (~50 ms each on conv2 at N=32, one thread), or on the
+  shifted path the expansion, the width fold and dX's window adds (~10-20 ms each), plus BLAS
+  packing the input side inside every GEMM on either path. So the fused forward keeps its
+  im2col / expansion for backward when the whole batch's fits `saved_cols_budget_bytes`
+  (default 256 MB; conv2 at batch 32: 160 MB of im2col, 45 MB of expansion) instead of
+  recomputing it. The buffer comes back to a pool after backward, so steady state pays no
+  allocation or page faults; a forward whose backward never runs leaves its buffer to the
+  garbage collector. Over the budget, backward recomputes it per chunk.
+- Work buffers (im2col, Y/dY, partial products) are kept between calls; what is returned is
+  always freshly allocated, because a returned array may still be in flight on the wire.
 - `threads` caps both Numba's and BLAS's threads, so that several workers on one host can be
   given disjoint cores.
 - Kernels release the GIL (nogil) so a worker's heartbeat thread keeps running during compute.
