@@ -2,6 +2,7 @@
 
     python bench/conv.py [--quick] [--device cpu|cuda:0] [--out DIR]
     python bench/conv.py --share-scaling [--share 375] [--threads 1] [--batches 32]
+    add --cpu-conv-path im2col|shifted to force the CPU device's conv path (default auto)
 
 What it measures, per layer, batch N and thread count T (CPU) or per layer and N (CUDA):
 - hetconv plain: the contract, conv2d then conv2d_backward (dx only where a layer below needs it:
@@ -66,6 +67,8 @@ def parse_args():
     p.add_argument("--share-scaling", action="store_true",
                    help="conv2 fused fwd+bwd at --share kernels over the full layer (CPU; default T=1, N=32)")
     p.add_argument("--share", type=int, default=375, help="kernels a worker holds in --share-scaling")
+    p.add_argument("--cpu-conv-path", default="auto", choices=("auto", "im2col", "shifted"),
+                   help="the CPU device's conv path (auto: shifted GEMMs where C*kw >= 64, so conv2; im2col below)")
     p.add_argument("--render", default="", metavar="JSON", help="run nothing: rewrite conv.md beside a saved conv.json")
     args = p.parse_args()
     if args.share_scaling:
@@ -247,7 +250,7 @@ def share_scaling(args, torch, header, open_device):
     """conv2 fused fwd+bwd at args.share kernels and at all of them, hetconv and torch, alternating."""
     layer, started = "conv2", time.time()
     full = LAYERS[layer]["w"][0]
-    check_dev = open_device("cpu", threads=max(args.threads))
+    check_dev = open_device("cpu", threads=max(args.threads), conv_path=args.cpu_conv_path)
     check_against_torch(check_dev, torch, [layer])
     del check_dev
     loads = [os.getloadavg()[0]]
@@ -261,7 +264,7 @@ def share_scaling(args, torch, header, open_device):
 
     rows, summary = [], []
     for threads in args.threads:
-        dev = open_device("cpu", threads=threads)
+        dev = open_device("cpu", threads=threads, conv_path=args.cpu_conv_path)
         torch.set_num_threads(threads)
         print(f"timing {dev.describe()} vs torch with {torch.get_num_threads()} threads", flush=True)
         for n in args.batches:
@@ -318,7 +321,7 @@ def share_scaling(args, torch, header, open_device):
              "against torch at that kernel count (<= 1.00: hetconv at least as fast)."]
     result = {"command": header[0].partition(": ")[2], "machine": _common.cpu_model(), "isa": _common.cpu_isa_flags(),
               "blas": _common.blas_info(), "blas_env": BLAS_ENV_NOTE, "torch": _common.torch_info(torch),
-              "out": _common.relative_path(args.out), "load_average_1min": load, "wall_s": wall_s,
+              "cpu_conv_path": args.cpu_conv_path, "out": _common.relative_path(args.out), "load_average_1min": load, "wall_s": wall_s,
               "timing": {"budget_s": args.budget, "min_reps": args.min_reps, "max_reps": args.max_reps}, "rows": rows}
     json_path, md_path = _common.write_results(
         args.out, "conv_share_scaling", result,
@@ -376,6 +379,7 @@ def main():
     header = [f"command: {_common.recorded_command('conv.py', sys.argv[1:])}",
               f"machine: {_common.cpu_model()}; {_common.load_average()} at start",
               f"BLAS env: {BLAS_ENV_NOTE}",
+              f"hetconv cpu conv path: {args.cpu_conv_path} (auto: shifted GEMMs where C*kw >= 64, im2col below)",
               *(f"BLAS: {line}" for line in _common.blas_info()),
               *_common.torch_info(torch)]
     print("\n".join(header), flush=True)
@@ -399,7 +403,7 @@ def main():
         devices = {t: None for t in args.threads}        # opened per thread count, below
         torch_dev = "cpu"
 
-    check_dev = devices[None] if is_cuda else open_device("cpu", threads=max(args.threads))
+    check_dev = devices[None] if is_cuda else open_device("cpu", threads=max(args.threads), conv_path=args.cpu_conv_path)
     check_against_torch(check_dev, torch, args.layers)
     del check_dev
 
@@ -409,7 +413,7 @@ def main():
             dev = devices[None]
             print(f"timing {dev.describe()}" + (" vs torch on the same GPU" if torch_dev else ""), flush=True)
         else:
-            dev = open_device("cpu", threads=threads)   # sets Numba's (process-wide) and BLAS threads
+            dev = open_device("cpu", threads=threads, conv_path=args.cpu_conv_path)   # sets Numba's (process-wide) and BLAS threads
             torch.set_num_threads(threads)
             print(f"timing {dev.describe()} vs torch with {torch.get_num_threads()} threads", flush=True)
         for layer in args.layers:

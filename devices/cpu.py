@@ -1,24 +1,34 @@
-"""`--device cpu`: im2col + OpenBLAS sgemm, with the data-movement kernels in Numba.
+"""`--device cpu`: OpenBLAS sgemm on views of the input, with the data-movement kernels in Numba.
 
 Design, and what it costs:
-- A convolution is one GEMM per chunk of images: Y (K, P) = W (K, C*kh*kw) @ cols.T, where
-  cols (P, C*kh*kw) is the im2col of the chunk (P = images * Ho * Wo). The GEMM is the whole
-  arithmetic cost and runs in BLAS; everything else is memory-bound and runs in Numba
-  `parallel=True` kernels that also absorb the layout changes (no transposes through numpy).
-- The batch is cut into chunks so cols stays under `im2col_budget_bytes` (default 64 MB): the
-  paper's conv2 at batch 128 would otherwise need a 640 MB im2col.
+- Two paths, chosen per layer (`conv_path="auto"`): where one GEMM's reduction C*kw is at least
+  SHIFTED_MIN_REDUCTION (64) the shifted-GEMM path, else im2col. The paper's conv2 (C*kw = 2500)
+  is shifted; conv1 (C*kw = 15, where five 15-long reductions would run thin GEMMs and im2col is
+  cheap) is im2col. `conv_path="im2col"` or `"shifted"` forces one (tests run both everywhere).
+- im2col: one GEMM per chunk of images, Y (K, P) = W (K, C*kh*kw) @ cols.T, cols (P, C*kh*kw)
+  the im2col of the chunk (P = images * Ho * Wo); backward writes dcols and folds it with col2im.
+- shifted: the input is expanded along the kernel's width only (kw copies, not kh*kw), rows
+  ordered (h, image, j), so that kernel row u reads one contiguous block of rows; Y is kh GEMMs
+  on those views, dW kh more, and dX kh GEMMs added into overlapping windows, folded back along
+  the width once (see CpuDevice._shifted_forward). No col2im, no FLOP computed and thrown away.
+- The GEMMs are the whole arithmetic cost and run in BLAS; everything else is memory-bound and
+  runs in Numba `parallel=True` kernels that also absorb the layout changes.
+- The batch is cut into chunks so cols (or the expansion) stays under `im2col_budget_bytes`
+  (default 64 MB): the paper's conv2 at batch 128 would otherwise need a 640 MB im2col.
 - The fused forward (conv + bias + ReLU + 2x2 max-pool) keeps only the layer input and an int8
   argmax per pooled value for backward (-1 where the ReLU is off): 1 byte per pooled output
   instead of the 16 bytes of the pre-pool activation.
-- im2col, col2im and the pool kernels cost the same whatever K is: they are what keeps a worker
-  holding a quarter of the kernels from taking a quarter of the time. So the fused forward keeps
-  its im2col for backward when the whole layer's fits `saved_cols_budget_bytes` (default 256 MB;
-  the paper's conv2 at batch 32 needs 160 MB), instead of recomputing it: on conv2 at 375 of
-  1500 kernels that pass was ~5% of the step. The buffer comes back to a pool after backward,
-  so steady state pays no allocation or page faults; a forward whose backward never runs leaves
-  its buffer to the garbage collector. Over the budget, backward recomputes im2col per chunk.
-- Work buffers (im2col, Y/dY, partial dW) are kept between calls; what is returned is always
-  freshly allocated, because a returned array may still be in flight on the wire.
+- What costs the same whatever K is keeps a worker holding a quarter of the kernels from taking
+  a quarter of the time: im2col and col2im (~50 ms each on conv2 at N=32, one thread), or on the
+  shifted path the expansion, the width fold and dX's window adds (~10-20 ms each), plus BLAS
+  packing the input side inside every GEMM on either path. So the fused forward keeps its
+  im2col / expansion for backward when the whole batch's fits `saved_cols_budget_bytes`
+  (default 256 MB; conv2 at batch 32: 160 MB of im2col, 45 MB of expansion) instead of
+  recomputing it. The buffer comes back to a pool after backward, so steady state pays no
+  allocation or page faults; a forward whose backward never runs leaves its buffer to the
+  garbage collector. Over the budget, backward recomputes it per chunk.
+- Work buffers (im2col, Y/dY, partial products) are kept between calls; what is returned is
+  always freshly allocated, because a returned array may still be in flight on the wire.
 - `threads` caps both Numba's and BLAS's threads, so that several workers on one host can be
   given disjoint cores.
 - Kernels release the GIL (nogil) so a worker's heartbeat thread keeps running during compute.
@@ -36,6 +46,10 @@ from hetconv.params import sgd_update
 
 DEFAULT_IM2COL_BUDGET_BYTES = 64 << 20
 DEFAULT_SAVED_COLS_BUDGET_BYTES = 256 << 20
+# "auto" takes the shifted-GEMM path where one GEMM's reduction, C*kw, is at least this long, and
+# im2col below it: conv1's C*kw = 3*5 = 15 would run five thin GEMMs where im2col runs one of 75.
+SHIFTED_MIN_REDUCTION = 64
+CONV_PATHS = ("auto", "im2col", "shifted")
 
 _jit = numba.njit(parallel=True, nogil=True, cache=True)
 
@@ -157,27 +171,209 @@ def _add_row_sums(a, out):
         out[r] += total
 
 
-class _PoolContext:
-    """What the fused backward needs: the layer input, the pooling argmax (int8) and, when it fit
-    the budget, the forward's im2col of the whole batch (flat; None otherwise)."""
+# ---- the shifted-GEMM path: kernels on the (rows, C*kw) layout ---------------------------------
+# A chunk of nb images is laid out with the image index between the row and the column index:
+# row (h*nb + n)*wo + j, so that the rows a kernel row u reads (h = i+u for every output row i,
+# every image, every j) are ONE contiguous block starting at u*nb*wo. See CpuDevice._shifted_*.
 
-    def __init__(self, x, argmax, padding, w_shape, cols=None):
+@_jit
+def _vexpand(x, n0, n1, kw, padding, wo, xv):
+    """xv[(h*nb + n)*wo + j, c*kw + v] = xpad[n0+n, c, h, j+v] for h over the padded height: the
+    input expanded along the kernel's width only (kw copies, not the kh*kw of an im2col)."""
+    c_in, h_in, w_in = x.shape[1], x.shape[2], x.shape[3]
+    nb = n1 - n0
+    hp = h_in + 2 * padding
+    for t in prange(hp * nb):
+        r = t // nb - padding
+        n = n0 + t % nb
+        for j in range(wo):
+            row = t * wo + j
+            for c in range(c_in):
+                for v in range(kw):
+                    s = j + v - padding
+                    if 0 <= r < h_in and 0 <= s < w_in:
+                        xv[row, c * kw + v] = x[n, c, r, s]
+                    else:
+                        xv[row, c * kw + v] = 0.0
+
+
+@_jit
+def _vfold(dxv, n0, n1, kw, padding, wo, dx):
+    """The adjoint of _vexpand: dx[n0+n, c, r, s] = sum over v of dxv[((r+padding)*nb + n)*wo +
+    s+padding-v, c*kw + v]; parallel over (row, image), each owning dx[n, :, r, :], so race-free."""
+    c_in, h_in, w_in = dx.shape[1], dx.shape[2], dx.shape[3]
+    nb = n1 - n0
+    for t in prange(h_in * nb):
+        r = t // nb
+        n = n0 + t % nb
+        for c in range(c_in):
+            for s in range(w_in):
+                dx[n, c, r, s] = 0.0
+        base = ((r + padding) * nb + t % nb) * wo
+        for j in range(wo):
+            for c in range(c_in):
+                for v in range(kw):
+                    s = j + v - padding
+                    if 0 <= s < w_in:
+                        dx[n, c, r, s] += dxv[base + j, c * kw + v]
+
+
+@_jit
+def _bias_relu_pool_rows(yt, b, n0, n1, ho, wo, out, argmax):
+    """As _bias_relu_pool, from yt (ho*nb*wo, K) with row (i*nb + n)*wo + j."""
+    k_out = yt.shape[1]
+    nb = n1 - n0
+    hp, wp = ho // 2, wo // 2
+    for t in prange(nb * hp):
+        nl = t // hp
+        a = t % hp
+        r0 = ((2 * a) * nb + nl) * wo
+        r1 = ((2 * a + 1) * nb + nl) * wo
+        for e in range(wp):
+            for k in range(k_out):
+                bk = b[k]
+                best = yt[r0 + 2 * e, k] + bk
+                arg = 0
+                v = yt[r0 + 2 * e + 1, k] + bk
+                if v > best:
+                    best = v
+                    arg = 1
+                v = yt[r1 + 2 * e, k] + bk
+                if v > best:
+                    best = v
+                    arg = 2
+                v = yt[r1 + 2 * e + 1, k] + bk
+                if v > best:
+                    best = v
+                    arg = 3
+                if best > 0:
+                    out[n0 + nl, k, a, e] = best
+                    argmax[n0 + nl, k, a, e] = arg
+                else:
+                    out[n0 + nl, k, a, e] = 0.0
+                    argmax[n0 + nl, k, a, e] = -1
+
+
+@_jit
+def _unpool_rows(dpooled, argmax, n0, n1, ho, wo, dyt):
+    """As _unpool, into dyt (ho*nb*wo, K) with row (i*nb + n)*wo + j."""
+    k_out = dyt.shape[1]
+    nb = n1 - n0
+    hp, wp = ho // 2, wo // 2
+    for r in prange(dyt.shape[0]):
+        for k in range(k_out):
+            dyt[r, k] = 0.0
+    for t in prange(nb * hp):
+        nl = t // hp
+        a = t % hp
+        for e in range(wp):
+            for k in range(k_out):
+                arg = argmax[n0 + nl, k, a, e]
+                if arg >= 0:
+                    row = ((2 * a + arg // 2) * nb + nl) * wo + 2 * e + arg % 2
+                    dyt[row, k] = dpooled[n0 + nl, k, a, e]
+
+
+@_jit
+def _rows_to_nchw(yt, b, n0, n1, ho, wo, y):
+    """y[n0+n, k, i, j] = yt[(i*nb + n)*wo + j, k] + b[k]."""
+    k_out = yt.shape[1]
+    nb = n1 - n0
+    for t in prange(nb * ho):
+        nl = t // ho
+        i = t % ho
+        for j in range(wo):
+            row = (i * nb + nl) * wo + j
+            for k in range(k_out):
+                y[n0 + nl, k, i, j] = yt[row, k] + b[k]
+
+
+@_jit
+def _nchw_to_rows(dy, n0, n1, ho, wo, dyt):
+    """dyt[(i*nb + n)*wo + j, k] = dy[n0+n, k, i, j]."""
+    k_out = dyt.shape[1]
+    nb = n1 - n0
+    for t in prange(nb * ho):
+        nl = t // ho
+        i = t % ho
+        for j in range(wo):
+            row = (i * nb + nl) * wo + j
+            for k in range(k_out):
+                dyt[row, k] = dy[n0 + nl, k, i, j]
+
+
+@_jit
+def _add_column_sums(a, out):
+    """out[c] += sum of column c of a, accumulated in float64; parallel over column blocks."""
+    block = 64
+    for cb in prange((a.shape[1] + block - 1) // block):
+        c0 = cb * block
+        c1 = min(a.shape[1], c0 + block)
+        acc = np.zeros(c1 - c0, np.float64)
+        for r in range(a.shape[0]):
+            for c in range(c0, c1):
+                acc[c - c0] += a[r, c]
+        for c in range(c0, c1):
+            out[c] += acc[c - c0]
+
+
+@_jit
+def _weights_by_kernel_row(w, wu):
+    """wu[u, k, c*kw + v] = w[k, c, u, v] (numpy's copy of this 4-D transpose ran ~5x slower)."""
+    k_out, c_in, kh, kw = w.shape
+    for t in prange(kh * k_out):
+        u = t // k_out
+        k = t % k_out
+        for c in range(c_in):
+            for v in range(kw):
+                wu[u, k, c * kw + v] = w[k, c, u, v]
+
+
+@_jit
+def _weights_from_kernel_rows(wu, w):
+    """The inverse of _weights_by_kernel_row: w[k, c, u, v] = wu[u, k, c*kw + v]."""
+    k_out, c_in, kh, kw = w.shape
+    for k in prange(k_out):
+        for c in range(c_in):
+            for u in range(kh):
+                for v in range(kw):
+                    w[k, c, u, v] = wu[u, k, c * kw + v]
+
+
+@_jit
+def _zero_rows(a, r0):
+    """a[r0:] = 0, parallel over rows."""
+    for r in prange(r0, a.shape[0]):
+        for c in range(a.shape[1]):
+            a[r, c] = 0.0
+
+
+class _PoolContext:
+    """What the fused backward needs: the layer input, the pooling argmax (int8), which path ran
+    and, when it fit the budget, the forward's im2col or width expansion of the whole batch (flat;
+    None otherwise)."""
+
+    def __init__(self, x, argmax, padding, w_shape, shifted, cols=None):
         self.x = x
         self.argmax = argmax
         self.padding = padding
         self.w_shape = w_shape
+        self.shifted = shifted
         self.pooled_shape = argmax.shape
         self.cols = cols
 
 
 class CpuDevice(Device):
     def __init__(self, threads=None, im2col_budget_bytes=DEFAULT_IM2COL_BUDGET_BYTES,
-                 saved_cols_budget_bytes=DEFAULT_SAVED_COLS_BUDGET_BYTES):
+                 saved_cols_budget_bytes=DEFAULT_SAVED_COLS_BUDGET_BYTES, conv_path="auto"):
         available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         if threads is None:
             threads = available
         if not isinstance(threads, (int, np.integer)) or threads < 1:
             raise DeviceError(f"threads must be a positive integer, got {threads!r}")
+        if conv_path not in CONV_PATHS:
+            raise DeviceError(f"conv_path must be one of {CONV_PATHS!r}, got {conv_path!r}")
+        self.conv_path = conv_path
         self.threads = int(min(threads, numba.config.NUMBA_NUM_THREADS))
         numba.set_num_threads(self.threads)
         # Held for the device's lifetime: BLAS threads beyond our share only oversubscribe cores
@@ -223,6 +419,22 @@ class CpuDevice(Device):
                 for i in threadpool_info() if i.get("user_api") == "blas"]
         return f"cpu ({self.threads} thread{'s' if self.threads > 1 else ''}, BLAS {', '.join(blas) or 'unknown'})"
 
+    def _shifted(self, w_shape):
+        """Whether a layer with weights w_shape (K, C, kh, kw) takes the shifted-GEMM path."""
+        if self.conv_path == "auto":
+            return w_shape[1] * w_shape[3] >= SHIFTED_MIN_REDUCTION
+        return self.conv_path == "shifted"
+
+    @staticmethod
+    def _equal_chunks(n, per_image_bytes, budget_bytes):
+        """Image ranges of equal chunks (conv2 at N=32: 11+11+10 images, not 13+13+6), each under
+        the budget where one image fits it: a short last chunk runs thin GEMMs, which cost most
+        where a worker holds few kernels."""
+        step = max(1, min(n, budget_bytes // max(1, per_image_bytes)))
+        pieces = (n + step - 1) // step
+        step = (n + pieces - 1) // pieces
+        return [(n0, min(n, n0 + step)) for n0 in range(0, n, step)], step
+
     def _chunk_plan(self, x, w, padding):
         """What forward and backward share: kernel and output size, W as (K, C*kh*kw), the image
         ranges of each chunk, and an im2col buffer sized for the largest chunk."""
@@ -230,12 +442,7 @@ class CpuDevice(Device):
         k, _, kh, kw = w.shape
         ho, wo = conv_output_hw(h, wd, kh, kw, padding)
         ckk = c * kh * kw
-        step = max(1, min(n, self.im2col_budget_bytes // max(1, ho * wo * ckk * 4)))
-        # equal chunks (conv2 at N=32: 11+11+10 images, not 13+13+6): a short last chunk runs
-        # thin GEMMs, which cost most where a worker holds few kernels
-        pieces = (n + step - 1) // step
-        step = (n + pieces - 1) // pieces
-        chunks = [(n0, min(n, n0 + step)) for n0 in range(0, n, step)]
+        chunks, step = self._equal_chunks(n, ho * wo * ckk * 4, self.im2col_budget_bytes)
         return (kh, kw, ho, wo), w.reshape(k, ckk), chunks, self._scratch("cols", (step * ho * wo, ckk))
 
     # ---- forward -----------------------------------------------------------------------------
@@ -259,6 +466,11 @@ class CpuDevice(Device):
 
     def _conv2d(self, x, w, b, padding):
         n, k = x.shape[0], w.shape[0]
+        if self._shifted(w.shape):
+            ho, wo = conv_output_hw(x.shape[2], x.shape[3], w.shape[2], w.shape[3], padding)
+            y = np.empty((n, k, ho, wo), np.float32)
+            self._shifted_forward(x, w, padding, lambda n0, n1, yt: _rows_to_nchw(yt, b, n0, n1, ho, wo, y))
+            return y
         out = {}
 
         def to_nchw(n0, n1, y):
@@ -277,12 +489,19 @@ class CpuDevice(Device):
         ho, wo = conv_output_hw(h, wd, kh, kw, padding)
         out = np.empty((n, k, ho // 2, wo // 2), np.float32)
         argmax = np.empty(out.shape, np.int8)
-        cols_size = n * ho * wo * c * kh * kw
+        shifted = self._shifted(w.shape)
+        # what backward reuses: the width expansion (padded height) or the im2col
+        cols_size = n * (h + 2 * padding) * wo * c * kw if shifted else n * ho * wo * c * kh * kw
         saved_cols = self._take_saved_cols(cols_size) if cols_size * 4 <= self.saved_cols_budget_bytes else None
-        self._forward_chunks(x, w, padding,
-                             lambda n0, n1, y: _bias_relu_pool(y, b, n0, n1, ho, wo, out, argmax),
-                             saved_cols=saved_cols)
-        return out, _PoolContext(x, argmax, padding, w.shape, cols=saved_cols)
+        if shifted:
+            self._shifted_forward(x, w, padding,
+                                  lambda n0, n1, yt: _bias_relu_pool_rows(yt, b, n0, n1, ho, wo, out, argmax),
+                                  saved=saved_cols)
+        else:
+            self._forward_chunks(x, w, padding,
+                                 lambda n0, n1, y: _bias_relu_pool(y, b, n0, n1, ho, wo, out, argmax),
+                                 saved_cols=saved_cols)
+        return out, _PoolContext(x, argmax, padding, w.shape, shifted, cols=saved_cols)
 
     # ---- backward ----------------------------------------------------------------------------
     def _backward_chunks(self, x, w, padding, need_dx, fill_dy, saved_cols=None):
@@ -318,6 +537,10 @@ class CpuDevice(Device):
 
     def _conv2d_backward(self, x, w, dy, padding, need_dx):
         k = w.shape[0]
+        if self._shifted(w.shape):
+            ho, wo = dy.shape[2], dy.shape[3]
+            return self._shifted_backward(x, w, padding, need_dx,
+                                          lambda n0, n1, dyt: _nchw_to_rows(dy, n0, n1, ho, wo, dyt))
 
         def from_nchw(n0, n1, out):
             out[:] = dy[n0:n1].reshape(n1 - n0, k, -1).transpose(1, 0, 2).reshape(k, -1)
@@ -331,12 +554,111 @@ class CpuDevice(Device):
         x = ctx.x
         ho, wo = conv_output_hw(x.shape[2], x.shape[3], w.shape[2], w.shape[3], ctx.padding)
         saved_cols, ctx.cols = ctx.cols, None      # overwritten below: a second backward recomputes
-        grads = self._backward_chunks(
-            x, w, ctx.padding, need_dx,
-            lambda n0, n1, dy: _unpool(dpooled, ctx.argmax, n0, n1, ho, wo, dy), saved_cols=saved_cols)
+        if ctx.shifted:
+            grads = self._shifted_backward(
+                x, w, ctx.padding, need_dx,
+                lambda n0, n1, dyt: _unpool_rows(dpooled, ctx.argmax, n0, n1, ho, wo, dyt), saved=saved_cols)
+        else:
+            grads = self._backward_chunks(
+                x, w, ctx.padding, need_dx,
+                lambda n0, n1, dy: _unpool(dpooled, ctx.argmax, n0, n1, ho, wo, dy), saved_cols=saved_cols)
         if saved_cols is not None:
             self._give_back_saved_cols(saved_cols)
         return grads
+
+    # ---- the shifted-GEMM path -------------------------------------------------------------------
+    # With the input expanded along the kernel's width only, xv (hp*nb*wo, C*kw) with row
+    # (h*nb + n)*wo + j, the output rows (i*nb + n)*wo + j of kernel row u read the input rows
+    # (i+u)*nb*wo + ...: one contiguous block of xv starting at u*nb*wo. So
+    #     Y (ho*nb*wo, K) = sum over u of xv[u*nb*wo : u*nb*wo + ho*nb*wo] @ W[:, :, u, :].T
+    # is kh GEMMs on views, each with a C*kw-long reduction and no FLOP wasted (the batch sits
+    # between the row and the column, so no padded columns are computed and thrown away). The
+    # expansion is kw copies of the input, not im2col's kh*kw, and dX needs no col2im: its kh
+    # GEMMs add into overlapping windows of a dxv laid out like xv, folded back along the width
+    # once. What stays the same at any K: the expansion and the fold (~10 ms each on conv2 at
+    # N=32), the dX window adds (C*kw columns) and BLAS packing the xv windows inside each GEMM.
+    def _shifted_plan(self, x, w, padding):
+        """Output size, padded height, W as (kh, K, C*kw) and the chunks' image ranges."""
+        n, c, h, wd = x.shape
+        k, _, kh, kw = w.shape
+        ho, wo = conv_output_hw(h, wd, kh, kw, padding)
+        hp = h + 2 * padding
+        chunks, _ = self._equal_chunks(n, hp * wo * c * kw * 4, self.im2col_budget_bytes)
+        wu = np.empty((kh, k, c * kw), np.float32)
+        _weights_by_kernel_row(w, wu)
+        return (kh, kw, ho, wo, hp), wu, chunks
+
+    def _chunk_xv(self, x, n0, n1, kw, padding, hp, wo, saved, expand):
+        """The chunk's width expansion: in `saved` (flat, the whole batch's size) or a work
+        buffer, computed there when `expand`."""
+        ckv = x.shape[1] * kw
+        rows = hp * (n1 - n0) * wo
+        if saved is None:
+            xv = self._scratch("cols", (rows, ckv))
+        else:
+            xv = saved[n0 * hp * wo * ckv:n1 * hp * wo * ckv].reshape(rows, ckv)
+        if expand:
+            _vexpand(x, n0, n1, kw, padding, wo, xv)
+        return xv
+
+    def _shifted_forward(self, x, w, padding, consume, saved=None):
+        """Y (ho*nb*wo, K) per chunk, handed to `consume(n0, n1, yt)`."""
+        (kh, kw, ho, wo, hp), wu, chunks = self._shifted_plan(x, w, padding)
+        k = wu.shape[1]
+        for n0, n1 in chunks:
+            s = (n1 - n0) * wo                  # xv rows per input row
+            rows = ho * s
+            xv = self._chunk_xv(x, n0, n1, kw, padding, hp, wo, saved, expand=True)
+            yt = self._scratch("y", (rows, k))
+            np.matmul(xv[:rows], wu[0].T, out=yt)
+            if kh > 1:
+                # numpy's matmul cannot accumulate (no beta): each further kernel row costs one
+                # extra pass over a (rows, K) product, proportional to K
+                part = self._scratch("y_part", (rows, k))
+            for u in range(1, kh):
+                np.matmul(xv[u * s:u * s + rows], wu[u].T, out=part)
+                _add_into(yt, part)
+            consume(n0, n1, yt)
+        return ho, wo
+
+    def _shifted_backward(self, x, w, padding, need_dx, fill_dyt, saved=None):
+        """dW, db, dx from per-chunk dY (ho*nb*wo, K) produced by `fill_dyt(n0, n1, dyt)`. With
+        `saved` (the forward's expansion of the whole batch) no expansion runs, and dxv
+        overwrites it chunk by chunk."""
+        (kh, kw, ho, wo, hp), wu, chunks = self._shifted_plan(x, w, padding)
+        k, ckv = wu.shape[1], wu.shape[2]
+        dwu = np.empty((kh, k, ckv), np.float32)
+        db = np.zeros(k, np.float64)
+        dx = np.empty(x.shape, np.float32) if need_dx else None     # every row written by _vfold
+        for i, (n0, n1) in enumerate(chunks):
+            s = (n1 - n0) * wo
+            rows = ho * s
+            dyt = self._scratch("y", (rows, k))
+            fill_dyt(n0, n1, dyt)
+            _add_column_sums(dyt, db)
+            xv = self._chunk_xv(x, n0, n1, kw, padding, hp, wo, saved, expand=saved is None)
+            for u in range(kh):                 # dW[:, :, u, :] (K, C*kw) = dY.T @ window u
+                if i == 0:
+                    np.matmul(dyt.T, xv[u * s:u * s + rows], out=dwu[u])
+                else:
+                    part = self._scratch("dw", (k, ckv))
+                    np.matmul(dyt.T, xv[u * s:u * s + rows], out=part)
+                    _add_into(dwu[u], part)
+            if need_dx:
+                dxv = xv                        # this chunk's expansion is done with: reuse it
+                np.matmul(dyt, wu[0], out=dxv[:rows])
+                _zero_rows(dxv, rows)
+                if kh > 1:
+                    # window adds without beta: one pass over (rows, C*kw) per kernel row, the
+                    # part of dX whose cost does not scale with K
+                    part = self._scratch("dx_part", (rows, ckv))
+                for u in range(1, kh):
+                    np.matmul(dyt, wu[u], out=part)
+                    _add_into(dxv[u * s:u * s + rows], part)
+                _vfold(dxv, n0, n1, kw, padding, wo, dx)
+        dw = np.empty(w.shape, np.float32)          # returned: never a scratch buffer
+        _weights_from_kernel_rows(dwu, dw)
+        return dx, dw, db.astype(np.float32)
 
     # ---- optimizer ---------------------------------------------------------------------------
     def _sgd_(self, param, velocity, grad, lr, momentum, weight_decay):

@@ -33,11 +33,18 @@ def close(a, b):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * scale)
 
 
-@pytest.fixture(scope="module", params=[{"threads": 1}, {"threads": 2, "im2col_budget_bytes": 4000},
-                                        {"threads": 2, "im2col_budget_bytes": 4000, "saved_cols_budget_bytes": 0}],
-                ids=["1thread", "2threads-chunked", "2threads-chunked-recomputed"])
+# every configuration on both conv paths (the test shapes' C*kw is small, so "auto" would take
+# im2col for all of them)
+CONFIGS = {"1thread": {"threads": 1}, "2threads-chunked": {"threads": 2, "im2col_budget_bytes": 4000},
+           "2threads-chunked-recomputed": {"threads": 2, "im2col_budget_bytes": 4000, "saved_cols_budget_bytes": 0}}
+PATHS = ("im2col", "shifted")
+
+
+@pytest.fixture(scope="module", params=[(name, path) for path in PATHS for name in CONFIGS],
+                ids=lambda p: f"{p[1]}-{p[0]}")
 def cpu(request):
-    return open_device("cpu", **request.param)
+    name, path = request.param
+    return open_device("cpu", conv_path=path, **CONFIGS[name])
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -73,10 +80,11 @@ def test_fused_forward_and_backward_match_reference(cpu, shape):
     close(dw2, rdw)
 
 
-def test_chunking_does_not_change_results():
+@pytest.mark.parametrize("path", PATHS)
+def test_chunking_does_not_change_results(path):
     x, w, b, p, rng = tensors((9, 3, 8, 8, 4, 3, 3, 1), 2)
-    whole = open_device("cpu", threads=1)
-    chunked = open_device("cpu", threads=1, im2col_budget_bytes=1)    # one image per chunk
+    whole = open_device("cpu", threads=1, conv_path=path)
+    chunked = open_device("cpu", threads=1, im2col_budget_bytes=1, conv_path=path)    # one image per chunk
     y1, c1 = whole.conv_relu_pool(x, w, b, p)
     y2, c2 = chunked.conv_relu_pool(x, w, b, p)
     np.testing.assert_array_equal(y1, y2)
@@ -85,12 +93,14 @@ def test_chunking_does_not_change_results():
         close(a, r)
 
 
-def test_saved_im2col_gives_the_recomputed_results_across_interleaved_steps():
-    """Backward from the forward's kept im2col equals backward that recomputes it, chunk
-    boundaries included, when two forwards are in flight and buffers come back to the pool."""
+@pytest.mark.parametrize("path", PATHS)
+def test_saved_im2col_gives_the_recomputed_results_across_interleaved_steps(path):
+    """Backward from the forward's kept im2col (or width expansion) equals backward that
+    recomputes it, chunk boundaries included, when two forwards are in flight and buffers come
+    back to the pool."""
     shapes = [(5, 3, 8, 7, 4, 3, 3, 1), (3, 2, 9, 9, 6, 5, 5, 2)]
-    saved = open_device("cpu", threads=1, im2col_budget_bytes=700)
-    recomputed = open_device("cpu", threads=1, im2col_budget_bytes=700, saved_cols_budget_bytes=0)
+    saved = open_device("cpu", threads=1, im2col_budget_bytes=700, conv_path=path)
+    recomputed = open_device("cpu", threads=1, im2col_budget_bytes=700, saved_cols_budget_bytes=0, conv_path=path)
     for step in range(2):
         runs = []
         for seed, shape in enumerate(shapes):
@@ -105,6 +115,27 @@ def test_saved_im2col_gives_the_recomputed_results_across_interleaved_steps():
                 np.testing.assert_array_equal(a, r)
             assert ctx.cols is None
     assert saved._saved_cols_pool, "backward hands its im2col buffer back for the next step"
+
+
+def test_auto_path_takes_shifted_gemms_only_for_long_rows():
+    """The per-layer rule: conv1 (C*kw = 3*5) on im2col, conv2 (500*5) and anything with C*kw >= 64
+    on shifted GEMMs; the fused context records which ran, and both agree with the reference."""
+    from hetconv.devices.cpu import SHIFTED_MIN_REDUCTION
+    dev = open_device("cpu", threads=1)
+    assert not dev._shifted((500, 3, 5, 5)) and dev._shifted((1500, 500, 5, 5))
+    for c, kw, shifted in ((SHIFTED_MIN_REDUCTION // 4 - 1, 4, False), (SHIFTED_MIN_REDUCTION // 4, 4, True)):
+        x, w, b, p, rng = tensors((2, c, 7, 6, 3, 2, kw, 1), 5)
+        y, ctx = dev.conv_relu_pool(x, w, b, p)
+        assert ctx.shifted is shifted
+        close(y, R.conv_relu_pool(x, w, b, p))
+        dp = rng.standard_normal(y.shape).astype(np.float32)
+        for a, r in zip(dev.conv_relu_pool_backward(ctx, w, dp), R.conv_relu_pool_backward(x, w, b, dp, p)):
+            close(a, r)
+
+
+def test_unknown_conv_path_is_refused():
+    with pytest.raises(DeviceError, match=r"conv_path must be one of \('auto', 'im2col', 'shifted'\), got 'direct'"):
+        open_device("cpu", conv_path="direct")
 
 
 def test_fused_forward_accepts_read_only_input(cpu):
