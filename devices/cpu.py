@@ -1,10 +1,12 @@
 """`--device cpu`: OpenBLAS sgemm on views of the input, with the data-movement kernels in Numba.
 
 Design, and what it costs:
-- Two paths, chosen per layer (`conv_path="auto"`): where one GEMM's reduction C*kw is at least
-  SHIFTED_MIN_REDUCTION (64) the shifted-GEMM path, else im2col. The paper's conv2 (C*kw = 2500)
-  is shifted; conv1 (C*kw = 15, where five 15-long reductions would run thin GEMMs and im2col is
-  cheap) is im2col. `conv_path="im2col"` or `"shifted"` forces one (tests run both everywhere).
+- Two paths, chosen per layer and share (`conv_path="auto"`): where one GEMM's reduction C*kw is
+  at least SHIFTED_MIN_REDUCTION (64) and the kernels held are fewer than 0.4 C*kw, the
+  shifted-GEMM path, else im2col. A worker's share of the paper's conv2 (C*kw = 2500, up to 999
+  kernels) is shifted, the whole 1500-kernel layer im2col; conv1 (C*kw = 15, where five 15-long
+  reductions would run thin GEMMs and im2col is cheap) is im2col. `conv_path="im2col"` or
+  `"shifted"` forces one (tests run both everywhere).
 - im2col: one GEMM per chunk of images, Y (K, P) = W (K, C*kh*kw) @ cols.T, cols (P, C*kh*kw)
   the im2col of the chunk (P = images * Ho * Wo); backward writes dcols and folds it with col2im.
 - shifted: the input is expanded along the kernel's width only (kw copies, not kh*kw), rows
@@ -49,6 +51,12 @@ DEFAULT_SAVED_COLS_BUDGET_BYTES = 256 << 20
 # "auto" takes the shifted-GEMM path where one GEMM's reduction, C*kw, is at least this long, and
 # im2col below it: conv1's C*kw = 3*5 = 15 would run five thin GEMMs where im2col runs one of 75.
 SHIFTED_MIN_REDUCTION = 64
+# ... and where the layer's kernels K stay below this fraction of C*kw: the shifted path's cost
+# grows with K (each kernel row's GEMM lands in a temporary that is added in), im2col's fixed
+# part does not. Measured on the paper's conv2 (C*kw = 2500), N=32, one thread, quiet machine:
+# shifted/im2col = 0.94 at 375 kernels, 0.94 at 750, 1.08 at 1500; so a worker holding a share
+# takes the shifted path, the whole layer on one device im2col.
+SHIFTED_MAX_KERNELS_PER_REDUCTION = 0.4
 CONV_PATHS = ("auto", "im2col", "shifted")
 
 _jit = numba.njit(parallel=True, nogil=True, cache=True)
@@ -422,7 +430,8 @@ class CpuDevice(Device):
     def _shifted(self, w_shape):
         """Whether a layer with weights w_shape (K, C, kh, kw) takes the shifted-GEMM path."""
         if self.conv_path == "auto":
-            return w_shape[1] * w_shape[3] >= SHIFTED_MIN_REDUCTION
+            reduction = w_shape[1] * w_shape[3]
+            return reduction >= SHIFTED_MIN_REDUCTION and w_shape[0] < SHIFTED_MAX_KERNELS_PER_REDUCTION * reduction
         return self.conv_path == "shifted"
 
     @staticmethod
