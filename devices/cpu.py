@@ -108,6 +108,25 @@ def _col2im(dcols, n0, n1, kh, kw, padding, ho, wo, dx):
                             dx[n0 + nl, c, r, s] += dcols[p, base + u * kw + v]
 
 
+@numba.njit(inline="always", nogil=True, cache=True)
+def _relu_pool_store(out, argmax, n, k, a, e, v0, v1, v2, v3):
+    """out[n, k, a, e] = relu(max(v0..v3)); argmax = the first max in row-major window order
+    (0..3), or -1 where it is not > 0. Inlined into both pool kernels, whatever their layout."""
+    best, arg = v0, 0
+    if v1 > best:
+        best, arg = v1, 1
+    if v2 > best:
+        best, arg = v2, 2
+    if v3 > best:
+        best, arg = v3, 3
+    if best > 0:
+        out[n, k, a, e] = best
+        argmax[n, k, a, e] = arg
+    else:
+        out[n, k, a, e] = 0.0
+        argmax[n, k, a, e] = -1
+
+
 @_jit
 def _bias_relu_pool(y, b, n0, n1, ho, wo, out, argmax):
     """out[n, k, a, e] = max over the 2x2 window of relu(y + b); argmax = first max in row-major
@@ -121,26 +140,8 @@ def _bias_relu_pool(y, b, n0, n1, ho, wo, out, argmax):
             for a in range(hp):
                 for e in range(wp):
                     p0 = base + (2 * a) * wo + 2 * e
-                    best = y[k, p0] + bk
-                    arg = 0
-                    v = y[k, p0 + 1] + bk
-                    if v > best:
-                        best = v
-                        arg = 1
-                    v = y[k, p0 + wo] + bk
-                    if v > best:
-                        best = v
-                        arg = 2
-                    v = y[k, p0 + wo + 1] + bk
-                    if v > best:
-                        best = v
-                        arg = 3
-                    if best > 0:
-                        out[n0 + nl, k, a, e] = best
-                        argmax[n0 + nl, k, a, e] = arg
-                    else:
-                        out[n0 + nl, k, a, e] = 0.0
-                        argmax[n0 + nl, k, a, e] = -1
+                    _relu_pool_store(out, argmax, n0 + nl, k, a, e, y[k, p0] + bk, y[k, p0 + 1] + bk,
+                                     y[k, p0 + wo] + bk, y[k, p0 + wo + 1] + bk)
 
 
 @_jit
@@ -240,26 +241,8 @@ def _bias_relu_pool_rows(yt, b, n0, n1, ho, wo, out, argmax):
         for e in range(wp):
             for k in range(k_out):
                 bk = b[k]
-                best = yt[r0 + 2 * e, k] + bk
-                arg = 0
-                v = yt[r0 + 2 * e + 1, k] + bk
-                if v > best:
-                    best = v
-                    arg = 1
-                v = yt[r1 + 2 * e, k] + bk
-                if v > best:
-                    best = v
-                    arg = 2
-                v = yt[r1 + 2 * e + 1, k] + bk
-                if v > best:
-                    best = v
-                    arg = 3
-                if best > 0:
-                    out[n0 + nl, k, a, e] = best
-                    argmax[n0 + nl, k, a, e] = arg
-                else:
-                    out[n0 + nl, k, a, e] = 0.0
-                    argmax[n0 + nl, k, a, e] = -1
+                _relu_pool_store(out, argmax, n0 + nl, k, a, e, yt[r0 + 2 * e, k] + bk, yt[r0 + 2 * e + 1, k] + bk,
+                                 yt[r1 + 2 * e, k] + bk, yt[r1 + 2 * e + 1, k] + bk)
 
 
 @_jit

@@ -113,13 +113,15 @@ def first_worker_dir(keydir):
     return os.path.join(workers, names[0])
 
 
+WORKER_FOLDER_FILES = (f"{WORKER}.key_secret", f"{WORKER}.key", f"{COORDINATOR}.key")
+
+
 def read_key_folder(folder):
     """A worker key folder's files, {name: bytes}, to recreate it on another host (a Ray actor
     writes them into a private temporary folder there; see hetconv.launch_ray)."""
     worker_keys(folder)                                  # all there, all well-formed
-    names = (f"{WORKER}.key_secret", f"{WORKER}.key", f"{COORDINATOR}.key")
     out = {}
-    for name in names:
+    for name in WORKER_FOLDER_FILES:
         with open(os.path.join(folder, name), "rb") as f:
             out[name] = f.read()
     return out
@@ -127,12 +129,13 @@ def read_key_folder(folder):
 
 def write_key_folder(files):
     """The inverse of read_key_folder, into a new private temporary folder; returns its path
-    (the caller removes it)."""
+    (the caller removes it). Any name but the three key files is refused before anything is written."""
     import tempfile
+    unexpected = sorted(set(files) - set(WORKER_FOLDER_FILES))
+    if unexpected:
+        raise KeyDirError(f"unexpected key file name {unexpected[0]!r}: expected {', '.join(WORKER_FOLDER_FILES)}")
     folder = tempfile.mkdtemp(prefix="hetconv-keys-")      # mode 0700
     for name, content in files.items():
-        if name not in (f"{WORKER}.key_secret", f"{WORKER}.key", f"{COORDINATOR}.key"):
-            raise KeyDirError(f"unexpected key file name {name!r}")
         fd = os.open(os.path.join(folder, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(content)

@@ -34,6 +34,7 @@ def assert_one_line_error(result, message):
     (["--connect", "tcp://127.0.0.1:5555", "--connect-timeout", "-1"], "--connect-timeout must be > 0, got -1.0"),
     (["--connect", "tcp://127.0.0.1:5555", "--threads", "-1"], "--threads must be >= 0, got -1"),
     (["--connect", "tcp://127.0.0.1:5555", "--device", "cpu,cpu"], "one device per worker"),
+    (["--connect", "tcp://127.0.0.1:5555", "--message-limit-mb", "0"], "--message-limit-mb must be > 0, got 0.0"),
 ])
 def test_worker_flags_are_checked_before_it_connects(args, message):
     device = [] if "--device" in args else ["--device", "cpu"]

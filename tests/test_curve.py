@@ -80,6 +80,7 @@ def test_spawn_makes_keys_for_its_own_workers_unless_insecure(insecure):
     (["--workers", "2", "--bind", "tcp://0.0.0.0:{port}"], "refusing to bind tcp://0.0.0.0:"),
     (["--workers", "2", "--curve", "/nonexistent/keys"], "no key directory '/nonexistent/keys'"),
     (["--local", "--curve", "/tmp"], "--curve and --insecure are for workers over the network"),
+    (["--workers", "1", "--curve", "/tmp", "--insecure"], "--curve and --insecure contradict each other"),
 ])
 def test_open_binds_and_bad_key_dirs_are_refused_before_any_work(args, message):
     args = [a.format(port=free_port()) for a in args]
@@ -125,3 +126,20 @@ def test_a_peer_inbox_admits_only_the_plans_workers(tmp_path):
             s.close(0)
         auth.stop()
         ctx.term()
+
+
+def test_a_key_folder_travels_whole_and_nothing_else_is_written(tmp_path):
+    """What a Ray actor receives: the worker's three key files, recreated privately; any other
+    name is refused rather than written."""
+    keys.make_keys(str(tmp_path / "k"))
+    folder = str(tmp_path / "k" / "workers" / "worker1")
+    files = keys.read_key_folder(folder)
+    copy = keys.write_key_folder(files)
+    try:
+        assert keys.worker_keys(copy) == keys.worker_keys(folder)
+        assert oct(os.stat(os.path.join(copy, "worker.key_secret")).st_mode & 0o777) == "0o600"
+    finally:
+        import shutil
+        shutil.rmtree(copy)
+    with pytest.raises(keys.KeyDirError, match="unexpected key file name '../evil'"):
+        keys.write_key_folder({"../evil": b"x"})
