@@ -87,9 +87,11 @@ def parse_args():
         p.error(f"unknown layers {unknown!r}; known: {sorted(LAYERS)!r}")
     args.batches = [int(v) for v in (args.batches or ("32" if args.quick else "32,128")).split(",")]
     args.threads = [int(v) for v in (args.threads or "1,2").split(",")]
-    args.min_reps, args.max_reps = (2, 3) if args.quick else (5, 9) if args.share_scaling else (3, 7)
+    # share scaling: a ratio of two timings on a shared machine, so more rounds (one round is
+    # ~7 s: 375 and 1500 kernels, hetconv and torch)
+    args.min_reps, args.max_reps = (2, 3) if args.quick else (11, 15) if args.share_scaling else (3, 7)
     if args.budget is None:
-        args.budget = 5.0 if args.quick else 30.0
+        args.budget = 5.0 if args.quick else 75.0 if args.share_scaling else 30.0
     return args
 
 
@@ -276,16 +278,22 @@ def share_scaling(args, torch, header, open_device):
             samples = _common.time_interleaved(cases, args.min_reps, args.max_reps, args.budget)
             stats = {case: _common.summarize(samples[case]["fwd+bwd"]) for case in cases}
 
-            def per_round(num, den):
-                """median over rounds of num/den, both timed in the same round"""
+            def round_ratios(num, den):
+                """num/den in each round, both timed in the same round"""
                 a, b = samples[num]["fwd+bwd"], samples[den]["fwd+bwd"]
-                return float(np.median([x / y for x, y in zip(a, b)]))
+                return [x / y for x, y in zip(a, b)]
+
+            def per_round(num, den):
+                return float(np.median(round_ratios(num, den)))
 
             for who in ("hetconv", "torch"):
                 rows.append({"who": who, "layer": layer, "N": n, "threads": threads, "form": "fused",
                              "phase": "fwd+bwd", "need_dx": True, "share": args.share, "full": full,
                              "share_ms": stats[(who, args.share)], "full_ms": stats[(who, full)],
                              "share_ratio": per_round((who, args.share), (who, full)),
+                             "share_ratio_quartiles": [float(q) for q in np.percentile(
+                                 round_ratios((who, args.share), (who, full)), [25, 75])],
+                             "rounds": len(samples[(who, full)]["fwd+bwd"]),
                              "share_ratio_of_medians": stats[(who, args.share)]["median_ms"] / stats[(who, full)]["median_ms"],
                              "share_ratio_of_mins": stats[(who, args.share)]["min_ms"] / stats[(who, full)]["min_ms"],
                              "ideal": args.share / full})
@@ -304,20 +312,26 @@ def share_scaling(args, torch, header, open_device):
     headers = ["N", "T", "kernels", "hetconv ms", f"hetconv t({args.share})/t({full})", "torch ms",
                f"torch t({args.share})/t({full})", "hetconv/torch"]
     table = []
+
+    def quartile_cell(row):
+        low, high = row["share_ratio_quartiles"]
+        return f"{row['share_ratio']:.3f} ({low:.3f}-{high:.3f})"
+
     for threads, n, ours, theirs in summary:
         for kernels, key in ((args.share, "share_ms"), (full, "full_ms")):
             table.append([n, threads, kernels, fmt(ours[key]["median_ms"]),
-                          f"{ours['share_ratio']:.3f}" if kernels == args.share else "-",
+                          quartile_cell(ours) if kernels == args.share else "-",
                           fmt(theirs[key]["median_ms"]),
-                          f"{theirs['share_ratio']:.3f}" if kernels == args.share else "-",
+                          quartile_cell(theirs) if kernels == args.share else "-",
                           f"{ours['share_vs_torch' if kernels == args.share else 'full_vs_torch']:.2f}"])
     md = _common.markdown_table(headers, table)
     print("\n" + md)
     load_line = (f"1-minute load average during the run: {load['start']:.2f} at start, mean {load['mean']:.2f}, "
                  f"max {load['max']:.2f} ({load['samples']} samples), {load['end']:.2f} at end; wall time {wall_s:.0f} s")
     notes = ["", load_line + ". Layer conv2 (x (N,500,14,14), w (K,500,5,5)), fused conv+bias+ReLU+2x2 max-pool, "
-             "forward and backward with dx. ms = median of the timed runs. t(share)/t(full) = median over rounds of "
-             f"the ratio within each round (ideal {args.share / full:.3f}); hetconv/torch = the same for hetconv "
+             "forward and backward with dx. ms = median of the timed runs. t(share)/t(full) = median over "
+             f"{summary[0][2]['rounds']} rounds of the ratio within each round, its quartiles in brackets "
+             f"(ideal {args.share / full:.3f}); hetconv/torch = the same for hetconv "
              "against torch at that kernel count (<= 1.00: hetconv at least as fast)."]
     result = {"command": header[0].partition(": ")[2], "machine": _common.cpu_model(), "isa": _common.cpu_isa_flags(),
               "blas": _common.blas_info(), "blas_env": BLAS_ENV_NOTE, "torch": _common.torch_info(torch),

@@ -43,6 +43,7 @@ from numba import prange
 from threadpoolctl import threadpool_info, threadpool_limits
 
 from hetconv.devices.base import Device, DeviceError
+from hetconv.devices.blas import accumulating_sgemm
 from hetconv.geometry import conv_output_hw
 from hetconv.params import sgd_update
 
@@ -57,6 +58,10 @@ SHIFTED_MIN_REDUCTION = 64
 # shifted/im2col = 0.94 at 375 kernels, 0.94 at 750, 1.08 at 1500; so a worker holding a share
 # takes the shifted path, the whole layer on one device im2col.
 SHIFTED_MAX_KERNELS_PER_REDUCTION = 0.4
+# The shifted forward's GEMMs write Y with K rounded up to this many columns (zero kernels):
+# conv2 at 375 kernels ran its five forward GEMMs ~4% faster at 384 (SkylakeX sgemm, one thread),
+# and ~1 ms of zero columns is less than that. Backward's GEMMs gained nothing and stay at K.
+KERNEL_ROW_MULTIPLE = 16
 CONV_PATHS = ("auto", "im2col", "shifted")
 
 _jit = numba.njit(parallel=True, nogil=True, cache=True)
@@ -209,22 +214,23 @@ def _vexpand(x, n0, n1, kw, padding, wo, xv):
 @_jit
 def _vfold(dxv, n0, n1, kw, padding, wo, dx):
     """The adjoint of _vexpand: dx[n0+n, c, r, s] = sum over v of dxv[((r+padding)*nb + n)*wo +
-    s+padding-v, c*kw + v]; parallel over (row, image), each owning dx[n, :, r, :], so race-free."""
+    s+padding-v, c*kw + v]; parallel over (row, image), each owning dx[n, :, r, :], so race-free.
+    dxv is read in order into a (C, W + 2 kw) row buffer that stays in L1, with no bounds test
+    in the inner loop, then stored once (scattered += straight into dx ran ~1.25x slower)."""
     c_in, h_in, w_in = dx.shape[1], dx.shape[2], dx.shape[3]
     nb = n1 - n0
     for t in prange(h_in * nb):
         r = t // nb
         n = n0 + t % nb
-        for c in range(c_in):
-            for s in range(w_in):
-                dx[n, c, r, s] = 0.0
+        acc = np.zeros((c_in, wo + kw), np.float32)
         base = ((r + padding) * nb + t % nb) * wo
         for j in range(wo):
             for c in range(c_in):
                 for v in range(kw):
-                    s = j + v - padding
-                    if 0 <= s < w_in:
-                        dx[n, c, r, s] += dxv[base + j, c * kw + v]
+                    acc[c, j + v] += dxv[base + j, c * kw + v]
+        for c in range(c_in):
+            for s in range(w_in):
+                dx[n, c, r, s] = acc[c, s + padding]
 
 
 @_jit
@@ -310,14 +316,14 @@ def _add_column_sums(a, out):
 
 @_jit
 def _weights_by_kernel_row(w, wu):
-    """wu[u, k, c*kw + v] = w[k, c, u, v] (numpy's copy of this 4-D transpose ran ~5x slower)."""
+    """wu[u, k, c*kw + v] = w[k, c, u, v] (numpy's copy of this 4-D transpose ran ~5x slower).
+    Reads w in order and writes kh streams: reading it once per kernel row instead ran ~2x slower."""
     k_out, c_in, kh, kw = w.shape
-    for t in prange(kh * k_out):
-        u = t // k_out
-        k = t % k_out
+    for k in prange(k_out):
         for c in range(c_in):
-            for v in range(kw):
-                wu[u, k, c * kw + v] = w[k, c, u, v]
+            for u in range(kh):
+                for v in range(kw):
+                    wu[u, k, c * kw + v] = w[k, c, u, v]
 
 
 @_jit
@@ -342,16 +348,21 @@ def _zero_rows(a, r0):
 class _PoolContext:
     """What the fused backward needs: the layer input, the pooling argmax (int8), which path ran
     and, when it fit the budget, the forward's im2col or width expansion of the whole batch (flat;
-    None otherwise)."""
+    None otherwise). On the shifted path also the forward's kernel rows of w (~19 MB for a
+    quarter of conv2): the backward given that same array skips their ~5 ms rebuild. Its
+    result is defined for the forward's weights only (the argmax came from them), so an array
+    changed in place in between is already a caller's error."""
 
-    def __init__(self, x, argmax, padding, w_shape, shifted, cols=None):
+    def __init__(self, x, argmax, padding, w, shifted, cols=None, kernel_rows=None):
         self.x = x
         self.argmax = argmax
         self.padding = padding
-        self.w_shape = w_shape
+        self.w_shape = w.shape
         self.shifted = shifted
         self.pooled_shape = argmax.shape
         self.cols = cols
+        self.forward_weights = w
+        self.kernel_rows = kernel_rows
 
 
 class CpuDevice(Device):
@@ -375,6 +386,8 @@ class CpuDevice(Device):
         self.name = "cpu"
         self._scratch_buffers = {}
         self._saved_cols_pool = []      # flat float32 buffers handed back by backward
+        # sgemm with beta = 1 for sums of GEMMs; None: numpy's matmul into a temporary plus an add
+        self._sgemm = accumulating_sgemm()
 
     def _take_saved_cols(self, size):
         """A flat float32 buffer of at least `size` for a forward's im2col: the smallest pooled
@@ -409,6 +422,16 @@ class CpuDevice(Device):
         blas = [f"{i['internal_api']} {i.get('version', '?')} ({i.get('architecture', '?')})"
                 for i in threadpool_info() if i.get("user_api") == "blas"]
         return f"cpu ({self.threads} thread{'s' if self.threads > 1 else ''}, BLAS {', '.join(blas) or 'unknown'})"
+
+    def _matmul_add(self, a, b, out, work):
+        """out += a @ b: in one sgemm with beta = 1 where the BLAS can be called so, else through
+        the work buffer named `work` and an add (one more pass over `out`)."""
+        if self._sgemm is not None:
+            self._sgemm(a, b, out, 1.0)
+        else:
+            part = self._scratch(work, out.shape)
+            np.matmul(a, b, out=part)
+            _add_into(out, part)
 
     def _shifted(self, w_shape):
         """Whether a layer with weights w_shape (K, C, kh, kw) takes the shifted-GEMM path."""
@@ -485,15 +508,16 @@ class CpuDevice(Device):
         # what backward reuses: the width expansion (padded height) or the im2col
         cols_size = n * (h + 2 * padding) * wo * c * kw if shifted else n * ho * wo * c * kh * kw
         saved_cols = self._take_saved_cols(cols_size) if cols_size * 4 <= self.saved_cols_budget_bytes else None
+        kernel_rows = None
         if shifted:
-            self._shifted_forward(x, w, padding,
-                                  lambda n0, n1, yt: _bias_relu_pool_rows(yt, b, n0, n1, ho, wo, out, argmax),
-                                  saved=saved_cols)
+            kernel_rows = self._shifted_forward(
+                x, w, padding, lambda n0, n1, yt: _bias_relu_pool_rows(yt, b, n0, n1, ho, wo, out, argmax),
+                saved=saved_cols)
         else:
             self._forward_chunks(x, w, padding,
                                  lambda n0, n1, y: _bias_relu_pool(y, b, n0, n1, ho, wo, out, argmax),
                                  saved_cols=saved_cols)
-        return out, _PoolContext(x, argmax, padding, w.shape, shifted, cols=saved_cols)
+        return out, _PoolContext(x, argmax, padding, w, shifted, cols=saved_cols, kernel_rows=kernel_rows)
 
     # ---- backward ----------------------------------------------------------------------------
     def _backward_chunks(self, x, w, padding, need_dx, fill_dy, saved_cols=None):
@@ -519,9 +543,7 @@ class CpuDevice(Device):
             if i == 0:
                 np.matmul(dy, cols, out=dw)             # (K, rows) x (rows, ckk)
             else:
-                dw_part = self._scratch("dw", (k, ckk))
-                np.matmul(dy, cols, out=dw_part)
-                _add_into(dw, dw_part)
+                self._matmul_add(dy, cols, dw, "dw")
             if need_dx:
                 np.matmul(dy.T, w2, out=cols)           # dcols overwrites this chunk's im2col
                 _col2im(cols, n0, n1, kh, kw, padding, ho, wo, dx)
@@ -547,9 +569,11 @@ class CpuDevice(Device):
         ho, wo = conv_output_hw(x.shape[2], x.shape[3], w.shape[2], w.shape[3], ctx.padding)
         saved_cols, ctx.cols = ctx.cols, None      # overwritten below: a second backward recomputes
         if ctx.shifted:
+            kernel_rows = ctx.kernel_rows if w is ctx.forward_weights else None
             grads = self._shifted_backward(
                 x, w, ctx.padding, need_dx,
-                lambda n0, n1, dyt: _unpool_rows(dpooled, ctx.argmax, n0, n1, ho, wo, dyt), saved=saved_cols)
+                lambda n0, n1, dyt: _unpool_rows(dpooled, ctx.argmax, n0, n1, ho, wo, dyt), saved=saved_cols,
+                wu=kernel_rows)
         else:
             grads = self._backward_chunks(
                 x, w, ctx.padding, need_dx,
@@ -570,15 +594,26 @@ class CpuDevice(Device):
     # once. What stays the same at any K: the expansion and the fold (~10 ms each on conv2 at
     # N=32), the dX window adds (C*kw columns) and BLAS packing the xv windows inside each GEMM.
     def _shifted_plan(self, x, w, padding):
-        """Output size, padded height, W as (kh, K, C*kw) and the chunks' image ranges."""
+        """Output size, padded height and the chunks' image ranges."""
         n, c, h, wd = x.shape
         k, _, kh, kw = w.shape
         ho, wo = conv_output_hw(h, wd, kh, kw, padding)
         hp = h + 2 * padding
         chunks, _ = self._equal_chunks(n, hp * wo * c * kw * 4, self.im2col_budget_bytes)
-        wu = np.empty((kh, k, c * kw), np.float32)
+        return (kh, kw, ho, wo, hp), chunks
+
+    @staticmethod
+    def _kernel_rows(w):
+        """W as (kh, Kp, C*kw), one (Kp, C*kw) matrix per kernel row, Kp = K rounded up to
+        KERNEL_ROW_MULTIPLE with zero rows: the forward GEMMs' output width. Backward uses the
+        first K rows."""
+        k, c, kh, kw = w.shape
+        kp = -(-k // KERNEL_ROW_MULTIPLE) * KERNEL_ROW_MULTIPLE
+        wu = np.empty((kh, kp, c * kw), np.float32)
         _weights_by_kernel_row(w, wu)
-        return (kh, kw, ho, wo, hp), wu, chunks
+        if kp > k:
+            wu[:, k:] = 0.0
+        return wu
 
     def _chunk_xv(self, x, n0, n1, kw, padding, hp, wo, saved, expand):
         """The chunk's width expansion: in `saved` (flat, the whole batch's size) or a work
@@ -594,31 +629,29 @@ class CpuDevice(Device):
         return xv
 
     def _shifted_forward(self, x, w, padding, consume, saved=None):
-        """Y (ho*nb*wo, K) per chunk, handed to `consume(n0, n1, yt)`."""
-        (kh, kw, ho, wo, hp), wu, chunks = self._shifted_plan(x, w, padding)
-        k = wu.shape[1]
+        """Y (ho*nb*wo, K) per chunk (a view into a Kp-wide buffer), handed to
+        `consume(n0, n1, yt)`. Returns the kernel rows, which a backward can reuse."""
+        (kh, kw, ho, wo, hp), chunks = self._shifted_plan(x, w, padding)
+        wu = self._kernel_rows(w)
+        k, kp = w.shape[0], wu.shape[1]
         for n0, n1 in chunks:
             s = (n1 - n0) * wo                  # xv rows per input row
             rows = ho * s
             xv = self._chunk_xv(x, n0, n1, kw, padding, hp, wo, saved, expand=True)
-            yt = self._scratch("y", (rows, k))
+            yt = self._scratch("y", (rows, kp))
             np.matmul(xv[:rows], wu[0].T, out=yt)
-            if kh > 1:
-                # numpy's matmul cannot accumulate (no beta): each further kernel row costs one
-                # extra pass over a (rows, K) product, proportional to K
-                part = self._scratch("y_part", (rows, k))
             for u in range(1, kh):
-                np.matmul(xv[u * s:u * s + rows], wu[u].T, out=part)
-                _add_into(yt, part)
-            consume(n0, n1, yt)
-        return ho, wo
+                self._matmul_add(xv[u * s:u * s + rows], wu[u].T, yt, "y_part")
+            consume(n0, n1, yt[:, :k])
+        return wu
 
-    def _shifted_backward(self, x, w, padding, need_dx, fill_dyt, saved=None):
+    def _shifted_backward(self, x, w, padding, need_dx, fill_dyt, saved=None, wu=None):
         """dW, db, dx from per-chunk dY (ho*nb*wo, K) produced by `fill_dyt(n0, n1, dyt)`. With
         `saved` (the forward's expansion of the whole batch) no expansion runs, and dxv
-        overwrites it chunk by chunk."""
-        (kh, kw, ho, wo, hp), wu, chunks = self._shifted_plan(x, w, padding)
-        k, ckv = wu.shape[1], wu.shape[2]
+        overwrites it chunk by chunk. `wu`: the forward's kernel rows of these same weights."""
+        (kh, kw, ho, wo, hp), chunks = self._shifted_plan(x, w, padding)
+        k, ckv = w.shape[0], w.shape[1] * kw
+        wu = (self._kernel_rows(w) if wu is None else wu)[:, :k]
         dwu = np.empty((kh, k, ckv), np.float32)
         db = np.zeros(k, np.float64)
         dx = np.empty(x.shape, np.float32) if need_dx else None     # every row written by _vfold
@@ -633,20 +666,14 @@ class CpuDevice(Device):
                 if i == 0:
                     np.matmul(dyt.T, xv[u * s:u * s + rows], out=dwu[u])
                 else:
-                    part = self._scratch("dw", (k, ckv))
-                    np.matmul(dyt.T, xv[u * s:u * s + rows], out=part)
-                    _add_into(dwu[u], part)
+                    self._matmul_add(dyt.T, xv[u * s:u * s + rows], dwu[u], "dw")
             if need_dx:
                 dxv = xv                        # this chunk's expansion is done with: reuse it
                 np.matmul(dyt, wu[0], out=dxv[:rows])
                 _zero_rows(dxv, rows)
-                if kh > 1:
-                    # window adds without beta: one pass over (rows, C*kw) per kernel row, the
-                    # part of dX whose cost does not scale with K
-                    part = self._scratch("dx_part", (rows, ckv))
+                # kernel row u's product lands on the window shifted by u input rows
                 for u in range(1, kh):
-                    np.matmul(dyt, wu[u], out=part)
-                    _add_into(dxv[u * s:u * s + rows], part)
+                    self._matmul_add(dyt, wu[u], dxv[u * s:u * s + rows], "dx_part")
                 _vfold(dxv, n0, n1, kw, padding, wo, dx)
         dw = np.empty(w.shape, np.float32)          # returned: never a scratch buffer
         _weights_from_kernel_rows(dwu, dw)

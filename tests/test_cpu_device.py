@@ -117,6 +117,27 @@ def test_saved_im2col_gives_the_recomputed_results_across_interleaved_steps(path
     assert saved._saved_cols_pool, "backward hands its im2col buffer back for the next step"
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[2] + 2 * s[7] - s[5] >= 1 and s[3] + 2 * s[7] - s[6] >= 1], ids=str)
+def test_sums_of_gemms_agree_with_and_without_blas_beta(path, shape):
+    """Where the BLAS's sgemm cannot be called with beta = 1 the device adds each product from a
+    temporary; both ways give the reference's results (chunked, so dW sums over chunks too)."""
+    x, w, b, p, rng = tensors(shape, 5)
+    with_beta = open_device("cpu", threads=1, im2col_budget_bytes=1, conv_path=path)
+    without = open_device("cpu", threads=1, im2col_budget_bytes=1, conv_path=path)
+    without._sgemm = None
+    y1, c1 = with_beta.conv_relu_pool(x, w, b, p)
+    y2, c2 = without.conv_relu_pool(x, w, b, p)
+    close(y1, y2)
+    dp = rng.standard_normal(y1.shape).astype(np.float32)
+    got = with_beta.conv_relu_pool_backward(c1, w, dp)
+    for a, r in zip(got, without.conv_relu_pool_backward(c2, w, dp)):
+        close(a, r)
+    close(y1, R.conv_relu_pool(x, w, b, p))
+    for a, r in zip(got, R.conv_relu_pool_backward(x, w, b, dp, p)):
+        close(a, r)
+
+
 def test_auto_path_takes_shifted_gemms_only_for_long_rows():
     """The per-layer rule: conv1 (C*kw = 3*5) on im2col, conv2 (500*5) and anything with C*kw >= 64
     on shifted GEMMs; the fused context records which ran, and both agree with the reference."""
