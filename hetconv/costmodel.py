@@ -3,9 +3,11 @@ layer shapes, batch size and link bandwidth — before anything is bought or wir
 `hetconv-predict` command (hetconv/predict.py) measures what this model needs and prints it.
 
 The model of one step, phase by phase (each conv layer's forward, then each one's backward):
-- Device time: from calibration, per layer, seconds = batch * (fixed + per_kernel * k). Two
-  calibration points (k and k/2 kernels) separate the part every shard pays whatever its share
-  (im2col, reading the input) from the per-kernel GEMM cost.
+- Device time: from calibration, per layer and call (one per micro-batch), seconds = call +
+  batch * (fixed + per_kernel * k). Two calibration points (k and k/2 kernels) separate the part
+  every shard pays whatever its share (reading and expanding the input) from the per-kernel GEMM
+  cost; a third (k/2 kernels on half the batch) separates what each call costs whatever its
+  batch, which is what splitting a step into micro-batches adds.
 - Wire: all traffic goes through the coordinator's one link. Requests leave one after another
   (the layer input is sent to every worker: a broadcast costs n sends); a worker starts when its
   request has arrived; replies come back over the same link in the order they are ready.
@@ -23,28 +25,45 @@ FLOAT_BYTES = 4
 
 @dataclass(frozen=True)
 class LayerCost:
-    """One device on one conv layer, per image: seconds = fixed + per_kernel * kernels."""
+    """One device on one conv layer: seconds = call + batch * (fixed + per_kernel * kernels) for
+    each call (one per micro-batch). `call`: what a call costs whatever its batch (reordering the
+    weights, allocating and writing dW, Python and message handling); fixed and per_kernel are per
+    image. Profiles saved before calls were measured load with a call cost of 0."""
     forward_fixed_s: float
     forward_per_kernel_s: float
     backward_fixed_s: float
     backward_per_kernel_s: float
+    forward_call_s: float = 0.0
+    backward_call_s: float = 0.0
 
     def forward_s(self, kernels, batch):
-        return batch * (self.forward_fixed_s + self.forward_per_kernel_s * kernels)
+        return self.forward_call_s + batch * (self.forward_fixed_s + self.forward_per_kernel_s * kernels)
 
     def backward_s(self, kernels, batch):
-        return batch * (self.backward_fixed_s + self.backward_per_kernel_s * kernels)
+        return self.backward_call_s + batch * (self.backward_fixed_s + self.backward_per_kernel_s * kernels)
+
+    def step_line(self, batch, calls=1):
+        """(fixed, per_kernel) seconds of forward + backward for a step of `batch` images in
+        `calls` calls: the planner's cost line."""
+        return (calls * (self.forward_call_s + self.backward_call_s)
+                + batch * (self.forward_fixed_s + self.backward_fixed_s),
+                batch * (self.forward_per_kernel_s + self.backward_per_kernel_s))
 
     @classmethod
     def fit(cls, timing):
-        """From a calibration timing {batch, kernels: [k1, k2], forward_s: [..], backward_s: [..]}."""
+        """From a calibration timing {batch, kernels: [k1, k2], forward_s: [..], backward_s: [..],
+        and optionally half_batch: {batch, kernels: k2, forward_s, backward_s}}."""
         batch = timing["batch"]
         ks = timing["kernels"]
-        out = []
-        for ts in (timing["forward_s"], timing["backward_s"]):
-            fixed, per_kernel = _fit_line(ks, ts)
-            out += [fixed / batch, per_kernel / batch]
-        return cls(*out)
+        half = timing.get("half_batch")
+        per_image, calls = [], []
+        for key in ("forward_s", "backward_s"):
+            ts = timing[key]
+            call = _fit_call(batch, ts[-1], half["batch"], half[key]) if half else 0.0
+            fixed, per_kernel = _fit_line(ks, [t - call for t in ts])
+            per_image += [fixed / batch, per_kernel / batch]
+            calls.append(call)
+        return cls(*per_image, *calls)
 
 
 def _fit_line(ks, ts):
@@ -57,6 +76,17 @@ def _fit_line(ks, ts):
     if per_kernel <= 0 or fixed < 0:
         return 0.0, ts[0] / ks[0]
     return fixed, per_kernel
+
+
+def _fit_call(batch, t_batch, half, t_half):
+    """The intercept of time against batch through (half, t_half) and (batch, t_batch), the same
+    kernels: never negative (noise), never more than half of the smaller call's time, 0 where the
+    two batches are equal."""
+    if half >= batch or half < 1:
+        return 0.0
+    per_image = (t_batch - t_half) / (batch - half)
+    call = t_half - per_image * half
+    return min(max(0.0, call), 0.5 * t_half)
 
 
 @dataclass(frozen=True)

@@ -237,9 +237,7 @@ class Engine:
                 return None
             measured[name] = [compute[lp.layer] / steps for lp in self.plan.layers]
             cost = profiles.get(name)
-            lines[name] = None if cost is None else [
-                (self.batch * (c.forward_fixed_s + c.backward_fixed_s),
-                 self.batch * (c.forward_per_kernel_s + c.backward_per_kernel_s)) for c in cost.layers]
+            lines[name] = None if cost is None else [c.step_line(self.batch) for c in cost.layers]
         proposal = replan(self.plan, lines, measured, min_gain)
         if proposal is None:
             return None

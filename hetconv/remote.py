@@ -502,8 +502,7 @@ class RemoteEngine(Engine):
         if cfg.split != "proportional":
             return make_plan(kernels, speeds, cfg.split)
         from hetconv.costmodel import profiles_from_calibration
-        lines = {name: [(cfg.batch_size * (c.forward_fixed_s + c.backward_fixed_s),
-                         cfg.batch_size * (c.forward_per_kernel_s + c.backward_per_kernel_s)) for c in profile.layers]
+        lines = {name: [c.step_line(cfg.batch_size) for c in profile.layers]
                  for name, profile in profiles_from_calibration({n: self.calibration[n] for n in speeds}).items()}
         return plan_from_lines(kernels, lines, use_all=cfg.use_all)
 

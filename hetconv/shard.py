@@ -92,7 +92,8 @@ class ConvShard:
         and buffer growth. Two points separate the per-kernel cost from the part every shard pays
         whatever its share (im2col, the input's trip through memory), which the cost model needs.
         The two counts alternate over `repeats` rounds and each keeps its median, so a burst of
-        outside load skews neither the speed nor the fitted line for long.
+        outside load skews neither the speed nor the fitted line for long. Then the smaller count
+        on half the batch (`half_batch`), for the cost of a call apart from its images.
 
         Returns (kernels/s per layer at kernels[i], per-layer timing dicts)."""
         rng = np.random.default_rng(0)
@@ -110,8 +111,23 @@ class ConvShard:
             fwd = [float(np.median([f for f, _ in smp])) for smp in samples]
             bwd = [float(np.median([b for _, b in smp])) for smp in samples]
             speeds.append(counts[0] / (fwd[0] + bwd[0]))
-            timings.append({"batch": int(shape[0]), "kernels": counts, "forward_s": fwd, "backward_s": bwd})
+            timing = {"batch": int(shape[0]), "kernels": counts, "forward_s": fwd, "backward_s": bwd}
+            if shape[0] >= 2:
+                timing["half_batch"] = self._time_half_batch(spec, x[:shape[0] // 2], layers[-1], counts[-1],
+                                                             repeats, need_dx=li > 0)
+            timings.append(timing)
         return speeds, timings
+
+    def _time_half_batch(self, spec, x, layer, count, repeats, need_dx):
+        """The smaller count again on half the images: with the full-batch time it separates what
+        each call costs whatever its batch (weights reordered, dW allocated and written, buffers
+        touched) from the per-image cost. The cost model charges it once per micro-batch."""
+        w_dev, b_dev = layer
+        x = np.ascontiguousarray(x)
+        samples = [self._time_once(spec, x, w_dev, b_dev, need_dx) for _ in range(repeats + 1)][1:]
+        return {"batch": int(x.shape[0]), "kernels": count,
+                "forward_s": float(np.median([f for f, _ in samples])),
+                "backward_s": float(np.median([b for _, b in samples]))}
 
     def _calibration_weights(self, spec, k, rng):
         fan_in = spec.in_channels * spec.ksize ** 2

@@ -22,6 +22,43 @@ def test_fit_separates_fixed_and_per_kernel_cost():
     assert noisy.backward_fixed_s == 0.0 and noisy.backward_s(10, 1) == pytest.approx(1.0)
 
 
+def test_fit_separates_the_cost_of_a_call_from_its_images():
+    # each call 0.05 s; per image 0.01 s fixed + 0.001 s per kernel (forward), backward twice that
+    def t(k, n, scale):
+        return scale * (0.05 + n * (0.01 + 0.001 * k))
+    timing = {"batch": 16, "kernels": [100, 50], "forward_s": [t(100, 16, 1), t(50, 16, 1)],
+              "backward_s": [t(100, 16, 2), t(50, 16, 2)],
+              "half_batch": {"batch": 8, "kernels": 50, "forward_s": t(50, 8, 1), "backward_s": t(50, 8, 2)}}
+    cost = LayerCost.fit(timing)
+    assert cost.forward_call_s == pytest.approx(0.05) and cost.backward_call_s == pytest.approx(0.1)
+    assert cost.forward_fixed_s == pytest.approx(0.01) and cost.forward_per_kernel_s == pytest.approx(0.001)
+    assert cost.backward_per_kernel_s == pytest.approx(0.002)
+    # four micro-batches of 8 cost four calls; one batch of 32 one
+    assert 4 * cost.forward_s(100, 8) == pytest.approx(cost.forward_s(100, 32) + 3 * 0.05)
+    assert cost.step_line(32, calls=2) == pytest.approx((2 * 0.15 + 32 * 0.03, 32 * 0.003))
+    # noise bounds it: at most half the half batch's time (half as many images taking as long)...
+    timing["half_batch"]["forward_s"] = t(50, 16, 1)
+    assert LayerCost.fit(timing).forward_call_s == pytest.approx(0.5 * t(50, 16, 1))
+    # ... and never negative (half as many images taking a third of the time)
+    timing["half_batch"]["forward_s"] = t(50, 16, 1) / 3
+    assert LayerCost.fit(timing).forward_call_s == 0.0
+    # a profile saved before calls were measured loads with none
+    old = {"forward_fixed_s": 0.01, "forward_per_kernel_s": 0.001, "backward_fixed_s": 0.02, "backward_per_kernel_s": 0.002}
+    assert DeviceProfile.from_json({"name": "a", "device": "cpu", "layers": [old]}).layers[0].forward_call_s == 0.0
+
+
+def test_micro_batches_pay_one_call_each_in_the_peer_model():
+    from hetconv.costmodel import predict_peer_step
+    with_calls = DeviceProfile("a", "cpu", "", (LayerCost(0.0, 1e-4, 0.0, 1e-4, 0.02, 0.03),) * 2)
+    without = DeviceProfile("a", "cpu", "", (LayerCost(0.0, 1e-4, 0.0, 1e-4),) * 2)
+    fast = Link(1e15, 0.0)
+    counts = {"w0": [500, 1500]}
+    for m in (1, 4):
+        a = predict_peer_step(PAPER, IMAGE, 32, counts, {"w0": with_calls}, fast, 0.0, micro_batches=m)
+        b = predict_peer_step(PAPER, IMAGE, 32, counts, {"w0": without}, fast, 0.0, micro_batches=m)
+        assert a.step_s - b.step_s == pytest.approx(m * 2 * (0.02 + 0.03), rel=1e-6)
+
+
 def test_wire_bytes_of_the_paper_network():
     per_worker, phases = wire_bytes(PAPER, IMAGE, 128, {"a": [250, 750], "b": [250, 750]})
     x1, y1 = 128 * 3 * 32 * 32 * 4, 128 * 250 * 14 * 14 * 4
