@@ -79,8 +79,6 @@ def parse_args():
         args.layers = "conv2"
         args.batches = args.batches or "32"
         args.threads = args.threads or "1"
-        if args.budget is None:
-            args.budget = 40.0
     args.layers = args.layers.split(",")
     unknown = [name for name in args.layers if name not in LAYERS]
     if unknown:
@@ -88,7 +86,7 @@ def parse_args():
     args.batches = [int(v) for v in (args.batches or ("32" if args.quick else "32,128")).split(",")]
     args.threads = [int(v) for v in (args.threads or "1,2").split(",")]
     # share scaling: a ratio of two timings on a shared machine, so more rounds (one round is
-    # ~7 s: 375 and 1500 kernels, hetconv and torch)
+    # ~7 s: 375 and 1500 kernels, hetconv and torch; 11-15 rounds, ~1.5-2 min)
     args.min_reps, args.max_reps = (2, 3) if args.quick else (11, 15) if args.share_scaling else (3, 7)
     if args.budget is None:
         args.budget = 5.0 if args.quick else 75.0 if args.share_scaling else 30.0

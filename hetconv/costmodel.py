@@ -7,7 +7,9 @@ The model of one step, phase by phase (each conv layer's forward, then each one'
   batch * (fixed + per_kernel * k). Two calibration points (k and k/2 kernels) separate the part
   every shard pays whatever its share (reading and expanding the input) from the per-kernel GEMM
   cost; a third (k/2 kernels on half the batch) separates what each call costs whatever its
-  batch, which is what splitting a step into micro-batches adds.
+  batch, which is what splitting a step into micro-batches adds. Once per step each device also
+  pays the SGD update of the kernels it holds, and per micro-batch after the first the add of its
+  dW into the step's sum; both are timed in calibration.
 - Wire: all traffic goes through the coordinator's one link. Requests leave one after another
   (the layer input is sent to every worker: a broadcast costs n sends); a worker starts when its
   request has arrived; replies come back over the same link in the order they are ready.
@@ -35,6 +37,20 @@ class LayerCost:
     backward_per_kernel_s: float
     forward_call_s: float = 0.0
     backward_call_s: float = 0.0
+    update_per_kernel_s: float = 0.0        # the step's SGD update, once per step
+    accumulate_per_kernel_s: float = 0.0    # a micro-batch's dW added into the step's sum
+
+    def update_s(self, kernels):
+        return self.update_per_kernel_s * kernels
+
+    def accumulate_s(self, kernels):
+        return self.accumulate_per_kernel_s * kernels
+
+    def backward_in_step_s(self, kernels, batch, micro, micros):
+        """Backward of micro-batch `micro` of `micros`, with what the step adds to it on the
+        device: the gradient sum from the second micro-batch on, the update after the last."""
+        return (self.backward_s(kernels, batch) + (self.accumulate_s(kernels) if micro > 0 else 0.0)
+                + (self.update_s(kernels) if micro == micros - 1 else 0.0))
 
     def forward_s(self, kernels, batch):
         return self.forward_call_s + batch * (self.forward_fixed_s + self.forward_per_kernel_s * kernels)
@@ -47,7 +63,8 @@ class LayerCost:
         `calls` calls: the planner's cost line."""
         return (calls * (self.forward_call_s + self.backward_call_s)
                 + batch * (self.forward_fixed_s + self.backward_fixed_s),
-                batch * (self.forward_per_kernel_s + self.backward_per_kernel_s))
+                batch * (self.forward_per_kernel_s + self.backward_per_kernel_s)
+                + self.update_per_kernel_s + (calls - 1) * self.accumulate_per_kernel_s)
 
     @classmethod
     def fit(cls, timing):
@@ -63,7 +80,9 @@ class LayerCost:
             fixed, per_kernel = _fit_line(ks, [t - call for t in ts])
             per_image += [fixed / batch, per_kernel / batch]
             calls.append(call)
-        return cls(*per_image, *calls)
+        k_update = max(1, int(timing.get("update_kernels", 1)))
+        return cls(*per_image, *calls, timing.get("update_s", 0.0) / k_update,
+                   timing.get("accumulate_s", 0.0) / k_update)
 
 
 def _fit_line(ks, ts):
@@ -171,8 +190,10 @@ class Prediction:
                 "phases": [{"phase": p, "layer": l, "seconds": s} for p, l, s in self.phases]}
 
 
-def predict_step(specs, image_shape, batch, counts, profiles, link, coordinator_s, value_bytes=FLOAT_BYTES):
-    """Predicted seconds for one --exchange star training step of `counts` kernels per worker per layer."""
+def predict_step(specs, image_shape, batch, counts, profiles, link, coordinator_s, value_bytes=FLOAT_BYTES,
+                 micro=0, micros=1):
+    """Predicted seconds for one --exchange star training step of `counts` kernels per worker per
+    layer (or micro-batch `micro` of `micros` of one: the update comes with the last)."""
     per_worker, phases = wire_bytes(specs, image_shape, batch, counts, value_bytes)
     workers = {w: {"compute_s": 0.0, "wire_s": 0.0, "sent": per_worker[w]["sent"], "recv": per_worker[w]["recv"]}
                for w in counts}
@@ -183,7 +204,8 @@ def predict_step(specs, image_shape, batch, counts, profiles, link, coordinator_
         for w in counts:
             cost = profiles[w].layers[li]
             k = counts[w][li]
-            compute[w] = cost.forward_s(k, batch) if phase == "forward" else cost.backward_s(k, batch)
+            compute[w] = (cost.forward_s(k, batch) if phase == "forward"
+                          else cost.backward_in_step_s(k, batch, micro, micros))
             workers[w]["compute_s"] += compute[w]
         # requests leave one after another over the coordinator's link
         link_free, ready = 0.0, {}
@@ -298,7 +320,8 @@ def predict_peer_step(specs, image_shape, batch, counts, profiles, link, coordin
     for li in reversed(range(layers)):
         (_, _, h, wd), _ = geometry[li]
         for m, b in enumerate(sizes):
-            done = {w: device(w, profiles[w].layers[li].backward_s(counts[w][li], b), have_grad[(li, m, w)]) for w in names}
+            done = {w: device(w, profiles[w].layers[li].backward_in_step_s(counts[w][li], b, m, len(sizes)),
+                              have_grad[(li, m, w)]) for w in names}
             if li == 0:
                 continue
             for src in names:
@@ -329,8 +352,9 @@ def predict_any(exchange, specs, image_shape, batch, counts, profiles, link, coo
     if exchange != "star":
         raise ValueError(f"exchange must be 'peer' or 'star', got {exchange!r}")
     sizes = split_sizes(batch, micro_batches)
-    parts = [predict_step(specs, image_shape, b, counts, profiles, link, coordinator_s * b / batch, value_bytes)
-             for b in sizes]
+    parts = [predict_step(specs, image_shape, b, counts, profiles, link, coordinator_s * b / batch, value_bytes,
+                          micro=m, micros=len(sizes))
+             for m, b in enumerate(sizes)]
     workers = {w: {key: sum(p.workers[w][key] for p in parts) for key in parts[0].workers[w]} for w in counts}
     pred = Prediction(sum(p.step_s for p in parts), coordinator_s, workers, [ph for p in parts for ph in p.phases])
     pred.coordinator_bytes = sum(v["sent"] + v["recv"] for v in workers.values())
@@ -359,6 +383,6 @@ def dominant_term(pred):
 
 def predict_local(specs, batch, profile, coordinator_s):
     """The single-device baseline: every kernel on one device, in process, no wire."""
-    conv = sum(profile.layers[li].forward_s(s.kernels, batch) + profile.layers[li].backward_s(s.kernels, batch)
+    conv = sum(profile.layers[li].forward_s(s.kernels, batch) + profile.layers[li].backward_in_step_s(s.kernels, batch, 0, 1)
                for li, s in enumerate(specs))
     return conv + coordinator_s

@@ -115,8 +115,29 @@ class ConvShard:
             if shape[0] >= 2:
                 timing["half_batch"] = self._time_half_batch(spec, x[:shape[0] // 2], layers[-1], counts[-1],
                                                              repeats, need_dx=li > 0)
+            timing.update(self._time_update(layers[0][0], repeats))
             timings.append(timing)
         return speeds, timings
+
+    def _time_update(self, w_dev, repeats):
+        """What a step pays per layer whatever its batch: the SGD update of the weights held, and
+        adding one micro-batch's gradient into the step's sum. Both scale with the kernels held."""
+        d = self.device
+        v, g = d.zeros_like(w_dev), d.zeros_like(w_dev)
+        w = d.upload(d.download(w_dev))          # a copy: the update must not change the timed weights
+        sgd, add = [], []
+        for rep in range(repeats + 1):
+            t0 = time.perf_counter()
+            d.sgd_(w, v, g, 0.0, 0.9, 0.0)
+            d.synchronize()
+            t1 = time.perf_counter()
+            d.accumulate_(v, g)
+            d.synchronize()
+            if rep:
+                sgd.append(t1 - t0)
+                add.append(time.perf_counter() - t1)
+        return {"update_kernels": int(w_dev.shape[0]), "update_s": float(np.median(sgd)),
+                "accumulate_s": float(np.median(add))}
 
     def _time_half_batch(self, spec, x, layer, count, repeats, need_dx):
         """The smaller count again on half the images: with the full-batch time it separates what

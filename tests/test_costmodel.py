@@ -47,6 +47,34 @@ def test_fit_separates_the_cost_of_a_call_from_its_images():
     assert DeviceProfile.from_json({"name": "a", "device": "cpu", "layers": [old]}).layers[0].forward_call_s == 0.0
 
 
+def test_updates_once_per_step_and_gradient_sums_per_extra_micro_batch():
+    from hetconv.costmodel import predict_peer_step
+    cost = LayerCost.fit({"batch": 4, "kernels": [10, 5], "forward_s": [1.0, 0.5], "backward_s": [2.0, 1.0],
+                          "update_kernels": 10, "update_s": 0.3, "accumulate_s": 0.1})
+    assert cost.update_s(20) == pytest.approx(0.6) and cost.accumulate_s(20) == pytest.approx(0.2)
+    plain = LayerCost(0.0, 1e-4, 0.0, 1e-4)
+    stepped = LayerCost(0.0, 1e-4, 0.0, 1e-4, update_per_kernel_s=1e-5, accumulate_per_kernel_s=2e-6)
+    fast, counts = Link(1e15, 0.0), {"w0": [500, 1500]}
+    for m in (1, 4):
+        a, b = (predict_peer_step(PAPER, IMAGE, 32, counts, {"w0": DeviceProfile("a", "cpu", "", (c,) * 2)}, fast, 0.0,
+                                  micro_batches=m) for c in (stepped, plain))
+        assert a.step_s - b.step_s == pytest.approx(2000 * (1e-5 + (m - 1) * 2e-6), rel=1e-6)
+    assert predict_local(PAPER, 32, DeviceProfile("a", "cpu", "", (stepped,) * 2), 0.0) == pytest.approx(
+        predict_local(PAPER, 32, DeviceProfile("a", "cpu", "", (plain,) * 2), 0.0) + 2000 * 1e-5)
+
+
+def test_calibration_times_calls_updates_and_sums():
+    from hetconv.devices import open_device
+    from hetconv.shard import ConvShard
+    specs = conv_specs([4, 6], 3)
+    shapes = [(4, 3, 12, 12), (4, 4, 5, 5)]
+    _, timings = ConvShard(open_device("cpu", threads=1)).calibrate(specs, shapes, [4, 6], repeats=1)
+    for t, k in zip(timings, (4, 6)):
+        assert t["half_batch"]["batch"] == 2 and t["half_batch"]["kernels"] == k // 2
+        assert t["update_kernels"] == k and t["update_s"] > 0 and t["accumulate_s"] > 0
+        LayerCost.fit(t)
+
+
 def test_micro_batches_pay_one_call_each_in_the_peer_model():
     from hetconv.costmodel import predict_peer_step
     with_calls = DeviceProfile("a", "cpu", "", (LayerCost(0.0, 1e-4, 0.0, 1e-4, 0.02, 0.03),) * 2)
