@@ -94,6 +94,56 @@ def add_worker(directory, name):
     return folder
 
 
+TEMP_PREFIX = "hetconv-keys-"
+
+
+def _temp_tag():
+    """host and pid in a temp key folder's name: what tells a later run whether its maker is gone."""
+    import socket
+    host = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())[:64] or "host"
+    return f"{host}-{os.getpid()}-"
+
+
+def remove_stale_key_dirs(parent=None):
+    """Remove this user's temp key folders on this host whose making process has died (a
+    coordinator or Ray actor killed with -9 cannot remove its own). Folders of live processes,
+    of other hosts (a shared /tmp) and of other users are left. Returns the removed paths."""
+    import tempfile
+    parent = parent or tempfile.gettempdir()
+    host = _temp_tag().rsplit("-", 2)[0]
+    pattern = re.compile(rf"^{re.escape(TEMP_PREFIX + host)}-(\d+)-[A-Za-z0-9_]+$")
+    removed = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        m = pattern.match(name)
+        path = os.path.join(parent, name)
+        if not m:
+            continue
+        try:
+            if os.lstat(path).st_uid != os.getuid() or os.path.islink(path):
+                continue
+            os.kill(int(m.group(1)), 0)
+            continue                                  # its maker still runs
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OSError):
+            continue                                  # alive under another user, or unreadable: not ours to judge
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def private_temp_dir():
+    """A new 0700 folder for one process's keys, named with host and pid; stale ones of dead
+    processes on this host are removed first."""
+    import tempfile
+    remove_stale_key_dirs()
+    return tempfile.mkdtemp(prefix=TEMP_PREFIX + _temp_tag())
+
+
 def ephemeral_keys(directory):
     """Fresh keys for one run's own workers (`--spawn`): the caller makes `directory` (e.g.
     tempfile.mkdtemp(), mode 0700) and removes it when the run ends. Every spawned worker uses the
@@ -130,11 +180,10 @@ def read_key_folder(folder):
 def write_key_folder(files):
     """The inverse of read_key_folder, into a new private temporary folder; returns its path
     (the caller removes it). Any name but the three key files is refused before anything is written."""
-    import tempfile
     unexpected = sorted(set(files) - set(WORKER_FOLDER_FILES))
     if unexpected:
         raise KeyDirError(f"unexpected key file name {unexpected[0]!r}: expected {', '.join(WORKER_FOLDER_FILES)}")
-    folder = tempfile.mkdtemp(prefix="hetconv-keys-")      # mode 0700
+    folder = private_temp_dir()                          # mode 0700
     for name, content in files.items():
         fd = os.open(os.path.join(folder, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:

@@ -17,7 +17,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -90,7 +89,7 @@ class RemoteEngine(Engine):
         self.auth, self._key_tmp, self.worker_keydir = None, None, ""
         try:
             if spawn and not curve and not insecure:
-                self._key_tmp = tempfile.mkdtemp(prefix="hetconv-keys-")
+                self._key_tmp = keys.private_temp_dir()
                 curve, self.worker_keydir = keys.ephemeral_keys(self._key_tmp)
             elif spawn and curve:
                 self.worker_keydir = keys.first_worker_dir(curve)

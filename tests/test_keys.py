@@ -236,3 +236,30 @@ def test_ephemeral_keys_admit_the_spawned_workers(ctx, tmp_path):
     router, address = server(ctx, coordinator_dir, print)
     client(ctx, address, worker_dir).send(b"spawned")
     assert receive(router, 5 * SHORT)[1:] == [b"spawned"]
+
+
+def test_stale_temp_key_folders_of_dead_processes_are_removed(tmp_path, monkeypatch):
+    """A coordinator or Ray actor killed with -9 leaves its temp key folder; the next one made on
+    this host removes it, and only it."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from hetconv import keys as K
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    host = K._temp_tag().rsplit("-", 2)[0]
+    dead = tmp_path / f"{K.TEMP_PREFIX}{host}-{gone.pid}-abc123"
+    alive = tmp_path / f"{K.TEMP_PREFIX}{host}-{os.getpid()}-def456"
+    elsewhere = tmp_path / f"{K.TEMP_PREFIX}otherhost{host}-{gone.pid}-ghi789"
+    unrelated = tmp_path / "hetconv-keys-made-by-hand"
+    for d in (dead, alive, elsewhere, unrelated):
+        d.mkdir()
+        (d / "worker.key_secret").write_text("x")
+    made = K.private_temp_dir()
+    assert not dead.exists()
+    assert alive.exists() and elsewhere.exists() and unrelated.exists()
+    assert os.path.dirname(made) == str(tmp_path) and os.stat(made).st_mode & 0o777 == 0o700
+    assert os.path.basename(made).startswith(f"{K.TEMP_PREFIX}{host}-{os.getpid()}-")
+    assert K.remove_stale_key_dirs(str(tmp_path)) == []          # the new one's maker (us) is alive
