@@ -100,6 +100,8 @@ class PeerLinks:
         self.order, self.ranges = [name], []
         self.held = {}                           # (step, phase, layer, micro, sender) -> array, arrived early
         self.deferred = []                       # a request that ended a step early, to serve next
+        self.bytes_sent = 0                      # this step's, sent to peers
+        self.wait_s = 0.0                        # this step's, waiting for peers' slices
         self.timeout = 600.0
 
     def connect(self, fields):
@@ -204,6 +206,23 @@ class PeerLinks:
             return (f.get("step"), msg.op, -1, f.get("micro"), "coordinator")
         return None
 
+    def hold_early(self, msg):
+        """A SLICE (or INPUT, GRAD) the compute thread reads between steps. A peer's slice travels
+        on another connection than the coordinator's STEP and can overtake it: a faster peer
+        already in step S sends its images before this worker has read STEP S (one run in four
+        of the simulated-GPU join test hung on exactly that, when it was dropped here as a left-
+        over). Kept by its key; start_step drops whatever belongs to another step."""
+        key = self._key(msg)
+        if key is not None and msg.arrays:
+            self.held[key] = msg.arrays[0]
+
+    def start_step(self, step):
+        """Forget what was held for other steps (left over from abandoned ones); keep this step's.
+        The step's byte and wait counters start at zero."""
+        self.held = {k: v for k, v in self.held.items() if k[0] == step}
+        self.bytes_sent = 0
+        self.wait_s = 0.0
+
     # ---- the step ------------------------------------------------------------------------------
     def run_step(self, seq, fields):
         """STEP: run every layer forward (and backward when training) over the micro-batches."""
@@ -211,9 +230,7 @@ class PeerLinks:
         wire = fields.get("wire", "float32")
         sgd = None if fields.get("sgd") is None else tuple(float(v) for v in fields["sgd"])
         layers = len(self.ranges)
-        self.held = {k: v for k, v in self.held.items() if k[0] == step}
-        self.bytes_sent = 0
-        self.wait_s = 0.0
+        self.start_step(step)
         compute = [0.0] * layers
         others = [w for w in self.order if w != self.name]
 

@@ -149,7 +149,8 @@ def _serve_compute(ctx, endpoint, requests, device_spec, threads, identity, name
                 elif msg.op == "PEERS":
                     op, arrays, fields = ("PEERS_OK", [], peers.connect(msg.fields))
                 elif msg.op in ("SLICE", "INPUT", "GRAD"):
-                    continue                     # left over from an abandoned step
+                    peers.hold_early(msg)        # may overtake its STEP: kept for that step (or dropped by the next)
+                    continue
                 else:
                     op, arrays, fields = server.handle(msg.op, msg.arrays, msg.fields)
                 device.synchronize()

@@ -425,10 +425,10 @@ def test_cuda_worker_joins_and_matches_local(tmp_path):
     cfg = Config(**{**TINY, "conv": "4,6", "fc": "8", "batch_size": 4, "synthetic_train": 64, "synthetic_test": 8,
                     "crop": 10, "ksize": 3, "calibration_batch": 2, "use_all": True}, steps=2).validate()
     local = train(cfg, LocalEngine({"local": ConvShard(open_device("cpu", threads=1))}), log=quiet)["losses"]
-    # without keys: once in three full runs this test hung in its first peer step with keys on
-    # (cause not found; every keyed path is tested in test_curve.py and the tests above)
+    # with the run's keys: the slow simulated GPU once let the CPU worker's slice overtake its
+    # STEP message, which the compute loop then dropped (PeerLinks.hold_early; tests/test_peers.py)
     engine = RemoteEngine("tcp://127.0.0.1:0", 0, ["cpu", "cuda:0"], threads=1, connect_timeout=60, log=quiet,
-                          insecure=True, op_timeout=240)
+                          op_timeout=240)
     try:
         summary = train(cfg, engine, log=quiet)
         counts = {w: [lp.count(w) for lp in engine.plan.layers] for w in engine.workers}

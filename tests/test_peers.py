@@ -1,0 +1,48 @@
+"""The peer exchange's bookkeeping on one worker, without sockets: what arrives early is kept for
+its step, what belongs to no step it runs is dropped."""
+import queue
+
+import numpy as np
+import pytest
+
+from hetconv import protocol as P
+from hetconv.peers import PeerLinks
+
+
+def slice_msg(step, phase="images", layer=-1, micro=0, sender="w0", value=1.0):
+    return P.unpack(P.pack("SLICE", 0, [np.full((2, 3, 4, 4), value, np.float32)], step=step, phase=phase,
+                           layer=layer, micro=micro, sender=sender))
+
+
+@pytest.fixture
+def links():
+    links = PeerLinks(None, "w1", None, queue.Queue(), None, P)
+    links.timeout = 2.0                   # a missing message fails the test in 2 s instead of hanging it
+    return links
+
+
+def test_a_peers_slice_that_overtakes_the_step_message_is_kept_for_that_step(links):
+    """A faster peer already in step 7 sends its images before this worker has read STEP 7 (they
+    come over different connections): the compute loop holds it, and step 7 finds it."""
+    links.hold_early(slice_msg(7, value=3.0))
+    links.start_step(7)
+    got = links._await({(7, "images", -1, 0, "w0")}, 7)
+    np.testing.assert_array_equal(got[(7, "images", -1, 0, "w0")], 3.0)
+
+
+def test_what_was_held_for_another_step_is_dropped_when_a_step_starts(links):
+    links.hold_early(slice_msg(3))                           # an abandoned step's
+    links.hold_early(slice_msg(7, phase="forward", layer=0))
+    links.start_step(7)
+    assert list(links.held) == [(7, "forward", 0, 0, "w0")]
+    with pytest.raises(TimeoutError, match=r"step 7: waited 2s for \[\(7, 'images', -1, 0, 'w0'\)\]"):
+        links._await({(7, "images", -1, 0, "w0")}, 7)
+
+
+def test_messages_arriving_during_a_step_are_matched_or_held(links):
+    links.start_step(4)
+    links.requests.put(slice_msg(4, phase="forward", layer=0, value=2.0))
+    links.requests.put(slice_msg(4, value=1.0))
+    got = links._await({(4, "images", -1, 0, "w0")}, 4)
+    np.testing.assert_array_equal(got[(4, "images", -1, 0, "w0")], 1.0)
+    assert list(links.held) == [(4, "forward", 0, 0, "w0")]   # the later phase's, waiting for its turn
