@@ -100,15 +100,40 @@ def measure_loopback(megabytes=64, repeats=3):
         ctx.destroy(linger=0)
 
 
-def calibrate_local(device_spec, specs, input_shapes, kernels, threads=None, repeats=3):
-    """A DeviceProfile for a device in this process (what a worker on it would report)."""
+def calibrate_local(device_spec, specs, input_shapes, kernels, threads=None, repeats=3, also=None):
+    """A DeviceProfile for a device in this process (what a worker on it would report). With
+    `also` (other kernel counts), two profiles from calibrations that alternate round by round,
+    each value the median over rounds: a host whose speed drifts (other tenants) then skews both
+    alike, and their ratio (a speedup) stays put."""
     from hetconv.devices import open_device
     from hetconv.shard import ConvShard
     options = {"threads": threads} if device_spec == "cpu" and threads else {}
     device = open_device(device_spec, **options)
-    _, timings = ConvShard(device).calibrate(specs, input_shapes, kernels, repeats=repeats)
-    return DeviceProfile(f"{device_spec}:{threads}" if threads else device_spec, device_spec, device.describe(),
-                         tuple(LayerCost.fit(t) for t in timings))
+    shard = ConvShard(device)
+    name = f"{device_spec}:{threads}" if threads else device_spec
+
+    def profile(timings):
+        return DeviceProfile(name, device_spec, device.describe(), tuple(LayerCost.fit(t) for t in timings))
+
+    if also is None:
+        return profile(shard.calibrate(specs, input_shapes, kernels, repeats=repeats)[1])
+    rounds = {0: [], 1: []}
+    for _ in range(repeats):
+        for i, counts in enumerate((kernels, also)):
+            rounds[i].append(shard.calibrate(specs, input_shapes, counts, repeats=1)[1])
+    return tuple(profile([_median_of(layer_rounds) for layer_rounds in zip(*rounds[i])]) for i in (0, 1))
+
+
+def _median_of(values):
+    """The element-wise median of equally shaped calibration timings (dicts, lists, numbers)."""
+    first = values[0]
+    if isinstance(first, dict):
+        return {k: _median_of([v[k] for v in values]) for k in first}
+    if isinstance(first, list):
+        return [_median_of(list(col)) for col in zip(*values)]
+    if isinstance(first, float):
+        return float(np.median(values))
+    return first                                    # batch, kernel counts: the same in every round
 
 
 # ---- command line ----------------------------------------------------------------------------
@@ -185,7 +210,7 @@ def main(argv=None):
     cal_batch = min(cfg.calibration_batch, cfg.batch_size)
     cal_shapes = [(cal_batch,) + s[1:] for s in input_shapes]
     share = [-(-s.kernels // n_total) for s in specs]
-    profiles, order = {}, []
+    profiles, order, whole_profile = {}, [], None
     for entry in entries:
         if entry.profile:
             found = saved[entry.profile]
@@ -194,9 +219,15 @@ def main(argv=None):
         else:
             keys = [entry.label]
             if entry.label not in profiles:
-                print(f"calibrating {entry.label} ...", file=sys.stderr, flush=True)
+                # the first device also gives the single-device baseline: every kernel, which its
+                # share's line only extrapolates to (a CPU takes another conv path for the whole
+                # layer), timed in rounds alternating with its share's
+                whole = [s.kernels for s in specs] if entry is entries[0] and share != [s.kernels for s in specs] else None
+                print(f"calibrating {entry.label}{' at its share and on the whole layers' if whole else ''} ...",
+                      file=sys.stderr, flush=True)
                 try:
-                    profiles[entry.label] = calibrate_local(entry.device, specs, cal_shapes, share, threads=entry.threads)
+                    got = calibrate_local(entry.device, specs, cal_shapes, share, threads=entry.threads, also=whole)
+                    profiles[entry.label], whole_profile = got if whole else (got, None)
                 except Exception as e:
                     print(f"hetconv-predict: {entry.label}: {e}", file=sys.stderr)
                     return 2
@@ -206,19 +237,9 @@ def main(argv=None):
             json.dump([p.to_json() for p in profiles.values()], f, indent=1)
     names = [f"d{i}-{key}" for i, key in enumerate(order)]
     by_name = {n: profiles[k] for n, k in zip(names, order)}
-    # The single device runs every kernel, which its calibration at a share only extrapolates to
-    # (a CPU takes another conv path for the whole layer): calibrate the first device there too.
-    first, baseline_note = entries[0], "its share's cost line, extrapolated"
-    baseline = by_name[names[0]]
-    if not first.profile and any(k < s.kernels for k, s in zip(share, specs)):
-        print(f"calibrating {first.label} on the whole layers for the single-device baseline ...",
-              file=sys.stderr, flush=True)
-        try:
-            baseline = calibrate_local(first.device, specs, cal_shapes, [s.kernels for s in specs], threads=first.threads)
-            baseline_note = "calibrated on the whole layers"
-        except Exception as e:
-            print(f"hetconv-predict: {first.label}: {e}", file=sys.stderr)
-            return 2
+    baseline, baseline_note = by_name[names[0]], "its share's cost line, extrapolated"
+    if whole_profile is not None:
+        baseline, baseline_note = whole_profile, "calibrated on the whole layers, alternating with the share"
     coordinator_s = {n: measure_coordinator_s(specs, fc, image, cfg.batch_size, n) for n in range(1, len(names) + 1)}
     local_s = predict_local(specs, cfg.batch_size, baseline, coordinator_s[1])
     rows = []

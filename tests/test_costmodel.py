@@ -149,7 +149,7 @@ def test_predict_command_end_to_end(tmp_path):
     assert [r["devices"] for r in out["rows"]] == [["cpu:1"], ["cpu:1", "cpu:1"]]
     assert all(r["step_s"] > 0 and r["wire_mb"] > 0 for r in out["rows"])
     # the single device is calibrated on the whole layers, not extrapolated from the share
-    assert out["baseline"] == "calibrated on the whole layers" and "on the whole layers" in result.stderr
+    assert out["baseline"].startswith("calibrated on the whole layers") and "on the whole layers" in result.stderr
     again = subprocess.run([sys.executable, "-m", "hetconv.predict", "--devices", f"@{profile}x3", "--conv", "4,8",
                             "--fc", "8", "--batch-size", "8", "--bandwidth", "100mbit"], capture_output=True, text=True,
                            timeout=120)
