@@ -22,8 +22,9 @@ Design, and what it costs:
   instead of the 16 bytes of the pre-pool activation.
 - What costs the same whatever K is keeps a worker holding a quarter of the kernels from taking
   a quarter of the time: im2col and col2im (~50 ms each on conv2 at N=32, one thread), or on the
-  shifted path the expansion, the width fold and dX's window adds (~10-20 ms each), plus BLAS
-  packing the input side inside every GEMM on either path. So the fused forward keeps its
+  shifted path the expansion and the width fold (~10-12 ms each), plus BLAS packing the input
+  side inside every GEMM on either path. The shifted path's sums of GEMMs accumulate inside sgemm
+  (beta = 1, devices/blas.py) rather than through temporaries, which cost ~18 ms more at any K. So the fused forward keeps its
   im2col / expansion for backward when the whole batch's fits `saved_cols_budget_bytes`
   (default 256 MB; conv2 at batch 32: 160 MB of im2col, 45 MB of expansion) instead of
   recomputing it. The buffer comes back to a pool after backward, so steady state pays no
@@ -215,7 +216,7 @@ def _vexpand(x, n0, n1, kw, padding, wo, xv):
 def _vfold(dxv, n0, n1, kw, padding, wo, dx):
     """The adjoint of _vexpand: dx[n0+n, c, r, s] = sum over v of dxv[((r+padding)*nb + n)*wo +
     s+padding-v, c*kw + v]; parallel over (row, image), each owning dx[n, :, r, :], so race-free.
-    dxv is read in order into a (C, W + 2 kw) row buffer that stays in L1, with no bounds test
+    dxv is read in order into a (C, wo + kw) row buffer that stays in L1, with no bounds test
     in the inner loop, then stored once (scattered += straight into dx ran ~1.25x slower)."""
     c_in, h_in, w_in = dx.shape[1], dx.shape[2], dx.shape[3]
     nb = n1 - n0
@@ -591,8 +592,9 @@ class CpuDevice(Device):
     # between the row and the column, so no padded columns are computed and thrown away). The
     # expansion is kw copies of the input, not im2col's kh*kw, and dX needs no col2im: its kh
     # GEMMs add into overlapping windows of a dxv laid out like xv, folded back along the width
-    # once. What stays the same at any K: the expansion and the fold (~10 ms each on conv2 at
-    # N=32), the dX window adds (C*kw columns) and BLAS packing the xv windows inside each GEMM.
+    # once. The kh products land in Y and in dxv's windows by sgemm with beta = 1 (no temporary,
+    # no extra pass). What stays the same at any K: the expansion and the fold (~10-12 ms each on
+    # conv2 at N=32) and BLAS packing the xv windows inside each GEMM.
     def _shifted_plan(self, x, w, padding):
         """Output size, padded height and the chunks' image ranges."""
         n, c, h, wd = x.shape
