@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 
+from hetconv.geometry import conv_output_hw, pooled_hw
 from hetconv.planner import make_plan, replan
 from hetconv.shard import ShardServer
 from hetconv.wire import decode, encode
@@ -79,6 +80,7 @@ class Engine:
     def __init__(self):
         self.plan = None
         self.specs = []             # the loaded network's ConvSpecs, set by load()
+        self._input_hw = {}         # layer -> (H, W) of its last forward input: what its dX must have
         self.fixed_plan = None      # a plan set by hand (tests, experiments): no calibration, no rebalancing
         self.calibration = {}       # worker -> {device, description, speeds, layers: timings}
         self.batch = 0
@@ -122,20 +124,25 @@ class Engine:
         replies = self._call({name: ("FORWARD", [sent], fields) for name in self.plan.workers},
                              f"forward conv{layer + 1}", layer)
         lp, doing = self.plan.layers[layer], f"forward conv{layer + 1}"
-        first = self._reply_array(replies, self.plan.workers[0], 0, None, doing)
+        self._input_hw[layer] = tuple(x.shape[2:])
+        out_hw = self.pooled_output_hw(layer, x.shape[2:])
         return concat_channels([decode(self._reply_array(replies, name, 0, (len(x), lp.ranges[name][1] - lp.ranges[name][0])
-                                                         + first.shape[2:], doing), self.wire)
+                                                         + out_hw, doing), self.wire)
                                 for name in self.plan.workers])
 
+    def pooled_output_hw(self, layer, input_hw):
+        """(H', W') of conv layer `layer`'s pooled output for an input of `input_hw`, from its spec."""
+        spec = self.specs[layer]
+        return pooled_hw(*conv_output_hw(input_hw[0], input_hw[1], spec.ksize, spec.ksize, spec.padding))
+
     def _reply_array(self, replies, name, index, shape, doing):
-        """Array `index` of worker `name`'s reply, checked against the shape the plan expects
-        (None: any): a worker that sends something else fails the request, named, instead of
+        """Array `index` of worker `name`'s reply, checked against the shape the plan expects: a worker that sends something else fails the request, named, instead of
         corrupting a concatenation, a sum or a snapshot."""
         arrays = replies[name][0]
         got = tuple(arrays[index].shape) if index < len(arrays) else None
-        if got is None or (shape is not None and got != tuple(shape)):
+        if got != tuple(shape):
             raise WorkerError(name, doing, "ShapeError", f"reply array {index} has shape {got}, the plan expects "
-                                                          f"{tuple(shape) if shape is not None else 'an array'}")
+                                                          f"{tuple(shape)}")
         return arrays[index]
 
     def backward(self, layer, dpooled, need_dx, micro=0, sgd=None):
@@ -150,8 +157,7 @@ class Engine:
         if not need_dx:
             return None
         doing = f"backward conv{layer + 1}"
-        first = self._reply_array(replies, self.plan.workers[0], 0, None, doing)
-        expected = (len(dpooled), self.specs[layer].in_channels) + first.shape[2:]
+        expected = (len(dpooled), self.specs[layer].in_channels) + self._input_hw[layer]
         return sum_in_order([decode(self._reply_array(replies, name, 0, expected, doing), self.wire)
                              for name in self.plan.workers])
 

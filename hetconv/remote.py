@@ -550,6 +550,9 @@ class RemoteEngine(Engine):
         train = head is not None
         doing = f"{'training' if train else 'inference'} step {step}"
         last = self.plan.layers[-1]
+        hw = tuple(xs[0].shape[2:])                            # each layer's pooled output, from the specs
+        for layer in range(len(self.specs)):
+            hw = self.pooled_output_hw(layer, hw)
         sent_at = time.perf_counter()
         pending = {}
         for name in names:
@@ -568,12 +571,12 @@ class RemoteEngine(Engine):
             if msg.op == "FEATURES":
                 m = msg.fields.get("micro")
                 k = last.ranges[peer.name][1] - last.ranges[peer.name][0] if peer.name in last.ranges else -1
-                got = msg.arrays[0].shape if msg.arrays else ()
-                if not isinstance(m, int) or not 0 <= m < micros or len(got) != 4 or got[:2] != (len(xs[m]), k):
+                got = tuple(msg.arrays[0].shape) if msg.arrays else ()
+                if not isinstance(m, int) or not 0 <= m < micros or got != (len(xs[m]), k) + hw:
                     raise WorkerError(peer.label(), doing, "ShapeError",
                                       f"FEATURES for micro-batch {m!r} with shape {got}: the plan expects "
-                                      f"({len(xs[m]) if isinstance(m, int) and 0 <= m < micros else 'N'}, {k}, H, W) "
-                                      f"for micro-batches 0..{micros - 1}", "")
+                                      f"({len(xs[m]) if isinstance(m, int) and 0 <= m < micros else 'N'}, {k}, "
+                                      f"{hw[0]}, {hw[1]}) for micro-batches 0..{micros - 1}", "")
                 if slices[m] is None or peer.name in slices[m]:
                     continue                                   # a duplicate: the first one counted
                 slices[m][peer.name] = decode(msg.arrays[0], self.wire)

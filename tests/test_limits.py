@@ -61,3 +61,42 @@ def test_a_worker_whose_limit_is_below_the_runs_says_how_to_raise_it(procs):
     assert "start the worker with --message-limit-mb 2" in worker.stderr, worker.stderr
     out, _ = coord.communicate(timeout=60)
     assert coord.returncode == 1 and "start the worker with --message-limit-mb 2" in out, out   # says why too
+
+
+def test_replies_of_the_wrong_shape_are_named_not_concatenated():
+    """A shard whose forward output, partial dX or fetched weights have another shape than the
+    plan and the layer geometry say fails the request naming it (the star path's checks)."""
+    from hetconv.devices import open_device
+    from hetconv.engine import LocalEngine, WorkerError
+    from hetconv.geometry import ConvSpec
+    from hetconv.planner import fixed_plan
+    from hetconv.shard import ConvShard
+
+    spec = ConvSpec(3, 4, 3, 0)
+    rng = np.random.default_rng(0)
+    w, b = rng.standard_normal((4, 3, 3, 3)).astype(np.float32), np.zeros(4, np.float32)
+    shards = {"a": ConvShard(open_device("cpu", threads=1)), "b": ConvShard(open_device("cpu", threads=1))}
+    engine = LocalEngine(shards)
+    engine.load(fixed_plan([4], {"a": [1], "b": [3]}), [spec], [(w, b, None, None)])
+    x = rng.standard_normal((2, 3, 10, 10)).astype(np.float32)
+    y = engine.forward(0, x)
+    assert y.shape == (2, 4, 4, 4)
+    engine.backward(0, np.ones_like(y), need_dx=True)
+
+    # the first worker lies: the expected shape comes from the layer's geometry, not from a reply
+    honest_forward, honest_backward = shards["a"].forward, shards["a"].backward
+    shards["a"].forward = lambda *a, **k: honest_forward(*a, **k)[:, :, :3]            # one row short
+    with pytest.raises(WorkerError, match=r"worker a failed during forward conv1: ShapeError: reply array 0 has "
+                                          r"shape \(2, 1, 3, 4\), the plan expects \(2, 1, 4, 4\)"):
+        engine.forward(0, x)
+    shards["a"].forward = honest_forward
+    engine.forward(0, x)
+    shards["a"].backward = lambda *a, **k: honest_backward(*a, **k)[:, :, 1:]          # dX cropped
+    with pytest.raises(WorkerError, match=r"worker a failed during backward conv1: .*shape \(2, 3, 9, 10\), "
+                                          r"the plan expects \(2, 3, 10, 10\)"):
+        engine.backward(0, np.ones_like(y), need_dx=True)
+    honest_fetch = shards["a"].fetch
+    shards["a"].fetch = lambda layer: (honest_fetch(layer)[0][:, :2],) + honest_fetch(layer)[1:]
+    with pytest.raises(WorkerError, match=r"worker a failed during fetching conv1: .*shape \(1, 2, 3, 3\), the plan "
+                                          r"expects \(1, 3, 3, 3\)"):
+        engine.gather()
