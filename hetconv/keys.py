@@ -323,16 +323,29 @@ def serve_curve(ctx, sock, keydir, log=print, also=()):
     authenticator's thread, once per refused connection. Returns the authenticator; call its
     .stop() before terminating the context."""
     public, secret, authorized = coordinator_keys(keydir)
+    return _start_zap(ctx, log, lambda auth: auth.configure_curve(domain="*", location=authorized),
+                      (sock, *also), public, secret)
+
+
+def _start_zap(ctx, log, configure, servers, public, secret):
+    """Start a ZAP handler on `ctx`, `configure` it, and make `servers` CURVE servers with this
+    keypair; on any failure the handler is stopped again. Returns the handler."""
     auth = LoggingAuthenticator(ctx, log)
     auth.start()
     try:
-        auth.configure_curve(domain="*", location=authorized)
-        for server in (sock, *also):
+        configure(auth)
+        for server in servers:
             _make_server(server, public, secret)
     except BaseException:
         auth.stop()
         raise
     return auth
+
+
+def _make_client(sock, public, secret, server_public):
+    sock.curve_secretkey = secret
+    sock.curve_publickey = public
+    sock.curve_serverkey = server_public
 
 
 def _make_server(sock, public, secret):
@@ -367,15 +380,9 @@ def serve_peers(ctx, sock, keydir, log=print):
     keypair, and start a ZAP handler on `ctx` that admits the keys in the returned PeerKeys.
     Returns (authenticator, PeerKeys); stop the authenticator before terminating the context."""
     public, secret, _ = worker_keys(keydir)
-    auth = LoggingAuthenticator(ctx, log)
-    auth.start()
     keys = PeerKeys()
-    try:
-        auth.configure_curve_callback(domain="*", credentials_provider=keys)
-        _make_server(sock, public, secret)
-    except BaseException:
-        auth.stop()
-        raise
+    auth = _start_zap(ctx, log, lambda a: a.configure_curve_callback(domain="*", credentials_provider=keys),
+                      (sock,), public, secret)
     return auth, keys
 
 
@@ -383,9 +390,7 @@ def connect_peer(sock, keydir, peer_public):
     """Make `sock` (a PUSH to another worker's inbox, not yet connected) a CURVE client with this
     worker's keypair that talks only to the holder of `peer_public` (z85)."""
     public, secret, _ = worker_keys(keydir)
-    sock.curve_secretkey = secret
-    sock.curve_publickey = public
-    sock.curve_serverkey = peer_public.encode("ascii") if isinstance(peer_public, str) else peer_public
+    _make_client(sock, public, secret, peer_public.encode("ascii") if isinstance(peer_public, str) else peer_public)
 
 
 def own_public_key(keydir):
@@ -396,10 +401,7 @@ def own_public_key(keydir):
 def connect_curve(sock, keydir):
     """Make `sock` (a worker's DEALER, not yet connected) a CURVE client with the worker's keypair
     that only talks to the coordinator holding the matching secret key. Call before connect."""
-    public, secret, server_public = worker_keys(keydir)
-    sock.curve_secretkey = secret
-    sock.curve_publickey = public
-    sock.curve_serverkey = server_public
+    _make_client(sock, *worker_keys(keydir))
 
 
 def set_message_limit(sock, nbytes):
