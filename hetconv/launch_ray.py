@@ -16,7 +16,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 
 MISSING = "--launcher ray needs Ray, which is not installed: pip install 'hetconv[ray]'"
 
@@ -34,8 +33,11 @@ class _WorkerActor:
     """Runs one hetconv-worker as a child process. Threaded (max_concurrency=2), so `signal` can
     reach the child while `wait` blocks on it."""
 
-    def start(self, argv, key_files=None):
+    def start(self, spec, key_files=None):
+        """spec: hetconv.worker.command's arguments but the parent pid (this actor's) and keys."""
         import socket
+
+        from hetconv.worker import command
         self.keydir = None
         if key_files:
             # The run's worker keys, written where this node's worker reads them (a private temp
@@ -43,10 +45,9 @@ class _WorkerActor:
             # code: the cluster is trusted; the network beyond it is not.
             from hetconv.keys import write_key_folder
             self.keydir = write_key_folder(key_files)
-            argv = [*argv, "--curve", self.keydir]
         # --parent-pid: the worker ends itself within one heartbeat when this actor dies (ray.kill,
         # a lost node), so a killed actor never leaves its worker behind.
-        self.proc = subprocess.Popen([sys.executable, "-m", "hetconv.worker", *argv, "--parent-pid", str(os.getpid())])
+        self.proc = subprocess.Popen(command(**spec, parent_pid=os.getpid(), curve=self.keydir or ""))
         return {"pid": self.proc.pid, "host": socket.gethostname()}
 
     def wait(self):
@@ -174,17 +175,17 @@ class RayLauncher:
         default_threads = threads or self.cpu_threads(plain)
         procs = []
         for label, device in workers:
-            argv = ["--connect", address, "--name", label, "--connect-timeout", str(connect_timeout), *extra_args]
+            spec = {"address": address, "name": label, "connect_timeout": connect_timeout, "extra": list(extra_args)}
             if device.startswith("cuda"):
                 # Ray picks the GPU and makes it the only one visible: it is cuda:0 in the worker.
                 resources = {"num_cpus": 1, "num_gpus": 1}
-                argv += ["--device", "cuda:0"]
+                spec.update(device="cuda:0")
             else:
                 n = int(device.split(":")[1]) if ":" in device else default_threads
                 resources = {"num_cpus": n, "num_gpus": 0}
-                argv += ["--device", "cpu", "--threads", str(n)]
+                spec.update(device="cpu", threads=n)
             actor = self._actor_class.options(**resources).remote()
-            procs.append((label, actor, actor.start.remote(argv, key_files)))
+            procs.append((label, actor, actor.start.remote(spec, key_files)))
         out = []
         for label, actor, ref in procs:
             info = self._started(label, ref)

@@ -16,7 +16,6 @@ import atexit
 import os
 import shutil
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -26,6 +25,7 @@ from hetconv.keys import authenticated_key
 from hetconv.engine import Engine, WorkerError, WorkerLost, concat_channels  # noqa: F401  (raised here, caught by callers)
 from hetconv.planner import PlanError, make_plan, plan_from_lines
 from hetconv.wire import decode, encode
+from hetconv.worker import command as worker_command
 
 EXCHANGES = ("peer", "star")
 
@@ -156,14 +156,10 @@ class RemoteEngine(Engine):
         cpu_workers = [i for i, d in enumerate(devices) if d == "cpu"]
         per_worker = threads or max(1, len(cores) // max(1, len(cpu_workers)))
         for i, device in enumerate(devices):
-            cmd = [sys.executable, "-m", "hetconv.worker", "--device", device, "--connect", self.address,
-                   "--name", f"w{i}-{device}", "--parent-pid", str(os.getpid()),
-                   "--connect-timeout", str(self.connect_timeout)]
-            if self.worker_keydir:
-                cmd += ["--curve", self.worker_keydir]
-            cmd += self._limit_args()
+            cmd = worker_command(self.address, f"w{i}-{device}", device, self.connect_timeout, os.getpid(),
+                                 threads=per_worker if device == "cpu" else 0, curve=self.worker_keydir,
+                                 extra=self._limit_args())
             if device == "cpu":
-                cmd += ["--threads", str(per_worker)]
                 slot = cpu_workers.index(i)
                 if pin and len(cores) >= per_worker * len(cpu_workers):
                     mine = cores[slot * per_worker:(slot + 1) * per_worker]
