@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -41,7 +42,7 @@ def _cost_prediction(specs, fc, image, batch, counts, profiles, link, n_workers,
 def run_one(spec):
     """spec keys: tag, devices (device strings), local (in-process baseline), batch_size, warmup, steps, split,
     pin (cores for the local baseline), bind / external (namespace runs), link (cost-model link:
-    'loopback' or a tc rate), calibration_batch, out_dir."""
+    'loopback' or a tc rate), link_framing ('tbf': the rate is tc's), wire_cpu_s_per_byte (Link.host_cpu_s_per_byte), calibration_batch, out_dir."""
     if spec.get("pin") is not None:
         os.sched_setaffinity(0, set(spec["pin"]))        # before numpy/numba start any thread pool
     import numpy as np
@@ -121,14 +122,18 @@ def run_one(spec):
             counts = {w: [lp.count(w) for lp in engine.plan.layers] for w in engine.plan.workers}
             link_name = spec.get("link", "loopback")
             link = (cm.Link(predict.measure_loopback(), name="loopback (measured)") if link_name == "loopback"
-                    else cm.parse_bandwidth(link_name))
+                    else cm.parse_bandwidth(link_name, framing=cm.TBF_FRAMING if spec.get("link_framing") == "tbf"
+                                            else cm.ETHERNET_FRAMING))
+            # where the hosts share the machine's cores, what moving a byte costs them (bench/_wire_cpu.py)
+            link = replace(link, host_cpu_s_per_byte=float(spec.get("wire_cpu_s_per_byte", 0.0)))
             pred = _cost_prediction(specs, cfg.fc_sizes(), image, batch, counts, profiles, link, len(counts),
                                     exchange=cfg.exchange, micro_batches=micro, wire=cfg.wire_dtype)
             row["profile_source"] = "the workers' own calibration in this run (RemoteEngine.calibration)"
             row["profiles"] = {w: p.to_json() for w, p in profiles.items()}
             row["plan"] = engine.plan.to_json()
             row["counts"] = counts
-            row["link"] = {"name": link.name, "bytes_per_s": link.bytes_per_s, "latency_s": link.latency_s}
+            row["link"] = {"name": link.name, "bytes_per_s": link.bytes_per_s, "latency_s": link.latency_s,
+                           "host_cpu_s_per_byte": link.host_cpu_s_per_byte}
             row["calibration"] = engine.calibration
         row["predicted_step_s"] = pred["step_s"]
         row["prediction"] = pred

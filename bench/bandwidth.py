@@ -18,7 +18,10 @@ Rows per rate (--rows picks):
 - ddp:        PyTorch DistributedDataParallel (gloo), one rank per worker host, the same network and
               global batch, 1 thread each: what a user would otherwise pick
 The single-device baseline (hetconv --local, one pinned core) runs once, in this run. Every
-hetconv row also carries the cost model's prediction from the run's own calibration.
+hetconv row also carries the cost model's prediction from the run's own calibration, with links
+that carry TCP payload at 1448/1514 of the tbf rate, and (unless --no-wire-cpu) what moving a byte
+costs the workers' cores, measured once per run on the unshaped link by bench/_wire_cpu.py: the
+emulated hosts share this machine's cores, so a transfer that overlaps compute slows it.
 Needs root and iproute2 (ip, tc); without them it says so and exits 0.
 
 Writes OUT/bandwidth.json (the command, machine, load and wall time with the rows), and the
@@ -128,8 +131,9 @@ class Switch:
 
 
 def rate_bytes_per_s(rate):
-    from hetconv.costmodel import parse_bandwidth
-    return parse_bandwidth(rate).bytes_per_s
+    """The line rate tc shapes to, in bytes per second (the model's link carries less: framing)."""
+    from hetconv.costmodel import line_rate
+    return line_rate(rate)[0]
 
 
 def free_port():
@@ -159,6 +163,15 @@ def stop(procs):
             C._kill_group(p)
 
 
+def measure_wire_cpu(switch, log=print):
+    """CPU seconds per byte that moving data between two worker hosts costs their compute cores
+    (bench/_wire_cpu.py): ends pinned as the workers are, receiver on host 1, sender on host 2."""
+    import _wire_cpu
+    receiver, sender = switch.hosts[1], switch.hosts[2 if len(switch.hosts) > 2 else 0]
+    endpoint = f"tcp://{receiver['ip']}:{free_port()}"
+    return _wire_cpu.measure(endpoint, switch.prefix(receiver), switch.prefix(sender), log=log)
+
+
 def run_hetconv(switch, kind, rate, args, common):
     coordinator = switch.hosts[0]
     address = f"tcp://{coordinator['ip']}:{free_port()}"
@@ -166,7 +179,7 @@ def run_hetconv(switch, kind, rate, args, common):
     label = rate or "unshaped"
     spec = {**common, **ROW_KINDS[kind], "tag": f"{kind}-{label}", "set": f"{args.workers} workers, {kind}",
             "devices": ["cpu"] * args.workers, "bind": address, "external": args.workers,
-            "link": rate or "10gbit", "connect_timeout": 180.0}
+            "link": rate or "10gbit", "link_framing": "tbf", "connect_timeout": 180.0}
     try:
         with C.ForeignLoad() as load:
             row = C.run_in_subprocess(spec, prefix=switch.prefix(coordinator))
@@ -223,6 +236,8 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--runs-dir", default="", help="keep each run's metrics JSON lines here (default: a temp dir)")
+    p.add_argument("--no-wire-cpu", dest="wire_cpu", action="store_false",
+                   help="do not measure the wire's CPU on the workers' cores (the model then charges none)")
     p.add_argument("--render", default="", help="only rewrite the .md and .png beside this saved bandwidth.json")
     args = p.parse_args(argv)
     if args.render:
@@ -269,6 +284,15 @@ def main(argv=None):
         base.update(kind="local", rate="in-process", foreign_load_cores=load.cores)
         print(f"    -> {C.fmt_row(base)}", flush=True)
         rows.append(base)
+        if args.wire_cpu and any(k != "ddp" for k in kinds):
+            # once, unshaped: the most bytes in the probe's time, so the cost stands well above the
+            # host's noise (at 100 Mbit/s it would be a few tenths of a second's difference)
+            print("[unshaped] the wire's CPU on the workers' cores ...", flush=True)
+            wire_cpu = measure_wire_cpu(switch, log=lambda msg: print(f"    | {msg}", flush=True))
+            result["wire_cpu"] = wire_cpu
+            common = {**common, "wire_cpu_s_per_byte": wire_cpu["host_cpu_s_per_byte"]}
+            print(f"    -> {wire_cpu['host_cpu_s_per_byte'] * 1e9:.2f} ns a byte "
+                  f"({wire_cpu['lost_s']:.3f} s of compute lost to {wire_cpu['bytes'] / 1e6:.0f} MB)", flush=True)
         for rate in [r.strip() for r in args.rates.split(",") if r.strip()]:
             switch.shape(rate)
             for kind in kinds:
@@ -312,7 +336,12 @@ def write_outputs(out_dir, result):
              f"({result.get('wall_s', 0) / 60:.1f} min; {result.get('load_before', '')} before, "
              f"{result.get('load_after', '')} after).",
              f"{result.get('workers', 2)} one-thread CPU workers and the coordinator, each in a network namespace of "
-             f"its own with its own shaped link to one bridge; baseline: hetconv --local on one core, same run.", "",
+             f"its own with its own shaped link to one bridge; baseline: hetconv --local on one core, same run. "
+             f"The model's links carry TCP payload at 1448/1514 of the tbf rate (headers and framing tbf counts)"
+             + (f"; moving a byte costs the workers' cores {result['wire_cpu']['host_cpu_s_per_byte'] * 1e9:.2f} ns, "
+                f"measured unshaped in this run ({result['wire_cpu']['lost_s']:.2f} s of sgemm lost to "
+                f"{result['wire_cpu']['bytes'] / 1e6:.0f} MB, bench/_wire_cpu.py)." if result.get("wire_cpu")
+                else "; no wire CPU measured (the model charges none)."), "",
              "| link (each host) | row | exchange | micro-batches | wire | step s | speedup | predicted s | model error "
              "| coordinator MB/step | peer MB/step | dominant term (model) | foreign load |",
              "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|---:|"]
@@ -352,16 +381,15 @@ def plot(out_dir, result):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from hetconv.costmodel import parse_bandwidth
     rows = [r for r in result["rows"] if r.get("ok") and "speedup" in r and r.get("kind") != "local"]
     if not rows:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for kind in ROW_KINDS:
-        mine = sorted((r for r in rows if r["kind"] == kind), key=lambda r: parse_bandwidth(r["rate"]).bytes_per_s)
+        mine = sorted((r for r in rows if r["kind"] == kind), key=lambda r: rate_bytes_per_s(r["rate"]))
         if not mine:
             continue
-        bits = [parse_bandwidth(r["rate"]).bytes_per_s * 8 for r in mine]
+        bits = [rate_bytes_per_s(r["rate"]) * 8 for r in mine]
         line, = ax.plot(bits, [r["speedup"] for r in mine], "o-", label=kind if kind != "ddp" else "PyTorch DDP")
         if kind != "ddp":
             ax.plot(bits, [r["predicted_speedup"] for r in mine], "s--", mfc="none", color=line.get_color(), lw=0.8)

@@ -13,6 +13,10 @@ The model of one step, phase by phase (each conv layer's forward, then each one'
 - Wire: all traffic goes through the coordinator's one link. Requests leave one after another
   (the layer input is sent to every worker: a broadcast costs n sends); a worker starts when its
   request has arrived; replies come back over the same link in the order they are ready.
+- Wire CPU (peer exchange): where hosts have no core to spare for their network, moving a byte
+  costs `Link.host_cpu_s_per_byte` of the compute cores at both ends; micro-batches overlap the
+  wire with compute, so there it is paid as slower compute (the star overlaps nothing: its wire
+  CPU falls in time the devices wait anyway, and is not charged).
 - Coordinator: FC layers, loss, concatenating channel slices and summing partial dX, measured
   on this host and added once per step (the workers are idle meanwhile: a step is synchronous).
 Everything here is pure: no clocks, no sockets, no devices (those are in hetconv/predict.py).
@@ -133,20 +137,43 @@ def profiles_from_calibration(calibration):
 
 @dataclass(frozen=True)
 class Link:
-    """The coordinator's link: bytes per second, and a per-message latency."""
+    """A host's link: bytes per second, a per-message latency, and the CPU seconds per byte that
+    moving data costs the hosts at its two ends on the cores their devices compute on (sender and
+    receiver together: the kernel's network stack, ZeroMQ's I/O thread, the receive thread's
+    copies). That last is 0 where a host has cores to spare for its network (a worker of one
+    thread on a larger machine); where it has none, a transfer that overlaps compute slows the
+    compute down. bench/bandwidth.py measures it on its emulated hosts, which share two cores."""
     bytes_per_s: float
     latency_s: float = 50e-6
     name: str = ""
+    host_cpu_s_per_byte: float = 0.0
 
 
-def parse_bandwidth(text):
-    """'100mbit', '1gbit', '10gbit', '2.5gbit' (bits per second, as tc writes them) or '500MB'
-    (bytes per second) -> Link."""
+# What a full TCP segment carries over what it occupies on the link: 1448 bytes of payload in a
+# 1500-byte MTU (20 IP + 20 TCP + 12 timestamp option), plus the frame around it. On Ethernet the
+# frame adds 38 (header 14, FCS 4, preamble 8, inter-frame gap 12), so 1 Gbit/s carries 941
+# Mbit/s of payload; tc's tbf, which bench/bandwidth.py shapes with, counts 14 (the header).
+TCP_PAYLOAD = 1448
+ETHERNET_FRAMING = 90            # 1538 - 1448: what hetconv-predict assumes of a real network
+TBF_FRAMING = 66                 # 1514 - 1448: what tbf counts on an emulated one
+
+
+def line_rate(text):
+    """'100mbit', '1gbit', '10gbit', '2.5gbit' (bits per second on the line, as tc writes them)
+    or '500MB' (bytes per second of payload) -> (bytes per second, whether it was given in bits)."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgKMG])(bit|B)\s*", str(text))
     if not m or float(m.group(1)) <= 0:
         raise ValueError(f"bandwidth {text!r}: expected a rate such as 100mbit, 1gbit, 10gbit or 500MB")
     per_s = float(m.group(1)) * {"k": 1e3, "m": 1e6, "g": 1e9}[m.group(2).lower()]
-    return Link(per_s / 8 if m.group(3) == "bit" else per_s, name=text)
+    return (per_s / 8, True) if m.group(3) == "bit" else (per_s, False)
+
+
+def parse_bandwidth(text, framing=ETHERNET_FRAMING):
+    """A rate as line_rate reads it -> the Link of its TCP payload: a rate in bits is a line
+    rate, of which full segments carry TCP_PAYLOAD bytes in every TCP_PAYLOAD + `framing`; a rate
+    in bytes is payload already."""
+    per_s, bits = line_rate(text)
+    return Link(per_s * TCP_PAYLOAD / (TCP_PAYLOAD + framing) if bits else per_s, name=text)
 
 
 def layer_geometry(specs, image_shape, batch):
@@ -258,6 +285,11 @@ class _Timeline:
             return ready
         for r in (f"{src} out", f"{dst} in"):
             self.bytes[r] = self.bytes.get(r, 0) + nbytes
+        if link.host_cpu_s_per_byte:
+            # the CPU work of moving it, half at each end, on the same resource as that host's
+            # compute: free while the device waits for the wire, a delay when it overlaps compute
+            for host in (src, dst):
+                self.run((host,), ready, 0.5 * nbytes * link.host_cpu_s_per_byte)
         return self.run((f"{src} out", f"{dst} in"), ready, nbytes / link.bytes_per_s + link.latency_s)
 
 

@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import numpy as np
 
@@ -179,7 +179,12 @@ def build_parser():
                    help="comma list: cpu (all cores), cpu:THREADS, cuda:N, or @PROFILE.json (every profile saved "
                         "with --save-profiles, e.g. on another host); xCOUNT repeats an entry")
     p.add_argument("--bandwidth", default="loopback",
-                   help="the coordinator's link: 100mbit, 1gbit, 10gbit, ... or 'loopback' (measured here)")
+                   help="each host's link: 100mbit, 1gbit, 10gbit, ... (Ethernet line rate: TCP payload is 1448 of "
+                        "every 1538 bytes on it), 500MB (payload bytes/s), or 'loopback' (measured here)")
+    p.add_argument("--wire-cpu-ns", type=float, default=0.0, metavar="NS",
+                   help="nanoseconds of a host's compute cores that moving one byte costs (sender and receiver "
+                        "together): 0 where hosts have a core to spare for their network; where they have none "
+                        "(every core computes), bench/_wire_cpu.py measures it")
     p.add_argument("--save-profiles", default="", help="write the calibrated device profiles to this JSON file")
     p.add_argument("--json", action="store_true", help="print the prediction as JSON")
     add_config_flags(p, NETWORK_FLAGS, title="network and batch (as hetconv-coordinator)")
@@ -201,8 +206,12 @@ def main(argv=None):
         check_output_file("--save-profiles", args.save_profiles)
         # saved profiles are read before anything is calibrated: a bad file costs nothing
         saved = {e.profile: load_profiles(e.profile, len(specs)) for e in entries if e.profile}
+        if not 0 <= args.wire_cpu_ns < 1e6:
+            raise ValueError(f"--wire-cpu-ns {args.wire_cpu_ns}: expected nanoseconds per byte, 0 or more "
+                             f"(about 1 on a current x86 core over TCP)")
         link = (Link(measure_loopback(), name="loopback (measured)") if args.bandwidth == "loopback"
                 else parse_bandwidth(args.bandwidth))
+        link = replace(link, host_cpu_s_per_byte=args.wire_cpu_ns * 1e-9)
     except (ValueError, DeviceError) as e:
         print(f"hetconv-predict: {e}", file=sys.stderr)
         return 2
@@ -263,7 +272,8 @@ def main(argv=None):
     if args.json:
         print(json.dumps({"link": asdict(link), "local_step_s": local_s, "baseline": baseline_note, "rows": rows}, indent=1))
         return 0
-    print(f"link: {link.name} = {link.bytes_per_s / 1e6:,.0f} MB/s; batch {cfg.batch_size}; conv {cfg.conv}; "
+    print(f"link: {link.name} = {link.bytes_per_s / 1e6:,.0f} MB/s of payload"
+          f"{f', {args.wire_cpu_ns:g} ns of CPU a byte' if args.wire_cpu_ns else ''}; batch {cfg.batch_size}; conv {cfg.conv}; "
           f"split {cfg.split}; --exchange {cfg.exchange}, wire {cfg.wire_dtype}; "
           f"single-device baseline {local_s:.3f} s/step ({order[0]}, {baseline_note})")
     for key, prof in profiles.items():

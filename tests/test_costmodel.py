@@ -130,7 +130,12 @@ def test_profiles_from_calibration_round_trip():
 @pytest.mark.parametrize("text,bytes_per_s", [("100mbit", 12.5e6), ("1gbit", 125e6), ("10gbit", 1.25e9),
                                                ("2.5gbit", 312.5e6), ("500MB", 500e6)])
 def test_parse_bandwidth(text, bytes_per_s):
-    assert parse_bandwidth(text).bytes_per_s == pytest.approx(bytes_per_s)
+    from hetconv.costmodel import TBF_FRAMING, line_rate
+    bits = text.endswith("bit")
+    assert line_rate(text) == (pytest.approx(bytes_per_s), bits)
+    # a line rate carries TCP payload in 1448 of every 1538 bytes of Ethernet (1514 that tbf counts)
+    assert parse_bandwidth(text).bytes_per_s == pytest.approx(bytes_per_s * (1448 / 1538 if bits else 1))
+    assert parse_bandwidth(text, framing=TBF_FRAMING).bytes_per_s == pytest.approx(bytes_per_s * (1448 / 1514 if bits else 1))
 
 
 @pytest.mark.parametrize("text", ["fast", "1gigabit", "-1gbit", "0mbit"])
@@ -279,3 +284,60 @@ def test_predict_shares_the_coordinators_flags():
     text = subprocess.run([sys.executable, "-m", "hetconv.predict", "--help"], capture_output=True, text=True).stdout
     assert "images per step (default: 128)" in " ".join(text.split())
     assert "{proportional,equal}" in text and "examples:" in text
+
+
+def test_wire_cpu_hides_in_the_wait_without_overlap_and_slows_compute_with_it():
+    """Link.host_cpu_s_per_byte: the CPU work of moving data on the hosts' compute cores. With one
+    micro-batch and a wire slower than that work, it falls in time the devices wait anyway; with
+    micro-batches the wire overlaps compute and the same work makes the step slower, by at most
+    what the busiest host was charged."""
+    from dataclasses import replace
+
+    from hetconv.costmodel import predict_peer_step
+    counts = _even_counts(2)
+    profiles = {w: flat_profile(w, 1e-4) for w in counts}
+    slow = Link(12.5e6, 0.0)                          # 100 Mbit/s: 80 ns a byte on the wire
+    for m in (1, 2):
+        free = predict_peer_step(PAPER, IMAGE, 32, counts, profiles, slow, 0.05, micro_batches=m)
+        cheap = predict_peer_step(PAPER, IMAGE, 32, counts, profiles, replace(slow, host_cpu_s_per_byte=1e-9), 0.05,
+                                  micro_batches=m)
+        assert cheap.step_s >= free.step_s
+        if m == 1:
+            # every transfer's 0.5 ns a byte at each end ends long before its 80 ns a byte on the wire
+            assert cheap.step_s == pytest.approx(free.step_s, rel=1e-3)
+    fast = Link(1e15, 0.0)
+    cpu = 6e-9
+    for m in (2, 4):
+        free = predict_peer_step(PAPER, IMAGE, 32, counts, profiles, fast, 0.05, micro_batches=m)
+        paid = predict_peer_step(PAPER, IMAGE, 32, counts, profiles, replace(fast, host_cpu_s_per_byte=cpu), 0.05,
+                                 micro_batches=m)
+        # each host pays half the CPU of every byte it sends or receives; the step grows by more
+        # than half a worker's share (it overlapped compute) and by no more than all of it together
+        charged = {w: 0.5 * cpu * (v["sent"] + v["recv"]) for w, v in paid.workers.items()}
+        everything = sum(charged.values()) + 0.5 * cpu * paid.coordinator_bytes
+        assert 0.5 * max(charged.values()) < paid.step_s - free.step_s <= everything + 1e-9, m
+    # the star is not charged: it overlaps nothing
+    from hetconv.costmodel import predict_any
+    star = [predict_any("star", PAPER, IMAGE, 32, counts, profiles, replace(fast, host_cpu_s_per_byte=c), 0.05).step_s
+            for c in (0.0, cpu)]
+    assert star[0] == star[1]
+
+
+def test_the_wire_cpu_probe_measures_a_cost_per_byte(tmp_path):
+    """bench/_wire_cpu.py end to end over ipc, shortened: both ends start, bytes arrive while the
+    receiver computes, and the result is a finite cost per byte (its size is the benchmark's)."""
+    import math
+    import os
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    try:
+        import _wire_cpu
+    finally:
+        sys.path.pop(0)
+    out = _wire_cpu.measure(f"ipc://{tmp_path}/probe.ipc", rounds=1, log=lambda msg: None, iterations=40)
+    assert out["bytes"] > 0 and math.isfinite(out["host_cpu_s_per_byte"]) and out["host_cpu_s_per_byte"] >= 0
+    assert len(out["idle_probe_s"]) == len(out["streaming_probe_s"]) == 2
+
+
+def test_predict_names_a_bad_wire_cpu():
+    bad = predict("--wire-cpu-ns", "-1", timeout=60)
+    assert bad.returncode == 2 and "--wire-cpu-ns -1.0: expected nanoseconds per byte" in bad.stderr
