@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
@@ -239,7 +240,15 @@ def main(argv=None):
     p.add_argument("--no-wire-cpu", dest="wire_cpu", action="store_false",
                    help="do not measure the wire's CPU on the workers' cores (the model then charges none)")
     p.add_argument("--render", default="", help="only rewrite the .md and .png beside this saved bandwidth.json")
+    p.add_argument("--repredict", default="", metavar="JSON",
+                   help="run nothing: predict the rows of a saved bandwidth.json again with this version's cost "
+                        "model, from each row's own saved calibration, plan and coordinator time; writes "
+                        "bandwidth_repredicted.md beside it")
+    p.add_argument("--wire-cpu-ns", type=float, default=None, metavar="NS",
+                   help="with --repredict: the wire's CPU per byte to charge (default: what that run measured, else 0)")
     args = p.parse_args(argv)
+    if args.repredict:
+        return repredict(args.repredict, args.wire_cpu_ns)
     if args.render:
         with open(args.render) as f:
             saved = json.load(f)
@@ -310,6 +319,47 @@ def main(argv=None):
         for r in rows:                       # raw records, but no paths of this machine's scratch dir
             r.pop("log", None)
         write_outputs(args.out, result)
+    return 0
+
+
+def repredict(path, wire_cpu_ns=None):
+    """The saved rows against this version's model: what a model change does to a measured run,
+    without measuring again (the host's speed that day stays in both the steps and the profiles)."""
+    from hetconv import costmodel as cm
+    from hetconv.geometry import conv_specs
+    with open(path) as f:
+        saved = json.load(f)
+    rows = [r for r in saved.get("rows", []) if r.get("ok") and r.get("profiles") and "prediction" in r]
+    if not rows:
+        print(f"--repredict {path}: no rows with saved profiles and predictions (not a bandwidth.json of this "
+              f"generator?)", file=sys.stderr)
+        return 2
+    if wire_cpu_ns is None:
+        wire_cpu_ns = 1e9 * (saved.get("wire_cpu") or {}).get("host_cpu_s_per_byte", 0.0)
+    lines = [f"Rows of `{os.path.basename(path)}` ({saved.get('command', '?')}; {saved.get('machine', '?')}) predicted "
+             f"again by this version's cost model from their own saved calibration; links carry TCP payload at "
+             f"1448/1514 of the tbf rate; wire CPU {wire_cpu_ns:.2f} ns a byte.", "",
+             "| link | row | micro-batches | wire | step s | saved prediction | error | new prediction | error |",
+             "|---|---|---:|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        specs = conv_specs([int(k) for k in str(r.get("conv", saved.get("conv", "500,1500"))).split(",")])
+        coordinator_s = r["prediction"]["coordinator_s"]
+        if r.get("kind") == "local":
+            profile = cm.DeviceProfile.from_json(r["profiles"]["local"])
+            new = cm.predict_local(specs, r["batch_size"], profile, coordinator_s)
+        else:
+            profiles = {w: cm.DeviceProfile.from_json(p) for w, p in r["profiles"].items()}
+            link = replace(cm.parse_bandwidth(r["rate"], framing=cm.TBF_FRAMING), host_cpu_s_per_byte=wire_cpu_ns * 1e-9)
+            new = cm.predict_any(r["exchange"], specs, (3, 32, 32), r["batch_size"], r["counts"], profiles, link,
+                                 coordinator_s, r["micro_batches"], 2 if r["wire"] != "float32" else 4).step_s
+        err = lambda pred: 100.0 * (pred - r["step_s"]) / r["step_s"]   # noqa: E731
+        lines.append(f"| {r['rate']} | {r['kind']} | {r.get('micro_batches', '')} | {r.get('wire', '')} | "
+                     f"{r['step_s']:.3f} | {r['predicted_step_s']:.3f} | {err(r['predicted_step_s']):+.1f}% | "
+                     f"{new:.3f} | {err(new):+.1f}% |")
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(os.path.dirname(os.path.abspath(path)), "bandwidth_repredicted.md"), "w") as f:
+        f.write(text)
+    print(text)
     return 0
 
 
