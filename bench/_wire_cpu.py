@@ -11,8 +11,9 @@ as fast as the link takes them. The compute time both lose, over the bytes that 
 receiver computed, is the cost per byte. Rounds alternate idle and streaming; each keeps its
 median, so a burst of outside load skews neither for long.
 
-    python bench/_wire_cpu.py measure ipc:///tmp/probe.ipc     # two processes on this host
-    python bench/_wire_cpu.py receive|send ENDPOINT CORE MODE ITERATIONS   # one end (run by measure)
+    python bench/_wire_cpu.py measure ipc:///tmp/probe.ipc        # two processes on this host
+    python bench/_wire_cpu.py measure ipc:///tmp/probe.ipc conv   # the CPU device's conv2 as the workload
+    python bench/_wire_cpu.py receive|send ENDPOINT CORE MODE ITERATIONS WORKLOAD   # one end (run by measure)
 """
 import json
 import os
@@ -25,7 +26,35 @@ MESSAGE_BYTES = 4 << 20
 WORK_ITERATIONS = 600            # ~1.5 s of 512^3 sgemm on one core of a recent x86
 
 
-def _probe(iterations=WORK_ITERATIONS):
+def _conv_probe(iterations):
+    """The device's own work instead of sgemm: the CPU device's fused forward and backward (with dX)
+    of a worker's half of the paper's conv2, 16 images; one pass counts as ~300 of `iterations`
+    (about as long as 300 of the 512^3 sgemm). Memory-bound parts (the expansion, the fold) feel
+    a neighbour's copies more than sgemm does, if anything does."""
+    import numpy as np
+    from hetconv.devices import open_device
+    from hetconv.geometry import conv_specs
+    from hetconv.shard import ConvShard
+    spec = conv_specs([500, 1500])[1]
+    shard = ConvShard(open_device("cpu", threads=1))
+    rng = np.random.default_rng(0)
+    w = (0.01 * rng.standard_normal((750, 500, 5, 5))).astype(np.float32)
+    shard.load(0, spec, 0, 750, w, np.zeros(750, np.float32))
+    x = rng.standard_normal((16, 500, 14, 14), dtype=np.float32)
+
+    def one():
+        y = shard.forward(0, x)
+        shard.backward(0, np.ones_like(y), True)
+    one()
+    t0 = time.perf_counter()
+    for _ in range(max(1, round(iterations / 300))):
+        one()
+    return time.perf_counter() - t0
+
+
+def _probe(iterations=WORK_ITERATIONS, workload="sgemm"):
+    if workload == "conv":
+        return _conv_probe(iterations)
     """Seconds for a fixed amount of single-thread sgemm (numpy releases the GIL inside it, as the
     device kernels do, so the process's other threads run beside it as they would in a worker)."""
     import numpy as np
@@ -40,7 +69,7 @@ def _probe(iterations=WORK_ITERATIONS):
     return time.perf_counter() - t0
 
 
-def _end(role, endpoint, core, mode, iterations=WORK_ITERATIONS):
+def _end(role, endpoint, core, mode, iterations=WORK_ITERATIONS, workload="sgemm"):
     """One end: pinned to `core`; the receiver binds, counts the bytes that arrive while it
     computes; the sender streams while it computes (mode 'stream') or only says go ('idle')."""
     cores = sorted(os.sched_getaffinity(0))
@@ -67,7 +96,7 @@ def _end(role, endpoint, core, mode, iterations=WORK_ITERATIONS):
                         received[0] += len(frame.buffer)
         t = threading.Thread(target=drain, daemon=True)
         t.start()
-        result["probe_s"] = _probe(int(iterations))
+        result["probe_s"] = _probe(int(iterations), workload)
         counting[0] = False
         t.join()
         result["bytes"] = received[0]
@@ -88,23 +117,23 @@ def _end(role, endpoint, core, mode, iterations=WORK_ITERATIONS):
                     pass
         t = threading.Thread(target=stream, daemon=True)
         t.start()
-        result["probe_s"] = _probe(int(iterations))
+        result["probe_s"] = _probe(int(iterations), workload)
         sending[0] = False
         t.join()
     ctx.destroy(linger=0)
     print(json.dumps(result), flush=True)
 
 
-def _pair(endpoint, mode, prefix_receiver, prefix_sender, iterations, timeout=120):
+def _pair(endpoint, mode, prefix_receiver, prefix_sender, iterations, workload, timeout=120):
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     me = os.path.abspath(__file__)
-    rx = subprocess.Popen([*prefix_receiver, sys.executable, me, "receive", endpoint, "0", mode, str(iterations)], env=env,
+    rx = subprocess.Popen([*prefix_receiver, sys.executable, me, "receive", endpoint, "0", mode, str(iterations), workload], env=env,
                           stdout=subprocess.PIPE, text=True)
     tx = None
     try:
         if rx.stdout.readline().strip() != "ready":
             raise RuntimeError("wire CPU probe: the receiver did not start")
-        tx = subprocess.Popen([*prefix_sender, sys.executable, me, "send", endpoint, "1", mode, str(iterations)], env=env,
+        tx = subprocess.Popen([*prefix_sender, sys.executable, me, "send", endpoint, "1", mode, str(iterations), workload], env=env,
                               stdout=subprocess.PIPE, text=True)
         out_tx, _ = tx.communicate(timeout=timeout)
         out_rx, _ = rx.communicate(timeout=timeout)
@@ -116,13 +145,14 @@ def _pair(endpoint, mode, prefix_receiver, prefix_sender, iterations, timeout=12
                 p.wait()
 
 
-def measure(endpoint, prefix_receiver=(), prefix_sender=(), rounds=3, log=print, iterations=WORK_ITERATIONS):
+def measure(endpoint, prefix_receiver=(), prefix_sender=(), rounds=3, log=print, iterations=WORK_ITERATIONS,
+            workload="sgemm"):
     """{"host_cpu_s_per_byte", the rounds' medians and bytes}: see the module's docstring."""
     import numpy as np
     idle, streamed = [], []
     for r in range(rounds):
-        idle.append(_pair(endpoint, "idle", prefix_receiver, prefix_sender, iterations))
-        streamed.append(_pair(endpoint, "stream", prefix_receiver, prefix_sender, iterations))
+        idle.append(_pair(endpoint, "idle", prefix_receiver, prefix_sender, iterations, workload))
+        streamed.append(_pair(endpoint, "stream", prefix_receiver, prefix_sender, iterations, workload))
         log(f"wire CPU round {r + 1}: idle {idle[-1][0]['probe_s']:.3f}/{idle[-1][1]['probe_s']:.3f} s, streaming "
             f"{streamed[-1][0]['probe_s']:.3f}/{streamed[-1][1]['probe_s']:.3f} s with "
             f"{streamed[-1][0]['bytes'] / 1e6:.0f} MB")
@@ -130,16 +160,16 @@ def measure(endpoint, prefix_receiver=(), prefix_sender=(), rounds=3, log=print,
     lost = (med(streamed, 0, "probe_s") - med(idle, 0, "probe_s")) + (med(streamed, 1, "probe_s") - med(idle, 1, "probe_s"))
     moved = med(streamed, 0, "bytes")
     return {"host_cpu_s_per_byte": max(0.0, lost) / moved if moved else 0.0,
-            "lost_s": lost, "bytes": moved, "endpoint": endpoint, "rounds": rounds,
+            "lost_s": lost, "bytes": moved, "endpoint": endpoint, "rounds": rounds, "workload": workload,
             "idle_probe_s": [med(idle, 0, "probe_s"), med(idle, 1, "probe_s")],
             "streaming_probe_s": [med(streamed, 0, "probe_s"), med(streamed, 1, "probe_s")]}
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 6 and sys.argv[1] in ("receive", "send"):
+    if len(sys.argv) == 7 and sys.argv[1] in ("receive", "send"):
         _end(*sys.argv[1:])
-    elif len(sys.argv) >= 3 and sys.argv[1] == "measure":
-        out = measure(sys.argv[2])
+    elif len(sys.argv) in (3, 4) and sys.argv[1] == "measure" and sys.argv[3:] in ([], ["sgemm"], ["conv"]):
+        out = measure(sys.argv[2], workload=(sys.argv[3:] or ["sgemm"])[0])
         print(json.dumps(out))
         print(f"{out['host_cpu_s_per_byte'] * 1e9:.2f} ns of compute-core CPU per byte moved")
     else:
