@@ -87,6 +87,10 @@ def run_one(spec):
                                   [] if spec.get("external") else devices, threads=1, pin=True,
                                   connect_timeout=spec.get("connect_timeout", 120.0), log=log,
                                   exchange=cfg.exchange, wire=cfg.wire_dtype)
+        if spec.get("local"):               # the baseline's first calibration, before its steps
+            t0 = time.perf_counter()
+            local_before = predict.calibrate_local("cpu", specs, cal_shapes, [s.kernels for s in specs], threads=1)
+            local_calibration_s = time.perf_counter() - t0
         summary = train(cfg, engine, log=log)
         from hetconv.train import resolve_micro_batches
         micro = resolve_micro_batches(cfg, engine)
@@ -111,13 +115,28 @@ def run_one(spec):
         # ---- predicted (cost model) ---------------------------------------------------------
         if spec.get("local"):
             t0 = time.perf_counter()
-            profile = predict.calibrate_local("cpu", specs, cal_shapes, [s.kernels for s in specs], threads=1)
-            row["calibration_s"] = time.perf_counter() - t0
+            after = predict.calibrate_local("cpu", specs, cal_shapes, [s.kernels for s in specs], threads=1)
+            row["calibration_s"] = time.perf_counter() - t0 + local_calibration_s
+            step = lambda profile: cm.predict_local(specs, batch, profile, 0.0)     # noqa: E731
+            row["calibration_drift"] = {"local": step(after) / step(local_before)}
+            profile = _mean_profile(local_before, after)
             pred = _cost_prediction(specs, cfg.fc_sizes(), image, batch, None, None, None, 1, local_profile=profile)
-            row["profile_source"] = "calibrate_local in the baseline's process (1 thread, all kernels and half)"
+            row["profile_source"] = ("calibrate_local in the baseline's process (1 thread, all kernels and half), "
+                                     "before and after the timed steps, averaged")
             row["profiles"] = {"local": profile.to_json()}
             row["plan"] = None
         else:
+            # the plan under test came from the calibration before the steps; the model gets the
+            # average of that and one after them, so the host's drift while the row ran moves the
+            # prediction as it moved the steps (the row records how far it drifted)
+            before = engine.calibration
+            engine.calibrate(specs, layer_input_shapes(specs, batch, image)[0], cfg)
+            after = engine.calibration
+            row["calibration_drift"] = {w: _drift(before[w]["layers"], after[w]["layers"]) for w in before}
+            row["calibration_before"] = before
+            engine.calibration = {w: {**before[w], "layers": [predict._median_of([a, b]) for a, b in
+                                                           zip(before[w]["layers"], after[w]["layers"])]}
+                                  for w in before}
             profiles = cm.profiles_from_calibration(engine.calibration)
             counts = {w: [lp.count(w) for lp in engine.plan.layers] for w in engine.plan.workers}
             link_name = spec.get("link", "loopback")
@@ -128,6 +147,9 @@ def run_one(spec):
             link = replace(link, host_cpu_s_per_byte=float(spec.get("wire_cpu_s_per_byte", 0.0)))
             pred = _cost_prediction(specs, cfg.fc_sizes(), image, batch, counts, profiles, link, len(counts),
                                     exchange=cfg.exchange, micro_batches=micro, wire=cfg.wire_dtype)
+            first = cm.predict_any(cfg.exchange, specs, image, batch, counts, cm.profiles_from_calibration(before),
+                                   link, pred["coordinator_s"], micro, 2 if cfg.wire_dtype != "float32" else 4)
+            row["predicted_step_s_first_calibration"] = first.step_s
             row["profile_source"] = "the workers' own calibration in this run (RemoteEngine.calibration)"
             row["profiles"] = {w: p.to_json() for w, p in profiles.items()}
             row["plan"] = engine.plan.to_json()
@@ -150,6 +172,28 @@ def run_one(spec):
     row["wall_s"] = time.perf_counter() - t_start
     row["log"] = logs[-20:]
     return row
+
+
+def _drift(before, after):
+    """How much slower (> 1) or faster a device calibrated after the timed steps than before:
+    the ratio of its whole-share forward + backward seconds, summed over layers."""
+    total = lambda layers: sum(t["forward_s"][0] + t["backward_s"][0] for t in layers)   # noqa: E731
+    return total(after) / total(before)
+
+
+def drift_text(row):
+    """A row's calibration drift for the tables: after/before per device, '' where not measured."""
+    drift = row.get("calibration_drift") or {}
+    return ", ".join(f"{v:.2f}" for v in drift.values())
+
+
+def _mean_profile(a, b):
+    """The element-wise mean of two fitted profiles of one device."""
+    from dataclasses import astuple
+
+    from hetconv.costmodel import LayerCost
+    layers = tuple(LayerCost(*[(x + y) / 2 for x, y in zip(astuple(la), astuple(lb))]) for la, lb in zip(a.layers, b.layers))
+    return replace(a, layers=layers)
 
 
 # ---- the parent side -------------------------------------------------------------------------

@@ -382,19 +382,24 @@ def write_outputs(out_dir, result):
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "bandwidth.json"), "w") as f:
         json.dump(result, f, indent=1)
+    framed = any("host_cpu_s_per_byte" in (r.get("link") or {}) for r in rows)    # saved by this version's model
     lines = [f"Machine: {result['machine']}. Command: `{result['command']}` "
              f"({result.get('wall_s', 0) / 60:.1f} min; {result.get('load_before', '')} before, "
              f"{result.get('load_after', '')} after).",
              f"{result.get('workers', 2)} one-thread CPU workers and the coordinator, each in a network namespace of "
              f"its own with its own shaped link to one bridge; baseline: hetconv --local on one core, same run. "
-             f"The model's links carry TCP payload at 1448/1514 of the tbf rate (headers and framing tbf counts)"
+             + ("Each row's devices are calibrated before its steps (the plan) and after them; the model gets the "
+                "average, and `calibration drift` is after/before per device (1.00: the host held its speed). "
+                if any(r.get("calibration_drift") for r in rows) else "")
+             + ("The model's links carry TCP payload at 1448/1514 of the tbf rate (headers and framing tbf counts)"
+                if framed else "The predictions are that version's model: the line rate as payload, no wire CPU.")
              + (f"; moving a byte costs the workers' cores {result['wire_cpu']['host_cpu_s_per_byte'] * 1e9:.2f} ns, "
                 f"measured unshaped in this run ({result['wire_cpu']['lost_s']:.2f} s of sgemm lost to "
                 f"{result['wire_cpu']['bytes'] / 1e6:.0f} MB, bench/_wire_cpu.py)." if result.get("wire_cpu")
-                else "; no wire CPU measured (the model charges none)."), "",
+                else "; no wire CPU measured (the model charges none)." if framed else ""), "",
              "| link (each host) | row | exchange | micro-batches | wire | step s | speedup | predicted s | model error "
-             "| coordinator MB/step | peer MB/step | dominant term (model) | foreign load |",
-             "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+             "| calibration drift | coordinator MB/step | peer MB/step | dominant term (model) | foreign load |",
+             "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in rows:
         if not r.get("ok"):
             lines.append(f"| {r.get('rate')} | {r.get('kind')} | failed: {r.get('error', '?')} |")
@@ -404,18 +409,19 @@ def write_outputs(out_dir, result):
         peer_mb = sum(m.get("peer_sent", 0) for m in ws.values()) / 1e6 if ws else 0.0
         if r["kind"] == "ddp":
             lines.append(f"| {r['rate']} | PyTorch DDP (gloo) | all-reduce | 1 | float32 | {r['step_s']:.3f} | "
-                         f"{r.get('speedup', float('nan')):.2f}x | | | | {r['allreduce_mb']:.0f} per rank | | "
+                         f"{r.get('speedup', float('nan')):.2f}x | | | | | {r['allreduce_mb']:.0f} per rank | | "
                          f"{r.get('foreign_load_cores', 0):.2f} |")
             continue
         if r["kind"] == "local":
             lines.append(f"| in-process | hetconv --local (baseline) | | | | {r['step_s']:.3f} | 1.00x | "
-                         f"{r['predicted_step_s']:.3f} | {r['model_error_pct']:+.1f}% | | | | "
+                         f"{r['predicted_step_s']:.3f} | {r['model_error_pct']:+.1f}% | {C.drift_text(r)} | | | | "
                          f"{r.get('foreign_load_cores', 0):.2f} |")
             continue
         dominant = (r.get("prediction") or {}).get("dominant")
         lines.append(f"| {r['rate']} | {r['kind']} | {r.get('exchange', '')} | {r.get('micro_batches', '')} | "
                      f"{r.get('wire', '')} | {r['step_s']:.3f} | {r.get('speedup', float('nan')):.2f}x | "
-                     f"{r['predicted_step_s']:.3f} | {r['model_error_pct']:+.1f}% | {coord_mb:.1f} | {peer_mb:.1f} | "
+                     f"{r['predicted_step_s']:.3f} | {r['model_error_pct']:+.1f}% | {C.drift_text(r)} | {coord_mb:.1f} | "
+                     f"{peer_mb:.1f} | "
                      f"{dominant[0] if dominant else ''} | {r.get('foreign_load_cores', 0):.2f} |")
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out_dir, "bandwidth.md"), "w") as f:

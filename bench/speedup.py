@@ -74,6 +74,8 @@ def main(argv=None):
     p.add_argument("--gpu", default="", help="comma list of cuda devices, e.g. cuda:0: adds GPU rows")
     p.add_argument("--only", default="", help="run only the sets whose name contains this (debugging)")
     p.add_argument("--runs-dir", default="", help="keep each run's metrics JSON lines here (default: a temp dir)")
+    p.add_argument("--no-wire-cpu", dest="wire_cpu", action="store_false",
+                   help="do not measure what moving a byte costs the workers' cores (the model then charges none)")
     p.add_argument("--render", default="", metavar="JSON",
                    help="run nothing: rewrite speedup.md (and the plots) beside a saved speedup.json")
     args = p.parse_args(argv)
@@ -97,10 +99,17 @@ def main(argv=None):
           flush=True)
     # SIGTERM ends the run like Ctrl-C: the finally blocks stop the runner, its workers and the co-runner
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(143)))
-    rows, t_all = [], time.perf_counter()
+    rows, t_all, wire_cpu = [], time.perf_counter(), None
     try:
+        if args.wire_cpu and any(len(r["devices"]) > 1 for r in runs):
+            # the workers share this host's cores with each other's wire (ipc between them)
+            import _wire_cpu
+            print("the wire's CPU on the workers' cores (ipc) ...", flush=True)
+            wire_cpu = _wire_cpu.measure(f"ipc://{scratch}/wire-cpu.ipc", log=lambda msg: print(f"    | {msg}", flush=True))
+            print(f"    -> {wire_cpu['host_cpu_s_per_byte'] * 1e9:.2f} ns a byte", flush=True)
         for i, run in enumerate(runs):
-            spec = {**run, "tag": f"{i:02d}", "warmup": args.warmup, "steps": args.steps, "out_dir": scratch}
+            spec = {**run, "tag": f"{i:02d}", "warmup": args.warmup, "steps": args.steps, "out_dir": scratch,
+                    "wire_cpu_s_per_byte": wire_cpu["host_cpu_s_per_byte"] if wire_cpu else 0.0}
             print(f"[{i + 1}/{len(runs)}] {run['set']}: devices {','.join(run['devices'])}, batch {run['batch_size']}, "
                   f"split {run['split']} ...", flush=True)
             with C.ForeignLoad() as load:
@@ -117,7 +126,7 @@ def main(argv=None):
     finally:
         add_speedups(rows)
         doc = {"machine": machine, "command": command, "wall_s": time.perf_counter() - t_all,
-               "load": {"start": load_start, "end": _common.load_average()}, "rows": rows}
+               "load": {"start": load_start, "end": _common.load_average()}, "rows": rows, "wire_cpu": wire_cpu}
         _common.save_outputs(args.out, "speedup", doc, markdown, plot)
     return 0 if rows and all(r.get("ok") for r in rows) else 1
 
@@ -143,17 +152,26 @@ def kernels_text(r):
 def markdown(doc):
     """speedup.md, from speedup.json's contents alone."""
     rows = doc["rows"]
-    out = _common.run_header(doc) + [
+    notes = []
+    if doc.get("wire_cpu"):
+        notes.append(f"Moving a byte between the workers (ipc) costs their cores "
+                     f"{doc['wire_cpu']['host_cpu_s_per_byte'] * 1e9:.2f} ns, measured at the start of this run "
+                     f"(bench/_wire_cpu.py); the model charges it where the wire overlaps compute.")
+    if any(r.get("calibration_drift") for r in rows):
+        notes.append("Each row's devices are calibrated before its steps (the plan) and after them; the model gets "
+                     "the average, and `calibration drift` is after/before per device (1.00: the host held its speed).")
+    out = _common.run_header(doc) + ([" ".join(notes), ""] if notes else []) + [
         "| set | batch | split | kernels conv1 / conv2 | step s | predicted s | model error | speedup | "
-        "efficiency | calibration s | setup s | foreign load |",
-        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        "efficiency | calibration s | calibration drift | setup s | foreign load |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if not r.get("ok"):
             out.append(f"| {r['set']} | {r['batch_size']} | {r['split']} | failed: {r.get('error', '?')} |")
             continue
         out.append(f"| {r['set']} | {r['batch_size']} | {r['split']} | {kernels_text(r)} | {r['step_s']:.3f} | "
                    f"{r['predicted_step_s']:.3f} | {r['model_error_pct']:+.1f}% | {r.get('speedup', float('nan')):.2f}x | "
-                   f"{r.get('efficiency', float('nan')):.2f} | {r['calibration_s']:.1f} | {r['setup_s']:.1f} | "
+                   f"{r.get('efficiency', float('nan')):.2f} | {r['calibration_s']:.1f} | {C.drift_text(r)} | "
+                   f"{r['setup_s']:.1f} | "
                    f"{r['foreign_load_cores']:.2f} |")
     out += ["", "Per worker, per step (medians over the timed steps; compute = reported by the worker, "
                 "wire = round trip - compute, wait = step - round trip; MB = 1e6 bytes):", "",
