@@ -42,7 +42,8 @@ def _cost_prediction(specs, fc, image, batch, counts, profiles, link, n_workers,
 def run_one(spec):
     """spec keys: tag, devices (device strings), local (in-process baseline), batch_size, warmup, steps, split,
     pin (cores for the local baseline), bind / external (namespace runs), link (cost-model link:
-    'loopback' or a tc rate), link_framing ('tbf': the rate is tc's), wire_cpu_s_per_byte (Link.host_cpu_s_per_byte), calibration_batch, out_dir."""
+    'loopback' or a tc rate), link_framing ('tbf': the rate is tc's), wire_cpu_s_per_byte
+    (Link.host_cpu_s_per_byte), calibration_batch, out_dir."""
     if spec.get("pin") is not None:
         os.sched_setaffinity(0, set(spec["pin"]))        # before numpy/numba start any thread pool
     import numpy as np
@@ -192,7 +193,8 @@ def _mean_profile(a, b):
     from dataclasses import astuple
 
     from hetconv.costmodel import LayerCost
-    layers = tuple(LayerCost(*[(x + y) / 2 for x, y in zip(astuple(la), astuple(lb))]) for la, lb in zip(a.layers, b.layers))
+    layers = tuple(LayerCost(*[(x + y) / 2 for x, y in zip(astuple(la), astuple(lb))])
+                   for la, lb in zip(a.layers, b.layers))
     return replace(a, layers=layers)
 
 

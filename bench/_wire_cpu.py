@@ -127,14 +127,13 @@ def _end(role, endpoint, core, mode, iterations=WORK_ITERATIONS, workload="sgemm
 def _pair(endpoint, mode, prefix_receiver, prefix_sender, iterations, workload, timeout=120):
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     me = os.path.abspath(__file__)
-    rx = subprocess.Popen([*prefix_receiver, sys.executable, me, "receive", endpoint, "0", mode, str(iterations), workload], env=env,
-                          stdout=subprocess.PIPE, text=True)
+    end = lambda role, core: [sys.executable, me, role, endpoint, core, mode, str(iterations), workload]   # noqa: E731
+    rx = subprocess.Popen([*prefix_receiver, *end("receive", "0")], env=env, stdout=subprocess.PIPE, text=True)
     tx = None
     try:
         if rx.stdout.readline().strip() != "ready":
             raise RuntimeError("wire CPU probe: the receiver did not start")
-        tx = subprocess.Popen([*prefix_sender, sys.executable, me, "send", endpoint, "1", mode, str(iterations), workload], env=env,
-                              stdout=subprocess.PIPE, text=True)
+        tx = subprocess.Popen([*prefix_sender, *end("send", "1")], env=env, stdout=subprocess.PIPE, text=True)
         out_tx, _ = tx.communicate(timeout=timeout)
         out_rx, _ = rx.communicate(timeout=timeout)
         return json.loads(out_rx.strip().splitlines()[-1]), json.loads(out_tx.strip().splitlines()[-1])
@@ -157,7 +156,7 @@ def measure(endpoint, prefix_receiver=(), prefix_sender=(), rounds=3, log=print,
             f"{streamed[-1][0]['probe_s']:.3f}/{streamed[-1][1]['probe_s']:.3f} s with "
             f"{streamed[-1][0]['bytes'] / 1e6:.0f} MB")
     med = lambda rows, i, key: float(np.median([row[i][key] for row in rows]))   # noqa: E731
-    lost = (med(streamed, 0, "probe_s") - med(idle, 0, "probe_s")) + (med(streamed, 1, "probe_s") - med(idle, 1, "probe_s"))
+    lost = sum(med(streamed, end, "probe_s") - med(idle, end, "probe_s") for end in (0, 1))   # receiver + sender
     moved = med(streamed, 0, "bytes")
     return {"host_cpu_s_per_byte": max(0.0, lost) / moved if moved else 0.0,
             "lost_s": lost, "bytes": moved, "endpoint": endpoint, "rounds": rounds, "workload": workload,
