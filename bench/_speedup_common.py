@@ -25,18 +25,47 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _cost_prediction(specs, fc, image, batch, counts, profiles, link, n_workers, local_profile=None,
-                     exchange="peer", micro_batches=1, wire="float32"):
+                     exchange="peer", micro_batches=1, wire="float32", coordinator_s=None):
     from hetconv import costmodel as cm
     from hetconv.predict import measure_coordinator_s
-    coordinator_s = measure_coordinator_s(specs, fc, image, batch, n_workers)
+    from hetconv.wire import value_bytes
+    if coordinator_s is None:
+        coordinator_s = measure_coordinator_s(specs, fc, image, batch, n_workers)
     if local_profile is not None:
         return {"step_s": cm.predict_local(specs, batch, local_profile, coordinator_s),
                 "coordinator_s": coordinator_s, "workers": {}}
     pred = cm.predict_any(exchange, specs, image, batch, counts, profiles, link, coordinator_s, micro_batches,
-                          2 if wire != "float32" else 4)
+                          value_bytes(wire))
     out = pred.to_json()
     out["dominant"] = list(cm.dominant_term(pred))
     return out
+
+
+def model_link(name, framing="ethernet", wire_cpu_s_per_byte=0.0):
+    """The cost model's link for a row: 'loopback' (measured here) or a tc rate ('tbf' framing:
+    the rate is what tc shapes to, else an Ethernet line rate), with what moving a byte costs the
+    hosts' compute cores where they share them (bench/_wire_cpu.py)."""
+    from hetconv import costmodel as cm
+    if name == "loopback":
+        from hetconv.predict import measure_loopback
+        link = cm.Link(measure_loopback(), name="loopback (measured)")
+    else:
+        link = cm.parse_bandwidth(name, framing=cm.TBF_FRAMING if framing == "tbf" else cm.ETHERNET_FRAMING)
+    return replace(link, host_cpu_s_per_byte=float(wire_cpu_s_per_byte))
+
+
+def bracket(before, after, kernels, batch):
+    """One device's profiles from calibrations before a row's steps and after them -> (what the
+    model gets: their element-wise mean; the drift: after/before of its forward + backward at
+    `kernels` per layer on `batch` images, > 1 where the host slowed down meanwhile)."""
+    from dataclasses import astuple
+
+    from hetconv.costmodel import LayerCost
+    seconds = lambda profile: sum(c.forward_s(k, batch) + c.backward_s(k, batch)   # noqa: E731
+                                  for c, k in zip(profile.layers, kernels))
+    mean = replace(before, layers=tuple(LayerCost(*[(x + y) / 2 for x, y in zip(astuple(a), astuple(b))])
+                                        for a, b in zip(before.layers, after.layers)))
+    return mean, seconds(after) / seconds(before)
 
 
 def run_one(spec):
@@ -114,50 +143,44 @@ def run_one(spec):
                                     "peer_sent": int(np.median([r["workers"][name].get("peer_bytes_sent", 0)
                                                                 for r in steps]))}
         # ---- predicted (cost model) ---------------------------------------------------------
+        # Calibrated before the steps (for the remote rows that made the plan under test) and
+        # again after them: the model gets the average, so the host's drift while the row ran
+        # moves the prediction as it moved the steps, and the row records how far it drifted.
         if spec.get("local"):
             t0 = time.perf_counter()
             after = predict.calibrate_local("cpu", specs, cal_shapes, [s.kernels for s in specs], threads=1)
             row["calibration_s"] = time.perf_counter() - t0 + local_calibration_s
-            step = lambda profile: cm.predict_local(specs, batch, profile, 0.0)     # noqa: E731
-            row["calibration_drift"] = {"local": step(after) / step(local_before)}
-            profile = _mean_profile(local_before, after)
+            profile, drift = bracket(local_before, after, [s.kernels for s in specs], batch)
+            row["calibration_drift"] = {"local": drift}
             pred = _cost_prediction(specs, cfg.fc_sizes(), image, batch, None, None, None, 1, local_profile=profile)
             row["profile_source"] = ("calibrate_local in the baseline's process (1 thread, all kernels and half), "
                                      "before and after the timed steps, averaged")
             row["profiles"] = {"local": profile.to_json()}
             row["plan"] = None
         else:
-            # the plan under test came from the calibration before the steps; the model gets the
-            # average of that and one after them, so the host's drift while the row ran moves the
-            # prediction as it moved the steps (the row records how far it drifted)
-            before = engine.calibration
+            row["calibration_before"] = engine.calibration
+            before = cm.profiles_from_calibration(engine.calibration)
             engine.calibrate(specs, layer_input_shapes(specs, batch, image)[0], cfg)
-            after = engine.calibration
-            row["calibration_drift"] = {w: _drift(before[w]["layers"], after[w]["layers"]) for w in before}
-            row["calibration_before"] = before
-            engine.calibration = {w: {**before[w], "layers": [predict._median_of([a, b]) for a, b in
-                                                           zip(before[w]["layers"], after[w]["layers"])]}
-                                  for w in before}
-            profiles = cm.profiles_from_calibration(engine.calibration)
+            after = cm.profiles_from_calibration(engine.calibration)
             counts = {w: [lp.count(w) for lp in engine.plan.layers] for w in engine.plan.workers}
-            link_name = spec.get("link", "loopback")
-            link = (cm.Link(predict.measure_loopback(), name="loopback (measured)") if link_name == "loopback"
-                    else cm.parse_bandwidth(link_name, framing=cm.TBF_FRAMING if spec.get("link_framing") == "tbf"
-                                            else cm.ETHERNET_FRAMING))
-            # where the hosts share the machine's cores, what moving a byte costs them (bench/_wire_cpu.py)
-            link = replace(link, host_cpu_s_per_byte=float(spec.get("wire_cpu_s_per_byte", 0.0)))
-            pred = _cost_prediction(specs, cfg.fc_sizes(), image, batch, counts, profiles, link, len(counts),
-                                    exchange=cfg.exchange, micro_batches=micro, wire=cfg.wire_dtype)
-            first = cm.predict_any(cfg.exchange, specs, image, batch, counts, cm.profiles_from_calibration(before),
-                                   link, pred["coordinator_s"], micro, 2 if cfg.wire_dtype != "float32" else 4)
-            row["predicted_step_s_first_calibration"] = first.step_s
-            row["profile_source"] = "the workers' own calibration in this run (RemoteEngine.calibration)"
+            bracketed = {w: bracket(before[w], after[w], counts[w], batch) for w in counts}
+            profiles = {w: profile for w, (profile, _) in bracketed.items()}
+            row["calibration_drift"] = {w: drift for w, (_, drift) in bracketed.items()}
+            link = model_link(spec.get("link", "loopback"), spec.get("link_framing", "ethernet"),
+                              spec.get("wire_cpu_s_per_byte", 0.0))
+            predict_with = lambda profiles, coordinator_s=None: _cost_prediction(   # noqa: E731
+                specs, cfg.fc_sizes(), image, batch, counts, profiles, link, len(counts), exchange=cfg.exchange,
+                micro_batches=micro, wire=cfg.wire_dtype, coordinator_s=coordinator_s)
+            pred = predict_with(profiles)
+            row["predicted_step_s_first_calibration"] = predict_with(before, pred["coordinator_s"])["step_s"]
+            row["profile_source"] = ("the workers' own calibration in this run (RemoteEngine.calibration), before "
+                                     "and after the timed steps, averaged")
             row["profiles"] = {w: p.to_json() for w, p in profiles.items()}
             row["plan"] = engine.plan.to_json()
             row["counts"] = counts
             row["link"] = {"name": link.name, "bytes_per_s": link.bytes_per_s, "latency_s": link.latency_s,
                            "host_cpu_s_per_byte": link.host_cpu_s_per_byte}
-            row["calibration"] = engine.calibration
+            row["calibration"] = engine.calibration          # the one after the steps
         row["predicted_step_s"] = pred["step_s"]
         row["prediction"] = pred
         row["model_error_pct"] = 100.0 * (pred["step_s"] - row["step_s"]) / row["step_s"]
@@ -175,27 +198,10 @@ def run_one(spec):
     return row
 
 
-def _drift(before, after):
-    """How much slower (> 1) or faster a device calibrated after the timed steps than before:
-    the ratio of its whole-share forward + backward seconds, summed over layers."""
-    total = lambda layers: sum(t["forward_s"][0] + t["backward_s"][0] for t in layers)   # noqa: E731
-    return total(after) / total(before)
-
-
 def drift_text(row):
     """A row's calibration drift for the tables: after/before per device, '' where not measured."""
     drift = row.get("calibration_drift") or {}
     return ", ".join(f"{v:.2f}" for v in drift.values())
-
-
-def _mean_profile(a, b):
-    """The element-wise mean of two fitted profiles of one device."""
-    from dataclasses import astuple
-
-    from hetconv.costmodel import LayerCost
-    layers = tuple(LayerCost(*[(x + y) / 2 for x, y in zip(astuple(la), astuple(lb))])
-                   for la, lb in zip(a.layers, b.layers))
-    return replace(a, layers=layers)
 
 
 # ---- the parent side -------------------------------------------------------------------------

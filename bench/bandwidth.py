@@ -37,7 +37,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
@@ -274,7 +273,7 @@ def main(argv=None):
     common = {"batch_size": args.batch_size, "warmup": args.warmup, "steps": args.steps, "out_dir": scratch,
               "split": "proportional", "conv": args.conv, "fc": args.fc}
     result = {"command": command, "machine": C.machine(), "load_before": _common.load_average(),
-              "workers": args.workers, "rows": []}
+              "workers": args.workers, "conv": args.conv, "fc": args.fc, "rows": []}
     rows = result["rows"]
     t_all = time.perf_counter()
     switch = Switch(1 + args.workers)
@@ -326,10 +325,16 @@ def repredict(path, wire_cpu_ns=None):
     """The saved rows against this version's model: what a model change does to a measured run,
     without measuring again (the host's speed that day stays in both the steps and the profiles)."""
     from hetconv import costmodel as cm
-    from hetconv.geometry import conv_specs
-    with open(path) as f:
-        saved = json.load(f)
-    rows = [r for r in saved.get("rows", []) if r.get("ok") and r.get("profiles") and "prediction" in r]
+    from hetconv.geometry import IMAGE_SHAPE, conv_specs
+    from hetconv.wire import value_bytes
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:
+        print(f"--repredict {path}: cannot read it as JSON: {e}", file=sys.stderr)
+        return 2
+    rows = [r for r in saved.get("rows", []) if r.get("ok") and r.get("profiles") and "prediction" in r] \
+        if isinstance(saved, dict) else []
     if not rows:
         print(f"--repredict {path}: no rows with saved profiles and predictions (not a bandwidth.json of this "
               f"generator?)", file=sys.stderr)
@@ -341,17 +346,17 @@ def repredict(path, wire_cpu_ns=None):
              f"1448/1514 of the tbf rate; wire CPU {wire_cpu_ns:.2f} ns a byte.", "",
              "| link | row | micro-batches | wire | step s | saved prediction | error | new prediction | error |",
              "|---|---|---:|---|---:|---:|---:|---:|---:|"]
+    specs = conv_specs([int(k) for k in saved.get("conv", "500,1500").split(",")])   # recorded since it was a flag
     for r in rows:
-        specs = conv_specs([int(k) for k in str(r.get("conv", saved.get("conv", "500,1500"))).split(",")])
         coordinator_s = r["prediction"]["coordinator_s"]
         if r.get("kind") == "local":
             profile = cm.DeviceProfile.from_json(r["profiles"]["local"])
             new = cm.predict_local(specs, r["batch_size"], profile, coordinator_s)
         else:
             profiles = {w: cm.DeviceProfile.from_json(p) for w, p in r["profiles"].items()}
-            link = replace(cm.parse_bandwidth(r["rate"], framing=cm.TBF_FRAMING), host_cpu_s_per_byte=wire_cpu_ns * 1e-9)
-            new = cm.predict_any(r["exchange"], specs, (3, 32, 32), r["batch_size"], r["counts"], profiles, link,
-                                 coordinator_s, r["micro_batches"], 2 if r["wire"] != "float32" else 4).step_s
+            link = C.model_link(r["rate"], "tbf", wire_cpu_ns * 1e-9)
+            new = cm.predict_any(r["exchange"], specs, IMAGE_SHAPE, r["batch_size"], r["counts"], profiles, link,
+                                 coordinator_s, r["micro_batches"], value_bytes(r["wire"])).step_s
         err = lambda pred: 100.0 * (pred - r["step_s"]) / r["step_s"]   # noqa: E731
         lines.append(f"| {r['rate']} | {r['kind']} | {r.get('micro_batches', '')} | {r.get('wire', '')} | "
                      f"{r['step_s']:.3f} | {r['predicted_step_s']:.3f} | {err(r['predicted_step_s']):+.1f}% | "

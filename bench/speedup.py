@@ -23,7 +23,6 @@ Writes OUT/speedup.json (one row per configuration), OUT/speedup.md, OUT/speedup
 devices, with the ideal line) and OUT/speedup_breakdown.png (per-worker compute / wire / wait).
 """
 import argparse
-import json
 import os
 import signal
 import sys

@@ -136,8 +136,9 @@ class Engine:
         return pooled_hw(*conv_output_hw(input_hw[0], input_hw[1], spec.ksize, spec.ksize, spec.padding))
 
     def _reply_array(self, replies, name, index, shape, doing):
-        """Array `index` of worker `name`'s reply, checked against the shape the plan expects: a worker that sends something else fails the request, named, instead of
-        corrupting a concatenation, a sum or a snapshot."""
+        """Array `index` of worker `name`'s reply, checked against the shape the plan expects: a
+        worker that sends something else fails the request, named, instead of corrupting a
+        concatenation, a sum or a snapshot."""
         arrays = replies[name][0]
         got = tuple(arrays[index].shape) if index < len(arrays) else None
         if got != tuple(shape):

@@ -211,10 +211,18 @@ class PeerLinks:
         on another connection than the coordinator's STEP and can overtake it: a faster peer
         already in step S sends its images before this worker has read STEP S (one run in four
         of the simulated-GPU join test hung on exactly that, when it was dropped here as a left-
-        over). Kept by its key; start_step drops whatever belongs to another step."""
+        over). Kept by its key, for the newest step seen only: what is held between steps stays
+        one step's worth, as during a step, whatever a peer sends. start_step drops whatever
+        belongs to another step."""
         key = self._key(msg)
-        if key is not None and msg.arrays:
-            self.held[key] = msg.arrays[0]
+        if key is None or not msg.arrays or not isinstance(key[0], int):
+            return
+        newest = max((k[0] for k in self.held), default=key[0])
+        if key[0] < newest:
+            return                               # an older step's, overtaken: the next step drops it anyway
+        if key[0] > newest:
+            self.held = {}
+        self.held[key] = msg.arrays[0]
 
     def start_step(self, step):
         """Forget what was held for other steps (left over from abandoned ones); keep this step's.

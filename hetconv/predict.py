@@ -19,6 +19,7 @@ from hetconv.config import Config, HelpFormatter, add_config_flags, check_output
 from hetconv.costmodel import (DeviceProfile, LayerCost, Link, dominant_term, layer_geometry, parse_bandwidth, predict_any,
                                predict_local)
 from hetconv.geometry import IMAGE_SHAPE, conv_specs, layer_input_shapes
+from hetconv.wire import value_bytes
 
 # the flags this command shares with the coordinator: their defaults and help come from Config
 NETWORK_FLAGS = ("conv", "fc", "ksize", "batch_size", "calibration_batch", "split", "exchange", "micro_batches",
@@ -262,7 +263,7 @@ def main(argv=None):
         micro = cfg.micro_batches or (max(1, min(4, cfg.batch_size // 16)) if cfg.exchange == "peer" and n > 1 else 1)
         pred = predict_any(cfg.exchange, specs, image, cfg.batch_size, counts,
                            {**by_name, names[0]: baseline} if n == 1 else by_name, link, coordinator_s[n], micro,
-                           2 if cfg.wire_dtype != "float32" else 4)
+                           value_bytes(cfg.wire_dtype))
         what, seconds, share = dominant_term(pred)
         rows.append({"devices": order[:n], "step_s": pred.step_s, "micro_batches": micro,
                      "dominant": {"term": what, "seconds": seconds, "share": share},

@@ -18,6 +18,11 @@ def check_wire_dtype(name):
     return name
 
 
+def value_bytes(wire):
+    """Bytes one feature-map value takes on `wire`: what the cost model charges per value."""
+    return 4 if check_wire_dtype(wire) == "float32" else 2
+
+
 def encode(a, wire):
     """float32 array -> what travels for `wire` (the same array for float32: no copy)."""
     if wire == "float32":

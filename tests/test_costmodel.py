@@ -341,3 +341,36 @@ def test_the_wire_cpu_probe_measures_a_cost_per_byte(tmp_path):
 def test_predict_names_a_bad_wire_cpu():
     bad = predict("--wire-cpu-ns", "-1", timeout=60)
     assert bad.returncode == 2 and "--wire-cpu-ns -1.0: expected nanoseconds per byte" in bad.stderr
+
+
+def test_bandwidth_repredict_uses_the_saved_calibrations_and_names_a_bad_file(tmp_path):
+    """bench/bandwidth.py --repredict: each saved row predicted again by this model from its own
+    saved profiles (tbf framing, the wire CPU asked for); a file that is not one says so."""
+    import os
+    from dataclasses import replace
+
+    from hetconv.costmodel import TBF_FRAMING, predict_any
+    bench = os.path.join(os.path.dirname(__file__), "..", "bench", "bandwidth.py")
+    counts = _even_counts(2)
+    profiles = {w: flat_profile(w, 1e-4) for w in counts}
+    peer = {"ok": True, "kind": "peer-auto", "rate": "1gbit", "exchange": "peer", "batch_size": 32, "micro_batches": 2,
+            "wire": "bfloat16", "counts": counts, "profiles": {w: p.to_json() for w, p in profiles.items()},
+            "prediction": {"coordinator_s": 0.05}, "step_s": 2.0, "predicted_step_s": 1.5}
+    local = {"ok": True, "kind": "local", "rate": "in-process", "batch_size": 32, "step_s": 4.0, "predicted_step_s": 3.0,
+             "profiles": {"local": flat_profile("local", 1e-4).to_json()}, "prediction": {"coordinator_s": 0.05}}
+    saved = tmp_path / "bandwidth.json"
+    saved.write_text(json.dumps({"command": "test", "machine": "test", "rows": [local, peer]}))
+    run = subprocess.run([sys.executable, bench, "--repredict", str(saved), "--wire-cpu-ns", "0.5"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    link = replace(parse_bandwidth("1gbit", framing=TBF_FRAMING), host_cpu_s_per_byte=0.5e-9)
+    want = predict_any("peer", PAPER, IMAGE, 32, counts, profiles, link, 0.05, 2, 2).step_s
+    table = (tmp_path / "bandwidth_repredicted.md").read_text()
+    assert f"| 1gbit | peer-auto | 2 | bfloat16 | 2.000 | 1.500 | -25.0% | {want:.3f} |" in table
+    assert f"| {predict_local(PAPER, 32, flat_profile('local', 1e-4), 0.05):.3f} |" in table
+    saved.write_text("{not json")
+    bad = subprocess.run([sys.executable, bench, "--repredict", str(saved)], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "cannot read it as JSON" in bad.stderr
+    saved.write_text(json.dumps([1, 2]))
+    bad = subprocess.run([sys.executable, bench, "--repredict", str(saved)], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "no rows with saved profiles" in bad.stderr

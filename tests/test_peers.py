@@ -46,3 +46,17 @@ def test_messages_arriving_during_a_step_are_matched_or_held(links):
     got = links._await({(4, "images", -1, 0, "w0")}, 4)
     np.testing.assert_array_equal(got[(4, "images", -1, 0, "w0")], 1.0)
     assert list(links.held) == [(4, "forward", 0, 0, "w0")]   # the later phase's, waiting for its turn
+
+
+def test_between_steps_only_the_newest_steps_slices_are_held(links):
+    """Whatever a peer sends between steps, what is held stays one step's worth: slices for many
+    steps keep only the newest step's, and an older step's arriving after it is not kept."""
+    for step in range(100, 200):
+        links.hold_early(slice_msg(step, sender="w0"))
+    links.hold_early(slice_msg(199, sender="w2", value=5.0))
+    links.hold_early(slice_msg(150, sender="w3"))                # overtaken: an older step's
+    links.hold_early(slice_msg("7", sender="w4"))                # not a step number
+    assert sorted(links.held) == [(199, "images", -1, 0, "w0"), (199, "images", -1, 0, "w2")]
+    links.start_step(199)
+    got = links._await({(199, "images", -1, 0, "w2")}, 199)
+    np.testing.assert_array_equal(got[(199, "images", -1, 0, "w2")], 5.0)
