@@ -100,3 +100,35 @@ def test_replies_of_the_wrong_shape_are_named_not_concatenated():
     with pytest.raises(WorkerError, match=r"worker a failed during fetching conv1: .*shape \(1, 2, 3, 3\), the plan "
                                           r"expects \(1, 3, 3, 3\)"):
         engine.gather()
+
+
+# A worker whose conv output is one row short: it sends FEATURES of the wrong height.
+_LYING_WORKER = ("import sys\nfrom hetconv import shard\nhonest = shard.ConvShard.forward\n"
+                 "shard.ConvShard.forward = lambda self, *a, **k: honest(self, *a, **k)[:, :, :-1]\n"
+                 "from hetconv.worker import main\nsys.exit(main())\n")
+
+
+def test_peer_features_of_the_wrong_shape_are_named(procs):
+    """The peer exchange's check on the last layer's slices (FEATURES) takes H and W from the
+    layer's geometry: a worker that sends a short map fails the step, named, with both shapes."""
+    import sys
+
+    from hetconv.engine import WorkerError
+    from hetconv.geometry import ConvSpec
+    from hetconv.planner import fixed_plan
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    procs([sys.executable, "-c", _LYING_WORKER, "--device", "cpu", "--connect", address, "--threads", "1",
+           "--name", "liar"])
+    engine = RemoteEngine(address, 1, threads=1, connect_timeout=60, worker_timeout=10.0, log=quiet, exchange="peer")
+    try:
+        rng = np.random.default_rng(0)
+        spec = ConvSpec(3, 4, 3, 0)
+        w, b = rng.standard_normal((4, 3, 3, 3)).astype(np.float32), np.zeros(4, np.float32)
+        engine.load(fixed_plan([4], {"liar": [4]}), [spec], [(w, b, None, None)])
+        x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
+        with pytest.raises(WorkerError, match=r"liar.*ShapeError: FEATURES for micro-batch 0 with shape \(2, 4, 2, 3\): "
+                                              r"the plan expects \(2, 4, 3, 3\)"):
+            engine.predict(x)
+    finally:
+        engine.close()
