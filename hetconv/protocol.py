@@ -16,7 +16,7 @@ PROTOCOL_VERSION = 2
 
 # Coordinator -> worker requests, worker -> coordinator replies and notices, worker -> worker.
 REQUESTS = ("WELCOME", "CALIBRATE", "LOAD", "FORWARD", "BACKWARD", "FETCH", "SHUTDOWN",
-            "PEERS", "STEP", "INPUT", "GRAD")
+            "PEERS", "STEP", "INPUT", "GRAD", "WAIT")
 REPLIES = ("HELLO", "HEARTBEAT", "CALIBRATED", "LOADED", "FORWARD_DONE", "BACKWARD_DONE", "SHARD", "BYE", "ERROR",
            "PEERS_OK", "FEATURES", "STEP_DONE")
 PEER_OPS = ("SLICE",)
