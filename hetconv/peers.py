@@ -12,10 +12,18 @@ For a step over M micro-batches, a worker
   reduce-scatter); each worker sums the pieces for its own kernels in plan order, so the result
   does not depend on arrival order and equals the star's sum; each layer's last micro-batch
   applies the step's one SGD update.
-Peers on the same host and network namespace talk over ipc://, others over tcp.
+Peers on the same host and network namespace talk over ipc:// where the peer's socket path is
+proved reachable (its token file reads back), others over tcp.
+
+A peer's header is never trusted: every SLICE is checked against the plan and the step it serves
+before it is matched or held (PeerLinks._admit).
 """
+import hmac
 import os
+import secrets
 import socket
+import stat
+import sys
 import tempfile
 import time
 import uuid
@@ -27,8 +35,9 @@ from hetconv.wire import decode, encode
 
 
 def host_key():
-    """Peers with the same key share a filesystem and a network stack: ipc:// reaches them and is
-    faster than tcp. A separate network namespace (an emulated host) gets a key of its own."""
+    """Peers with the same key share a host name and a network stack: ipc:// may reach them, and is
+    faster than tcp. A separate network namespace (an emulated host) gets a key of its own. Not
+    proof of a shared /tmp (containers can share both and not it): see ipc_reachable."""
     try:
         netns = os.stat("/proc/self/ns/net").st_ino
     except OSError:
@@ -83,22 +92,97 @@ def bind_inbox(ctx, address, keydir="", log=print, limit=0):
     return inbox, endpoints, auth, peer_keys
 
 
+TOKEN_SUFFIX = ".token"                     # the token file's path: the ipc socket's path plus this
+
+
+def _ipc_paths(endpoints):
+    return [e[len("ipc://"):] for e in endpoints if e.startswith("ipc://")]
+
+
+def write_ipc_token(endpoints):
+    """Write a fresh random token next to each ipc socket path of `endpoints` and return it (""
+    when there is no ipc endpoint or the file cannot be written: peers then use tcp). A peer that
+    reads the same token back through the path it was given shares this worker's /tmp."""
+    paths, token = _ipc_paths(endpoints), secrets.token_hex(16)
+    try:
+        for path in paths:
+            fd = os.open(path + TOKEN_SUFFIX, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            with os.fdopen(fd, "w") as f:
+                f.write(token)
+    except OSError:
+        return ""
+    return token if paths else ""
+
+
+def remove_ipc_files(endpoints):
+    """Unlink the ipc socket files of `endpoints` and their token files."""
+    for path in _ipc_paths(endpoints):
+        for name in (path, path + TOKEN_SUFFIX):
+            try:
+                os.unlink(name)
+            except OSError:
+                pass
+
+
+def ipc_reachable(endpoint, token):
+    """True when `endpoint` (ipc://PATH, from a peer's announcement) is reachable from here: the
+    token file next to PATH holds the `token` the peer announced. Same host name and network
+    namespace do not prove it (containers may share both but not /tmp), and an ipc path that does
+    not exist here stalls the step until its timeout. The path comes from the network: the file is
+    opened without following a link or blocking (a FIFO there must not hang the worker), must be
+    a regular file, and only a token's length of it is read."""
+    if not (isinstance(endpoint, str) and endpoint.startswith("ipc://") and isinstance(token, str)
+            and 16 <= len(token) <= 128):
+        return False
+    try:
+        fd = os.open(endpoint[len("ipc://"):] + TOKEN_SUFFIX, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except (OSError, ValueError):               # ValueError: a NUL byte in the path
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        found = os.read(fd, 129)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return hmac.compare_digest(found, token.encode("ascii", "replace"))
+
+
 class StepAbandoned(RuntimeError):
     """The coordinator gave up on the step this worker was in (and will not wait for its reply)."""
+
+
+PHASES = ("images", "forward", "backward")    # a SLICE's phase
+STEP_OPS = ("SLICE", "INPUT", "GRAD")        # what a step reads from its queue; any other op ends it
+# A step's micro-batch count is known once its STEP is read; a peer's images that arrive before it
+# (a faster peer already in that step) are checked against this ceiling instead. What it costs:
+# between steps up to this many images slices per peer may be held, each within the message limit.
+MAX_EARLY_MICRO = 256
+
+
+def _is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class PeerLinks:
     """The compute thread's sockets to the other workers of the plan, and the step it runs."""
 
-    def __init__(self, ctx, name, shard, requests, send_to_coordinator, protocol, keydir="", peer_keys=None):
+    def __init__(self, ctx, name, shard, requests, send_to_coordinator, protocol, keydir="", peer_keys=None,
+                 log=None):
         self.ctx, self.name, self.shard = ctx, name, shard
         self.keydir, self.peer_keys = keydir, peer_keys      # CURVE: own keys, and who may push to us
+        self.key_owners = {}                     # z85 public key -> the plan's workers holding it (with keys)
         self.requests = requests                 # the compute thread's queue: coordinator and peer messages
         self.send_to_coordinator = send_to_coordinator
         self.P = protocol
+        self.log = log or (lambda line: print(f"hetconv-worker: {line}", file=sys.stderr, flush=True))
         self.outboxes = {}                       # peer name -> PUSH socket
         self.order, self.ranges = [name], []
+        self.step, self.micros = None, 0         # the step last started under this plan, its micro-batches
         self.held = {}                           # (step, phase, layer, micro, sender) -> array, arrived early
+        self.dropped = 0                         # messages refused by _admit, all told
+        self.reported = set()                    # the kinds of refusal already logged (once each)
         self.deferred = []                       # a request that ended a step early, to serve next
         self.bytes_sent = 0                      # this step's, sent to peers
         self.wait_s = 0.0                        # this step's, waiting for peers' slices
@@ -115,6 +199,7 @@ class PeerLinks:
             raise ValueError(f"this worker {self.name!r} is not among the plan's workers {self.order}")
         self.ranges = [{w: tuple(r) for w, r in layer.items()} for layer in fields["ranges"]]
         self.timeout = float(fields.get("timeout", 600.0))
+        self.step, self.micros, self.held = None, 0, {}    # a new plan: its first step's id comes with its STEP
         others = [p for p in fields["peers"] if p["name"] != self.name]
         if self.keydir:
             keyless = [p["name"] for p in others if not p.get("public_key")]
@@ -122,6 +207,9 @@ class PeerLinks:
                 raise ValueError(f"workers {keyless} have no authenticated public key: this worker uses keys "
                                  f"(--curve) and talks only to keyed peers")
             self.peer_keys.allowed = frozenset(str(p["public_key"]) for p in others)
+            self.key_owners = {}
+            for p in others:                     # workers started with one key folder share a key
+                self.key_owners.setdefault(str(p["public_key"]), set()).add(p["name"])
         if fields.get("connect") is False:
             return {"routes": {}}                # keys first: see RemoteEngine._connect_peers
         routes = {}
@@ -131,9 +219,12 @@ class PeerLinks:
             endpoints = peer["endpoints"]
             same_host = peer.get("host_key") == me
             endpoint = next((e for e in endpoints if e.startswith("ipc://")), None) if same_host else None
+            if endpoint and not ipc_reachable(endpoint, peer.get("ipc_token")):
+                endpoint = None                  # its path is not this worker's /tmp, or unproved: tcp
             endpoint = endpoint or next(e for e in endpoints if e.startswith("tcp://"))
             push = self.ctx.socket(zmq.PUSH)
             push.linger = 0
+            push.sndtimeo = max(1, int(self.timeout * 1000))   # a gone peer fails the step, never blocks it
             if self.keydir:
                 from hetconv.keys import connect_peer
                 connect_peer(push, self.keydir, str(peer["public_key"]))
@@ -149,13 +240,19 @@ class PeerLinks:
 
     # ---- messages ------------------------------------------------------------------------------
     def _send_peer(self, peer, step, phase, layer, micro, array):
+        import zmq
         frames = self.P.pack("SLICE", 0, [array], step=step, phase=phase, layer=layer, micro=micro, sender=self.name)
         self.bytes_sent += sum(len(f) for f in frames)
-        self.outboxes[peer].send_multipart(frames, copy=False)
+        try:
+            self.outboxes[peer].send_multipart(frames, copy=False)
+        except zmq.Again:
+            raise TimeoutError(f"step {step}: peer {peer} took no message for {self.timeout:.0f}s: "
+                               f"it is gone or stalled") from None
 
     def _await(self, wanted, step):
         """Block until the messages with keys `wanted` have arrived (or are held); returns their
-        arrays by key. Messages for later phases that arrive meanwhile are held."""
+        arrays by key. Messages for later phases (or the next step's images) that arrive meanwhile
+        are held, one per key."""
         got = {k: self.held.pop(k) for k in list(wanted) if k in self.held}
         deadline = time.monotonic() + self.timeout
         t0 = time.perf_counter()
@@ -171,16 +268,18 @@ class PeerLinks:
                 continue
             if msg is None:
                 raise InterruptedError("worker shutting down")
-            key = self._key(msg)
-            if key is None:
+            if msg.op not in STEP_OPS:
                 # The coordinator moved on (a worker was lost and the survivors are being
                 # reloaded, or it is shutting down): give up this step, serve that request next.
                 self.deferred.append(msg)
                 raise StepAbandoned(f"step {step} abandoned: the coordinator sent {msg.op} before it ended")
-            if key[0] != step:
-                continue                         # left over from an abandoned step
-            if key in wanted:
+            key = self._admit(msg, running=True)
+            if key is None:
+                continue
+            if key in wanted and key not in got:
                 got[key] = msg.arrays[0]
+            elif key in got or key in self.held:
+                self._drop(msg, "duplicate", f"a second {key[1]} for layer {key[2]}, micro-batch {key[3]}")
             else:
                 self.held[key] = msg.arrays[0]
         self.wait_s += time.perf_counter() - t0
@@ -197,37 +296,88 @@ class PeerLinks:
         start, stop = self.ranges[layer][worker]
         return stop - start
 
-    @staticmethod
-    def _key(msg):
-        f = msg.fields
-        if msg.op == "SLICE":
-            return (f.get("step"), f.get("phase"), f.get("layer"), f.get("micro"), f.get("sender"))
-        if msg.op in ("INPUT", "GRAD"):
-            return (f.get("step"), msg.op, -1, f.get("micro"), "coordinator")
+    def _drop(self, msg, kind, why):
+        """Refuse a message: counted, and logged once per kind, so a misbehaving peer cannot
+        flood the log. Returns None, what _admit returns for it."""
+        self.dropped += 1
+        if kind not in self.reported:
+            self.reported.add(kind)
+            sender = msg.fields.get("sender", "the coordinator") if msg.op == "SLICE" else "the coordinator"
+            self.log(f"dropped a {msg.op} from {sender!r:.60}: {why:.200} (further drops of this kind are not reported)")
         return None
+
+    def _admit(self, msg, running):
+        """The key (step, phase, layer, micro, sender) of a SLICE, INPUT or GRAD whose every header
+        field is what the plan allows, or None (dropped). `running`: during step self.step, its
+        own messages and the next step's images are admitted; between steps, only the next step's
+        images (any step's while no step has run under this plan: a worker that joins, or a new
+        plan, does not know the next step's id until its STEP). Without these checks an unhashable
+        field would raise deep inside, a far-future step would evict a real early slice, keys
+        outside the plan would be held without bound, and a peer could pose as another peer or as
+        the coordinator's INPUT or GRAD."""
+        f = msg.fields
+        step, micro = f.get("step"), f.get("micro")
+        if msg.op == "SLICE":
+            phase, layer, sender = f.get("phase"), f.get("layer"), f.get("sender")
+        else:
+            phase, layer, sender = msg.op, -1, "coordinator"
+        if len(msg.arrays) != 1:
+            return self._drop(msg, "arrays", f"{len(msg.arrays)} arrays, expected 1")
+        if not _is_int(step) or step < 0:
+            return self._drop(msg, "step", f"step {step!r} is not a step number")
+        if running and step == self.step:
+            micros = self.micros
+        elif (self.step is None and not running) or (self.step is not None and step == self.step + 1):
+            micros = MAX_EARLY_MICRO             # the next step's: only a faster peer's images come early
+            if phase != "images":
+                return self._drop(msg, "early", f"{phase!r} for step {step} before that step began")
+        else:
+            return self._drop(msg, "step", f"step {step} is neither step {self.step} of this plan nor the next")
+        if not _is_int(micro) or not 0 <= micro < micros:
+            return self._drop(msg, "micro", f"micro-batch {micro!r} out of range(0, {micros})")
+        if msg.op != "SLICE":
+            return (step, phase, layer, micro, sender)
+        layers = len(self.ranges)
+        allowed = {"images": range(-1, 0), "forward": range(0, layers - 1), "backward": range(1, layers)}
+        if not isinstance(phase, str) or phase not in PHASES:
+            return self._drop(msg, "phase", f"phase {phase!r:.40} is not one of {', '.join(PHASES)}")
+        if not _is_int(layer) or layer not in allowed[phase]:
+            return self._drop(msg, "layer", f"{phase} layer {layer!r:.40} is outside the plan's {layers} layers")
+        if not isinstance(sender, str) or sender == self.name or sender not in self.order:
+            return self._drop(msg, "sender", f"sender {sender!r:.60} is not another worker of the plan")
+        # With keys the inbox knows which key each connection authenticated (ZAP), so a sender
+        # must be a worker holding that key. Workers sharing one key folder (--spawn) cannot be
+        # told apart, nor can any sender without keys (loopback, --insecure): there the checks
+        # above bound what a peer can do, not whom it claims to be.
+        if self.keydir and sender not in self.key_owners.get(getattr(msg, "peer_key", ""), ()):
+            return self._drop(msg, "key", f"sender {sender!r} does not hold the key its connection authenticated")
+        return (step, phase, layer, micro, sender)
 
     def hold_early(self, msg):
         """A SLICE (or INPUT, GRAD) the compute thread reads between steps. A peer's slice travels
         on another connection than the coordinator's STEP and can overtake it: a faster peer
         already in step S sends its images before this worker has read STEP S (one run in four
         of the simulated-GPU join test hung on exactly that, when it was dropped here as a left-
-        over). Kept by its key, for the newest step seen only: what is held between steps stays
-        one step's worth, as during a step, whatever a peer sends. start_step drops whatever
-        belongs to another step."""
-        key = self._key(msg)
-        if key is None or not msg.arrays or not isinstance(key[0], int):
+        over). Only the next step's images are admitted (_admit), one per key; while that step's
+        id is unknown, each sender's newest step's, so no sender can evict another's. start_step
+        drops whatever belongs to another step."""
+        key = self._admit(msg, running=False)
+        if key is None:
             return
-        newest = max((k[0] for k in self.held), default=key[0])
-        if key[0] < newest:
-            return                               # an older step's, overtaken: the next step drops it anyway
-        if key[0] > newest:
-            self.held = {}
+        sender = key[4]
+        if any(k[4] == sender and k[0] > key[0] for k in self.held):
+            return                               # older than what this sender already sent: a left-over
+        if key in self.held:
+            self._drop(msg, "duplicate", f"a second {key[1]} for step {key[0]}, micro-batch {key[3]}")
+            return
+        self.held = {k: v for k, v in self.held.items() if k[4] != sender or k[0] == key[0]}
         self.held[key] = msg.arrays[0]
 
-    def start_step(self, step):
-        """Forget what was held for other steps (left over from abandoned ones); keep this step's.
-        The step's byte and wait counters start at zero."""
-        self.held = {k: v for k, v in self.held.items() if k[0] == step}
+    def start_step(self, step, micros):
+        """Forget what was held for other steps (left over from abandoned ones) or for micro-batches
+        this step does not have; keep this step's. The step's byte and wait counters start at zero."""
+        self.step, self.micros = step, micros
+        self.held = {k: v for k, v in self.held.items() if k[0] == step and k[3] < micros}
         self.bytes_sent = 0
         self.wait_s = 0.0
 
@@ -238,7 +388,7 @@ class PeerLinks:
         wire = fields.get("wire", "float32")
         sgd = None if fields.get("sgd") is None else tuple(float(v) for v in fields["sgd"])
         layers = len(self.ranges)
-        self.start_step(step)
+        self.start_step(step, micros)
         compute = [0.0] * layers
         others = [w for w in self.order if w != self.name]
 

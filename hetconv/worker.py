@@ -9,8 +9,10 @@ inproc PAIR socket, so a reply wakes the I/O thread's poll at once.
 An exception while serving becomes an ERROR message naming the worker, and the worker goes on.
 """
 import argparse
+import math
 import os
 import queue
+import signal
 import socket
 import sys
 import threading
@@ -122,6 +124,16 @@ class WorkerExit(Exception):
     pass
 
 
+class Terminated(Exception):
+    """SIGTERM: raised in the main thread, so run's clean-up (ipc files, sockets) runs as on any
+    other exit."""
+
+
+def _on_sigterm(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)    # a second one must not cut the clean-up short
+    raise Terminated()
+
+
 def _serve_compute(ctx, endpoint, requests, device_spec, threads, identity, name, keydir="", peer_keys=None):
     """The compute thread: one request (a Message the I/O thread already checked) in from the
     `requests` queue, its reply out over the PAIR socket, strictly in order; None stops it. A
@@ -203,8 +215,10 @@ def run(args):
     dealer = ctx.socket(zmq.DEALER)
     dealer.linger = 0
     dealer.setsockopt(zmq.IDENTITY, identity.encode())
+    # A backstop for any blocking send: the I/O loop itself sends with NOBLOCK (see _io_loop).
+    dealer.sndtimeo = int(min(args.idle_timeout, 10.0) * 1000)
     requests = queue.Queue()
-    from hetconv.peers import bind_inbox, host_key, route_address
+    from hetconv.peers import bind_inbox, host_key, remove_ipc_files, route_address, write_ipc_token
     peer_address = args.peer_address or route_address(args.connect)
     from hetconv.keys import set_message_limit
     limit = int(args.message_limit_mb * 1e6)
@@ -217,6 +231,7 @@ def run(args):
         inbox, peer_endpoints, auth, peer_keys = bind_inbox(ctx, peer_address, args.curve, log=_log, limit=limit)
     except zmq.ZMQError as e:
         raise WorkerExit(f"--peer-address {peer_address}: cannot listen for peers there ({e.strerror})") from None
+    ipc_token = write_ipc_token(peer_endpoints)   # "" : no ipc path proved, peers reach this worker over tcp
     compute = threading.Thread(target=_serve_compute,
                                args=(ctx, endpoint, requests, args.device, args.threads, identity, label,
                                      args.curve, peer_keys),
@@ -236,8 +251,10 @@ def run(args):
         dealer.send_multipart(P.pack("HELLO", 0, name=label, identity=identity, device=args.device, host=host,
                                      pid=os.getpid(), version=__version__, threads=args.threads,
                                      description=first.fields["description"], peer_endpoints=peer_endpoints,
-                                     host_key=host_key()))
+                                     host_key=host_key(), ipc_token=ipc_token))
         welcome = _await_welcome(dealer, args, P)
+        if welcome is None:
+            return                                  # SHUTDOWN while waiting to join
         needed = int(welcome.fields.get("message_limit") or 0)
         if needed > limit:
             why = (f"this run moves frames of up to {needed / 1e6:.1f} MB, more than --message-limit-mb "
@@ -257,12 +274,7 @@ def run(args):
         requests.put(None)
         compute.join(timeout=2)
         inbox.close(linger=0)
-        for endpoint_path in peer_endpoints:
-            if endpoint_path.startswith("ipc://"):
-                try:
-                    os.unlink(endpoint_path[len("ipc://"):])
-                except OSError:
-                    pass
+        remove_ipc_files(peer_endpoints)
         dealer.close(linger=0)
         pair.close(linger=0)
         if auth is not None:
@@ -271,9 +283,22 @@ def run(args):
             ctx.term()
 
 
+def wait_seconds(fields):
+    """A WAIT's `seconds` (the coordinator's estimate until it admits this worker), or None when it
+    is not a finite number >= 0: such a WAIT is ignored."""
+    seconds = fields.get("seconds")
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        return None
+    return float(seconds) if math.isfinite(seconds) and seconds >= 0 else None
+
+
 def _await_welcome(dealer, args, P):
+    """WELCOME, or None when the coordinator sent SHUTDOWN instead. A WAIT (a run admits a joiner
+    only at its next snapshot, which can be minutes away) moves the deadline to its estimate plus
+    --connect-timeout."""
     import zmq
     deadline = time.monotonic() + args.connect_timeout
+    told = False
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -293,7 +318,30 @@ def _await_welcome(dealer, args, P):
                 raise WorkerExit(f"the coordinator refused this worker: {msg.fields.get('message')}")
             if msg.op == "WELCOME":
                 return msg
+            if msg.op == "SHUTDOWN":
+                _send_or_drop(dealer, P.pack("BYE", msg.seq))
+                time.sleep(0.05)                # let BYE leave before the socket closes
+                print("hetconv-worker: the coordinator ended the run before admitting this worker", file=sys.stderr)
+                return None
+            seconds = wait_seconds(msg.fields) if msg.op == "WAIT" else None
+            if seconds is not None:
+                deadline = max(deadline, time.monotonic() + seconds + args.connect_timeout)
+                if not told:
+                    told = True
+                    print(f"hetconv-worker: the run admits this worker at its next snapshot, in about "
+                          f"{seconds:.0f} s; waiting", file=sys.stderr, flush=True)
         _check_parent(args)
+
+
+def _send_or_drop(sock, frames, copy=True):
+    """Send without blocking; False when the link cannot take it now (its queue is full: the
+    other end is gone or not reading)."""
+    import zmq
+    try:
+        sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
+        return True
+    except zmq.Again:
+        return False
 
 
 def _log(line):
@@ -336,7 +384,14 @@ def _alive(pid):
 
 
 def _io_loop(dealer, pair, inbox, requests, args, P, heartbeats=None, identity=""):
+    """Every send to the coordinator is NOBLOCK: a coordinator that is gone (or stopped reading)
+    fills the link's queue, and a blocking send would hold this loop, its idle timeout and
+    SHUTDOWN handling, for good. A reply the link cannot take waits here (no further reply is
+    read meanwhile); a heartbeat or an ERROR about a malformed request is dropped. Nothing sent
+    for --idle-timeout ends the worker."""
     import zmq
+
+    from hetconv.keys import authenticated_key
     poller = zmq.Poller()
     poller.register(dealer, zmq.POLLIN)
     poller.register(pair, zmq.POLLIN)
@@ -344,26 +399,37 @@ def _io_loop(dealer, pair, inbox, requests, args, P, heartbeats=None, identity="
     hb = P.pack("HEARTBEAT", 0)
     hb_named = P.pack("HEARTBEAT", 0, identity=identity)
     last_request = last_sent = last_beat = time.monotonic()
+    reply = None                              # a reply the coordinator's link could not take yet
+    stuck_since = None                        # when a send last failed, with none succeeding since
+
+    def send(frames, copy=True):
+        nonlocal last_sent, stuck_since
+        if _send_or_drop(dealer, frames, copy=copy):
+            last_sent, stuck_since = time.monotonic(), None
+            return True
+        stuck_since = stuck_since or time.monotonic()
+        return False
+
     while True:
         events = dict(poller.poll(int(args.heartbeat * 1000)))
         now = time.monotonic()
-        if dealer in events:
+        if dealer in events and events[dealer] & zmq.POLLIN:
             frames = dealer.recv_multipart(copy=False)
             last_request = now
             try:
                 msg = P.unpack(frames)
             except P.ProtocolError as e:
                 # A malformed request never reaches the device: answer it and keep serving.
-                dealer.send_multipart(P.pack("ERROR", -1, **P.error_fields(e, dealer.getsockopt_string(zmq.IDENTITY),
-                                                                          "reading a request")))
-                continue
-            if msg.op == "HEARTBEAT":
-                continue                      # the coordinator probing that this link is up
-            if msg.op == "SHUTDOWN":
-                dealer.send_multipart(P.pack("BYE", msg.seq))
+                send(P.pack("ERROR", -1, **P.error_fields(e, identity, "reading a request")))
+                msg = None
+            if msg is None or msg.op in ("HEARTBEAT", "WAIT"):
+                pass                          # a probe that this link is up; a WAIT that crossed WELCOME
+            elif msg.op == "SHUTDOWN":
+                send(P.pack("BYE", msg.seq))
                 time.sleep(0.05)
                 return
-            requests.put(msg)                 # checked once, here; the arrays keep their frames alive
+            else:
+                requests.put(msg)             # checked once, here; the arrays keep their frames alive
         if inbox in events:
             frames = inbox.recv_multipart(copy=False)
             try:
@@ -372,19 +438,24 @@ def _io_loop(dealer, pair, inbox, requests, args, P, heartbeats=None, identity="
                 print(f"hetconv-worker: ignored a malformed message from a peer: {e}", file=sys.stderr, flush=True)
                 msg = None
             if msg is not None and msg.op == "SLICE":
+                msg.peer_key = authenticated_key(frames[0])   # whom the sender must be (PeerLinks._admit)
                 requests.put(msg)             # only slices come from peers; the compute thread matches them
-        if pair in events:
-            dealer.send_multipart(pair.recv_multipart(copy=False), copy=False)
-            last_sent = now
+        if reply is None and pair in events:
+            reply = pair.recv_multipart(copy=False)
+        if reply is not None and send(reply, copy=False):
+            reply = None
+        # Wake when the link frees up for a waiting reply; read no further reply meanwhile.
+        poller.register(dealer, zmq.POLLIN | (zmq.POLLOUT if reply is not None else 0))
+        poller.register(pair, 0 if reply is not None else zmq.POLLIN)
         if now - last_sent >= args.heartbeat:
-            dealer.send_multipart(hb)
+            send(hb)
             last_sent = now
         if heartbeats is not None and now - last_beat >= args.heartbeat:
-            try:
-                heartbeats.send_multipart(hb_named, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                pass
+            _send_or_drop(heartbeats, hb_named)
             last_beat = now
+        if stuck_since is not None and now - stuck_since > args.idle_timeout:
+            raise WorkerExit(f"could not send to the coordinator for {args.idle_timeout:.0f}s (--idle-timeout): "
+                             f"it is gone or not reading; exiting")
         if now - last_request > args.idle_timeout:
             raise WorkerExit(f"no request for {args.idle_timeout:.0f}s: the coordinator is gone or idle; exiting")
         _check_parent(args)
@@ -392,12 +463,17 @@ def _io_loop(dealer, pair, inbox, requests, args, P, heartbeats=None, identity="
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         _early_pin(argv)
         run(build_parser().parse_args(argv))
     except WorkerExit as e:
         print(f"hetconv-worker: {e}", file=sys.stderr, flush=True)
         return 2
+    except Terminated:
+        print("hetconv-worker: terminated (SIGTERM); exiting", file=sys.stderr, flush=True)
+        return 128 + signal.SIGTERM            # 143, as a shell reports a process the signal ended
     except KeyboardInterrupt:
         return 130
     return 0

@@ -14,10 +14,18 @@ def slice_msg(step, phase="images", layer=-1, micro=0, sender="w0", value=1.0):
                            layer=layer, micro=micro, sender=sender))
 
 
+def plan_fields(workers=("w0", "w1", "w2", "w3"), layers=2, you="w1"):
+    """PEERS for a plan of `workers` over `layers` conv layers, one kernel each, not connecting:
+    what a PeerLinks needs to know to check a slice, without sockets."""
+    return {"you": you, "peers": [{"name": w, "endpoints": [], "host_key": ""} for w in workers],
+            "ranges": [{w: [i, i + 1] for i, w in enumerate(workers)} for _ in range(layers)],
+            "timeout": 2.0, "connect": False}  # a missing message fails the test in 2 s instead of hanging it
+
+
 @pytest.fixture
 def links():
     links = PeerLinks(None, "w1", None, queue.Queue(), None, P)
-    links.timeout = 2.0                   # a missing message fails the test in 2 s instead of hanging it
+    links.connect(plan_fields())
     return links
 
 
@@ -25,22 +33,22 @@ def test_a_peers_slice_that_overtakes_the_step_message_is_kept_for_that_step(lin
     """A faster peer already in step 7 sends its images before this worker has read STEP 7 (they
     come over different connections): the compute loop holds it, and step 7 finds it."""
     links.hold_early(slice_msg(7, value=3.0))
-    links.start_step(7)
+    links.start_step(7, 1)
     got = links._await({(7, "images", -1, 0, "w0")}, 7)
     np.testing.assert_array_equal(got[(7, "images", -1, 0, "w0")], 3.0)
 
 
 def test_what_was_held_for_another_step_is_dropped_when_a_step_starts(links):
     links.hold_early(slice_msg(3))                           # an abandoned step's
-    links.hold_early(slice_msg(7, phase="forward", layer=0))
-    links.start_step(7)
-    assert list(links.held) == [(7, "forward", 0, 0, "w0")]
+    links.hold_early(slice_msg(7, sender="w2"))
+    links.start_step(7, 1)
+    assert list(links.held) == [(7, "images", -1, 0, "w2")]
     with pytest.raises(TimeoutError, match=r"step 7: waited 2s for \[\(7, 'images', -1, 0, 'w0'\)\]"):
         links._await({(7, "images", -1, 0, "w0")}, 7)
 
 
 def test_messages_arriving_during_a_step_are_matched_or_held(links):
-    links.start_step(4)
+    links.start_step(4, 1)
     links.requests.put(slice_msg(4, phase="forward", layer=0, value=2.0))
     links.requests.put(slice_msg(4, value=1.0))
     got = links._await({(4, "images", -1, 0, "w0")}, 4)
@@ -48,15 +56,20 @@ def test_messages_arriving_during_a_step_are_matched_or_held(links):
     assert list(links.held) == [(4, "forward", 0, 0, "w0")]   # the later phase's, waiting for its turn
 
 
-def test_between_steps_only_the_newest_steps_slices_are_held(links):
-    """Whatever a peer sends between steps, what is held stays one step's worth: slices for many
-    steps keep only the newest step's, and an older step's arriving after it is not kept."""
+def test_between_steps_only_each_senders_newest_steps_slices_are_held(links):
+    """Whatever a peer sends between steps (before any step of the plan tells which comes next),
+    what is held stays one step's worth per sender: slices for many steps keep only the newest
+    step's, an older step's arriving after it is not kept, and one sender's steps never evict
+    another's. The step that starts keeps only its own."""
     for step in range(100, 200):
         links.hold_early(slice_msg(step, sender="w0"))
     links.hold_early(slice_msg(199, sender="w2", value=5.0))
-    links.hold_early(slice_msg(150, sender="w3"))                # overtaken: an older step's
-    links.hold_early(slice_msg("7", sender="w4"))                # not a step number
+    links.hold_early(slice_msg(150, sender="w0"))                # overtaken: an older step's
+    links.hold_early(slice_msg(150, sender="w3"))                # w3's newest: kept until a step starts
+    links.hold_early(slice_msg("7", sender="w2"))                # not a step number
+    assert sorted(links.held) == [(150, "images", -1, 0, "w3"), (199, "images", -1, 0, "w0"),
+                                  (199, "images", -1, 0, "w2")]
+    links.start_step(199, 1)
     assert sorted(links.held) == [(199, "images", -1, 0, "w0"), (199, "images", -1, 0, "w2")]
-    links.start_step(199)
     got = links._await({(199, "images", -1, 0, "w2")}, 199)
     np.testing.assert_array_equal(got[(199, "images", -1, 0, "w2")], 5.0)
