@@ -463,8 +463,8 @@ def _io_loop(dealer, pair, inbox, requests, args, P, heartbeats=None, identity="
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _on_sigterm)
+    on_main_thread = threading.current_thread() is threading.main_thread()   # where signals are handled
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if on_main_thread else None
     try:
         _early_pin(argv)
         run(build_parser().parse_args(argv))
@@ -476,6 +476,9 @@ def main(argv=None):
         return 128 + signal.SIGTERM            # 143, as a shell reports a process the signal ended
     except KeyboardInterrupt:
         return 130
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous)    # a caller in-process gets its own handler back
     return 0
 
 
