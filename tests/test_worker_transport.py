@@ -271,6 +271,43 @@ def test_a_worker_whose_coordinator_stops_reading_exits_after_the_idle_timeout(p
         fake.close()
 
 
+def test_a_worker_whose_link_is_full_still_obeys_shutdown(procs, short_tmp):
+    """As above, but the coordinator sends SHUTDOWN once the link is full (a dropped worker it
+    no longer reads from): the worker exits 0 at once, without waiting out --idle-timeout."""
+    fake = FakeCoordinator(short_tmp, {zmq.RCVHWM: 1, zmq.RCVBUF: 4096, zmq.SNDHWM: 0})
+    try:
+        worker = start_worker(procs, fake, short_tmp, "--heartbeat", 0.02, "--idle-timeout", 600)
+        fake.hello()
+        fake.send("WELCOME", message_limit=0)
+        for _ in range(5000):
+            fake.sock.send_multipart([fake.worker, b"junk"])
+        fake.send("SHUTDOWN")
+        assert worker.wait(EXIT_BOUND_S) == 0
+    finally:
+        fake.close()
+
+
+def test_a_stopped_and_resumed_worker_obeys_shutdown(procs, short_tmp):
+    """A worker SIGSTOPped long enough to be declared lost, then resumed, is sent SHUTDOWN by the
+    coordinator that dropped it: it exits 0 at once, whatever queued up while it was stopped."""
+    fake = FakeCoordinator(short_tmp)
+    try:
+        worker = start_worker(procs, fake, short_tmp, "--heartbeat", 0.05, "--idle-timeout", 600)
+        fake.hello()
+        fake.send("WELCOME", message_limit=0)
+        assert fake.await_op("HEARTBEAT", EXIT_BOUND_S), "the worker never started serving"
+        worker.send_signal(signal.SIGSTOP)
+        for _ in range(20):
+            fake.send("HEARTBEAT")
+            time.sleep(0.05)
+        worker.send_signal(signal.SIGCONT)
+        fake.send("SHUTDOWN")
+        assert fake.await_op("BYE", EXIT_BOUND_S)
+        assert worker.wait(EXIT_BOUND_S) == 0
+    finally:
+        fake.close()
+
+
 def test_sigterm_ends_a_worker_through_its_clean_up(procs, short_tmp):
     fake = FakeCoordinator(short_tmp)
     try:
