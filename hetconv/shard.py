@@ -109,9 +109,8 @@ class ConvShard:
         and buffer growth. Two points separate the per-kernel cost from the part every shard pays
         whatever its share (im2col, the input's trip through memory), which the cost model needs.
         A third, the smaller count on half the batch (`half_batch`), gives the cost of a call
-        apart from its images. The three alternate call by call, so a burst of outside load
-        skews them alike, and each is the mean over at least `repeats` calls and at least
-        CALIBRATION_FLOOR_S of measured time (see there).
+        apart from its images. Each is the mean over a block of at least `repeats` calls and at
+        least CALIBRATION_FLOOR_S (see there), one point after the other.
 
         Returns (kernels/s per layer at kernels[i], per-layer timing dicts)."""
         rng = np.random.default_rng(0)
@@ -138,22 +137,29 @@ class ConvShard:
 
     def _mean_times(self, timers, min_calls):
         """Each timer (a call that returns a tuple of seconds, one per phase) once untimed, then
-        round after round, until each has run at least `min_calls` times and its phases add up to
-        CALIBRATION_FLOOR_S, or it has run CALIBRATION_MAX_CALLS times. -> per timer, each phase's
-        total / calls: the mean over the window, which on a time-shared core is the share it
-        delivers (a median of short calls is either a full slice or a stall)."""
-        for timer in timers:                      # warm-up: JIT compilation, buffer growth
-            timer()
-        totals, calls = [None] * len(timers), [0] * len(timers)
-        running = list(range(len(timers)))
-        while running:
-            for i in running:
-                seconds = timers[i]()
-                totals[i] = seconds if totals[i] is None else tuple(a + b for a, b in zip(totals[i], seconds))
-                calls[i] += 1
-            running = [i for i in running if calls[i] < max(1, min_calls)
-                       or (sum(totals[i]) < CALIBRATION_FLOOR_S and calls[i] < CALIBRATION_MAX_CALLS)]
-        return [tuple(float(t / n) for t in total) for total, n in zip(totals, calls)]
+        in a block of calls of its own until the block has run at least `min_calls` calls and
+        CALIBRATION_FLOOR_S, or CALIBRATION_MAX_CALLS calls. -> per timer, each phase's mean:
+        the block's time over its calls, split between the phases as they measured. A block is
+        the window a core shared by time slices averages over: every stall in it is counted once
+        (in the gaps between timed phases too) and its edges miss at most one slice. Calls of
+        several timers alternated one by one would share the stalls by where the slices happen
+        to fall in the round, not by their length."""
+        means = []
+        for timer in timers:
+            timer()                                # warm-up: JIT compilation, buffer growth
+            totals, calls = None, 0
+            start = self.clock()
+            while True:
+                seconds = timer()
+                totals = seconds if totals is None else tuple(a + b for a, b in zip(totals, seconds))
+                calls += 1
+                block = self.clock() - start
+                if calls >= max(1, min_calls) and (block >= CALIBRATION_FLOOR_S or calls >= CALIBRATION_MAX_CALLS):
+                    break
+            measured = sum(totals)
+            scale = block / measured if measured > 0 else 1.0
+            means.append(tuple(float(t * scale / calls) for t in totals))
+        return means
 
     def _time_update(self, w_dev, repeats):
         """What a step pays per layer whatever its batch: the SGD update of the weights held, and

@@ -87,9 +87,8 @@ def test_short_calls_repeat_until_the_floor_and_give_total_over_count():
 
 def test_a_device_stalled_in_one_short_call_of_several_is_measured_at_its_mean():
     clock = FakeClock()
-    # 1 ms a call, and every fifth call loses 8 ms to a neighbour (every fifth of each point's
-    # too, as the points alternate): a median of a few calls sees 1 ms, while the device
-    # delivers 1 + 8/5 ms a call on average
+    # 1 ms a call, and every fifth call loses 8 ms to a neighbour: a median of a few calls sees
+    # 1 ms, while the device delivers 1 + 8/5 ms a call on average
     device = FakeDevice(clock, lambda k: MS / 16, lambda k: 0.0, stall=lambda i: 8 * MS if i % 5 == 4 else 0.0)
     _, (timing,) = calibrate(device, clock, kernels=1)
     assert timing["kernels"] == [1]
