@@ -4,12 +4,17 @@ Only the worker (and the local trainer) imports a device module, after parsing `
 host that never runs a GPU worker never imports CUDA.
 """
 import importlib
+import importlib.util
 import re
 from dataclasses import dataclass
 
 from hetconv.devices.base import Device, DeviceError
 
-__all__ = ["Device", "DeviceError", "DeviceEntry", "open_device", "parse_device", "parse_device_list"]
+__all__ = ["Device", "DeviceError", "DeviceEntry", "cuda_extra_missing", "open_device", "parse_device",
+           "parse_device_list"]
+
+CUDA_PACKAGE = "numba_cuda"         # what the cuda extra installs (numba's own numba.cuda is not enough)
+CUDA_INSTALL = "pip install 'hetconv[cuda]' (in a checkout: pip install -e '.[cuda]')"
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
 
@@ -23,10 +28,28 @@ def parse_device(spec):
     return kind, (int(index) if index is not None else (0 if kind == "cuda" else None))
 
 
+def cuda_extra_missing(requested):
+    """The line that says how to install CUDA support when `requested` (e.g. 'cuda:0') cannot run
+    for want of it, else ''. Finds the package without importing it: a coordinator needs no CUDA."""
+    if importlib.util.find_spec(CUDA_PACKAGE) is None:
+        return f"{requested} needs hetconv's CUDA extra, which is not installed: {CUDA_INSTALL}"
+    return ""
+
+
 def open_device(spec="cpu", **options):
     """Open a device by its string, e.g. open_device('cpu', threads=2) or open_device('cuda:0')."""
     kind, index = parse_device(spec)
-    module = importlib.import_module(f"hetconv.devices.{kind}")
+    missing = cuda_extra_missing(spec) if kind == "cuda" else ""
+    if missing:
+        raise DeviceError(missing)
+    try:
+        module = importlib.import_module(f"hetconv.devices.{kind}")
+    except ImportError as e:
+        # numba's built-in numba.cuda imports without the extra, then a submodule is missing
+        if kind != "cuda" or (e.name or "").split(".")[0] not in ("numba", "numba_cuda", "cuda"):
+            raise
+        raise DeviceError(f"{spec} needs hetconv's CUDA extra, which is missing or incomplete "
+                          f"(no module {e.name}): {CUDA_INSTALL}") from None
     return module.open(index=index, **options)
 
 

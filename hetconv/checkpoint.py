@@ -119,17 +119,34 @@ def latest(directory):
 
 def _read(path):
     """Returns (meta, conv_params, fc_params) of one file, or raises CheckpointError with a short
-    reason (no path: the callers add it)."""
+    reason (no path: the callers add it). A file that is not a .npz of plain arrays is named as
+    such: numpy's advice to load pickled data unsafely is never passed on."""
+    not_ours = "not a readable hetconv checkpoint: "
     try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if not magic.startswith(b"PK"):         # np.load would take it for a .npy or a pickle
+            raise CheckpointError(not_ours + ("the file is empty" if not magic else
+                                              "a checkpoint is a .npz (zip) file, this one is not"))
         with np.load(path, allow_pickle=False) as z:
-            meta = json.loads(bytes(z["meta"]).decode())
+            if "meta" not in z.files:
+                raise CheckpointError(not_ours + f"a .npz without the 'meta' entry every checkpoint has "
+                                                 f"(its entries: {', '.join(sorted(z.files)[:8]) or 'none'})")
+
+            def entry(name):
+                try:
+                    return z[name]
+                except ValueError:              # an object (pickled) entry, refused by allow_pickle=False
+                    raise CheckpointError(not_ours + f"entry {name!r} is not a plain numeric array") from None
+
+            meta = json.loads(bytes(entry("meta")).decode())
             if not isinstance(meta, dict):
                 raise CheckpointError("meta is not a JSON object")
             if meta.get("format") != FORMAT:
                 raise CheckpointError(f"checkpoint format {meta.get('format')!r}, expected {FORMAT}"
                                       + (" (format 1 has no checksum; resume it with the version that wrote it)"
                                          if meta.get("format") == 1 else ""))
-            arrays = {name: z[name] for name in z.files if name != "meta"}
+            arrays = {name: entry(name) for name in z.files if name != "meta"}
     except CheckpointError:
         raise
     except (zipfile.BadZipFile, EOFError) as e:

@@ -2,6 +2,7 @@
 raise; the whole config is saved with the run (metrics file and every checkpoint)."""
 import argparse
 import dataclasses
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -81,6 +82,9 @@ class Config:
     def validate(self):
         self.conv_kernels()
         self.fc_sizes()
+        for f in dataclasses.fields(self):
+            if f.type in (float, "float"):
+                check_finite("--" + f.name.replace("_", "-"), getattr(self, f.name))
         checks = [("--epochs", self.epochs, 1), ("--batch-size", self.batch_size, 1), ("--steps", self.steps, 0),
                   ("--ksize", self.ksize, 1), ("--padding", self.padding, 0), ("--threads", self.threads, 0),
                   ("--calibration-batch", self.calibration_batch, 1), ("--checkpoint-every", self.checkpoint_every, 0),
@@ -88,7 +92,8 @@ class Config:
                   ("--synthetic-train", self.synthetic_train, 1), ("--synthetic-test", self.synthetic_test, 1),
                   ("--eval-batches", self.eval_batches, 0), ("--crop", self.crop, 0),
                   ("--rebalance-after", self.rebalance_after, 0), ("--micro-batches", self.micro_batches, 0),
-                  ("--snapshot-every", self.snapshot_every, 0), ("--min-workers", self.min_workers, 1)]
+                  ("--snapshot-every", self.snapshot_every, 0), ("--min-workers", self.min_workers, 1),
+                  ("--seed", self.seed, 0)]
         for flag, value, lowest in checks:
             if value < lowest:
                 raise ValueError(f"{flag} must be >= {lowest}, got {value}")
@@ -174,8 +179,17 @@ def config_from_args(args):
 
 # ---- checks of command-line values that are not part of the run's config ---------------------
 
+def check_finite(flag, value):
+    """Raise ValueError naming the flag when a float is nan or infinite: every comparison with nan
+    is false, so a range check alone lets it through to a timeout or an update that never ends."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{flag} must be a finite number, got {value}")
+    return value
+
+
 def check_range(flag, value, low, inclusive=True):
-    """Raise ValueError naming the flag unless value >= low (value > low when not inclusive)."""
+    """Raise ValueError naming the flag unless value is finite and >= low (> low when not inclusive)."""
+    check_finite(flag, value)
     if value < low or (not inclusive and value == low):
         raise ValueError(f"{flag} must be {'>=' if inclusive else '>'} {low}, got {value}")
     return value
@@ -224,8 +238,10 @@ def check_output_file(flag, path):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         if os.path.isdir(path):
             raise IsADirectoryError("it is a directory")
-        with open(path, "a"):           # append: an existing file is left as it is
-            pass
+        # append: an existing file is left as it is. The empty write reaches the device, so a
+        # path that refuses every write (/dev/full) is named here, not at the first record.
+        with open(path, "ab", buffering=0) as f:
+            f.write(b"")
         if not existed:
             os.remove(path)
     except OSError as e:

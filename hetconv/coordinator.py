@@ -12,8 +12,8 @@ import os
 import signal
 import sys
 
-from hetconv.config import (HelpFormatter, add_config_flags, check_endpoint, check_output_dir, check_output_file,
-                            check_range, config_from_args, threads_note, usable_cores)
+from hetconv.config import (Config, HelpFormatter, add_config_flags, check_endpoint, check_output_dir,
+                            check_output_file, check_range, config_from_args, threads_note, usable_cores)
 from hetconv.planner import PlanError
 from hetconv.remote import RemoteEngine, WorkerError, WorkerLost
 
@@ -89,8 +89,10 @@ def _check_args(args, cfg):
         if args.local or args.workers:
             raise ValueError(f"--launcher ray places --spawn workers: it cannot go with "
                              f"{'--local' if args.local else '--workers'}")
-        from hetconv.launch_ray import import_ray
+        from hetconv.launch_ray import check_address, import_ray
         import_ray()                                   # a missing extra is named before any work starts
+        if args.ray_address:
+            check_address(args.ray_address, args.connect_timeout)
     elif args.ray_address:
         raise ValueError(f"--ray-address {args.ray_address!r} is for --launcher ray (add --launcher ray)")
     if args.bind:
@@ -114,6 +116,47 @@ def _check_args(args, cfg):
     check_output_file("--metrics", cfg.metrics)
     if args.resume and not os.path.exists(args.resume):
         raise ValueError(f"--resume {args.resume!r}: no such checkpoint file or directory")
+    # combinations that would otherwise be ignored without a word
+    if args.local and args.bind:
+        raise ValueError(f"--bind {args.bind!r} is where workers connect; --local has none")
+    if cfg.checkpoint_every and not cfg.checkpoint_dir and not args.resume:
+        raise ValueError(f"--checkpoint-every {cfg.checkpoint_every} needs --checkpoint-dir DIR: where the "
+                         f"checkpoints go")
+    spawn = [] if args.local or args.workers else _spawn_list(args)
+    if cfg.min_workers > 1:
+        if args.local:
+            raise ValueError(f"--min-workers {cfg.min_workers} is for runs with workers; --local runs on one device")
+        have, given = (args.workers, f"--workers {args.workers}") if args.workers else \
+            (len(spawn), f"--spawn {args.spawn or 'cpu,cpu'}")
+        if cfg.min_workers > have:
+            raise ValueError(f"--min-workers {cfg.min_workers} is more than the {have} worker(s) this run starts "
+                             f"with ({given}): it would stop at the first lost worker")
+    if args.launcher == "local" and any(d.startswith("cuda") for d in spawn):
+        from hetconv.devices import cuda_extra_missing
+        missing = cuda_extra_missing("--spawn " + ",".join(d for d in spawn if d.startswith("cuda")))
+        if missing:                                  # spawned workers run this host's Python
+            raise ValueError(missing)
+
+
+def _check_data_flags(cfg):
+    """The built-in set's sizes mean nothing to a data set read from files: refused, not ignored."""
+    if cfg.data == "synthetic":
+        return
+    for flag, name in (("--synthetic-train", "synthetic_train"), ("--synthetic-test", "synthetic_test")):
+        if getattr(cfg, name) != getattr(Config, name):
+            raise ValueError(f"{flag} {getattr(cfg, name)} sizes the built-in data set; --data {cfg.data!r} "
+                             f"is read whole (drop {flag}, or use --data synthetic)")
+
+
+def _spawn_threads_note(spawn):
+    """A line when a local cpu:THREADS worker asks for more threads than this host's usable cores:
+    the CPU device runs that many at most. A note, as for --threads: the run is the same."""
+    cores = usable_cores()
+    over = sorted({d for d in spawn if d.startswith("cpu:") and int(d.split(":")[1]) > cores})
+    if over:
+        return (f"note: --spawn {','.join(over)} asks for more threads than the {cores} core(s) this process may "
+                f"use: each such worker runs {cores} thread(s)")
+    return ""
 
 
 def _pinning_note(spawn, threads, pin):
@@ -146,12 +189,14 @@ def main(argv=None):
         ds = load_dataset(cfg.data, seed=cfg.seed,
                           n_train=cfg.synthetic_train if cfg.data == "synthetic" else None,
                           n_test=cfg.synthetic_test if cfg.data == "synthetic" else None)
-    except (ValueError, DeviceError, DataError) as e:
+        _check_data_flags(cfg)
+    except (ValueError, DeviceError, DataError, ConnectionError) as e:
         print(f"hetconv-coordinator: {e}", file=sys.stderr)
         return 2
-    note = (threads_note(cfg.threads) if args.local else
-            _pinning_note(spawn, cfg.threads, not args.no_pin) if args.launcher == "local" else "")
-    if note:
+    notes = ([threads_note(cfg.threads)] if args.local else
+             [_pinning_note(spawn, cfg.threads, not args.no_pin), _spawn_threads_note(spawn)]
+             if args.launcher == "local" else [])
+    for note in filter(None, notes):
         print(note, file=sys.stderr)
     signal.signal(signal.SIGTERM, _on_sigterm)
     engine = launcher = None

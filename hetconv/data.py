@@ -37,6 +37,9 @@ TAR_NAME = "cifar-10-python.tar.gz"
 TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
 TEST_FILE = "test_batch"
 META_FILE = "batches.meta"
+# The most bytes read from any one file or archive member: a CIFAR-10 batch is about 31 MB. A gzip
+# archive of 0.3 MB can hold a member of 300 MB of zeros; the cap refuses it before it is read.
+MAX_MEMBER_BYTES = 64 << 20
 
 
 class DataError(ValueError):
@@ -253,14 +256,22 @@ def _load_from_dir(root: Path) -> dict:
                 continue
             raise DataError(f"{file}: missing; expected the CIFAR-10 python files "
                             f"{', '.join(TRAIN_FILES)} and {TEST_FILE} in {root}")
+        _check_size(str(file), file.stat().st_size)
         with open(file, "rb") as f:
             loaded[name] = _unpickle(f, str(file))
     return loaded
 
 
+def _check_size(source: str, size: int) -> None:
+    if size > MAX_MEMBER_BYTES:
+        raise DataError(f"{source}: {size} bytes, more than the {MAX_MEMBER_BYTES >> 20} MB any CIFAR-10 file "
+                        f"may have (a batch is about 31 MB): not read")
+
+
 def _load_from_tar(archive: Path) -> dict:
     # Members are unpickled straight from the decompressed stream, in archive order: nothing is
-    # extracted to disk, and only one member's bytes are held at a time.
+    # extracted to disk, and only one member's bytes are held at a time. A member's size comes
+    # from its header, and extractfile never reads past it, so the cap holds for what is read.
     wanted = set(TRAIN_FILES + (TEST_FILE, META_FILE))
     loaded = {}
     try:
@@ -269,6 +280,7 @@ def _load_from_tar(archive: Path) -> dict:
                 name = member.name.rsplit("/", 1)[-1]
                 if not member.isfile() or name not in wanted or name in loaded:
                     continue
+                _check_size(f"{archive}:{member.name}", member.size)
                 stream = tar.extractfile(member)
                 loaded[name] = _unpickle(stream, f"{archive}:{member.name}")
     except (tarfile.TarError, EOFError, zlib.error, OSError) as e:

@@ -15,7 +15,9 @@ import atexit
 import logging
 import os
 import signal
+import socket
 import subprocess
+import threading
 
 MISSING = "--launcher ray needs Ray, which is not installed: pip install 'hetconv[ray]'"
 
@@ -27,6 +29,43 @@ def import_ray():
     except ImportError:
         raise ValueError(MISSING) from None
     return ray
+
+
+def check_address(address, timeout):
+    """Raise ConnectionError, one line naming `address`, unless its host resolves and its port
+    accepts a TCP connection within `timeout` seconds. ray.init on an address where no Ray head
+    answers retries for minutes, printing Ray's GCS warnings; a head that is up accepts at once.
+    'auto' (Ray finds the cluster itself) is left to Ray. A port that accepts but is not a Ray
+    head still reaches ray.init."""
+    if address == "auto":
+        return
+    scheme, _, text = address.rpartition("://")        # ray://HEAD:10001 is Ray Client: TCP too
+    host, sep, port = text.rpartition(":")
+    if not sep and scheme == "ray":
+        host, port = text, "10001"                      # Ray Client's default port
+    host = host.strip("[]")                             # [::1]:6379
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConnectionError(f"--ray-address {address!r}: expected HOST:PORT of the Ray head, e.g. HEAD:6379")
+    outcome = []
+
+    def connect():                  # in a thread: name resolution has no timeout of its own
+        try:
+            with socket.create_connection((host, int(port)), timeout=timeout):
+                outcome.append(None)
+        except socket.gaierror as e:
+            outcome.append(f"cannot resolve host {host!r} ({e.strerror or e})")
+        except ConnectionRefusedError:
+            outcome.append(f"nothing accepts connections on port {port} of {host}")
+        except OSError as e:
+            outcome.append(f"cannot connect ({e.strerror or type(e).__name__})")
+
+    thread = threading.Thread(target=connect, name="ray-address-check", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    reason = outcome[0] if outcome else f"no answer within {timeout:g}s (--connect-timeout)"
+    if reason is not None:
+        raise ConnectionError(f"--ray-address {address!r}: {reason}: is a Ray head running there "
+                              f"(ray start --head)?")
 
 
 class _WorkerActor:
@@ -132,6 +171,8 @@ class RayLauncher:
 
     def __init__(self, address=None, num_cpus=None, start_timeout=60.0):
         ray = import_ray()
+        if address is not None:
+            check_address(address, start_timeout)
         self.ray, self.local, self.start_timeout = ray, address is None, start_timeout
         self.started = []                                   # RayProcess, in order
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")   # no usage report leaves this host

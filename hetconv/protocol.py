@@ -2,7 +2,7 @@
 
 A message is a list of ZeroMQ frames: [header, *arrays]. The header is a msgpack map
 {v, op, seq, arrays: [[dtype, shape], ...], ...fields}; each array travels as its own raw,
-C-contiguous frame, so large ones go zero-copy. Nothing is ever pickled, and every received
+C-contiguous, little-endian frame, so large ones go zero-copy. Nothing is ever pickled, and every received
 message is checked here (version, op, declared dtype and shape against each frame, limits)
 before anyone looks at it. docs/protocol.md lists every message.
 """
@@ -61,6 +61,10 @@ def pack(op, seq=0, arrays=(), **fields):
             a = a.copy(order="C")
         if a.dtype.name not in DTYPES:
             raise ProtocolError(f"array {i} has dtype {a.dtype.name}: expected one of {sorted(DTYPES)}")
+        if a.dtype != a.dtype.newbyteorder("<"):
+            # the header names a dtype, not a byte order: the wire is little-endian, so a big-endian
+            # array (read from a file written on such a host) costs one converted copy here
+            a = a.astype(a.dtype.newbyteorder("<"))
         specs.append([a.dtype.name, list(a.shape)])
         frames.append(memoryview(a.reshape(-1)).cast("B") if a.size else b"")
     header = msgpack.packb({"v": PROTOCOL_VERSION, "op": op, "seq": int(seq), "arrays": specs, **fields},
@@ -126,7 +130,8 @@ def _array_from_frame(i, spec, frame):
     buf = _frame_bytes(frame)
     if len(buf) != expected:
         raise ProtocolError(f"array {i}: declared {dtype}{tuple(shape)} needs {expected} bytes, the frame has {len(buf)}")
-    a = np.frombuffer(buf, dtype=dtype) if expected else np.empty(0, dtype)
+    wire = np.dtype(dtype).newbyteorder("<")             # the native dtype itself on a little-endian host
+    a = np.frombuffer(buf, dtype=wire) if expected else np.empty(0, wire)
     a = a.reshape(shape)
     a.flags.writeable = False
     return a
