@@ -9,12 +9,19 @@ Each checkpoint's meta holds a sha256 over every array (name, dtype, shape, byte
 name order) and over the rest of the meta, checked on every load: a flipped bit, a truncated
 copy or a file spliced from two checkpoints is refused instead of resuming from wrong weights.
 Resuming from a directory takes the newest checkpoint that passes and reports those it skipped.
+
+"Newest" is the most recently written, not the highest step: a run resumed from an earlier
+checkpoint into the same directory starts a new timeline, and its checkpoints are the ones a
+later `--resume DIR` must continue, and the ones retention keeps, even where an abandoned
+timeline's files carry higher steps. Each save records its wall-clock time in the meta (covered
+by the checksum); a file whose meta cannot be read is ordered by its modification time.
 """
 import hashlib
 import json
 import os
 import re
 import tempfile
+import time
 import zipfile
 
 import numpy as np
@@ -58,7 +65,7 @@ def save(directory, step, epoch, config, conv_params, fc_params, plan=None, keep
     arrays = {name: np.ascontiguousarray(a) for name, a in arrays.items()}
     meta = {"format": FORMAT, "step": int(step), "epoch": int(epoch), "config": config.to_json(),
             "conv_layers": len(conv_params), "fc_layers": len(fc_params),
-            "plan": plan.to_json() if plan is not None else None}
+            "plan": plan.to_json() if plan is not None else None, "written_ns": time.time_ns()}
     # round-trip through JSON first so the digest is over exactly what load() will parse back
     meta = json.loads(json.dumps(meta))
     meta["sha256"] = _digest(arrays, meta)
@@ -89,9 +96,9 @@ def _fsync_directory(directory):
 
 
 def _remove_old(directory, keep, just_written):
-    """Delete all but the `keep` newest checkpoints, and temporary files left by a killed save.
-    The one just written is never deleted, even when a directory holds later steps (a resume
-    from an earlier file into the same directory)."""
+    """Delete all but the `keep` most recently written checkpoints, and temporary files left by a
+    killed save. The one just written is never deleted; an abandoned timeline's checkpoints (higher
+    steps, written before a resume from an earlier one) go before any of the new timeline's."""
     others = [p for p in checkpoints(directory) if os.path.abspath(p) != os.path.abspath(just_written)]
     for path in others[keep - 1:]:
         os.unlink(path)
@@ -103,16 +110,32 @@ def _remove_old(directory, keep, just_written):
                 pass
 
 
+def _written_ns(path):
+    """When a checkpoint was written: its meta's `written_ns`, else the file's modification time.
+    Reads only the zip directory and the small meta member, not the arrays."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(bytes(z["meta"]).decode())
+        return int(meta["written_ns"])
+    except Exception:                         # unreadable, truncated, or written before `written_ns`
+        try:
+            return os.stat(path).st_mtime_ns
+        except OSError:
+            return 0
+
+
 def checkpoints(directory):
-    """Checkpoint paths in a directory, newest step first (temporary files are never listed)."""
+    """Checkpoint paths in a directory, most recently written first, ties by step (temporary files
+    are never listed)."""
     if not os.path.isdir(directory):
         return []
-    found = [(int(m.group(1)), name) for name in os.listdir(directory) if (m := _NAME_RE.match(name))]
-    return [os.path.join(directory, name) for _, name in sorted(found, reverse=True)]
+    found = [(int(m.group(1)), os.path.join(directory, name)) for name in os.listdir(directory)
+             if (m := _NAME_RE.match(name))]
+    return [path for _, _, path in sorted(((_written_ns(path), step, path) for step, path in found), reverse=True)]
 
 
 def latest(directory):
-    """The newest checkpoint in a directory by step (not checked), or None."""
+    """The most recently written checkpoint in a directory (not checked), or None."""
     found = checkpoints(directory)
     return found[0] if found else None
 
@@ -166,8 +189,8 @@ def _read(path):
 
 
 def load_newest_valid(path):
-    """`path` is a checkpoint file or a directory. A file must be valid. For a directory, the
-    newest checkpoint that reads and passes its checksum. Returns (meta, conv_params, fc_params,
+    """`path` is a checkpoint file or a directory. A file must be valid. For a directory, the most
+    recently written checkpoint that reads and passes its checksum. Returns (meta, conv_params, fc_params,
     skipped); skipped lists (file name, reason) for each newer checkpoint passed over, newest
     first. Raises CheckpointError naming the file (or every file tried) when there is none."""
     if not os.path.isdir(path):
