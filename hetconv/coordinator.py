@@ -66,6 +66,10 @@ def build_parser():
                                                        "(default: start a local Ray instance on this host's cores)")
     net.add_argument("--no-pin", action="store_true", help="do not pin spawned CPU workers to disjoint cores")
     p.add_argument("--resume", default="", help="a checkpoint file, or a directory (its newest checkpoint)")
+    p.add_argument("--stop-grace", type=float, default=20.0,
+                   help="on SIGTERM or Ctrl-C, seconds for the running step and its checkpoint; past that (or on a "
+                        "second signal) the last in-memory snapshot is saved instead (Slurm and Kubernetes allow 30 s "
+                        "before SIGKILL)")
     p.add_argument("--verbose", action="store_true", help="print a failing worker's own traceback too")
     add_config_flags(p)
     return p
@@ -83,6 +87,7 @@ def _check_args(args, cfg):
     for flag, value in (("--worker-timeout", args.worker_timeout), ("--connect-timeout", args.connect_timeout),
                         ("--op-timeout", args.op_timeout)):
         check_range(flag, value, 0, inclusive=False)
+    check_range("--stop-grace", args.stop_grace, 0)
     if args.workers is not None:
         check_range("--workers", args.workers, 1)
     if args.launcher == "ray":
@@ -170,8 +175,10 @@ def _pinning_note(spawn, threads, pin):
 
 
 def _on_sigterm(signum, frame):
-    # SIGTERM ends the run like an exception, so the finally in main still ends every worker.
-    print("hetconv-coordinator: terminated (SIGTERM): stopping the workers, no checkpoint is written",
+    # Outside the training loop (starting workers, calibrating, after the last checkpoint) nothing
+    # trained is unsaved: SIGTERM ends the run like an exception, so the finally in main still ends
+    # every worker. Inside the loop, train() handles it like Ctrl-C: finish the step, checkpoint.
+    print("hetconv-coordinator: terminated (SIGTERM) outside the training steps: stopping the workers",
           file=sys.stderr, flush=True)
     raise SystemExit(143)
 
@@ -226,7 +233,7 @@ def main(argv=None):
                                   exchange=cfg.exchange, wire=cfg.wire_dtype, curve=args.curve,
                                   insecure=args.insecure, message_limit=limit, launcher=launcher)
         from hetconv.train import train
-        summary = train(cfg, engine, resume=args.resume or None, dataset=ds)
+        summary = train(cfg, engine, resume=args.resume or None, dataset=ds, stop_grace=args.stop_grace)
     except (WorkerError, WorkerLost, PlanError, DeviceError, DataError, CheckpointError, ValueError, FloatingPointError,
             ConnectionError) as e:
         print(f"hetconv-coordinator: {e}", file=sys.stderr)
@@ -241,7 +248,7 @@ def main(argv=None):
             engine.close()
         if launcher is not None:
             launcher.close()                           # every actor ends, and Ray if it was started here
-    return 0 if not summary.get("interrupted") else 130
+    return summary.get("exit_code", 130) if summary.get("interrupted") else 0
 
 
 if __name__ == "__main__":

@@ -1,13 +1,15 @@
 """Elastic training: in-memory snapshots, and what the loop does when a worker is lost or joins.
 
 The shards hold the only copy of the conv weights during training, so the coordinator keeps a
-snapshot every N steps: every layer's full (w, b, vw, vb) gathered from the workers, the FC layers
-and their momentum, and the step (the batch order depends only on the seed and the epoch, so the
-step is the whole data position). When a worker is lost, the survivors are re-planned from their
-calibration, reloaded from the snapshot, and the steps since it are replayed: the run ends with
-the weights an uninterrupted run would have, up to float rounding (a different plan sums partial
-dX in another grouping). A worker that connects mid-run is calibrated and admitted right after a
-snapshot.
+snapshot: every layer's full (w, b, vw, vb) gathered from the workers, the FC layers and their
+momentum, and the step (the batch order depends only on the seed and the epoch, so the step is
+the whole data position). Every gather the run makes anyway (a checkpoint's, a rebalance's, the
+final one before evaluation) is kept as the snapshot too, so the snapshot is never older than a
+checkpoint this run wrote. When a worker is lost, during a step or anything else that talks to
+workers, the survivors are re-planned from their calibration, reloaded from the snapshot, and the
+steps since it are replayed: the run ends with the weights an uninterrupted run would have, up to
+float rounding (a different plan sums partial dX in another grouping). A worker that connects
+mid-run is told how long until the next snapshot, then calibrated and admitted right after it.
 
 What it costs: a snapshot gathers every conv weight and momentum over the workers' links (the
 paper network: ~150 MB). N is chosen so snapshots take at most SNAPSHOT_BUDGET of the step
@@ -43,11 +45,28 @@ class Elastic:
         self.every = cfg.snapshot_every or None             # None: decided after the first timed snapshot
         self.snapshot = None
         self.snapshot_s = 0.0
+        self.saved = {}                                     # step -> checkpoint path this run wrote
+        self.first_step = 0
 
     def start(self, step, conv_params):
         """The weights the shards were just loaded with are the first snapshot: no gather needed."""
+        self.first_step = step
         if self.enabled:
             self.snapshot = Snapshot(step, conv_params, self.net.fc_state())
+
+    def keep(self, step, conv):
+        """A gather made for another reason (checkpoint, rebalance, the end) is the newest snapshot."""
+        if self.enabled:
+            self.snapshot = Snapshot(step, conv, self.net.fc_state())
+
+    def gather(self, step):
+        """The conv weights at `step`: from the snapshot when it is of this step, else gathered
+        (and kept as the snapshot)."""
+        if self.enabled and self.snapshot.step == step:
+            return self.snapshot.conv
+        conv = self.engine.gather()
+        self.keep(step, conv)
+        return conv
 
     def after_step(self, step, step_s):
         """Take a snapshot when one is due; admit waiting workers right after it. Returns a new
@@ -57,6 +76,7 @@ class Elastic:
         since = step - self.snapshot.step
         due = since >= self.every if self.every else since >= 2    # the 1st step pays for warm-up
         if not due:
+            self._tell_joiners(step, step_s)
             return None
         t0 = time.perf_counter()
         self.snapshot = Snapshot(step, self.engine.gather(), self.net.fc_state())
@@ -75,10 +95,18 @@ class Elastic:
             self.log("a worker joined:\n" + plan.table())
         return plan
 
+    def _tell_joiners(self, step, step_s):
+        """Workers waiting to join hear how long until the next snapshot admits them, so they wait
+        as long as the run needs rather than their own --connect-timeout."""
+        every = self.every or 2
+        steps_left = max(1, self.snapshot.step + every - step)
+        self.engine.keep_joiners_waiting(steps_left * step_s + self.snapshot_s)
+
     def recover(self, error, step):
-        """After `error` (WorkerLost) in step `step` + 1: drop the lost workers, re-plan the
-        survivors, reload them from the snapshot. Returns (the step to go on from, the new plan).
-        Below --min-workers, saves the snapshot as a checkpoint and raises WorkerLost saying so."""
+        """After `error` (WorkerLost) while the run was at step `step`: drop the lost workers,
+        re-plan the survivors, reload them from the snapshot. Returns (the step to go on from,
+        the new plan). Below --min-workers, saves the snapshot as a checkpoint and raises
+        WorkerLost saying so."""
         if not self.enabled or not error.workers:
             raise error
         while True:
@@ -88,7 +116,7 @@ class Elastic:
             self.log(f"lost {', '.join(error.workers)} at step {step + 1}: {error}")
             left = len(self.engine.workers)
             if left < self.cfg.min_workers:
-                path = self._save_snapshot()
+                path = self.save_snapshot()
                 raise WorkerLost(f"{error}; {left} worker(s) left, below --min-workers {self.cfg.min_workers}: "
                                  f"saved step {self.snapshot.step} to {path}; resume with --resume {path}",
                                  error.workers) from None
@@ -106,7 +134,26 @@ class Elastic:
                  f"(replaying {step - self.snapshot.step} step(s)):\n" + plan.table())
         return self.snapshot.step, plan
 
-    def _save_snapshot(self):
-        directory = self.cfg.checkpoint_dir or os.path.abspath(RESCUE_DIR)
-        return checkpoint.save(directory, self.snapshot.step, self.snapshot.step // self.steps_per_epoch,
-                               self.cfg, self.snapshot.conv, self.snapshot.fc, self.engine.plan)
+    def checkpoint(self, step):
+        """A checkpoint of the run at `step` in --checkpoint-dir (the conv weights gathered, or
+        the snapshot's where it is of this step). Returns its path."""
+        return self._write(self.cfg.checkpoint_dir, step, self.gather(step), self.net.fc_state())
+
+    def save_snapshot(self):
+        """The snapshot as a checkpoint (in --checkpoint-dir, else RESCUE_DIR), honouring
+        --keep-checkpoints; where this run already wrote that step, that file. Returns its path."""
+        if self.snapshot.step in self.saved and os.path.exists(self.saved[self.snapshot.step]):
+            return self.saved[self.snapshot.step]
+        return self._write(self.cfg.checkpoint_dir or os.path.abspath(RESCUE_DIR), self.snapshot.step,
+                           self.snapshot.conv, self.snapshot.fc)
+
+    def unsaved_snapshot(self):
+        """Whether the snapshot holds steps that no checkpoint of this run has."""
+        return (self.enabled and self.snapshot is not None
+                and self.snapshot.step > max(self.saved, default=self.first_step))
+
+    def _write(self, directory, step, conv, fc):
+        path = checkpoint.save(directory, step, step // self.steps_per_epoch, self.cfg, conv, fc, self.engine.plan,
+                               keep=self.cfg.keep_checkpoints)
+        self.saved[step] = path
+        return path

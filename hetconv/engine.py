@@ -9,9 +9,11 @@ What the loop and the network may call, and nothing else:
                                                 forward, head(m, features) -> dfeatures, backward,
                                                 gradients summed over micro-batches, one SGD update
     engine.predict(x)                           -> features of the last conv layer, no state kept
-    engine.gather()                             -> full (w, b, vw, vb) per layer (checkpoints)
+    engine.gather()                             -> full (w, b, vw, vb) per layer (snapshots, checkpoints,
+                                                rebalancing)
     engine.step_stats()                         per worker, since the last call: compute, wire, bytes
-    engine.rebalance(specs)                     -> a new Plan from measured step times, or None
+    engine.propose_rebalance(specs)             -> a better Plan from measured step times, or None (the loop
+                                                moves the kernels: gather, then load)
     engine.close()
 
 Everything above is written here once: slicing by plan, concatenation of channel slices, the sum
@@ -39,9 +41,10 @@ class WorkerError(RuntimeError):
     """A worker raised while serving a request; its message names the worker and what it was doing,
     and it carries the worker's traceback."""
 
-    def __init__(self, worker, doing, name, message, remote_traceback=""):
+    def __init__(self, worker, doing, name, message, remote_traceback="", workers=()):
         super().__init__(f"worker {worker} failed during {doing}: {name}: {message}")
         self.worker, self.remote_traceback = worker, remote_traceback
+        self.workers = list(workers)        # the worker's name in plans, where known
 
 
 class WorkerLost(RuntimeError):
@@ -188,7 +191,7 @@ class Engine:
         out = []
         for lp in self.plan.layers:
             replies = self._call({name: ("FETCH", [], {"layer": lp.layer}) for name in self.plan.workers},
-                                 f"fetching conv{lp.layer + 1} for a checkpoint")
+                                 f"gathering conv{lp.layer + 1}'s weights")
             spec, doing = self.specs[lp.layer], f"fetching conv{lp.layer + 1}"
             parts = []
             for name in self.plan.workers:
@@ -229,9 +232,9 @@ class Engine:
         self.layer_compute = {}          # worker -> {layer: compute seconds since the reset}
         self.measured_steps = 0          # training steps since the reset
 
-    def rebalance(self, specs, min_gain=0.05):
-        """Re-split the kernels from what training measured since reset_layer_timings() (see
-        planner.replan); moves them (gather, then load) when it gains. Returns the new plan or None."""
+    def propose_rebalance(self, specs, min_gain=0.05):
+        """A re-split of the kernels from what training measured since reset_layer_timings() (see
+        planner.replan), when it gains; else None. Nothing moves: the caller gathers and loads."""
         if self.plan is None or len(self.plan.workers) < 2:
             return None
         from hetconv.costmodel import profiles_from_calibration
@@ -245,11 +248,7 @@ class Engine:
             measured[name] = [compute[lp.layer] / steps for lp in self.plan.layers]
             cost = profiles.get(name)
             lines[name] = None if cost is None else [c.step_line(self.batch) for c in cost.layers]
-        proposal = replan(self.plan, lines, measured, min_gain)
-        if proposal is None:
-            return None
-        self.load(proposal, specs, self.gather())
-        return proposal
+        return replan(self.plan, lines, measured, min_gain)
 
 
 class LocalEngine(Engine):
@@ -273,6 +272,6 @@ class LocalEngine(Engine):
             self._record(name, layer, {"compute_s": time.perf_counter() - t0})
         return replies
 
-    def rebalance(self, specs, min_gain=0.05):
+    def propose_rebalance(self, specs, min_gain=0.05):
         """In-process shards share one device: nothing to rebalance."""
         return None

@@ -13,6 +13,7 @@ Two ways through a training step (`exchange`):
   here, layer by layer (Engine.conv_step): the first design, kept for comparison.
 """
 import atexit
+import errno
 import os
 import shutil
 import subprocess
@@ -41,6 +42,7 @@ class _Peer:
         self.description = hello.get("description", self.device)
         self.peer_endpoints = list(hello.get("peer_endpoints", []))
         self.host_key = hello.get("host_key", "")
+        self.ipc_token = hello.get("ipc_token", "")         # proves its ipc path is readable from a peer's host
         self.process = process
         self.last_seen = time.monotonic()
 
@@ -108,8 +110,10 @@ class RemoteEngine(Engine):
                 self.address = bind
         except zmq.ZMQError as e:
             self.close()
-            raise SystemExit(f"hetconv-coordinator: cannot bind {bind}: {e.strerror} "
-                             f"(is another coordinator running there? choose another --bind port)") from None
+            why = ("is another coordinator running there? choose another --bind port" if e.errno == errno.EADDRINUSE
+                   else "is that address one of this host's? --bind takes tcp://ADDRESS:PORT of a local interface, "
+                        "tcp://0.0.0.0:PORT for all of them, or ipc://PATH")
+            raise SystemExit(f"hetconv-coordinator: cannot bind {bind}: {e.strerror} ({why})") from None
         # Heartbeats ride a connection of their own: on a slow link a big reply (a snapshot's
         # 150 MB of weights takes 12 s at 100 Mbit/s) holds back everything behind it on the
         # worker's main connection, and a live worker would look silent. A PULL costs one more
@@ -133,6 +137,7 @@ class RemoteEngine(Engine):
         self.poller.register(self.monitor, zmq.POLLIN)
         self.poller.register(self.heartbeats, zmq.POLLIN)
         self.joining = {}                                   # routing id -> HELLO fields, admitted at a snapshot
+        self.join_wait_s = 0.0                              # what a joiner is told to wait, beyond its own timeout
         atexit.register(self.close)
         try:
             self._spawn(spawn, threads, pin)
@@ -174,8 +179,9 @@ class RemoteEngine(Engine):
         while len(self.peers) < n:
             left = deadline - time.monotonic()
             if left <= 0:
+                keys = f" --curve {os.path.join(self.curve, 'workers', 'NAME')}" if self.curve and not self._key_tmp else ""
                 hint = ("can the Ray nodes reach this address? (choose one with --bind)" if self.launcher is not None
-                        else f"start more with `hetconv-worker --device cpu --connect {self.address}`")
+                        else f"start more with `hetconv-worker --device cpu --connect {self.address}{keys}`")
                 raise WorkerLost(f"only {len(self.peers)} of {n} workers connected to {self.address} within "
                                  f"{self.connect_timeout:.0f}s: {hint}")
             self._check_processes("starting")
@@ -285,7 +291,9 @@ class RemoteEngine(Engine):
     def _check_alive(self, names, doing):
         now = time.monotonic()
         for name in names:
-            peer = self.peers[name]
+            peer = self.peers.get(name)
+            if peer is None:
+                raise WorkerLost(f"worker {name} disconnected during {doing}", [name])
             if now - peer.last_seen > self.worker_timeout:
                 raise WorkerLost(f"worker {peer.label()} stopped answering (no heartbeat for "
                                  f"{now - peer.last_seen:.1f}s) during {doing}", [name])
@@ -306,7 +314,7 @@ class RemoteEngine(Engine):
             self._note_heartbeats()
         self._check_alive(waiting_on, doing)
         if self.monitor in events:
-            self._probe_after_disconnect(doing)
+            self._probe_after_disconnect(doing, waiting_on)
         if self.sock not in events:
             return None
         frames = self.sock.recv_multipart(copy=False)
@@ -326,7 +334,7 @@ class RemoteEngine(Engine):
             if pending.get(msg.seq) != peer.name and msg.seq != -1:
                 return None                                # about a request given up on earlier
             raise WorkerError(peer.label(), msg.fields.get("doing", doing), msg.fields.get("name", "Error"),
-                              msg.fields.get("message", ""), msg.fields.get("traceback", ""))
+                              msg.fields.get("message", ""), msg.fields.get("traceback", ""), workers=[peer.name])
         self._recv_bytes[peer.name] = self._recv_bytes.get(peer.name, 0) + sum(len(f) for f in frames[1:])
         return peer, msg
 
@@ -379,8 +387,9 @@ class RemoteEngine(Engine):
                 dropped = True
         return dropped
 
-    def _probe_after_disconnect(self, doing):
-        """Some connection dropped: a send to a vanished routing id fails at once."""
+    def _probe_after_disconnect(self, doing, waiting_on=()):
+        """Some connection dropped: a send to a vanished routing id fails at once. A vanished
+        worker in the plan or waited on (a joiner calibrating) is lost; any other is forgotten."""
         if not self._read_monitor():
             return
         lost = []
@@ -389,7 +398,7 @@ class RemoteEngine(Engine):
                 self.sock.send_multipart([peer.identity] + P.pack("HEARTBEAT", 0), flags=self.zmq.NOBLOCK)
             except self.zmq.ZMQError:
                 lost.append(name)
-        in_plan = [n for n in lost if self.plan is None or n in self.plan.workers]
+        in_plan = [n for n in lost if self.plan is None or n in self.plan.workers or n in waiting_on]
         self.drop([n for n in lost if n not in in_plan])      # idle, left out of the plan: nothing to redo
         if in_plan:
             raise WorkerLost(f"worker {', '.join(self.peers[n].label() for n in in_plan)} disconnected during {doing}",
@@ -403,14 +412,36 @@ class RemoteEngine(Engine):
         if msg.op == "HELLO":
             self.joining[frames[0].bytes] = (msg.fields, authenticated_key(frames[1]))
             self.log(f"worker {msg.fields.get('name', '?')} asks to join: admitted at the next snapshot")
+            self._tell_to_wait(frames[0].bytes)
+
+    def _tell_to_wait(self, identity):
+        """WAIT: how long until a joiner is admitted, so it waits that long, not its own
+        --connect-timeout. One that cannot be reached any more is forgotten, once."""
+        try:
+            self.sock.send_multipart([identity] + P.pack("WAIT", 0, seconds=float(self.join_wait_s)),
+                                     flags=self.zmq.NOBLOCK)
+        except self.zmq.ZMQError:
+            hello, _ = self.joining.pop(identity, ({}, ""))
+            self.log(f"worker {hello.get('name', '?')} asked to join but has gone")
+
+    def keep_joiners_waiting(self, seconds):
+        """Called between steps with the time until the next snapshot admits the joiners."""
+        self.join_wait_s = max(0.0, float(seconds))
+        for identity in list(self.joining):
+            self._tell_to_wait(identity)
 
     def drop(self, names):
-        """Forget lost workers; a spawned one that is still running (hung) is ended."""
+        """Forget lost workers; a spawned one that is still running (hung) is ended, and any other
+        is told to shut down, which a stopped one reads when it runs again."""
         for name in names:
             peer = self.peers.pop(name, None)
             if peer is None:
                 continue
             self.by_identity.pop(peer.identity, None)
+            try:
+                self.sock.send_multipart([peer.identity] + P.pack("SHUTDOWN", 0), flags=self.zmq.NOBLOCK)
+            except self.zmq.ZMQError:
+                pass                                        # gone already
             if peer.process is not None and peer.process.poll() is None:
                 peer.process.kill()
             self.log(f"dropped worker {peer.label()}")
@@ -418,36 +449,49 @@ class RemoteEngine(Engine):
             self.calibration = {n: c for n, c in self.calibration.items() if n in self.peers}
 
     def admit(self, specs, input_shapes, cfg):
-        """Workers that said HELLO mid-run join now: welcomed, calibrated, and given a plan
-        with everyone. Returns the new plan, or None when nobody is waiting."""
-        if not self.joining:
-            return None
+        """Workers that said HELLO mid-run join now: welcomed, calibrated, and given a plan with
+        everyone. A joiner that has gone or fails on the way (an ERROR, a frame limit too small)
+        is dropped, once, and never touches the running plan. Returns the new plan, or None when
+        nobody joined."""
+        joining, self.joining = self.joining, {}
         new = []
-        for identity, (hello, public_key) in self.joining.items():
+        for identity, (hello, public_key) in joining.items():
             name = self._unique_name(str(hello.get("name", "worker")))
             peer = _Peer(identity, {**hello, "name": name}, public_key=public_key)
+            try:
+                self._welcome(peer)
+            except WorkerLost:
+                self.log(f"worker {peer.label()} asked to join but has gone")
+                continue
             self.peers[name] = peer
             self.by_identity[identity] = peer
-            self._welcome(peer)
             new.append(name)
-            self.log(f"worker {peer.label()} joined: {peer.description}")
-        self.joining = {}
-        if self.fixed_plan is not None:
-            self.fixed_plan = None                          # a hand-set plan does not cover the newcomers
-        return self.replan(specs, input_shapes, cfg, calibrate=new)
+        while new:
+            try:
+                self._calibrate_some(specs, input_shapes, cfg, new)
+                break
+            except (WorkerLost, WorkerError) as e:
+                failed = [n for n in e.workers if n in new]
+                if not failed or len(failed) < len(e.workers):
+                    raise                                   # a worker of the plan: the loop recovers
+                self.log(f"not admitted: {e}")
+                self.drop(failed)
+                new = [n for n in new if n not in failed]
+        if not new:
+            return None
+        for name in new:
+            self.log(f"worker {self.peers[name].label()} joined: {self.peers[name].description}")
+        self.fixed_plan = None                              # a hand-set plan does not cover the newcomers
+        return self.replan(specs, input_shapes, cfg)
 
-    def replan(self, specs, input_shapes, cfg, calibrate=()):
-        """A plan over the workers there are now, from their calibration (measuring `calibrate`,
-        the ones that have none)."""
-        if calibrate:
-            known = self.calibration
-            self._calibrate_some(specs, input_shapes, cfg, list(calibrate))
-            self.calibration = {**known, **self.calibration}
-        speeds = {name: self.calibration[name]["speeds"] if name in self.calibration else None
-                  for name in self.peers}
-        if any(v is None for v in speeds.values()):
-            return make_plan([s.kernels for s in specs], {n: [1.0] * len(specs) for n in self.peers}, "equal")
-        return self._plan_from_calibration([s.kernels for s in specs], speeds, cfg)
+    def replan(self, specs, input_shapes, cfg):
+        """A plan over the workers there are now, from their calibration; a worker without one
+        (it joined while another was lost) is calibrated first, never planned blind."""
+        missing = [name for name in self.peers if name not in self.calibration]
+        if missing:
+            self._calibrate_some(specs, input_shapes, cfg, missing)
+        return self._plan_from_calibration([s.kernels for s in specs],
+                                           {name: self.calibration[name]["speeds"] for name in self.peers}, cfg)
 
     def _unique_name(self, name):
         base, k = name, 2
@@ -473,9 +517,9 @@ class RemoteEngine(Engine):
         t0 = time.perf_counter()
         replies = self._call({name: ("CALIBRATE", [], {"layers": layers}) for name in names}, "calibration")
         self.calibration_s = time.perf_counter() - t0
-        self.calibration = {name: {"device": self.peers[name].device, "description": self.peers[name].description,
-                                   "speeds": list(fields["speeds"]), "layers": list(fields["timings"])}
-                            for name, (_, fields) in replies.items()}
+        self.calibration.update({name: {"device": self.peers[name].device, "description": self.peers[name].description,
+                                        "speeds": list(fields["speeds"]), "layers": list(fields["timings"])}
+                                 for name, (_, fields) in replies.items()})
         return {name: list(replies[name][1]["speeds"]) for name in names}
 
     def plan_for(self, specs, input_shapes, cfg):
@@ -510,7 +554,8 @@ class RemoteEngine(Engine):
         """Tell every worker of the plan who its peers are, where to reach them, and who holds
         which kernels; each connects to the others (ipc on its own host, tcp elsewhere)."""
         peers = [{"name": name, "endpoints": self.peers[name].peer_endpoints, "host_key": self.peers[name].host_key,
-                  "public_key": self.peers[name].public_key} for name in self.plan.workers]
+                  "public_key": self.peers[name].public_key, "ipc_token": self.peers[name].ipc_token}
+                 for name in self.plan.workers]
         missing = [p["name"] for p in peers if not p["endpoints"]]
         if missing:
             raise WorkerLost(f"worker(s) {', '.join(missing)} announced no peer address: they cannot take part in "

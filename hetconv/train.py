@@ -1,4 +1,5 @@
 """The training loop, the same for `--local` and for a distributed run: only the engine differs."""
+import dataclasses
 import json
 import math
 import os
@@ -65,29 +66,64 @@ class MetricsWriter:
                 raise self._error(e) from None
 
 
-class _StopAfterStep:
-    """First Ctrl-C: finish the running step, checkpoint, stop. Second Ctrl-C: stop at once."""
+class StopNow(Exception):
+    """A stop that cannot wait for the step: the grace period after SIGTERM ran out, or a second
+    signal came, while workers were still busy."""
 
-    def __init__(self, saving):
-        self.saving = saving
-        self.requested = False
-        self._previous = None
+
+class _StopRequests:
+    """SIGINT (Ctrl-C) and SIGTERM (Slurm, Kubernetes, `kill`) both ask the run to stop: finish the
+    running step, write a checkpoint, exit (130 or 143). Where workers do the steps (`bounded`), a
+    step can hang on the network, so a stop that has not completed `grace` seconds after the first
+    signal, or a second signal, raises StopNow: the loop then saves its newest in-memory snapshot
+    instead, which needs no worker. In one process a second Ctrl-C stops at once."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, saving, grace, bounded):
+        self.saving, self.grace, self.bounded = saving, grace, bounded
+        self.signum = None
+        self._previous = {}
+
+    @property
+    def requested(self):
+        return self.signum is not None
+
+    @property
+    def exit_code(self):
+        return 128 + self.signum if self.signum else 0
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():   # signals only work there
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            for signum in self.SIGNALS + (signal.SIGALRM,):
+                self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def _handle(self, signum, frame):
+        if signum == signal.SIGALRM:
+            raise StopNow(f"the stop did not complete within --stop-grace {self.grace:g}s")
         if self.requested:
+            if self.bounded:
+                raise StopNow(f"{signal.Signals(signum).name} again")
             raise KeyboardInterrupt
-        self.requested = True
+        self.signum = signum
         then = "saving a checkpoint and stopping" if self.saving else "stopping (no --checkpoint-dir: nothing is saved)"
-        print(f"\ninterrupt: finishing this step, then {then} (Ctrl-C again to stop now)", file=sys.stderr, flush=True)
+        bound = (f"; if that takes over {self.grace:g}s, the last snapshot is saved instead" if self.bounded
+                 and self.grace > 0 else "")
+        print(f"\n{signal.Signals(signum).name}: finishing this step, then {then}{bound} "
+              f"(the same signal again to stop now)", file=sys.stderr, flush=True)
+        if self.bounded and self.grace > 0 and self._previous:
+            signal.setitimer(signal.ITIMER_REAL, self.grace)
+
+    def disarm(self):
+        """The stop completed: the grace timer must not fire into what follows."""
+        if self._previous:
+            signal.setitimer(signal.ITIMER_REAL, 0)
 
     def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        self.disarm()
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
 
 
 def _compatible(saved, cfg):
@@ -117,34 +153,189 @@ def center_crop(x, size):
     return np.ascontiguousarray(x[:, :, top:top + size, left:left + size])
 
 
-def evaluate(net, ds, batch_size, max_batches=0, crop=0):
+def evaluate(net, ds, batch_size, max_batches=0, crop=0, stop=None):
+    """-> (accuracy, images seen), or None when `stop` (a _StopRequests) asks to stop first."""
     correct = seen = 0
     for i, (x, y) in enumerate(test_batches(ds, batch_size)):
         if max_batches and i >= max_batches:
             break
+        if stop is not None and stop.requested:
+            return None
         correct += int((net.predict(center_crop(x, crop)).argmax(axis=1) == y).sum())
         seen += len(y)
     return correct / max(seen, 1), seen
 
 
-def train(cfg, engine, log=print, resume=None, metrics_extra=None, dataset=None):
+def checkpoint_dir_for(cfg, resume):
+    """Where this run's checkpoints go: --checkpoint-dir, else the --resume directory (a resumed
+    run that wrote nothing would lose every step it trained)."""
+    if cfg.checkpoint_dir or not resume:
+        return cfg.checkpoint_dir
+    return resume if os.path.isdir(resume) else os.path.dirname(os.path.abspath(resume))
+
+
+def train(cfg, engine, log=print, resume=None, metrics_extra=None, dataset=None, stop_grace=20.0):
     """Train per `cfg` with conv layers on `engine`. `engine.plan_for(specs, input_shapes, cfg)`
     returns the kernel split; the loop is otherwise transport-agnostic. `dataset`, when given, is
-    cfg.data already loaded (the command line loads it before starting workers). Returns a
-    summary dict."""
+    cfg.data already loaded (the command line loads it before starting workers). `stop_grace`:
+    seconds a SIGTERM or Ctrl-C gives the running step and checkpoint before the last snapshot is
+    saved instead. Returns a summary dict."""
     metrics = MetricsWriter(cfg.metrics, append=bool(resume))
     try:
-        return _train(cfg, engine, log, resume, metrics, metrics_extra or {}, dataset)
+        return _train(cfg, engine, log, resume, metrics, metrics_extra or {}, dataset, stop_grace)
     finally:
         metrics.close()
 
 
-def _train(cfg, engine, log, resume, metrics, metrics_extra, ds):
+class _Run:
+    """The state of one training run that changes as it goes: the step reached, the plan's
+    schedule of rebalances, the per-step records, and the progress bar. Membership changes
+    (a worker lost, a worker joined) arrive here through `recover` and `replanned`."""
+
+    def __init__(self, cfg, engine, net, elastic, ds, specs, start_step, total_steps, steps_per_epoch, log, metrics):
+        self.cfg, self.engine, self.net, self.elastic, self.ds, self.specs = cfg, engine, net, elastic, ds, specs
+        self.log, self.metrics = log, metrics
+        self.start_step, self.step, self.total_steps = start_step, start_step, total_steps
+        self.steps_per_epoch = steps_per_epoch
+        self.losses, self.step_times = [], []
+        self.last_ckpt = None
+        self.micro_batches = resolve_micro_batches(cfg, engine)
+        self.rebalance_at, self.rebalances = 0, 0
+        self.bar = None
+        self._last_line = time.monotonic()
+
+    # ---- the steps ---------------------------------------------------------------------------------
+    def train_steps(self, stop):
+        """Steps until the last one, or until a stop is asked for."""
+        cfg = self.cfg
+        while self.step < self.total_steps and not stop.requested:
+            epoch = self.step // self.steps_per_epoch
+            skip = self.step % self.steps_per_epoch
+            # the epoch's order depends only on (seed, epoch), so a resumed or replaying run sees the same batches
+            order_rng = np.random.default_rng([cfg.seed, epoch])
+            for i, (x, y) in enumerate(batches(self.ds, cfg.batch_size, order_rng)):
+                if i < skip:
+                    continue
+                self.one_step(epoch, x, y)
+                if self.step >= self.total_steps or stop.requested:
+                    break
+
+    def one_step(self, epoch, x, y):
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        result = self.net.train_step(center_crop(x, cfg.crop), y, cfg.lr, cfg.momentum, cfg.weight_decay,
+                                     self.micro_batches)
+        dt = time.perf_counter() - t0
+        if not math.isfinite(result.loss):
+            raise FloatingPointError(f"loss became {result.loss} at step {self.step + 1}: lower --lr (now {cfg.lr})")
+        self.step += 1
+        step = self.step
+        self.losses.append(result.loss)
+        self.step_times.append(dt)
+        self.metrics.write("step", step=step, epoch=epoch, loss=result.loss, accuracy=result.correct / len(y),
+                           step_s=dt, images_per_s=len(y) / dt, workers=self.engine.step_stats())
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{result.loss:.3f}", img_s=f"{len(y) / dt:.0f}")
+        if self.bar.disable and time.monotonic() - self._last_line >= 30:
+            # no terminal (a log file, CI): a plain line every 30 s instead of the bar
+            self._last_line = time.monotonic()
+            self.log(f"step {step}/{self.total_steps}  loss {result.loss:.4f}  {len(y) / dt:.1f} img/s")
+        self.maybe_rebalance()
+        if self.elastic.after_step(step, dt) is not None:         # a worker joined
+            self.replanned()
+        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+            self.save_checkpoint()
+
+    # ---- rebalancing: early on, the split from calibration is checked against real steps and
+    # corrected, up to MAX_REBALANCES times while it still gains (never for `equal`, the baseline,
+    # nor for a plan set by hand); armed again after every re-plan -------------------------------
+    def arm_rebalance(self, first=False):
+        cfg = self.cfg
+        self.rebalances, self.rebalance_at = 0, 0
+        if not (cfg.rebalance_after >= 2 and cfg.split == "proportional" and self.engine.fixed_plan is None
+                and len(self.engine.workers) > 1):
+            return
+        at = self.step + cfg.rebalance_after
+        if at < self.total_steps:
+            self.rebalance_at = at
+        elif first:
+            self.log(f"no rebalancing: {self.total_steps} steps are too few (the first re-split comes after step "
+                     f"{at}, see --rebalance-after)")
+
+    def maybe_rebalance(self):
+        after = self.cfg.rebalance_after
+        if not self.rebalance_at:
+            return
+        if self.step == self.rebalance_at - (after - 1):
+            self.engine.reset_layer_timings()                    # the first step pays for growing buffers
+        if self.step != self.rebalance_at:
+            return
+        self.rebalance_at = 0
+        plan = self.engine.propose_rebalance(self.specs)
+        if plan is None:
+            return
+        conv = self.engine.gather()
+        self.elastic.keep(self.step, conv)                       # a loss while the kernels move replays nothing
+        self.engine.load(plan, self.specs, conv)
+        self.rebalances += 1
+        self.log("rebalanced from measured step times:\n" + plan.table())
+        self.metrics.write("plan", reason="rebalance", step=self.step, bytes=moved_bytes(self.engine.step_stats()),
+                           **plan.to_json())
+        if self.rebalances < MAX_REBALANCES:                     # check again: each round corrects the last
+            self.rebalance_at = self.step + after
+
+    # ---- membership ------------------------------------------------------------------------------
+    def recover(self, lost):
+        """A worker was lost, in a step or in anything else that talks to workers: the survivors
+        are re-planned and reloaded from the last snapshot, and the steps since it are replayed
+        (their records dropped). Raises WorkerLost below --min-workers, after a rescue checkpoint."""
+        self.step, _ = self.elastic.recover(lost, self.step)
+        del self.losses[max(0, self.step - self.start_step):], self.step_times[max(0, self.step - self.start_step):]
+        self.bar.n = self.step
+        self.bar.refresh()
+        self.replanned()
+
+    def replanned(self):
+        """Another set of workers: the micro-batch count follows it, and rebalancing starts over."""
+        self.micro_batches = resolve_micro_batches(self.cfg, self.engine)
+        self.arm_rebalance()
+
+    # ---- saving ---------------------------------------------------------------------------------
+    def save_checkpoint(self):
+        path = self.elastic.checkpoint(self.step)
+        # the gather's traffic is the checkpoint's, not the next step's
+        self.metrics.write("checkpoint", step=self.step, path=path, bytes=moved_bytes(self.engine.step_stats()))
+        self.last_ckpt = path
+        return path
+
+    def final_state(self):
+        """The checkpoint of the step reached (where --checkpoint-dir is set), and with workers a
+        snapshot of it, so a loss during evaluation replays nothing."""
+        if self.cfg.checkpoint_dir and self.step not in self.elastic.saved:
+            self.save_checkpoint()
+        else:
+            self.elastic.gather(self.step)
+
+    def rescue(self, why):
+        """Save the newest state that exists without asking a worker (the snapshot), where it is
+        newer than every checkpoint this run wrote. Returns the newest checkpoint's path or None."""
+        if self.cfg.checkpoint_dir and self.elastic.unsaved_snapshot():
+            self.last_ckpt = self.elastic.save_snapshot()
+            self.log(f"{why}: saved the snapshot of step {self.elastic.snapshot.step} to {self.last_ckpt}")
+        elif self.elastic.saved:
+            self.last_ckpt = self.elastic.saved[max(self.elastic.saved)]
+        return self.last_ckpt
+
+
+def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace):
     t_setup = time.perf_counter()
     if ds is None:
         ds = load_dataset(cfg.data, seed=cfg.seed,
                           n_train=cfg.synthetic_train if cfg.data == "synthetic" else None,
                           n_test=cfg.synthetic_test if cfg.data == "synthetic" else None)
+    if resume and not cfg.checkpoint_dir:
+        cfg = dataclasses.replace(cfg, checkpoint_dir=checkpoint_dir_for(cfg, resume))
+        log(f"checkpoints go to {cfg.checkpoint_dir}, where the run resumed from (--checkpoint-dir sets another)")
     specs = conv_specs(cfg.conv_kernels(), cfg.ksize, cfg.padding)
     input_shapes, _ = layer_input_shapes(specs, cfg.batch_size, cfg.image_shape())
     steps_per_epoch = len(ds.train_y) // cfg.batch_size
@@ -180,116 +371,47 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds):
     del conv_params                             # the shards own the conv weights from here on
     log(plan.table())
     metrics.write("plan", **plan.to_json())
-    micro_batches = resolve_micro_batches(cfg, engine)
+    run = _Run(cfg, engine, net, elastic, ds, specs, start_step, total_steps, steps_per_epoch, log, metrics)
     setup_s = time.perf_counter() - t_setup
     log(f"{ds!r}; {total_steps - start_step} steps of {cfg.batch_size} images "
-        f"({steps_per_epoch} per epoch" + (f", {micro_batches} micro-batches each" if micro_batches > 1 else "")
+        f"({steps_per_epoch} per epoch" + (f", {run.micro_batches} micro-batches each" if run.micro_batches > 1 else "")
         + f"); setup {setup_s:.1f}s")
+    run.arm_rebalance(first=True)
 
-    def save(step, epoch):
-        if not cfg.checkpoint_dir:
-            return None
-        path = checkpoint.save(cfg.checkpoint_dir, step, epoch, cfg, engine.gather(), net.fc_state(), engine.plan,
-                               keep=cfg.keep_checkpoints)
-        # the gather's traffic is the checkpoint's, not the next step's
-        metrics.write("checkpoint", step=step, path=path, bytes=moved_bytes(engine.step_stats()))
-        return path
-
-    step = start_step
-    # early on, the split from calibration is checked against real steps and corrected, up to
-    # MAX_REBALANCES times while it still gains (never for `equal`, the baseline, nor for a
-    # plan set by hand)
-    rebalances = 0
-    rebalance_at = (start_step + cfg.rebalance_after
-                    if cfg.rebalance_after >= 2 and cfg.split == "proportional"
-                    and engine.fixed_plan is None else 0)
-    if rebalance_at >= total_steps:
-        if rebalance_at and len(getattr(engine, "workers", ())) > 1:
-            log(f"no rebalancing: {total_steps} steps are too few (the first re-split comes after step {rebalance_at}, "
-                f"see --rebalance-after)")
-        rebalance_at = 0
-    losses, step_times = [], []
-    last_ckpt = None
-
-    def go_on_without(lost, step):
-        """After WorkerLost in step `step` + 1: survivors re-planned and reloaded from the last
-        snapshot; the records of the steps to replay are dropped. -> (step, plan, micro-batches)."""
-        step, plan = elastic.recover(lost, step)
-        del losses[step - start_step:], step_times[step - start_step:]
-        bar.n = step
-        bar.refresh()
-        return step, plan, resolve_micro_batches(cfg, engine)
-
-    interrupted = False
-    last_line = time.monotonic()
-    bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, disable=None)
-    with _StopAfterStep(saving=bool(cfg.checkpoint_dir)) as stop:
-        while step < total_steps and not stop.requested:
-            epoch = step // steps_per_epoch
-            skip = step % steps_per_epoch
-            # the epoch's order depends only on (seed, epoch), so a resumed run sees the same batches
-            order_rng = np.random.default_rng([cfg.seed, epoch])
-            for i, (x, y) in enumerate(batches(ds, cfg.batch_size, order_rng)):
-                if i < skip:
-                    continue
-                t0 = time.perf_counter()
+    # Every operation that talks to workers (steps, snapshots, checkpoints, rebalancing, joins,
+    # evaluation) runs inside this one loop: a lost worker, wherever it is noticed, is handled in
+    # one place and the run goes on from the last snapshot. Only --min-workers ends a run for it.
+    evaluation = None
+    run.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, disable=None)
+    with _StopRequests(saving=bool(cfg.checkpoint_dir), grace=stop_grace, bounded=elastic.enabled) as stop:
+        try:
+            while True:
                 try:
-                    result = net.train_step(center_crop(x, cfg.crop), y, cfg.lr, cfg.momentum, cfg.weight_decay,
-                                            micro_batches)
+                    run.train_steps(stop)
+                    run.final_state()
+                    if stop.requested:
+                        stop.disarm()
+                        break
+                    evaluation = evaluate(net, ds, cfg.batch_size, cfg.eval_batches, cfg.crop, stop)
+                    break
                 except WorkerLost as lost:
-                    # go on without it: survivors reloaded from the last snapshot, the steps since replayed
-                    step, plan, micro_batches = go_on_without(lost, step)
-                    rebalance_at = 0                   # the survivors' split comes from their calibration
-                    break                              # the epoch loop starts again at `step`
-                dt = time.perf_counter() - t0
-                if not math.isfinite(result.loss):
-                    raise FloatingPointError(f"loss became {result.loss} at step {step + 1}: lower --lr (now {cfg.lr})")
-                step += 1
-                losses.append(result.loss)
-                step_times.append(dt)
-                metrics.write("step", step=step, epoch=epoch, loss=result.loss, accuracy=result.correct / len(y),
-                              step_s=dt, images_per_s=len(y) / dt, workers=engine.step_stats())
-                bar.update(1)
-                bar.set_postfix(loss=f"{result.loss:.3f}", img_s=f"{len(y) / dt:.0f}")
-                if bar.disable and time.monotonic() - last_line >= 30:
-                    # no terminal (a log file, CI): a plain line every 30 s instead of the bar
-                    last_line = time.monotonic()
-                    log(f"step {step}/{total_steps}  loss {result.loss:.4f}  {len(y) / dt:.1f} img/s")
-                if rebalance_at and step == rebalance_at - (cfg.rebalance_after - 1):
-                    engine.reset_layer_timings()       # the first step pays for growing buffers
-                if rebalance_at and step == rebalance_at:
-                    new_plan = engine.rebalance(specs)
-                    rebalance_at = 0
-                    if new_plan is not None:
-                        plan = new_plan
-                        rebalances += 1
-                        log("rebalanced from measured step times:\n" + plan.table())
-                        metrics.write("plan", reason="rebalance", step=step, bytes=moved_bytes(engine.step_stats()),
-                                      **plan.to_json())
-                        if rebalances < MAX_REBALANCES:   # check again: each round corrects the last
-                            rebalance_at = step + cfg.rebalance_after
-                try:
-                    if elastic.after_step(step, dt) is not None:
-                        plan = engine.plan
-                        micro_batches = resolve_micro_batches(cfg, engine)
-                except WorkerLost as lost:             # lost while a snapshot was gathered: the last one stands
-                    step, plan, micro_batches = go_on_without(lost, step - 1)
-                    rebalance_at = 0
-                    break
-                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                    last_ckpt = save(step, epoch)
-                if step >= total_steps or stop.requested:
-                    break
-        interrupted = stop.requested
-    bar.close()
-    if step > start_step or not last_ckpt:
-        last_ckpt = save(step, step // steps_per_epoch) or last_ckpt
-    if interrupted:
-        log(f"stopped at step {step}" + (f"; checkpoint {last_ckpt}" if last_ckpt else ""))
+                    run.recover(lost)
+        except StopNow as e:
+            run.rescue(str(e))
+        except BaseException as e:
+            run.rescue(f"run ended by {type(e).__name__}")
+            raise
+        finally:
+            run.bar.close()
+    step, last_ckpt, losses = run.step, run.last_ckpt, run.losses
+    if evaluation is None:
+        log(f"stopped at step {step}" + (f"; checkpoint {last_ckpt}" if last_ckpt else "; nothing saved"))
         metrics.write("interrupted", step=step, checkpoint=last_ckpt)
-        return {"step": step, "interrupted": True, "checkpoint": last_ckpt, "losses": losses}
+        return {"step": step, "interrupted": True, "exit_code": stop.exit_code or 130, "checkpoint": last_ckpt,
+                "losses": losses}
 
-    accuracy, seen = evaluate(net, ds, cfg.batch_size, cfg.eval_batches, cfg.crop)
+    accuracy, seen = evaluation
+    step_times = run.step_times
     summary = {"step": step, "test_accuracy": accuracy, "test_images": seen,
                "final_loss": losses[-1] if losses else None,
                "median_step_s": float(np.median(step_times[1:] or step_times)) if step_times else None,

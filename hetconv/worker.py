@@ -463,7 +463,11 @@ def _io_loop(dealer, pair, inbox, requests, args, P, heartbeats=None, identity="
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    on_main_thread = threading.current_thread() is threading.main_thread()   # where signals are handled
+    # Signals are handled on the main thread only. A SIGTERM that the caller set to be ignored stays
+    # ignored (`trap '' TERM` in a Slurm recipe: the coordinator gets the job's SIGTERM too, and its
+    # workers must serve the step and checkpoint it finishes before ending them).
+    on_main_thread = (threading.current_thread() is threading.main_thread()
+                      and signal.getsignal(signal.SIGTERM) != signal.SIG_IGN)
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if on_main_thread else None
     try:
         _early_pin(argv)

@@ -162,10 +162,10 @@ def test_ctrl_c_without_a_checkpoint_dir_says_nothing_is_saved():
     assert "no --checkpoint-dir: nothing is saved" in err
 
 
-def test_sigterm_prints_a_line():
+def test_sigterm_finishes_the_step_like_ctrl_c():
     code, err = interrupt_after_first_step([], signal.SIGTERM)
     assert code == 143
-    assert "terminated (SIGTERM)" in err
+    assert "SIGTERM: finishing this step, then stopping (no --checkpoint-dir: nothing is saved)" in err
 
 
 def test_a_workers_traceback_only_with_verbose():

@@ -480,7 +480,7 @@ def test_a_bad_split_is_rebalanced_from_measured_steps_without_changing_the_math
         calibrate_then_plan(*args)
         return fixed_plan([32, 256], {"w0-cpu": [2, 8], "w1-cpu": [30, 248]})
     engine.plan_for = fooled
-    measured_rebalance = engine.rebalance
+    measured_rebalance = engine.propose_rebalance
 
     def as_if_measured_on_equal_cores(specs, **kwargs):
         # what the steps would measure on two equally fast, otherwise idle cores (compute in
@@ -490,7 +490,7 @@ def test_a_bad_split_is_rebalanced_from_measured_steps_without_changing_the_math
         for name in engine.plan.workers:
             engine.layer_compute[name] = {lp.layer: steps * 1e-3 * lp.count(name) for lp in engine.plan.layers}
         return measured_rebalance(specs, **kwargs)
-    engine.rebalance = as_if_measured_on_equal_cores
+    engine.propose_rebalance = as_if_measured_on_equal_cores
     try:
         summary = train(cfg, engine, log=quiet)
         final = {w: engine.plan.layers[1].count(w) for w in engine.workers}
