@@ -70,6 +70,9 @@ class RemoteEngine(Engine):
         self.sock.linger = 0
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)      # an unknown peer is an error, not a silent drop
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
+        # A worker that stops reading (stopped, or its link dead without a close) fills its queue;
+        # a send then waits at most one request's deadline and the worker counts as lost.
+        self.sock.sndtimeo = int(op_timeout * 1000)
         self.processes = []                                 # (label, Popen or a launcher's look-alike)
         self.launcher = launcher                            # None: spawned here; else e.g. launch_ray.RayLauncher
         self.peers = {}                                     # name -> _Peer, in plan order

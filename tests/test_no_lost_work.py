@@ -147,6 +147,13 @@ def test_a_worker_killed_during_a_rebalance_is_survived_and_rebalancing_is_armed
     assert proposals[0] == 3 and 2 in proposals[1:], "rebalancing was not armed again after the loss"
 
 
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _external_worker(procs, address, name, keys="", *extra):
     return procs(python_cmd("hetconv.worker", "--device", "cpu", "--connect", address, "--threads", "1",
                             "--name", name, "--connect-timeout", "60", "--idle-timeout", "120",
@@ -361,3 +368,38 @@ def test_a_stop_that_cannot_finish_its_step_saves_the_last_snapshot_within_the_g
     assert "the stop did not complete within --stop-grace 2s: saved the snapshot of step" in out, out
     snapshots = [r["step"] for r in records(metrics) if r["event"] == "snapshot"]
     assert checkpoint.load(str(ck))[0]["step"] == max(snapshots)
+
+
+def test_a_bind_to_an_address_not_of_this_host_is_not_blamed_on_another_coordinator():
+    with pytest.raises(SystemExit) as e:
+        RemoteEngine("tcp://192.0.2.1:5555", 1, [], log=quiet, connect_timeout=1)
+    message = str(e.value)
+    assert "cannot bind tcp://192.0.2.1:5555" in message and "another coordinator" not in message
+    assert "is that address one of this host's?" in message
+
+
+def test_the_hint_for_missing_workers_names_the_keys_they_need(tmp_path):
+    from hetconv import keys
+    keys.make_keys(str(tmp_path / "k"))
+    with pytest.raises(Exception, match=r"start more with `hetconv-worker --device cpu --connect tcp://127.0.0.1:\d+ "
+                                        r"--curve .*k/workers/NAME`"):
+        RemoteEngine("tcp://127.0.0.1:0", 1, [], log=quiet, connect_timeout=1, curve=str(tmp_path / "k"))
+
+
+def test_a_worker_dropped_while_stopped_is_told_to_shut_down(procs, tmp_path):
+    """An external worker that was SIGSTOPped is dropped as lost; when it runs again it reads the
+    SHUTDOWN the coordinator left it and exits, instead of living on for --idle-timeout."""
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    workers = [_external_worker(procs, address, f"ext{i}") for i in range(2)]
+    engine = RemoteEngine(address, 2, [], threads=1, connect_timeout=60, worker_timeout=2, op_timeout=60, log=quiet)
+    try:
+        os.kill(workers[1].pid, signal.SIGSTOP)
+        time.sleep(2.5)
+        with pytest.raises(Exception) as lost:
+            engine._call({"ext1": ("FETCH", [], {"layer": 0})}, "probing")
+        assert getattr(lost.value, "workers", None) == ["ext1"], lost.value
+        engine.drop(["ext1"])
+        os.kill(workers[1].pid, signal.SIGCONT)
+        assert workers[1].wait(timeout=20) == 0
+    finally:
+        engine.close()
