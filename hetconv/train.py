@@ -313,14 +313,18 @@ class _Run:
         snapshot of it, so a loss during evaluation replays nothing."""
         if self.cfg.checkpoint_dir and self.step not in self.elastic.saved:
             self.save_checkpoint()
-        else:
+        elif self.elastic.enabled:
             self.elastic.gather(self.step)
 
     def rescue(self, why):
         """Save the newest state that exists without asking a worker (the snapshot), where it is
         newer than every checkpoint this run wrote. Returns the newest checkpoint's path or None."""
         if self.cfg.checkpoint_dir and self.elastic.unsaved_snapshot():
-            self.last_ckpt = self.elastic.save_snapshot()
+            try:
+                self.last_ckpt = self.elastic.save_snapshot()
+            except Exception as e:             # a full disk must not hide why the run ended
+                self.log(f"{why}; saving the snapshot of step {self.elastic.snapshot.step} failed too: {e}")
+                return self.last_ckpt
             self.log(f"{why}: saved the snapshot of step {self.elastic.snapshot.step} to {self.last_ckpt}")
         elif self.elastic.saved:
             self.last_ckpt = self.elastic.saved[max(self.elastic.saved)]
