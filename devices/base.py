@@ -1,19 +1,23 @@
 """The device contract: what every `--device` kind provides, checked once here.
 
 All arrays crossing this interface from the caller are numpy float32, NCHW, weights (K, C, kh, kw),
-stride 1, cross-correlation as PyTorch's conv2d. The public methods check shapes and dtypes and
-name the offending values; a backend implements the underscore methods and may assume checked,
-C-contiguous float32 input.
+any stride and zero padding given as an int or an (height, width) pair, cross-correlation as
+PyTorch's conv2d. The public methods check shapes, dtypes, strides and paddings and name the
+offending values; a backend implements the underscore methods and may assume checked,
+C-contiguous float32 input and (height, width) int pairs.
 
 Besides the plain contract (conv2d / conv2d_backward), a device offers the fused form a worker
-runs: conv + bias + ReLU + 2x2 max-pool, whose backward needs only the opaque `ctx` the forward
-returned. Parameters may live on the device between steps: `upload` turns a numpy array into the
+runs, a conv block: conv + bias, then an activation (ReLU or none), then a pool (max, average or
+none) as a `ConvBlock` says, whose backward needs only the opaque `ctx` the forward returned.
+conv_relu_pool is the paper's block (ReLU, 2x2 stride-2 max-pool). Parameters may live on the device between steps: `upload` turns a numpy array into the
 device's own array type, `download` turns it back, and `sgd_` updates parameters where they live.
 For the CPU device both are identities.
 """
+from dataclasses import dataclass, fields
+
 import numpy as np
 
-from hetconv.geometry import conv_output_hw, pooled_hw
+from hetconv.geometry import window_output_size
 
 
 class DeviceError(RuntimeError):
@@ -29,24 +33,108 @@ def _as_f32(name, a, ndim):
     return np.ascontiguousarray(a)
 
 
-def conv_output_shape(x_shape, w_shape, padding):
+def _is_int(v):
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def as_pair(name, value, minimum):
+    """An int or an (height, width) pair of ints, each >= minimum, as a tuple of two Python ints;
+    anything else raises ValueError naming `name` and the value."""
+    pair = tuple(value) if isinstance(value, (tuple, list)) else (value, value)
+    if len(pair) != 2 or not all(_is_int(v) and v >= minimum for v in pair):
+        what = "positive" if minimum == 1 else "non-negative"
+        raise ValueError(f"{name} must be a {what} integer or a (height, width) pair of them, got {value!r}")
+    return int(pair[0]), int(pair[1])
+
+
+ACTIVATIONS = ("relu", "none")
+POOLS = ("max", "avg", "none")
+
+
+@dataclass(frozen=True)
+class ConvBlock:
+    """What follows a conv layer's GEMM, and its stride and padding: everything a device needs
+    besides the weights' shape. Pairs are (height, width); an int stands for (int, int).
+    Semantics are PyTorch's: the activation applies before the pool; pools use floor mode; a
+    max-pool pads with -inf; an average pool counts its zero padding (every window divides by
+    pkh*pkw); a pool's padding is at most half its kernel, as PyTorch requires."""
+    stride: tuple = (1, 1)
+    padding: tuple = (0, 0)
+    activation: str = "relu"        # "relu" or "none"
+    pool: str = "max"               # "max", "avg" or "none"
+    pool_kernel: tuple = (2, 2)
+    pool_stride: tuple = (2, 2)
+    pool_padding: tuple = (0, 0)
+
+    def __post_init__(self):
+        for name, minimum in (("stride", 1), ("padding", 0), ("pool_kernel", 1), ("pool_stride", 1),
+                              ("pool_padding", 0)):
+            object.__setattr__(self, name, as_pair(f"ConvBlock {name}", getattr(self, name), minimum))
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"ConvBlock activation must be one of {ACTIVATIONS!r}, got {self.activation!r}")
+        if self.pool not in POOLS:
+            raise ValueError(f"ConvBlock pool must be one of {POOLS!r}, got {self.pool!r}")
+        if self.pool != "none" and any(2 * p > k for p, k in zip(self.pool_padding, self.pool_kernel)):
+            raise ValueError(f"ConvBlock pool_padding {self.pool_padding!r} must be at most half of pool_kernel "
+                             f"{self.pool_kernel!r} (as PyTorch requires)")
+
+    def to_json(self):
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
+
+    @classmethod
+    def from_json(cls, d):
+        """The inverse of to_json; missing keys take the defaults, unknown keys raise ValueError."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a conv block must be a JSON object, got {d!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown conv block key(s) {unknown!r}: expected some of {sorted(known)!r}")
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+
+    @property
+    def is_paper(self):
+        """Stride 1, ReLU, 2x2 stride-2 max-pool with no pool padding (any conv padding): the
+        block devices run with their own fused kernels."""
+        return (self.stride == (1, 1) and self.activation == "relu" and self.pool == "max"
+                and self.pool_kernel == (2, 2) and self.pool_stride == (2, 2) and self.pool_padding == (0, 0))
+
+
+PAPER_BLOCK = ConvBlock()           # stride 1, no padding, ReLU, 2x2 stride-2 max-pool: today's block
+
+
+def conv_output_shape(x_shape, w_shape, stride=(1, 1), padding=(0, 0)):
+    """(N, K, Ho, Wo) of conv2d(x, w) at this stride and padding, or ValueError naming the values."""
     n, c, h, w = x_shape
     k, wc, kh, kw = w_shape
     if wc != c:
         raise ValueError(f"weights expect {wc} input channels but input has {c}: w {tuple(w_shape)!r}, x {tuple(x_shape)!r}")
-    if not isinstance(padding, (int, np.integer)) or padding < 0:
-        raise ValueError(f"padding must be a non-negative integer, got {padding!r}")
-    ho, wo = conv_output_hw(h, w, kh, kw, padding)
-    if ho < 1 or wo < 1:
-        raise ValueError(f"kernel {kh}x{kw} does not fit input {h}x{w} with padding {padding}")
+    stride = as_pair("stride", stride, 1)
+    padding = as_pair("padding", padding, 0)
+    if h + 2 * padding[0] < kh or w + 2 * padding[1] < kw:
+        raise ValueError(f"kernel {kh}x{kw} does not fit input {h}x{w} with padding {padding!r}")
+    ho = window_output_size(h, kh, stride[0], padding[0])
+    wo = window_output_size(w, kw, stride[1], padding[1])
     return n, k, ho, wo
 
 
+def block_output_shape(x_shape, w_shape, block):
+    """(N, K, Hp, Wp) leaving a conv block: after the conv, the activation and the pool."""
+    if not isinstance(block, ConvBlock):
+        raise TypeError(f"block must be a ConvBlock, got {type(block).__name__}")
+    n, k, ho, wo = conv_output_shape(x_shape, w_shape, block.stride, block.padding)
+    if block.pool == "none":
+        return n, k, ho, wo
+    (pkh, pkw), (psh, psw), (pph, ppw) = block.pool_kernel, block.pool_stride, block.pool_padding
+    if ho + 2 * pph < pkh or wo + 2 * ppw < pkw:
+        raise ValueError(f"conv output {ho}x{wo} is too small for a {pkh}x{pkw} {block.pool}-pool "
+                         f"(pool padding {block.pool_padding!r})")
+    return n, k, window_output_size(ho, pkh, psh, pph), window_output_size(wo, pkw, psw, ppw)
+
+
 def pooled_shape(x_shape, w_shape, padding):
-    n, k, ho, wo = conv_output_shape(x_shape, w_shape, padding)
-    if ho < 2 or wo < 2:
-        raise ValueError(f"conv output {ho}x{wo} is too small for a 2x2 max-pool")
-    return (n, k) + pooled_hw(ho, wo)
+    """(N, K, Hp, Wp) leaving the paper's block with this conv padding."""
+    return block_output_shape(x_shape, w_shape, ConvBlock(padding=padding))
 
 
 class Device:
@@ -81,38 +169,48 @@ class Device:
         self._accumulate_(total, grad)
 
     # ---- the plain contract ------------------------------------------------------------------
-    def conv2d(self, x, w, b, padding=0):
+    def conv2d(self, x, w, b, stride=1, padding=0):
+        """y (N, K, Ho, Wo) = conv2d(x, w) + b; stride and padding an int or an (h, w) pair."""
         x, w = _as_f32("x", x, 4), _as_f32("w", w, 4)
-        out_shape = conv_output_shape(x.shape, w.shape, padding)
+        stride, padding = as_pair("stride", stride, 1), as_pair("padding", padding, 0)
+        out_shape = conv_output_shape(x.shape, w.shape, stride, padding)
         b = self._check_bias(b, w.shape[0])
-        y = self._conv2d(x, w, b, int(padding))
+        y = self._conv2d(x, w, b, stride, padding)
         assert y.shape == out_shape, (y.shape, out_shape)
         return y
 
-    def conv2d_backward(self, x, w, dy, padding=0, need_dx=True):
+    def conv2d_backward(self, x, w, dy, stride=1, padding=0, need_dx=True):
+        """(dx or None, dw, db): the gradients of sum(dy * conv2d(x, w, b))."""
         x, w, dy = _as_f32("x", x, 4), _as_f32("w", w, 4), _as_f32("dy", dy, 4)
-        out_shape = conv_output_shape(x.shape, w.shape, padding)
+        stride, padding = as_pair("stride", stride, 1), as_pair("padding", padding, 0)
+        out_shape = conv_output_shape(x.shape, w.shape, stride, padding)
         if dy.shape != out_shape:
             raise ValueError(f"dy shape must match the conv output, {dy.shape!r} != {out_shape!r}")
-        return self._conv2d_backward(x, w, dy, int(padding), bool(need_dx))
+        return self._conv2d_backward(x, w, dy, stride, padding, bool(need_dx))
 
     # ---- the fused form workers run ------------------------------------------------------------
-    def conv_relu_pool(self, x, w, b, padding=0):
-        """Returns (pooled (N,K,H'//2,W'//2) numpy float32, ctx for the backward)."""
+    def conv_block(self, x, w, b, block):
+        """Returns (out (N, K, Hp, Wp) numpy float32, ctx for the backward): conv + bias, then the
+        block's activation and pool. w and b may be device-resident (uploaded) arrays."""
         x = _as_f32("x", x, 4)
-        w_shape = self._shape(w)
-        out_shape = pooled_shape(x.shape, w_shape, padding)
-        y, ctx = self._conv_relu_pool(x, w, b, int(padding))
-        assert y.shape == out_shape, (y.shape, out_shape)
-        return y, ctx
+        out_shape = block_output_shape(x.shape, self._shape(w), block)
+        out, ctx = self._conv_block(x, w, b, block)
+        assert out.shape == out_shape, (out.shape, out_shape)
+        return out, ctx
+
+    def conv_block_backward(self, ctx, w, dout, need_dx=True):
+        """Returns (dx numpy or None, dw, db) with dw, db in the device's array type."""
+        dout = self._check_block_gradient("dout", "the block's output", ctx, dout)
+        return self._conv_block_backward(ctx, w, dout, bool(need_dx))
+
+    def conv_relu_pool(self, x, w, b, padding=0):
+        """The paper's block: returns (pooled (N,K,H'//2,W'//2) numpy float32, ctx for the backward)."""
+        return self.conv_block(x, w, b, ConvBlock(padding=padding))
 
     def conv_relu_pool_backward(self, ctx, w, dpooled, need_dx=True):
         """Returns (dx numpy or None, dw, db) with dw, db in the device's array type."""
-        dpooled = _as_f32("dpooled", dpooled, 4)
-        expected = self._ctx_pooled_shape(ctx)
-        if dpooled.shape != tuple(expected):
-            raise ValueError(f"dpooled shape must match the pooled output, {dpooled.shape!r} != {tuple(expected)!r}")
-        return self._conv_relu_pool_backward(ctx, w, dpooled, bool(need_dx))
+        dpooled = self._check_block_gradient("dpooled", "the pooled output", ctx, dpooled)
+        return self._conv_block_backward(ctx, w, dpooled, bool(need_dx))
 
     # ---- helpers -------------------------------------------------------------------------------
     def _shape(self, a):
@@ -126,16 +224,34 @@ class Device:
             raise ValueError(f"bias must have one value per kernel, {b.shape!r} != {(k,)!r}")
         return b
 
+    def _check_block_gradient(self, name, what, ctx, grad):
+        grad = _as_f32(name, grad, 4)
+        expected = tuple(self._ctx_pooled_shape(ctx))
+        if grad.shape != expected:
+            raise ValueError(f"{name} shape must match {what}, {grad.shape!r} != {expected!r}")
+        return grad
+
     def describe(self):
         """One line for logs and plan tables."""
         return self.name
 
     # ---- backend ---------------------------------------------------------------------------------
-    def _conv2d(self, x, w, b, padding):
+    def _conv2d(self, x, w, b, stride, padding):
         raise NotImplementedError
 
-    def _conv2d_backward(self, x, w, dy, padding, need_dx):
+    def _conv2d_backward(self, x, w, dy, stride, padding, need_dx):
         raise NotImplementedError
+
+    def _conv_block(self, x, w, b, block):
+        """A backend that has only the paper block's fused form (`_conv_relu_pool`, square
+        padding as an int) serves that block; any other block needs its own _conv_block."""
+        if not (block.is_paper and block.padding[0] == block.padding[1]):
+            raise DeviceError(f"the {self.name} device runs only the paper's conv block "
+                              f"(stride 1, ReLU, 2x2 max-pool, square padding), not {block!r}")
+        return self._conv_relu_pool(x, w, b, block.padding[0])
+
+    def _conv_block_backward(self, ctx, w, dout, need_dx):
+        return self._conv_relu_pool_backward(ctx, w, dout, need_dx)
 
     def _conv_relu_pool(self, x, w, b, padding):
         raise NotImplementedError

@@ -9,9 +9,15 @@ IMAGE_SHAPE = (3, 32, 32)           # (C, H, W) of a CIFAR-10 image
 NUM_CLASSES = 10
 
 
+def window_output_size(size, kernel, stride=1, padding=0):
+    """How many windows of `kernel` at `stride` fit `size` zero-padded by `padding` on each side,
+    PyTorch's floor rule for conv and pool alike: the one place this formula lives."""
+    return (size + 2 * padding - kernel) // stride + 1
+
+
 def conv_output_hw(h, w, kh, kw, padding):
-    """Spatial size of a stride-1 convolution's output: the one place this formula lives."""
-    return h + 2 * padding - kh + 1, w + 2 * padding - kw + 1
+    """Spatial size of a stride-1 convolution's output."""
+    return window_output_size(h, kh, 1, padding), window_output_size(w, kw, 1, padding)
 
 
 def pooled_hw(h, w):

@@ -26,7 +26,7 @@ def test_forward_matches_direct_loops(padding):
     x = rng.standard_normal((2, 3, 6, 5)).astype(np.float32)
     w = rng.standard_normal((4, 3, 3, 2)).astype(np.float32)
     b = rng.standard_normal(4).astype(np.float32)
-    np.testing.assert_allclose(R.conv2d(x, w, b, padding), direct_conv(x, w, b, padding), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(R.conv2d(x, w, b, padding=padding), direct_conv(x, w, b, padding), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("padding,kh,kw", [(0, 3, 3), (1, 2, 3), (2, 5, 5), (0, 1, 1)])
@@ -37,11 +37,11 @@ def test_backward_matches_finite_differences(padding, kh, kw):
     x = rng.standard_normal((2, 3, 7, 6)).astype(np.float32)
     w = rng.standard_normal((4, 3, kh, kw)).astype(np.float32)
     b = rng.standard_normal(4).astype(np.float32)
-    dy = rng.standard_normal(R.conv2d(x, w, b, padding).shape)
-    dx, dw, db = R.conv2d_backward(x, w, dy.astype(np.float32), padding)
+    dy = rng.standard_normal(R.conv2d(x, w, b, padding=padding).shape)
+    dx, dw, db = R.conv2d_backward(x, w, dy.astype(np.float32), padding=padding)
 
     def loss(x_, w_, b_):
-        return float(np.sum(dy * R.conv2d(x_, w_, b_, padding).astype(np.float64)))
+        return float(np.sum(dy * R.conv2d(x_, w_, b_, padding=padding).astype(np.float64)))
 
     for name, grad, args, i in (("dx", dx, (x, w, b), 0), ("dw", dw, (x, w, b), 1), ("db", db, (x, w, b), 2)):
         v = rng.standard_normal(args[i].shape).astype(np.float32)

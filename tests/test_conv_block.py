@@ -1,0 +1,211 @@
+"""The generalized conv block: conv (any kernel, stride, padding) -> ReLU or none -> max, average
+or no pool. ConvBlock's checks, the shape rules, the numpy reference against PyTorch (the oracle),
+and the CPU device against the reference."""
+import numpy as np
+import pytest
+
+from hetconv import reference as R
+from hetconv.devices import open_device
+from hetconv.devices.base import PAPER_BLOCK, ConvBlock, block_output_shape, conv_output_shape
+
+# (N, C, H, W, K, kh, kw, stride, padding): strides 1, 2, 4 and (1, 2); kernels 1x1, 3x3, 5x5, 3x5,
+# 11x11; paddings 0..3 and rectangular; every conv output at least 5x5 so every pool below fits
+CONVS = [
+    (2, 3, 9, 8, 4, 1, 1, (1, 1), (0, 0)),
+    (2, 3, 11, 10, 4, 3, 3, (2, 2), (1, 1)),
+    (1, 2, 17, 19, 3, 5, 5, (4, 4), (2, 2)),
+    (2, 2, 9, 12, 3, 3, 5, (1, 2), (0, 3)),
+    (1, 3, 14, 13, 2, 11, 11, (1, 1), (3, 3)),
+    (2, 4, 8, 8, 5, 3, 3, (1, 1), (2, 1)),
+    (1, 2, 16, 15, 3, 5, 5, (2, 1), (0, 0)),
+    (1, 2, 30, 30, 3, 11, 11, (4, 4), (2, 2)),
+]
+# (pool, kernel, stride, padding): non-overlapping, overlapping, padded, stride 1, none
+POOLS = [(kind, k, s, p) for kind in ("max", "avg") for k, s, p in ((2, 2, 0), (3, 2, 0), (3, 2, 1), (2, 1, 0))]
+POOLS.append(("none", 2, 2, 0))
+ACTIVATIONS = ("relu", "none")
+
+
+def block_for(conv, pool, activation):
+    kind, k, s, p = pool
+    return ConvBlock(stride=conv[7], padding=conv[8], activation=activation, pool=kind, pool_kernel=k,
+                     pool_stride=s, pool_padding=p)
+
+
+def tensors(conv, seed):
+    n, c, h, w, k, kh, kw = conv[:7]
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    wt = rng.standard_normal((k, c, kh, kw)).astype(np.float32)
+    b = rng.standard_normal(k).astype(np.float32)
+    return x, wt, b, rng
+
+
+def ids(values):
+    return [str(v).replace(" ", "") for v in values]
+
+
+# ---- ConvBlock and the shape rules -------------------------------------------------------------
+
+def test_default_block_is_the_paper_block_and_ints_become_pairs():
+    assert PAPER_BLOCK == ConvBlock(stride=1, padding=0, pool_kernel=2, pool_stride=2, pool_padding=0)
+    assert PAPER_BLOCK.is_paper
+    block = ConvBlock(stride=2, padding=(1, 3), pool="avg", pool_kernel=3, pool_stride=[2, 1])
+    assert (block.stride, block.padding, block.pool_kernel, block.pool_stride) == ((2, 2), (1, 3), (3, 3), (2, 1))
+    assert not block.is_paper and ConvBlock(padding=(1, 2)).is_paper
+
+
+def test_block_json_round_trip():
+    block = ConvBlock(stride=(2, 1), padding=3, activation="none", pool="avg", pool_kernel=(3, 2),
+                      pool_stride=2, pool_padding=(1, 0))
+    d = block.to_json()
+    assert d["stride"] == [2, 1] and d["pool"] == "avg"
+    assert ConvBlock.from_json(d) == block
+    assert ConvBlock.from_json({}) == PAPER_BLOCK
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"stride": 0}, r"ConvBlock stride must be a positive integer or a \(height, width\) pair of them, got 0"),
+    ({"stride": (1, 2, 3)}, r"ConvBlock stride .* got \(1, 2, 3\)"),
+    ({"padding": -1}, r"ConvBlock padding must be a non-negative integer .* got -1"),
+    ({"padding": 1.5}, r"ConvBlock padding .* got 1.5"),
+    ({"padding": True}, r"ConvBlock padding .* got True"),
+    ({"pool_kernel": (2, 0)}, r"ConvBlock pool_kernel must be a positive integer .* got \(2, 0\)"),
+    ({"activation": "tanh"}, r"ConvBlock activation must be one of \('relu', 'none'\), got 'tanh'"),
+    ({"pool": "lp"}, r"ConvBlock pool must be one of \('max', 'avg', 'none'\), got 'lp'"),
+    ({"pool_kernel": 3, "pool_padding": 2}, r"pool_padding \(2, 2\) must be at most half of pool_kernel \(3, 3\)"),
+    ({"pool": "avg", "pool_kernel": (2, 4), "pool_padding": (1, 3)}, r"pool_padding \(1, 3\) must be at most half"),
+])
+def test_bad_block_values_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ConvBlock(**kwargs)
+
+
+def test_block_json_with_unknown_keys_or_not_an_object_is_refused():
+    with pytest.raises(ValueError, match=r"unknown conv block key\(s\) \['strides'\]"):
+        ConvBlock.from_json({"strides": [1, 1]})
+    with pytest.raises(ValueError, match="a conv block must be a JSON object, got"):
+        ConvBlock.from_json([1, 1])
+
+
+def test_output_shapes_follow_pytorchs_floor_rule():
+    # conv: floor((H + 2p - k) / s) + 1; pool the same on the conv's output
+    assert conv_output_shape((2, 3, 32, 32), (8, 3, 5, 5)) == (2, 8, 28, 28)
+    assert conv_output_shape((2, 3, 227, 227), (96, 3, 11, 11), 4, 0) == (2, 96, 55, 55)
+    assert conv_output_shape((1, 3, 10, 9), (4, 3, 3, 5), (2, 1), (1, 2)) == (1, 4, 5, 9)
+    assert block_output_shape((2, 3, 227, 227), (96, 3, 11, 11), ConvBlock(stride=4, pool_kernel=3)) == (2, 96, 27, 27)
+    assert block_output_shape((1, 3, 32, 32), (4, 3, 3, 3), ConvBlock(padding=1, pool="avg", pool_kernel=3,
+                                                                        pool_padding=1)) == (1, 4, 16, 16)
+    assert block_output_shape((1, 3, 7, 7), (4, 3, 3, 3), ConvBlock(pool="none")) == (1, 4, 5, 5)
+    assert block_output_shape((1, 3, 7, 8), (4, 3, 3, 3), PAPER_BLOCK) == (1, 4, 2, 3)     # remainder dropped
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: conv_output_shape((1, 1, 5, 5), (1, 1, 3, 3), 0), r"stride must be a positive integer .* got 0"),
+    (lambda: conv_output_shape((1, 1, 5, 5), (1, 1, 3, 3), 1, (1, -1)), r"padding must be a non-negative integer .* got \(1, -1\)"),
+    (lambda: conv_output_shape((1, 1, 5, 2), (1, 1, 3, 5), 1, (0, 1)), r"kernel 3x5 does not fit input 5x2 with padding \(0, 1\)"),
+    (lambda: block_output_shape((1, 1, 5, 5), (1, 1, 3, 3), ConvBlock(pool_kernel=4)), r"conv output 3x3 is too small for a 4x4 max-pool"),
+    (lambda: block_output_shape((1, 1, 5, 5), (1, 1, 3, 3), "paper"), r"block must be a ConvBlock, got str"),
+])
+def test_shape_errors_are_named(call, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        call()
+
+
+# ---- the reference's semantics, by hand ----------------------------------------------------------
+
+def test_max_pool_ties_go_to_the_first_maximum_and_overlapping_windows_add():
+    # 3x3 windows at stride 2 over a 5x5 plane share row 2 and column 2; the centre 9 is the
+    # maximum of all four windows, so its gradient is the sum of all four
+    y = np.zeros((1, 1, 5, 5), np.float32)
+    y[0, 0, 2, 2] = 9
+    dout = np.array([[1, 2], [3, 4]], np.float32).reshape(1, 1, 2, 2)
+    dy = R.pool2d_backward(y, dout, "max", 3, 2, 0)
+    assert dy[0, 0, 2, 2] == 10 and np.count_nonzero(dy) == 1
+    # all equal: each window's gradient goes to its first element in row-major order
+    dy = R.pool2d_backward(np.ones((1, 1, 5, 5), np.float32), dout, "max", 3, 2, 0)
+    assert dy[0, 0, 0, 0] == 1 and dy[0, 0, 0, 2] == 2 and dy[0, 0, 2, 0] == 3 and dy[0, 0, 2, 2] == 4
+    assert np.count_nonzero(dy) == 4
+
+
+def test_max_pool_pads_with_minus_infinity_and_avg_pool_counts_its_padding():
+    y = -np.arange(1, 10, dtype=np.float32).reshape(1, 1, 3, 3)          # all negative
+    assert R.pool2d(y, "max", 2, 2, 1)[0, 0].tolist() == [[-1, -2], [-4, -5]]
+    assert R.pool2d(np.ones((1, 1, 3, 3), np.float32), "avg", 2, 2, 1)[0, 0].tolist() == [[0.25, 0.5], [0.5, 1]]
+    dy = R.pool2d_backward(np.ones((1, 1, 3, 3), np.float32), np.ones((1, 1, 2, 2), np.float32), "avg", 2, 2, 1)
+    assert dy[0, 0].tolist() == [[0.25] * 3] * 3
+
+
+def test_relu_blocks_the_gradient_where_the_pre_activation_is_not_positive():
+    y = np.array([-1, 0, 2], np.float32)
+    assert R.activation(y, "relu").tolist() == [0, 0, 2]
+    assert R.activation_backward(y, np.ones(3, np.float32), "relu").tolist() == [0, 0, 1]
+    assert R.activation_backward(y, np.ones(3, np.float32), "none").tolist() == [1, 1, 1]
+
+
+def test_the_paper_block_is_the_old_conv_relu_pool():
+    x, w, b, rng = tensors((2, 3, 9, 8, 4, 3, 3), 0)
+    block = ConvBlock(padding=1)
+    out = R.conv_block(x, w, b, block)
+    np.testing.assert_allclose(out, R.conv_relu_pool(x, w, b, 1), rtol=1e-6)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    for got, old in zip(R.conv_block_backward(x, w, b, block, dout), R.conv_relu_pool_backward(x, w, b, dout, 1)):
+        np.testing.assert_allclose(got, old, rtol=1e-5, atol=1e-6)
+
+
+# ---- the reference against PyTorch ---------------------------------------------------------------
+
+def torch_block(torch, x, w, b, block, dout):
+    """out and (dx, dw, db) of the same block in PyTorch, float64."""
+    F = torch.nn.functional
+    xt, wt, bt = (torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in (x, w, b))
+    y = F.conv2d(xt, wt, bt, stride=block.stride, padding=block.padding)
+    if block.activation == "relu":
+        y = F.relu(y)
+    if block.pool == "max":
+        y = F.max_pool2d(y, block.pool_kernel, block.pool_stride, block.pool_padding)
+    elif block.pool == "avg":
+        y = F.avg_pool2d(y, block.pool_kernel, block.pool_stride, block.pool_padding, count_include_pad=True)
+    (y * torch.tensor(dout, dtype=torch.float64)).sum().backward()
+    return y.detach().numpy(), (xt.grad.numpy(), wt.grad.numpy(), bt.grad.numpy())
+
+
+def oracle_close(got, expected):
+    # 1e-5 relative; the absolute floor, 1e-7 of the largest magnitude, only covers entries
+    # that sum to ~0
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7 * max(1.0, float(np.abs(expected).max())))
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("pool", POOLS, ids=ids(POOLS))
+@pytest.mark.parametrize("conv", CONVS, ids=ids(CONVS))
+def test_reference_block_matches_pytorch(conv, pool, activation):
+    torch = pytest.importorskip("torch", reason="PyTorch is the oracle for the reference (pip install torch)")
+    block = block_for(conv, pool, activation)
+    x, w, b, rng = tensors(conv, 1)
+    out = R.conv_block(x, w, b, block)
+    assert out.shape == block_output_shape(x.shape, w.shape, block)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    expected_out, expected_grads = torch_block(torch, x, w, b, block, dout)
+    oracle_close(out, expected_out)
+    grads = R.conv_block_backward(x, w, b, block, dout)
+    for name, got, expected in zip(("dx", "dw", "db"), grads, expected_grads):
+        assert got.dtype == np.float32, name
+        oracle_close(got, expected)
+    dx, dw, db = R.conv_block_backward(x, w, b, block, dout, need_dx=False)
+    assert dx is None
+    oracle_close(dw, expected_grads[1])
+
+
+@pytest.mark.parametrize("conv", CONVS, ids=ids(CONVS))
+def test_reference_plain_conv_matches_pytorch(conv):
+    torch = pytest.importorskip("torch", reason="PyTorch is the oracle for the reference (pip install torch)")
+    x, w, b, rng = tensors(conv, 2)
+    stride, padding = conv[7], conv[8]
+    y = R.conv2d(x, w, b, stride, padding)
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    expected_y, expected_grads = torch_block(torch, x, w, b, ConvBlock(stride=stride, padding=padding,
+                                                                       activation="none", pool="none"), dy)
+    oracle_close(y, expected_y)
+    for got, expected in zip(R.conv2d_backward(x, w, dy, stride, padding), expected_grads):
+        oracle_close(got, expected)
