@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,9 +40,23 @@ BUSY_CORE = 1
 CALIBRATED = re.compile(r"calibrated (\d+) worker\(s\) in ([0-9.]+)s")
 
 
+def importable_copy(code_dir, into):
+    """A copy of a checkout's package under `into`, importable with PYTHONPATH=into: hetconv/ with
+    the checkout's devices/ as hetconv/devices. An editable install maps hetconv.devices to its
+    own checkout's devices/ whatever PYTHONPATH says, so a path alone would mix two checkouts. A
+    copy rather than links, so Numba's cache is written here, not into the checkout."""
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(os.path.join(code_dir, "hetconv"), os.path.join(into, "hetconv"), ignore=skip)
+    devices = os.path.join(code_dir, "devices")
+    if os.path.isdir(devices) and not os.path.exists(os.path.join(into, "hetconv", "devices")):
+        shutil.copytree(devices, os.path.join(into, "hetconv", "devices"), ignore=skip)
+    return into
+
+
 def coordinator_run(code_dir, args, metrics, timeout):
-    """Run hetconv-coordinator from `code_dir`'s checkout; -> (exit code, stdout+stderr, wall s).
-    Its process group (the coordinator and its workers) is ended on every exit path."""
+    """Run hetconv-coordinator from an importable copy (importable_copy); -> (exit code,
+    stdout+stderr, wall s, worker cores). Its process group (the coordinator and its workers) is
+    ended on every exit path."""
     env = dict(os.environ, PYTHONPATH=code_dir, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "hetconv.coordinator", *args, "--metrics", metrics]
     log = metrics + ".log"
@@ -273,6 +288,9 @@ def main(argv=None):
     codes = [{"label": label, "dir": os.path.abspath(path), **dict(zip(("commit", "changed"), git_state(path)))}
              for label, path in (("before", args.before), ("after", args.after)) if path]
     scratch = tempfile.mkdtemp(prefix="hetconv-calnoise-")
+    for c in codes:
+        c["run_dir"] = importable_copy(c["dir"], os.path.join(scratch, c["label"]))
+    print(f"each code's copy, and every run's metrics and output: {scratch}", flush=True)
     command = _common.recorded_command("calibration_noise.py", argv if argv is not None else sys.argv[1:])
     load_start = _common.load_average()
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(143)))
@@ -281,7 +299,7 @@ def main(argv=None):
         for i in range(args.runs):
             for c in codes:            # alternating, so a change of the machine's load hits both alike
                 for attempt in range(1 + max(0, args.retries)):
-                    row = noise_run(c["label"], c["dir"], args.conv, scratch, i + 1, args.min_ratio, args.timeout,
+                    row = noise_run(c["label"], c["run_dir"], args.conv, scratch, i + 1, args.min_ratio, args.timeout,
                                     args.quiet_wait)
                     row.update(attempt=attempt + 1, loaded=row["foreign_load_cores"] > args.max_foreign)
                     rows.append(row)
@@ -290,7 +308,7 @@ def main(argv=None):
                         break
         if args.paper:
             for c in codes:
-                paper.append(paper_run(c["label"], c["dir"], scratch, args.timeout))
+                paper.append(paper_run(c["label"], c["run_dir"], scratch, args.timeout))
                 print(f"[{c['label']} paper] calibrated in {paper[-1]['calibration_s']}s", flush=True)
     except KeyboardInterrupt:
         print("interrupted: writing the runs measured so far", file=sys.stderr)
