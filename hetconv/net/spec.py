@@ -1,0 +1,514 @@
+"""A network as data: an ordered list of layers (as PyTorch's nn.Sequential), the input shape and
+the class count, checked once, with every size inferred from the input.
+
+The stored (JSON) form:
+
+    {"input_shape": [3, 32, 32], "classes": 10, "layers": [
+      {"type": "conv", "out_channels": 500, "kernel": [5, 5], "stride": [1, 1], "padding": [0, 0], "bias": true},
+      {"type": "relu"},
+      {"type": "maxpool", "kernel": [2, 2], "stride": [2, 2], "padding": [0, 0]},
+      ...,
+      {"type": "flatten"},
+      {"type": "linear", "out_features": 256},
+      {"type": "relu"},
+      {"type": "dropout", "p": 0.5},
+      {"type": "linear", "out_features": 10}]}
+
+Defaults: stride 1, padding 0, bias true; a pool's stride is its kernel, its padding 0; an int
+stands for a pair. The conv part is a sequence of blocks (conv, then at most one relu, then at most
+one pool), then exactly one flatten, then the FC part (linear, relu, dropout), ending with a linear
+as wide as `classes`. A violation is a ValueError naming the layer (index and type) and what was
+expected.
+"""
+import json
+import math
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from hetconv.params import default_init
+
+try:
+    from hetconv.devices.base import ConvBlock
+except ImportError:
+    # Stand-in with the fields of the devices' ConvBlock, for checkouts whose devices/base.py does
+    # not define it yet; the devices' class is used wherever it exists, so both sides agree.
+    @dataclass(frozen=True)
+    class ConvBlock:
+        """What follows a conv on the channel owner: stride and padding of the conv, then an
+        activation and a pool, each acting per channel."""
+        stride: tuple = (1, 1)
+        padding: tuple = (0, 0)
+        activation: str = "none"          # "relu" or "none"
+        pool: str = "none"                # "max", "avg" or "none"
+        pool_kernel: tuple = (1, 1)
+        pool_stride: tuple = (1, 1)
+        pool_padding: tuple = (0, 0)
+
+
+# ---- checked values ---------------------------------------------------------------------------
+
+def _int(name, value, minimum):
+    # bool is an int to Python, never to a user writing "kernel": true
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _pair(name, value, minimum):
+    """An int or a pair of ints -> (a, b), each at least `minimum`."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != 2:
+            raise ValueError(f"{name} must be an integer or a pair of integers, got {value!r}")
+        return (_int(name, value[0], minimum), _int(name, value[1], minimum))
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer or a pair of integers, got {value!r}")
+    v = _int(name, value, minimum)
+    return (v, v)
+
+
+def _bool(name, value):
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+    return bool(value)
+
+
+def _window_out(size, kernel, stride, padding):
+    """Output length of a window sliding over `size` (PyTorch's floor rule), or None if the
+    window does not fit the padded input."""
+    if size + 2 * padding < kernel:
+        return None
+    return (size + 2 * padding - kernel) // stride + 1
+
+
+# ---- layers -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Conv:
+    out_channels: int
+    kernel: tuple
+    stride: tuple = (1, 1)
+    padding: tuple = (0, 0)
+    bias: bool = True
+    type = "conv"
+
+    def __post_init__(self):
+        object.__setattr__(self, "out_channels", _int("out_channels", self.out_channels, 1))
+        object.__setattr__(self, "kernel", _pair("kernel", self.kernel, 1))
+        object.__setattr__(self, "stride", _pair("stride", self.stride, 1))
+        object.__setattr__(self, "padding", _pair("padding", self.padding, 0))
+        object.__setattr__(self, "bias", _bool("bias", self.bias))
+
+    def to_json(self):
+        return {"type": "conv", "out_channels": self.out_channels, "kernel": list(self.kernel),
+                "stride": list(self.stride), "padding": list(self.padding), "bias": self.bias}
+
+    def text(self):
+        return (f"conv {self.out_channels} {self.kernel[0]}x{self.kernel[1]} stride {_pair_text(self.stride)} "
+                f"padding {_pair_text(self.padding)}{'' if self.bias else ' no bias'}")
+
+
+@dataclass(frozen=True)
+class ReLU:
+    type = "relu"
+
+    def to_json(self):
+        return {"type": "relu"}
+
+    def text(self):
+        return "relu"
+
+
+@dataclass(frozen=True)
+class Pool:
+    """Max or average pooling over a window; average counts padded zeros (PyTorch's default)."""
+    mode: str                               # "max" or "avg"
+    kernel: tuple
+    stride: tuple = None                    # None: the kernel
+    padding: tuple = (0, 0)
+
+    def __post_init__(self):
+        if self.mode not in ("max", "avg"):
+            raise ValueError(f"pool mode must be 'max' or 'avg', got {self.mode!r}")
+        kernel = _pair("kernel", self.kernel, 1)
+        object.__setattr__(self, "kernel", kernel)
+        object.__setattr__(self, "stride", kernel if self.stride is None else _pair("stride", self.stride, 1))
+        padding = _pair("padding", self.padding, 0)
+        # PyTorch refuses more; beyond half a window, some windows would hold only padding
+        if padding[0] > kernel[0] // 2 or padding[1] > kernel[1] // 2:
+            raise ValueError(f"padding {list(padding)} must be at most half the kernel {list(kernel)}")
+        object.__setattr__(self, "padding", padding)
+
+    @property
+    def type(self):
+        return self.mode + "pool"
+
+    def to_json(self):
+        return {"type": self.type, "kernel": list(self.kernel), "stride": list(self.stride),
+                "padding": list(self.padding)}
+
+    def text(self):
+        return (f"{self.type} {self.kernel[0]}x{self.kernel[1]} stride {_pair_text(self.stride)} "
+                f"padding {_pair_text(self.padding)}")
+
+
+@dataclass(frozen=True)
+class Flatten:
+    type = "flatten"
+
+    def to_json(self):
+        return {"type": "flatten"}
+
+    def text(self):
+        return "flatten"
+
+
+@dataclass(frozen=True)
+class Linear:
+    out_features: int
+    bias: bool = True
+    type = "linear"
+
+    def __post_init__(self):
+        object.__setattr__(self, "out_features", _int("out_features", self.out_features, 1))
+        object.__setattr__(self, "bias", _bool("bias", self.bias))
+
+    def to_json(self):
+        return {"type": "linear", "out_features": self.out_features, "bias": self.bias}
+
+    def text(self):
+        return f"linear {self.out_features}{'' if self.bias else ' no bias'}"
+
+
+@dataclass(frozen=True)
+class Dropout:
+    p: float = 0.5
+    type = "dropout"
+
+    def __post_init__(self):
+        p = self.p
+        if isinstance(p, bool) or not isinstance(p, (int, float, np.floating, np.integer)) \
+                or not math.isfinite(p) or not 0 <= p < 1:
+            raise ValueError(f"p must be a number in [0, 1), got {p!r}")
+        object.__setattr__(self, "p", float(p))
+
+    def to_json(self):
+        return {"type": "dropout", "p": self.p}
+
+    def text(self):
+        return f"dropout {self.p:g}"
+
+
+def _pair_text(p):
+    return str(p[0]) if p[0] == p[1] else f"{p[0]}x{p[1]}"
+
+
+# type -> (constructor, keys it accepts besides "type")
+_LAYER_TYPES = {
+    "conv": (Conv, ("out_channels", "kernel", "stride", "padding", "bias")),
+    "relu": (ReLU, ()),
+    "maxpool": (lambda **kw: Pool("max", **kw), ("kernel", "stride", "padding")),
+    "avgpool": (lambda **kw: Pool("avg", **kw), ("kernel", "stride", "padding")),
+    "flatten": (Flatten, ()),
+    "linear": (Linear, ("out_features", "bias")),
+    "dropout": (Dropout, ("p",)),
+}
+_REQUIRED = {"conv": ("out_channels", "kernel"), "maxpool": ("kernel",), "avgpool": ("kernel",),
+             "linear": ("out_features",)}
+LAYER_TYPES = tuple(_LAYER_TYPES)
+
+
+def layer_from_json(d):
+    """One layer from its stored form; raises ValueError (without the layer's index: the caller
+    knows it) on an unknown type or key, a missing key or a bad value."""
+    if not isinstance(d, dict):
+        raise ValueError(f"a layer must be an object with a \"type\", got {d!r}")
+    kind = d.get("type")
+    if kind not in _LAYER_TYPES:
+        raise ValueError(f"unknown type {kind!r}; expected one of {', '.join(LAYER_TYPES)}")
+    make, keys = _LAYER_TYPES[kind]
+    unknown = [k for k in d if k != "type" and k not in keys]
+    if unknown:
+        accepted = ", ".join(keys) if keys else "no keys besides type"
+        raise ValueError(f"unknown key {unknown[0]!r}; {kind} accepts {accepted}")
+    missing = [k for k in _REQUIRED.get(kind, ()) if k not in d]
+    if missing:
+        raise ValueError(f"missing key {missing[0]!r}")
+    return make(**{k: v for k, v in d.items() if k != "type"})
+
+
+def _where(index, layer):
+    return f"layer {index} ({layer.type})"
+
+
+class LayerError(ValueError):
+    """A network is refused because of one layer; `index` is its position, so a caller that
+    built the list from something else (a PyTorch module) can name its own source."""
+
+    def __init__(self, index, layer, problem):
+        super().__init__(f"{_where(index, layer)}: {problem}")
+        self.index = index
+        self.problem = problem
+
+
+# ---- what the network gives the rest of hetconv ------------------------------------------------
+
+@dataclass(frozen=True)
+class ConvLayer:
+    """One conv block as the shards run it: conv, then activation and pool (in `block`)."""
+    index: int                  # the conv's position in NetSpec.layers
+    in_channels: int
+    kernels: int                # out_channels: what the planner splits
+    kernel: tuple               # (kh, kw)
+    bias: bool
+    block: ConvBlock
+    input_shape: tuple          # (C, H, W) entering the conv
+    conv_shape: tuple           # (K, H, W) after the conv, before activation and pool
+    output_shape: tuple         # (K, H, W) leaving the block
+
+
+@dataclass(frozen=True)
+class HeadOp:
+    """One op of the FC part; in/out are feature counts per image."""
+    index: int                  # position in NetSpec.layers
+    layer: object
+    in_features: int
+    out_features: int
+
+    @property
+    def type(self):
+        return self.layer.type
+
+
+@dataclass(frozen=True)
+class NetSpec:
+    input_shape: tuple          # (C, H, W), from the data set
+    classes: int                # from the data set; the last linear's width
+    layers: tuple
+    _shapes: tuple = field(default=(), init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        shape = self.input_shape
+        if not isinstance(shape, (list, tuple)) or len(shape) != 3:
+            raise ValueError(f"input_shape must be [channels, height, width], got {shape!r}")
+        object.__setattr__(self, "input_shape", tuple(_int("input_shape", v, 1) for v in shape))
+        object.__setattr__(self, "classes", _int("classes", self.classes, 1))
+        if not isinstance(self.layers, (list, tuple)):
+            raise ValueError(f"layers must be a list of layers, got {type(self.layers).__name__}")
+        layers = tuple(self.layers)
+        for i, layer in enumerate(layers):
+            if not isinstance(layer, (Conv, ReLU, Pool, Flatten, Linear, Dropout)):
+                raise ValueError(f"layer {i} ({type(layer).__name__}): not a layer; expected one of "
+                                 f"{', '.join(LAYER_TYPES)}")
+        object.__setattr__(self, "layers", layers)
+        self._check_order()
+        object.__setattr__(self, "_shapes", self._infer_shapes())
+
+    def _check_order(self):
+        layers = self.layers
+        if not layers:
+            raise ValueError("the network has no layers; expected conv blocks, flatten, then linear layers")
+        if layers[0].type != "conv":
+            raise LayerError(0, layers[0], "the first layer must be conv")
+        flatten_at = None
+        prev = None                 # previous layer's type (dropouts skipped in the FC part)
+        for i, layer in enumerate(layers):
+            kind = layer.type
+            block_rule = "a block is conv, then at most one relu, then at most one pool"
+            if kind == "flatten":
+                if flatten_at is not None:
+                    raise LayerError(i, layer, f"only one flatten is allowed, the first is layer {flatten_at}")
+                flatten_at = i
+            elif flatten_at is None:            # conv part: conv [relu] [pool], block after block
+                if kind == "relu" and prev != "conv":
+                    raise LayerError(i, layer, f"relu in the conv part must follow a conv directly ({block_rule})")
+                if kind in ("maxpool", "avgpool") and prev not in ("conv", "relu"):
+                    raise LayerError(i, layer, f"a pool must follow a conv or its relu ({block_rule})")
+                if kind in ("linear", "dropout"):
+                    raise LayerError(i, layer, "expected flatten before the FC part "
+                                               "(conv, relu, maxpool, avgpool or flatten here)")
+            else:                               # FC part: linear, relu, dropout
+                if kind in ("conv", "maxpool", "avgpool"):
+                    raise LayerError(i, layer, "after flatten only linear, relu and dropout are allowed")
+                if kind == "relu" and prev != "linear":
+                    raise LayerError(i, layer, f"relu in the FC part must follow a linear "
+                                               f"(with at most a dropout between), not {prev}")
+                if kind == "dropout" and layers[i - 1].type == "dropout":
+                    raise LayerError(i, layer, "two dropouts in a row; expected linear or relu before it")
+            if not (kind == "dropout" and flatten_at is not None):
+                prev = kind
+        end, last = len(layers) - 1, layers[-1]
+        if flatten_at is None:
+            raise LayerError(end, last, "the conv part must be followed by one flatten, then linear layers; "
+                                        "the list ends here")
+        if last.type != "linear":
+            raise LayerError(end, last, f"the network must end with a linear layer of out_features = classes "
+                                        f"({self.classes})")
+        if last.out_features != self.classes:
+            raise LayerError(end, last, f"the last linear has out_features {last.out_features}, "
+                                        f"expected classes = {self.classes}")
+
+    def _infer_shapes(self):
+        """The output shape of every layer: (C, H, W) up to flatten, (features,) after."""
+        c, h, w = self.input_shape
+        features = None
+        shapes = []
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, (Conv, Pool)):
+                kh, kw = layer.kernel
+                (sh, sw), (ph, pw) = layer.stride, layer.padding
+                ho, wo = _window_out(h, kh, sh, ph), _window_out(w, kw, sw, pw)
+                if ho is None or wo is None:
+                    raise LayerError(i, layer, f"kernel {kh}x{kw} does not fit its {h}x{w} input with padding "
+                                               f"{_pair_text(layer.padding)} (padded {h + 2 * ph}x{w + 2 * pw})")
+                h, w = ho, wo
+                if isinstance(layer, Conv):
+                    c = layer.out_channels
+                shapes.append((c, h, w))
+            elif isinstance(layer, Flatten):
+                features = c * h * w
+                shapes.append((features,))
+            elif isinstance(layer, Linear):
+                features = layer.out_features
+                shapes.append((features,))
+            else:                               # relu, dropout: shape unchanged
+                shapes.append(shapes[-1])
+        return tuple(shapes)
+
+    # ---- sizes ----------------------------------------------------------------------------------
+    def output_shapes(self):
+        """Each layer's output shape, in order: (C, H, W) before flatten, (features,) from it on."""
+        return list(self._shapes)
+
+    def _flatten_index(self):
+        return next(i for i, layer in enumerate(self.layers) if layer.type == "flatten")
+
+    def conv_layers(self):
+        """One ConvLayer per conv block, in order."""
+        flatten_at = self._flatten_index()
+        blocks = []
+        in_shape = self.input_shape
+        i = 0
+        while i < flatten_at:
+            conv = self.layers[i]
+            end = i + 1
+            while end < flatten_at and self.layers[end].type != "conv":
+                end += 1
+            activation, pool = "none", None
+            for layer in self.layers[i + 1:end]:
+                if layer.type == "relu":
+                    activation = "relu"
+                else:
+                    pool = layer
+            block = ConvBlock(stride=conv.stride, padding=conv.padding, activation=activation,
+                              pool=pool.mode if pool else "none",
+                              pool_kernel=pool.kernel if pool else (1, 1),
+                              pool_stride=pool.stride if pool else (1, 1),
+                              pool_padding=pool.padding if pool else (0, 0))
+            blocks.append(ConvLayer(index=i, in_channels=in_shape[0], kernels=conv.out_channels,
+                                    kernel=conv.kernel, bias=conv.bias, block=block, input_shape=in_shape,
+                                    conv_shape=self._shapes[i], output_shape=self._shapes[end - 1]))
+            in_shape = self._shapes[end - 1]
+            i = end
+        return blocks
+
+    def head(self):
+        """The FC part as ops, flatten first (in = out = the last block's C*H*W)."""
+        flatten_at = self._flatten_index()
+        ops = []
+        features = int(np.prod(self._shapes[flatten_at - 1]))
+        for i in range(flatten_at, len(self.layers)):
+            out = self._shapes[i][0]
+            ops.append(HeadOp(index=i, layer=self.layers[i], in_features=features, out_features=out))
+            features = out
+        return ops
+
+    def with_input(self, input_shape, classes):
+        """The same layers on another data set: sizes follow its input shape, and the last linear
+        (the classifier) is as wide as its class count."""
+        classes = _int("classes", classes, 1)
+        layers = list(self.layers)
+        layers[-1] = replace(layers[-1], out_features=classes)
+        return NetSpec(tuple(input_shape), classes, tuple(layers))
+
+    # ---- parameters ------------------------------------------------------------------------------
+    def parameter_shapes(self):
+        """([(w, b)] per conv, [(w, b)] per linear) shapes; b is None where a layer has no bias.
+        conv w is (K, C, kh, kw), linear w is (out, in), as in PyTorch."""
+        conv = [((c.kernels, c.in_channels) + c.kernel, (c.kernels,) if c.bias else None)
+                for c in self.conv_layers()]
+        fc = [((op.out_features, op.in_features), (op.out_features,) if op.layer.bias else None)
+              for op in self.head() if op.type == "linear"]
+        return conv, fc
+
+    def init_params(self, rng):
+        """PyTorch's default start: weights kaiming-uniform with a=sqrt(5), which is uniform in
+        +-1/sqrt(fan_in), and biases uniform in +-1/sqrt(fan_in). Drawn layer by layer, conv
+        first, weight before bias, so one seed gives one network."""
+        conv_shapes, fc_shapes = self.parameter_shapes()
+
+        def draw(shapes):
+            params = []
+            for w_shape, b_shape in shapes:
+                fan_in = int(np.prod(w_shape[1:]))
+                w = default_init(rng, w_shape, fan_in)
+                b = default_init(rng, b_shape, fan_in) if b_shape is not None else None
+                params.append((w, b))
+            return params
+
+        return draw(conv_shapes), draw(fc_shapes)
+
+    def parameter_count(self):
+        conv, fc = self.parameter_shapes()
+        return sum(int(np.prod(w)) + (int(np.prod(b)) if b else 0) for w, b in conv + fc)
+
+    # ---- stored form and logs -------------------------------------------------------------------
+    def to_json(self):
+        """The stored form, a dict ready for json.dumps (every default written out)."""
+        return {"input_shape": list(self.input_shape), "classes": self.classes,
+                "layers": [layer.to_json() for layer in self.layers]}
+
+    def dumps(self):
+        return json.dumps(self.to_json(), indent=1)
+
+    @classmethod
+    def from_json(cls, data):
+        """A NetSpec from its stored form: a dict, or the JSON text of one."""
+        if isinstance(data, (str, bytes)):
+            try:
+                data = json.loads(data)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"the network is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"the network must be a JSON object with input_shape, classes and layers, "
+                             f"got {type(data).__name__}")
+        keys = ("input_shape", "classes", "layers")
+        unknown = [k for k in data if k not in keys]
+        if unknown:
+            raise ValueError(f"unknown key {unknown[0]!r} in the network; expected {', '.join(keys)}")
+        missing = [k for k in keys if k not in data]
+        if missing:
+            raise ValueError(f"the network has no {missing[0]!r}; expected {', '.join(keys)}")
+        if not isinstance(data["layers"], list):
+            raise ValueError(f"layers must be a list, got {type(data['layers']).__name__}")
+        layers = []
+        for i, d in enumerate(data["layers"]):
+            try:
+                layers.append(layer_from_json(d))
+            except (ValueError, TypeError) as e:
+                kind = d.get("type") if isinstance(d, dict) else type(d).__name__
+                raise ValueError(f"layer {i} ({kind}): {e}") from None
+        return cls(data["input_shape"], data["classes"], tuple(layers))
+
+    def describe(self):
+        """One line per layer: what it is, its output shape, its parameter count (for logs)."""
+        conv_shapes, fc_shapes = self.parameter_shapes()
+        counts = iter([int(np.prod(w)) + (int(np.prod(b)) if b else 0) for w, b in conv_shapes + fc_shapes])
+        lines = [f"input {'x'.join(map(str, self.input_shape))}, {self.classes} classes"]
+        for i, (layer, shape) in enumerate(zip(self.layers, self._shapes)):
+            params = next(counts) if layer.type in ("conv", "linear") else 0
+            lines.append(f"{i:>3} {layer.text():<40} -> {'x'.join(map(str, shape)):<14} {params:>12,} params")
+        lines.append(f"    total {self.parameter_count():,} parameters")
+        return "\n".join(lines)

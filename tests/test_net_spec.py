@@ -1,0 +1,300 @@
+"""The network as data: stored form, checks that name the layer, inferred sizes, presets, --net."""
+import json
+
+import numpy as np
+import pytest
+
+from hetconv.net import PRESETS, ConvBlock, NetSpec, load_net, preset
+from hetconv.net.spec import Conv, Flatten, Linear, Pool, ReLU
+
+PAPER_JSON = {"input_shape": [3, 32, 32], "classes": 10, "layers": [
+    {"type": "conv", "out_channels": 500, "kernel": [5, 5], "stride": [1, 1], "padding": [0, 0], "bias": True},
+    {"type": "relu"},
+    {"type": "maxpool", "kernel": [2, 2], "stride": [2, 2], "padding": [0, 0]},
+    {"type": "conv", "out_channels": 1500, "kernel": [5, 5]},
+    {"type": "relu"},
+    {"type": "maxpool", "kernel": [2, 2]},
+    {"type": "flatten"},
+    {"type": "linear", "out_features": 256},
+    {"type": "relu"},
+    {"type": "dropout", "p": 0.5},
+    {"type": "linear", "out_features": 10}]}
+
+
+def small(layers, input_shape=(3, 16, 16), classes=10):
+    """A stored form with these layers (dicts), for the checks below."""
+    return {"input_shape": list(input_shape), "classes": classes, "layers": layers}
+
+
+CONV = {"type": "conv", "out_channels": 4, "kernel": 3}
+FLAT = {"type": "flatten"}
+OUT = {"type": "linear", "out_features": 10}
+
+
+# ---- stored form ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("input_shape", [(3, 32, 32), (1, 28, 28)])
+def test_every_preset_survives_json(name, input_shape):
+    spec = preset(name, input_shape, 10, width=0.25)
+    text = json.dumps(spec.to_json())
+    again = NetSpec.from_json(text)
+    assert again == spec
+    assert again.to_json() == spec.to_json()
+    assert NetSpec.from_json(json.loads(text)) == spec
+
+
+def test_the_documented_example_reads_with_its_defaults():
+    spec = NetSpec.from_json(PAPER_JSON)
+    assert spec.layers[3] == Conv(1500, (5, 5), (1, 1), (0, 0), True)
+    assert spec.layers[5] == Pool("max", (2, 2), (2, 2), (0, 0))
+    assert spec.to_json()["layers"][5] == {"type": "maxpool", "kernel": [2, 2], "stride": [2, 2], "padding": [0, 0]}
+    assert spec.head()[0].in_features == 1500 * 5 * 5
+
+
+def test_ints_stand_for_pairs():
+    spec = NetSpec.from_json(small([{"type": "conv", "out_channels": 4, "kernel": 3, "stride": 2, "padding": 1},
+                                    {"type": "avgpool", "kernel": 2}, FLAT, OUT]))
+    assert spec.layers[0].kernel == (3, 3) and spec.layers[0].stride == (2, 2) and spec.layers[0].padding == (1, 1)
+    assert spec.layers[1] == Pool("avg", 2, 2, 0)
+
+
+# ---- every violation names the layer ---------------------------------------------------------------
+
+BAD = [
+    ("relu before any conv", [{"type": "relu"}, CONV, FLAT, OUT], "layer 0 (relu)", "first layer must be conv"),
+    ("no conv at all", [FLAT, OUT], "layer 0 (flatten)", "first layer must be conv"),
+    ("two relus in a block", [CONV, {"type": "relu"}, {"type": "relu"}, FLAT, OUT], "layer 2 (relu)", "follow a conv"),
+    ("relu after the pool", [CONV, {"type": "maxpool", "kernel": 2}, {"type": "relu"}, FLAT, OUT],
+     "layer 2 (relu)", "follow a conv"),
+    ("two pools", [CONV, {"type": "maxpool", "kernel": 2}, {"type": "avgpool", "kernel": 2}, FLAT, OUT],
+     "layer 2 (avgpool)", "pool must follow a conv"),
+    ("linear before flatten", [CONV, OUT], "layer 1 (linear)", "flatten before the FC part"),
+    ("two flattens", [CONV, FLAT, FLAT, OUT], "layer 2 (flatten)", "only one flatten"),
+    ("conv after flatten", [CONV, FLAT, CONV, OUT], "layer 2 (conv)", "after flatten only linear"),
+    ("pool after flatten", [CONV, FLAT, {"type": "maxpool", "kernel": 2}, OUT], "layer 2 (maxpool)",
+     "after flatten only linear"),
+    ("relu right after flatten", [CONV, FLAT, {"type": "relu"}, OUT], "layer 2 (relu)", "must follow a linear"),
+    ("two activations in the head", [CONV, FLAT, {"type": "linear", "out_features": 8}, {"type": "relu"},
+                                     {"type": "dropout", "p": 0.1}, {"type": "relu"}, OUT],
+     "layer 5 (relu)", "must follow a linear"),
+    ("two dropouts", [CONV, FLAT, {"type": "dropout", "p": 0.1}, {"type": "dropout", "p": 0.1}, OUT],
+     "layer 3 (dropout)", "two dropouts"),
+    ("no flatten", [CONV, {"type": "relu"}], "layer 1 (relu)", "followed by one flatten"),
+    ("ends on relu", [CONV, FLAT, OUT, {"type": "relu"}], "layer 3 (relu)", "must end with a linear"),
+    ("last linear not classes", [CONV, FLAT, {"type": "linear", "out_features": 7}], "layer 2 (linear)",
+     "out_features 7, expected classes = 10"),
+    ("unknown type", [CONV, {"type": "batchnorm"}, FLAT, OUT], "layer 1 (batchnorm)", "unknown type 'batchnorm'"),
+    ("unknown key", [{"type": "conv", "out_channels": 4, "kernel": 3, "dilation": 2}, FLAT, OUT],
+     "layer 0 (conv)", "unknown key 'dilation'"),
+    ("key on a relu", [CONV, {"type": "relu", "inplace": True}, FLAT, OUT], "layer 1 (relu)", "unknown key 'inplace'"),
+    ("missing kernel", [{"type": "conv", "out_channels": 4}, FLAT, OUT], "layer 0 (conv)", "missing key 'kernel'"),
+    ("zero kernels", [{"type": "conv", "out_channels": 0, "kernel": 3}, FLAT, OUT], "layer 0 (conv)",
+     "out_channels must be an integer >= 1, got 0"),
+    ("fractional kernel", [{"type": "conv", "out_channels": 4, "kernel": 2.5}, FLAT, OUT], "layer 0 (conv)",
+     "kernel must be an integer or a pair"),
+    ("three-sided kernel", [{"type": "conv", "out_channels": 4, "kernel": [3, 3, 3]}, FLAT, OUT], "layer 0 (conv)",
+     "kernel must be an integer or a pair"),
+    ("negative padding", [{"type": "conv", "out_channels": 4, "kernel": 3, "padding": -1}, FLAT, OUT],
+     "layer 0 (conv)", "padding must be an integer >= 0"),
+    ("zero stride", [CONV, {"type": "maxpool", "kernel": 2, "stride": 0}, FLAT, OUT], "layer 1 (maxpool)",
+     "stride must be an integer >= 1"),
+    ("pool padding over half its window", [CONV, {"type": "maxpool", "kernel": 2, "padding": 2}, FLAT, OUT],
+     "layer 1 (maxpool)", "at most half the kernel"),
+    ("bias not a bool", [{"type": "conv", "out_channels": 4, "kernel": 3, "bias": "yes"}, FLAT, OUT],
+     "layer 0 (conv)", "bias must be true or false"),
+    ("dropout p of 1", [CONV, FLAT, {"type": "dropout", "p": 1.0}, OUT], "layer 2 (dropout)", "in [0, 1)"),
+    ("negative dropout", [CONV, FLAT, {"type": "dropout", "p": -0.1}, OUT], "layer 2 (dropout)", "in [0, 1)"),
+    ("window larger than input", [{"type": "conv", "out_channels": 4, "kernel": 17}, FLAT, OUT], "layer 0 (conv)",
+     "kernel 17x17 does not fit its 16x16 input with padding 0"),
+    ("pool larger than what is left", [{"type": "conv", "out_channels": 4, "kernel": 13},
+                                       {"type": "maxpool", "kernel": 5}, FLAT, OUT],
+     "layer 1 (maxpool)", "kernel 5x5 does not fit its 4x4 input"),
+    ("a layer that is not an object", [CONV, "relu", FLAT, OUT], "layer 1 (str)", "must be an object"),
+]
+
+
+@pytest.mark.parametrize("layers, where, what", [case[1:] for case in BAD], ids=[case[0] for case in BAD])
+def test_each_violation_names_the_layer_and_what_was_expected(layers, where, what):
+    with pytest.raises(ValueError) as e:
+        NetSpec.from_json(small(layers))
+    message = str(e.value)
+    assert message.startswith(where + ":"), message
+    assert what in message, message
+
+
+def test_padding_makes_a_window_fit():
+    spec = NetSpec.from_json(small([{"type": "conv", "out_channels": 4, "kernel": 17, "padding": 1}, FLAT, OUT]))
+    assert spec.conv_layers()[0].output_shape == (4, 2, 2)
+
+
+@pytest.mark.parametrize("data, what", [
+    ({"input_shape": [3, 16, 16], "classes": 10, "layers": [CONV, FLAT, OUT], "optimizer": "sgd"},
+     "unknown key 'optimizer'"),
+    ({"input_shape": [3, 16, 16], "layers": [CONV, FLAT, OUT]}, "no 'classes'"),
+    ({"input_shape": [3, 16], "classes": 10, "layers": [CONV, FLAT, OUT]}, "input_shape must be"),
+    ({"input_shape": [3, 16, 16], "classes": 0, "layers": [CONV, FLAT, OUT]}, "classes must be an integer >= 1"),
+    ({"input_shape": [3, 16, 16], "classes": 10, "layers": []}, "no layers"),
+    ([CONV, FLAT, OUT], "must be a JSON object"),
+    ("{not json", "not valid JSON"),
+])
+def test_the_network_itself_is_checked(data, what):
+    with pytest.raises(ValueError) as e:
+        NetSpec.from_json(data)
+    assert what in str(e.value), str(e.value)
+
+
+def test_a_network_built_in_code_is_checked_as_one_read_from_json():
+    with pytest.raises(ValueError, match=r"^layer 2 \(relu\)"):
+        NetSpec((3, 16, 16), 10, (Conv(4, 3), Pool("max", 2), ReLU(), Flatten(), Linear(10)))
+    with pytest.raises(ValueError, match=r"^layer 1 \(str\)"):
+        NetSpec((3, 16, 16), 10, (Conv(4, 3), "relu", Flatten(), Linear(10)))
+
+
+# ---- shapes -------------------------------------------------------------------------------------------
+
+# (preset, input) -> the (C, H, W) leaving each conv block, then the flatten size
+SHAPES = {
+    ("paper", (3, 32, 32)): ([(500, 14, 14), (1500, 5, 5)], 37500),
+    ("paper", (1, 28, 28)): ([(500, 12, 12), (1500, 4, 4)], 24000),
+    ("lenet5", (3, 32, 32)): ([(6, 16, 16), (16, 6, 6)], 576),
+    ("lenet5", (1, 28, 28)): ([(6, 14, 14), (16, 5, 5)], 400),
+    ("cifar10-quick", (3, 32, 32)): ([(32, 16, 16), (32, 8, 8), (64, 4, 4)], 1024),
+    ("cifar10-quick", (1, 28, 28)): ([(32, 14, 14), (32, 7, 7), (64, 4, 4)], 1024),
+    ("vgg-small", (3, 32, 32)): ([(32, 32, 32), (32, 16, 16), (64, 16, 16), (64, 8, 8), (128, 8, 8), (128, 4, 4),
+                                  (256, 4, 4), (256, 2, 2)], 1024),
+    ("vgg-small", (1, 28, 28)): ([(32, 28, 28), (32, 14, 14), (64, 14, 14), (64, 7, 7), (128, 7, 7), (128, 3, 3),
+                                  (256, 3, 3), (256, 1, 1)], 256),
+}
+
+
+@pytest.mark.parametrize("name, input_shape", sorted(SHAPES))
+def test_shapes_are_inferred_for_each_preset(name, input_shape):
+    blocks, flat = SHAPES[name, input_shape]
+    spec = preset(name, input_shape, 10)
+    convs = spec.conv_layers()
+    assert [c.output_shape for c in convs] == blocks
+    assert convs[0].input_shape == input_shape and convs[0].in_channels == input_shape[0]
+    for before, after in zip(convs, convs[1:]):
+        assert after.input_shape == before.output_shape and after.in_channels == before.kernels
+    head = spec.head()
+    assert head[0].type == "flatten" and head[0].in_features == head[0].out_features == flat
+    linears = [op for op in head if op.type == "linear"]
+    assert linears[0].in_features == flat and linears[-1].out_features == 10
+
+
+def test_conv_blocks_carry_their_activation_and_pool():
+    spec = preset("cifar10-quick", (3, 32, 32), 10)
+    blocks = [c.block for c in spec.conv_layers()]
+    assert blocks[0] == ConvBlock(stride=(1, 1), padding=(2, 2), activation="relu", pool="max", pool_kernel=(3, 3),
+                                  pool_stride=(2, 2), pool_padding=(1, 1))
+    assert [b.pool for b in blocks] == ["max", "avg", "avg"]
+    bare = NetSpec.from_json(small([CONV, CONV, {"type": "relu"}, FLAT, OUT]))
+    first, second = bare.conv_layers()
+    assert (first.block.activation, first.block.pool) == ("none", "none")
+    assert (second.block.activation, second.block.pool) == ("relu", "none")
+    assert first.output_shape == (4, 14, 14) and second.input_shape == (4, 14, 14)
+
+
+def test_head_lists_the_fc_part_with_its_widths():
+    spec = NetSpec.from_json(PAPER_JSON)
+    assert [(op.type, op.in_features, op.out_features) for op in spec.head()] == [
+        ("flatten", 37500, 37500), ("linear", 37500, 256), ("relu", 256, 256), ("dropout", 256, 256),
+        ("linear", 256, 10)]
+
+
+def test_with_input_resizes_for_another_data_set():
+    spec = preset("lenet5", (3, 32, 32), 10)
+    mnist = spec.with_input((1, 28, 28), 26)
+    assert mnist == preset("lenet5", (1, 28, 28), 26)
+    assert mnist.layers[:-1] == spec.layers[:-1]
+    assert mnist.parameter_shapes()[1][0][0] == (120, 400)
+    with pytest.raises(ValueError, match=r"layer 0 \(conv\).*does not fit"):
+        preset("paper", (3, 32, 32), 10).with_input((3, 4, 4), 10)
+
+
+def test_width_scales_every_conv_and_hidden_fc_but_not_the_classes():
+    spec = preset("vgg-small", (3, 32, 32), 10, width=0.25)
+    assert [c.kernels for c in spec.conv_layers()] == [8, 8, 16, 16, 32, 32, 64, 64]
+    assert [op.out_features for op in spec.head() if op.type == "linear"] == [64, 10]
+    tiny = preset("lenet5", (1, 28, 28), 10, width=0.01)
+    assert [c.kernels for c in tiny.conv_layers()] == [1, 1]
+
+
+# ---- parameters ------------------------------------------------------------------------------------
+
+def test_parameter_shapes_follow_pytorch_layouts():
+    spec = preset("lenet5", (1, 28, 28), 10)
+    conv, fc = spec.parameter_shapes()
+    assert conv == [((6, 1, 5, 5), (6,)), ((16, 6, 5, 5), (16,))]
+    assert fc == [((120, 400), (120,)), ((84, 120), (84,)), ((10, 84), (10,))]
+    no_bias = NetSpec.from_json(small([dict(CONV, bias=False), FLAT,
+                                       {"type": "linear", "out_features": 10, "bias": False}]))
+    assert no_bias.parameter_shapes() == ([((4, 3, 3, 3), None)], [((10, 784), None)])
+
+
+def test_init_params_is_pytorchs_default_and_seeded():
+    spec = preset("lenet5", (1, 28, 28), 10)
+    conv, fc = spec.init_params(np.random.default_rng(0))
+    again, _ = spec.init_params(np.random.default_rng(0))
+    assert all(np.array_equal(w, w2) and np.array_equal(b, b2) for (w, b), (w2, b2) in zip(conv, again))
+    for (w, b), (w_shape, b_shape) in zip(conv + fc, sum(spec.parameter_shapes(), [])):
+        assert w.shape == w_shape and b.shape == b_shape and w.dtype == b.dtype == np.float32
+        bound = 1 / np.sqrt(np.prod(w_shape[1:]))
+        # kaiming-uniform with a=sqrt(5) is uniform in +-1/sqrt(fan_in); biases share the bound
+        assert np.abs(w).max() <= bound and np.abs(w).max() > 0.9 * bound
+        assert np.abs(b).max() <= bound and np.abs(b).max() > 0.5 * bound
+
+
+def test_describe_has_a_line_per_layer_with_shape_and_parameters():
+    spec = preset("paper", (3, 32, 32), 10)
+    lines = spec.describe().splitlines()
+    assert len(lines) == len(spec.layers) + 2
+    assert "500x28x28" in lines[1] and "38,000" in lines[1]
+    assert "37500" in lines[7] and "9,600,256" in lines[8]
+
+
+# ---- --net ---------------------------------------------------------------------------------------
+
+def test_load_net_reads_presets_widths_and_json(tmp_path):
+    assert load_net("paper", (3, 32, 32), 10).spec == preset("paper", (3, 32, 32), 10)
+    loaded = load_net("vgg-small@0.25", (3, 32, 32), 100)
+    assert loaded.spec == preset("vgg-small", (3, 32, 32), 100, width=0.25) and loaded.params is None
+    path = tmp_path / "net.json"
+    path.write_text(json.dumps(PAPER_JSON))
+    assert load_net(str(path), (3, 32, 32), 10).spec == NetSpec.from_json(PAPER_JSON)
+    # the stored layers hold no input size: a data set of another shape re-sizes them
+    assert load_net(str(path), (1, 28, 28), 10).spec.head()[0].in_features == 24000
+
+
+@pytest.mark.parametrize("text, what", [
+    ("resnet50", "not a preset nor an existing file"),
+    ("vgg-small@", "width after @ must be a positive number"),
+    ("vgg-small@-1", "width after @ must be a positive number"),
+    ("vgg-small@nan", "width after @ must be a positive number"),
+    ("missing.json", "cannot read it"),
+    ("", "expected a preset"),
+])
+def test_load_net_names_the_text_and_what_is_accepted(text, what):
+    with pytest.raises(ValueError) as e:
+        load_net(text, (3, 32, 32), 10)
+    assert what in str(e.value) and repr(text)[1:-1] in str(e.value)
+
+
+def test_load_net_refuses_a_bad_json_file_naming_it(tmp_path):
+    path = tmp_path / "net.json"
+    path.write_text(json.dumps(PAPER_JSON)[:-5])
+    with pytest.raises(ValueError, match=r"net\.json: the network is not valid JSON"):
+        load_net(str(path), (3, 32, 32), 10)
+    path.write_text(json.dumps(PAPER_JSON))
+    with pytest.raises(ValueError, match=r"net\.json: the network has 10 classes, the data set 100"):
+        load_net(str(path), (3, 32, 32), 100)
+    with pytest.raises(ValueError, match=r"net\.json on input 3x8x8: layer 3 \(conv\): kernel 5x5 does not fit"):
+        load_net(str(path), (3, 8, 8), 10)
+
+
+def test_load_net_refuses_a_preset_too_deep_for_the_input():
+    # 8 -> 4 -> 2 -> 1 after three stages: the fourth stage's pool has nothing to pool
+    expected = r"--net vgg-small on input 3x8x8 with 10 classes: layer 19 \(maxpool\): kernel 2x2 does not fit its 1x1"
+    with pytest.raises(ValueError, match=expected):
+        load_net("vgg-small", (3, 8, 8), 10)
