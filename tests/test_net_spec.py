@@ -1,5 +1,7 @@
 """The network as data: stored form, checks that name the layer, inferred sizes, presets, --net."""
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -298,3 +300,25 @@ def test_load_net_refuses_a_preset_too_deep_for_the_input():
     expected = r"--net vgg-small on input 3x8x8 with 10 classes: layer 19 \(maxpool\): kernel 2x2 does not fit its 1x1"
     with pytest.raises(ValueError, match=expected):
         load_net("vgg-small", (3, 8, 8), 10)
+
+
+# ---- PyTorch stays optional ------------------------------------------------------------------------
+
+def test_a_missing_torch_is_one_line_naming_the_extra(monkeypatch, tmp_path):
+    from hetconv.net.torch_import import import_torch
+    monkeypatch.setitem(sys.modules, "torch", None)        # what an environment without torch imports
+    with pytest.raises(ImportError, match=r"pip install 'hetconv\[torch\]'"):
+        import_torch()
+    path = tmp_path / "mynet.py"
+    path.write_text("def build():\n    return None\n")
+    with pytest.raises(ValueError, match=r"^--net .*mynet\.py:build: PyTorch is not installed.*hetconv\[torch\]"):
+        load_net(f"{path}:build", (3, 32, 32), 10)
+
+
+def test_presets_and_json_never_import_torch():
+    code = ("import sys, hetconv.net as n\n"
+            "s = n.load_net('vgg-small@0.25', (3, 32, 32), 10).spec\n"
+            "n.NetSpec.from_json(s.to_json()).init_params(__import__('numpy').random.default_rng(0))\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

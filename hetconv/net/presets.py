@@ -88,7 +88,10 @@ def load_net(text, input_shape, classes):
     head, sep, _ = text.rpartition(":")
     if sep and head.endswith(".py"):
         from hetconv.net.torch_import import from_torch, load_module
-        spec, conv, fc = from_torch(load_module(text), input_shape)
+        try:
+            spec, conv, fc = from_torch(load_module(text), input_shape)
+        except ImportError as e:            # the torch extra is missing: say so as a --net error
+            raise ValueError(f"--net {text}: {e}") from None
         if spec.classes != classes:
             raise ValueError(f"--net {text}: the network's last Linear has {spec.classes} outputs, "
                              f"but the data set has {classes} classes")

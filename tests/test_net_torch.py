@@ -1,0 +1,186 @@
+"""PyTorch in and out: an nn.Sequential becomes a NetSpec with its weights and back, and a module
+hetconv cannot run is refused naming it."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is an optional extra")
+nn = torch.nn
+
+from hetconv.net import PRESETS, load_net, preset  # noqa: E402
+from hetconv.net.torch_import import from_torch, load_module, to_torch  # noqa: E402
+
+WIDTH = {"paper": 0.02, "lenet5": 1.0, "cifar10-quick": 0.25, "vgg-small": 0.125}
+
+
+def same_params(a, b):
+    return len(a) == len(b) and all(
+        np.array_equal(w1, w2) and ((b1 is None and b2 is None) or np.array_equal(b1, b2))
+        for (w1, b1), (w2, b2) in zip(a, b))
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("input_shape", [(3, 32, 32), (1, 28, 28)])
+def test_round_trip_keeps_spec_and_weights(name, input_shape):
+    spec = preset(name, input_shape, 10, width=WIDTH[name])
+    conv, fc = spec.init_params(np.random.default_rng(1))
+    module = to_torch(spec, conv, fc)
+    again, conv2, fc2 = from_torch(module, input_shape)
+    assert again == spec
+    assert same_params(conv, conv2) and same_params(fc, fc2)
+    assert all(w.dtype == np.float32 for w, _ in conv2 + fc2)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("input_shape", [(3, 32, 32), (1, 28, 28)])
+def test_spec_shapes_equal_what_torch_computes(name, input_shape):
+    spec = preset(name, input_shape, 10, width=WIDTH[name])
+    module = to_torch(spec, *spec.init_params(np.random.default_rng(0))).eval()
+    h = torch.zeros((2,) + input_shape)
+    seen = []
+    with torch.no_grad():
+        for layer in module:
+            h = layer(h)
+            seen.append(tuple(h.shape[1:]))
+    assert seen == spec.output_shapes()
+    convs = spec.conv_layers()
+    assert [seen[c.index] for c in convs] == [c.conv_shape for c in convs]
+
+
+def test_to_torch_names_state_by_layer_index_and_computes_with_the_given_weights():
+    spec = preset("lenet5", (1, 28, 28), 10)
+    conv, fc = spec.init_params(np.random.default_rng(2))
+    module = to_torch(spec, conv, fc)
+    state = module.state_dict()
+    assert list(state) == ["0.weight", "0.bias", "3.weight", "3.bias", "7.weight", "7.bias", "9.weight", "9.bias",
+                           "11.weight", "11.bias"]
+    assert np.array_equal(state["3.weight"].numpy(), conv[1][0]) and np.array_equal(state["11.bias"].numpy(), fc[2][1])
+    conv[0][0][...] = 0                           # to_torch copied: the module does not share the arrays
+    assert state["0.weight"].abs().sum() > 0
+
+
+def test_from_torch_flattens_nested_sequentials_and_reads_every_padding_form():
+    torch.manual_seed(0)
+    module = nn.Sequential(
+        nn.Sequential(nn.Conv2d(3, 4, 3, padding="same"), nn.ReLU(inplace=True)),
+        nn.Sequential(nn.Conv2d(4, 5, (3, 1), stride=(2, 1), padding=(1, 0), bias=False),
+                      nn.AvgPool2d(2, stride=1, padding=1)),
+        nn.Conv2d(5, 6, 2, padding="valid"),
+        nn.Flatten(),
+        nn.Dropout(0.25),
+        nn.Linear(6 * 8 * 16, 7).double(),        # 16x16 -> 16x16 -> 8x16 -> 9x17 -> 8x16
+    )
+    spec, conv, fc = from_torch(module, (3, 16, 16))
+    assert [layer.type for layer in spec.layers] == ["conv", "relu", "conv", "avgpool", "conv", "flatten", "dropout",
+                                                     "linear"]
+    assert spec.layers[0].padding == (1, 1) and spec.layers[2].stride == (2, 1) and spec.layers[2].bias is False
+    assert spec.classes == 7 and spec.layers[6].p == 0.25
+    assert conv[1][1] is None and conv[2][0].shape == (6, 5, 2, 2)
+    assert fc[0][0].dtype == np.float32
+    np.testing.assert_array_equal(fc[0][0], module[5].weight.detach().float().numpy())
+    with torch.no_grad():
+        assert tuple(module.float()(torch.zeros(1, 3, 16, 16)).shape) == (1, 7)
+
+
+UNSUPPORTED = [
+    ("batchnorm", nn.Sequential(nn.Conv2d(3, 4, 3), nn.Sequential(nn.BatchNorm2d(4), nn.ReLU()), nn.Flatten(),
+                                nn.Linear(4 * 14 * 14, 10)), "module 1.0 (BatchNorm2d): not supported"),
+    ("dilated conv", nn.Sequential(nn.Conv2d(3, 4, 3, dilation=2), nn.Flatten(), nn.Linear(4 * 12 * 12, 10)),
+     "module 0 (Conv2d): dilation (2, 2)"),
+    ("grouped conv", nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.Flatten(), nn.Linear(4 * 14 * 14, 10)),
+     "module 0 (Conv2d): groups 2"),
+    ("reflect padding", nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"), nn.Flatten(),
+                                      nn.Linear(4 * 16 * 16, 10)), "module 0 (Conv2d): padding_mode 'reflect'"),
+    ("even same padding", nn.Sequential(nn.Conv2d(3, 4, 2, padding="same"), nn.Flatten(), nn.Linear(4 * 16 * 16, 10)),
+     "module 0 (Conv2d): padding 'same' with the even kernel"),
+    ("ceil-mode max-pool", nn.Sequential(nn.Conv2d(3, 4, 3), nn.MaxPool2d(2, ceil_mode=True), nn.Flatten(),
+                                         nn.Linear(4 * 7 * 7, 10)), "module 1 (MaxPool2d): ceil_mode True"),
+    ("average without padded zeros", nn.Sequential(nn.Conv2d(3, 4, 3), nn.AvgPool2d(3, padding=1,
+                                                                                    count_include_pad=False),
+                                                   nn.Flatten(), nn.Linear(4 * 5 * 5, 10)),
+     "module 1 (AvgPool2d): count_include_pad False"),
+    ("flatten from dim 0", nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(0), nn.Linear(4 * 14 * 14, 10)),
+     "module 1 (Flatten): start_dim 0"),
+    ("two relus", nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 14 * 14, 10)),
+     "module 2 (ReLU): relu in the conv part must follow a conv"),
+    ("channels that do not match the input", nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten(),
+                                                           nn.Linear(4 * 14 * 14, 10)),
+     "module 0 (Conv2d): in_channels 1, but its input has 3 channels"),
+    ("features that do not match the input", nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(100, 10)),
+     "module 2 (Linear): in_features 100, but its input has 784 features"),
+]
+
+
+@pytest.mark.parametrize("module, what", [case[1:] for case in UNSUPPORTED], ids=[case[0] for case in UNSUPPORTED])
+def test_from_torch_names_the_module_it_cannot_take(module, what):
+    with pytest.raises(ValueError) as e:
+        from_torch(module, (3, 16, 16))
+    assert str(e.value).startswith(what), str(e.value)
+
+
+def test_unsupported_layers_list_what_is_supported():
+    with pytest.raises(ValueError, match=r"supported: Conv2d .*ReLU, MaxPool2d .*Linear, Dropout"):
+        from_torch(nn.Sequential(nn.Conv2d(3, 4, 3), nn.GELU(), nn.Flatten(), nn.Linear(784, 10)), (3, 16, 16))
+
+
+def test_from_torch_wants_a_list_of_layers():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+
+        def forward(self, x):
+            return self.conv(x)
+
+    with pytest.raises(ValueError, match=r"expected an nn.Sequential .*got Net"):
+        from_torch(Net(), (3, 16, 16))
+
+
+NET_FILE = """
+import torch.nn as nn
+
+def build():
+    return nn.Sequential(nn.Conv2d(1, 3, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(3 * 12 * 12, 10))
+
+def not_a_module():
+    return [1, 2]
+
+def broken():
+    raise RuntimeError("no weights here")
+
+NUMBER = 3
+"""
+
+
+def test_load_net_takes_a_function_in_a_python_file_with_its_weights(tmp_path):
+    path = tmp_path / "mynet.py"
+    path.write_text(NET_FILE)
+    loaded = load_net(f"{path}:build", (1, 28, 28), 10)
+    assert [layer.type for layer in loaded.spec.layers] == ["conv", "relu", "maxpool", "flatten", "linear"]
+    conv, fc = loaded.params
+    assert conv[0][0].shape == (3, 1, 5, 5) and fc[0][0].shape == (10, 432)
+    with pytest.raises(ValueError, match=r"mynet\.py:build: the network's last Linear has 10 outputs, but the data "
+                                         r"set has 100 classes"):
+        load_net(f"{path}:build", (1, 28, 28), 100)
+
+
+@pytest.mark.parametrize("suffix, what", [
+    (":not_a_module", "not_a_module() returned list, expected an nn.Module"),
+    (":broken", "broken() raised RuntimeError: no weights here"),
+    (":missing", "defines no function 'missing'"),
+    (":NUMBER", "defines no function 'NUMBER'"),
+])
+def test_load_module_says_what_is_wrong_with_the_file(tmp_path, suffix, what):
+    path = tmp_path / "mynet.py"
+    path.write_text(NET_FILE)
+    with pytest.raises(ValueError) as e:
+        load_module(f"{path}{suffix}")
+    assert f"--net {path}{suffix}: " in str(e.value) and what in str(e.value), str(e.value)
+
+
+def test_load_module_refuses_a_missing_file_and_one_that_fails_to_import(tmp_path):
+    with pytest.raises(ValueError, match=r"no such file"):
+        load_module(f"{tmp_path / 'nothere.py'}:build")
+    bad = tmp_path / "bad.py"
+    bad.write_text("import not_a_module_anywhere\n")
+    with pytest.raises(ValueError, match=r"bad\.py:build: importing .*bad\.py raised ModuleNotFoundError"):
+        load_module(f"{bad}:build")
