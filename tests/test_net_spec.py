@@ -112,6 +112,9 @@ BAD = [
     ("pool larger than what is left", [{"type": "conv", "out_channels": 4, "kernel": 13},
                                        {"type": "maxpool", "kernel": 5}, FLAT, OUT],
      "layer 1 (maxpool)", "kernel 5x5 does not fit its 4x4 input"),
+    ("a layer without a type", [CONV, {"p": 0.5}, FLAT, OUT], "layer 1 (no type)", "unknown type None"),
+    ("a type that is not a name", [CONV, {"type": ["relu"]}, FLAT, OUT], "layer 1 (['relu'])",
+     "unknown type ['relu']; expected one of conv, relu"),
     ("a layer that is not an object", [CONV, "relu", FLAT, OUT], "layer 1 (str)", "must be an object"),
 ]
 

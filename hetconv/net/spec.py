@@ -39,10 +39,10 @@ except ImportError:
         activation and a pool, each acting per channel."""
         stride: tuple = (1, 1)
         padding: tuple = (0, 0)
-        activation: str = "none"          # "relu" or "none"
-        pool: str = "none"                # "max", "avg" or "none"
-        pool_kernel: tuple = (1, 1)
-        pool_stride: tuple = (1, 1)
+        activation: str = "relu"          # "relu" or "none"
+        pool: str = "max"                 # "max", "avg" or "none"
+        pool_kernel: tuple = (2, 2)       # the pool's fields are unused when pool is "none"
+        pool_stride: tuple = (2, 2)
         pool_padding: tuple = (0, 0)
 
 
@@ -226,7 +226,7 @@ def layer_from_json(d):
     if not isinstance(d, dict):
         raise ValueError(f"a layer must be an object with a \"type\", got {d!r}")
     kind = d.get("type")
-    if kind not in _LAYER_TYPES:
+    if not isinstance(kind, str) or kind not in _LAYER_TYPES:
         raise ValueError(f"unknown type {kind!r}; expected one of {', '.join(LAYER_TYPES)}")
     make, keys = _LAYER_TYPES[kind]
     unknown = [k for k in d if k != "type" and k not in keys]
@@ -402,11 +402,9 @@ class NetSpec:
                     activation = "relu"
                 else:
                     pool = layer
-            block = ConvBlock(stride=conv.stride, padding=conv.padding, activation=activation,
-                              pool=pool.mode if pool else "none",
-                              pool_kernel=pool.kernel if pool else (1, 1),
-                              pool_stride=pool.stride if pool else (1, 1),
-                              pool_padding=pool.padding if pool else (0, 0))
+            pooling = (dict(pool=pool.mode, pool_kernel=pool.kernel, pool_stride=pool.stride,
+                            pool_padding=pool.padding) if pool else dict(pool="none"))
+            block = ConvBlock(stride=conv.stride, padding=conv.padding, activation=activation, **pooling)
             blocks.append(ConvLayer(index=i, in_channels=in_shape[0], kernels=conv.out_channels,
                                     kernel=conv.kernel, bias=conv.bias, block=block, input_shape=in_shape,
                                     conv_shape=self._shapes[i], output_shape=self._shapes[end - 1]))
@@ -498,7 +496,7 @@ class NetSpec:
             try:
                 layers.append(layer_from_json(d))
             except (ValueError, TypeError) as e:
-                kind = d.get("type") if isinstance(d, dict) else type(d).__name__
+                kind = d.get("type", "no type") if isinstance(d, dict) else type(d).__name__
                 raise ValueError(f"layer {i} ({kind}): {e}") from None
         return cls(data["input_shape"], data["classes"], tuple(layers))
 
