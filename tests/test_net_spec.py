@@ -298,6 +298,19 @@ def test_load_net_refuses_a_bad_json_file_naming_it(tmp_path):
         load_net(str(path), (3, 8, 8), 10)
 
 
+@pytest.mark.parametrize("input_shape, what", [
+    (32, "on input 32 with 10 classes: input_shape must be [channels, height, width], got 32"),
+    ((3, 32), "on input 3x32 with 10 classes: input_shape must be [channels, height, width], got (3, 32)"),
+    ((3, 32, 32.5), "on input 3x32x32.5 with 10 classes: input_shape must be an integer >= 1, got 32.5"),
+])
+def test_load_net_refuses_a_bad_input_shape_in_one_line(input_shape, what):
+    with pytest.raises(ValueError) as e:
+        load_net("paper", input_shape, 10)
+    assert str(e.value) == "--net paper " + what
+    with pytest.raises(ValueError, match=r"^input_shape must be"):
+        preset("lenet5", (1, 28, 28), 10).with_input(input_shape, 10)
+
+
 def test_load_net_refuses_a_preset_too_deep_for_the_input():
     # 8 -> 4 -> 2 -> 1 after three stages: the fourth stage's pool has nothing to pool
     expected = r"--net vgg-small on input 3x8x8 with 10 classes: layer 19 \(maxpool\): kernel 2x2 does not fit its 1x1"

@@ -63,7 +63,7 @@ def preset(name, input_shape, classes, width=1.0):
         raise ValueError(f"unknown network preset {name!r}; expected one of {', '.join(PRESETS)}")
     if isinstance(width, bool) or not isinstance(width, (int, float)) or not math.isfinite(width) or width <= 0:
         raise ValueError(f"width of {name} must be a positive number, got {width!r}")
-    return NetSpec(tuple(input_shape), classes, tuple(PRESETS[name](width, classes)))
+    return NetSpec(input_shape, classes, tuple(PRESETS[name](width, classes)))
 
 
 class LoadedNet(NamedTuple):
@@ -116,10 +116,9 @@ def load_net(text, input_shape, classes):
 
 
 def _shape_text(shape):
-    try:
-        return "x".join(str(int(v)) for v in shape)
-    except (TypeError, ValueError):
-        return repr(shape)
+    if isinstance(shape, (list, tuple)):
+        return "x".join(str(v) for v in shape)
+    return repr(shape)
 
 
 def _load_json(path, input_shape, classes):

@@ -429,7 +429,7 @@ class NetSpec:
         classes = _int("classes", classes, 1)
         layers = list(self.layers)
         layers[-1] = replace(layers[-1], out_features=classes)
-        return NetSpec(tuple(input_shape), classes, tuple(layers))
+        return NetSpec(input_shape, classes, tuple(layers))
 
     # ---- parameters ------------------------------------------------------------------------------
     def parameter_shapes(self):

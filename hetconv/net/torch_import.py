@@ -135,7 +135,7 @@ def from_torch(module, input_shape):
         raise ValueError(f"the module has no Linear layer, so no class count; expected conv blocks, Flatten, "
                          f"then Linear layers ({SUPPORTED})")
     try:
-        spec = NetSpec(tuple(input_shape), last.out_features, tuple(layers))
+        spec = NetSpec(input_shape, last.out_features, tuple(layers))
     except LayerError as e:
         path, m = modules[e.index]
         raise ValueError(f"module {path} ({type(m).__name__}): {e.problem}") from None
