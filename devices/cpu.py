@@ -20,6 +20,11 @@ Design, and what it costs:
 - The fused forward (conv + bias + ReLU + 2x2 max-pool) keeps only the layer input and an int8
   argmax per pooled value for backward (-1 where the ReLU is off): 1 byte per pooled output
   instead of the 16 bytes of the pre-pool activation.
+- Any other conv block (stride, activation, pool: devices/base.py's ConvBlock) runs the same conv
+  paths (the shifted one at stride 1 only; im2col takes any stride), then one Numba pass per chunk
+  applies bias, activation and pool on (image, kernel) planes viewed in place in the chunk's Y,
+  keeping an int32 argmax per pooled value (max-pool) or a byte per conv output where ReLU passes
+  (other pools). The paper's block keeps its own fused kernels above.
 - What costs the same whatever K is keeps a worker holding a quarter of the kernels from taking
   a quarter of the time: im2col and col2im (~50 ms each on conv2 at N=32, one thread), or on the
   shifted path the expansion and the width fold (~10-12 ms each), plus BLAS packing the input
@@ -41,11 +46,12 @@ import os
 import numba
 import numpy as np
 from numba import prange
+from numpy.lib.stride_tricks import as_strided
 from threadpoolctl import threadpool_info, threadpool_limits
 
 from hetconv.devices.base import Device, DeviceError
 from hetconv.devices.blas import accumulating_sgemm
-from hetconv.geometry import conv_output_hw
+from hetconv.geometry import window_output_size
 from hetconv.params import sgd_update
 
 DEFAULT_IM2COL_BUDGET_BYTES = 64 << 20
@@ -69,8 +75,8 @@ _jit = numba.njit(parallel=True, nogil=True, cache=True)
 
 
 @_jit
-def _im2col(x, n0, n1, kh, kw, padding, ho, wo, cols):
-    """cols[p, (c*kh+u)*kw+v] = xpad[n, c, i+u, j+v] for p = ((n-n0)*ho + i)*wo + j."""
+def _im2col(x, n0, n1, kh, kw, sh, sw, ph, pw, ho, wo, cols):
+    """cols[p, (c*kh+u)*kw+v] = xpad[n, c, i*sh+u, j*sw+v] for p = ((n-n0)*ho + i)*wo + j."""
     c_in, h, w = x.shape[1], x.shape[2], x.shape[3]
     rows = (n1 - n0) * ho * wo
     for p in prange(rows):
@@ -80,9 +86,9 @@ def _im2col(x, n0, n1, kh, kw, padding, ho, wo, cols):
         col = 0
         for c in range(c_in):
             for u in range(kh):
-                r = i + u - padding
+                r = i * sh + u - ph
                 for v in range(kw):
-                    s = j + v - padding
+                    s = j * sw + v - pw
                     if 0 <= r < h and 0 <= s < w:
                         cols[p, col] = x[n, c, r, s]
                     else:
@@ -91,7 +97,7 @@ def _im2col(x, n0, n1, kh, kw, padding, ho, wo, cols):
 
 
 @_jit
-def _col2im(dcols, n0, n1, kh, kw, padding, ho, wo, dx):
+def _col2im(dcols, n0, n1, kh, kw, sh, sw, ph, pw, ho, wo, dx):
     """dx[n, c] = the im2col-adjoint of dcols for images n0..n1 (each written whole, so dx may
     start uninitialised); parallel over (image, channel), so race-free."""
     c_in, h, w = dx.shape[1], dx.shape[2], dx.shape[3]
@@ -105,11 +111,11 @@ def _col2im(dcols, n0, n1, kh, kw, padding, ho, wo, dx):
                 p = (nl * ho + i) * wo + j
                 base = c * kh * kw
                 for u in range(kh):
-                    r = i + u - padding
+                    r = i * sh + u - ph
                     if r < 0 or r >= h:
                         continue
                     for v in range(kw):
-                        s = j + v - padding
+                        s = j * sw + v - pw
                         if 0 <= s < w:
                             dx[n0 + nl, c, r, s] += dcols[p, base + u * kw + v]
 
@@ -192,20 +198,20 @@ def _add_row_sums(a, out):
 # every image, every j) are ONE contiguous block starting at u*nb*wo. See CpuDevice._shifted_*.
 
 @_jit
-def _vexpand(x, n0, n1, kw, padding, wo, xv):
+def _vexpand(x, n0, n1, kw, ph, pw, wo, xv):
     """xv[(h*nb + n)*wo + j, c*kw + v] = xpad[n0+n, c, h, j+v] for h over the padded height: the
     input expanded along the kernel's width only (kw copies, not the kh*kw of an im2col)."""
     c_in, h_in, w_in = x.shape[1], x.shape[2], x.shape[3]
     nb = n1 - n0
-    hp = h_in + 2 * padding
+    hp = h_in + 2 * ph
     for t in prange(hp * nb):
-        r = t // nb - padding
+        r = t // nb - ph
         n = n0 + t % nb
         for j in range(wo):
             row = t * wo + j
             for c in range(c_in):
                 for v in range(kw):
-                    s = j + v - padding
+                    s = j + v - pw
                     if 0 <= r < h_in and 0 <= s < w_in:
                         xv[row, c * kw + v] = x[n, c, r, s]
                     else:
@@ -213,9 +219,9 @@ def _vexpand(x, n0, n1, kw, padding, wo, xv):
 
 
 @_jit
-def _vfold(dxv, n0, n1, kw, padding, wo, dx):
-    """The adjoint of _vexpand: dx[n0+n, c, r, s] = sum over v of dxv[((r+padding)*nb + n)*wo +
-    s+padding-v, c*kw + v]; parallel over (row, image), each owning dx[n, :, r, :], so race-free.
+def _vfold(dxv, n0, n1, kw, ph, pw, wo, dx):
+    """The adjoint of _vexpand: dx[n0+n, c, r, s] = sum over v of dxv[((r+ph)*nb + n)*wo +
+    s+pw-v, c*kw + v]; parallel over (row, image), each owning dx[n, :, r, :], so race-free.
     dxv is read in order into a (C, wo + kw) row buffer that stays in L1, with no bounds test
     in the inner loop, then stored once (scattered += straight into dx ran ~1.25x slower)."""
     c_in, h_in, w_in = dx.shape[1], dx.shape[2], dx.shape[3]
@@ -224,14 +230,14 @@ def _vfold(dxv, n0, n1, kw, padding, wo, dx):
         r = t // nb
         n = n0 + t % nb
         acc = np.zeros((c_in, wo + kw), np.float32)
-        base = ((r + padding) * nb + t % nb) * wo
+        base = ((r + ph) * nb + t % nb) * wo
         for j in range(wo):
             for c in range(c_in):
                 for v in range(kw):
                     acc[c, j + v] += dxv[base + j, c * kw + v]
         for c in range(c_in):
             for s in range(w_in):
-                dx[n, c, r, s] = acc[c, s + padding]
+                dx[n, c, r, s] = acc[c, s + pw]
 
 
 @_jit
@@ -346,6 +352,147 @@ def _zero_rows(a, r0):
             a[r, c] = 0.0
 
 
+def _conv_hw(x_shape, w_shape, stride, padding):
+    """(Ho, Wo) of the conv at this stride and (h, w) padding."""
+    return (window_output_size(x_shape[2], w_shape[2], stride[0], padding[0]),
+            window_output_size(x_shape[3], w_shape[3], stride[1], padding[1]))
+
+
+# ---- any activation and pool: kernels on (images, K, ho, wo) planes ------------------------------
+# Both conv paths' chunk layouts are seen as strided 4-D views (no copy), so one pair of kernels
+# serves both; parallel over (image, kernel) planes, each owned by one thread, so overlapping
+# windows add their gradients without races.
+
+def _planes_of_columns(y, nb, ho, wo):
+    """(nb, K, ho, wo) view of y (K, P) with p = (n*ho + i)*wo + j: the im2col path's Y."""
+    s0, s1 = y.strides
+    return as_strided(y, (nb, y.shape[0], ho, wo), (ho * wo * s1, s0, wo * s1, s1))
+
+
+def _planes_of_rows(yt, nb, ho, wo):
+    """(nb, K, ho, wo) view of yt (ho*nb*wo, K) with row (i*nb + n)*wo + j: the shifted path's Y."""
+    s0, s1 = yt.strides
+    return as_strided(yt, (nb, yt.shape[1], ho, wo), (wo * s0, s1, nb * wo * s0, s0))
+
+
+@_jit
+def _act_pool(y, b, n0, relu, is_max, pkh, pkw, psh, psw, pph, ppw, out, argmax, mask):
+    """out[n0+n, k] = pool(act(y[n, k] + b[k])). Max: padding never wins (as -inf), ties go to
+    the first maximum in row-major window order, argmax = its index i*wo + j in the conv output,
+    or -1 where ReLU gives the window no gradient. Average: the window's sum over pkh*pkw, padding
+    counted as zeros. mask (when not empty): 1 where ReLU passes, for the backward."""
+    nb, k_out, ho, wo = y.shape
+    hp, wp = out.shape[2], out.shape[3]
+    area = pkh * pkw
+    for t in prange(nb * k_out):
+        nl = t // k_out
+        k = t % k_out
+        n = n0 + nl
+        bk = b[k]
+        if mask.shape[0] > 0:
+            for i in range(ho):
+                for j in range(wo):
+                    mask[n, k, i, j] = 1 if y[nl, k, i, j] + bk > 0 else 0
+        for a in range(hp):
+            r0 = a * psh - pph
+            for e in range(wp):
+                s0 = e * psw - ppw
+                best = -np.inf
+                arg = -1
+                total = 0.0
+                for u in range(pkh):
+                    r = r0 + u
+                    if r < 0 or r >= ho:
+                        continue
+                    for v in range(pkw):
+                        s = s0 + v
+                        if s < 0 or s >= wo:
+                            continue
+                        val = y[nl, k, r, s] + bk
+                        if relu and val < 0:
+                            val = 0.0
+                        total += val
+                        if val > best:
+                            best = val
+                            arg = r * wo + s
+                if is_max:
+                    out[n, k, a, e] = best
+                    argmax[n, k, a, e] = -1 if relu and best <= 0 else arg
+                else:
+                    out[n, k, a, e] = total / area
+
+
+@_jit
+def _act_pool_backward(dout, n0, relu, is_max, pkh, pkw, psh, psw, pph, ppw, argmax, mask, dy):
+    """dy[n, k] (the chunk's planes) = the gradient of _act_pool's output dout[n0+n, k] with
+    respect to its input y."""
+    nb, k_out, ho, wo = dy.shape
+    hp, wp = dout.shape[2], dout.shape[3]
+    area = pkh * pkw
+    for t in prange(nb * k_out):
+        nl = t // k_out
+        k = t % k_out
+        n = n0 + nl
+        for i in range(ho):
+            for j in range(wo):
+                dy[nl, k, i, j] = 0.0
+        for a in range(hp):
+            for e in range(wp):
+                if is_max:
+                    arg = argmax[n, k, a, e]
+                    if arg >= 0:
+                        dy[nl, k, arg // wo, arg % wo] += dout[n, k, a, e]
+                    continue
+                g = dout[n, k, a, e] / area
+                for r in range(max(0, a * psh - pph), min(ho, a * psh - pph + pkh)):
+                    for s in range(max(0, e * psw - ppw), min(wo, e * psw - ppw + pkw)):
+                        dy[nl, k, r, s] += g
+        if relu and not is_max:
+            for i in range(ho):
+                for j in range(wo):
+                    if mask[n, k, i, j] == 0:
+                        dy[nl, k, i, j] = 0.0
+
+
+class _PoolGeometry:
+    """A block's pool as the kernels take it; no pool is a 1x1 average (the identity)."""
+
+    def __init__(self, is_max, kernel, stride, padding):
+        self.is_max = is_max
+        self.kernel, self.stride, self.padding = kernel, stride, padding
+        self.args = kernel + stride + padding
+
+    @classmethod
+    def of(cls, block):
+        if block.pool == "none":
+            return cls(False, (1, 1), (1, 1), (0, 0))
+        return cls(block.pool == "max", block.pool_kernel, block.pool_stride, block.pool_padding)
+
+    def output_hw(self, ho, wo):
+        return (window_output_size(ho, self.kernel[0], self.stride[0], self.padding[0]),
+                window_output_size(wo, self.kernel[1], self.stride[1], self.padding[1]))
+
+
+class _BlockContext:
+    """What a generic block's backward needs: the layer input, the block, its conv output size and
+    pool, the argmax (max-pool) or ReLU mask (other pools) and, as _PoolContext, the path that
+    ran, the kept im2col or expansion and the forward's kernel rows."""
+
+    def __init__(self, x, w, block, shifted, conv_hw, pool, argmax, mask, pooled_shape, cols, kernel_rows):
+        self.x = x
+        self.w_shape = w.shape
+        self.forward_weights = w
+        self.block = block
+        self.shifted = shifted
+        self.conv_hw = conv_hw
+        self.pool = pool
+        self.argmax = argmax
+        self.mask = mask
+        self.pooled_shape = pooled_shape
+        self.cols = cols
+        self.kernel_rows = kernel_rows
+
+
 class _PoolContext:
     """What the fused backward needs: the layer input, the pooling argmax (int8), which path ran
     and, when it fit the budget, the forward's im2col or width expansion of the whole batch (flat;
@@ -434,8 +581,11 @@ class CpuDevice(Device):
             np.matmul(a, b, out=part)
             _add_into(out, part)
 
-    def _shifted(self, w_shape):
-        """Whether a layer with weights w_shape (K, C, kh, kw) takes the shifted-GEMM path."""
+    def _shifted(self, w_shape, stride=(1, 1)):
+        """Whether a layer with weights w_shape (K, C, kh, kw) takes the shifted-GEMM path: only at
+        stride 1 (a row stride would break the contiguous blocks of rows its GEMMs read)."""
+        if stride != (1, 1):
+            return False
         if self.conv_path == "auto":
             reduction = w_shape[1] * w_shape[3]
             return reduction >= SHIFTED_MIN_REDUCTION and w_shape[0] < SHIFTED_MAX_KERNELS_PER_REDUCTION * reduction
@@ -451,21 +601,22 @@ class CpuDevice(Device):
         step = (n + pieces - 1) // pieces
         return [(n0, min(n, n0 + step)) for n0 in range(0, n, step)], step
 
-    def _chunk_plan(self, x, w, padding):
+    def _chunk_plan(self, x, w, stride, padding):
         """What forward and backward share: kernel and output size, W as (K, C*kh*kw), the image
         ranges of each chunk, and an im2col buffer sized for the largest chunk."""
         n, c, h, wd = x.shape
         k, _, kh, kw = w.shape
-        ho, wo = conv_output_hw(h, wd, kh, kw, padding)
+        ho, wo = _conv_hw(x.shape, w.shape, stride, padding)
         ckk = c * kh * kw
         chunks, step = self._equal_chunks(n, ho * wo * ckk * 4, self.im2col_budget_bytes)
         return (kh, kw, ho, wo), w.reshape(k, ckk), chunks, self._scratch("cols", (step * ho * wo, ckk))
 
     # ---- forward -----------------------------------------------------------------------------
-    def _forward_chunks(self, x, w, padding, consume, saved_cols=None):
+    def _forward_chunks(self, x, w, stride, padding, consume, saved_cols=None):
         """Run Y (K, P) = W @ im2col(chunk).T per chunk and hand each Y to `consume(n0, n1, y)`.
         With `saved_cols` (flat, the whole batch's size) im2col goes there, kept for backward."""
-        (kh, kw, ho, wo), w2, chunks, cols_buf = self._chunk_plan(x, w, padding)
+        (kh, kw, ho, wo), w2, chunks, cols_buf = self._chunk_plan(x, w, stride, padding)
+        (sh, sw), (ph, pw) = stride, padding
         ckk = w2.shape[1]
         y_buf = self._scratch("y", (w.shape[0], cols_buf.shape[0]))
         for n0, n1 in chunks:
@@ -475,15 +626,15 @@ class CpuDevice(Device):
             else:
                 cols = saved_cols[n0 * ho * wo * ckk:n1 * ho * wo * ckk].reshape(rows, ckk)
             y = y_buf[:, :rows]
-            _im2col(x, n0, n1, kh, kw, padding, ho, wo, cols)
+            _im2col(x, n0, n1, kh, kw, sh, sw, ph, pw, ho, wo, cols)
             np.matmul(w2, cols.T, out=y)        # the FLOPs: (K, ckk) x (ckk, rows) in sgemm
             consume(n0, n1, y)
         return ho, wo
 
-    def _conv2d(self, x, w, b, padding):
+    def _conv2d(self, x, w, b, stride, padding):
         n, k = x.shape[0], w.shape[0]
-        if self._shifted(w.shape):
-            ho, wo = conv_output_hw(x.shape[2], x.shape[3], w.shape[2], w.shape[3], padding)
+        if self._shifted(w.shape, stride):
+            ho, wo = _conv_hw(x.shape, w.shape, stride, padding)
             y = np.empty((n, k, ho, wo), np.float32)
             self._shifted_forward(x, w, padding, lambda n0, n1, yt: _rows_to_nchw(yt, b, n0, n1, ho, wo, y))
             return y
@@ -492,40 +643,77 @@ class CpuDevice(Device):
         def to_nchw(n0, n1, y):
             out[n0] = y.reshape(k, n1 - n0, -1).transpose(1, 0, 2).copy()
 
-        ho, wo = self._forward_chunks(x, w, padding, to_nchw)
+        ho, wo = self._forward_chunks(x, w, stride, padding, to_nchw)
         y = np.concatenate([out[n0] for n0 in sorted(out)], axis=0).reshape(n, k, ho, wo)
         y += b[None, :, None, None]
         return y
 
-    def _conv_relu_pool(self, x, w, b, padding):
+    def _conv_block(self, x, w, b, block):
         w = np.ascontiguousarray(w, np.float32)
         b = self._check_bias(b, w.shape[0])
-        n, c, h, wd = x.shape
+        if block.is_paper:
+            return self._paper_block(x, w, b, block.padding)
+        return self._generic_block(x, w, b, block)
+
+    def _fused_forward(self, x, w, stride, padding, consume_columns, consume_rows):
+        """The conv of a fused forward, each chunk's Y handed to consume_columns(n0, n1, y (K, P))
+        on the im2col path or consume_rows(n0, n1, yt (ho*nb*wo, K)) on the shifted one. Returns
+        (shifted, the kept im2col or expansion or None, the kernel rows or None) for the context."""
+        n, c, h, _ = x.shape
         k, _, kh, kw = w.shape
-        ho, wo = conv_output_hw(h, wd, kh, kw, padding)
-        out = np.empty((n, k, ho // 2, wo // 2), np.float32)
-        argmax = np.empty(out.shape, np.int8)
-        shifted = self._shifted(w.shape)
+        ho, wo = _conv_hw(x.shape, w.shape, stride, padding)
+        shifted = self._shifted(w.shape, stride)
         # what backward reuses: the width expansion (padded height) or the im2col
-        cols_size = n * (h + 2 * padding) * wo * c * kw if shifted else n * ho * wo * c * kh * kw
+        cols_size = n * (h + 2 * padding[0]) * wo * c * kw if shifted else n * ho * wo * c * kh * kw
         saved_cols = self._take_saved_cols(cols_size) if cols_size * 4 <= self.saved_cols_budget_bytes else None
         kernel_rows = None
         if shifted:
-            kernel_rows = self._shifted_forward(
-                x, w, padding, lambda n0, n1, yt: _bias_relu_pool_rows(yt, b, n0, n1, ho, wo, out, argmax),
-                saved=saved_cols)
+            kernel_rows = self._shifted_forward(x, w, padding, consume_rows, saved=saved_cols)
         else:
-            self._forward_chunks(x, w, padding,
-                                 lambda n0, n1, y: _bias_relu_pool(y, b, n0, n1, ho, wo, out, argmax),
-                                 saved_cols=saved_cols)
+            self._forward_chunks(x, w, stride, padding, consume_columns, saved_cols=saved_cols)
+        return shifted, saved_cols, kernel_rows
+
+    def _paper_block(self, x, w, b, padding):
+        """Conv + bias + ReLU + 2x2 stride-2 max-pool in one pass over each chunk's Y, keeping an
+        int8 argmax per pooled value."""
+        ho, wo = _conv_hw(x.shape, w.shape, (1, 1), padding)
+        out = np.empty((x.shape[0], w.shape[0], ho // 2, wo // 2), np.float32)
+        argmax = np.empty(out.shape, np.int8)
+        shifted, saved_cols, kernel_rows = self._fused_forward(
+            x, w, (1, 1), padding,
+            lambda n0, n1, y: _bias_relu_pool(y, b, n0, n1, ho, wo, out, argmax),
+            lambda n0, n1, yt: _bias_relu_pool_rows(yt, b, n0, n1, ho, wo, out, argmax))
         return out, _PoolContext(x, argmax, padding, w, shifted, cols=saved_cols, kernel_rows=kernel_rows)
 
+    def _generic_block(self, x, w, b, block):
+        """Any other block: each chunk's Y, seen as (images, K, ho, wo) planes, goes through the
+        activation and the pool in one Numba pass. Backward keeps an int32 argmax per pooled value
+        (max-pool) or a byte per conv output where ReLU passes (other pools with ReLU)."""
+        stride, padding = block.stride, block.padding
+        ho, wo = _conv_hw(x.shape, w.shape, stride, padding)
+        pool = _PoolGeometry.of(block)
+        out = np.empty((x.shape[0], w.shape[0]) + pool.output_hw(ho, wo), np.float32)
+        relu = block.activation == "relu"
+        argmax = np.empty(out.shape if pool.is_max else (0, 0, 0, 0), np.int32)
+        mask = np.empty(x.shape[:1] + (w.shape[0], ho, wo) if relu and not pool.is_max else (0, 0, 0, 0), np.uint8)
+
+        def consume(n0, planes):
+            _act_pool(planes, b, n0, relu, pool.is_max, *pool.args, out, argmax, mask)
+
+        shifted, saved_cols, kernel_rows = self._fused_forward(
+            x, w, stride, padding,
+            lambda n0, n1, y: consume(n0, _planes_of_columns(y, n1 - n0, ho, wo)),
+            lambda n0, n1, yt: consume(n0, _planes_of_rows(yt, n1 - n0, ho, wo)))
+        ctx = _BlockContext(x, w, block, shifted, (ho, wo), pool, argmax, mask, out.shape, saved_cols, kernel_rows)
+        return out, ctx
+
     # ---- backward ----------------------------------------------------------------------------
-    def _backward_chunks(self, x, w, padding, need_dx, fill_dy, saved_cols=None):
+    def _backward_chunks(self, x, w, stride, padding, need_dx, fill_dy, saved_cols=None):
         """dW, db, dx from per-chunk dY (K, P) produced by `fill_dy(n0, n1, dy_out)`. With
         `saved_cols` (the forward's im2col of the whole batch) no im2col runs, and dcols
         overwrites it chunk by chunk."""
-        (kh, kw, ho, wo), w2, chunks, cols_buf = self._chunk_plan(x, w, padding)
+        (kh, kw, ho, wo), w2, chunks, cols_buf = self._chunk_plan(x, w, stride, padding)
+        (sh, sw), (ph, pw) = stride, padding
         k, ckk = w2.shape
         dy_buf = self._scratch("y", (k, cols_buf.shape[0]))
         dw = np.empty((k, ckk), np.float32)           # returned: never a scratch buffer
@@ -538,7 +726,7 @@ class CpuDevice(Device):
             _add_row_sums(dy, db)
             if saved_cols is None:
                 cols = cols_buf[:rows]
-                _im2col(x, n0, n1, kh, kw, padding, ho, wo, cols)
+                _im2col(x, n0, n1, kh, kw, sh, sw, ph, pw, ho, wo, cols)
             else:
                 cols = saved_cols[n0 * ho * wo * ckk:n1 * ho * wo * ckk].reshape(rows, ckk)
             if i == 0:
@@ -547,12 +735,12 @@ class CpuDevice(Device):
                 self._matmul_add(dy, cols, dw, "dw")
             if need_dx:
                 np.matmul(dy.T, w2, out=cols)           # dcols overwrites this chunk's im2col
-                _col2im(cols, n0, n1, kh, kw, padding, ho, wo, dx)
+                _col2im(cols, n0, n1, kh, kw, sh, sw, ph, pw, ho, wo, dx)
         return dx, dw.reshape(w.shape), db.astype(np.float32)
 
-    def _conv2d_backward(self, x, w, dy, padding, need_dx):
+    def _conv2d_backward(self, x, w, dy, stride, padding, need_dx):
         k = w.shape[0]
-        if self._shifted(w.shape):
+        if self._shifted(w.shape, stride):
             ho, wo = dy.shape[2], dy.shape[3]
             return self._shifted_backward(x, w, padding, need_dx,
                                           lambda n0, n1, dyt: _nchw_to_rows(dy, n0, n1, ho, wo, dyt))
@@ -560,25 +748,39 @@ class CpuDevice(Device):
         def from_nchw(n0, n1, out):
             out[:] = dy[n0:n1].reshape(n1 - n0, k, -1).transpose(1, 0, 2).reshape(k, -1)
 
-        return self._backward_chunks(x, w, padding, need_dx, from_nchw)
+        return self._backward_chunks(x, w, stride, padding, need_dx, from_nchw)
 
-    def _conv_relu_pool_backward(self, ctx, w, dpooled, need_dx):
+    def _conv_block_backward(self, ctx, w, dout, need_dx):
         w = np.ascontiguousarray(w, np.float32)
         if tuple(w.shape) != tuple(ctx.w_shape):
             raise ValueError(f"weights changed shape since forward, {w.shape!r} != {ctx.w_shape!r}")
         x = ctx.x
-        ho, wo = conv_output_hw(x.shape[2], x.shape[3], w.shape[2], w.shape[3], ctx.padding)
+        if isinstance(ctx, _PoolContext):
+            ho, wo = _conv_hw(x.shape, w.shape, (1, 1), ctx.padding)
+            return self._fused_backward(
+                ctx, w, (1, 1), ctx.padding, need_dx,
+                lambda n0, n1, dy: _unpool(dout, ctx.argmax, n0, n1, ho, wo, dy),
+                lambda n0, n1, dyt: _unpool_rows(dout, ctx.argmax, n0, n1, ho, wo, dyt))
+        (ho, wo), pool = ctx.conv_hw, ctx.pool
+        relu = ctx.block.activation == "relu"
+
+        def fill(n0, planes):
+            _act_pool_backward(dout, n0, relu, pool.is_max, *pool.args, ctx.argmax, ctx.mask, planes)
+
+        return self._fused_backward(
+            ctx, w, ctx.block.stride, ctx.block.padding, need_dx,
+            lambda n0, n1, dy: fill(n0, _planes_of_columns(dy, n1 - n0, ho, wo)),
+            lambda n0, n1, dyt: fill(n0, _planes_of_rows(dyt, n1 - n0, ho, wo)))
+
+    def _fused_backward(self, ctx, w, stride, padding, need_dx, fill_columns, fill_rows):
+        """dx, dW, db of a fused forward, each chunk's dY filled by fill_columns(n0, n1, dy (K, P))
+        on the im2col path or fill_rows(n0, n1, dyt (ho*nb*wo, K)) on the shifted one."""
         saved_cols, ctx.cols = ctx.cols, None      # overwritten below: a second backward recomputes
         if ctx.shifted:
             kernel_rows = ctx.kernel_rows if w is ctx.forward_weights else None
-            grads = self._shifted_backward(
-                x, w, ctx.padding, need_dx,
-                lambda n0, n1, dyt: _unpool_rows(dpooled, ctx.argmax, n0, n1, ho, wo, dyt), saved=saved_cols,
-                wu=kernel_rows)
+            grads = self._shifted_backward(ctx.x, w, padding, need_dx, fill_rows, saved=saved_cols, wu=kernel_rows)
         else:
-            grads = self._backward_chunks(
-                x, w, ctx.padding, need_dx,
-                lambda n0, n1, dy: _unpool(dpooled, ctx.argmax, n0, n1, ho, wo, dy), saved_cols=saved_cols)
+            grads = self._backward_chunks(ctx.x, w, stride, padding, need_dx, fill_columns, saved_cols=saved_cols)
         if saved_cols is not None:
             self._give_back_saved_cols(saved_cols)
         return grads
@@ -599,8 +801,8 @@ class CpuDevice(Device):
         """Output size, padded height and the chunks' image ranges."""
         n, c, h, wd = x.shape
         k, _, kh, kw = w.shape
-        ho, wo = conv_output_hw(h, wd, kh, kw, padding)
-        hp = h + 2 * padding
+        ho, wo = _conv_hw(x.shape, w.shape, (1, 1), padding)
+        hp = h + 2 * padding[0]
         chunks, _ = self._equal_chunks(n, hp * wo * c * kw * 4, self.im2col_budget_bytes)
         return (kh, kw, ho, wo, hp), chunks
 
@@ -627,7 +829,7 @@ class CpuDevice(Device):
         else:
             xv = saved[n0 * hp * wo * ckv:n1 * hp * wo * ckv].reshape(rows, ckv)
         if expand:
-            _vexpand(x, n0, n1, kw, padding, wo, xv)
+            _vexpand(x, n0, n1, kw, padding[0], padding[1], wo, xv)
         return xv
 
     def _shifted_forward(self, x, w, padding, consume, saved=None):
@@ -676,7 +878,7 @@ class CpuDevice(Device):
                 # kernel row u's product lands on the window shifted by u input rows
                 for u in range(1, kh):
                     self._matmul_add(dyt, wu[u], dxv[u * s:u * s + rows], "dx_part")
-                _vfold(dxv, n0, n1, kw, padding, wo, dx)
+                _vfold(dxv, n0, n1, kw, padding[0], padding[1], wo, dx)
         dw = np.empty(w.shape, np.float32)          # returned: never a scratch buffer
         _weights_from_kernel_rows(dwu, dw)
         return dx, dw, db.astype(np.float32)

@@ -209,3 +209,138 @@ def test_reference_plain_conv_matches_pytorch(conv):
     oracle_close(y, expected_y)
     for got, expected in zip(R.conv2d_backward(x, w, dy, stride, padding), expected_grads):
         oracle_close(got, expected)
+
+
+# ---- the CPU device against the reference ----------------------------------------------------------
+
+def close(got, expected):
+    scale = max(1.0, float(np.abs(expected).max()))
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5 * scale)
+
+
+# both conv paths (the shifted one serves stride 1 only: a strided conv forced onto it takes
+# im2col), one thread and two, whole batch and chunked (one or two images per chunk), the
+# forward's im2col kept for backward or recomputed
+CONFIGS = {"1thread": {"threads": 1}, "2threads-chunked": {"threads": 2, "im2col_budget_bytes": 6000},
+           "2threads-chunked-recomputed": {"threads": 2, "im2col_budget_bytes": 6000, "saved_cols_budget_bytes": 0}}
+
+
+@pytest.fixture(scope="module", params=[(name, path) for path in ("im2col", "shifted") for name in CONFIGS],
+                ids=lambda p: f"{p[1]}-{p[0]}")
+def cpu(request):
+    name, path = request.param
+    return open_device("cpu", conv_path=path, **CONFIGS[name])
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("pool", POOLS, ids=ids(POOLS))
+@pytest.mark.parametrize("conv", CONVS, ids=ids(CONVS))
+def test_cpu_block_matches_reference(cpu, conv, pool, activation):
+    block = block_for(conv, pool, activation)
+    x, w, b, rng = tensors(conv, 3)
+    out, ctx = cpu.conv_block(x, w, b, block)
+    assert out.dtype == np.float32
+    close(out, R.conv_block(x, w, b, block))
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    expected = R.conv_block_backward(x, w, b, block, dout)
+    for got, exp in zip(cpu.conv_block_backward(ctx, w, dout, need_dx=True), expected):
+        close(got, exp)
+    dx, dw, db = cpu.conv_block_backward(ctx, w, dout, need_dx=False)
+    assert dx is None
+    close(dw, expected[1])
+    close(db, expected[2])
+
+
+@pytest.mark.parametrize("conv", CONVS, ids=ids(CONVS))
+def test_cpu_plain_conv_with_any_stride_matches_reference(cpu, conv):
+    x, w, b, rng = tensors(conv, 4)
+    stride, padding = conv[7], conv[8]
+    y = cpu.conv2d(x, w, b, stride, padding)
+    close(y, R.conv2d(x, w, b, stride, padding))
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    for need_dx in (True, False):
+        got = cpu.conv2d_backward(x, w, dy, stride=stride, padding=padding, need_dx=need_dx)
+        expected = R.conv2d_backward(x, w, dy, stride, padding, need_dx=need_dx)
+        assert (got[0] is None) == (not need_dx)
+        for a, e in zip(got, expected):
+            if e is not None:
+                close(a, e)
+
+
+@pytest.mark.parametrize("pool", [p for p in POOLS if p[0] == "max"], ids=ids([p for p in POOLS if p[0] == "max"]))
+@pytest.mark.parametrize("bias,activation", [(1.0, "relu"), (-1.0, "none")])
+def test_cpu_max_pool_ties_go_to_the_first_maximum(cpu, pool, bias, activation):
+    """Zero weights make every conv output equal to the bias: every window is a tie, and dW
+    (the sum of dY times the input under each routed position) shows where the gradient went.
+    With a negative bias and no ReLU, a padded window's maximum is -1, never the padding."""
+    conv = (2, 3, 9, 8, 4, 3, 3, (1, 1), (1, 1))
+    block = block_for(conv, pool, activation)
+    x, _, _, rng = tensors(conv, 5)
+    w = np.zeros((4, 3, 3, 3), np.float32)
+    b = np.full(4, bias, np.float32)
+    out, ctx = cpu.conv_block(x, w, b, block)
+    np.testing.assert_array_equal(out, R.conv_block(x, w, b, block))
+    assert np.all(out == bias)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    for got, expected in zip(cpu.conv_block_backward(ctx, w, dout), R.conv_block_backward(x, w, b, block, dout)):
+        close(got, expected)
+
+
+def test_paper_blocks_run_the_fused_paper_kernels():
+    """conv_block with the paper's block (any conv padding, rectangular too) is conv_relu_pool:
+    same outputs, and the 1-byte argmax of the fused paper kernels."""
+    dev = open_device("cpu", threads=1)
+    conv = (2, 3, 9, 8, 4, 3, 3)
+    x, w, b, rng = tensors(conv, 6)
+    out, ctx = dev.conv_block(x, w, b, ConvBlock(padding=1))
+    old, old_ctx = dev.conv_relu_pool(x, w, b, 1)
+    np.testing.assert_array_equal(out, old)
+    assert ctx.argmax.dtype == np.int8 and old_ctx.argmax.dtype == np.int8
+    block = ConvBlock(padding=(0, 2))
+    out, ctx = dev.conv_block(x, w, b, block)
+    assert ctx.argmax.dtype == np.int8
+    close(out, R.conv_block(x, w, b, block))
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    for got, expected in zip(dev.conv_block_backward(ctx, w, dout), R.conv_block_backward(x, w, b, block, dout)):
+        close(got, expected)
+
+
+def test_auto_path_takes_shifted_gemms_for_a_generic_block_with_long_rows():
+    dev = open_device("cpu", threads=1)
+    conv = (2, 16, 7, 9, 3, 3, 5)
+    x, w, b, rng = tensors(conv, 7)
+    for stride, shifted in (((1, 1), True), ((2, 1), False)):
+        block = ConvBlock(stride=stride, padding=(1, 2), pool="avg", pool_kernel=3, pool_stride=2, pool_padding=1)
+        out, ctx = dev.conv_block(x, w, b, block)
+        assert ctx.shifted is shifted
+        close(out, R.conv_block(x, w, b, block))
+        dout = rng.standard_normal(out.shape).astype(np.float32)
+        for got, expected in zip(dev.conv_block_backward(ctx, w, dout), R.conv_block_backward(x, w, b, block, dout)):
+            close(got, expected)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda d: d.conv2d(np.ones((1, 1, 5, 5), np.float32), np.ones((1, 1, 3, 3), np.float32), None, stride=0),
+     r"stride must be a positive integer or a \(height, width\) pair of them, got 0"),
+    (lambda d: d.conv2d(np.ones((1, 1, 5, 5), np.float32), np.ones((1, 1, 3, 3), np.float32), None, padding=(1, 2, 3)),
+     r"padding must be a non-negative integer .* got \(1, 2, 3\)"),
+    (lambda d: d.conv2d_backward(np.ones((1, 1, 5, 5), np.float32), np.ones((1, 1, 3, 3), np.float32),
+                                 np.ones((1, 1, 3, 3), np.float32), stride=2),
+     r"dy shape must match the conv output, \(1, 1, 3, 3\) != \(1, 1, 2, 2\)"),
+    (lambda d: d.conv_block(np.ones((1, 1, 5, 5), np.float32), np.ones((1, 1, 3, 3), np.float32), None, "avg"),
+     "block must be a ConvBlock, got str"),
+    (lambda d: d.conv_block(np.ones((1, 1, 5, 5), np.float32), np.ones((1, 1, 3, 3), np.float32), None,
+                            ConvBlock(stride=2, pool_kernel=3)), r"conv output 2x2 is too small for a 3x3 max-pool"),
+])
+def test_bad_block_input_is_named(call, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        call(open_device("cpu", threads=1))
+
+
+def test_block_backward_with_wrong_gradient_shape_is_named():
+    dev = open_device("cpu", threads=1)
+    w = np.ones((2, 1, 3, 3), np.float32)
+    out, ctx = dev.conv_block(np.ones((1, 1, 7, 7), np.float32), w, None, ConvBlock(pool="avg", pool_kernel=3, pool_stride=1))
+    assert out.shape == (1, 2, 3, 3)
+    with pytest.raises(ValueError, match=r"dout shape must match the block's output, \(1, 2, 2, 2\) != \(1, 2, 3, 3\)"):
+        dev.conv_block_backward(ctx, w, np.ones((1, 2, 2, 2), np.float32))

@@ -50,12 +50,12 @@ def cpu(request):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_plain_forward_and_backward_match_reference(cpu, shape):
     x, w, b, p, rng = tensors(shape, 0)
-    y = cpu.conv2d(x, w, b, p)
-    close(y, R.conv2d(x, w, b, p))
+    y = cpu.conv2d(x, w, b, padding=p)
+    close(y, R.conv2d(x, w, b, padding=p))
     dy = rng.standard_normal(y.shape).astype(np.float32)
     for need_dx in (True, False):
-        dx, dw, db = cpu.conv2d_backward(x, w, dy, p, need_dx=need_dx)
-        rdx, rdw, rdb = R.conv2d_backward(x, w, dy, p, need_dx=need_dx)
+        dx, dw, db = cpu.conv2d_backward(x, w, dy, padding=p, need_dx=need_dx)
+        rdx, rdw, rdb = R.conv2d_backward(x, w, dy, padding=p, need_dx=need_dx)
         close(dw, rdw)
         close(db, rdb)
         if need_dx:
