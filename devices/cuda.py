@@ -5,8 +5,13 @@ operand straight from the NCHW tensor while filling shared memory, so im2col nev
 global memory. One tiled GEMM kernel body serves all three products:
 
     forward     y[k, (n,i,j)]     = sum over (c,u,v) of w[k, (c,u,v)] * im2col(x)[(c,u,v), (n,i,j)]
-    input grad  dx[c, (n,h,w)]    = sum over (k,u,v) of w[k,c,u,v] * dy[n, k, h+p-u, w+p-v]
+    input grad  dx[c, (n,h,w)]    = sum over (k,u,v) of w[k,c,u,v] * dy[n, k, (h+ph-u)/sh, (w+pw-v)/sw]
     weight grad dw[k, (c,u,v)]    = sum over (n,i,j) of dy[n,k,i,j] * im2col(x)[(c,u,v), (n,i,j)]
+
+where im2col(x)[(c,u,v), (n,i,j)] = x[n, c, i*sh+u-ph, j*sw+v-pw] (zero outside x), and the input
+gradient's term exists only where (h+ph-u)/sh and (w+pw-v)/sw are whole and inside dy: each input
+pixel gathers from the outputs whose window covers it. With stride s, that GEMM walks s*s times
+the reduction it needs (the other terms are zeros it skips loading but still multiplies).
 
 A block of 16x16 threads computes a 64x64 output tile, each thread a 4x4 register tile, walking
 the reduction in steps of 16 through two shared-memory tiles (16x64 each, one column of padding
@@ -14,17 +19,24 @@ against bank conflicts). Each operand is loaded so that consecutive threads read
 addresses: along the output pixels for x and dy, along the reduction for w and for the
 weight-gradient operands. The weight gradient reduces over N*Ho*Wo while its output is small,
 so it is split along the reduction (split-K, blockIdx.z) into per-split partial sums, then
-added in a fixed order: deterministic, no atomics. The bias joins in the forward epilogue; ReLU
-and the 2x2 max-pool run in a second kernel that records which element of each window won
-(int8, -1 when ReLU cut it); the pre-activation y makes one round trip through global memory
-for it. Costs of this design: every gathered element pays some integer index math (divisions
-by kh*kw and Ho*Wo), and a tile of 64 kernels idles rows when a worker holds few. The bias gradient is the weight-gradient GEMM's one extra column,
+added in a fixed order: deterministic, no atomics. The bias joins in the forward epilogue; the
+activation and the pool run in a second kernel; the pre-activation y makes one round trip through
+global memory for it. The paper's block (stride 1, ReLU, 2x2 stride-2 max-pool) has its own pool
+kernel that records which element of each window won (int8, -1 when ReLU cut it). Any other
+block (ReLU or none; max, average or no pool with any kernel, stride and padding, PyTorch's
+floor mode) runs one generic kernel per pooled output; its max-pool records the window index of
+the first maximum (int32, -1 when ReLU cut it), and its backward is a gather, one thread per
+pre-activation element summing the pooled outputs whose window covers it, in a fixed order:
+overlapping windows add up deterministically, no atomics. ReLU before an average pool (or no
+pool) keeps y for the backward: 4 bytes per conv output. Costs of this design: every gathered
+element pays some integer index math (divisions by kh*kw and Ho*Wo), and a tile of 64 kernels
+idles rows when a worker holds few. The bias gradient is the weight-gradient GEMM's one extra column,
 whose B operand is all ones (db = dy @ 1), so it costs no pass of its own. Pool backward and SGD
 with momentum are small elementwise kernels.
 
 Resident on the GPU between steps: weights, biases, momentum buffers, and the backward context
-of the fused forward (the layer input x and the int8 pooling winners). Only layer inputs,
-pooled outputs, their gradients and dx cross PCIe.
+of the fused forward (the layer input x and the pooling winners, or y where ReLU needs it). Only
+layer inputs, pooled outputs, their gradients and dx cross PCIe.
 """
 import math
 from dataclasses import dataclass
@@ -34,8 +46,7 @@ from numba import cuda, float32, int8, int32, types
 from numba.core.extending import intrinsic
 from numba.cuda.core import config as cuda_config
 
-from hetconv.devices.base import Device, DeviceError, _as_f32, conv_output_shape, pooled_shape
-from hetconv.geometry import conv_output_hw
+from hetconv.devices.base import ConvBlock, Device, DeviceError, _as_f32, block_output_shape, conv_output_shape
 
 # ---- tile sizes ----------------------------------------------------------------------------
 # Under Numba's CUDA simulator every GPU thread is a Python thread, so blocks shrink (same
@@ -65,20 +76,24 @@ WGRAD_MIN_R_PER_SPLIT = 1024
 _ZERO = np.float32(0)
 _ONE = np.float32(1)
 
-# geometry, one int32 tuple passed to every conv kernel: (N, C, H, W, K, KH, KW, HO, WO, PAD).
+# geometry, one int32 tuple passed to every conv kernel:
+# (N, C, H, W, K, KH, KW, HO, WO, PH, PW, SH, SW): padding (PH, PW), stride (SH, SW).
 # Index math is 32-bit: a 64-bit integer division is a ~70-instruction software routine on the
 # GPU, and the gathers divide by kh*kw and Ho*Wo for every element they load.
-GEOMETRY = types.UniTuple(int32, 10)
+GEOMETRY = types.UniTuple(int32, 13)
 INDEX_LIMIT = 2**31 - 1
 
 
-def _geometry(x_shape, w_shape, padding):
+def _geometry(x_shape, w_shape, stride, padding):
+    """The conv kernels' int32 geometry; stride and padding are (h, w) pairs, already checked."""
+    (sh, sw), (ph, pw) = stride, padding
     n, c, h, w = x_shape
     k, _, kh, kw = w_shape
-    ho, wo = conv_output_hw(h, w, kh, kw, padding)
-    g = tuple(int(v) for v in (n, c, h, w, k, kh, kw, ho, wo, padding))
-    # every flat index the kernels form is below one of these: tensor sizes and GEMM extents
-    largest = max(n * c * h * w, n * k * ho * wo, k * c * kh * kw,
+    _, _, ho, wo = conv_output_shape(x_shape, w_shape, stride=(sh, sw), padding=(ph, pw))
+    g = tuple(int(v) for v in (n, c, h, w, k, kh, kw, ho, wo, ph, pw, sh, sw))
+    # every flat index the kernels form is below one of these: tensor sizes, GEMM extents, and
+    # the padded input's extent that the input gradient's index math reaches
+    largest = max(n * c * h * w, n * k * ho * wo, k * c * kh * kw, h + ph, w + pw,
                   *_forward_dims(g), *_input_grad_dims(g), *_weight_grad_dims(g))
     if largest > INDEX_LIMIT:
         raise DeviceError(f"conv too large for 32-bit indices: {largest} elements > {INDEX_LIMIT} "
@@ -88,17 +103,17 @@ def _geometry(x_shape, w_shape, padding):
 
 # ---- GEMM sizes (M rows, N columns, R reduction), host and device ---------------------------
 def _forward_dims(g):
-    n, c, h, w, k, kh, kw, ho, wo, pad = g
+    n, c, h, w, k, kh, kw, ho, wo, ph, pw, sh, sw = g
     return k, n * ho * wo, c * kh * kw
 
 
 def _input_grad_dims(g):
-    n, c, h, w, k, kh, kw, ho, wo, pad = g
+    n, c, h, w, k, kh, kw, ho, wo, ph, pw, sh, sw = g
     return c, n * h * w, k * kh * kw
 
 
 def _weight_grad_dims(g):
-    n, c, h, w, k, kh, kw, ho, wo, pad = g
+    n, c, h, w, k, kh, kw, ho, wo, ph, pw, sh, sw = g
     return k, c * kh * kw + 1, n * ho * wo      # the extra column is db
 
 
@@ -142,14 +157,31 @@ def _split3(flat, mid, last):
 
 @cuda.jit(device=True)
 def _im2col(x, g, tap, pixel):
-    """im2col(x)[(c,u,v), (n,i,j)] = x padded at [n, c, i+u, j+v]; zero in the padding."""
-    n, c, h, w, k, kh, kw, ho, wo, pad = g
+    """im2col(x)[(c,u,v), (n,i,j)] = x padded at [n, c, i*sh+u, j*sw+v]; zero in the padding."""
+    n, c, h, w, k, kh, kw, ho, wo, ph, pw, sh, sw = g
     ci, u, v = _split3(tap, kh, kw)
     ni, i, j = _split3(pixel, ho, wo)
-    row, col = i + u - pad, j + v - pad
+    row, col = i * sh + u - ph, j * sw + v - pw
     if 0 <= row < h and 0 <= col < w:
         return x[ni, ci, row, col]
     return _ZERO
+
+
+@cuda.jit(device=True)
+def _covering_output(pos, pad, tap, stride, size):
+    """The output index o whose window puts kernel tap `tap` on input position `pos`
+    (o*stride + tap - pad == pos), or -1 where there is none."""
+    t = pos + pad - tap
+    if t < 0:
+        return -1
+    o = t
+    if stride != 1:         # uniform across a launch: stride 1 pays no division
+        o, rest = _divmod32(t, stride)
+        if rest != 0:
+            return -1
+    if o >= size:
+        return -1
+    return o
 
 
 # forward: A = w viewed as (K, C*kh*kw), B = im2col(x), C = y (+ bias)
@@ -165,33 +197,35 @@ def _forward_b(x, g, tap, pixel):
 
 @cuda.jit(device=True)
 def _forward_store(y, bias, g, kernel, pixel, split, value):
-    n, c, h, w, k, kh, kw, ho, wo, pad = g
+    n, c, h, w, k, kh, kw, ho, wo, ph, pw, sh, sw = g
     ni, i, j = _split3(pixel, ho, wo)
     y[ni, kernel, i, j] = value + bias[kernel]
 
 
-# input grad: A[c, (k,u,v)] = w[k,c,u,v], B[(k,u,v), (n,h,w)] = dy[n, k, h+p-u, w+p-v]
+# input grad: A[c, (k,u,v)] = w[k,c,u,v], B[(k,u,v), (n,h,w)] = dy[n, k, (h+ph-u)/sh, (w+pw-v)/sw]
+# where both quotients are whole and inside dy, else zero
 @cuda.jit(device=True)
 def _input_grad_a(w, g, channel, tap):
-    n, c, h, wd, k, kh, kw, ho, wo, pad = g
+    n, c, h, wd, k, kh, kw, ho, wo, ph, pw, sh, sw = g
     ki, u, v = _split3(tap, kh, kw)
     return w[ki, channel, u, v]
 
 
 @cuda.jit(device=True)
 def _input_grad_b(dy, g, tap, pixel):
-    n, c, h, w, k, kh, kw, ho, wo, pad = g
+    n, c, h, w, k, kh, kw, ho, wo, ph, pw, sh, sw = g
     ki, u, v = _split3(tap, kh, kw)
     ni, row, col = _split3(pixel, h, w)
-    i, j = row + pad - u, col + pad - v
-    if 0 <= i < ho and 0 <= j < wo:
+    i = _covering_output(row, ph, u, sh, ho)
+    j = _covering_output(col, pw, v, sw, wo)
+    if i >= 0 and j >= 0:
         return dy[ni, ki, i, j]
     return _ZERO
 
 
 @cuda.jit(device=True)
 def _input_grad_store(dx, bias, g, channel, pixel, split, value):
-    n, c, h, w, k, kh, kw, ho, wo, pad = g
+    n, c, h, w, k, kh, kw, ho, wo, ph, pw, sh, sw = g
     ni, row, col = _split3(pixel, h, w)
     dx[ni, channel, row, col] = value
 
@@ -200,14 +234,14 @@ def _input_grad_store(dx, bias, g, channel, pixel, split, value):
 # and B's last column, tap = C*kh*kw, is all ones: that output column is db
 @cuda.jit(device=True)
 def _weight_grad_a(dy, g, kernel, pixel):
-    n, c, h, w, k, kh, kw, ho, wo, pad = g
+    n, c, h, w, k, kh, kw, ho, wo, ph, pw, sh, sw = g
     ni, i, j = _split3(pixel, ho, wo)
     return dy[ni, kernel, i, j]
 
 
 @cuda.jit(device=True)
 def _weight_grad_b(x, g, pixel, tap):
-    n, c, h, w, k, kh, kw, ho, wo, pad = g
+    n, c, h, w, k, kh, kw, ho, wo, ph, pw, sh, sw = g
     if tap == c * kh * kw:
         return _ONE
     return _im2col(x, g, tap, pixel)
@@ -358,6 +392,104 @@ def _relu_maxpool2_backward(winner, dpooled, dy):
 
 relu_maxpool2_backward_kernel = cuda.jit(_relu_maxpool2_backward)
 
+# pool geometry, one int32 tuple passed to the generic activation + pool kernels:
+# (PKH, PKW, PSH, PSW, PPH, PPW, RELU, MAX): pool kernel, stride and padding as (h, w), then
+# 1 for ReLU (0: no activation) and 1 for a max-pool (0: average, count_include_pad). No pool is
+# an average over 1x1 windows of stride 1.
+POOL_GEOMETRY = types.UniTuple(int32, 8)
+
+
+def _activation_pool(y, pooled, winner, pg):
+    """pooled = pool(activation(y)), one thread per pooled value. Windows start at i*psh - pph and
+    j*psw - ppw; positions outside y are -inf for the max and 0 for the average, which always
+    divides by pkh*pkw. Max: winner = row-major window index of the first maximum, -1 where ReLU
+    cut it (that maximum is <= 0: no gradient). Average: winner is not written."""
+    pixel, plane = cuda.grid(2)
+    nk, kk, hp, wp = pooled.shape
+    ho, wo = y.shape[2], y.shape[3]
+    pkh, pkw, psh, psw, pph, ppw, relu, is_max = pg
+    if pixel < hp * wp and plane < nk * kk:
+        ni, ki = _divmod32(plane, kk)
+        i, j = _divmod32(pixel, wp)
+        row0, col0 = i * psh - pph, j * psw - ppw
+        best = _ZERO
+        arg = -1
+        total = _ZERO
+        for du in range(pkh):
+            row = row0 + du
+            if 0 <= row < ho:
+                for dv in range(pkw):
+                    col = col0 + dv
+                    if 0 <= col < wo:
+                        v = y[ni, ki, row, col]
+                        if is_max:
+                            if arg < 0 or v > best:     # strict: the first maximum wins
+                                best = v
+                                arg = du * pkw + dv
+                        elif v > 0 or not relu:
+                            total += v
+        if is_max:
+            if relu and best <= 0:      # relu(y)'s maximum is 0, where ReLU passes no gradient
+                pooled[ni, ki, i, j] = 0
+                winner[ni, ki, i, j] = -1
+            else:
+                pooled[ni, ki, i, j] = best
+                winner[ni, ki, i, j] = arg
+        else:
+            pooled[ni, ki, i, j] = total / float32(pkh * pkw)
+
+
+activation_pool_kernel = cuda.jit(_activation_pool)
+
+
+@cuda.jit(device=True)
+def _covering_windows(pos, kernel, stride, pad, size):
+    """First and last pool window (lo, hi) along one axis that covers position `pos`: windows
+    o with o*stride - pad <= pos <= o*stride - pad + kernel - 1, within 0..size-1; lo > hi
+    when none does."""
+    hi = _udiv32(pos + pad, stride)
+    if hi > size - 1:
+        hi = size - 1
+    lo = 0
+    t = pos + pad - kernel + 1
+    if t > 0:
+        lo = _udiv32(t + stride - 1, stride)
+    return lo, hi
+
+
+def _activation_pool_backward(y, winner, dpooled, dy, pg):
+    """dy (pre-activation) from dpooled, one thread per dy element: it gathers, in a fixed
+    order, every pooled value whose window covers it (overlapping windows add up), then applies
+    the activation's derivative. Max: a window's gradient goes to its winner only (ReLU's cut
+    is winner -1); average: each covered window gives dpooled / (pkh*pkw), zero where y <= 0
+    under ReLU (y is read only then)."""
+    pixel, plane = cuda.grid(2)
+    nk, kk, ho, wo = dy.shape
+    hp, wp = dpooled.shape[2], dpooled.shape[3]
+    pkh, pkw, psh, psw, pph, ppw, relu, is_max = pg
+    if pixel < ho * wo and plane < nk * kk:
+        ni, ki = _divmod32(plane, kk)
+        row, col = _divmod32(pixel, wo)
+        i_lo, i_hi = _covering_windows(row, pkh, psh, pph, hp)
+        j_lo, j_hi = _covering_windows(col, pkw, psw, ppw, wp)
+        total = _ZERO
+        for i in range(i_lo, i_hi + 1):
+            du = row - (i * psh - pph)
+            for j in range(j_lo, j_hi + 1):
+                if is_max:
+                    if winner[ni, ki, i, j] == du * pkw + col - (j * psw - ppw):
+                        total += dpooled[ni, ki, i, j]
+                else:
+                    total += dpooled[ni, ki, i, j]
+        if not is_max:
+            total = total / float32(pkh * pkw)
+            if relu and y[ni, ki, row, col] <= 0:
+                total = _ZERO
+        dy[ni, ki, row, col] = total
+
+
+activation_pool_backward_kernel = cuda.jit(_activation_pool_backward)
+
 
 def _sgd(param, velocity, grad, lr, momentum, weight_decay):
     """PyTorch's SGD: v = momentum*v + grad + weight_decay*param; param -= lr*v."""
@@ -387,6 +519,7 @@ _F2 = float32[:, ::1]
 _F3 = float32[:, :, ::1]
 _F4 = float32[:, :, :, ::1]
 _I4 = int8[:, :, :, ::1]
+_W4 = int32[:, :, :, ::1]
 PTX_SIGNATURES = [
     (_conv_forward_py, (_F2, _F4, _F4, _F1, GEOMETRY, int32)),
     (_conv_input_grad_py, (_F4, _F4, _F4, _F1, GEOMETRY, int32)),
@@ -394,6 +527,8 @@ PTX_SIGNATURES = [
     (_weight_grad_finish, (_F3, _F2, _F1)),
     (_relu_maxpool2, (_F4, _F4, _I4)),
     (_relu_maxpool2_backward, (_I4, _F4, _F4)),
+    (_activation_pool, (_F4, _F4, _W4, POOL_GEOMETRY)),
+    (_activation_pool_backward, (_F4, _W4, _F4, _F4, POOL_GEOMETRY)),
     (_sgd, (_F1, _F1, _F1, float32, float32, float32)),
     (_accumulate, (_F1, _F1)),
 ]
@@ -404,15 +539,29 @@ def _is_device_array(a):
     return hasattr(a, "copy_to_host")
 
 
+def _pool_geometry(block):
+    """POOL_GEOMETRY of a block the generic kernels run; no pool is a 1x1 average."""
+    relu = {"relu": 1, "none": 0}[block.activation]
+    if block.pool == "none":
+        values = (1, 1, 1, 1, 0, 0, relu, 0)
+    else:
+        values = (*block.pool_kernel, *block.pool_stride, *block.pool_padding, relu,
+                  {"max": 1, "avg": 0}[block.pool])
+    return tuple(np.int32(v) for v in values)
+
+
 @dataclass
-class _PoolContext:
+class _BlockContext:
     """What the fused backward needs, kept on the GPU."""
     x: object               # device (N, C, H, W) float32: the layer input
-    winner: object          # device (N, K, Ho//2, Wo//2) int8: pooling winners, -1 = cut by ReLU
-    padding: int
     w_shape: tuple
+    block: ConvBlock
     conv_shape: tuple       # (N, K, Ho, Wo)
-    pooled_shape: tuple     # (N, K, Ho//2, Wo//2)
+    pooled_shape: tuple     # (N, K, Hp, Wp): the block's output
+    winner: object          # device int8 (paper pool) or int32 (generic max) winners, -1 = cut by
+                            # ReLU; None for an average or no pool
+    y: object               # device pre-activation, kept for ReLU before an average or no pool; else None
+    pool_geometry: tuple    # POOL_GEOMETRY of the generic kernels; None for the paper pool
 
 
 class CudaDevice(Device):
@@ -421,6 +570,9 @@ class CudaDevice(Device):
         self.name = f"cuda:{index}"
         self.gpu_name = gpu_name
         self._no_bias = cuda.to_device(np.zeros(1, np.float32))   # for kernels that add none
+        # stand-ins for the generic pool backward's y and winner where it reads neither
+        self._no_y = cuda.to_device(np.zeros((1, 1, 1, 1), np.float32))
+        self._no_winner = cuda.to_device(np.zeros((1, 1, 1, 1), np.int32))
 
     def describe(self):
         return f"{self.name} ({self.gpu_name})"
@@ -455,11 +607,11 @@ class CudaDevice(Device):
         return cuda.to_device(a)
 
     # ---- kernel launches --------------------------------------------------------------------
-    def _forward(self, x_dev, w_dev, b_dev, padding):
+    def _forward(self, x_dev, w_dev, b_dev, stride, padding):
         """y = conv2d(x, w) + b on the device, (N, K, Ho, Wo)."""
-        g = _geometry(x_dev.shape, w_dev.shape, padding)
+        g = _geometry(x_dev.shape, w_dev.shape, stride, padding)
         m, n, r = _forward_dims(g)
-        y = cuda.device_array(conv_output_shape(x_dev.shape, w_dev.shape, padding), np.float32)
+        y = cuda.device_array((int(g[0]), int(g[4]), int(g[7]), int(g[8])), np.float32)
         grid = (math.ceil(n / TILE_N), math.ceil(m / TILE_M), 1)
         conv_forward_kernel[grid, (THREADS_X, THREADS_Y)](w_dev.reshape(m, r), x_dev, y, b_dev, g, np.int32(r))
         return y
@@ -472,9 +624,18 @@ class CudaDevice(Device):
         relu_maxpool2_kernel[grid, BLOCK_2D](y, pooled, winner)
         return pooled, winner
 
-    def _gradients(self, x_dev, w_dev, dy_dev, padding, need_dx):
+    def _activation_pool(self, y, pooled_shape, pg):
+        """(pooled, winner or None) of the generic kernel; winner only for a max-pool."""
+        nb, k, hp, wp = pooled_shape
+        pooled = cuda.device_array(pooled_shape, np.float32)
+        winner = cuda.device_array(pooled_shape, np.int32) if pg[7] else None
+        grid = (math.ceil(hp * wp / BLOCK_2D[0]), math.ceil(nb * k / BLOCK_2D[1]))
+        activation_pool_kernel[grid, BLOCK_2D](y, pooled, self._no_winner if winner is None else winner, pg)
+        return pooled, winner
+
+    def _gradients(self, x_dev, w_dev, dy_dev, stride, padding, need_dx):
         """(dx device or None, dw device, db device) from the pre-activation gradient dy."""
-        g = _geometry(x_dev.shape, w_dev.shape, padding)
+        g = _geometry(x_dev.shape, w_dev.shape, stride, padding)
         k, columns, r = _weight_grad_dims(g)
 
         # dw and db: split-K over N*Ho*Wo so that a small dw still fills the GPU
@@ -500,32 +661,45 @@ class CudaDevice(Device):
         return dx, dw, db
 
     # ---- the contract -----------------------------------------------------------------------
-    def _conv2d(self, x, w, b, padding):
-        y = self._forward(cuda.to_device(x), cuda.to_device(w), cuda.to_device(b), padding)
+    def _conv2d(self, x, w, b, stride, padding):
+        y = self._forward(cuda.to_device(x), cuda.to_device(w), cuda.to_device(b), stride, padding)
         return y.copy_to_host()
 
-    def _conv2d_backward(self, x, w, dy, padding, need_dx):
-        dx, dw, db = self._gradients(cuda.to_device(x), cuda.to_device(w), cuda.to_device(dy), padding, need_dx)
+    def _conv2d_backward(self, x, w, dy, stride, padding, need_dx):
+        dx, dw, db = self._gradients(cuda.to_device(x), cuda.to_device(w), cuda.to_device(dy), stride, padding,
+                                     need_dx)
         return (dx.copy_to_host() if need_dx else None), dw.copy_to_host(), db.copy_to_host()
 
-    def _conv_relu_pool(self, x, w, b, padding):
+    def _conv_block(self, x, w, b, block):
         w_shape = tuple(w.shape)
         w_dev = self._resident("w", w, w_shape)
         b_dev = self._resident("b", np.zeros(w_shape[0], np.float32) if b is None else b, (w_shape[0],))
         x_dev = cuda.to_device(x)
-        y = self._forward(x_dev, w_dev, b_dev, padding)
-        pooled, winner = self._relu_pool(y)
-        ctx = _PoolContext(x=x_dev, winner=winner, padding=padding, w_shape=w_shape,
-                           conv_shape=tuple(y.shape), pooled_shape=pooled_shape(x.shape, w_shape, padding))
+        y = self._forward(x_dev, w_dev, b_dev, block.stride, block.padding)
+        out_shape = tuple(block_output_shape(x.shape, w_shape, block))
+        if block.is_paper:          # the fused 2x2 kernels with int8 winners
+            pooled, winner = self._relu_pool(y)
+            pg, kept_y = None, None
+        else:
+            pg = _pool_geometry(block)
+            pooled, winner = self._activation_pool(y, out_shape, pg)
+            kept_y = y if (pg[6] and not pg[7]) else None
+        ctx = _BlockContext(x=x_dev, w_shape=w_shape, block=block, conv_shape=tuple(y.shape),
+                            pooled_shape=out_shape, winner=winner, y=kept_y, pool_geometry=pg)
         return pooled.copy_to_host(), ctx
 
-    def _conv_relu_pool_backward(self, ctx, w, dpooled, need_dx):
+    def _conv_block_backward(self, ctx, w, dout, need_dx):
         w_dev = self._resident("w", w, ctx.w_shape)
         dy = cuda.device_array(ctx.conv_shape, np.float32)
         nb, k, ho, wo = ctx.conv_shape
         grid = (math.ceil(ho * wo / BLOCK_2D[0]), math.ceil(nb * k / BLOCK_2D[1]))
-        relu_maxpool2_backward_kernel[grid, BLOCK_2D](ctx.winner, cuda.to_device(dpooled), dy)
-        dx, dw, db = self._gradients(ctx.x, w_dev, dy, ctx.padding, need_dx)
+        if ctx.pool_geometry is None:
+            relu_maxpool2_backward_kernel[grid, BLOCK_2D](ctx.winner, cuda.to_device(dout), dy)
+        else:
+            activation_pool_backward_kernel[grid, BLOCK_2D](
+                self._no_y if ctx.y is None else ctx.y, self._no_winner if ctx.winner is None else ctx.winner,
+                cuda.to_device(dout), dy, ctx.pool_geometry)
+        dx, dw, db = self._gradients(ctx.x, w_dev, dy, ctx.block.stride, ctx.block.padding, need_dx)
         return (dx.copy_to_host() if need_dx else None), dw, db
 
     def _sgd_(self, param, velocity, grad, lr, momentum, weight_decay):

@@ -108,20 +108,20 @@ def test_missing_driver_is_a_device_error():
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_conv2d_matches_reference(dev, case):
     x, w, b, p = _case_arrays(case)
-    _close(dev.conv2d(x, w, b, padding=p), reference.conv2d(x, w, b, p), "y")
+    _close(dev.conv2d(x, w, b, padding=p), reference.conv2d(x, w, b, padding=p), "y")
 
 
 def test_conv2d_without_bias(dev):
     x, w, _, p = _case_arrays(CASES[2])
-    _close(dev.conv2d(x, w, None, padding=p), reference.conv2d(x, w, None, p), "y")
+    _close(dev.conv2d(x, w, None, padding=p), reference.conv2d(x, w, None, padding=p), "y")
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_conv2d_backward_matches_reference(dev, case):
     x, w, _, p = _case_arrays(case)
-    dy = _random(np.random.default_rng(1), *reference.conv2d(x, w, None, p).shape)
+    dy = _random(np.random.default_rng(1), *reference.conv2d(x, w, None, padding=p).shape)
     dx, dw, db = dev.conv2d_backward(x, w, dy, padding=p, need_dx=True)
-    rdx, rdw, rdb = reference.conv2d_backward(x, w, dy, p)
+    rdx, rdw, rdb = reference.conv2d_backward(x, w, dy, padding=p)
     _close(dx, rdx, "dx")
     _close(dw, rdw, "dw")
     _close(db, rdb, "db")
@@ -129,9 +129,9 @@ def test_conv2d_backward_matches_reference(dev, case):
 
 def test_conv2d_backward_without_dx(dev):
     x, w, _, p = _case_arrays(CASES[3])
-    dy = _random(np.random.default_rng(1), *reference.conv2d(x, w, None, p).shape)
+    dy = _random(np.random.default_rng(1), *reference.conv2d(x, w, None, padding=p).shape)
     dx, dw, db = dev.conv2d_backward(x, w, dy, padding=p, need_dx=False)
-    _, rdw, rdb = reference.conv2d_backward(x, w, dy, p, need_dx=False)
+    _, rdw, rdb = reference.conv2d_backward(x, w, dy, padding=p, need_dx=False)
     assert dx is None
     _close(dw, rdw, "dw")
     _close(db, rdb, "db")
@@ -143,7 +143,7 @@ def test_weight_grad_split_k_matches_reference(dev, monkeypatch):
     x, w, _, p = _case_arrays((2, 2, 6, 6, 5, 3, 1))
     dy = _random(np.random.default_rng(1), 2, 5, 6, 6)
     _, dw, db = dev.conv2d_backward(x, w, dy, padding=p, need_dx=False)
-    _, rdw, rdb = reference.conv2d_backward(x, w, dy, p, need_dx=False)
+    _, rdw, rdb = reference.conv2d_backward(x, w, dy, padding=p, need_dx=False)
     _close(dw, rdw, "dw")
     _close(db, rdb, "db")
 
