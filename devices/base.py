@@ -13,11 +13,10 @@ conv_relu_pool is the paper's block (ReLU, 2x2 stride-2 max-pool). Parameters ma
 device's own array type, `download` turns it back, and `sgd_` updates parameters where they live.
 For the CPU device both are identities.
 """
-from dataclasses import dataclass, fields
-
 import numpy as np
 
-from hetconv.geometry import window_output_size
+from hetconv.geometry import (ACTIVATIONS, PAPER_BLOCK, POOLS, ConvBlock, as_pair,  # noqa: F401  (the contract's names)
+                              window_output_size)
 
 
 class DeviceError(RuntimeError):
@@ -31,76 +30,6 @@ def _as_f32(name, a, ndim):
     if a.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {a.shape!r}")
     return np.ascontiguousarray(a)
-
-
-def _is_int(v):
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
-
-
-def as_pair(name, value, minimum):
-    """An int or an (height, width) pair of ints, each >= minimum, as a tuple of two Python ints;
-    anything else raises ValueError naming `name` and the value."""
-    pair = tuple(value) if isinstance(value, (tuple, list)) else (value, value)
-    if len(pair) != 2 or not all(_is_int(v) and v >= minimum for v in pair):
-        what = "positive" if minimum == 1 else "non-negative"
-        raise ValueError(f"{name} must be a {what} integer or a (height, width) pair of them, got {value!r}")
-    return int(pair[0]), int(pair[1])
-
-
-ACTIVATIONS = ("relu", "none")
-POOLS = ("max", "avg", "none")
-
-
-@dataclass(frozen=True)
-class ConvBlock:
-    """What follows a conv layer's GEMM, and its stride and padding: everything a device needs
-    besides the weights' shape. Pairs are (height, width); an int stands for (int, int).
-    Semantics are PyTorch's: the activation applies before the pool; pools use floor mode; a
-    max-pool pads with -inf; an average pool counts its zero padding (every window divides by
-    pkh*pkw); a pool's padding is at most half its kernel, as PyTorch requires."""
-    stride: tuple = (1, 1)
-    padding: tuple = (0, 0)
-    activation: str = "relu"        # "relu" or "none"
-    pool: str = "max"               # "max", "avg" or "none"
-    pool_kernel: tuple = (2, 2)
-    pool_stride: tuple = (2, 2)
-    pool_padding: tuple = (0, 0)
-
-    def __post_init__(self):
-        for name, minimum in (("stride", 1), ("padding", 0), ("pool_kernel", 1), ("pool_stride", 1),
-                              ("pool_padding", 0)):
-            object.__setattr__(self, name, as_pair(f"ConvBlock {name}", getattr(self, name), minimum))
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"ConvBlock activation must be one of {ACTIVATIONS!r}, got {self.activation!r}")
-        if self.pool not in POOLS:
-            raise ValueError(f"ConvBlock pool must be one of {POOLS!r}, got {self.pool!r}")
-        if self.pool != "none" and any(2 * p > k for p, k in zip(self.pool_padding, self.pool_kernel)):
-            raise ValueError(f"ConvBlock pool_padding {self.pool_padding!r} must be at most half of pool_kernel "
-                             f"{self.pool_kernel!r} (as PyTorch requires)")
-
-    def to_json(self):
-        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
-
-    @classmethod
-    def from_json(cls, d):
-        """The inverse of to_json; missing keys take the defaults, unknown keys raise ValueError."""
-        if not isinstance(d, dict):
-            raise ValueError(f"a conv block must be a JSON object, got {d!r}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown conv block key(s) {unknown!r}: expected some of {sorted(known)!r}")
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
-
-    @property
-    def is_paper(self):
-        """Stride 1, ReLU, 2x2 stride-2 max-pool with no pool padding (any conv padding): the
-        block devices run with their own fused kernels."""
-        return (self.stride == (1, 1) and self.activation == "relu" and self.pool == "max"
-                and self.pool_kernel == (2, 2) and self.pool_stride == (2, 2) and self.pool_padding == (0, 0))
-
-
-PAPER_BLOCK = ConvBlock()           # stride 1, no padding, ReLU, 2x2 stride-2 max-pool: today's block
 
 
 def conv_output_shape(x_shape, w_shape, stride=(1, 1), padding=(0, 0)):

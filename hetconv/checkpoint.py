@@ -51,7 +51,7 @@ def _digest(arrays, meta_body):
     return h.hexdigest()
 
 
-def save(directory, step, epoch, config, conv_params, fc_params, plan=None, keep=3):
+def save(directory, step, epoch, config, conv_params, fc_params, plan=None, keep=3, network=None):
     """conv_params / fc_params: per layer (w, b, vw, vb). Keeps the `keep` newest checkpoints
     (this one always among them). Returns the path written."""
     if keep < 1:
@@ -66,6 +66,8 @@ def save(directory, step, epoch, config, conv_params, fc_params, plan=None, keep
     meta = {"format": FORMAT, "step": int(step), "epoch": int(epoch), "config": config.to_json(),
             "conv_layers": len(conv_params), "fc_layers": len(fc_params),
             "plan": plan.to_json() if plan is not None else None, "written_ns": time.time_ns()}
+    if network is not None:
+        meta["network"] = network                      # the NetSpec's JSON: resume needs no network flags
     # round-trip through JSON first so the digest is over exactly what load() will parse back
     meta = json.loads(json.dumps(meta))
     meta["sha256"] = _digest(arrays, meta)
@@ -122,6 +124,20 @@ def _written_ns(path):
             return os.stat(path).st_mtime_ns
         except OSError:
             return 0
+
+
+def saved_network(path):
+    """The network (NetSpec JSON) stored in the checkpoint `path` (a file, or a directory's most
+    recently written one whose meta reads), or None (none there, or written without one). Reads
+    only metas; the checksum is checked when the checkpoint itself is loaded."""
+    for candidate in (checkpoints(path) if os.path.isdir(path) else [path]):
+        try:
+            with np.load(candidate, allow_pickle=False) as z:
+                meta = json.loads(bytes(z["meta"]).decode())
+        except Exception:                     # unreadable: load_newest_valid names it
+            continue
+        return meta.get("network") if isinstance(meta, dict) else None
+    return None
 
 
 def checkpoints(directory):

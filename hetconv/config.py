@@ -8,11 +8,13 @@ import re
 from dataclasses import dataclass, field
 
 from hetconv.geometry import IMAGE_SHAPE
+from hetconv.net import LoadedNet, NetSpec, load_net
 from hetconv.wire import check_wire_dtype
 from hetconv.planner import POLICIES
 
 # the fields that fix the network's shape: a checkpoint resumes only into the same ones
-NETWORK_FIELDS = ("conv", "fc", "ksize", "padding", "crop")
+NETWORK_FIELDS = ("net", "conv", "fc", "ksize", "padding", "crop")
+PAPER_FAMILY_DEFAULTS = {"conv": "500,1500", "fc": "256", "ksize": 5, "padding": 0}
 
 
 def option(default, help):
@@ -28,6 +30,10 @@ class Config:
     synthetic_train: int = option(5000, "images in the built-in training set")
     synthetic_test: int = option(1000, "images in the built-in test set")
     crop: int = option(0, "center-crop images to crop x crop (0: the full 32x32)")
+    net: str = option("", "the network: a preset (paper, lenet5, cifar10-quick, vgg-small; NAME@WIDTH scales its "
+                          "widths), a .json file of layers, or FILE.py:FUNCTION returning a PyTorch nn.Sequential "
+                          "(its weights are the starting weights); '': the paper family that --conv, --fc, --ksize "
+                          "and --padding describe")
     conv: str = option("500,1500", "kernels per conv layer (the paper network: 500,1500)")
     ksize: int = option(5, "conv kernel size (square), stride 1")
     padding: int = option(0, "zero padding of every conv layer")
@@ -67,6 +73,37 @@ class Config:
     def image_shape(self):
         c, h, w = IMAGE_SHAPE
         return (c, self.crop, self.crop) if self.crop else (c, h, w)
+
+    def input_shape(self, data_shape):
+        """(C, H, W) entering the network: the data set's images, center-cropped by --crop."""
+        c, h, w = data_shape
+        if self.crop and (self.crop > h or self.crop > w):
+            raise ValueError(f"--crop {self.crop} is larger than the data set's {h}x{w} images")
+        return (c, self.crop, self.crop) if self.crop else (c, h, w)
+
+    def network(self, input_shape, classes):
+        """The network for a data set of `input_shape` images and `classes` classes, as a
+        hetconv.net LoadedNet (its spec, and starting weights where a PyTorch module gave them)."""
+        if self.net:
+            changed = [f"--{k}" for k, v in PAPER_FAMILY_DEFAULTS.items() if getattr(self, k) != v]
+            if changed:
+                raise ValueError(f"--net {self.net} names the whole network: {', '.join(changed)} describe the paper "
+                                 f"family instead; give one or the other")
+            return load_net(self.net, input_shape, classes)
+        layers = []
+        for k in self.conv_kernels():
+            layers += [{"type": "conv", "out_channels": k, "kernel": self.ksize, "padding": self.padding},
+                       {"type": "relu"}, {"type": "maxpool", "kernel": 2}]
+        layers.append({"type": "flatten"})
+        for width in self.fc_sizes():
+            layers += [{"type": "linear", "out_features": width}, {"type": "relu"}]
+        layers.append({"type": "linear", "out_features": classes})
+        try:
+            return LoadedNet(NetSpec.from_json({"input_shape": list(input_shape), "classes": classes,
+                                                "layers": layers}))
+        except ValueError as e:
+            raise ValueError(f"--conv {self.conv} --ksize {self.ksize} --padding {self.padding} on "
+                             f"{'x'.join(map(str, input_shape))} images: {e}") from None
 
     def to_json(self):
         return dataclasses.asdict(self)

@@ -197,7 +197,10 @@ def main(argv=None):
                           n_train=cfg.synthetic_train if cfg.data == "synthetic" else None,
                           n_test=cfg.synthetic_test if cfg.data == "synthetic" else None)
         _check_data_flags(cfg)
-    except (ValueError, DeviceError, DataError, ConnectionError) as e:
+        # the network too (a --net file, a PyTorch module): before any worker starts
+        from hetconv.train import network_for
+        network = network_for(cfg, ds, args.resume or None)
+    except (ValueError, DeviceError, DataError, ConnectionError, CheckpointError) as e:
         print(f"hetconv-coordinator: {e}", file=sys.stderr)
         return 2
     notes = ([threads_note(cfg.threads)] if args.local else
@@ -217,7 +220,7 @@ def main(argv=None):
             print(f"local: {device.describe()}")
             engine = LocalEngine({"local": ConvShard(device)})
         else:
-            from hetconv.geometry import conv_specs, message_limit_bytes
+            from hetconv.geometry import ConvSpec, message_limit_bytes
             if args.launcher == "ray":
                 from hetconv.launch_ray import RayLauncher
                 launcher = RayLauncher(args.ray_address or None, num_cpus=usable_cores(),
@@ -225,15 +228,16 @@ def main(argv=None):
                 signal.signal(signal.SIGTERM, _on_sigterm)    # ray.init put its own in place
             bind = args.bind or (launcher.bind_address() if launcher else
                                  "tcp://127.0.0.1:0" if spawn else "tcp://127.0.0.1:5555")
-            limit = message_limit_bytes(conv_specs(cfg.conv_kernels(), cfg.ksize, cfg.padding), cfg.batch_size,
-                                        cfg.image_shape())
+            limit = message_limit_bytes([ConvSpec.from_layer(layer) for layer in network.spec.conv_layers()],
+                                        cfg.batch_size, network.spec.input_shape)
             engine = RemoteEngine(bind, args.workers or 0, spawn, threads=cfg.threads,
                                   worker_timeout=args.worker_timeout, connect_timeout=args.connect_timeout,
                                   op_timeout=args.op_timeout, pin=not args.no_pin,
                                   exchange=cfg.exchange, wire=cfg.wire_dtype, curve=args.curve,
                                   insecure=args.insecure, message_limit=limit, launcher=launcher)
         from hetconv.train import train
-        summary = train(cfg, engine, resume=args.resume or None, dataset=ds, stop_grace=args.stop_grace)
+        summary = train(cfg, engine, resume=args.resume or None, dataset=ds, stop_grace=args.stop_grace,
+                        network=network)
     except (WorkerError, WorkerLost, PlanError, DeviceError, DataError, CheckpointError, ValueError, FloatingPointError,
             ConnectionError) as e:
         print(f"hetconv-coordinator: {e}", file=sys.stderr)

@@ -26,7 +26,6 @@ import time
 
 import numpy as np
 
-from hetconv.geometry import conv_output_hw, pooled_hw
 from hetconv.planner import make_plan, replan
 from hetconv.shard import ShardServer
 from hetconv.wire import decode, encode
@@ -136,7 +135,7 @@ class Engine:
     def pooled_output_hw(self, layer, input_hw):
         """(H', W') of conv layer `layer`'s pooled output for an input of `input_hw`, from its spec."""
         spec = self.specs[layer]
-        return pooled_hw(*conv_output_hw(input_hw[0], input_hw[1], spec.ksize, spec.ksize, spec.padding))
+        return spec.output_hw(*input_hw)
 
     def _reply_array(self, replies, name, index, shape, doing):
         """Array `index` of worker `name`'s reply, checked against the shape the plan expects: a
@@ -196,7 +195,7 @@ class Engine:
             parts = []
             for name in self.plan.workers:
                 s, e = lp.ranges[name]
-                w_shape = (e - s, spec.in_channels, spec.ksize, spec.ksize)
+                w_shape = (e - s, spec.in_channels, spec.kh, spec.kw)
                 parts.append(tuple(self._reply_array(replies, name, i, shape, doing)
                                    for i, shape in enumerate((w_shape, (e - s,), w_shape, (e - s,)))))
             out.append(concat_shards(parts))

@@ -1,9 +1,14 @@
-"""What the network looks like, written once: the image, the classes, one conv layer's spec, and
-the size arithmetic every part of hetconv uses (reference, devices, model, cost model, bench).
+"""One conv layer's spec as the shards run it, and the size arithmetic every part of hetconv uses
+(reference, devices, model, cost model, bench), written once.
 
-A conv layer here is always conv (stride 1, zero padding) -> ReLU -> 2x2 max-pool.
+A conv layer is a block: conv (kh x kw, any stride and zero padding) + bias, then an activation
+(ReLU or none), then a pool (max, average or none), as its ConvBlock says. The network as a whole
+(blocks, head, input shape, classes) is hetconv.net's NetSpec; this module sits below it and below
+the devices, which import ConvBlock from here.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+import numpy as np
 
 IMAGE_SHAPE = (3, 32, 32)           # (C, H, W) of a CIFAR-10 image
 NUM_CLASSES = 10
@@ -13,6 +18,76 @@ def window_output_size(size, kernel, stride=1, padding=0):
     """How many windows of `kernel` at `stride` fit `size` zero-padded by `padding` on each side,
     PyTorch's floor rule for conv and pool alike: the one place this formula lives."""
     return (size + 2 * padding - kernel) // stride + 1
+
+
+def _is_int(v):
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def as_pair(name, value, minimum):
+    """An int or an (height, width) pair of ints, each >= minimum, as a tuple of two Python ints;
+    anything else raises ValueError naming `name` and the value."""
+    pair = tuple(value) if isinstance(value, (tuple, list)) else (value, value)
+    if len(pair) != 2 or not all(_is_int(v) and v >= minimum for v in pair):
+        what = "positive" if minimum == 1 else "non-negative"
+        raise ValueError(f"{name} must be a {what} integer or a (height, width) pair of them, got {value!r}")
+    return int(pair[0]), int(pair[1])
+
+
+ACTIVATIONS = ("relu", "none")
+POOLS = ("max", "avg", "none")
+
+
+@dataclass(frozen=True)
+class ConvBlock:
+    """What follows a conv layer's GEMM, and its stride and padding: everything a device needs
+    besides the weights' shape. Pairs are (height, width); an int stands for (int, int).
+    Semantics are PyTorch's: the activation applies before the pool; pools use floor mode; a
+    max-pool pads with -inf; an average pool counts its zero padding (every window divides by
+    pkh*pkw); a pool's padding is at most half its kernel, as PyTorch requires."""
+    stride: tuple = (1, 1)
+    padding: tuple = (0, 0)
+    activation: str = "relu"        # "relu" or "none"
+    pool: str = "max"               # "max", "avg" or "none"
+    pool_kernel: tuple = (2, 2)
+    pool_stride: tuple = (2, 2)
+    pool_padding: tuple = (0, 0)
+
+    def __post_init__(self):
+        for name, minimum in (("stride", 1), ("padding", 0), ("pool_kernel", 1), ("pool_stride", 1),
+                              ("pool_padding", 0)):
+            object.__setattr__(self, name, as_pair(f"ConvBlock {name}", getattr(self, name), minimum))
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"ConvBlock activation must be one of {ACTIVATIONS!r}, got {self.activation!r}")
+        if self.pool not in POOLS:
+            raise ValueError(f"ConvBlock pool must be one of {POOLS!r}, got {self.pool!r}")
+        if self.pool != "none" and any(2 * p > k for p, k in zip(self.pool_padding, self.pool_kernel)):
+            raise ValueError(f"ConvBlock pool_padding {self.pool_padding!r} must be at most half of pool_kernel "
+                             f"{self.pool_kernel!r} (as PyTorch requires)")
+
+    def to_json(self):
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
+
+    @classmethod
+    def from_json(cls, d):
+        """The inverse of to_json; missing keys take the defaults, unknown keys raise ValueError."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a conv block must be a JSON object, got {d!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown conv block key(s) {unknown!r}: expected some of {sorted(known)!r}")
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+
+    @property
+    def is_paper(self):
+        """Stride 1, ReLU, 2x2 stride-2 max-pool with no pool padding (any conv padding): the
+        block devices run with their own fused kernels."""
+        return (self.stride == (1, 1) and self.activation == "relu" and self.pool == "max"
+                and self.pool_kernel == (2, 2) and self.pool_stride == (2, 2) and self.pool_padding == (0, 0))
+
+
+PAPER_BLOCK = ConvBlock()           # stride 1, no padding, ReLU, 2x2 stride-2 max-pool: today's block
 
 
 def conv_output_hw(h, w, kh, kw, padding):
@@ -27,33 +102,60 @@ def pooled_hw(h, w):
 
 @dataclass(frozen=True)
 class ConvSpec:
-    """One conv layer of the network: in_channels -> kernels, ksize x ksize, then ReLU + pool."""
+    """One conv layer: in_channels -> kernels, kh x kw, then `block` (stride, padding, activation,
+    pool); without `bias` the bias stays zero."""
     in_channels: int
     kernels: int
-    ksize: int = 5
-    padding: int = 0
+    kh: int = 5
+    kw: int = 5
+    block: ConvBlock = PAPER_BLOCK
+    bias: bool = True
+
+    @classmethod
+    def paper(cls, in_channels, kernels, ksize=5, padding=0):
+        """The paper family's layer: ksize x ksize, stride 1, ReLU, 2x2 max-pool."""
+        return cls(in_channels, kernels, ksize, ksize, ConvBlock(padding=padding))
+
+    @classmethod
+    def from_layer(cls, layer):
+        """From a hetconv.net ConvLayer."""
+        return cls(layer.in_channels, layer.kernels, layer.kernel[0], layer.kernel[1], layer.block, layer.bias)
 
     def to_json(self):
-        return {"in_channels": self.in_channels, "kernels": self.kernels, "ksize": self.ksize, "padding": self.padding}
+        return {"in_channels": self.in_channels, "kernels": self.kernels, "kernel": [self.kh, self.kw],
+                "block": self.block.to_json(), "bias": self.bias}
 
     @classmethod
     def from_json(cls, d):
-        return cls(int(d["in_channels"]), int(d["kernels"]), int(d["ksize"]), int(d["padding"]))
+        kh, kw = as_pair("conv kernel", d["kernel"], 1)
+        return cls(int(d["in_channels"]), int(d["kernels"]), kh, kw, ConvBlock.from_json(d["block"]),
+                   bool(d.get("bias", True)))
 
     def conv_hw(self, h, w):
-        """Spatial size after the conv, before the pool."""
-        return conv_output_hw(h, w, self.ksize, self.ksize, self.padding)
+        """Spatial size after the conv, before the activation and pool."""
+        (sh, sw), (ph, pw) = self.block.stride, self.block.padding
+        return window_output_size(h, self.kh, sh, ph), window_output_size(w, self.kw, sw, pw)
 
     def output_hw(self, h, w):
-        """Spatial size after conv and 2x2 pool."""
-        return pooled_hw(*self.conv_hw(h, w))
+        """Spatial size leaving the block."""
+        h, w = self.conv_hw(h, w)
+        if self.block.pool == "none":
+            return h, w
+        (kh, kw), (sh, sw), (ph, pw) = self.block.pool_kernel, self.block.pool_stride, self.block.pool_padding
+        return window_output_size(h, kh, sh, ph), window_output_size(w, kw, sw, pw)
+
+    def describe(self):
+        b = self.block
+        pool = "" if b.pool == "none" else f", {b.pool}-pool {b.pool_kernel[0]}x{b.pool_kernel[1]}/{b.pool_stride[0]}"
+        return (f"conv {self.kernels} {self.kh}x{self.kw}/{b.stride[0]} pad {b.padding[0]}"
+                + (", relu" if b.activation == "relu" else "") + pool)
 
 
 def conv_specs(kernels, ksize=5, padding=0, in_channels=IMAGE_SHAPE[0]):
     """One ConvSpec per entry of `kernels`, each layer's input channels the previous layer's kernels."""
     specs = []
     for k in kernels:
-        specs.append(ConvSpec(in_channels, k, ksize, padding))
+        specs.append(ConvSpec.paper(in_channels, k, ksize, padding))
         in_channels = k
     return specs
 
@@ -64,12 +166,12 @@ def layer_input_shapes(specs, batch, image_shape=IMAGE_SHAPE):
     c, h, w = image_shape
     shapes = []
     for i, spec in enumerate(specs):
-        ho, wo = spec.conv_hw(h, w)
-        if ho < 2 or wo < 2:
-            raise ValueError(f"conv layer {i + 1} ({spec.ksize}x{spec.ksize}, padding {spec.padding}) gets a {h}x{w} input: "
-                             f"too small for the conv and its 2x2 pool; use fewer conv layers or more padding")
+        ho, wo = spec.output_hw(h, w)
+        if min(spec.conv_hw(h, w)) < 1 or ho < 1 or wo < 1:
+            raise ValueError(f"conv layer {i + 1} ({spec.describe()}) gets a {h}x{w} input: too small for its "
+                             f"window and pool; use fewer conv layers, more padding or a larger input")
         shapes.append((batch, c, h, w))
-        h, w = pooled_hw(ho, wo)
+        h, w = ho, wo
         c = spec.kernels
     return shapes, (c, h, w)
 
@@ -83,7 +185,7 @@ def largest_array_bytes(specs, batch, image_shape=IMAGE_SHAPE, value_bytes=4):
     sizes = [batch * c * h * w]
     for spec, (n, cin, hin, win) in zip(specs, shapes):
         sizes.append(n * cin * hin * win)
-        sizes.append(spec.kernels * cin * spec.ksize * spec.ksize)
+        sizes.append(spec.kernels * cin * spec.kh * spec.kw)
     return max(sizes) * value_bytes
 
 

@@ -1,14 +1,14 @@
 """The network and one training step.
 
-conv layers (kernels split across shards by an engine) -> flatten -> FC + ReLU ... -> FC 10 ->
-softmax cross-entropy. The conv layers live behind an engine (in-process or over ZeroMQ); the FC
-layers, the loss and their optimizer live here, on the coordinator.
+conv blocks (kernels split across shards by an engine) -> flatten -> the head: linear, ReLU and
+dropout layers in the order the network lists them, the last linear as wide as the data set has
+classes -> softmax cross-entropy. The conv blocks live behind an engine (in-process or over
+ZeroMQ); the head, the loss and their optimizer live here, on the coordinator.
 """
 from dataclasses import dataclass
 
 import numpy as np
 
-from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES, layer_input_shapes
 from hetconv.layers import Linear, relu, relu_backward, softmax_cross_entropy
 from hetconv.params import default_init
 
@@ -18,8 +18,8 @@ def init_conv_params(specs, rng):
     same seed gives the same conv weights whatever the FC sizes."""
     params = []
     for spec in specs:
-        fan_in = spec.in_channels * spec.ksize ** 2
-        w = default_init(rng, (spec.kernels, spec.in_channels, spec.ksize, spec.ksize), fan_in)
+        fan_in = spec.in_channels * spec.kh * spec.kw
+        w = default_init(rng, (spec.kernels, spec.in_channels, spec.kh, spec.kw), fan_in)
         params.append((w, np.zeros(spec.kernels, np.float32), None, None))
     return params
 
@@ -30,58 +30,124 @@ class StepResult:
     correct: int
 
 
+def dropout_mask(seed, step, index, shape, p):
+    """Keep-mask scaled by 1/(1-p) for the whole batch: drawn from (seed, step, layer) alone, so
+    any cut into micro-batches (and a replay of the step after a lost worker) sees the same mask."""
+    keep = np.random.default_rng([seed, step, index]).random(shape, dtype=np.float32) >= np.float32(p)
+    return keep.astype(np.float32) / np.float32(1.0 - p)
+
+
 class Network:
-    def __init__(self, specs, fc_sizes, engine, rng, image_shape=IMAGE_SHAPE):
+    """`head`: the layers after flatten, in the network's JSON form ({"type": "linear",
+    "out_features", "bias"}, {"type": "relu"}, {"type": "dropout", "p"}); `feature_shape`: (C, H,
+    W) leaving the last conv block; `fc_params`: [(w, b)] per linear to start from (else drawn)."""
+
+    def __init__(self, specs, head, engine, rng, feature_shape, fc_params=None, seed=0):
         self.specs = specs
         self.engine = engine
-        _, (c, h, w) = layer_input_shapes(specs, 1, image_shape)
-        widths = [c * h * w] + list(fc_sizes) + [NUM_CLASSES]
-        self.fc = [Linear.init(a, b, rng) for a, b in zip(widths[:-1], widths[1:])]
+        self.seed = seed
+        self.ops, self.fc = [], []
+        width = int(np.prod(feature_shape))
+        given = list(fc_params) if fc_params is not None else None
+        for layer in head:
+            kind = layer["type"]
+            if kind == "linear":
+                out = int(layer["out_features"])
+                if given is not None:
+                    w, b = given[len(self.fc)]
+                    fc = Linear(w, b if b is not None else np.zeros(out, np.float32))
+                else:
+                    fc = Linear.init(width, out, rng)
+                fc.has_bias = bool(layer.get("bias", True))
+                if not fc.has_bias:
+                    fc.b[...] = 0
+                self.ops.append(("linear", len(self.fc)))
+                self.fc.append(fc)
+                width = out
+            elif kind == "relu":
+                self.ops.append(("relu", None))
+            elif kind == "dropout":
+                self.ops.append(("dropout", float(layer["p"])))
+            else:
+                raise ValueError(f"head layer {layer!r}: expected linear, relu or dropout")
+        self.classes = width
 
-    def _fc_forward(self, flat):
-        acts = [flat]
-        h = flat
-        for i, fc in enumerate(self.fc):
-            h = fc.forward(h)
-            if i < len(self.fc) - 1:
+    def _head_forward(self, flat, masks=None):
+        """-> (logits, what the backward needs per op). masks: per op index, the rows' dropout
+        mask (training), or None (inference: dropout is the identity)."""
+        saved, h = [], flat
+        for i, (kind, arg) in enumerate(self.ops):
+            if kind == "linear":
+                h = self.fc[arg].forward(h)
+                saved.append(None)
+            elif kind == "relu":
                 h = relu(h)
-            acts.append(h)
-        return h, acts
+                saved.append(h)
+            elif masks is not None and arg > 0:
+                h = h * masks[i]
+                saved.append(masks[i])
+            else:
+                saved.append(None)
+        return h, saved
 
-    def train_step(self, x, labels, lr, momentum, weight_decay, micro_batches=1):
+    def _head_backward(self, grad, saved, accumulate):
+        for i in reversed(range(len(self.ops))):
+            kind, arg = self.ops[i]
+            if kind == "linear":
+                grad = self.fc[arg].backward(grad, accumulate=accumulate)
+            elif kind == "relu":
+                grad = relu_backward(saved[i], grad)
+            elif saved[i] is not None:
+                grad = grad * saved[i]
+        return grad
+
+    def _masks(self, step, total, rows):
+        """Per dropout op, the slice `rows` of the whole batch's mask at `step`."""
+        masks, width = {}, None
+        for i, (kind, arg) in enumerate(self.ops):
+            if kind == "linear":
+                width = self.fc[arg].w.shape[0]
+            elif kind == "dropout" and arg > 0:
+                features = width if width is not None else self.fc[0].w.shape[1]
+                masks[i] = dropout_mask(self.seed, step, i, (total, features), arg)[rows]
+        return masks
+
+    def train_step(self, x, labels, lr, momentum, weight_decay, micro_batches=1, step=0):
         """One SGD step on the batch, cut into `micro_batches` pieces whose gradients add up to
-        the whole batch's (the loss is the mean over the whole batch)."""
+        the whole batch's (the loss is the mean over the whole batch). `step` seeds dropout."""
         xs = np.array_split(x, micro_batches)
         ys = np.array_split(labels, micro_batches)
         total = len(labels)
+        starts = np.cumsum([0] + [len(y) for y in ys])
         result = StepResult(0.0, 0)
+        dropout = any(kind == "dropout" and arg > 0 for kind, arg in self.ops)
 
         def head(m, features):
-            # FC forward, loss, FC backward on micro-batch m: all local; its gradients add up
-            logits, acts = self._fc_forward(features.reshape(features.shape[0], -1))
+            # head forward, loss, head backward on micro-batch m: all local; its gradients add up
+            masks = self._masks(step, total, slice(starts[m], starts[m + 1])) if dropout else {}
+            logits, saved = self._head_forward(features.reshape(features.shape[0], -1), masks)
             loss, grad = softmax_cross_entropy(logits, ys[m])        # mean over this micro-batch
             share = len(ys[m]) / total
             if share != 1.0:
                 grad *= np.float32(share)                              # ... made a mean over the batch
             result.loss += loss * share
             result.correct += int((logits.argmax(axis=1) == ys[m]).sum())
-            for i in reversed(range(len(self.fc))):
-                if i < len(self.fc) - 1:
-                    grad = relu_backward(acts[i + 1], grad)
-                grad = self.fc[i].backward(grad, accumulate=m > 0)
+            grad = self._head_backward(grad, saved, accumulate=m > 0)
             return grad.reshape(features.shape)
 
         # conv forward, head, conv backward per micro-batch: the engine decides how they overlap;
         # the conv kernels get their one update per step where they live
         self.engine.conv_step(xs, head, (lr, momentum, weight_decay))
         for fc in self.fc:
+            if not fc.has_bias:
+                fc.db[...] = 0
             fc.step(lr, momentum, weight_decay)
         return result
 
     def predict(self, x):
         """Logits, without touching any training state."""
         features = self.engine.predict(x)
-        logits, _ = self._fc_forward(features.reshape(features.shape[0], -1))
+        logits, _ = self._head_forward(features.reshape(features.shape[0], -1))
         return logits
 
     # ---- state for checkpoints ------------------------------------------------------------

@@ -50,7 +50,7 @@ class ConvShard:
 
     def load(self, layer, spec, start, stop, w, b, vw=None, vb=None):
         k = stop - start
-        expect_w = (k, spec.in_channels, spec.ksize, spec.ksize)
+        expect_w = (k, spec.in_channels, spec.kh, spec.kw)
         if w.shape != expect_w or b.shape != (k,):
             raise ShardError(f"layer {layer}: weights {w.shape} / bias {b.shape} do not match kernels "
                              f"[{start}, {stop}) of {spec}: expected {expect_w} / {(k,)}")
@@ -70,7 +70,7 @@ class ConvShard:
         sl = self._layer(layer)
         if x.ndim != 4 or x.shape[1] != sl.spec.in_channels:
             raise ShardError(f"layer {layer}: input shape {x.shape} does not have {sl.spec.in_channels} channels (N, C, H, W)")
-        y, ctx = self.device.conv_relu_pool(x, sl.w, sl.b, sl.spec.padding)
+        y, ctx = self.device.conv_block(x, sl.w, sl.b, sl.spec.block)
         if keep:
             sl.ctx[micro] = ctx
         return y
@@ -84,7 +84,7 @@ class ConvShard:
         if ctx is None:
             raise ShardError(f"layer {layer}: backward of micro-batch {micro} without a forward to match "
                              f"(waiting: {sorted(sl.ctx)})")
-        dx, dw, db = self.device.conv_relu_pool_backward(ctx, sl.w, dpooled, need_dx)
+        dx, dw, db = self.device.conv_block_backward(ctx, sl.w, dpooled, need_dx)
         if sl.dw is None:
             sl.dw, sl.db = dw, db          # the device returned fresh arrays: ours to add into
         else:
@@ -93,7 +93,8 @@ class ConvShard:
         if sgd is not None:
             lr, momentum, weight_decay = sgd
             self.device.sgd_(sl.w, sl.vw, sl.dw, lr, momentum, weight_decay)
-            self.device.sgd_(sl.b, sl.vb, sl.db, lr, momentum, 0.0)      # no decay on biases
+            if sl.spec.bias:                                             # a layer without bias keeps b at 0
+                self.device.sgd_(sl.b, sl.vb, sl.db, lr, momentum, 0.0)  # no decay on biases
             sl.dw = sl.db = None
         return dx
 
@@ -188,8 +189,8 @@ class ConvShard:
         return {"batch": int(x.shape[0]), "kernels": count, "forward_s": mean[0], "backward_s": mean[1]}
 
     def _calibration_weights(self, spec, k, rng):
-        fan_in = spec.in_channels * spec.ksize ** 2
-        w = default_init(rng, (k, spec.in_channels, spec.ksize, spec.ksize), fan_in)
+        fan_in = spec.in_channels * spec.kh * spec.kw
+        w = default_init(rng, (k, spec.in_channels, spec.kh, spec.kw), fan_in)
         return self.device.upload(w), self.device.upload(np.zeros(k, np.float32))
 
     def _call_timer(self, spec, x, w_dev, b_dev, need_dx):
@@ -198,10 +199,10 @@ class ConvShard:
     def _time_once(self, spec, x, w_dev, b_dev, need_dx):
         """(forward seconds, backward seconds) of one fused call."""
         t0 = self.clock()
-        y, ctx = self.device.conv_relu_pool(x, w_dev, b_dev, spec.padding)
+        y, ctx = self.device.conv_block(x, w_dev, b_dev, spec.block)
         self.device.synchronize()
         t1 = self.clock()
-        self.device.conv_relu_pool_backward(ctx, w_dev, np.ones_like(y), need_dx)
+        self.device.conv_block_backward(ctx, w_dev, np.ones_like(y), need_dx)
         self.device.synchronize()
         return t1 - t0, self.clock() - t1
 

@@ -16,8 +16,9 @@ from hetconv.config import Config
 from hetconv.data import batches, load_dataset, test_batches
 from hetconv.elastic import Elastic
 from hetconv.engine import WorkerLost, moved_bytes
-from hetconv.geometry import conv_specs, layer_input_shapes
+from hetconv.geometry import ConvSpec, layer_input_shapes
 from hetconv.model import Network, init_conv_params
+from hetconv.net import LoadedNet, NetSpec
 
 
 MAX_REBALANCES = 3
@@ -126,12 +127,35 @@ class _StopRequests:
             signal.signal(signum, previous)
 
 
-def _compatible(saved, cfg):
-    """Raise CheckpointError unless the checkpoint's saved config has this run's network."""
+def _compatible(meta, cfg, network):
+    """Raise CheckpointError unless the checkpoint holds this run's network (`network`, a NetSpec)."""
+    if "network" in meta:
+        saved = NetSpec.from_json(meta["network"])
+        if saved != network:
+            there = [layer.text() for layer in saved.layers] + ["(none)"]
+            here = [layer.text() for layer in network.layers] + ["(none)"]
+            i = next((i for i, (a, b) in enumerate(zip(there, here)) if a != b), min(len(there), len(here)) - 1)
+            what = (f"layer {i} is {there[i]} there, {here[i]} here" if there[i] != here[i] else
+                    f"its input is {saved.input_shape} with {saved.classes} classes, here {network.input_shape} "
+                    f"with {network.classes}")
+            raise checkpoint.CheckpointError(f"cannot resume: the checkpoint was trained with another network: {what} "
+                                             f"(resume with no network flags to take the checkpoint's)")
+        return
     try:
-        cfg.check_same_network(Config.from_json(saved))
+        cfg.check_same_network(Config.from_json(meta["config"]))
     except (TypeError, ValueError) as e:
         raise checkpoint.CheckpointError(f"cannot resume: {e}") from None
+
+
+def network_for(cfg, ds, resume=None):
+    """The run's network (a hetconv.net LoadedNet) for data set `ds`: from the network flags, or,
+    when resuming with none given, the one the checkpoint holds."""
+    input_shape = cfg.input_shape(ds.train_x.shape[1:])
+    if resume and not cfg.net and all(getattr(cfg, k) == getattr(Config, k) for k in ("conv", "fc", "ksize", "padding")):
+        saved = checkpoint.saved_network(resume)
+        if saved is not None:
+            return LoadedNet(NetSpec.from_json(saved).with_input(input_shape, len(ds.classes)))
+    return cfg.network(input_shape, len(ds.classes))
 
 
 def resolve_micro_batches(cfg, engine):
@@ -174,15 +198,16 @@ def checkpoint_dir_for(cfg, resume):
     return resume if os.path.isdir(resume) else os.path.dirname(os.path.abspath(resume))
 
 
-def train(cfg, engine, log=print, resume=None, metrics_extra=None, dataset=None, stop_grace=20.0):
+def train(cfg, engine, log=print, resume=None, metrics_extra=None, dataset=None, stop_grace=20.0, network=None):
     """Train per `cfg` with conv layers on `engine`. `engine.plan_for(specs, input_shapes, cfg)`
     returns the kernel split; the loop is otherwise transport-agnostic. `dataset`, when given, is
     cfg.data already loaded (the command line loads it before starting workers). `stop_grace`:
     seconds a SIGTERM or Ctrl-C gives the running step and checkpoint before the last snapshot is
-    saved instead. Returns a summary dict."""
+    saved instead. `network`: a hetconv.net LoadedNet, when the caller made it already (else
+    network_for). Returns a summary dict."""
     metrics = MetricsWriter(cfg.metrics, append=bool(resume))
     try:
-        return _train(cfg, engine, log, resume, metrics, metrics_extra or {}, dataset, stop_grace)
+        return _train(cfg, engine, log, resume, metrics, metrics_extra or {}, dataset, stop_grace, network)
     finally:
         metrics.close()
 
@@ -224,7 +249,7 @@ class _Run:
         cfg = self.cfg
         t0 = time.perf_counter()
         result = self.net.train_step(center_crop(x, cfg.crop), y, cfg.lr, cfg.momentum, cfg.weight_decay,
-                                     self.micro_batches)
+                                     self.micro_batches, step=self.step)
         dt = time.perf_counter() - t0
         if not math.isfinite(result.loss):
             raise FloatingPointError(f"loss became {result.loss} at step {self.step + 1}: lower --lr (now {cfg.lr})")
@@ -331,7 +356,7 @@ class _Run:
         return self.last_ckpt
 
 
-def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace):
+def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loaded):
     t_setup = time.perf_counter()
     if ds is None:
         ds = load_dataset(cfg.data, seed=cfg.seed,
@@ -340,8 +365,10 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace):
     if resume and not cfg.checkpoint_dir:
         cfg = dataclasses.replace(cfg, checkpoint_dir=checkpoint_dir_for(cfg, resume))
         log(f"checkpoints go to {cfg.checkpoint_dir}, where the run resumed from (--checkpoint-dir sets another)")
-    specs = conv_specs(cfg.conv_kernels(), cfg.ksize, cfg.padding)
-    input_shapes, _ = layer_input_shapes(specs, cfg.batch_size, cfg.image_shape())
+    loaded = loaded or network_for(cfg, ds, resume)
+    network = loaded.spec
+    specs = [ConvSpec.from_layer(layer) for layer in network.conv_layers()]
+    input_shapes, feature_shape = layer_input_shapes(specs, cfg.batch_size, network.input_shape)
     steps_per_epoch = len(ds.train_y) // cfg.batch_size
     if steps_per_epoch < 1:
         raise ValueError(f"--batch-size {cfg.batch_size} is larger than the {len(ds.train_y)} training images of {ds.name}")
@@ -351,17 +378,23 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace):
             f"stopping after {total_steps} (raise --epochs for more)")
     elif cfg.steps:
         total_steps = cfg.steps
-    metrics.write("config", config=cfg.to_json(), data=repr(ds), **metrics_extra)
+    metrics.write("config", config=cfg.to_json(), data=repr(ds), network=network.to_json(), **metrics_extra)
 
     rng = np.random.default_rng(cfg.seed)
-    conv_params = init_conv_params(specs, rng)
-    net = Network(specs, cfg.fc_sizes(), engine, rng, cfg.image_shape())
+    head = [op.layer.to_json() for op in network.head() if op.type != "flatten"]
+    if loaded.params is not None:                 # a PyTorch module's own weights are the starting weights
+        conv_given, fc_given = loaded.params
+        conv_params = [(w, np.zeros(len(w), np.float32) if b is None else b, None, None) for w, b in conv_given]
+        net = Network(specs, head, engine, rng, feature_shape, fc_params=fc_given, seed=cfg.seed)
+    else:
+        conv_params = init_conv_params(specs, rng)
+        net = Network(specs, head, engine, rng, feature_shape, seed=cfg.seed)
     start_step = 0
     if resume:
         meta, conv_params, fc_state, skipped = checkpoint.load_newest_valid(resume)
         for name, reason in skipped:
             log(f"skipped {name}: {reason}")
-        _compatible(meta["config"], cfg)
+        _compatible(meta, cfg, network)
         net.load_fc_state(fc_state)
         start_step = meta["step"]
         log(f"resumed from {meta['path']} at step {start_step}")
@@ -370,7 +403,7 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace):
 
     plan = engine.plan_for(specs, input_shapes, cfg)
     engine.load(plan, specs, conv_params)
-    elastic = Elastic(cfg, engine, net, specs, input_shapes, steps_per_epoch, log, metrics)
+    elastic = Elastic(cfg, engine, net, specs, input_shapes, steps_per_epoch, log, metrics, network.to_json())
     elastic.start(start_step, conv_params)      # the first snapshot (kept only where a worker can be lost)
     del conv_params                             # the shards own the conv weights from here on
     log(plan.table())

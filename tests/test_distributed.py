@@ -116,7 +116,7 @@ def test_equal_split_equals_local_too(local_run):
 def loaded_pair():
     """Two spawned workers holding conv1 (3 -> 4 kernels, 3x3)."""
     engine = remote(2, worker_timeout=2.0)
-    spec = ConvSpec(3, 4, 3, 0)
+    spec = ConvSpec.paper(3, 4, 3, 0)
     rng = np.random.default_rng(0)
     w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
     b = rng.standard_normal(4).astype(np.float32)
@@ -307,7 +307,7 @@ def test_worker_answers_malformed_requests_with_errors_and_keeps_serving(procs, 
     assert err.fields["worker"].startswith("probe/")
     w0 = np.ones((2, 3, 3, 3), np.float32)
     router.send_multipart([ident] + P.pack("LOAD", 3, [w0, np.zeros(2, np.float32)], layer=0,
-                                           spec=ConvSpec(3, 2, 3, 0).to_json(), start=0, stop=2))
+                                           spec=ConvSpec.paper(3, 2, 3, 0).to_json(), start=0, stop=2))
     assert recv()[1].op == "LOADED"
     x = np.ones((1, 3, 6, 6), np.float32)
     router.send_multipart([ident] + P.pack("FORWARD", 4, [x], layer=0))
@@ -533,7 +533,8 @@ def test_a_snapshots_traffic_is_its_own_not_the_next_steps(tmp_path):
     metrics = tmp_path / "m.jsonl"
     engine = remote(2)
     try:
-        train(Config(**TINY, steps=4, snapshot_every=2, micro_batches=1, metrics=str(metrics)).validate(), engine, log=quiet)
+        train(Config(**TINY, steps=4, snapshot_every=2, micro_batches=1, rebalance_after=0,  # a rebalance's gather
+              metrics=str(metrics)).validate(), engine, log=quiet)                             # is a snapshot too
     finally:
         engine.close()
     records = [json.loads(line) for line in open(metrics)]
@@ -541,7 +542,7 @@ def test_a_snapshots_traffic_is_its_own_not_the_next_steps(tmp_path):
                   for r in records if r["event"] == "step"}
     snapshots = [r for r in records if r["event"] == "snapshot"]
     assert [r["step"] for r in snapshots] == [2, 4]
-    weights = 2 * 4 * sum(s.kernels * (s.in_channels * s.ksize ** 2 + 1) for s in conv_specs(Config(**TINY).conv_kernels()))
+    weights = 2 * 4 * sum(s.kernels * (s.in_channels * s.kh * s.kw + 1) for s in conv_specs(Config(**TINY).conv_kernels()))
     assert all(r["bytes"] >= weights for r in snapshots), (snapshots, weights)   # every weight and momentum
     assert step_bytes[3] < step_bytes[2] + weights / 2, step_bytes   # step 3 carries none of it
 
@@ -647,7 +648,7 @@ def test_a_killed_external_worker_is_heard_disconnecting_not_waited_out(procs):
     workers = [_external_worker(procs, address, f"ext{i}") for i in range(2)]
     engine = RemoteEngine(address, 2, [], threads=1, connect_timeout=60, worker_timeout=60, op_timeout=60, log=quiet)
     try:
-        spec = ConvSpec(3, 4, 3, 0)
+        spec = ConvSpec.paper(3, 4, 3, 0)
         w = np.ones((4, 3, 3, 3), np.float32)
         engine.load(fixed_plan([4], {"ext0": [2], "ext1": [2]}), [spec], [(w, np.zeros(4, np.float32), None, None)])
         workers[1].kill()

@@ -72,7 +72,7 @@ def test_replies_of_the_wrong_shape_are_named_not_concatenated():
     from hetconv.planner import fixed_plan
     from hetconv.shard import ConvShard
 
-    spec = ConvSpec(3, 4, 3, 0)
+    spec = ConvSpec.paper(3, 4, 3, 0)
     rng = np.random.default_rng(0)
     w, b = rng.standard_normal((4, 3, 3, 3)).astype(np.float32), np.zeros(4, np.float32)
     shards = {"a": ConvShard(open_device("cpu", threads=1)), "b": ConvShard(open_device("cpu", threads=1))}
@@ -123,7 +123,7 @@ def test_peer_features_of_the_wrong_shape_are_named(procs):
     engine = RemoteEngine(address, 1, threads=1, connect_timeout=60, worker_timeout=10.0, log=quiet, exchange="peer")
     try:
         rng = np.random.default_rng(0)
-        spec = ConvSpec(3, 4, 3, 0)
+        spec = ConvSpec.paper(3, 4, 3, 0)
         w, b = rng.standard_normal((4, 3, 3, 3)).astype(np.float32), np.zeros(4, np.float32)
         engine.load(fixed_plan([4], {"liar": [4]}), [spec], [(w, b, None, None)])
         x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)

@@ -88,7 +88,7 @@ def test_resume_skips_a_truncated_newest_checkpoint_and_says_so(tmp_path):
 def test_resume_refuses_a_different_network(tmp_path):
     train(Config(**TINY, steps=1, checkpoint_dir=str(tmp_path)).validate(), local_engine(), log=quiet)
     other = Config(**{**TINY, "conv": "6,10"}, steps=2).validate()
-    with pytest.raises(checkpoint.CheckpointError, match="checkpoint was trained with --conv '6,12', this run asks for '6,10'"):
+    with pytest.raises(checkpoint.CheckpointError, match="trained with another network: layer 3 is conv 12 5x5 .* there, conv 10 5x5 .* here"):
         train(other, local_engine(), log=quiet, resume=str(tmp_path))
 
 
@@ -113,7 +113,7 @@ def run_cli(*args, timeout=120):
     (["--lr", "-1"], "--lr must be > 0"),
     (["--split", "random"], "argument --split: invalid choice: 'random'"),
     (["--data", "/nonexistent/cifar"], "/nonexistent/cifar"),
-    (["--conv", "4,4,4,4"], "too small for the conv and its 2x2 pool"),
+    (["--conv", "4,4,4,4"], "layer 8 (maxpool): kernel 2x2 does not fit its 1x1 input"),
     (["--batch-size", "9999", "--synthetic-train", "100"], "larger than the 100 training images"),
 ])
 def test_cli_bad_input_gets_a_clear_error(args, message):
