@@ -24,6 +24,15 @@ def init_conv_params(specs, rng):
     return params
 
 
+def paper_head(fc_sizes, classes):
+    """The paper family's head in the network's JSON form: linear + ReLU per hidden width, then
+    the classes."""
+    head = []
+    for width in fc_sizes:
+        head += [{"type": "linear", "out_features": int(width)}, {"type": "relu"}]
+    return head + [{"type": "linear", "out_features": int(classes)}]
+
+
 @dataclass
 class StepResult:
     loss: float

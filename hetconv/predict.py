@@ -18,11 +18,11 @@ import numpy as np
 from hetconv.config import Config, HelpFormatter, add_config_flags, check_output_file
 from hetconv.costmodel import (DeviceProfile, LayerCost, Link, dominant_term, layer_geometry, parse_bandwidth, predict_any,
                                predict_local)
-from hetconv.geometry import IMAGE_SHAPE, conv_specs, layer_input_shapes
+from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES, ConvSpec, layer_input_shapes
 from hetconv.wire import value_bytes
 
 # the flags this command shares with the coordinator: their defaults and help come from Config
-NETWORK_FLAGS = ("conv", "fc", "ksize", "batch_size", "calibration_batch", "split", "exchange", "micro_batches",
+NETWORK_FLAGS = ("net", "conv", "fc", "ksize", "padding", "batch_size", "calibration_batch", "split", "exchange", "micro_batches",
                  "wire_dtype")
 
 
@@ -58,12 +58,16 @@ def _timing_engine(specs, image_shape, batch, n, rng):
     return TimingEngine()
 
 
-def measure_coordinator_s(specs, fc_sizes, image_shape, batch, n_workers, repeats=3):
-    """Seconds of coordinator work per step (FC, loss, concatenation, dX sum) on this host."""
-    from hetconv.model import Network
+def measure_coordinator_s(specs, head, image_shape, batch, n_workers, repeats=3):
+    """Seconds of coordinator work per step (FC, loss, concatenation, dX sum) on this host.
+    `head`: the network's layers after flatten (JSON form), or the paper family's hidden FC widths."""
+    from hetconv.model import Network, paper_head
     rng = np.random.default_rng(0)
     engine = _timing_engine(specs, image_shape, batch, n_workers, rng)
-    net = Network(specs, fc_sizes, engine, rng, image_shape)
+    if all(isinstance(layer, int) for layer in head):
+        head = paper_head(head, NUM_CLASSES)
+    _, feature_shape = layer_input_shapes(specs, 1, image_shape)
+    net = Network(specs, head, engine, rng, feature_shape)
     x = np.zeros((batch,) + tuple(image_shape), np.float32)
     labels = rng.integers(0, 10, batch)
     best = float("inf")
@@ -200,9 +204,11 @@ def main(argv=None):
     try:
         cfg = Config(**{name: getattr(args, name) for name in NETWORK_FLAGS}).validate()
         entries = parse_device_list("--devices", args.devices, allow_profiles=True)
-        specs = conv_specs(cfg.conv_kernels(), cfg.ksize)
-        fc = cfg.fc_sizes()
-        image = IMAGE_SHAPE
+        # CIFAR-shaped images: this command has no data set to take the shape from
+        network = cfg.network(IMAGE_SHAPE, NUM_CLASSES).spec
+        specs = [ConvSpec.from_layer(layer) for layer in network.conv_layers()]
+        fc = [op.layer.to_json() for op in network.head() if op.type != "flatten"]
+        image = network.input_shape
         input_shapes, _ = layer_input_shapes(specs, cfg.batch_size, image)
         check_output_file("--save-profiles", args.save_profiles)
         # saved profiles are read before anything is calibrated: a bad file costs nothing
@@ -274,7 +280,7 @@ def main(argv=None):
         print(json.dumps({"link": asdict(link), "local_step_s": local_s, "baseline": baseline_note, "rows": rows}, indent=1))
         return 0
     print(f"link: {link.name} = {link.bytes_per_s / 1e6:,.0f} MB/s of payload"
-          f"{f', {args.wire_cpu_ns:g} ns of CPU a byte' if args.wire_cpu_ns else ''}; batch {cfg.batch_size}; conv {cfg.conv}; "
+          f"{f', {args.wire_cpu_ns:g} ns of CPU a byte' if args.wire_cpu_ns else ''}; batch {cfg.batch_size}; {('network ' + cfg.net) if cfg.net else 'conv ' + cfg.conv}; "
           f"split {cfg.split}; --exchange {cfg.exchange}, wire {cfg.wire_dtype}; "
           f"single-device baseline {local_s:.3f} s/step ({order[0]}, {baseline_note})")
     for key, prof in profiles.items():
