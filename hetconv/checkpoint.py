@@ -51,7 +51,7 @@ def _digest(arrays, meta_body):
     return h.hexdigest()
 
 
-def save(directory, step, epoch, config, conv_params, fc_params, plan=None, keep=3, network=None):
+def save(directory, step, epoch, config, conv_params, fc_params, plan=None, keep=3, network=None, data=None):
     """conv_params / fc_params: per layer (w, b, vw, vb). Keeps the `keep` newest checkpoints
     (this one always among them). Returns the path written."""
     if keep < 1:
@@ -68,6 +68,8 @@ def save(directory, step, epoch, config, conv_params, fc_params, plan=None, keep
             "plan": plan.to_json() if plan is not None else None, "written_ns": time.time_ns()}
     if network is not None:
         meta["network"] = network                      # the NetSpec's JSON: resume needs no network flags
+    if data is not None:
+        meta["data"] = data                            # the data set's classes and normalisation: the model leaves
     # round-trip through JSON first so the digest is over exactly what load() will parse back
     meta = json.loads(json.dumps(meta))
     meta["sha256"] = _digest(arrays, meta)

@@ -36,12 +36,14 @@ class Snapshot:
 class Elastic:
     """Owned by the training loop; a no-op for engines that cannot lose workers (--local)."""
 
-    def __init__(self, cfg, engine, net, specs, input_shapes, steps_per_epoch, log, metrics, network=None):
+    def __init__(self, cfg, engine, net, specs, input_shapes, steps_per_epoch, log, metrics, network=None,
+                 data=None):
         self.cfg, self.engine, self.net = cfg, engine, net
         self.steps_per_epoch = steps_per_epoch
         self.specs, self.input_shapes = specs, input_shapes
         self.log, self.metrics = log, metrics
         self.network = network                              # the NetSpec's JSON, stored in every checkpoint
+        self.data = data                                    # the data set's meta (classes, normalisation), too
         self.enabled = hasattr(engine, "drop")
         self.every = cfg.snapshot_every or None             # None: decided after the first timed snapshot
         self.snapshot = None
@@ -155,6 +157,7 @@ class Elastic:
 
     def _write(self, directory, step, conv, fc):
         path = checkpoint.save(directory, step, step // self.steps_per_epoch, self.cfg, conv, fc, self.engine.plan,
-                               keep=self.cfg.keep_checkpoints, network=self.network)
+                               keep=self.cfg.keep_checkpoints, network=self.network,
+                               data=self.data)
         self.saved[step] = path
         return path

@@ -147,6 +147,16 @@ def _compatible(meta, cfg, network):
         raise checkpoint.CheckpointError(f"cannot resume: {e}") from None
 
 
+def data_meta(ds):
+    """What a checkpoint keeps of its data set so the model can be used without it: the name, the
+    class names, the image shape and the normalisation (per-channel mean and std of [0, 1] pixels)."""
+    if hasattr(ds, "meta"):
+        return ds.meta()
+    from hetconv.data import CIFAR10_MEAN, CIFAR10_STD
+    return {"name": ds.name, "classes": list(ds.classes), "image_shape": list(ds.train_x.shape[1:]),
+            "mean": list(CIFAR10_MEAN), "std": list(CIFAR10_STD)}
+
+
 def network_for(cfg, ds, resume=None):
     """The run's network (a hetconv.net LoadedNet) for data set `ds`: from the network flags, or,
     when resuming with none given, the one the checkpoint holds."""
@@ -403,7 +413,8 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
 
     plan = engine.plan_for(specs, input_shapes, cfg)
     engine.load(plan, specs, conv_params)
-    elastic = Elastic(cfg, engine, net, specs, input_shapes, steps_per_epoch, log, metrics, network.to_json())
+    elastic = Elastic(cfg, engine, net, specs, input_shapes, steps_per_epoch, log, metrics, network.to_json(),
+                      data_meta(ds))
     elastic.start(start_step, conv_params)      # the first snapshot (kept only where a worker can be lost)
     del conv_params                             # the shards own the conv weights from here on
     log(plan.table())
