@@ -27,7 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def _cost_prediction(specs, fc, image, batch, counts, profiles, link, n_workers, local_profile=None,
                      exchange="peer", micro_batches=1, wire="float32", coordinator_s=None):
     from hetconv import costmodel as cm
-    from hetconv.predict import measure_coordinator_s
+    from hetconv.plan import measure_coordinator_s
     from hetconv.wire import value_bytes
     if coordinator_s is None:
         coordinator_s = measure_coordinator_s(specs, fc, image, batch, n_workers)
@@ -47,7 +47,7 @@ def model_link(name, framing="ethernet", wire_cpu_s_per_byte=0.0):
     hosts' compute cores where they share them (bench/_wire_cpu.py)."""
     from hetconv import costmodel as cm
     if name == "loopback":
-        from hetconv.predict import measure_loopback
+        from hetconv.plan import measure_loopback
         link = cm.Link(measure_loopback(), name="loopback (measured)")
     else:
         link = cm.parse_bandwidth(name, framing=cm.TBF_FRAMING if framing == "tbf" else cm.ETHERNET_FRAMING)
@@ -79,7 +79,7 @@ def run_one(spec):
     from threadpoolctl import threadpool_limits
 
     from hetconv import costmodel as cm
-    from hetconv import predict
+    from hetconv import plan as planning
     from hetconv.config import Config
     from hetconv.geometry import conv_specs, layer_input_shapes
     from hetconv.train import train
@@ -119,7 +119,7 @@ def run_one(spec):
                                   exchange=cfg.exchange, wire=cfg.wire_dtype)
         if spec.get("local"):               # the baseline's first calibration, before its steps
             t0 = time.perf_counter()
-            local_before = predict.calibrate_local("cpu", specs, cal_shapes, [s.kernels for s in specs], threads=1)
+            local_before = planning.calibrate_local("cpu", specs, cal_shapes, [s.kernels for s in specs], threads=1)
             local_calibration_s = time.perf_counter() - t0
         summary = train(cfg, engine, log=log)
         from hetconv.train import resolve_micro_batches
@@ -148,7 +148,7 @@ def run_one(spec):
         # moves the prediction as it moved the steps, and the row records how far it drifted.
         if spec.get("local"):
             t0 = time.perf_counter()
-            after = predict.calibrate_local("cpu", specs, cal_shapes, [s.kernels for s in specs], threads=1)
+            after = planning.calibrate_local("cpu", specs, cal_shapes, [s.kernels for s in specs], threads=1)
             row["calibration_s"] = time.perf_counter() - t0 + local_calibration_s
             profile, drift = bracket(local_before, after, [s.kernels for s in specs], batch)
             row["calibration_drift"] = {"local": drift}

@@ -74,7 +74,7 @@ _CPU_THREADS_RE = re.compile(r"^cpu:(\d+)$")
 
 
 def parse_device_list(flag, text, allow_profiles=False):
-    """The one device-list syntax of `--spawn` and `hetconv-predict --devices`: a comma list of
+    """The one device-list syntax of `--spawn` and `hetconv-plan --devices`: a comma list of
     cpu, cpu:THREADS, cuda:N (and @PROFILE.json where allowed), each optionally followed by xCOUNT.
     'cpu:1x4,cuda:0' -> [DeviceEntry('cpu', 1, 4), DeviceEntry('cuda:0')]. Raises DeviceError
     naming the entry. A path may contain 'x': only a trailing x<digits> is a count."""

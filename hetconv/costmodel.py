@@ -1,6 +1,6 @@
 """The cost model: a step's time, speedup and wire bytes, predicted from calibrated device timings,
 layer shapes, batch size and link bandwidth — before anything is bought or wired. The
-`hetconv-predict` command (hetconv/predict.py) measures what this model needs and prints it.
+`hetconv-plan` command (hetconv/plan.py) measures what this model needs and prints it.
 
 The model of one step, phase by phase (each conv layer's forward, then each one's backward):
 - Device time: from calibration, per layer and call (one per micro-batch), seconds = call +
@@ -19,7 +19,7 @@ The model of one step, phase by phase (each conv layer's forward, then each one'
   CPU falls in time the devices wait anyway, and is not charged).
 - Coordinator: FC layers, loss, concatenating channel slices and summing partial dX, measured
   on this host and added once per step (the workers are idle meanwhile: a step is synchronous).
-Everything here is pure: no clocks, no sockets, no devices (those are in hetconv/predict.py).
+Everything here is pure: no clocks, no sockets, no devices (those are in hetconv/plan.py).
 """
 import re
 from dataclasses import asdict, dataclass
@@ -154,7 +154,7 @@ class Link:
 # frame adds 38 (header 14, FCS 4, preamble 8, inter-frame gap 12), so 1 Gbit/s carries 941
 # Mbit/s of payload; tc's tbf, which bench/bandwidth.py shapes with, counts 14 (the header).
 TCP_PAYLOAD = 1448
-ETHERNET_FRAMING = 90            # 1538 - 1448: what hetconv-predict assumes of a real network
+ETHERNET_FRAMING = 90            # 1538 - 1448: what hetconv-plan assumes of a real network
 TBF_FRAMING = 66                 # 1514 - 1448: what tbf counts on an emulated one
 
 

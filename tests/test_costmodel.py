@@ -144,9 +144,9 @@ def test_bad_bandwidth_is_named(text):
         parse_bandwidth(text)
 
 
-def test_predict_command_end_to_end(tmp_path):
+def test_plan_command_end_to_end(tmp_path):
     profile = tmp_path / "cpu.json"
-    result = subprocess.run([sys.executable, "-m", "hetconv.predict", "--devices", "cpu:1x2", "--conv", "4,8",
+    result = subprocess.run([sys.executable, "-m", "hetconv.plan", "--devices", "cpu:1x2", "--conv", "4,8",
                              "--fc", "8", "--batch-size", "8", "--calibration-batch", "4", "--bandwidth", "1gbit",
                              "--save-profiles", str(profile), "--json"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -155,7 +155,7 @@ def test_predict_command_end_to_end(tmp_path):
     assert all(r["step_s"] > 0 and r["wire_mb"] > 0 for r in out["rows"])
     # the single device is calibrated on the whole layers, not extrapolated from the share
     assert out["baseline"].startswith("calibrated on the whole layers") and "on the whole layers" in result.stderr
-    again = subprocess.run([sys.executable, "-m", "hetconv.predict", "--devices", f"@{profile}x3", "--conv", "4,8",
+    again = subprocess.run([sys.executable, "-m", "hetconv.plan", "--devices", f"@{profile}x3", "--conv", "4,8",
                             "--fc", "8", "--batch-size", "8", "--bandwidth", "100mbit"], capture_output=True, text=True,
                            timeout=120)
     assert again.returncode == 0, again.stderr
@@ -231,8 +231,8 @@ def test_the_cost_model_agrees_with_the_device_set_the_planner_picks():
     assert alone.step_s < both.step_s
 
 
-def predict(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "hetconv.predict", "--conv", "4,8", "--fc", "8", "--batch-size", "8",
+def plan_command(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "hetconv.plan", "--conv", "4,8", "--fc", "8", "--batch-size", "8",
                            "--bandwidth", "1gbit", *args], capture_output=True, text=True, timeout=timeout)
 
 
@@ -246,7 +246,7 @@ def test_every_profile_in_a_file_loads_and_a_path_may_contain_x(tmp_path):
     folder.mkdir()
     path = folder / "gpux.json"
     path.write_text(json.dumps([saved_profile("a"), saved_profile("b")]))
-    result = predict("--devices", f"@{path}x2", "--json")
+    result = plan_command("--devices", f"@{path}x2", "--json")
     assert result.returncode == 0, result.stderr
     rows = json.loads(result.stdout)["rows"]
     assert rows[-1]["devices"] == [f"@{path}:a", f"@{path}:b"] * 2
@@ -260,8 +260,8 @@ def test_every_profile_in_a_file_loads_and_a_path_may_contain_x(tmp_path):
 def test_a_bad_profile_file_is_named_in_one_line(tmp_path, content, message):
     path = tmp_path / "bad.json"
     path.write_text(content if isinstance(content, str) else json.dumps(content))
-    result = predict("--devices", f"@{path}")
-    assert result.returncode == 2 and f"hetconv-predict: {path}: {message}" in result.stderr, result.stderr
+    result = plan_command("--devices", f"@{path}")
+    assert result.returncode == 2 and f"hetconv-plan: {path}: {message}" in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
 
 
@@ -274,14 +274,14 @@ def test_a_bad_profile_file_is_named_in_one_line(tmp_path, content, message):
     # refused before calibrating (no 'calibrating' line)
     (["--save-profiles", "/proc/x/p.json"], "--save-profiles '/proc/x/p.json' cannot be written"),
 ])
-def test_predict_ranges_are_checked_up_front(args, message):
-    result = predict(*args)
+def test_plan_ranges_are_checked_up_front(args, message):
+    result = plan_command(*args)
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert "calibrating" not in result.stderr and "Traceback" not in result.stderr
 
 
-def test_predict_shares_the_coordinators_flags():
-    text = subprocess.run([sys.executable, "-m", "hetconv.predict", "--help"], capture_output=True, text=True).stdout
+def test_plan_shares_the_coordinators_flags():
+    text = subprocess.run([sys.executable, "-m", "hetconv.plan", "--help"], capture_output=True, text=True).stdout
     assert "images per step (default: 128)" in " ".join(text.split())
     assert "{proportional,equal}" in text and "examples:" in text
 
@@ -338,8 +338,8 @@ def test_the_wire_cpu_probe_measures_a_cost_per_byte(tmp_path):
     assert len(out["idle_probe_s"]) == len(out["streaming_probe_s"]) == 2
 
 
-def test_predict_names_a_bad_wire_cpu():
-    bad = predict("--wire-cpu-ns", "-1", timeout=60)
+def test_plan_names_a_bad_wire_cpu():
+    bad = plan_command("--wire-cpu-ns", "-1", timeout=60)
     assert bad.returncode == 2 and "--wire-cpu-ns -1.0: expected nanoseconds per byte" in bad.stderr
 
 

@@ -1,8 +1,8 @@
-"""`hetconv-predict`: calibrate the devices you have (or load saved profiles), measure the link,
+"""`hetconv-plan`: calibrate the devices you have (or load saved profiles), measure the link,
 and print the cost model's step time, speedup and wire bytes for one to all of them.
 
-    hetconv-predict --devices cpu:1x4 --bandwidth 1gbit       # four 1-thread CPUs like this one, 1 GbE
-    hetconv-predict --devices cpu:1,@gpu-host.json --bandwidth 10gbit
+    hetconv-plan --devices cpu:1x4 --bandwidth 1gbit       # four 1-thread CPUs like this one, 1 GbE
+    hetconv-plan --devices cpu:1,@gpu-host.json --bandwidth 10gbit
 
 The measuring helpers (calibration in this process, loopback bandwidth, the coordinator's own
 share of a step) live here, with their clocks and sockets; the model itself is hetconv.costmodel.
@@ -172,13 +172,14 @@ def load_profiles(path, n_layers):
 
 def build_parser():
     p = argparse.ArgumentParser(
-        prog="hetconv-predict",
-        description="Predict step time, speedup over one device, and wire bytes for a set of devices, from "
-                    "calibrating the devices you have (or saved profiles) and the link's bandwidth.",
+        prog="hetconv-plan",
+        description="Plan a run: the kernel split, and the estimated step time, speedup over one device and wire "
+                    "bytes for a set of devices, from calibrating the devices you have (or saved profiles) and the "
+                    "link's bandwidth. It trains and classifies nothing.",
         epilog="examples:\n"
-               "  hetconv-predict --devices cpu:1x4 --bandwidth 1gbit\n"
-               "  hetconv-predict --devices cpu:2 --save-profiles host-a.json\n"
-               "  hetconv-predict --devices cpu:4,@host-a.jsonx2 --bandwidth 10gbit --batch-size 32",
+               "  hetconv-plan --devices cpu:1x4 --bandwidth 1gbit\n"
+               "  hetconv-plan --devices cpu:2 --save-profiles host-a.json\n"
+               "  hetconv-plan --devices cpu:4,@host-a.jsonx2 --bandwidth 10gbit --batch-size 32",
         formatter_class=HelpFormatter)
     p.add_argument("--devices", default="cpu:1x2",
                    help="comma list: cpu (all cores), cpu:THREADS, cuda:N, or @PROFILE.json (every profile saved "
@@ -220,7 +221,7 @@ def main(argv=None):
                 else parse_bandwidth(args.bandwidth))
         link = replace(link, host_cpu_s_per_byte=args.wire_cpu_ns * 1e-9)
     except (ValueError, DeviceError) as e:
-        print(f"hetconv-predict: {e}", file=sys.stderr)
+        print(f"hetconv-plan: {e}", file=sys.stderr)
         return 2
     n_total = sum(e.count * (len(saved[e.profile]) if e.profile else 1) for e in entries)
     cal_batch = min(cfg.calibration_batch, cfg.batch_size)
@@ -245,7 +246,7 @@ def main(argv=None):
                     got = calibrate_local(entry.device, specs, cal_shapes, share, threads=entry.threads, also=whole)
                     profiles[entry.label], whole_profile = got if whole else (got, None)
                 except Exception as e:
-                    print(f"hetconv-predict: {entry.label}: {e}", file=sys.stderr)
+                    print(f"hetconv-plan: {entry.label}: {e}", file=sys.stderr)
                     return 2
         order += keys * entry.count
     if args.save_profiles:
