@@ -111,7 +111,7 @@ def test_an_oversized_archive_member_is_refused_unread(tmp_path, monkeypatch):
         tar.addfile(info, io.BufferedReader(_ZeroPadded(head, size)))
     assert archive.stat().st_size < size // 100          # highly compressible: a small download
     read = []
-    monkeypatch.setattr("hetconv.data._unpickle", lambda stream, source: read.append(source))
+    monkeypatch.setattr("hetconv.data.cifar._unpickle", lambda stream, source: read.append(source))
     with pytest.raises(DataError, match=r"cifar-10-batches-py/data_batch_1: \d+ bytes, more than the 64 MB"):
         load_cifar10(archive)
     assert read == []                                    # refused from its header, never unpickled
@@ -122,7 +122,7 @@ def test_an_oversized_file_in_a_cifar_directory_is_refused_unread(tmp_path, monk
     root.mkdir()
     with open(root / "data_batch_1", "wb") as f:
         f.truncate(CIFAR_FILE_CAP + 1)                  # sparse: no disk space used
-    monkeypatch.setattr("hetconv.data._unpickle", lambda stream, source: pytest.fail(f"read {source}"))
+    monkeypatch.setattr("hetconv.data.cifar._unpickle", lambda stream, source: pytest.fail(f"read {source}"))
     with pytest.raises(DataError, match=r"data_batch_1: \d+ bytes, more than the 64 MB"):
         load_cifar10(root)
 

@@ -1,0 +1,108 @@
+"""Data sets: one module per format, the built-in synthetic set, batches and augmentation.
+
+Every data set is a DataSet (base.py): uint8 images (N, C, H, W), int64 labels, class names, and
+the per-channel normalisation of its training split. `load_dataset(spec)` tells the format from
+what `spec` is (the name "synthetic", a directory's contents, a file's magic) and refuses anything
+else with one line naming the path and the forms it accepts.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from hetconv.data import cifar, folder, idx
+from hetconv.data.base import (CIFAR10_CLASSES, CIFAR10_MEAN, CIFAR10_STD, DataError, DataSet, channel_stats,
+                               normalize)
+from hetconv.data.batches import AUGMENTATIONS, Batch, augment, batches, parse_augment, test_batches
+from hetconv.data.cifar import (DIR_NAME, MAX_MEMBER_BYTES, META_FILE, ROW_BYTES, TAR_NAME, TEST_FILE, TRAIN_FILES,
+                                load_cifar, load_cifar10, load_cifar100)
+from hetconv.data.folder import load_image_folder
+from hetconv.data.idx import load_idx
+from hetconv.data.npz import load_npz
+from hetconv.data.synthetic import synthetic
+
+__all__ = ["AUGMENTATIONS", "Batch", "CIFAR10_CLASSES", "CIFAR10_MEAN", "CIFAR10_STD", "DataError", "DataSet",
+           "augment", "batches", "channel_stats", "load_cifar", "load_cifar10", "load_cifar100", "load_dataset",
+           "load_idx", "load_image_folder", "load_npz", "normalize", "parse_augment", "synthetic", "test_batches",
+           "DIR_NAME", "MAX_MEMBER_BYTES", "META_FILE", "ROW_BYTES", "TAR_NAME", "TEST_FILE", "TRAIN_FILES"]
+
+ACCEPTED = ("'synthetic'; a CIFAR-10 or CIFAR-100 python directory or .tar.gz; a directory of MNIST or "
+            "Fashion-MNIST IDX files (train-images-idx3-ubyte[.gz], ...); an image folder with "
+            "train/<class>/ and test/<class>/; or a .npz with x_train, y_train, x_test, y_test")
+
+_GZIP, _ZIP = b"\x1f\x8b", b"PK\x03\x04"
+
+
+def _file_format(path: Path) -> str | None:
+    """A file's format from its first bytes (a tar's from its name or its ustar mark)."""
+    with open(path, "rb") as f:
+        head = f.read(512)
+    if head.startswith(_ZIP):
+        return "npz"
+    if head.startswith(_GZIP) or path.name.endswith((".tar.gz", ".tgz", ".tar")) or head[257:262] == b"ustar":
+        return "cifar"
+    return None
+
+
+def detect_format(path: Path) -> str:
+    """"cifar", "idx", "images" or "npz" for what `path` holds, else DataError naming it."""
+    if not path.exists():
+        raise DataError(f"{path}: does not exist; expected {ACCEPTED}")
+    if path.is_dir():
+        if cifar.resolve_path(path) is not None:
+            return "cifar"
+        if idx.find_dir(path) is not None:
+            return "idx"
+        if folder.is_image_folder(path):
+            return "images"
+        raise DataError(f"{path}: a directory of no known data set format; expected {ACCEPTED}")
+    try:
+        found = _file_format(path)
+    except OSError as e:
+        raise DataError(f"{path}: cannot be read: {e}") from None
+    if found is None:
+        raise DataError(f"{path}: a file of no known data set format (neither a .tar.gz nor a .npz); "
+                        f"expected {ACCEPTED}")
+    return found
+
+
+def load_dataset(spec: str | os.PathLike, seed: int = 0, n_train: int | None = None,
+                 n_test: int | None = None, labels: str | None = None, fashion: bool | None = None) -> DataSet:
+    """"synthetic" -> synthetic(n_train, n_test, seed); anything else a path, its format detected.
+
+    labels: CIFAR-100's "fine" (the default) or "coarse". fashion: an IDX directory is
+    Fashion-MNIST (True) or MNIST (False); None: Fashion-MNIST when "fashion" is in the path.
+    Either is refused for a data set it does not apply to. For a data set read from files,
+    n_train / n_test (when given) keep the first n images of each split, for quick runs; seed is
+    not used (the files fix the data).
+    """
+    if isinstance(spec, str) and spec == "synthetic":
+        if labels is not None or fashion is not None:
+            raise DataError("'synthetic' has one kind of label: labels= and fashion= apply to CIFAR-100 and "
+                            "IDX directories")
+        sizes = {k: v for k, v in (("n_train", n_train), ("n_test", n_test)) if v is not None}
+        return synthetic(seed=seed, **sizes)
+    path = Path(spec)
+    kind = detect_format(path)
+    if labels is not None and kind != "cifar":
+        raise DataError(f"{path}: labels={labels!r} applies to CIFAR-100 only")
+    if fashion is not None and kind != "idx":
+        raise DataError(f"{path}: fashion={fashion!r} applies to a directory of IDX files only")
+    if kind == "cifar":
+        ds = load_cifar(path, labels)
+    elif kind == "idx":
+        ds = load_idx(path, fashion)
+    elif kind == "images":
+        ds = load_image_folder(path)
+    else:
+        ds = load_npz(path)
+    for name, n, have in (("n_train", n_train, len(ds.train_y)),
+                          ("n_test", n_test, len(ds.test_y))):
+        if n is not None and not 0 <= n <= have:
+            raise ValueError(f"{name}={n}, but {spec} has {have} images in that split")
+    if n_train is not None:
+        ds.train_x, ds.train_y = ds.train_x[:n_train], ds.train_y[:n_train]
+    if n_test is not None:
+        ds.test_x, ds.test_y = ds.test_x[:n_test], ds.test_y[:n_test]
+    return ds
