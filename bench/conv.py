@@ -133,10 +133,10 @@ def hetconv_steps(dev, data, need_dx):
 
     def plain():
         t0 = time.perf_counter()
-        y = dev.conv2d(x, w, b, PADDING)
+        y = dev.conv2d(x, w, b, padding=PADDING)
         dev.synchronize()
         t1 = time.perf_counter()
-        grads = dev.conv2d_backward(x, w, dy, PADDING, need_dx)
+        grads = dev.conv2d_backward(x, w, dy, padding=PADDING, need_dx=need_dx)
         dev.synchronize()        # note: without it a GPU timer stops at launch, not at completion
         t2 = time.perf_counter()
         return {"fwd": t1 - t0, "fwd+bwd": t2 - t0, "out": (y, *grads)}
