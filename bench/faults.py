@@ -94,10 +94,13 @@ class Run(_Outputs):
 
     def __init__(self, workdir, name, args):
         super().__init__(workdir, name)
+        # TMPDIR for the coordinator and for the workers a scenario starts: a killed worker's ipc
+        # files stay in the run's folder and go with it, not into /tmp
+        self.env = {**os.environ, "TMPDIR": self.dir}
         with open(self.out_path, "w") as out:
             self.proc = subprocess.Popen(coordinator(*args, "--metrics", self.metrics), stdout=out,
                                          stderr=subprocess.STDOUT, start_new_session=True, cwd=self.dir,
-                                         env={**os.environ, "TMPDIR": self.dir})
+                                         env=self.env)
         self.started = time.monotonic()
 
     def steps_done(self):
@@ -243,7 +246,8 @@ def kill_external(workdir):
     run = Run(workdir, "external", ["--workers", 3, "--bind", address, *NET, "--steps", 10, "--snapshot-every", 3,
                                     "--worker-timeout", 60])
     workers = [subprocess.Popen(worker("--device", "cpu", "--connect", address, "--threads", 1, "--name", f"ext{i}"),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                env=run.env)
                for i in range(3)]
     try:
         run.wait_for_step(3)
@@ -345,7 +349,8 @@ def garbage_frames(workdir):
     run = Run(workdir, "fuzz", ["--workers", 2, "--bind", address, *NET, "--steps", steps, "--snapshot-every", 100,
                                 "--checkpoint-dir", "ckpt"])
     workers = [subprocess.Popen(worker("--device", "cpu", "--connect", address, "--threads", 1, "--name", f"w{i}"),
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
+                                env=run.env)
                for i in range(2)]
     import zmq
     ctx = zmq.Context()
@@ -407,11 +412,13 @@ def foreign_keys(workdir):
     run = Run(workdir, "keys", ["--workers", 2, "--bind", address, "--curve", keys_dir, *NET, "--steps", 4])
     stranger = subprocess.Popen(worker("--device", "cpu", "--connect", address, "--name", "stranger",
                                        "--curve", os.path.join(other, "workers", "worker1"), "--connect-timeout", 15),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                env=run.env)
     time.sleep(1.5)
     keyed = [subprocess.Popen(worker("--device", "cpu", "--connect", address, "--threads", 1, "--name", name,
                                      "--curve", os.path.join(keys_dir, "workers", name)),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                              env=run.env)
              for name in ("worker1", "second")]
     try:
         code = run.finish()
