@@ -1,0 +1,113 @@
+"""hetconv-classify: the classes a checkpoint's model gives images, with their probabilities.
+
+    hetconv-classify runs/a cat.png dog.jpg --top 3
+
+Images are PNG or JPEG files, read with Pillow (pip install 'hetconv[images]'). An image is never
+resized: it must be the network's input size, or the size of the data set's images when the run
+trained on centre crops (--crop; it is then cropped the same way). Grey and colour images are
+converted to the network's channel count (1: grey, 3: RGB; an alpha channel is dropped). Pixels
+are normalised with the data set's mean and std stored in the checkpoint.
+"""
+import json
+import sys
+
+import numpy as np
+
+from hetconv.evaluate import InProcessModel, ModelError, OneLineParser, load_model, log_softmax
+
+IMAGES_INSTALL = "pip install 'hetconv[images]' (in a checkout: pip install -e '.[images]')"
+FORMATS = ("PNG", "JPEG")
+MODES = {1: "L", 3: "RGB"}               # network channels -> the Pillow mode its images are read in
+EIGHT_BIT_MODES = ("1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "CMYK", "YCbCr", "La")
+
+
+def _pillow():
+    try:
+        from PIL import Image
+    except ImportError:
+        raise ModelError(f"reading images needs Pillow, which is not installed: {IMAGES_INSTALL}") from None
+    return Image
+
+
+def read_image(path, model):
+    """uint8 (C, H, W) of the image at `path`, checked against the model's input. Only the header
+    is read before the size is checked, so a huge image costs nothing."""
+    Image = _pillow()
+    channels, height, width = model.spec.input_shape
+    if channels not in MODES:
+        raise ModelError(f"the network takes {channels}-channel images; image files give 1 (grey) or 3 (RGB)")
+    sizes = [(height, width)]
+    data_hw = tuple(model.data["image_shape"][1:])
+    if data_hw != (height, width):
+        sizes.append(data_hw)                     # the run trained on centre crops of these
+    try:
+        with Image.open(path, formats=FORMATS) as img:
+            if (img.height, img.width) not in sizes:
+                accepted = " or ".join(f"{w}x{h}" for h, w in sizes)
+                raise ModelError(f"{path}: the image is {img.width}x{img.height} (width x height), the network takes "
+                                 f"{accepted}; resize it first")
+            if img.mode not in EIGHT_BIT_MODES:
+                raise ModelError(f"{path}: Pillow mode {img.mode!r}, expected 8 bits per channel (grey or colour)")
+            pixels = np.asarray(img.convert(MODES[channels]), np.uint8)
+    except ModelError:
+        raise
+    except FileNotFoundError:
+        raise ModelError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise ModelError(f"{path}: a directory, expected an image file") from None
+    except Exception as e:                         # Pillow's UnidentifiedImageError, a truncated file, ...
+        raise ModelError(f"{path}: not a {' or '.join(FORMATS)} image Pillow can read "
+                         f"({type(e).__name__}: {e})") from None
+    if pixels.ndim == 2:
+        pixels = pixels[:, :, None]
+    return np.ascontiguousarray(pixels.transpose(2, 0, 1))        # (H, W, C) -> (C, H, W)
+
+
+def top_classes(model, probabilities, k):
+    """[(class name, probability)] of the k most probable classes, most probable first (ties by
+    class index, as argmax breaks them)."""
+    order = np.argsort(-probabilities, kind="stable")[:k]
+    return [(model.classes[i], float(probabilities[i])) for i in order]
+
+
+def build_parser():
+    p = OneLineParser(prog="hetconv-classify",
+                      description="Label PNG or JPEG images with a checkpoint's model, in this process: the most "
+                                  "probable classes of each image and their probabilities.")
+    p.add_argument("checkpoint", metavar="CHECKPOINT_OR_DIR",
+                   help="a checkpoint file, or a directory (its newest valid checkpoint)")
+    p.add_argument("images", metavar="IMAGE", nargs="+", help="PNG or JPEG files of the network's input size")
+    p.add_argument("--top", type=int, default=3, metavar="K", help="classes shown per image")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads for the conv layers (0: every usable core)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per image")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        if args.threads < 0:
+            raise ModelError(f"--threads must be >= 0, got {args.threads}")
+        model = load_model(args.checkpoint)
+        if not 1 <= args.top <= len(model.classes):
+            raise ModelError(f"--top must be 1..{len(model.classes)} (the model's classes), got {args.top}")
+        # cropped one by one: a crop-trained network takes images of either size
+        x = np.concatenate([model.crop(model.normalize(read_image(path, model)[None])) for path in args.images])
+    except ModelError as e:
+        print(f"hetconv-classify: {e}", file=sys.stderr)
+        return 2
+    for note in model.notes:
+        print(f"hetconv-classify: note: {note}", file=sys.stderr)
+    runner = InProcessModel(model, threads=args.threads or None)
+    probabilities = np.exp(log_softmax(runner.logits(x)))
+    for path, p in zip(args.images, probabilities):
+        top = top_classes(model, p, args.top)
+        if args.json:
+            print(json.dumps({"image": path, "top": [{"class": name, "probability": prob} for name, prob in top]}))
+        else:
+            print(f"{path}: " + ", ".join(f"{name} {prob:.3f}" for name, prob in top))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

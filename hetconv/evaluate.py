@@ -1,0 +1,325 @@
+"""hetconv-eval: a checkpoint's network on a data set's test split, in this process.
+
+    hetconv-eval runs/a                        # the newest valid checkpoint, on the data the run used
+    hetconv-eval runs/a --data cifar-10-batches-py --json
+
+Also the one place a trained model is read back (`load_model`): its network, weights, class
+names and normalisation, for hetconv-classify and hetconv-export as well. The conv blocks run on
+one in-process CPU shard (`InProcessModel`), the same code a worker runs, so no worker is needed.
+
+A checkpoint written before checkpoints kept the network and the data set's meta is still read:
+its network comes from the run's paper-family flags (--conv, --fc, --ksize, --padding, --crop)
+and its data meta is CIFAR-10's class names and normalisation, which every run of that time used;
+each assumption is reported as a note.
+"""
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hetconv import checkpoint
+from hetconv.net import NetSpec
+
+
+class ModelError(ValueError):
+    """A checkpoint, data set or image that cannot be used with this model: one line, no traceback."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line (the usage is one --help away)."""
+
+    def error(self, message):
+        print(f"{self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+# ---- the trained model ------------------------------------------------------------------------
+
+@dataclass
+class Model:
+    path: str                   # the checkpoint file read
+    step: int
+    spec: NetSpec
+    conv: list                  # [(w (K, C, kh, kw), b (K,) or None)] per conv layer
+    fc: list                    # [(w (out, in), b (out,) or None)] per linear layer
+    data: dict                  # name, classes, image_shape, mean, std (of [0, 1] pixels, per channel)
+    config: dict
+    notes: list = field(default_factory=list)
+
+    @property
+    def classes(self):
+        return list(self.data["classes"])
+
+    def normalize(self, images):
+        """uint8 images (N, C, H, W) -> float32 (x / 255 - mean) / std per channel, folded into one
+        multiply-add as hetconv.data.normalize does, so the logits match the run's own evaluation."""
+        c = images.shape[1]
+        mean = np.asarray(self.data["mean"], np.float32).reshape(c, 1, 1)
+        std = np.asarray(self.data["std"], np.float32).reshape(c, 1, 1)
+        out = images.astype(np.float32)
+        out *= 1.0 / (255.0 * std)
+        out -= mean / std
+        return out
+
+    def crop(self, x):
+        """(N, C, H, W) -> the network's input (N, C, h, w), centre-cropped as the run's evaluation
+        crops (--crop); no copy when the sizes agree."""
+        h, w = self.spec.input_shape[1:]
+        if x.shape[2:] == (h, w):
+            return x
+        top, left = (x.shape[2] - h) // 2, (x.shape[3] - w) // 2
+        return np.ascontiguousarray(x[:, :, top:top + h, left:left + w])
+
+
+def _shape_text(shape):
+    return "x".join(str(v) for v in shape)
+
+
+def _check_data_meta(data, spec):
+    """Raise ModelError unless `data` is a usable data meta for the network `spec`."""
+    if not isinstance(data, dict):
+        raise ModelError(f"its data meta is {type(data).__name__}, expected a JSON object")
+    missing = [k for k in ("classes", "image_shape", "mean", "std") if k not in data]
+    if missing:
+        raise ModelError(f"its data meta has no {', '.join(missing)}")
+    classes, shape = data["classes"], data["image_shape"]
+    if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes) or len(classes) != spec.classes:
+        raise ModelError(f"its data meta's classes must be {spec.classes} names (the network's outputs), "
+                         f"got {str(classes)[:120]}")
+    if (not isinstance(shape, list) or len(shape) != 3 or not all(isinstance(v, int) and v >= 1 for v in shape)
+            or shape[0] != spec.input_shape[0] or shape[1] < spec.input_shape[1] or shape[2] < spec.input_shape[2]):
+        raise ModelError(f"its data meta's image_shape {shape} does not fit the network's input "
+                         f"{_shape_text(spec.input_shape)}")
+    for key in ("mean", "std"):
+        v = data[key]
+        if (not isinstance(v, list) or len(v) != shape[0]
+                or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in v)
+                or (key == "std" and min(v) <= 0)):
+            raise ModelError(f"its data meta's {key} must be {shape[0]} finite numbers"
+                             f"{' > 0' if key == 'std' else ''}, got {str(v)[:120]}")
+
+
+def _fallback_network(config):
+    """The network of a checkpoint written before checkpoints kept it: the run's paper-family
+    flags on CIFAR-shaped images."""
+    from hetconv.config import Config
+    from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES
+    if not isinstance(config, dict):
+        raise ModelError("it has neither the network nor the run's config")
+    try:
+        cfg = Config.from_json(config)
+        if cfg.net:
+            raise ModelError(f"it has no stored network, and its config names --net {cfg.net}, which is not "
+                             f"read back from a checkpoint")
+        return cfg.network(cfg.input_shape(IMAGE_SHAPE), NUM_CLASSES).spec
+    except ModelError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ModelError(f"it has no stored network, and its config does not describe one: {e}") from None
+
+
+def _cifar10_data_meta(config):
+    from hetconv.data import CIFAR10_CLASSES, CIFAR10_MEAN, CIFAR10_STD
+    from hetconv.geometry import IMAGE_SHAPE
+    name = config.get("data", "cifar10") if isinstance(config, dict) else "cifar10"
+    return {"name": str(name), "classes": list(CIFAR10_CLASSES), "image_shape": list(IMAGE_SHAPE),
+            "mean": list(CIFAR10_MEAN), "std": list(CIFAR10_STD)}
+
+
+def load_model(path):
+    """The model in the checkpoint `path` (a file, or a directory's newest valid checkpoint).
+    Raises ModelError (one line naming the path) when it cannot be used."""
+    try:
+        meta, conv_state, fc_state, _ = checkpoint.load_newest_valid(path)
+    except checkpoint.CheckpointError as e:
+        raise ModelError(str(e)) from None
+    where = meta["path"]
+    notes = []
+    try:
+        if "network" in meta:
+            try:
+                spec = NetSpec.from_json(meta["network"])
+            except (TypeError, ValueError) as e:
+                raise ModelError(f"its stored network cannot be read: {e}") from None
+        else:
+            spec = _fallback_network(meta.get("config"))
+            notes.append("no network stored in the checkpoint: taken from the run's --conv/--fc/--ksize/--padding/"
+                         "--crop on CIFAR-shaped images")
+        if "data" in meta:
+            data = meta["data"]
+        else:
+            data = _cifar10_data_meta(meta.get("config"))
+            notes.append("no data meta stored in the checkpoint: assuming CIFAR-10's class names and "
+                         "normalisation, which every run used before checkpoints kept them")
+        _check_data_meta(data, spec)
+        conv_shapes, fc_shapes = spec.parameter_shapes()
+        conv = _weights("conv", conv_state, conv_shapes)
+        fc = _weights("fc", fc_state, fc_shapes)
+    except ModelError as e:
+        raise ModelError(f"{where}: {e}") from None
+    return Model(where, int(meta.get("step", 0)), spec, conv, fc, data, meta.get("config") or {}, notes)
+
+
+def _weights(part, state, shapes):
+    """[(w, b or None)] from a checkpoint's [(w, b, vw, vb)], each checked against the network."""
+    if len(state) != len(shapes):
+        raise ModelError(f"it has {len(state)} {part} layers, its network {len(shapes)}")
+    out = []
+    for i, ((w, b, _, _), (w_shape, b_shape)) in enumerate(zip(state, shapes)):
+        if tuple(w.shape) != w_shape or (b_shape is not None and tuple(b.shape) != b_shape):
+            raise ModelError(f"{part} layer {i}: weights {tuple(w.shape)}, bias {tuple(b.shape)}; its network "
+                             f"expects {w_shape}, {b_shape}")
+        if w.dtype != np.float32 or not np.isfinite(w).all() or not np.isfinite(b).all():
+            raise ModelError(f"{part} layer {i}: weights must be finite float32, got {w.dtype}"
+                             f"{'' if w.dtype != np.float32 else ' with inf or nan'}")
+        out.append((w, b.astype(np.float32) if b_shape is not None else None))
+    return out
+
+
+class InProcessModel:
+    """The model's forward pass in this process: the conv blocks on one CPU shard through the
+    local engine (what `--local` trains with), the head on hetconv.model.Network."""
+
+    def __init__(self, model, threads=None):
+        from hetconv.devices import open_device
+        from hetconv.engine import LocalEngine
+        from hetconv.geometry import ConvSpec
+        from hetconv.model import Network
+        from hetconv.planner import fixed_plan
+        from hetconv.shard import ConvShard
+
+        spec = model.spec
+        specs = [ConvSpec.from_layer(layer) for layer in spec.conv_layers()]
+        kernels = [s.kernels for s in specs]
+        device = open_device("cpu", **({"threads": threads} if threads else {}))
+        engine = LocalEngine({"local": ConvShard(device)})
+        engine.load(fixed_plan(kernels, {"local": kernels}), specs,
+                    [(w, np.zeros(len(w), np.float32) if b is None else b, None, None) for w, b in model.conv])
+        head = [op.layer.to_json() for op in spec.head() if op.type != "flatten"]
+        self.net = Network(specs, head, engine, np.random.default_rng(0), spec.conv_layers()[-1].output_shape,
+                           fc_params=model.fc)
+
+    def logits(self, x):
+        """Normalised network inputs (N, C, H, W) float32 -> logits (N, classes) float32."""
+        return self.net.predict(np.ascontiguousarray(x, np.float32))
+
+
+def log_softmax(logits):
+    z = np.asarray(logits, np.float64)
+    z = z - z.max(axis=1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+
+
+# ---- evaluation -------------------------------------------------------------------------------
+
+def load_test_data(model, spec=None):
+    """The data set to evaluate on: `spec` (as --data), else the one the run trained on, with the
+    run's seed and sizes for the synthetic set. Raises ModelError when its images or classes do
+    not fit the model."""
+    from hetconv.data import load_dataset
+    config = model.config
+    spec = spec or config.get("data") or model.data.get("name")
+    if not spec:
+        raise ModelError(f"{model.path}: no data set recorded with the run; give --data")
+    options = {}
+    if spec == "synthetic":
+        options = {"seed": int(config.get("seed", 0)), "n_train": config.get("synthetic_train"),
+                   "n_test": config.get("synthetic_test")}
+    try:
+        ds = load_dataset(spec, **{k: v for k, v in options.items() if v is not None})
+    except (ValueError, OSError) as e:
+        raise ModelError(f"--data {spec}: {e}") from None
+    shape = tuple(ds.test_x.shape[1:])
+    if shape != tuple(model.data["image_shape"]):
+        raise ModelError(f"--data {spec}: its images are {_shape_text(shape)}, the model was trained on "
+                         f"{_shape_text(model.data['image_shape'])}")
+    if len(ds.classes) != len(model.classes):
+        raise ModelError(f"--data {spec}: {len(ds.classes)} classes, the model has {len(model.classes)}")
+    if len(ds.test_y) == 0:
+        raise ModelError(f"--data {spec}: its test split is empty")
+    return ds
+
+
+def evaluate(model, runner, images, labels, batch_size, progress=None):
+    """Loss, accuracy, per-class accuracy and the confusion matrix (rows: true class, columns:
+    predicted) of `runner` on uint8 images and their labels."""
+    k = len(model.classes)
+    confusion = np.zeros((k, k), np.int64)
+    loss_sum = 0.0
+    for start in range(0, len(labels), batch_size):
+        x = model.crop(model.normalize(images[start:start + batch_size]))
+        y = labels[start:start + batch_size]
+        logits = runner.logits(x)
+        loss_sum -= float(log_softmax(logits)[np.arange(len(y)), y].sum())
+        np.add.at(confusion, (y, logits.argmax(axis=1)), 1)
+        if progress is not None:
+            progress.update(len(y))
+    n = int(confusion.sum())
+    per_class = []
+    for i, name in enumerate(model.classes):
+        seen = int(confusion[i].sum())
+        per_class.append({"class": name, "images": seen, "correct": int(confusion[i, i]),
+                          "accuracy": confusion[i, i] / seen if seen else None})
+    return {"images": n, "loss": loss_sum / n, "accuracy": float(np.trace(confusion)) / n,
+            "correct": int(np.trace(confusion)), "per_class": per_class, "confusion": confusion.tolist()}
+
+
+def render(result):
+    lines = [f"{result['checkpoint']} (step {result['step']}) on {result['data']}: {result['images']} test images",
+             f"loss {result['loss']:.4f}  accuracy {result['accuracy']:.4f} ({result['correct']}/{result['images']})",
+             "per class:"]
+    width = max(len(c["class"]) for c in result["per_class"])
+    for c in result["per_class"]:
+        acc = "   -  " if c["accuracy"] is None else f"{c['accuracy']:.4f}"
+        lines.append(f"  {c['class']:<{width}}  {acc} ({c['correct']}/{c['images']})")
+    lines.append("confusion (rows: true class, columns: predicted, in the order above):")
+    cell = max(len(str(v)) for row in result["confusion"] for v in row) + 1
+    for c, row in zip(result["per_class"], result["confusion"]):
+        lines.append(f"  {c['class']:<{width}} " + "".join(f"{v:>{cell}}" for v in row))
+    return "\n".join(lines)
+
+
+def build_parser():
+    p = OneLineParser(prog="hetconv-eval",
+                      description="Evaluate a checkpoint on a data set's test split in this process (no workers): "
+                                  "loss, accuracy, per-class accuracy and the confusion matrix.")
+    p.add_argument("checkpoint", metavar="CHECKPOINT_OR_DIR",
+                   help="a checkpoint file, or a directory (its newest valid checkpoint)")
+    p.add_argument("--data", default="", help="the data set (as hetconv-coordinator --data; default: the one the "
+                                              "run trained on)")
+    p.add_argument("--batch-size", type=int, default=256, help="images per forward pass")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads for the conv layers (0: every usable core)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    return p
+
+
+def main(argv=None):
+    from tqdm import tqdm
+
+    args = build_parser().parse_args(argv)
+    try:
+        if args.batch_size < 1:
+            raise ModelError(f"--batch-size must be >= 1, got {args.batch_size}")
+        if args.threads < 0:
+            raise ModelError(f"--threads must be >= 0, got {args.threads}")
+        model = load_model(args.checkpoint)
+        ds = load_test_data(model, args.data)
+    except ModelError as e:
+        print(f"hetconv-eval: {e}", file=sys.stderr)
+        return 2
+    for note in model.notes:
+        print(f"hetconv-eval: note: {note}", file=sys.stderr)
+    runner = InProcessModel(model, threads=args.threads or None)
+    with tqdm(total=len(ds.test_y), unit="img", disable=None, file=sys.stderr, leave=False) as bar:
+        result = evaluate(model, runner, ds.test_x, ds.test_y, args.batch_size, bar)
+    result = {"checkpoint": model.path, "step": model.step, "data": args.data or model.config.get("data")
+              or model.data.get("name"), **result}
+    print(json.dumps(result) if args.json else render(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

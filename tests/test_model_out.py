@@ -1,0 +1,295 @@
+"""The model leaves: hetconv-eval gives the run's own test accuracy, hetconv-export's torch.export
+program (run where hetconv cannot be imported), ONNX and .npz give hetconv's logits, and
+hetconv-classify labels PNG files as the exported model does; bad input is one line, exit 2."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hetconv import checkpoint
+from hetconv.config import Config
+from hetconv.devices import open_device
+from hetconv.engine import LocalEngine
+from hetconv.net import NetSpec
+from hetconv.shard import ConvShard
+from hetconv.train import train
+
+torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install 'hetconv[torch]')")
+from hetconv import classify, evaluate, export  # noqa: E402
+from hetconv.net.torch_import import to_torch  # noqa: E402
+
+RUN = dict(conv="4,8", fc="16", batch_size=16, steps=3, synthetic_train=64, synthetic_test=40, threads=1)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A tiny network trained 3 steps into a checkpoint directory: (directory, train's summary)."""
+    directory = tmp_path_factory.mktemp("run") / "ckpt"
+    cfg = Config(**RUN, checkpoint_dir=str(directory)).validate()
+    summary = train(cfg, LocalEngine({"local": ConvShard(open_device("cpu", threads=1))}), log=lambda *_: None)
+    return str(directory), summary
+
+
+@pytest.fixture(scope="module")
+def reference(run):
+    """The test images as an exported model takes them (float32 in [0, 1]), their labels, and
+    hetconv's own logits for them (in-process, as hetconv-eval computes them)."""
+    model = evaluate.load_model(run[0])
+    ds = evaluate.load_test_data(model)
+    logits = evaluate.InProcessModel(model, threads=1).logits(model.normalize(ds.test_x))
+    return ds.test_x.astype(np.float32) / 255, ds.test_y, logits
+
+
+@pytest.fixture(scope="module")
+def exported_torch(run, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("export") / "model.pt2")
+    assert export.main([run[0], "--format", "torch", "--out", out]) == 0
+    return out
+
+
+def accuracy(logits, labels):
+    return float((np.asarray(logits).argmax(axis=1) == labels).mean())
+
+
+# ---- hetconv-eval -----------------------------------------------------------------------------
+
+def test_eval_json_is_the_runs_own_test_evaluation(run, reference):
+    directory, summary = run
+    # another batch size than the run's: the result does not depend on it
+    got = subprocess.run([sys.executable, "-m", "hetconv.evaluate", directory, "--json", "--threads", "1",
+                          "--batch-size", "7"], capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr
+    result = json.loads(got.stdout)
+    assert result["accuracy"] == summary["test_accuracy"]
+    assert result["images"] == summary["test_images"] == RUN["synthetic_test"]
+    x01, labels, logits = reference
+    # the loss is the mean softmax cross-entropy of the same logits, as PyTorch computes it
+    expected_loss = torch.nn.functional.cross_entropy(torch.from_numpy(logits).double(), torch.from_numpy(labels))
+    assert result["loss"] == pytest.approx(float(expected_loss), rel=1e-6)
+    confusion = np.array(result["confusion"])
+    predicted = logits.argmax(axis=1)
+    np.testing.assert_array_equal(confusion, [[int(((labels == t) & (predicted == p)).sum()) for p in range(10)]
+                                              for t in range(10)])
+    assert [c["class"] for c in result["per_class"]] == list(evaluate.load_model(directory).classes)
+    for t, c in enumerate(result["per_class"]):
+        assert c["images"] == int((labels == t).sum())
+        assert c["accuracy"] == pytest.approx(confusion[t, t] / c["images"])
+
+
+def test_eval_table_names_every_class(run, capsys):
+    assert evaluate.main([run[0], "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"accuracy {run[1]['test_accuracy']:.4f}" in out
+    assert all(name in out for name in evaluate.load_model(run[0]).classes)
+    assert "confusion" in out
+
+
+def test_a_checkpoint_without_network_and_data_meta_is_read_with_named_assumptions(run, tmp_path):
+    from hetconv.data import CIFAR10_CLASSES, CIFAR10_MEAN
+    meta, conv, fc, _ = checkpoint.load_newest_valid(run[0])
+    checkpoint.save(str(tmp_path), meta["step"], meta["epoch"], Config.from_json(meta["config"]), conv, fc)
+    model = evaluate.load_model(str(tmp_path))
+    assert model.spec == NetSpec.from_json(meta["network"])
+    assert model.classes == list(CIFAR10_CLASSES) and model.data["mean"] == list(CIFAR10_MEAN)
+    assert len(model.notes) == 2 and "network" in model.notes[0] and "CIFAR-10" in model.notes[1]
+
+
+# ---- hetconv-export ---------------------------------------------------------------------------
+
+RUN_EXPORTED = """
+import os, sys
+# neither the checkout nor the editable install: the program must run on PyTorch alone
+sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in (getattr(f, "__module__", "") or "")]
+sys.path[:] = [p for p in sys.path if not os.path.isdir(os.path.join(p or os.curdir, "hetconv"))]
+import importlib.util
+assert importlib.util.find_spec("hetconv") is None, "hetconv is importable"
+import numpy as np
+import torch
+module = torch.export.load(sys.argv[1]).module()
+with torch.no_grad():
+    np.save(sys.argv[3], module(torch.from_numpy(np.load(sys.argv[2]))).numpy())
+print("hetconv importable:", importlib.util.find_spec("hetconv") is not None)
+"""
+
+
+def test_torch_export_runs_without_hetconv_and_gives_its_logits(run, reference, exported_torch, tmp_path):
+    x01, labels, logits = reference
+    np.save(tmp_path / "x.npy", x01)
+    script = tmp_path / "run_exported.py"
+    script.write_text(RUN_EXPORTED)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    got = subprocess.run([sys.executable, str(script), exported_torch, str(tmp_path / "x.npy"),
+                          str(tmp_path / "logits.npy")], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path, env=env)
+    assert got.returncode == 0, got.stderr
+    assert "hetconv importable: False" in got.stdout
+    exported = np.load(tmp_path / "logits.npy")
+    np.testing.assert_allclose(exported, logits, atol=1e-4, rtol=0)
+    assert accuracy(exported, labels) == run[1]["test_accuracy"]
+
+
+def test_npz_export_loads_into_a_fresh_sequential(run, reference, tmp_path):
+    x01, labels, logits = reference
+    out = tmp_path / "model.npz"
+    assert export.main([run[0], "--format", "npz", "--out", str(out)]) == 0
+    with np.load(out, allow_pickle=False) as z:
+        spec = NetSpec.from_json(str(z["network"]))
+        data = json.loads(str(z["data"]))
+        state = {name: torch.from_numpy(z[name]) for name in z.files if name not in ("network", "data")}
+    assert data == checkpoint.load_newest_valid(run[0])[0]["data"]
+    assert "0.weight" in state and all(a.dtype == torch.float32 for a in state.values())
+    module = to_torch(spec, *spec.init_params(np.random.default_rng(1))).eval()     # other weights, then loaded
+    module.load_state_dict(state, strict=True)
+    mean = np.float32(data["mean"]).reshape(1, -1, 1, 1)
+    std = np.float32(data["std"]).reshape(1, -1, 1, 1)
+    with torch.no_grad():
+        got = module(torch.from_numpy((x01 - mean) / std)).numpy()
+    np.testing.assert_allclose(got, logits, atol=1e-4, rtol=0)
+    assert accuracy(got, labels) == run[1]["test_accuracy"]
+
+
+def test_onnx_export_gives_hetconv_logits(run, reference, tmp_path):
+    ort = pytest.importorskip("onnxruntime", reason="ONNX export is an optional extra (pip install 'hetconv[onnx]')")
+    pytest.importorskip("onnxscript", reason="ONNX export is an optional extra (pip install 'hetconv[onnx]')")
+    x01, labels, logits = reference
+    out = tmp_path / "model.onnx"
+    assert export.main([run[0], "--format", "onnx", "--out", str(out)]) == 0
+    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    got = session.run(None, {"images": x01})[0]
+    np.testing.assert_allclose(got, logits, atol=1e-4, rtol=0)
+    assert accuracy(got, labels) == run[1]["test_accuracy"]
+
+
+# ---- hetconv-classify -------------------------------------------------------------------------
+
+def test_classify_png_files_as_the_exported_model_does(run, reference, exported_torch, tmp_path, capsys):
+    Image = pytest.importorskip("PIL.Image", reason="reading images is an optional extra (pip install "
+                                                   "'hetconv[images]')")
+    x01, labels, _ = reference
+    uint8 = np.rint(x01[:5] * 255).astype(np.uint8)
+    paths = []
+    for i, image in enumerate(uint8):
+        paths.append(str(tmp_path / f"test{i}.png"))
+        Image.fromarray(image.transpose(1, 2, 0)).save(paths[-1])
+    assert classify.main([run[0], *paths, "--top", "10", "--json", "--threads", "1"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    module = torch.export.load(exported_torch).module()
+    with torch.no_grad():
+        probabilities = torch.softmax(module(torch.from_numpy(uint8.astype(np.float32) / 255)), dim=1).numpy()
+    classes = evaluate.load_model(run[0]).classes
+    assert [row["image"] for row in rows] == paths
+    for row, p in zip(rows, probabilities):
+        assert row["top"][0]["class"] == classes[int(p.argmax())]
+        got = {c["class"]: c["probability"] for c in row["top"]}
+        np.testing.assert_allclose([got[name] for name in classes], p, atol=1e-5)
+
+
+def test_classify_converts_a_grey_image_to_the_networks_channels(run, tmp_path, capsys):
+    Image = pytest.importorskip("PIL.Image", reason="reading images is an optional extra")
+    grey = np.arange(32 * 32, dtype=np.uint32).reshape(32, 32).astype(np.uint8)
+    Image.fromarray(grey).save(tmp_path / "grey.png")
+    model = evaluate.load_model(run[0])
+    np.testing.assert_array_equal(classify.read_image(str(tmp_path / "grey.png"), model), np.stack([grey] * 3))
+    assert classify.main([run[0], str(tmp_path / "grey.png"), "--top", "2", "--threads", "1"]) == 0
+    assert capsys.readouterr().out.startswith(f"{tmp_path / 'grey.png'}: ")
+
+
+# ---- bad input: one line, exit 2 --------------------------------------------------------------
+
+def checkpoint_of(directory, input_shape, classes):
+    """A checkpoint of a one-conv network on `input_shape` images of `classes` classes."""
+    spec = NetSpec.from_json({"input_shape": list(input_shape), "classes": classes, "layers": [
+        {"type": "conv", "out_channels": 2, "kernel": 5}, {"type": "relu"}, {"type": "maxpool", "kernel": 2},
+        {"type": "flatten"}, {"type": "linear", "out_features": classes}]})
+    conv, fc = spec.init_params(np.random.default_rng(0))
+    with_momentum = [[(w, b, np.zeros_like(w), np.zeros_like(b)) for w, b in part] for part in (conv, fc)]
+    data = {"name": "other", "classes": [f"c{i}" for i in range(classes)], "image_shape": list(input_shape),
+            "mean": [0.5] * input_shape[0], "std": [0.25] * input_shape[0]}
+    checkpoint.save(str(directory), 1, 0, Config(), *with_momentum, network=spec.to_json(), data=data)
+    return str(directory)
+
+
+def one_line_error(main, argv, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as e:                 # argparse's exit
+        code = e.code
+    captured = capsys.readouterr()
+    assert code == 2, captured
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
+    return lines[0]
+
+
+def bad_input_cases(run, tmp_path):
+    not_a_checkpoint = tmp_path / "notes.txt"
+    not_a_checkpoint.write_text("hello")
+    (tmp_path / "empty").mkdir()
+    grey_28 = checkpoint_of(tmp_path / "grey28", (1, 28, 28), 10)
+    five = checkpoint_of(tmp_path / "five", (3, 32, 32), 5)
+    directory = run[0]
+    return {
+        "eval: missing file": (evaluate.main, [str(tmp_path / "nope.npz")], "nope.npz: no such checkpoint file"),
+        "eval: not a checkpoint": (evaluate.main, [str(not_a_checkpoint)], "not a readable hetconv checkpoint"),
+        "eval: no checkpoint in the directory": (evaluate.main, [str(tmp_path / "empty")], "no checkpoint"),
+        "eval: data of another shape": (evaluate.main, [grey_28, "--data", "synthetic"],
+                                        "--data synthetic: its images are 3x32x32, the model was trained on 1x28x28"),
+        "eval: data of another class count": (evaluate.main, [five, "--data", "synthetic"],
+                                              "--data synthetic: 10 classes, the model has 5"),
+        "eval: missing data": (evaluate.main, [directory, "--data", str(tmp_path / "no-data")],
+                               f"--data {tmp_path / 'no-data'}: "),
+        "eval: batch size": (evaluate.main, [directory, "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+        "eval: unknown flag": (evaluate.main, [directory, "--bogus"], "unrecognized arguments: --bogus"),
+        "classify: missing checkpoint": (classify.main, [str(tmp_path / "nope"), str(not_a_checkpoint)],
+                                         "no such checkpoint file"),
+        "classify: missing image": (classify.main, [directory, str(tmp_path / "nope.png")], "nope.png: no such file"),
+        "classify: not an image": (classify.main, [directory, str(not_a_checkpoint)], "not a PNG or JPEG image"),
+        "classify: top 0": (classify.main, [directory, str(not_a_checkpoint), "--top", "0"],
+                            "--top must be 1..10 (the model's classes), got 0"),
+        "classify: top over the classes": (classify.main, [directory, str(not_a_checkpoint), "--top", "11"],
+                                           "--top must be 1..10"),
+        "export: unknown format": (export.main, [directory, "--format", "keras", "--out", str(tmp_path / "m")],
+                                   "argument --format: invalid choice: 'keras'"),
+        "export: out is a directory": (export.main, [directory, "--format", "npz", "--out", str(tmp_path / "empty")],
+                                       "is a directory; expected a file path"),
+        "export: missing checkpoint": (export.main, [str(tmp_path / "nope"), "--format", "npz", "--out",
+                                                     str(tmp_path / "m.npz")], "no such checkpoint file"),
+        "export: out cannot be written": (export.main, [directory, "--format", "npz", "--out", "/proc/m.npz"],
+                                          "--out '/proc/m.npz' cannot be written"),
+    }
+
+
+CASES = ["eval: missing file", "eval: not a checkpoint", "eval: no checkpoint in the directory",
+         "eval: data of another shape", "eval: data of another class count", "eval: missing data",
+         "eval: batch size", "eval: unknown flag", "classify: missing checkpoint", "classify: missing image",
+         "classify: not an image", "classify: top 0", "classify: top over the classes", "export: unknown format",
+         "export: out is a directory", "export: missing checkpoint", "export: out cannot be written"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_is_one_line_exit_2(case, run, tmp_path, capsys):
+    main, argv, message = bad_input_cases(run, tmp_path)[case]
+    if case.startswith("classify: not an image") or case == "classify: missing image":
+        pytest.importorskip("PIL.Image", reason="reading images is an optional extra")
+    assert message in one_line_error(main, argv, capsys)
+
+
+def test_classify_refuses_an_image_of_another_size_naming_both(run, tmp_path, capsys):
+    Image = pytest.importorskip("PIL.Image", reason="reading images is an optional extra")
+    Image.fromarray(np.zeros((20, 24, 3), np.uint8)).save(tmp_path / "small.png")
+    line = one_line_error(classify.main, [run[0], str(tmp_path / "small.png")], capsys)
+    assert "the image is 24x20 (width x height), the network takes 32x32" in line
+
+
+def test_missing_extras_are_named(run, tmp_path, capsys, monkeypatch):
+    png = tmp_path / "x.png"
+    png.write_bytes(b"\x89PNG\r\n\x1a\n")
+    monkeypatch.setitem(sys.modules, "PIL", None)             # import PIL raises ImportError
+    assert "pip install 'hetconv[images]'" in one_line_error(classify.main, [run[0], str(png)], capsys)
+    monkeypatch.setitem(sys.modules, "onnx", None)
+    line = one_line_error(export.main, [run[0], "--format", "onnx", "--out", str(tmp_path / "m.onnx")], capsys)
+    assert "needs the onnx package" in line and "pip install 'hetconv[onnx]'" in line
+    assert not (tmp_path / "m.onnx").exists() and os.listdir(tmp_path) == ["x.png"]
