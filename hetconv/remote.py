@@ -29,6 +29,7 @@ from hetconv.wire import decode, encode
 from hetconv.worker import command as worker_command
 
 EXCHANGES = ("peer", "star")
+DISCONNECT_PROBE_S = 5.0     # how long after a dropped connection the workers are probed
 
 
 class _Peer:
@@ -141,6 +142,7 @@ class RemoteEngine(Engine):
         self.poller.register(self.heartbeats, zmq.POLLIN)
         self.joining = {}                                   # routing id -> HELLO fields, admitted at a snapshot
         self.join_wait_s = 0.0                              # what a joiner is told to wait, beyond its own timeout
+        self._probe_until = 0.0                             # probe for vanished workers until then
         atexit.register(self.close)
         try:
             self._spawn(spawn, threads, pin)
@@ -316,7 +318,7 @@ class RemoteEngine(Engine):
         if self.heartbeats in events:
             self._note_heartbeats()
         self._check_alive(waiting_on, doing)
-        if self.monitor in events:
+        if self.monitor in events or time.monotonic() <= self._probe_until:
             self._probe_after_disconnect(doing, waiting_on)
         if self.sock not in events:
             return None
@@ -392,15 +394,22 @@ class RemoteEngine(Engine):
 
     def _probe_after_disconnect(self, doing, waiting_on=()):
         """Some connection dropped: a send to a vanished routing id fails at once. A vanished
-        worker in the plan or waited on (a joiner calibrating) is lost; any other is forgotten."""
-        if not self._read_monitor():
+        worker in the plan or waited on (a joiner calibrating) is lost; any other is forgotten.
+        The monitor can report the drop before the socket has let go of the routing id (its I/O
+        thread tells the socket later, sooner on an idle machine), so a probe that finds nobody
+        gone is repeated on every poll for DISCONNECT_PROBE_S: one tiny send per worker each time."""
+        now = time.monotonic()
+        if self._read_monitor():
+            self._probe_until = now + DISCONNECT_PROBE_S
+        if now > self._probe_until:
             return
         lost = []
         for name, peer in self.peers.items():
             try:
                 self.sock.send_multipart([peer.identity] + P.pack("HEARTBEAT", 0), flags=self.zmq.NOBLOCK)
-            except self.zmq.ZMQError:
-                lost.append(name)
+            except self.zmq.ZMQError as e:
+                if e.errno == self.zmq.EHOSTUNREACH:          # gone; a full queue (EAGAIN) is a slow reader
+                    lost.append(name)
         in_plan = [n for n in lost if self.plan is None or n in self.plan.workers or n in waiting_on]
         self.drop([n for n in lost if n not in in_plan])      # idle, left out of the plan: nothing to redo
         if in_plan:
