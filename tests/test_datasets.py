@@ -460,3 +460,34 @@ def test_a_tiny_cifar100_archive_and_an_image_folder_train_end_to_end(tmp_path):
         summary = train(cfg, engine(), log=quiet)
         assert summary["step"] == 2 and len(summary["losses"]) == 2 and np.isfinite(summary["losses"]).all()
         assert summary["losses"][0] == pytest.approx(np.log(classes), rel=0.2)     # a fresh head: about chance
+
+
+def test_lenet5_learns_the_digits_as_pytorch_does_from_the_same_weights_and_batches(tmp_path):
+    torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install 'hetconv[torch]')")
+    from hetconv.net import LoadedNet, load_net
+    from hetconv.net.torch_import import to_torch
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    ds = load_dataset(DIGITS)
+    spec = load_net("lenet5", ds.image_shape, len(ds.classes)).spec
+    conv, fc = spec.init_params(np.random.default_rng(11))
+    module = to_torch(spec, conv, fc)                                 # a copy: hetconv updates its own arrays
+    epochs, batch, lr, momentum = 6, 32, 0.02, 0.9
+    cfg = Config(net="lenet5", data=str(DIGITS), batch_size=batch, epochs=epochs, lr=lr, momentum=momentum,
+                 weight_decay=0.0, threads=1, rebalance_after=0, eval_every=0, seed=3).validate()
+    summary = train(cfg, engine(), log=quiet, dataset=ds, network=LoadedNet(spec, (conv, fc)))
+
+    # PyTorch: the same batches in the same order (train() shuffles epoch e with rng [seed, e])
+    opt = torch.optim.SGD(module.parameters(), lr=lr, momentum=momentum)
+    for epoch in range(epochs):
+        for x, y in batches(ds, batch, np.random.default_rng([cfg.seed, epoch])):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(module(torch.from_numpy(x)), torch.from_numpy(y)).backward()
+            opt.step()
+    with torch.no_grad():
+        logits = torch.cat([module(torch.from_numpy(x)) for x, _ in test_batches(ds, 120)]).numpy()
+    theirs = float(np.mean(logits.argmax(1) == ds.test_y))
+    ours = summary["test_accuracy"]
+    assert summary["step"] == epochs * (len(ds.train_y) // batch) and summary["test_images"] == 360
+    assert ours >= 0.95, f"hetconv LeNet-5 on the digits: test accuracy {ours:.3f}"
+    assert abs(ours - theirs) <= 0.01, f"hetconv {ours:.3f}, PyTorch {theirs:.3f} from the same weights and batches"
