@@ -7,6 +7,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from hetconv.data.batches import parse_augment
 from hetconv.geometry import IMAGE_SHAPE
 from hetconv.net import LoadedNet, NetSpec, load_net
 from hetconv.wire import check_wire_dtype
@@ -62,13 +63,20 @@ class Config:
     checkpoint_dir: str = option("", "where checkpoints go ('' for none)")
     checkpoint_every: int = option(0, "steps between checkpoints (0: only at the end)")
     keep_checkpoints: int = option(3, "newest checkpoints kept; older ones are deleted after each save")
-    eval_batches: int = option(0, "test batches to evaluate at the end (0: the whole test set)")
+    eval_batches: int = option(0, "test batches each evaluation reads (0: the whole test set)")
+    eval_every: int = option(1, "evaluate on the test set every N epochs, and at the end (0: only at the end)")
+    augment: str = option("", "training images: a comma list of crop (a random crop of the image padded by 4 "
+                              "pixels) and flip (a random horizontal flip); '' for none")
 
     def conv_kernels(self):
         return parse_int_list("--conv", self.conv, allow_empty=False)
 
     def fc_sizes(self):
         return parse_int_list("--fc", self.fc, allow_empty=True)
+
+    def augment_kinds(self):
+        """--augment as a tuple of kinds, each once, in the order given."""
+        return parse_augment(self.augment)
 
     def image_shape(self):
         c, h, w = IMAGE_SHAPE
@@ -119,6 +127,7 @@ class Config:
     def validate(self):
         self.conv_kernels()
         self.fc_sizes()
+        self.augment_kinds()
         for f in dataclasses.fields(self):
             if f.type in (float, "float"):
                 check_finite("--" + f.name.replace("_", "-"), getattr(self, f.name))
@@ -127,7 +136,8 @@ class Config:
                   ("--calibration-batch", self.calibration_batch, 1), ("--checkpoint-every", self.checkpoint_every, 0),
                   ("--keep-checkpoints", self.keep_checkpoints, 1),
                   ("--synthetic-train", self.synthetic_train, 1), ("--synthetic-test", self.synthetic_test, 1),
-                  ("--eval-batches", self.eval_batches, 0), ("--crop", self.crop, 0),
+                  ("--eval-batches", self.eval_batches, 0), ("--eval-every", self.eval_every, 0),
+                  ("--crop", self.crop, 0),
                   ("--rebalance-after", self.rebalance_after, 0), ("--micro-batches", self.micro_batches, 0),
                   ("--snapshot-every", self.snapshot_every, 0), ("--min-workers", self.min_workers, 1),
                   ("--seed", self.seed, 0)]

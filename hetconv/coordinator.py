@@ -70,7 +70,8 @@ def build_parser():
                    help="on SIGTERM or Ctrl-C, seconds for the running step and its checkpoint; past that (or on a "
                         "second signal) the last in-memory snapshot is saved instead (Slurm and Kubernetes allow 30 s "
                         "before SIGKILL)")
-    p.add_argument("--verbose", action="store_true", help="print a failing worker's own traceback too")
+    p.add_argument("--verbose", action="store_true",
+                   help="print details too: a failing worker's own traceback, spawned workers' own start-up lines")
     add_config_flags(p)
     return p
 
@@ -234,7 +235,8 @@ def main(argv=None):
                                   worker_timeout=args.worker_timeout, connect_timeout=args.connect_timeout,
                                   op_timeout=args.op_timeout, pin=not args.no_pin,
                                   exchange=cfg.exchange, wire=cfg.wire_dtype, curve=args.curve,
-                                  insecure=args.insecure, message_limit=limit, launcher=launcher)
+                                  insecure=args.insecure, message_limit=limit, launcher=launcher,
+                                  verbose=args.verbose)
         from hetconv.train import train
         summary = train(cfg, engine, resume=args.resume or None, dataset=ds, stop_grace=args.stop_grace,
                         network=network)

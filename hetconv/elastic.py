@@ -88,8 +88,8 @@ class Elastic:
         self.metrics.write("snapshot", step=step, seconds=self.snapshot_s, bytes=moved_bytes(self.engine.step_stats()))
         if self.every is None:
             self.every = max(1, math.ceil(self.snapshot_s / (SNAPSHOT_BUDGET * max(step_s, 1e-9))))
-            self.log(f"snapshots every {self.every} step(s): one takes {self.snapshot_s:.2f}s against "
-                     f"{step_s:.2f}s a step")
+            self.log(f"a lost worker costs at most {self.every} step(s) of work: the weights are copied here every "
+                     f"{self.every} step(s), {self.snapshot_s:.2f} s a copy against {step_s:.2f} s a step")
         plan = self.engine.admit(self.specs, self.input_shapes, self.cfg)
         if plan is not None:
             self.engine.load(plan, self.specs, self.snapshot.conv)

@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 
 MISSING = "--launcher ray needs Ray, which is not installed: pip install 'hetconv[ray]'"
@@ -165,6 +166,14 @@ class RayProcess:
             pass
 
 
+def plain_worker_lines(environ=os.environ, streams=(sys.stdout, sys.stderr)):
+    """Ray prints its actors' output prefixed with terminal colour codes; where this process's
+    output is not a terminal (a log file, a pipe, Slurm's output) they are noise, so Ray is told
+    to leave them out (RAY_COLOR_PREFIX=0, read as each line is printed). One the user set stays."""
+    if not all(getattr(s, "isatty", lambda: False)() for s in streams):
+        environ.setdefault("RAY_COLOR_PREFIX", "0")
+
+
 class RayLauncher:
     """Connects to Ray (`address`), or starts a local instance with `num_cpus` (address None),
     and places workers on it. close() ends every actor and, if this launcher started Ray, Ray."""
@@ -176,6 +185,7 @@ class RayLauncher:
         self.ray, self.local, self.start_timeout = ray, address is None, start_timeout
         self.started = []                                   # RayProcess, in order
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")   # no usage report leaves this host
+        plain_worker_lines()
         try:
             # address="local" starts a new instance even when RAY_ADDRESS names another cluster:
             # the coordinator then listens on loopback, which only this host reaches.

@@ -48,13 +48,14 @@ class Plan:
             row = [w]
             for lp in self.layers:
                 s = lp.speeds.get(w)
-                row.append(f"{lp.count(w)}" + (f"  @ {s:,.0f}/s" if s else ""))
+                row.append(f"{lp.count(w)}" + (f" @ {s:,.0f} kernels/s" if s else ""))
             rows.append(row)
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         lines = ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r)) for r in rows]
         lines.insert(1, "  ".join("-" * wd for wd in widths))
         lines += [f"{w}: left out, {why}" for w, why in self.left_out.items()]
-        return f"split: {self.policy}\n" + "\n".join(lines)
+        title = f"split: {self.policy}, kernels per worker and conv layer (the layer's total in brackets)"
+        return title + "\n" + "\n".join(lines)
 
 
 def largest_remainder(total, weights, minimum=1):

@@ -54,7 +54,7 @@ class _Peer:
 class RemoteEngine(Engine):
     def __init__(self, bind, expected_workers, spawn=(), threads=0, worker_timeout=10.0,
                  connect_timeout=60.0, op_timeout=600.0, pin=True, log=print, exchange="peer", wire="float32",
-                 curve="", insecure=False, message_limit=0, launcher=None):
+                 curve="", insecure=False, message_limit=0, launcher=None, verbose=False):
         import zmq
 
         from hetconv import keys
@@ -65,6 +65,7 @@ class RemoteEngine(Engine):
         self.step_id = 0
         self.zmq = zmq
         self.log = log
+        self.verbose = verbose                              # spawned workers' own start-up lines too
         self.worker_timeout, self.connect_timeout, self.op_timeout = worker_timeout, connect_timeout, op_timeout
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -175,8 +176,10 @@ class RemoteEngine(Engine):
                     mine = cores[slot * per_worker:(slot + 1) * per_worker]
                     cmd += ["--cores", ",".join(map(str, mine))]
             # A session of its own: Ctrl-C reaches only the coordinator, which finishes the step,
-            # checkpoints and then ends its workers itself.
-            self.processes.append((f"w{i}-{device}", subprocess.Popen(cmd, start_new_session=True)))
+            # checkpoints and then ends its workers itself. Its stdout holds only its start-up line,
+            # which the coordinator's own line for it repeats; its errors go to stderr, kept.
+            self.processes.append((f"w{i}-{device}", subprocess.Popen(
+                cmd, start_new_session=True, stdout=None if self.verbose else subprocess.DEVNULL)))
 
     def _await_workers(self, n):
         deadline = time.monotonic() + self.connect_timeout
@@ -542,6 +545,8 @@ class RemoteEngine(Engine):
                             f"every worker needs at least one kernel of every layer (use fewer workers or wider --conv)")
         if self.fixed_plan is not None:
             return self.fixed_plan
+        self.log(f"calibrating {len(self.peers)} worker(s): each times its share of every conv layer on the real "
+                 f"shapes, after a warm-up (seconds to a minute) ...")
         speeds = self.calibrate(specs, input_shapes, cfg)
         self.log(f"calibrated {len(self.peers)} worker(s) in {self.calibration_s:.1f}s")
         return self._plan_from_calibration(kernels, speeds, cfg)

@@ -187,17 +187,45 @@ def center_crop(x, size):
     return np.ascontiguousarray(x[:, :, top:top + size, left:left + size])
 
 
-def evaluate(net, ds, batch_size, max_batches=0, crop=0, stop=None):
-    """-> (accuracy, images seen), or None when `stop` (a _StopRequests) asks to stop first."""
+def cross_entropy_sum(logits, labels):
+    """Sum over the rows of softmax cross-entropy, in float64 (a test set's sum of float32 terms
+    would round differently with the batch size)."""
+    z = logits.astype(np.float64)
+    z -= z.max(axis=1, keepdims=True)
+    log_norm = np.log(np.exp(z).sum(axis=1))
+    return float((log_norm - z[np.arange(len(labels)), labels]).sum())
+
+
+@dataclasses.dataclass
+class Evaluation:
+    accuracy: float
+    loss: float                 # mean softmax cross-entropy over the test images
+    images: int
+
+
+def evaluate(net, ds, batch_size, max_batches=0, crop=0, stop=None, progress=None):
+    """-> an Evaluation on the test set (its first `max_batches` batches, 0: all of it), or None
+    when `stop` (a _StopRequests) asks to stop first. `progress(images)` is called after each batch."""
     correct = seen = 0
+    loss = 0.0
     for i, (x, y) in enumerate(test_batches(ds, batch_size)):
         if max_batches and i >= max_batches:
             break
         if stop is not None and stop.requested:
             return None
-        correct += int((net.predict(center_crop(x, crop)).argmax(axis=1) == y).sum())
+        logits = net.predict(center_crop(x, crop))
+        correct += int((logits.argmax(axis=1) == y).sum())
+        loss += cross_entropy_sum(logits, y)
         seen += len(y)
-    return correct / max(seen, 1), seen
+        if progress is not None:
+            progress(len(y))
+    return Evaluation(correct / max(seen, 1), loss / max(seen, 1), seen)
+
+
+def test_images(ds, batch_size, max_batches=0):
+    """How many test images an evaluation reads."""
+    n = len(ds.test_y)
+    return min(n, max_batches * batch_size) if max_batches else n
 
 
 def checkpoint_dir_for(cfg, resume):
@@ -238,20 +266,28 @@ class _Run:
         self.rebalance_at, self.rebalances = 0, 0
         self.bar = None
         self._last_line = time.monotonic()
+        self.evaluated = {}                     # step -> Evaluation recorded at that step
+        self.augment = cfg.augment_kinds()
 
     # ---- the steps ---------------------------------------------------------------------------------
     def train_steps(self, stop):
-        """Steps until the last one, or until a stop is asked for."""
+        """Steps until the last one, or until a stop is asked for, evaluating every --eval-every
+        epochs on the way."""
         cfg = self.cfg
         while self.step < self.total_steps and not stop.requested:
+            # an evaluation a lost worker interrupted, where the snapshot was of its own step:
+            # nothing is replayed before it, so it is redone here
+            self.evaluate_if_due(stop)
+            if stop.requested:
+                break
             epoch = self.step // self.steps_per_epoch
-            skip = self.step % self.steps_per_epoch
-            # the epoch's order depends only on (seed, epoch), so a resumed or replaying run sees the same batches
+            # the epoch's order and augmentation depend only on (seed, epoch, batch), so a resumed or
+            # replaying run sees the same batches; the next batch is made while this step runs
             order_rng = np.random.default_rng([cfg.seed, epoch])
-            for i, (x, y) in enumerate(batches(self.ds, cfg.batch_size, order_rng)):
-                if i < skip:
-                    continue
+            for x, y in batches(self.ds, cfg.batch_size, order_rng, augment=self.augment, seed=cfg.seed, epoch=epoch,
+                                start=self.step % self.steps_per_epoch, prefetch=True):
                 self.one_step(epoch, x, y)
+                self.evaluate_if_due(stop)
                 if self.step >= self.total_steps or stop.requested:
                     break
 
@@ -280,6 +316,40 @@ class _Run:
             self.replanned()
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
             self.save_checkpoint()
+
+    # ---- evaluation: on the test set every --eval-every epochs and at the end. A worker lost
+    # during one raises WorkerLost out of it before anything is recorded: after the recovery the
+    # run comes back to the same step (by replaying or at once) and evaluates again. A step
+    # evaluated once is not evaluated again when a later loss replays through it. ---------------
+    def evaluate_if_due(self, stop):
+        every = self.cfg.eval_every * self.steps_per_epoch
+        step = self.step
+        if (not every or step % every or step == self.start_step or step >= self.total_steps
+                or step in self.evaluated):
+            return
+        self.evaluate_now(stop)
+
+    def evaluate_now(self, stop, final=False):
+        """Evaluate at this step and record it (the last one is announced by the run's last line).
+        Returns the Evaluation, or None when a stop came first."""
+        cfg, step = self.cfg, self.step
+        total = test_images(self.ds, cfg.batch_size, cfg.eval_batches)
+        bar = tqdm(total=total, unit="img", desc=f"test set at step {step}", leave=False, dynamic_ncols=True,
+                   disable=None)
+        try:
+            result = evaluate(self.net, self.ds, cfg.batch_size, cfg.eval_batches, cfg.crop, stop, bar.update)
+        finally:
+            bar.close()
+        if result is None:
+            return None
+        self.evaluated[step] = result
+        epochs = step / self.steps_per_epoch
+        self.metrics.write("eval", step=step, epoch=round(epochs, 4), test_loss=result.loss,
+                           test_accuracy=result.accuracy, test_images=result.images)
+        if not final:
+            self.log(f"step {step} (epoch {epochs:.4g}): test loss {result.loss:.4f}, "
+                     f"test accuracy {result.accuracy:.3f} on {result.images} images")
+        return result
 
     # ---- rebalancing: early on, the split from calibration is checked against real steps and
     # corrected, up to MAX_REBALANCES times while it still gains (never for `equal`, the baseline,
@@ -384,9 +454,11 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
         raise ValueError(f"--batch-size {cfg.batch_size} is larger than the {len(ds.train_y)} training images of {ds.name}")
     total_steps = cfg.epochs * steps_per_epoch
     if cfg.steps > total_steps:
-        log(f"--steps {cfg.steps} is more than {cfg.epochs} epoch(s) of {steps_per_epoch} steps: "
-            f"stopping after {total_steps} (raise --epochs for more)")
-    elif cfg.steps:
+        epochs = math.ceil(cfg.steps / steps_per_epoch)
+        log(f"--steps {cfg.steps} needs {epochs} epochs of {steps_per_epoch} steps (--epochs {cfg.epochs} covers "
+            f"{total_steps}): running {epochs} epochs")
+        cfg = dataclasses.replace(cfg, epochs=epochs)
+    if cfg.steps:
         total_steps = cfg.steps
     metrics.write("config", config=cfg.to_json(), data=repr(ds), network=network.to_json(), **metrics_extra)
 
@@ -417,7 +489,8 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
                       data_meta(ds))
     elastic.start(start_step, conv_params)      # the first snapshot (kept only where a worker can be lost)
     del conv_params                             # the shards own the conv weights from here on
-    log(plan.table())
+    if len(plan.workers) > 1 or elastic.enabled:      # one device in-process: nothing is split
+        log(plan.table())
     metrics.write("plan", **plan.to_json())
     run = _Run(cfg, engine, net, elastic, ds, specs, start_step, total_steps, steps_per_epoch, log, metrics)
     setup_s = time.perf_counter() - t_setup
@@ -440,7 +513,7 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
                     if stop.requested:
                         stop.disarm()
                         break
-                    evaluation = evaluate(net, ds, cfg.batch_size, cfg.eval_batches, cfg.crop, stop)
+                    evaluation = run.evaluated.get(run.step) or run.evaluate_now(stop, final=True)
                     break
                 except WorkerLost as lost:
                     run.recover(lost)
@@ -458,14 +531,17 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
         return {"step": step, "interrupted": True, "exit_code": stop.exit_code or 130, "checkpoint": last_ckpt,
                 "losses": losses}
 
-    accuracy, seen = evaluation
+    accuracy, seen = evaluation.accuracy, evaluation.images
     step_times = run.step_times
-    summary = {"step": step, "test_accuracy": accuracy, "test_images": seen,
+    summary = {"step": step, "test_accuracy": accuracy, "test_loss": evaluation.loss, "test_images": seen,
                "final_loss": losses[-1] if losses else None,
                "median_step_s": float(np.median(step_times[1:] or step_times)) if step_times else None,
                "checkpoint": last_ckpt, "setup_s": setup_s}
     metrics.write("done", **summary)
-    log(f"done: {step} steps, test accuracy {accuracy:.3f} on {seen} images"
-        + (f", final loss {losses[-1]:.4f}" if losses else ""))
+    log(f"done: {step} steps; test accuracy {accuracy:.3f} and test loss {evaluation.loss:.4f} on {seen} images"
+        + (f"; final training loss {losses[-1]:.4f}" if losses else ""))
+    if not last_ckpt:
+        log("nothing was saved: add --checkpoint-dir DIR to keep the trained model (and --checkpoint-every N "
+            "to save during the run too)")
     summary["losses"] = losses
     return summary

@@ -103,7 +103,7 @@ def test_spawned_cpu_threads_worker():
 def test_short_runs_say_what_they_leave_out(tmp_path):
     result = run("hetconv.coordinator", *TINY, "--local", "--steps", "40")
     assert result.returncode == 0, result.stderr
-    assert "--steps 40 is more than 1 epoch(s) of 8 steps: stopping after 8" in result.stdout
+    assert "--steps 40 needs 5 epochs of 8 steps (--epochs 1 covers 8): running 5 epochs" in result.stdout
     result = run("hetconv.coordinator", *TINY, "--spawn", "cpu,cpu", "--steps", "3", "--threads", "999")
     assert result.returncode == 0, result.stderr
     assert "no rebalancing: 3 steps are too few" in result.stdout
