@@ -264,14 +264,15 @@ def test_report_summary_without_matplotlib_names_the_extra(tmp_path, monkeypatch
     ('{"event": "config", "config": {}}\n', "has no step records"),
     ('[1, 2]\n{"event": "step"}\n', "line 1 has no event"),
 ])
-def test_report_refuses_a_bad_file_in_one_line(tmp_path, content, message):
+def test_report_refuses_a_bad_file_in_one_line(tmp_path, capsys, content, message):
+    from hetconv import report
     path = tmp_path / "m.jsonl"
     if content is not None:
         path.write_text(content)
-    result = subprocess.run([sys.executable, "-m", "hetconv.report", str(path)], capture_output=True, text=True,
-                            timeout=60, cwd=REPO)
-    assert result.returncode == 2
-    assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+    assert report.main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("hetconv-report: ") and message in err, err
+    assert not (tmp_path / "m-report").exists()
 
 
 def test_report_plots_a_real_run(tmp_path):
