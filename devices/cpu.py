@@ -42,6 +42,7 @@ Design, and what it costs:
 - Kernels release the GIL (nogil) so a worker's heartbeat thread keeps running during compute.
 """
 import os
+import sys
 
 import numba
 import numpy as np
@@ -51,6 +52,7 @@ from threadpoolctl import threadpool_info, threadpool_limits
 
 from hetconv.devices.base import Device, DeviceError
 from hetconv.devices.blas import accumulating_sgemm
+from hetconv.devices.cpu_fft import FftConv, swap_leading
 from hetconv.geometry import window_output_size
 from hetconv.params import sgd_update
 
@@ -69,7 +71,11 @@ SHIFTED_MAX_KERNELS_PER_REDUCTION = 0.4
 # conv2 at 375 kernels ran its five forward GEMMs ~4% faster at 384 (SkylakeX sgemm, one thread),
 # and ~1 ms of zero columns is less than that. Backward's GEMMs gained nothing and stay at K.
 KERNEL_ROW_MULTIPLE = 16
-CONV_PATHS = ("auto", "im2col", "shifted")
+# The FFT path (devices/cpu_fft.py) caches each weight array's kernel spectra, 12x the weights'
+# bytes for 5x5 kernels on 14x14 inputs (the whole conv2: 900 MB + a 75 MB copy of the weights);
+# a layer whose spectra would not fit this budget runs the direct path instead.
+DEFAULT_FFT_BUDGET_BYTES = 1 << 30
+CONV_PATHS = ("auto", "im2col", "shifted", "fft")
 
 _jit = numba.njit(parallel=True, nogil=True, cache=True)
 
@@ -513,9 +519,27 @@ class _PoolContext:
         self.kernel_rows = kernel_rows
 
 
+class _FftBlockContext:
+    """What a block's backward needs on the FFT path: as _BlockContext, with the forward's kernel
+    spectra (a view of the cache's buffer: reused by backward when given the same weights)."""
+
+    def __init__(self, x, w, block, conv_hw, pool, argmax, mask, pooled_shape, spectra):
+        self.x = x
+        self.w_shape = w.shape
+        self.forward_weights = w
+        self.block = block
+        self.conv_hw = conv_hw
+        self.pool = pool
+        self.argmax = argmax
+        self.mask = mask
+        self.pooled_shape = pooled_shape
+        self.spectra = spectra
+
+
 class CpuDevice(Device):
     def __init__(self, threads=None, im2col_budget_bytes=DEFAULT_IM2COL_BUDGET_BYTES,
-                 saved_cols_budget_bytes=DEFAULT_SAVED_COLS_BUDGET_BYTES, conv_path="auto"):
+                 saved_cols_budget_bytes=DEFAULT_SAVED_COLS_BUDGET_BYTES, conv_path="auto",
+                 fft_budget_bytes=DEFAULT_FFT_BUDGET_BYTES, verbose=False):
         available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         if threads is None:
             threads = available
@@ -536,6 +560,11 @@ class CpuDevice(Device):
         self._saved_cols_pool = []      # flat float32 buffers handed back by backward
         # sgemm with beta = 1 for sums of GEMMs; None: numpy's matmul into a temporary plus an add
         self._sgemm = accumulating_sgemm()
+        # conv_path="fft": stride-1 layers whose kernel spectra fit fft_budget_bytes; work buffers
+        # per block of frequencies under im2col_budget_bytes, as the direct paths' chunks
+        self._fft = FftConv(self._gemm, self._scratch, fft_budget_bytes, self.im2col_budget_bytes)
+        self.verbose = bool(verbose)
+        self._fft_declined = set()      # layer shapes already reported as declined
 
     def _take_saved_cols(self, size):
         """A flat float32 buffer of at least `size` for a forward's im2col: the smallest pooled
@@ -581,12 +610,36 @@ class CpuDevice(Device):
             np.matmul(a, b, out=part)
             _add_into(out, part)
 
+    def _gemm(self, a, b, out, beta):
+        """out = a @ b + beta * out, beta 0 or 1."""
+        if beta == 0.0:
+            np.matmul(a, b, out=out)
+        else:
+            self._matmul_add(a, b, out, "fft_part")
+
+    def _takes_fft(self, x_shape, w_shape, stride, padding):
+        """Whether conv_path="fft" runs this layer in the frequency domain: stride 1 and kernel
+        spectra within fft_budget_bytes. A declined layer takes the direct path "auto" would,
+        said once per layer shape under `verbose`."""
+        if self.conv_path != "fft":
+            return False
+        why = "stride {stride!r} (the FFT path is for stride 1)" if stride != (1, 1) else \
+            self._fft.declines(x_shape, w_shape, padding)
+        if not why:
+            return True
+        key = (tuple(x_shape[1:]), tuple(w_shape), stride, padding)
+        if self.verbose and key not in self._fft_declined:
+            print(f"cpu device: conv of x {tuple(x_shape)} with w {tuple(w_shape)} takes the direct path, "
+                  f"not FFT: {why.format(stride=stride)}", file=sys.stderr, flush=True)
+        self._fft_declined.add(key)
+        return False
+
     def _shifted(self, w_shape, stride=(1, 1)):
         """Whether a layer with weights w_shape (K, C, kh, kw) takes the shifted-GEMM path: only at
         stride 1 (a row stride would break the contiguous blocks of rows its GEMMs read)."""
         if stride != (1, 1):
             return False
-        if self.conv_path == "auto":
+        if self.conv_path in ("auto", "fft"):        # fft: where the FFT path declines
             reduction = w_shape[1] * w_shape[3]
             return reduction >= SHIFTED_MIN_REDUCTION and w_shape[0] < SHIFTED_MAX_KERNELS_PER_REDUCTION * reduction
         return self.conv_path == "shifted"
@@ -633,6 +686,12 @@ class CpuDevice(Device):
 
     def _conv2d(self, x, w, b, stride, padding):
         n, k = x.shape[0], w.shape[0]
+        if self._takes_fft(x.shape, w.shape, stride, padding):
+            y_kn, _ = self._fft_forward(x, w, padding)
+            y = np.empty((n, k) + _conv_hw(x.shape, w.shape, stride, padding), np.float32)
+            swap_leading(y_kn.reshape(k, n, -1), y.reshape(n, k, -1))
+            y += b[None, :, None, None]
+            return y
         if self._shifted(w.shape, stride):
             ho, wo = _conv_hw(x.shape, w.shape, stride, padding)
             y = np.empty((n, k, ho, wo), np.float32)
@@ -651,6 +710,8 @@ class CpuDevice(Device):
     def _conv_block(self, x, w, b, block):
         w = np.ascontiguousarray(w, np.float32)
         b = self._check_bias(b, w.shape[0])
+        if self._takes_fft(x.shape, w.shape, block.stride, block.padding):
+            return self._fft_block(x, w, b, block)
         if block.is_paper:
             return self._paper_block(x, w, b, block.padding)
         return self._generic_block(x, w, b, block)
@@ -740,6 +801,11 @@ class CpuDevice(Device):
 
     def _conv2d_backward(self, x, w, dy, stride, padding, need_dx):
         k = w.shape[0]
+        if self._takes_fft(x.shape, w.shape, stride, padding):
+            n = x.shape[0]
+            dy_kn = self._scratch("fft_dy_kn", (k, n, dy.shape[2] * dy.shape[3]))
+            swap_leading(dy.reshape(n, k, -1), dy_kn)
+            return self._fft_backward(x, w, dy_kn, padding, need_dx)
         if self._shifted(w.shape, stride):
             ho, wo = dy.shape[2], dy.shape[3]
             return self._shifted_backward(x, w, padding, need_dx,
@@ -755,6 +821,8 @@ class CpuDevice(Device):
         if tuple(w.shape) != tuple(ctx.w_shape):
             raise ValueError(f"weights changed shape since forward, {w.shape!r} != {ctx.w_shape!r}")
         x = ctx.x
+        if isinstance(ctx, _FftBlockContext):
+            return self._fft_block_backward(ctx, w, dout, need_dx)
         if isinstance(ctx, _PoolContext):
             ho, wo = _conv_hw(x.shape, w.shape, (1, 1), ctx.padding)
             return self._fused_backward(
@@ -882,6 +950,52 @@ class CpuDevice(Device):
         dw = np.empty(w.shape, np.float32)          # returned: never a scratch buffer
         _weights_from_kernel_rows(dwu, dw)
         return dx, dw, db.astype(np.float32)
+
+    # ---- the FFT path (devices/cpu_fft.py) -----------------------------------------------------
+    # Its spatial Y and dY are kernel-major, (K, N, Ho, Wo): each frequency's product runs as
+    # W (K, C) @ X^T, the weights' spectra the GEMM's left operand. The block's activation and pool
+    # read Y as (N, K, Ho, Wo) planes of that buffer, so nothing is reordered for a fused block.
+    def _fft_forward(self, x, w, padding):
+        """(Y (K*N, Ho*Wo) in a work buffer, without bias; the kernel spectra of w)."""
+        ho, wo = _conv_hw(x.shape, w.shape, (1, 1), padding)
+        y = self._scratch("fft_y_kn", (w.shape[0] * x.shape[0], ho * wo))
+        return y, self._fft.forward(x, w, padding, y)
+
+    def _fft_backward(self, x, w, dy_kn, padding, need_dx, spectra=None):
+        """(dx, dw, db) from dY (K, N, Ho, Wo), C-contiguous."""
+        k, n = dy_kn.shape[0], dy_kn.shape[1]
+        db = np.zeros(k, np.float64)
+        _add_row_sums(dy_kn.reshape(k, -1), db)
+        dx, dw = self._fft.backward(x, w, dy_kn.reshape(k * n, -1), padding, need_dx, spectra)
+        return dx, dw, db.astype(np.float32)
+
+    def _fft_block(self, x, w, b, block):
+        """The block's conv in the frequency domain, then bias, activation and pool in one pass
+        over the (N, K, Ho, Wo) planes of the kernel-major Y, as _generic_block."""
+        n, k = x.shape[0], w.shape[0]
+        ho, wo = _conv_hw(x.shape, w.shape, (1, 1), block.padding)
+        pool = _PoolGeometry.of(block)
+        relu = block.activation == "relu"
+        out = np.empty((n, k) + pool.output_hw(ho, wo), np.float32)
+        argmax = np.empty(out.shape if pool.is_max else (0, 0, 0, 0), np.int32)
+        mask = np.empty((n, k, ho, wo) if relu and not pool.is_max else (0, 0, 0, 0), np.uint8)
+        y, spectra = self._fft_forward(x, w, block.padding)
+        planes = y.reshape(k, n, ho, wo).transpose(1, 0, 2, 3)
+        _act_pool(planes, b, 0, relu, pool.is_max, *pool.args, out, argmax, mask)
+        return out, _FftBlockContext(x, w, block, (ho, wo), pool, argmax, mask, out.shape, spectra)
+
+    def _fft_block_backward(self, ctx, w, dout, need_dx):
+        (ho, wo), pool = ctx.conv_hw, ctx.pool
+        n, k = ctx.x.shape[0], w.shape[0]
+        dy = self._scratch("fft_dy_kn", (k, n, ho * wo))
+        planes = dy.reshape(k, n, ho, wo).transpose(1, 0, 2, 3)
+        _act_pool_backward(dout, 0, ctx.block.activation == "relu", pool.is_max, *pool.args, ctx.argmax, ctx.mask,
+                           planes)
+        # the forward's spectra where these are its very weights (defined for them only: the
+        # argmax came from them), else the cache's, checked against w
+        spectra = ctx.spectra if w is ctx.forward_weights else None
+        ctx.spectra = None
+        return self._fft_backward(ctx.x, w, dy, ctx.block.padding, need_dx, spectra)
 
     # ---- optimizer ---------------------------------------------------------------------------
     def _sgd_(self, param, velocity, grad, lr, momentum, weight_decay):

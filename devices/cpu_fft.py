@@ -1,0 +1,339 @@
+"""The CPU device's FFT path: stride-1 convolutions as products of spectra, the transforms and the
+products all GEMMs in OpenBLAS.
+
+Why: per (input, output) channel pair, a direct conv2d costs kh*kw*Ho*Wo multiply-adds; in the
+frequency domain it costs one complex multiply-add per frequency kept. The paper's conv2 (14x14
+input, 5x5 kernels, 10x10 output): 25*100 = 2500 real multiply-adds against 100 complex ones, each
+three real GEMM terms (below), so ~8x fewer multiplications in the products, whose share of the
+work is then what the transforms and the kernel spectra cost.
+
+How:
+- Transform size P x Q with P = max(H + ph, kh, Ho), Q likewise: the input sits at offset (ph, pw)
+  of a circular P x Q plane whose other rows and columns are the zero padding, so what wraps
+  around lands on zeros (forward, dW) or on padding that is cropped away (dX). The spectrum of a
+  real plane is Hermitian, so only one frequency of each conjugate pair is kept (F = 100 of 196 for
+  14x14), and the inverse counts the others twice.
+- Every transform is one GEMM against a DFT matrix built here, with the padding offset, the crop
+  and the scale folded in: spectra (planes*F, N*C) = M (planes*F, H*W) @ x^T, and the way back
+  y (N*K, Ho*Wo) = spectra^T @ G. The spectra's layout is (plane, frequency, rows, cols), so each
+  frequency's product is a plain GEMM on contiguous (N, C) and (K, C) matrices.
+- Complex products by Gauss's three-multiplication form: with T1 shared by the real and the
+  imaginary part, one GEMM fewer than four. The transform matrices produce the sums and signs the
+  form needs as extra planes (x: re, im, re+im, -(re+im); dY: re, im, re+im, re-im), so every
+  term is a GEMM with beta 1 into the output and none needs alpha = -1.
+- The kernel spectra (3 planes x F x K x C: re, im-re, -(re+im), which serve forward's conj(W)
+  and dX's W alike) are the cost to design around: 3*F/(kh*kw) = 12x the weights' bytes (900 MB
+  for the whole conv2, 225 MB for a quarter share), and they change with every update. They are
+  cached per weight array, with a copy of the weights they came from: a call whose weights are
+  bitwise the copy reuses them (one pass over the weights, ~10 ms for the whole conv2), any
+  other recomputes them into the same buffer. So a step (forwards, backwards, then sgd_ in place)
+  computes them once, and a caller who changes weights in place is never served stale spectra.
+- Frequencies are processed in blocks, so the batch-side spectra and dW's (2 x F x K x C) stay
+  under a work budget; the inverse transforms add each block's part in with sgemm beta = 1.
+- What is returned is freshly allocated; work buffers come from the device's scratch pool.
+"""
+import numba
+import numpy as np
+from numba import prange
+
+KERNEL_PLANES = 3       # re, im - re, -(re + im)
+INPUT_PLANES = 4        # re, im, re + im, -(re + im)
+GRAD_PLANES = 4         # dY's re, im, re + im, re - im
+
+_jit = numba.njit(parallel=True, nogil=True, cache=True)
+
+
+@_jit
+def _same_bits(a, b):
+    """Whether two int32 views of equal size hold the same bits (float compare would call -0.0
+    and 0.0 equal and NaN unequal to itself)."""
+    size = a.size
+    blocks = 64
+    step = (size + blocks - 1) // blocks
+    differs = np.zeros(blocks, np.uint8)
+    for t in prange(blocks):
+        for i in range(t * step, min(size, (t + 1) * step)):
+            if a[i] != b[i]:
+                differs[t] = 1
+                break
+    return differs.sum() == 0
+
+
+@_jit
+def swap_leading(a, out):
+    """out[j, i, :] = a[i, j, :] for 3-D arrays: (K, N, plane) to (N, K, plane) and back."""
+    for t in prange(a.shape[0] * a.shape[1]):
+        i = t // a.shape[1]
+        j = t % a.shape[1]
+        for m in range(a.shape[2]):
+            out[j, i, m] = a[i, j, m]
+
+
+@_jit
+def _transpose_2d(a, out):
+    """out = a.T, in tiles so that both sides are read and written in runs."""
+    tile = 64
+    rows, cols = a.shape
+    for tc in prange((cols + tile - 1) // tile):
+        for r in range(rows):
+            for c in range(tc * tile, min(cols, (tc + 1) * tile)):
+                out[c, r] = a[r, c]
+
+
+@_jit
+def _copy_rows(src, dst):
+    """dst[:] = src for 2-D arrays, parallel over rows."""
+    for r in prange(src.shape[0]):
+        for c in range(src.shape[1]):
+            dst[r, c] = src[r, c]
+
+
+def transform_size(h, kh, pad, ho):
+    """One axis of the circular transform: the input plus the padding before it (what would wrap
+    around is zero), and never less than the kernel or the output."""
+    return max(h + pad, kh, ho)
+
+
+def kept_frequencies(p_size, q_size):
+    """(p, q, weight) of one frequency per conjugate pair of a real P x Q plane's spectrum:
+    weight 1 where the frequency is its own conjugate, 2 where it stands for its pair too."""
+    kept = []
+    for q in range(q_size // 2 + 1):
+        self_q = (2 * q) % q_size == 0
+        for p in range(p_size // 2 + 1 if self_q else p_size):
+            weight = 1 if self_q and (2 * p) % p_size == 0 else 2
+            kept.append((p, q, weight))
+    return np.array(kept, np.int64)
+
+
+class FftGeometry:
+    """The transform of one layer shape (C, H, W, K, kh, kw, padding): sizes, frequencies and the
+    DFT matrices, in float64 until cast once to float32."""
+
+    def __init__(self, h, w, kh, kw, padding):
+        ph, pw = padding
+        self.h, self.w, self.kh, self.kw, self.padding = h, w, kh, kw, padding
+        self.ho, self.wo = h + 2 * ph - kh + 1, w + 2 * pw - kw + 1
+        self.p = transform_size(h, kh, ph, self.ho)
+        self.q = transform_size(w, kw, pw, self.wo)
+        freqs = kept_frequencies(self.p, self.q)
+        self.f = len(freqs)
+        self._p, self._q, self._weight = (freqs[:, i].astype(np.float64) for i in range(3))
+        x_cos, x_sin = self._angles(h, w, ph, pw)
+        w_cos, w_sin = self._angles(kh, kw, 0, 0)
+        y_cos, y_sin = self._angles(self.ho, self.wo, 0, 0)
+        # forward transforms: each plane a (F, positions) block
+        self.x_planes = np.stack([x_cos, -x_sin, x_cos - x_sin, x_sin - x_cos])
+        self.kernel_planes = np.stack([w_cos, -w_sin - w_cos, w_sin - w_cos]).astype(np.float32)
+        self.grad_planes = np.stack([y_cos, -y_sin, y_cos - y_sin, y_cos + y_sin])
+        # inverse transforms: (re, im) of each kept frequency back to the positions wanted
+        scale = self._weight[:, None] / (self.p * self.q)
+        self.y_inverse = np.stack([scale * y_cos, -scale * y_sin])
+        self.dx_inverse = np.stack([scale * x_cos, -scale * x_sin])
+        self.dw_inverse = -np.stack([scale * w_cos, -scale * w_sin])     # backward computes -dW's spectra
+        self._blocks = {}
+
+    def _angles(self, rows, cols, r0, c0):
+        """cos and sin of 2*pi*(p*(r + r0)/P + q*(c + c0)/Q) for every kept (p, q) and position."""
+        r = np.arange(rows, dtype=np.float64) + r0
+        c = np.arange(cols, dtype=np.float64) + c0
+        theta = 2 * np.pi * ((self._p[:, None, None] * r[None, :, None]) / self.p
+                             + (self._q[:, None, None] * c[None, None, :]) / self.q)
+        theta = theta.reshape(self.f, rows * cols)
+        return np.cos(theta), np.sin(theta)
+
+    def blocks(self, block):
+        """_Block per run of at most `block` frequencies: each matrix contiguous float32, planes
+        stacked (plane, frequency in the block)."""
+        if block not in self._blocks:
+            out = []
+            for f0 in range(0, self.f, block):
+                f1 = min(self.f, f0 + block)
+
+                def rows(planes):
+                    return np.ascontiguousarray(planes[:, f0:f1].reshape(-1, planes.shape[2]), np.float32)
+
+                out.append(_Block(f0, f1, rows(self.x_planes), rows(self.grad_planes), rows(self.y_inverse),
+                                  rows(self.dx_inverse), np.ascontiguousarray(rows(self.dw_inverse).T)))
+            self._blocks[block] = out
+        return self._blocks[block]
+
+
+class _Block:
+    """One run of frequencies [f0, f1) and its slices of the transform matrices."""
+
+    def __init__(self, f0, f1, x_rows, grad_rows, y_cols, dx_cols, dw_rows):
+        self.f0, self.f1 = f0, f1
+        self.x_rows, self.grad_rows = x_rows, grad_rows      # (planes*fb, positions)
+        self.y_cols, self.dx_cols = y_cols, dx_cols          # (2fb, positions)
+        self.dw_rows = dw_rows                               # (kh*kw, 2fb)
+
+
+def spectra_bytes(geometry, k, c):
+    """Bytes of a weight array's cached kernel spectra, with the copy of the weights they came from."""
+    return 4 * k * c * (KERNEL_PLANES * geometry.f + geometry.kh * geometry.kw)
+
+
+def block_bytes_per_frequency(n, k, c):
+    """Work bytes per frequency of a block: backward's, the larger (x and dY spectra, dX's and
+    dW's products)."""
+    return 4 * (INPUT_PLANES * n * c + GRAD_PLANES * n * k + 2 * n * c + 2 * k * c)
+
+
+class _SpectraEntry:
+    def __init__(self, weights, copy, spectra):
+        self.weights, self.copy, self.spectra = weights, copy, spectra
+
+
+class FftConv:
+    """The FFT path of one device. `gemm(a, b, c, beta)`: c = a @ b + beta*c on float32 2-D
+    views; `scratch(name, shape)`: a float32 work buffer kept between calls. Spectra of at most
+    `budget_bytes` in all are cached (least recently used first out); work buffers per frequency
+    block stay under `block_budget_bytes`."""
+
+    def __init__(self, gemm, scratch, budget_bytes, block_budget_bytes):
+        self._gemm, self._scratch = gemm, scratch
+        self.budget_bytes = int(budget_bytes)
+        self.block_budget_bytes = int(block_budget_bytes)
+        self._geometries = {}
+        self._entries = []          # _SpectraEntry, most recently used last
+        self.spectra_computed = 0   # kernel spectra computations so far (tests count them)
+
+    def geometry(self, x_shape, w_shape, padding):
+        key = (x_shape[2], x_shape[3], w_shape[2], w_shape[3], tuple(padding))
+        if key not in self._geometries:
+            self._geometries[key] = FftGeometry(*key)
+        return self._geometries[key]
+
+    def declines(self, x_shape, w_shape, padding):
+        """'' where this path takes the layer, else why not (its spectra would exceed the budget)."""
+        g = self.geometry(x_shape, w_shape, padding)
+        need = spectra_bytes(g, w_shape[0], w_shape[1])
+        if need > self.budget_bytes:
+            return (f"its kernel spectra need {need / 2**20:.0f} MB ({KERNEL_PLANES} planes x {g.f} frequencies x "
+                    f"{w_shape[0]}x{w_shape[1]} channel pairs), over the FFT budget of {self.budget_bytes / 2**20:.0f} MB")
+        return ""
+
+    def _block(self, g, n, k, c):
+        return max(1, min(g.f, self.block_budget_bytes // block_bytes_per_frequency(n, k, c)))
+
+    # ---- the kernel spectra -------------------------------------------------------------------
+    def kernel_spectra(self, w, g):
+        """(KERNEL_PLANES, F, K, C) spectra of w, from the cache where w is bitwise what they were
+        computed from, else recomputed (into the entry's buffer when its shape is unchanged)."""
+        k, c, kh, kw = w.shape
+        entry = next((e for e in self._entries if e.weights is w), None)
+        if (entry is not None and entry.spectra.shape == (KERNEL_PLANES, g.f, k, c)
+                and entry.copy.shape == w.shape and _same_bits(entry.copy.reshape(-1).view(np.int32),
+                                                               w.reshape(-1).view(np.int32))):
+            self._entries.remove(entry)
+            self._entries.append(entry)
+            return entry.spectra
+        if entry is not None:
+            self._entries.remove(entry)
+            if entry.spectra.shape != (KERNEL_PLANES, g.f, k, c) or entry.copy.shape != w.shape:
+                entry = None
+        if entry is None:
+            need = spectra_bytes(g, k, c)
+            while self._entries and sum(spectra_bytes_of(e) for e in self._entries) + need > self.budget_bytes:
+                self._entries.pop(0)
+            entry = _SpectraEntry(w, np.empty(w.shape, np.float32), np.empty((KERNEL_PLANES, g.f, k, c), np.float32))
+        np.copyto(entry.copy, w)
+        # (3F, K*C) = (3F, kh*kw) @ w (K*C, kh*kw)^T: one GEMM writes every plane
+        self._gemm(g.kernel_planes.reshape(-1, kh * kw), w.reshape(k * c, kh * kw).T,
+                   entry.spectra.reshape(KERNEL_PLANES * g.f, k * c), 0.0)
+        self._entries.append(entry)
+        self.spectra_computed += 1
+        return entry.spectra
+
+    def forget(self, w):
+        """Drop the spectra cached for the array w, if any."""
+        self._entries = [e for e in self._entries if e.weights is not w]
+
+    # ---- forward ---------------------------------------------------------------------------------
+    def forward(self, x, w, padding, y):
+        """y (K*N, Ho*Wo), C-contiguous, kernel-major (K, N, Ho, Wo) = conv2d(x, w) without bias;
+        returns the kernel spectra. Kernel-major because each frequency's product runs as
+        W (K, C) @ X^T (C, N): ~2x faster in sgemm than X @ W^T at N=32 (the big operand on the
+        left)."""
+        n, c, h, wd = x.shape
+        k = w.shape[0]
+        g = self.geometry(x.shape, w.shape, padding)
+        spectra = self.kernel_spectra(w, g)
+        xt = x.reshape(n * c, h * wd).T                     # (H*W, N*C), a column-major view
+        gemm = self._gemm
+        for bi, blk in enumerate(g.blocks(self._block(g, n, k, c))):
+            f0, fb = blk.f0, blk.f1 - blk.f0
+            xs = self._scratch("fft_x", (INPUT_PLANES * fb, n * c))
+            gemm(blk.x_rows, xt, xs, 0.0)
+            xs = xs.reshape(INPUT_PLANES, fb, n, c)
+            ys = self._scratch("fft_y", (2 * fb, k * n))
+            ys4 = ys.reshape(2, fb, k, n)
+            for j in range(fb):
+                ar, d, ns = spectra[0, f0 + j], spectra[1, f0 + j], spectra[2, f0 + j]
+                re, im = ys4[0, j], ys4[1, j]
+                # Y^T = conj(W) X^T: T1 = Wr (Xr + Xi)^T; re = T1 + (Wi - Wr) Xi^T; im = T1 - (Wr + Wi) Xr^T
+                gemm(ar, xs[2, j].T, re, 0.0)
+                _copy_rows(re, im)
+                gemm(d, xs[1, j].T, re, 1.0)
+                gemm(ns, xs[0, j].T, im, 1.0)
+            gemm(ys.T, blk.y_cols, y, 0.0 if bi == 0 else 1.0)  # (K*N, 2fb) @ (2fb, Ho*Wo)
+        return spectra
+
+    # ---- backward --------------------------------------------------------------------------------
+    def backward(self, x, w, dy, padding, need_dx, spectra=None):
+        """(dx (N, C, H, W) or None, dw (K, C, kh, kw)) of sum(dy * conv2d(x, w)); dy (K*N, Ho*Wo)
+        C-contiguous, kernel-major as forward's y. `spectra`: the forward's kernel spectra of this
+        same w (else looked up)."""
+        n, c, h, wd = x.shape
+        k, _, kh, kw = w.shape
+        g = self.geometry(x.shape, w.shape, padding)
+        if need_dx and spectra is None:
+            spectra = self.kernel_spectra(w, g)
+        xt = x.reshape(n * c, h * wd).T
+        dyt = dy.T                                          # (Ho*Wo, K*N)
+        dw_t = self._scratch("fft_dw_t", (kh * kw, k * c))  # dW with its taps first, streamed into
+        dx_cn = self._scratch("fft_dx_cn", (c * n, h * wd)) if need_dx else None    # channel-major
+        gemm = self._gemm
+        for bi, blk in enumerate(g.blocks(self._block(g, n, k, c))):
+            f0, fb = blk.f0, blk.f1 - blk.f0
+            beta = 0.0 if bi == 0 else 1.0
+            xs = self._scratch("fft_x", (INPUT_PLANES * fb, n * c))
+            gemm(blk.x_rows, xt, xs, 0.0)
+            xs = xs.reshape(INPUT_PLANES, fb, n, c)
+            gs = self._scratch("fft_dy", (GRAD_PLANES * fb, k * n))
+            gemm(blk.grad_rows, dyt, gs, 0.0)
+            gs = gs.reshape(GRAD_PLANES, fb, k, n)
+            dws = self._scratch("fft_dw", (2 * fb, k * c))
+            dws4 = dws.reshape(2, fb, k, c)
+            for j in range(fb):
+                # -dW = -conj(dY)^T X: -re = dYr^T (-(Xr+Xi)) + (dYr - dYi)^T Xi; -im = same T1 + (dYr + dYi)^T Xr
+                re, im = dws4[0, j], dws4[1, j]
+                gemm(gs[0, j], xs[3, j], re, 0.0)
+                _copy_rows(re, im)
+                gemm(gs[3, j], xs[1, j], re, 1.0)
+                gemm(gs[2, j], xs[0, j], im, 1.0)
+            gemm(blk.dw_rows, dws, dw_t, beta)              # (kh*kw, 2fb) @ (2fb, K*C): streams dws
+            if need_dx:
+                dxs = self._scratch("fft_dx", (2 * fb, c * n))
+                dxs4 = dxs.reshape(2, fb, c, n)
+                for j in range(fb):
+                    ar, d, ns = spectra[0, f0 + j], spectra[1, f0 + j], spectra[2, f0 + j]
+                    # dX^T = W^T dY^T: T1 = Wr^T (dYr + dYi); re = T1 - (Wr + Wi)^T dYi; im = T1 + (Wi - Wr)^T dYr
+                    re, im = dxs4[0, j], dxs4[1, j]
+                    gemm(ar.T, gs[2, j], re, 0.0)
+                    _copy_rows(re, im)
+                    gemm(ns.T, gs[1, j], re, 1.0)
+                    gemm(d.T, gs[0, j], im, 1.0)
+                gemm(dxs.T, blk.dx_cols, dx_cn, beta)       # (C*N, 2fb) @ (2fb, H*W)
+        dw = np.empty((k * c, kh * kw), np.float32)         # returned: never a scratch buffer
+        _transpose_2d(dw_t, dw)
+        dx = None
+        if need_dx:
+            dx = np.empty(x.shape, np.float32)
+            swap_leading(dx_cn.reshape(c, n, h * wd), dx.reshape(n, c, h * wd))
+        return dx, dw.reshape(w.shape)
+
+
+def spectra_bytes_of(entry):
+    return entry.spectra.nbytes + entry.copy.nbytes

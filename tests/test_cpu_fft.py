@@ -1,0 +1,197 @@
+"""The CPU device's FFT path (conv_path="fft") against the numpy reference: plain and fused, every
+gradient, normwise relative error at most 1e-5; its kernel spectra computed once per step of the
+shard's pattern and never stale; and where it declines (stride, memory budget), the direct path."""
+import numpy as np
+import pytest
+
+from hetconv import reference as R
+from hetconv.devices import DeviceError, open_device
+from hetconv.devices.base import ConvBlock
+from hetconv.devices.cpu_fft import kept_frequencies
+from hetconv.geometry import ConvSpec
+from hetconv.shard import ConvShard
+
+TOLERANCE = 1e-5
+
+# 1 thread with the whole spectrum in one block of frequencies; 2 threads with a work budget so
+# small that every frequency is its own block (the inverse transforms add block after block)
+CONFIGS = {"1thread": {"threads": 1}, "2threads-blocked": {"threads": 2, "im2col_budget_bytes": 4000}}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def fft(request):
+    return open_device("cpu", conv_path="fft", **CONFIGS[request.param])
+
+
+def relative_error(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def assert_close(got, want, what):
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    err = relative_error(got, want)
+    assert err <= TOLERANCE, f"{what}: normwise relative error {err:.3g} > {TOLERANCE}"
+
+
+def tensors(n, c, h, w, k, kh, kw, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    wt = (rng.standard_normal((k, c, kh, kw)) / np.sqrt(c * kh * kw)).astype(np.float32)
+    b = rng.standard_normal(k).astype(np.float32)
+    return x, wt, b, rng
+
+
+def check_plain(dev, x, w, b, padding, rng):
+    y = dev.conv2d(x, w, b, padding=padding)
+    assert_close(y, R.conv2d(x, w, b, padding=padding), "y")
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    for need_dx in (True, False):
+        got = dev.conv2d_backward(x, w, dy, padding=padding, need_dx=need_dx)
+        want = R.conv2d_backward(x, w, dy, padding=padding, need_dx=need_dx)
+        assert (got[0] is None) == (not need_dx)
+        for name, g, r in zip(("dx", "dw", "db"), got, want):
+            if r is not None:
+                assert_close(g, r, name)
+
+
+# kernel sizes 3, 5, 7 with paddings 0..3 (each that leaves an output), odd and even sizes
+@pytest.mark.parametrize("kernel", (3, 5, 7))
+@pytest.mark.parametrize("padding", (0, 1, 2, 3))
+def test_plain_forward_and_gradients_match_reference(fft, kernel, padding):
+    x, w, b, rng = tensors(2, 3, 9, 8, 4, kernel, kernel, seed=kernel * 10 + padding)
+    if 8 + 2 * padding < kernel:
+        pytest.skip("the kernel does not fit this input and padding")
+    check_plain(fft, x, w, b, padding, rng)
+
+
+@pytest.mark.parametrize("shape", [
+    (1, 2, 6, 11, 3, 3, 5, (0, 2)),     # rectangular kernel, padding per axis
+    (2, 1, 5, 5, 2, 1, 1, (0, 0)),      # 1x1 kernel
+    (1, 2, 3, 4, 2, 7, 7, (3, 3)),      # kernel larger than the input
+    (3, 4, 10, 10, 5, 2, 4, (1, 3)),    # even kernel sizes
+])
+def test_plain_odd_shapes_match_reference(fft, shape):
+    n, c, h, w, k, kh, kw, padding = shape
+    x, wt, b, rng = tensors(n, c, h, w, k, kh, kw, seed=7)
+    check_plain(fft, x, wt, b, padding, rng)
+
+
+@pytest.mark.parametrize("layer", ["conv1", "conv2-share"])
+def test_paper_network_layers_match_reference(layer):
+    """The paper's conv1 (3x32x32, 500 kernels 5x5) and conv2 (500x14x14, 5x5) with a quarter of
+    its 1500 kernels (what one of four workers holds), batch 2."""
+    dev = open_device("cpu", conv_path="fft", threads=2)
+    c, h, k = (3, 32, 500) if layer == "conv1" else (500, 14, 375)
+    x, w, b, rng = tensors(2, c, h, h, k, 5, 5, seed=3)
+    check_plain(dev, x, w, b, 0, rng)
+    out, ctx = dev.conv_relu_pool(x, w, b, 0)
+    assert_close(out, R.conv_relu_pool(x, w, b, 0), "pooled")
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    for name, g, r in zip(("dx", "dw", "db"), dev.conv_relu_pool_backward(ctx, w, dout),
+                          R.conv_relu_pool_backward(x, w, b, dout, 0)):
+        assert_close(g, r, name)
+
+
+BLOCKS = [ConvBlock(padding=1),                                             # the paper's block
+          ConvBlock(padding=(2, 1), pool="avg", pool_kernel=3, pool_stride=2, pool_padding=1),
+          ConvBlock(padding=0, activation="none", pool="max", pool_kernel=3, pool_stride=1),
+          ConvBlock(padding=3, activation="relu", pool="none"),
+          ConvBlock(padding=2, activation="none", pool="none")]
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=str)
+def test_fused_blocks_match_reference(fft, block):
+    x, w, b, rng = tensors(2, 3, 11, 10, 4, 5, 5, seed=11)
+    out, ctx = fft.conv_block(x, w, b, block)
+    assert_close(out, R.conv_block(x, w, b, block), "out")
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    for need_dx in (True, False):
+        out, ctx = fft.conv_block(x, w, b, block)
+        got = fft.conv_block_backward(ctx, w, dout, need_dx)
+        want = R.conv_block_backward(x, w, b, block, dout, need_dx)
+        assert (got[0] is None) == (not need_dx)
+        for name, g, r in zip(("dx", "dw", "db"), got, want):
+            if r is not None:
+                assert_close(g, r, name)
+
+
+def test_spectra_computed_once_per_step_of_the_shard():
+    """Two micro-batches (two forwards, two backwards, then sgd_ in place), three steps: one kernel
+    spectra computation per step, and the weights move exactly as on the im2col path."""
+    spec = ConvSpec(in_channels=3, kernels=4, kh=3, kw=3, block=ConvBlock(padding=1))
+    x, w, b, rng = tensors(4, 3, 8, 8, 4, 3, 3, seed=5)
+    shards = {}
+    for path in ("fft", "im2col"):
+        shard = ConvShard(open_device("cpu", conv_path=path, threads=1))
+        shard.load(0, spec, 0, 4, w, b)
+        shards[path] = shard
+    fft_device = shards["fft"].device
+    counted = []
+    for step in range(3):
+        douts = [rng.standard_normal((2, 4, 4, 4)).astype(np.float32) for _ in range(2)]
+        for shard in shards.values():
+            for micro in range(2):
+                shard.forward(0, x[2 * micro:2 * micro + 2], micro)
+            for micro in (1, 0):
+                shard.backward(0, douts[micro], need_dx=True, micro=micro,
+                               sgd=(0.1, 0.9, 1e-4) if micro == 0 else None)
+        counted.append(fft_device._fft.spectra_computed)
+    assert counted == [1, 2, 3]
+    for got, want in zip(shards["fft"].fetch(0), shards["im2col"].fetch(0)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_weights_changed_in_place_are_never_served_stale_spectra():
+    dev = open_device("cpu", conv_path="fft", threads=1)
+    x, w, b, rng = tensors(2, 3, 9, 9, 4, 3, 3, seed=2)
+    dev.conv2d(x, w, b, padding=1)
+    w[1, 2, 0, 1] += 0.5               # one weight, in place: the same array object
+    assert_close(dev.conv2d(x, w, b, padding=1), R.conv2d(x, w, b, padding=1), "y after an in-place change")
+    dy = rng.standard_normal((2, 4, 9, 9)).astype(np.float32)
+    w *= -1.0
+    got = dev.conv2d_backward(x, w, dy, padding=1)
+    for name, g, r in zip(("dx", "dw", "db"), got, R.conv2d_backward(x, w, dy, padding=1)):
+        assert_close(g, r, name)
+    assert dev._fft.spectra_computed == 3
+
+
+def test_spectra_over_the_budget_take_the_direct_path_and_say_why(capsys):
+    x, w, b, rng = tensors(2, 3, 9, 9, 4, 3, 3, seed=4)
+    dev = open_device("cpu", conv_path="fft", threads=1, fft_budget_bytes=1000, verbose=True)
+    check_plain(dev, x, w, b, 1, rng)
+    out, ctx = dev.conv_block(x, w, b, ConvBlock(padding=1))
+    assert_close(out, R.conv_block(x, w, b, ConvBlock(padding=1)), "out")
+    assert dev._fft.spectra_computed == 0
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines          # once per layer shape, not once per call
+    assert "takes the direct path, not FFT" in lines[0] and "over the FFT budget of 0 MB" in lines[0]
+
+
+def test_strided_layers_take_the_direct_path(fft):
+    x, w, b, rng = tensors(2, 3, 11, 10, 4, 3, 3, seed=6)
+    y = fft.conv2d(x, w, b, stride=2, padding=1)
+    assert_close(y, R.conv2d(x, w, b, stride=2, padding=1), "y")
+    block = ConvBlock(stride=2, padding=1, pool="max", pool_kernel=2, pool_stride=2)
+    out, ctx = fft.conv_block(x, w, b, block)
+    assert_close(out, R.conv_block(x, w, b, block), "out")
+
+
+def test_unknown_conv_path_names_the_choices():
+    with pytest.raises(DeviceError, match=r"conv_path must be one of \('auto', 'im2col', 'shifted', 'fft'\), got 'fftw'"):
+        open_device("cpu", conv_path="fftw")
+
+
+@pytest.mark.parametrize("p,q", [(14, 14), (5, 7), (1, 1), (32, 32), (6, 3)])
+def test_kept_frequencies_stand_for_the_whole_spectrum(p, q):
+    """One frequency per conjugate pair, weights summing to P*Q: each kept frequency and its
+    conjugate cover every frequency exactly once."""
+    kept = kept_frequencies(p, q)
+    covered = {}
+    for fp, fq, weight in kept:
+        for pair in {(fp, fq), ((-fp) % p, (-fq) % q)}:
+            covered[pair] = covered.get(pair, 0) + 1
+        assert weight == len({(fp, fq), ((-fp) % p, (-fq) % q)})
+    assert sorted(covered) == [(a, e) for a in range(p) for e in range(q)]
+    assert set(covered.values()) == {1}
+    assert int(kept[:, 2].sum()) == p * q
