@@ -123,9 +123,10 @@ def test_a_worker_killed_during_a_rebalance_is_survived_and_rebalancing_is_armed
     def propose_rebalance(specs, **kw):                  # move two kernels, whatever the timings say
         proposals.append(len(engine.plan.workers))
         counts = {n: [lp.count(n) for lp in engine.plan.layers] for n in engine.plan.workers}
-        first, second = engine.plan.workers[:2]
-        counts[first][1] += 2
-        counts[second][1] -= 2
+        most = max(counts, key=lambda n: counts[n][1])          # it holds at least 4 of conv2's 12 kernels
+        other = next(n for n in counts if n != most)
+        counts[most][1] -= 2
+        counts[other][1] += 2
         return fixed_plan([s.kernels for s in specs], counts)
     engine.propose_rebalance = propose_rebalance
     real_load = engine.load
