@@ -351,7 +351,7 @@ def test_a_stop_that_cannot_finish_its_step_saves_the_last_snapshot_within_the_g
     ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
     coord = _coordinator(procs, tmp_path, "--spawn", "cpu:1,cpu:1", "--epochs", "25", "--steps", "400",
                          "--snapshot-every", "2", "--worker-timeout", "120", "--stop-grace", "2",
-                         "--checkpoint-dir", ck, "--metrics", metrics)
+                         "--checkpoint-dir", ck, "--metrics", metrics, "--verbose")   # the workers' own lines
     _wait_for_step(metrics, 3)
     pids = [int(line.split("/")[2]) for line in (tmp_path / "out.txt").read_text().splitlines()
             if line.startswith("hetconv-worker w")]
