@@ -2,7 +2,8 @@
 
     python bench/conv.py [--quick] [--device cpu|cuda:0] [--out DIR]
     python bench/conv.py --share-scaling [--share 375] [--threads 1] [--batches 32]
-    add --cpu-conv-path im2col|shifted to force the CPU device's conv path (default auto)
+    add --cpu-conv-path im2col|shifted|fft to force the CPU device's conv path (default auto)
+    python bench/conv.py --fft [--layers conv2] [--batches 32,128] [--threads 1,2]
 
 What it measures, per layer, batch N and thread count T (CPU) or per layer and N (CUDA):
 - hetconv plain: the contract, conv2d then conv2d_backward (dx only where a layer below needs it:
@@ -10,6 +11,9 @@ What it measures, per layer, batch N and thread count T (CPU) or per layer and N
 - hetconv fused: conv_relu_pool then conv_relu_pool_backward, what a worker runs each step;
 - torch: F.conv2d (plain) and F.max_pool2d(F.relu(F.conv2d)) (fused), backward by autograd with
   the input requiring grad only for conv2; torch.set_num_threads(T) against hetconv's threads=T.
+--fft adds the CPU device's FFT path (conv_path="fft") as a third contender beside the direct path
+(--cpu-conv-path) and torch, all three alternating in the same rounds; each row then carries
+"fft" (its times), fft/direct and fft/torch (medians over rounds of the ratio within a round).
 "fwd" is the forward part of the training step, "fwd+bwd" the whole step (torch's forward
 therefore records its autograd graph, as in training).
 
@@ -67,8 +71,10 @@ def parse_args():
     p.add_argument("--share-scaling", action="store_true",
                    help="conv2 fused fwd+bwd at --share kernels over the full layer (CPU; default T=1, N=32)")
     p.add_argument("--share", type=int, default=375, help="kernels a worker holds in --share-scaling")
-    p.add_argument("--cpu-conv-path", default="auto", choices=("auto", "im2col", "shifted"),
+    p.add_argument("--cpu-conv-path", default="auto", choices=("auto", "im2col", "shifted", "fft"),
                    help="the CPU device's conv path (auto: shifted GEMMs where C*kw >= 64, so conv2; im2col below)")
+    p.add_argument("--fft", action="store_true",
+                   help="also time the FFT path (conv_path=fft) against the direct path and torch in the same rounds")
     p.add_argument("--render", default="", metavar="JSON", help="run nothing: rewrite conv.md beside a saved conv.json")
     args = p.parse_args()
     if args.share_scaling:
@@ -129,9 +135,20 @@ def make_inputs(layer, n, seed=0):
 # ---- one training step of each contender, returning {phase: seconds} ---------------------------
 def hetconv_steps(dev, data, need_dx):
     x, w, b, dy, dpooled = (data[k] for k in ("x", "w", "b", "dy", "dpooled"))
+    w = w.copy()                                     # changed in place below: not the caller's
     w_dev, b_dev = dev.upload(w), dev.upload(b)      # the fused form keeps parameters resident
+    first = (w.flat[0], np.nextafter(w.flat[0], np.float32(np.inf)))
+    steps = [0]
+
+    def new_weights(a):
+        """One weight moved by one ulp, in place, as an update would move them all: a path that
+        caches what it derives from the weights (the FFT path's kernel spectra) pays for it once
+        per step, as in training."""
+        steps[0] += 1
+        a.flat[0] = first[steps[0] % 2]
 
     def plain():
+        new_weights(w)
         t0 = time.perf_counter()
         y = dev.conv2d(x, w, b, padding=PADDING)
         dev.synchronize()
@@ -142,6 +159,7 @@ def hetconv_steps(dev, data, need_dx):
         return {"fwd": t1 - t0, "fwd+bwd": t2 - t0, "out": (y, *grads)}
 
     def fused():
+        new_weights(w_dev)
         t0 = time.perf_counter()
         pooled, ctx = dev.conv_relu_pool(x, w_dev, b_dev, PADDING)
         dev.synchronize()
@@ -354,6 +372,8 @@ def markdown(doc):
     headers = ["layer", "N", "T", "form", "phase", "hetconv ms", "GFLOP/s"]
     headers += ["% peak"] if peak else []
     headers += ["torch ms", "GFLOP/s", "ratio", "ratio of mins"] if with_torch else []
+    with_fft = any("fft" in r for r in rows)
+    headers += ["fft ms", "fft spread", "fft/direct"] + (["fft/torch"] if with_torch else []) if with_fft else []
     table = []
     for r in rows:
         cells = [r["layer"], r["N"], r["threads"] or "-", r["form"], r["phase"],
@@ -361,8 +381,18 @@ def markdown(doc):
         cells += [fmt(100 * r["peak_fraction"])] if peak else []
         if with_torch:
             cells += [fmt(r["torch"]["median_ms"]), fmt(r["torch_gflops"]), f"{r['ratio']:.2f}", f"{r['ratio_min']:.2f}"]
+        if with_fft:
+            cells += [fmt(r["fft"]["median_ms"]), f"{r['fft']['spread']:.0%}", f"{r['fft_vs_direct']:.2f}"]
+            cells += [f"{r['fft_vs_torch']:.2f}"] if with_torch else []
         table.append(cells)
     wall = f" Wall time {doc['wall_s'] / 60:.1f} min." if "wall_s" in doc else ""
+    if "load_average_1min" in doc:
+        load = doc["load_average_1min"]
+        wall += (f" 1-minute load average during the run: {load['start']:.2f} at start, mean {load['mean']:.2f}, "
+                 f"max {load['max']:.2f} ({load['samples']} samples). ISA: {' '.join(doc.get('isa', []))}.")
+    if with_fft:
+        wall += (" fft = the CPU device's FFT path (conv_path=fft) timed in the same rounds; fft/direct and "
+                 "fft/torch = median over rounds of the ratio within a round; fft spread = (max - min) / median.")
     notes = (f"{doc['load_end']} at end.{wall} ms = median of the timed runs; ratio = hetconv / torch "
              "medians (<= 1.00: hetconv at least as fast); ratio of mins = the same on the fastest runs, "
              "less sensitive to a shared machine. fused = conv+bias+ReLU+2x2 max-pool (torch: "
@@ -418,6 +448,10 @@ def main():
     check_dev = devices[None] if is_cuda else open_device("cpu", threads=max(args.threads), conv_path=args.cpu_conv_path)
     check_against_torch(check_dev, torch, args.layers)
     del check_dev
+    with_fft = args.fft and not is_cuda
+    if with_fft:
+        check_against_torch(open_device("cpu", threads=max(args.threads), conv_path="fft"), torch, args.layers)
+    loads = [os.getloadavg()[0]]
 
     rows = []
     for threads in devices:
@@ -426,6 +460,7 @@ def main():
             print(f"timing {dev.describe()}" + (" vs torch on the same GPU" if torch_dev else ""), flush=True)
         else:
             dev = open_device("cpu", threads=threads, conv_path=args.cpu_conv_path)   # sets Numba's (process-wide) and BLAS threads
+            fft_dev = open_device("cpu", threads=threads, conv_path="fft") if with_fft else None
             torch.set_num_threads(threads)
             print(f"timing {dev.describe()} vs torch with {torch.get_num_threads()} threads", flush=True)
         for layer in args.layers:
@@ -433,10 +468,17 @@ def main():
             for n in args.batches:
                 data = make_inputs(layer, n)
                 cases = {("hetconv", form): timed(step) for form, step in hetconv_steps(dev, data, need_dx).items()}
+                if with_fft:
+                    cases.update({("fft", form): timed(step) for form, step in hetconv_steps(fft_dev, data, need_dx).items()})
                 if torch_dev is not None:
                     cases.update({("torch", form): timed(step)
                                   for form, step in torch_steps(torch, torch_dev, data, need_dx).items()})
                 samples = _common.time_interleaved(cases, args.min_reps, args.max_reps, args.budget)
+                loads.append(os.getloadavg()[0])
+
+                def per_round(num, den, phase):
+                    """median over rounds of num/den, both timed in the same round"""
+                    return float(np.median([a / b for a, b in zip(samples[num][phase], samples[den][phase])]))
                 fwd_flops, step_flops = flops(layer, n)
                 for form in ("plain", "fused"):
                     for phase, flop in (("fwd", fwd_flops), ("fwd+bwd", step_flops)):
@@ -450,16 +492,26 @@ def main():
                                "ratio_min": ref and ours["min_ms"] / ref["min_ms"]}
                         if peak:
                             row["peak_fraction"] = row["hetconv_gflops"] * 1e9 / peak
+                        if with_fft:
+                            row["fft"] = _common.summarize(samples[("fft", form)][phase])
+                            row["fft_vs_direct"] = per_round(("fft", form), ("hetconv", form), phase)
+                            row["fft_vs_torch"] = ref and per_round(("fft", form), ("torch", form), phase)
+                            print(f"  {layer} N={n} T={threads} {form:5s} {phase:7s} fft {row['fft']['median_ms']:9.1f} ms"
+                                  f"  fft/direct {row['fft_vs_direct']:.2f}" + (f"  fft/torch {row['fft_vs_torch']:.2f}" if ref else "")
+                                  + f"  (spread {row['fft']['spread']:.0%})", flush=True)
                         rows.append(row)
                         print(f"  {layer} N={n} T={threads} {form:5s} {phase:7s} hetconv "
                               f"{ours['median_ms']:9.1f} ms {row['hetconv_gflops']:6.1f} GFLOP/s"
                               + (f" | torch {ref['median_ms']:9.1f} ms  ratio {row['ratio']:.2f}" if ref else "")
                               + f"  ({len(ours['samples_ms'])} runs, spread {ours['spread']:.0%})", flush=True)
         if not is_cuda:
-            del dev
+            del dev, fft_dev
 
     rows.sort(key=lambda r: (r["layer"], r["N"], r["threads"] or 0, r["form"] != "plain", r["phase"]))
-    doc = {"header": header, "load_end": _common.load_average(), "wall_s": time.perf_counter() - t_start, "rows": rows}
+    doc = {"header": header, "load_end": _common.load_average(), "wall_s": time.perf_counter() - t_start, "rows": rows,
+           "isa": _common.cpu_isa_flags(),
+           "load_average_1min": {"start": loads[0], "max": max(loads), "mean": float(np.mean(loads)),
+                                 "end": os.getloadavg()[0], "samples": len(loads)}}
     md = markdown(doc)
     print("\n" + md)
     json_path, md_path = _common.write_results(args.out, "conv", doc, md)
