@@ -130,6 +130,10 @@ class _StopRequests:
 def _compatible(meta, cfg, network):
     """Raise CheckpointError unless the checkpoint holds this run's network (`network`, a NetSpec)."""
     if "network" in meta:
+        then = meta.get("config", {}).get("crop", 0)
+        if then != cfg.crop:
+            raise checkpoint.CheckpointError(f"cannot resume: the checkpoint was trained with --crop {then}, this run "
+                                             f"asks for {cfg.crop}")
         saved = NetSpec.from_json(meta["network"])
         if saved != network:
             there = [layer.text() for layer in saved.layers] + ["(none)"]
