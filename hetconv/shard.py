@@ -20,10 +20,12 @@ from hetconv.wire import decode, encode
 # larger layer's fast/slow ratio anywhere from 0.63 to 4.65 against ~2). The mean over a window of
 # many slices is what the shared core delivers. What it costs: at most about the floor per point
 # beyond the calls that were timed anyway (four points per layer); a call that already takes
-# longer than the floor is repeated no more than before, so the paper network's calibration at
-# the default batch of 16 is unchanged (2 x 1-thread workers, AMD EPYC 2 cores with avx512f: see
-# bench/results/calibration_noise.md). The cap on calls keeps tiny layers, whose calls are
-# microseconds and whose untimed overhead then outweighs them, to a fraction of a second.
+# longer than the floor is repeated no more than before. On the paper network at the default
+# batch of 16 (two 1-thread workers, AMD EPYC, 2 cores, avx512f; other tenants using 0.6-0.8 of
+# a core meanwhile) calibration took 17.0 s against 8.6 s with medians of three calls
+# (bench/results/calibration_noise.md); conv 32,96 takes 2.0 s against 0.5 s. The cap on calls
+# keeps tiny layers, whose calls are microseconds and whose untimed overhead then outweighs
+# them, to a fraction of a second.
 CALIBRATION_FLOOR_S = 0.25
 CALIBRATION_MAX_CALLS = 1000
 
