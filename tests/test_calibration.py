@@ -46,13 +46,13 @@ class FakeDevice:
     def accumulate_(self, acc, g):
         self.clock.now += MS / 64
 
-    def conv_relu_pool(self, x, w, b, padding):
+    def conv_block(self, x, w, b, block):
         k = w.shape[0]
         self.clock.now += self.forward(k) * len(x) + self.stall(len(self.calls))
         self.calls.append((k, len(x)))
         return np.zeros((len(x), k, 1, 1), np.float32), (k, len(x))
 
-    def conv_relu_pool_backward(self, ctx, w, dy, need_dx):
+    def conv_block_backward(self, ctx, w, dy, need_dx):
         k, n = ctx
         self.clock.now += self.backward(k) * n
         return None, np.zeros_like(w), np.zeros(k, np.float32)
