@@ -40,7 +40,8 @@ def run(procs, tmp_path, name, fuzz_seed=None):
         # --insecure: with the run's own keys a fuzzer could not even finish a handshake, and
         # what is under test here is what happens to frames that get through one
         coord = procs(python_cmd("hetconv.coordinator", "--spawn", "cpu,cpu", "--bind", f"tcp://127.0.0.1:{port}",
-                                 "--insecure", "--metrics", metrics, *NET), stdout=out, stderr=subprocess.STDOUT)
+                                 "--insecure", "--verbose", "--metrics", metrics, *NET),  # --verbose: workers print their inboxes
+                     stdout=out, stderr=subprocess.STDOUT)
     sent, threads = {}, []
     # until the run has written `done` (its sockets then close: a fuzzer connecting while libzmq
     # tears them down tests libzmq's shutdown, not this run)
@@ -80,7 +81,7 @@ def test_fuzzed_coordinator_and_worker_keep_serving_and_train_the_same(procs, tm
     for target in ("coordinator", "inbox"):
         assert set(sent[target]) == set(_fuzz.KINDS), sent
     assert "ignored a malformed message from a peer" in out and "ignored a malformed message from" in out, out
-    assert "dropped worker" not in out and "lost" not in out.lower(), out
+    assert "dropped worker" not in out and not re.search(r"\blost w\d", out), out
     code, plain_out, plain, _ = run(procs, tmp_path, "plain")
     assert code == 0, plain_out
     losses = [r["loss"] for r in records if r["event"] == "step"]
