@@ -164,17 +164,22 @@ class RemoteEngine(Engine):
                                                   else None)
             return
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
-        cpu_workers = [i for i, d in enumerate(devices) if d == "cpu"]
-        per_worker = threads or max(1, len(cores) // max(1, len(cpu_workers)))
+        plain = [i for i, d in enumerate(devices) if d == "cpu"]
+        per_worker = threads or max(1, len(cores) // max(1, len(plain)))
+        # each CPU worker's threads: `cpu` shares the cores (or --threads), `cpu:N` asked for N;
+        # pinned to consecutive cores of their own where they all fit, else left to the scheduler
+        cpu_threads = {i: per_worker if d == "cpu" else int(d.split(":", 1)[1])
+                       for i, d in enumerate(devices) if d == "cpu" or d.startswith("cpu:")}
+        fits = pin and sum(cpu_threads.values()) <= len(cores)
+        first = 0
         for i, device in enumerate(devices):
             cmd = worker_command(self.address, f"w{i}-{device}", device, self.connect_timeout, os.getpid(),
                                  threads=per_worker if device == "cpu" else 0, curve=self.worker_keydir,
                                  extra=self._limit_args())
-            if device == "cpu":
-                slot = cpu_workers.index(i)
-                if pin and len(cores) >= per_worker * len(cpu_workers):
-                    mine = cores[slot * per_worker:(slot + 1) * per_worker]
-                    cmd += ["--cores", ",".join(map(str, mine))]
+            if i in cpu_threads and fits:
+                mine = cores[first:first + cpu_threads[i]]
+                first += cpu_threads[i]
+                cmd += ["--cores", ",".join(map(str, mine))]
             # A session of its own: Ctrl-C reaches only the coordinator, which finishes the step,
             # checkpoints and then ends its workers itself. Its stdout holds only its start-up line,
             # which the coordinator's own line for it repeats; its errors go to stderr, kept.

@@ -685,3 +685,13 @@ def test_a_worker_that_connects_mid_run_joins_at_a_snapshot(tmp_path, procs):
     records = [json.loads(line) for line in open(metrics)]
     assert any(r["event"] == "worker_joined" for r in records)
     assert any(r["event"] == "plan" and r.get("reason") == "worker joined" for r in records)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two usable cores to pin two workers apart")
+def test_spawned_cpu_workers_with_their_own_thread_counts_are_pinned_to_cores_of_their_own():
+    engine = RemoteEngine("tcp://127.0.0.1:0", 0, ["cpu:1", "cpu:1"], threads=0, connect_timeout=60, log=quiet)
+    try:
+        affinity = [sorted(os.sched_getaffinity(proc.pid)) for _, proc in engine.processes]
+    finally:
+        engine.close()
+    assert all(len(cores) == 1 for cores in affinity) and affinity[0] != affinity[1], affinity
