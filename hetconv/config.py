@@ -27,7 +27,8 @@ def option(default, help):
 @dataclass
 class Config:
     # data and network
-    data: str = option("synthetic", "'synthetic' (built in) or a CIFAR-10 python-format dir / .tar.gz")
+    data: str = option("synthetic", "'synthetic' (built in), or a path: CIFAR-10/100 (python format, dir or .tar.gz), a dir of "
+                                    "MNIST-style IDX files, an image folder (ROOT/train/CLASS/*.png, ROOT/test/...), a .npz")
     synthetic_train: int = option(5000, "images in the built-in training set")
     synthetic_test: int = option(1000, "images in the built-in test set")
     crop: int = option(0, "center-crop images to crop x crop (0: the full 32x32)")
