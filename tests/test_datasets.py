@@ -3,9 +3,11 @@ a .npz; format detection; each set's own normalisation; augmentation and prefetc
 LeNet-5 on the digits, trained by hetconv and by PyTorch from the same weights and batches."""
 import gzip
 import io
+import json
 import os
 import pickle
 import struct
+import subprocess
 import sys
 import tarfile
 import zipfile
@@ -474,8 +476,15 @@ def test_lenet5_learns_the_digits_as_pytorch_does_from_the_same_weights_and_batc
     module = to_torch(spec, conv, fc)                                 # a copy: hetconv updates its own arrays
     epochs, batch, lr, momentum = 6, 32, 0.02, 0.9
     cfg = Config(net="lenet5", data=str(DIGITS), batch_size=batch, epochs=epochs, lr=lr, momentum=momentum,
-                 weight_decay=0.0, threads=1, rebalance_after=0, eval_every=0, seed=3).validate()
+                 weight_decay=0.0, threads=1, rebalance_after=0, eval_every=0, seed=3,
+                 checkpoint_dir=str(tmp_path / "ck"), metrics=str(tmp_path / "m.jsonl")).validate()
     summary = train(cfg, engine(), log=quiet, dataset=ds, network=LoadedNet(spec, (conv, fc)))
+    # hetconv-eval on the run's checkpoint says what the run's last eval record says
+    last_eval = [json.loads(line) for line in open(tmp_path / "m.jsonl") if '"event": "eval"' in line][-1]
+    evaluated = subprocess.run([sys.executable, "-m", "hetconv.evaluate", str(tmp_path / "ck"), "--json"],
+                               capture_output=True, text=True, timeout=120)
+    assert evaluated.returncode == 0, evaluated.stderr
+    assert json.loads(evaluated.stdout)["accuracy"] == last_eval["test_accuracy"] == summary["test_accuracy"]
 
     # PyTorch: the same batches in the same order (train() shuffles epoch e with rng [seed, e])
     opt = torch.optim.SGD(module.parameters(), lr=lr, momentum=momentum)
