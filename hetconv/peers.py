@@ -332,7 +332,9 @@ class PeerLinks:
             if phase != "images":
                 return self._drop(msg, "early", f"{phase!r} for step {step} before that step began")
         else:
-            return self._drop(msg, "step", f"step {step} is neither step {self.step} of this plan nor the next")
+            late = self.step is not None and step <= self.step
+            return self._drop(msg, "step", f"step {step} has ended here (a late slice of an abandoned step)" if late
+                              else f"step {step} is neither this plan's current step ({self.step}) nor the next")
         if not _is_int(micro) or not 0 <= micro < micros:
             return self._drop(msg, "micro", f"micro-batch {micro!r} out of range(0, {micros})")
         if msg.op != "SLICE":
