@@ -118,7 +118,9 @@ def main(argv=None):
            "batch_size": args.batch_size, "steps": args.steps, "result": result}
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        _common.save_outputs(args.out, STEM, doc, markdown, lambda *a: None)
+        path = os.path.join(args.out, f"{STEM}.json")
+        _common.write_text(path, json.dumps(doc, indent=1))
+        print(markdown(doc) + f"\nwrote {_common.render_saved(path, STEM, markdown)}")
     else:
         print(markdown(doc))
     return 0
