@@ -189,13 +189,24 @@ def plot_saved(json_path, plot):
         print(f"no plots: {e} (pip install matplotlib)")
 
 
-def save_outputs(out_dir, stem, doc, markdown, plot):
+def run_facts(script, argv, started, load_start):
+    """What every results file records of its run: the command, the machine (CPU, ISA, BLAS kernel),
+    the wall time since `started` (time.time()) and the load at start and end."""
+    return {"command": recorded_command(script, argv), "machine": cpu_model(), "isa": " ".join(cpu_isa_flags()),
+            "blas": "; ".join(blas_info()), "wall_s": time.time() - started,
+            "load": {"start": load_start, "end": load_average()}}
+
+
+def save_outputs(out_dir, stem, doc, markdown, plot=None):
     """OUT/<stem>.json holds `doc`, as the run recorded it; the .md and the plots are rendered from
     that file, never from anything else."""
     json_path = os.path.join(out_dir, f"{stem}.json")
     write_text(json_path, json.dumps(doc, indent=1))
     print("\n" + markdown(doc))
-    rerender(json_path, stem, markdown, plot)
+    if plot is None:
+        print(f"wrote {render_saved(json_path, stem, markdown)}")
+    else:
+        rerender(json_path, stem, markdown, plot)
 
 
 def rerender(json_path, stem, markdown, plot):

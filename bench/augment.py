@@ -116,13 +116,11 @@ def main(argv=None):
     t0 = time.time()
     load_start = _common.load_average()
     rows = run(args)
-    doc = {"command": _common.recorded_command("augment.py", sys.argv[1:] if argv is None else argv),
-           "machine": _common.cpu_model(), "isa": " ".join(_common.cpu_isa_flags()),
-           "blas": "; ".join(_common.blas_info()), "blas_note": BLAS_NOTE or "BLAS environment as found",
-           "wall_s": time.time() - t0, "load": {"start": load_start, "end": _common.load_average()}, "rows": rows}
+    doc = {**_common.run_facts("augment.py", sys.argv[1:] if argv is None else argv, t0, load_start),
+           "blas_note": BLAS_NOTE or "BLAS environment as found", "rows": rows}
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        _common.save_outputs(args.out, STEM, doc, markdown, lambda *a: None)
+        _common.save_outputs(args.out, STEM, doc, markdown)
     else:
         print(markdown(doc))
     return 0

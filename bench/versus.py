@@ -111,16 +111,11 @@ def main(argv=None):
         return 0
     t0, load_start = time.time(), _common.load_average()
     result = run(args)
-    doc = {"command": _common.recorded_command("versus.py", sys.argv[1:] if argv is None else argv),
-           "machine": _common.cpu_model(), "isa": " ".join(_common.cpu_isa_flags()),
-           "blas": "; ".join(_common.blas_info()), "wall_s": time.time() - t0,
-           "load": {"start": load_start, "end": _common.load_average()}, "threads": args.threads,
-           "batch_size": args.batch_size, "steps": args.steps, "result": result}
+    doc = {**_common.run_facts("versus.py", sys.argv[1:] if argv is None else argv, t0, load_start),
+           "threads": args.threads, "batch_size": args.batch_size, "steps": args.steps, "result": result}
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, f"{STEM}.json")
-        _common.write_text(path, json.dumps(doc, indent=1))
-        print(markdown(doc) + f"\nwrote {_common.render_saved(path, STEM, markdown)}")
+        _common.save_outputs(args.out, STEM, doc, markdown)
     else:
         print(markdown(doc))
     return 0

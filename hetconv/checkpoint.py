@@ -114,14 +114,23 @@ def _remove_old(directory, keep, just_written):
                 pass
 
 
-def _written_ns(path):
-    """When a checkpoint was written: its meta's `written_ns`, else the file's modification time.
-    Reads only the zip directory and the small meta member, not the arrays."""
+def _peek_meta(path):
+    """A checkpoint's meta dict, unchecked, or None where it cannot be read. Reads only the zip
+    directory and the small meta member, not the arrays; the checksum is checked on load."""
     try:
         with np.load(path, allow_pickle=False) as z:
             meta = json.loads(bytes(z["meta"]).decode())
+    except Exception:                         # unreadable or truncated: load_newest_valid names it
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def _written_ns(path):
+    """When a checkpoint was written: its meta's `written_ns`, else the file's modification time."""
+    meta = _peek_meta(path)
+    try:
         return int(meta["written_ns"])
-    except Exception:                         # unreadable, truncated, or written before `written_ns`
+    except (TypeError, KeyError, ValueError):  # unreadable, or written before `written_ns`
         try:
             return os.stat(path).st_mtime_ns
         except OSError:
@@ -133,12 +142,9 @@ def saved_network(path):
     recently written one whose meta reads), or None (none there, or written without one). Reads
     only metas; the checksum is checked when the checkpoint itself is loaded."""
     for candidate in (checkpoints(path) if os.path.isdir(path) else [path]):
-        try:
-            with np.load(candidate, allow_pickle=False) as z:
-                meta = json.loads(bytes(z["meta"]).decode())
-        except Exception:                     # unreadable: load_newest_valid names it
-            continue
-        return meta.get("network") if isinstance(meta, dict) else None
+        meta = _peek_meta(candidate)
+        if meta is not None:
+            return meta.get("network")
     return None
 
 

@@ -110,15 +110,15 @@ class Network:
                 grad = grad * saved[i]
         return grad
 
-    def _masks(self, step, total, rows):
-        """Per dropout op, the slice `rows` of the whole batch's mask at `step`."""
+    def _masks(self, step, total):
+        """Per dropout op, the whole batch's mask at `step`."""
         masks, width = {}, None
         for i, (kind, arg) in enumerate(self.ops):
             if kind == "linear":
                 width = self.fc[arg].w.shape[0]
             elif kind == "dropout" and arg > 0:
                 features = width if width is not None else self.fc[0].w.shape[1]
-                masks[i] = dropout_mask(self.seed, step, i, (total, features), arg)[rows]
+                masks[i] = dropout_mask(self.seed, step, i, (total, features), arg)
         return masks
 
     def train_step(self, x, labels, lr, momentum, weight_decay, micro_batches=1, step=0):
@@ -130,10 +130,11 @@ class Network:
         starts = np.cumsum([0] + [len(y) for y in ys])
         result = StepResult(0.0, 0)
         dropout = any(kind == "dropout" and arg > 0 for kind, arg in self.ops)
+        batch_masks = self._masks(step, total) if dropout else {}
 
         def head(m, features):
             # head forward, loss, head backward on micro-batch m: all local; its gradients add up
-            masks = self._masks(step, total, slice(starts[m], starts[m + 1])) if dropout else {}
+            masks = {i: mask[starts[m]:starts[m + 1]] for i, mask in batch_masks.items()}
             logits, saved = self._head_forward(features.reshape(features.shape[0], -1), masks)
             loss, grad = softmax_cross_entropy(logits, ys[m])        # mean over this micro-batch
             share = len(ys[m]) / total

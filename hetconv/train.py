@@ -154,11 +154,7 @@ def _compatible(meta, cfg, network):
 def data_meta(ds):
     """What a checkpoint keeps of its data set so the model can be used without it: the name, the
     class names, the image shape and the normalisation (per-channel mean and std of [0, 1] pixels)."""
-    if hasattr(ds, "meta"):
-        return ds.meta()
-    from hetconv.data import CIFAR10_MEAN, CIFAR10_STD
-    return {"name": ds.name, "classes": list(ds.classes), "image_shape": list(ds.train_x.shape[1:]),
-            "mean": list(CIFAR10_MEAN), "std": list(CIFAR10_STD)}
+    return ds.meta()
 
 
 def network_for(cfg, ds, resume=None):
