@@ -27,23 +27,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from hetconv.params import default_init
-
-try:
-    from hetconv.devices.base import ConvBlock
-except ImportError:
-    # Stand-in with the fields of the devices' ConvBlock, for checkouts whose devices/base.py does
-    # not define it yet; the devices' class is used wherever it exists, so both sides agree.
-    @dataclass(frozen=True)
-    class ConvBlock:
-        """What follows a conv on the channel owner: stride and padding of the conv, then an
-        activation and a pool, each acting per channel."""
-        stride: tuple = (1, 1)
-        padding: tuple = (0, 0)
-        activation: str = "relu"          # "relu" or "none"
-        pool: str = "max"                 # "max", "avg" or "none"
-        pool_kernel: tuple = (2, 2)       # the pool's fields are unused when pool is "none"
-        pool_stride: tuple = (2, 2)
-        pool_padding: tuple = (0, 0)
+from hetconv.geometry import ConvBlock
 
 
 # ---- checked values ---------------------------------------------------------------------------
