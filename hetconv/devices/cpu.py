@@ -48,7 +48,7 @@ import numba
 import numpy as np
 from numba import prange
 from numpy.lib.stride_tricks import as_strided
-from threadpoolctl import threadpool_info, threadpool_limits
+from threadpoolctl import ThreadpoolController, threadpool_info, threadpool_limits
 
 from hetconv.devices.base import Device, DeviceError
 from hetconv.devices.blas import accumulating_sgemm
@@ -561,8 +561,11 @@ class CpuDevice(Device):
         # sgemm with beta = 1 for sums of GEMMs; None: numpy's matmul into a temporary plus an add
         self._sgemm = accumulating_sgemm()
         # conv_path="fft": stride-1 layers whose kernel spectra fit fft_budget_bytes; work buffers
-        # per block of frequencies under im2col_budget_bytes, as the direct paths' chunks
-        self._fft = FftConv(self._gemm, self._scratch, fft_budget_bytes, self.im2col_budget_bytes)
+        # per block of frequencies under im2col_budget_bytes, as the direct paths' chunks. Its
+        # GEMMs run one BLAS thread each, split among our threads by the FFT path itself.
+        blas = ThreadpoolController().select(user_api="blas")
+        self._fft = FftConv(self._fft_gemm, self._scratch, fft_budget_bytes, self.im2col_budget_bytes,
+                            threads=self.threads, one_blas_thread=lambda: blas.limit(limits=1))
         self.verbose = bool(verbose)
         self._fft_declined = set()      # layer shapes already reported as declined
 
@@ -610,12 +613,15 @@ class CpuDevice(Device):
             np.matmul(a, b, out=part)
             _add_into(out, part)
 
-    def _gemm(self, a, b, out, beta):
-        """out = a @ b + beta * out, beta 0 or 1."""
-        if beta == 0.0:
+    def _fft_gemm(self, a, b, out, beta):
+        """out = a @ b + beta * out, beta 0 or 1, on any row- or column-major views; safe to call
+        from several threads at once (no shared work buffer)."""
+        if self._sgemm is not None:
+            self._sgemm(a, b, out, beta)
+        elif beta == 0.0:
             np.matmul(a, b, out=out)
         else:
-            self._matmul_add(a, b, out, "fft_part")
+            out += a @ b
 
     def _takes_fft(self, x_shape, w_shape, stride, padding):
         """Whether conv_path="fft" runs this layer in the frequency domain: stride 1 and kernel
