@@ -1,15 +1,17 @@
 """The CPU device's FFT path (conv_path="fft") against the numpy reference: plain and fused, every
 gradient, normwise relative error at most 1e-5; its kernel spectra computed once per step of the
-shard's pattern and never stale; and where it declines (stride, memory budget), the direct path."""
+shard's pattern and never stale; and where it declines (stride, memory budget), the direct path.
+Then conv_path="auto": the path each call shape runs, chosen by timing the candidates (a fake
+timer here), kept per shape, skipped for small layers, and reported."""
 import numpy as np
 import pytest
 
-from hetconv import reference as R
+from hetconv.net import reference as R
 from hetconv.devices import DeviceError, open_device
 from hetconv.devices.base import ConvBlock
 from hetconv.devices.cpu_fft import kept_frequencies
 from hetconv.geometry import ConvSpec
-from hetconv.shard import ConvShard
+from hetconv.engine.shard import ConvShard
 
 TOLERANCE = 1e-5
 
@@ -79,10 +81,12 @@ def test_plain_odd_shapes_match_reference(fft, shape):
 
 @pytest.mark.parametrize("layer", ["conv1", "conv2-share"])
 def test_paper_network_layers_match_reference(layer):
-    """The paper's conv1 (3x32x32, 500 kernels 5x5) and conv2 (500x14x14, 5x5) with a quarter of
-    its 1500 kernels (what one of four workers holds), batch 2."""
+    """The paper's conv1 input (3x32x32, 5x5 kernels) and conv2's (500x14x14, 5x5): their transform
+    sizes and conv2's 500-long channel sums, the error bound's hard case; fewer kernels than the
+    layers' 500 and 1500 (each kernel's output is computed alike, and the reference's time grows
+    with them)."""
     dev = open_device("cpu", conv_path="fft", threads=2)
-    c, h, k = (3, 32, 500) if layer == "conv1" else (500, 14, 375)
+    c, h, k = (3, 32, 40) if layer == "conv1" else (500, 14, 40)
     x, w, b, rng = tensors(2, c, h, h, k, 5, 5, seed=3)
     check_plain(dev, x, w, b, 0, rng)
     out, ctx = dev.conv_relu_pool(x, w, b, 0)
@@ -195,3 +199,111 @@ def test_kept_frequencies_stand_for_the_whole_spectrum(p, q):
     assert sorted(covered) == [(a, e) for a in range(p) for e in range(q)]
     assert set(covered.values()) == {1}
     assert int(kept[:, 2].sum()) == p * q
+
+
+# ---- conv_path="auto": the path per call shape, by timing -----------------------------------------
+class FakeTimer:
+    """Seconds per path as given, counting the calls: no real timing in a unit test."""
+
+    def __init__(self, seconds):
+        self.seconds, self.calls = seconds, []
+
+    def __call__(self, path, run):
+        run()
+        self.calls.append(path)
+        return self.seconds[path]
+
+
+def auto_device(seconds, **options):
+    timer = FakeTimer(seconds)
+    options = {"threads": 1, "auto_timed_min_flops": 0, **options}
+    return open_device("cpu", conv_path="auto", auto_timer=timer, **options), timer
+
+
+@pytest.mark.parametrize("fastest", ["im2col", "shifted", "fft"])
+def test_auto_runs_the_path_its_timer_finds_fastest(fastest):
+    """Whichever path the timer calls fastest is the one the call runs (the others slower by 10%
+    and 50%), with correct results; every candidate is timed in each round."""
+    from hetconv.devices.cpu import AUTO_TIMED_ROUNDS
+    seconds = {p: 1.5 for p in ("im2col", "shifted", "fft")}
+    seconds[fastest] = 1.0
+    seconds[{"im2col": "shifted", "shifted": "fft", "fft": "im2col"}[fastest]] = 1.1
+    dev, timer = auto_device(seconds)
+    x, w, b, rng = tensors(2, 3, 9, 8, 4, 3, 3, seed=21)
+    check_plain(dev, x, w, b, 1, rng)
+    assert list(dev.conv_paths().values()) == [fastest]
+    assert sorted(timer.calls) == sorted(["im2col", "shifted", "fft"] * AUTO_TIMED_ROUNDS)
+    dev.conv_block(x, w, b, ConvBlock(padding=1))               # the block form's own timing
+    spectra_before = dev._fft.spectra_computed
+    w[0, 0, 0, 0] += 0.25               # new weights: the FFT path must compute their spectra
+    out, ctx = dev.conv_block(x, w, b, ConvBlock(padding=1))
+    assert_close(out, R.conv_block(x, w, b, ConvBlock(padding=1)), "out")
+    assert (dev._fft.spectra_computed > spectra_before) == (fastest == "fft")
+    assert list(dev.conv_paths().values()) == [fastest, fastest]
+
+
+def test_auto_choice_is_kept_per_call_shape():
+    """One timing per (input shape, weights shape, stride, padding, form): the same call again
+    times nothing; another batch size, another padding or the block form each time once."""
+    dev, timer = auto_device({"im2col": 2.0, "shifted": 3.0, "fft": 1.0})
+    x, w, b, rng = tensors(3, 3, 9, 8, 4, 3, 3, seed=22)
+    dev.conv2d(x, w, b, padding=1)
+    timed_once = len(timer.calls)
+    dev.conv2d(x, w, b, padding=1)
+    dev.conv2d_backward(x, w, np.ones((3, 4, 9, 8), np.float32), padding=1)
+    assert len(timer.calls) == timed_once
+    dev.conv2d(x[:2], w, b, padding=1)
+    dev.conv2d(x, w, b, padding=0)
+    dev.conv_block(x, w, b, ConvBlock(padding=1))
+    assert len(timer.calls) == 4 * timed_once
+    assert len(dev.conv_paths()) == 4 and set(dev.conv_paths().values()) == {"fft"}
+
+
+def test_auto_times_only_the_paths_a_layer_can_take():
+    """Over the FFT budget only the direct paths are timed; at stride 2 im2col is the only path,
+    run untimed."""
+    dev, timer = auto_device({"im2col": 2.0, "shifted": 1.0}, fft_budget_bytes=1000)
+    x, w, b, rng = tensors(2, 3, 9, 8, 4, 3, 3, seed=23)
+    check_plain(dev, x, w, b, 1, rng)
+    assert "fft" not in timer.calls and list(dev.conv_paths().values()) == ["shifted"]
+    timer.calls.clear()
+    assert_close(dev.conv2d(x, w, b, stride=2, padding=1), R.conv2d(x, w, b, stride=2, padding=1), "y")
+    assert timer.calls == [] and list(dev.conv_paths().values())[-1] == "im2col"
+
+
+def test_small_layers_keep_the_rule_untimed():
+    """Under auto_timed_min_flops (default 20 MFLOP per forward call) nothing is timed: the
+    rule's path runs, and the report says so."""
+    def no_timing(path, run):
+        raise AssertionError(f"timed {path} on a small layer")
+
+    dev = open_device("cpu", conv_path="auto", threads=1, auto_timer=no_timing)
+    x, w, b, rng = tensors(2, 3, 9, 8, 4, 3, 3, seed=24)       # ~0.03 MFLOP
+    check_plain(dev, x, w, b, 1, rng)
+    assert list(dev.conv_paths().values()) == ["im2col"]
+    (line,) = dev.describe_conv_paths()
+    assert "rule:" in line and "under the 20 timed" in line
+
+
+def test_auto_choice_is_reported(capsys):
+    """conv_paths() names each call shape and its path; describe_conv_paths() and the verbose
+    log give every path's time."""
+    dev, _ = auto_device({"im2col": 0.004, "shifted": 0.003, "fft": 0.002}, verbose=True)
+    x, w, b, rng = tensors(2, 3, 9, 8, 4, 3, 3, seed=25)
+    dev.conv_block(x, w, b, ConvBlock(padding=1))
+    (key, path), = dev.conv_paths().items()
+    assert path == "fft" and "x (2, 3, 9, 8) w (4, 3, 3, 3)" in key and "padding (1, 1)" in key and "block" in key
+    (line,) = dev.describe_conv_paths()
+    assert line.endswith("fft (timed forward+backward: fft 2.0 ms, shifted 3.0 ms, im2col 4.0 ms)")
+    assert capsys.readouterr().err.strip() == f"cpu device: {line.replace(': fft (', ' runs fft (')}"
+
+
+def test_forced_paths_are_reported_as_forced():
+    dev = open_device("cpu", conv_path="fft", threads=1, fft_budget_bytes=1000)
+    x, w, b, rng = tensors(2, 3, 9, 8, 4, 3, 3, seed=26)
+    dev.conv2d(x, w, b, padding=1)
+    (line,) = dev.describe_conv_paths()
+    assert "fft declined: its kernel spectra need" in line
+    dev = open_device("cpu", conv_path="shifted", threads=1)
+    dev.conv2d(x, w, b, padding=1)
+    assert dev.describe_conv_paths()[0].endswith("shifted (forced)")

@@ -1,12 +1,16 @@
 """`--device cpu`: OpenBLAS sgemm on views of the input, with the data-movement kernels in Numba.
 
 Design, and what it costs:
-- Two paths, chosen per layer and share (`conv_path="auto"`): where one GEMM's reduction C*kw is
-  at least SHIFTED_MIN_REDUCTION (64) and the kernels held are fewer than 0.4 C*kw, the
-  shifted-GEMM path, else im2col. A worker's share of the paper's conv2 (C*kw = 2500, up to 999
-  kernels) is shifted, the whole 1500-kernel layer im2col; conv1 (C*kw = 15, where five 15-long
-  reductions would run thin GEMMs and im2col is cheap) is im2col. `conv_path="im2col"` or
-  `"shifted"` forces one (tests run both everywhere).
+- Three paths (im2col, shifted GEMMs, FFT in devices/cpu_fft.py), chosen per layer and share
+  (`conv_path="auto"`): on the first call with a shape big enough to matter
+  (AUTO_TIMED_MIN_FLOPS) each path the layer can take is timed, forward and backward, and the
+  fastest kept for that shape (`conv_paths()` says what each runs). Smaller calls keep a rule:
+  where one GEMM's reduction C*kw is at least SHIFTED_MIN_REDUCTION (64) and the kernels held
+  are fewer than 0.4 C*kw, the shifted-GEMM path, else im2col. A worker's share of the paper's
+  conv2 (C*kw = 2500, up to 999 kernels) is shifted by that rule, the whole 1500-kernel layer
+  im2col; conv1 (C*kw = 15, where five 15-long reductions would run thin GEMMs and im2col is
+  cheap) is im2col. `conv_path="im2col"`, `"shifted"` or `"fft"` forces one (tests run each
+  everywhere).
 - im2col: one GEMM per chunk of images, Y (K, P) = W (K, C*kh*kw) @ cols.T, cols (P, C*kh*kw)
   the im2col of the chunk (P = images * Ho * Wo); backward writes dcols and folds it with col2im.
 - shifted: the input is expanded along the kernel's width only (kw copies, not kh*kw), rows
@@ -43,6 +47,7 @@ Design, and what it costs:
 """
 import os
 import sys
+import time
 
 import numba
 import numpy as np
@@ -76,6 +81,16 @@ KERNEL_ROW_MULTIPLE = 16
 # a layer whose spectra would not fit this budget runs the direct path instead.
 DEFAULT_FFT_BUDGET_BYTES = 1 << 30
 CONV_PATHS = ("auto", "im2col", "shifted", "fft")
+# "auto" times the paths a layer can take (im2col; shifted and FFT at stride 1, FFT within its
+# budget) on the first call with each shape: forward and backward with dX on the call's own input
+# and weights, one warm-up run per path, then AUTO_TIMED_ROUNDS rounds in alternating order, the
+# fastest minimum kept for that shape from then on. That costs ~3 steps of the layer per path
+# once (conv2 whole at N=32, one thread: ~25 s), so below AUTO_TIMED_MIN_FLOPS forward FLOPs
+# per call the rule above stays, untimed: there a call takes under a millisecond, the paths
+# differ by less than that, and the first use of a path (Numba loading its kernels, the work
+# buffers' first touch) costs tens of milliseconds. The test suite's small layers stay there.
+AUTO_TIMED_MIN_FLOPS = 20e6
+AUTO_TIMED_ROUNDS = 2
 
 _jit = numba.njit(parallel=True, nogil=True, cache=True)
 
@@ -536,10 +551,38 @@ class _FftBlockContext:
         self.spectra = spectra
 
 
+def _time_one_run(path, run):
+    """Seconds of one run() (the default timer of the automatic path choice)."""
+    t0 = time.perf_counter()
+    run()
+    return time.perf_counter() - t0
+
+
+class _PathChoice:
+    """The path a layer call runs, why ("timed", "rule", "forced", "fft declined: ..."), and the
+    seconds each path took where they were timed."""
+
+    def __init__(self, path, why, seconds=None):
+        self.path, self.why, self.seconds = path, why, seconds or {}
+
+    def describe(self):
+        if not self.seconds:
+            return f"{self.path} ({self.why})"
+        times = ", ".join(f"{p} {s * 1e3:.1f} ms" for p, s in sorted(self.seconds.items(), key=lambda kv: kv[1]))
+        return f"{self.path} (timed forward+backward: {times})"
+
+
+def _describe_call(key):
+    x_shape, w_shape, stride, padding, block = key
+    form = "plain conv" if block is None else f"block {block}"
+    return f"x {x_shape} w {w_shape} stride {stride} padding {padding}, {form}"
+
+
 class CpuDevice(Device):
     def __init__(self, threads=None, im2col_budget_bytes=DEFAULT_IM2COL_BUDGET_BYTES,
                  saved_cols_budget_bytes=DEFAULT_SAVED_COLS_BUDGET_BYTES, conv_path="auto",
-                 fft_budget_bytes=DEFAULT_FFT_BUDGET_BYTES, verbose=False):
+                 fft_budget_bytes=DEFAULT_FFT_BUDGET_BYTES, verbose=False,
+                 auto_timed_min_flops=AUTO_TIMED_MIN_FLOPS, auto_timer=_time_one_run):
         available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         if threads is None:
             threads = available
@@ -568,6 +611,11 @@ class CpuDevice(Device):
                             threads=self.threads, one_blas_thread=lambda: blas.limit(limits=1))
         self.verbose = bool(verbose)
         self._fft_declined = set()      # layer shapes already reported as declined
+        # the path of each call shape (x, w, stride, padding, block or None): see _path
+        self.auto_timed_min_flops = float(auto_timed_min_flops)
+        self._auto_timer = auto_timer   # (path, run) -> seconds of one run; tests give a fake one
+        self._choices = {}
+        self._trial_path = None         # the path forced while "auto" times the candidates
 
     def _take_saved_cols(self, size):
         """A flat float32 buffer of at least `size` for a forward's im2col: the smallest pooled
@@ -623,26 +671,95 @@ class CpuDevice(Device):
         else:
             out += a @ b
 
-    def _takes_fft(self, x_shape, w_shape, stride, padding):
-        """Whether conv_path="fft" runs this layer in the frequency domain: stride 1 and kernel
-        spectra within fft_budget_bytes. A declined layer takes the direct path "auto" would,
-        said once per layer shape under `verbose`."""
-        if self.conv_path != "fft":
-            return False
-        why = "stride {stride!r} (the FFT path is for stride 1)" if stride != (1, 1) else \
-            self._fft.declines(x_shape, w_shape, padding)
-        if not why:
-            return True
-        key = (tuple(x_shape[1:]), tuple(w_shape), stride, padding)
-        if self.verbose and key not in self._fft_declined:
-            print(f"cpu device: conv of x {tuple(x_shape)} with w {tuple(w_shape)} takes the direct path, "
-                  f"not FFT: {why.format(stride=stride)}", file=sys.stderr, flush=True)
-        self._fft_declined.add(key)
-        return False
+    def _fft_declines(self, x_shape, w_shape, stride, padding):
+        """'' where the FFT path takes this layer (stride 1, kernel spectra within
+        fft_budget_bytes), else why not."""
+        if stride != (1, 1):
+            return f"stride {stride!r} (the FFT path is for stride 1)"
+        return self._fft.declines(x_shape, w_shape, padding)
+
+    def conv_paths(self):
+        """{call shape: the path it runs}, one entry per (input shape, weights shape, stride,
+        padding, plain conv or block) this device has run: "fft", "shifted" or "im2col"."""
+        return {_describe_call(key): choice.path for key, choice in self._choices.items()}
+
+    def describe_conv_paths(self):
+        """One line per call shape run so far: the path and why (timed, with each path's time; the
+        rule; forced; or why the FFT path declined)."""
+        return [f"{_describe_call(key)}: {choice.describe()}" for key, choice in self._choices.items()]
+
+    def _path(self, x, w, stride, padding, block=None):
+        """The conv path of this call, "fft", "shifted" or "im2col": chosen on the first call with
+        its shapes (see AUTO_TIMED_MIN_FLOPS), the same from then on."""
+        if self._trial_path is not None:
+            return self._trial_path
+        key = (tuple(x.shape), tuple(w.shape), stride, padding, block)
+        choice = self._choices.get(key)
+        if choice is None:
+            choice = self._choices[key] = self._choose_path(x, w, stride, padding, block)
+        return choice.path
+
+    def _choose_path(self, x, w, stride, padding, block):
+        rule = "shifted" if self._shifted(w.shape, stride) else "im2col"
+        if self.conv_path in ("im2col", "shifted"):
+            return _PathChoice(rule, "forced" if rule == self.conv_path else "forced path takes stride 1 only")
+        declined = self._fft_declines(x.shape, w.shape, stride, padding)
+        if self.conv_path == "fft":
+            if not declined:
+                return _PathChoice("fft", "forced")
+            layer = (tuple(x.shape[1:]), tuple(w.shape), stride, padding)
+            if self.verbose and layer not in self._fft_declined:
+                print(f"cpu device: conv of x {tuple(x.shape)} with w {tuple(w.shape)} takes the direct path, "
+                      f"not FFT: {declined}", file=sys.stderr, flush=True)
+            self._fft_declined.add(layer)
+            return _PathChoice(rule, f"fft declined: {declined}")
+        n, k, ho, wo = x.shape[0], w.shape[0], *_conv_hw(x.shape, w.shape, stride, padding)
+        flops = 2.0 * n * k * w.shape[1] * w.shape[2] * w.shape[3] * ho * wo
+        if flops < self.auto_timed_min_flops:
+            return _PathChoice(rule, f"rule: {flops / 1e6:.3g} MFLOP per call, under the "
+                                     f"{self.auto_timed_min_flops / 1e6:.3g} timed")
+        candidates = ["im2col"] + (["shifted"] if stride == (1, 1) else []) + ([] if declined else ["fft"])
+        if len(candidates) == 1:
+            return _PathChoice("im2col", f"the only path here: {declined}")
+        seconds = self._time_paths(candidates, x, w, stride, padding, block)
+        choice = _PathChoice(min(candidates, key=seconds.get), "timed", seconds)
+        if self.verbose:
+            print(f"cpu device: {_describe_call((tuple(x.shape), tuple(w.shape), stride, padding, block))} "
+                  f"runs {choice.describe()}", file=sys.stderr, flush=True)
+        return choice
+
+    def _time_paths(self, candidates, x, w, stride, padding, block):
+        """{path: seconds}: the fastest of AUTO_TIMED_ROUNDS forward+backward runs (with dX) after
+        one warm-up, on this call's x and w, the paths alternating within each round."""
+        b = np.zeros(w.shape[0], np.float32)
+
+        def run(path):
+            self._trial_path = path
+            try:
+                if path == "fft":
+                    self._fft.forget(w)     # each run pays for the kernel spectra, as each step does
+                if block is None:
+                    y = self._conv2d(x, w, b, stride, padding)
+                    self._conv2d_backward(x, w, np.zeros_like(y), stride, padding, True)
+                else:
+                    out, ctx = self._conv_block(x, w, b, block)
+                    self._conv_block_backward(ctx, w, np.zeros_like(out), True)
+            finally:
+                self._trial_path = None
+
+        for path in candidates:
+            run(path)
+        seconds = {}
+        for r in range(AUTO_TIMED_ROUNDS):
+            for path in candidates if r % 2 == 0 else candidates[::-1]:
+                t = self._auto_timer(path, lambda: run(path))
+                seconds[path] = min(seconds.get(path, t), t)
+        return seconds
 
     def _shifted(self, w_shape, stride=(1, 1)):
-        """Whether a layer with weights w_shape (K, C, kh, kw) takes the shifted-GEMM path: only at
-        stride 1 (a row stride would break the contiguous blocks of rows its GEMMs read)."""
+        """Whether the rule (or a forced path) puts a layer with weights w_shape (K, C, kh, kw) on
+        the shifted-GEMM path, untimed: only at stride 1 (a row stride would break the contiguous
+        blocks of rows its GEMMs read)."""
         if stride != (1, 1):
             return False
         if self.conv_path in ("auto", "fft"):        # fft: where the FFT path declines
@@ -692,13 +809,14 @@ class CpuDevice(Device):
 
     def _conv2d(self, x, w, b, stride, padding):
         n, k = x.shape[0], w.shape[0]
-        if self._takes_fft(x.shape, w.shape, stride, padding):
+        path = self._path(x, w, stride, padding)
+        if path == "fft":
             y_kn, _ = self._fft_forward(x, w, padding)
             y = np.empty((n, k) + _conv_hw(x.shape, w.shape, stride, padding), np.float32)
             swap_leading(y_kn.reshape(k, n, -1), y.reshape(n, k, -1))
             y += b[None, :, None, None]
             return y
-        if self._shifted(w.shape, stride):
+        if path == "shifted":
             ho, wo = _conv_hw(x.shape, w.shape, stride, padding)
             y = np.empty((n, k, ho, wo), np.float32)
             self._shifted_forward(x, w, padding, lambda n0, n1, yt: _rows_to_nchw(yt, b, n0, n1, ho, wo, y))
@@ -716,20 +834,20 @@ class CpuDevice(Device):
     def _conv_block(self, x, w, b, block):
         w = np.ascontiguousarray(w, np.float32)
         b = self._check_bias(b, w.shape[0])
-        if self._takes_fft(x.shape, w.shape, block.stride, block.padding):
+        path = self._path(x, w, block.stride, block.padding, block)
+        if path == "fft":
             return self._fft_block(x, w, b, block)
         if block.is_paper:
-            return self._paper_block(x, w, b, block.padding)
-        return self._generic_block(x, w, b, block)
+            return self._paper_block(x, w, b, block.padding, path == "shifted")
+        return self._generic_block(x, w, b, block, path == "shifted")
 
-    def _fused_forward(self, x, w, stride, padding, consume_columns, consume_rows):
+    def _fused_forward(self, x, w, stride, padding, shifted, consume_columns, consume_rows):
         """The conv of a fused forward, each chunk's Y handed to consume_columns(n0, n1, y (K, P))
         on the im2col path or consume_rows(n0, n1, yt (ho*nb*wo, K)) on the shifted one. Returns
         (shifted, the kept im2col or expansion or None, the kernel rows or None) for the context."""
         n, c, h, _ = x.shape
         k, _, kh, kw = w.shape
         ho, wo = _conv_hw(x.shape, w.shape, stride, padding)
-        shifted = self._shifted(w.shape, stride)
         # what backward reuses: the width expansion (padded height) or the im2col
         cols_size = n * (h + 2 * padding[0]) * wo * c * kw if shifted else n * ho * wo * c * kh * kw
         saved_cols = self._take_saved_cols(cols_size) if cols_size * 4 <= self.saved_cols_budget_bytes else None
@@ -740,19 +858,19 @@ class CpuDevice(Device):
             self._forward_chunks(x, w, stride, padding, consume_columns, saved_cols=saved_cols)
         return shifted, saved_cols, kernel_rows
 
-    def _paper_block(self, x, w, b, padding):
+    def _paper_block(self, x, w, b, padding, shifted):
         """Conv + bias + ReLU + 2x2 stride-2 max-pool in one pass over each chunk's Y, keeping an
         int8 argmax per pooled value."""
         ho, wo = _conv_hw(x.shape, w.shape, (1, 1), padding)
         out = np.empty((x.shape[0], w.shape[0], ho // 2, wo // 2), np.float32)
         argmax = np.empty(out.shape, np.int8)
         shifted, saved_cols, kernel_rows = self._fused_forward(
-            x, w, (1, 1), padding,
+            x, w, (1, 1), padding, shifted,
             lambda n0, n1, y: _bias_relu_pool(y, b, n0, n1, ho, wo, out, argmax),
             lambda n0, n1, yt: _bias_relu_pool_rows(yt, b, n0, n1, ho, wo, out, argmax))
         return out, _PoolContext(x, argmax, padding, w, shifted, cols=saved_cols, kernel_rows=kernel_rows)
 
-    def _generic_block(self, x, w, b, block):
+    def _generic_block(self, x, w, b, block, shifted):
         """Any other block: each chunk's Y, seen as (images, K, ho, wo) planes, goes through the
         activation and the pool in one Numba pass. Backward keeps an int32 argmax per pooled value
         (max-pool) or a byte per conv output where ReLU passes (other pools with ReLU)."""
@@ -768,7 +886,7 @@ class CpuDevice(Device):
             _act_pool(planes, b, n0, relu, pool.is_max, *pool.args, out, argmax, mask)
 
         shifted, saved_cols, kernel_rows = self._fused_forward(
-            x, w, stride, padding,
+            x, w, stride, padding, shifted,
             lambda n0, n1, y: consume(n0, _planes_of_columns(y, n1 - n0, ho, wo)),
             lambda n0, n1, yt: consume(n0, _planes_of_rows(yt, n1 - n0, ho, wo)))
         ctx = _BlockContext(x, w, block, shifted, (ho, wo), pool, argmax, mask, out.shape, saved_cols, kernel_rows)
@@ -807,12 +925,13 @@ class CpuDevice(Device):
 
     def _conv2d_backward(self, x, w, dy, stride, padding, need_dx):
         k = w.shape[0]
-        if self._takes_fft(x.shape, w.shape, stride, padding):
+        path = self._path(x, w, stride, padding)
+        if path == "fft":
             n = x.shape[0]
             dy_kn = self._scratch("fft_dy_kn", (k, n, dy.shape[2] * dy.shape[3]))
             swap_leading(dy.reshape(n, k, -1), dy_kn)
             return self._fft_backward(x, w, dy_kn, padding, need_dx)
-        if self._shifted(w.shape, stride):
+        if path == "shifted":
             ho, wo = dy.shape[2], dy.shape[3]
             return self._shifted_backward(x, w, padding, need_dx,
                                           lambda n0, n1, dyt: _nchw_to_rows(dy, n0, n1, ho, wo, dyt))
