@@ -15,9 +15,12 @@ from hetconv.engine.shard import ConvShard
 
 TOLERANCE = 1e-5
 
-# 1 thread with the whole spectrum in one block of frequencies; 2 threads with a work budget so
-# small that every frequency is its own block (the inverse transforms add block after block)
-CONFIGS = {"1thread": {"threads": 1}, "2threads-blocked": {"threads": 2, "im2col_budget_bytes": 4000}}
+# 1 thread with the whole spectrum in one block of frequencies, the fused forward keeping the
+# input's spectra for backward; 2 threads with a work budget so small that every frequency is its
+# own block (the inverse transforms add block after block) and no spectra kept (backward
+# transforms the input again)
+CONFIGS = {"1thread": {"threads": 1},
+           "2threads-blocked": {"threads": 2, "im2col_budget_bytes": 4000, "saved_cols_budget_bytes": 0}}
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -118,6 +121,17 @@ def test_fused_blocks_match_reference(fft, block):
         for name, g, r in zip(("dx", "dw", "db"), got, want):
             if r is not None:
                 assert_close(g, r, name)
+
+
+def test_a_second_backward_of_one_forward_recomputes_what_the_first_used(fft):
+    x, w, b, rng = tensors(2, 3, 9, 8, 4, 3, 3, seed=12)
+    block = ConvBlock(padding=1)
+    out, ctx = fft.conv_block(x, w, b, block)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    want = R.conv_block_backward(x, w, b, block, dout, True)
+    for _ in range(2):
+        for name, g, r in zip(("dx", "dw", "db"), fft.conv_block_backward(ctx, w, dout, True), want):
+            assert_close(g, r, name)
 
 
 def test_spectra_computed_once_per_step_of_the_shard():

@@ -536,9 +536,10 @@ class _PoolContext:
 
 class _FftBlockContext:
     """What a block's backward needs on the FFT path: as _BlockContext, with the forward's kernel
-    spectra (a view of the cache's buffer: reused by backward when given the same weights)."""
+    spectra (a view of the cache's buffer: reused by backward when given the same weights) and,
+    when they fit the saved-cols budget, the input's spectra (flat; None otherwise)."""
 
-    def __init__(self, x, w, block, conv_hw, pool, argmax, mask, pooled_shape, spectra):
+    def __init__(self, x, w, block, conv_hw, pool, argmax, mask, pooled_shape, spectra, x_spectra=None):
         self.x = x
         self.w_shape = w.shape
         self.forward_weights = w
@@ -549,6 +550,7 @@ class _FftBlockContext:
         self.mask = mask
         self.pooled_shape = pooled_shape
         self.spectra = spectra
+        self.x_spectra = x_spectra
 
 
 def _time_one_run(path, run):
@@ -1080,18 +1082,18 @@ class CpuDevice(Device):
     # Its spatial Y and dY are kernel-major, (K, N, Ho, Wo): each frequency's product runs as
     # W (K, C) @ X^T, the weights' spectra the GEMM's left operand. The block's activation and pool
     # read Y as (N, K, Ho, Wo) planes of that buffer, so nothing is reordered for a fused block.
-    def _fft_forward(self, x, w, padding):
+    def _fft_forward(self, x, w, padding, x_spectra=None):
         """(Y (K*N, Ho*Wo) in a work buffer, without bias; the kernel spectra of w)."""
         ho, wo = _conv_hw(x.shape, w.shape, (1, 1), padding)
         y = self._scratch("fft_y_kn", (w.shape[0] * x.shape[0], ho * wo))
-        return y, self._fft.forward(x, w, padding, y)
+        return y, self._fft.forward(x, w, padding, y, x_spectra)
 
-    def _fft_backward(self, x, w, dy_kn, padding, need_dx, spectra=None):
+    def _fft_backward(self, x, w, dy_kn, padding, need_dx, spectra=None, x_spectra=None):
         """(dx, dw, db) from dY (K, N, Ho, Wo), C-contiguous."""
         k, n = dy_kn.shape[0], dy_kn.shape[1]
         db = np.zeros(k, np.float64)
         _add_row_sums(dy_kn.reshape(k, -1), db)
-        dx, dw = self._fft.backward(x, w, dy_kn.reshape(k * n, -1), padding, need_dx, spectra)
+        dx, dw = self._fft.backward(x, w, dy_kn.reshape(k * n, -1), padding, need_dx, spectra, x_spectra)
         return dx, dw, db.astype(np.float32)
 
     def _fft_block(self, x, w, b, block):
@@ -1104,10 +1106,14 @@ class CpuDevice(Device):
         out = np.empty((n, k) + pool.output_hw(ho, wo), np.float32)
         argmax = np.empty(out.shape if pool.is_max else (0, 0, 0, 0), np.int32)
         mask = np.empty((n, k, ho, wo) if relu and not pool.is_max else (0, 0, 0, 0), np.uint8)
-        y, spectra = self._fft_forward(x, w, block.padding)
+        # the input's spectra kept for backward, as the direct paths keep their im2col, within
+        # the same budget and from the same pool
+        size = self._fft.x_spectra_size(x.shape, w.shape, block.padding)
+        x_spectra = self._take_saved_cols(size)[:size] if size * 4 <= self.saved_cols_budget_bytes else None
+        y, spectra = self._fft_forward(x, w, block.padding, x_spectra)
         planes = y.reshape(k, n, ho, wo).transpose(1, 0, 2, 3)
         _act_pool(planes, b, 0, relu, pool.is_max, *pool.args, out, argmax, mask)
-        return out, _FftBlockContext(x, w, block, (ho, wo), pool, argmax, mask, out.shape, spectra)
+        return out, _FftBlockContext(x, w, block, (ho, wo), pool, argmax, mask, out.shape, spectra, x_spectra)
 
     def _fft_block_backward(self, ctx, w, dout, need_dx):
         (ho, wo), pool = ctx.conv_hw, ctx.pool
@@ -1119,8 +1125,11 @@ class CpuDevice(Device):
         # the forward's spectra where these are its very weights (defined for them only: the
         # argmax came from them), else the cache's, checked against w
         spectra = ctx.spectra if w is ctx.forward_weights else None
-        ctx.spectra = None
-        return self._fft_backward(ctx.x, w, dy, ctx.block.padding, need_dx, spectra)
+        x_spectra, ctx.spectra, ctx.x_spectra = ctx.x_spectra, None, None     # a second backward recomputes
+        grads = self._fft_backward(ctx.x, w, dy, ctx.block.padding, need_dx, spectra, x_spectra)
+        if x_spectra is not None:
+            self._give_back_saved_cols(x_spectra.base if x_spectra.base is not None else x_spectra)
+        return grads
 
     # ---- optimizer ---------------------------------------------------------------------------
     def _sgd_(self, param, velocity, grad, lr, momentum, weight_decay):

@@ -78,17 +78,6 @@ def swap_leading(a, out):
             out[j, i, m] = a[i, j, m]
 
 
-@_jit
-def _transpose_2d(a, out):
-    """out = a.T, in tiles so that both sides are read and written in runs."""
-    tile = 64
-    rows, cols = a.shape
-    for tc in prange((cols + tile - 1) // tile):
-        for r in range(rows):
-            for c in range(tc * tile, min(cols, (tc + 1) * tile)):
-                out[c, r] = a[r, c]
-
-
 def transform_size(h, kh, pad, ho):
     """One axis of the circular transform: the input plus the padding before it (what would wrap
     around is zero), and never less than the kernel or the output."""
@@ -155,7 +144,7 @@ class FftGeometry:
                     return np.ascontiguousarray(planes[:, f0:f1].reshape(-1, planes.shape[2]), np.float32)
 
                 out.append(_Block(f0, f1, rows(self.x_planes), rows(self.grad_planes), rows(self.y_inverse),
-                                  rows(self.dx_inverse), np.ascontiguousarray(rows(self.dw_inverse).T)))
+                                  rows(self.dx_inverse), rows(self.dw_inverse)))
             self._blocks[block] = out
         return self._blocks[block]
 
@@ -167,7 +156,7 @@ class _Block:
         self.f0, self.f1 = f0, f1
         self.x_rows, self.grad_rows = x_rows, grad_rows      # (planes*fb, positions)
         self.y_cols, self.dx_cols = y_cols, dx_cols          # (2fb, positions)
-        self.dw_rows = dw_rows                               # (kh*kw, 2fb)
+        self.dw_rows = dw_rows                               # (2fb, kh*kw)
 
 
 def spectra_bytes(geometry, k, c):
@@ -290,15 +279,34 @@ class FftConv:
         self._entries = [e for e in self._entries if e.weights is not w]
 
     # ---- forward ---------------------------------------------------------------------------------
-    def forward(self, x, w, padding, y):
+    def forward(self, x, w, padding, y, x_spectra=None):
         """y (K*N, Ho*Wo), C-contiguous, kernel-major (K, N, Ho, Wo) = conv2d(x, w) without bias;
         returns the kernel spectra. Kernel-major because each frequency's product runs as
         W (K, C) @ X^T (C, N): ~2x faster in sgemm than X @ W^T at N=32 (the big operand on the
-        left)."""
+        left). `x_spectra`: a flat float32 buffer of x_spectra_size() elements where x's spectra
+        are left for a backward on this same x (which then skips its transform of x)."""
         with self._one_blas_thread():
-            return self._forward(x, w, padding, y)
+            return self._forward(x, w, padding, y, x_spectra)
 
-    def _forward(self, x, w, padding, y):
+    def x_spectra_size(self, x_shape, w_shape, padding):
+        """Elements of the input's spectra, all planes and frequencies: 4 F N C (12.8 M for conv2
+        at N=32, 51 MB; its transform is ~40 ms of a step at one thread, whatever the share)."""
+        g = self.geometry(x_shape, w_shape, padding)
+        return INPUT_PLANES * g.f * x_shape[0] * x_shape[1]
+
+    def _input_spectra(self, blk, xt, nc, x_spectra, transform):
+        """The block's input spectra (INPUT_PLANES*fb, N*C): in x_spectra where given (computed
+        there when `transform`), else in a work buffer."""
+        rows = INPUT_PLANES * (blk.f1 - blk.f0)
+        if x_spectra is None:
+            xs = self._scratch("fft_x", (rows, nc))
+        else:
+            xs = x_spectra[INPUT_PLANES * blk.f0 * nc:INPUT_PLANES * blk.f1 * nc].reshape(rows, nc)
+        if transform:
+            self._split_gemm(blk.x_rows, xt, xs, 0.0)
+        return xs
+
+    def _forward(self, x, w, padding, y, x_spectra):
         n, c, h, wd = x.shape
         k = w.shape[0]
         g = self.geometry(x.shape, w.shape, padding)
@@ -307,8 +315,7 @@ class FftConv:
         gemm = self._gemm
         for bi, blk in enumerate(g.blocks(self._block(g, n, k, c))):
             f0, fb = blk.f0, blk.f1 - blk.f0
-            xs = self._scratch("fft_x", (INPUT_PLANES * fb, n * c))
-            self._split_gemm(blk.x_rows, xt, xs, 0.0)
+            xs = self._input_spectra(blk, xt, n * c, x_spectra, transform=True)
             xs = xs.reshape(INPUT_PLANES, fb, n, c)
             ys = self._scratch("fft_y", (2 * fb, k * n))
             ys4 = ys.reshape(2, fb, k, n)
@@ -328,14 +335,15 @@ class FftConv:
         return spectra
 
     # ---- backward --------------------------------------------------------------------------------
-    def backward(self, x, w, dy, padding, need_dx, spectra=None):
+    def backward(self, x, w, dy, padding, need_dx, spectra=None, x_spectra=None):
         """(dx (N, C, H, W) or None, dw (K, C, kh, kw)) of sum(dy * conv2d(x, w)); dy (K*N, Ho*Wo)
         C-contiguous, kernel-major as forward's y. `spectra`: the forward's kernel spectra of this
-        same w (else looked up)."""
+        same w (else looked up). `x_spectra`: what a forward on this same x left there (else x
+        is transformed again)."""
         with self._one_blas_thread():
-            return self._backward(x, w, dy, padding, need_dx, spectra)
+            return self._backward(x, w, dy, padding, need_dx, spectra, x_spectra)
 
-    def _backward(self, x, w, dy, padding, need_dx, spectra):
+    def _backward(self, x, w, dy, padding, need_dx, spectra, x_spectra):
         n, c, h, wd = x.shape
         k, _, kh, kw = w.shape
         g = self.geometry(x.shape, w.shape, padding)
@@ -343,14 +351,15 @@ class FftConv:
             spectra = self.kernel_spectra(w, g)
         xt = x.reshape(n * c, h * wd).T
         dyt = dy.T                                          # (Ho*Wo, K*N)
-        dw_t = self._scratch("fft_dw_t", (kh * kw, k * c))  # dW with its taps first, streamed into
+        # returned, so never a scratch buffer; written in its own layout by the inverse GEMM (as
+        # fast as writing it taps-first, and no transpose after: ~70 ms on the whole conv2)
+        dw = np.empty((k * c, kh * kw), np.float32)
         dx_cn = self._scratch("fft_dx_cn", (c * n, h * wd)) if need_dx else None    # channel-major
         gemm = self._gemm
         for bi, blk in enumerate(g.blocks(self._block(g, n, k, c))):
             f0, fb = blk.f0, blk.f1 - blk.f0
             beta = 0.0 if bi == 0 else 1.0
-            xs = self._scratch("fft_x", (INPUT_PLANES * fb, n * c))
-            self._split_gemm(blk.x_rows, xt, xs, 0.0)
+            xs = self._input_spectra(blk, xt, n * c, x_spectra, transform=x_spectra is None)
             xs = xs.reshape(INPUT_PLANES, fb, n, c)
             gs = self._scratch("fft_dy", (GRAD_PLANES * fb, k * n))
             self._split_gemm(blk.grad_rows, dyt, gs, 0.0)
@@ -368,7 +377,7 @@ class FftConv:
                     gemm(gs[2, j, k0:k1], xs[0, j], im, 1.0)
 
             self._in_parallel(dw_products, k)
-            self._split_gemm(blk.dw_rows, dws, dw_t, beta)  # (kh*kw, 2fb) @ (2fb, K*C): streams dws
+            self._split_gemm(dws.T, blk.dw_rows, dw, beta)  # (K*C, 2fb) @ (2fb, kh*kw)
             if need_dx:
                 dxs = self._scratch("fft_dx", (2 * fb, c * n))
                 dxs4 = dxs.reshape(2, fb, c, n)
@@ -385,8 +394,6 @@ class FftConv:
 
                 self._in_parallel(dx_products, c)
                 self._split_gemm(dxs.T, blk.dx_cols, dx_cn, beta)  # (C*N, 2fb) @ (2fb, H*W)
-        dw = np.empty((k * c, kh * kw), np.float32)         # returned: never a scratch buffer
-        _transpose_2d(dw_t, dw)
         dx = None
         if need_dx:
             dx = np.empty(x.shape, np.float32)
