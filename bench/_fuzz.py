@@ -11,7 +11,7 @@ import time
 import msgpack
 import numpy as np
 
-from hetconv import protocol as P
+from hetconv.transport import protocol as P
 
 KINDS = ("random", "mutated", "truncated", "dtype", "huge", "over_limit", "raw_tcp")
 

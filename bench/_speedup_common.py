@@ -26,9 +26,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def _cost_prediction(specs, fc, image, batch, counts, profiles, link, n_workers, local_profile=None,
                      exchange="peer", micro_batches=1, wire="float32", coordinator_s=None):
-    from hetconv import costmodel as cm
-    from hetconv.plan import measure_coordinator_s
-    from hetconv.wire import value_bytes
+    from hetconv.engine import costmodel as cm
+    from hetconv.cli.plan import measure_coordinator_s
+    from hetconv.transport.wire import value_bytes
     if coordinator_s is None:
         coordinator_s = measure_coordinator_s(specs, fc, image, batch, n_workers)
     if local_profile is not None:
@@ -45,9 +45,9 @@ def model_link(name, framing="ethernet", wire_cpu_s_per_byte=0.0):
     """The cost model's link for a row: 'loopback' (measured here) or a tc rate ('tbf' framing:
     the rate is what tc shapes to, else an Ethernet line rate), with what moving a byte costs the
     hosts' compute cores where they share them (bench/_wire_cpu.py)."""
-    from hetconv import costmodel as cm
+    from hetconv.engine import costmodel as cm
     if name == "loopback":
-        from hetconv.plan import measure_loopback
+        from hetconv.cli.plan import measure_loopback
         link = cm.Link(measure_loopback(), name="loopback (measured)")
     else:
         link = cm.parse_bandwidth(name, framing=cm.TBF_FRAMING if framing == "tbf" else cm.ETHERNET_FRAMING)
@@ -60,7 +60,7 @@ def bracket(before, after, kernels, batch):
     `kernels` per layer on `batch` images, > 1 where the host slowed down meanwhile)."""
     from dataclasses import astuple
 
-    from hetconv.costmodel import LayerCost
+    from hetconv.engine.costmodel import LayerCost
     seconds = lambda profile: sum(c.forward_s(k, batch) + c.backward_s(k, batch)   # noqa: E731
                                   for c, k in zip(profile.layers, kernels))
     mean = replace(before, layers=tuple(LayerCost(*[(x + y) / 2 for x, y in zip(astuple(a), astuple(b))])
@@ -78,11 +78,11 @@ def run_one(spec):
     import numpy as np
     from threadpoolctl import threadpool_limits
 
-    from hetconv import costmodel as cm
-    from hetconv import plan as planning
-    from hetconv.config import Config
+    from hetconv.engine import costmodel as cm
+    from hetconv.cli import plan as planning
+    from hetconv.train.config import Config
     from hetconv.geometry import conv_specs, layer_input_shapes
-    from hetconv.train import train
+    from hetconv.train.loop import train
 
     threadpool_limits(1)      # the coordinator's own BLAS (FC layers) runs on one thread, as the baseline's
     devices, batch = spec["devices"], spec["batch_size"]
@@ -108,11 +108,11 @@ def run_one(spec):
     try:
         if spec.get("local"):
             from hetconv.devices import open_device
-            from hetconv.engine import LocalEngine
-            from hetconv.shard import ConvShard
+            from hetconv.engine.local import LocalEngine
+            from hetconv.engine.shard import ConvShard
             engine = LocalEngine({"local": ConvShard(open_device("cpu", threads=1))})
         else:
-            from hetconv.remote import RemoteEngine
+            from hetconv.coordinator.remote import RemoteEngine
             engine = RemoteEngine(spec.get("bind", "tcp://127.0.0.1:0"), spec.get("external", 0),
                                   [] if spec.get("external") else devices, threads=1, pin=True,
                                   connect_timeout=spec.get("connect_timeout", 120.0), log=log,
@@ -122,7 +122,7 @@ def run_one(spec):
             local_before = planning.calibrate_local("cpu", specs, cal_shapes, [s.kernels for s in specs], threads=1)
             local_calibration_s = time.perf_counter() - t0
         summary = train(cfg, engine, log=log)
-        from hetconv.train import resolve_micro_batches
+        from hetconv.train.loop import resolve_micro_batches
         micro = resolve_micro_batches(cfg, engine)
         row.update(exchange=cfg.exchange, micro_batches=micro, wire=cfg.wire_dtype)
         # ---- measured ---------------------------------------------------------------------

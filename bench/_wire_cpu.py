@@ -34,7 +34,7 @@ def _conv_probe(iterations):
     import numpy as np
     from hetconv.devices import open_device
     from hetconv.geometry import conv_specs
-    from hetconv.shard import ConvShard
+    from hetconv.engine.shard import ConvShard
     spec = conv_specs([500, 1500])[1]
     shard = ConvShard(open_device("cpu", threads=1))
     rng = np.random.default_rng(0)

@@ -22,14 +22,14 @@ BLAS_NOTE = _common.reexec_without_blas_overrides()
 
 import numpy as np  # noqa: E402
 
-from hetconv.config import Config  # noqa: E402
+from hetconv.train.config import Config  # noqa: E402
 from hetconv.data import batches, load_dataset, parse_augment  # noqa: E402
 from hetconv.devices import open_device  # noqa: E402
-from hetconv.engine import LocalEngine  # noqa: E402
+from hetconv.engine.local import LocalEngine  # noqa: E402
 from hetconv.geometry import ConvSpec, layer_input_shapes  # noqa: E402
-from hetconv.model import Network, init_conv_params  # noqa: E402
-from hetconv.planner import fixed_plan  # noqa: E402
-from hetconv.shard import ConvShard  # noqa: E402
+from hetconv.net.head import Network, init_conv_params  # noqa: E402
+from hetconv.engine.planner import fixed_plan  # noqa: E402
+from hetconv.engine.shard import ConvShard  # noqa: E402
 
 STEM = "augment"
 

@@ -132,7 +132,7 @@ class Switch:
 
 def rate_bytes_per_s(rate):
     """The line rate tc shapes to, in bytes per second (the model's link carries less: framing)."""
-    from hetconv.costmodel import line_rate
+    from hetconv.engine.costmodel import line_rate
     return line_rate(rate)[0]
 
 
@@ -148,7 +148,7 @@ def start_workers(switch, address, n):
     procs = []
     for i in range(n):
         h = switch.hosts[i + 1]
-        cmd = [*switch.prefix(h), sys.executable, "-m", "hetconv.worker", "--device", "cpu", "--connect", address,
+        cmd = [*switch.prefix(h), sys.executable, "-m", "hetconv.cli.worker", "--device", "cpu", "--connect", address,
                "--threads", "1", "--cores", str(cores[i % len(cores)]), "--name", f"host{i + 1}",
                "--connect-timeout", "180", "--idle-timeout", "600"]
         procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
@@ -324,9 +324,9 @@ def main(argv=None):
 def repredict(path, wire_cpu_ns=None):
     """The saved rows against this version's model: what a model change does to a measured run,
     without measuring again (the host's speed that day stays in both the steps and the profiles)."""
-    from hetconv import costmodel as cm
+    from hetconv.engine import costmodel as cm
     from hetconv.geometry import IMAGE_SHAPE, conv_specs
-    from hetconv.wire import value_bytes
+    from hetconv.transport.wire import value_bytes
     try:
         with open(path) as f:
             saved = json.load(f)

@@ -58,7 +58,7 @@ def coordinator_run(code_dir, args, metrics, timeout):
     stdout+stderr, wall s, worker cores). Its process group (the coordinator and its workers) is
     ended on every exit path."""
     env = dict(os.environ, PYTHONPATH=code_dir, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "hetconv.coordinator", *args, "--metrics", metrics]
+    cmd = [sys.executable, "-m", "hetconv.cli.coordinator", *args, "--metrics", metrics]
     log = metrics + ".log"
     t0 = time.perf_counter()
     with open(log, "w") as out_file:
@@ -93,7 +93,7 @@ def workers_cores(proc, wanted, until):
                     argv = f.read().decode(errors="replace").split("\0")
             except OSError:
                 continue
-            if "hetconv.worker" in argv and "--parent-pid" in argv and "--name" in argv \
+            if "hetconv.cli.worker" in argv and "--parent-pid" in argv and "--name" in argv \
                     and argv[argv.index("--parent-pid") + 1] == str(proc.pid):
                 found[pid] = (argv[argv.index("--name") + 1],
                               argv[argv.index("--cores") + 1] if "--cores" in argv else None)

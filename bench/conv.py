@@ -3,7 +3,8 @@
     python bench/conv.py [--quick] [--device cpu|cuda:0] [--out DIR]
     python bench/conv.py --share-scaling [--share 375] [--threads 1] [--batches 32]
     add --cpu-conv-path im2col|shifted|fft to force the CPU device's conv path (default auto)
-    python bench/conv.py --fft [--layers conv2] [--batches 32,128] [--threads 1,2]
+    python bench/conv.py --fft [--layers conv2] [--batches 32,128] [--threads 1,2] [--fft-share 0.25]
+    python bench/conv.py --auto-check [--batches 32] [--threads 1,2] [--out bench/results/fft]
 
 What it measures, per layer, batch N and thread count T (CPU) or per layer and N (CUDA):
 - hetconv plain: the contract, conv2d then conv2d_backward (dx only where a layer below needs it:
@@ -15,7 +16,18 @@ What it measures, per layer, batch N and thread count T (CPU) or per layer and N
 (--cpu-conv-path) and torch, all three alternating in the same rounds; each row then carries
 "fft" (its times), fft/direct and fft/torch (medians over rounds of the ratio within a round).
 "fwd" is the forward part of the training step, "fwd+bwd" the whole step (torch's forward
-therefore records its autograd graph, as in training).
+therefore records its autograd graph, as in training). --fft-share F (default 0.25) adds, in the
+same rounds, the FFT path's fused step on the first F*K kernels (what a worker holding that share
+runs, on a device of its own so the two layers' kernel spectra do not evict each other from one
+budget): the fused rows then carry "fft_share" and fft_share_vs_full, the median over rounds of
+t(share) / t(whole layer), both on the FFT path (ideal: F).
+
+--auto-check asks whether conv_path="auto" picks the fastest path: for every conv layer of the
+presets (paper, lenet5, cifar10-quick, vgg-small, on CIFAR-10's 3x32x32 input) at each batch and
+thread count, the block's fused step (forward, backward with dX) on each path the layer can take,
+forced, in alternating rounds, beside what a fresh "auto" device chose for it (its own timing
+runs first, on the same shapes). auto/best = median over rounds of t(auto's path) / t(fastest
+path in that round). Results: OUT/conv_auto.json and OUT/conv_auto.md.
 
 Correctness first: on a small batch every output and gradient must match torch (allclose, rtol
 1e-3, atol 1e-3 x the reference's magnitude) or the script stops before timing anything. Then
@@ -72,9 +84,14 @@ def parse_args():
                    help="conv2 fused fwd+bwd at --share kernels over the full layer (CPU; default T=1, N=32)")
     p.add_argument("--share", type=int, default=375, help="kernels a worker holds in --share-scaling")
     p.add_argument("--cpu-conv-path", default="auto", choices=("auto", "im2col", "shifted", "fft"),
-                   help="the CPU device's conv path (auto: shifted GEMMs where C*kw >= 64, so conv2; im2col below)")
+                   help="the CPU device's conv path (auto: timed per layer shape over 20 MFLOP per call; "
+                        "below, shifted GEMMs where C*kw >= 64, im2col otherwise)")
     p.add_argument("--fft", action="store_true",
                    help="also time the FFT path (conv_path=fft) against the direct path and torch in the same rounds")
+    p.add_argument("--fft-share", type=float, default=0.25, metavar="F",
+                   help="with --fft: also the FFT path's fused step on F of the kernels (0 for none; default 0.25)")
+    p.add_argument("--auto-check", action="store_true",
+                   help="every preset conv layer on each path, forced, against what conv_path=auto picks (CPU)")
     p.add_argument("--render", default="", metavar="JSON", help="run nothing: rewrite conv.md beside a saved conv.json")
     args = p.parse_args()
     if args.share_scaling:
@@ -85,6 +102,12 @@ def parse_args():
         args.layers = "conv2"
         args.batches = args.batches or "32"
         args.threads = args.threads or "1"
+    if not 0 <= args.fft_share <= 1:
+        p.error(f"--fft-share must be a fraction in [0, 1], got {args.fft_share}")
+    if args.auto_check:
+        if args.device != "cpu":
+            p.error("--auto-check measures the CPU device")
+        args.batches = args.batches or "32"
     args.layers = args.layers.split(",")
     unknown = [name for name in args.layers if name not in LAYERS]
     if unknown:
@@ -95,7 +118,7 @@ def parse_args():
     # ~7 s: 375 and 1500 kernels, hetconv and torch; 11-15 rounds, ~1.5-2 min)
     args.min_reps, args.max_reps = (2, 3) if args.quick else (11, 15) if args.share_scaling else (3, 7)
     if args.budget is None:
-        args.budget = 5.0 if args.quick else 75.0 if args.share_scaling else 30.0
+        args.budget = 5.0 if args.quick else 75.0 if args.share_scaling else 10.0 if args.auto_check else 30.0
     return args
 
 
@@ -359,6 +382,117 @@ def share_scaling(args, torch, header, open_device):
     print(f"\nwrote {_common.relative_path(json_path)} and {_common.relative_path(md_path)}")
 
 
+# ---- whether conv_path="auto" picks the fastest path ---------------------------------------------
+AUTO_CHECK_PRESETS = ("paper", "lenet5", "cifar10-quick", "vgg-small")
+AUTO_CHECK_INPUT, AUTO_CHECK_CLASSES = (3, 32, 32), 10      # CIFAR-10
+AUTO_CHECK_TOLERANCE = 1.05     # auto's path may be at most 5% slower than the fastest one
+FORCED_PATHS = ("im2col", "shifted", "fft")
+
+
+def block_step(dev, x, w, b, dout, block):
+    """A worker's fused step on one block, conv_block then its backward with dX, the weights moved
+    by one ulp before each (what a path caches from them is paid once per step, as in training)."""
+    w = w.copy()
+    first = (w.flat[0], np.nextafter(w.flat[0], np.float32(np.inf)))
+    steps = [0]
+
+    def run():
+        steps[0] += 1
+        w.flat[0] = first[steps[0] % 2]
+        t0 = time.perf_counter()
+        out, ctx = dev.conv_block(x, w, b, block)
+        dev.conv_block_backward(ctx, w, dout, True)
+        return {"fwd+bwd": time.perf_counter() - t0}
+    return run
+
+
+def auto_check(args, header, open_device):
+    """Each preset conv layer's fused step on every path it can take, forced, in alternating rounds,
+    against the path a fresh conv_path="auto" device picked for the same call."""
+    from hetconv.devices.base import block_output_shape
+    from hetconv.net.presets import preset
+    started, loads = time.time(), [os.getloadavg()[0]]
+    rows = []
+    for threads in args.threads:
+        forced = {path: open_device("cpu", threads=threads, conv_path=path) for path in FORCED_PATHS}
+        for name in AUTO_CHECK_PRESETS:
+            for index, layer in enumerate(preset(name, AUTO_CHECK_INPUT, AUTO_CHECK_CLASSES).conv_layers()):
+                for n in args.batches:
+                    rng = np.random.default_rng(index)
+                    w_shape = (layer.kernels, layer.in_channels) + tuple(layer.kernel)
+                    fan_in = w_shape[1] * w_shape[2] * w_shape[3]
+                    x = rng.standard_normal((n,) + tuple(layer.input_shape), dtype=np.float32)
+                    w = (rng.uniform(-1, 1, w_shape) / np.sqrt(fan_in)).astype(np.float32)
+                    b = (rng.uniform(-1, 1, w_shape[0]) / np.sqrt(fan_in)).astype(np.float32)
+                    block = layer.block
+                    dout = rng.standard_normal(block_output_shape(x.shape, w.shape, block), dtype=np.float32)
+                    auto = open_device("cpu", threads=threads, conv_path="auto")
+                    t0 = time.perf_counter()
+                    auto.conv_block_backward(auto.conv_block(x, w, b, block)[1], w, dout, True)
+                    first_call_s = time.perf_counter() - t0
+                    ((call, chosen),), (why,) = auto.conv_paths().items(), auto.describe_conv_paths()
+                    del auto
+                    cases = {}
+                    for path, dev in forced.items():    # the paths this layer takes: a forced one may decline
+                        step = block_step(dev, x, w, b, dout, block)
+                        step()
+                        if dev.conv_paths()[call] == path:
+                            cases[path] = step
+                    samples = _common.time_interleaved(cases, args.min_reps, args.max_reps, args.budget)
+                    loads.append(os.getloadavg()[0])
+                    rounds = [dict(zip(cases, ts)) for ts in zip(*(samples[p]["fwd+bwd"] for p in cases))]
+                    stats = {path: _common.summarize(samples[path]["fwd+bwd"]) for path in cases}
+                    ratio = float(np.median([r[chosen] / min(r.values()) for r in rounds]))
+                    ho_wo = layer.conv_shape[1] * layer.conv_shape[2]
+                    row = {"preset": name, "layer": index, "call": call, "x": list(x.shape), "w": list(w_shape),
+                           "block": str(block), "N": n, "threads": threads,
+                           "forward_mflop": 2e-6 * n * ho_wo * w.size, "paths": stats, "auto": chosen, "auto_why": why,
+                           "auto_first_call_s": first_call_s, "fastest": min(stats, key=lambda p: stats[p]["median_ms"]),
+                           "auto_vs_best": ratio, "within_tolerance": ratio <= AUTO_CHECK_TOLERANCE,
+                           "rounds": len(rounds)}
+                    rows.append(row)
+                    print(f"  {name} layer {index} N={n} T={threads}: "
+                          + ", ".join(f"{p} {stats[p]['median_ms']:.1f} ms" for p in stats)
+                          + f"; auto picked {chosen} ({ratio:.3f} of the fastest per round)", flush=True)
+        del forced
+    doc = {"header": header, "isa": _common.cpu_isa_flags(), "wall_s": time.time() - started,
+           "load_average_1min": {"start": loads[0], "max": max(loads), "mean": float(np.mean(loads)),
+                                 "end": os.getloadavg()[0], "samples": len(loads)},
+           "tolerance": AUTO_CHECK_TOLERANCE, "timing": {"budget_s": args.budget, "min_reps": args.min_reps,
+                                                         "max_reps": args.max_reps}, "rows": rows}
+    json_path, md_path = _common.write_results(args.out, "conv_auto", doc, auto_check_markdown(doc))
+    print("\n" + auto_check_markdown(doc) + f"\n\nwrote {_common.relative_path(json_path)} and "
+          f"{_common.relative_path(md_path)}")
+
+
+def auto_check_markdown(doc):
+    """conv_auto.md, from conv_auto.json's contents alone."""
+    headers = ["preset", "layer", "x", "w", "T", "fwd MFLOP", *(f"{p} ms" for p in FORCED_PATHS),
+               "auto picks", "fastest", "auto/fastest", "auto's first call s"]
+    table = []
+    for r in doc["rows"]:
+        table.append([r["preset"], r["layer"], "x".join(map(str, r["x"])), "x".join(map(str, r["w"])), r["threads"],
+                      f"{r['forward_mflop']:.0f}",
+                      *(fmt(r["paths"][p]["median_ms"]) if p in r["paths"] else "-" for p in FORCED_PATHS),
+                      r["auto"], r["fastest"], f"{r['auto_vs_best']:.3f}" + ("" if r["within_tolerance"] else " (over)"),
+                      f"{r['auto_first_call_s']:.2f}"])
+    load = doc["load_average_1min"]
+    missed = [r for r in doc["rows"] if not r["within_tolerance"]]
+    notes = (f"1-minute load average during the run: {load['start']:.2f} at start, mean {load['mean']:.2f}, max "
+             f"{load['max']:.2f} ({load['samples']} samples), {load['end']:.2f} at end; wall time "
+             f"{doc['wall_s'] / 60:.1f} min. ISA: {' '.join(doc['isa'])}. Each layer's fused step (conv + bias + "
+             "activation + pool, forward and backward with dX) on CIFAR-10's 3x32x32 input, each path forced on a "
+             "device of its own (\"-\": the path does not take the layer), in alternating rounds; ms = median. "
+             "auto picks = what a fresh conv_path=\"auto\" device chose on its first call with that shape (its "
+             "reason is in the JSON: timed, or the rule under the timing threshold); auto/fastest = median over "
+             f"rounds of t(auto's path) / t(fastest path in that round), over {doc['tolerance']} marked; auto's "
+             "first call s = that first call, its own timing included. "
+             + (f"{len(missed)} of {len(doc['rows'])} layers over the tolerance." if missed else
+                f"All {len(doc['rows'])} layers within the tolerance."))
+    return ("\n".join(f"- {h}" for h in doc["header"]) + "\n\n" + _common.markdown_table(headers, table)
+            + "\n\n" + notes)
+
+
 # ---- main ---------------------------------------------------------------------------------------
 def fmt(v, digits=1):
     return "-" if v is None else f"{v:.{digits}f}"
@@ -374,6 +508,8 @@ def markdown(doc):
     headers += ["torch ms", "GFLOP/s", "ratio", "ratio of mins"] if with_torch else []
     with_fft = any("fft" in r for r in rows)
     headers += ["fft ms", "fft spread", "fft/direct"] + (["fft/torch"] if with_torch else []) if with_fft else []
+    with_share = any("fft_share" in r for r in rows)
+    headers += ["fft share", "share ms", "share/whole"] if with_share else []
     table = []
     for r in rows:
         cells = [r["layer"], r["N"], r["threads"] or "-", r["form"], r["phase"],
@@ -384,6 +520,9 @@ def markdown(doc):
         if with_fft:
             cells += [fmt(r["fft"]["median_ms"]), f"{r['fft']['spread']:.0%}", f"{r['fft_vs_direct']:.2f}"]
             cells += [f"{r['fft_vs_torch']:.2f}"] if with_torch else []
+        if with_share:
+            cells += ([r["share_kernels"], fmt(r["fft_share"]["median_ms"]), f"{r['fft_share_vs_full']:.3f}"]
+                      if "fft_share" in r else ["-", "-", "-"])
         table.append(cells)
     wall = f" Wall time {doc['wall_s'] / 60:.1f} min." if "wall_s" in doc else ""
     if "load_average_1min" in doc:
@@ -393,6 +532,10 @@ def markdown(doc):
     if with_fft:
         wall += (" fft = the CPU device's FFT path (conv_path=fft) timed in the same rounds; fft/direct and "
                  "fft/torch = median over rounds of the ratio within a round; fft spread = (max - min) / median.")
+    if with_share:
+        wall += (" fft share = kernels of the layer held (the first ones), on the FFT path, fused step, timed in "
+                 "the same rounds on a device of its own; share/whole = median over rounds of its time over the "
+                 "whole layer's on the FFT path (ideal: share / kernels).")
     notes = (f"{doc['load_end']} at end.{wall} ms = median of the timed runs; ratio = hetconv / torch "
              "medians (<= 1.00: hetconv at least as fast); ratio of mins = the same on the fastest runs, "
              "less sensitive to a shared machine. fused = conv+bias+ReLU+2x2 max-pool (torch: "
@@ -404,7 +547,8 @@ def markdown(doc):
 def main():
     args = ARGS
     if args.render:
-        print(f"wrote {_common.render_saved(args.render, 'conv', markdown)}")
+        stem, render = ("conv_auto", auto_check_markdown) if args.auto_check else ("conv", markdown)
+        print(f"wrote {_common.render_saved(args.render, stem, render)}")
         return
     t_start = time.perf_counter()
     from threadpoolctl import threadpool_info  # noqa: F401  (fail early if the venv lacks it)
@@ -421,12 +565,15 @@ def main():
     header = [f"command: {_common.recorded_command('conv.py', sys.argv[1:])}",
               f"machine: {_common.cpu_model()}; {_common.load_average()} at start",
               f"BLAS env: {BLAS_ENV_NOTE}",
-              f"hetconv cpu conv path: {args.cpu_conv_path} (auto: shifted GEMMs where C*kw >= 64, im2col below)",
+              f"hetconv cpu conv path: {args.cpu_conv_path} (auto: the fastest path by timing where a call is over "
+              f"20 MFLOP, else shifted GEMMs where C*kw >= 64, im2col below)",
               *(f"BLAS: {line}" for line in _common.blas_info()),
               *_common.torch_info(torch)]
     print("\n".join(header), flush=True)
     if args.share_scaling:
         return share_scaling(args, torch, header, open_device)
+    if args.auto_check:
+        return auto_check(args, header, open_device)
 
     peak, peak_note = None, ""
     if is_cuda:
@@ -461,6 +608,7 @@ def main():
         else:
             dev = open_device("cpu", threads=threads, conv_path=args.cpu_conv_path)   # sets Numba's (process-wide) and BLAS threads
             fft_dev = open_device("cpu", threads=threads, conv_path="fft") if with_fft else None
+            share_dev = open_device("cpu", threads=threads, conv_path="fft") if with_fft and args.fft_share else None
             torch.set_num_threads(threads)
             print(f"timing {dev.describe()} vs torch with {torch.get_num_threads()} threads", flush=True)
         for layer in args.layers:
@@ -470,6 +618,10 @@ def main():
                 cases = {("hetconv", form): timed(step) for form, step in hetconv_steps(dev, data, need_dx).items()}
                 if with_fft:
                     cases.update({("fft", form): timed(step) for form, step in hetconv_steps(fft_dev, data, need_dx).items()})
+                share_kernels = max(1, round(args.fft_share * LAYERS[layer]["w"][0])) if share_dev else None
+                if share_kernels:
+                    cases[("fft-share", "fused")] = timed(hetconv_steps(
+                        share_dev, share_inputs(layer, n, share_kernels), need_dx)["fused"])
                 if torch_dev is not None:
                     cases.update({("torch", form): timed(step)
                                   for form, step in torch_steps(torch, torch_dev, data, need_dx).items()})
@@ -496,6 +648,13 @@ def main():
                             row["fft"] = _common.summarize(samples[("fft", form)][phase])
                             row["fft_vs_direct"] = per_round(("fft", form), ("hetconv", form), phase)
                             row["fft_vs_torch"] = ref and per_round(("fft", form), ("torch", form), phase)
+                        if share_kernels and form == "fused":
+                            row["share_kernels"] = share_kernels
+                            row["fft_share"] = _common.summarize(samples[("fft-share", form)][phase])
+                            row["fft_share_vs_full"] = per_round(("fft-share", form), ("fft", form), phase)
+                            print(f"  {layer} N={n} T={threads} {form:5s} {phase:7s} fft on {share_kernels} kernels "
+                                  f"{row['fft_share']['median_ms']:9.1f} ms  of the whole layer's {row['fft_share_vs_full']:.3f}",
+                                  flush=True)
                             print(f"  {layer} N={n} T={threads} {form:5s} {phase:7s} fft {row['fft']['median_ms']:9.1f} ms"
                                   f"  fft/direct {row['fft_vs_direct']:.2f}" + (f"  fft/torch {row['fft_vs_torch']:.2f}" if ref else "")
                                   + f"  (spread {row['fft']['spread']:.0%})", flush=True)
@@ -505,7 +664,7 @@ def main():
                               + (f" | torch {ref['median_ms']:9.1f} ms  ratio {row['ratio']:.2f}" if ref else "")
                               + f"  ({len(ours['samples_ms'])} runs, spread {ours['spread']:.0%})", flush=True)
         if not is_cuda:
-            del dev, fft_dev
+            del dev, fft_dev, share_dev
 
     rows.sort(key=lambda r: (r["layer"], r["N"], r["threads"] or 0, r["form"] != "plain", r["phase"]))
     doc = {"header": header, "load_end": _common.load_average(), "wall_s": time.perf_counter() - t_start, "rows": rows,

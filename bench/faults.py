@@ -35,19 +35,19 @@ import _common  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from hetconv import checkpoint  # noqa: E402
-from hetconv import protocol as P  # noqa: E402
+from hetconv.train import checkpoint  # noqa: E402
+from hetconv.transport import protocol as P  # noqa: E402
 
 NET = ["--conv", "6,12", "--fc", "16", "--batch-size", "16", "--synthetic-train", "512", "--synthetic-test", "32",
        "--threads", "1", "--calibration-batch", "4", "--use-all", "--seed", "7", "--rebalance-after", "0"]
 
 
 def coordinator(*args):
-    return [sys.executable, "-m", "hetconv.coordinator", *map(str, args)]
+    return [sys.executable, "-m", "hetconv.cli.coordinator", *map(str, args)]
 
 
 def worker(*args):
-    return [sys.executable, "-m", "hetconv.worker", *map(str, args)]
+    return [sys.executable, "-m", "hetconv.cli.worker", *map(str, args)]
 
 
 def free_port():
@@ -406,8 +406,8 @@ def foreign_keys(workdir):
     keys_dir, other = os.path.join(workdir, "keys"), os.path.join(workdir, "other-keys")
     for d in (keys_dir, other):
         shutil.rmtree(d, ignore_errors=True)
-        subprocess.run([sys.executable, "-m", "hetconv.keys", d], check=True, capture_output=True)
-    subprocess.run([sys.executable, "-m", "hetconv.keys", keys_dir, "--worker", "second"], check=True, capture_output=True)
+        subprocess.run([sys.executable, "-m", "hetconv.cli.keygen", d], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "hetconv.cli.keygen", keys_dir, "--worker", "second"], check=True, capture_output=True)
     address = f"tcp://127.0.0.1:{free_port()}"
     run = Run(workdir, "keys", ["--workers", 2, "--bind", address, "--curve", keys_dir, *NET, "--steps", 4])
     stranger = subprocess.Popen(worker("--device", "cpu", "--connect", address, "--name", "stranger",
@@ -448,8 +448,8 @@ def foreign_keys(workdir):
 
 def cli_config(*args):
     """The Config `hetconv-coordinator` builds from NET and `args`."""
-    from hetconv.config import config_from_args
-    from hetconv.coordinator import build_parser
+    from hetconv.train.config import config_from_args
+    from hetconv.cli.coordinator import build_parser
     return config_from_args(build_parser().parse_args([*NET, *map(str, args)]))
 
 
@@ -496,8 +496,8 @@ class EngineRun(_Outputs):
     def run(self, inject):
         """Start the engine, let `inject(self)` wrap its methods, train; the engine is closed after."""
         from hetconv.geometry import conv_specs, message_limit_bytes
-        from hetconv.remote import RemoteEngine
-        from hetconv.train import train
+        from hetconv.coordinator.remote import RemoteEngine
+        from hetconv.train.loop import train
         cfg = self.cfg
         limit = message_limit_bytes(conv_specs(cfg.conv_kernels(), cfg.ksize, cfg.padding), cfg.batch_size,
                                     cfg.image_shape())
@@ -613,7 +613,7 @@ def lost_in_checkpoint_gather(workdir):
 
 
 def lost_in_rebalance(workdir):
-    from hetconv.planner import fixed_plan
+    from hetconv.engine.planner import fixed_plan
     steps = 6
     ref = reference(workdir, steps)
     run = EngineRun(workdir, "lost-rebalance", 3, "--steps", steps, "--rebalance-after", 2)

@@ -45,7 +45,7 @@ def export(rev, into):
 def one_run(tree, work, args, tag):
     metrics = os.path.join(work, f"{tag}.jsonl")
     env = dict(os.environ, PYTHONPATH=tree, NUMBA_CACHE_DIR=os.path.join(work, f"numba-{os.path.basename(tree)}"))
-    cmd = [sys.executable, os.path.join(work, "runner.py"), "hetconv.coordinator", "--local", "--threads",
+    cmd = [sys.executable, os.path.join(work, "runner.py"), "hetconv.cli.coordinator", "--local", "--threads",
            str(args.threads), "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--synthetic-train",
            str(args.batch_size * (args.steps + 1)), "--synthetic-test", str(args.batch_size), "--eval-batches", "1",
            "--metrics", metrics]

@@ -5,12 +5,12 @@
 The same as `hetconv-coordinator --spawn cpu,cpu --conv 16,32 --fc 64 --steps 100 ...`, for
 people who drive training from their own scripts.
 """
-from hetconv.config import Config
-from hetconv.remote import RemoteEngine
+from hetconv.train.config import Config
+from hetconv.coordinator.remote import RemoteEngine
 from hetconv.devices import open_device
-from hetconv.engine import LocalEngine
-from hetconv.shard import ConvShard
-from hetconv.train import train
+from hetconv.engine.local import LocalEngine
+from hetconv.engine.shard import ConvShard
+from hetconv.train.loop import train
 
 cfg = Config(conv="16,32", fc="64", batch_size=32, steps=100, synthetic_train=10000, synthetic_test=1000,
              threads=1, calibration_batch=8).validate()

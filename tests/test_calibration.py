@@ -4,9 +4,9 @@ known time per call, so the tests count calls and check the arithmetic, with no 
 import numpy as np
 import pytest
 
-from hetconv.costmodel import LayerCost
+from hetconv.engine.costmodel import LayerCost
 from hetconv.geometry import conv_specs
-from hetconv.shard import CALIBRATION_FLOOR_S, CALIBRATION_MAX_CALLS, ConvShard
+from hetconv.engine.shard import CALIBRATION_FLOOR_S, CALIBRATION_MAX_CALLS, ConvShard
 
 # Times that are exact in binary floating point, so sums of them are exact too.
 MS = 2.0 ** -10                    # about a millisecond

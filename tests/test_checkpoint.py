@@ -5,8 +5,8 @@ import os
 import numpy as np
 import pytest
 
-from hetconv import checkpoint
-from hetconv.config import Config
+from hetconv.train import checkpoint
+from hetconv.train.config import Config
 
 
 def params(step):

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from hetconv.config import Config, check_endpoint, check_output_dir, check_output_file
+from hetconv.train.config import Config
+from hetconv.flags import check_endpoint, check_output_dir, check_output_file
 from hetconv.devices import DeviceEntry, DeviceError, parse_device_list
 
 TINY = ["--conv", "4,8", "--fc", "8", "--batch-size", "8", "--synthetic-train", "64", "--synthetic-test", "16"]
@@ -38,7 +39,7 @@ def assert_one_line_error(result, message):
 ])
 def test_worker_flags_are_checked_before_it_connects(args, message):
     device = [] if "--device" in args else ["--device", "cpu"]
-    assert_one_line_error(run("hetconv.worker", *device, *args, timeout=30), message)
+    assert_one_line_error(run("hetconv.cli.worker", *device, *args, timeout=30), message)
 
 
 @pytest.mark.parametrize("args,message", [
@@ -57,15 +58,15 @@ def test_worker_flags_are_checked_before_it_connects(args, message):
     (["--spawn", "cpu,cpu", "--data", "/nonexistent/cifar"], "/nonexistent/cifar: does not exist"),
 ])
 def test_coordinator_flags_are_checked_before_any_work(args, message):
-    assert_one_line_error(run("hetconv.coordinator", *TINY, "--steps", "2", *args, timeout=60), message)
+    assert_one_line_error(run("hetconv.cli.coordinator", *TINY, "--steps", "2", *args, timeout=60), message)
 
 
 def test_output_paths_that_are_a_file_or_a_directory_are_refused(tmp_path):
     somefile = tmp_path / "somefile"
     somefile.write_text("")
-    assert_one_line_error(run("hetconv.coordinator", *TINY, "--local", "--checkpoint-dir", str(somefile)),
+    assert_one_line_error(run("hetconv.cli.coordinator", *TINY, "--local", "--checkpoint-dir", str(somefile)),
                           "is a file, not a directory")
-    assert_one_line_error(run("hetconv.coordinator", *TINY, "--local", "--metrics", str(tmp_path)),
+    assert_one_line_error(run("hetconv.cli.coordinator", *TINY, "--local", "--metrics", str(tmp_path)),
                           "it is a directory")
     with pytest.raises(ValueError, match="cannot be written"):
         check_output_file("--save-profiles", "/proc/x/p.json")
@@ -95,32 +96,32 @@ def test_one_device_list_syntax():
 
 
 def test_spawned_cpu_threads_worker():
-    result = run("hetconv.coordinator", *TINY, "--steps", "2", "--spawn", "cpu:1,cpu:1", "--split", "equal")
+    result = run("hetconv.cli.coordinator", *TINY, "--steps", "2", "--spawn", "cpu:1,cpu:1", "--split", "equal")
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("cpu (1 thread,") >= 2
 
 
 def test_short_runs_say_what_they_leave_out(tmp_path):
-    result = run("hetconv.coordinator", *TINY, "--local", "--steps", "40")
+    result = run("hetconv.cli.coordinator", *TINY, "--local", "--steps", "40")
     assert result.returncode == 0, result.stderr
     assert "--steps 40 needs 5 epochs of 8 steps (--epochs 1 covers 8): running 5 epochs" in result.stdout
-    result = run("hetconv.coordinator", *TINY, "--spawn", "cpu,cpu", "--steps", "3", "--threads", "999")
+    result = run("hetconv.cli.coordinator", *TINY, "--spawn", "cpu,cpu", "--steps", "3", "--threads", "999")
     assert result.returncode == 0, result.stderr
     assert "no rebalancing: 3 steps are too few" in result.stdout
     assert "the workers are not pinned to cores" in result.stderr
 
 
 def test_more_threads_than_cores_is_said():
-    result = run("hetconv.coordinator", *TINY, "--local", "--steps", "1", "--threads", "999")
+    result = run("hetconv.cli.coordinator", *TINY, "--local", "--steps", "1", "--threads", "999")
     assert result.returncode == 0, result.stderr
     assert "--threads 999 is more than the" in result.stderr and "a CPU device runs" in result.stderr
 
 
 def test_resume_appends_to_the_metrics_file(tmp_path):
     metrics, ckpt = str(tmp_path / "m.jsonl"), str(tmp_path / "ck")
-    first = run("hetconv.coordinator", *TINY, "--local", "--steps", "2", "--metrics", metrics, "--checkpoint-dir", ckpt)
+    first = run("hetconv.cli.coordinator", *TINY, "--local", "--steps", "2", "--metrics", metrics, "--checkpoint-dir", ckpt)
     assert first.returncode == 0, first.stderr
-    second = run("hetconv.coordinator", *TINY, "--local", "--steps", "4", "--metrics", metrics,
+    second = run("hetconv.cli.coordinator", *TINY, "--local", "--steps", "4", "--metrics", metrics,
                  "--checkpoint-dir", ckpt, "--resume", ckpt)
     assert second.returncode == 0, second.stderr
     steps = [r["step"] for r in map(json.loads, open(metrics)) if r["event"] == "step"]
@@ -129,8 +130,8 @@ def test_resume_appends_to_the_metrics_file(tmp_path):
 
 def test_resume_names_both_values_of_a_changed_network(tmp_path):
     ckpt = str(tmp_path / "ck")
-    assert run("hetconv.coordinator", *TINY, "--local", "--steps", "1", "--checkpoint-dir", ckpt).returncode == 0
-    result = run("hetconv.coordinator", *TINY, "--local", "--steps", "2", "--crop", "28", "--resume", ckpt)
+    assert run("hetconv.cli.coordinator", *TINY, "--local", "--steps", "1", "--checkpoint-dir", ckpt).returncode == 0
+    result = run("hetconv.cli.coordinator", *TINY, "--local", "--steps", "2", "--crop", "28", "--resume", ckpt)
     assert result.returncode == 1
     assert "the checkpoint was trained with --crop 0, this run asks for 28" in result.stderr
     with pytest.raises(ValueError, match="unknown config keys"):
@@ -139,7 +140,7 @@ def test_resume_names_both_values_of_a_changed_network(tmp_path):
 
 def interrupt_after_first_step(extra, sig):
     """Start a local run, send `sig` once its first step is done; return (returncode, stderr)."""
-    cmd = [sys.executable, "-m", "hetconv.coordinator", *TINY, "--local", "--steps", "0", "--epochs", "200",
+    cmd = [sys.executable, "-m", "hetconv.cli.coordinator", *TINY, "--local", "--steps", "0", "--epochs", "200",
            "--conv", "8,16", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -170,15 +171,15 @@ def test_sigterm_finishes_the_step_like_ctrl_c():
 
 def test_a_workers_traceback_only_with_verbose():
     # cuda:7 fails to open (no such GPU, or no GPU at all): the worker reports it as an ERROR
-    quiet = run("hetconv.coordinator", *TINY, "--steps", "1", "--spawn", "cuda:7", "--connect-timeout", "30")
+    quiet = run("hetconv.cli.coordinator", *TINY, "--steps", "1", "--spawn", "cuda:7", "--connect-timeout", "30")
     assert quiet.returncode == 1 and "failed during opening device cuda:7" in quiet.stderr, quiet.stderr
     assert "Traceback" not in quiet.stderr
-    loud = run("hetconv.coordinator", *TINY, "--steps", "1", "--spawn", "cuda:7", "--connect-timeout", "30", "--verbose")
+    loud = run("hetconv.cli.coordinator", *TINY, "--steps", "1", "--spawn", "cuda:7", "--connect-timeout", "30", "--verbose")
     assert loud.returncode == 1 and "--- worker traceback ---" in loud.stderr
 
 
 def test_help_prints_each_default_once_and_examples():
-    text = run("hetconv.coordinator", "--help").stdout
+    text = run("hetconv.cli.coordinator", "--help").stdout
     assert text.count("(default: 500,1500)") == 1 and "(default: '500,1500')" not in text
     assert "examples:\n  hetconv-coordinator --spawn cpu,cpu" in text
-    assert "default: 1.0" in run("hetconv.worker", "--help").stdout
+    assert "default: 1.0" in run("hetconv.cli.worker", "--help").stdout

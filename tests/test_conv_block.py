@@ -4,7 +4,7 @@ and the CPU device against the reference."""
 import numpy as np
 import pytest
 
-from hetconv import reference as R
+from hetconv.net import reference as R
 from hetconv.devices import open_device
 from hetconv.devices.base import PAPER_BLOCK, ConvBlock, block_output_shape, conv_output_shape
 

@@ -4,8 +4,9 @@ import sys
 
 import pytest
 
-from hetconv.costmodel import (DeviceProfile, LayerCost, Link, parse_bandwidth, predict_local, predict_step,
-                               profiles_from_calibration, wire_bytes)
+from hetconv.engine.costmodel import (
+    DeviceProfile, LayerCost, Link, parse_bandwidth, predict_local, predict_step, profiles_from_calibration,
+    wire_bytes)
 from hetconv.geometry import conv_specs
 
 PAPER = conv_specs([500, 1500])
@@ -48,7 +49,7 @@ def test_fit_separates_the_cost_of_a_call_from_its_images():
 
 
 def test_updates_once_per_step_and_gradient_sums_per_extra_micro_batch():
-    from hetconv.costmodel import predict_peer_step
+    from hetconv.engine.costmodel import predict_peer_step
     cost = LayerCost.fit({"batch": 4, "kernels": [10, 5], "forward_s": [1.0, 0.5], "backward_s": [2.0, 1.0],
                           "update_kernels": 10, "update_s": 0.3, "accumulate_s": 0.1})
     assert cost.update_s(20) == pytest.approx(0.6) and cost.accumulate_s(20) == pytest.approx(0.2)
@@ -65,7 +66,7 @@ def test_updates_once_per_step_and_gradient_sums_per_extra_micro_batch():
 
 def test_calibration_times_calls_updates_and_sums():
     from hetconv.devices import open_device
-    from hetconv.shard import ConvShard
+    from hetconv.engine.shard import ConvShard
     specs = conv_specs([4, 6], 3)
     shapes = [(4, 3, 12, 12), (4, 4, 5, 5)]
     _, timings = ConvShard(open_device("cpu", threads=1)).calibrate(specs, shapes, [4, 6], repeats=1)
@@ -76,7 +77,7 @@ def test_calibration_times_calls_updates_and_sums():
 
 
 def test_micro_batches_pay_one_call_each_in_the_peer_model():
-    from hetconv.costmodel import predict_peer_step
+    from hetconv.engine.costmodel import predict_peer_step
     with_calls = DeviceProfile("a", "cpu", "", (LayerCost(0.0, 1e-4, 0.0, 1e-4, 0.02, 0.03),) * 2)
     without = DeviceProfile("a", "cpu", "", (LayerCost(0.0, 1e-4, 0.0, 1e-4),) * 2)
     fast = Link(1e15, 0.0)
@@ -130,7 +131,7 @@ def test_profiles_from_calibration_round_trip():
 @pytest.mark.parametrize("text,bytes_per_s", [("100mbit", 12.5e6), ("1gbit", 125e6), ("10gbit", 1.25e9),
                                                ("2.5gbit", 312.5e6), ("500MB", 500e6)])
 def test_parse_bandwidth(text, bytes_per_s):
-    from hetconv.costmodel import TBF_FRAMING, line_rate
+    from hetconv.engine.costmodel import TBF_FRAMING, line_rate
     bits = text.endswith("bit")
     assert line_rate(text) == (pytest.approx(bytes_per_s), bits)
     # a line rate carries TCP payload in 1448 of every 1538 bytes of Ethernet (1514 that tbf counts)
@@ -146,7 +147,7 @@ def test_bad_bandwidth_is_named(text):
 
 def test_plan_command_end_to_end(tmp_path):
     profile = tmp_path / "cpu.json"
-    result = subprocess.run([sys.executable, "-m", "hetconv.plan", "--devices", "cpu:1x2", "--conv", "4,8",
+    result = subprocess.run([sys.executable, "-m", "hetconv.cli.plan", "--devices", "cpu:1x2", "--conv", "4,8",
                              "--fc", "8", "--batch-size", "8", "--calibration-batch", "4", "--bandwidth", "1gbit",
                              "--save-profiles", str(profile), "--json"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -155,7 +156,7 @@ def test_plan_command_end_to_end(tmp_path):
     assert all(r["step_s"] > 0 and r["wire_mb"] > 0 for r in out["rows"])
     # the single device is calibrated on the whole layers, not extrapolated from the share
     assert out["baseline"].startswith("calibrated on the whole layers") and "on the whole layers" in result.stderr
-    again = subprocess.run([sys.executable, "-m", "hetconv.plan", "--devices", f"@{profile}x3", "--conv", "4,8",
+    again = subprocess.run([sys.executable, "-m", "hetconv.cli.plan", "--devices", f"@{profile}x3", "--conv", "4,8",
                             "--fc", "8", "--batch-size", "8", "--bandwidth", "100mbit"], capture_output=True, text=True,
                            timeout=120)
     assert again.returncode == 0, again.stderr
@@ -164,14 +165,14 @@ def test_plan_command_end_to_end(tmp_path):
 
 
 def _even_counts(n):
-    from hetconv.planner import make_plan
+    from hetconv.engine.planner import make_plan
     names = [f"w{i}" for i in range(n)]
     plan = make_plan([500, 1500], {w: [1.0, 1.0] for w in names}, "proportional")
     return {w: [lp.count(w) for lp in plan.layers] for w in names}
 
 
 def test_peer_model_keeps_the_coordinators_bytes_flat_and_beats_the_star_on_a_shared_link():
-    from hetconv.costmodel import predict_any
+    from hetconv.engine.costmodel import predict_any
     link = parse_bandwidth("1gbit")
     bytes_by_n, speedups = {}, {}
     for n in (2, 4, 8):
@@ -189,7 +190,7 @@ def test_peer_model_keeps_the_coordinators_bytes_flat_and_beats_the_star_on_a_sh
 
 
 def test_peer_model_with_a_free_link_is_the_compute_and_micro_batches_hide_the_coordinator():
-    from hetconv.costmodel import predict_peer_step
+    from hetconv.engine.costmodel import predict_peer_step
     counts = _even_counts(2)
     profiles = {w: flat_profile(w, 1e-4) for w in counts}
     free = Link(1e15, 0.0)
@@ -202,7 +203,7 @@ def test_peer_model_with_a_free_link_is_the_compute_and_micro_batches_hide_the_c
 
 
 def test_dominant_term_names_the_bottleneck():
-    from hetconv.costmodel import dominant_term, predict_any
+    from hetconv.engine.costmodel import dominant_term, predict_any
     counts = _even_counts(4)
     profiles = {w: flat_profile(w, 1e-4) for w in counts}
     star = predict_any("star", PAPER, IMAGE, 32, counts, profiles, parse_bandwidth("100mbit"), 0.05)
@@ -213,8 +214,8 @@ def test_dominant_term_names_the_bottleneck():
 
 
 def test_the_cost_model_agrees_with_the_device_set_the_planner_picks():
-    from hetconv.costmodel import predict_peer_step
-    from hetconv.planner import plan_from_lines
+    from hetconv.engine.costmodel import predict_peer_step
+    from hetconv.engine.planner import plan_from_lines
     batch = 32
     gpu = DeviceProfile("gpu", "cuda:0", "", (LayerCost(0.0002, 0.000006, 0.0002, 0.000006),) * 2)
     cpu = DeviceProfile("cpu", "cpu", "", (LayerCost(0.006, 0.0003, 0.006, 0.0003),) * 2)
@@ -232,7 +233,7 @@ def test_the_cost_model_agrees_with_the_device_set_the_planner_picks():
 
 
 def plan_command(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "hetconv.plan", "--conv", "4,8", "--fc", "8", "--batch-size", "8",
+    return subprocess.run([sys.executable, "-m", "hetconv.cli.plan", "--conv", "4,8", "--fc", "8", "--batch-size", "8",
                            "--bandwidth", "1gbit", *args], capture_output=True, text=True, timeout=timeout)
 
 
@@ -281,7 +282,7 @@ def test_plan_ranges_are_checked_up_front(args, message):
 
 
 def test_plan_shares_the_coordinators_flags():
-    text = subprocess.run([sys.executable, "-m", "hetconv.plan", "--help"], capture_output=True, text=True).stdout
+    text = subprocess.run([sys.executable, "-m", "hetconv.cli.plan", "--help"], capture_output=True, text=True).stdout
     assert "images per step (default: 128)" in " ".join(text.split())
     assert "{proportional,equal}" in text and "examples:" in text
 
@@ -293,7 +294,7 @@ def test_wire_cpu_hides_in_the_wait_without_overlap_and_slows_compute_with_it():
     what the busiest host was charged."""
     from dataclasses import replace
 
-    from hetconv.costmodel import predict_peer_step
+    from hetconv.engine.costmodel import predict_peer_step
     counts = _even_counts(2)
     profiles = {w: flat_profile(w, 1e-4) for w in counts}
     slow = Link(12.5e6, 0.0)                          # 100 Mbit/s: 80 ns a byte on the wire
@@ -317,7 +318,7 @@ def test_wire_cpu_hides_in_the_wait_without_overlap_and_slows_compute_with_it():
         everything = sum(charged.values()) + 0.5 * cpu * paid.coordinator_bytes
         assert 0.5 * max(charged.values()) < paid.step_s - free.step_s <= everything + 1e-9, m
     # the star is not charged: it overlaps nothing
-    from hetconv.costmodel import predict_any
+    from hetconv.engine.costmodel import predict_any
     star = [predict_any("star", PAPER, IMAGE, 32, counts, profiles, replace(fast, host_cpu_s_per_byte=c), 0.05).step_s
             for c in (0.0, cpu)]
     assert star[0] == star[1]
@@ -349,7 +350,7 @@ def test_bandwidth_repredict_uses_the_saved_calibrations_and_names_a_bad_file(tm
     import os
     from dataclasses import replace
 
-    from hetconv.costmodel import TBF_FRAMING, predict_any
+    from hetconv.engine.costmodel import TBF_FRAMING, predict_any
     bench = os.path.join(os.path.dirname(__file__), "..", "bench", "bandwidth.py")
     counts = _even_counts(2)
     profiles = {w: flat_profile(w, 1e-4) for w in counts}

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from hetconv import reference as R
+from hetconv.net import reference as R
 from hetconv.devices import DeviceError, open_device, parse_device
 from hetconv.params import sgd_update
 

@@ -19,7 +19,7 @@ pytest.importorskip("numba_cuda", reason="numba-cuda is not installed (pip insta
 
 from numba import cuda  # noqa: E402
 
-from hetconv import reference  # noqa: E402
+from hetconv.net import reference  # noqa: E402
 from hetconv.devices import DeviceError, open_device  # noqa: E402
 import hetconv.devices.cuda as cudadev  # noqa: E402
 

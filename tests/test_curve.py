@@ -11,10 +11,10 @@ import pytest
 import zmq
 
 from conftest import python_cmd
-from hetconv import keys
-from hetconv import protocol as P
-from hetconv.peers import bind_inbox
-from hetconv.remote import RemoteEngine
+from hetconv.transport import keys
+from hetconv.transport import protocol as P
+from hetconv.transport.sockets import bind_inbox
+from hetconv.coordinator.remote import RemoteEngine
 from test_cli_checks import assert_one_line_error, run
 from test_distributed import free_port, quiet
 
@@ -29,18 +29,18 @@ def losses(path):
 @pytest.mark.timeout(240)
 def test_a_worker_with_another_keygens_keys_never_joins_and_the_run_finishes(procs, tmp_path):
     ours, theirs = tmp_path / "keys", tmp_path / "other-keys"
-    assert subprocess.run(python_cmd("hetconv.keys", ours), capture_output=True).returncode == 0
-    assert subprocess.run(python_cmd("hetconv.keys", ours, "--worker", "second"), capture_output=True).returncode == 0
-    assert subprocess.run(python_cmd("hetconv.keys", theirs), capture_output=True).returncode == 0
+    assert subprocess.run(python_cmd("hetconv.cli.keygen", ours), capture_output=True).returncode == 0
+    assert subprocess.run(python_cmd("hetconv.cli.keygen", ours, "--worker", "second"), capture_output=True).returncode == 0
+    assert subprocess.run(python_cmd("hetconv.cli.keygen", theirs), capture_output=True).returncode == 0
     address = f"tcp://127.0.0.1:{free_port()}"
-    coord = procs(python_cmd("hetconv.coordinator", "--workers", "2", "--bind", address, "--curve", ours,
+    coord = procs(python_cmd("hetconv.cli.coordinator", "--workers", "2", "--bind", address, "--curve", ours,
                              "--metrics", tmp_path / "dist.jsonl", *COMMON))
     # the stranger comes first, so it is there all the time the coordinator waits and trains
-    stranger = procs(python_cmd("hetconv.worker", "--device", "cpu", "--connect", address, "--threads", "1",
+    stranger = procs(python_cmd("hetconv.cli.worker", "--device", "cpu", "--connect", address, "--threads", "1",
                                 "--name", "stranger", "--curve", theirs / "workers" / "worker1",
                                 "--connect-timeout", "20"))
     time.sleep(2)
-    keyed = [procs(python_cmd("hetconv.worker", "--device", "cpu", "--connect", address, "--threads", "1",
+    keyed = [procs(python_cmd("hetconv.cli.worker", "--device", "cpu", "--connect", address, "--threads", "1",
                               "--name", name, "--curve", ours / "workers" / name))
              for name in ("worker1", "second")]
     out, _ = coord.communicate(timeout=180)
@@ -53,7 +53,7 @@ def test_a_worker_with_another_keygens_keys_never_joins_and_the_run_finishes(pro
         assert w.wait(timeout=15) == 0
     plan = next(json.loads(line) for line in open(tmp_path / "dist.jsonl") if '"event": "plan"' in line)
     assert set(plan["layers"][0]["kernels"]) == {"worker1", "second"}
-    local = run("hetconv.coordinator", "--local", "--metrics", str(tmp_path / "local.jsonl"), *COMMON, timeout=120)
+    local = run("hetconv.cli.coordinator", "--local", "--metrics", str(tmp_path / "local.jsonl"), *COMMON, timeout=120)
     assert local.returncode == 0, local.stderr
     np.testing.assert_allclose(losses(tmp_path / "dist.jsonl"), losses(tmp_path / "local.jsonl"), rtol=1e-5)
 
@@ -84,11 +84,11 @@ def test_spawn_makes_keys_for_its_own_workers_unless_insecure(insecure):
 ])
 def test_open_binds_and_bad_key_dirs_are_refused_before_any_work(args, message):
     args = [a.format(port=free_port()) for a in args]
-    assert_one_line_error(run("hetconv.coordinator", *COMMON, *args, timeout=60), message)
+    assert_one_line_error(run("hetconv.cli.coordinator", *COMMON, *args, timeout=60), message)
 
 
 def test_a_worker_with_a_bad_key_dir_says_so_before_connecting(tmp_path):
-    assert_one_line_error(run("hetconv.worker", "--device", "cpu", "--connect", "tcp://127.0.0.1:5555",
+    assert_one_line_error(run("hetconv.cli.worker", "--device", "cpu", "--connect", "tcp://127.0.0.1:5555",
                               "--curve", str(tmp_path), timeout=30), "is empty: make keys in it")
 
 

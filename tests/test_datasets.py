@@ -16,15 +16,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hetconv import coordinator
-from hetconv.config import Config
+from hetconv.cli import coordinator
+from hetconv.train.config import Config
 from hetconv.data import (CIFAR10_MEAN, CIFAR10_STD, DataError, augment, batches, load_dataset, normalize,
                           parse_augment, synthetic, test_batches)
 from hetconv.data.idx import FASHION_CLASSES
 from hetconv.devices import open_device
-from hetconv.engine import LocalEngine
-from hetconv.shard import ConvShard
-from hetconv.train import train
+from hetconv.engine.local import LocalEngine
+from hetconv.engine.shard import ConvShard
+from hetconv.train.loop import train
 
 DIGITS = Path(__file__).parent / "data" / "digits"
 IDX_NAMES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
@@ -481,7 +481,7 @@ def test_lenet5_learns_the_digits_as_pytorch_does_from_the_same_weights_and_batc
     summary = train(cfg, engine(), log=quiet, dataset=ds, network=LoadedNet(spec, (conv, fc)))
     # hetconv-eval on the run's checkpoint says what the run's last eval record says
     last_eval = [json.loads(line) for line in open(tmp_path / "m.jsonl") if '"event": "eval"' in line][-1]
-    evaluated = subprocess.run([sys.executable, "-m", "hetconv.evaluate", str(tmp_path / "ck"), "--json"],
+    evaluated = subprocess.run([sys.executable, "-m", "hetconv.cli.evaluate", str(tmp_path / "ck"), "--json"],
                                capture_output=True, text=True, timeout=120)
     assert evaluated.returncode == 0, evaluated.stderr
     assert json.loads(evaluated.stdout)["accuracy"] == last_eval["test_accuracy"] == summary["test_accuracy"]

@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 
 from conftest import python_cmd
-from hetconv import checkpoint
-from hetconv import reference as R
-from hetconv.config import Config
-from hetconv.remote import RemoteEngine, WorkerError, WorkerLost
+from hetconv.train import checkpoint
+from hetconv.net import reference as R
+from hetconv.train.config import Config
+from hetconv.coordinator.remote import RemoteEngine, WorkerError, WorkerLost
 from hetconv.devices import open_device
-from hetconv.planner import PlanError, fixed_plan
+from hetconv.engine.planner import PlanError, fixed_plan
 from hetconv.geometry import ConvSpec, conv_specs
-from hetconv.engine import LocalEngine
-from hetconv.shard import ConvShard
-from hetconv.train import train
+from hetconv.engine.local import LocalEngine
+from hetconv.engine.shard import ConvShard
+from hetconv.train.loop import train
 
 # use_all: every worker takes part, so which worker holds what does not depend on how loaded the
 # machine was during calibration (the planner may rightly leave a slow one out)
@@ -178,17 +178,17 @@ def test_hung_worker_is_named_within_the_heartbeat_limit(loaded_pair):
 
 
 def test_more_workers_than_kernels_is_refused_clearly(procs):
-    p = procs(python_cmd("hetconv.coordinator", "--spawn", "cpu,cpu,cpu", "--conv", "2,8", "--fc", "8", "--steps", "1"))
+    p = procs(python_cmd("hetconv.cli.coordinator", "--spawn", "cpu,cpu,cpu", "--conv", "2,8", "--fc", "8", "--steps", "1"))
     out, _ = p.communicate(timeout=60)
     assert p.returncode == 1
     assert "3 workers but a conv layer has only 2 kernels" in out
 
 
 def test_unknown_device_is_refused_by_worker_and_coordinator(procs):
-    w = procs(python_cmd("hetconv.worker", "--device", "gpu", "--connect", "tcp://127.0.0.1:9"))
+    w = procs(python_cmd("hetconv.cli.worker", "--device", "gpu", "--connect", "tcp://127.0.0.1:9"))
     out, _ = w.communicate(timeout=30)
     assert w.returncode == 2 and "--device entry 'gpu': expected cpu, cpu:THREADS, cuda:N" in out
-    c = procs(python_cmd("hetconv.coordinator", "--spawn", "cpu,gpu", "--steps", "1"))
+    c = procs(python_cmd("hetconv.cli.coordinator", "--spawn", "cpu,gpu", "--steps", "1"))
     out, _ = c.communicate(timeout=30)
     # refused before any worker starts
     assert c.returncode == 2 and "--spawn entry 'gpu'" in out and "waiting for" not in out
@@ -196,7 +196,7 @@ def test_unknown_device_is_refused_by_worker_and_coordinator(procs):
 
 @pytest.mark.parametrize("cores", ["x", "0,999"])
 def test_bad_core_list_is_refused_clearly(procs, cores):
-    w = procs(python_cmd("hetconv.worker", "--device", "cpu", "--connect", "tcp://127.0.0.1:9", "--cores", cores))
+    w = procs(python_cmd("hetconv.cli.worker", "--device", "cpu", "--connect", "tcp://127.0.0.1:9", "--cores", cores))
     out, _ = w.communicate(timeout=30)
     assert w.returncode == 2 and f"--cores '{cores}': expected a comma list of CPU cores" in out
     assert "Traceback" not in out
@@ -204,7 +204,7 @@ def test_bad_core_list_is_refused_clearly(procs, cores):
 
 def test_worker_without_a_coordinator_gives_up_with_a_message(procs):
     port = free_port()
-    w = procs(python_cmd("hetconv.worker", "--device", "cpu", "--connect", f"tcp://127.0.0.1:{port}",
+    w = procs(python_cmd("hetconv.cli.worker", "--device", "cpu", "--connect", f"tcp://127.0.0.1:{port}",
                          "--connect-timeout", "2"))
     out, _ = w.communicate(timeout=30)
     assert w.returncode == 2 and f"no coordinator answered at tcp://127.0.0.1:{port} within 2s" in out
@@ -212,10 +212,10 @@ def test_worker_without_a_coordinator_gives_up_with_a_message(procs):
 
 def test_busy_port_and_missing_workers_are_reported(procs):
     port = free_port()
-    first = procs(python_cmd("hetconv.coordinator", "--workers", "1", "--bind", f"tcp://127.0.0.1:{port}",
+    first = procs(python_cmd("hetconv.cli.coordinator", "--workers", "1", "--bind", f"tcp://127.0.0.1:{port}",
                              "--connect-timeout", "20", "--conv", "2,2", "--fc", "4"))
     time.sleep(2.5)
-    second = procs(python_cmd("hetconv.coordinator", "--workers", "1", "--bind", f"tcp://127.0.0.1:{port}",
+    second = procs(python_cmd("hetconv.cli.coordinator", "--workers", "1", "--bind", f"tcp://127.0.0.1:{port}",
                               "--connect-timeout", "3", "--conv", "2,2", "--fc", "4"))
     out, _ = second.communicate(timeout=30)
     assert second.returncode != 0 and f"cannot bind tcp://127.0.0.1:{port}" in out and "Address already in use" in out
@@ -226,9 +226,9 @@ def test_busy_port_and_missing_workers_are_reported(procs):
 def test_coordinator_survives_garbage_and_refuses_a_version_mismatch(procs):
     import zmq
 
-    from hetconv import protocol as P
+    from hetconv.transport import protocol as P
     port = free_port()
-    coord = procs(python_cmd("hetconv.coordinator", "--workers", "1", "--bind", f"tcp://127.0.0.1:{port}",
+    coord = procs(python_cmd("hetconv.cli.coordinator", "--workers", "1", "--bind", f"tcp://127.0.0.1:{port}",
                              "--connect-timeout", "15", "--conv", "2,2", "--fc", "4"))
     deadline = time.monotonic() + 30                                           # a loaded machine starts slowly
     while True:
@@ -279,9 +279,9 @@ def fake_coordinator():
 
 
 def test_worker_answers_malformed_requests_with_errors_and_keeps_serving(procs, fake_coordinator):
-    from hetconv import protocol as P
+    from hetconv.transport import protocol as P
     router, port = fake_coordinator
-    w = procs(python_cmd("hetconv.worker", "--device", "cpu", "--connect", f"tcp://127.0.0.1:{port}",
+    w = procs(python_cmd("hetconv.cli.worker", "--device", "cpu", "--connect", f"tcp://127.0.0.1:{port}",
                          "--threads", "1", "--name", "probe"))
 
     def recv():
@@ -320,9 +320,9 @@ def test_worker_answers_malformed_requests_with_errors_and_keeps_serving(procs, 
 
 
 def test_refused_worker_exits_with_the_coordinators_reason(procs, fake_coordinator):
-    from hetconv import protocol as P
+    from hetconv.transport import protocol as P
     router, port = fake_coordinator
-    w = procs(python_cmd("hetconv.worker", "--device", "cpu", "--connect", f"tcp://127.0.0.1:{port}"))
+    w = procs(python_cmd("hetconv.cli.worker", "--device", "cpu", "--connect", f"tcp://127.0.0.1:{port}"))
     assert router.poll(30000)
     ident = router.recv_multipart()[0]
     router.send_multipart([ident] + P.pack("ERROR", 0, name="ProtocolVersionError", message="speaks 2, not 1",
@@ -353,7 +353,7 @@ def start_long_run(procs, tmp_path, *extra):
     once it has finished a step."""
     metrics = tmp_path / "m.jsonl"
     with open(tmp_path / "out.txt", "w") as out:
-        coord = procs(python_cmd("hetconv.coordinator", "--spawn", "cpu,cpu", "--conv", "6,12", "--fc", "16",
+        coord = procs(python_cmd("hetconv.cli.coordinator", "--spawn", "cpu,cpu", "--conv", "6,12", "--fc", "16",
                                  "--batch-size", "32", "--synthetic-train", "20000", "--synthetic-test", "64",
                                  "--calibration-batch", "4", "--metrics", metrics, *extra),
                       stdout=out, stderr=subprocess.STDOUT)
@@ -387,15 +387,15 @@ def test_external_workers_join_and_match_local(procs, tmp_path):
     port = free_port()
     common = ["--conv", "6,12", "--fc", "16", "--batch-size", "32", "--synthetic-train", "256", "--synthetic-test",
               "64", "--steps", "3", "--threads", "1", "--calibration-batch", "4", "--use-all"]
-    coord = procs(python_cmd("hetconv.coordinator", "--workers", "2", "--bind", f"tcp://127.0.0.1:{port}",
+    coord = procs(python_cmd("hetconv.cli.coordinator", "--workers", "2", "--bind", f"tcp://127.0.0.1:{port}",
                              "--metrics", tmp_path / "dist.jsonl", *common))
-    workers = [procs(python_cmd("hetconv.worker", "--device", "cpu", "--connect", f"tcp://127.0.0.1:{port}",
+    workers = [procs(python_cmd("hetconv.cli.worker", "--device", "cpu", "--connect", f"tcp://127.0.0.1:{port}",
                                 "--threads", "1", "--name", f"ext{i}")) for i in range(2)]
     out, _ = coord.communicate(timeout=120)
     assert coord.returncode == 0, out
     for w in workers:
         assert w.wait(timeout=15) == 0
-    local = subprocess.run(python_cmd("hetconv.coordinator", "--local", "--metrics", tmp_path / "local.jsonl", *common),
+    local = subprocess.run(python_cmd("hetconv.cli.coordinator", "--local", "--metrics", tmp_path / "local.jsonl", *common),
                            capture_output=True, text=True, timeout=120)
     assert local.returncode == 0, local.stderr
 
@@ -446,7 +446,7 @@ def test_missing_gpu_is_named_through_the_coordinator(procs):
     count = gpu_count()
     if count > 7:
         pytest.skip(f"this machine has {count} GPUs: cuda:7 exists")
-    c = procs(python_cmd("hetconv.coordinator", "--spawn", "cpu,cuda:7", "--conv", "2,2", "--fc", "4", "--steps", "1"))
+    c = procs(python_cmd("hetconv.cli.coordinator", "--spawn", "cpu,cuda:7", "--conv", "2,2", "--fc", "4", "--steps", "1"))
     out, _ = c.communicate(timeout=60)
     assert c.returncode == 1
     assert "opening device cuda:7" in out
@@ -636,7 +636,7 @@ def test_a_second_loss_while_the_survivors_reload_is_survived_too_or_stops_at_th
 
 
 def _external_worker(procs, address, name, keys=""):
-    return procs(python_cmd("hetconv.worker", "--device", "cpu", "--connect", address, "--threads", "1",
+    return procs(python_cmd("hetconv.cli.worker", "--device", "cpu", "--connect", address, "--threads", "1",
                             "--name", name, "--connect-timeout", "60", "--idle-timeout", "120",
                             *(["--curve", keys] if keys else [])),
                  stdout=subprocess.DEVNULL)

@@ -9,8 +9,8 @@ import time
 import pytest
 import zmq
 
-from hetconv import protocol as P
-from hetconv.remote import RemoteEngine, WorkerLost
+from hetconv.transport import protocol as P
+from hetconv.coordinator.remote import RemoteEngine, WorkerLost
 
 WORKER_TIMEOUT_S = 1.0
 SILENT_S = 3 * WORKER_TIMEOUT_S          # the main connection says nothing for this long

@@ -10,7 +10,7 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from hetconv import keys
+from hetconv.transport import keys
 
 SHORT = 1000          # ms a message that should arrive gets; one that must not arrive is waited for as long
 
@@ -167,7 +167,7 @@ def test_secret_key_files_are_private(tmp_path):
 
 
 def keygen(*args):
-    return subprocess.run([sys.executable, "-m", "hetconv.keys", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "hetconv.cli.keygen", *args], capture_output=True, text=True, timeout=60)
 
 
 def test_keygen_cli_makes_and_adds_keys_and_explains_the_layout(tmp_path):
@@ -245,7 +245,7 @@ def test_stale_temp_key_folders_of_dead_processes_are_removed(tmp_path, monkeypa
     import sys
     import tempfile
 
-    from hetconv import keys as K
+    from hetconv.transport import keys as K
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()

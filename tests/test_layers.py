@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from hetconv.layers import Linear, relu, relu_backward, softmax_cross_entropy
+from hetconv.net.layers import Linear, relu, relu_backward, softmax_cross_entropy
 from hetconv.params import sgd_update
 
 

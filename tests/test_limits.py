@@ -8,9 +8,9 @@ import pytest
 import zmq
 
 from conftest import python_cmd
-from hetconv import protocol as P
+from hetconv.transport import protocol as P
 from hetconv.geometry import conv_specs, largest_array_bytes, message_limit_bytes
-from hetconv.remote import RemoteEngine
+from hetconv.coordinator.remote import RemoteEngine
 from test_distributed import free_port, quiet
 
 
@@ -52,10 +52,10 @@ def test_a_frame_over_the_limit_is_never_delivered_and_the_coordinator_keeps_ser
 @pytest.mark.timeout(120)
 def test_a_worker_whose_limit_is_below_the_runs_says_how_to_raise_it(procs):
     address = f"tcp://127.0.0.1:{free_port()}"
-    coord = procs(python_cmd("hetconv.coordinator", "--workers", "1", "--bind", address, "--connect-timeout", "15",
+    coord = procs(python_cmd("hetconv.cli.coordinator", "--workers", "1", "--bind", address, "--connect-timeout", "15",
                              "--conv", "6,12", "--fc", "8", "--batch-size", "8", "--steps", "1",
                              "--synthetic-train", "64", "--synthetic-test", "16"))
-    worker = subprocess.run(python_cmd("hetconv.worker", "--device", "cpu", "--connect", address, "--threads", "1",
+    worker = subprocess.run(python_cmd("hetconv.cli.worker", "--device", "cpu", "--connect", address, "--threads", "1",
                                        "--message-limit-mb", "0.01"), capture_output=True, text=True, timeout=60)
     assert worker.returncode == 2, worker.stderr
     assert "start the worker with --message-limit-mb 2" in worker.stderr, worker.stderr
@@ -67,10 +67,11 @@ def test_replies_of_the_wrong_shape_are_named_not_concatenated():
     """A shard whose forward output, partial dX or fetched weights have another shape than the
     plan and the layer geometry say fails the request naming it (the star path's checks)."""
     from hetconv.devices import open_device
-    from hetconv.engine import LocalEngine, WorkerError
+    from hetconv.engine.local import LocalEngine
+    from hetconv.engine.contract import WorkerError
     from hetconv.geometry import ConvSpec
-    from hetconv.planner import fixed_plan
-    from hetconv.shard import ConvShard
+    from hetconv.engine.planner import fixed_plan
+    from hetconv.engine.shard import ConvShard
 
     spec = ConvSpec.paper(3, 4, 3, 0)
     rng = np.random.default_rng(0)
@@ -103,9 +104,9 @@ def test_replies_of_the_wrong_shape_are_named_not_concatenated():
 
 
 # A worker whose conv output is one row short: it sends FEATURES of the wrong height.
-_LYING_WORKER = ("import sys\nfrom hetconv import shard\nhonest = shard.ConvShard.forward\n"
+_LYING_WORKER = ("import sys\nfrom hetconv.engine import shard\nhonest = shard.ConvShard.forward\n"
                  "shard.ConvShard.forward = lambda self, *a, **k: honest(self, *a, **k)[:, :, :-1]\n"
-                 "from hetconv.worker import main\nsys.exit(main())\n")
+                 "from hetconv.cli.worker import main\nsys.exit(main())\n")
 
 
 def test_peer_features_of_the_wrong_shape_are_named(procs):
@@ -113,9 +114,9 @@ def test_peer_features_of_the_wrong_shape_are_named(procs):
     layer's geometry: a worker that sends a short map fails the step, named, with both shapes."""
     import sys
 
-    from hetconv.engine import WorkerError
+    from hetconv.engine.contract import WorkerError
     from hetconv.geometry import ConvSpec
-    from hetconv.planner import fixed_plan
+    from hetconv.engine.planner import fixed_plan
 
     address = f"tcp://127.0.0.1:{free_port()}"
     procs([sys.executable, "-c", _LYING_WORKER, "--device", "cpu", "--connect", address, "--threads", "1",

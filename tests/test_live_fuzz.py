@@ -39,7 +39,7 @@ def run(procs, tmp_path, name, fuzz_seed=None):
     with open(out_path, "w") as out:
         # --insecure: with the run's own keys a fuzzer could not even finish a handshake, and
         # what is under test here is what happens to frames that get through one
-        coord = procs(python_cmd("hetconv.coordinator", "--spawn", "cpu,cpu", "--bind", f"tcp://127.0.0.1:{port}",
+        coord = procs(python_cmd("hetconv.cli.coordinator", "--spawn", "cpu,cpu", "--bind", f"tcp://127.0.0.1:{port}",
                                  "--insecure", "--verbose", "--metrics", metrics, *NET),  # --verbose: workers print their inboxes
                      stdout=out, stderr=subprocess.STDOUT)
     sent, threads = {}, []

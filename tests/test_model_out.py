@@ -9,16 +9,18 @@ import sys
 import numpy as np
 import pytest
 
-from hetconv import checkpoint
-from hetconv.config import Config
+from hetconv.train import checkpoint
+from hetconv.train.config import Config
 from hetconv.devices import open_device
-from hetconv.engine import LocalEngine
+from hetconv.engine.local import LocalEngine
 from hetconv.net import NetSpec
-from hetconv.shard import ConvShard
-from hetconv.train import train
+from hetconv.engine.shard import ConvShard
+from hetconv.train.loop import train
 
 torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install 'hetconv[torch]')")
-from hetconv import classify, evaluate, export  # noqa: E402
+from hetconv.cli import classify  # noqa: E402
+from hetconv.cli import evaluate
+from hetconv.cli import export
 from hetconv.net.torch_import import to_torch  # noqa: E402
 
 RUN = dict(conv="4,8", fc="16", batch_size=16, steps=3, synthetic_train=64, synthetic_test=40, threads=1)
@@ -59,7 +61,7 @@ def accuracy(logits, labels):
 def test_eval_json_is_the_runs_own_test_evaluation(run, reference):
     directory, summary = run
     # another batch size than the run's: the result does not depend on it
-    got = subprocess.run([sys.executable, "-m", "hetconv.evaluate", directory, "--json", "--threads", "1",
+    got = subprocess.run([sys.executable, "-m", "hetconv.cli.evaluate", directory, "--json", "--threads", "1",
                           "--batch-size", "7"], capture_output=True, text=True, timeout=300)
     assert got.returncode == 0, got.stderr
     result = json.loads(got.stdout)

@@ -7,18 +7,18 @@ import json
 import numpy as np
 import pytest
 
-from hetconv import checkpoint
-from hetconv.config import Config
+from hetconv.train import checkpoint
+from hetconv.train.config import Config
 from hetconv.data import batches, load_dataset
 from hetconv.devices import open_device
-from hetconv.engine import LocalEngine
+from hetconv.engine.local import LocalEngine
 from hetconv.geometry import ConvSpec
-from hetconv.model import Network
+from hetconv.net.head import Network
 from hetconv.net import NetSpec, load_net
-from hetconv.planner import fixed_plan
-from hetconv.remote import RemoteEngine
-from hetconv.shard import ConvShard
-from hetconv.train import train
+from hetconv.engine.planner import fixed_plan
+from hetconv.coordinator.remote import RemoteEngine
+from hetconv.engine.shard import ConvShard
+from hetconv.train.loop import train
 
 torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install 'hetconv[torch]')")
 from hetconv.net.torch_import import to_torch  # noqa: E402

@@ -13,15 +13,15 @@ import pytest
 import zmq
 
 from conftest import python_cmd
-from hetconv import checkpoint
-from hetconv import protocol as P
-from hetconv.config import Config
+from hetconv.train import checkpoint
+from hetconv.transport import protocol as P
+from hetconv.train.config import Config
 from hetconv.devices import open_device
-from hetconv.engine import LocalEngine
-from hetconv.planner import fixed_plan
-from hetconv.remote import RemoteEngine
-from hetconv.shard import ConvShard
-from hetconv.train import train
+from hetconv.engine.local import LocalEngine
+from hetconv.engine.planner import fixed_plan
+from hetconv.coordinator.remote import RemoteEngine
+from hetconv.engine.shard import ConvShard
+from hetconv.train.loop import train
 
 TINY = dict(conv="6,12", fc="32", batch_size=32, synthetic_train=512, synthetic_test=64, lr=0.01, threads=1,
             calibration_batch=4, use_all=True, rebalance_after=0)
@@ -156,7 +156,7 @@ def _free_port():
 
 
 def _external_worker(procs, address, name, keys="", *extra):
-    return procs(python_cmd("hetconv.worker", "--device", "cpu", "--connect", address, "--threads", "1",
+    return procs(python_cmd("hetconv.cli.worker", "--device", "cpu", "--connect", address, "--threads", "1",
                             "--name", name, "--connect-timeout", "60", "--idle-timeout", "120",
                             *(["--curve", keys] if keys else []), *extra),
                  stdout=subprocess.DEVNULL)
@@ -308,7 +308,7 @@ def test_resuming_an_earlier_checkpoint_starts_a_timeline_that_retention_and_res
 
 def _coordinator(procs, tmp_path, *args):
     log = open(tmp_path / "out.txt", "w")
-    return procs(python_cmd("hetconv.coordinator", "--conv", "6,12", "--fc", "32", "--batch-size", "32",
+    return procs(python_cmd("hetconv.cli.coordinator", "--conv", "6,12", "--fc", "32", "--batch-size", "32",
                             "--synthetic-train", "512", "--synthetic-test", "64", "--threads", "1",
                             "--calibration-batch", "4", "--use-all", "--rebalance-after", "0", "--lr", "0.01", *args),
                  stdout=log, stderr=subprocess.STDOUT)
@@ -380,7 +380,7 @@ def test_a_bind_to_an_address_not_of_this_host_is_not_blamed_on_another_coordina
 
 
 def test_the_hint_for_missing_workers_names_the_keys_they_need(tmp_path):
-    from hetconv import keys
+    from hetconv.transport import keys
     keys.make_keys(str(tmp_path / "k"))
     with pytest.raises(Exception, match=r"start more with `hetconv-worker --device cpu --connect tcp://127.0.0.1:\d+ "
                                         r"--curve .*k/workers/NAME`"):

@@ -5,8 +5,8 @@ import queue
 import numpy as np
 import pytest
 
-from hetconv import protocol as P
-from hetconv.peers import PeerLinks
+from hetconv.transport import protocol as P
+from hetconv.worker.peers import PeerLinks
 
 
 def slice_msg(step, phase="images", layer=-1, micro=0, sender="w0", value=1.0):

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from hetconv.planner import PlanError, fixed_plan, largest_remainder, make_plan
+from hetconv.engine.planner import PlanError, fixed_plan, largest_remainder, make_plan
 
 
 @pytest.mark.parametrize("total,weights", [(500, [1, 1]), (1500, [3, 1, 1]), (7, [1, 2, 3]), (10, [0.001, 1000]),
@@ -65,7 +65,7 @@ def test_fixed_plan_checks_counts():
 
 
 def test_replan_moves_kernels_toward_the_worker_that_measured_faster():
-    from hetconv.planner import replan
+    from hetconv.engine.planner import replan
     plan = fixed_plan([32, 256], {"a": [2, 8], "b": [30, 248]})
     # two equal devices, each 1 ms a kernel: a holding few kernels finished quickly, b slowly
     measured = {"a": [0.002, 0.008], "b": [0.030, 0.248]}
@@ -76,14 +76,14 @@ def test_replan_moves_kernels_toward_the_worker_that_measured_faster():
 
 
 def test_replan_keeps_a_balanced_plan():
-    from hetconv.planner import replan
+    from hetconv.engine.planner import replan
     plan = fixed_plan([32, 256], {"a": [16, 128], "b": [16, 128]})
     measured = {"a": [0.016, 0.128], "b": [0.0165, 0.129]}
     assert replan(plan, {"a": None, "b": None}, measured) is None
 
 
 def test_replan_does_not_take_fixed_cost_for_slowness():
-    from hetconv.planner import replan
+    from hetconv.engine.planner import replan
     # a's time is mostly a fixed pass (0.05 s) that every share pays: per kernel, both are equal
     plan = fixed_plan([100], {"a": [10], "b": [90]})
     lines = {"a": [(0.05, 0.001)], "b": [(0.05, 0.001)]}
@@ -100,14 +100,14 @@ def _lines(fixed, per_kernel, layers=2):
 
 
 def test_affine_shares_finish_together_and_drop_a_device_whose_fixed_part_is_too_long():
-    from hetconv.planner import affine_shares
+    from hetconv.engine.planner import affine_shares
     shares = affine_shares(100, [(0.0, 1.0), (10.0, 1.0)])      # the second pays 10 s before its first kernel
     assert shares == pytest.approx([55.0, 45.0])
     assert affine_shares(100, [(0.0, 0.01), (5.0, 1.0)]) == pytest.approx([100.0, 0.0])
 
 
 def test_a_slow_cpu_beside_a_50x_gpu_is_left_out_when_its_fixed_work_slows_the_step():
-    from hetconv.planner import plan_from_lines, predicted_compute_s
+    from hetconv.engine.planner import plan_from_lines, predicted_compute_s
     # per step at the batch: the GPU 50x faster per kernel and with little fixed work
     gpu, cpu = _lines(0.005, 0.0002), _lines(0.4, 0.01)
     plan = plan_from_lines([500, 1500], {"gpu": gpu, "cpu": cpu})
@@ -121,7 +121,7 @@ def test_a_slow_cpu_beside_a_50x_gpu_is_left_out_when_its_fixed_work_slows_the_s
 
 
 def test_a_cpu_that_helps_is_kept():
-    from hetconv.planner import plan_from_lines
+    from hetconv.engine.planner import plan_from_lines
     gpu, cpu = _lines(0.005, 0.0002), _lines(0.001, 0.004)      # little fixed work: its share pays
     plan = plan_from_lines([500, 1500], {"gpu": gpu, "cpu": cpu})
     assert plan.workers == ("gpu", "cpu") and not plan.left_out

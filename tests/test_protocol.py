@@ -4,7 +4,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from hetconv import protocol as P
+from hetconv.transport import protocol as P
 
 
 @pytest.mark.parametrize("dtype", sorted(P.DTYPES))

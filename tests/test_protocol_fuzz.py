@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hetconv import protocol as P
+from hetconv.transport import protocol as P
 
 # no example database: a failure prints its example, which then becomes a case in test_protocol.py
 FUZZ = settings(max_examples=300, deadline=None, database=None,

@@ -74,12 +74,12 @@ def run_marked(marker, args, timeout):
 
 def test_ray_workers_train_like_local_and_leave_no_process(tmp_path, marker):
     pytest.importorskip("ray", reason="Ray is not installed (pip install 'hetconv[ray]')")
-    ray_run = run_marked(marker, python_cmd("hetconv.coordinator", "--launcher", "ray", "--spawn", "cpu,cpu",
+    ray_run = run_marked(marker, python_cmd("hetconv.cli.coordinator", "--launcher", "ray", "--spawn", "cpu,cpu",
                                             "--metrics", tmp_path / "ray.jsonl", *FLAGS), timeout=240)
     assert ray_run.returncode == 0, ray_run.stdout + ray_run.stderr
     assert "waiting for 2 worker(s) on tcp://127.0.0.1:" in ray_run.stdout     # a local Ray: loopback
     assert leftovers(marker) == []
-    local = subprocess.run(python_cmd("hetconv.coordinator", "--local", "--metrics", tmp_path / "local.jsonl", *FLAGS),
+    local = subprocess.run(python_cmd("hetconv.cli.coordinator", "--local", "--metrics", tmp_path / "local.jsonl", *FLAGS),
                            capture_output=True, text=True, timeout=120)
     assert local.returncode == 0, local.stderr
     got, want = losses(tmp_path / "ray.jsonl"), losses(tmp_path / "local.jsonl")
@@ -93,14 +93,14 @@ def test_a_killed_ray_actor_is_a_lost_worker_and_the_run_recovers(tmp_path, mark
     """In-process, so the test can reach the actor: ray.kill at step 4 (snapshots after steps 2
     and 4), the survivor goes on from the snapshot, and the run equals an uninterrupted one."""
     pytest.importorskip("ray", reason="Ray is not installed (pip install 'hetconv[ray]')")
-    from hetconv import checkpoint
-    from hetconv.config import Config
+    from hetconv.train import checkpoint
+    from hetconv.train.config import Config
     from hetconv.devices import open_device
-    from hetconv.engine import LocalEngine
-    from hetconv.launch_ray import RayLauncher
-    from hetconv.remote import RemoteEngine
-    from hetconv.shard import ConvShard
-    from hetconv.train import train
+    from hetconv.engine.local import LocalEngine
+    from hetconv.coordinator.ray import RayLauncher
+    from hetconv.coordinator.remote import RemoteEngine
+    from hetconv.engine.shard import ConvShard
+    from hetconv.train.loop import train
 
     cfg = dict(conv="6,12", fc="32", batch_size=32, synthetic_train=512, synthetic_test=64, lr=0.01, threads=1,
                calibration_batch=4, steps=6, snapshot_every=2, rebalance_after=0,
@@ -158,7 +158,7 @@ def test_sigterm_mid_run_ends_every_actor_and_ray(tmp_path, marker):
     key, value = marker.split("=", 1)
     metrics = tmp_path / "m.jsonl"
     with open(tmp_path / "out.txt", "w") as out:
-        coord = subprocess.Popen(python_cmd("hetconv.coordinator", "--launcher", "ray", "--spawn", "cpu,cpu",
+        coord = subprocess.Popen(python_cmd("hetconv.cli.coordinator", "--launcher", "ray", "--spawn", "cpu,cpu",
                                             "--conv", "6,12", "--fc", "16", "--batch-size", "32",
                                             "--synthetic-train", "20000", "--synthetic-test", "64",
                                             "--calibration-batch", "4", "--metrics", metrics),
@@ -178,7 +178,7 @@ def test_sigterm_mid_run_ends_every_actor_and_ray(tmp_path, marker):
 def test_a_worker_ray_cannot_place_is_named_and_nothing_is_left(marker):
     """No node has 4096 CPUs: that worker's actor stays pending until --connect-timeout."""
     pytest.importorskip("ray", reason="Ray is not installed (pip install 'hetconv[ray]')")
-    r = run_marked(marker, python_cmd("hetconv.coordinator", "--launcher", "ray", "--spawn", "cpu,cpu:4096",
+    r = run_marked(marker, python_cmd("hetconv.cli.coordinator", "--launcher", "ray", "--spawn", "cpu,cpu:4096",
                                       "--connect-timeout", "5", *FLAGS), timeout=120)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "Ray did not place worker w1-cpu:4096 within 5s: the cluster has" in r.stderr
@@ -190,7 +190,7 @@ def test_launcher_flags_are_checked_before_any_work(tmp_path):
            (["--launcher", "ray", "--workers", "2"], "cannot go with --workers"),
            (["--ray-address", "10.0.0.1:6379"], "--ray-address '10.0.0.1:6379' is for --launcher ray")]
     for args, message in bad:
-        r = subprocess.run(python_cmd("hetconv.coordinator", *args, *FLAGS), capture_output=True, text=True, timeout=60)
+        r = subprocess.run(python_cmd("hetconv.cli.coordinator", *args, *FLAGS), capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and message in r.stderr, (args, r.stderr)
 
 
@@ -199,7 +199,7 @@ def test_a_missing_ray_is_named_with_its_extra(tmp_path):
     (tmp_path / "ray").mkdir()
     (tmp_path / "ray" / "__init__.py").write_text("raise ImportError('no ray here')\n")
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    r = subprocess.run(python_cmd("hetconv.coordinator", "--launcher", "ray", *FLAGS), capture_output=True, text=True,
+    r = subprocess.run(python_cmd("hetconv.cli.coordinator", "--launcher", "ray", *FLAGS), capture_output=True, text=True,
                        timeout=60, env=env)
     assert r.returncode == 2
     assert r.stderr.strip() == "hetconv-coordinator: --launcher ray needs Ray, which is not installed: " \
@@ -207,7 +207,7 @@ def test_a_missing_ray_is_named_with_its_extra(tmp_path):
 
 
 def test_ray_stays_out_of_the_paths_that_do_not_use_it():
-    code = ("import sys, hetconv.coordinator, hetconv.remote, hetconv.worker, hetconv.launch_ray; "
+    code = ("import sys, hetconv.cli.coordinator, hetconv.coordinator.remote, hetconv.worker.serve, hetconv.coordinator.ray; "
             "print('ray' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.stdout.strip() == "False", r.stderr
@@ -220,8 +220,8 @@ def test_a_worker_finds_the_coordinator_through_the_environment(procs, tmp_path)
     address = f"tcp://127.0.0.1:{free_port()}"
     common = ["--conv", "6,12", "--fc", "16", "--batch-size", "32", "--synthetic-train", "256", "--synthetic-test",
               "64", "--steps", "2", "--threads", "1", "--calibration-batch", "4"]
-    coord = procs(python_cmd("hetconv.coordinator", "--workers", "1", "--bind", address, *common))
-    worker = procs(python_cmd("hetconv.worker", "--device", "cpu", "--threads", "1", "--name", "from-env"),
+    coord = procs(python_cmd("hetconv.cli.coordinator", "--workers", "1", "--bind", address, *common))
+    worker = procs(python_cmd("hetconv.cli.worker", "--device", "cpu", "--threads", "1", "--name", "from-env"),
                    env={**os.environ, "HETCONV_COORDINATOR": address})
     out, _ = coord.communicate(timeout=120)
     assert coord.returncode == 0, out
@@ -231,12 +231,12 @@ def test_a_worker_finds_the_coordinator_through_the_environment(procs, tmp_path)
 
 def test_a_worker_with_no_coordinator_address_says_to_give_one():
     env = {k: v for k, v in os.environ.items() if k != "HETCONV_COORDINATOR"}
-    r = subprocess.run(python_cmd("hetconv.worker", "--device", "cpu"), capture_output=True, text=True, timeout=60,
+    r = subprocess.run(python_cmd("hetconv.cli.worker", "--device", "cpu"), capture_output=True, text=True, timeout=60,
                        env=env)
     assert r.returncode == 2
     assert r.stderr.strip() == ("hetconv-worker: no coordinator address: give --connect tcp://HOST:PORT "
                                 "or set HETCONV_COORDINATOR")
-    r = subprocess.run(python_cmd("hetconv.worker", "--device", "cpu"), capture_output=True, text=True, timeout=60,
+    r = subprocess.run(python_cmd("hetconv.cli.worker", "--device", "cpu"), capture_output=True, text=True, timeout=60,
                        env={**env, "HETCONV_COORDINATOR": "10.0.0.5"})
     assert r.returncode == 2 and "HETCONV_COORDINATOR '10.0.0.5': expected tcp://HOST:PORT" in r.stderr
 

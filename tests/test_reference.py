@@ -3,7 +3,7 @@ finite differences, and against a direct loop for the forward."""
 import numpy as np
 import pytest
 
-from hetconv import reference as R
+from hetconv.net import reference as R
 
 
 def direct_conv(x, w, b, padding):

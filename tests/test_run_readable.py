@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from conftest import REPO
-from hetconv.config import Config
+from hetconv.train.config import Config
 from hetconv.devices import open_device
-from hetconv.engine import LocalEngine
-from hetconv.shard import ConvShard
-from hetconv.train import train
+from hetconv.engine.local import LocalEngine
+from hetconv.engine.shard import ConvShard
+from hetconv.train.loop import train
 
 # 128 training images in batches of 32: 4 steps an epoch
 TINY = dict(conv="6,12", fc="32", batch_size=32, synthetic_train=128, synthetic_test=64, lr=0.01, threads=1)
@@ -38,7 +38,7 @@ def records(path, event=None):
 
 
 def coordinator(*args, timeout=240):
-    return subprocess.run([sys.executable, "-m", "hetconv.coordinator", *map(str, args)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "hetconv.cli.coordinator", *map(str, args)], capture_output=True,
                           text=True, timeout=timeout, cwd=REPO)
 
 
@@ -85,7 +85,7 @@ def test_a_worker_lost_during_a_mid_run_evaluation_is_redone_once(tmp_path, snap
     """3 workers, 6 steps (an epoch is 4): a worker killed in the evaluation after step 4. With a
     snapshot at step 4 nothing is replayed and the evaluation is redone at once; with one at step 3,
     step 4 is replayed first. Either way steps 4 and 6 are evaluated once each, as --local does."""
-    from hetconv.remote import RemoteEngine
+    from hetconv.coordinator.remote import RemoteEngine
     base = dict(TINY, calibration_batch=4, use_all=True, rebalance_after=0, steps=6, epochs=2)
     local = tmp_path / "local.jsonl"
     train(Config(**base, metrics=str(local)).validate(), local_engine(), log=quiet)
@@ -164,7 +164,7 @@ def test_spawned_workers_are_announced_once_calibration_says_it_starts_and_numbe
 
 
 def test_ray_is_told_to_print_no_colour_codes_where_output_is_not_a_terminal(monkeypatch):
-    from hetconv import launch_ray
+    from hetconv.coordinator import ray as launch_ray
 
     class Terminal(io.StringIO):
         def isatty(self):
@@ -193,8 +193,8 @@ def test_ray_is_told_to_print_no_colour_codes_where_output_is_not_a_terminal(mon
 def test_the_planning_command_is_hetconv_plan_everywhere():
     with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
         scripts = tomllib.load(f)["project"]["scripts"]
-    assert scripts["hetconv-plan"] == "hetconv.plan:main"
-    assert scripts["hetconv-report"] == "hetconv.report:main"
+    assert scripts["hetconv-plan"] == "hetconv.cli.plan:main"
+    assert scripts["hetconv-report"] == "hetconv.cli.report:main"
     assert "hetconv-predict" not in scripts
     for folder in ("README.md", "docs", "bench", "examples", "hetconv"):
         path = os.path.join(REPO, folder)
@@ -203,7 +203,7 @@ def test_the_planning_command_is_hetconv_plan_everywhere():
         for name in files:
             with open(name) as f:
                 assert "hetconv-predict" not in f.read(), name
-    result = subprocess.run([sys.executable, "-m", "hetconv.plan", "--help"], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "hetconv.cli.plan", "--help"], capture_output=True, text=True,
                             timeout=60, cwd=REPO)
     assert result.returncode == 0 and result.stdout.startswith("usage: hetconv-plan")
 
@@ -231,7 +231,7 @@ def write_metrics(path):
 
 
 def test_report_extracts_the_last_record_of_each_step_and_the_worker_times(tmp_path):
-    from hetconv.report import extract, read_records
+    from hetconv.cli.report import extract, read_records
     run = extract(read_records(write_metrics(tmp_path / "m.jsonl")))
     assert run.steps == [1, 2, 3, 4]
     assert run.loss == [2.3, 2.2, 2.1, 2.0]
@@ -244,7 +244,7 @@ def test_report_extracts_the_last_record_of_each_step_and_the_worker_times(tmp_p
 
 
 def test_report_summary_without_matplotlib_names_the_extra(tmp_path, monkeypatch, capsys):
-    from hetconv import report
+    from hetconv.cli import report
     metrics = write_metrics(tmp_path / "m.jsonl")
     monkeypatch.setitem(sys.modules, "matplotlib", None)             # as if not installed
     assert report.main([str(metrics), "--out", str(tmp_path / "r")]) == 2
@@ -265,7 +265,7 @@ def test_report_summary_without_matplotlib_names_the_extra(tmp_path, monkeypatch
     ('[1, 2]\n{"event": "step"}\n', "line 1 has no event"),
 ])
 def test_report_refuses_a_bad_file_in_one_line(tmp_path, capsys, content, message):
-    from hetconv import report
+    from hetconv.cli import report
     path = tmp_path / "m.jsonl"
     if content is not None:
         path.write_text(content)
@@ -277,7 +277,7 @@ def test_report_refuses_a_bad_file_in_one_line(tmp_path, capsys, content, messag
 
 def test_report_plots_a_real_run(tmp_path):
     pytest.importorskip("matplotlib", reason="the plots need matplotlib (pip install 'hetconv[report]')")
-    from hetconv import report
+    from hetconv.cli import report
     metrics = tmp_path / "run.jsonl"
     train(Config(**TINY, steps=6, epochs=2, metrics=str(metrics)).validate(), local_engine(), log=quiet)
     assert report.main([str(metrics)]) == 0
@@ -289,7 +289,7 @@ def test_report_plots_a_real_run(tmp_path):
 
 
 def test_report_summarises_a_real_run_without_plots(tmp_path):
-    from hetconv.report import extract, read_records, summary_markdown
+    from hetconv.cli.report import extract, read_records, summary_markdown
     metrics = tmp_path / "run.jsonl"
     summary = train(Config(**TINY, steps=6, epochs=2, metrics=str(metrics)).validate(), local_engine(), log=quiet)
     run = extract(read_records(metrics))

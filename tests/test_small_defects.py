@@ -13,8 +13,13 @@ import tarfile
 import numpy as np
 import pytest
 
-from hetconv import config, coordinator, protocol, worker
-from hetconv.checkpoint import CheckpointError, load_newest_valid
+from hetconv import flags
+from hetconv.train import config
+from hetconv.cli import coordinator
+from hetconv.transport import protocol
+from hetconv.cli import worker as worker_cli
+from hetconv.worker import serve as worker
+from hetconv.train.checkpoint import CheckpointError, load_newest_valid
 from hetconv.data import DataError, load_cifar10
 from hetconv.devices import DeviceError, open_device
 
@@ -64,7 +69,7 @@ def test_a_negative_seed_names_seed(capsys):
     ("--heartbeat", "nan"), ("--connect-timeout", "nan"), ("--idle-timeout", "inf"), ("--message-limit-mb", "nan"),
 ])
 def test_worker_refuses_non_finite_numbers_before_it_connects(flag, value):
-    args = worker.build_parser().parse_args(["--device", "cpu", "--connect", "tcp://127.0.0.1:5555", flag, value])
+    args = worker_cli.build_parser().parse_args(["--device", "cpu", "--connect", "tcp://127.0.0.1:5555", flag, value])
     with pytest.raises(worker.WorkerExit, match=f"^{flag} must be a finite number, got {value}$"):
         worker._check_args(args)
 
@@ -72,8 +77,8 @@ def test_worker_refuses_non_finite_numbers_before_it_connects(flag, value):
 def test_check_range_refuses_nan_and_infinity():
     for value in (float("nan"), float("inf"), float("-inf")):
         with pytest.raises(ValueError, match="--x must be a finite number"):
-            config.check_range("--x", value, 0)
-    assert config.check_range("--x", 2.5, 0, inclusive=False) == 2.5
+            flags.check_range("--x", value, 0)
+    assert flags.check_range("--x", 2.5, 0, inclusive=False) == 2.5
 
 
 # ---- 2. a CIFAR archive member bigger than any CIFAR file ---------------------------------------
@@ -154,7 +159,7 @@ def test_a_metrics_file_that_refuses_writes_is_one_line_at_start_up(capsys):
 
 @needs_dev_full
 def test_metrics_writer_names_the_flag_when_a_write_fails():
-    from hetconv.train import MetricsWriter
+    from hetconv.train.loop import MetricsWriter
     metrics = MetricsWriter("/dev/full")
     with pytest.raises(ValueError, match=r"^--metrics '/dev/full' cannot be written: No space left on device$"):
         metrics.write("step", step=1)
@@ -162,7 +167,7 @@ def test_metrics_writer_names_the_flag_when_a_write_fails():
 
 
 def test_metrics_writer_names_the_flag_when_the_file_cannot_be_opened(tmp_path):
-    from hetconv.train import MetricsWriter
+    from hetconv.train.loop import MetricsWriter
     with pytest.raises(ValueError, match="--metrics .* cannot be written"):
         MetricsWriter(str(tmp_path))             # a directory
 
@@ -277,7 +282,7 @@ def test_an_unreachable_ray_address_is_one_line(capsys, address, reason):
 @pytest.mark.timeout(60)
 def test_the_ray_launcher_checks_its_address_before_ray_init(monkeypatch):
     ray = pytest.importorskip("ray")
-    from hetconv.launch_ray import RayLauncher
+    from hetconv.coordinator.ray import RayLauncher
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("ray.init was called"))
     port = closed_port()
     with pytest.raises(ConnectionError, match=f"--ray-address '127.0.0.1:{port}': nothing accepts"):

@@ -7,12 +7,12 @@ import sys
 import numpy as np
 import pytest
 
-from hetconv import checkpoint
-from hetconv.config import Config
+from hetconv.train import checkpoint
+from hetconv.train.config import Config
 from hetconv.devices import open_device
-from hetconv.engine import LocalEngine
-from hetconv.shard import ConvShard
-from hetconv.train import train
+from hetconv.engine.local import LocalEngine
+from hetconv.engine.shard import ConvShard
+from hetconv.train.loop import train
 
 TINY = dict(conv="6,12", fc="32", batch_size=32, synthetic_train=4000, synthetic_test=500, lr=0.01, threads=1)
 
@@ -102,7 +102,7 @@ def test_checkpoint_errors_name_the_file(tmp_path):
 
 
 def run_cli(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "hetconv.coordinator", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "hetconv.cli.coordinator", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from hetconv.wire import WIRE_DTYPES, check_wire_dtype, decode, encode
+from hetconv.transport.wire import WIRE_DTYPES, check_wire_dtype, decode, encode
 
 
 def test_float32_is_passed_through_untouched():

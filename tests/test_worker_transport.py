@@ -15,9 +15,9 @@ import pytest
 import zmq
 
 from conftest import python_cmd
-from hetconv import protocol as P
-from hetconv.keys import PeerKeys
-from hetconv.peers import PeerLinks
+from hetconv.transport import protocol as P
+from hetconv.transport.keys import PeerKeys
+from hetconv.worker.peers import PeerLinks
 
 WORKERS = ("w0", "w1", "w2", "w3")
 STARTUP_S = 120          # a worker process imports numpy and numba and opens its device first
@@ -169,7 +169,7 @@ def test_ipc_only_where_the_peers_token_file_reads_back(tmp_path):
         with open(paths[w] + ".token", "w") as f:
             f.write(content)
     os.mkfifo(paths["w5"] + ".token")
-    from hetconv.peers import host_key
+    from hetconv.transport.sockets import host_key
     workers = ("w0", "w1", "w2", "w3", "w4", "w5")
     fields = plan_fields(workers=workers)
     for peer in fields["peers"]:
@@ -245,7 +245,7 @@ class FakeCoordinator:
 
 def start_worker(procs, coordinator, folder, *flags):
     env = {**os.environ, "TMPDIR": str(folder)}
-    return procs(python_cmd("hetconv.worker", "--device", "cpu", "--threads", 1, "--connect", coordinator.address,
+    return procs(python_cmd("hetconv.cli.worker", "--device", "cpu", "--threads", 1, "--connect", coordinator.address,
                             *flags), env=env)
 
 
@@ -362,5 +362,5 @@ def test_a_worker_waiting_to_join_exits_at_once_on_shutdown(procs, short_tmp):
 @pytest.mark.parametrize("seconds, expected", [(42, 42.0), (0.5, 0.5), (0, 0.0), (-1, None), (float("nan"), None),
                                                (float("inf"), None), ("5", None), (True, None), (None, None)])
 def test_a_wait_with_a_malformed_estimate_is_ignored(seconds, expected):
-    from hetconv.worker import wait_seconds
+    from hetconv.worker.serve import wait_seconds
     assert wait_seconds({"seconds": seconds}) == expected

@@ -20,15 +20,14 @@ one pool), then exactly one flatten, then the FC part (linear, relu, dropout), e
 as wide as `classes`. A violation is a ValueError naming the layer (index and type) and what was
 expected.
 """
+from dataclasses import dataclass, field, replace
 import json
 import math
-from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from hetconv.params import default_init
 from hetconv.geometry import ConvBlock
-
+from hetconv.params import default_init
 
 # ---- checked values ---------------------------------------------------------------------------
 

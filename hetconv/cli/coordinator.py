@@ -12,11 +12,19 @@ import os
 import signal
 import sys
 
-from hetconv.config import (Config, HelpFormatter, add_config_flags, check_endpoint, check_output_dir,
-                            check_output_file, check_range, config_from_args, threads_note, usable_cores)
-from hetconv.planner import PlanError
-from hetconv.remote import RemoteEngine, WorkerError, WorkerLost
-
+from hetconv.coordinator.remote import RemoteEngine, WorkerError, WorkerLost
+from hetconv.data import DataError, load_dataset
+from hetconv.devices import DeviceError, cuda_extra_missing, open_device, parse_device_list
+from hetconv.engine.local import LocalEngine
+from hetconv.engine.planner import PlanError
+from hetconv.engine.shard import ConvShard
+from hetconv.flags import (HelpFormatter, check_endpoint, check_output_dir, check_output_file, check_range,
+                           threads_note, usable_cores)
+from hetconv.geometry import ConvSpec, message_limit_bytes
+from hetconv.train.checkpoint import CheckpointError
+from hetconv.train.config import Config, add_config_flags, config_from_args
+from hetconv.train.loop import network_for, train
+from hetconv.transport.keys import coordinator_keys, first_worker_dir, refuse_open_bind
 
 # ---- command line --------------------------------------------------------------------------------
 
@@ -78,7 +86,6 @@ def build_parser():
 
 def _spawn_list(args):
     """--spawn's devices, one string per worker: 'cpu', 'cpu:THREADS' or 'cuda:N'."""
-    from hetconv.devices import parse_device_list
     entries = parse_device_list("--spawn", "cpu,cpu" if args.spawn is None else args.spawn)
     return [e.label for e in entries for _ in range(e.count)]
 
@@ -95,7 +102,7 @@ def _check_args(args, cfg):
         if args.local or args.workers:
             raise ValueError(f"--launcher ray places --spawn workers: it cannot go with "
                              f"{'--local' if args.local else '--workers'}")
-        from hetconv.launch_ray import check_address, import_ray
+        from hetconv.coordinator.ray import check_address, import_ray
         import_ray()                                   # a missing extra is named before any work starts
         if args.ray_address:
             check_address(args.ray_address, args.connect_timeout)
@@ -108,14 +115,11 @@ def _check_args(args, cfg):
     if args.curve and args.insecure:
         raise ValueError("--curve and --insecure contradict each other: give one")
     if args.curve:
-        from hetconv.keys import coordinator_keys
         coordinator_keys(args.curve)                 # every key file read and checked before any work
         if args.workers is None and not args.local:
-            from hetconv.keys import first_worker_dir
             first_worker_dir(args.curve)             # --spawn's workers need a keypair from DIR
     if not args.local:
         # spawned workers (here or by Ray) get this run's own keys unless --insecure
-        from hetconv.keys import refuse_open_bind
         keyed = args.curve or (args.workers is None and not args.insecure)
         refuse_open_bind(args.bind or "tcp://127.0.0.1:5555", keyed, args.insecure)
     check_output_dir("--checkpoint-dir", cfg.checkpoint_dir)
@@ -138,7 +142,6 @@ def _check_args(args, cfg):
             raise ValueError(f"--min-workers {cfg.min_workers} is more than the {have} worker(s) this run starts "
                              f"with ({given}): it would stop at the first lost worker")
     if args.launcher == "local" and any(d.startswith("cuda") for d in spawn):
-        from hetconv.devices import cuda_extra_missing
         missing = cuda_extra_missing("--spawn " + ",".join(d for d in spawn if d.startswith("cuda")))
         if missing:                                  # spawned workers run this host's Python
             raise ValueError(missing)
@@ -186,9 +189,6 @@ def _on_sigterm(signum, frame):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    from hetconv.checkpoint import CheckpointError
-    from hetconv.data import DataError, load_dataset
-    from hetconv.devices import DeviceError
     try:
         cfg = config_from_args(args)
         _check_args(args, cfg)
@@ -199,7 +199,6 @@ def main(argv=None):
                           n_test=cfg.synthetic_test if cfg.data == "synthetic" else None)
         _check_data_flags(cfg)
         # the network too (a --net file, a PyTorch module): before any worker starts
-        from hetconv.train import network_for
         network = network_for(cfg, ds, args.resume or None)
     except (ValueError, DeviceError, DataError, ConnectionError, CheckpointError) as e:
         print(f"hetconv-coordinator: {e}", file=sys.stderr)
@@ -214,16 +213,12 @@ def main(argv=None):
     summary = {}
     try:
         if args.local:
-            from hetconv.devices import open_device
-            from hetconv.engine import LocalEngine
-            from hetconv.shard import ConvShard
             device = open_device("cpu", threads=cfg.threads or None)
             print(f"local: {device.describe()}")
             engine = LocalEngine({"local": ConvShard(device)})
         else:
-            from hetconv.geometry import ConvSpec, message_limit_bytes
             if args.launcher == "ray":
-                from hetconv.launch_ray import RayLauncher
+                from hetconv.coordinator.ray import RayLauncher
                 launcher = RayLauncher(args.ray_address or None, num_cpus=usable_cores(),
                                        start_timeout=args.connect_timeout)
                 signal.signal(signal.SIGTERM, _on_sigterm)    # ray.init put its own in place
@@ -237,7 +232,6 @@ def main(argv=None):
                                   exchange=cfg.exchange, wire=cfg.wire_dtype, curve=args.curve,
                                   insecure=args.insecure, message_limit=limit, launcher=launcher,
                                   verbose=args.verbose)
-        from hetconv.train import train
         summary = train(cfg, engine, resume=args.resume or None, dataset=ds, stop_grace=args.stop_grace,
                         network=network)
     except (WorkerError, WorkerLost, PlanError, DeviceError, DataError, CheckpointError, ValueError, FloatingPointError,

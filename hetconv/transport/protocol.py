@@ -6,8 +6,9 @@ C-contiguous, little-endian frame, so large ones go zero-copy. Nothing is ever p
 message is checked here (version, op, declared dtype and shape against each frame, limits)
 before anyone looks at it. docs/protocol.md lists every message.
 """
-import math
 from dataclasses import dataclass, field
+import math
+import traceback
 
 import msgpack
 import numpy as np
@@ -139,6 +140,5 @@ def _array_from_frame(i, spec, frame):
 
 def error_fields(exc, worker, doing):
     """The fields of an ERROR message for an exception raised while `doing` something."""
-    import traceback
     return {"name": type(exc).__name__, "message": str(exc)[:4000], "worker": worker, "doing": doing,
             "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-8000:]}

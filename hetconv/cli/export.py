@@ -20,7 +20,8 @@ import warnings
 
 import numpy as np
 
-from hetconv.evaluate import ModelError, OneLineParser, load_model
+from hetconv.cli.evaluate import ModelError, OneLineParser, load_model
+from hetconv.flags import check_output_file
 
 FORMATS = ("torch", "onnx", "npz")
 ONNX_INSTALL = "pip install 'hetconv[onnx]' (in a checkout: pip install -e '.[onnx]')"
@@ -116,7 +117,6 @@ def build_parser():
 
 
 def main(argv=None):
-    from hetconv.config import check_output_file
     from hetconv.net.torch_import import import_torch
 
     args = build_parser().parse_args(argv)

@@ -2,26 +2,25 @@
 raise; the whole config is saved with the run (metrics file and every checkpoint)."""
 import argparse
 import dataclasses
-import math
-import os
-import re
 from dataclasses import dataclass, field
 
 from hetconv.data.batches import parse_augment
+from hetconv.engine.planner import POLICIES
+from hetconv.flags import check_finite, parse_int_list
 from hetconv.geometry import IMAGE_SHAPE
 from hetconv.net import LoadedNet, NetSpec, load_net
-from hetconv.wire import check_wire_dtype
-from hetconv.planner import POLICIES
+from hetconv.transport.wire import check_wire_dtype
 
 # the fields that fix the network's shape: a checkpoint resumes only into the same ones
 NETWORK_FIELDS = ("net", "conv", "fc", "ksize", "padding", "crop")
+
+
 PAPER_FAMILY_DEFAULTS = {"conv": "500,1500", "fc": "256", "ksize": 5, "padding": 0}
 
 
 def option(default, help):
     """A Config field: its default, and its help text for the command line."""
     return field(default=default, metadata={"help": help})
-
 
 
 @dataclass
@@ -174,38 +173,6 @@ class Config:
                                  f"this run asks for {now!r}")
 
 
-def parse_int_list(flag, text, allow_empty):
-    text = str(text).strip()
-    if not text:
-        if allow_empty:
-            return []
-        raise ValueError(f"{flag} needs at least one positive integer, e.g. {flag} 500,1500")
-    try:
-        values = [int(t) for t in text.split(",")]
-    except ValueError:
-        raise ValueError(f"{flag} must be comma-separated positive integers, got {text!r}") from None
-    if any(v < 1 for v in values):
-        raise ValueError(f"{flag} must be comma-separated positive integers, got {text!r}")
-    return values
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Each flag's default once, after its help; text written in lines (the epilog's examples)
-    keeps them. An empty or off default (no file, a switch) is not printed: '(default: )' says
-    nothing."""
-
-    def _fill_text(self, text, width, indent):
-        if "\n" in text:
-            return "".join(indent + line for line in text.splitlines(keepends=True))
-        return super()._fill_text(text, width, indent)
-
-    def _get_help_string(self, action):
-        if action.default is None or action.default is False or action.default == "" \
-                or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
 def add_config_flags(parser: argparse.ArgumentParser, names=None, title="training"):
     """One flag per Config field (or per field in `names`): its default, and its help from the
     field's metadata."""
@@ -223,88 +190,3 @@ def add_config_flags(parser: argparse.ArgumentParser, names=None, title="trainin
 
 def config_from_args(args):
     return Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config)}).validate()
-
-
-# ---- checks of command-line values that are not part of the run's config ---------------------
-
-def check_finite(flag, value):
-    """Raise ValueError naming the flag when a float is nan or infinite: every comparison with nan
-    is false, so a range check alone lets it through to a timeout or an update that never ends."""
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{flag} must be a finite number, got {value}")
-    return value
-
-
-def check_range(flag, value, low, inclusive=True):
-    """Raise ValueError naming the flag unless value is finite and >= low (> low when not inclusive)."""
-    check_finite(flag, value)
-    if value < low or (not inclusive and value == low):
-        raise ValueError(f"{flag} must be {'>=' if inclusive else '>'} {low}, got {value}")
-    return value
-
-
-_ENDPOINT_RE = re.compile(r"^(tcp|ipc)://(.+)$")
-
-
-def check_endpoint(flag, text, bind=False):
-    """A ZeroMQ endpoint: tcp://HOST:PORT or ipc://PATH (a bind may use port 0 or * for any free
-    port). Raises ValueError naming what is missing, before zmq raises ZMQError about it."""
-    m = _ENDPOINT_RE.match(str(text).strip())
-    example = "tcp://127.0.0.1:5555"
-    if not m:
-        raise ValueError(f"{flag} {text!r}: expected tcp://HOST:PORT or ipc://PATH, e.g. {example}")
-    if m.group(1) == "ipc":
-        return text
-    host, sep, port = m.group(2).rpartition(":")
-    if not sep or not host or not port:
-        raise ValueError(f"{flag} {text!r} has no port: expected tcp://HOST:PORT, e.g. {example}")
-    if not (bind and port in ("0", "*")) and not (port.isdigit() and 1 <= int(port) <= 65535):
-        raise ValueError(f"{flag} {text!r}: the port must be a number from 1 to 65535, got {port!r}")
-    return text
-
-
-def usable_cores():
-    """How many cores this process may run on (its affinity, where the OS has one)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-
-
-def threads_note(threads):
-    """A line when --threads asks for more than this process's cores: a CPU device caps it there."""
-    cores = usable_cores()
-    if threads > cores:
-        return (f"note: --threads {threads} is more than the {cores} core(s) this process may use: "
-                f"a CPU device runs {cores} thread(s)")
-    return ""
-
-
-def check_output_file(flag, path):
-    """Make sure `path` can be written (its folder is created), before any work is done."""
-    if not path:
-        return
-    existed = os.path.exists(path)
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        if os.path.isdir(path):
-            raise IsADirectoryError("it is a directory")
-        # append: an existing file is left as it is. The empty write reaches the device, so a
-        # path that refuses every write (/dev/full) is named here, not at the first record.
-        with open(path, "ab", buffering=0) as f:
-            f.write(b"")
-        if not existed:
-            os.remove(path)
-    except OSError as e:
-        raise ValueError(f"{flag} {path!r} cannot be written: {e.strerror or e}") from None
-
-
-def check_output_dir(flag, path):
-    """Make sure `path` is (or can be made) a writable directory, before any work is done."""
-    if not path:
-        return
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"{flag} {path!r} is a file, not a directory")
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"{flag} {path!r} cannot be created: {e.strerror or e}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {path!r} is not writable")

@@ -11,15 +11,14 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from hetconv import checkpoint
-from hetconv.config import Config
 from hetconv.data import batches, load_dataset, test_batches
-from hetconv.elastic import Elastic
-from hetconv.engine import WorkerLost, moved_bytes
+from hetconv.engine.contract import WorkerLost, moved_bytes
 from hetconv.geometry import ConvSpec, layer_input_shapes
-from hetconv.model import Network, init_conv_params
 from hetconv.net import LoadedNet, NetSpec
-
+from hetconv.net.head import Network, init_conv_params
+from hetconv.train import checkpoint
+from hetconv.train.config import Config
+from hetconv.train.elastic import Elastic
 
 MAX_REBALANCES = 3
 

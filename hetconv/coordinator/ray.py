@@ -2,7 +2,7 @@
 
 Each worker is a Ray actor holding `num_cpus` = its threads (and `num_gpus` = 1 for a CUDA
 worker: Ray sets the visible GPU, so the worker opens cuda:0 of what it sees). The actor starts
-the ordinary `python -m hetconv.worker` as its child, so pinning and thread pools start fresh
+the ordinary `python -m hetconv.cli.worker` as its child, so pinning and thread pools start fresh
 and the worker loop is the one every other launcher runs; it connects back to the coordinator
 over ZeroMQ like any worker. `RayProcess` gives the coordinator the same handle as a spawned
 subprocess (`poll`, `pid`, `returncode`, `wait`, `terminate`, `kill`), so a dead actor is a lost
@@ -14,11 +14,16 @@ asked for.
 import atexit
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
+
+from hetconv.engine.contract import WorkerLost
+from hetconv.transport.keys import write_key_folder
+from hetconv.transport.worker_argv import command
 
 MISSING = "--launcher ray needs Ray, which is not installed: pip install 'hetconv[ray]'"
 
@@ -75,15 +80,12 @@ class _WorkerActor:
 
     def start(self, spec, key_files=None):
         """spec: hetconv.worker.command's arguments but the parent pid (this actor's) and keys."""
-        import socket
 
-        from hetconv.worker import command
         self.keydir = None
         if key_files:
             # The run's worker keys, written where this node's worker reads them (a private temp
             # folder, removed when the worker ends). They travelled through Ray, which runs this
             # code: the cluster is trusted; the network beyond it is not.
-            from hetconv.keys import write_key_folder
             self.keydir = write_key_folder(key_files)
         # --parent-pid: the worker ends itself within one heartbeat when this actor dies (ray.kill,
         # a lost node), so a killed actor never leaves its worker behind.
@@ -95,7 +97,6 @@ class _WorkerActor:
             return self.proc.wait()
         finally:
             if self.keydir:
-                import shutil
                 shutil.rmtree(self.keydir, ignore_errors=True)
 
     def signal(self, signum):
@@ -246,7 +247,6 @@ class RayLauncher:
         return out
 
     def _started(self, label, ref):
-        from hetconv.engine import WorkerLost
         ready, _ = self.ray.wait([ref], timeout=self.start_timeout)
         if not ready:
             raise WorkerLost(f"Ray did not place worker {label} within {self.start_timeout:.0f}s: "

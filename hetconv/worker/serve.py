@@ -8,88 +8,32 @@ shard. Requests reach it through a queue, already parsed and checked; replies co
 inproc PAIR socket, so a reply wakes the I/O thread's poll at once.
 An exception while serving becomes an ERROR message naming the worker, and the worker goes on.
 """
-import argparse
 import math
 import os
 import queue
-import signal
 import socket
 import sys
 import threading
 import time
 import uuid
 
-from hetconv.config import HelpFormatter, check_endpoint, check_range, threads_note
+import zmq
 
-COORDINATOR_ENV = "HETCONV_COORDINATOR"      # the coordinator's address when --connect is not given
-
-
-def command(address, name, device, connect_timeout, parent_pid, threads=0, curve="", extra=()):
-    """The argv that starts one worker the way a coordinator (--spawn) or a launcher's actor does:
-    it ends itself when `parent_pid` is gone."""
-    cmd = [sys.executable, "-m", "hetconv.worker", "--device", device, "--connect", address, "--name", name,
-           "--parent-pid", str(parent_pid), "--connect-timeout", str(connect_timeout), *extra]
-    if threads:
-        cmd += ["--threads", str(threads)]
-    if curve:
-        cmd += ["--curve", curve]
-    return cmd
-
-
-# Pinning and thread caps must happen before numpy/numba load their thread pools.
-def _early_pin(argv):
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--cores", default="")
-    known, _ = parser.parse_known_args(argv)
-    if not known.cores or not hasattr(os, "sched_setaffinity"):
-        return
-    allowed = sorted(os.sched_getaffinity(0))
-    try:
-        cores = {int(c) for c in known.cores.split(",") if c.strip()}
-        if not cores or not cores <= set(allowed):      # Linux silently drops unknown cores
-            raise ValueError(known.cores)
-        os.sched_setaffinity(0, cores)
-    except (ValueError, OSError):
-        raise WorkerExit(f"--cores {known.cores!r}: expected a comma list of CPU cores this process may use, "
-                         f"some of {','.join(map(str, allowed))}") from None
-
-
-def build_parser():
-    p = argparse.ArgumentParser(
-        prog="hetconv-worker",
-        description="Serve a slice of every conv layer's kernels on one device to a hetconv coordinator. "
-                    "Start one per device; the coordinator calibrates them and splits kernels by speed.",
-        epilog="examples:\n"
-               "  hetconv-worker --device cpu --connect tcp://10.0.0.5:5555 --threads 4\n"
-               "  hetconv-worker --device cuda:0 --connect tcp://10.0.0.5:5555 --name gpu0",
-        formatter_class=HelpFormatter)
-    p.add_argument("--device", required=True, help="'cpu', 'cpu:THREADS' or 'cuda:N' (GPU N of this host)")
-    p.add_argument("--connect", default="", help="the coordinator's address, tcp://HOST:PORT, e.g. tcp://127.0.0.1:5555 "
-                                                 f"(default: ${COORDINATOR_ENV}, as a Slurm job script sets it)")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads for a cpu device (0: every core this process may use)")
-    p.add_argument("--name", default="", help="a label for tables and logs (default: DEVICE@HOST)")
-    p.add_argument("--cores", default="", help="pin this worker to these CPU cores, e.g. 0,1 (before any thread pool starts)")
-    p.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the coordinator to answer HELLO")
-    p.add_argument("--idle-timeout", type=float, default=900.0, help="exit after this many seconds with no request")
-    p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats")
-    p.add_argument("--peer-address", default="", help="address other workers reach this one on (default: the "
-                                                      "interface this host uses to reach the coordinator)")
-    p.add_argument("--curve", default="", metavar="DIR",
-                   help="this worker's key folder from hetconv-keygen (DIR/workers/NAME, or a DIR holding one worker): "
-                        "talk only to the coordinator and peers holding the matching keys, encrypted")
-    p.add_argument("--message-limit-mb", type=float, default=1024.0,
-                   help="the largest frame accepted from the coordinator or a peer, in MB (ZMQ_MAXMSGSIZE): a bigger "
-                        "one drops that connection. The coordinator says at WELCOME what its run needs; a worker "
-                        "below it exits saying so")
-    p.add_argument("--verbose", action="store_true", help="print the traceback of a failure while serving")
-    p.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
-    return p
+from hetconv import __version__
+from hetconv.devices import DeviceError, open_device, parse_device_list
+from hetconv.engine.shard import ConvShard, ShardServer
+from hetconv.flags import check_endpoint, check_range, threads_note
+from hetconv.transport import protocol as P
+from hetconv.transport.keys import authenticated_key, connect_curve, set_message_limit, worker_keys
+from hetconv.transport.sockets import bind_inbox, host_key, remove_ipc_files, route_address, write_ipc_token
+from hetconv.transport.worker_argv import COORDINATOR_ENV
+from hetconv.worker import WorkerExit
+from hetconv.worker.peers import PeerLinks
 
 
 def _check_args(args):
     """Range and syntax checks of every flag, before a device opens or a socket connects. Turns
     --device cpu:THREADS into --device cpu --threads THREADS."""
-    from hetconv.devices import DeviceError, parse_device_list
     source = "--connect"                        # what a bad address is blamed on
     if not args.connect:
         args.connect, source = os.environ.get(COORDINATOR_ENV, "").strip(), COORDINATOR_ENV
@@ -106,7 +50,6 @@ def _check_args(args):
         if len(entries) != 1 or entries[0].count != 1:
             raise ValueError(f"--device {args.device!r}: one device per worker, e.g. cpu or cuda:0")
         if args.curve:
-            from hetconv.keys import worker_keys
             worker_keys(args.curve)                # every key file read and checked before connecting
     except (ValueError, DeviceError) as e:
         raise WorkerExit(str(e)) from None
@@ -120,35 +63,16 @@ def _check_args(args):
         raise WorkerExit(f"--heartbeat {args.heartbeat} must be shorter than --idle-timeout {args.idle_timeout}")
 
 
-class WorkerExit(Exception):
-    pass
-
-
-class Terminated(Exception):
-    """SIGTERM: raised in the main thread, so run's clean-up (ipc files, sockets) runs as on any
-    other exit."""
-
-
-def _on_sigterm(signum, frame):
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)    # a second one must not cut the clean-up short
-    raise Terminated()
-
-
 def _serve_compute(ctx, endpoint, requests, device_spec, threads, identity, name, keydir="", peer_keys=None):
     """The compute thread: one request (a Message the I/O thread already checked) in from the
     `requests` queue, its reply out over the PAIR socket, strictly in order; None stops it. A
     STEP reads its further messages (INPUT, GRAD, peers' SLICEs) from the same queue."""
-    import zmq
 
-    from hetconv import protocol as P
-    from hetconv.peers import PeerLinks
-    from hetconv.shard import ConvShard, ShardServer
 
     pair = ctx.socket(zmq.PAIR)
     pair.linger = 0
     pair.connect(endpoint)
     try:
-        from hetconv.devices import open_device
         options = {"threads": threads or None} if device_spec == "cpu" else {}
         device = open_device(device_spec, **options)
         shard = ConvShard(device)
@@ -192,10 +116,7 @@ def _serve_compute(ctx, endpoint, requests, device_spec, threads, identity, name
 
 
 def run(args):
-    import zmq
 
-    from hetconv import __version__
-    from hetconv import protocol as P
 
     _check_args(args)
     if args.threads and not args.parent_pid:      # a spawned worker's coordinator has said it already
@@ -218,13 +139,10 @@ def run(args):
     # A backstop for any blocking send: the I/O loop itself sends with NOBLOCK (see _io_loop).
     dealer.sndtimeo = int(min(args.idle_timeout, 10.0) * 1000)
     requests = queue.Queue()
-    from hetconv.peers import bind_inbox, host_key, remove_ipc_files, route_address, write_ipc_token
     peer_address = args.peer_address or route_address(args.connect)
-    from hetconv.keys import set_message_limit
     limit = int(args.message_limit_mb * 1e6)
     set_message_limit(dealer, limit)               # before connect: libzmq copies it into the connection
     if args.curve:
-        from hetconv.keys import connect_curve
         connect_curve(dealer, args.curve)          # before connect: the handshake proves both sides' keys
     auth = None
     try:
@@ -296,7 +214,6 @@ def _await_welcome(dealer, args, P):
     """WELCOME, or None when the coordinator sent SHUTDOWN instead. A WAIT (a run admits a joiner
     only at its next snapshot, which can be minutes away) moves the deadline to its estimate plus
     --connect-timeout."""
-    import zmq
     deadline = time.monotonic() + args.connect_timeout
     told = False
     while True:
@@ -336,7 +253,6 @@ def _await_welcome(dealer, args, P):
 def _send_or_drop(sock, frames, copy=True):
     """Send without blocking; False when the link cannot take it now (its queue is full: the
     other end is gone or not reading)."""
-    import zmq
     try:
         sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
         return True
@@ -352,7 +268,6 @@ def _heartbeat_socket(ctx, connect, welcome, keydir=""):
     """A PUSH to the coordinator's heartbeat channel, where WELCOME says it is (a port on the
     host --connect names, or an ipc path); None from a coordinator without one. Its own
     connection, so a heartbeat is never queued behind a large reply on a slow link."""
-    import zmq
     port, endpoint = int(welcome.get("heartbeat_port") or 0), str(welcome.get("heartbeat_endpoint") or "")
     if port and connect.startswith("tcp://"):
         endpoint = f"{connect.rsplit(':', 1)[0]}:{port}"
@@ -362,7 +277,6 @@ def _heartbeat_socket(ctx, connect, welcome, keydir=""):
     sock.linger = 0
     sock.sndhwm = 4                      # a gone coordinator: drop heartbeats, never pile them up
     if keydir:
-        from hetconv.keys import connect_curve
         connect_curve(sock, keydir)
     sock.connect(endpoint)
     return sock
@@ -389,9 +303,7 @@ def _io_loop(dealer, pair, inbox, requests, args, P, heartbeats=None, identity="
     SHUTDOWN handling, for good. A reply the link cannot take waits here (no further reply is
     read meanwhile); a heartbeat or an ERROR about a malformed request is dropped. Nothing sent
     for --idle-timeout ends the worker."""
-    import zmq
 
-    from hetconv.keys import authenticated_key
     poller = zmq.Poller()
     poller.register(dealer, zmq.POLLIN)
     poller.register(pair, zmq.POLLIN)
@@ -459,32 +371,3 @@ def _io_loop(dealer, pair, inbox, requests, args, P, heartbeats=None, identity="
         if now - last_request > args.idle_timeout:
             raise WorkerExit(f"no request for {args.idle_timeout:.0f}s: the coordinator is gone or idle; exiting")
         _check_parent(args)
-
-
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    # Signals are handled on the main thread only. A SIGTERM that the caller set to be ignored stays
-    # ignored (`trap '' TERM` in a Slurm recipe: the coordinator gets the job's SIGTERM too, and its
-    # workers must serve the step and checkpoint it finishes before ending them).
-    on_main_thread = (threading.current_thread() is threading.main_thread()
-                      and signal.getsignal(signal.SIGTERM) != signal.SIG_IGN)
-    previous = signal.signal(signal.SIGTERM, _on_sigterm) if on_main_thread else None
-    try:
-        _early_pin(argv)
-        run(build_parser().parse_args(argv))
-    except WorkerExit as e:
-        print(f"hetconv-worker: {e}", file=sys.stderr, flush=True)
-        return 2
-    except Terminated:
-        print("hetconv-worker: terminated (SIGTERM); exiting", file=sys.stderr, flush=True)
-        return 128 + signal.SIGTERM            # 143, as a shell reports a process the signal ended
-    except KeyboardInterrupt:
-        return 130
-    finally:
-        if on_main_thread:
-            signal.signal(signal.SIGTERM, previous)    # a caller in-process gets its own handler back
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -21,8 +21,8 @@ The model of one step, phase by phase (each conv layer's forward, then each one'
   on this host and added once per step (the workers are idle meanwhile: a step is synchronous).
 Everything here is pure: no clocks, no sockets, no devices (those are in hetconv/plan.py).
 """
-import re
 from dataclasses import asdict, dataclass
+import re
 
 from hetconv.geometry import layer_input_shapes
 

@@ -22,13 +22,11 @@ the shards (`_call`) and how they are planned (`plan_for`): in-process (LocalEng
 ZeroMQ (hetconv.remote.RemoteEngine, which also runs the peer-exchange step), or not at all (the
 cost model's timing engine).
 """
-import time
-
 import numpy as np
 
-from hetconv.planner import make_plan, replan
-from hetconv.shard import ShardServer
-from hetconv.wire import decode, encode
+from hetconv.engine.costmodel import profiles_from_calibration
+from hetconv.engine.planner import make_plan, replan
+from hetconv.transport.wire import decode, encode
 
 
 def moved_bytes(stats):
@@ -236,7 +234,6 @@ class Engine:
         planner.replan), when it gains; else None. Nothing moves: the caller gathers and loads."""
         if self.plan is None or len(self.plan.workers) < 2:
             return None
-        from hetconv.costmodel import profiles_from_calibration
         profiles = profiles_from_calibration(self.calibration) if self.calibration else {}
         lines, measured = {}, {}
         steps = self.measured_steps
@@ -248,29 +245,3 @@ class Engine:
             cost = profiles.get(name)
             lines[name] = None if cost is None else [c.step_line(self.batch) for c in cost.layers]
         return replan(self.plan, lines, measured, min_gain)
-
-
-class LocalEngine(Engine):
-    """The conv layers in this process, on in-process shards: `--local`, and tests. The shards
-    are served by the same ShardServer a worker process runs; only the sockets are missing."""
-
-    def __init__(self, shards):
-        self.servers = {name: ShardServer(shard) for name, shard in dict(shards).items()}
-        super().__init__()
-
-    @property
-    def workers(self):
-        return list(self.servers)
-
-    def _call(self, requests, doing, layer=None):
-        replies = {}
-        for name, (op, arrays, fields) in requests.items():
-            t0 = time.perf_counter()
-            _, out, reply = self.servers[name].handle(op, arrays, fields)
-            replies[name] = (out, reply)
-            self._record(name, layer, {"compute_s": time.perf_counter() - t0})
-        return replies
-
-    def propose_rebalance(self, specs, min_gain=0.05):
-        """In-process shards share one device: nothing to rebalance."""
-        return None

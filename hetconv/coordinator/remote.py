@@ -20,13 +20,18 @@ import subprocess
 import time
 
 import numpy as np
+import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-from hetconv import protocol as P
-from hetconv.keys import authenticated_key
-from hetconv.engine import Engine, WorkerError, WorkerLost, concat_channels  # noqa: F401  (raised here, caught by callers)
-from hetconv.planner import PlanError, make_plan, plan_from_lines
-from hetconv.wire import decode, encode
-from hetconv.worker import command as worker_command
+from hetconv.engine.contract import (Engine, WorkerError, WorkerLost,  # noqa: F401  (raised here, caught by callers)
+                                     concat_channels)
+from hetconv.engine.costmodel import profiles_from_calibration
+from hetconv.engine.planner import PlanError, make_plan, plan_from_lines
+from hetconv.transport import keys
+from hetconv.transport import protocol as P
+from hetconv.transport.keys import authenticated_key, handshake_refusal, read_key_folder
+from hetconv.transport.wire import decode, encode
+from hetconv.transport.worker_argv import command as worker_command
 
 EXCHANGES = ("peer", "star")
 DISCONNECT_PROBE_S = 5.0     # how long after a dropped connection the workers are probed
@@ -55,9 +60,7 @@ class RemoteEngine(Engine):
     def __init__(self, bind, expected_workers, spawn=(), threads=0, worker_timeout=10.0,
                  connect_timeout=60.0, op_timeout=600.0, pin=True, log=print, exchange="peer", wire="float32",
                  curve="", insecure=False, message_limit=0, launcher=None, verbose=False):
-        import zmq
 
-        from hetconv import keys
         super().__init__()
         if exchange not in EXCHANGES:
             raise ValueError(f"--exchange must be one of {', '.join(EXCHANGES)}, got {exchange!r}")
@@ -157,7 +160,6 @@ class RemoteEngine(Engine):
         if not devices:
             return
         if self.launcher is not None:                       # placed elsewhere; pinning is the launcher's
-            from hetconv.keys import read_key_folder
             self.processes += self.launcher.start([(f"w{i}-{d}", d) for i, d in enumerate(devices)], self.address,
                                                   threads, self.connect_timeout, extra_args=self._limit_args(),
                                                   key_files=read_key_folder(self.worker_keydir) if self.worker_keydir
@@ -387,9 +389,7 @@ class RemoteEngine(Engine):
     # ---- losing and gaining workers -----------------------------------------------------------------
     def _read_monitor(self):
         """Drain the monitor; log refused handshakes (once per host). True if a connection dropped."""
-        from zmq.utils.monitor import recv_monitor_message
 
-        from hetconv.keys import handshake_refusal
         dropped = False
         while self.monitor.poll(0):
             event = recv_monitor_message(self.monitor)
@@ -562,7 +562,6 @@ class RemoteEngine(Engine):
         `equal`: the naive baseline."""
         if cfg.split != "proportional":
             return make_plan(kernels, speeds, cfg.split)
-        from hetconv.costmodel import profiles_from_calibration
         lines = {name: [c.step_line(cfg.batch_size) for c in profile.layers]
                  for name, profile in profiles_from_calibration({n: self.calibration[n] for n in speeds}).items()}
         return plan_from_lines(kernels, lines, use_all=cfg.use_all)

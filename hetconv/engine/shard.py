@@ -9,8 +9,7 @@ import numpy as np
 
 from hetconv.geometry import ConvSpec
 from hetconv.params import default_init
-from hetconv.wire import decode, encode
-
+from hetconv.transport.wire import decode, encode
 
 # Every calibration point (a kernel count on a batch, or the update) is the mean over timed calls
 # that together measure at least CALIBRATION_FLOOR_S. A core shared with another busy process is

@@ -8,18 +8,26 @@ The measuring helpers (calibration in this process, loopback bandwidth, the coor
 share of a step) live here, with their clocks and sockets; the model itself is hetconv.costmodel.
 """
 import argparse
+from dataclasses import asdict, replace
 import json
 import sys
+import threading
 import time
-from dataclasses import asdict, replace
 
 import numpy as np
+import zmq
 
-from hetconv.config import Config, HelpFormatter, add_config_flags, check_output_file
-from hetconv.costmodel import (DeviceProfile, LayerCost, Link, dominant_term, layer_geometry, parse_bandwidth, predict_any,
-                               predict_local)
+from hetconv.devices import DeviceError, open_device, parse_device_list
+from hetconv.engine.contract import Engine
+from hetconv.engine.costmodel import (DeviceProfile, LayerCost, Link, dominant_term, layer_geometry, parse_bandwidth,
+                                      predict_any, predict_local)
+from hetconv.engine.planner import make_plan
+from hetconv.engine.shard import ConvShard
+from hetconv.flags import HelpFormatter, check_output_file
 from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES, ConvSpec, layer_input_shapes
-from hetconv.wire import value_bytes
+from hetconv.net.head import Network, paper_head
+from hetconv.train.config import Config, add_config_flags
+from hetconv.transport.wire import value_bytes
 
 # the flags this command shares with the coordinator: their defaults and help come from Config
 NETWORK_FLAGS = ("net", "conv", "fc", "ksize", "padding", "batch_size", "calibration_batch", "split", "exchange", "micro_batches",
@@ -29,8 +37,6 @@ NETWORK_FLAGS = ("net", "conv", "fc", "ksize", "padding", "batch_size", "calibra
 def _timing_engine(specs, image_shape, batch, n, rng):
     """Stands in for `n` workers so the coordinator's own share of a step can be timed: the
     engine's real concatenation and dX sum around ready-made replies (no shard computes)."""
-    from hetconv.engine import Engine
-    from hetconv.planner import make_plan
 
     geometry = layer_geometry(specs, image_shape, batch)
     names = [f"w{i}" for i in range(n)]
@@ -61,7 +67,6 @@ def _timing_engine(specs, image_shape, batch, n, rng):
 def measure_coordinator_s(specs, head, image_shape, batch, n_workers, repeats=3):
     """Seconds of coordinator work per step (FC, loss, concatenation, dX sum) on this host.
     `head`: the network's layers after flatten (JSON form), or the paper family's hidden FC widths."""
-    from hetconv.model import Network, paper_head
     rng = np.random.default_rng(0)
     engine = _timing_engine(specs, image_shape, batch, n_workers, rng)
     if all(isinstance(layer, int) for layer in head):
@@ -81,9 +86,7 @@ def measure_coordinator_s(specs, head, image_shape, batch, n_workers, repeats=3)
 
 def measure_loopback(megabytes=64, repeats=3):
     """Bytes/s of one large ZeroMQ message over TCP on 127.0.0.1, one way, as hetconv sends them."""
-    import threading
 
-    import zmq
     ctx = zmq.Context()
     try:
         rx, tx = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
@@ -110,8 +113,6 @@ def calibrate_local(device_spec, specs, input_shapes, kernels, threads=None, rep
     `also` (other kernel counts), two profiles from calibrations that alternate round by round,
     each value the median over rounds: a host whose speed drifts (other tenants) then skews both
     alike, and their ratio (a speedup) stays put."""
-    from hetconv.devices import open_device
-    from hetconv.shard import ConvShard
     options = {"threads": threads} if device_spec == "cpu" and threads else {}
     device = open_device(device_spec, **options)
     shard = ConvShard(device)
@@ -198,8 +199,6 @@ def build_parser():
 
 
 def main(argv=None):
-    from hetconv.devices import DeviceError, parse_device_list
-    from hetconv.planner import make_plan
 
     args = build_parser().parse_args(argv)
     try:

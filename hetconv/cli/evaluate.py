@@ -13,15 +13,24 @@ and its data meta is CIFAR-10's class names and normalisation, which every run o
 each assumption is reported as a note.
 """
 import argparse
+from dataclasses import dataclass, field
 import json
 import math
 import sys
-from dataclasses import dataclass, field
 
 import numpy as np
+from tqdm import tqdm
 
-from hetconv import checkpoint
+from hetconv.data import CIFAR10_CLASSES, CIFAR10_MEAN, CIFAR10_STD, load_dataset
+from hetconv.devices import open_device
+from hetconv.engine.local import LocalEngine
+from hetconv.engine.planner import fixed_plan
+from hetconv.engine.shard import ConvShard
+from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES, ConvSpec
 from hetconv.net import NetSpec
+from hetconv.net.head import Network
+from hetconv.train import checkpoint
+from hetconv.train.config import Config
 
 
 class ModelError(ValueError):
@@ -105,8 +114,6 @@ def _check_data_meta(data, spec):
 def _fallback_network(config):
     """The network of a checkpoint written before checkpoints kept it: the run's paper-family
     flags on CIFAR-shaped images."""
-    from hetconv.config import Config
-    from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES
     if not isinstance(config, dict):
         raise ModelError("it has neither the network nor the run's config")
     try:
@@ -122,8 +129,6 @@ def _fallback_network(config):
 
 
 def _cifar10_data_meta(config):
-    from hetconv.data import CIFAR10_CLASSES, CIFAR10_MEAN, CIFAR10_STD
-    from hetconv.geometry import IMAGE_SHAPE
     name = config.get("data", "cifar10") if isinstance(config, dict) else "cifar10"
     return {"name": str(name), "classes": list(CIFAR10_CLASSES), "image_shape": list(IMAGE_SHAPE),
             "mean": list(CIFAR10_MEAN), "std": list(CIFAR10_STD)}
@@ -184,12 +189,6 @@ class InProcessModel:
     local engine (what `--local` trains with), the head on hetconv.model.Network."""
 
     def __init__(self, model, threads=None):
-        from hetconv.devices import open_device
-        from hetconv.engine import LocalEngine
-        from hetconv.geometry import ConvSpec
-        from hetconv.model import Network
-        from hetconv.planner import fixed_plan
-        from hetconv.shard import ConvShard
 
         spec = model.spec
         specs = [ConvSpec.from_layer(layer) for layer in spec.conv_layers()]
@@ -219,7 +218,6 @@ def load_test_data(model, spec=None):
     """The data set to evaluate on: `spec` (as --data), else the one the run trained on, with the
     run's seed and sizes for the synthetic set. Raises ModelError when its images or classes do
     not fit the model."""
-    from hetconv.data import load_dataset
     config = model.config
     spec = spec or config.get("data") or model.data.get("name")
     if not spec:
@@ -297,7 +295,6 @@ def build_parser():
 
 
 def main(argv=None):
-    from tqdm import tqdm
 
     args = build_parser().parse_args(argv)
     try:

@@ -16,13 +16,13 @@ A replayed step (after a lost worker) or a resumed run writes a step's record ag
 of each step is the run's. The file is read as JSON lines only: nothing in it is executed.
 """
 import argparse
+from dataclasses import dataclass, field
 import json
 import os
 import statistics
 import sys
-from dataclasses import dataclass, field
 
-from hetconv.config import HelpFormatter
+from hetconv.flags import HelpFormatter
 
 MATPLOTLIB_MISSING = "the plots need matplotlib, which is not installed: pip install 'hetconv[report]'"
 

@@ -23,12 +23,12 @@ starts). The files are zmq certificates (zmq.auth.create_certificates), so czmq 
 Also here: `refuse_open_bind`, which stops an address off loopback from being bound without keys,
 and `set_message_limit`, ZeroMQ's per-socket cap on the size of one received frame.
 """
-import argparse
 import ipaddress
 import os
 import re
 import shutil
-import sys
+import socket
+import tempfile
 
 import zmq
 import zmq.auth
@@ -36,18 +36,26 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 COORDINATOR = "coordinator"
+
+
 WORKER = "worker"
+
+
 AUTHORIZED = "authorized"
+
+
 WORKERS = "workers"
+
+
 DEFAULT_WORKER = "worker1"
+
+
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 class KeyDirError(ValueError):
     """A key directory or key file that is missing, empty or not what hetconv-keygen writes."""
 
-
-# -- making keys ------------------------------------------------------------------------------
 
 def _private_dir(path):
     """A folder only its owner can enter: its secret files are never readable by others, even in
@@ -99,7 +107,6 @@ TEMP_PREFIX = "hetconv-keys-"
 
 def _temp_tag():
     """host and pid in a temp key folder's name: what tells a later run whether its maker is gone."""
-    import socket
     host = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())[:64] or "host"
     return f"{host}-{os.getpid()}-"
 
@@ -108,7 +115,6 @@ def remove_stale_key_dirs(parent=None):
     """Remove this user's temp key folders on this host whose making process has died (a
     coordinator or Ray actor killed with -9 cannot remove its own). Folders of live processes,
     of other hosts (a shared /tmp) and of other users are left. Returns the removed paths."""
-    import tempfile
     parent = parent or tempfile.gettempdir()
     host = _temp_tag().rsplit("-", 2)[0]
     pattern = re.compile(rf"^{re.escape(TEMP_PREFIX + host)}-(\d+)-[A-Za-z0-9_]+$")
@@ -139,7 +145,6 @@ def remove_stale_key_dirs(parent=None):
 def private_temp_dir():
     """A new 0700 folder for one process's keys, named with host and pid; stale ones of dead
     processes on this host are removed first."""
-    import tempfile
     remove_stale_key_dirs()
     return tempfile.mkdtemp(prefix=TEMP_PREFIX + _temp_tag())
 
@@ -196,8 +201,6 @@ def _check_name(name):
         raise KeyDirError(f"worker name {name!r} must be letters, digits, '_', '.' or '-' (at most 64), "
                           "starting with a letter or digit")
 
-
-# -- reading keys -----------------------------------------------------------------------------
 
 def _read_key(path, secret):
     """(public, secret or None) from a zmq certificate file, both checked to be 32-byte keys."""
@@ -257,8 +260,6 @@ def worker_keys(keydir):
     return public, secret, server_public
 
 
-# -- sockets ----------------------------------------------------------------------------------
-
 class RefusalLog:
     """One line per refused host, not per attempt: a refused peer reconnects every 100 ms, and a
     log that repeats it ten times a second hides everything else. `count` keeps every attempt."""
@@ -280,7 +281,6 @@ def handshake_refusal(event):
     """A line's reason for a socket-monitor event of a failed CURVE handshake, or None for any
     other event. A peer whose keys come from another hetconv-keygen fails here, before ZAP: it
     does not even hold this coordinator's public key."""
-    import zmq
     kind = event.get("event")
     if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         return "its key is not an authorised worker's"
@@ -441,38 +441,3 @@ def refuse_open_bind(address, curve_dir, insecure):
                      "worker and receive the training data and weights. Make keys with `hetconv-keygen DIR`, "
                      "then pass `--curve DIR` to the coordinator and every worker; or pass --insecure to bind "
                      "it open anyway")
-
-
-# -- command line -----------------------------------------------------------------------------
-
-def main(argv=None):
-    layout = __doc__[__doc__.index("Key directory"):__doc__.index("Also here")].rstrip()
-    p = argparse.ArgumentParser(
-        prog="hetconv-keygen", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Make CURVE keys so that only your workers can join a coordinator that listens off "
-                    "loopback.\n\n" + layout,
-        epilog="example: hetconv-keygen keys && hetconv-keygen keys --worker gpu-box\n"
-               "then: hetconv-coordinator --bind tcp://0.0.0.0:5555 --curve keys ...\n"
-               "      hetconv-worker --connect tcp://HOST:5555 --curve keys/workers/gpu-box ...")
-    p.add_argument("dir", help="the key directory (made if missing)")
-    p.add_argument("--worker", metavar="NAME",
-                   help="add a keypair for worker NAME to an existing DIR (without it: make DIR's coordinator "
-                        f"keys and a first worker, {DEFAULT_WORKER!r})")
-    args = p.parse_args(argv)
-    try:
-        if args.worker:
-            if not os.path.isdir(args.dir):
-                raise KeyDirError(f"no key directory {args.dir}: make it first with `hetconv-keygen {args.dir}`")
-            folder = add_worker(args.dir, args.worker)
-        else:
-            folder = make_keys(args.dir)
-    except (KeyDirError, OSError) as e:
-        print(f"hetconv-keygen: {e}", file=sys.stderr)
-        return 2
-    print(f"worker keys in {folder}: copy that folder to the worker's host and pass --curve {folder}; "
-          f"the coordinator takes --curve {args.dir}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hetconv.layers import Linear, relu, relu_backward, softmax_cross_entropy
+from hetconv.net.layers import Linear, relu, relu_backward, softmax_cross_entropy
 from hetconv.params import default_init
 
 

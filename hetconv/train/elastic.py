@@ -19,8 +19,8 @@ import math
 import os
 import time
 
-from hetconv import checkpoint
-from hetconv.engine import WorkerLost, moved_bytes
+from hetconv.engine.contract import WorkerLost, moved_bytes
+from hetconv.train import checkpoint
 
 SNAPSHOT_BUDGET = 0.02        # of step time
 RESCUE_DIR = "hetconv-rescue"

@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-from hetconv.evaluate import InProcessModel, ModelError, OneLineParser, load_model, log_softmax
+from hetconv.cli.evaluate import InProcessModel, ModelError, OneLineParser, load_model, log_softmax
 
 IMAGES_INSTALL = "pip install 'hetconv[images]' (in a checkout: pip install -e '.[images]')"
 FORMATS = ("PNG", "JPEG")

@@ -1,0 +1,133 @@
+"""The package's layout holds: every subpackage imports only from the floors below it, nothing on
+the worker side imports the coordinator side or the reverse, there is no import cycle between
+modules, and imports sit at the top of modules except where an optional dependency is loaded on
+demand (or the worker pins its cores before numpy starts its thread pools)."""
+import ast
+import os
+
+import pytest
+
+PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hetconv")
+
+# A place may import from places on lower floors only (and from itself).
+FLOORS = {
+    "geometry": 0, "params": 0, "flags": 0, "__init__": 0,
+    "devices": 1, "net": 1, "data": 1, "transport": 1,
+    "engine": 2,
+    "worker": 3, "coordinator": 3, "train": 3,
+    "cli": 4,
+}
+# Loaded inside a function on purpose: optional extras, and the worker's serve loop after pinning.
+DEFERRED_OK = ("torch", "ray", "PIL", "matplotlib", "onnx", "onnxruntime", "onnxscript", "numba.cuda",
+               "hetconv.devices.cuda")
+DEFERRED_PLACES = {("cli/worker.py", "hetconv.worker.serve")}
+
+
+def modules():
+    for folder, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                rel = os.path.relpath(path, PACKAGE)
+                dotted = "hetconv." + rel[:-3].replace(os.sep, ".")
+                yield rel, dotted.removesuffix(".__init__"), ast.parse(open(path).read(), path)
+
+
+def place(dotted):
+    parts = dotted.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def imported(tree):
+    """(module imported, inside a function?) for every import statement."""
+    def walk(node, inside):
+        for child in ast.iter_child_nodes(node):
+            nested = inside or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if isinstance(child, ast.Import):
+                for a in child.names:
+                    yield a.name, nested
+            elif isinstance(child, ast.ImportFrom) and child.module:
+                if child.module == "hetconv":
+                    for a in child.names:
+                        yield f"hetconv.{a.name}", nested
+                else:
+                    yield child.module, nested
+            yield from walk(child, nested)
+    yield from walk(tree, False)
+
+
+def internal_target(name, known):
+    """The hetconv module an import names, or None for another package."""
+    if not name.startswith("hetconv"):
+        return None
+    while name not in known and "." in name:
+        name = name.rsplit(".", 1)[0]              # `from hetconv.x import name`: name is not a module
+    return name
+
+
+ALL = list(modules())
+KNOWN = {dotted for _, dotted, _ in ALL}
+
+
+def test_every_place_has_a_floor():
+    assert {place(d) for _, d, _ in ALL} <= set(FLOORS), {place(d) for _, d, _ in ALL} - set(FLOORS)
+
+
+@pytest.mark.parametrize("rel,dotted,tree", ALL, ids=[r for r, _, _ in ALL])
+def test_imports_go_down_only(rel, dotted, tree):
+    here = place(dotted)
+    for name, _ in imported(tree):
+        target = internal_target(name, KNOWN)
+        if target is None or target == "hetconv" or place(target) == here:
+            continue
+        there = place(target)
+        assert FLOORS[there] < FLOORS[here], (f"{rel} imports {target}: {there} (floor {FLOORS[there]}) is not below "
+                                              f"{here} (floor {FLOORS[here]})")
+
+
+@pytest.mark.parametrize("rel,dotted,tree", ALL, ids=[r for r, _, _ in ALL])
+def test_imports_sit_at_the_top(rel, dotted, tree):
+    for name, inside in imported(tree):
+        if not inside:
+            continue
+        optional = any(name == m or name.startswith(m + ".") for m in DEFERRED_OK)
+        assert optional or (rel.replace(os.sep, "/"), name) in DEFERRED_PLACES, \
+            f"{rel} imports {name} inside a function: move it to the top (only optional extras load on demand)"
+
+
+def test_no_import_cycle_between_modules():
+    graph = {dotted: set() for dotted in KNOWN}
+    for _, dotted, tree in ALL:
+        for name, inside in imported(tree):
+            target = internal_target(name, KNOWN)
+            if target and target != dotted and not inside and target != "hetconv":
+                graph[dotted].add(target)
+    # a package's __init__ re-exporting its own modules is not a cycle through them
+    for dotted in graph:
+        graph[dotted] = {t for t in graph[dotted] if not dotted.startswith(t + ".") or t == "hetconv"}
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                cycle = stack[stack.index(nxt):] + [nxt]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+def test_the_rule_catches_an_upward_import(tmp_path):
+    """The floor check itself: a worker module importing the coordinator fails it."""
+    tree = ast.parse("from hetconv.coordinator.remote import RemoteEngine\n")
+    with pytest.raises(AssertionError, match="not below"):
+        test_imports_go_down_only("worker/x.py", "hetconv.worker.x", tree)
+    with pytest.raises(AssertionError, match="inside a function"):
+        test_imports_sit_at_the_top("train/x.py", "hetconv.train.x", ast.parse("def f():\n    import json\n"))
