@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 
+from hetconv.coordinator.ray import RayLauncher, check_address, import_ray
 from hetconv.coordinator.remote import RemoteEngine, WorkerError, WorkerLost
 from hetconv.data import DataError, load_dataset
 from hetconv.devices import DeviceError, cuda_extra_missing, open_device, parse_device_list
@@ -102,7 +103,6 @@ def _check_args(args, cfg):
         if args.local or args.workers:
             raise ValueError(f"--launcher ray places --spawn workers: it cannot go with "
                              f"{'--local' if args.local else '--workers'}")
-        from hetconv.coordinator.ray import check_address, import_ray
         import_ray()                                   # a missing extra is named before any work starts
         if args.ray_address:
             check_address(args.ray_address, args.connect_timeout)
@@ -218,7 +218,6 @@ def main(argv=None):
             engine = LocalEngine({"local": ConvShard(device)})
         else:
             if args.launcher == "ray":
-                from hetconv.coordinator.ray import RayLauncher
                 launcher = RayLauncher(args.ray_address or None, num_cpus=usable_cores(),
                                        start_timeout=args.connect_timeout)
                 signal.signal(signal.SIGTERM, _on_sigterm)    # ray.init put its own in place

@@ -22,6 +22,7 @@ import numpy as np
 
 from hetconv.cli.evaluate import ModelError, OneLineParser, load_model
 from hetconv.flags import check_output_file
+from hetconv.net.torch_import import import_torch, to_torch
 
 FORMATS = ("torch", "onnx", "npz")
 ONNX_INSTALL = "pip install 'hetconv[onnx]' (in a checkout: pip install -e '.[onnx]')"
@@ -29,13 +30,11 @@ ONNX_INSTALL = "pip install 'hetconv[onnx]' (in a checkout: pip install -e '.[on
 
 def sequential(model):
     """The model as PyTorch's nn.Sequential (state_dict keys by layer index), in eval mode."""
-    from hetconv.net.torch_import import to_torch
     return to_torch(model.spec, model.conv, model.fc).eval()
 
 
 def image_module(model):
     """An nn.Module from float32 NCHW images in [0, 1] to logits, the normalisation inside."""
-    from hetconv.net.torch_import import import_torch
     torch = import_torch()
 
     class NormalizedImages(torch.nn.Module):
@@ -58,7 +57,6 @@ def _example(model, torch):
 
 
 def export_torch(model, out):
-    from hetconv.net.torch_import import import_torch
     torch = import_torch()
     module = image_module(model)
     batch = torch.export.Dim("batch", min=1)
@@ -71,7 +69,6 @@ def export_torch(model, out):
 
 
 def export_onnx(model, out):
-    from hetconv.net.torch_import import import_torch
     torch = import_torch()
     for package in ("onnx", "onnxscript"):           # torch.onnx writes through both
         try:
@@ -117,7 +114,6 @@ def build_parser():
 
 
 def main(argv=None):
-    from hetconv.net.torch_import import import_torch
 
     args = build_parser().parse_args(argv)
     try:

@@ -9,6 +9,7 @@ import os
 from typing import NamedTuple
 
 from hetconv.net.spec import Conv, Dropout, Flatten, Linear, NetSpec, Pool, ReLU
+from hetconv.net.torch_import import from_torch, load_module
 
 DEFAULT_NET = "paper"
 JSON_MAX_BYTES = 1 << 20            # a network's stored form is a few kB; a bigger file is not one
@@ -87,7 +88,6 @@ def load_net(text, input_shape, classes):
     text = text.strip()
     head, sep, _ = text.rpartition(":")
     if sep and head.endswith(".py"):
-        from hetconv.net.torch_import import from_torch, load_module
         try:
             spec, conv, fc = from_torch(load_module(text), input_shape)
         except ImportError as e:            # the torch extra is missing: say so as a --net error
