@@ -1,14 +1,19 @@
 """The planner: measured device speeds in, a kernel split per conv layer out. Pure: no sockets,
 no clocks, deterministic for the same input.
 
-A plan is data: per layer, a contiguous kernel range [start, stop) per worker, in worker order.
-Shares are integers by largest remainder, so they sum exactly to the layer's kernel count, and
-every worker gets at least one kernel of every layer (a worker with no kernels would only add a
-round trip).
+A plan is data: per layer, a mode and what each worker does in it.
+- "model" (kernel-parallel): a contiguous kernel range [start, stop) per worker, in worker
+  order. Shares are integers by largest remainder, so they sum exactly to the layer's kernel
+  count, and every worker gets at least one kernel of every layer (a worker with no kernels
+  would only add a round trip).
+- "data" (image-parallel): every worker holds the whole layer (its range is (0, kernels)) and
+  computes it on its share of a batch's images, `images` (integers by largest remainder of the
+  same speeds, summing to the batch); image_ranges cuts any batch or micro-batch the same way.
 """
 from dataclasses import dataclass, field
 
 POLICIES = ("proportional", "equal")
+MODES = ("model", "data")
 
 
 class PlanError(ValueError):
@@ -19,12 +24,58 @@ class PlanError(ValueError):
 class LayerPlan:
     layer: int
     kernels: int
-    ranges: dict                      # worker name -> (start, stop)
-    speeds: dict = field(default_factory=dict)   # worker name -> kernels/s used for the split
+    ranges: dict                      # worker name -> (start, stop) of kernels; (0, kernels) in a data layer
+    speeds: dict = field(default_factory=dict)   # worker name -> kernels/s (model) or images/s (data) of the split
+    mode: str = "model"               # "model": kernels split; "data": images split, whole weights everywhere
+    images: dict = field(default_factory=dict)   # data layer: worker name -> images of a whole batch
 
     def count(self, worker):
+        """Kernels `worker` computes: its range (model), every kernel of the layer (data)."""
         start, stop = self.ranges[worker]
         return stop - start
+
+
+def image_ranges(lp, n):
+    """Rows [start, stop) of a batch (or micro-batch) of `n` images per worker of data layer `lp`:
+    contiguous, in worker order, shares by largest remainder of the layer's image weights, so
+    every n splits in the same proportion (n = the batch gives exactly `lp.images`). A worker may
+    get 0 rows when n is smaller than the workers; it still takes part in the layer's dW
+    all-gather, with zeros, so every worker applies the same update."""
+    if lp.mode != "data":
+        raise PlanError(f"layer {lp.layer} is a {lp.mode!r} layer: only a data layer splits images")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise PlanError(f"image_ranges: n must be a count of images (an int >= 0), got {n!r}")
+    workers = list(lp.images)
+    weights = [lp.images[w] for w in workers]
+    total = sum(weights)
+    if total <= 0:
+        raise PlanError(f"layer {lp.layer}: data layer with no images to split by, got {lp.images!r}")
+    exact = [n * w / total for w in weights]
+    shares = [int(e) for e in exact]
+    # what rounding down left, biggest remainder first; ties go to the earlier worker
+    order = sorted(range(len(workers)), key=lambda i: (-(exact[i] - shares[i]), i))
+    for i in order[:n - sum(shares)]:
+        shares[i] += 1
+    ranges, start = {}, 0
+    for w, sh in zip(workers, shares):
+        ranges[w] = (start, start + sh)
+        start += sh
+    return ranges
+
+
+def check_modes(modes, layers):
+    """`modes` (None: every layer "model") as a list of one mode per layer, or PlanError."""
+    if modes is None:
+        return ["model"] * layers
+    modes = list(modes)
+    if len(modes) != layers or any(m not in MODES for m in modes):
+        raise PlanError(f"modes {modes!r}: expected one of {', '.join(MODES)} for each of the {layers} conv layers")
+    return modes
+
+
+def _data_layer(li, total, workers, shares, speeds):
+    return LayerPlan(li, int(total), {w: (0, int(total)) for w in workers}, speeds, "data",
+                     {w: int(sh) for w, sh in zip(workers, shares)})
 
 
 @dataclass(frozen=True)
@@ -34,27 +85,62 @@ class Plan:
     layers: tuple
     left_out: dict = field(default_factory=dict)     # worker -> why it takes no part
 
+    def modes(self):
+        return [lp.mode for lp in self.layers]
+
     def to_json(self):
-        return {"policy": self.policy, "workers": list(self.workers), "left_out": dict(self.left_out), "layers": [
-            {"layer": lp.layer, "kernels": {w: lp.count(w) for w in self.workers},
-             "ranges": {w: list(lp.ranges[w]) for w in self.workers},
-             "speeds": {w: lp.speeds.get(w) for w in self.workers}} for lp in self.layers]}
+        """Per layer: its mode, kernels, ranges and speeds per worker, and for a data layer the
+        images of a batch per worker ("images")."""
+        layers = []
+        for lp in self.layers:
+            d = {"layer": lp.layer, "mode": lp.mode, "kernels": {w: lp.count(w) for w in self.workers},
+                 "ranges": {w: list(lp.ranges[w]) for w in self.workers},
+                 "speeds": {w: lp.speeds.get(w) for w in self.workers}}
+            if lp.mode == "data":
+                d["images"] = {w: lp.images[w] for w in self.workers}
+            layers.append(d)
+        return {"policy": self.policy, "workers": list(self.workers), "left_out": dict(self.left_out), "layers": layers}
+
+    @classmethod
+    def from_json(cls, d):
+        """The inverse of to_json (a plan without "mode" keys is all-model)."""
+        try:
+            workers = tuple(d["workers"])
+            layers = []
+            for ld in d["layers"]:
+                ranges = {w: tuple(ld["ranges"][w]) for w in workers}
+                mode = ld.get("mode", "model")
+                check_modes([mode], 1)
+                speeds = {w: s for w, s in ld.get("speeds", {}).items() if s is not None}
+                images = {w: int(ld["images"][w]) for w in workers} if mode == "data" else {}
+                layers.append(LayerPlan(int(ld["layer"]), max(stop for _, stop in ranges.values()), ranges, speeds,
+                                        mode, images))
+            return cls(d["policy"], workers, tuple(layers), dict(d.get("left_out", {})))
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, PlanError):
+                raise
+            raise PlanError(f"not a stored plan: {type(e).__name__} {e}") from None
 
     def table(self):
-        """A printable table: one row per worker, kernels (and measured kernels/s) per layer."""
-        head = ["worker"] + [f"conv{lp.layer + 1} ({lp.kernels})" for lp in self.layers]
+        """A printable table: one row per worker; per layer its mode, and each worker's kernels
+        (model) or images of a batch (data), with the speeds the split used."""
+        head = ["worker"] + [f"conv{lp.layer + 1} ({lp.kernels}) {lp.mode}" for lp in self.layers]
         rows = [head]
         for w in self.workers:
             row = [w]
             for lp in self.layers:
                 s = lp.speeds.get(w)
-                row.append(f"{lp.count(w)}" + (f" @ {s:,.0f} kernels/s" if s else ""))
+                if lp.mode == "data":
+                    row.append(f"{lp.images[w]} img" + (f" @ {s:,.0f} images/s" if s else ""))
+                else:
+                    row.append(f"{lp.count(w)}" + (f" @ {s:,.0f} kernels/s" if s else ""))
             rows.append(row)
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         lines = ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r)) for r in rows]
         lines.insert(1, "  ".join("-" * wd for wd in widths))
         lines += [f"{w}: left out, {why}" for w, why in self.left_out.items()]
-        title = f"split: {self.policy}, kernels per worker and conv layer (the layer's total in brackets)"
+        title = (f"split: {self.policy}, per conv layer (its kernels in brackets, then its mode): kernels per worker "
+                 f"(model), or images of a batch per worker, each holding every kernel (data)")
         return title + "\n" + "\n".join(lines)
 
 
@@ -85,13 +171,17 @@ def largest_remainder(total, weights, minimum=1):
     return shares
 
 
-def make_plan(layer_kernels, speeds, policy="proportional"):
+def make_plan(layer_kernels, speeds, policy="proportional", modes=None, batch=None):
     """layer_kernels: kernels per conv layer, e.g. [500, 1500].
     speeds: {worker: [kernels/s for each layer]} in the order workers should hold the ranges
-    (ignored by the `equal` policy except for its worker names)."""
+    (ignored by the `equal` policy except for its worker names).
+    modes: "model" or "data" per layer (None: all "model"); a data layer splits the `batch`
+    images in proportion to the same speeds, at least one image per worker."""
     if policy not in POLICIES:
         raise PlanError(f"unknown split policy {policy!r}: expected one of {', '.join(POLICIES)}")
     workers = tuple(speeds)
+    modes = check_modes(modes, len(layer_kernels))
+    _check_batch(modes, batch, len(workers))
     layers = []
     for li, total in enumerate(layer_kernels):
         if policy == "equal":
@@ -103,21 +193,52 @@ def make_plan(layer_kernels, speeds, policy="proportional"):
                 if len(per_layer) != len(layer_kernels):
                     raise PlanError(f"worker {w!r} reported {len(per_layer)} layer speeds, expected {len(layer_kernels)}")
                 weights.append(float(per_layer[li]))
+        layer_speeds = {w: float(speeds[w][li]) for w in workers if speeds[w] is not None and len(speeds[w]) > li}
+        if modes[li] == "data":
+            layers.append(_data_layer(li, total, workers, largest_remainder(int(batch), weights), layer_speeds))
+            continue
         shares = largest_remainder(int(total), weights)
         ranges, start = {}, 0
         for w, sh in zip(workers, shares):
             ranges[w] = (start, start + sh)
             start += sh
-        layer_speeds = {w: float(speeds[w][li]) for w in workers if speeds[w] is not None and len(speeds[w]) > li}
         layers.append(LayerPlan(li, int(total), ranges, layer_speeds))
     return Plan(policy, workers, tuple(layers))
 
 
-def fixed_plan(layer_kernels, counts, policy="fixed"):
-    """A plan from explicit kernel counts {worker: [count per layer]}: for tests and experiments."""
+def _check_batch(modes, batch, workers):
+    if "data" not in modes:
+        return
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise PlanError(f"a data layer splits a batch's images: batch must be a positive int, got {batch!r}")
+    if batch < workers:
+        raise PlanError(f"cannot give {workers} workers at least 1 image each of a batch of {batch}: "
+                        f"use a batch of at least {workers} or model-parallel layers")
+
+
+def fixed_plan(layer_kernels, counts, policy="fixed", modes=None, images=None):
+    """A plan from explicit kernel counts {worker: [count per layer]}: for tests and experiments.
+    modes: "model" or "data" per layer (None: all model); images: {worker: images of a batch},
+    or {worker: [images per layer]}, for the data layers, >= 0 each, the same batch in every
+    data layer. A data layer's entry in `counts` is not read (every worker holds every kernel)."""
     workers = tuple(counts)
+    modes = check_modes(modes, len(layer_kernels))
     layers = []
+    batches = set()
     for li, total in enumerate(layer_kernels):
+        if modes[li] == "data":
+            try:
+                got = {w: images[w][li] if isinstance(images[w], (list, tuple)) else images[w] for w in workers}
+            except (TypeError, KeyError, IndexError):
+                raise PlanError(f"layer {li} is a data layer: images must give every worker of {list(workers)} "
+                                f"its images of a batch, got {images!r}") from None
+            if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in got.values()) or not sum(got.values()):
+                raise PlanError(f"layer {li}: images {got!r} must be ints >= 0 with a positive sum")
+            batches.add(sum(got.values()))
+            if len(batches) > 1:
+                raise PlanError(f"data layers split different batches {sorted(batches)}: images must sum to one batch")
+            layers.append(_data_layer(li, total, workers, [got[w] for w in workers], {}))
+            continue
         got = sum(counts[w][li] for w in workers)
         if got != total or any(counts[w][li] < 1 for w in workers):
             raise PlanError(f"layer {li}: counts {[counts[w][li] for w in workers]} must be >= 1 and sum to {total}")
@@ -129,42 +250,74 @@ def fixed_plan(layer_kernels, counts, policy="fixed"):
     return Plan(policy, workers, tuple(layers))
 
 
-def replan(plan, lines, measured, min_gain=0.05):
-    """Re-split a proportional plan from what real steps took under it.
+def replan(plan, lines, measured, min_gain=0.05, image_lines=None):
+    """Re-split a proportional plan from what real steps took under it: kernels of its model
+    layers, images of its data layers (each layer keeps its mode).
 
     lines: {worker: [(fixed_s, per_kernel_s) per layer]}, the calibrated seconds per step at
         the step's batch, or None for a worker without calibration (then all of its time counts
-        as per-kernel).
+        as per-kernel, or per-image in a data layer).
     measured: {worker: [compute seconds per step, per layer]} under `plan`.
+    image_lines: {worker: [(fixed_s, per_image_s) per layer]} for the data layers (see
+        LayerCost.image_line); where absent, a data layer's line is its kernel line's whole-layer
+        time spread over the batch's images (no fixed part).
 
     Calibration can be fooled (a burst of outside load, a cache that behaves differently at the
     calibration batch); real steps cannot. Each worker's calibrated line is scaled by how far the
     real steps were from it, so a worker holding few kernels, whose time is mostly the fixed
     part, is not mistaken for a slow one. Returns the proportional plan of the scaled lines if
     it cuts the slowest worker's predicted compute by more than `min_gain`, else None."""
-    fixed, per_kernel, now = {}, {}, {}
+    modes = plan.modes()
+    batch = next((sum(lp.images.values()) for lp in plan.layers if lp.mode == "data"), None)
+    fixed, per_unit, now = {}, {}, {}
     for name in plan.workers:
-        fixed[name], per_kernel[name] = [], []
+        fixed[name], per_unit[name] = [], []
         for lp in plan.layers:
             seconds = float(measured[name][lp.layer])
-            k = lp.count(name)
-            line = lines.get(name)
-            if line is not None:
-                f, p = line[lp.layer]
-                scale = seconds / (f + p * k)
+            units = _units(lp, name)               # kernels (model) or images of the batch (data)
+            line = _unit_line(lp, lines.get(name), (image_lines or {}).get(name), batch)
+            if line is not None and line[0] + line[1] * units > 0:
+                f, p = line
+                scale = seconds / (f + p * units)
                 f, p = f * scale, p * scale
             else:
-                f, p = 0.0, seconds / k
+                f, p = 0.0, seconds / max(units, 1)
             fixed[name].append(f)
-            per_kernel[name].append(p)
+            per_unit[name].append(p)
         now[name] = sum(float(measured[name][lp.layer]) for lp in plan.layers)
-    scaled = {name: list(zip(fixed[name], per_kernel[name])) for name in plan.workers}
-    proposal = plan_from_lines([lp.kernels for lp in plan.layers], scaled, use_all=True)
-    then = {name: sum(fixed[name][lp.layer] + lp.count(name) * per_kernel[name][lp.layer] for lp in proposal.layers)
+    scaled = {name: list(zip(fixed[name], per_unit[name])) for name in plan.workers}
+    # use_all: no device is left out, so the data layers' entries in `scaled` (per image) are
+    # read only as image lines
+    proposal = plan_from_lines([lp.kernels for lp in plan.layers], scaled, use_all=True, modes=modes, batch=batch,
+                               image_lines=scaled)
+    then = {name: sum(fixed[name][lp.layer] + _units(lp, name) * per_unit[name][lp.layer] for lp in proposal.layers)
             for name in proposal.workers}
     if max(then.values()) > (1 - min_gain) * max(now.values()):
         return None
     return proposal
+
+
+def _units(lp, worker):
+    return lp.images[worker] if lp.mode == "data" else lp.count(worker)
+
+
+def _unit_line(lp, kernel_lines, image_lines, batch):
+    """The (fixed, per unit) line a layer splits by: per kernel (model) or per image (data)."""
+    if lp.mode != "data":
+        return None if kernel_lines is None else kernel_lines[lp.layer]
+    if image_lines is not None:
+        return image_lines[lp.layer]
+    if kernel_lines is None:
+        return None
+    return image_line_from_kernel_line(kernel_lines[lp.layer], lp.kernels, batch)
+
+
+def image_line_from_kernel_line(line, kernels, batch):
+    """A device's (fixed, per image) seconds on a data layer, from its (fixed, per kernel) line
+    at `batch` images: the whole layer's time spread over the batch. It puts the per-call part
+    (small at a step's batch) into every image: LayerCost.image_line keeps it apart."""
+    f, p = line
+    return 0.0, (f + p * kernels) / batch
 
 
 # ---- splitting by calibrated cost lines, and choosing the devices ------------------------------
@@ -211,12 +364,18 @@ def predicted_compute_s(layer_kernels, lines, workers):
     return total
 
 
-def plan_from_lines(layer_kernels, lines, use_all=False):
+def plan_from_lines(layer_kernels, lines, use_all=False, modes=None, batch=None, image_lines=None):
     """The proportional plan from calibrated cost lines {worker: [(fixed_s, per_kernel_s) per
     layer]} (seconds a step at the step's batch), choosing the devices: a device whose part in
     the plan makes the predicted step slower (its fixed work outweighs its share, or its share
     would round to nothing) is left out, greedily, most harmful first, and the plan says why.
-    `use_all` keeps every device. Pure: the same input gives the same plan."""
+    `use_all` keeps every device. Pure: the same input gives the same plan.
+    modes: "model" or "data" per layer (None: all model). A data layer splits the `batch`
+    images so the devices finish together, by image_lines {worker: [(fixed_s, per_image_s) per
+    layer]} (LayerCost.image_line) or, without them, by image_line_from_kernel_line. Choosing
+    the devices reads the kernel lines of every layer, whatever its mode."""
+    modes = check_modes(modes, len(layer_kernels))
+    _check_batch(modes, batch, 1)
     workers = list(lines)
     left_out = {}
     if not use_all:
@@ -233,12 +392,19 @@ def plan_from_lines(layer_kernels, lines, use_all=False):
             left_out[best] = (f"adds {fixed:.3g} s of fixed work a step for {100 * share:.1f}% of the kernels "
                               f"(step {now:.3g} s with it, {without:.3g} s without)")
             workers.remove(best)
-    too_few = [k for k in layer_kernels if k < len(workers)]
+    too_few = [k for k, m in zip(layer_kernels, modes) if k < len(workers) and m == "model"]
     if too_few:
         raise PlanError(f"{len(workers)} workers but a conv layer has only {min(too_few)} kernels: "
                         f"every worker needs at least one kernel of every layer")
+    _check_batch(modes, batch, len(workers))
     layers = []
     for li, total in enumerate(layer_kernels):
+        if modes[li] == "data":
+            per_image = [image_lines[w][li] if image_lines is not None
+                         else image_line_from_kernel_line(lines[w][li], int(total), batch) for w in workers]
+            shares = _integer_shares(int(batch), affine_shares(int(batch), per_image))
+            layers.append(_data_layer(li, total, workers, shares, {w: 1.0 / p for w, (f, p) in zip(workers, per_image)}))
+            continue
         layer_lines = [lines[w][li] for w in workers]
         shares = _integer_shares(int(total), affine_shares(int(total), layer_lines))
         ranges, start = {}, 0
