@@ -256,6 +256,28 @@ def test_auto_runs_the_path_its_timer_finds_fastest(fastest):
     assert list(dev.conv_paths().values()) == [fastest, fastest]
 
 
+def test_auto_times_a_path_far_behind_only_once():
+    """After the first round, a path over AUTO_DROP_FACTOR times the fastest is not timed again."""
+    from hetconv.devices.cpu import AUTO_DROP_FACTOR, AUTO_TIMED_ROUNDS
+    dev, timer = auto_device({"im2col": 1.0, "shifted": 1.0 * AUTO_DROP_FACTOR, "fft": 1.01 * AUTO_DROP_FACTOR})
+    x, w, b, rng = tensors(2, 3, 9, 8, 4, 3, 3, seed=27)
+    dev.conv2d(x, w, b, padding=1)
+    assert timer.calls.count("fft") == 1
+    assert timer.calls.count("im2col") == timer.calls.count("shifted") == AUTO_TIMED_ROUNDS
+
+
+def test_short_calls_are_timed_in_more_rounds():
+    """Runs that add up to less than AUTO_TIMED_MIN_SECONDS get more rounds, at most
+    AUTO_TIMED_MAX_ROUNDS; the fastest minimum still wins."""
+    from hetconv.devices.cpu import AUTO_TIMED_MAX_ROUNDS, AUTO_TIMED_MIN_SECONDS, AUTO_TIMED_ROUNDS
+    for im2col_s, rounds in ((AUTO_TIMED_MIN_SECONDS, AUTO_TIMED_ROUNDS), (1e-6, AUTO_TIMED_MAX_ROUNDS)):
+        dev, timer = auto_device({"im2col": im2col_s, "shifted": 1.2 * im2col_s, "fft": 1.4 * im2col_s})
+        x, w, b, rng = tensors(2, 3, 9, 8, 4, 3, 3, seed=28)
+        dev.conv2d(x, w, b, padding=1)
+        assert [timer.calls.count(p) for p in ("im2col", "shifted", "fft")] == [rounds] * 3
+        assert list(dev.conv_paths().values()) == ["im2col"]
+
+
 def test_auto_choice_is_kept_per_call_shape():
     """One timing per (input shape, weights shape, stride, padding, form): the same call again
     times nothing; another batch size, another padding or the block form each time once."""

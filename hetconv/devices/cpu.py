@@ -83,14 +83,23 @@ DEFAULT_FFT_BUDGET_BYTES = 1 << 30
 CONV_PATHS = ("auto", "im2col", "shifted", "fft")
 # "auto" times the paths a layer can take (im2col; shifted and FFT at stride 1, FFT within its
 # budget) on the first call with each shape: forward and backward with dX on the call's own input
-# and weights, one warm-up run per path, then AUTO_TIMED_ROUNDS rounds in alternating order, the
-# fastest minimum kept for that shape from then on. That costs ~3 steps of the layer per path
+# and weights, one warm-up run per path, then AUTO_TIMED_ROUNDS rounds (or more, below) in
+# alternating order, the fastest minimum kept for that shape from then on. That costs ~3 steps of the layer per path
 # once (conv2 whole at N=32, one thread: ~25 s), so below AUTO_TIMED_MIN_FLOPS forward FLOPs
 # per call the rule above stays, untimed: there a call takes under a millisecond, the paths
 # differ by less than that, and the first use of a path (Numba loading its kernels, the work
 # buffers' first touch) costs tens of milliseconds. The test suite's small layers stay there.
 AUTO_TIMED_MIN_FLOPS = 20e6
 AUTO_TIMED_ROUNDS = 2
+# ... and more rounds, up to AUTO_TIMED_MAX_ROUNDS, until the timed runs add up to this many
+# seconds: a layer of ~50 ms per step is decided on a time slice or two of a shared core otherwise
+# (on a loaded 2-core machine two rounds picked a path 1.1-2x slower on 5 of 15 preset layers).
+AUTO_TIMED_MIN_SECONDS = 1.0
+AUTO_TIMED_MAX_ROUNDS = 9
+# After the first timed round a path over this multiple of the fastest is not timed again (the
+# rounds' noise is a few percent): conv1 on the FFT path (~8x im2col) or conv2's direct paths
+# (~2.5x its FFT path) run once less.
+AUTO_DROP_FACTOR = 1.5
 
 _jit = numba.njit(parallel=True, nogil=True, cache=True)
 
@@ -751,11 +760,16 @@ class CpuDevice(Device):
 
         for path in candidates:
             run(path)
-        seconds = {}
-        for r in range(AUTO_TIMED_ROUNDS):
+        seconds, spent, r = {}, 0.0, 0
+        while r < AUTO_TIMED_ROUNDS or (spent < AUTO_TIMED_MIN_SECONDS and r < AUTO_TIMED_MAX_ROUNDS):
+            if r > 0:       # a path far behind after a round is not run again: it cannot win
+                best = min(seconds.values())
+                candidates = [p for p in candidates if seconds[p] <= AUTO_DROP_FACTOR * best]
             for path in candidates if r % 2 == 0 else candidates[::-1]:
                 t = self._auto_timer(path, lambda: run(path))
                 seconds[path] = min(seconds.get(path, t), t)
+                spent += t
+            r += 1
         return seconds
 
     def _shifted(self, w_shape, stride=(1, 1)):
