@@ -49,6 +49,22 @@ def test_make_plan_splits_data_layers_images_by_the_speeds_that_split_kernels():
     assert make_plan([32, 64], speeds, "equal", modes=["data", "data"], batch=5).layers[1].images == {"fast": 3, "slow": 2}
 
 
+def test_consecutive_data_layers_share_one_split_from_their_times_together():
+    # per image, fast takes 32/300 + 64/10 s, slow 32/100 + 64/30 s over the run: about 0.42 : 0.58...
+    speeds = {"fast": [300.0, 10.0], "slow": [100.0, 30.0]}
+    plan = make_plan([32, 64], speeds, modes=["data", "data"], batch=100)
+    first, second = plan.layers
+    assert first.images == second.images
+    fast = 1 / (32 / 300 + 64 / 10)
+    slow = 1 / (32 / 100 + 64 / 30)
+    assert first.images["fast"] == round(100 * fast / (fast + slow))
+    # by calibrated lines, the run's lines add up: each device's two layers take as long in total
+    lines = {"a": [(0.0, 1.0), (0.0, 1.0)], "b": [(0.0, 1.0), (0.0, 1.0)]}
+    image_lines = {"a": [(0.0, 0.001), (0.0, 0.003)], "b": [(0.0, 0.003), (0.0, 0.001)]}
+    both = plan_from_lines([16, 16], lines, use_all=True, modes=["data", "data"], batch=64, image_lines=image_lines)
+    assert both.layers[0].images == both.layers[1].images == {"a": 32, "b": 32}
+
+
 @pytest.mark.parametrize("kwargs,message", [
     ({"modes": ["data"], "batch": 8}, "expected one of model, data for each of the 2 conv layers"),
     ({"modes": ["data", "pipeline"], "batch": 8}, "expected one of model, data for each of the 2 conv layers"),
@@ -63,14 +79,19 @@ def test_bad_modes_or_batch_are_named(kwargs, message):
 def test_fixed_plan_forces_modes_and_checks_images():
     plan = fixed_plan([4, 8], {"a": [None, 3], "b": [None, 5]}, modes=["data", "model"], images={"a": 5, "b": 3})
     assert plan.modes() == ["data", "model"] and plan.layers[0].images == {"a": 5, "b": 3}
-    per_layer = fixed_plan([4, 8], {"a": [0, 0], "b": [0, 0]}, modes=["data", "data"], images={"a": [1, 2], "b": [3, 2]})
-    assert [lp.images for lp in per_layer.layers] == [{"a": 1, "b": 3}, {"a": 2, "b": 2}]
+    per_layer = fixed_plan([4, 8, 8], {"a": [0, 4, 0], "b": [0, 4, 0]}, modes=["data", "model", "data"],
+                           images={"a": [1, 0, 2], "b": [3, 0, 2]})
+    assert [lp.images for lp in per_layer.layers] == [{"a": 1, "b": 3}, {}, {"a": 2, "b": 2}]
+    # a worker keeps its images from one data layer to the next: nothing moves between them
+    with pytest.raises(PlanError, match="consecutive data layers with different images"):
+        fixed_plan([4, 8], {"a": [0, 0], "b": [0, 0]}, modes=["data", "data"], images={"a": [1, 2], "b": [3, 2]})
     with pytest.raises(PlanError, match="images must give every worker"):
         fixed_plan([4], {"a": [0], "b": [0]}, modes=["data"], images={"a": 3})
     with pytest.raises(PlanError, match="must be ints >= 0 with a positive sum"):
         fixed_plan([4], {"a": [0], "b": [0]}, modes=["data"], images={"a": -1, "b": 3})
     with pytest.raises(PlanError, match="images must sum to one batch"):
-        fixed_plan([4, 4], {"a": [0, 0], "b": [0, 0]}, modes=["data", "data"], images={"a": [1, 2], "b": [3, 3]})
+        fixed_plan([4, 4, 4], {"a": [0, 2, 0], "b": [0, 2, 0]}, modes=["data", "model", "data"],
+                   images={"a": [1, 0, 2], "b": [3, 0, 3]})
 
 
 def test_plan_json_and_table_round_trip_with_modes():
@@ -86,7 +107,7 @@ def test_plan_json_and_table_round_trip_with_modes():
     assert Plan.from_json(stored) == everything_model
     table = plan.table()
     assert "conv1 (32) data" in table and "conv2 (64) model" in table
-    assert "96 img @ 3 images/s" in table and "32 @ 1 kernels/s" in table
+    assert "96 img" in table and "32 @ 1 kernels/s" in table
     with pytest.raises(PlanError, match="not a stored plan"):
         Plan.from_json({"workers": ["a"]})
 

@@ -9,8 +9,12 @@ A plan is data: per layer, a mode and what each worker does in it.
 - "data" (image-parallel): every worker holds the whole layer (its range is (0, kernels)) and
   computes it on its share of a batch's images, `images` (integers by largest remainder of the
   same speeds, summing to the batch); image_ranges cuts any batch or micro-batch the same way.
+  Consecutive data layers share one split (a worker keeps its images from one to the next, so
+  nothing moves between them), made from their times together.
 """
 from dataclasses import dataclass, field
+
+from hetconv.engine.costmodel import FLOAT_BYTES, mode_costs
 
 POLICIES = ("proportional", "equal")
 MODES = ("model", "data")
@@ -25,7 +29,7 @@ class LayerPlan:
     layer: int
     kernels: int
     ranges: dict                      # worker name -> (start, stop) of kernels; (0, kernels) in a data layer
-    speeds: dict = field(default_factory=dict)   # worker name -> kernels/s (model) or images/s (data) of the split
+    speeds: dict = field(default_factory=dict)   # worker name -> kernels/s of the device on this layer
     mode: str = "model"               # "model": kernels split; "data": images split, whole weights everywhere
     images: dict = field(default_factory=dict)   # data layer: worker name -> images of a whole batch
 
@@ -71,6 +75,19 @@ def check_modes(modes, layers):
     if len(modes) != layers or any(m not in MODES for m in modes):
         raise PlanError(f"modes {modes!r}: expected one of {', '.join(MODES)} for each of the {layers} conv layers")
     return modes
+
+
+def data_runs(modes):
+    """Runs of consecutive data layers, as lists of layer indices: each run shares one split of
+    the images."""
+    runs, run = [], []
+    for li, m in enumerate(modes + ["model"]):
+        if m == "data":
+            run.append(li)
+        elif run:
+            runs.append(run)
+            run = []
+    return runs
 
 
 def _data_layer(li, total, workers, shares, speeds):
@@ -123,7 +140,7 @@ class Plan:
 
     def table(self):
         """A printable table: one row per worker; per layer its mode, and each worker's kernels
-        (model) or images of a batch (data), with the speeds the split used."""
+        (model, with the kernels/s the split used) or images of a batch (data)."""
         head = ["worker"] + [f"conv{lp.layer + 1} ({lp.kernels}) {lp.mode}" for lp in self.layers]
         rows = [head]
         for w in self.workers:
@@ -131,7 +148,7 @@ class Plan:
             for lp in self.layers:
                 s = lp.speeds.get(w)
                 if lp.mode == "data":
-                    row.append(f"{lp.images[w]} img" + (f" @ {s:,.0f} images/s" if s else ""))
+                    row.append(f"{lp.images[w]} img")
                 else:
                     row.append(f"{lp.count(w)}" + (f" @ {s:,.0f} kernels/s" if s else ""))
             rows.append(row)
@@ -195,6 +212,11 @@ def make_plan(layer_kernels, speeds, policy="proportional", modes=None, batch=No
                 weights.append(float(per_layer[li]))
         layer_speeds = {w: float(speeds[w][li]) for w in workers if speeds[w] is not None and len(speeds[w]) > li}
         if modes[li] == "data":
+            run = next(r for r in data_runs(modes) if li in r)
+            if policy != "equal":
+                # a worker's images pass through the whole run: its time an image is the sum of
+                # kernels / (kernels/s) over the run's layers
+                weights = [1.0 / sum(layer_kernels[lj] / float(speeds[w][lj]) for lj in run) for w in workers]
             layers.append(_data_layer(li, total, workers, largest_remainder(int(batch), weights), layer_speeds))
             continue
         shares = largest_remainder(int(total), weights)
@@ -237,6 +259,9 @@ def fixed_plan(layer_kernels, counts, policy="fixed", modes=None, images=None):
             batches.add(sum(got.values()))
             if len(batches) > 1:
                 raise PlanError(f"data layers split different batches {sorted(batches)}: images must sum to one batch")
+            if li and modes[li - 1] == "data" and layers[-1].images != got:
+                raise PlanError(f"layers {li - 1} and {li} are consecutive data layers with different images "
+                                f"{layers[-1].images!r} and {got!r}: a worker keeps its images from one to the next")
             layers.append(_data_layer(li, total, workers, [got[w] for w in workers], {}))
             continue
         got = sum(counts[w][li] for w in workers)
@@ -286,10 +311,11 @@ def replan(plan, lines, measured, min_gain=0.05, image_lines=None):
             per_unit[name].append(p)
         now[name] = sum(float(measured[name][lp.layer]) for lp in plan.layers)
     scaled = {name: list(zip(fixed[name], per_unit[name])) for name in plan.workers}
-    # use_all: no device is left out, so the data layers' entries in `scaled` (per image) are
-    # read only as image lines
-    proposal = plan_from_lines([lp.kernels for lp in plan.layers], scaled, use_all=True, modes=modes, batch=batch,
-                               image_lines=scaled)
+    # a data layer's kernel line (read only for its kernels/s): the whole layer at the batch
+    kernel_lines = {name: [(0.0, (f + p * batch) / lp.kernels) if lp.mode == "data" else (f, p)
+                           for lp, (f, p) in zip(plan.layers, scaled[name])] for name in plan.workers}
+    proposal = plan_from_lines([lp.kernels for lp in plan.layers], kernel_lines, use_all=True, modes=modes,
+                               batch=batch, image_lines=scaled)
     then = {name: sum(fixed[name][lp.layer] + _units(lp, name) * per_unit[name][lp.layer] for lp in proposal.layers)
             for name in proposal.workers}
     if max(then.values()) > (1 - min_gain) * max(now.values()):
@@ -400,10 +426,15 @@ def plan_from_lines(layer_kernels, lines, use_all=False, modes=None, batch=None,
     layers = []
     for li, total in enumerate(layer_kernels):
         if modes[li] == "data":
-            per_image = [image_lines[w][li] if image_lines is not None
-                         else image_line_from_kernel_line(lines[w][li], int(total), batch) for w in workers]
-            shares = _integer_shares(int(batch), affine_shares(int(batch), per_image))
-            layers.append(_data_layer(li, total, workers, shares, {w: 1.0 / p for w, (f, p) in zip(workers, per_image)}))
+            run = next(r for r in data_runs(modes) if li in r)
+            per_image = [[image_lines[w][lj] if image_lines is not None
+                          else image_line_from_kernel_line(lines[w][lj], int(layer_kernels[lj]), batch) for lj in run]
+                         for w in workers]
+            # the run's layers one after another on each worker's images: their lines add up
+            run_lines = [(sum(f for f, _ in wl), sum(p for _, p in wl)) for wl in per_image]
+            shares = _integer_shares(int(batch), affine_shares(int(batch), run_lines))
+            layers.append(_data_layer(li, total, workers, shares,
+                                      {w: 1.0 / lines[w][li][1] for w in workers if lines[w][li][1] > 0}))
             continue
         layer_lines = [lines[w][li] for w in workers]
         shares = _integer_shares(int(total), affine_shares(int(total), layer_lines))
@@ -414,3 +445,113 @@ def plan_from_lines(layer_kernels, lines, use_all=False, modes=None, batch=None,
         speeds = {w: 1.0 / p for w, (f, p) in zip(workers, layer_lines)}    # kernels/s, past the fixed part
         layers.append(LayerPlan(li, int(total), ranges, speeds))
     return Plan("proportional", tuple(workers), tuple(layers), left_out)
+
+
+# ---- per layer: model- or data-parallel --------------------------------------------------------
+
+PARALLEL = ("auto", "model", "data")
+
+
+def check_parallel(value):
+    """--parallel: 'auto' (the cost model picks per layer), 'model' or 'data' (every layer)."""
+    if value not in PARALLEL:
+        raise PlanError(f"--parallel must be one of {', '.join(PARALLEL)}, got {value!r}")
+    return value
+
+
+def cheapest_modes(node, edge):
+    """The cheapest assignment of modes to a chain of layers, by dynamic programme over the
+    layers with the state the layer's mode: node[l][mode] is layer l's price in a mode,
+    edge[l][(previous mode, mode)] the price of the boundary between layers l-1 and l (edge[0]
+    is not read). Returns (modes, seconds). On a tie, fewer data layers win (whole weights on
+    every worker cost memory)."""
+    best = {m: (s, [m]) for m, s in node[0].items()}
+    for li in range(1, len(node)):
+        best = {m: min(((s + edge[li][(a, m)] + here, path + [m]) for a, (s, path) in best.items()),
+                       key=lambda t: (t[0], t[1].count("data")))
+                for m, here in node[li].items()}
+    seconds, modes = min(best.values(), key=lambda t: (t[0], t[1].count("data")))
+    return modes, seconds
+
+
+@dataclass
+class ModeChoice:
+    modes: list                 # "model" or "data" per conv layer
+    costs: object               # costmodel.ModeCosts: every layer's price in each mode
+    chosen_s: float             # the priced seconds of `modes`
+    model_s: float              # ... and of every layer in model mode
+    reason: str                 # why these modes, in words
+
+    def to_json(self):
+        return {"modes": list(self.modes), "chosen_s": self.chosen_s, "model_s": self.model_s, "reason": self.reason,
+                "layers": self.costs.to_json()}
+
+
+def mode_shares(specs, batch, profiles, micro_batches=1):
+    """Each layer's split in each mode from calibrated profiles {worker: DeviceProfile}:
+    ({worker: [kernels per layer]} finishing together in model mode, {worker: [images per
+    layer]} finishing together in data mode, each layer on its own)."""
+    names = list(profiles)
+    calls = micro_batches
+    counts, images = {w: [] for w in names}, {w: [] for w in names}
+    for li, spec in enumerate(specs):
+        if spec.kernels >= len(names):
+            lines = [profiles[w].layers[li].step_line(batch, calls) for w in names]
+            for w, k in zip(names, _integer_shares(spec.kernels, affine_shares(spec.kernels, lines))):
+                counts[w].append(k)
+        else:
+            for w in names:
+                counts[w].append(0)
+        per_image = [profiles[w].layers[li].image_line(spec.kernels, calls) for w in names]
+        if batch >= len(names):
+            shares = _integer_shares(batch, affine_shares(batch, per_image))
+        else:
+            shares = [1 if i < batch else 0 for i in range(len(names))]
+        for w, n in zip(names, shares):
+            images[w].append(n)
+    return counts, images
+
+
+def choose_modes(specs, image_shape, batch, profiles, link, parallel="auto", micro_batches=1, value_bytes=FLOAT_BYTES,
+                 min_gain=0.02):
+    """Model or data per conv layer, from the cost model: every layer priced in both modes at
+    the shares its workers would get (mode_shares), then the cheapest chain (cheapest_modes).
+    profiles: {worker: DeviceProfile} of the workers of the plan, in plan order.
+    `parallel`: 'model' or 'data' forces every layer; 'auto' takes the cheapest chain where it
+    beats every layer in model mode by more than `min_gain` of its price (a plan with data
+    layers holds whole weights on every worker, and the model's error is a few percent). With
+    one worker the two modes are the same: every layer is "model". A layer with fewer kernels
+    than workers can only be data; a batch with fewer images than workers only model.
+    Returns a ModeChoice."""
+    check_parallel(parallel)
+    names = list(profiles)
+    layers = len(specs)
+    if not names:
+        raise PlanError("no workers to choose modes for")
+    counts, images = mode_shares(specs, batch, profiles, micro_batches)
+    costs = mode_costs(specs, image_shape, batch, counts, images, profiles, link, micro_batches, value_bytes)
+    inf = float("inf")
+    for li, spec in enumerate(specs):
+        if spec.kernels < len(names):
+            costs.node[li]["model"] = inf
+        if batch < len(names):
+            costs.node[li]["data"] = inf
+    model_s = costs.chain_s(["model"] * layers)
+    if len(names) == 1:
+        return ModeChoice(["model"] * layers, costs, model_s, model_s, "one worker: the two modes are the same")
+    if parallel != "auto":
+        modes = [parallel] * layers
+        seconds = costs.chain_s(modes)
+        if seconds == inf:
+            what = (f"a batch of {batch} images" if parallel == "data"
+                    else f"a conv layer of {min(s.kernels for s in specs)} kernels")
+            raise PlanError(f"--parallel {parallel}: {len(names)} workers cannot split {what}")
+        return ModeChoice(modes, costs, seconds, model_s, f"--parallel {parallel}")
+    modes, seconds = cheapest_modes(costs.node, costs.edge)
+    if "data" in modes and model_s < inf and seconds > (1 - min_gain) * model_s:
+        return ModeChoice(["model"] * layers, costs, model_s, model_s,
+                          f"the cheapest chain ({seconds:.3g} s) gains less than {100 * min_gain:g}% over "
+                          f"all-model ({model_s:.3g} s)")
+    why = ("every layer is cheapest in model mode" if "data" not in modes
+           else f"{seconds:.3g} s against {model_s:.3g} s with every layer in model mode")
+    return ModeChoice(modes, costs, seconds, model_s, why)
