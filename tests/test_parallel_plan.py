@@ -123,3 +123,128 @@ def test_plan_from_lines_finishes_data_layers_together_and_replan_moves_images()
     moved = replan(even, {"a": None, "b": None}, {"a": [0.032, 0.008], "b": [0.064, 0.008]})
     assert moved.modes() == ["data", "model"] and moved.layers[0].images == {"a": 43, "b": 21}
     assert moved.layers[1].ranges == {"a": (0, 8), "b": (8, 16)}
+
+
+# ---- pricing each mode, and choosing the cheapest chain -------------------------------------
+
+def _table(draw_costs, layers):
+    node = [{"model": draw_costs[2 * li], "data": draw_costs[2 * li + 1]} for li in range(layers)]
+    edge = [{}] + [{(a, b): draw_costs[2 * layers + 4 * (li - 1) + j]
+                    for j, (a, b) in enumerate(itertools.product(("model", "data"), repeat=2))}
+                   for li in range(1, layers)]
+    return node, edge
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 7).flatmap(lambda n: st.tuples(st.just(n), st.lists(
+    st.floats(0, 100, allow_nan=False), min_size=6 * n, max_size=6 * n))))
+def test_the_dynamic_programme_finds_the_cheapest_of_all_assignments(case):
+    from hetconv.engine.planner import cheapest_modes
+    layers, values = case
+    node, edge = _table(values, layers)
+
+    def price(modes):
+        return (sum(node[li][m] for li, m in enumerate(modes))
+                + sum(edge[li][(modes[li - 1], modes[li])] for li in range(1, layers)))
+
+    modes, seconds = cheapest_modes(node, edge)
+    brute = min(price(list(m)) for m in itertools.product(("model", "data"), repeat=layers))
+    assert seconds == pytest.approx(brute) and price(modes) == pytest.approx(seconds)
+
+
+def test_on_a_tie_the_chain_with_fewer_data_layers_wins():
+    from hetconv.engine.planner import cheapest_modes
+    node = [{"model": 1.0, "data": 1.0}, {"model": 1.0, "data": 1.0}]
+    edge = [{}, {(a, b): 0.0 for a in ("model", "data") for b in ("model", "data")}]
+    assert cheapest_modes(node, edge) == (["model", "model"], 2.0)
+
+
+def cpu_profile(name, specs, image, flops=50e9, bytes_per_s=10e9):
+    """A CPU as calibration sees one, from each layer's shape: GEMMs at `flops`, expanding the
+    input (fixed per image, whatever the kernels) and the update at `bytes_per_s`, 1-2 ms a call."""
+    from hetconv.engine.costmodel import DeviceProfile, LayerCost, layer_geometry
+    costs = []
+    for spec, ((_, c, h, w), _) in zip(specs, layer_geometry(specs, image, 1)):
+        ho, wo = spec.conv_hw(h, w)
+        macs = c * spec.kh * spec.kw * ho * wo                # a kernel on an image
+        expand = macs * 4 / bytes_per_s
+        weights = c * spec.kh * spec.kw * 4 / bytes_per_s      # a kernel's weights, read once
+        costs.append(LayerCost(expand, 2 * macs / flops, 2 * expand, 4 * macs / flops, 1e-3, 2e-3,
+                               update_per_kernel_s=3 * weights, accumulate_per_kernel_s=weights))
+    return DeviceProfile(name, "cpu", "", tuple(costs))
+
+
+def _preset_specs(name):
+    from hetconv.geometry import IMAGE_SHAPE, ConvSpec
+    from hetconv.net.presets import preset
+    return [ConvSpec.from_layer(layer) for layer in preset(name, IMAGE_SHAPE, 10).conv_layers()], IMAGE_SHAPE
+
+
+def test_vgg_small_on_1gbit_puts_its_early_layers_in_data_mode_and_the_paper_network_stays_model():
+    from hetconv.engine.costmodel import parse_bandwidth
+    from hetconv.engine.planner import choose_modes
+    link = parse_bandwidth("1gbit")
+    specs, image = _preset_specs("vgg-small")
+    profiles = {w: cpu_profile(w, specs, image) for w in ("cpu0", "cpu1")}
+    vgg = choose_modes(specs, image, 128, profiles, link, micro_batches=2)
+    # 32 and 64 channels of 32x32 and 16x16 maps, a few thousand weights: moving the maps costs
+    # far more than summing dW
+    assert vgg.modes[:4] == ["data"] * 4
+    assert vgg.chosen_s < 0.98 * vgg.model_s and vgg.chosen_s == pytest.approx(vgg.costs.chain_s(vgg.modes))
+    early = vgg.costs.detail[1]
+    assert early["data"]["wire_s"] < 1e-3 < vgg.costs.edge[1][("model", "model")]
+    specs, image = _preset_specs("paper")
+    profiles = {w: cpu_profile(w, specs, image) for w in ("cpu0", "cpu1")}
+    paper = choose_modes(specs, image, 128, profiles, link, micro_batches=2)
+    # conv2's 18.75 M weights: a data conv2 would send 75 MB of dW each way every step
+    assert paper.modes == ["model", "model"]
+    assert paper.costs.node[1]["data"] > paper.costs.node[1]["model"] + 0.3
+    json.dumps(paper.to_json())
+
+
+def test_one_worker_is_all_model_and_parallel_forces_a_mode():
+    from hetconv.engine.costmodel import parse_bandwidth
+    from hetconv.engine.planner import check_parallel, choose_modes
+    link = parse_bandwidth("1gbit")
+    specs, image = _preset_specs("vgg-small")
+    one = {"cpu0": cpu_profile("cpu0", specs, image)}
+    assert choose_modes(specs, image, 32, one, link, parallel="data").modes == ["model"] * 8
+    two = {w: cpu_profile(w, specs, image) for w in ("cpu0", "cpu1")}
+    forced = choose_modes(specs, image, 32, two, link, parallel="model")
+    assert forced.modes == ["model"] * 8 and forced.chosen_s == forced.model_s
+    assert choose_modes(specs, image, 32, two, link, parallel="data").modes == ["data"] * 8
+    with pytest.raises(PlanError, match="--parallel data: 2 workers cannot split a batch of 1 image\\(s\\)"):
+        choose_modes(specs, image, 1, two, link, parallel="data")
+    with pytest.raises(PlanError, match="--parallel must be one of auto, model, data, got 'pipeline'"):
+        check_parallel("pipeline")
+
+
+def test_a_data_layers_compute_and_wire():
+    from hetconv.engine.costmodel import DeviceProfile, LayerCost, Link, mode_costs, transition_s, weight_floats
+    from hetconv.geometry import conv_specs
+    cost = LayerCost(1e-4, 1e-5, 2e-4, 2e-5, 0.01, 0.02, update_per_kernel_s=1e-6, accumulate_per_kernel_s=1e-7)
+    # the image line of all kernels is the step's forward, backward, update and gradient sums
+    fixed, per_image = cost.image_line(64, calls=2)
+    step = sum(cost.forward_s(64, 8) + cost.backward_in_step_s(64, 8, m, 2) for m in range(2))
+    assert fixed + 16 * per_image == pytest.approx(step)
+    # two equal devices with no fixed nor call costs: the same compute in both modes
+    specs = conv_specs([8, 16])
+    flat = DeviceProfile("d", "cpu", "", (LayerCost(0.0, 1e-4, 0.0, 1e-4),) * 2)
+    link = Link(1e6, 0.0)
+    costs = mode_costs(specs, (3, 32, 32), 32, {"a": [4, 8], "b": [4, 8]}, {"a": [16, 16], "b": [16, 16]},
+                       {"a": flat, "b": flat}, link)
+    for li in range(2):
+        assert costs.detail[li]["data"]["compute_s"] == pytest.approx(costs.detail[li]["model"]["compute_s"])
+        # a data layer sends its dW (|W| + |b| floats) to its one peer, and receives the peer's
+        assert costs.detail[li]["data"]["wire_s"] == pytest.approx(weight_floats(specs[li]) * 4 / 1e6)
+        assert costs.detail[li]["model"]["wire_s"] == 0.0
+    # the images all-gathered among the workers of a model first layer, not of a data one
+    x = 32 * 3 * 32 * 32 * 4
+    assert costs.detail[0]["model"]["coordinator_s"] == pytest.approx(x / 1e6 + x / 2 / 1e6)
+    assert costs.detail[0]["data"]["coordinator_s"] == pytest.approx(x / 1e6)
+    # transitions of a boundary of 1 MB between two workers holding half each
+    half = [0.5, 0.5]
+    assert transition_s(1e6, "data", "data", half, half, link) == 0.0
+    assert transition_s(1e6, "model", "model", half, half, link) == pytest.approx(1.0)    # 0.5 MB each way, twice
+    assert transition_s(1e6, "data", "model", half, half, link) == pytest.approx(1.0)
+    assert transition_s(1e6, "model", "data", half, half, link) == pytest.approx(0.5)     # all-to-all: a quarter

@@ -70,6 +70,16 @@ class LayerCost:
                 batch * (self.forward_per_kernel_s + self.backward_per_kernel_s)
                 + self.update_per_kernel_s + (calls - 1) * self.accumulate_per_kernel_s)
 
+    def image_line(self, kernels, calls=1):
+        """(fixed, per_image) seconds of forward + backward of all `kernels` for a step in `calls`
+        calls, as a line in its images: what a device pays in a data-parallel layer, whose share
+        is images, not kernels. The update and the micro-batches' gradient sums are of every
+        kernel, whatever the share of images."""
+        return (calls * (self.forward_call_s + self.backward_call_s) + self.update_s(kernels)
+                + (calls - 1) * self.accumulate_s(kernels),
+                self.forward_fixed_s + self.backward_fixed_s
+                + kernels * (self.forward_per_kernel_s + self.backward_per_kernel_s))
+
     @classmethod
     def fit(cls, timing):
         """From a calibration timing {batch, kernels: [k1, k2], forward_s: [..], backward_s: [..],
@@ -418,3 +428,122 @@ def predict_local(specs, batch, profile, coordinator_s):
     conv = sum(profile.layers[li].forward_s(s.kernels, batch) + profile.layers[li].backward_in_step_s(s.kernels, batch, 0, 1)
                for li, s in enumerate(specs))
     return conv + coordinator_s
+
+
+# ---- per layer: model- or data-parallel ------------------------------------------------------
+#
+# Each conv layer's two modes are priced apart, so a dynamic programme over the chain can pick
+# the cheapest (planner.choose_modes). The price of a layer is the slowest worker's compute plus
+# the busiest host link's seconds for what the layer itself moves; a boundary between two layers
+# adds what its transition moves. Compute and wire are added, not overlapped: micro-batches hide
+# some of the wire in a real step, so these prices rank chains, and predict_peer_step (all-model)
+# stays the estimate of a step.
+
+MODES = ("model", "data")
+
+
+def weight_floats(spec):
+    """|W| + |b| of a conv layer: what a data layer's dW all-gather sends to each peer."""
+    return spec.kernels * spec.in_channels * spec.kh * spec.kw + (spec.kernels if spec.bias else 0)
+
+
+def _links_s(out_bytes, in_bytes, link):
+    """Seconds of a collective on a switched network: each host's uplink and downlink run at
+    once, so the busiest direction of the busiest host sets the time."""
+    busiest = max(max(o, i) for o, i in zip(out_bytes, in_bytes))
+    cpu = max(0.5 * (o + i) * link.host_cpu_s_per_byte for o, i in zip(out_bytes, in_bytes))
+    return busiest / link.bytes_per_s + cpu
+
+
+def _compute_s(cost, kernels, images, sizes, batch):
+    """A worker's forward + backward of `kernels` kernels on its `images` of a batch of `batch`,
+    cut into micro-batches of `sizes` (its rows of each in proportion), with the step's update."""
+    return sum(cost.forward_s(kernels, b * images / batch)
+               + cost.backward_in_step_s(kernels, b * images / batch, m, len(sizes)) for m, b in enumerate(sizes))
+
+
+def transition_s(boundary_bytes, prev_mode, mode, channels, images, link, messages=1):
+    """Seconds to move a boundary tensor (layer l-1's pooled output, all images x all channels:
+    `boundary_bytes`) from layer l-1 in `prev_mode` to layer l in `mode`, forward and its
+    gradient back. channels: each worker's fraction of the boundary's channels (its kernels of
+    layer l-1, model); images: each worker's fraction of the images (data).
+    - model -> model: all-gather of channel slices; partial dX reduce-scattered by channel.
+    - data -> model: all-gather by images; the partial dX reduce-scattered by images.
+    - model -> data: all-to-all (all images x my channels -> my images x all channels), and back.
+    - data -> data: nothing (each worker keeps its images)."""
+    s, p = boundary_bytes, len(channels)
+    if prev_mode == "data" and mode == "data" or p < 2:
+        return 0.0
+    if prev_mode == "model" and mode == "model":
+        fwd = [(s * c * (p - 1), s * (1 - c)) for c in channels]
+    elif prev_mode == "data":
+        fwd = [(s * r * (p - 1), s * (1 - r)) for r in images]
+    else:
+        fwd = [(s * c * (1 - r), s * r * (1 - c)) for c, r in zip(channels, images)]
+    # backward moves the same amounts the other way
+    seconds = _links_s([o for o, _ in fwd], [i for _, i in fwd], link)
+    seconds += _links_s([i for _, i in fwd], [o for o, _ in fwd], link)
+    return seconds + 2 * messages * (p - 1) * link.latency_s
+
+
+@dataclass
+class ModeCosts:
+    """Per conv layer, the price of each mode (seconds a step), and per boundary between layers
+    l-1 and l the price of each (previous mode, mode) transition. node[l][mode] holds the layer's
+    compute, its own traffic (a data layer's dW all-gather) and, for the first and last layers,
+    the coordinator's traffic; detail[l][mode] splits it up."""
+    node: list          # [{mode: seconds}]
+    edge: list          # [{(prev_mode, mode): seconds}], edge[0] empty (no layer before the first)
+    detail: list        # [{mode: {"compute_s", "wire_s", "coordinator_s"}}]
+
+    def chain_s(self, modes):
+        """The priced seconds of one assignment of modes to the layers."""
+        total = sum(self.node[li][m] for li, m in enumerate(modes))
+        return total + sum(self.edge[li][(modes[li - 1], modes[li])] for li in range(1, len(modes)))
+
+    def to_json(self):
+        return [{"layer": li, "mode_s": dict(self.node[li]), "detail": self.detail[li],
+                 "transition_s": {f"{a}->{b}": v for (a, b), v in self.edge[li].items()}}
+                for li in range(len(self.node))]
+
+
+def mode_costs(specs, image_shape, batch, counts, images, profiles, link, micro_batches=1, value_bytes=FLOAT_BYTES):
+    """Price every conv layer in both modes (see ModeCosts).
+    counts: {worker: [kernels per layer]}, each layer's split in model mode;
+    images: {worker: [images of the batch per layer]}, each layer's split in data mode.
+    The coordinator's link: to the first layer the images (1/P to each worker, then all-gathered
+    among them for a model layer; each worker its own for a data layer); from the last layer the
+    features and back their gradient (the same bytes in both modes)."""
+    names = list(counts)
+    p = len(names)
+    geometry = layer_geometry(specs, image_shape, batch)
+    sizes = split_sizes(batch, micro_batches)
+    node, edge, detail = [], [], []
+    for li, (spec, ((n, c, h, wd), (_, hp, wp))) in enumerate(zip(specs, geometry)):
+        total = spec.kernels
+        compute = {"model": max(_compute_s(profiles[w].layers[li], counts[w][li], batch, sizes, batch) for w in names),
+                   "data": max(_compute_s(profiles[w].layers[li], total, images[w][li], sizes, batch) for w in names)}
+        dw = weight_floats(spec) * FLOAT_BYTES * (p - 1)        # to each peer, and from each
+        wire = {"model": 0.0, "data": (dw / link.bytes_per_s + (p - 1) * link.latency_s) if p > 1 else 0.0}
+        coordinator = {"model": 0.0, "data": 0.0}
+        if li == 0:
+            x_bytes = n * c * h * wd * value_bytes
+            coordinator["data"] = x_bytes / link.bytes_per_s
+            coordinator["model"] = x_bytes / link.bytes_per_s + (
+                _links_s([x_bytes * (p - 1) / p] * p, [x_bytes * (p - 1) / p] * p, link) if p > 1 else 0.0)
+        if li == len(specs) - 1:
+            y_bytes = n * total * hp * wp * value_bytes
+            for m in MODES:
+                coordinator[m] += 2 * y_bytes / link.bytes_per_s
+        node.append({m: compute[m] + wire[m] + coordinator[m] for m in MODES})
+        detail.append({m: {"compute_s": compute[m], "wire_s": wire[m], "coordinator_s": coordinator[m]} for m in MODES})
+        if li == 0:
+            edge.append({})
+            continue
+        boundary = n * c * h * wd * value_bytes
+        channels = [counts[w][li - 1] / specs[li - 1].kernels for w in names]
+        edge.append({(a, b): transition_s(boundary, a, b, channels,
+                                          [images[w][li if b == "data" else li - 1] / batch for w in names],
+                                          link, len(sizes))
+                     for a in MODES for b in MODES})
+    return ModeCosts(node, edge, detail)

@@ -543,8 +543,8 @@ def choose_modes(specs, image_shape, batch, profiles, link, parallel="auto", mic
         modes = [parallel] * layers
         seconds = costs.chain_s(modes)
         if seconds == inf:
-            what = (f"a batch of {batch} images" if parallel == "data"
-                    else f"a conv layer of {min(s.kernels for s in specs)} kernels")
+            what = (f"a batch of {batch} image(s)" if parallel == "data"
+                    else f"a conv layer of {min(s.kernels for s in specs)} kernel(s)")
             raise PlanError(f"--parallel {parallel}: {len(names)} workers cannot split {what}")
         return ModeChoice(modes, costs, seconds, model_s, f"--parallel {parallel}")
     modes, seconds = cheapest_modes(costs.node, costs.edge)
