@@ -248,3 +248,38 @@ def test_a_data_layers_compute_and_wire():
     assert transition_s(1e6, "model", "model", half, half, link) == pytest.approx(1.0)    # 0.5 MB each way, twice
     assert transition_s(1e6, "data", "model", half, half, link) == pytest.approx(1.0)
     assert transition_s(1e6, "model", "data", half, half, link) == pytest.approx(0.5)     # all-to-all: a quarter
+
+
+def test_the_step_timeline_with_data_layers_agrees_with_the_choice():
+    from hetconv.engine.costmodel import parse_bandwidth, predict_any, predict_peer_step
+    from hetconv.engine.planner import mode_shares
+    link = parse_bandwidth("1gbit")
+    specs, image = _preset_specs("vgg-small")
+    profiles = {w: cpu_profile(w, specs, image) for w in ("cpu0", "cpu1")}
+    counts, images = mode_shares(specs, 64, profiles, 2)
+    model = predict_peer_step(specs, image, 64, counts, profiles, link, 0.01, 2)
+    # all-model modes given explicitly: the very same prediction
+    same = predict_peer_step(specs, image, 64, counts, profiles, link, 0.01, 2, modes=["model"] * 8, images=images)
+    assert same.step_s == model.step_s and same.workers == model.workers
+    data = predict_peer_step(specs, image, 64, counts, profiles, link, 0.01, 2, modes=["data"] * 8, images=images)
+    mixed = predict_peer_step(specs, image, 64, counts, profiles, link, 0.01, 2, modes=["data"] * 4 + ["model"] * 4,
+                              images=images)
+    assert data.step_s < model.step_s and mixed.step_s < model.step_s
+    # the coordinator's link carries the images once, the last layer's features and their gradient, in any mode
+    assert data.coordinator_bytes == mixed.coordinator_bytes == model.coordinator_bytes
+    # all-data moves no feature maps among the workers: each sends only its dW, once a step
+    from hetconv.engine.costmodel import weight_floats
+    sent = sum(weight_floats(s) * 4 for s in specs)
+    assert data.workers["cpu0"]["recv"] == pytest.approx(sent + 32 * 256 * 2 * 2 * 4)   # + its features
+    with pytest.raises(ValueError, match="--exchange star .* model-parallel only"):
+        predict_any("star", specs, image, 64, counts, profiles, link, 0.01, modes=["data"] * 8, images=images)
+
+
+@pytest.mark.parametrize("value", ["", "Model", "hybrid", None])
+def test_the_parallel_flag_is_checked_with_the_config(value):
+    from hetconv.train.config import Config
+    assert Config().validate().parallel == "auto"
+    for ok in ("auto", "model", "data"):
+        assert Config(parallel=ok).validate().parallel == ok
+    with pytest.raises(ValueError, match=f"--parallel must be one of auto, model, data, got {value!r}"):
+        Config(parallel=value).validate()

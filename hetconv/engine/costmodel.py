@@ -304,17 +304,23 @@ class _Timeline:
 
 
 def predict_peer_step(specs, image_shape, batch, counts, profiles, link, coordinator_s, micro_batches=1,
-                      value_bytes=FLOAT_BYTES):
+                      value_bytes=FLOAT_BYTES, modes=None, images=None):
     """Predicted seconds for one training step with --exchange peer: every worker and the
     coordinator on a host of its own, each with its own `link` to a switch; M micro-batches;
     `value_bytes` per feature-map value on the wire (4, or 2 for a 16-bit wire). Follows
     hetconv.peers: images 1/P from the coordinator, all-gathered; every layer's output
     all-gathered, micro-batch by micro-batch, layer by layer; the last layer's slices to the
-    coordinator, FC there per micro-batch, gradient slices back; partial dX reduce-scattered."""
+    coordinator, FC there per micro-batch, gradient slices back; partial dX reduce-scattered.
+    modes: "model" or "data" per layer (None: all model); images: {worker: [images of the batch
+    per layer]} for the data layers (counts' entries of a data layer are not read). A data layer
+    computes every kernel on its worker's rows of each micro-batch (in proportion to its images,
+    as fractions), takes its images from the coordinator when it is the first, and sends its dW
+    to every peer after the step's last micro-batch; transitions as in transition_s."""
     names = list(counts)
     geometry = layer_geometry(specs, image_shape, batch)
     layers = len(specs)
     sizes = split_sizes(batch, micro_batches)
+    modes = list(modes) if modes is not None else ["model"] * layers
     t = _Timeline()
     c = "coordinator"
     compute = {w: 0.0 for w in names}
@@ -323,10 +329,26 @@ def predict_peer_step(specs, image_shape, batch, counts, profiles, link, coordin
         compute[w] += seconds
         return t.run((w,), ready, seconds)
 
+    def share(w, li):
+        """Worker w's fraction of a micro-batch's images in data layer li."""
+        return images[w][li] / sum(images[v][li] for v in names)
+
+    def kernels_of(w, li):
+        return specs[li].kernels if modes[li] == "data" else counts[w][li]
+
+    def rows_of(w, li, b):
+        """Images of a micro-batch of b that worker w computes in layer li."""
+        return b * share(w, li) if modes[li] == "data" else b
+
     # images: 1/P of each micro-batch to each worker, then each worker's rows to every other
+    # (a data first layer: each worker its own rows, and nothing among the workers)
     have_input = {}
     for m, b in enumerate(sizes):
         (_, ch, h, wd), _ = geometry[0]
+        if modes[0] == "data":
+            for w in names:
+                have_input[(0, m, w)] = t.send(c, w, b * share(w, 0) * ch * h * wd * value_bytes, 0.0, link)
+            continue
         rows = split_sizes(b, len(names))
         arrived = {w: t.send(c, w, r * ch * h * wd * value_bytes, 0.0, link) for w, r in zip(names, rows)}
         gathered = {w: arrived[w] for w in names}
@@ -340,16 +362,24 @@ def predict_peer_step(specs, image_shape, batch, counts, profiles, link, coordin
     features_in = {}
     for li in range(layers):
         _, (_, hp, wp) = geometry[li]
+        here, after = modes[li], modes[li + 1] if li + 1 < layers else None
         for m, b in enumerate(sizes):
-            done = {w: device(w, profiles[w].layers[li].forward_s(counts[w][li], b), have_input[(li, m, w)]) for w in names}
+            done = {w: device(w, profiles[w].layers[li].forward_s(kernels_of(w, li), rows_of(w, li, b)),
+                              have_input[(li, m, w)]) for w in names}
             for src in names:
-                nbytes = b * counts[src][li] * hp * wp * value_bytes
+                # what src holds: its kernels of every image (model), every kernel of its rows (data)
+                nbytes = rows_of(src, li, b) * kernels_of(src, li) * hp * wp * value_bytes
                 if li == layers - 1:
                     features_in[m] = max(features_in.get(m, 0.0), t.send(src, c, nbytes, done[src], link))
                     continue
                 for dst in names:
                     key = (li + 1, m, dst)
-                    arrival = done[src] if dst == src else t.send(src, dst, nbytes, done[src], link)
+                    if here == "data" and after == "data" or dst == src:
+                        arrival = done[src]
+                    elif here == "model" and after == "data":     # all-to-all: dst's rows of src's channels
+                        arrival = t.send(src, dst, nbytes * share(dst, li + 1), done[src], link)
+                    else:
+                        arrival = t.send(src, dst, nbytes, done[src], link)
                     have_input[key] = max(have_input.get(key, 0.0), arrival)
     # the coordinator's FC work per micro-batch, then the gradient slices back
     have_grad = {}
@@ -357,20 +387,36 @@ def predict_peer_step(specs, image_shape, batch, counts, profiles, link, coordin
     for m, b in enumerate(sizes):
         head_done = t.run((c,), features_in[m], coordinator_s * b / batch)
         for w in names:
-            have_grad[(layers - 1, m, w)] = t.send(c, w, b * counts[w][-1] * hp * wp * value_bytes, head_done, link)
-    # backward, with the partial dX reduce-scattered by the layer below's ranges
+            have_grad[(layers - 1, m, w)] = t.send(c, w, rows_of(w, layers - 1, b) * kernels_of(w, layers - 1) * hp * wp
+                                                   * value_bytes, head_done, link)
+    # backward, with the partial dX reduce-scattered by the layer below's ranges (model) or rows
+    # (data); a data layer's dW to every peer after the last micro-batch
     for li in reversed(range(layers)):
-        (_, _, h, wd), _ = geometry[li]
+        (_, ch, h, wd), _ = geometry[li]
+        here, below = modes[li], modes[li - 1] if li else None
         for m, b in enumerate(sizes):
-            done = {w: device(w, profiles[w].layers[li].backward_in_step_s(counts[w][li], b, m, len(sizes)),
+            done = {w: device(w, profiles[w].layers[li].backward_in_step_s(kernels_of(w, li), rows_of(w, li, b), m,
+                                                                           len(sizes)),
                               have_grad[(li, m, w)]) for w in names}
+            if here == "data" and m == len(sizes) - 1:
+                for src in names:
+                    for dst in names:
+                        if dst != src:
+                            t.send(src, dst, weight_floats(specs[li]) * FLOAT_BYTES, done[src], link)
             if li == 0:
                 continue
             for src in names:
                 for dst in names:
                     key = (li - 1, m, dst)
-                    nbytes = b * counts[dst][li - 1] * h * wd * value_bytes
-                    arrival = done[src] if dst == src else t.send(src, dst, nbytes, done[src], link)
+                    if here == "model" and below == "model":
+                        nbytes = b * counts[dst][li - 1] * h * wd * value_bytes
+                    elif here == "model":           # partial dX of every image, dst's rows of it
+                        nbytes = b * share(dst, li - 1) * ch * h * wd * value_bytes
+                    elif below == "model":          # src's rows, dst's channels
+                        nbytes = rows_of(src, li, b) * counts[dst][li - 1] * h * wd * value_bytes
+                    else:
+                        nbytes = 0
+                    arrival = done[src] if dst == src or nbytes == 0 else t.send(src, dst, nbytes, done[src], link)
                     have_grad[key] = max(have_grad.get(key, 0.0), arrival)
     step = max(t.free.values())
     workers = {}
@@ -385,14 +431,17 @@ def predict_peer_step(specs, image_shape, batch, counts, profiles, link, coordin
 
 
 def predict_any(exchange, specs, image_shape, batch, counts, profiles, link, coordinator_s, micro_batches=1,
-                value_bytes=FLOAT_BYTES):
+                value_bytes=FLOAT_BYTES, modes=None, images=None):
     """predict_peer_step or, for --exchange star, predict_step once per micro-batch (the star
-    overlaps nothing, so micro-batches only add round trips)."""
+    overlaps nothing, so micro-batches only add round trips; it has model layers only)."""
     if exchange == "peer":
         return predict_peer_step(specs, image_shape, batch, counts, profiles, link, coordinator_s,
-                                 micro_batches, value_bytes)
+                                 micro_batches, value_bytes, modes, images)
     if exchange != "star":
         raise ValueError(f"exchange must be 'peer' or 'star', got {exchange!r}")
+    if modes is not None and "data" in modes:
+        raise ValueError("--exchange star moves every layer through the coordinator: its layers are model-parallel "
+                         "only (use --exchange peer or --parallel model)")
     sizes = split_sizes(batch, micro_batches)
     parts = [predict_step(specs, image_shape, b, counts, profiles, link, coordinator_s * b / batch, value_bytes,
                           micro=m, micros=len(sizes))

@@ -5,7 +5,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from hetconv.data.batches import parse_augment
-from hetconv.engine.planner import POLICIES
+from hetconv.engine.planner import POLICIES, check_parallel
 from hetconv.flags import check_finite, parse_int_list
 from hetconv.geometry import IMAGE_SHAPE
 from hetconv.net import LoadedNet, NetSpec, load_net
@@ -50,6 +50,8 @@ class Config:
     # devices
     threads: int = option(0, "threads per CPU device (0: every core this process may use)")
     split: str = option("proportional", "'proportional' to measured speed, or 'equal' (the naive baseline)")
+    parallel: str = option("auto", "per conv layer, 'model' (kernels split among workers) or 'data' (images split, "
+                                   "whole weights on every worker); 'auto': the cost model picks per layer")
     use_all: bool = option(False, "keep every worker, even one whose fixed work makes the step slower")
     calibration_batch: int = option(16, "images per calibration run (real layer shapes otherwise)")
     rebalance_after: int = option(3, "every N steps, re-split from measured compute while it gains, up to 3 times (0: never)")
@@ -162,6 +164,7 @@ class Config:
         check_wire_dtype(self.wire_dtype)
         if self.split not in POLICIES:
             raise ValueError(f"--split must be one of {', '.join(POLICIES)}, got {self.split!r}")
+        check_parallel(self.parallel)
         return self
 
     def check_same_network(self, saved):
