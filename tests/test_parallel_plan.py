@@ -283,3 +283,44 @@ def test_the_parallel_flag_is_checked_with_the_config(value):
         assert Config(parallel=ok).validate().parallel == ok
     with pytest.raises(ValueError, match=f"--parallel must be one of auto, model, data, got {value!r}"):
         Config(parallel=value).validate()
+
+
+# ---- hetconv-plan ----------------------------------------------------------------------------
+
+def _plan_command(tmp_path, *args):
+    import subprocess
+    import sys
+    from hetconv.engine.costmodel import DeviceProfile, LayerCost
+    profile = tmp_path / "cpu.json"
+    cost = LayerCost(1e-5, 1e-6, 2e-5, 2e-6)
+    profile.write_text(json.dumps([DeviceProfile("cpu", "cpu", "a saved cpu", (cost,) * 2).to_json()]))
+    return subprocess.run([sys.executable, "-m", "hetconv.cli.plan", "--devices", f"@{profile}x2", "--conv", "4,8",
+                           "--fc", "8", "--batch-size", "8", "--bandwidth", "1gbit", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_plan_command_shows_both_modes_per_layer_and_records_the_chosen_ones(tmp_path):
+    forced = _plan_command(tmp_path, "--parallel", "data", "--json")
+    assert forced.returncode == 0, forced.stderr
+    one, two = json.loads(forced.stdout)["rows"]
+    assert one["modes"] == ["model", "model"]                     # one device: the modes are the same
+    assert two["modes"] == ["data", "data"]
+    plan = Plan.from_json(two["plan"])
+    assert plan.modes() == ["data", "data"] and sum(plan.layers[0].images.values()) == 8
+    assert two["plan"]["layers"][1]["images"] == plan.layers[1].images
+    assert [set(layer["mode_s"]) for layer in two["mode_costs"]["layers"]] == [{"model", "data"}] * 2
+    text = _plan_command(tmp_path, "--parallel", "model")
+    assert text.returncode == 0, text.stderr
+    lines = text.stdout.splitlines()
+    assert any(line.split()[-1] == "model" and line.startswith("conv2") for line in lines)
+    assert "--parallel model" in text.stdout and "per conv layer with 2 device(s)" in text.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--parallel", "hybrid"], "hetconv-plan: --parallel must be one of auto, model, data, got 'hybrid'"),
+    (["--parallel", "data", "--exchange", "star"], "hetconv-plan: --parallel data needs --exchange peer"),
+])
+def test_plan_command_names_a_bad_parallel_in_one_line(tmp_path, args, message):
+    bad = _plan_command(tmp_path, *args)
+    assert bad.returncode == 2 and message in bad.stderr, bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr

@@ -6,6 +6,8 @@ and print the cost model's step time, speedup and wire bytes for one to all of t
 
 The measuring helpers (calibration in this process, loopback bandwidth, the coordinator's own
 share of a step) live here, with their clocks and sockets; the model itself is hetconv.costmodel.
+Each conv layer is priced in both modes (model: kernels split; data: images split) and the
+cheapest chain is chosen (hetconv.engine.planner.choose_modes), unless --parallel forces one.
 """
 import argparse
 from dataclasses import asdict, replace
@@ -21,7 +23,7 @@ from hetconv.devices import DeviceError, open_device, parse_device_list
 from hetconv.engine.contract import Engine
 from hetconv.engine.costmodel import (DeviceProfile, LayerCost, Link, dominant_term, layer_geometry, parse_bandwidth,
                                       predict_any, predict_local)
-from hetconv.engine.planner import make_plan
+from hetconv.engine.planner import PlanError, choose_modes, make_plan
 from hetconv.engine.shard import ConvShard
 from hetconv.flags import HelpFormatter, check_output_file
 from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES, ConvSpec, layer_input_shapes
@@ -31,7 +33,7 @@ from hetconv.transport.wire import value_bytes
 
 # the flags this command shares with the coordinator: their defaults and help come from Config
 NETWORK_FLAGS = ("net", "conv", "fc", "ksize", "padding", "batch_size", "calibration_batch", "split", "exchange", "micro_batches",
-                 "wire_dtype")
+                 "wire_dtype", "parallel")
 
 
 def _timing_engine(specs, image_shape, batch, n, rng):
@@ -219,6 +221,9 @@ def main(argv=None):
         link = (Link(measure_loopback(), name="loopback (measured)") if args.bandwidth == "loopback"
                 else parse_bandwidth(args.bandwidth))
         link = replace(link, host_cpu_s_per_byte=args.wire_cpu_ns * 1e-9)
+        if cfg.exchange == "star" and cfg.parallel == "data":
+            raise ValueError("--parallel data needs --exchange peer: the star moves every layer through the "
+                             "coordinator, by kernels")
     except (ValueError, DeviceError) as e:
         print(f"hetconv-plan: {e}", file=sys.stderr)
         return 2
@@ -263,34 +268,68 @@ def main(argv=None):
         subset = names[:n]
         speeds = {w: [1.0 / (by_name[w].layers[li].forward_s(1, 1) + by_name[w].layers[li].backward_s(1, 1))
                       for li in range(len(specs))] for w in subset}
-        plan = make_plan([s.kernels for s in specs], speeds, cfg.split)
-        counts = {w: [lp.count(w) for lp in plan.layers] for w in subset}
         # micro-batches as training picks them (auto: 2-4 with two or more peer workers)
         micro = cfg.micro_batches or (max(1, min(4, cfg.batch_size // 16)) if cfg.exchange == "peer" and n > 1 else 1)
+        subset_profiles = {w: baseline if n == 1 else by_name[w] for w in subset}
+        # the star has model layers only
+        try:
+            choice = choose_modes(specs, image, cfg.batch_size, subset_profiles, link,
+                                  "model" if cfg.exchange == "star" else cfg.parallel, micro, value_bytes(cfg.wire_dtype))
+            plan = make_plan([s.kernels for s in specs], speeds, cfg.split, modes=choice.modes, batch=cfg.batch_size)
+        except PlanError as e:
+            print(f"hetconv-plan: {n} device(s): {e}", file=sys.stderr)
+            return 2
+        counts = {w: [lp.count(w) for lp in plan.layers] for w in subset}
+        images = {w: [lp.images.get(w, 0) for lp in plan.layers] for w in subset}
         pred = predict_any(cfg.exchange, specs, image, cfg.batch_size, counts,
                            {**by_name, names[0]: baseline} if n == 1 else by_name, link, coordinator_s[n], micro,
-                           value_bytes(cfg.wire_dtype))
+                           value_bytes(cfg.wire_dtype), modes=choice.modes, images=images)
         what, seconds, share = dominant_term(pred)
         rows.append({"devices": order[:n], "step_s": pred.step_s, "micro_batches": micro,
                      "dominant": {"term": what, "seconds": seconds, "share": share},
                      "speedup": local_s / pred.step_s, "efficiency": local_s / pred.step_s / n,
                      "wire_mb": sum(v["sent"] + v["recv"] for v in pred.workers.values()) / 1e6,
-                     "counts": counts, "prediction": pred.to_json()})
+                     "counts": counts, "modes": choice.modes, "plan": plan.to_json(), "mode_costs": choice.to_json(),
+                     "prediction": pred.to_json()})
     if args.json:
         print(json.dumps({"link": asdict(link), "local_step_s": local_s, "baseline": baseline_note, "rows": rows}, indent=1))
         return 0
     print(f"link: {link.name} = {link.bytes_per_s / 1e6:,.0f} MB/s of payload"
           f"{f', {args.wire_cpu_ns:g} ns of CPU a byte' if args.wire_cpu_ns else ''}; batch {cfg.batch_size}; {('network ' + cfg.net) if cfg.net else 'conv ' + cfg.conv}; "
-          f"split {cfg.split}; --exchange {cfg.exchange}, wire {cfg.wire_dtype}; "
+          f"split {cfg.split}; --exchange {cfg.exchange}, wire {cfg.wire_dtype}; --parallel {cfg.parallel}; "
           f"single-device baseline {local_s:.3f} s/step ({order[0]}, {baseline_note})")
     for key, prof in profiles.items():
         print(f"  {key}: {prof.description}")
-    print(f"{'devices':<34} {'step s':>8} {'speedup':>8} {'effic.':>7} {'wire MB/step':>13}  dominant term")
+    width = max(5, len(specs))
+    print(f"{'devices':<34} {'step s':>8} {'speedup':>8} {'effic.':>7} {'wire MB/step':>13}  {'modes':<{width}}  "
+          f"dominant term")
     for r in rows:
         d = r["dominant"]
         print(f"{','.join(r['devices']):<34} {r['step_s']:8.3f} {r['speedup']:8.2f} {r['efficiency']:7.2f} "
-              f"{r['wire_mb']:13.1f}  {d['term']} ({100 * d['share']:.0f}% of the step)")
+              f"{r['wire_mb']:13.1f}  {''.join(m[0].upper() for m in r['modes']):<{width}}  "
+              f"{d['term']} ({100 * d['share']:.0f}% of the step)")
+    print("modes: a letter per conv layer, M model-parallel (kernels split), D data-parallel (images split)")
+    print(mode_table(rows[-1]))
     return 0
+
+
+def mode_table(row):
+    """Per conv layer, the price of each mode with the devices of `row` (seconds a step: compute,
+    the layer's own wire, the coordinator's at the ends), the transition into it from the layer
+    before in the chosen chain, and the chosen mode."""
+    costs = row["mode_costs"]
+    modes = costs["modes"]
+    lines = [f"per conv layer with {len(row['devices'])} device(s), seconds a step in each mode (* chosen): "
+             f"{costs['reason']}",
+             f"{'layer':<8} {'model s':>10} {'data s':>10} {'into it s':>10}  chosen"]
+    for li, layer in enumerate(costs["layers"]):
+        into = layer["transition_s"].get(f"{modes[li - 1]}->{modes[li]}", 0.0) if li else 0.0
+        mark = {m: "*" if modes[li] == m else " " for m in ("model", "data")}
+        lines.append(f"{'conv' + str(li + 1):<8} {layer['mode_s']['model']:9.4f}{mark['model']} "
+                     f"{layer['mode_s']['data']:9.4f}{mark['data']} {into:10.4f}  {modes[li]}")
+    lines.append(f"chosen chain {costs['chosen_s']:.4f} s, every layer in model mode {costs['model_s']:.4f} s "
+                 f"(compute and wire added up; the step time above overlaps them)")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
