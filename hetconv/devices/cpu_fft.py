@@ -13,10 +13,12 @@ How:
   around lands on zeros (forward, dW) or on padding that is cropped away (dX). The spectrum of a
   real plane is Hermitian, so only one frequency of each conjugate pair is kept (F = 100 of 196 for
   14x14), and the inverse counts the others twice.
-- Every transform is one GEMM against a DFT matrix built here, with the padding offset, the crop
-  and the scale folded in: spectra (planes*F, N*C) = M (planes*F, H*W) @ x^T, and the way back
-  y (N*K, Ho*Wo) = spectra^T @ G. The spectra's layout is (plane, frequency, rows, cols), so each
-  frequency's product is a plain GEMM on contiguous (N, C) and (K, C) matrices.
+- Every transform is GEMMs against DFT matrices built here, with the padding offset, the crop
+  and the scale folded in: dY's spectra (planes*F, N*K) = M (planes*F, Ho*Wo) @ dY^T, and the way
+  back y (N*K, Ho*Wo) = spectra^T @ G. The input's, paid whatever the share, is separable: along
+  the rows first (one GEMM per input row), then along the columns, one GEMM per column frequency.
+  Each frequency's spectra are contiguous (N, C) and (K, C) matrices, so its product is a plain
+  GEMM.
 - Complex products by Gauss's three-multiplication form: with T1 shared by the real and the
   imaginary part, one GEMM fewer than four. The transform matrices produce the sums and signs the
   form needs as extra planes (x: re, im, re+im, -(re+im); dY: re, im, re+im, re-im), so every
@@ -112,8 +114,24 @@ class FftGeometry:
         x_cos, x_sin = self._angles(h, w, ph, pw)
         w_cos, w_sin = self._angles(kh, kw, 0, 0)
         y_cos, y_sin = self._angles(self.ho, self.wo, 0, 0)
+        # the input's transform, separable: along each row first (one (2*qk, W) matrix: re, im of
+        # each distinct column frequency q), then along the columns per q, every frequency's
+        # INPUT_PLANES rows together (F, planes, 2H) over (re, im) x rows of the first stage.
+        # ~25x fewer FLOPs than one GEMM over all H*W positions (conv2: ~0.1 + 0.4 GFLOP
+        # against 2.5 at N=32), which cost ~40 ms of a step at one thread whatever the share.
+        self.qk = self.q // 2 + 1
+        q_angle = 2 * np.pi * np.arange(self.qk)[:, None] * (np.arange(w) + pw)[None, :] / self.q
+        self.row_transform = np.stack([np.cos(q_angle), -np.sin(q_angle)], axis=1).reshape(2 * self.qk, w)
+        self.row_transform = self.row_transform.astype(np.float32)
+        p_angle = 2 * np.pi * self._p[:, None] * (np.arange(h) + ph)[None, :] / self.p       # (F, H)
+        cos_p, sin_p = np.cos(p_angle), np.sin(p_angle)
+        re, im = np.concatenate([cos_p, sin_p], axis=1), np.concatenate([-sin_p, cos_p], axis=1)
+        self.column_transform = np.stack([re, im, re + im, -(re + im)], axis=1).reshape(
+            self.f * INPUT_PLANES, 2 * h).astype(np.float32)
+        qs = freqs[:, 1]
+        self.q_runs = [(int(q), int(np.searchsorted(qs, q)), int(np.searchsorted(qs, q, side="right")))
+                       for q in range(self.qk)]                 # (q, first, end) frequency of each q
         # forward transforms: each plane a (F, positions) block
-        self.x_planes = np.stack([x_cos, -x_sin, x_cos - x_sin, x_sin - x_cos])
         self.kernel_planes = np.stack([w_cos, -w_sin - w_cos, w_sin - w_cos]).astype(np.float32)
         self.grad_planes = np.stack([y_cos, -y_sin, y_cos - y_sin, y_cos + y_sin])
         # inverse transforms: (re, im) of each kept frequency back to the positions wanted
@@ -143,7 +161,7 @@ class FftGeometry:
                 def rows(planes):
                     return np.ascontiguousarray(planes[:, f0:f1].reshape(-1, planes.shape[2]), np.float32)
 
-                out.append(_Block(f0, f1, rows(self.x_planes), rows(self.grad_planes), rows(self.y_inverse),
+                out.append(_Block(f0, f1, rows(self.grad_planes), rows(self.y_inverse),
                                   rows(self.dx_inverse), rows(self.dw_inverse)))
             self._blocks[block] = out
         return self._blocks[block]
@@ -152,9 +170,9 @@ class FftGeometry:
 class _Block:
     """One run of frequencies [f0, f1) and its slices of the transform matrices."""
 
-    def __init__(self, f0, f1, x_rows, grad_rows, y_cols, dx_cols, dw_rows):
+    def __init__(self, f0, f1, grad_rows, y_cols, dx_cols, dw_rows):
         self.f0, self.f1 = f0, f1
-        self.x_rows, self.grad_rows = x_rows, grad_rows      # (planes*fb, positions)
+        self.grad_rows = grad_rows                           # (planes*fb, positions)
         self.y_cols, self.dx_cols = y_cols, dx_cols          # (2fb, positions)
         self.dw_rows = dw_rows                               # (2fb, kh*kw)
 
@@ -290,20 +308,42 @@ class FftConv:
 
     def x_spectra_size(self, x_shape, w_shape, padding):
         """Elements of the input's spectra, all planes and frequencies: 4 F N C (12.8 M for conv2
-        at N=32, 51 MB; its transform is ~40 ms of a step at one thread, whatever the share)."""
+        at N=32, 51 MB); keeping them spares backward a pass over x and its transform."""
         g = self.geometry(x_shape, w_shape, padding)
         return INPUT_PLANES * g.f * x_shape[0] * x_shape[1]
 
-    def _input_spectra(self, blk, xt, nc, x_spectra, transform):
-        """The block's input spectra (INPUT_PLANES*fb, N*C): in x_spectra where given (computed
-        there when `transform`), else in a work buffer."""
+    def _row_spectra(self, x, g):
+        """The first stage of the input's transform: z (qk, 2H, N*C), each distinct column
+        frequency's (re, im) x input row, one GEMM per input row."""
+        n, c, h, wd = x.shape
+        rows = x.reshape(n * c, h, wd)
+        z = self._scratch("fft_z", (2 * g.qk, h, n * c))
+        gemm = self._gemm
+
+        def part(r0, r1):
+            for r in range(r0, r1):     # (2qk, W) @ (W, N*C), rows r of x across every plane
+                gemm(g.row_transform, rows[:, r, :].T, z[:, r, :], 0.0)
+
+        self._in_parallel(part, h)
+        return z.reshape(g.qk, 2 * h, n * c)
+
+    def _input_spectra(self, g, blk, z, nc, x_spectra):
+        """The block's input spectra (fb*INPUT_PLANES, N*C), frequency-major: in x_spectra where
+        given (computed there when z, the row spectra, is given), else in a work buffer."""
         rows = INPUT_PLANES * (blk.f1 - blk.f0)
         if x_spectra is None:
             xs = self._scratch("fft_x", (rows, nc))
         else:
             xs = x_spectra[INPUT_PLANES * blk.f0 * nc:INPUT_PLANES * blk.f1 * nc].reshape(rows, nc)
-        if transform:
-            self._split_gemm(blk.x_rows, xt, xs, 0.0)
+        if z is not None:
+            runs = [(q, max(f0, blk.f0), min(f1, blk.f1)) for q, f0, f1 in g.q_runs if f0 < blk.f1 and f1 > blk.f0]
+            gemm, ct, p = self._gemm, g.column_transform, INPUT_PLANES
+
+            def part(c0, c1):
+                for q, f0, f1 in runs:      # (planes*m, 2H) @ (2H, N*C): this q's frequencies in the block
+                    gemm(ct[p * f0:p * f1], z[q, :, c0:c1], xs[p * (f0 - blk.f0):p * (f1 - blk.f0), c0:c1], 0.0)
+
+            self._in_parallel(part, nc)
         return xs
 
     def _forward(self, x, w, padding, y, x_spectra):
@@ -311,12 +351,12 @@ class FftConv:
         k = w.shape[0]
         g = self.geometry(x.shape, w.shape, padding)
         spectra = self.kernel_spectra(w, g)
-        xt = x.reshape(n * c, h * wd).T                     # (H*W, N*C), a column-major view
+        z = self._row_spectra(x, g)
         gemm = self._gemm
         for bi, blk in enumerate(g.blocks(self._block(g, n, k, c))):
             f0, fb = blk.f0, blk.f1 - blk.f0
-            xs = self._input_spectra(blk, xt, n * c, x_spectra, transform=True)
-            xs = xs.reshape(INPUT_PLANES, fb, n, c)
+            xs = self._input_spectra(g, blk, z, n * c, x_spectra)
+            xs = xs.reshape(fb, INPUT_PLANES, n, c)
             ys = self._scratch("fft_y", (2 * fb, k * n))
             ys4 = ys.reshape(2, fb, k, n)
 
@@ -325,10 +365,10 @@ class FftConv:
                     ar, d, ns = (spectra[p, f0 + j, k0:k1] for p in range(KERNEL_PLANES))
                     re, im = ys4[0, j, k0:k1], ys4[1, j, k0:k1]
                     # Y^T = conj(W) X^T: T1 = Wr (Xr + Xi)^T; re = T1 + (Wi - Wr) Xi^T; im = T1 - (Wr + Wi) Xr^T
-                    gemm(ar, xs[2, j].T, re, 0.0)
+                    gemm(ar, xs[j, 2].T, re, 0.0)
                     np.copyto(im, re)
-                    gemm(d, xs[1, j].T, re, 1.0)
-                    gemm(ns, xs[0, j].T, im, 1.0)
+                    gemm(d, xs[j, 1].T, re, 1.0)
+                    gemm(ns, xs[j, 0].T, im, 1.0)
 
             self._in_parallel(products, k)
             self._split_gemm(ys.T, blk.y_cols, y, 0.0 if bi == 0 else 1.0)  # (K*N, 2fb) @ (2fb, Ho*Wo)
@@ -349,7 +389,7 @@ class FftConv:
         g = self.geometry(x.shape, w.shape, padding)
         if need_dx and spectra is None:
             spectra = self.kernel_spectra(w, g)
-        xt = x.reshape(n * c, h * wd).T
+        z = self._row_spectra(x, g) if x_spectra is None else None
         dyt = dy.T                                          # (Ho*Wo, K*N)
         # returned, so never a scratch buffer; written in its own layout by the inverse GEMM (as
         # fast as writing it taps-first, and no transpose after: ~70 ms on the whole conv2)
@@ -359,8 +399,8 @@ class FftConv:
         for bi, blk in enumerate(g.blocks(self._block(g, n, k, c))):
             f0, fb = blk.f0, blk.f1 - blk.f0
             beta = 0.0 if bi == 0 else 1.0
-            xs = self._input_spectra(blk, xt, n * c, x_spectra, transform=x_spectra is None)
-            xs = xs.reshape(INPUT_PLANES, fb, n, c)
+            xs = self._input_spectra(g, blk, z, n * c, x_spectra)
+            xs = xs.reshape(fb, INPUT_PLANES, n, c)
             gs = self._scratch("fft_dy", (GRAD_PLANES * fb, k * n))
             self._split_gemm(blk.grad_rows, dyt, gs, 0.0)
             gs = gs.reshape(GRAD_PLANES, fb, k, n)
@@ -371,10 +411,10 @@ class FftConv:
                 for j in range(fb):
                     # -dW = -conj(dY)^T X: -re = dYr^T (-(Xr+Xi)) + (dYr - dYi)^T Xi; -im = same T1 + (dYr + dYi)^T Xr
                     re, im = dws4[0, j, k0:k1], dws4[1, j, k0:k1]
-                    gemm(gs[0, j, k0:k1], xs[3, j], re, 0.0)
+                    gemm(gs[0, j, k0:k1], xs[j, 3], re, 0.0)
                     np.copyto(im, re)
-                    gemm(gs[3, j, k0:k1], xs[1, j], re, 1.0)
-                    gemm(gs[2, j, k0:k1], xs[0, j], im, 1.0)
+                    gemm(gs[3, j, k0:k1], xs[j, 1], re, 1.0)
+                    gemm(gs[2, j, k0:k1], xs[j, 0], im, 1.0)
 
             self._in_parallel(dw_products, k)
             self._split_gemm(dws.T, blk.dw_rows, dw, beta)  # (K*C, 2fb) @ (2fb, kh*kw)
