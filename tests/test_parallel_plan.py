@@ -3,7 +3,7 @@ each mode, the choice of the cheapest chain, and the --parallel flag. Pure: no p
 import itertools
 import json
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import assume, given, settings, strategies as st
 import pytest
 
 from hetconv.engine.planner import Plan, PlanError, fixed_plan, image_ranges, make_plan, plan_from_lines, replan
@@ -324,3 +324,30 @@ def test_plan_command_names_a_bad_parallel_in_one_line(tmp_path, args, message):
     bad = _plan_command(tmp_path, *args)
     assert bad.returncode == 2 and message in bad.stderr, bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.floats(0.1, 1000), min_size=2, max_size=5), st.integers(5, 300))
+def test_a_data_layer_between_model_layers_splits_the_batch_in_proportion_to_its_speeds(speeds, batch):
+    names = [f"w{i}" for i in range(len(speeds))]
+    plan = make_plan([8, 16, 8], {w: [1.0, s, 1.0] for w, s in zip(names, speeds)}, modes=["model", "data", "model"],
+                     batch=batch)
+    images = plan.layers[1].images
+    assert sum(images.values()) == batch and min(images.values()) >= 1
+    exact = [batch * s / sum(speeds) for s in speeds]
+    assume(min(exact) >= 1)                 # else the at-least-one-image rule moves shares
+    assert all(abs(images[w] - e) < 1 for w, e in zip(names, exact))
+
+
+def test_cost_lines_give_plan_from_lines_what_a_data_layer_splits_by():
+    from hetconv.engine.planner import cost_lines
+    specs, image = _preset_specs("vgg-small")
+    fast = cpu_profile("fast", specs, image, flops=150e9, bytes_per_s=30e9)
+    slow = cpu_profile("slow", specs, image)
+    kernels = [s.kernels for s in specs]
+    lines, image_lines = cost_lines({"fast": fast, "slow": slow}, kernels, 64, calls=2)
+    assert image_lines["slow"][0] == slow.layers[0].image_line(kernels[0], 2)
+    plan = plan_from_lines(kernels, lines, use_all=True, modes=["data"] * 2 + ["model"] * 6, batch=64,
+                           image_lines=image_lines)
+    first = plan.layers[0].images
+    assert first == plan.layers[1].images and 64 * 0.6 < first["fast"] < 64 * 0.8

@@ -487,6 +487,15 @@ class ModeChoice:
                 "layers": self.costs.to_json()}
 
 
+def cost_lines(profiles, layer_kernels, batch, calls=1):
+    """Calibrated profiles {worker: DeviceProfile} -> (lines, image_lines) for plan_from_lines:
+    per worker and layer, (fixed, per kernel) seconds of a step of `batch` images in `calls`
+    calls (model), and (fixed, per image) seconds of all the layer's kernels (data)."""
+    lines = {w: [c.step_line(batch, calls) for c in p.layers] for w, p in profiles.items()}
+    image_lines = {w: [c.image_line(k, calls) for c, k in zip(p.layers, layer_kernels)] for w, p in profiles.items()}
+    return lines, image_lines
+
+
 def mode_shares(specs, batch, profiles, micro_batches=1):
     """Each layer's split in each mode from calibrated profiles {worker: DeviceProfile}:
     ({worker: [kernels per layer]} finishing together in model mode, {worker: [images per
