@@ -351,3 +351,14 @@ def test_cost_lines_give_plan_from_lines_what_a_data_layer_splits_by():
                            image_lines=image_lines)
     first = plan.layers[0].images
     assert first == plan.layers[1].images and 64 * 0.6 < first["fast"] < 64 * 0.8
+
+
+def test_the_step_timeline_names_missing_images_or_bad_modes():
+    from hetconv.engine.costmodel import DeviceProfile, LayerCost, Link, predict_peer_step
+    from hetconv.geometry import conv_specs
+    flat = DeviceProfile("d", "cpu", "", (LayerCost(0.0, 1e-4, 0.0, 1e-4),) * 2)
+    args = (conv_specs([4, 8]), (3, 32, 32), 8, {"a": [2, 4], "b": [2, 4]}, {"a": flat, "b": flat}, Link(1e9), 0.0)
+    with pytest.raises(ValueError, match="data layers need images"):
+        predict_peer_step(*args, modes=["data", "model"])
+    with pytest.raises(ValueError, match="expected one of model, data for each of the 2 conv layers"):
+        predict_peer_step(*args, modes=["data"], images={"a": [4], "b": [4]})

@@ -321,6 +321,11 @@ def predict_peer_step(specs, image_shape, batch, counts, profiles, link, coordin
     layers = len(specs)
     sizes = split_sizes(batch, micro_batches)
     modes = list(modes) if modes is not None else ["model"] * layers
+    if len(modes) != layers or any(m not in MODES for m in modes):
+        raise ValueError(f"modes {modes!r}: expected one of {', '.join(MODES)} for each of the {layers} conv layers")
+    if "data" in modes and not (images and all(len(images.get(w, ())) == layers for w in names)):
+        raise ValueError(f"data layers need images: {{worker: [images of the batch per layer]}} for each of {names}, "
+                         f"got {images!r}")
     t = _Timeline()
     c = "coordinator"
     compute = {w: 0.0 for w in names}
