@@ -39,7 +39,7 @@ def test_a_frame_over_the_limit_is_never_delivered_and_the_coordinator_keeps_ser
         name = engine.workers[0]
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:                              # the engine goes on serving meanwhile
-            replies = engine._call({name: ("CALIBRATE", [], {"layers": []})}, "a request after the big frame")
+            replies = engine._call({name: ("CALIBRATE", [], {"layers": [], "repeats": 1})}, "a request after the big frame")
             assert replies[name][1]["speeds"] == []
         names = [hello.get("name") for hello, _ in engine.joining.values()]
         assert "rogue" not in names, "a frame over the limit got through"   # (without the limit, it does)

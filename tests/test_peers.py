@@ -24,7 +24,7 @@ def plan_fields(workers=("w0", "w1", "w2", "w3"), layers=2, you="w1"):
 
 @pytest.fixture
 def links():
-    links = PeerLinks(None, "w1", None, queue.Queue(), None, P)
+    links = PeerLinks(None, "w1", None, queue.Queue(), None)
     links.connect(plan_fields())
     return links
 

@@ -1,3 +1,4 @@
+import re
 import pickle
 
 import msgpack
@@ -108,3 +109,23 @@ def test_error_fields_carry_name_message_and_traceback():
         f = P.error_fields(e, "w0", "FORWARD layer=1")
     assert f["name"] == "ValueError" and f["message"] == "bad shape" and "Traceback" in f["traceback"]
     assert P.unpack(P.pack("ERROR", 3, **f)).fields["worker"] == "w0"
+
+
+@pytest.mark.parametrize("op,fields,error", [
+    ("FORWARD", {"layer": 0, "keep": True}, "FORWARD without its 'micro' field"),
+    ("FORWARD", {"layer": 0, "micro": True, "keep": True}, "FORWARD field 'micro' must be integer, got True"),
+    ("BACKWARD", {"layer": 0, "micro": 0, "need_dx": 1, "sgd": None}, "BACKWARD field 'need_dx' must be boolean, got 1"),
+    ("BACKWARD", {"layer": 0, "micro": 0, "need_dx": True, "sgd": "fast"},
+     "BACKWARD field 'sgd' must be list or nil, got 'fast'"),
+    ("LOAD", {"layer": 0, "spec": [], "start": 0, "stop": 1, "wire": "float32"}, "LOAD field 'spec' must be map"),
+    ("STEP", {"step": 1, "micro": 2, "train": True, "sgd": None}, "STEP without its 'micro_batches' field"),
+])
+def test_a_request_without_its_typed_fields_is_refused_naming_the_field(op, fields, error):
+    with pytest.raises(P.ProtocolError, match="^" + re.escape(error)):
+        P.check_fields(op, fields)
+
+
+def test_a_request_with_its_typed_fields_passes_and_unlisted_ops_are_free():
+    P.check_fields("BACKWARD", {"layer": 1, "micro": 3, "need_dx": False, "sgd": [0.1, 0.9, 0.0]})
+    P.check_fields("STEP", {"step": 4, "micro_batches": 2, "train": False, "sgd": None})
+    P.check_fields("HEARTBEAT", {})

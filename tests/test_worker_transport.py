@@ -40,7 +40,7 @@ def slice_msg(step, phase="images", layer=-1, micro=0, sender="w0", value=1.0, p
 
 @pytest.fixture
 def links():
-    links = PeerLinks(None, "w1", None, queue.Queue(), None, P)
+    links = PeerLinks(None, "w1", None, queue.Queue(), None)
     links.connect(plan_fields())
     links.logged = []
     links.log = links.logged.append
@@ -119,7 +119,7 @@ def test_with_keys_a_sender_must_hold_the_key_its_connection_authenticated():
     over a B connection may claim w2 or w3, never w0, and one with no authenticated key is
     dropped."""
     a, b = "A" * 40, "B" * 40
-    links = PeerLinks(None, "w1", None, queue.Queue(), None, P, keydir="unused", peer_keys=PeerKeys())
+    links = PeerLinks(None, "w1", None, queue.Queue(), None, keydir="unused", peer_keys=PeerKeys())
     links.connect(plan_fields(**{"w0": {"public_key": a}, "w1": {"public_key": "C" * 40},
                                  "w2": {"public_key": b}, "w3": {"public_key": b}}))
     links.hold_early(slice_msg(8, sender="w0", peer_key=b))
@@ -135,7 +135,7 @@ def test_a_peer_that_takes_no_slice_fails_the_step_instead_of_blocking_it():
     """A PUSH to a peer that never reads queues to its high-water mark, then a send without a
     deadline blocks the compute thread for good."""
     ctx = zmq.Context()
-    links = PeerLinks(ctx, "w1", None, queue.Queue(), None, P)
+    links = PeerLinks(ctx, "w1", None, queue.Queue(), None)
     fields = plan_fields(workers=("w0", "w1"))
     fields.update(connect=True, timeout=0.5)
     fields["peers"][0]["endpoints"] = ["tcp://127.0.0.1:9"]       # nobody listens: messages queue
@@ -179,7 +179,7 @@ def test_ipc_only_where_the_peers_token_file_reads_back(tmp_path):
                 peer["ipc_token"] = token
     fields["connect"] = True
     ctx = zmq.Context()
-    links = PeerLinks(ctx, "w1", None, queue.Queue(), None, P)
+    links = PeerLinks(ctx, "w1", None, queue.Queue(), None)
     try:
         routes = links.connect(fields)["routes"]
     finally:

@@ -215,7 +215,7 @@ def main(argv=None):
         if args.local:
             device = open_device("cpu", threads=cfg.threads or None)
             print(f"local: {device.describe()}")
-            engine = LocalEngine({"local": ConvShard(device)})
+            engine = LocalEngine({"local": ConvShard(device)}, wire=cfg.wire_dtype)
         else:
             if args.launcher == "ray":
                 launcher = RayLauncher(args.ray_address or None, num_cpus=usable_cores(),

@@ -20,9 +20,10 @@ import numpy as np
 import zmq
 
 from hetconv.devices import DeviceError, open_device, parse_device_list
-from hetconv.engine.contract import Engine
+from hetconv.engine.contract import ShardEngine
 from hetconv.engine.costmodel import (DeviceProfile, LayerCost, Link, dominant_term, layer_geometry, parse_bandwidth,
                                       predict_any, predict_local)
+from hetconv.engine.microbatch import micro_batch_count
 from hetconv.engine.planner import PlanError, choose_modes, make_plan
 from hetconv.engine.shard import ConvShard
 from hetconv.flags import HelpFormatter, check_output_file
@@ -43,7 +44,7 @@ def _timing_engine(specs, image_shape, batch, n, rng):
     geometry = layer_geometry(specs, image_shape, batch)
     names = [f"w{i}" for i in range(n)]
 
-    class TimingEngine(Engine):
+    class TimingEngine(ShardEngine):
         workers = names
 
         def __init__(self):
@@ -269,7 +270,7 @@ def main(argv=None):
         speeds = {w: [1.0 / (by_name[w].layers[li].forward_s(1, 1) + by_name[w].layers[li].backward_s(1, 1))
                       for li in range(len(specs))] for w in subset}
         # micro-batches as training picks them (auto: 2-4 with two or more peer workers)
-        micro = cfg.micro_batches or (max(1, min(4, cfg.batch_size // 16)) if cfg.exchange == "peer" and n > 1 else 1)
+        micro = micro_batch_count(cfg.micro_batches, cfg.batch_size, cfg.exchange, n)
         subset_profiles = {w: baseline if n == 1 else by_name[w] for w in subset}
         # the star has model layers only
         try:

@@ -10,7 +10,7 @@ Two ways through a training step (`exchange`):
   and their gradient, whatever the number of workers; micro-batches overlap wire and compute,
   and the FC work here overlaps the workers' next micro-batch.
 - "star": every layer's input goes out from here to every worker and every partial dX comes back
-  here, layer by layer (Engine.conv_step): the first design, kept for comparison.
+  here, layer by layer (ShardEngine.conv_step): the first design, kept for comparison.
 """
 import atexit
 import errno
@@ -23,7 +23,7 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from hetconv.engine.contract import (Engine, WorkerError, WorkerLost,  # noqa: F401  (raised here, caught by callers)
+from hetconv.engine.contract import (ShardEngine, WorkerError, WorkerLost,  # noqa: F401  (raised here, caught by callers)
                                      concat_channels)
 from hetconv.engine.costmodel import profiles_from_calibration
 from hetconv.engine.planner import PlanError, make_plan, plan_from_lines
@@ -36,6 +36,8 @@ from hetconv.transport.worker_argv import command as worker_command
 EXCHANGES = ("peer", "star")
 DISCONNECT_PROBE_S = 5.0     # how long after a dropped connection the workers are probed
 
+
+CALIBRATION_REPEATS = 3          # calls per timed block: each block also lasts at least 0.25 s (engine.shard)
 
 class _Peer:
     def __init__(self, identity, hello, process=None, public_key=""):
@@ -56,7 +58,7 @@ class _Peer:
         return f"{self.name} ({self.device} on {self.host}, pid {self.pid})"
 
 
-class RemoteEngine(Engine):
+class RemoteEngine(ShardEngine):
     def __init__(self, bind, expected_workers, spawn=(), threads=0, worker_timeout=10.0,
                  connect_timeout=60.0, op_timeout=600.0, pin=True, log=print, exchange="peer", wire="float32",
                  curve="", insecure=False, message_limit=0, launcher=None, verbose=False):
@@ -535,7 +537,8 @@ class RemoteEngine(Engine):
         layers = [{"spec": s.to_json(), "input_shape": [batch] + list(shape[1:]), "kernels": -(-s.kernels // n)}
                   for s, shape in zip(specs, input_shapes)]
         t0 = time.perf_counter()
-        replies = self._call({name: ("CALIBRATE", [], {"layers": layers}) for name in names}, "calibration")
+        request = ("CALIBRATE", [], {"layers": layers, "repeats": CALIBRATION_REPEATS})
+        replies = self._call({name: request for name in names}, "calibration")
         self.calibration_s = time.perf_counter() - t0
         self.calibration.update({name: {"device": self.peers[name].device, "description": self.peers[name].description,
                                         "speeds": list(fields["speeds"]), "layers": list(fields["timings"])}
@@ -618,8 +621,8 @@ class RemoteEngine(Engine):
         sent_at = time.perf_counter()
         pending = {}
         for name in names:
-            seq = self._send(self.peers[name], "STEP", doing=doing, step=step, micro=micros, train=train,
-                             wire=self.wire, sgd=None if sgd is None else [float(v) for v in sgd])
+            seq = self._send(self.peers[name], "STEP", doing=doing, step=step, micro_batches=micros, train=train,
+                             sgd=None if sgd is None else [float(v) for v in sgd])
             pending[seq] = name
         for m, x in enumerate(xs):
             rows = np.array_split(np.ascontiguousarray(x), len(names))

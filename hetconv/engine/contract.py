@@ -1,27 +1,15 @@
 """The engine: the one contract between the training loop (and the network) and the conv shards.
 
-What the loop and the network may call, and nothing else:
-
-    engine.workers                              names of the shards, in plan order
-    engine.plan_for(specs, input_shapes, cfg)   -> Plan (calibrates where there is something to measure)
-    engine.load(plan, specs, params)            slices full (w, b, vw, vb) per layer onto the shards
-    engine.conv_step(xs, head, sgd)             one training step's conv work over micro-batches xs:
-                                                forward, head(m, features) -> dfeatures, backward,
-                                                gradients summed over micro-batches, one SGD update
-    engine.predict(x)                           -> features of the last conv layer, no state kept
-    engine.gather()                             -> full (w, b, vw, vb) per layer (snapshots, checkpoints,
-                                                rebalancing)
-    engine.step_stats()                         per worker, since the last call: compute, wire, bytes
-    engine.propose_rebalance(specs)             -> a better Plan from measured step times, or None (the loop
-                                                moves the kernels: gather, then load)
-    engine.close()
-
-Everything above is written here once: slicing by plan, concatenation of channel slices, the sum
-of partial dX in plan order, gather. A transport implements only how a batch of requests reaches
-the shards (`_call`) and how they are planned (`plan_for`): in-process (LocalEngine, below), over
-ZeroMQ (hetconv.remote.RemoteEngine, which also runs the peer-exchange step), or not at all (the
-cost model's timing engine).
+`Engine` (below) is the contract as a Protocol: what the loop and the network may call, and
+nothing else. `ElasticEngine` adds what an engine whose workers can come and go offers the
+loop's membership handling (train.elastic). `ShardEngine` writes the contract once over one
+abstract `_call` (a batch of requests to the shards): slicing by plan, concatenation of channel
+slices, the sum of partial dX in plan order, gather. A transport implements only `_call` and
+`plan_for`: in-process (engine.local.LocalEngine), over ZeroMQ (coordinator.remote.RemoteEngine,
+which also runs the peer-exchange step), or not at all (the cost model's timing engine).
 """
+from typing import Protocol, runtime_checkable
+
 import numpy as np
 
 from hetconv.engine.costmodel import profiles_from_calibration
@@ -72,10 +60,68 @@ def sum_in_order(parts):
     return total
 
 
-class Engine:
-    """Base class: the contract above, over an abstract `_call`."""
+@runtime_checkable
+class Engine(Protocol):
+    """What the training loop and the network call on an engine, and nothing else."""
+
+    workers: list               # names of the shards, in plan order
+    plan: object                # the loaded Plan (None before load)
+    fixed_plan: object          # a plan set by hand (tests, experiments): no calibration, no rebalancing
+    exchange: str               # "star" (every layer through this process) or "peer" (workers trade slices)
+    wire: str                   # dtype of feature maps and gradients between devices, fixed per plan
+
+    def plan_for(self, specs, input_shapes, cfg):
+        """-> Plan; calibrates where there is something to measure."""
+
+    def load(self, plan, specs, params):
+        """Slices full (w, b, vw, vb) per layer onto the shards."""
+
+    def conv_step(self, xs, head, sgd):
+        """One training step's conv work over micro-batches xs: forward, head(m, features) ->
+        dfeatures, backward, gradients summed over micro-batches, one SGD update."""
+
+    def predict(self, x):
+        """-> features of the last conv layer; no state kept."""
+
+    def gather(self):
+        """-> full (w, b, vw, vb) per layer (snapshots, checkpoints, rebalancing)."""
+
+    def step_stats(self):
+        """Per worker, since the last call: compute, wire, bytes."""
+
+    def reset_layer_timings(self):
+        """Start measuring per-layer compute afresh (rebalancing skips the warm-up steps)."""
+
+    def propose_rebalance(self, specs):
+        """-> a better Plan from measured step times, or None (the loop moves the kernels:
+        gather, then load)."""
+
+    def close(self):
+        """Release workers and sockets."""
+
+
+@runtime_checkable
+class ElasticEngine(Engine, Protocol):
+    """An engine whose workers can be lost or join during a run."""
+
+    def drop(self, names):
+        """Forget workers that were lost."""
+
+    def replan(self, specs, input_shapes, cfg):
+        """-> a Plan over the workers left (calibrating any that were never measured)."""
+
+    def admit(self, specs, input_shapes, cfg):
+        """-> a Plan that includes the workers waiting to join, or None when none waits."""
+
+    def keep_joiners_waiting(self, seconds):
+        """Tell waiting workers how long until the run can admit them."""
+
+
+class ShardEngine:
+    """The contract, written once over an abstract `_call`."""
 
     wire = "float32"            # dtype of feature maps and gradients between coordinator and shards
+    exchange = "star"           # every layer's slices meet here; RemoteEngine may run the peer step
 
     def __init__(self):
         self.plan = None
@@ -113,14 +159,15 @@ class Engine:
             requests = {}
             for name, (s, e) in lp.ranges.items():
                 arrays = [w[s:e], b[s:e]] + ([] if vw is None else [vw[s:e], vb[s:e]])
-                requests[name] = ("LOAD", arrays, {"layer": lp.layer, "spec": spec.to_json(), "start": s, "stop": e})
+                requests[name] = ("LOAD", arrays, {"layer": lp.layer, "spec": spec.to_json(), "start": s, "stop": e,
+                                                    "wire": self.wire})
             self._call(requests, f"loading conv{lp.layer + 1}")
         self.step_stats()
 
     def forward(self, layer, x, micro=0, keep=True):
         """Layer input (N, C, H, W) to every shard -> the layer's pooled output (N, K, H', W')."""
         sent = encode(np.ascontiguousarray(x), self.wire)      # one buffer for every shard, never written
-        fields = {"layer": layer, "micro": micro, "keep": keep, "wire": self.wire}
+        fields = {"layer": layer, "micro": micro, "keep": keep}
         replies = self._call({name: ("FORWARD", [sent], fields) for name in self.plan.workers},
                              f"forward conv{layer + 1}", layer)
         lp, doing = self.plan.layers[layer], f"forward conv{layer + 1}"
@@ -150,7 +197,7 @@ class Engine:
         """Each shard gets its slice of dL/d(pooled output); returns dL/d(layer input), the sum
         of the shards' partial dX in plan order (None when not needed)."""
         lp = self.plan.layers[layer]
-        fields = {"layer": layer, "micro": micro, "need_dx": need_dx, "wire": self.wire,
+        fields = {"layer": layer, "micro": micro, "need_dx": need_dx,
                   "sgd": None if sgd is None else [float(v) for v in sgd]}
         requests = {name: ("BACKWARD", [encode(np.ascontiguousarray(dpooled[:, s:e]), self.wire)], fields)
                     for name, (s, e) in lp.ranges.items()}

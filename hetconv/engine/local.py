@@ -2,17 +2,19 @@
 device, in this process, behind the same contract as the remote engine."""
 import time
 
-from hetconv.engine.contract import Engine
+from hetconv.engine.contract import ShardEngine
 from hetconv.engine.shard import ShardServer
+from hetconv.transport.wire import check_wire_dtype
 
 
-class LocalEngine(Engine):
+class LocalEngine(ShardEngine):
     """The conv layers in this process, on in-process shards: `--local`, and tests. The shards
     are served by the same ShardServer a worker process runs; only the sockets are missing."""
 
-    def __init__(self, shards):
+    def __init__(self, shards, wire="float32"):
         self.servers = {name: ShardServer(shard) for name, shard in dict(shards).items()}
         super().__init__()
+        self.wire = check_wire_dtype(wire)      # rounded as a distributed run's wire rounds: --local is its reference
 
     @property
     def workers(self):

@@ -9,7 +9,8 @@ import numpy as np
 
 from hetconv.geometry import ConvSpec
 from hetconv.params import default_init
-from hetconv.transport.wire import decode, encode
+from hetconv.transport.protocol import check_fields
+from hetconv.transport.wire import check_wire_dtype, decode, encode
 
 # Every calibration point (a kernel count on a batch, or the update) is the mean over timed calls
 # that together measure at least CALIBRATION_FLOOR_S. A core shared with another busy process is
@@ -46,6 +47,7 @@ class _LayerSlice:
 class ConvShard:
     def __init__(self, device, clock=time.perf_counter):
         self.device = device
+        self.wire = "float32"              # feature maps and gradients between devices; the plan's LOADs set it
         self.layers = {}
         self.clock = clock                 # calibration's timer (tests give a fake one)
 
@@ -211,7 +213,8 @@ class ConvShard:
 class ShardServer:
     """The requests one shard serves, by op: the table a worker process runs for every message
     from the coordinator, and the one `--local` calls in-process with no sockets. Arrays of
-    feature maps and gradients arrive and leave in the step's wire dtype (hetconv.wire)."""
+    feature maps and gradients arrive and leave in the plan's wire dtype (transport.wire), which
+    every LOAD names: it is fixed once per plan, not sent with every message."""
 
     def __init__(self, shard):
         self.shard = shard
@@ -223,32 +226,33 @@ class ShardServer:
         handler = self.handlers.get(op)
         if handler is None:
             raise ShardError(f"a worker does not serve {op!r} here: expected one of {sorted(self.handlers)}")
+        check_fields(op, fields)
         return handler(arrays, fields)
 
     def calibrate(self, arrays, f):
         specs = [ConvSpec.from_json(layer["spec"]) for layer in f["layers"]]
         shapes = [tuple(layer["input_shape"]) for layer in f["layers"]]
         kernels = [int(layer["kernels"]) for layer in f["layers"]]
-        speeds, timings = self.shard.calibrate(specs, shapes, kernels, repeats=int(f.get("repeats", 3)))
+        speeds, timings = self.shard.calibrate(specs, shapes, kernels, repeats=f["repeats"])
         return "CALIBRATED", [], {"speeds": speeds, "timings": timings}
 
     def load(self, arrays, f):
         vw, vb = (arrays[2], arrays[3]) if len(arrays) == 4 else (None, None)
+        self.shard.wire = check_wire_dtype(f["wire"])
         self.shard.load(int(f["layer"]), ConvSpec.from_json(f["spec"]), int(f["start"]), int(f["stop"]),
                         arrays[0], arrays[1], vw, vb)
         return "LOADED", [], {"layer": f["layer"]}
 
     def forward(self, arrays, f):
-        wire = f.get("wire", "float32")
-        y = self.shard.forward(int(f["layer"]), decode(arrays[0], wire), int(f.get("micro", 0)),
-                               bool(f.get("keep", True)))
+        wire = self.shard.wire
+        y = self.shard.forward(int(f["layer"]), decode(arrays[0], wire), int(f["micro"]), bool(f["keep"]))
         return "FORWARD_DONE", [encode(y, wire)], {"layer": f["layer"]}
 
     def backward(self, arrays, f):
-        wire = f.get("wire", "float32")
-        sgd = f.get("sgd")
+        wire = self.shard.wire
+        sgd = f["sgd"]
         dx = self.shard.backward(int(f["layer"]), decode(arrays[0], wire), bool(f["need_dx"]),
-                                 int(f.get("micro", 0)), None if sgd is None else tuple(float(v) for v in sgd))
+                                 int(f["micro"]), None if sgd is None else tuple(float(v) for v in sgd))
         return "BACKWARD_DONE", [] if dx is None else [encode(dx, wire)], {"layer": f["layer"]}
 
     def fetch(self, arrays, f):

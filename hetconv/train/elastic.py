@@ -19,8 +19,9 @@ import math
 import os
 import time
 
-from hetconv.engine.contract import WorkerLost, moved_bytes
+from hetconv.engine.contract import ElasticEngine, WorkerLost, moved_bytes
 from hetconv.train import checkpoint
+from hetconv.train.membership import WorkersJoined
 
 SNAPSHOT_BUDGET = 0.02        # of step time
 RESCUE_DIR = "hetconv-rescue"
@@ -44,7 +45,7 @@ class Elastic:
         self.log, self.metrics = log, metrics
         self.network = network                              # the NetSpec's JSON, stored in every checkpoint
         self.data = data                                    # the data set's meta (classes, normalisation), too
-        self.enabled = hasattr(engine, "drop")
+        self.enabled = isinstance(engine, ElasticEngine)
         self.every = cfg.snapshot_every or None             # None: decided after the first timed snapshot
         self.snapshot = None
         self.snapshot_s = 0.0
@@ -72,8 +73,8 @@ class Elastic:
         return conv
 
     def after_step(self, step, step_s):
-        """Take a snapshot when one is due; admit waiting workers right after it. Returns a new
-        plan when one was made (a join), else None."""
+        """Take a snapshot when one is due; admit waiting workers right after it. Returns
+        WorkersJoined with the new plan when workers joined, else None."""
         if not self.enabled:
             return None
         since = step - self.snapshot.step
@@ -96,7 +97,8 @@ class Elastic:
             self.metrics.write("worker_joined", step=step, workers=list(plan.workers))
             self.metrics.write("plan", reason="worker joined", step=step, **plan.to_json())
             self.log("a worker joined:\n" + plan.table())
-        return plan
+            return WorkersJoined(plan)
+        return None
 
     def _tell_joiners(self, step, step_s):
         """Workers waiting to join hear how long until the next snapshot admits them, so they wait

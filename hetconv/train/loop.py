@@ -13,12 +13,14 @@ from tqdm import tqdm
 
 from hetconv.data import batches, load_dataset, test_batches
 from hetconv.engine.contract import WorkerLost, moved_bytes
+from hetconv.engine.microbatch import micro_batch_count
 from hetconv.geometry import ConvSpec, layer_input_shapes
 from hetconv.net import LoadedNet, NetSpec
 from hetconv.net.head import Network, init_conv_params
 from hetconv.train import checkpoint
 from hetconv.train.config import Config
 from hetconv.train.elastic import Elastic
+from hetconv.train.membership import Finished, Stopped, WorkersJoined, WorkersLost
 
 MAX_REBALANCES = 3
 
@@ -168,14 +170,8 @@ def network_for(cfg, ds, resume=None):
 
 
 def resolve_micro_batches(cfg, engine):
-    """--micro-batches 0 (auto): pieces only where something overlaps, the peer exchange over
-    two or more workers; at least 16 images a piece, since smaller GEMMs lose efficiency, and at
-    most 4, since each adds a round of messages."""
-    if cfg.micro_batches:
-        return cfg.micro_batches
-    if getattr(engine, "exchange", None) != "peer" or len(engine.workers) < 2:
-        return 1
-    return max(1, min(4, cfg.batch_size // 16))
+    """The run's micro-batch count with this engine's workers (engine.microbatch's rule)."""
+    return micro_batch_count(cfg.micro_batches, cfg.batch_size, engine.exchange, len(engine.workers))
 
 
 def center_crop(x, size):
@@ -269,9 +265,24 @@ class _Run:
         self.augment = cfg.augment_kinds()
 
     # ---- the steps ---------------------------------------------------------------------------------
+    def advance(self, stop):
+        """Train, save and evaluate until the run ends or its workers change; what happened comes
+        back as a membership event (train.membership)."""
+        try:
+            joined = self.train_steps(stop)
+            if joined is not None:
+                return joined
+            self.final_state()
+            evaluation = None if stop.requested else (self.evaluated.get(self.step)
+                                                      or self.evaluate_now(stop, final=True))
+            return Stopped() if evaluation is None else Finished(evaluation)
+        except WorkerLost as lost:
+            return WorkersLost(lost)
+
     def train_steps(self, stop):
         """Steps until the last one, or until a stop is asked for, evaluating every --eval-every
-        epochs on the way."""
+        epochs on the way. Returns WorkersJoined when workers were admitted after a step (the
+        loop re-plans and calls again), else None."""
         cfg = self.cfg
         while self.step < self.total_steps and not stop.requested:
             # an evaluation a lost worker interrupted, where the snapshot was of its own step:
@@ -285,7 +296,9 @@ class _Run:
             order_rng = np.random.default_rng([cfg.seed, epoch])
             for x, y in batches(self.ds, cfg.batch_size, order_rng, augment=self.augment, seed=cfg.seed, epoch=epoch,
                                 start=self.step % self.steps_per_epoch, prefetch=True):
-                self.one_step(epoch, x, y)
+                joined = self.one_step(epoch, x, y)
+                if joined is not None:
+                    return joined
                 self.evaluate_if_due(stop)
                 if self.step >= self.total_steps or stop.requested:
                     break
@@ -311,10 +324,10 @@ class _Run:
             self._last_line = time.monotonic()
             self.log(f"step {step}/{self.total_steps}  loss {result.loss:.4f}  {len(y) / dt:.1f} img/s")
         self.maybe_rebalance()
-        if self.elastic.after_step(step, dt) is not None:         # a worker joined
-            self.replanned()
+        joined = self.elastic.after_step(step, dt)
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
             self.save_checkpoint()
+        return joined
 
     # ---- evaluation: on the test set every --eval-every epochs and at the end. A worker lost
     # during one raises WorkerLost out of it before anything is recorded: after the recovery the
@@ -390,17 +403,18 @@ class _Run:
 
     # ---- membership ------------------------------------------------------------------------------
     def recover(self, lost):
-        """A worker was lost, in a step or in anything else that talks to workers: the survivors
-        are re-planned and reloaded from the last snapshot, and the steps since it are replayed
-        (their records dropped). Raises WorkerLost below --min-workers, after a rescue checkpoint."""
-        self.step, _ = self.elastic.recover(lost, self.step)
+        """WorkersLost: the survivors are re-planned and reloaded from the last snapshot, and the
+        steps since it are replayed (their records dropped). Raises WorkerLost below
+        --min-workers, after a rescue checkpoint."""
+        self.step, _ = self.elastic.recover(lost.error, self.step)
         del self.losses[max(0, self.step - self.start_step):], self.step_times[max(0, self.step - self.start_step):]
         self.bar.n = self.step
         self.bar.refresh()
         self.replanned()
 
     def replanned(self):
-        """Another set of workers: the micro-batch count follows it, and rebalancing starts over."""
+        """Another set of workers (lost or joined): the micro-batch count follows it, and
+        rebalancing starts over."""
         self.micro_batches = resolve_micro_batches(self.cfg, self.engine)
         self.arm_rebalance()
 
@@ -499,23 +513,24 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
     run.arm_rebalance(first=True)
 
     # Every operation that talks to workers (steps, snapshots, checkpoints, rebalancing, joins,
-    # evaluation) runs inside this one loop: a lost worker, wherever it is noticed, is handled in
-    # one place and the run goes on from the last snapshot. Only --min-workers ends a run for it.
+    # evaluation) runs inside run.advance: a lost or joining worker, wherever it is noticed, comes
+    # back here as an event, and the run goes on. Only --min-workers ends a run for a loss.
     evaluation = None
     run.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, disable=None)
     with _StopRequests(saving=bool(cfg.checkpoint_dir), grace=stop_grace, bounded=elastic.enabled) as stop:
         try:
             while True:
-                try:
-                    run.train_steps(stop)
-                    run.final_state()
-                    if stop.requested:
-                        stop.disarm()
-                        break
-                    evaluation = run.evaluated.get(run.step) or run.evaluate_now(stop, final=True)
+                event = run.advance(stop)
+                if isinstance(event, WorkersLost):
+                    run.recover(event)
+                elif isinstance(event, WorkersJoined):
+                    run.replanned()
+                elif isinstance(event, Stopped):
+                    stop.disarm()
                     break
-                except WorkerLost as lost:
-                    run.recover(lost)
+                else:
+                    evaluation = event.evaluation
+                    break
         except StopNow as e:
             run.rescue(str(e))
         except BaseException as e:

@@ -13,7 +13,7 @@ import traceback
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 # Coordinator -> worker requests, worker -> coordinator replies and notices, worker -> worker.
 REQUESTS = ("WELCOME", "CALIBRATE", "LOAD", "FORWARD", "BACKWARD", "FETCH", "SHUTDOWN",
@@ -28,6 +28,25 @@ MAX_HEADER_BYTES = 1 << 20
 MAX_ARRAYS = 16
 MAX_NDIM = 8
 MAX_ARRAY_BYTES = 4 << 30         # 4 GiB: far above any layer this project sends
+
+
+# The fields of every message that drives computation, with their types. The side that serves a
+# request checks them with `check_fields` before reading any (a missing or mistyped field is an
+# ERROR naming it), so a handler reads f["x"] and never falls back to a default. A peer's SLICE
+# and the step's INPUT and GRAD are checked with what the running step adds (worker.peers).
+_OPTIONAL_LIST = (list, type(None))
+FIELDS = {
+    "CALIBRATE": {"layers": list, "repeats": int},
+    "LOAD": {"layer": int, "spec": dict, "start": int, "stop": int, "wire": str},
+    "FORWARD": {"layer": int, "micro": int, "keep": bool},
+    "BACKWARD": {"layer": int, "micro": int, "need_dx": bool, "sgd": _OPTIONAL_LIST},
+    "FETCH": {"layer": int},
+    "STEP": {"step": int, "micro_batches": int, "train": bool, "sgd": _OPTIONAL_LIST},
+    "INPUT": {"step": int, "micro": int},
+    "GRAD": {"step": int, "micro": int},
+    "FEATURES": {"step": int, "micro": int},
+    "SLICE": {"step": int, "phase": str, "layer": int, "micro": int, "sender": str},
+}
 
 
 class ProtocolError(ValueError):
@@ -136,6 +155,24 @@ def _array_from_frame(i, spec, frame):
     a = a.reshape(shape)
     a.flags.writeable = False
     return a
+
+
+def _type_names(types):
+    types = types if isinstance(types, tuple) else (types,)
+    return " or ".join("nil" if t is type(None) else {"dict": "map", "str": "string", "bool": "boolean",
+                                                       "int": "integer"}.get(t.__name__, t.__name__) for t in types)
+
+
+def check_fields(op, fields):
+    """Raise ProtocolError unless `fields` has every field FIELDS lists for `op`, each of its type
+    (a boolean is not an integer here, as msgpack keeps them apart)."""
+    for name, types in FIELDS.get(op, {}).items():
+        if name not in fields:
+            raise ProtocolError(f"{op} without its {name!r} field")
+        value = fields[name]
+        wanted = types if isinstance(types, tuple) else (types,)
+        if (isinstance(value, bool) and bool not in wanted) or not isinstance(value, wanted):
+            raise ProtocolError(f"{op} field {name!r} must be {_type_names(types)}, got {value!r:.60}")
 
 
 def error_fields(exc, worker, doing):

@@ -25,6 +25,7 @@ import numpy as np
 import zmq
 
 from hetconv.engine.contract import concat_channels, sum_in_order
+from hetconv.transport import protocol
 from hetconv.transport.keys import connect_peer
 from hetconv.transport.sockets import host_key, ipc_reachable
 from hetconv.transport.wire import decode, encode
@@ -53,14 +54,13 @@ def _is_int(value):
 class PeerLinks:
     """The compute thread's sockets to the other workers of the plan, and the step it runs."""
 
-    def __init__(self, ctx, name, shard, requests, send_to_coordinator, protocol, keydir="", peer_keys=None,
+    def __init__(self, ctx, name, shard, requests, send_to_coordinator, keydir="", peer_keys=None,
                  log=None):
         self.ctx, self.name, self.shard = ctx, name, shard
         self.keydir, self.peer_keys = keydir, peer_keys      # CURVE: own keys, and who may push to us
         self.key_owners = {}                     # z85 public key -> the plan's workers holding it (with keys)
         self.requests = requests                 # the compute thread's queue: coordinator and peer messages
         self.send_to_coordinator = send_to_coordinator
-        self.P = protocol
         self.log = log or (lambda line: print(f"hetconv-worker: {line}", file=sys.stderr, flush=True))
         self.outboxes = {}                       # peer name -> PUSH socket
         self.order, self.ranges = [name], []
@@ -123,7 +123,7 @@ class PeerLinks:
 
     # ---- messages ------------------------------------------------------------------------------
     def _send_peer(self, peer, step, phase, layer, micro, array):
-        frames = self.P.pack("SLICE", 0, [array], step=step, phase=phase, layer=layer, micro=micro, sender=self.name)
+        frames = protocol.pack("SLICE", 0, [array], step=step, phase=phase, layer=layer, micro=micro, sender=self.name)
         self.bytes_sent += sum(len(f) for f in frames)
         try:
             self.outboxes[peer].send_multipart(frames, copy=False)
@@ -268,8 +268,9 @@ class PeerLinks:
     # ---- the step ------------------------------------------------------------------------------
     def run_step(self, seq, fields):
         """STEP: run every layer forward (and backward when training) over the micro-batches."""
-        step, micros, train = int(fields["step"]), int(fields["micro"]), bool(fields["train"])
-        wire = fields.get("wire", "float32")
+        protocol.check_fields("STEP", fields)
+        step, micros, train = int(fields["step"]), int(fields["micro_batches"]), bool(fields["train"])
+        wire = self.shard.wire                  # fixed for the plan by its LOADs
         sgd = None if fields.get("sgd") is None else tuple(float(v) for v in fields["sgd"])
         layers = len(self.ranges)
         self.start_step(step, micros)
@@ -315,7 +316,7 @@ class PeerLinks:
                 inputs[m] = None                 # the shard keeps what backward needs
                 sent = encode(y, wire)
                 if last:
-                    self.send_to_coordinator(self.P.pack("FEATURES", seq, [sent], step=step, micro=m))
+                    self.send_to_coordinator(protocol.pack("FEATURES", seq, [sent], step=step, micro=m))
                 else:
                     for peer in others:
                         self._send_peer(peer, step, "forward", layer, m, sent)

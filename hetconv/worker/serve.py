@@ -81,7 +81,7 @@ def _serve_compute(ctx, endpoint, requests, device_spec, threads, identity, name
     except Exception as e:
         pair.send_multipart(P.pack("ERROR", 0, **P.error_fields(e, identity, f"opening device {device_spec}")))
         return
-    peers = PeerLinks(ctx, name, shard, requests, lambda frames: pair.send_multipart(frames, copy=False), P,
+    peers = PeerLinks(ctx, name, shard, requests, lambda frames: pair.send_multipart(frames, copy=False),
                       keydir=keydir, peer_keys=peer_keys)
     try:
         while True:
@@ -170,7 +170,7 @@ def run(args):
                                      pid=os.getpid(), version=__version__, threads=args.threads,
                                      description=first.fields["description"], peer_endpoints=peer_endpoints,
                                      host_key=host_key(), ipc_token=ipc_token))
-        welcome = _await_welcome(dealer, args, P)
+        welcome = _await_welcome(dealer, args)
         if welcome is None:
             return                                  # SHUTDOWN while waiting to join
         needed = int(welcome.fields.get("message_limit") or 0)
@@ -185,7 +185,7 @@ def run(args):
         heartbeats = _heartbeat_socket(ctx, args.connect, welcome.fields, args.curve)
         print(f"hetconv-worker {identity}: serving {first.fields['description']} for {args.connect}; "
               f"peers reach it at {' '.join(peer_endpoints)}", flush=True)
-        _io_loop(dealer, pair, inbox, requests, args, P, heartbeats, identity)
+        _io_loop(dealer, pair, inbox, requests, args, heartbeats, identity)
     finally:
         if heartbeats is not None:
             heartbeats.close(linger=0)
@@ -210,7 +210,7 @@ def wait_seconds(fields):
     return float(seconds) if math.isfinite(seconds) and seconds >= 0 else None
 
 
-def _await_welcome(dealer, args, P):
+def _await_welcome(dealer, args):
     """WELCOME, or None when the coordinator sent SHUTDOWN instead. A WAIT (a run admits a joiner
     only at its next snapshot, which can be minutes away) moves the deadline to its estimate plus
     --connect-timeout."""
@@ -297,7 +297,7 @@ def _alive(pid):
         return True
 
 
-def _io_loop(dealer, pair, inbox, requests, args, P, heartbeats=None, identity=""):
+def _io_loop(dealer, pair, inbox, requests, args, heartbeats=None, identity=""):
     """Every send to the coordinator is NOBLOCK: a coordinator that is gone (or stopped reading)
     fills the link's queue, and a blocking send would hold this loop, its idle timeout and
     SHUTDOWN handling, for good. A reply the link cannot take waits here (no further reply is
