@@ -1,6 +1,6 @@
 """The cost model: a step's time, speedup and wire bytes, predicted from calibrated device timings,
 layer shapes, batch size and link bandwidth — before anything is bought or wired. The
-`hetconv-plan` command (hetconv/plan.py) measures what this model needs and prints it.
+`hetconv-plan` command (hetconv/cli/plan.py) measures what this model needs and prints it.
 
 The model of one step, phase by phase (each conv layer's forward, then each one's backward):
 - Device time: from calibration, per layer and call (one per micro-batch), seconds = call +
@@ -19,7 +19,7 @@ The model of one step, phase by phase (each conv layer's forward, then each one'
   CPU falls in time the devices wait anyway, and is not charged).
 - Coordinator: FC layers, loss, concatenating channel slices and summing partial dX, measured
   on this host and added once per step (the workers are idle meanwhile: a step is synchronous).
-Everything here is pure: no clocks, no sockets, no devices (those are in hetconv/plan.py).
+Everything here is pure: no clocks, no sockets, no devices (those are in hetconv/cli/plan.py).
 """
 from dataclasses import asdict, dataclass
 import re
