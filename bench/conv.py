@@ -494,6 +494,15 @@ def auto_check_markdown(doc):
 
 
 # ---- main ---------------------------------------------------------------------------------------
+def direct_options(args):
+    """The CPU device's options for the "hetconv" contender. Beside the FFT path (--fft), "auto"
+    would time the FFT path too and pick it, so there it stays on its untimed rule: the direct
+    path (shifted GEMMs or im2col) it takes without timing."""
+    if args.fft and args.cpu_conv_path == "auto":
+        return {"conv_path": "auto", "auto_timed_min_flops": float("inf")}
+    return {"conv_path": args.cpu_conv_path}
+
+
 def fmt(v, digits=1):
     return "-" if v is None else f"{v:.{digits}f}"
 
@@ -566,7 +575,9 @@ def main():
               f"machine: {_common.cpu_model()}; {_common.load_average()} at start",
               f"BLAS env: {BLAS_ENV_NOTE}",
               f"hetconv cpu conv path: {args.cpu_conv_path} (auto: the fastest path by timing where a call is over "
-              f"20 MFLOP, else shifted GEMMs where C*kw >= 64, im2col below)",
+              f"20 MFLOP, else shifted GEMMs where C*kw >= 64, im2col below)"
+              + ("; with --fft, the direct contender is auto's untimed rule (shifted GEMMs where C*kw >= 64 and "
+                 "K < 0.4 C*kw, else im2col)" if args.fft and args.cpu_conv_path == "auto" else ""),
               *(f"BLAS: {line}" for line in _common.blas_info()),
               *_common.torch_info(torch)]
     print("\n".join(header), flush=True)
@@ -606,7 +617,7 @@ def main():
             dev = devices[None]
             print(f"timing {dev.describe()}" + (" vs torch on the same GPU" if torch_dev else ""), flush=True)
         else:
-            dev = open_device("cpu", threads=threads, conv_path=args.cpu_conv_path)   # sets Numba's (process-wide) and BLAS threads
+            dev = open_device("cpu", threads=threads, **direct_options(args))   # sets Numba's (process-wide) and BLAS threads
             fft_dev = open_device("cpu", threads=threads, conv_path="fft") if with_fft else None
             share_dev = open_device("cpu", threads=threads, conv_path="fft") if with_fft and args.fft_share else None
             torch.set_num_threads(threads)

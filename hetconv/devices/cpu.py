@@ -84,9 +84,9 @@ CONV_PATHS = ("auto", "im2col", "shifted", "fft")
 # "auto" times the paths a layer can take (im2col; shifted and FFT at stride 1, FFT within its
 # budget) on the first call with each shape: forward and backward with dX on the call's own input
 # and weights, one warm-up run per path, then AUTO_TIMED_ROUNDS rounds (or more, below) in
-# alternating order, the fastest minimum kept for that shape from then on. That costs ~3 steps of the layer per path
-# once (conv2 whole at N=32, one thread: ~25 s), so below AUTO_TIMED_MIN_FLOPS forward FLOPs
-# per call the rule above stays, untimed: there a call takes under a millisecond, the paths
+# alternating order, the fastest minimum kept for that shape from then on. That costs up to ~3
+# steps of the layer per path, once per shape (calibration's warm-up call absorbs it), so below
+# AUTO_TIMED_MIN_FLOPS forward FLOPs per call the rule above stays, untimed: there a call takes under a millisecond, the paths
 # differ by less than that, and the first use of a path (Numba loading its kernels, the work
 # buffers' first touch) costs tens of milliseconds. The test suite's small layers stay there.
 AUTO_TIMED_MIN_FLOPS = 20e6
@@ -740,8 +740,9 @@ class CpuDevice(Device):
         return choice
 
     def _time_paths(self, candidates, x, w, stride, padding, block):
-        """{path: seconds}: the fastest of AUTO_TIMED_ROUNDS forward+backward runs (with dX) after
-        one warm-up, on this call's x and w, the paths alternating within each round."""
+        """{path: seconds}: each path's fastest forward+backward run (with dX) on this call's x and
+        w, after one warm-up run each, over AUTO_TIMED_ROUNDS rounds or more (see
+        AUTO_TIMED_MIN_SECONDS), the order alternating between rounds."""
         b = np.zeros(w.shape[0], np.float32)
 
         def run(path):
