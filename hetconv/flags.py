@@ -4,6 +4,7 @@ import argparse
 import math
 import os
 import re
+import sys
 
 
 def parse_int_list(flag, text, allow_empty):
@@ -119,3 +120,11 @@ def check_output_dir(flag, path):
         raise ValueError(f"{flag} {path!r} cannot be created: {e.strerror or e}") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise ValueError(f"{flag} {path!r} is not writable")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line (the usage is one --help away)."""
+
+    def error(self, message):
+        print(f"{self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)

@@ -20,6 +20,7 @@ from hetconv.train.loop import train
 torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install 'hetconv[torch]')")
 from hetconv.cli import classify  # noqa: E402
 from hetconv.cli import evaluate
+from hetconv.train import trained_model
 from hetconv.cli import export
 from hetconv.net.torch_import import to_torch  # noqa: E402
 
@@ -39,9 +40,9 @@ def run(tmp_path_factory):
 def reference(run):
     """The test images as an exported model takes them (float32 in [0, 1]), their labels, and
     hetconv's own logits for them (in-process, as hetconv-eval computes them)."""
-    model = evaluate.load_model(run[0])
-    ds = evaluate.load_test_data(model)
-    logits = evaluate.InProcessModel(model, threads=1).logits(model.normalize(ds.test_x))
+    model = trained_model.load_model(run[0])
+    ds = trained_model.load_test_data(model)
+    logits = trained_model.InProcessModel(model, threads=1).logits(model.normalize(ds.test_x))
     return ds.test_x.astype(np.float32) / 255, ds.test_y, logits
 
 
@@ -75,7 +76,7 @@ def test_eval_json_is_the_runs_own_test_evaluation(run, reference):
     predicted = logits.argmax(axis=1)
     np.testing.assert_array_equal(confusion, [[int(((labels == t) & (predicted == p)).sum()) for p in range(10)]
                                               for t in range(10)])
-    assert [c["class"] for c in result["per_class"]] == list(evaluate.load_model(directory).classes)
+    assert [c["class"] for c in result["per_class"]] == list(trained_model.load_model(directory).classes)
     for t, c in enumerate(result["per_class"]):
         assert c["images"] == int((labels == t).sum())
         assert c["accuracy"] == pytest.approx(confusion[t, t] / c["images"])
@@ -85,7 +86,7 @@ def test_eval_table_names_every_class(run, capsys):
     assert evaluate.main([run[0], "--threads", "1"]) == 0
     out = capsys.readouterr().out
     assert f"accuracy {run[1]['test_accuracy']:.4f}" in out
-    assert all(name in out for name in evaluate.load_model(run[0]).classes)
+    assert all(name in out for name in trained_model.load_model(run[0]).classes)
     assert "confusion" in out
 
 
@@ -93,7 +94,7 @@ def test_a_checkpoint_without_network_and_data_meta_is_read_with_named_assumptio
     from hetconv.data import CIFAR10_CLASSES, CIFAR10_MEAN
     meta, conv, fc, _ = checkpoint.load_newest_valid(run[0])
     checkpoint.save(str(tmp_path), meta["step"], meta["epoch"], Config.from_json(meta["config"]), conv, fc)
-    model = evaluate.load_model(str(tmp_path))
+    model = trained_model.load_model(str(tmp_path))
     assert model.spec == NetSpec.from_json(meta["network"])
     assert model.classes == list(CIFAR10_CLASSES) and model.data["mean"] == list(CIFAR10_MEAN)
     assert len(model.notes) == 2 and "network" in model.notes[0] and "CIFAR-10" in model.notes[1]
@@ -181,7 +182,7 @@ def test_classify_png_files_as_the_exported_model_does(run, reference, exported_
     module = torch.export.load(exported_torch).module()
     with torch.no_grad():
         probabilities = torch.softmax(module(torch.from_numpy(uint8.astype(np.float32) / 255)), dim=1).numpy()
-    classes = evaluate.load_model(run[0]).classes
+    classes = trained_model.load_model(run[0]).classes
     assert [row["image"] for row in rows] == paths
     for row, p in zip(rows, probabilities):
         assert row["top"][0]["class"] == classes[int(p.argmax())]
@@ -193,7 +194,7 @@ def test_classify_converts_a_grey_image_to_the_networks_channels(run, tmp_path, 
     Image = pytest.importorskip("PIL.Image", reason="reading images is an optional extra")
     grey = np.arange(32 * 32, dtype=np.uint32).reshape(32, 32).astype(np.uint8)
     Image.fromarray(grey).save(tmp_path / "grey.png")
-    model = evaluate.load_model(run[0])
+    model = trained_model.load_model(run[0])
     np.testing.assert_array_equal(classify.read_image(str(tmp_path / "grey.png"), model), np.stack([grey] * 3))
     assert classify.main([run[0], str(tmp_path / "grey.png"), "--top", "2", "--threads", "1"]) == 0
     assert capsys.readouterr().out.startswith(f"{tmp_path / 'grey.png'}: ")

@@ -13,7 +13,8 @@ import sys
 
 import numpy as np
 
-from hetconv.cli.evaluate import InProcessModel, ModelError, OneLineParser, load_model, log_softmax
+from hetconv.flags import OneLineParser
+from hetconv.train.trained_model import InProcessModel, ModelError, load_model, log_softmax
 
 IMAGES_INSTALL = "pip install 'hetconv[images]' (in a checkout: pip install -e '.[images]')"
 FORMATS = ("PNG", "JPEG")

@@ -20,9 +20,9 @@ import warnings
 
 import numpy as np
 
-from hetconv.cli.evaluate import ModelError, OneLineParser, load_model
-from hetconv.flags import check_output_file
+from hetconv.flags import OneLineParser, check_output_file
 from hetconv.net.torch_import import import_torch, to_torch
+from hetconv.train.trained_model import ModelError, load_model
 
 FORMATS = ("torch", "onnx", "npz")
 ONNX_INSTALL = "pip install 'hetconv[onnx]' (in a checkout: pip install -e '.[onnx]')"
