@@ -27,7 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def _cost_prediction(specs, fc, image, batch, counts, profiles, link, n_workers, local_profile=None,
                      exchange="peer", micro_batches=1, wire="float32", coordinator_s=None):
     from hetconv.engine import costmodel as cm
-    from hetconv.cli.plan import measure_coordinator_s
+    from hetconv.engine.measure import measure_coordinator_s
     from hetconv.transport.wire import value_bytes
     if coordinator_s is None:
         coordinator_s = measure_coordinator_s(specs, fc, image, batch, n_workers)
@@ -47,7 +47,7 @@ def model_link(name, framing="ethernet", wire_cpu_s_per_byte=0.0):
     hosts' compute cores where they share them (bench/_wire_cpu.py)."""
     from hetconv.engine import costmodel as cm
     if name == "loopback":
-        from hetconv.cli.plan import measure_loopback
+        from hetconv.engine.measure import measure_loopback
         link = cm.Link(measure_loopback(), name="loopback (measured)")
     else:
         link = cm.parse_bandwidth(name, framing=cm.TBF_FRAMING if framing == "tbf" else cm.ETHERNET_FRAMING)
@@ -79,7 +79,7 @@ def run_one(spec):
     from threadpoolctl import threadpool_limits
 
     from hetconv.engine import costmodel as cm
-    from hetconv.cli import plan as planning
+    from hetconv.engine import measure as planning
     from hetconv.train.config import Config
     from hetconv.geometry import conv_specs, layer_input_shapes
     from hetconv.train.loop import train

@@ -4,8 +4,8 @@ and print the cost model's step time, speedup and wire bytes for one to all of t
     hetconv-plan --devices cpu:1x4 --bandwidth 1gbit       # four 1-thread CPUs like this one, 1 GbE
     hetconv-plan --devices cpu:1,@gpu-host.json --bandwidth 10gbit
 
-The measuring helpers (calibration in this process, loopback bandwidth, the coordinator's own
-share of a step) live here, with their clocks and sockets; the model itself is hetconv.costmodel.
+What it measures comes from engine.measure (calibration in this process, loopback bandwidth, the
+coordinator's own share of a step); the model itself is engine.costmodel.
 Each conv layer is priced in both modes (model: kernels split; data: images split) and the
 cheapest chain is chosen (hetconv.engine.planner.choose_modes), unless --parallel forces one.
 """
@@ -13,165 +13,20 @@ import argparse
 from dataclasses import asdict, replace
 import json
 import sys
-import threading
-import time
 
-import numpy as np
-import zmq
-
-from hetconv.devices import DeviceError, open_device, parse_device_list
-from hetconv.engine.contract import ShardEngine
-from hetconv.engine.costmodel import (DeviceProfile, LayerCost, Link, dominant_term, layer_geometry, parse_bandwidth,
-                                      predict_any, predict_local)
+from hetconv.devices import DeviceError, parse_device_list
+from hetconv.engine.costmodel import Link, dominant_term, parse_bandwidth, predict_any, predict_local
+from hetconv.engine.measure import calibrate_local, load_profiles, measure_coordinator_s, measure_loopback
 from hetconv.engine.microbatch import micro_batch_count
 from hetconv.engine.planner import PlanError, choose_modes, make_plan
-from hetconv.engine.shard import ConvShard
 from hetconv.flags import HelpFormatter, check_output_file
 from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES, ConvSpec, layer_input_shapes
-from hetconv.net.head import Network, paper_head
 from hetconv.train.config import Config, add_config_flags
 from hetconv.transport.wire import value_bytes
 
 # the flags this command shares with the coordinator: their defaults and help come from Config
 NETWORK_FLAGS = ("net", "conv", "fc", "ksize", "padding", "batch_size", "calibration_batch", "split", "exchange", "micro_batches",
                  "wire_dtype", "parallel")
-
-
-def _timing_engine(specs, image_shape, batch, n, rng):
-    """Stands in for `n` workers so the coordinator's own share of a step can be timed: the
-    engine's real concatenation and dX sum around ready-made replies (no shard computes)."""
-
-    geometry = layer_geometry(specs, image_shape, batch)
-    names = [f"w{i}" for i in range(n)]
-
-    class TimingEngine(ShardEngine):
-        workers = names
-
-        def __init__(self):
-            super().__init__()
-            self.plan = make_plan([s.kernels for s in specs], {w: None for w in names}, "equal")
-            self.specs = list(specs)                 # what load() would have recorded
-            self.outputs = [{w: rng.random((b, lp.count(w), hp, wp), dtype=np.float32) for w in names}
-                            for lp, (_, (b, hp, wp)) in zip(self.plan.layers, geometry)]
-            self.partials = [np.ones(shape, np.float32) for shape, _ in geometry]
-
-        def _call(self, requests, doing, layer=None):
-            replies = {}
-            for name, (op, arrays, fields) in requests.items():
-                if op == "FORWARD":
-                    replies[name] = ([self.outputs[layer][name]], {})
-                else:
-                    replies[name] = ([self.partials[layer]] if fields["need_dx"] else [], {})
-            return replies
-
-    return TimingEngine()
-
-
-def measure_coordinator_s(specs, head, image_shape, batch, n_workers, repeats=3):
-    """Seconds of coordinator work per step (FC, loss, concatenation, dX sum) on this host.
-    `head`: the network's layers after flatten (JSON form), or the paper family's hidden FC widths."""
-    rng = np.random.default_rng(0)
-    engine = _timing_engine(specs, image_shape, batch, n_workers, rng)
-    if all(isinstance(layer, int) for layer in head):
-        head = paper_head(head, NUM_CLASSES)
-    _, feature_shape = layer_input_shapes(specs, 1, image_shape)
-    net = Network(specs, head, engine, rng, feature_shape)
-    x = np.zeros((batch,) + tuple(image_shape), np.float32)
-    labels = rng.integers(0, 10, batch)
-    best = float("inf")
-    for rep in range(repeats + 1):
-        t0 = time.perf_counter()
-        net.train_step(x, labels, 1e-6, 0.0, 0.0)
-        if rep:
-            best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def measure_loopback(megabytes=64, repeats=3):
-    """Bytes/s of one large ZeroMQ message over TCP on 127.0.0.1, one way, as hetconv sends them."""
-
-    ctx = zmq.Context()
-    try:
-        rx, tx = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-        rx.linger = tx.linger = 0
-        port = rx.bind_to_random_port("tcp://127.0.0.1")
-        tx.connect(f"tcp://127.0.0.1:{port}")
-        payload = np.ones(megabytes << 18, np.float32)            # megabytes MiB
-        best = float("inf")
-        for _ in range(repeats + 1):
-            done = threading.Event()
-            threading.Thread(target=lambda: (rx.recv(copy=False), done.set()), daemon=True).start()
-            t0 = time.perf_counter()
-            tx.send(payload, copy=False)
-            if not done.wait(30):
-                raise RuntimeError("loopback measurement: no message arrived within 30s")
-            best = min(best, time.perf_counter() - t0)
-        return payload.nbytes / best
-    finally:
-        ctx.destroy(linger=0)
-
-
-def calibrate_local(device_spec, specs, input_shapes, kernels, threads=None, repeats=3, also=None):
-    """A DeviceProfile for a device in this process (what a worker on it would report). With
-    `also` (other kernel counts), two profiles from calibrations that alternate round by round,
-    each value the median over rounds: a host whose speed drifts (other tenants) then skews both
-    alike, and their ratio (a speedup) stays put."""
-    options = {"threads": threads} if device_spec == "cpu" and threads else {}
-    device = open_device(device_spec, **options)
-    shard = ConvShard(device)
-    name = f"{device_spec}:{threads}" if threads else device_spec
-
-    def profile(timings):
-        return DeviceProfile(name, device_spec, device.describe(), tuple(LayerCost.fit(t) for t in timings))
-
-    if also is None:
-        return profile(shard.calibrate(specs, input_shapes, kernels, repeats=repeats)[1])
-    rounds = {0: [], 1: []}
-    for _ in range(repeats):
-        for i, counts in enumerate((kernels, also)):
-            rounds[i].append(shard.calibrate(specs, input_shapes, counts, repeats=1)[1])
-    return tuple(profile([_median_of(layer_rounds) for layer_rounds in zip(*rounds[i])]) for i in (0, 1))
-
-
-def _median_of(values):
-    """The element-wise median of equally shaped calibration timings (dicts, lists, numbers)."""
-    first = values[0]
-    if isinstance(first, dict):
-        return {k: _median_of([v[k] for v in values]) for k in first}
-    if isinstance(first, list):
-        return [_median_of(list(col)) for col in zip(*values)]
-    if isinstance(first, float):
-        return float(np.median(values))
-    return first                                    # batch, kernel counts: the same in every round
-
-
-# ---- command line ----------------------------------------------------------------------------
-
-def load_profiles(path, n_layers):
-    """Every DeviceProfile saved in `path` (a file written by --save-profiles: one profile or a
-    list). Raises ValueError naming the file and what is wrong with it."""
-    try:
-        with open(path) as f:
-            saved = json.load(f)
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read a saved profile: {e.strerror or e}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not a saved profile (not JSON: {e})") from None
-    saved = saved if isinstance(saved, list) else [saved]
-    profiles = []
-    for d in saved:
-        try:
-            profile = DeviceProfile.from_json(d)
-        except KeyError as e:
-            raise ValueError(f"{path}: not a saved profile: missing key {e}") from None
-        except (TypeError, AttributeError) as e:
-            raise ValueError(f"{path}: not a saved profile ({e})") from None
-        if len(profile.layers) != n_layers:
-            raise ValueError(f"{path}: profile {profile.name!r} has {len(profile.layers)} layers, --conv has {n_layers}")
-        profiles.append(profile)
-    if not profiles:
-        raise ValueError(f"{path}: holds no profile")
-    return profiles
 
 
 def build_parser():
