@@ -26,7 +26,7 @@ from zmq.utils.monitor import recv_monitor_message
 from hetconv.engine.contract import (ShardEngine, WorkerError, WorkerLost,  # noqa: F401  (raised here, caught by callers)
                                      concat_channels)
 from hetconv.engine.costmodel import profiles_from_calibration
-from hetconv.engine.planner import PlanError, make_plan, plan_from_lines
+from hetconv.engine.planner import PlanError, image_ranges, make_plan, plan_from_lines
 from hetconv.transport import keys
 from hetconv.transport import protocol as P
 from hetconv.transport.keys import authenticated_key, handshake_refusal, read_key_folder
@@ -585,12 +585,15 @@ class RemoteEngine(ShardEngine):
             raise WorkerLost(f"worker(s) {', '.join(missing)} announced no peer address: they cannot take part in "
                              f"--exchange peer (use --exchange star, or a hetconv-worker of this version)")
         ranges = [{name: list(lp.ranges[name]) for name in self.plan.workers} for lp in self.plan.layers]
+        modes = self.plan.modes()
+        images = [{name: int(lp.images[name]) for name in self.plan.workers} if lp.mode == "data" else {}
+                  for lp in self.plan.layers]
         # Twice: first every worker learns whom to admit, then they connect. With keys, a peer
         # that connects before its inbox knows it is refused, and libzmq does not retry a CURVE
         # handshake that ZAP denied: its slices would never arrive. One more round trip per plan.
         for connect in (False, True):
-            self._call({name: ("PEERS", [], {"peers": peers, "ranges": ranges, "you": name, "timeout": self.op_timeout,
-                                             "connect": connect})
+            self._call({name: ("PEERS", [], {"peers": peers, "ranges": ranges, "modes": modes, "images": images,
+                                             "you": name, "timeout": self.op_timeout, "connect": connect})
                         for name in self.plan.workers}, "connecting workers to each other")
 
     def conv_step(self, xs, head, sgd):
@@ -606,15 +609,16 @@ class RemoteEngine(ShardEngine):
         return self._peer_step([x], None, None)[0]
 
     def _peer_step(self, xs, head, sgd):
-        """One STEP through the workers: images out (each worker 1/P of every micro-batch), the
-        last layer's channel slices in, per micro-batch; with a head (training), FC work here on
-        micro-batch m while the workers compute m+1, and its gradient slices back out. Returns
-        the last layer's features per micro-batch when there is no head."""
+        """One STEP through the workers: images out (each worker 1/P of every micro-batch, or its
+        rows when the first layer is data-parallel), the last layer's blocks in, per micro-batch
+        (channel slices of a model layer, rows of a data layer); with a head (training), FC work
+        here on micro-batch m while the workers compute m+1, and the gradient's matching blocks
+        back out. Returns the last layer's features per micro-batch when there is no head."""
         self.step_id += 1
         step, names, micros = self.step_id, self.plan.workers, len(xs)
         train = head is not None
         doing = f"{'training' if train else 'inference'} step {step}"
-        last = self.plan.layers[-1]
+        first, last = self.plan.layers[0], self.plan.layers[-1]
         hw = tuple(xs[0].shape[2:])                            # each layer's pooled output, from the specs
         for layer in range(len(self.specs)):
             hw = self.pooled_output_hw(layer, hw)
@@ -622,12 +626,19 @@ class RemoteEngine(ShardEngine):
         pending = {}
         for name in names:
             seq = self._send(self.peers[name], "STEP", doing=doing, step=step, micro_batches=micros, train=train,
-                             sgd=None if sgd is None else [float(v) for v in sgd])
+                             sgd=None if sgd is None else [float(v) for v in sgd], sizes=[len(x) for x in xs])
             pending[seq] = name
         for m, x in enumerate(xs):
-            rows = np.array_split(np.ascontiguousarray(x), len(names))
+            x = np.ascontiguousarray(x)
+            if first.mode == "data":                           # each its own rows: nothing is all-gathered
+                rows = [x[r0:r1] for r0, r1 in (image_ranges(first, len(x))[name] for name in names)]
+            else:
+                rows = np.array_split(x, len(names))
             for name, piece in zip(names, rows):
                 self._send(self.peers[name], "INPUT", [encode(piece, self.wire)], doing=doing, step=step, micro=m)
+        # the last layer's block of each worker: its kernels of every row (model), or its rows of
+        # every kernel (data); the features are their concatenation by channels or by rows
+        blocks = [image_ranges(last, len(x)) if last.mode == "data" else None for x in xs]
         slices = [dict() for _ in range(micros)]
         features, next_micro = [None] * micros, 0
         for peer, msg in self._incoming(pending, doing):
@@ -635,25 +646,36 @@ class RemoteEngine(ShardEngine):
                 continue                                       # from an abandoned step
             if msg.op == "FEATURES":
                 m = msg.fields.get("micro")
-                k = last.ranges[peer.name][1] - last.ranges[peer.name][0] if peer.name in last.ranges else -1
                 got = tuple(msg.arrays[0].shape) if msg.arrays else ()
-                if not isinstance(m, int) or not 0 <= m < micros or got != (len(xs[m]), k) + hw:
+                known = isinstance(m, int) and not isinstance(m, bool) and 0 <= m < micros and peer.name in last.ranges
+                if known and last.mode == "data":
+                    r0, r1 = blocks[m][peer.name]
+                    expected = (r1 - r0, last.kernels) + hw
+                elif known:
+                    expected = (len(xs[m]), last.count(peer.name)) + hw
+                if not known or got != expected:
                     raise WorkerError(peer.label(), doing, "ShapeError",
                                       f"FEATURES for micro-batch {m!r} with shape {got}: the plan expects "
-                                      f"({len(xs[m]) if isinstance(m, int) and 0 <= m < micros else 'N'}, {k}, "
-                                      f"{hw[0]}, {hw[1]}) for micro-batches 0..{micros - 1}", "")
+                                      f"{expected if known else 'its block'} for micro-batches 0..{micros - 1}", "")
                 if slices[m] is None or peer.name in slices[m]:
                     continue                                   # a duplicate: the first one counted
                 slices[m][peer.name] = decode(msg.arrays[0], self.wire)
                 # in micro-batch order, so the FC gradients add up in the same order as anywhere else
                 while next_micro < micros and len(slices[next_micro]) == len(names):
-                    h = concat_channels([slices[next_micro][n] for n in names])
+                    parts = [slices[next_micro][n] for n in names]
+                    h = (parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)) if last.mode == "data" \
+                        else concat_channels(parts)
                     slices[next_micro] = None
                     if train:
                         grad = head(next_micro, h)
                         for name in names:
-                            s, e = last.ranges[name]
-                            self._send(self.peers[name], "GRAD", [encode(np.ascontiguousarray(grad[:, s:e]), self.wire)],
+                            if last.mode == "data":
+                                r0, r1 = blocks[next_micro][name]
+                                block = grad[r0:r1]
+                            else:
+                                s, e = last.ranges[name]
+                                block = grad[:, s:e]
+                            self._send(self.peers[name], "GRAD", [encode(np.ascontiguousarray(block), self.wire)],
                                        doing=doing, step=step, micro=next_micro)
                     else:
                         features[next_micro] = h

@@ -13,7 +13,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from hetconv.engine.costmodel import profiles_from_calibration
-from hetconv.engine.planner import make_plan, replan
+from hetconv.engine.planner import PlanError, cost_lines, make_plan, replan
 from hetconv.transport.wire import decode, encode
 
 
@@ -153,7 +153,11 @@ class ShardEngine:
 
     # ---- written once ------------------------------------------------------------------------------
     def load(self, plan, specs, params):
-        """params: per layer (w, b, vw, vb) full arrays (momentum may be None)."""
+        """params: per layer (w, b, vw, vb) full arrays (momentum may be None); a data layer's
+        range is every kernel, so each of its workers gets the whole layer."""
+        if self.exchange != "peer" and len(plan.workers) > 1 and "data" in plan.modes():
+            raise PlanError(f"--exchange {self.exchange} sends every layer through the coordinator and splits only "
+                            f"kernels: data-parallel layers ({plan.modes()}) need --exchange peer")
         self.plan, self.specs = plan, list(specs)
         for lp, spec, (w, b, vw, vb) in zip(plan.layers, specs, params):
             requests = {}
@@ -232,13 +236,16 @@ class ShardEngine:
         return h
 
     def gather(self):
+        """A model layer's slices concatenated in plan order; a data layer's one copy (every
+        worker holds the same weights and momenta), from the plan's first worker."""
         out = []
         for lp in self.plan.layers:
-            replies = self._call({name: ("FETCH", [], {"layer": lp.layer}) for name in self.plan.workers},
+            holders = self.plan.workers[:1] if lp.mode == "data" else self.plan.workers
+            replies = self._call({name: ("FETCH", [], {"layer": lp.layer}) for name in holders},
                                  f"gathering conv{lp.layer + 1}'s weights")
             spec, doing = self.specs[lp.layer], f"fetching conv{lp.layer + 1}"
             parts = []
-            for name in self.plan.workers:
+            for name in holders:
                 s, e = lp.ranges[name]
                 w_shape = (e - s, spec.in_channels, spec.kh, spec.kw)
                 parts.append(tuple(self._reply_array(replies, name, i, shape, doing)

@@ -101,6 +101,34 @@ class ConvShard:
             sl.dw = sl.db = None
         return dx
 
+    def take_gradients(self, layer):
+        """(dW, db) summed over the step's micro-batches so far, as numpy float32, and forgotten
+        here: a data-parallel layer's share of the step's gradient, which the workers sum among
+        themselves before apply_update. Zeros when this shard had no images of the step."""
+        sl = self._layer(layer)
+        d = self.device
+        if sl.dw is None:
+            dw, db = np.zeros(sl.w.shape, np.float32), np.zeros(sl.b.shape, np.float32)
+        else:
+            dw, db = np.asarray(d.download(sl.dw), np.float32), np.asarray(d.download(sl.db), np.float32)
+        sl.dw = sl.db = None
+        return dw, db
+
+    def apply_update(self, layer, dw, db, sgd):
+        """The step's one SGD update of a layer with given gradients (a data-parallel layer's,
+        summed over every worker): every worker given the same arrays holds the same weights
+        after it, bit for bit. sgd = (lr, momentum, weight_decay); no decay on biases."""
+        sl = self._layer(layer)
+        if tuple(dw.shape) != tuple(sl.w.shape) or tuple(db.shape) != tuple(sl.b.shape):
+            raise ShardError(f"layer {layer}: gradients {tuple(dw.shape)} / {tuple(db.shape)} do not match its weights "
+                             f"{tuple(sl.w.shape)} / {tuple(sl.b.shape)}")
+        lr, momentum, weight_decay = sgd
+        self.device.sgd_(sl.w, sl.vw, self.device.upload(np.ascontiguousarray(dw, np.float32)), lr, momentum,
+                         weight_decay)
+        if sl.spec.bias:                                                 # a layer without bias keeps b at 0
+            self.device.sgd_(sl.b, sl.vb, self.device.upload(np.ascontiguousarray(db, np.float32)), lr, momentum, 0.0)
+        sl.dw = sl.db = None
+
     def fetch(self, layer):
         """(w, b, vw, vb) as numpy, for checkpoints."""
         sl = self._layer(layer)

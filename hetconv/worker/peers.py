@@ -24,7 +24,8 @@ import time
 import numpy as np
 import zmq
 
-from hetconv.engine.contract import concat_channels, sum_in_order
+from hetconv.engine.contract import sum_in_order
+from hetconv.engine.planner import MODES, LayerPlan, image_ranges
 from hetconv.transport import protocol
 from hetconv.transport.keys import connect_peer
 from hetconv.transport.sockets import host_key, ipc_reachable
@@ -35,7 +36,43 @@ class StepAbandoned(RuntimeError):
     """The coordinator gave up on the step this worker was in (and will not wait for its reply)."""
 
 
-PHASES = ("images", "forward", "backward")    # a SLICE's phase
+PHASES = ("images", "forward", "backward", "dweights")    # a SLICE's phase
+
+
+# A block of a layer's input or output, (N, C, H, W), is (row0, row1, channel0, channel1): the
+# rows and channels it covers, every H and W. Each worker holds one block of every layer's output
+# and needs one block of every layer's input; between layers each sends every peer what it holds
+# of what that peer needs.
+
+def held_blocks(lp, n):
+    """Per worker, the block of layer `lp`'s output (a micro-batch of n images) it computes:
+    every row of its kernels (model), or its rows of every kernel (data)."""
+    if lp.mode == "data":
+        return {w: (r0, r1, 0, lp.kernels) for w, (r0, r1) in image_ranges(lp, n).items()}
+    return {w: (0, n, s, e) for w, (s, e) in lp.ranges.items()}
+
+
+def needed_blocks(lp, channels, n):
+    """Per worker, the block of layer `lp`'s input (`channels` of them) it computes on: every row
+    (model) or its own rows (data), every channel."""
+    if lp.mode == "data":
+        return {w: (r0, r1, 0, channels) for w, (r0, r1) in image_ranges(lp, n).items()}
+    return {w: (0, n, 0, channels) for w in lp.ranges}
+
+
+def intersect(a, b):
+    """The block two blocks share, or None when they share no element."""
+    r0, r1, c0, c1 = max(a[0], b[0]), min(a[1], b[1]), max(a[2], b[2]), min(a[3], b[3])
+    return (r0, r1, c0, c1) if r0 < r1 and c0 < c1 else None
+
+
+def within(block, outer):
+    """Index of `block` inside an array that holds block `outer` (block lies in outer)."""
+    return (slice(block[0] - outer[0], block[1] - outer[0]), slice(block[2] - outer[2], block[3] - outer[2]))
+
+
+def block_shape(block):
+    return (block[1] - block[0], block[3] - block[2])
 
 
 STEP_OPS = ("SLICE", "INPUT", "GRAD")        # what a step reads from its queue; any other op ends it
@@ -64,6 +101,7 @@ class PeerLinks:
         self.log = log or (lambda line: print(f"hetconv-worker: {line}", file=sys.stderr, flush=True))
         self.outboxes = {}                       # peer name -> PUSH socket
         self.order, self.ranges = [name], []
+        self.layer_plans = []                    # per layer: its mode, kernel ranges and (data) images
         self.step, self.micros = None, 0         # the step last started under this plan, its micro-batches
         self.held = {}                           # (step, phase, layer, micro, sender) -> array, arrived early
         self.dropped = 0                         # messages refused by _admit, all told
@@ -82,6 +120,7 @@ class PeerLinks:
         if self.name not in self.order:
             raise ValueError(f"this worker {self.name!r} is not among the plan's workers {self.order}")
         self.ranges = [{w: tuple(r) for w, r in layer.items()} for layer in fields["ranges"]]
+        self.layer_plans = self._layer_plans(fields)
         self.timeout = float(fields.get("timeout", 600.0))
         self.step, self.micros, self.held = None, 0, {}    # a new plan: its first step's id comes with its STEP
         others = [p for p in fields["peers"] if p["name"] != self.name]
@@ -115,6 +154,44 @@ class PeerLinks:
             self.outboxes[peer["name"]] = push
             routes[peer["name"]] = endpoint
         return {"routes": routes}
+
+    def _layer_plans(self, fields):
+        """PEERS' per-layer `modes` (absent: every layer model) and, for a data layer, `images`
+        (worker -> images of a batch) -> a LayerPlan per layer, checked: every layer names the
+        plan's workers, a data layer gives each of them every kernel and images >= 0."""
+        layers = len(self.ranges)
+        modes = fields.get("modes")
+        modes = ["model"] * layers if modes is None else modes
+        if not isinstance(modes, list) or len(modes) != layers or any(m not in MODES for m in modes):
+            raise ValueError(f"PEERS modes {modes!r:.80}: expected one of {', '.join(MODES)} for each of the plan's "
+                             f"{layers} layers")
+        images = fields.get("images")
+        images = [{}] * layers if images is None else images
+        if not isinstance(images, list) or len(images) != layers:
+            raise ValueError(f"PEERS images {images!r:.80}: expected one map per layer ({layers})")
+        plans = []
+        for li, (mode, ranges, counts) in enumerate(zip(modes, self.ranges, images)):
+            if sorted(ranges) != sorted(self.order) or not all(
+                    len(r) == 2 and _is_int(r[0]) and _is_int(r[1]) and 0 <= r[0] < r[1] for r in ranges.values()):
+                raise ValueError(f"PEERS ranges of layer {li} {ranges!r:.80}: expected [start, stop) of kernels for "
+                                 f"each of the plan's workers {self.order}")
+            kernels = max(stop for _, stop in ranges.values())
+            if mode == "data":
+                if not isinstance(counts, dict) or sorted(counts) != sorted(self.order) or not all(
+                        _is_int(v) and v >= 0 for v in counts.values()) or sum(counts.values()) < 1:
+                    raise ValueError(f"PEERS images of data layer {li} {counts!r:.80}: expected images >= 0 for each "
+                                     f"of the plan's workers {self.order}, at least one in all")
+                if any(r != (0, kernels) for r in ranges.values()):
+                    raise ValueError(f"PEERS ranges of data layer {li} {ranges!r:.80}: every worker holds every kernel")
+                counts = {w: counts[w] for w in self.order}     # image_ranges cuts rows in plan order
+            else:
+                bounds = [ranges[w] for w in self.order]
+                if bounds[0][0] != 0 or any(a[1] != b[0] for a, b in zip(bounds, bounds[1:])):
+                    raise ValueError(f"PEERS ranges of model layer {li} {ranges!r:.80}: expected contiguous kernel "
+                                     f"ranges from 0 in the plan's worker order {self.order}")
+                counts = {}
+            plans.append(LayerPlan(li, kernels, ranges, {}, mode, counts))
+        return plans
 
     def close(self):
         for sock in self.outboxes.values():
@@ -222,11 +299,17 @@ class PeerLinks:
         if msg.op != "SLICE":
             return (step, phase, layer, micro, sender)
         layers = len(self.ranges)
-        allowed = {"images": range(-1, 0), "forward": range(0, layers - 1), "backward": range(1, layers)}
+        first_data = bool(self.layer_plans) and self.layer_plans[0].mode == "data"
+        allowed = {"images": range(-1, -1 if first_data else 0), "forward": range(0, layers - 1),
+                   "backward": range(1, layers),
+                   "dweights": [lp.layer for lp in self.layer_plans if lp.mode == "data"]}
         if not isinstance(phase, str) or phase not in PHASES:
             return self._drop(msg, "phase", f"phase {phase!r:.40} is not one of {', '.join(PHASES)}")
         if not _is_int(layer) or layer not in allowed[phase]:
-            return self._drop(msg, "layer", f"{phase} layer {layer!r:.40} is outside the plan's {layers} layers")
+            return self._drop(msg, "layer", f"{phase} layer {layer!r:.40} is outside the plan's {layers} layers"
+                              + (" (or not a data-parallel one)" if phase == "dweights" else ""))
+        if phase == "dweights" and micro != 0:
+            return self._drop(msg, "micro", f"weight gradients for micro-batch {micro!r}: they travel once a step, as 0")
         if not isinstance(sender, str) or sender == self.name or sender not in self.order:
             return self._drop(msg, "sender", f"sender {sender!r:.60} is not another worker of the plan")
         # With keys the inbox knows which key each connection authenticated (ZAP), so a sender
@@ -266,91 +349,193 @@ class PeerLinks:
         self.wait_s = 0.0
 
     # ---- the step ------------------------------------------------------------------------------
+    def _sizes(self, fields, step, micros):
+        """STEP's `sizes` (images in each micro-batch), checked, or None where it is not given: a
+        data-parallel first layer's worker gets only its own rows, so it learns them here."""
+        sizes = fields.get("sizes")
+        if sizes is None:
+            return None
+        if not isinstance(sizes, list) or len(sizes) != micros or not all(_is_int(n) and n >= 1 for n in sizes):
+            raise ValueError(f"step {step}: STEP field 'sizes' must list {micros} image counts >= 1, got {sizes!r:.80}")
+        return sizes
+
+    def _first_inputs(self, step, micros, sizes, wire, others):
+        """-> ({micro-batch: this worker's input block of layer 0}, images per micro-batch). A data
+        first layer takes its own rows from the coordinator; a model one all-gathers the rows
+        (each worker got 1/P of every micro-batch)."""
+        lp, channels = self.layer_plans[0], self.shard.layers[0].spec.in_channels
+        got = self._await({(step, "INPUT", -1, m, "coordinator") for m in range(micros)}, step)
+        mine = [got[(step, "INPUT", -1, m, "coordinator")] for m in range(micros)]
+        for m, piece in enumerate(mine):
+            if piece.ndim != 4 or piece.shape[1] != channels:
+                raise ValueError(f"step {step}: images of micro-batch {m} have shape {piece.shape}, expected "
+                                 f"(N, {channels}, H, W)")
+        if lp.mode == "data":
+            if sizes is None:
+                raise ValueError(f"step {step}: STEP without 'sizes': the first layer is data-parallel, so this "
+                                 f"worker needs each micro-batch's image count")
+            inputs = {}
+            for m, piece in enumerate(mine):
+                r0, r1 = image_ranges(lp, sizes[m])[self.name]
+                inputs[m] = decode(self._check(f"step {step}: images of micro-batch {m}", "the coordinator", piece,
+                                               (r1 - r0,) + piece.shape[1:]), wire)
+            return inputs, list(sizes)
+        for m, piece in enumerate(mine):
+            for peer in others:
+                self._send_peer(peer, step, "images", -1, m, piece)
+        inputs = {}
+        for m in range(micros):
+            parts = self._await({(step, "images", -1, m, w) for w in others}, step)
+            own = mine[m]
+            rows = [own if w == self.name else
+                    self._check(f"step {step}: images of micro-batch {m}", w, parts[(step, "images", -1, m, w)],
+                                (parts[(step, "images", -1, m, w)].shape[0],) + own.shape[1:])
+                    for w in self.order]
+            inputs[m] = decode(np.concatenate(rows, axis=0) if len(rows) > 1 else rows[0], wire)
+        counts = [len(inputs[m]) for m in range(micros)]
+        if sizes is not None and sizes != counts:
+            raise ValueError(f"step {step}: the micro-batches have {counts} images, STEP's 'sizes' says {sizes}")
+        return inputs, counts
+
+    def _gather_input(self, step, layer, m, n, own_prev, wire):
+        """This worker's input block of `layer` for micro-batch m: what it holds of the layer
+        below's output, and from each peer the part of that peer's block it needs (model ->
+        model: an all-gather of channels; data -> data: nothing moves; data -> model: rows;
+        model -> data: an all-to-all)."""
+        below = held_blocks(self.layer_plans[layer - 1], n)
+        need = needed_blocks(self.layer_plans[layer], self.layer_plans[layer - 1].kernels, n)[self.name]
+        if below[self.name] == need:
+            return own_prev                      # this worker holds all it needs
+        senders = [w for w in self.order if w != self.name and intersect(below[w], need)]
+        parts = self._await({(step, "forward", layer - 1, m, w) for w in senders}, step)
+        hw = own_prev.shape[2:]
+        x = np.empty(block_shape(need) + hw, np.float32)
+        for w in self.order:
+            part = intersect(below[w], need)
+            if part is None:
+                continue
+            if w == self.name:
+                piece = own_prev[within(part, below[w])]
+            else:
+                piece = decode(self._check(f"step {step}: layer {layer - 1} output of micro-batch {m}", w,
+                                           parts[(step, "forward", layer - 1, m, w)], block_shape(part) + hw), wire)
+            x[within(part, need)] = piece
+        return x
+
+    def _gather_grad(self, step, layer, m, n, own_dx, wire, hw):
+        """This worker's block of dL/d(layer `layer`'s output) for micro-batch m: every worker's dX
+        of layer+1 over that block, summed in plan order (a model layer's partial dX: a
+        reduce-scatter; a data layer's dX is whole for its rows: it goes to their holders)."""
+        mine = held_blocks(self.layer_plans[layer], n)[self.name]
+        dx_blocks = needed_blocks(self.layer_plans[layer + 1], self.layer_plans[layer].kernels, n)
+        senders = [w for w in self.order if w != self.name and intersect(dx_blocks[w], mine)]
+        parts = self._await({(step, "backward", layer + 1, m, w) for w in senders}, step)
+        grad = np.zeros(block_shape(mine) + hw, np.float32)
+        for w in self.order:
+            part = intersect(dx_blocks[w], mine)
+            if part is None:
+                continue
+            if w == self.name:
+                piece = own_dx[within(part, dx_blocks[w])]
+            else:
+                piece = decode(self._check(f"step {step}: layer {layer + 1} partial dX of micro-batch {m}", w,
+                                           parts[(step, "backward", layer + 1, m, w)], block_shape(part) + hw), wire)
+            grad[within(part, mine)] += piece    # 0 + a is a: one contributor is copied exactly
+        return grad
+
+    def _send_blocks(self, step, phase, layer, m, array, block, receivers, wire):
+        """Send each peer the part of `array` (this worker's `block` of a tensor) that lies in the
+        peer's block of `receivers`; returns the array as the peers see it (rounded by the wire)."""
+        sent = encode(array, wire)
+        for peer in self.order:
+            if peer == self.name:
+                continue
+            part = intersect(block, receivers[peer])
+            if part is not None:
+                self._send_peer(peer, step, phase, layer, m, np.ascontiguousarray(sent[within(part, block)]))
+        return decode(sent, wire)
+
     def run_step(self, seq, fields):
         """STEP: run every layer forward (and backward when training) over the micro-batches."""
         protocol.check_fields("STEP", fields)
         step, micros, train = int(fields["step"]), int(fields["micro_batches"]), bool(fields["train"])
         wire = self.shard.wire                  # fixed for the plan by its LOADs
         sgd = None if fields.get("sgd") is None else tuple(float(v) for v in fields["sgd"])
-        layers = len(self.ranges)
+        sizes = self._sizes(fields, step, micros)
+        plans = self.layer_plans
+        layers = len(plans)
         self.start_step(step, micros)
         compute = [0.0] * layers
         others = [w for w in self.order if w != self.name]
+        in_hw, out_hw = [None] * layers, [None] * layers
 
-        outputs_prev = {}
-        # forward: images first, gathered by rows (each worker got 1/P of every micro-batch)
-        inputs = {}
-        mine = self._await({(step, "INPUT", -1, m, "coordinator") for m in range(micros)}, step)
-        for m in range(micros):
-            piece = mine[(step, "INPUT", -1, m, "coordinator")]
-            if piece.ndim != 4 or piece.shape[1] != self.shard.layers[0].spec.in_channels:
-                raise ValueError(f"step {step}: images of micro-batch {m} have shape {piece.shape}, expected "
-                                 f"(N, {self.shard.layers[0].spec.in_channels}, H, W)")
-            for peer in others:
-                self._send_peer(peer, step, "images", -1, m, piece)
-        for m in range(micros):
-            parts = self._await({(step, "images", -1, m, w) for w in others}, step)
-            own = mine[(step, "INPUT", -1, m, "coordinator")]
-            rows = [own if w == self.name else
-                    self._check(f"step {step}: images of micro-batch {m}", w, parts[(step, "images", -1, m, w)],
-                                (parts[(step, "images", -1, m, w)].shape[0],) + own.shape[1:])
-                    for w in self.order]
-            inputs[m] = decode(np.concatenate(rows, axis=0) if len(rows) > 1 else rows[0], wire)
+        # forward: layer by layer, each micro-batch's output block sent on as soon as it is done
+        inputs, n = self._first_inputs(step, micros, sizes, wire, others)
+        held_prev = {}                           # micro-batch -> this worker's block of the last layer's output
         for layer in range(layers):
-            last = layer == layers - 1
-            outputs = {}
+            lp, last = plans[layer], layer == layers - 1
             for m in range(micros):
-                if layer > 0:
-                    parts = self._await({(step, "forward", layer - 1, m, w) for w in others}, step)
-                    n, _, hp, wp = outputs_prev[m].shape
-                    inputs[m] = concat_channels([
-                        outputs_prev[m] if w == self.name else
-                        decode(self._check(f"step {step}: layer {layer - 1} output of micro-batch {m}", w,
-                                           parts[(step, "forward", layer - 1, m, w)],
-                                           (n, self._width(layer - 1, w), hp, wp)), wire)
-                        for w in self.order])
+                x = inputs.pop(m) if layer == 0 else self._gather_input(step, layer, m, n[m], held_prev.pop(m), wire)
+                in_hw[layer] = tuple(x.shape[2:])
+                mine = held_blocks(lp, n[m])[self.name]
                 t0 = time.perf_counter()
-                y = self.shard.forward(layer, inputs[m], micro=m, keep=train)
-                self.shard.device.synchronize()
+                if len(x):
+                    y = self.shard.forward(layer, x, micro=m, keep=train)   # the shard keeps what backward needs
+                    self.shard.device.synchronize()
+                else:                            # no images of this micro-batch here
+                    y = np.zeros((0, mine[3] - mine[2]) + self.shard.layers[layer].spec.output_hw(*in_hw[layer]),
+                                 np.float32)
                 compute[layer] += time.perf_counter() - t0
-                inputs[m] = None                 # the shard keeps what backward needs
-                sent = encode(y, wire)
+                out_hw[layer] = tuple(y.shape[2:])
                 if last:
-                    self.send_to_coordinator(protocol.pack("FEATURES", seq, [sent], step=step, micro=m))
+                    self.send_to_coordinator(protocol.pack("FEATURES", seq, [encode(y, wire)], step=step, micro=m))
                 else:
-                    for peer in others:
-                        self._send_peer(peer, step, "forward", layer, m, sent)
-                    outputs[m] = decode(sent, wire)      # rounded as the peers see it
-            outputs_prev = outputs
+                    receivers = needed_blocks(plans[layer + 1], lp.kernels, n[m])
+                    held_prev[m] = self._send_blocks(step, "forward", layer, m, y, mine, receivers, wire)
 
-        # backward: the last layer's gradient from the coordinator, the rest reduce-scattered
+        # backward: the last layer's gradient block from the coordinator, the rest from the peers
         if train:
-            grads = {}
+            dx_above, updates = {}, []
             for layer in reversed(range(layers)):
-                pieces = {}
+                lp = plans[layer]
                 for m in range(micros):
+                    mine = held_blocks(lp, n[m])[self.name]
                     if layer == layers - 1:
                         key = (step, "GRAD", -1, m, "coordinator")
-                        grad = decode(self._await({key}, step)[key], wire)   # the device checks its shape
+                        grad = decode(self._check(f"step {step}: gradient of micro-batch {m}", "the coordinator",
+                                                  self._await({key}, step)[key], block_shape(mine) + out_hw[layer]), wire)
                     else:
-                        parts = self._await({(step, "backward", layer + 1, m, w) for w in others}, step)
-                        grad = sum_in_order([
-                            grads[m] if w == self.name else
-                            decode(self._check(f"step {step}: layer {layer + 1} partial dX of micro-batch {m}", w,
-                                               parts[(step, "backward", layer + 1, m, w)], grads[m].shape), wire)
-                            for w in self.order])
+                        grad = self._gather_grad(step, layer, m, n[m], dx_above.pop(m), wire, out_hw[layer])
                     t0 = time.perf_counter()
-                    dx = self.shard.backward(layer, grad, need_dx=layer > 0, micro=m,
-                                             sgd=sgd if m == micros - 1 else None)
-                    self.shard.device.synchronize()
+                    if len(grad):
+                        update = sgd if m == micros - 1 and lp.mode == "model" else None
+                        dx = self.shard.backward(layer, grad, need_dx=layer > 0, micro=m, sgd=update)
+                        self.shard.device.synchronize()
+                    elif layer > 0:
+                        dx = np.zeros((0, plans[layer - 1].kernels) + in_hw[layer], np.float32)
                     compute[layer] += time.perf_counter() - t0
-                    if layer > 0:                # reduce-scatter by the layer below's kernel ranges
-                        below = self.ranges[layer - 1]
-                        for peer in others:
-                            s, e = below[peer]
-                            self._send_peer(peer, step, "backward", layer, m, encode(np.ascontiguousarray(dx[:, s:e]), wire))
-                        s, e = below[self.name]
-                        pieces[m] = decode(encode(np.ascontiguousarray(dx[:, s:e]), wire), wire)
-                grads = pieces
+                    if layer > 0:
+                        block = needed_blocks(lp, plans[layer - 1].kernels, n[m])[self.name]
+                        dx_above[m] = self._send_blocks(step, "backward", layer, m, dx, block,
+                                                        held_blocks(plans[layer - 1], n[m]), wire)
+                if lp.mode == "data" and sgd is not None:
+                    # the layer's dW and db go to every peer now; the sums are made once backward is done
+                    dw, db = self.shard.take_gradients(layer)
+                    flat = np.concatenate([dw.ravel(), db.ravel()])
+                    for peer in others:
+                        self._send_peer(peer, step, "dweights", layer, 0, flat)
+                    updates.append((layer, flat, dw.shape, db.shape))
+            for layer, flat, w_shape, b_shape in updates:
+                keys = {(step, "dweights", layer, 0, w) for w in others}
+                parts = self._await(keys, step)
+                total = sum_in_order([flat if w == self.name else
+                                      decode(self._check(f"step {step}: layer {layer} weight gradients", w,
+                                                         parts[(step, "dweights", layer, 0, w)], flat.shape), "float32")
+                                      for w in self.order])
+                t0 = time.perf_counter()
+                size = int(np.prod(w_shape))
+                self.shard.apply_update(layer, total[:size].reshape(w_shape), total[size:], sgd)
+                self.shard.device.synchronize()
+                compute[layer] += time.perf_counter() - t0
         return "STEP_DONE", [], {"step": step, "layer_compute_s": compute, "compute_s": sum(compute),
                                  "peer_wait_s": self.wait_s, "peer_bytes_sent": self.bytes_sent}

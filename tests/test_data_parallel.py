@@ -1,0 +1,162 @@
+"""Data-parallel conv layers in the peer step: real worker processes on loopback. Any plan of
+modes (every layer data, data then model, model then data then model), with uneven image shares
+and micro-batches, trains exactly as --local does up to float rounding; a checkpoint gathered
+from a data plan holds --local's weights; and the block exchange between layers gives every
+worker exactly the input it needs."""
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hetconv.coordinator.remote import RemoteEngine
+from hetconv.devices import open_device
+from hetconv.engine.local import LocalEngine
+from hetconv.engine.planner import LayerPlan, PlanError, fixed_plan
+from hetconv.engine.shard import ConvShard
+from hetconv.train import checkpoint
+from hetconv.train.config import Config
+from hetconv.train.loop import train
+from hetconv.worker.peers import held_blocks, intersect, needed_blocks
+
+# 12x12 images through three conv layers of 4, 6 and 8 kernels: 12 -> 6 -> 3 -> 3
+NET = {"input_shape": [3, 12, 12], "classes": 10, "layers": [
+    {"type": "conv", "out_channels": 4, "kernel": 3, "padding": 1}, {"type": "relu"}, {"type": "maxpool", "kernel": 2},
+    {"type": "conv", "out_channels": 6, "kernel": 3, "padding": 1}, {"type": "relu"}, {"type": "maxpool", "kernel": 2},
+    {"type": "conv", "out_channels": 8, "kernel": 3, "padding": 1}, {"type": "relu"},
+    {"type": "flatten"}, {"type": "linear", "out_features": 10}]}
+KERNELS = [4, 6, 8]
+BATCH = 10
+
+
+def quiet(*_):
+    pass
+
+
+def config(tmp_path, name, **kw):
+    net = tmp_path / "net.json"
+    net.write_text(json.dumps(NET))
+    return Config(net=str(net), crop=12, batch_size=BATCH, synthetic_train=60, synthetic_test=20, steps=3, lr=0.05,
+                  threads=1, rebalance_after=0, use_all=True, checkpoint_dir=str(tmp_path / name), **kw).validate()
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("local")
+    summary = train(config(d, "ck"), LocalEngine({"local": ConvShard(open_device("cpu", threads=1))}), log=quiet)
+    return summary["losses"], checkpoint.load(str(d / "ck"))
+
+
+def remote(n):
+    return RemoteEngine("tcp://127.0.0.1:0", 0, ["cpu"] * n, threads=1, connect_timeout=60, log=quiet,
+                        worker_timeout=10.0)
+
+
+def assert_equals_local(local_run, losses, ckdir):
+    local_losses, (_, local_conv, local_fc) = local_run
+    np.testing.assert_allclose(losses, local_losses, rtol=1e-5)
+    _, conv, fc = checkpoint.load(str(ckdir))
+    for got, want in zip(conv + fc, local_conv + local_fc):
+        for a, b in zip(got, want):                  # w, b and both momenta, every layer
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+# kernels per worker for the model layers (a data layer's entry is not read), images per worker
+TWO = {"w0-cpu": [1, 2, 3], "w1-cpu": [3, 4, 5]}
+THREE = {"w0-cpu": [1, 1, 2], "w1-cpu": [2, 3, 1], "w2-cpu": [1, 2, 5]}
+IMAGES2 = {"w0-cpu": 3, "w1-cpu": 7}
+IMAGES3 = {"w0-cpu": 2, "w1-cpu": 5, "w2-cpu": 3}
+
+
+@pytest.mark.parametrize("counts,images,modes,micro", [
+    (TWO, IMAGES2, ["data", "data", "data"], 1),
+    (TWO, IMAGES2, ["data", "data", "model"], 4),
+    (THREE, IMAGES3, ["model", "data", "model"], 1),
+    (THREE, IMAGES3, ["data", "data", "model"], 4),
+    (TWO, IMAGES2, ["model", "data", "data"], 4),
+], ids=["2w-all-data-m1", "2w-data-data-model-m4", "3w-model-data-model-m1", "3w-data-data-model-m4",
+        "2w-model-data-data-m4"])
+def test_data_parallel_plans_train_like_local(local_run, tmp_path, counts, images, modes, micro):
+    """Uneven image shares (with 4 micro-batches of 2-3 images some workers get none of one):
+    losses, weights and momenta as --local's, so every worker's data layer took the same update."""
+    engine = remote(len(counts))
+    try:
+        engine.fixed_plan = fixed_plan(KERNELS, counts, modes=modes, images=images)
+        summary = train(config(tmp_path, "ck", micro_batches=micro), engine, log=quiet)
+        assert engine.plan.modes() == modes
+        for lp in engine.plan.layers:                # every worker holds a data layer's same weights
+            if lp.mode == "data":
+                replies = engine._call({w: ("FETCH", [], {"layer": lp.layer}) for w in engine.plan.workers}, "test")
+                first = replies[engine.plan.workers[0]][0]
+                for w in engine.plan.workers[1:]:
+                    for a, b in zip(replies[w][0], first):
+                        np.testing.assert_array_equal(a, b)
+    finally:
+        engine.close()
+    assert_equals_local(local_run, summary["losses"], tmp_path / "ck")
+
+
+def test_star_refuses_data_layers_in_one_line(procs, tmp_path):
+    from conftest import python_cmd
+    net = tmp_path / "net.json"
+    net.write_text(json.dumps(NET))
+    p = procs(python_cmd("hetconv.cli.coordinator", "--spawn", "cpu,cpu", "--net", net, "--crop", "12",
+                         "--batch-size", "8", "--steps", "1", "--synthetic-train", "16", "--synthetic-test", "8",
+                         "--parallel", "data", "--exchange", "star", "--threads", "1"))
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode != 0
+    lines = [line for line in out.splitlines() if "--exchange" in line]
+    assert lines and "--parallel data" in lines[0] and "peer" in lines[0], out
+    assert "Traceback" not in out
+
+
+@st.composite
+def layer_plans(draw):
+    """Two consecutive layers of 1-4 workers, each model or data, and a micro-batch size."""
+    workers = [f"w{i}" for i in range(draw(st.integers(1, 4)))]
+    n = draw(st.integers(1, 9))
+    plans = []
+    for li in range(2):
+        kernels = draw(st.integers(len(workers), 9))
+        if draw(st.booleans()):
+            images = {w: draw(st.integers(0, 5)) for w in workers}
+            if not sum(images.values()):
+                images[workers[0]] = 1
+            plans.append(LayerPlan(li, kernels, {w: (0, kernels) for w in workers}, {}, "data", images))
+        else:
+            cuts = sorted(draw(st.lists(st.integers(1, kernels - 1), min_size=len(workers) - 1,
+                                        max_size=len(workers) - 1, unique=True))) if len(workers) > 1 else []
+            bounds = [0] + cuts + [kernels]
+            plans.append(LayerPlan(li, kernels, {w: (bounds[i], bounds[i + 1]) for i, w in enumerate(workers)}))
+    return workers, plans, n
+
+
+@settings(max_examples=200, deadline=None)
+@given(layer_plans())
+def test_each_worker_gets_exactly_its_needed_block_from_the_holders(case):
+    """Between two layers, whatever their modes: the parts every holder sends a receiver cover the
+    receiver's needed block exactly once, and each lies in what the sender holds."""
+    workers, (below, above), n = case
+    held = held_blocks(below, n)
+    needed = needed_blocks(above, below.kernels, n)
+    for receiver in workers:
+        r0, r1, c0, c1 = needed[receiver]
+        cover = np.zeros((r1 - r0, c1 - c0), int)
+        for sender in workers:
+            part = intersect(held[sender], needed[receiver])
+            if part is None:
+                continue
+            h = held[sender]
+            assert h[0] <= part[0] < part[1] <= h[1] and h[2] <= part[2] < part[3] <= h[3]
+            cover[part[0] - r0:part[1] - r0, part[2] - c0:part[3] - c0] += 1
+        assert (cover == 1).all()
+    if above.mode == below.mode == "data" and above.images == below.images:
+        assert all(intersect(held[s], needed[r]) is None for s in workers for r in workers if s != r)
+
+
+def test_a_data_plan_is_refused_by_the_star_engine():
+    engine = LocalEngine({"a": ConvShard(open_device("cpu", threads=1)), "b": ConvShard(open_device("cpu", threads=1))})
+    plan = fixed_plan([4], {"a": [2], "b": [2]}, modes=["data"], images={"a": 1, "b": 1})
+    with pytest.raises(PlanError, match="--exchange peer"):
+        engine.load(plan, [], [])
