@@ -213,7 +213,7 @@ def main(argv=None):
     summary = {}
     try:
         if args.local:
-            device = open_device("cpu", threads=cfg.threads or None)
+            device = open_device("cpu", threads=cfg.threads or None, conv_path=cfg.cpu_conv_path)
             print(f"local: {device.describe()}")
             engine = LocalEngine({"local": ConvShard(device)}, wire=cfg.wire_dtype)
         else:
@@ -230,7 +230,7 @@ def main(argv=None):
                                   op_timeout=args.op_timeout, pin=not args.no_pin,
                                   exchange=cfg.exchange, wire=cfg.wire_dtype, curve=args.curve,
                                   insecure=args.insecure, message_limit=limit, launcher=launcher,
-                                  verbose=args.verbose)
+                                  verbose=args.verbose, worker_args=["--cpu-conv-path", cfg.cpu_conv_path])
         summary = train(cfg, engine, resume=args.resume or None, dataset=ds, stop_grace=args.stop_grace,
                         network=network)
     except (WorkerError, WorkerLost, PlanError, DeviceError, DataError, CheckpointError, ValueError, FloatingPointError,

@@ -26,7 +26,7 @@ from hetconv.transport.wire import value_bytes
 
 # the flags this command shares with the coordinator: their defaults and help come from Config
 NETWORK_FLAGS = ("net", "conv", "fc", "ksize", "padding", "batch_size", "calibration_batch", "split", "exchange", "micro_batches",
-                 "wire_dtype", "parallel")
+                 "wire_dtype", "parallel", "cpu_conv_path")
 
 
 def build_parser():
@@ -103,7 +103,8 @@ def main(argv=None):
                 print(f"calibrating {entry.label}{' at its share and on the whole layers' if whole else ''} ...",
                       file=sys.stderr, flush=True)
                 try:
-                    got = calibrate_local(entry.device, specs, cal_shapes, share, threads=entry.threads, also=whole)
+                    got = calibrate_local(entry.device, specs, cal_shapes, share, threads=entry.threads, also=whole,
+                                          conv_path=cfg.cpu_conv_path)
                     profiles[entry.label], whole_profile = got if whole else (got, None)
                 except Exception as e:
                     print(f"hetconv-plan: {entry.label}: {e}", file=sys.stderr)

@@ -6,6 +6,8 @@ import sys
 import threading
 
 from hetconv.flags import HelpFormatter
+# the names only: hetconv.devices.cpu itself would start numba before --cores pins this process
+CPU_CONV_PATHS = ("auto", "im2col", "shifted", "fft")
 from hetconv.transport.worker_argv import COORDINATOR_ENV
 from hetconv.worker import Terminated, WorkerExit, on_sigterm
 
@@ -41,6 +43,9 @@ def build_parser():
     p.add_argument("--connect", default="", help="the coordinator's address, tcp://HOST:PORT, e.g. tcp://127.0.0.1:5555 "
                                                  f"(default: ${COORDINATOR_ENV}, as a Slurm job script sets it)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for a cpu device (0: every core this process may use)")
+    p.add_argument("--cpu-conv-path", default="auto", choices=CPU_CONV_PATHS,
+                   help="a cpu device's conv path: auto (per layer and share, the fastest by timing on first use), "
+                        "or forced: im2col, shifted, fft (stride-1 layers)")
     p.add_argument("--name", default="", help="a label for tables and logs (default: DEVICE@HOST)")
     p.add_argument("--cores", default="", help="pin this worker to these CPU cores, e.g. 0,1 (before any thread pool starts)")
     p.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the coordinator to answer HELLO")

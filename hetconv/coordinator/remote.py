@@ -61,7 +61,7 @@ class _Peer:
 class RemoteEngine(ShardEngine):
     def __init__(self, bind, expected_workers, spawn=(), threads=0, worker_timeout=10.0,
                  connect_timeout=60.0, op_timeout=600.0, pin=True, log=print, exchange="peer", wire="float32",
-                 curve="", insecure=False, message_limit=0, launcher=None, verbose=False):
+                 curve="", insecure=False, message_limit=0, launcher=None, verbose=False, worker_args=()):
 
         super().__init__()
         if exchange not in EXCHANGES:
@@ -71,6 +71,7 @@ class RemoteEngine(ShardEngine):
         self.zmq = zmq
         self.log = log
         self.verbose = verbose                              # spawned workers' own start-up lines too
+        self.worker_args = list(worker_args)                # flags every spawned worker gets (--cpu-conv-path)
         self.worker_timeout, self.connect_timeout, self.op_timeout = worker_timeout, connect_timeout, op_timeout
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -247,8 +248,10 @@ class RemoteEngine(ShardEngine):
         self.by_identity = {p.identity: p for p in self.peers.values()}   # routing id -> peer
 
     def _limit_args(self):
-        """The worker flag that gives a spawned worker this run's frame limit (rounded up to 1 kB)."""
-        return ["--message-limit-mb", f"{-(-self.message_limit // 1000) / 1000:.3f}"] if self.message_limit else []
+        """The worker flags of a spawned worker: this run's frame limit (rounded up to 1 kB), and
+        the caller's `worker_args` (e.g. --cpu-conv-path)."""
+        limit = ["--message-limit-mb", f"{-(-self.message_limit // 1000) / 1000:.3f}"] if self.message_limit else []
+        return limit + list(self.worker_args)
 
     def _welcome(self, peer):
         """Admit a worker and tell it where to send heartbeats (a port on the host it reached us
@@ -541,7 +544,8 @@ class RemoteEngine(ShardEngine):
         replies = self._call({name: request for name in names}, "calibration")
         self.calibration_s = time.perf_counter() - t0
         self.calibration.update({name: {"device": self.peers[name].device, "description": self.peers[name].description,
-                                        "speeds": list(fields["speeds"]), "layers": list(fields["timings"])}
+                                        "speeds": list(fields["speeds"]), "layers": list(fields["timings"]),
+                                        "conv_paths": [str(line) for line in fields.get("conv_paths", [])][:64]}
                                  for name, (_, fields) in replies.items()})
         return {name: list(replies[name][1]["speeds"]) for name in names}
 
@@ -557,6 +561,11 @@ class RemoteEngine(ShardEngine):
                  f"shapes, after a warm-up (seconds to a minute) ...")
         speeds = self.calibrate(specs, input_shapes, cfg)
         self.log(f"calibrated {len(self.peers)} worker(s) in {self.calibration_s:.1f}s")
+        for name in sorted(self.calibration):
+            # what a device chose by timing, or was told: the rule's choices on small layers go unsaid
+            for line in self.calibration[name].get("conv_paths", []):
+                if "timed" in line or "forced" in line or "fft" in line:
+                    self.log(f"  {name} conv path: {line}")
         return self._plan_from_calibration(kernels, speeds, cfg)
 
     def _plan_from_calibration(self, kernels, speeds, cfg):

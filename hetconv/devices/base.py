@@ -164,6 +164,15 @@ class Device:
         """One line for logs and plan tables."""
         return self.name
 
+    def conv_paths(self):
+        """{conv call shape: the path it runs}, for devices with more than one path."""
+        return {}
+
+    def describe_conv_paths(self):
+        """One line per conv call shape run so far: the path it takes and why. Devices with one
+        path per call shape have nothing to say."""
+        return []
+
     # ---- backend ---------------------------------------------------------------------------------
     def _conv2d(self, x, w, b, stride, padding):
         raise NotImplementedError

@@ -69,6 +69,7 @@ class Engine(Protocol):
     fixed_plan: object          # a plan set by hand (tests, experiments): no calibration, no rebalancing
     exchange: str               # "star" (every layer through this process) or "peer" (workers trade slices)
     wire: str                   # dtype of feature maps and gradients between devices, fixed per plan
+    calibration: dict           # worker -> {device, description, speeds, layers: timings, conv_paths}
 
     def plan_for(self, specs, input_shapes, cfg):
         """-> Plan; calibrates where there is something to measure."""

@@ -262,7 +262,8 @@ class ShardServer:
         shapes = [tuple(layer["input_shape"]) for layer in f["layers"]]
         kernels = [int(layer["kernels"]) for layer in f["layers"]]
         speeds, timings = self.shard.calibrate(specs, shapes, kernels, repeats=f["repeats"])
-        return "CALIBRATED", [], {"speeds": speeds, "timings": timings}
+        return "CALIBRATED", [], {"speeds": speeds, "timings": timings,
+                                  "conv_paths": self.shard.device.describe_conv_paths()}
 
     def load(self, arrays, f):
         vw, vb = (arrays[2], arrays[3]) if len(arrays) == 4 else (None, None)

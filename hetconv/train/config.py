@@ -5,6 +5,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from hetconv.data.batches import parse_augment
+from hetconv.devices.cpu import CONV_PATHS as CPU_CONV_PATHS
+from hetconv.engine.costmodel import parse_bandwidth
 from hetconv.engine.planner import POLICIES, check_parallel
 from hetconv.flags import check_finite, parse_int_list
 from hetconv.geometry import IMAGE_SHAPE
@@ -49,9 +51,13 @@ class Config:
     seed: int = option(0, "initial weights and data order")
     # devices
     threads: int = option(0, "threads per CPU device (0: every core this process may use)")
+    cpu_conv_path: str = option("auto", "a CPU device's conv path: 'auto' (per layer and share, the fastest by timing on "
+                                        "first use), or forced: 'im2col', 'shifted' or 'fft' (stride-1 layers)")
     split: str = option("proportional", "'proportional' to measured speed, or 'equal' (the naive baseline)")
     parallel: str = option("auto", "per conv layer, 'model' (kernels split among workers) or 'data' (images split, "
                                    "whole weights on every worker); 'auto': the cost model picks per layer")
+    link: str = option("1gbit", "the workers' network, which --parallel auto prices the modes on: a line rate such as "
+                                "100mbit, 1gbit or 10gbit, or payload bytes per second such as 500MB")
     use_all: bool = option(False, "keep every worker, even one whose fixed work makes the step slower")
     calibration_batch: int = option(16, "images per calibration run (real layer shapes otherwise)")
     rebalance_after: int = option(3, "every N steps, re-split from measured compute while it gains, up to 3 times (0: never)")
@@ -127,6 +133,8 @@ class Config:
         return cls(**d)
 
     def validate(self):
+        if self.cpu_conv_path not in CPU_CONV_PATHS:
+            raise ValueError(f"--cpu-conv-path must be one of {', '.join(CPU_CONV_PATHS)}, got {self.cpu_conv_path!r}")
         self.conv_kernels()
         self.fc_sizes()
         self.augment_kinds()
@@ -165,6 +173,10 @@ class Config:
         if self.split not in POLICIES:
             raise ValueError(f"--split must be one of {', '.join(POLICIES)}, got {self.split!r}")
         check_parallel(self.parallel)
+        try:
+            parse_bandwidth(self.link)
+        except ValueError as e:
+            raise ValueError(f"--link: {e}") from None
         return self
 
     def check_same_network(self, saved):

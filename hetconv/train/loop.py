@@ -11,7 +11,7 @@ import numpy as np
 from tqdm import tqdm
 
 from hetconv.data import batches, load_dataset, test_batches
-from hetconv.engine.contract import WorkerLost, moved_bytes
+from hetconv.engine.contract import WorkerLost, mode_choice_record, moved_bytes
 from hetconv.engine.microbatch import micro_batch_count
 from hetconv.geometry import ConvSpec, layer_input_shapes
 from hetconv.net import LoadedNet, NetSpec
@@ -454,6 +454,8 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
                       skipped=[{"file": name, "reason": reason} for name, reason in skipped])
 
     plan = engine.plan_for(specs, input_shapes, cfg)
+    if engine.calibration:              # each worker's speeds and timings, and the conv paths its device chose
+        metrics.write("calibration", workers=engine.calibration)
     engine.load(plan, specs, conv_params)
     elastic = Elastic(cfg, engine, net, specs, input_shapes, steps_per_epoch, log, metrics, network.to_json(),
                       data_meta(ds))
@@ -461,7 +463,10 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
     del conv_params                             # the shards own the conv weights from here on
     if len(plan.workers) > 1 or elastic.enabled:      # one device in-process: nothing is split
         log(plan.table())
-    metrics.write("plan", **plan.to_json())
+    choice = mode_choice_record(engine)
+    if choice:
+        log(f"modes: {', '.join(choice['mode_choice']['modes'])} ({choice['mode_choice']['reason']})")
+    metrics.write("plan", **plan.to_json(), **choice)
     run = _Run(cfg, engine, net, elastic, ds, specs, start_step, total_steps, steps_per_epoch, log, metrics)
     setup_s = time.perf_counter() - t_setup
     log(f"{ds!r}; {total_steps - start_step} steps of {cfg.batch_size} images "

@@ -1,0 +1,55 @@
+"""A CPU device's conv path is the user's to force (--cpu-conv-path, for --local, spawned workers and
+hetconv-plan), and what each device chose is said at calibration and kept in the run's metrics."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hetconv.cli import worker as worker_cli
+from hetconv.devices import open_device
+from hetconv.devices.cpu import CONV_PATHS
+from hetconv.engine.measure import calibrate_local
+from hetconv.engine.shard import ConvShard, ShardServer
+from hetconv.geometry import ConvSpec
+from hetconv.train.config import Config
+
+TINY = ["--conv", "3,4", "--fc", "8", "--batch-size", "8", "--synthetic-train", "16", "--synthetic-test", "8",
+        "--steps", "1", "--eval-batches", "1", "--seed", "3"]
+
+
+def test_the_workers_flag_names_every_path_the_device_has():
+    assert worker_cli.CPU_CONV_PATHS == CONV_PATHS
+
+
+@pytest.mark.parametrize("bad", ["direct", "FFT", ""])
+def test_an_unknown_path_is_refused_naming_the_flag(bad):
+    with pytest.raises(ValueError, match=f"^--cpu-conv-path must be one of auto, im2col, shifted, fft, got {bad!r}$"):
+        Config(cpu_conv_path=bad).validate()
+
+
+def test_calibration_says_which_path_a_forced_device_runs():
+    spec = ConvSpec.paper(3, 4, 3, 0)
+    server = ShardServer(ConvShard(open_device("cpu", threads=1, conv_path="fft")))
+    op, _, fields = server.handle("CALIBRATE", [], {"layers": [{"spec": spec.to_json(), "input_shape": [2, 3, 10, 10],
+                                                                "kernels": 4}], "repeats": 1})
+    assert op == "CALIBRATED"
+    assert fields["conv_paths"] and all(line.split(": ", 1)[1].startswith("fft") for line in fields["conv_paths"])
+
+
+def test_hetconv_plans_in_process_calibration_names_the_path():
+    spec = ConvSpec.paper(3, 4, 3, 0)
+    profile = calibrate_local("cpu", [spec], [(2, 3, 10, 10)], [4], threads=1, repeats=1, conv_path="shifted")
+    assert profile.description.endswith("; conv paths shifted")
+
+
+def test_spawned_workers_run_the_path_the_coordinator_was_given(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    r = subprocess.run([sys.executable, "-m", "hetconv.cli.coordinator", "--spawn", "cpu,cpu", "--threads", "1",
+                        "--cpu-conv-path", "im2col", "--metrics", str(metrics), *TINY],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "conv path: " in r.stdout and "im2col (forced)" in r.stdout
+    record = next(json.loads(line) for line in open(metrics) if '"event": "calibration"' in line)
+    lines = [line for worker in record["workers"].values() for line in worker["conv_paths"]]
+    assert lines and all("im2col (forced)" in line for line in lines)
