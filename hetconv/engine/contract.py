@@ -8,6 +8,7 @@ slices, the sum of partial dX in plan order, gather. A transport implements only
 `plan_for`: in-process (engine.local.LocalEngine), over ZeroMQ (coordinator.remote.RemoteEngine,
 which also runs the peer-exchange step), or not at all (the cost model's timing engine).
 """
+import math
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -49,6 +50,18 @@ def concat_channels(parts):
 def concat_shards(parts):
     """Per worker (w, b, vw, vb) slices in plan order -> the layer's full (w, b, vw, vb)."""
     return tuple(np.concatenate([p[i] for p in parts], axis=0) for i in range(4))
+
+
+def mode_choice_record(engine):
+    """{"mode_choice": ...} for a "plan" metrics record: the modes an engine's plan_for chose, why,
+    and the priced seconds of that chain and of all-model (None where a chain cannot run), or {}
+    where no choice was made (one worker, --parallel model, a plan set by hand)."""
+    choice = getattr(engine, "mode_choice", None)
+    if choice is None:
+        return {}
+    finite = [s if math.isfinite(s) else None for s in (choice.chosen_s, choice.model_s)]
+    return {"mode_choice": {"modes": list(choice.modes), "reason": choice.reason, "chosen_s": finite[0],
+                            "model_s": finite[1]}}
 
 
 def sum_in_order(parts):
@@ -130,6 +143,7 @@ class ShardEngine:
         self._input_hw = {}         # layer -> (H, W) of its last forward input: what its dX must have
         self.fixed_plan = None      # a plan set by hand (tests, experiments): no calibration, no rebalancing
         self.calibration = {}       # worker -> {device, description, speeds, layers: timings}
+        self.mode_choice = None     # planner.ModeChoice behind the plan's modes, where one was made
         self.batch = 0
         self.reset_layer_timings()
         self._stats = {}
@@ -290,13 +304,16 @@ class ShardEngine:
         if self.plan is None or len(self.plan.workers) < 2:
             return None
         profiles = profiles_from_calibration(self.calibration) if self.calibration else {}
-        lines, measured = {}, {}
+        kernels = [lp.kernels for lp in self.plan.layers]
+        known = {name: profiles[name] for name in self.plan.workers if name in profiles}
+        # a data layer splits images: its workers' per-image lines (the kernel lines elsewhere)
+        lines, image_lines = cost_lines(known, kernels, self.batch)
+        measured = {}
         steps = self.measured_steps
         for name in self.plan.workers:
             compute = self.layer_compute.get(name, {})
             if steps == 0 or any(compute.get(lp.layer, 0.0) <= 0 for lp in self.plan.layers):
                 return None
             measured[name] = [compute[lp.layer] / steps for lp in self.plan.layers]
-            cost = profiles.get(name)
-            lines[name] = None if cost is None else [c.step_line(self.batch) for c in cost.layers]
-        return replan(self.plan, lines, measured, min_gain)
+            lines.setdefault(name, None)
+        return replan(self.plan, lines, measured, min_gain, image_lines=image_lines if "data" in self.plan.modes() else None)
