@@ -20,36 +20,65 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("numba_cuda") is None,
                                 reason="numba-cuda is not installed (pip install 'hetconv[cuda]')")
 
 
-def _run_check(*args):
+# Each subprocess imports numba and the kernels once and answers several checks; one per compute
+# capability, so every generation's kernels and device functions are compiled in a fresh process.
+# The two run side by side: compiling is one core's work each.
+CHECKS = {"9.0": ["9.0", "9.0 --mistyped", "9.0 --int64-toy"], "7.5": ["7.5"]}
+BATCH = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import _cuda_ptx_check as check
+print(json.dumps([check.main([check.__file__, *args.split()]) for args in sys.argv[2:]]))
+"""
+
+
+@pytest.fixture(scope="module")
+def checks():
+    """{"9.0 --mistyped": result, ...}: what `_cuda_ptx_check.py ARGS` prints, for every ARGS in CHECKS."""
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    proc = subprocess.run([sys.executable, str(CHECK), *args], env=env, capture_output=True, text=True,
-                          timeout=240)
-    assert proc.returncode == 0, f"{CHECK.name} {' '.join(args)} failed:\n{proc.stderr[-4000:]}"
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    started = [(batch, subprocess.Popen([sys.executable, "-c", BATCH, str(CHECK.parent), *batch], env=env,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+               for batch in CHECKS.values()]
+    results = {}
+    try:
+        for batch, proc in started:
+            out, err = proc.communicate(timeout=240)
+            assert proc.returncode == 0, f"{CHECK.name} {batch} failed:\n{err[-4000:]}"
+            results.update(zip(batch, json.loads(out.strip().splitlines()[-1])))
+    finally:
+        for _, proc in started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
+
+
+def _result(checks, args):
+    result = checks[args]
     if "no_nvvm" in result:
         pytest.skip(result["no_nvvm"])
     return result
 
 
 @pytest.mark.parametrize("cc", ["9.0", "7.5"])   # H100; Turing, the oldest CUDA 13 targets
-def test_every_kernel_compiles_to_ptx(cc):
-    result = _run_check(cc)
+def test_every_kernel_compiles_to_ptx(checks, cc):
+    result = _result(checks, cc)
     assert result["unlisted"] == [], f"kernels missing from PTX_SIGNATURES: {result['unlisted']}"
     assert result["failed"] == [], "\n\n".join(f"{f['kernel']}:\n{f['error']}" for f in result["failed"])
     assert len(result["compiled"]) >= len(result["kernels"]) >= 1, result
 
 
-def test_a_mistyped_kernel_is_rejected():
+def test_a_mistyped_kernel_is_rejected(checks):
     """The check above can fail: a kernel given arrays of the wrong rank does not compile."""
-    result = _run_check("9.0", "--mistyped")
+    result = _result(checks, "9.0 --mistyped")
     assert result["rejected"], "compile_ptx accepted 2-D arrays for a kernel that indexes 4-D ones"
     assert result["error"] == "TypingError", result
 
 
-def test_index_math_has_no_64_bit_division_or_float64():
+def test_index_math_has_no_64_bit_division_or_float64(checks):
     """Every kernel's sm_90 PTX: no div/rem on 64-bit integers (a software routine of tens of
     instructions per use) and no .f64 instruction (a stray float64 in float32 code)."""
-    result = _run_check("9.0")
+    result = _result(checks, "9.0")
     assert result["failed"] == [], result["failed"]
     assert result["counts"], result
     slow = {name: c for name, c in result["counts"].items() if c["div_rem_64"] or c["f64"]}
@@ -57,8 +86,8 @@ def test_index_math_has_no_64_bit_division_or_float64():
         f"{name}: {c['div_rem_64']} div/rem .s64/.u64, {c['f64']} .f64" for name, c in slow.items())
 
 
-def test_the_slow_instruction_count_catches_int64_division():
+def test_the_slow_instruction_count_catches_int64_division(checks):
     """The check above can fail: a kernel dividing int64 and computing in float64 is counted."""
-    result = _run_check("9.0", "--int64-toy")
+    result = _result(checks, "9.0 --int64-toy")
     assert result["div_rem_64"] >= 2, result
     assert result["f64"] >= 1, result
