@@ -37,8 +37,9 @@ def quiet(*_):
 def config(tmp_path, name, **kw):
     net = tmp_path / "net.json"
     net.write_text(json.dumps(NET))
-    return Config(net=str(net), crop=12, batch_size=BATCH, synthetic_train=60, synthetic_test=20, steps=3, lr=0.05,
-                  threads=1, rebalance_after=0, use_all=True, checkpoint_dir=str(tmp_path / name), **kw).validate()
+    fields = dict(net=str(net), crop=12, batch_size=BATCH, synthetic_train=60, synthetic_test=20, steps=3, lr=0.05,
+                  threads=1, rebalance_after=0, use_all=True, checkpoint_dir=str(tmp_path / name))
+    return Config(**{**fields, **kw}).validate()
 
 
 @pytest.fixture(scope="module")
@@ -160,3 +161,84 @@ def test_a_data_plan_is_refused_by_the_star_engine():
     plan = fixed_plan([4], {"a": [2], "b": [2]}, modes=["data"], images={"a": 1, "b": 1})
     with pytest.raises(PlanError, match="--exchange peer"):
         engine.load(plan, [], [])
+
+
+def _kill_on_step(engine, victim_index, at_step):
+    """Make the engine's conv_step kill one spawned worker (SIGKILL) when step `at_step` starts."""
+    real, calls = engine.conv_step, {"n": 0}
+
+    def conv_step(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] == at_step:
+            proc = engine.processes[victim_index][1]
+            proc.kill()
+            proc.wait()
+        return real(*args, **kw)
+    engine.conv_step = conv_step
+
+
+def test_parallel_data_is_planned_from_calibration_and_survives_a_lost_worker(tmp_path):
+    """--parallel data over calibrated workers: every layer data, the choice in the metrics'
+    plan record; a worker killed mid-run is re-planned away (still all data) and the run still
+    equals --local's."""
+    local = train(config(tmp_path, "local", steps=6), LocalEngine({"local": ConvShard(open_device("cpu", threads=1))}),
+                  log=quiet)
+    metrics = tmp_path / "m.jsonl"
+    engine = remote(3)
+    _kill_on_step(engine, 1, at_step=4)             # snapshots after steps 2 and 4: steps 3 (and 4) replay
+    try:
+        summary = train(config(tmp_path, "ck", steps=6, parallel="data", snapshot_every=2, calibration_batch=4,
+                               metrics=str(metrics)), engine, log=quiet)
+        survivors, modes = list(engine.plan.workers), engine.plan.modes()
+    finally:
+        engine.close()
+    assert survivors == ["w0-cpu", "w2-cpu"] and modes == ["data"] * 3
+    plans = [json.loads(line) for line in open(metrics) if '"event": "plan"' in line]
+    assert plans[0]["mode_choice"]["modes"] == ["data"] * 3 and plans[0]["mode_choice"]["reason"] == "--parallel data"
+    assert [layer["mode"] for layer in plans[-1]["layers"]] == ["data"] * 3 and plans[-1]["reason"] == "lost w1-cpu"
+    np.testing.assert_allclose(summary["losses"], local["losses"], rtol=1e-4)
+    assert_equals_local((local["losses"], checkpoint.load(str(tmp_path / "local"))), summary["losses"], tmp_path / "ck")
+
+
+def test_a_bad_image_split_is_rebalanced_and_a_data_checkpoint_resumes_onto_a_model_plan(tmp_path):
+    """A data plan that gives w0 one image of ten is rebalanced from measured steps (images move
+    to it, the modes stay); its checkpoint, resumed on three workers with another plan, goes on
+    exactly as --local."""
+    local = train(config(tmp_path, "local", steps=5), LocalEngine({"local": ConvShard(open_device("cpu", threads=1))}),
+                  log=quiet)
+    metrics = tmp_path / "m.jsonl"
+    engine = remote(2)
+    calibrate_then_plan = engine.plan_for
+
+    def fooled(*args):                              # as if calibration had been badly fooled
+        calibrate_then_plan(*args)
+        return fixed_plan(KERNELS, TWO, modes=["data", "data", "model"], images={"w0-cpu": 1, "w1-cpu": 9})
+    engine.plan_for = fooled
+    measured_rebalance = engine.propose_rebalance
+
+    def as_if_measured_on_equal_cores(specs, **kwargs):
+        # compute in proportion to the work held (images of a data layer, kernels of a model
+        # one), so the decision does not depend on what else this machine runs
+        steps = engine.measured_steps
+        for name in engine.plan.workers:
+            engine.layer_compute[name] = {lp.layer: steps * 1e-3 * (lp.images[name] if lp.mode == "data" else
+                                                                    lp.count(name)) for lp in engine.plan.layers}
+        return measured_rebalance(specs, **kwargs)
+    engine.propose_rebalance = as_if_measured_on_equal_cores
+    try:
+        first = train(config(tmp_path, "ck", steps=3, rebalance_after=2, calibration_batch=4, metrics=str(metrics)),
+                      engine, log=quiet)
+    finally:
+        engine.close()
+    plans = [json.loads(line) for line in open(metrics) if '"event": "plan"' in line]
+    assert len(plans) == 2 and plans[1]["reason"] == "rebalance", plans
+    assert [layer["mode"] for layer in plans[1]["layers"]] == ["data", "data", "model"]
+    assert plans[1]["layers"][0]["images"]["w0-cpu"] > 1
+    second = remote(3)                               # a plan the checkpoint never saw
+    try:
+        second.fixed_plan = fixed_plan(KERNELS, THREE, modes=["model", "data", "model"], images=IMAGES3)
+        resumed = train(config(tmp_path, "ck2", steps=5), second, log=quiet, resume=str(tmp_path / "ck"))
+    finally:
+        second.close()
+    assert_equals_local((local["losses"], checkpoint.load(str(tmp_path / "local"))), first["losses"] + resumed["losses"],
+                        tmp_path / "ck2")

@@ -13,6 +13,7 @@ Two ways through a training step (`exchange`):
   here, layer by layer (ShardEngine.conv_step): the first design, kept for comparison.
 """
 import atexit
+import dataclasses
 import errno
 import os
 import shutil
@@ -25,12 +26,13 @@ from zmq.utils.monitor import recv_monitor_message
 
 from hetconv.engine.contract import (ShardEngine, WorkerError, WorkerLost,  # noqa: F401  (raised here, caught by callers)
                                      concat_channels)
-from hetconv.engine.costmodel import profiles_from_calibration
-from hetconv.engine.planner import PlanError, image_ranges, make_plan, plan_from_lines
+from hetconv.engine.costmodel import parse_bandwidth, profiles_from_calibration
+from hetconv.engine.microbatch import micro_batch_count
+from hetconv.engine.planner import PlanError, choose_modes, cost_lines, image_ranges, make_plan, plan_from_lines
 from hetconv.transport import keys
 from hetconv.transport import protocol as P
 from hetconv.transport.keys import authenticated_key, handshake_refusal, read_key_folder
-from hetconv.transport.wire import decode, encode
+from hetconv.transport.wire import decode, encode, value_bytes
 from hetconv.transport.worker_argv import command as worker_command
 
 EXCHANGES = ("peer", "star")
@@ -515,7 +517,7 @@ class RemoteEngine(ShardEngine):
         missing = [name for name in self.peers if name not in self.calibration]
         if missing:
             self._calibrate_some(specs, input_shapes, cfg, missing)
-        return self._plan_from_calibration([s.kernels for s in specs],
+        return self._plan_from_calibration(specs, input_shapes,
                                            {name: self.calibration[name]["speeds"] for name in self.peers}, cfg)
 
     def _unique_name(self, name):
@@ -551,8 +553,11 @@ class RemoteEngine(ShardEngine):
 
     def plan_for(self, specs, input_shapes, cfg):
         kernels = [s.kernels for s in specs]
+        if cfg.parallel == "data" and self.exchange == "star":
+            raise PlanError("--parallel data needs --exchange peer: --exchange star sends every layer through the "
+                            "coordinator and splits only kernels")
         too_few = [k for k in kernels if k < len(self.peers)]
-        if too_few:
+        if too_few and cfg.parallel != "data":
             raise PlanError(f"{len(self.peers)} workers but a conv layer has only {min(too_few)} kernels: "
                             f"every worker needs at least one kernel of every layer (use fewer workers or wider --conv)")
         if self.fixed_plan is not None:
@@ -566,17 +571,41 @@ class RemoteEngine(ShardEngine):
             for line in self.calibration[name].get("conv_paths", []):
                 if "timed" in line or "forced" in line or "fft" in line:
                     self.log(f"  {name} conv path: {line}")
-        return self._plan_from_calibration(kernels, speeds, cfg)
+        return self._plan_from_calibration(specs, input_shapes, speeds, cfg)
 
-    def _plan_from_calibration(self, kernels, speeds, cfg):
-        """`proportional`: split by each worker's calibrated cost line (fixed + per kernel) at the
-        step's batch, leaving out a worker that would slow the step (unless --use-all);
-        `equal`: the naive baseline."""
+    def _plan_from_calibration(self, specs, input_shapes, speeds, cfg):
+        """`proportional`: the devices are chosen on the all-model plan, split by each worker's
+        calibrated cost line (fixed + per kernel) at the step's batch, leaving out a worker that
+        would slow the step (unless --use-all); then each layer's mode (--parallel: 'auto' asks
+        the cost model, choose_modes, over the kept workers and --link) and, where a layer is
+        data, the plan over those workers with its images split by their per-image lines.
+        `equal`: the naive baseline, every layer model unless --parallel data.
+        The choice of modes is kept in `mode_choice` (None where there was none to make)."""
+        kernels = [s.kernels for s in specs]
+        self.mode_choice = None
+        data_only = cfg.parallel == "data" and len(speeds) > 1
         if cfg.split != "proportional":
-            return make_plan(kernels, speeds, cfg.split)
-        lines = {name: [c.step_line(cfg.batch_size) for c in profile.layers]
-                 for name, profile in profiles_from_calibration({n: self.calibration[n] for n in speeds}).items()}
-        return plan_from_lines(kernels, lines, use_all=cfg.use_all)
+            return make_plan(kernels, speeds, cfg.split, modes=["data"] * len(kernels) if data_only else None,
+                             batch=cfg.batch_size)
+        profiles = profiles_from_calibration({n: self.calibration[n] for n in speeds})
+        lines, image_lines = cost_lines(profiles, kernels, cfg.batch_size)
+        if data_only and any(k < len(speeds) for k in kernels):
+            model_plan = None                                # too few kernels to split: every worker takes part
+            kept = list(speeds)
+        else:
+            model_plan = plan_from_lines(kernels, lines, use_all=cfg.use_all)
+            kept = list(model_plan.workers)
+            if cfg.parallel == "model" or self.exchange == "star" or len(kept) < 2:
+                return model_plan
+        micro = micro_batch_count(cfg.micro_batches, cfg.batch_size, self.exchange, len(kept))
+        self.mode_choice = choose_modes(specs, tuple(input_shapes[0][1:]), cfg.batch_size,
+                                        {w: profiles[w] for w in kept}, parse_bandwidth(cfg.link), cfg.parallel,
+                                        micro_batches=micro, value_bytes=value_bytes(self.wire))
+        if "data" not in self.mode_choice.modes:
+            return model_plan
+        plan = plan_from_lines(kernels, {w: lines[w] for w in kept}, use_all=True, modes=self.mode_choice.modes,
+                               batch=cfg.batch_size, image_lines={w: image_lines[w] for w in kept})
+        return dataclasses.replace(plan, left_out=dict(model_plan.left_out) if model_plan else {})
 
     def load(self, plan, specs, params):
         super().load(plan, specs, params)
