@@ -4,6 +4,7 @@ and micro-batches, trains exactly as --local does up to float rounding; a checkp
 from a data plan holds --local's weights; and the block exchange between layers gives every
 worker exactly the input it needs."""
 import json
+import queue
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from hetconv.engine.shard import ConvShard
 from hetconv.train import checkpoint
 from hetconv.train.config import Config
 from hetconv.train.loop import train
+from hetconv.transport import protocol as P
 from hetconv.worker.peers import held_blocks, intersect, needed_blocks
 
 # 12x12 images through three conv layers of 4, 6 and 8 kernels: 12 -> 6 -> 3 -> 3
@@ -242,3 +244,49 @@ def test_a_bad_image_split_is_rebalanced_and_a_data_checkpoint_resumes_onto_a_mo
         second.close()
     assert_equals_local((local["losses"], checkpoint.load(str(tmp_path / "local"))), first["losses"] + resumed["losses"],
                         tmp_path / "ck2")
+
+
+def peer_links(modes, images=None, you="w1"):
+    """A PeerLinks told a plan of two workers over len(modes) layers of 4 kernels, no sockets."""
+    from hetconv.worker.peers import PeerLinks
+    links = PeerLinks(None, you, None, queue.Queue(), None)
+    workers = ["w0", "w1"]
+    ranges = [{"w0": [0, 4], "w1": [0, 4]} if m == "data" else {"w0": [0, 1], "w1": [1, 4]} for m in modes]
+    links.connect({"you": you, "peers": [{"name": w, "endpoints": [], "host_key": ""} for w in workers],
+                   "ranges": ranges, "modes": modes, "timeout": 2.0, "connect": False,
+                   "images": images if images is not None else
+                   [{"w0": 3, "w1": 5} if m == "data" else {} for m in modes]})
+    return links
+
+
+def slice_msg(step, phase, layer, micro=0, sender="w0"):
+    return P.unpack(P.pack("SLICE", 0, [np.zeros(5, np.float32)], step=step, phase=phase, layer=layer, micro=micro,
+                           sender=sender))
+
+
+def test_peer_checks_follow_the_plans_modes():
+    """Weight gradients are admitted only for a data layer, once a step (micro 0); the images'
+    all-gather only where the first layer is model."""
+    links = peer_links(["data", "model", "data"])
+    links.start_step(1, 2)
+    assert links._admit(slice_msg(1, "dweights", 0), running=True) == (1, "dweights", 0, 0, "w0")
+    assert links._admit(slice_msg(1, "dweights", 2), running=True) == (1, "dweights", 2, 0, "w0")
+    assert links._admit(slice_msg(1, "dweights", 1), running=True) is None       # a model layer
+    assert links._admit(slice_msg(1, "dweights", 0, micro=1), running=True) is None
+    assert links._admit(slice_msg(1, "images", -1), running=True) is None        # a data first layer: no images
+    assert links.dropped == 3
+    model_first = peer_links(["model", "data"])
+    model_first.start_step(1, 1)
+    assert model_first._admit(slice_msg(1, "images", -1), running=True) == (1, "images", -1, 0, "w0")
+    assert model_first._admit(slice_msg(1, "dweights", 0), running=True) is None
+
+
+@pytest.mark.parametrize("modes,images,why", [
+    (["data", "fast"], None, "PEERS modes"),
+    (["data", "model"], [{"w0": 3}, {}], "PEERS images of data layer 0"),
+    (["data", "model"], [{"w0": -1, "w1": 2}, {}], "PEERS images of data layer 0"),
+    (["data", "model"], [{"w0": 0, "w1": 0}, {}], "PEERS images of data layer 0"),
+])
+def test_a_plan_with_bad_modes_or_images_is_refused_when_it_arrives(modes, images, why):
+    with pytest.raises(ValueError, match=why):
+        peer_links(modes, images if images is not None else [{}] * len(modes))

@@ -1,17 +1,25 @@
 """The worker side of the peer-exchange step: conv layers back to back with no coordinator in
 between (DESIGN.md, "One training step").
 
-For a step over M micro-batches, a worker
-- forward: gets 1/P of each micro-batch's images from the coordinator and all-gathers the rest
-  from its peers (so the coordinator's link carries the images once, whatever P is); computes
-  its channels of layer l for every micro-batch, sending each slice to every peer as soon as it
-  is done (the wire runs while the next micro-batch computes), and builds layer l+1's input from
-  its own slice and the peers'; the last layer's slices go to the coordinator (FEATURES);
-- backward: gets its slice of dL/dY of the last layer from the coordinator (GRAD); every layer's
-  full-size partial dX is cut by the layer below's plan and each piece sent to its owner (a
-  reduce-scatter); each worker sums the pieces for its own kernels in plan order, so the result
-  does not depend on arrival order and equals the star's sum; each layer's last micro-batch
-  applies the step's one SGD update.
+Each layer of the plan is "model" (kernels split: a worker computes its channels of every image)
+or "data" (images split: it computes every channel of its own images). Every layer's output is
+held in one block per worker (all rows x its channels, or its rows x all channels) and every
+layer's input needed in one block per worker (all rows, or its rows; all channels); between
+layers a worker sends each peer what it holds of what the peer needs (held_blocks,
+needed_blocks, intersect). For a step over M micro-batches, a worker
+- forward: gets its rows of each micro-batch's images from the coordinator (1/P of them,
+  all-gathered among the workers when the first layer is model; exactly its own when it is
+  data); computes its block of layer l for every micro-batch, sending each peer its part as soon
+  as it is done (the wire runs while the next micro-batch computes), and builds its input block
+  of layer l+1 from its own part and the peers'; the last layer's blocks go to the coordinator
+  (FEATURES);
+- backward: gets its block of dL/dY of the last layer from the coordinator (GRAD); every
+  layer's dX (full size and partial in a model layer, whole for its rows in a data layer) is cut
+  by the blocks of the layer below and each part sent to its holder; each worker sums the parts
+  for its block in plan order, so the result does not depend on arrival order and equals the
+  star's sum; a model layer's last micro-batch applies the step's one SGD update; a data layer's
+  summed dW and db go to every peer, and each worker applies the same sum of all of them, in plan
+  order, once backward is done, so every copy of the layer stays the same.
 Peers on the same host and network namespace talk over ipc:// where the peer's socket path is
 proved reachable (its token file reads back), others over tcp.
 
