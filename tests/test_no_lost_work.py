@@ -138,7 +138,7 @@ def test_a_worker_killed_during_a_rebalance_is_survived_and_rebalancing_is_armed
     engine.load = load
     metrics = tmp_path / "m.jsonl"
     try:
-        train(Config(**{**TINY, "rebalance_after": 2}, steps=6, checkpoint_dir=str(tmp_path / "ck"),
+        train(Config(**{**TINY, "rebalance_after": 2, "parallel": "model"}, steps=6, checkpoint_dir=str(tmp_path / "ck"),
                      metrics=str(metrics)).validate(), engine, log=quiet)
     finally:
         engine.close()
