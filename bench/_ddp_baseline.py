@@ -6,8 +6,9 @@ the same network, global batch and synthetic data shapes as hetconv's bandwidth 
                                     "steps": 2, "threads": 1}' OUT.json
 
 Each rank trains on batch_size / world images a step (data parallel: the global batch is the
-same as hetconv's), one CPU thread, SGD with momentum; DDP all-reduces every gradient (conv and
-FC) each step. Rank 0 writes the row: median step seconds over the timed steps, and the bytes one
+same as hetconv's), `threads` CPU threads, SGD with momentum; DDP all-reduces every gradient (conv
+and FC) each step. World 1 is plain PyTorch in one process: no process group, no DDP wrapper
+(master and port unused). Rank 0 writes the row: median step seconds over the timed steps, and the bytes one
 all-reduce moves.
 """
 import json
@@ -24,8 +25,9 @@ def main(spec, out_path):
 
     torch.set_num_threads(int(spec.get("threads", 1)))
     rank, world = int(spec["rank"]), int(spec["world"])
-    dist.init_process_group("gloo", init_method=f"tcp://{spec['master']}:{spec['port']}", rank=rank,
-                            world_size=world, timeout=__import__("datetime").timedelta(seconds=600))
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://{spec['master']}:{spec['port']}", rank=rank,
+                                world_size=world, timeout=__import__("datetime").timedelta(seconds=600))
     kernels = [int(k) for k in spec.get("conv", "500,1500").split(",")]
     hidden = [int(k) for k in spec.get("fc", "256").split(",") if k]
 
@@ -51,7 +53,7 @@ def main(spec, out_path):
             return x
 
     torch.manual_seed(0)
-    model = nn.parallel.DistributedDataParallel(Net())
+    model = nn.parallel.DistributedDataParallel(Net()) if world > 1 else Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
     local_batch = int(spec["batch_size"]) // world
     gen = torch.Generator().manual_seed(rank)
@@ -59,7 +61,8 @@ def main(spec, out_path):
     for step in range(int(spec["warmup"]) + int(spec["steps"])):
         x = torch.randn(local_batch, 3, 32, 32, generator=gen)
         y = torch.randint(0, 10, (local_batch,), generator=gen)
-        dist.barrier()
+        if world > 1:
+            dist.barrier()
         t0 = time.perf_counter()
         opt.zero_grad()
         loss = F.cross_entropy(model(x), y)
@@ -67,11 +70,13 @@ def main(spec, out_path):
         opt.step()
         times.append(time.perf_counter() - t0)
     params = sum(p.numel() for p in model.parameters())
-    dist.destroy_process_group()
+    if world > 1:
+        dist.destroy_process_group()
     if rank == 0:
         timed = sorted(times[int(spec["warmup"]):])
         row = {"ok": True, "step_s": timed[len(timed) // 2], "step_s_all": times[int(spec["warmup"]):],
-               "allreduce_mb": params * 4 / 1e6, "local_batch": local_batch, "torch": torch.__version__}
+               "allreduce_mb": params * 4 / 1e6, "local_batch": local_batch, "torch": torch.__version__,
+               "threads": torch.get_num_threads(), "warmup_step_s": times[:int(spec["warmup"])]}
         tmp = out_path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(row, f)

@@ -72,7 +72,9 @@ def run_one(spec):
     """spec keys: tag, devices (device strings), local (in-process baseline), batch_size, warmup, steps, split,
     pin (cores for the local baseline), bind / external (namespace runs), link (cost-model link:
     'loopback' or a tc rate), link_framing ('tbf': the rate is tc's), wire_cpu_s_per_byte
-    (Link.host_cpu_s_per_byte), calibration_batch, out_dir."""
+    (Link.host_cpu_s_per_byte), calibration_batch, out_dir; for the local engine also threads (its CPU
+    device's threads, default 1), conv_path (its cpu_conv_path, default "auto") and predict (False: no
+    cost-model prediction, so no calibration before and after the steps; default True)."""
     if spec.get("pin") is not None:
         os.sched_setaffinity(0, set(spec["pin"]))        # before numpy/numba start any thread pool
     import numpy as np
@@ -84,15 +86,17 @@ def run_one(spec):
     from hetconv.geometry import conv_specs, layer_input_shapes
     from hetconv.train.loop import train
 
-    threadpool_limits(1)      # the coordinator's own BLAS (FC layers) runs on one thread, as the baseline's
+    threads, conv_path = int(spec.get("threads", 1)), spec.get("conv_path", "auto")
+    predict = spec.get("predict", True)
+    threadpool_limits(threads)   # the coordinator's own BLAS (FC layers) runs on the device's threads, as --local's
     devices, batch = spec["devices"], spec["batch_size"]
     warmup, timed = spec["warmup"], spec["steps"]
     metrics = os.path.join(spec["out_dir"], f"metrics-{spec['tag']}.jsonl")
     cfg = Config(conv=spec.get("conv", "500,1500"), fc=spec.get("fc", "256"), batch_size=batch,
-                 steps=warmup + timed, threads=1, split=spec["split"], synthetic_train=batch * (warmup + timed),
+                 steps=warmup + timed, threads=threads, split=spec["split"], synthetic_train=batch * (warmup + timed),
                  synthetic_test=batch, eval_batches=1, calibration_batch=spec.get("calibration_batch", 16),
                  metrics=metrics, exchange=spec.get("exchange", "peer"), micro_batches=spec.get("micro_batches", 0),
-                 wire_dtype=spec.get("wire", "float32"),
+                 wire_dtype=spec.get("wire", "float32"), cpu_conv_path=conv_path,
                  # the split under test is the calibrated one (the model predicts from the same
                  # calibration); training's own correction after a few steps is measured apart
                  rebalance_after=spec.get("rebalance_after", 0)).validate()
@@ -103,21 +107,22 @@ def run_one(spec):
     log = lambda msg: (logs.append(str(msg)), print(f"    | {msg}", flush=True))   # noqa: E731
     engine = None
     row = {"tag": spec["tag"], "set": spec.get("set", ""), "devices": devices, "batch_size": batch, "split": spec["split"],
-           "warmup_steps": warmup, "timed_steps": timed}
+           "warmup_steps": warmup, "timed_steps": timed, "threads": threads, "conv_path": conv_path}
     t_start = time.perf_counter()
     try:
         if spec.get("local"):
             from hetconv.devices import open_device
             from hetconv.engine.local import LocalEngine
             from hetconv.engine.shard import ConvShard
-            engine = LocalEngine({"local": ConvShard(open_device("cpu", threads=1))})
+            device = open_device("cpu", threads=threads, conv_path=conv_path)
+            engine = LocalEngine({"local": ConvShard(device)})
         else:
             from hetconv.coordinator.remote import RemoteEngine
             engine = RemoteEngine(spec.get("bind", "tcp://127.0.0.1:0"), spec.get("external", 0),
                                   [] if spec.get("external") else devices, threads=1, pin=True,
                                   connect_timeout=spec.get("connect_timeout", 120.0), log=log,
                                   exchange=cfg.exchange, wire=cfg.wire_dtype)
-        if spec.get("local"):               # the baseline's first calibration, before its steps
+        if spec.get("local") and predict:   # the baseline's first calibration, before its steps
             t0 = time.perf_counter()
             local_before = planning.calibrate_local("cpu", specs, cal_shapes, [s.kernels for s in specs], threads=1)
             local_calibration_s = time.perf_counter() - t0
@@ -131,6 +136,10 @@ def run_one(spec):
         step_s = [r["step_s"] for r in steps]
         row["step_s"] = float(np.median(step_s))
         row["step_s_all"] = step_s
+        with open(metrics) as f:            # the warm-up steps (an auto device times its paths in the first)
+            row["warmup_step_s"] = [r["step_s"] for r in map(json.loads, f) if r["event"] == "step"][:warmup]
+        if spec.get("local"):
+            row["conv_paths"] = device.describe_conv_paths()
         row["setup_s"] = summary["setup_s"]
         row["calibration_s"] = getattr(engine, "calibration_s", 0.0)
         row["workers"] = {}
@@ -146,7 +155,9 @@ def run_one(spec):
         # Calibrated before the steps (for the remote rows that made the plan under test) and
         # again after them: the model gets the average, so the host's drift while the row ran
         # moves the prediction as it moved the steps, and the row records how far it drifted.
-        if spec.get("local"):
+        if not predict:
+            pred = None
+        elif spec.get("local"):
             t0 = time.perf_counter()
             after = planning.calibrate_local("cpu", specs, cal_shapes, [s.kernels for s in specs], threads=1)
             row["calibration_s"] = time.perf_counter() - t0 + local_calibration_s
@@ -181,9 +192,10 @@ def run_one(spec):
             row["link"] = {"name": link.name, "bytes_per_s": link.bytes_per_s, "latency_s": link.latency_s,
                            "host_cpu_s_per_byte": link.host_cpu_s_per_byte}
             row["calibration"] = engine.calibration          # the one after the steps
-        row["predicted_step_s"] = pred["step_s"]
-        row["prediction"] = pred
-        row["model_error_pct"] = 100.0 * (pred["step_s"] - row["step_s"]) / row["step_s"]
+        if pred is not None:
+            row["predicted_step_s"] = pred["step_s"]
+            row["prediction"] = pred
+            row["model_error_pct"] = 100.0 * (pred["step_s"] - row["step_s"]) / row["step_s"]
         row["ok"] = True
     except Exception as e:          # the row records the failure; the benchmark goes on
         import traceback
@@ -211,7 +223,8 @@ def run_in_subprocess(spec, prefix=(), timeout=1800):
     returns its row. The child's process group is ended on every exit path."""
     import subprocess
     out = os.path.join(spec["out_dir"], f"row-{spec['tag']}.json")
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    n = str(spec.get("threads", 1))        # BLAS pools sized at import: the row's own thread count
+    env = dict(os.environ, OPENBLAS_NUM_THREADS=n, OMP_NUM_THREADS=n, MKL_NUM_THREADS=n)
     cmd = [*prefix, sys.executable, os.path.abspath(__file__), json.dumps(spec), out]
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
@@ -299,9 +312,10 @@ def machine():
 def fmt_row(r):
     if not r.get("ok"):
         return f"FAILED: {r.get('error')}"
-    return (f"step {r['step_s']:.3f}s (steps {', '.join(f'{s:.2f}' for s in r['step_s_all'])}), predicted "
-            f"{r['predicted_step_s']:.3f}s ({r['model_error_pct']:+.1f}%), calibration {r['calibration_s']:.1f}s, "
-            f"setup {r['setup_s']:.1f}s")
+    predicted = (f", predicted {r['predicted_step_s']:.3f}s ({r['model_error_pct']:+.1f}%)"
+                 if "predicted_step_s" in r else "")
+    return (f"step {r['step_s']:.3f}s (steps {', '.join(f'{s:.2f}' for s in r['step_s_all'])}){predicted}, "
+            f"calibration {r['calibration_s']:.1f}s, setup {r['setup_s']:.1f}s")
 
 
 if __name__ == "__main__":

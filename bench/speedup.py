@@ -5,6 +5,7 @@ measured and predicted by the cost model.
     python bench/speedup.py --out bench/results                # the full table (9.7 min in results/speedup.json)
     python bench/speedup.py --render bench/results/speedup.json   # rewrite speedup.md from the JSON only
     python bench/speedup.py --gpu cuda:0 --out runs/gpu        # adds cuda rows (needs a GPU)
+    python bench/speedup.py --fft --out bench/results/fft      # the CPU's conv paths vs PyTorch, 2 cores
 
 The network: 3x32x32 -> conv 5x5 500 -> ReLU -> pool -> conv 5x5 1500 -> ReLU -> pool -> FC 256 -> FC 10.
 Device sets (on a 2-core host):
@@ -21,6 +22,15 @@ hetconv.costmodel with the run's own calibration and the measured loopback bandw
 
 Writes OUT/speedup.json (one row per configuration), OUT/speedup.md, OUT/speedup.png (speedup vs
 devices, with the ideal line) and OUT/speedup_breakdown.png (per-worker compute / wire / wait).
+
+--fft: the whole step on both cores, in alternating rounds (round r runs every configuration once,
+the order rotated by r, so a change in the host's load falls on all of them alike):
+  hetconv fft / auto / shifted / im2col   --local --threads 2 with that cpu_conv_path (whole network)
+  PyTorch 2 threads                        the same network in one process, torch.set_num_threads(2)
+  PyTorch DDP 2x1 thread                   two one-thread ranks (gloo, 127.0.0.1), one core each
+"direct" is the faster of shifted and im2col in the same round (the closest forced runs to the
+path the device took before the FFT path: conv1 im2col, conv2 shifted). Each row's ratios are to
+the direct row and to the faster PyTorch row of its own round. No cost-model prediction here.
 """
 import argparse
 import os
@@ -75,16 +85,23 @@ def main(argv=None):
     p.add_argument("--runs-dir", default="", help="keep each run's metrics JSON lines here (default: a temp dir)")
     p.add_argument("--no-wire-cpu", dest="wire_cpu", action="store_false",
                    help="do not measure what moving a byte costs the workers' cores (the model then charges none)")
+    p.add_argument("--fft", action="store_true",
+                   help="the CPU conv paths (--local --threads 2) against PyTorch on 2 cores, in alternating rounds")
+    p.add_argument("--rounds", type=int, default=3, help="--fft: rounds at most (at least 2 are run)")
+    p.add_argument("--budget-min", type=float, default=25.0,
+                   help="--fft: start no further round (after 2) that the mean round so far would take past this")
     p.add_argument("--render", default="", metavar="JSON",
                    help="run nothing: rewrite speedup.md (and the plots) beside a saved speedup.json")
     args = p.parse_args(argv)
     if args.render:
         _common.rerender(args.render, "speedup", markdown, plot)
         return 0
-    args.batch_sizes = [int(b) for b in (args.batch_sizes or "32,128").split(",")]
+    args.batch_sizes = [int(b) for b in (args.batch_sizes or ("128" if args.fft else "32,128")).split(",")]
     args.steps = args.steps or (2 if args.quick else 3)
     if args.warmup < 1:
         p.error("--warmup must be >= 1: the first step pays JIT compilation and first-touch")
+    if args.fft:
+        return run_fft(args, argv if argv is not None else sys.argv[1:])
     os.makedirs(args.out, exist_ok=True)
     scratch = args.runs_dir or tempfile.mkdtemp(prefix="hetconv-speedup-")
     os.makedirs(scratch, exist_ok=True)
@@ -130,6 +147,194 @@ def main(argv=None):
     return 0 if rows and all(r.get("ok") for r in rows) else 1
 
 
+# ---- --fft: the CPU's conv paths against PyTorch on the same two cores ------------------------
+
+FFT_CONFIGS = [          # (name, what runs); the order of round 0, rotated by one each round
+    ("hetconv fft", {"kind": "hetconv", "conv_path": "fft"}),
+    ("hetconv auto", {"kind": "hetconv", "conv_path": "auto"}),
+    ("hetconv shifted", {"kind": "hetconv", "conv_path": "shifted"}),
+    ("hetconv im2col", {"kind": "hetconv", "conv_path": "im2col"}),
+    ("PyTorch 2 threads", {"kind": "torch", "world": 1, "threads": 2}),
+    ("PyTorch DDP 2x1 thread", {"kind": "torch", "world": 2, "threads": 1}),
+]
+DIRECT = ("hetconv shifted", "hetconv im2col")
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torch(world, threads, batch, warmup, steps, out_dir, tag):
+    """PyTorch on this host (bench/_ddp_baseline.py): world ranks of `threads` threads on 127.0.0.1,
+    each rank pinned to its own core when world > 1 (as bench/bandwidth.py's DDP rows)."""
+    import json
+    import subprocess
+    out = os.path.join(out_dir, f"torch-{tag}.json")
+    cores = sorted(os.sched_getaffinity(0))
+    env = dict(os.environ, OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
+               MKL_NUM_THREADS=str(threads))
+    port, procs = free_port(), []
+    t0 = time.perf_counter()
+    try:
+        for rank in range(world):
+            spec = {"rank": rank, "world": world, "master": "127.0.0.1", "port": port, "threads": threads,
+                    "batch_size": batch, "warmup": warmup, "steps": steps}
+            pin = ["taskset", "-c", str(cores[rank % len(cores)])] if world > 1 else []
+            procs.append(subprocess.Popen([*pin, sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                           "_ddp_baseline.py"), json.dumps(spec), out],
+                                          env={**env, "GLOO_SOCKET_IFNAME": "lo"}, start_new_session=True))
+        for p in procs:
+            p.wait(timeout=1800)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                C._kill_group(p)
+    row = {"ok": False, "error": f"ranks exited with {[p.returncode for p in procs]} and wrote no row"}
+    if os.path.exists(out):
+        with open(out) as f:
+            row = json.load(f)
+    row["wall_s"] = time.perf_counter() - t0
+    return row
+
+
+def run_fft(args, argv):
+    scratch = args.runs_dir or tempfile.mkdtemp(prefix="hetconv-speedup-fft-")
+    os.makedirs(scratch, exist_ok=True)
+    os.makedirs(args.out, exist_ok=True)
+    started, load_start = time.time(), _common.load_average()
+    import numpy  # noqa: F401  (loaded here so that run_facts names the BLAS the hetconv rows load)
+    import torch
+    doc = {"mode": "fft", **_common.run_facts("speedup.py", argv, started, load_start),
+           "torch": "; ".join(_common.torch_info(torch)),
+           "warmup": args.warmup, "steps": args.steps, "batch_sizes": args.batch_sizes,
+           "configs": [name for name, _ in FFT_CONFIGS], "direct": list(DIRECT), "rows": []}
+    print(f"machine: {doc['machine']}; load {load_start}; per-run files: {scratch}", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(143)))
+    round_s = []
+    try:
+        for rnd in range(max(2, args.rounds)):
+            elapsed = time.time() - started
+            if rnd >= 2 and elapsed + sum(round_s) / len(round_s) > args.budget_min * 60:
+                print(f"round {rnd}: would end past --budget-min {args.budget_min:g}: stopping", flush=True)
+                break
+            t_round = time.time()
+            order = FFT_CONFIGS[rnd % len(FFT_CONFIGS):] + FFT_CONFIGS[:rnd % len(FFT_CONFIGS)]
+            for batch in args.batch_sizes:
+                for name, what in order:
+                    tag = f"r{rnd}-b{batch}-{name.replace(' ', '_')}"
+                    print(f"[round {rnd}, batch {batch}] {name} ... (load {_common.load_average()})", flush=True)
+                    with C.ForeignLoad() as load:
+                        if what["kind"] == "hetconv":
+                            spec = {"tag": tag, "set": name, "devices": ["local"], "local": True, "pin": None,
+                                    "batch_size": batch, "split": "equal", "warmup": args.warmup,
+                                    "steps": args.steps, "out_dir": scratch, "threads": 2,
+                                    "conv_path": what["conv_path"], "predict": False}
+                            row = C.run_in_subprocess(spec)
+                        else:
+                            row = run_torch(what["world"], what["threads"], batch, args.warmup, args.steps,
+                                            scratch, tag)
+                    row.update(config=name, round=rnd, batch_size=batch, foreign_load_cores=load.cores,
+                               load_after=_common.load_average(), **{k: v for k, v in what.items() if k != "kind"})
+                    doc["rows"].append(row)
+                    print(f"    -> {fft_row_text(row)}; foreign load {load.cores:.2f} cores", flush=True)
+            round_s.append(time.time() - t_round)
+            doc["round_s"] = round_s
+            _save_fft(args.out, doc, started)           # after every round: a stopped run keeps its rounds
+    except KeyboardInterrupt:
+        print("interrupted: writing the rows measured so far", file=sys.stderr)
+    finally:
+        _save_fft(args.out, doc, started)
+    return 0 if doc["rows"] and all(r.get("ok") for r in doc["rows"]) else 1
+
+
+def _save_fft(out_dir, doc, started):
+    doc.update(wall_s=time.time() - started)
+    doc["load"]["end"] = _common.load_average()
+    add_fft_ratios(doc["rows"])
+    _common.save_outputs(out_dir, "speedup", doc, markdown)
+
+
+def fft_row_text(r):
+    if not r.get("ok"):
+        return f"FAILED: {r.get('error')}"
+    return (f"step {r['step_s']:.3f}s (timed {', '.join(f'{s:.2f}' for s in r['step_s_all'])}; warm-up "
+            f"{', '.join(f'{s:.2f}' for s in r.get('warmup_step_s', []))})")
+
+
+def add_fft_ratios(rows):
+    """Each row's direct_s and torch_s (the faster shifted/im2col and PyTorch rows of its own round and
+    batch) and its ratios to them (> 1: this row is faster)."""
+    for r in rows:
+        mates = [m for m in rows if m.get("ok") and m["round"] == r["round"] and m["batch_size"] == r["batch_size"]]
+        direct = [m for m in mates if m["config"] in DIRECT]
+        torch = [m for m in mates if m["config"].startswith("PyTorch")]
+        if not r.get("ok"):
+            continue
+        if direct:
+            best = min(direct, key=lambda m: m["step_s"])
+            r.update(direct_config=best["config"], direct_s=best["step_s"], vs_direct=best["step_s"] / r["step_s"])
+        if torch:
+            best = min(torch, key=lambda m: m["step_s"])
+            r.update(torch_config=best["config"], torch_s=best["step_s"], vs_torch=best["step_s"] / r["step_s"])
+
+
+def fft_markdown(doc):
+    import statistics
+    rows = doc["rows"]
+    out = _common.run_header(doc) + [
+        f"ISA: {doc.get('isa', '?')}. BLAS: {doc.get('blas', '?')}. PyTorch: {doc.get('torch', '?')}.", "",
+        f"Each configuration in a fresh process per round, {doc['warmup']} warm-up step(s) then {doc['steps']} "
+        "timed; step s = median of the timed steps, spread = their min-max. hetconv rows: the coordinator's "
+        "--local engine with --threads 2 and the named cpu_conv_path for the whole network (auto times the "
+        "paths on the first call of each big layer shape: that is in its warm-up step). PyTorch rows: the same "
+        "network, SGD with momentum, one process with torch.set_num_threads(2), or DDP (gloo, 127.0.0.1) with "
+        "two one-thread ranks, each on its own core and half the batch. x direct = (the faster of shifted and "
+        "im2col in the same round) / this row; x PyTorch = (the faster PyTorch row in the same round) / this "
+        "row; > 1: this row is faster. Foreign load = cores' worth of CPU used by other processes while the "
+        "row ran; load = the 1/5/15-minute load average after it.", ""]
+    for batch in doc["batch_sizes"]:
+        here = [r for r in rows if r["batch_size"] == batch]
+        if not here:
+            continue
+        out += [f"### Batch {batch}: per configuration, over {len({r['round'] for r in here})} round(s)", "",
+                "| configuration | median step s | rounds' step s | x direct (median; per round) | "
+                "x PyTorch (median; per round) |", "|---|---:|---|---|---|"]
+        for name in doc["configs"]:
+            ok = [r for r in here if r["config"] == name and r.get("ok")]
+            if not ok:
+                continue
+            ratio = lambda key: (f"{statistics.median([r[key] for r in ok if key in r]):.2f}x; " + ", ".join(   # noqa: E731
+                f"{r[key]:.2f}" for r in ok if key in r)) if any(key in r for r in ok) else "-"
+            steps_text = ", ".join(f"{r['step_s']:.3f}" for r in ok)
+            out.append(f"| {name} | {statistics.median([r['step_s'] for r in ok]):.3f} | "
+                       f"{steps_text} | {ratio('vs_direct')} | {ratio('vs_torch')} |")
+        out += ["", f"Batch {batch}, per round (rows in the order they ran):", "",
+                "| round | configuration | step s | spread s | warm-up s | setup s | x direct | direct is | "
+                "x PyTorch | PyTorch best | foreign load | load after |",
+                "|---:|---|---:|---|---|---:|---:|---|---:|---|---:|---|"]
+        for r in here:
+            if not r.get("ok"):
+                out.append(f"| {r['round']} | {r['config']} | failed: {r.get('error', '?')} |")
+                continue
+            spread = f"{min(r['step_s_all']):.3f}-{max(r['step_s_all']):.3f}"
+            warm = ", ".join(f"{s:.2f}" for s in r.get("warmup_step_s", []))
+            setup = f"{r['setup_s']:.1f}" if "setup_s" in r else "-"
+            out.append(f"| {r['round']} | {r['config']} | {r['step_s']:.3f} | {spread} | {warm} | {setup} | "
+                       f"{r.get('vs_direct', float('nan')):.2f} | {r.get('direct_config', '-')} | "
+                       f"{r.get('vs_torch', float('nan')):.2f} | {r.get('torch_config', '-')} | "
+                       f"{r['foreign_load_cores']:.2f} | {r.get('load_after', '')} |")
+        out.append("")
+    paths = next((r["conv_paths"] for r in rows if r.get("config") == "hetconv auto" and r.get("conv_paths")), None)
+    if paths:
+        out += ["What the auto device chose (its first round):", ""] + [f"- `{line}`" for line in paths] + [""]
+    if doc.get("round_s"):
+        out += [f"Rounds took {', '.join(f'{s / 60:.1f}' for s in doc['round_s'])} min.", ""]
+    return "\n".join(out)
+
+
 def add_speedups(rows):
     base = {r["batch_size"]: r for r in rows if r.get("ok") and r["set"] == "local"}
     for r in rows:
@@ -150,6 +355,8 @@ def kernels_text(r):
 
 def markdown(doc):
     """speedup.md, from speedup.json's contents alone."""
+    if doc.get("mode") == "fft":
+        return fft_markdown(doc)
     rows = doc["rows"]
     notes = []
     if doc.get("wire_cpu"):
@@ -193,6 +400,8 @@ def plot(out_dir, rows, machine):
     import matplotlib.pyplot as plt
 
     ok = [r for r in rows if r.get("ok") and "speedup" in r]
+    if not ok:                      # --fft rows: no device-count plot
+        return
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     top = max([r["n_devices"] for r in ok] + [2])
     ax.plot([1, top], [1, top], "k--", lw=1, label="ideal (speedup = devices)")
