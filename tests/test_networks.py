@@ -158,3 +158,33 @@ def test_distributed_equals_local(local_runs, tmp_path, name, workers, exchange,
     for got, want in zip(conv + fc, local_conv + local_fc):
         for a, b in zip(got, want):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("name,workers,modes,micro", [
+    ("vgg-small@0.125", 2, "DDDDMMMM", 4), ("vgg-small@0.125", 3, "DDDDDDDD", 1),
+    ("paper@0.01", 2, "DD", 4), ("paper@0.01", 3, "DM", 1)])
+def test_data_parallel_layers_equal_local(local_runs, tmp_path, name, workers, modes, micro):
+    """Per-layer data parallelism on the presets (D: images split, whole weights everywhere; M:
+    kernels split), uneven image shares, the peer step: losses and final weights as --local."""
+    cfg, losses, (_, local_conv, local_fc) = local_runs[name]
+    kernels = [layer.kernels for layer in load_net(cfg.net, (3, 32, 32), 10).spec.conv_layers()]
+    assert len(modes) == len(kernels)
+    names = [f"w{i}-cpu" for i in range(workers)]
+    counts = {w: [k // workers + (1 if i < k % workers else 0) for k in kernels] for i, w in enumerate(names)}
+    images = {w: n for w, n in zip(names, [3, 13] if workers == 2 else [2, 9, 5])}      # of a batch of 16
+    engine = RemoteEngine("tcp://127.0.0.1:0", 0, ["cpu"] * workers, threads=1, connect_timeout=60, log=quiet)
+    engine.fixed_plan = fixed_plan(kernels, counts, modes=["data" if m == "D" else "model" for m in modes],
+                                   images=images)
+    dist = cfg.__class__(**{**cfg.to_json(), "checkpoint_dir": str(tmp_path / "ck"), "micro_batches": micro,
+                            "use_all": True})
+    try:
+        summary = train(dist, engine, log=quiet)
+        ran = "".join("D" if m == "data" else "M" for m in engine.plan.modes())
+    finally:
+        engine.close()
+    assert ran == modes
+    np.testing.assert_allclose(summary["losses"], losses, rtol=1e-5)
+    _, conv, fc = checkpoint.load(str(tmp_path / "ck"))
+    for got, want in zip(conv + fc, local_conv + local_fc):
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
