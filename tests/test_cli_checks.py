@@ -101,20 +101,17 @@ def test_spawned_cpu_threads_worker():
     assert result.stdout.count("cpu (1 thread,") >= 2
 
 
-def test_short_runs_say_what_they_leave_out(tmp_path):
-    result = run("hetconv.cli.coordinator", *TINY, "--local", "--steps", "40")
+def test_short_runs_and_too_many_threads_say_what_they_leave_out(tmp_path):
+    # 16 images are 2 steps of 8 an epoch: 3 steps need a second epoch (each epoch ends with an evaluation)
+    result = run("hetconv.cli.coordinator", *TINY, "--synthetic-train", "16", "--local", "--steps", "3",
+                 "--threads", "999")
     assert result.returncode == 0, result.stderr
-    assert "--steps 40 needs 5 epochs of 8 steps (--epochs 1 covers 8): running 5 epochs" in result.stdout
+    assert "--steps 3 needs 2 epochs of 2 steps (--epochs 1 covers 2): running 2 epochs" in result.stdout
+    assert "--threads 999 is more than the" in result.stderr and "a CPU device runs" in result.stderr
     result = run("hetconv.cli.coordinator", *TINY, "--spawn", "cpu,cpu", "--steps", "3", "--threads", "999")
     assert result.returncode == 0, result.stderr
     assert "no rebalancing: 3 steps are too few" in result.stdout
     assert "the workers are not pinned to cores" in result.stderr
-
-
-def test_more_threads_than_cores_is_said():
-    result = run("hetconv.cli.coordinator", *TINY, "--local", "--steps", "1", "--threads", "999")
-    assert result.returncode == 0, result.stderr
-    assert "--threads 999 is more than the" in result.stderr and "a CPU device runs" in result.stderr
 
 
 def test_resume_appends_to_the_metrics_file(tmp_path):
