@@ -35,10 +35,11 @@ def test_a_worker_with_another_keygens_keys_never_joins_and_the_run_finishes(pro
     address = f"tcp://127.0.0.1:{free_port()}"
     coord = procs(python_cmd("hetconv.cli.coordinator", "--workers", "2", "--bind", address, "--curve", ours,
                              "--metrics", tmp_path / "dist.jsonl", *COMMON))
-    # the stranger comes first, so it is there all the time the coordinator waits and trains
+    # the stranger comes first, so it is there while the coordinator waits and trains (a run of a few
+    # seconds); it gives up after its --connect-timeout, which the local run below overlaps
     stranger = procs(python_cmd("hetconv.cli.worker", "--device", "cpu", "--connect", address, "--threads", "1",
                                 "--name", "stranger", "--curve", theirs / "workers" / "worker1",
-                                "--connect-timeout", "20"))
+                                "--connect-timeout", "12"))
     time.sleep(2)
     keyed = [procs(python_cmd("hetconv.cli.worker", "--device", "cpu", "--connect", address, "--threads", "1",
                               "--name", name, "--curve", ours / "workers" / name))
@@ -46,15 +47,15 @@ def test_a_worker_with_another_keygens_keys_never_joins_and_the_run_finishes(pro
     out, _ = coord.communicate(timeout=180)
     assert coord.returncode == 0, out
     assert "refused a connection from 127.0.0.1" in out, out
-    stranger_out, _ = stranger.communicate(timeout=60)
-    assert stranger.returncode != 0
-    assert "refused this worker's key" in stranger_out, stranger_out
     for w in keyed:
         assert w.wait(timeout=15) == 0
     plan = next(json.loads(line) for line in open(tmp_path / "dist.jsonl") if '"event": "plan"' in line)
     assert set(plan["layers"][0]["kernels"]) == {"worker1", "second"}
     local = run("hetconv.cli.coordinator", "--local", "--metrics", str(tmp_path / "local.jsonl"), *COMMON, timeout=120)
     assert local.returncode == 0, local.stderr
+    stranger_out, _ = stranger.communicate(timeout=60)
+    assert stranger.returncode != 0
+    assert "refused this worker's key" in stranger_out, stranger_out
     np.testing.assert_allclose(losses(tmp_path / "dist.jsonl"), losses(tmp_path / "local.jsonl"), rtol=1e-5)
 
 
