@@ -4,6 +4,7 @@ the same network, global batch and synthetic data shapes as hetconv's bandwidth 
     python bench/_ddp_baseline.py '{"rank": 0, "world": 2, "master": "10.0.0.1", "port": 29500,
                                     "batch_size": 32, "conv": "500,1500", "fc": "256", "warmup": 1,
                                     "steps": 2, "threads": 1}' OUT.json
+    ... "net": "vgg-small" ...     a hetconv --net text (preset, NAME@WIDTH, .json) instead of conv/fc
 
 Each rank trains on batch_size / world images a step (data parallel: the global batch is the
 same as hetconv's), `threads` CPU threads, SGD with momentum; DDP all-reduces every gradient (conv
@@ -53,7 +54,8 @@ def main(spec, out_path):
             return x
 
     torch.manual_seed(0)
-    model = nn.parallel.DistributedDataParallel(Net()) if world > 1 else Net()
+    net = torch_net(spec["net"]) if spec.get("net") else Net()
+    model = nn.parallel.DistributedDataParallel(net) if world > 1 else net
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
     local_batch = int(spec["batch_size"]) // world
     gen = torch.Generator().manual_seed(rank)
@@ -81,6 +83,40 @@ def main(spec, out_path):
         with open(tmp, "w") as f:
             json.dump(row, f)
         os.replace(tmp, out_path)
+
+
+def torch_net(text):
+    """hetconv's network `text` (--net: a preset such as vgg-small@0.5, or a .json) on CIFAR-shaped
+    input as an nn.Sequential, layer for layer: the same shapes as hetconv trains."""
+    import torch.nn as nn
+    from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES
+    from hetconv.net import load_net
+    net = load_net(text, IMAGE_SHAPE, NUM_CLASSES).spec
+    channels, modules = net.input_shape[0], []
+    x = __import__("torch").zeros((1,) + tuple(net.input_shape))
+    for layer in net.layers:
+        if layer.type == "conv":
+            m = nn.Conv2d(channels, layer.out_channels, tuple(layer.kernel), tuple(layer.stride), tuple(layer.padding),
+                          bias=layer.bias)
+            channels = layer.out_channels
+        elif layer.type == "relu":
+            m = nn.ReLU()
+        elif layer.type in ("maxpool", "avgpool"):
+            pool = nn.MaxPool2d if layer.mode == "max" else nn.AvgPool2d
+            m = pool(tuple(layer.kernel), tuple(layer.stride or layer.kernel), tuple(layer.padding))
+        elif layer.type == "flatten":
+            m = nn.Flatten()
+        elif layer.type == "linear":
+            m = nn.Linear(x.shape[1], layer.out_features, bias=layer.bias)
+        elif layer.type == "dropout":
+            m = nn.Dropout(layer.p)
+        else:
+            raise ValueError(f"{text}: no PyTorch module for layer type {layer.type!r}")
+        x = m(x)                      # (1, ...) shapes as the layers go, for the next Linear's inputs
+        modules.append(m)
+    if x.shape[1] != NUM_CLASSES:
+        raise ValueError(f"{text}: the network ends in {x.shape[1]} outputs, not {NUM_CLASSES} classes")
+    return nn.Sequential(*modules)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
     sudo python bench/bandwidth.py --out bench/results       # 100mbit, 1gbit, 10gbit; every row kind
     sudo python bench/bandwidth.py --rates 1gbit --rows peer-auto,ddp
+    sudo python bench/bandwidth.py --net vgg-small --rates 1gbit --rows model,data,auto,ddp --rounds 3 \
+        --out bench/results/parallel      # per-layer modes: hetconv-coordinator --parallel, beside DDP
     python bench/bandwidth.py --render bench/results/bandwidth.json   # rewrite the .md (and .png) only
 
 Set-up (made here, removed in a finally, on Ctrl-C and SIGTERM too): one network namespace per
@@ -15,10 +17,19 @@ Rows per rate (--rows picks):
 - peer:       --exchange peer, 1 micro-batch
 - peer-auto:  --exchange peer, automatic micro-batches (overlap)
 - peer-bf16:  peer-auto with --wire-dtype bfloat16
+- model, data, auto: hetconv-coordinator itself (--exchange peer, automatic micro-batches,
+              --rebalance-after 0) with --parallel model|data|auto and --link at the rate under test;
+              the row keeps the modes its plan record says each conv layer ran in (and the images of a
+              data layer per worker), auto's choice and priced seconds, and the cost model's step for
+              that plan from the run's own calibration record (predict_any with the plan's modes)
 - ddp:        PyTorch DistributedDataParallel (gloo), one rank per worker host, the same network and
               global batch, 1 thread each: what a user would otherwise pick
-The single-device baseline (hetconv --local, one pinned core) runs once, in this run. Every
-hetconv row also carries the cost model's prediction from the run's own calibration, with links
+--net (a hetconv --net text: vgg-small, vgg-small@0.5, paper, ...) takes the network from hetconv's
+presets instead of --conv/--fc; it runs the rows model, data, auto and ddp (the others build the
+paper family only). --rounds N repeats every row N times, rows alternating within a round (the
+order reversed every other round), the baseline in each round: a ratio is taken within a round.
+The single-device baseline (hetconv --local, one pinned core) runs once a round, in this run. Every
+star/peer row also carries the cost model's prediction from the run's own calibration, with links
 that carry TCP payload at 1448/1514 of the tbf rate, and (unless --no-wire-cpu) what moving a byte
 costs the workers' cores, measured once per run on the unshaped link by bench/_wire_cpu.py: the
 emulated hosts share this machine's cores, so a transfer that overlaps compute slows it.
@@ -33,6 +44,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,8 +60,12 @@ ROW_KINDS = {
     "peer": {"exchange": "peer", "micro_batches": 1, "wire": "float32"},
     "peer-auto": {"exchange": "peer", "micro_batches": 0, "wire": "float32"},
     "peer-bf16": {"exchange": "peer", "micro_batches": 0, "wire": "bfloat16"},
+    "model": {"parallel": "model"},
+    "data": {"parallel": "data"},
+    "auto": {"parallel": "auto"},
     "ddp": None,
 }
+PARALLEL_KINDS = ("model", "data", "auto")
 
 
 def sh(*cmd, check=True):
@@ -177,7 +193,7 @@ def run_hetconv(switch, kind, rate, args, common):
     address = f"tcp://{coordinator['ip']}:{free_port()}"
     workers = start_workers(switch, address, args.workers)
     label = rate or "unshaped"
-    spec = {**common, **ROW_KINDS[kind], "tag": f"{kind}-{label}", "set": f"{args.workers} workers, {kind}",
+    spec = {**common, **ROW_KINDS[kind], "tag": f"{kind}-{label}-{common.get('round', 0)}", "set": f"{args.workers} workers, {kind}",
             "devices": ["cpu"] * args.workers, "bind": address, "external": args.workers,
             "link": rate or "10gbit", "link_framing": "tbf", "connect_timeout": 180.0}
     try:
@@ -195,14 +211,14 @@ def run_hetconv(switch, kind, rate, args, common):
 def run_ddp(switch, rate, args, common):
     master = switch.hosts[1]["ip"]
     port = free_port()
-    out = os.path.join(common["out_dir"], f"ddp-{rate or 'unshaped'}.json")
+    out = os.path.join(common["out_dir"], f"ddp-{rate or 'unshaped'}-{common.get('round', 0)}.json")
     cores = sorted(os.sched_getaffinity(0))
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     procs = []
     with C.ForeignLoad() as load:
         for rank in range(args.workers):
             h = switch.hosts[rank + 1]
-            spec = {"rank": rank, "world": args.workers, "master": master, "port": port, "threads": 1,
+            spec = {"rank": rank, "world": args.workers, "master": master, "port": port, "threads": 1, "net": args.net,
                     "batch_size": args.batch_size, "conv": args.conv, "fc": args.fc, "warmup": args.warmup,
                     "steps": args.steps}
             cmd = [*switch.prefix(h), "taskset", "-c", str(cores[rank % len(cores)]), sys.executable,
@@ -224,6 +240,153 @@ def run_ddp(switch, rate, args, common):
     return row
 
 
+# ---- rows of hetconv-coordinator itself: --parallel model | data | auto ---------------------------
+
+def network_flags(args):
+    return ["--net", args.net] if args.net else ["--conv", args.conv, "--fc", args.fc]
+
+
+def coordinator_flags(args, metrics):
+    """The flags every hetconv-coordinator row shares: the network, batch, steps of synthetic data
+    (warm-up + timed), 1 thread, one test batch, the calibrated split kept (no rebalancing)."""
+    steps = args.warmup + args.steps
+    return [*network_flags(args), "--batch-size", str(args.batch_size), "--steps", str(steps),
+            "--synthetic-train", str(args.batch_size * steps), "--synthetic-test", str(args.batch_size),
+            "--eval-batches", "1", "--rebalance-after", "0", "--threads", "1", "--metrics", metrics]
+
+
+def read_metrics(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def run_cli(cmd, env, log_path, timeout=1800):
+    """Run one hetconv-coordinator to its end (its process group ended on every exit path)."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        finally:
+            if proc.poll() is None:
+                C._kill_group(proc)
+    return proc.returncode
+
+
+def step_times(records, warmup):
+    steps = [r["step_s"] for r in records if r["event"] == "step"]
+    timed = steps[warmup:]
+    if not timed:
+        raise RuntimeError(f"{len(steps)} step records, none past the {warmup} warm-up step(s)")
+    return float(statistics.median(timed)), timed, steps[:warmup]
+
+
+def run_local_cli(args, common):
+    """The single-device baseline as a user runs it: hetconv-coordinator --local, 1 thread, pinned
+    to the first core."""
+    tag = f"local-{common.get('round', 0)}"
+    metrics = os.path.join(common["out_dir"], f"metrics-{tag}.jsonl")
+    cores = sorted(os.sched_getaffinity(0))
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    flags = ["--local", *coordinator_flags(args, metrics)]
+    cmd = ["taskset", "-c", str(cores[0]), sys.executable, "-m", "hetconv.cli.coordinator", *flags]
+    row = {"kind": "local", "rate": "in-process", "round": common.get("round", 0), "batch_size": args.batch_size,
+           "net": args.net or f"conv {args.conv}, fc {args.fc}", "command": "hetconv-coordinator " + " ".join(flags),
+           "ok": False}
+    with C.ForeignLoad() as load:
+        code = run_cli(cmd, env, os.path.join(common["out_dir"], f"log-{tag}.txt"))
+    row["foreign_load_cores"] = load.cores
+    try:
+        row["step_s"], row["step_s_all"], row["warmup_step_s"] = step_times(read_metrics(metrics), args.warmup)
+        row["ok"] = True
+    except (OSError, RuntimeError, ValueError, KeyError) as e:
+        row["error"] = f"exit {code}: {type(e).__name__}: {e}"
+    return row
+
+
+def predict_parallel(args, batch, plan, calibration, rate, wire_cpu_s_per_byte, micro, coordinator_cache):
+    """The cost model's step for the plan a run trained with (its modes, kernels and images per
+    worker), from the run's own calibration record: predict_any, as hetconv-plan does."""
+    from threadpoolctl import threadpool_limits
+
+    from hetconv.engine import costmodel as cm
+    from hetconv.engine.measure import measure_coordinator_s
+    from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES, ConvSpec
+    from hetconv.train.config import Config
+    net = Config(net=args.net, conv=args.conv if not args.net else Config.conv,
+                 fc=args.fc if not args.net else Config.fc).network(IMAGE_SHAPE, NUM_CLASSES).spec
+    specs = [ConvSpec.from_layer(layer) for layer in net.conv_layers()]
+    workers = plan["workers"]
+    key = (batch, len(workers))
+    if key not in coordinator_cache:      # the coordinator's FC, loss, concat and sums, at its 1 thread
+        fc = [op.layer.to_json() for op in net.head() if op.type != "flatten"]
+        with threadpool_limits(1):
+            coordinator_cache[key] = measure_coordinator_s(specs, fc, net.input_shape, batch, len(workers))
+    profiles = cm.profiles_from_calibration({w: calibration[w] for w in workers})
+    counts = {w: [layer["kernels"][w] for layer in plan["layers"]] for w in workers}
+    images = {w: [layer.get("images", {}).get(w, 0) for layer in plan["layers"]] for w in workers}
+    modes = [layer.get("mode", "model") for layer in plan["layers"]]
+    link = C.model_link(rate, "tbf", wire_cpu_s_per_byte)
+    pred = cm.predict_any("peer", specs, net.input_shape, batch, counts, profiles, link, coordinator_cache[key],
+                          micro, 4, modes=modes, images=images)
+    out = pred.to_json()
+    out["dominant"] = list(cm.dominant_term(pred))
+    return out
+
+
+def run_parallel(switch, kind, rate, args, common, coordinator_cache):
+    """One hetconv-coordinator --parallel KIND row: workers on hosts 1..n, the coordinator on host 0."""
+    from hetconv.engine.microbatch import micro_batch_count
+    label = rate or "unshaped"
+    tag = f"{kind}-{label}-{common.get('round', 0)}"
+    metrics = os.path.join(common["out_dir"], f"metrics-{tag}.jsonl")
+    coordinator = switch.hosts[0]
+    address = f"tcp://{coordinator['ip']}:{free_port()}"
+    flags = ["--workers", str(args.workers), "--bind", address, "--insecure", "--connect-timeout", "180",
+             "--exchange", "peer", "--micro-batches", "0", "--parallel", ROW_KINDS[kind]["parallel"],
+             "--link", rate or "10gbit", *coordinator_flags(args, metrics)]
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    cmd = [*switch.prefix(coordinator), sys.executable, "-m", "hetconv.cli.coordinator", *flags]
+    row = {"kind": kind, "rate": label, "round": common.get("round", 0), "batch_size": args.batch_size,
+           "net": args.net or f"conv {args.conv}, fc {args.fc}", "exchange": "peer", "parallel": kind,
+           "command": "hetconv-coordinator " + " ".join(flags), "devices": ["cpu"] * args.workers, "ok": False}
+    workers = start_workers(switch, address, args.workers)
+    try:
+        with C.ForeignLoad() as load:
+            code = run_cli(cmd, env, os.path.join(common["out_dir"], f"log-{tag}.txt"))
+            stop(workers)
+            workers = []
+    finally:
+        for w in workers:
+            C._kill_group(w)
+    row["foreign_load_cores"] = load.cores
+    try:
+        records = read_metrics(metrics)
+        row["step_s"], row["step_s_all"], row["warmup_step_s"] = step_times(records, args.warmup)
+        plan = next(r for r in records if r["event"] == "plan")
+        calibration = next(r for r in records if r["event"] == "calibration")["workers"]
+        row["plan"] = {k: plan[k] for k in ("workers", "left_out", "layers")}
+        row["modes"] = [layer.get("mode", "model") for layer in plan["layers"]]
+        row["images"] = [layer.get("images") for layer in plan["layers"]]
+        row["mode_choice"] = plan.get("mode_choice")
+        row["micro_batches"] = micro_batch_count(0, args.batch_size, "peer", len(plan["workers"]))
+        row["calibration"] = calibration
+        pred = predict_parallel(args, args.batch_size, plan, calibration, rate or "10gbit",
+                                common.get("wire_cpu_s_per_byte", 0.0), row["micro_batches"], coordinator_cache)
+        row["prediction"] = pred
+        row["predicted_step_s"] = pred["step_s"]
+        row["model_error_pct"] = 100.0 * (pred["step_s"] - row["step_s"]) / row["step_s"]
+        row["workers"] = {}
+        steps = [r for r in records if r["event"] == "step"][args.warmup:]
+        for name in (steps[0].get("workers") or {}) if steps else {}:
+            med = lambda key: float(statistics.median([r["workers"][name].get(key, 0) for r in steps]))  # noqa: E731
+            row["workers"][name] = {"compute_s": med("compute_s"), "sent": int(med("bytes_sent")),
+                                    "recv": int(med("bytes_recv")), "peer_sent": int(med("peer_bytes_sent"))}
+        row["ok"] = True
+    except (OSError, RuntimeError, ValueError, KeyError, StopIteration) as e:
+        row["error"] = f"exit {code}: {type(e).__name__}: {e}"
+    return row
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.path.join(HERE, "results"))
@@ -232,6 +395,10 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--conv", default="500,1500", help="kernels per conv layer (default: the paper network)")
     p.add_argument("--fc", default="256")
+    p.add_argument("--net", default="", help="a hetconv --net text (vgg-small, vgg-small@0.5, paper, ...) instead of "
+                                             "--conv/--fc; rows model, data, auto and ddp only")
+    p.add_argument("--name", default="bandwidth", help="OUT/NAME.json and NAME.md")
+    p.add_argument("--rounds", type=int, default=1, help="rows alternate within a round, the baseline in each")
     p.add_argument("--workers", type=int, default=2, help="1-thread CPU workers, each on a host of its own")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
@@ -254,12 +421,18 @@ def main(argv=None):
         if not isinstance(saved, dict) or any("kind" not in r for r in saved.get("rows", [None])):
             p.error(f"--render {args.render}: not a bandwidth.json of this generator (rows without 'kind': "
                     f"written by the earlier one-shared-link version; re-run the benchmark)")
-        write_outputs(os.path.dirname(os.path.abspath(args.render)), saved)
+        write_outputs(os.path.dirname(os.path.abspath(args.render)), saved,
+                      os.path.splitext(os.path.basename(args.render))[0])
         return 0
     kinds = [k.strip() for k in args.rows.split(",") if k.strip()]
     unknown = [k for k in kinds if k not in ROW_KINDS]
     if unknown:
         p.error(f"--rows: unknown {unknown}, expected some of {', '.join(ROW_KINDS)}")
+    if args.net and any(k not in PARALLEL_KINDS + ("ddp",) for k in kinds):
+        p.error(f"--net {args.net}: rows {', '.join(k for k in kinds if k not in PARALLEL_KINDS + ('ddp',))} build "
+                f"the paper family only (--conv, --fc); with --net use {', '.join(PARALLEL_KINDS)} and ddp")
+    if args.rounds < 1:
+        p.error(f"--rounds must be 1 or more, got {args.rounds}")
     why = missing_requirements()
     if why:
         print(f"bench/bandwidth.py: skipped: {why}")
@@ -273,7 +446,8 @@ def main(argv=None):
     common = {"batch_size": args.batch_size, "warmup": args.warmup, "steps": args.steps, "out_dir": scratch,
               "split": "proportional", "conv": args.conv, "fc": args.fc}
     result = {"command": command, "machine": C.machine(), "load_before": _common.load_average(),
-              "workers": args.workers, "conv": args.conv, "fc": args.fc, "rows": []}
+              "workers": args.workers, "conv": args.conv, "fc": args.fc, "net": args.net, "rounds": args.rounds,
+              "rows": []}
     rows = result["rows"]
     t_all = time.perf_counter()
     switch = Switch(1 + args.workers)
@@ -285,13 +459,6 @@ def main(argv=None):
     try:
         print(f"machine: {result['machine']}\nbridge {switch.bridge}, hosts "
               + ", ".join(f"{h['ns']} ({h['ip']})" for h in switch.hosts), flush=True)
-        print(f"[baseline] local, batch {args.batch_size} ...", flush=True)
-        with C.ForeignLoad() as load:
-            base = C.run_in_subprocess({**common, "tag": "local", "set": "local", "devices": ["cpu"],
-                                        "local": True, "pin": [0], "split": "equal"})
-        base.update(kind="local", rate="in-process", foreign_load_cores=load.cores)
-        print(f"    -> {C.fmt_row(base)}", flush=True)
-        rows.append(base)
         if args.wire_cpu and any(k != "ddp" for k in kinds):
             # once, unshaped: the most bytes in the probe's time, so the cost stands well above the
             # host's noise (at 100 Mbit/s it would be a few tenths of a second's difference)
@@ -301,13 +468,34 @@ def main(argv=None):
             common = {**common, "wire_cpu_s_per_byte": wire_cpu["host_cpu_s_per_byte"]}
             print(f"    -> {wire_cpu['host_cpu_s_per_byte'] * 1e9:.2f} ns a byte "
                   f"({wire_cpu['lost_s']:.3f} s of compute lost to {wire_cpu['bytes'] / 1e6:.0f} MB)", flush=True)
-        for rate in [r.strip() for r in args.rates.split(",") if r.strip()]:
-            switch.shape(rate)
-            for kind in kinds:
-                print(f"[{rate}] {kind}, {args.workers} workers ...", flush=True)
-                row = run_ddp(switch, rate, args, common) if kind == "ddp" else run_hetconv(switch, kind, rate, args, common)
-                rows.append(row)
-                print(f"    -> {fmt(row)}", flush=True)
+        coordinator_cache = {}
+        for rnd in range(args.rounds):
+            common = {**common, "round": rnd}
+            # the baseline in every round; the rows' order reversed every other round, so a drift
+            # of the host's speed during a round does not always favour the same row
+            print(f"[round {rnd + 1}/{args.rounds}] [baseline] local, batch {args.batch_size} ...", flush=True)
+            if args.net or any(k in PARALLEL_KINDS for k in kinds):
+                base = run_local_cli(args, common)
+            else:
+                with C.ForeignLoad() as load:
+                    base = C.run_in_subprocess({**common, "tag": f"local-{rnd}", "set": "local", "devices": ["cpu"],
+                                                "local": True, "pin": [0], "split": "equal"})
+                base.update(kind="local", rate="in-process", round=rnd, foreign_load_cores=load.cores)
+            print(f"    -> {fmt(base)}", flush=True)
+            rows.append(base)
+            for rate in [r.strip() for r in args.rates.split(",") if r.strip()]:
+                switch.shape(rate)
+                for kind in (kinds if rnd % 2 == 0 else kinds[::-1]):
+                    print(f"[round {rnd + 1}/{args.rounds}] [{rate}] {kind}, {args.workers} workers ...", flush=True)
+                    if kind == "ddp":
+                        row = run_ddp(switch, rate, args, common)
+                    elif kind in PARALLEL_KINDS:
+                        row = run_parallel(switch, kind, rate, args, common, coordinator_cache)
+                    else:
+                        row = run_hetconv(switch, kind, rate, args, common)
+                    row["round"] = rnd
+                    rows.append(row)
+                    print(f"    -> {fmt(row)}", flush=True)
     except KeyboardInterrupt:
         print("interrupted: cleaning up, writing the rows measured so far", file=sys.stderr)
     finally:
@@ -317,7 +505,7 @@ def main(argv=None):
         result["load_after"] = _common.load_average()
         for r in rows:                       # raw records, but no paths of this machine's scratch dir
             r.pop("log", None)
-        write_outputs(args.out, result)
+        write_outputs(args.out, result, args.name)
     return 0
 
 
@@ -373,11 +561,111 @@ def fmt(row):
         return f"FAILED: {row.get('error')}"
     if row["kind"] == "ddp":
         return f"step {row['step_s']:.3f}s (all-reduce of {row['allreduce_mb']:.0f} MB)"
+    if row["kind"] in PARALLEL_KINDS or "command" in row:      # a hetconv-coordinator row
+        steps = ", ".join(f"{t:.3f}" for t in row["step_s_all"])
+        predicted = (f", predicted {row['predicted_step_s']:.3f}s ({row['model_error_pct']:+.1f}%)"
+                     if "predicted_step_s" in row else "")
+        modes = f", modes {modes_text(row['modes'])}" if row.get("modes") else ""
+        return f"step {row['step_s']:.3f}s (steps {steps}){predicted}{modes}"
     return C.fmt_row(row)
 
 
-def write_outputs(out_dir, result):
+def modes_text(modes):
+    """Per conv layer, M (model) or D (data), in layer order."""
+    return "".join("D" if m == "data" else "M" for m in modes)
+
+
+def round_ratios(rows):
+    """Per row, within its own round: the model row's step over its step at the same rate
+    (vs_model) and the --local baseline's over its step (vs_local): > 1 is faster."""
+    by = {(r.get("round", 0), r.get("rate"), r["kind"]): r for r in rows if r.get("ok")}
+    for r in rows:
+        if not r.get("ok"):
+            continue
+        model = by.get((r.get("round", 0), r.get("rate"), "model"))
+        local = by.get((r.get("round", 0), "in-process", "local"))
+        r["vs_model"] = model["step_s"] / r["step_s"] if model else None
+        r["vs_local"] = local["step_s"] / r["step_s"] if local else None
+
+
+def write_parallel(out_dir, result, stem):
+    """The --parallel rows: a summary per link and row (medians over the rounds, ratios taken
+    within each round) and every row as measured."""
     rows = result["rows"]
+    round_ratios(rows)
+    med = lambda xs: statistics.median(xs) if xs else None          # noqa: E731
+    num = lambda x, f="{:.3f}": f.format(x) if x is not None else ""  # noqa: E731
+    wire = result.get("wire_cpu")
+    lines = [f"Machine: {result['machine']}. Command: `{result['command']}` ({result.get('wall_s', 0) / 60:.1f} min; "
+             f"{result.get('load_before', '')} before, {result.get('load_after', '')} after).",
+             f"Network: {result.get('net') or 'conv ' + result['conv'] + ', fc ' + result['fc']}; batch "
+             f"{next((r['batch_size'] for r in rows if r.get('batch_size')), '?')}; {result.get('workers', 2)} one-thread "
+             f"CPU workers and the coordinator, each in a network namespace of its own with its own tbf-shaped link "
+             f"(both directions) to one bridge. Rows: hetconv-coordinator --parallel model|data|auto (--exchange peer, "
+             f"automatic micro-batches, --link at the rate, --rebalance-after 0: the calibrated plan); PyTorch DDP "
+             f"(gloo, one 1-thread rank per worker host); baseline hetconv-coordinator --local, 1 thread, one pinned "
+             f"core. {result.get('rounds', 1)} round(s), rows alternating within a round (order reversed every other "
+             f"round); a ratio is taken within a round, then the median over rounds. Modes: per conv layer, M model, "
+             f"D data. Predicted: the cost model (predict_any with the run's own plan and calibration record; links "
+             f"carry TCP payload at 1448/1514 of the tbf rate"
+             + (f"; moving a byte costs the workers' cores {wire['host_cpu_s_per_byte'] * 1e9:.2f} ns, measured "
+                f"unshaped in this run)." if wire else "; no wire CPU charged).")
+             + " Foreign load: cores' worth of CPU other processes used during the row (the machine is shared).", "",
+             "| link (each host) | row | modes | s/step (median of rounds) | predicted s | model error | x faster than "
+             "model (same round) | x faster than --local (same round) | foreign load |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    keys = []
+    for r in rows:
+        key = (r.get("rate"), r["kind"])
+        if key not in keys:
+            keys.append(key)
+    for rate, kind in keys:
+        mine = [r for r in rows if (r.get("rate"), r["kind"]) == (rate, kind) and r.get("ok")]
+        failed = [r for r in rows if (r.get("rate"), r["kind"]) == (rate, kind) and not r.get("ok")]
+        if not mine:
+            lines.append(f"| {rate} | {kind} | failed: {failed[0].get('error', '?') if failed else '?'} |")
+            continue
+        modes = sorted({modes_text(r["modes"]) for r in mine if r.get("modes")})
+        step = med([r["step_s"] for r in mine])
+        pred = med([r["predicted_step_s"] for r in mine if "predicted_step_s" in r])
+        err = med([r["model_error_pct"] for r in mine if "model_error_pct" in r])
+        name = {"local": "hetconv --local (baseline)", "ddp": "PyTorch DDP (gloo)"}.get(kind, f"--parallel {kind}")
+        lines.append(f"| {rate} | {name} | {' / '.join(modes)} | {step:.3f} | {num(pred)} | "
+                     f"{num(err, '{:+.1f}%')} | {num(med([r['vs_model'] for r in mine if r.get('vs_model')]), '{:.2f}x')} | "
+                     f"{num(med([r['vs_local'] for r in mine if r.get('vs_local')]), '{:.2f}x')} | "
+                     f"{med([r.get('foreign_load_cores', 0) for r in mine]):.2f} |"
+                     + (f" ({len(failed)} failed)" if failed else ""))
+    lines += ["", "Every row:", "",
+              "| round | link | row | step s (median) | timed steps s | predicted s | error | modes | images per worker "
+              "(data layers) | auto's choice | foreign load |",
+              "|---:|---|---|---:|---|---:|---:|---|---|---|---:|"]
+    for r in rows:
+        if not r.get("ok"):
+            lines.append(f"| {r.get('round', 0) + 1} | {r.get('rate')} | {r['kind']} | failed: {r.get('error', '?')} |")
+            continue
+        images = sorted({"/".join(str(v) for v in im.values()) for im in (r.get("images") or []) if im})
+        choice = r.get("mode_choice") or {}
+        choice_text = (f"{choice.get('reason', '')}; priced {num(choice.get('chosen_s'))} s, all-model "
+                       f"{num(choice.get('model_s'))} s" if choice else "")
+        lines.append(f"| {r.get('round', 0) + 1} | {r.get('rate')} | {r['kind']} | {r['step_s']:.3f} | "
+                     f"{', '.join(f'{t:.3f}' for t in r.get('step_s_all', []))} | {num(r.get('predicted_step_s'))} | "
+                     f"{num(r.get('model_error_pct'), '{:+.1f}%')} | {modes_text(r.get('modes') or [])} | "
+                     f"{', '.join(images)} | {choice_text} | {r.get('foreign_load_cores', 0):.2f} |")
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
+        f.write(text)
+    print("\n" + text)
+
+
+def write_outputs(out_dir, result, stem="bandwidth"):
+    rows = result["rows"]
+    if result.get("net") or any(r.get("kind") in PARALLEL_KINDS for r in rows):
+        os.makedirs(out_dir, exist_ok=True)
+        round_ratios(rows)
+        with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        write_parallel(out_dir, result, stem)
+        return
     base = next((r for r in rows if r.get("kind") == "local"), None)
     for r in rows:
         if r.get("ok") and base and base.get("ok"):
