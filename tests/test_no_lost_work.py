@@ -338,10 +338,10 @@ def test_sigterm_checkpoints_the_step_reached_and_resume_finishes_like_an_uninte
     assert checkpoint.load(str(ck))[0]["step"] == reached
     # resumed with no --checkpoint-dir: its checkpoints go on into the directory it resumed from
     again = _coordinator(procs, tmp_path, *mode, "--epochs", "25", "--steps", reached + 2, "--resume", ck)
-    assert again.wait(timeout=120) == 0, (tmp_path / "out.txt").read_text()
-    local_dir = tmp_path / "local"
+    local_dir = tmp_path / "local"                       # the uninterrupted run, while the resumed one runs
     train(Config(**TINY, epochs=25, steps=reached + 2, checkpoint_dir=str(local_dir)).validate(),
           LocalEngine({"local": ConvShard(open_device("cpu", threads=1))}), log=quiet)
+    assert again.wait(timeout=120) == 0, (tmp_path / "out.txt").read_text()
     assert_same_weights(ck, (None, checkpoint.load(str(local_dir))))
 
 
