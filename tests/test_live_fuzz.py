@@ -74,7 +74,14 @@ def run(procs, tmp_path, name, fuzz_seed=None):
 
 
 def test_fuzzed_coordinator_and_worker_keep_serving_and_train_the_same(procs, tmp_path):
-    code, out, records, sent = run(procs, tmp_path, "fuzzed", fuzz_seed=7)
+    # the plain run, on its own port, goes on beside the fuzzed one: each waits mostly on its workers
+    plain_run = {}
+    beside = threading.Thread(target=lambda: plain_run.update(result=run(procs, tmp_path, "plain")))
+    beside.start()
+    try:
+        code, out, records, sent = run(procs, tmp_path, "fuzzed", fuzz_seed=7)
+    finally:
+        beside.join(timeout=120)
     assert code == 0, out
     assert records and records[-1]["event"] == "done", out
     # both were hit while the run was live, with every kind of frame
@@ -82,7 +89,8 @@ def test_fuzzed_coordinator_and_worker_keep_serving_and_train_the_same(procs, tm
         assert set(sent[target]) == set(_fuzz.KINDS), sent
     assert "ignored a malformed message from a peer" in out and "ignored a malformed message from" in out, out
     assert "dropped worker" not in out and not re.search(r"\blost w\d", out), out
-    code, plain_out, plain, _ = run(procs, tmp_path, "plain")
+    assert "result" in plain_run, "the plain run did not end (see the error above)"
+    code, plain_out, plain, _ = plain_run["result"]
     assert code == 0, plain_out
     losses = [r["loss"] for r in records if r["event"] == "step"]
     assert len(losses) == 6
