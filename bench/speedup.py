@@ -211,7 +211,7 @@ def run_fft(args, argv):
            "torch": "; ".join(_common.torch_info(torch)),
            "warmup": args.warmup, "steps": args.steps, "batch_sizes": args.batch_sizes,
            "configs": [name for name, _ in FFT_CONFIGS], "direct": list(DIRECT), "rows": []}
-    print(f"machine: {doc['machine']}; load {load_start}; per-run files: {scratch}", flush=True)
+    print(f"machine: {doc['machine']}; {load_start}; per-run files: {scratch}", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(143)))
     round_s = []
     try:
@@ -225,7 +225,7 @@ def run_fft(args, argv):
             for batch in args.batch_sizes:
                 for name, what in order:
                     tag = f"r{rnd}-b{batch}-{name.replace(' ', '_')}"
-                    print(f"[round {rnd}, batch {batch}] {name} ... (load {_common.load_average()})", flush=True)
+                    print(f"[round {rnd}, batch {batch}] {name} ... ({_common.load_average()})", flush=True)
                     with C.ForeignLoad() as load:
                         if what["kind"] == "hetconv":
                             spec = {"tag": tag, "set": name, "devices": ["local"], "local": True, "pin": None,
@@ -283,7 +283,10 @@ def add_fft_ratios(rows):
 
 def fft_markdown(doc):
     import statistics
-    rows = doc["rows"]
+    # every row's step s and ratios again from its saved timed steps: the median, as the hetconv rows
+    # take it (_ddp_baseline.py once took the upper middle, with 2 timed steps the slower one)
+    rows = [dict(r, step_s=statistics.median(r["step_s_all"])) if r.get("ok") else dict(r) for r in doc["rows"]]
+    add_fft_ratios(rows)
     out = _common.run_header(doc) + [
         f"ISA: {doc.get('isa', '?')}. BLAS: {doc.get('blas', '?')}. PyTorch: {doc.get('torch', '?')}.", "",
         f"Each configuration in a fresh process per round, {doc['warmup']} warm-up step(s) then {doc['steps']} "
