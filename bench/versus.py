@@ -45,7 +45,10 @@ def export(rev, into):
 def one_run(tree, work, args, tag):
     metrics = os.path.join(work, f"{tag}.jsonl")
     env = dict(os.environ, PYTHONPATH=tree, NUMBA_CACHE_DIR=os.path.join(work, f"numba-{os.path.basename(tree)}"))
-    cmd = [sys.executable, os.path.join(work, "runner.py"), "hetconv.cli.coordinator", "--local", "--threads",
+    # the command's module where that tree keeps it (hetconv/cli/ in this layout, hetconv/ before)
+    module = ("hetconv.cli.coordinator" if os.path.exists(os.path.join(tree, "hetconv", "cli", "coordinator.py"))
+              else "hetconv.coordinator")
+    cmd = [sys.executable, os.path.join(work, "runner.py"), module, "--local", "--threads",
            str(args.threads), "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--synthetic-train",
            str(args.batch_size * (args.steps + 1)), "--synthetic-test", str(args.batch_size), "--eval-batches", "1",
            "--metrics", metrics]
