@@ -60,6 +60,11 @@ def run_once(args, loaded, tag, scratch):
                                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             procs.append(coordinator)
             coordinator.wait(timeout=1800)
+            for w in procs[:-1]:                 # reaped inside the block: their CPU is ours, not foreign
+                try:
+                    w.wait(timeout=10)           # the coordinator's SHUTDOWN normally ends the workers
+                except subprocess.TimeoutExpired:
+                    C._kill_group(w)
         row["foreign_load_cores"] = load.cores      # the busy loop counts here: it is not a child we reap
         row["exit"] = coordinator.returncode
         with open(metrics) as f:
