@@ -290,3 +290,20 @@ def test_peer_checks_follow_the_plans_modes():
 def test_a_plan_with_bad_modes_or_images_is_refused_when_it_arrives(modes, images, why):
     with pytest.raises(ValueError, match=why):
         peer_links(modes, images if images is not None else [{}] * len(modes))
+
+
+def test_a_peer_that_began_the_step_first_is_heard_where_the_first_layer_is_data():
+    """With a data first layer a worker computes alone up to its first exchange, so a faster peer's
+    forward slices can arrive before this worker's STEP: they are held for the step, not dropped
+    (dropping them left the step waiting for pieces that had come and gone). Where the first layer
+    is model, only images can come first; backward and weight gradients never can."""
+    links = peer_links(["data", "model", "data"])
+    links.start_step(1, 2)
+    links.hold_early(slice_msg(2, "forward", 0))
+    assert (2, "forward", 0, 0, "w0") in links.held
+    assert links._admit(slice_msg(2, "backward", 1), running=False) is None
+    assert links._admit(slice_msg(2, "dweights", 0), running=False) is None
+    model_first = peer_links(["model", "data"])
+    model_first.start_step(1, 1)
+    assert model_first._admit(slice_msg(2, "forward", 0), running=False) is None
+    assert model_first._admit(slice_msg(2, "images", -1), running=False) == (2, "images", -1, 0, "w0")

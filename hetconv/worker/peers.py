@@ -292,12 +292,12 @@ class PeerLinks:
             return self._drop(msg, "arrays", f"{len(msg.arrays)} arrays, expected 1")
         if not _is_int(step) or step < 0:
             return self._drop(msg, "step", f"step {step!r} is not a step number")
+        early = False
         if running and step == self.step:
             micros = self.micros
         elif (self.step is None and not running) or (self.step is not None and step == self.step + 1):
-            micros = MAX_EARLY_MICRO             # the next step's: only a faster peer's images come early
-            if phase != "images":
-                return self._drop(msg, "early", f"{phase!r} for step {step} before that step began")
+            micros = MAX_EARLY_MICRO             # the next step's, from a peer that began it first
+            early = True
         else:
             late = self.step is not None and step <= self.step
             return self._drop(msg, "step", f"step {step} has ended here (a late slice of an abandoned step)" if late
@@ -305,6 +305,8 @@ class PeerLinks:
         if not _is_int(micro) or not 0 <= micro < micros:
             return self._drop(msg, "micro", f"micro-batch {micro!r} out of range(0, {micros})")
         if msg.op != "SLICE":
+            if early:                            # the coordinator sends a step's STEP before its INPUT and GRAD
+                return self._drop(msg, "early", f"{phase!r} for step {step} before that step began")
             return (step, phase, layer, micro, sender)
         layers = len(self.ranges)
         first_data = bool(self.layer_plans) and self.layer_plans[0].mode == "data"
@@ -313,6 +315,11 @@ class PeerLinks:
                    "dweights": [lp.layer for lp in self.layer_plans if lp.mode == "data"]}
         if not isinstance(phase, str) or phase not in PHASES:
             return self._drop(msg, "phase", f"phase {phase!r:.40} is not one of {', '.join(PHASES)}")
+        # What can precede this worker's own start of a step: a peer's images; and where the first
+        # layer is data-parallel (no images to gather), a peer that began first computes alone up to
+        # its first exchange, so its forward slices too. Backward needs every worker's features first.
+        if early and phase not in (("images", "forward") if first_data else ("images",)):
+            return self._drop(msg, "early", f"{phase!r} for step {step} before that step began")
         if not _is_int(layer) or layer not in allowed[phase]:
             return self._drop(msg, "layer", f"{phase} layer {layer!r:.40} is outside the plan's {layers} layers"
                               + (" (or not a data-parallel one)" if phase == "dweights" else ""))
