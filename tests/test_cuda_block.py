@@ -9,44 +9,12 @@ import os
 
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
-import sys  # noqa: E402
-
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-pytest.importorskip("numba_cuda", reason="numba-cuda is not installed (pip install 'hetconv[cuda]')")
-
-from numba import cuda  # noqa: E402
-
+from _cuda_sim import assert_close as _close, dev, random_f32 as _random, short_thread_switches  # noqa: E402,F401,F811
 from hetconv.net import reference  # noqa: E402
-from hetconv.devices import open_device  # noqa: E402
 from hetconv.devices.base import ConvBlock  # noqa: E402
-
-if not cuda.is_available():
-    pytest.skip("numba.cuda was imported without the simulator before this module and there is no GPU: "
-                "run with NUMBA_ENABLE_CUDASIM=1", allow_module_level=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def short_thread_switches():
-    # the simulator's blocks busy-wait at barriers: short switches make them ~3x faster
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(5e-4)
-    yield
-    sys.setswitchinterval(previous)
-
-
-@pytest.fixture(scope="module")
-def dev():
-    return open_device("cuda:0")
-
-
-def _random(rng, *shape):
-    return rng.standard_normal(shape).astype(np.float32)
-
-
-def _close(got, expected, what):
-    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4, err_msg=what)
 
 
 # ---- the plain contract with stride and rectangular kernels ------------------------------------

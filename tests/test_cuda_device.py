@@ -14,41 +14,12 @@ import sys  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-
-pytest.importorskip("numba_cuda", reason="numba-cuda is not installed (pip install 'hetconv[cuda]')")
-
 from numba import cuda  # noqa: E402
 
+from _cuda_sim import assert_close as _close, dev, random_f32 as _random, short_thread_switches  # noqa: E402,F401,F811
 from hetconv.net import reference  # noqa: E402
 from hetconv.devices import DeviceError, open_device  # noqa: E402
 import hetconv.devices.cuda as cudadev  # noqa: E402
-
-if not cuda.is_available():
-    pytest.skip("numba.cuda was imported without the simulator before this module and there is no GPU: "
-                "run with NUMBA_ENABLE_CUDASIM=1", allow_module_level=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def short_thread_switches():
-    # The simulator's block manager busy-waits on its threads; with Python's default 5 ms
-    # switch interval a block at a syncthreads barrier idles most of the time (3x slower).
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(5e-4)
-    yield
-    sys.setswitchinterval(previous)
-
-
-@pytest.fixture(scope="module")
-def dev():
-    return open_device("cuda:0")
-
-
-def _random(rng, *shape):
-    return rng.standard_normal(shape).astype(np.float32)
-
-
-def _close(got, expected, what):
-    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4, err_msg=what)
 
 
 # (N, C, H, W, K, kernel, padding): kernel sizes 1..5, padding 0..2, odd and non-square inputs,
