@@ -630,11 +630,11 @@ def write_parallel(out_dir, result, stem):
         pred = med([r["predicted_step_s"] for r in mine if "predicted_step_s" in r])
         err = med([r["model_error_pct"] for r in mine if "model_error_pct" in r])
         name = {"local": "hetconv --local (baseline)", "ddp": "PyTorch DDP (gloo)"}.get(kind, f"--parallel {kind}")
+        name += f" ({len(mine)} of {len(mine) + len(failed)} runs)" if failed else ""
         lines.append(f"| {rate} | {name} | {' / '.join(modes)} | {step:.3f} | {num(pred)} | "
                      f"{num(err, '{:+.1f}%')} | {num(med([r['vs_model'] for r in mine if r.get('vs_model')]), '{:.2f}x')} | "
                      f"{num(med([r['vs_local'] for r in mine if r.get('vs_local')]), '{:.2f}x')} | "
-                     f"{med([r.get('foreign_load_cores', 0) for r in mine]):.2f} |"
-                     + (f" ({len(failed)} failed)" if failed else ""))
+                     f"{med([r.get('foreign_load_cores', 0) for r in mine]):.2f} |")
     lines += ["", "Every row:", "",
               "| round | link | row | step s (median) | timed steps s | predicted s | error | modes | images per worker "
               "(data layers) | auto's choice | foreign load |",
