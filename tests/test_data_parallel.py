@@ -307,3 +307,34 @@ def test_a_peer_that_began_the_step_first_is_heard_where_the_first_layer_is_data
     model_first.start_step(1, 1)
     assert model_first._admit(slice_msg(2, "forward", 0), running=False) is None
     assert model_first._admit(slice_msg(2, "images", -1), running=False) == (2, "images", -1, 0, "w0")
+
+
+@pytest.mark.parametrize("parallel", ["model", "data"])
+def test_a_calibration_too_noisy_for_cost_lines_splits_by_measured_speed(monkeypatch, parallel):
+    """A calibration whose cost lines cannot be split by (noise: a share no slower than its half)
+    must not end the run: the plan falls back to the measured speeds, and says so."""
+    from hetconv.coordinator import remote as remote_module
+    from hetconv.engine.planner import PlanError as PlanningError
+    from hetconv.geometry import ConvSpec
+
+    def unusable(*args, **kwargs):
+        raise PlanningError("no device has a usable cost line (per-kernel cost must be > 0)")
+
+    monkeypatch.setattr(remote_module, "plan_from_lines", unusable)
+    monkeypatch.setattr(remote_module, "choose_modes", lambda *a, **k: type("Choice", (), {"modes": ["data", "data"]})())
+    engine = RemoteEngine.__new__(RemoteEngine)
+    engine.exchange, engine.wire, engine.mode_choice = "peer", "float32", None
+    said = []
+    engine.log = said.append
+    timing = {"batch": 4, "kernels": [4, 2], "forward_s": [0.01, 0.005], "backward_s": [0.02, 0.01]}
+    engine.calibration = {w: {"device": "cpu", "description": "", "speeds": [s, s], "layers": [timing, timing]}
+                          for w, s in (("a", 300.0), ("b", 100.0))}
+    cfg = Config(conv="8,8", batch_size=8, parallel=parallel).validate()
+    specs = [ConvSpec.paper(3, 8, 5, 0), ConvSpec.paper(8, 8, 5, 0)]
+    plan = engine._plan_from_calibration(specs, [(8, 3, 32, 32), (8, 8, 14, 14)],
+                                         {"a": [300.0, 300.0], "b": [100.0, 100.0]}, cfg)
+    assert any("splitting by measured speed" in line for line in said)
+    if parallel == "model":
+        assert [lp.count("a") for lp in plan.layers] == [6, 6]            # 3:1, by speed
+    else:
+        assert plan.modes() == ["data", "data"] and plan.layers[0].images == {"a": 6, "b": 2}

@@ -593,7 +593,13 @@ class RemoteEngine(ShardEngine):
             model_plan = None                                # too few kernels to split: every worker takes part
             kept = list(speeds)
         else:
-            model_plan = plan_from_lines(kernels, lines, use_all=cfg.use_all)
+            try:
+                model_plan = plan_from_lines(kernels, lines, use_all=cfg.use_all)
+            except PlanError as e:
+                # a calibration too noisy to fit (a share's time not above its half's) must not end
+                # the run: split in proportion to the measured speeds instead, keeping every worker
+                self.log(f"splitting by measured speed, not by cost lines: {e}")
+                model_plan = make_plan(kernels, speeds, "proportional")
             kept = list(model_plan.workers)
             if cfg.parallel == "model" or self.exchange == "star" or len(kept) < 2:
                 return model_plan
@@ -603,8 +609,13 @@ class RemoteEngine(ShardEngine):
                                         micro_batches=micro, value_bytes=value_bytes(self.wire))
         if "data" not in self.mode_choice.modes:
             return model_plan
-        plan = plan_from_lines(kernels, {w: lines[w] for w in kept}, use_all=True, modes=self.mode_choice.modes,
-                               batch=cfg.batch_size, image_lines={w: image_lines[w] for w in kept})
+        try:
+            plan = plan_from_lines(kernels, {w: lines[w] for w in kept}, use_all=True, modes=self.mode_choice.modes,
+                                   batch=cfg.batch_size, image_lines={w: image_lines[w] for w in kept})
+        except PlanError as e:
+            self.log(f"splitting by measured speed, not by cost lines: {e}")
+            plan = make_plan(kernels, {w: speeds[w] for w in kept}, "proportional", modes=self.mode_choice.modes,
+                             batch=cfg.batch_size)
         return dataclasses.replace(plan, left_out=dict(model_plan.left_out) if model_plan else {})
 
     def load(self, plan, specs, params):
