@@ -49,7 +49,7 @@ def test_spawned_workers_run_the_path_the_coordinator_was_given(tmp_path):
                         "--cpu-conv-path", "im2col", "--metrics", str(metrics), *TINY],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "conv path: " in r.stdout and "im2col (forced)" in r.stdout
+    assert "w0-cpu conv paths (forced): im2col for " in r.stdout
     record = next(json.loads(line) for line in open(metrics) if '"event": "calibration"' in line)
     lines = [line for worker in record["workers"].values() for line in worker["conv_paths"]]
     assert lines and all("im2col (forced)" in line for line in lines)

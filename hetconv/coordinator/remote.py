@@ -13,6 +13,7 @@ Two ways through a training step (`exchange`):
   here, layer by layer (ShardEngine.conv_step): the first design, kept for comparison.
 """
 import atexit
+import collections
 import dataclasses
 import errno
 import os
@@ -567,10 +568,15 @@ class RemoteEngine(ShardEngine):
         speeds = self.calibrate(specs, input_shapes, cfg)
         self.log(f"calibrated {len(self.peers)} worker(s) in {self.calibration_s:.1f}s")
         for name in sorted(self.calibration):
-            # what a device chose by timing, or was told: the rule's choices on small layers go unsaid
-            for line in self.calibration[name].get("conv_paths", []):
-                if "timed" in line or "forced" in line or "fft" in line:
-                    self.log(f"  {name} conv path: {line}")
+            # one line a worker: which paths its device runs, by timing or as told (each call shape's
+            # choice, with every path's time, is in the metrics' calibration record)
+            chosen = [line.rsplit("): ", 1)[-1] for line in self.calibration[name].get("conv_paths", [])]
+            if not any("timed" in c or "forced" in c or c.startswith("fft") for c in chosen):
+                continue                                 # the rule's untimed choices on small layers
+            how = "forced" if all("(forced" in c for c in chosen) else "timed where a call is big enough"
+            counts = collections.Counter(c.split(" ", 1)[0] for c in chosen)
+            self.log(f"  {name} conv paths ({how}): " + ", ".join(
+                f"{path} for {n} call shape{'s' if n > 1 else ''}" for path, n in sorted(counts.items())))
         return self._plan_from_calibration(specs, input_shapes, speeds, cfg)
 
     def _plan_from_calibration(self, specs, input_shapes, speeds, cfg):
