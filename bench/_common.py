@@ -209,6 +209,15 @@ def save_outputs(out_dir, stem, doc, markdown, plot=None):
         rerender(json_path, stem, markdown, plot)
 
 
+def save_or_print(out_dir, stem, doc, markdown):
+    """save_outputs into `out_dir` (made if missing), or, without one, only print the markdown."""
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        save_outputs(out_dir, stem, doc, markdown)
+    else:
+        print(markdown(doc))
+
+
 def rerender(json_path, stem, markdown, plot):
     """--render: the .md (and the plots, where matplotlib is installed) beside a saved JSON."""
     print(f"wrote {render_saved(json_path, stem, markdown)}")

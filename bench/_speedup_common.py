@@ -239,6 +239,22 @@ def run_in_subprocess(spec, prefix=(), timeout=1800):
         return json.load(f)
 
 
+def ddp_row(procs, out):
+    """Wait for DDP ranks (killing what is left if the wait fails) and return the row rank 0
+    wrote to `out`, or a failed row naming the ranks' exit codes."""
+    try:
+        for p in procs:
+            p.wait(timeout=1800)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                _kill_group(p)
+    if not os.path.exists(out):
+        return {"ok": False, "error": f"ranks exited with {[p.returncode for p in procs]} and wrote no row"}
+    with open(out) as f:
+        return json.load(f)
+
+
 def _kill_group(proc):
     import signal
     import subprocess

@@ -118,11 +118,7 @@ def main(argv=None):
     rows = run(args)
     doc = {**_common.run_facts("augment.py", sys.argv[1:] if argv is None else argv, t0, load_start),
            "blas_note": BLAS_NOTE or "BLAS environment as found", "rows": rows}
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        _common.save_outputs(args.out, STEM, doc, markdown)
-    else:
-        print(markdown(doc))
+    _common.save_or_print(args.out, STEM, doc, markdown)
     return 0
 
 

@@ -224,17 +224,7 @@ def run_ddp(switch, rate, args, common):
             cmd = [*switch.prefix(h), "taskset", "-c", str(cores[rank % len(cores)]), sys.executable,
                    os.path.join(HERE, "_ddp_baseline.py"), json.dumps(spec), out]
             procs.append(subprocess.Popen(cmd, env={**env, "GLOO_SOCKET_IFNAME": h["inner"]}, start_new_session=True))
-        try:
-            for p in procs:
-                p.wait(timeout=1800)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    C._kill_group(p)
-    row = {"ok": False, "error": f"ranks exited with {[p.returncode for p in procs]} and wrote no row"}
-    if os.path.exists(out):
-        with open(out) as f:
-            row = json.load(f)
+        row = C.ddp_row(procs, out)
     row.update(kind="ddp", rate=rate or "unshaped", batch_size=args.batch_size, devices=["cpu"] * args.workers,
                foreign_load_cores=load.cores)
     return row

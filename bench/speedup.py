@@ -186,16 +186,11 @@ def run_torch(world, threads, batch, warmup, steps, out_dir, tag):
             procs.append(subprocess.Popen([*pin, sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                            "_ddp_baseline.py"), json.dumps(spec), out],
                                           env={**env, "GLOO_SOCKET_IFNAME": "lo"}, start_new_session=True))
+    except BaseException:
         for p in procs:
-            p.wait(timeout=1800)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                C._kill_group(p)
-    row = {"ok": False, "error": f"ranks exited with {[p.returncode for p in procs]} and wrote no row"}
-    if os.path.exists(out):
-        with open(out) as f:
-            row = json.load(f)
+            C._kill_group(p)
+        raise
+    row = C.ddp_row(procs, out)
     row["wall_s"] = time.perf_counter() - t0
     return row
 

@@ -116,11 +116,7 @@ def main(argv=None):
     result = run(args)
     doc = {**_common.run_facts("versus.py", sys.argv[1:] if argv is None else argv, t0, load_start),
            "threads": args.threads, "batch_size": args.batch_size, "steps": args.steps, "result": result}
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        _common.save_outputs(args.out, STEM, doc, markdown)
-    else:
-        print(markdown(doc))
+    _common.save_or_print(args.out, STEM, doc, markdown)
     return 0
 
 

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from _faults import kill_worker_on_step
 from hetconv.coordinator.remote import RemoteEngine
 from hetconv.devices import open_device
 from hetconv.engine.local import LocalEngine
@@ -165,20 +166,6 @@ def test_a_data_plan_is_refused_by_the_star_engine():
         engine.load(plan, [], [])
 
 
-def _kill_on_step(engine, victim_index, at_step):
-    """Make the engine's conv_step kill one spawned worker (SIGKILL) when step `at_step` starts."""
-    real, calls = engine.conv_step, {"n": 0}
-
-    def conv_step(*args, **kw):
-        calls["n"] += 1
-        if calls["n"] == at_step:
-            proc = engine.processes[victim_index][1]
-            proc.kill()
-            proc.wait()
-        return real(*args, **kw)
-    engine.conv_step = conv_step
-
-
 def test_parallel_data_is_planned_from_calibration_and_survives_a_lost_worker(tmp_path):
     """--parallel data over calibrated workers: every layer data, the choice in the metrics'
     plan record; a worker killed mid-run is re-planned away (still all data) and the run still
@@ -187,7 +174,7 @@ def test_parallel_data_is_planned_from_calibration_and_survives_a_lost_worker(tm
                   log=quiet)
     metrics = tmp_path / "m.jsonl"
     engine = remote(3)
-    _kill_on_step(engine, 1, at_step=4)             # snapshots after steps 2 and 4: steps 3 (and 4) replay
+    kill_worker_on_step(engine, 1, at_step=4)             # snapshots after steps 2 and 4: steps 3 (and 4) replay
     try:
         summary = train(config(tmp_path, "ck", steps=6, parallel="data", snapshot_every=2, calibration_batch=4,
                                metrics=str(metrics)), engine, log=quiet)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import python_cmd
+from _faults import kill_worker_on_step
 from hetconv.train import checkpoint
 from hetconv.net import reference as R
 from hetconv.train.config import Config
@@ -566,21 +567,6 @@ def test_a_16_bit_wire_trains_like_float32(local_run, wire):
     assert not np.allclose(summary["losses"], local_run[0], rtol=1e-7, atol=0), "a 16-bit wire cannot be exact"
 
 
-def _kill_on_step(engine, victim_index, at_step):
-    """Make the engine's conv_step kill one spawned worker (SIGKILL) when step `at_step` starts."""
-    real = engine.conv_step
-    calls = {"n": 0}
-
-    def conv_step(*args, **kw):
-        calls["n"] += 1
-        if calls["n"] == at_step:
-            proc = engine.processes[victim_index][1]
-            proc.kill()
-            proc.wait()
-        return real(*args, **kw)
-    engine.conv_step = conv_step
-
-
 def test_a_killed_worker_is_survived_and_the_run_equals_an_uninterrupted_one(tmp_path):
     cfg = dict(TINY, steps=6, snapshot_every=2, rebalance_after=0)
     local_dir, dist_dir = tmp_path / "local", tmp_path / "dist"
@@ -588,7 +574,7 @@ def test_a_killed_worker_is_survived_and_the_run_equals_an_uninterrupted_one(tmp
                   LocalEngine({"local": ConvShard(open_device("cpu", threads=1))}), log=quiet)
     metrics = tmp_path / "m.jsonl"
     engine = remote(3)
-    _kill_on_step(engine, 1, at_step=4)             # snapshots after steps 2 and 4: steps 3 (and 4) replay
+    kill_worker_on_step(engine, 1, at_step=4)             # snapshots after steps 2 and 4: steps 3 (and 4) replay
     try:
         summary = train(Config(**cfg, checkpoint_dir=str(dist_dir), metrics=str(metrics)).validate(), engine, log=quiet)
         survivors = list(engine.plan.workers)
@@ -610,7 +596,7 @@ def test_a_killed_worker_is_survived_and_the_run_equals_an_uninterrupted_one(tmp
 
 def test_below_min_workers_the_run_checkpoints_and_stops_clearly(tmp_path):
     engine = remote(2)
-    _kill_on_step(engine, 0, at_step=3)
+    kill_worker_on_step(engine, 0, at_step=3)
     try:
         with pytest.raises(WorkerLost, match=r"1 worker\(s\) left, below --min-workers 2: saved step 2 to .*ckpt-step0000002"):
             train(Config(**TINY, steps=5, snapshot_every=2, min_workers=2, checkpoint_dir=str(tmp_path)).validate(),

@@ -56,7 +56,7 @@ def mode_choice_record(engine):
     """{"mode_choice": ...} for a "plan" metrics record: the modes an engine's plan_for chose, why,
     and the priced seconds of that chain and of all-model (None where a chain cannot run), or {}
     where no choice was made (one worker, --parallel model, a plan set by hand)."""
-    choice = getattr(engine, "mode_choice", None)
+    choice = engine.mode_choice
     if choice is None:
         return {}
     finite = [s if math.isfinite(s) else None for s in (choice.chosen_s, choice.model_s)]
@@ -83,6 +83,7 @@ class Engine(Protocol):
     exchange: str               # "star" (every layer through this process) or "peer" (workers trade slices)
     wire: str                   # dtype of feature maps and gradients between devices, fixed per plan
     calibration: dict           # worker -> {device, description, speeds, layers: timings, conv_paths}
+    mode_choice: object         # planner.ModeChoice behind the plan's modes, or None where none was made
 
     def plan_for(self, specs, input_shapes, cfg):
         """-> Plan; calibrates where there is something to measure."""
