@@ -7,12 +7,14 @@ import sys
 import pytest
 
 from hetconv.cli import worker as worker_cli
+from hetconv.coordinator import remote as remote_module
 from hetconv.devices import open_device
 from hetconv.devices.cpu import CONV_PATHS
 from hetconv.engine.measure import calibrate_local
 from hetconv.engine.shard import ConvShard, ShardServer
 from hetconv.geometry import ConvSpec
 from hetconv.train.config import Config
+from hetconv.transport import protocol as P
 
 TINY = ["--conv", "3,4", "--fc", "8", "--batch-size", "8", "--synthetic-train", "16", "--synthetic-test", "8",
         "--steps", "1", "--eval-batches", "1", "--seed", "3"]
@@ -34,7 +36,8 @@ def test_calibration_says_which_path_a_forced_device_runs():
     op, _, fields = server.handle("CALIBRATE", [], {"layers": [{"spec": spec.to_json(), "input_shape": [2, 3, 10, 10],
                                                                 "kernels": 4}], "repeats": 1})
     assert op == "CALIBRATED"
-    assert fields["conv_paths"] and all(line.split(": ", 1)[1].startswith("fft") for line in fields["conv_paths"])
+    assert fields["conv_paths"] and all(c["path"] == "fft" and c["why"] == "forced" for c in fields["conv_paths"])
+    assert P.unpack(P.pack("CALIBRATED", 1, **fields)).fields["conv_paths"] == fields["conv_paths"]   # it travels
 
 
 def test_hetconv_plans_in_process_calibration_names_the_path():
@@ -51,5 +54,13 @@ def test_spawned_workers_run_the_path_the_coordinator_was_given(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "w0-cpu conv paths (forced): im2col for " in r.stdout
     record = next(json.loads(line) for line in open(metrics) if '"event": "calibration"' in line)
-    lines = [line for worker in record["workers"].values() for line in worker["conv_paths"]]
-    assert lines and all("im2col (forced)" in line for line in lines)
+    chosen = [c for worker in record["workers"].values() for c in worker["conv_paths"]]
+    assert chosen and all(c["path"] == "im2col" and c["why"] == "forced" for c in chosen)
+
+
+def test_a_workers_malformed_conv_path_report_is_dropped_not_trusted():
+    good = {"call": "x (2, 3, 8, 8)", "path": "fft", "why": "timed", "seconds": {"fft": 0.5, "im2col": 1, "x": "slow"}}
+    got = remote_module._conv_path_choices([good, "fft", {"path": 3}, {**good, "seconds": None}, None])
+    assert got == [{"call": good["call"], "path": "fft", "why": "timed", "seconds": {"fft": 0.5, "im2col": 1.0}}]
+    assert remote_module._conv_path_choices("everything") == []
+    assert len(remote_module._conv_path_choices([good] * 100)) == 64

@@ -42,6 +42,19 @@ DISCONNECT_PROBE_S = 5.0     # how long after a dropped connection the workers a
 
 CALIBRATION_REPEATS = 3          # calls per timed block: each block also lasts at least 0.25 s (engine.shard)
 
+
+def _conv_path_choices(value, limit=64):
+    """A worker's reported conv path choices, kept only as far as they are well-formed (they come
+    from the network): at most `limit` of {call, path, why: strings, seconds: {path: number}}."""
+    kept = []
+    for c in value if isinstance(value, list) else []:
+        if (isinstance(c, dict) and all(isinstance(c.get(k), str) for k in ("call", "path", "why"))
+                and isinstance(c.get("seconds"), dict)):
+            kept.append({"call": c["call"][:300], "path": c["path"][:20], "why": c["why"][:300],
+                         "seconds": {str(p)[:20]: float(t) for p, t in list(c["seconds"].items())[:8]
+                                     if isinstance(t, (int, float)) and not isinstance(t, bool)}})
+    return kept[:limit]
+
 class _Peer:
     def __init__(self, identity, hello, process=None, public_key=""):
         self.identity = identity                   # bytes: the ROUTER routing id
@@ -548,7 +561,7 @@ class RemoteEngine(ShardEngine):
         self.calibration_s = time.perf_counter() - t0
         self.calibration.update({name: {"device": self.peers[name].device, "description": self.peers[name].description,
                                         "speeds": list(fields["speeds"]), "layers": list(fields["timings"]),
-                                        "conv_paths": [str(line) for line in fields.get("conv_paths", [])][:64]}
+                                        "conv_paths": _conv_path_choices(fields.get("conv_paths"))}
                                  for name, (_, fields) in replies.items()})
         return {name: list(replies[name][1]["speeds"]) for name in names}
 
@@ -570,11 +583,11 @@ class RemoteEngine(ShardEngine):
         for name in sorted(self.calibration):
             # one line a worker: which paths its device runs, by timing or as told (each call shape's
             # choice, with every path's time, is in the metrics' calibration record)
-            chosen = [line.rsplit("): ", 1)[-1] for line in self.calibration[name].get("conv_paths", [])]
-            if not any("timed" in c or "forced" in c or c.startswith("fft") for c in chosen):
+            chosen = self.calibration[name]["conv_paths"]
+            if not any(c["why"] in ("timed", "forced") or c["path"] == "fft" for c in chosen):
                 continue                                 # the rule's untimed choices on small layers
-            how = "forced" if all("(forced" in c for c in chosen) else "timed where a call is big enough"
-            counts = collections.Counter(c.split(" ", 1)[0] for c in chosen)
+            how = "forced" if all(c["why"] == "forced" for c in chosen) else "timed where a call is big enough"
+            counts = collections.Counter(c["path"] for c in chosen)
             self.log(f"  {name} conv paths ({how}): " + ", ".join(
                 f"{path} for {n} call shape{'s' if n > 1 else ''}" for path, n in sorted(counts.items())))
         return self._plan_from_calibration(specs, input_shapes, speeds, cfg)

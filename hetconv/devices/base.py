@@ -168,6 +168,12 @@ class Device:
         """{conv call shape: the path it runs}, for devices with more than one path."""
         return {}
 
+    def conv_path_choices(self):
+        """[{call, path, why, seconds}] per conv call shape run so far: the path it takes, why
+        ("timed", "rule: ...", "forced", ...) and each timed path's seconds; what a worker reports
+        at calibration. Devices with one path per call shape have none."""
+        return []
+
     def describe_conv_paths(self):
         """One line per conv call shape run so far: the path it takes and why. Devices with one
         path per call shape have nothing to say."""

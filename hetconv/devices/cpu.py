@@ -694,6 +694,10 @@ class CpuDevice(Device):
         padding, plain conv or block) this device has run: "fft", "shifted" or "im2col"."""
         return {_describe_call(key): choice.path for key, choice in self._choices.items()}
 
+    def conv_path_choices(self):
+        return [{"call": _describe_call(key), "path": choice.path, "why": choice.why,
+                 "seconds": {p: float(s) for p, s in choice.seconds.items()}} for key, choice in self._choices.items()]
+
     def describe_conv_paths(self):
         """One line per call shape run so far: the path and why (timed, with each path's time; the
         rule; forced; or why the FFT path declined)."""

@@ -263,7 +263,7 @@ class ShardServer:
         kernels = [int(layer["kernels"]) for layer in f["layers"]]
         speeds, timings = self.shard.calibrate(specs, shapes, kernels, repeats=f["repeats"])
         return "CALIBRATED", [], {"speeds": speeds, "timings": timings,
-                                  "conv_paths": self.shard.device.describe_conv_paths()}
+                                  "conv_paths": self.shard.device.conv_path_choices()}
 
     def load(self, arrays, f):
         vw, vb = (arrays[2], arrays[3]) if len(arrays) == 4 else (None, None)
