@@ -82,6 +82,16 @@ def test_plain_odd_shapes_match_reference(fft, shape):
     check_plain(fft, x, wt, b, padding, rng)
 
 
+def test_without_the_accumulating_sgemm_numpy_matmul_gives_the_same_result():
+    """Where the BLAS's sgemm cannot be called directly, every GEMM of the path (into strided
+    views of the work buffers) goes through numpy's matmul: same results, blocked and not."""
+    for options in CONFIGS.values():
+        dev = open_device("cpu", conv_path="fft", **options)
+        dev._sgemm = None
+        x, w, b, rng = tensors(2, 3, 9, 8, 4, 5, 3, seed=5)
+        check_plain(dev, x, w, b, (2, 1), rng)
+
+
 @pytest.mark.parametrize("layer", ["conv1", "conv2-share"])
 def test_paper_network_layers_match_reference(layer):
     """The paper's conv1 input (3x32x32, 5x5 kernels) and conv2's (500x14x14, 5x5): their transform

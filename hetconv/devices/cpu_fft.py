@@ -15,8 +15,9 @@ How:
   14x14), and the inverse counts the others twice.
 - Every transform is GEMMs against DFT matrices built here, with the padding offset, the crop
   and the scale folded in: dY's spectra (planes*F, N*K) = M (planes*F, Ho*Wo) @ dY^T, and the way
-  back y (N*K, Ho*Wo) = spectra^T @ G. The input's, paid whatever the share, is separable: along
-  the rows first (one GEMM per input row), then along the columns, one GEMM per column frequency.
+  back y (N*K, Ho*Wo) = spectra^T @ G. The two paid whatever a worker's share of the kernels, the
+  input's and dX's inverse, are separable: the input's along the rows first (one GEMM per input
+  row), then along the columns, one GEMM per column frequency; dX's inverse in the reverse order.
   Each frequency's spectra are contiguous (N, C) and (K, C) matrices, so its product is a plain
   GEMM.
 - Complex products by Gauss's three-multiplication form: with T1 shared by the real and the
@@ -111,7 +112,6 @@ class FftGeometry:
         freqs = kept_frequencies(self.p, self.q)
         self.f = len(freqs)
         self._p, self._q, self._weight = (freqs[:, i].astype(np.float64) for i in range(3))
-        x_cos, x_sin = self._angles(h, w, ph, pw)
         w_cos, w_sin = self._angles(kh, kw, 0, 0)
         y_cos, y_sin = self._angles(self.ho, self.wo, 0, 0)
         # the input's transform, separable: along each row first (one (2*qk, W) matrix: re, im of
@@ -137,7 +137,21 @@ class FftGeometry:
         # inverse transforms: (re, im) of each kept frequency back to the positions wanted
         scale = self._weight[:, None] / (self.p * self.q)
         self.y_inverse = np.stack([scale * y_cos, -scale * y_sin])
-        self.dx_inverse = np.stack([scale * x_cos, -scale * x_sin])
+        # dX's inverse, separable as the input's transform, whose cost does not shrink with a
+        # worker's share of the kernels: per q, its frequencies' (re, im) pairs to (U, V) x input
+        # row (a (2H, 2m) block of column_inverse), then per input row, every q's (U, V) to the W
+        # columns (row_inverse): conv2 at N=32 ~0.3 GFLOP against 1.25 for one GEMM over all H*W
+        # positions, ~30 ms of a step at one thread whatever the share.
+        # value = cos(a + b) re - sin(a + b) im = cos(b) (re cos a - im sin a) - sin(b) (re sin a + im cos a)
+        s = (self._weight / (self.p * self.q))[None, :]                     # (1, F)
+        cos_a, sin_a = cos_p.T, sin_p.T                                     # (H, F)
+        inverse = np.empty((2, h, self.f, 2))
+        inverse[0, :, :, 0], inverse[0, :, :, 1] = s * cos_a, -s * sin_a   # U from re, im
+        inverse[1, :, :, 0], inverse[1, :, :, 1] = s * sin_a, s * cos_a    # V from re, im
+        self.column_inverse = inverse.reshape(2 * h, 2 * self.f).astype(np.float32)
+        b_angle = 2 * np.pi * np.arange(self.qk)[:, None] * (np.arange(w) + pw)[None, :] / self.q
+        self.row_inverse = np.stack([np.cos(b_angle), -np.sin(b_angle)], axis=1).reshape(
+            2 * self.qk, w).astype(np.float32)
         self.dw_inverse = -np.stack([scale * w_cos, -scale * w_sin])     # backward computes -dW's spectra
         self._blocks = {}
 
@@ -161,8 +175,7 @@ class FftGeometry:
                 def rows(planes):
                     return np.ascontiguousarray(planes[:, f0:f1].reshape(-1, planes.shape[2]), np.float32)
 
-                out.append(_Block(f0, f1, rows(self.grad_planes), rows(self.y_inverse),
-                                  rows(self.dx_inverse), rows(self.dw_inverse)))
+                out.append(_Block(f0, f1, rows(self.grad_planes), rows(self.y_inverse), rows(self.dw_inverse)))
             self._blocks[block] = out
         return self._blocks[block]
 
@@ -170,10 +183,10 @@ class FftGeometry:
 class _Block:
     """One run of frequencies [f0, f1) and its slices of the transform matrices."""
 
-    def __init__(self, f0, f1, grad_rows, y_cols, dx_cols, dw_rows):
+    def __init__(self, f0, f1, grad_rows, y_cols, dw_rows):
         self.f0, self.f1 = f0, f1
         self.grad_rows = grad_rows                           # (planes*fb, positions)
-        self.y_cols, self.dx_cols = y_cols, dx_cols          # (2fb, positions)
+        self.y_cols = y_cols                                 # (2fb, positions)
         self.dw_rows = dw_rows                               # (2fb, kh*kw)
 
 
@@ -394,7 +407,9 @@ class FftConv:
         # returned, so never a scratch buffer; written in its own layout by the inverse GEMM (as
         # fast as writing it taps-first, and no transpose after: ~70 ms on the whole conv2)
         dw = np.empty((k * c, kh * kw), np.float32)
-        dx_cn = self._scratch("fft_dx_cn", (c * n, h * wd)) if need_dx else None    # channel-major
+        # dX by rows of the plane, then channel-major (C*N, H*W): the inverse's two stages, below
+        dx_rows = self._scratch("fft_dx_rows", (g.qk, 2 * h, c * n)) if need_dx else None
+        dx_cn = self._scratch("fft_dx_cn", (c * n, h * wd)) if need_dx else None
         gemm = self._gemm
         for bi, blk in enumerate(g.blocks(self._block(g, n, k, c))):
             f0, fb = blk.f0, blk.f1 - blk.f0
@@ -419,26 +434,56 @@ class FftConv:
             self._in_parallel(dw_products, k)
             self._split_gemm(dws.T, blk.dw_rows, dw, beta)  # (K*C, 2fb) @ (2fb, kh*kw)
             if need_dx:
-                dxs = self._scratch("fft_dx", (2 * fb, c * n))
-                dxs4 = dxs.reshape(2, fb, c, n)
+                dxs = self._scratch("fft_dx", (2 * fb, c * n))      # (re, im) of each frequency together
+                dxs4 = dxs.reshape(fb, 2, c, n)
 
                 def dx_products(c0, c1):
                     for j in range(fb):
                         ar, d, ns = (spectra[p, f0 + j, :, c0:c1] for p in range(KERNEL_PLANES))
                         # dX^T = W^T dY^T: T1 = Wr^T (dYr + dYi); re = T1 - (Wr + Wi)^T dYi; im = T1 + (Wi - Wr)^T dYr
-                        re, im = dxs4[0, j, c0:c1], dxs4[1, j, c0:c1]
+                        re, im = dxs4[j, 0, c0:c1], dxs4[j, 1, c0:c1]
                         gemm(ar.T, gs[2, j], re, 0.0)
                         np.copyto(im, re)
                         gemm(ns.T, gs[1, j], re, 1.0)
                         gemm(d.T, gs[0, j], im, 1.0)
 
                 self._in_parallel(dx_products, c)
-                self._split_gemm(dxs.T, blk.dx_cols, dx_cn, beta)  # (C*N, 2fb) @ (2fb, H*W)
+                self._dx_to_rows(g, blk, dxs, dx_rows)
         dx = None
         if need_dx:
+            self._dx_rows_to_plane(g, dx_rows, dx_cn)
             dx = np.empty(x.shape, np.float32)
             swap_leading(dx_cn.reshape(c, n, h * wd), dx.reshape(n, c, h * wd))
         return dx, dw.reshape(w.shape)
+
+    def _dx_to_rows(self, g, blk, dxs, dx_rows):
+        """dX's inverse, first stage, for one block: per q, (U, V) x input row (2H, C*N) of its
+        frequencies' (re, im) pairs, added into dx_rows[q] (set by the block holding the q's
+        first frequency)."""
+        runs = [(q, max(f0, blk.f0), min(f1, blk.f1), f0 >= blk.f0)
+                for q, f0, f1 in g.q_runs if f0 < blk.f1 and f1 > blk.f0]
+        gemm, ci = self._gemm, g.column_inverse
+
+        def part(c0, c1):
+            for q, f0, f1, first in runs:    # (2H, 2m) @ (2m, C*N)
+                gemm(ci[:, 2 * f0:2 * f1], dxs[2 * (f0 - blk.f0):2 * (f1 - blk.f0), c0:c1], dx_rows[q, :, c0:c1],
+                     0.0 if first else 1.0)
+
+        self._in_parallel(part, dxs.shape[1])
+
+    def _dx_rows_to_plane(self, g, dx_rows, dx_cn):
+        """dX's inverse, second stage: per input row, every q's (U, V) to the W columns of that
+        row of dx_cn (C*N, H*W)."""
+        h, wd = g.h, g.w
+        by_row = dx_rows.reshape(2 * g.qk, h, -1)           # rows (q, U/V): one stride apart
+        plane = dx_cn.reshape(-1, h, wd)
+        gemm, ri = self._gemm, g.row_inverse
+
+        def part(c0, c1):
+            for r in range(h):               # (C*N, 2qk) @ (2qk, W)
+                gemm(by_row[:, r, c0:c1].T, ri, plane[c0:c1, r, :], 0.0)
+
+        self._in_parallel(part, plane.shape[0])
 
 
 def spectra_bytes_of(entry):
