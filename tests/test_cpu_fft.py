@@ -290,19 +290,61 @@ def test_short_calls_are_timed_in_more_rounds():
 
 def test_auto_choice_is_kept_per_call_shape():
     """One timing per (input shape, weights shape, stride, padding, form): the same call again
-    times nothing; another batch size, another padding or the block form each time once."""
+    times nothing; another padding or the block form each time once, and so does another batch
+    size whose work is more than AUTO_REUSE_FACTOR from the timed call's."""
+    from hetconv.devices.cpu import AUTO_REUSE_FACTOR
     dev, timer = auto_device({"im2col": 2.0, "shifted": 3.0, "fft": 1.0})
-    x, w, b, rng = tensors(3, 3, 9, 8, 4, 3, 3, seed=22)
+    x, w, b, rng = tensors(5, 3, 9, 8, 4, 3, 3, seed=22)
     dev.conv2d(x, w, b, padding=1)
     timed_once = len(timer.calls)
     dev.conv2d(x, w, b, padding=1)
-    dev.conv2d_backward(x, w, np.ones((3, 4, 9, 8), np.float32), padding=1)
+    dev.conv2d_backward(x, w, np.ones((5, 4, 9, 8), np.float32), padding=1)
     assert len(timer.calls) == timed_once
+    assert 5 / 2 > AUTO_REUSE_FACTOR
     dev.conv2d(x[:2], w, b, padding=1)
     dev.conv2d(x, w, b, padding=0)
     dev.conv_block(x, w, b, ConvBlock(padding=1))
     assert len(timer.calls) == 4 * timed_once
     assert len(dev.conv_paths()) == 4 and set(dev.conv_paths().values()) == {"fft"}
+
+
+def test_a_layer_timed_once_keeps_its_choice_for_calls_of_similar_work():
+    """Calls of a timed layer with images x kernels within AUTO_REUSE_FACTOR of the timed call's
+    (calibration's half share, half batch; the training share) run its path untimed and say
+    where it was timed; the path is the timed one even where the timer now favours another."""
+    from hetconv.devices.cpu import AUTO_REUSE_FACTOR
+    dev, timer = auto_device({"im2col": 2.0, "shifted": 3.0, "fft": 1.0})
+    x, w, b, rng = tensors(4, 3, 9, 8, 8, 3, 3, seed=29)
+    dev.conv2d(x, w, b, padding=1)
+    timed_once = len(timer.calls)
+    timer.seconds = {"im2col": 1.0, "shifted": 3.0, "fft": 2.0}
+    assert 2 <= AUTO_REUSE_FACTOR
+    check_plain(dev, x[:2], w, b, 1, rng)                       # half the batch
+    check_plain(dev, x, np.ascontiguousarray(w[:4]), b[:4], 1, rng)     # half the kernels
+    assert len(timer.calls) == timed_once
+    choices = dev.conv_path_choices()
+    assert [c["path"] for c in choices] == ["fft"] * 3
+    assert all(c["why"].startswith("as timed for x (4, 3, 9, 8) w (8, 3, 3, 3)") for c in choices[1:])
+    dev.conv2d(x[:1], np.ascontiguousarray(w[:4]), b[:4], padding=1)     # 8x less work: timed again
+    assert len(timer.calls) > timed_once and dev.conv_paths()[next(reversed(dev.conv_paths()))] == "im2col"
+
+
+def test_paths_warmed_on_a_bigger_call_are_timed_without_a_warm_up():
+    """Each path's first timing runs it once untimed (its first use); a later timing of a call
+    no bigger than one it was warmed on does not."""
+    dev, timer = auto_device({"im2col": 2.0, "shifted": 3.0, "fft": 1.0})
+    runs = []
+    backward = dev._conv2d_backward
+    dev._conv2d_backward = lambda *a, **k: runs.append(dev._trial_path) or backward(*a, **k)
+    x, w, b, rng = tensors(8, 3, 9, 8, 4, 3, 3, seed=30)
+    dev.conv2d(x, w, b, padding=1)
+    assert len(runs) == len(timer.calls) + 3                    # one warm-up per path
+    runs.clear(), timer.calls.clear()
+    dev.conv2d(x[:1], w, b, padding=1)                          # 8x less work: timed, not warmed
+    assert len(runs) == len(timer.calls) > 0
+    runs.clear(), timer.calls.clear()
+    dev.conv2d(x, w, b, padding=2)                              # a bigger output: warmed again
+    assert len(runs) == len(timer.calls) + 3
 
 
 def test_auto_times_only_the_paths_a_layer_can_take():

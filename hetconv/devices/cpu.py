@@ -100,6 +100,11 @@ AUTO_TIMED_MAX_ROUNDS = 9
 # rounds' noise is a few percent): conv1 on the FFT path (~8x im2col) or conv2's direct paths
 # (~2.5x its FFT path) run once less.
 AUTO_DROP_FACTOR = 1.5
+# A layer timed once keeps its choice for calls of the same layer whose work (images x kernels)
+# is within this factor of the timed call's: calibration's three points (the share, half of it,
+# half the batch) and the training call then cost one timing instead of four (~24 s each for the
+# paper's conv2 at N=32 on one thread), and the cost lines fitted to them all measure one path.
+AUTO_REUSE_FACTOR = 2.0
 
 _jit = numba.njit(parallel=True, nogil=True, cache=True)
 
@@ -626,6 +631,8 @@ class CpuDevice(Device):
         self.auto_timed_min_flops = float(auto_timed_min_flops)
         self._auto_timer = auto_timer   # (path, run) -> seconds of one run; tests give a fake one
         self._choices = {}
+        self._timed = []                # (layer, images x kernels, call key, choice) of each timed call
+        self._warm_flops = {}           # path -> the largest call (forward FLOPs) it has run while timed
         self._trial_path = None         # the path forced while "auto" times the candidates
 
     def _take_saved_cols(self, size):
@@ -736,17 +743,24 @@ class CpuDevice(Device):
         candidates = ["im2col"] + (["shifted"] if stride == (1, 1) else []) + ([] if declined else ["fft"])
         if len(candidates) == 1:
             return _PathChoice("im2col", f"the only path here: {declined}")
-        seconds = self._time_paths(candidates, x, w, stride, padding, block)
+        layer, work = (tuple(x.shape[1:]), tuple(w.shape[1:]), stride, padding, block), n * k
+        for timed_layer, timed_work, timed_key, timed in self._timed:
+            if timed_layer == layer and max(work / timed_work, timed_work / work) <= AUTO_REUSE_FACTOR:
+                return _PathChoice(timed.path, f"as timed for {_describe_call(timed_key)}")
+        seconds = self._time_paths(candidates, x, w, stride, padding, block, flops)
         choice = _PathChoice(min(candidates, key=seconds.get), "timed", seconds)
+        self._timed.append((layer, work, (tuple(x.shape), tuple(w.shape), stride, padding, block), choice))
         if self.verbose:
             print(f"cpu device: {_describe_call((tuple(x.shape), tuple(w.shape), stride, padding, block))} "
                   f"runs {choice.describe()}", file=sys.stderr, flush=True)
         return choice
 
-    def _time_paths(self, candidates, x, w, stride, padding, block):
+    def _time_paths(self, candidates, x, w, stride, padding, block, flops):
         """{path: seconds}: each path's fastest forward+backward run (with dX) on this call's x and
-        w, after one warm-up run each, over AUTO_TIMED_ROUNDS rounds or more (see
-        AUTO_TIMED_MIN_SECONDS), the order alternating between rounds."""
+        w, over AUTO_TIMED_ROUNDS rounds or more (see AUTO_TIMED_MIN_SECONDS), the order
+        alternating between rounds, after one warm-up run of each path that has not yet been
+        timed on a call at least this big (its first use: Numba loading its kernels, its work
+        buffers growing, which the drop after the first round must not mistake for its speed)."""
         b = np.zeros(w.shape[0], np.float32)
 
         def run(path):
@@ -764,7 +778,9 @@ class CpuDevice(Device):
                 self._trial_path = None
 
         for path in candidates:
-            run(path)
+            if self._warm_flops.get(path, 0.0) < flops:
+                run(path)
+                self._warm_flops[path] = flops
         seconds, spent, r = {}, 0.0, 0
         while r < AUTO_TIMED_ROUNDS or (spent < AUTO_TIMED_MIN_SECONDS and r < AUTO_TIMED_MAX_ROUNDS):
             if r > 0:       # a path far behind after a round is not run again: it cannot win
