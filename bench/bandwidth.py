@@ -22,10 +22,12 @@ Rows per rate (--rows picks):
               the row keeps the modes its plan record says each conv layer ran in (and the images of a
               data layer per worker), auto's choice and priced seconds, and the cost model's step for
               that plan from the run's own calibration record (predict_any with the plan's modes)
+- DDDDDDMM:   (any chain of M and D, one letter per conv layer) --parallel with each layer's mode
+              forced: how a layer's mode is checked against the cost model's choice
 - ddp:        PyTorch DistributedDataParallel (gloo), one rank per worker host, the same network and
               global batch, 1 thread each: what a user would otherwise pick
 --net (a hetconv --net text: vgg-small, vgg-small@0.5, paper, ...) takes the network from hetconv's
-presets instead of --conv/--fc; it runs the rows model, data, auto and ddp (the others build the
+presets instead of --conv/--fc; it runs the rows model, data, auto, chains and ddp (the others build the
 paper family only). --rounds N repeats every row N times, rows alternating within a round (the
 order reversed every other round), the baseline in each round: a ratio is taken within a round.
 The single-device baseline (hetconv --local, one pinned core) runs once a round, in this run. Every
@@ -41,6 +43,7 @@ bandwidth.md and bandwidth.png rendered from it.
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -66,6 +69,12 @@ ROW_KINDS = {
     "ddp": None,
 }
 PARALLEL_KINDS = ("model", "data", "auto")
+
+
+def parallel_kind(kind):
+    """A row of hetconv-coordinator --parallel KIND: model, data, auto, or a chain of one letter
+    per conv layer (M model, D data, e.g. DDDDDDMM) that forces each layer's mode."""
+    return kind in PARALLEL_KINDS or re.fullmatch(r"[MD]+", kind or "") is not None
 
 
 def sh(*cmd, check=True):
@@ -332,7 +341,7 @@ def run_parallel(switch, kind, rate, args, common, coordinator_cache):
     coordinator = switch.hosts[0]
     address = f"tcp://{coordinator['ip']}:{free_port()}"
     flags = ["--workers", str(args.workers), "--bind", address, "--insecure", "--connect-timeout", "180",
-             "--exchange", "peer", "--micro-batches", "0", "--parallel", ROW_KINDS[kind]["parallel"],
+             "--exchange", "peer", "--micro-batches", "0", "--parallel", kind,
              "--link", rate or "10gbit", *coordinator_flags(args, metrics)]
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     cmd = [*switch.prefix(coordinator), sys.executable, "-m", "hetconv.cli.coordinator", *flags]
@@ -415,11 +424,12 @@ def main(argv=None):
                       os.path.splitext(os.path.basename(args.render))[0])
         return 0
     kinds = [k.strip() for k in args.rows.split(",") if k.strip()]
-    unknown = [k for k in kinds if k not in ROW_KINDS]
+    unknown = [k for k in kinds if k not in ROW_KINDS and not parallel_kind(k)]
     if unknown:
-        p.error(f"--rows: unknown {unknown}, expected some of {', '.join(ROW_KINDS)}")
-    if args.net and any(k not in PARALLEL_KINDS + ("ddp",) for k in kinds):
-        p.error(f"--net {args.net}: rows {', '.join(k for k in kinds if k not in PARALLEL_KINDS + ('ddp',))} build "
+        p.error(f"--rows: unknown {unknown}, expected some of {', '.join(ROW_KINDS)}, or a chain of M and D per conv "
+                f"layer such as DDDDDDMM")
+    if args.net and any(not parallel_kind(k) and k != "ddp" for k in kinds):
+        p.error(f"--net {args.net}: rows {', '.join(k for k in kinds if not parallel_kind(k) and k != 'ddp')} build "
                 f"the paper family only (--conv, --fc); with --net use {', '.join(PARALLEL_KINDS)} and ddp")
     if args.rounds < 1:
         p.error(f"--rounds must be 1 or more, got {args.rounds}")
@@ -464,7 +474,7 @@ def main(argv=None):
             # the baseline in every round; the rows' order reversed every other round, so a drift
             # of the host's speed during a round does not always favour the same row
             print(f"[round {rnd + 1}/{args.rounds}] [baseline] local, batch {args.batch_size} ...", flush=True)
-            if args.net or any(k in PARALLEL_KINDS for k in kinds):
+            if args.net or any(parallel_kind(k) for k in kinds):
                 base = run_local_cli(args, common)
             else:
                 with C.ForeignLoad() as load:
@@ -479,7 +489,7 @@ def main(argv=None):
                     print(f"[round {rnd + 1}/{args.rounds}] [{rate}] {kind}, {args.workers} workers ...", flush=True)
                     if kind == "ddp":
                         row = run_ddp(switch, rate, args, common)
-                    elif kind in PARALLEL_KINDS:
+                    elif parallel_kind(kind):
                         row = run_parallel(switch, kind, rate, args, common, coordinator_cache)
                     else:
                         row = run_hetconv(switch, kind, rate, args, common)
@@ -551,7 +561,7 @@ def fmt(row):
         return f"FAILED: {row.get('error')}"
     if row["kind"] == "ddp":
         return f"step {row['step_s']:.3f}s (all-reduce of {row['allreduce_mb']:.0f} MB)"
-    if row["kind"] in PARALLEL_KINDS or "command" in row:      # a hetconv-coordinator row
+    if parallel_kind(row["kind"]) or "command" in row:      # a hetconv-coordinator row
         steps = ", ".join(f"{t:.3f}" for t in row["step_s_all"])
         predicted = (f", predicted {row['predicted_step_s']:.3f}s ({row['model_error_pct']:+.1f}%)"
                      if "predicted_step_s" in row else "")
@@ -649,7 +659,7 @@ def write_parallel(out_dir, result, stem):
 
 def write_outputs(out_dir, result, stem="bandwidth"):
     rows = result["rows"]
-    if result.get("net") or any(r.get("kind") in PARALLEL_KINDS for r in rows):
+    if result.get("net") or any(parallel_kind(r.get("kind")) for r in rows):
         os.makedirs(out_dir, exist_ok=True)
         round_ratios(rows)
         with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:

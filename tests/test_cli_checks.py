@@ -56,6 +56,9 @@ def test_worker_flags_are_checked_before_it_connects(args, message):
     (["--local", "--resume", "/nonexistent/ckpt"], "--resume '/nonexistent/ckpt': no such checkpoint"),
     # the data is read before any worker is spawned: no worker line, no wait
     (["--spawn", "cpu,cpu", "--data", "/nonexistent/cifar"], "/nonexistent/cifar: does not exist"),
+    # a chain of modes is checked against the network before any worker is spawned
+    (["--spawn", "cpu,cpu", "--parallel", "DMD"], "--parallel DMD: 3 letter(s) for a network of 2 conv layer(s)"),
+    (["--spawn", "cpu,cpu", "--parallel", "DX"], "--parallel must be one of auto, model, data, or a letter per conv"),
 ])
 def test_coordinator_flags_are_checked_before_any_work(args, message):
     assert_one_line_error(run("hetconv.cli.coordinator", *TINY, "--steps", "2", *args, timeout=60), message)

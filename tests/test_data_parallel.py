@@ -189,6 +189,24 @@ def test_parallel_data_is_planned_from_calibration_and_survives_a_lost_worker(tm
     assert_equals_local((local["losses"], checkpoint.load(str(tmp_path / "local"))), summary["losses"], tmp_path / "ck")
 
 
+def test_a_chain_of_modes_is_planned_from_calibration_and_trains_like_local(local_run, tmp_path):
+    """--parallel DMD: each layer in the mode its letter forces, the data layers' images split
+    by calibration, the chain and its price in the plan record; the run equals --local's."""
+    metrics = tmp_path / "m.jsonl"
+    engine = remote(2)
+    try:
+        summary = train(config(tmp_path, "ck", parallel="DMD", calibration_batch=4, metrics=str(metrics)), engine,
+                        log=quiet)
+        modes = engine.plan.modes()
+    finally:
+        engine.close()
+    assert modes == ["data", "model", "data"]
+    plan = next(json.loads(line) for line in open(metrics) if '"event": "plan"' in line)
+    assert plan["mode_choice"]["modes"] == modes and plan["mode_choice"]["reason"] == "--parallel DMD"
+    assert sum(plan["layers"][0]["images"].values()) == BATCH
+    assert_equals_local(local_run, summary["losses"], tmp_path / "ck")
+
+
 def test_a_bad_image_split_is_rebalanced_and_a_data_checkpoint_resumes_onto_a_model_plan(tmp_path):
     """A data plan that gives w0 one image of ten is rebalanced from measured steps (images move
     to it, the modes stay); its checkpoint, resumed on three workers with another plan, goes on

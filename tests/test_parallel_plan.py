@@ -1,7 +1,9 @@
 """Per conv layer, model- or data-parallel: the plan as data (modes, image shares), the cost of
 each mode, the choice of the cheapest chain, and the --parallel flag. Pure: no processes."""
+import dataclasses
 import itertools
 import json
+import re
 
 from hypothesis import assume, given, settings, strategies as st
 import pytest
@@ -215,8 +217,32 @@ def test_one_worker_is_all_model_and_parallel_forces_a_mode():
     assert choose_modes(specs, image, 32, two, link, parallel="data").modes == ["data"] * 8
     with pytest.raises(PlanError, match="--parallel data: 2 workers cannot split a batch of 1 image\\(s\\)"):
         choose_modes(specs, image, 1, two, link, parallel="data")
-    with pytest.raises(PlanError, match="--parallel must be one of auto, model, data, got 'pipeline'"):
+    with pytest.raises(PlanError, match="--parallel must be one of auto, model, data, or a letter per conv layer "
+                                        "\\(M model-parallel, D data-parallel\\) such as DDMM, got 'pipeline'"):
         check_parallel("pipeline")
+
+
+def test_a_chain_of_letters_forces_each_layers_mode():
+    """--parallel DDDDDDMM: each layer in the mode its letter says, priced as that chain; a
+    chain of the wrong length, or a model layer with fewer kernels than workers, is named."""
+    from hetconv.engine.costmodel import parse_bandwidth
+    from hetconv.engine.planner import choose_modes, forced_modes
+    link = parse_bandwidth("1gbit")
+    specs, image = _preset_specs("vgg-small")
+    two = {w: cpu_profile(w, specs, image) for w in ("cpu0", "cpu1")}
+    for chain in ("DDDDDDMM", "MDMDMDMD", "MMMMMMMD"):
+        modes = [{"M": "model", "D": "data"}[c] for c in chain]
+        choice = choose_modes(specs, image, 32, two, link, parallel=chain)
+        assert choice.modes == modes and choice.chosen_s == pytest.approx(choice.costs.chain_s(modes))
+        assert f"--parallel {chain}" in choice.reason
+    assert forced_modes("auto", 8) is None and forced_modes("data", 3) == ["data"] * 3
+    with pytest.raises(PlanError, match="--parallel DDM: 3 letter\\(s\\) for a network of 8 conv layer\\(s\\)"):
+        choose_modes(specs, image, 32, two, link, parallel="DDM")
+    three = {w: cpu_profile(w, specs, image) for w in ("cpu0", "cpu1", "cpu2")}
+    narrow = [dataclasses.replace(specs[0], kernels=2)] + specs[1:]
+    with pytest.raises(PlanError, match="--parallel MDDDDDDD: 3 workers cannot split a conv layer of 2 kernel"):
+        choose_modes(narrow, image, 32, three, link, parallel="MDDDDDDD")
+    assert choose_modes(narrow, image, 32, three, link, parallel="DDDDDDDM").modes[0] == "data"
 
 
 def test_a_data_layers_compute_and_wire():
@@ -275,13 +301,14 @@ def test_the_step_timeline_with_data_layers_agrees_with_the_choice():
         predict_any("star", specs, image, 64, counts, profiles, link, 0.01, modes=["data"] * 8, images=images)
 
 
-@pytest.mark.parametrize("value", ["", "Model", "hybrid", None])
+@pytest.mark.parametrize("value", ["", "Model", "hybrid", "DDmm", "DXM", None])
 def test_the_parallel_flag_is_checked_with_the_config(value):
     from hetconv.train.config import Config
     assert Config().validate().parallel == "auto"
-    for ok in ("auto", "model", "data"):
+    for ok in ("auto", "model", "data", "DDMM", "M"):
         assert Config(parallel=ok).validate().parallel == ok
-    with pytest.raises(ValueError, match=f"--parallel must be one of auto, model, data, got {value!r}"):
+    with pytest.raises(ValueError, match=f"--parallel must be one of auto, model, data, or a letter per conv layer.* "
+                                         f"got {re.escape(repr(value))}"):
         Config(parallel=value).validate()
 
 
@@ -314,11 +341,17 @@ def test_plan_command_shows_both_modes_per_layer_and_records_the_chosen_ones(tmp
     lines = text.stdout.splitlines()
     assert any(line.split()[-1] == "model" and line.startswith("conv2") for line in lines)
     assert "--parallel model" in text.stdout and "per conv layer with 2 device(s)" in text.stdout
+    chain = _plan_command(tmp_path, "--parallel", "DM", "--json")
+    assert chain.returncode == 0, chain.stderr
+    assert [row["modes"] for row in json.loads(chain.stdout)["rows"]] == [["model", "model"], ["data", "model"]]
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--parallel", "hybrid"], "hetconv-plan: --parallel must be one of auto, model, data, got 'hybrid'"),
+    (["--parallel", "hybrid"], "hetconv-plan: --parallel must be one of auto, model, data, or a letter per conv "
+                               "layer (M model-parallel, D data-parallel) such as DDMM, got 'hybrid'"),
     (["--parallel", "data", "--exchange", "star"], "hetconv-plan: --parallel data needs --exchange peer"),
+    (["--parallel", "MD", "--exchange", "star"], "hetconv-plan: --parallel MD needs --exchange peer"),
+    (["--parallel", "DMD"], "hetconv-plan: --parallel DMD: 3 letter(s) for a network of 2 conv layer(s)"),
 ])
 def test_plan_command_names_a_bad_parallel_in_one_line(tmp_path, args, message):
     bad = _plan_command(tmp_path, *args)

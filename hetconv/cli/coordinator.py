@@ -17,7 +17,7 @@ from hetconv.coordinator.remote import RemoteEngine, WorkerError, WorkerLost
 from hetconv.data import DataError, load_dataset
 from hetconv.devices import DeviceError, cuda_extra_missing, open_device, parse_device_list
 from hetconv.engine.local import LocalEngine
-from hetconv.engine.planner import PlanError
+from hetconv.engine.planner import PlanError, forced_modes
 from hetconv.engine.shard import ConvShard
 from hetconv.flags import (HelpFormatter, check_endpoint, check_output_dir, check_output_file, check_range,
                            threads_note, usable_cores)
@@ -200,6 +200,7 @@ def main(argv=None):
         _check_data_flags(cfg)
         # the network too (a --net file, a PyTorch module): before any worker starts
         network = network_for(cfg, ds, args.resume or None)
+        forced_modes(cfg.parallel, len(network.spec.conv_layers()))     # a chain of M/D letters fits the network
     except (ValueError, DeviceError, DataError, ConnectionError, CheckpointError) as e:
         print(f"hetconv-coordinator: {e}", file=sys.stderr)
         return 2

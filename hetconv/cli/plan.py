@@ -18,7 +18,7 @@ from hetconv.devices import DeviceError, parse_device_list
 from hetconv.engine.costmodel import Link, dominant_term, parse_bandwidth, predict_any, predict_local
 from hetconv.engine.measure import calibrate_local, load_profiles, measure_coordinator_s, measure_loopback
 from hetconv.engine.microbatch import micro_batch_count
-from hetconv.engine.planner import PlanError, choose_modes, make_plan
+from hetconv.engine.planner import PlanError, choose_modes, forced_modes, make_plan
 from hetconv.flags import HelpFormatter, check_output_file
 from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES, ConvSpec, layer_input_shapes
 from hetconv.train.config import Config, add_config_flags
@@ -77,9 +77,10 @@ def main(argv=None):
         link = (Link(measure_loopback(), name="loopback (measured)") if args.bandwidth == "loopback"
                 else parse_bandwidth(args.bandwidth))
         link = replace(link, host_cpu_s_per_byte=args.wire_cpu_ns * 1e-9)
-        if cfg.exchange == "star" and cfg.parallel == "data":
-            raise ValueError("--parallel data needs --exchange peer: the star moves every layer through the "
-                             "coordinator, by kernels")
+        forced = forced_modes(cfg.parallel, len(specs))
+        if cfg.exchange == "star" and forced is not None and "data" in forced:
+            raise ValueError(f"--parallel {cfg.parallel} needs --exchange peer: the star moves every layer through the "
+                             f"coordinator, by kernels")
     except (ValueError, DeviceError) as e:
         print(f"hetconv-plan: {e}", file=sys.stderr)
         return 2

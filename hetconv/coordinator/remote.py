@@ -29,7 +29,8 @@ from hetconv.engine.contract import (ShardEngine, WorkerError, WorkerLost,  # no
                                      concat_channels)
 from hetconv.engine.costmodel import parse_bandwidth, profiles_from_calibration
 from hetconv.engine.microbatch import micro_batch_count
-from hetconv.engine.planner import PlanError, choose_modes, cost_lines, image_ranges, make_plan, plan_from_lines
+from hetconv.engine.planner import (PlanError, choose_modes, cost_lines, forced_modes, image_ranges, make_plan,
+                                    plan_from_lines)
 from hetconv.transport import keys
 from hetconv.transport import protocol as P
 from hetconv.transport.keys import authenticated_key, handshake_refusal, read_key_folder
@@ -567,11 +568,12 @@ class RemoteEngine(ShardEngine):
 
     def plan_for(self, specs, input_shapes, cfg):
         kernels = [s.kernels for s in specs]
-        if cfg.parallel == "data" and self.exchange == "star":
-            raise PlanError("--parallel data needs --exchange peer: --exchange star sends every layer through the "
-                            "coordinator and splits only kernels")
-        too_few = [k for k in kernels if k < len(self.peers)]
-        if too_few and cfg.parallel != "data":
+        forced = forced_modes(cfg.parallel, len(specs))
+        if forced is not None and "data" in forced and self.exchange == "star":
+            raise PlanError(f"--parallel {cfg.parallel} needs --exchange peer: --exchange star sends every layer through "
+                            f"the coordinator and splits only kernels")
+        too_few = [k for li, k in enumerate(kernels) if k < len(self.peers) and (forced is None or forced[li] == "model")]
+        if too_few:
             raise PlanError(f"{len(self.peers)} workers but a conv layer has only {min(too_few)} kernels: "
                             f"every worker needs at least one kernel of every layer (use fewer workers or wider --conv)")
         if self.fixed_plan is not None:
@@ -598,14 +600,15 @@ class RemoteEngine(ShardEngine):
         would slow the step (unless --use-all); then each layer's mode (--parallel: 'auto' asks
         the cost model, choose_modes, over the kept workers and --link) and, where a layer is
         data, the plan over those workers with its images split by their per-image lines.
-        `equal`: the naive baseline, every layer model unless --parallel data.
+        `equal`: the naive baseline, every layer model unless --parallel forces data layers.
         The choice of modes is kept in `mode_choice` (None where there was none to make)."""
         kernels = [s.kernels for s in specs]
         self.mode_choice = None
-        data_only = cfg.parallel == "data" and len(speeds) > 1
+        forced = forced_modes(cfg.parallel, len(specs))
+        data_only = forced is not None and "model" not in forced and len(speeds) > 1
         if cfg.split != "proportional":
-            return make_plan(kernels, speeds, cfg.split, modes=["data"] * len(kernels) if data_only else None,
-                             batch=cfg.batch_size)
+            return make_plan(kernels, speeds, cfg.split, batch=cfg.batch_size,
+                             modes=forced if forced is not None and "data" in forced and len(speeds) > 1 else None)
         profiles = profiles_from_calibration({n: self.calibration[n] for n in speeds})
         lines, image_lines = cost_lines(profiles, kernels, cfg.batch_size)
         if data_only and any(k < len(speeds) for k in kernels):
@@ -620,7 +623,7 @@ class RemoteEngine(ShardEngine):
                 self.log(f"splitting by measured speed, not by cost lines: {e}")
                 model_plan = make_plan(kernels, speeds, "proportional")
             kept = list(model_plan.workers)
-            if cfg.parallel == "model" or self.exchange == "star" or len(kept) < 2:
+            if forced is not None and "data" not in forced or self.exchange == "star" or len(kept) < 2:
                 return model_plan
         micro = micro_batch_count(cfg.micro_batches, cfg.batch_size, self.exchange, len(kept))
         self.mode_choice = choose_modes(specs, tuple(input_shapes[0][1:]), cfg.batch_size,

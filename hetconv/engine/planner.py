@@ -452,11 +452,32 @@ def plan_from_lines(layer_kernels, lines, use_all=False, modes=None, batch=None,
 PARALLEL = ("auto", "model", "data")
 
 
+MODE_LETTERS = {"M": "model", "D": "data"}
+
+
 def check_parallel(value):
-    """--parallel: 'auto' (the cost model picks per layer), 'model' or 'data' (every layer)."""
-    if value not in PARALLEL:
-        raise PlanError(f"--parallel must be one of {', '.join(PARALLEL)}, got {value!r}")
-    return value
+    """--parallel: 'auto' (the cost model picks per layer), 'model' or 'data' (every layer), or
+    a chain of one letter per conv layer, M model or D data (e.g. DDDDDDMM), which forces each
+    layer's mode: how a benchmark checks the cost model's choice layer by layer."""
+    if value in PARALLEL or (isinstance(value, str) and value and set(value) <= set(MODE_LETTERS)):
+        return value
+    raise PlanError(f"--parallel must be one of {', '.join(PARALLEL)}, or a letter per conv layer (M model-parallel, "
+                    f"D data-parallel) such as DDMM, got {value!r}")
+
+
+def forced_modes(parallel, layers):
+    """The mode of each of `layers` conv layers that --parallel forces ('model', 'data', or a
+    chain of M and D), or None where the cost model chooses ('auto'). A chain of the wrong
+    length is a PlanError that says how many layers the network has."""
+    check_parallel(parallel)
+    if parallel == "auto":
+        return None
+    if parallel in PARALLEL:
+        return [parallel] * layers
+    if len(parallel) != layers:
+        raise PlanError(f"--parallel {parallel}: {len(parallel)} letter(s) for a network of {layers} conv layer(s) "
+                        f"(one M or D per layer)")
+    return [MODE_LETTERS[letter] for letter in parallel]
 
 
 def cheapest_modes(node, edge):
@@ -526,7 +547,7 @@ def choose_modes(specs, image_shape, batch, profiles, link, parallel="auto", mic
     """Model or data per conv layer, from the cost model: every layer priced in both modes at
     the shares its workers would get (mode_shares), then the cheapest chain (cheapest_modes).
     profiles: {worker: DeviceProfile} of the workers of the plan, in plan order.
-    `parallel`: 'model' or 'data' forces every layer; 'auto' takes the cheapest chain where it
+    `parallel`: 'model' or 'data' forces every layer, a chain of M and D each layer; 'auto' takes the cheapest chain where it
     beats every layer in model mode by more than `min_gain` of its price (a plan with data
     layers holds whole weights on every worker, and the model's error is a few percent). With
     one worker the two modes are the same: every layer is "model". A layer with fewer kernels
@@ -548,14 +569,14 @@ def choose_modes(specs, image_shape, batch, profiles, link, parallel="auto", mic
     model_s = costs.chain_s(["model"] * layers)
     if len(names) == 1:
         return ModeChoice(["model"] * layers, costs, model_s, model_s, "one worker: the two modes are the same")
-    if parallel != "auto":
-        modes = [parallel] * layers
-        seconds = costs.chain_s(modes)
+    forced = forced_modes(parallel, layers)
+    if forced is not None:
+        seconds = costs.chain_s(forced)
         if seconds == inf:
-            what = (f"a batch of {batch} image(s)" if parallel == "data"
-                    else f"a conv layer of {min(s.kernels for s in specs)} kernel(s)")
+            what = (f"a batch of {batch} image(s)" if "data" in forced and batch < len(names)
+                    else f"a conv layer of {min(s.kernels for s, m in zip(specs, forced) if m == 'model')} kernel(s)")
             raise PlanError(f"--parallel {parallel}: {len(names)} workers cannot split {what}")
-        return ModeChoice(modes, costs, seconds, model_s, f"--parallel {parallel}")
+        return ModeChoice(forced, costs, seconds, model_s, f"--parallel {parallel}")
     modes, seconds = cheapest_modes(costs.node, costs.edge)
     if "data" in modes and model_s < inf and seconds > (1 - min_gain) * model_s:
         return ModeChoice(["model"] * layers, costs, model_s, model_s,

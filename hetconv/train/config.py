@@ -55,7 +55,8 @@ class Config:
                                         "first use), or forced: 'im2col', 'shifted' or 'fft' (stride-1 layers)")
     split: str = option("proportional", "'proportional' to measured speed, or 'equal' (the naive baseline)")
     parallel: str = option("auto", "per conv layer, 'model' (kernels split among workers) or 'data' (images split, "
-                                   "whole weights on every worker); 'auto': the cost model picks per layer")
+                                   "whole weights on every worker); 'auto': the cost model picks per layer; or a "
+                                   "letter per conv layer, M or D, such as DDMM")
     link: str = option("1gbit", "the workers' network, which --parallel auto prices the modes on: a line rate such as "
                                 "100mbit, 1gbit or 10gbit, or payload bytes per second such as 500MB")
     use_all: bool = option(False, "keep every worker, even one whose fixed work makes the step slower")
