@@ -341,7 +341,7 @@ def run_parallel(switch, kind, rate, args, common, coordinator_cache):
     coordinator = switch.hosts[0]
     address = f"tcp://{coordinator['ip']}:{free_port()}"
     flags = ["--workers", str(args.workers), "--bind", address, "--insecure", "--connect-timeout", "180",
-             "--exchange", "peer", "--micro-batches", "0", "--parallel", kind,
+             "--exchange", "peer", "--micro-batches", str(args.micro_batches), "--parallel", kind,
              "--link", rate or "10gbit", *coordinator_flags(args, metrics)]
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     cmd = [*switch.prefix(coordinator), sys.executable, "-m", "hetconv.cli.coordinator", *flags]
@@ -367,7 +367,7 @@ def run_parallel(switch, kind, rate, args, common, coordinator_cache):
         row["modes"] = [layer.get("mode", "model") for layer in plan["layers"]]
         row["images"] = [layer.get("images") for layer in plan["layers"]]
         row["mode_choice"] = plan.get("mode_choice")
-        row["micro_batches"] = micro_batch_count(0, args.batch_size, "peer", len(plan["workers"]))
+        row["micro_batches"] = micro_batch_count(args.micro_batches, args.batch_size, "peer", len(plan["workers"]))
         row["calibration"] = calibration
         pred = predict_parallel(args, args.batch_size, plan, calibration, rate or "10gbit",
                                 common.get("wire_cpu_s_per_byte", 0.0), row["micro_batches"], coordinator_cache)
@@ -400,6 +400,8 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=1, help="rows alternate within a round, the baseline in each")
     p.add_argument("--workers", type=int, default=2, help="1-thread CPU workers, each on a host of its own")
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--micro-batches", type=int, default=0,
+                   help="--micro-batches of the hetconv-coordinator rows (0: automatic, as training picks)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--runs-dir", default="", help="keep each run's metrics JSON lines here (default: a temp dir)")
     p.add_argument("--no-wire-cpu", dest="wire_cpu", action="store_false",
@@ -447,7 +449,7 @@ def main(argv=None):
               "split": "proportional", "conv": args.conv, "fc": args.fc}
     result = {"command": command, "machine": C.machine(), "load_before": _common.load_average(),
               "workers": args.workers, "conv": args.conv, "fc": args.fc, "net": args.net, "rounds": args.rounds,
-              "rows": []}
+              "micro_batches": args.micro_batches, "rows": []}
     rows = result["rows"]
     t_all = time.perf_counter()
     switch = Switch(1 + args.workers)
@@ -596,13 +598,15 @@ def write_parallel(out_dir, result, stem):
     med = lambda xs: statistics.median(xs) if xs else None          # noqa: E731
     num = lambda x, f="{:.3f}": f.format(x) if x is not None else ""  # noqa: E731
     wire = result.get("wire_cpu")
+    micro = result.get("micro_batches")
+    micro_text = f"{micro} micro-batch(es)" if micro else "automatic micro-batches"
     lines = [f"Machine: {result['machine']}. Command: `{result['command']}` ({result.get('wall_s', 0) / 60:.1f} min; "
              f"{result.get('load_before', '')} before, {result.get('load_after', '')} after).",
              f"Network: {result.get('net') or 'conv ' + result['conv'] + ', fc ' + result['fc']}; batch "
              f"{next((r['batch_size'] for r in rows if r.get('batch_size')), '?')}; {result.get('workers', 2)} one-thread "
              f"CPU workers and the coordinator, each in a network namespace of its own with its own tbf-shaped link "
-             f"(both directions) to one bridge. Rows: hetconv-coordinator --parallel model|data|auto (--exchange peer, "
-             f"automatic micro-batches, --link at the rate, --rebalance-after 0: the calibrated plan); PyTorch DDP "
+             f"(both directions) to one bridge. Rows: hetconv-coordinator --parallel model|data|auto|a chain (--exchange "
+             f"peer, {micro_text}, --link at the rate, --rebalance-after 0: the calibrated plan); PyTorch DDP "
              f"(gloo, one 1-thread rank per worker host); baseline hetconv-coordinator --local, 1 thread, one pinned "
              f"core. {result.get('rounds', 1)} round(s), rows alternating within a round (order reversed every other "
              f"round); a ratio is taken within a round, then the median over rounds. Modes: per conv layer, M model, "

@@ -309,24 +309,49 @@ def test_auto_choice_is_kept_per_call_shape():
 
 
 def test_a_layer_timed_once_keeps_its_choice_for_calls_of_similar_work():
-    """Calls of a timed layer with images x kernels within AUTO_REUSE_FACTOR of the timed call's
-    (calibration's half share, half batch; the training share) run its path untimed and say
-    where it was timed; the path is the timed one even where the timer now favours another."""
+    """Calls of a timed layer on the same images with kernels within AUTO_REUSE_FACTOR of the
+    timed call's (calibration's half share; a training share) run its path untimed and say where
+    it was timed, even where the timer now favours another path; another batch size is timed
+    again (the FFT path's kernel spectra are paid once a call, whatever the images)."""
     from hetconv.devices.cpu import AUTO_REUSE_FACTOR
     dev, timer = auto_device({"im2col": 2.0, "shifted": 3.0, "fft": 1.0})
     x, w, b, rng = tensors(4, 3, 9, 8, 8, 3, 3, seed=29)
     dev.conv2d(x, w, b, padding=1)
     timed_once = len(timer.calls)
     timer.seconds = {"im2col": 1.0, "shifted": 3.0, "fft": 2.0}
-    assert 2 <= AUTO_REUSE_FACTOR
-    check_plain(dev, x[:2], w, b, 1, rng)                       # half the batch
+    assert 2 <= AUTO_REUSE_FACTOR < 8
     check_plain(dev, x, np.ascontiguousarray(w[:4]), b[:4], 1, rng)     # half the kernels
     assert len(timer.calls) == timed_once
     choices = dev.conv_path_choices()
-    assert [c["path"] for c in choices] == ["fft"] * 3
-    assert all(c["why"].startswith("as timed for x (4, 3, 9, 8) w (8, 3, 3, 3)") for c in choices[1:])
-    dev.conv2d(x[:1], np.ascontiguousarray(w[:4]), b[:4], padding=1)     # 8x less work: timed again
-    assert len(timer.calls) > timed_once and dev.conv_paths()[next(reversed(dev.conv_paths()))] == "im2col"
+    assert [c["path"] for c in choices] == ["fft"] * 2
+    assert choices[1]["why"].startswith("as timed for x (4, 3, 9, 8) w (8, 3, 3, 3)")
+    dev.conv2d(x, np.ascontiguousarray(w[:1]), b[:1], padding=1)          # 8x fewer kernels: timed again
+    check_plain(dev, x[:2], w, b, 1, rng)                                   # half the batch: timed again
+    assert len(timer.calls) > timed_once
+    assert [c["path"] for c in dev.conv_path_choices()[2:]] == ["im2col", "im2col"]
+
+
+def test_auto_takes_the_median_of_its_rounds_and_fft_only_by_a_margin():
+    """A path's one lucky run does not choose it (the median of its rounds does), and the FFT
+    path must beat the fastest direct path by AUTO_FFT_MARGIN; a direct path by any amount."""
+    from hetconv.devices.cpu import AUTO_FFT_MARGIN, AUTO_TIMED_ROUNDS
+    x, w, b, rng = tensors(2, 3, 9, 8, 4, 3, 3, seed=31)
+    lucky = {"im2col": [1.0] * 9, "shifted": [1.2] * 9, "fft": [0.8] + [1.3] * 8}     # fft the fastest minimum
+
+    def timer(path, run):
+        run()
+        return lucky[path].pop(0)
+
+    dev = open_device("cpu", conv_path="auto", auto_timer=timer, threads=1, auto_timed_min_flops=0)
+    dev.conv2d(x, w, b, padding=1)
+    assert AUTO_TIMED_ROUNDS >= 2 and list(dev.conv_paths().values()) == ["im2col"]
+    for fft_s, path in ((1.0 - 0.5 * AUTO_FFT_MARGIN, "im2col"), (1.0 - 2 * AUTO_FFT_MARGIN, "fft")):
+        dev, _ = auto_device({"im2col": 1.0, "shifted": 1.5, "fft": fft_s})
+        dev.conv2d(x, w, b, padding=1)
+        assert list(dev.conv_paths().values()) == [path]
+    dev, _ = auto_device({"im2col": 1.0, "shifted": 0.99, "fft": 2.0})
+    dev.conv2d(x, w, b, padding=1)
+    assert list(dev.conv_paths().values()) == ["shifted"]
 
 
 def test_paths_warmed_on_a_bigger_call_are_timed_without_a_warm_up():

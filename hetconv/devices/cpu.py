@@ -84,7 +84,7 @@ CONV_PATHS = ("auto", "im2col", "shifted", "fft")
 # "auto" times the paths a layer can take (im2col; shifted and FFT at stride 1, FFT within its
 # budget) on the first call with each shape: forward and backward with dX on the call's own input
 # and weights, one warm-up run per path, then AUTO_TIMED_ROUNDS rounds (or more, below) in
-# alternating order, the fastest minimum kept for that shape from then on. That costs up to ~3
+# alternating order, the fastest median kept for that shape from then on. That costs up to ~3
 # steps of the layer per path, once per shape (calibration's warm-up call absorbs it), so below
 # AUTO_TIMED_MIN_FLOPS forward FLOPs per call the rule above stays, untimed: there a call takes under a millisecond, the paths
 # differ by less than that, and the first use of a path (Numba loading its kernels, the work
@@ -100,10 +100,19 @@ AUTO_TIMED_MAX_ROUNDS = 9
 # rounds' noise is a few percent): conv1 on the FFT path (~8x im2col) or conv2's direct paths
 # (~2.5x its FFT path) run once less.
 AUTO_DROP_FACTOR = 1.5
-# A layer timed once keeps its choice for calls of the same layer whose work (images x kernels)
-# is within this factor of the timed call's: calibration's three points (the share, half of it,
-# half the batch) and the training call then cost one timing instead of four (~24 s each for the
-# paper's conv2 at N=32 on one thread), and the cost lines fitted to them all measure one path.
+# The median of a path's rounds, not its minimum: the FFT path's runs spread more than the direct
+# paths' (a pool of threads, many small GEMMs), and its luckiest run chose it for a vgg-small layer
+# (5.5 ms against shifted 5.7) that another worker timed at 14.4 ms. And the FFT path is taken
+# only where it is faster than the best direct path by AUTO_FFT_MARGIN: it also holds its kernel
+# spectra (12x the weights) for as long as the layer runs.
+AUTO_FFT_MARGIN = 0.04
+# A layer timed once keeps its choice for calls of the same layer with the same images and
+# kernels within this factor of the timed call's: calibration's two kernel counts (the share and
+# half of it) and a training call on that batch then cost one timing instead of three (~24 s each
+# for the paper's conv2 at N=32 on one thread), and the cost line fitted to them measures one
+# path. Not across batch sizes: the FFT path pays its kernel spectra once a call whatever the
+# images, so fewer images with more kernels move it against the direct paths (vgg-small's last
+# layer: even with the shifted path at 16 images x 128 kernels, 1.5x slower at 8 x 256).
 AUTO_REUSE_FACTOR = 2.0
 
 _jit = numba.njit(parallel=True, nogil=True, cache=True)
@@ -588,6 +597,15 @@ class _PathChoice:
         return f"{self.path} (timed forward+backward: {times})"
 
 
+def _fastest(seconds):
+    """The path to run from {path: seconds}: the fastest direct path, or FFT where it beats that
+    by AUTO_FFT_MARGIN."""
+    direct = min((p for p in seconds if p != "fft"), key=seconds.get)
+    if "fft" in seconds and seconds["fft"] < (1.0 - AUTO_FFT_MARGIN) * seconds[direct]:
+        return "fft"
+    return direct
+
+
 def _describe_call(key):
     x_shape, w_shape, stride, padding, block = key
     form = "plain conv" if block is None else f"block {block}"
@@ -743,20 +761,20 @@ class CpuDevice(Device):
         candidates = ["im2col"] + (["shifted"] if stride == (1, 1) else []) + ([] if declined else ["fft"])
         if len(candidates) == 1:
             return _PathChoice("im2col", f"the only path here: {declined}")
-        layer, work = (tuple(x.shape[1:]), tuple(w.shape[1:]), stride, padding, block), n * k
-        for timed_layer, timed_work, timed_key, timed in self._timed:
-            if timed_layer == layer and max(work / timed_work, timed_work / work) <= AUTO_REUSE_FACTOR:
+        layer = (tuple(x.shape), tuple(w.shape[1:]), stride, padding, block)
+        for timed_layer, timed_k, timed_key, timed in self._timed:
+            if timed_layer == layer and max(k / timed_k, timed_k / k) <= AUTO_REUSE_FACTOR:
                 return _PathChoice(timed.path, f"as timed for {_describe_call(timed_key)}")
         seconds = self._time_paths(candidates, x, w, stride, padding, block, flops)
-        choice = _PathChoice(min(candidates, key=seconds.get), "timed", seconds)
-        self._timed.append((layer, work, (tuple(x.shape), tuple(w.shape), stride, padding, block), choice))
+        choice = _PathChoice(_fastest(seconds), "timed", seconds)
+        self._timed.append((layer, k, (tuple(x.shape), tuple(w.shape), stride, padding, block), choice))
         if self.verbose:
             print(f"cpu device: {_describe_call((tuple(x.shape), tuple(w.shape), stride, padding, block))} "
                   f"runs {choice.describe()}", file=sys.stderr, flush=True)
         return choice
 
     def _time_paths(self, candidates, x, w, stride, padding, block, flops):
-        """{path: seconds}: each path's fastest forward+backward run (with dX) on this call's x and
+        """{path: seconds}: each path's median forward+backward run (with dX) on this call's x and
         w, over AUTO_TIMED_ROUNDS rounds or more (see AUTO_TIMED_MIN_SECONDS), the order
         alternating between rounds, after one warm-up run of each path that has not yet been
         timed on a call at least this big (its first use: Numba loading its kernels, its work
@@ -781,17 +799,17 @@ class CpuDevice(Device):
             if self._warm_flops.get(path, 0.0) < flops:
                 run(path)
                 self._warm_flops[path] = flops
-        seconds, spent, r = {}, 0.0, 0
+        runs, spent, r = {}, 0.0, 0
         while r < AUTO_TIMED_ROUNDS or (spent < AUTO_TIMED_MIN_SECONDS and r < AUTO_TIMED_MAX_ROUNDS):
             if r > 0:       # a path far behind after a round is not run again: it cannot win
-                best = min(seconds.values())
-                candidates = [p for p in candidates if seconds[p] <= AUTO_DROP_FACTOR * best]
+                best = min(min(ts) for ts in runs.values())
+                candidates = [p for p in candidates if min(runs[p]) <= AUTO_DROP_FACTOR * best]
             for path in candidates if r % 2 == 0 else candidates[::-1]:
                 t = self._auto_timer(path, lambda: run(path))
-                seconds[path] = min(seconds.get(path, t), t)
+                runs.setdefault(path, []).append(t)
                 spent += t
             r += 1
-        return seconds
+        return {path: float(np.median(ts)) for path, ts in runs.items()}
 
     def _shifted(self, w_shape, stride=(1, 1)):
         """Whether the rule (or a forced path) puts a layer with weights w_shape (K, C, kh, kw) on
