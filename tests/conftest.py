@@ -48,3 +48,12 @@ def procs():
 
 def python_cmd(module, *args):
     return [sys.executable, "-m", module, *map(str, args)]
+
+
+def external_worker(procs, address, name, keys="", *extra):
+    """A one-thread CPU hetconv-worker started apart from the engine (as a user would on another
+    host), connecting to `address`: a worker that joins a run, or one a test kills by hand."""
+    return procs(python_cmd("hetconv.cli.worker", "--device", "cpu", "--connect", address, "--threads", "1",
+                            "--name", name, "--connect-timeout", "60", "--idle-timeout", "120",
+                            *(["--curve", keys] if keys else []), *extra),
+                 stdout=subprocess.DEVNULL)

@@ -5,6 +5,7 @@ from a data plan holds --local's weights; and the block exchange between layers 
 worker exactly the input it needs."""
 import json
 import queue
+import time
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from _faults import kill_worker_on_step
+from conftest import external_worker
 from hetconv.coordinator.remote import RemoteEngine
 from hetconv.devices import open_device
 from hetconv.engine.local import LocalEngine
@@ -52,9 +54,9 @@ def local_run(tmp_path_factory):
     return summary["losses"], checkpoint.load(str(d / "ck"))
 
 
-def remote(n):
+def remote(n, **kw):
     return RemoteEngine("tcp://127.0.0.1:0", 0, ["cpu"] * n, threads=1, connect_timeout=60, log=quiet,
-                        worker_timeout=10.0)
+                        worker_timeout=10.0, **kw)
 
 
 def assert_equals_local(local_run, losses, ckdir):
@@ -204,6 +206,58 @@ def test_a_chain_of_modes_is_planned_from_calibration_and_trains_like_local(loca
     plan = next(json.loads(line) for line in open(metrics) if '"event": "plan"' in line)
     assert plan["mode_choice"]["modes"] == modes and plan["mode_choice"]["reason"] == "--parallel DMD"
     assert sum(plan["layers"][0]["images"].values()) == BATCH
+    assert_equals_local(local_run, summary["losses"], tmp_path / "ck")
+
+
+@pytest.mark.parametrize("wire", ["bfloat16", "float16"])
+def test_a_16_bit_wire_with_data_layers_trains_like_float32(local_run, tmp_path, wire):
+    """Feature maps between a data and a model layer (and the last layer's features) cross the
+    wire in 16 bits; a data layer's dW all-gather stays float32, so every worker's copy of it is
+    the same: the run stays close to --local's, not equal."""
+    engine = remote(2, wire=wire)
+    try:
+        summary = train(config(tmp_path, "ck", parallel="DMD", wire_dtype=wire, calibration_batch=4), engine,
+                        log=quiet)
+        modes = engine.plan.modes()
+        replies = engine._call({w: ("FETCH", [], {"layer": 2}) for w in engine.plan.workers}, "test")
+    finally:
+        engine.close()
+    assert modes == ["data", "model", "data"]
+    np.testing.assert_allclose(summary["losses"], local_run[0], rtol=2e-2)
+    assert not np.allclose(summary["losses"], local_run[0], rtol=1e-7, atol=0), "a 16-bit wire cannot be exact"
+    first, second = (replies[w][0] for w in engine.plan.workers)
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_worker_that_joins_a_data_plan_gets_its_share_of_the_images(local_run, tmp_path, procs):
+    """A worker connecting mid-run under --parallel data joins at a snapshot: the plan is made
+    again over three workers, every layer still data, the batch split three ways, and the run
+    equals --local's."""
+    metrics = tmp_path / "m.jsonl"
+    engine = remote(2)
+    real, calls = engine.conv_step, {"n": 0}
+
+    def conv_step(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            external_worker(procs, engine.address, "late", engine.worker_keydir)
+            time.sleep(3.0)                                # its HELLO arrives while step 2 runs
+        return real(*args, **kw)
+    engine.conv_step = conv_step
+    try:
+        summary = train(config(tmp_path, "ck", parallel="data", snapshot_every=1, calibration_batch=4,
+                               metrics=str(metrics)), engine, log=quiet)
+        workers, modes = list(engine.plan.workers), engine.plan.modes()
+        images = dict(engine.plan.layers[0].images)
+    finally:
+        engine.close()
+    assert workers == ["w0-cpu", "w1-cpu", "late"] and modes == ["data"] * 3
+    assert sum(images.values()) == BATCH and images["late"] > 0
+    records = [json.loads(line) for line in open(metrics)]
+    assert any(r["event"] == "worker_joined" for r in records)
+    joined = [r for r in records if r["event"] == "plan" and r.get("reason") == "worker joined"]
+    assert joined and [layer["mode"] for layer in joined[0]["layers"]] == ["data"] * 3
     assert_equals_local(local_run, summary["losses"], tmp_path / "ck")
 
 

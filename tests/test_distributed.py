@@ -5,20 +5,19 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 
-from conftest import python_cmd
+from conftest import external_worker, python_cmd
 from _faults import kill_worker_on_step
 from hetconv.train import checkpoint
 from hetconv.net import reference as R
 from hetconv.train.config import Config
 from hetconv.coordinator.remote import RemoteEngine, WorkerError, WorkerLost
 from hetconv.devices import open_device
-from hetconv.engine.planner import PlanError, fixed_plan
+from hetconv.engine.planner import fixed_plan
 from hetconv.geometry import ConvSpec, conv_specs
 from hetconv.engine.local import LocalEngine
 from hetconv.engine.shard import ConvShard
@@ -629,17 +628,10 @@ def test_a_second_loss_while_the_survivors_reload_is_survived_too_or_stops_at_th
     assert meta["step"] == 2
 
 
-def _external_worker(procs, address, name, keys=""):
-    return procs(python_cmd("hetconv.cli.worker", "--device", "cpu", "--connect", address, "--threads", "1",
-                            "--name", name, "--connect-timeout", "60", "--idle-timeout", "120",
-                            *(["--curve", keys] if keys else [])),
-                 stdout=subprocess.DEVNULL)
-
-
 def test_a_killed_external_worker_is_heard_disconnecting_not_waited_out(procs):
     """No process handle and a heartbeat limit of a minute: only the socket monitor can name it."""
     address = f"tcp://127.0.0.1:{free_port()}"
-    workers = [_external_worker(procs, address, f"ext{i}") for i in range(2)]
+    workers = [external_worker(procs, address, f"ext{i}") for i in range(2)]
     engine = RemoteEngine(address, 2, [], threads=1, connect_timeout=60, worker_timeout=60, op_timeout=60, log=quiet)
     try:
         spec = ConvSpec.paper(3, 4, 3, 0)
@@ -665,7 +657,7 @@ def test_a_worker_that_connects_mid_run_joins_at_a_snapshot(tmp_path, procs):
     def conv_step(*args, **kw):
         calls["n"] += 1
         if calls["n"] == 2:
-            _external_worker(procs, engine.address, "late", engine.worker_keydir)   # the run's own keys
+            external_worker(procs, engine.address, "late", engine.worker_keydir)   # the run's own keys
             time.sleep(3.0)                                # its HELLO arrives while step 2 runs
         return real(*args, **kw)
     engine.conv_step = conv_step

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import zmq
 
-from conftest import python_cmd
+from conftest import external_worker, python_cmd
 from hetconv.train import checkpoint
 from hetconv.transport import protocol as P
 from hetconv.train.config import Config
@@ -155,13 +155,6 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _external_worker(procs, address, name, keys="", *extra):
-    return procs(python_cmd("hetconv.cli.worker", "--device", "cpu", "--connect", address, "--threads", "1",
-                            "--name", name, "--connect-timeout", "60", "--idle-timeout", "120",
-                            *(["--curve", keys] if keys else []), *extra),
-                 stdout=subprocess.DEVNULL)
-
-
 def _join_during_step(engine, procs, at_step, *extra):
     """An external worker starts while step `at_step` runs; its HELLO arrives during that step."""
     real, calls = engine.conv_step, {"n": 0}
@@ -169,7 +162,7 @@ def _join_during_step(engine, procs, at_step, *extra):
     def conv_step(*args, **kw):
         calls["n"] += 1
         if calls["n"] == at_step:
-            _external_worker(procs, engine.address, "late", engine.worker_keydir, *extra)
+            external_worker(procs, engine.address, "late", engine.worker_keydir, *extra)
             time.sleep(3.0)
         return real(*args, **kw)
     engine.conv_step = conv_step
@@ -391,7 +384,7 @@ def test_a_worker_dropped_while_stopped_is_told_to_shut_down(procs, tmp_path):
     """An external worker that was SIGSTOPped is dropped as lost; when it runs again it reads the
     SHUTDOWN the coordinator left it and exits, instead of living on for --idle-timeout."""
     address = f"tcp://127.0.0.1:{_free_port()}"
-    workers = [_external_worker(procs, address, f"ext{i}") for i in range(2)]
+    workers = [external_worker(procs, address, f"ext{i}") for i in range(2)]
     engine = RemoteEngine(address, 2, [], threads=1, connect_timeout=60, worker_timeout=2, op_timeout=60, log=quiet)
     try:
         os.kill(workers[1].pid, signal.SIGSTOP)
