@@ -170,6 +170,32 @@ def test_spectra_computed_once_per_step_of_the_shard():
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+def test_the_spectra_cache_keeps_no_weights_alive_and_reuses_a_gone_arrays_buffer():
+    """Calibration times layers on weight arrays it then drops; the training weights that follow
+    (same shape) take over their spectra buffer instead of allocating another and pushing the
+    live ones out of the budget; the cache holds the weights only weakly."""
+    import gc
+    import weakref
+    dev = open_device("cpu", conv_path="fft", threads=1)
+    x, w, b, rng = tensors(2, 3, 9, 9, 4, 3, 3, seed=3)
+    calibration = w.copy()
+    dev.conv2d(x, calibration, b, padding=1)
+    (entry,) = dev._fft._entries
+    buffer = entry.spectra
+    gone = weakref.ref(calibration)
+    del calibration
+    gc.collect()
+    assert gone() is None                      # the cache did not keep it
+    assert_close(dev.conv2d(x, w, b, padding=1), R.conv2d(x, w, b, padding=1), "y on new weights")
+    (entry,) = dev._fft._entries
+    assert entry.spectra is buffer and entry.holds(w)
+    del w
+    gc.collect()                               # a spare until an array of another shape misses
+    other = tensors(2, 3, 9, 9, 6, 3, 3, seed=4)[1]
+    dev.conv2d(x, other, np.zeros(6, np.float32), padding=1)
+    assert [e.spectra.shape[2] for e in dev._fft._entries] == [6]
+
+
 def test_weights_changed_in_place_are_never_served_stale_spectra():
     dev = open_device("cpu", conv_path="fft", threads=1)
     x, w, b, rng = tensors(2, 3, 9, 9, 4, 3, 3, seed=2)

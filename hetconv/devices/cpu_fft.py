@@ -42,6 +42,7 @@ How:
 - What is returned is freshly allocated; work buffers come from the device's scratch pool.
 """
 import contextlib
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import numba
@@ -202,8 +203,20 @@ def block_bytes_per_frequency(n, k, c):
 
 
 class _SpectraEntry:
+    """A weight array's kernel spectra and the copy of the weights they came from. The array is
+    held by a weak reference: the cache neither keeps weights alive nor keeps the spectra of
+    weights that are gone (calibration's, a timing's), whose buffers a new array of the same
+    shape takes over instead of allocating (and first-touching) hundreds of MB again."""
+
     def __init__(self, weights, copy, spectra):
-        self.weights, self.copy, self.spectra = weights, copy, spectra
+        self.copy, self.spectra = copy, spectra
+        self.weights = weakref.ref(weights)
+
+    def holds(self, w):
+        return self.weights() is w
+
+    def is_spare(self):
+        return self.weights() is None
 
 
 def row_ranges(rows, parts, multiple=16):
@@ -281,8 +294,9 @@ class FftConv:
         """(KERNEL_PLANES, F, K, C) spectra of w, from the cache where w is bitwise what they were
         computed from, else recomputed (into the entry's buffer when its shape is unchanged)."""
         k, c, kh, kw = w.shape
-        entry = next((e for e in self._entries if e.weights is w), None)
-        if (entry is not None and entry.spectra.shape == (KERNEL_PLANES, g.f, k, c)
+        shape = (KERNEL_PLANES, g.f, k, c)
+        entry = next((e for e in self._entries if e.holds(w)), None)
+        if (entry is not None and entry.spectra.shape == shape
                 and entry.copy.shape == w.shape and _same_bits(entry.copy.reshape(-1).view(np.int32),
                                                                w.reshape(-1).view(np.int32))):
             self._entries.remove(entry)
@@ -290,13 +304,20 @@ class FftConv:
             return entry.spectra
         if entry is not None:
             self._entries.remove(entry)
-            if entry.spectra.shape != (KERNEL_PLANES, g.f, k, c) or entry.copy.shape != w.shape:
+            if entry.spectra.shape != shape or entry.copy.shape != w.shape:
                 entry = None
         if entry is None:
-            need = spectra_bytes(g, k, c)
-            while self._entries and sum(spectra_bytes_of(e) for e in self._entries) + need > self.budget_bytes:
-                self._entries.pop(0)
-            entry = _SpectraEntry(w, np.empty(w.shape, np.float32), np.empty((KERNEL_PLANES, g.f, k, c), np.float32))
+            spare = next((e for e in self._entries if e.is_spare() and e.spectra.shape == shape
+                          and e.copy.shape == w.shape), None)
+            self._entries = [e for e in self._entries if not e.is_spare()]     # the others' memory goes now
+            if spare is not None:
+                entry = spare
+                entry.weights = weakref.ref(w)
+            else:
+                need = spectra_bytes(g, k, c)
+                while self._entries and sum(spectra_bytes_of(e) for e in self._entries) + need > self.budget_bytes:
+                    self._entries.pop(0)
+                entry = _SpectraEntry(w, np.empty(w.shape, np.float32), np.empty(shape, np.float32))
         np.copyto(entry.copy, w)
         # (3F, K*C) = (3F, kh*kw) @ w (K*C, kh*kw)^T: one GEMM writes every plane
         self._split_gemm(g.kernel_planes.reshape(-1, kh * kw), w.reshape(k * c, kh * kw).T,
@@ -306,8 +327,11 @@ class FftConv:
         return entry.spectra
 
     def forget(self, w):
-        """Drop the spectra cached for the array w, if any."""
-        self._entries = [e for e in self._entries if e.weights is not w]
+        """The spectra cached for the array w, if any, are not served again: the next call with w
+        computes them anew, into the same buffer."""
+        for e in self._entries:
+            if e.holds(w):
+                e.weights = _gone
 
     # ---- forward ---------------------------------------------------------------------------------
     def forward(self, x, w, padding, y, x_spectra=None):
@@ -484,6 +508,11 @@ class FftConv:
                 gemm(by_row[:, r, c0:c1].T, ri, plane[c0:c1, r, :], 0.0)
 
         self._in_parallel(part, plane.shape[0])
+
+
+def _gone():
+    """The weak reference of an entry whose spectra are no longer any array's."""
+    return None
 
 
 def spectra_bytes_of(entry):
