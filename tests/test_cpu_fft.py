@@ -355,6 +355,13 @@ def test_a_layer_timed_once_keeps_its_choice_for_calls_of_similar_work():
     check_plain(dev, x[:2], w, b, 1, rng)                                   # half the batch: timed again
     assert len(timer.calls) > timed_once
     assert [c["path"] for c in dev.conv_path_choices()[2:]] == ["im2col", "im2col"]
+    # more images than a call that chose FFT (an evaluation's batch): FFT's lead only grows, untimed
+    timed_twice = len(timer.calls)
+    dev.conv2d(np.concatenate([x, x]), w, b, padding=1)
+    assert len(timer.calls) == timed_twice and dev.conv_path_choices()[-1]["path"] == "fft"
+    # ... but more images than a call that chose a direct path (the one kernel's, above) are timed
+    dev.conv2d(np.concatenate([x, x]), np.ascontiguousarray(w[:1]), b[:1], padding=1)
+    assert len(timer.calls) > timed_twice
 
 
 def test_auto_takes_the_median_of_its_rounds_and_fft_only_by_a_margin():

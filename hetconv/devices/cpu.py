@@ -110,8 +110,9 @@ AUTO_FFT_MARGIN = 0.04
 # kernels within this factor of the timed call's: calibration's two kernel counts (the share and
 # half of it) and a training call on that batch then cost one timing instead of three (~24 s each
 # for the paper's conv2 at N=32 on one thread), and the cost line fitted to them measures one
-# path. Not across batch sizes: the FFT path pays its kernel spectra once a call whatever the
-# images, so fewer images with more kernels move it against the direct paths (vgg-small's last
+# path. Across batch sizes only where FFT was chosen and the call has more images (evaluation's
+# batches, say): the FFT path pays its kernel spectra once a call whatever the images, so more
+# images only widen its lead, and fewer images with more kernels narrow it (vgg-small's last
 # layer: even with the shifted path at 16 images x 128 kernels, 1.5x slower at 8 x 256).
 AUTO_REUSE_FACTOR = 2.0
 
@@ -761,13 +762,14 @@ class CpuDevice(Device):
         candidates = ["im2col"] + (["shifted"] if stride == (1, 1) else []) + ([] if declined else ["fft"])
         if len(candidates) == 1:
             return _PathChoice("im2col", f"the only path here: {declined}")
-        layer = (tuple(x.shape), tuple(w.shape[1:]), stride, padding, block)
-        for timed_layer, timed_k, timed_key, timed in self._timed:
-            if timed_layer == layer and max(k / timed_k, timed_k / k) <= AUTO_REUSE_FACTOR:
+        layer = (tuple(x.shape[1:]), tuple(w.shape[1:]), stride, padding, block)
+        for timed_layer, timed_n, timed_k, timed_key, timed in self._timed:
+            if (timed_layer == layer and max(k / timed_k, timed_k / k) <= AUTO_REUSE_FACTOR
+                    and (n == timed_n or n > timed_n and timed.path == "fft")):
                 return _PathChoice(timed.path, f"as timed for {_describe_call(timed_key)}")
         seconds = self._time_paths(candidates, x, w, stride, padding, block, flops)
         choice = _PathChoice(_fastest(seconds), "timed", seconds)
-        self._timed.append((layer, k, (tuple(x.shape), tuple(w.shape), stride, padding, block), choice))
+        self._timed.append((layer, n, k, (tuple(x.shape), tuple(w.shape), stride, padding, block), choice))
         if self.verbose:
             print(f"cpu device: {_describe_call((tuple(x.shape), tuple(w.shape), stride, padding, block))} "
                   f"runs {choice.describe()}", file=sys.stderr, flush=True)
