@@ -25,11 +25,14 @@ def reexec_without_blas_overrides(keep=False):
         env[_DROPPED_MARK] = " ".join(f"{k}={v}" for k, v in present.items())
         sys.stdout.flush()
         os.execve(sys.executable, [sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:]], env)
+    # hetconv's CPU device sets OMP_WAIT_POLICY=PASSIVE where it is unset (Numba's OpenMP threads
+    # otherwise spin on the BLAS threads' cores); PyTorch in the same process reads it too
+    omp = f"; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'PASSIVE (set by hetconv)')}"
     if os.environ.get(_DROPPED_MARK):
-        return f"re-executed without {os.environ[_DROPPED_MARK]} (benchmark process only)"
+        return f"re-executed without {os.environ[_DROPPED_MARK]} (benchmark process only){omp}"
     if present:
-        return f"kept {' '.join(f'{k}={v}' for k, v in present.items())} (--keep-blas-env)"
-    return f"{' and '.join(BLAS_OVERRIDES)} not set"
+        return f"kept {' '.join(f'{k}={v}' for k, v in present.items())} (--keep-blas-env){omp}"
+    return f"{' and '.join(BLAS_OVERRIDES)} not set{omp}"
 
 
 def cpu_model():

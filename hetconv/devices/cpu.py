@@ -61,6 +61,15 @@ from hetconv.devices.cpu_fft import FftConv, swap_leading
 from hetconv.geometry import window_output_size
 from hetconv.params import sgd_update
 
+# Numba's OpenMP threads spin-wait after each parallel region (GNU libgomp's default), on the very
+# cores the BLAS threads need next. On 2 cores a 2-thread device ran vgg-small's last layer 3.4x
+# slower for it (shifted path 39.9 ms against 11.6 ms with the threads put to sleep at once) and
+# the paper's conv1 1.5x slower (im2col 102 ms against 68); conv2's big GEMMs are unchanged (they
+# wait for no one). Read once, when Numba first starts its threads, so it is set here, at import;
+# a user's own OMP_WAIT_POLICY is left alone. PyTorch imported later in the same process reads it
+# too (the benchmarks say so in their headers).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 DEFAULT_IM2COL_BUDGET_BYTES = 64 << 20
 DEFAULT_SAVED_COLS_BUDGET_BYTES = 256 << 20
 # "auto" takes the shifted-GEMM path where one GEMM's reduction, C*kw, is at least this long, and
