@@ -561,11 +561,15 @@ def main():
         return
     t_start = time.perf_counter()
     from threadpoolctl import threadpool_info  # noqa: F401  (fail early if the venv lacks it)
+    # hetconv first: its CPU device sets OMP_WAIT_POLICY before any OpenMP runtime starts. With torch
+    # first, torch's libgomp (which Numba's threads then share) spins between regions and hetconv's
+    # two-thread direct paths ran 2-3x slower here than in a hetconv process (vgg-small's layer 5,
+    # shifted: 42.8 ms against 15.6); torch, in the same process, then runs under the same policy.
+    from hetconv.devices import DeviceError, open_device
     try:
         import torch
     except ImportError:
         sys.exit("bench/conv.py needs torch: pip install -e '.[bench]' (torch==2.13.0)")
-    from hetconv.devices import DeviceError, open_device
 
     is_cuda = args.device.startswith("cuda")
     if is_cuda and os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"):
