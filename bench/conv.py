@@ -26,8 +26,9 @@ t(share) / t(whole layer), both on the FFT path (ideal: F).
 presets (paper, lenet5, cifar10-quick, vgg-small, on CIFAR-10's 3x32x32 input) at each batch and
 thread count, the block's fused step (forward, backward with dX) on each path the layer can take,
 forced, in alternating rounds, beside what a fresh "auto" device chose for it (its own timing
-runs first, on the same shapes). auto/best = median over rounds of t(auto's path) / t(fastest
-path in that round). Results: OUT/conv_auto.json and OUT/conv_auto.md.
+runs first, on the same shapes), each layer and thread count in a process of its own (one process
+for them all inflated the two-thread direct paths 2-3x). auto/best = median over rounds of t(auto's
+path) / t(fastest path in that round). Results: OUT/conv_auto.json and OUT/conv_auto.md.
 
 Correctness first: on a small batch every output and gradient must match torch (allclose, rtol
 1e-3, atol 1e-3 x the reference's magnitude) or the script stops before timing anything. Then
@@ -45,7 +46,9 @@ layer's hetconv / torch ratio sits beside it. Results: OUT/conv_share_scaling.js
 command, machine, BLAS, load during the run and wall time) and OUT/conv_share_scaling.md.
 """
 import argparse
+import json
 import os
+import subprocess
 import sys
 import time
 
@@ -93,6 +96,7 @@ def parse_args():
     p.add_argument("--auto-check", action="store_true",
                    help="every preset conv layer on each path, forced, against what conv_path=auto picks (CPU)")
     p.add_argument("--render", default="", metavar="JSON", help="run nothing: rewrite conv.md beside a saved conv.json")
+    p.add_argument("--auto-check-layer", default="", help=argparse.SUPPRESS)     # PRESET:LAYER:N:THREADS, a child's
     args = p.parse_args()
     if args.share_scaling:
         if args.device != "cpu":
@@ -408,53 +412,30 @@ def block_step(dev, x, w, b, dout, block):
 
 def auto_check(args, header, open_device):
     """Each preset conv layer's fused step on every path it can take, forced, in alternating rounds,
-    against the path a fresh conv_path="auto" device picked for the same call."""
-    from hetconv.devices.base import block_output_shape
+    against the path a fresh conv_path="auto" device picked for the same call. Each layer and thread
+    count runs in a process of its own (auto_check_layer): in one process holding a device per path
+    and per layer, vgg-small's two-thread direct paths ran 2-3x slower than in a fresh one, and which
+    path was fastest moved from run to run."""
     from hetconv.net.presets import preset
     started, loads = time.time(), [os.getloadavg()[0]]
     rows = []
     for threads in args.threads:
-        forced = {path: open_device("cpu", threads=threads, conv_path=path) for path in FORCED_PATHS}
         for name in AUTO_CHECK_PRESETS:
-            for index, layer in enumerate(preset(name, AUTO_CHECK_INPUT, AUTO_CHECK_CLASSES).conv_layers()):
+            for index, _ in enumerate(preset(name, AUTO_CHECK_INPUT, AUTO_CHECK_CLASSES).conv_layers()):
                 for n in args.batches:
-                    rng = np.random.default_rng(index)
-                    w_shape = (layer.kernels, layer.in_channels) + tuple(layer.kernel)
-                    fan_in = w_shape[1] * w_shape[2] * w_shape[3]
-                    x = rng.standard_normal((n,) + tuple(layer.input_shape), dtype=np.float32)
-                    w = (rng.uniform(-1, 1, w_shape) / np.sqrt(fan_in)).astype(np.float32)
-                    b = (rng.uniform(-1, 1, w_shape[0]) / np.sqrt(fan_in)).astype(np.float32)
-                    block = layer.block
-                    dout = rng.standard_normal(block_output_shape(x.shape, w.shape, block), dtype=np.float32)
-                    auto = open_device("cpu", threads=threads, conv_path="auto")
-                    t0 = time.perf_counter()
-                    auto.conv_block_backward(auto.conv_block(x, w, b, block)[1], w, dout, True)
-                    first_call_s = time.perf_counter() - t0
-                    ((call, chosen),), (why,) = auto.conv_paths().items(), auto.describe_conv_paths()
-                    del auto
-                    cases = {}
-                    for path, dev in forced.items():    # the paths this layer takes: a forced one may decline
-                        step = block_step(dev, x, w, b, dout, block)
-                        step()
-                        if dev.conv_paths()[call] == path:
-                            cases[path] = step
-                    samples = _common.time_interleaved(cases, args.min_reps, args.max_reps, args.budget)
-                    loads.append(os.getloadavg()[0])
-                    rounds = [dict(zip(cases, ts)) for ts in zip(*(samples[p]["fwd+bwd"] for p in cases))]
-                    stats = {path: _common.summarize(samples[path]["fwd+bwd"]) for path in cases}
-                    ratio = float(np.median([r[chosen] / min(r.values()) for r in rounds]))
-                    ho_wo = layer.conv_shape[1] * layer.conv_shape[2]
-                    row = {"preset": name, "layer": index, "call": call, "x": list(x.shape), "w": list(w_shape),
-                           "block": str(block), "N": n, "threads": threads,
-                           "forward_mflop": 2e-6 * n * ho_wo * w.size, "paths": stats, "auto": chosen, "auto_why": why,
-                           "auto_first_call_s": first_call_s, "fastest": min(stats, key=lambda p: stats[p]["median_ms"]),
-                           "auto_vs_best": ratio, "within_tolerance": ratio <= AUTO_CHECK_TOLERANCE,
-                           "rounds": len(rounds)}
+                    cmd = [sys.executable, os.path.abspath(__file__), "--auto-check", "--budget", str(args.budget),
+                           "--auto-check-layer", f"{name}:{index}:{n}:{threads}"]
+                    child = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+                    if child.returncode != 0:
+                        sys.exit(f"auto check of {name} layer {index} (N={n}, T={threads}) failed: "
+                                 f"{child.stderr.strip()[-2000:]}")
+                    row = json.loads(child.stdout.strip().splitlines()[-1])
                     rows.append(row)
+                    loads.append(os.getloadavg()[0])
                     print(f"  {name} layer {index} N={n} T={threads}: "
-                          + ", ".join(f"{p} {stats[p]['median_ms']:.1f} ms" for p in stats)
-                          + f"; auto picked {chosen} ({ratio:.3f} of the fastest per round)", flush=True)
-        del forced
+                          + ", ".join(f"{p} {row['paths'][p]['median_ms']:.1f} ms" for p in row["paths"])
+                          + f"; auto picked {row['auto']} ({row['auto_vs_best']:.3f} of the fastest per round)",
+                          flush=True)
     doc = {"header": header, "isa": _common.cpu_isa_flags(), "wall_s": time.time() - started,
            "load_average_1min": {"start": loads[0], "max": max(loads), "mean": float(np.mean(loads)),
                                  "end": os.getloadavg()[0], "samples": len(loads)},
@@ -463,6 +444,49 @@ def auto_check(args, header, open_device):
     json_path, md_path = _common.write_results(args.out, "conv_auto", doc, auto_check_markdown(doc))
     print("\n" + auto_check_markdown(doc) + f"\n\nwrote {_common.relative_path(json_path)} and "
           f"{_common.relative_path(md_path)}")
+
+
+def auto_check_layer(args, open_device):
+    """One layer of the auto check (--auto-check-layer PRESET:LAYER:N:THREADS), in this process
+    alone: prints its row as JSON on the last line."""
+    from hetconv.devices.base import block_output_shape
+    from hetconv.net.presets import preset
+    name, index, n, threads = args.auto_check_layer.split(":")
+    index, n, threads = int(index), int(n), int(threads)
+    layer = preset(name, AUTO_CHECK_INPUT, AUTO_CHECK_CLASSES).conv_layers()[index]
+    rng = np.random.default_rng(index)
+    w_shape = (layer.kernels, layer.in_channels) + tuple(layer.kernel)
+    fan_in = w_shape[1] * w_shape[2] * w_shape[3]
+    x = rng.standard_normal((n,) + tuple(layer.input_shape), dtype=np.float32)
+    w = (rng.uniform(-1, 1, w_shape) / np.sqrt(fan_in)).astype(np.float32)
+    b = (rng.uniform(-1, 1, w_shape[0]) / np.sqrt(fan_in)).astype(np.float32)
+    block = layer.block
+    dout = rng.standard_normal(block_output_shape(x.shape, w.shape, block), dtype=np.float32)
+    auto = open_device("cpu", threads=threads, conv_path="auto")
+    t0 = time.perf_counter()
+    auto.conv_block_backward(auto.conv_block(x, w, b, block)[1], w, dout, True)
+    first_call_s = time.perf_counter() - t0
+    ((call, chosen),), (why,) = auto.conv_paths().items(), auto.describe_conv_paths()
+    del auto
+    cases = {}
+    forced = {path: open_device("cpu", threads=threads, conv_path=path) for path in FORCED_PATHS}
+    for path, dev in forced.items():    # the paths this layer takes: a forced one may decline
+        step = block_step(dev, x, w, b, dout, block)
+        step()
+        if dev.conv_paths()[call] == path:
+            cases[path] = step
+    samples = _common.time_interleaved(cases, args.min_reps, args.max_reps, args.budget)
+    rounds = [dict(zip(cases, ts)) for ts in zip(*(samples[p]["fwd+bwd"] for p in cases))]
+    stats = {path: _common.summarize(samples[path]["fwd+bwd"]) for path in cases}
+    ratio = float(np.median([r[chosen] / min(r.values()) for r in rounds]))
+    ho_wo = layer.conv_shape[1] * layer.conv_shape[2]
+    row = {"preset": name, "layer": index, "call": call, "x": list(x.shape), "w": list(w_shape),
+           "block": str(block), "N": n, "threads": threads,
+           "forward_mflop": 2e-6 * n * ho_wo * w.size, "paths": stats, "auto": chosen, "auto_why": why,
+           "auto_first_call_s": first_call_s, "fastest": min(stats, key=lambda p: stats[p]["median_ms"]),
+           "auto_vs_best": ratio, "within_tolerance": ratio <= AUTO_CHECK_TOLERANCE,
+           "rounds": len(rounds)}
+    print(json.dumps(row))
 
 
 def auto_check_markdown(doc):
@@ -566,6 +590,8 @@ def main():
     # two-thread direct paths ran 2-3x slower here than in a hetconv process (vgg-small's layer 5,
     # shifted: 42.8 ms against 15.6); torch, in the same process, then runs under the same policy.
     from hetconv.devices import DeviceError, open_device
+    if args.auto_check_layer:
+        return auto_check_layer(args, open_device)
     try:
         import torch
     except ImportError:
