@@ -1,4 +1,7 @@
-"""Faults the multi-process tests inject into a run."""
+"""Faults and membership events the multi-process tests inject into a run."""
+import time
+
+from conftest import external_worker
 
 
 def kill_worker_on_step(engine, victim_index, at_step):
@@ -11,5 +14,19 @@ def kill_worker_on_step(engine, victim_index, at_step):
             proc = engine.processes[victim_index][1]
             proc.kill()
             proc.wait()
+        return real(*args, **kw)
+    engine.conv_step = conv_step
+
+
+def join_during_step(engine, procs, at_step, *extra):
+    """Make the engine's conv_step start an external worker named "late" (the run's own keys,
+    hetconv-worker flags `extra`) when step `at_step` starts; its HELLO arrives during that step."""
+    real, calls = engine.conv_step, {"n": 0}
+
+    def conv_step(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] == at_step:
+            external_worker(procs, engine.address, "late", engine.worker_keydir, *extra)
+            time.sleep(3.0)
         return real(*args, **kw)
     engine.conv_step = conv_step

@@ -5,15 +5,13 @@ from a data plan holds --local's weights; and the block exchange between layers 
 worker exactly the input it needs."""
 import json
 import queue
-import time
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _faults import kill_worker_on_step
-from conftest import external_worker
+from _faults import join_during_step, kill_worker_on_step
 from hetconv.coordinator.remote import RemoteEngine
 from hetconv.devices import open_device
 from hetconv.engine.local import LocalEngine
@@ -236,15 +234,7 @@ def test_a_worker_that_joins_a_data_plan_gets_its_share_of_the_images(local_run,
     equals --local's."""
     metrics = tmp_path / "m.jsonl"
     engine = remote(2)
-    real, calls = engine.conv_step, {"n": 0}
-
-    def conv_step(*args, **kw):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            external_worker(procs, engine.address, "late", engine.worker_keydir)
-            time.sleep(3.0)                                # its HELLO arrives while step 2 runs
-        return real(*args, **kw)
-    engine.conv_step = conv_step
+    join_during_step(engine, procs, 2)                   # its HELLO arrives while step 2 runs
     try:
         summary = train(config(tmp_path, "ck", parallel="data", snapshot_every=1, calibration_batch=4,
                                metrics=str(metrics)), engine, log=quiet)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import external_worker, python_cmd
-from _faults import kill_worker_on_step
+from _faults import join_during_step, kill_worker_on_step
 from hetconv.train import checkpoint
 from hetconv.net import reference as R
 from hetconv.train.config import Config
@@ -652,15 +652,7 @@ def test_a_worker_that_connects_mid_run_joins_at_a_snapshot(tmp_path, procs):
     local = train(Config(**cfg).validate(), LocalEngine({"local": ConvShard(open_device("cpu", threads=1))}), log=quiet)
     metrics = tmp_path / "m.jsonl"
     engine = remote(2)
-    real, calls = engine.conv_step, {"n": 0}
-
-    def conv_step(*args, **kw):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            external_worker(procs, engine.address, "late", engine.worker_keydir)   # the run's own keys
-            time.sleep(3.0)                                # its HELLO arrives while step 2 runs
-        return real(*args, **kw)
-    engine.conv_step = conv_step
+    join_during_step(engine, procs, 2)                   # its HELLO arrives while step 2 runs
     try:
         summary = train(Config(**cfg, metrics=str(metrics)).validate(), engine, log=quiet)
         workers = list(engine.plan.workers)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import zmq
 
+from _faults import join_during_step
 from conftest import external_worker, python_cmd
 from hetconv.train import checkpoint
 from hetconv.transport import protocol as P
@@ -155,23 +156,10 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _join_during_step(engine, procs, at_step, *extra):
-    """An external worker starts while step `at_step` runs; its HELLO arrives during that step."""
-    real, calls = engine.conv_step, {"n": 0}
-
-    def conv_step(*args, **kw):
-        calls["n"] += 1
-        if calls["n"] == at_step:
-            external_worker(procs, engine.address, "late", engine.worker_keydir, *extra)
-            time.sleep(3.0)
-        return real(*args, **kw)
-    engine.conv_step = conv_step
-
-
 def test_a_worker_killed_while_a_joiner_calibrates_is_survived_and_the_joiner_is_calibrated(
         tmp_path, procs, uninterrupted):
     engine = remote(2)
-    _join_during_step(engine, procs, 2)
+    join_during_step(engine, procs, 2)
     real_calibrate = engine._calibrate_some
 
     def calibrate_some(specs, input_shapes, cfg, names):
@@ -195,7 +183,7 @@ def test_a_worker_killed_while_a_joiner_calibrates_is_survived_and_the_joiner_is
 
 def test_a_joiner_with_too_small_a_frame_limit_is_dropped_and_the_run_goes_on(tmp_path, procs, uninterrupted):
     engine = remote(2, message_limit=4_000_000)
-    _join_during_step(engine, procs, 2, "--message-limit-mb", "0.001")
+    join_during_step(engine, procs, 2, "--message-limit-mb", "0.001")
     metrics = tmp_path / "m.jsonl"
     lines = []
     engine.log = lines.append

@@ -56,6 +56,7 @@ def _conv_path_choices(value, limit=64):
                                      if isinstance(t, (int, float)) and not isinstance(t, bool)}})
     return kept[:limit]
 
+
 class _Peer:
     def __init__(self, identity, hello, process=None, public_key=""):
         self.identity = identity                   # bytes: the ROUTER routing id

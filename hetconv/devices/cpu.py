@@ -659,7 +659,7 @@ class CpuDevice(Device):
         self.auto_timed_min_flops = float(auto_timed_min_flops)
         self._auto_timer = auto_timer   # (path, run) -> seconds of one run; tests give a fake one
         self._choices = {}
-        self._timed = []                # (layer, images x kernels, call key, choice) of each timed call
+        self._timed = []                # (layer less its batch, images, kernels, call, choice) per timing
         self._warm_flops = {}           # path -> the largest call (forward FLOPs) it has run while timed
         self._trial_path = None         # the path forced while "auto" times the candidates
 

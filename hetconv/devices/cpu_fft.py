@@ -165,6 +165,12 @@ class FftGeometry:
         theta = theta.reshape(self.f, rows * cols)
         return np.cos(theta), np.sin(theta)
 
+    def q_runs_in(self, blk):
+        """(q, f0, f1, first) for each column frequency q with kept frequencies in block `blk`:
+        its frequencies [f0, f1) within the block, and whether the block holds q's first one."""
+        return [(q, max(f0, blk.f0), min(f1, blk.f1), f0 >= blk.f0)
+                for q, f0, f1 in self.q_runs if f0 < blk.f1 and f1 > blk.f0]
+
     def blocks(self, block):
         """_Block per run of at most `block` frequencies: each matrix contiguous float32, planes
         stacked (plane, frequency in the block)."""
@@ -210,13 +216,24 @@ class _SpectraEntry:
 
     def __init__(self, weights, copy, spectra):
         self.copy, self.spectra = copy, spectra
-        self.weights = weakref.ref(weights)
+        self.adopt(weights)
+
+    def adopt(self, w):
+        """The spectra (to be computed into these buffers) are now w's."""
+        self._weights = weakref.ref(w)
+
+    def release(self):
+        """No array's any more: a spare buffer for the next array of its shape."""
+        self._weights = _no_array
 
     def holds(self, w):
-        return self.weights() is w
+        return self._weights() is w
 
     def is_spare(self):
-        return self.weights() is None
+        return self._weights() is None
+
+    def fits(self, shape, w_shape):
+        return self.spectra.shape == shape and self.copy.shape == w_shape
 
 
 def row_ranges(rows, parts, multiple=16):
@@ -296,23 +313,21 @@ class FftConv:
         k, c, kh, kw = w.shape
         shape = (KERNEL_PLANES, g.f, k, c)
         entry = next((e for e in self._entries if e.holds(w)), None)
-        if (entry is not None and entry.spectra.shape == shape
-                and entry.copy.shape == w.shape and _same_bits(entry.copy.reshape(-1).view(np.int32),
-                                                               w.reshape(-1).view(np.int32))):
+        if (entry is not None and entry.fits(shape, w.shape)
+                and _same_bits(entry.copy.reshape(-1).view(np.int32), w.reshape(-1).view(np.int32))):
             self._entries.remove(entry)
             self._entries.append(entry)
             return entry.spectra
         if entry is not None:
             self._entries.remove(entry)
-            if entry.spectra.shape != shape or entry.copy.shape != w.shape:
+            if not entry.fits(shape, w.shape):
                 entry = None
         if entry is None:
-            spare = next((e for e in self._entries if e.is_spare() and e.spectra.shape == shape
-                          and e.copy.shape == w.shape), None)
+            spare = next((e for e in self._entries if e.is_spare() and e.fits(shape, w.shape)), None)
             self._entries = [e for e in self._entries if not e.is_spare()]     # the others' memory goes now
             if spare is not None:
                 entry = spare
-                entry.weights = weakref.ref(w)
+                entry.adopt(w)
             else:
                 need = spectra_bytes(g, k, c)
                 while self._entries and sum(spectra_bytes_of(e) for e in self._entries) + need > self.budget_bytes:
@@ -331,7 +346,7 @@ class FftConv:
         computes them anew, into the same buffer."""
         for e in self._entries:
             if e.holds(w):
-                e.weights = _gone
+                e.release()
 
     # ---- forward ---------------------------------------------------------------------------------
     def forward(self, x, w, padding, y, x_spectra=None):
@@ -373,11 +388,11 @@ class FftConv:
         else:
             xs = x_spectra[INPUT_PLANES * blk.f0 * nc:INPUT_PLANES * blk.f1 * nc].reshape(rows, nc)
         if z is not None:
-            runs = [(q, max(f0, blk.f0), min(f1, blk.f1)) for q, f0, f1 in g.q_runs if f0 < blk.f1 and f1 > blk.f0]
+            runs = g.q_runs_in(blk)
             gemm, ct, p = self._gemm, g.column_transform, INPUT_PLANES
 
             def part(c0, c1):
-                for q, f0, f1 in runs:      # (planes*m, 2H) @ (2H, N*C): this q's frequencies in the block
+                for q, f0, f1, _ in runs:   # (planes*m, 2H) @ (2H, N*C): this q's frequencies in the block
                     gemm(ct[p * f0:p * f1], z[q, :, c0:c1], xs[p * (f0 - blk.f0):p * (f1 - blk.f0), c0:c1], 0.0)
 
             self._in_parallel(part, nc)
@@ -484,8 +499,7 @@ class FftConv:
         """dX's inverse, first stage, for one block: per q, (U, V) x input row (2H, C*N) of its
         frequencies' (re, im) pairs, added into dx_rows[q] (set by the block holding the q's
         first frequency)."""
-        runs = [(q, max(f0, blk.f0), min(f1, blk.f1), f0 >= blk.f0)
-                for q, f0, f1 in g.q_runs if f0 < blk.f1 and f1 > blk.f0]
+        runs = g.q_runs_in(blk)
         gemm, ci = self._gemm, g.column_inverse
 
         def part(c0, c1):
@@ -510,8 +524,8 @@ class FftConv:
         self._in_parallel(part, plane.shape[0])
 
 
-def _gone():
-    """The weak reference of an entry whose spectra are no longer any array's."""
+def _no_array():
+    """A released entry's weak reference: it refers to no array."""
     return None
 
 
