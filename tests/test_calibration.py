@@ -28,6 +28,7 @@ class FakeDevice:
     def __init__(self, clock, forward, backward, stall=lambda i: 0.0):
         self.clock, self.forward, self.backward, self.stall = clock, forward, backward, stall
         self.calls = []                # (kernels, batch) of every forward
+        self.dw_given = []             # every backward's dw_out
 
     def upload(self, a):
         return np.array(a, np.float32)
@@ -52,10 +53,11 @@ class FakeDevice:
         self.calls.append((k, len(x)))
         return np.zeros((len(x), k, 1, 1), np.float32), (k, len(x))
 
-    def conv_block_backward(self, ctx, w, dy, need_dx):
+    def conv_block_backward(self, ctx, w, dy, need_dx, dw_out=None, accumulate=False):
         k, n = ctx
         self.clock.now += self.backward(k) * n
-        return None, np.zeros_like(w), np.zeros(k, np.float32)
+        self.dw_given.append(dw_out)
+        return None, np.zeros_like(w) if dw_out is None else dw_out, np.zeros(k, np.float32)
 
 
 def calibrate(device, clock, kernels=64, batch=16, repeats=3):
@@ -83,6 +85,10 @@ def test_short_calls_repeat_until_the_floor_and_give_total_over_count():
     cost = LayerCost.fit(timing)
     assert cost.forward_per_kernel_s == pytest.approx(MS / 256) and cost.forward_fixed_s == pytest.approx(MS / 16)
     assert cost.forward_call_s == pytest.approx(0.0, abs=1e-12)
+    # each point's backwards write dW into the one buffer its warm-up made, as a step's do
+    starts = [i for i, d in enumerate(device.dw_given) if d is None]
+    points = [device.dw_given[a:b] for a, b in zip(starts, starts[1:] + [len(device.dw_given)])]
+    assert len(points) == 3 and all(len(p) > 3 and len({id(d) for d in p[1:]}) == 1 for p in points)
 
 
 def test_a_device_stalled_in_one_short_call_of_several_is_measured_at_its_mean():

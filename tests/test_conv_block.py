@@ -344,3 +344,41 @@ def test_block_backward_with_wrong_gradient_shape_is_named():
     assert out.shape == (1, 2, 3, 3)
     with pytest.raises(ValueError, match=r"dout shape must match the block's output, \(1, 2, 2, 2\) != \(1, 2, 3, 3\)"):
         dev.conv_block_backward(ctx, w, np.ones((1, 2, 2, 2), np.float32))
+
+
+@pytest.mark.parametrize("path", ("im2col", "shifted", "fft"))
+@pytest.mark.parametrize("block", [PAPER_BLOCK, ConvBlock(padding=1, pool="avg", pool_kernel=3, pool_stride=2)],
+                         ids=("paper", "avg3s2"))
+def test_backward_writes_or_adds_dw_into_a_given_buffer(path, block):
+    """dw_out takes dW in place of a fresh array (written, then added to with `accumulate`), so a
+    step's micro-batches and steps reuse one buffer: the sums equal the fresh dWs' sums, and a
+    written dw_out forgets what it held."""
+    dev = open_device("cpu", threads=1, im2col_budget_bytes=3000, conv_path=path)   # chunked: dW sums over chunks
+    conv = (3, 4, 10, 10, 5, 3, 3)
+    x, w, b, rng = tensors(conv, 8)
+    x2 = rng.standard_normal(x.shape).astype(np.float32)
+    out, ctx = dev.conv_block(x, w, b, block)
+    out2, ctx2 = dev.conv_block(x2, w, b, block)
+    dout, dout2 = (rng.standard_normal(out.shape).astype(np.float32) for _ in range(2))
+    fresh = dev.conv_block_backward(ctx, w, dout, need_dx=True)
+    fresh2 = dev.conv_block_backward(ctx2, w, dout2, need_dx=False)
+    out, ctx = dev.conv_block(x, w, b, block)
+    out2, ctx2 = dev.conv_block(x2, w, b, block)
+    buffer = np.full(w.shape, 7.0, np.float32)
+    dx, dw, db = dev.conv_block_backward(ctx, w, dout, need_dx=True, dw_out=buffer)
+    assert dw is buffer
+    np.testing.assert_array_equal(dx, fresh[0])
+    close(dw, fresh[1])
+    np.testing.assert_array_equal(db, fresh[2])
+    _, dw, _ = dev.conv_block_backward(ctx2, w, dout2, need_dx=False, dw_out=buffer, accumulate=True)
+    assert dw is buffer
+    close(dw, fresh[1] + fresh2[1])
+    close(dw, R.conv_block_backward(x, w, b, block, dout)[1] + R.conv_block_backward(x2, w, b, block, dout2)[1])
+
+
+def test_dw_out_of_the_wrong_shape_is_named():
+    dev = open_device("cpu", threads=1)
+    w = np.ones((2, 1, 3, 3), np.float32)
+    out, ctx = dev.conv_block(np.ones((1, 1, 6, 6), np.float32), w, None, PAPER_BLOCK)
+    with pytest.raises(ValueError, match=r"dw_out shape must match the weights, \(2, 1, 3, 2\) != \(2, 1, 3, 3\)"):
+        dev.conv_block_backward(ctx, w, np.ones_like(out), dw_out=np.zeros((2, 1, 3, 2), np.float32))

@@ -87,7 +87,13 @@ def test_chunking_does_not_change_results(path):
     chunked = open_device("cpu", threads=1, im2col_budget_bytes=1, conv_path=path)    # one image per chunk
     y1, c1 = whole.conv_relu_pool(x, w, b, p)
     y2, c2 = chunked.conv_relu_pool(x, w, b, p)
-    np.testing.assert_array_equal(y1, y2)
+    # The shifted path's GEMMs get narrower with one image per chunk, and the BLAS's edge
+    # kernels for a narrow GEMM may sum in another order (seen with OpenBLAS's Haswell kernel):
+    # equal up to float rounding there, bit-equal on the im2col path.
+    if path == "im2col":
+        np.testing.assert_array_equal(y1, y2)
+    else:
+        close(y2, y1)
     dp = rng.standard_normal(y1.shape).astype(np.float32)
     for a, r in zip(chunked.conv_relu_pool_backward(c2, w, dp), whole.conv_relu_pool_backward(c1, w, dp)):
         close(a, r)

@@ -132,3 +132,22 @@ def test_paper_block_equals_conv_relu_pool(dev):
     np.testing.assert_array_equal(dx, pdx)
     np.testing.assert_array_equal(dev.download(dw), dev.download(pdw))
     np.testing.assert_array_equal(dev.download(db), dev.download(pdb))
+
+
+def test_backward_writes_or_adds_dw_into_a_given_buffer(dev):
+    block = BLOCKS["avg3x3s2p1"]
+    rng = np.random.default_rng(3)
+    x, x2, w, b = _random(rng, 1, 2, 6, 7), _random(rng, 1, 2, 6, 7), _random(rng, 4, 2, 3, 3), _random(rng, 4)
+    w_dev, b_dev = dev.upload(w), dev.upload(b)
+    buffer = dev.upload(np.full(w.shape, 7.0, np.float32))
+    out, ctx = dev.conv_block(x, w_dev, b_dev, block)
+    dout = _random(rng, *out.shape)
+    _, dw, _ = dev.conv_block_backward(ctx, w_dev, dout, need_dx=False, dw_out=buffer)
+    assert dw is buffer
+    _, rdw, _ = reference.conv_block_backward(x, w, b, block, dout, need_dx=False)
+    _close(dev.download(dw), rdw, "dw written")
+    out2, ctx2 = dev.conv_block(x2, w_dev, b_dev, block)
+    dout2 = _random(rng, *out2.shape)
+    _, dw, _ = dev.conv_block_backward(ctx2, w_dev, dout2, need_dx=False, dw_out=buffer, accumulate=True)
+    _, rdw2, _ = reference.conv_block_backward(x2, w, b, block, dout2, need_dx=False)
+    _close(dev.download(dw), rdw + rdw2, "dw accumulated")

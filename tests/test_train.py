@@ -150,3 +150,39 @@ def test_help_explains_the_modes():
     assert result.returncode == 0
     for flag in ("--local", "--spawn", "--workers", "--split", "--resume", "--conv", "--checkpoint-dir"):
         assert flag in result.stdout
+
+
+@pytest.mark.parametrize("path", ["im2col", "shifted", "fft"])
+def test_shard_steps_over_micro_batches_follow_the_reference_sgd(path):
+    """Three steps of two micro-batches each on one shard: each step's dW is the micro-batches'
+    sum, written into the buffer the last step's update used, and the one update per step is
+    PyTorch's SGD rule; the weights after every step equal the numpy reference's."""
+    from hetconv.geometry import ConvSpec
+    from hetconv.net import reference as R
+    rng = np.random.default_rng(5)
+    spec = ConvSpec.paper(3, 6, ksize=3, padding=1)
+    w = rng.standard_normal((6, 3, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(6).astype(np.float32)
+    shard = ConvShard(open_device("cpu", threads=1, conv_path=path))
+    shard.load(0, spec, 0, 6, w, b)
+    lr, momentum, decay = 0.05, 0.9, 1e-3
+    ref_w, ref_b = w.copy(), b.copy()
+    vw, vb = np.zeros_like(w), np.zeros_like(b)
+    buffers = set()
+    for step in range(3):
+        xs = [rng.standard_normal((3, 3, 8, 8)).astype(np.float32) for _ in range(2)]
+        douts = [rng.standard_normal((3, 6, 4, 4)).astype(np.float32) for _ in range(2)]
+        for m, x in enumerate(xs):
+            shard.forward(0, x, micro=m)
+        for m, dout in enumerate(douts):
+            assert shard.backward(0, dout, need_dx=False, micro=m, sgd=(lr, momentum, decay) if m == 1 else None) is None
+        buffers.add(id(shard.layers[0].dw_kept))
+        grads = [R.conv_block_backward(x, ref_w, ref_b, spec.block, d, need_dx=False) for x, d in zip(xs, douts)]
+        dw, db = grads[0][1] + grads[1][1], grads[0][2] + grads[1][2]
+        vw = momentum * vw + dw + decay * ref_w
+        vb = momentum * vb + db
+        ref_w, ref_b = ref_w - lr * vw, ref_b - lr * vb
+        got_w, got_b, _, _ = shard.fetch(0)
+        np.testing.assert_allclose(got_w, ref_w, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(got_b, ref_b, rtol=1e-4, atol=1e-4)
+    assert len(buffers) == 1, "every step writes its dW into the one kept buffer"

@@ -127,10 +127,18 @@ class Device:
         assert out.shape == out_shape, (out.shape, out_shape)
         return out, ctx
 
-    def conv_block_backward(self, ctx, w, dout, need_dx=True):
-        """Returns (dx numpy or None, dw, db) with dw, db in the device's array type."""
+    def conv_block_backward(self, ctx, w, dout, need_dx=True, dw_out=None, accumulate=False):
+        """Returns (dx numpy or None, dw, db) with dw, db in the device's array type.
+
+        dw_out: an array of w's shape in the device's type (an earlier call's dw): dW is written
+        into it, or added to what it holds with `accumulate`, and it is returned as dw. A step's
+        micro-batches sum their gradients so with no fresh dW each: on the paper's conv2 a fresh
+        dW is 40 MB, mapped, page-faulted and zeroed anew on every call. Without it, dw is fresh."""
         dout = self._check_block_gradient("dout", "the block's output", ctx, dout)
-        return self._conv_block_backward(ctx, w, dout, bool(need_dx))
+        if dw_out is not None and tuple(self._shape(dw_out)) != tuple(self._shape(w)):
+            raise ValueError(f"dw_out shape must match the weights, {tuple(self._shape(dw_out))!r} != "
+                             f"{tuple(self._shape(w))!r}")
+        return self._conv_block_backward(ctx, w, dout, bool(need_dx), dw_out, bool(accumulate))
 
     def conv_relu_pool(self, x, w, b, padding=0):
         """The paper's block: returns (pooled (N,K,H'//2,W'//2) numpy float32, ctx for the backward)."""
@@ -139,7 +147,7 @@ class Device:
     def conv_relu_pool_backward(self, ctx, w, dpooled, need_dx=True):
         """Returns (dx numpy or None, dw, db) with dw, db in the device's array type."""
         dpooled = self._check_block_gradient("dpooled", "the pooled output", ctx, dpooled)
-        return self._conv_block_backward(ctx, w, dpooled, bool(need_dx))
+        return self._conv_block_backward(ctx, w, dpooled, bool(need_dx), None, False)
 
     # ---- helpers -------------------------------------------------------------------------------
     def _shape(self, a):
@@ -194,8 +202,17 @@ class Device:
                               f"(stride 1, ReLU, 2x2 max-pool, square padding), not {block!r}")
         return self._conv_relu_pool(x, w, b, block.padding[0])
 
-    def _conv_block_backward(self, ctx, w, dout, need_dx):
-        return self._conv_relu_pool_backward(ctx, w, dout, need_dx)
+    def _conv_block_backward(self, ctx, w, dout, need_dx, dw_out, accumulate):
+        dx, dw, db = self._conv_relu_pool_backward(ctx, w, dout, need_dx)
+        return dx, self._dw_into(dw_out, accumulate, dw), db
+
+    def _dw_into(self, dw_out, accumulate, dw):
+        """dw as conv_block_backward returns it, for a backend that made a fresh one: written or
+        added into dw_out where one is given (one more pass over dW)."""
+        if dw_out is None:
+            return dw
+        (self._accumulate_ if accumulate else self._assign_)(dw_out, dw)
+        return dw_out
 
     def _conv_relu_pool(self, x, w, b, padding):
         raise NotImplementedError
@@ -211,3 +228,6 @@ class Device:
 
     def _accumulate_(self, total, grad):
         np.add(total, grad, out=total)
+
+    def _assign_(self, dst, src):
+        np.copyto(dst, src)

@@ -792,6 +792,8 @@ class CpuDevice(Device):
         buffers growing, which the drop after the first round must not mistake for its speed)."""
         b = np.zeros(w.shape[0], np.float32)
 
+        dw_kept = np.empty(w.shape, np.float32)     # as a step's backward, into a kept dW
+
         def run(path):
             self._trial_path = path
             try:
@@ -802,7 +804,7 @@ class CpuDevice(Device):
                     self._conv2d_backward(x, w, np.zeros_like(y), stride, padding, True)
                 else:
                     out, ctx = self._conv_block(x, w, b, block)
-                    self._conv_block_backward(ctx, w, np.zeros_like(out), True)
+                    self._conv_block_backward(ctx, w, np.zeros_like(out), True, dw_kept, False)
             finally:
                 self._trial_path = None
 
@@ -959,15 +961,17 @@ class CpuDevice(Device):
         return out, ctx
 
     # ---- backward ----------------------------------------------------------------------------
-    def _backward_chunks(self, x, w, stride, padding, need_dx, fill_dy, saved_cols=None):
+    def _backward_chunks(self, x, w, stride, padding, need_dx, fill_dy, saved_cols=None, dw_out=None,
+                         accumulate=False):
         """dW, db, dx from per-chunk dY (K, P) produced by `fill_dy(n0, n1, dy_out)`. With
         `saved_cols` (the forward's im2col of the whole batch) no im2col runs, and dcols
-        overwrites it chunk by chunk."""
+        overwrites it chunk by chunk. dW into dw_out where given (added, with accumulate)."""
         (kh, kw, ho, wo), w2, chunks, cols_buf = self._chunk_plan(x, w, stride, padding)
         (sh, sw), (ph, pw) = stride, padding
         k, ckk = w2.shape
         dy_buf = self._scratch("y", (k, cols_buf.shape[0]))
-        dw = np.empty((k, ckk), np.float32)           # returned: never a scratch buffer
+        # returned: never a scratch buffer
+        dw = np.empty((k, ckk), np.float32) if dw_out is None else dw_out.reshape(k, ckk)
         db = np.zeros(k, np.float64)
         dx = np.empty(x.shape, np.float32) if need_dx else None    # every image written by _col2im
         for i, (n0, n1) in enumerate(chunks):
@@ -980,14 +984,14 @@ class CpuDevice(Device):
                 _im2col(x, n0, n1, kh, kw, sh, sw, ph, pw, ho, wo, cols)
             else:
                 cols = saved_cols[n0 * ho * wo * ckk:n1 * ho * wo * ckk].reshape(rows, ckk)
-            if i == 0:
+            if i == 0 and not accumulate:
                 np.matmul(dy, cols, out=dw)             # (K, rows) x (rows, ckk)
             else:
                 self._matmul_add(dy, cols, dw, "dw")
             if need_dx:
                 np.matmul(dy.T, w2, out=cols)           # dcols overwrites this chunk's im2col
                 _col2im(cols, n0, n1, kh, kw, sh, sw, ph, pw, ho, wo, dx)
-        return dx, dw.reshape(w.shape), db.astype(np.float32)
+        return dx, (dw.reshape(w.shape) if dw_out is None else dw_out), db.astype(np.float32)
 
     def _conv2d_backward(self, x, w, dy, stride, padding, need_dx):
         k = w.shape[0]
@@ -1007,17 +1011,20 @@ class CpuDevice(Device):
 
         return self._backward_chunks(x, w, stride, padding, need_dx, from_nchw)
 
-    def _conv_block_backward(self, ctx, w, dout, need_dx):
+    def _conv_block_backward(self, ctx, w, dout, need_dx, dw_out=None, accumulate=False):
         w = np.ascontiguousarray(w, np.float32)
         if tuple(w.shape) != tuple(ctx.w_shape):
             raise ValueError(f"weights changed shape since forward, {w.shape!r} != {ctx.w_shape!r}")
+        if dw_out is not None and not (isinstance(dw_out, np.ndarray) and dw_out.dtype == np.float32
+                                       and dw_out.flags.c_contiguous):
+            raise TypeError(f"dw_out must be a C-contiguous float32 numpy array, got {type(dw_out).__name__}")
         x = ctx.x
         if isinstance(ctx, _FftBlockContext):
-            return self._fft_block_backward(ctx, w, dout, need_dx)
+            return self._fft_block_backward(ctx, w, dout, need_dx, dw_out, accumulate)
         if isinstance(ctx, _PoolContext):
             ho, wo = _conv_hw(x.shape, w.shape, (1, 1), ctx.padding)
             return self._fused_backward(
-                ctx, w, (1, 1), ctx.padding, need_dx,
+                ctx, w, (1, 1), ctx.padding, need_dx, dw_out, accumulate,
                 lambda n0, n1, dy: _unpool(dout, ctx.argmax, n0, n1, ho, wo, dy),
                 lambda n0, n1, dyt: _unpool_rows(dout, ctx.argmax, n0, n1, ho, wo, dyt))
         (ho, wo), pool = ctx.conv_hw, ctx.pool
@@ -1027,19 +1034,23 @@ class CpuDevice(Device):
             _act_pool_backward(dout, n0, relu, pool.is_max, *pool.args, ctx.argmax, ctx.mask, planes)
 
         return self._fused_backward(
-            ctx, w, ctx.block.stride, ctx.block.padding, need_dx,
+            ctx, w, ctx.block.stride, ctx.block.padding, need_dx, dw_out, accumulate,
             lambda n0, n1, dy: fill(n0, _planes_of_columns(dy, n1 - n0, ho, wo)),
             lambda n0, n1, dyt: fill(n0, _planes_of_rows(dyt, n1 - n0, ho, wo)))
 
-    def _fused_backward(self, ctx, w, stride, padding, need_dx, fill_columns, fill_rows):
+    def _fused_backward(self, ctx, w, stride, padding, need_dx, dw_out, accumulate, fill_columns, fill_rows):
         """dx, dW, db of a fused forward, each chunk's dY filled by fill_columns(n0, n1, dy (K, P))
-        on the im2col path or fill_rows(n0, n1, dyt (ho*nb*wo, K)) on the shifted one."""
+        on the im2col path or fill_rows(n0, n1, dyt (ho*nb*wo, K)) on the shifted one; dW into
+        dw_out where given (as conv_block_backward says)."""
         saved_cols, ctx.cols = ctx.cols, None      # overwritten below: a second backward recomputes
         if ctx.shifted:
             kernel_rows = ctx.kernel_rows if w is ctx.forward_weights else None
-            grads = self._shifted_backward(ctx.x, w, padding, need_dx, fill_rows, saved=saved_cols, wu=kernel_rows)
+            dx, dw, db = self._shifted_backward(ctx.x, w, padding, need_dx, fill_rows, saved=saved_cols,
+                                                wu=kernel_rows)
+            grads = dx, self._dw_into(dw_out, accumulate, dw), db
         else:
-            grads = self._backward_chunks(ctx.x, w, stride, padding, need_dx, fill_columns, saved_cols=saved_cols)
+            grads = self._backward_chunks(ctx.x, w, stride, padding, need_dx, fill_columns, saved_cols=saved_cols,
+                                          dw_out=dw_out, accumulate=accumulate)
         if saved_cols is not None:
             self._give_back_saved_cols(saved_cols)
         return grads
@@ -1152,12 +1163,14 @@ class CpuDevice(Device):
         y = self._scratch("fft_y_kn", (w.shape[0] * x.shape[0], ho * wo))
         return y, self._fft.forward(x, w, padding, y, x_spectra)
 
-    def _fft_backward(self, x, w, dy_kn, padding, need_dx, spectra=None, x_spectra=None):
-        """(dx, dw, db) from dY (K, N, Ho, Wo), C-contiguous."""
+    def _fft_backward(self, x, w, dy_kn, padding, need_dx, spectra=None, x_spectra=None, dw_out=None,
+                      accumulate=False):
+        """(dx, dw, db) from dY (K, N, Ho, Wo), C-contiguous; dW into dw_out where given."""
         k, n = dy_kn.shape[0], dy_kn.shape[1]
         db = np.zeros(k, np.float64)
         _add_row_sums(dy_kn.reshape(k, -1), db)
-        dx, dw = self._fft.backward(x, w, dy_kn.reshape(k * n, -1), padding, need_dx, spectra, x_spectra)
+        dx, dw = self._fft.backward(x, w, dy_kn.reshape(k * n, -1), padding, need_dx, spectra, x_spectra,
+                                    dw_out, accumulate)
         return dx, dw, db.astype(np.float32)
 
     def _fft_block(self, x, w, b, block):
@@ -1179,7 +1192,7 @@ class CpuDevice(Device):
         _act_pool(planes, b, 0, relu, pool.is_max, *pool.args, out, argmax, mask)
         return out, _FftBlockContext(x, w, block, (ho, wo), pool, argmax, mask, out.shape, spectra, x_spectra)
 
-    def _fft_block_backward(self, ctx, w, dout, need_dx):
+    def _fft_block_backward(self, ctx, w, dout, need_dx, dw_out, accumulate):
         (ho, wo), pool = ctx.conv_hw, ctx.pool
         n, k = ctx.x.shape[0], w.shape[0]
         dy = self._scratch("fft_dy_kn", (k, n, ho * wo))
@@ -1190,7 +1203,7 @@ class CpuDevice(Device):
         # argmax came from them), else the cache's, checked against w
         spectra = ctx.spectra if w is ctx.forward_weights else None
         x_spectra, ctx.spectra, ctx.x_spectra = ctx.x_spectra, None, None     # a second backward recomputes
-        grads = self._fft_backward(ctx.x, w, dy, ctx.block.padding, need_dx, spectra, x_spectra)
+        grads = self._fft_backward(ctx.x, w, dy, ctx.block.padding, need_dx, spectra, x_spectra, dw_out, accumulate)
         if x_spectra is not None:
             self._give_back_saved_cols(x_spectra.base if x_spectra.base is not None else x_spectra)
         return grads
@@ -1198,6 +1211,7 @@ class CpuDevice(Device):
     # ---- optimizer ---------------------------------------------------------------------------
     def _sgd_(self, param, velocity, grad, lr, momentum, weight_decay):
         sgd_update(param, velocity, grad, lr, momentum, weight_decay)
+        self._fft.refresh(param)       # the FFT path's kernel spectra of these weights, if cached
 
 
 def open(index=None, threads=None, **options):

@@ -214,8 +214,8 @@ class _SpectraEntry:
     weights that are gone (calibration's, a timing's), whose buffers a new array of the same
     shape takes over instead of allocating (and first-touching) hundreds of MB again."""
 
-    def __init__(self, weights, copy, spectra):
-        self.copy, self.spectra = copy, spectra
+    def __init__(self, weights, copy, spectra, geometry):
+        self.copy, self.spectra, self.geometry = copy, spectra, geometry
         self.adopt(weights)
 
     def adopt(self, w):
@@ -332,14 +332,29 @@ class FftConv:
                 need = spectra_bytes(g, k, c)
                 while self._entries and sum(spectra_bytes_of(e) for e in self._entries) + need > self.budget_bytes:
                     self._entries.pop(0)
-                entry = _SpectraEntry(w, np.empty(w.shape, np.float32), np.empty(shape, np.float32))
+                entry = _SpectraEntry(w, np.empty(w.shape, np.float32), np.empty(shape, np.float32), g)
+        entry.geometry = g
+        self._compute_spectra(entry, w)
+        self._entries.append(entry)
+        return entry.spectra
+
+    def _compute_spectra(self, entry, w):
+        k, c, kh, kw = w.shape
+        g = entry.geometry
         np.copyto(entry.copy, w)
         # (3F, K*C) = (3F, kh*kw) @ w (K*C, kh*kw)^T: one GEMM writes every plane
         self._split_gemm(g.kernel_planes.reshape(-1, kh * kw), w.reshape(k * c, kh * kw).T,
                          entry.spectra.reshape(KERNEL_PLANES * g.f, k * c), 0.0)
-        self._entries.append(entry)
         self.spectra_computed += 1
-        return entry.spectra
+
+    def refresh(self, w):
+        """w has just changed in place (the step's update): its cached spectra, if any, are
+        computed anew now, so the step's update pays for them, not the next step's first forward
+        (calibration times the update, so the cost model sees them where a step pays them)."""
+        entry = next((e for e in self._entries if e.holds(w)), None)
+        if entry is not None:
+            with self._one_blas_thread():
+                self._compute_spectra(entry, w)
 
     def forget(self, w):
         """The spectra cached for the array w, if any, are not served again: the next call with w
@@ -427,15 +442,16 @@ class FftConv:
         return spectra
 
     # ---- backward --------------------------------------------------------------------------------
-    def backward(self, x, w, dy, padding, need_dx, spectra=None, x_spectra=None):
+    def backward(self, x, w, dy, padding, need_dx, spectra=None, x_spectra=None, dw_out=None, accumulate=False):
         """(dx (N, C, H, W) or None, dw (K, C, kh, kw)) of sum(dy * conv2d(x, w)); dy (K*N, Ho*Wo)
         C-contiguous, kernel-major as forward's y. `spectra`: the forward's kernel spectra of this
         same w (else looked up). `x_spectra`: what a forward on this same x left there (else x
-        is transformed again)."""
+        is transformed again). `dw_out` (C-contiguous, w's shape): dW is written there, or added
+        to it with `accumulate`, by the inverse GEMM's beta (no extra pass), and returned."""
         with self._one_blas_thread():
-            return self._backward(x, w, dy, padding, need_dx, spectra, x_spectra)
+            return self._backward(x, w, dy, padding, need_dx, spectra, x_spectra, dw_out, accumulate)
 
-    def _backward(self, x, w, dy, padding, need_dx, spectra, x_spectra):
+    def _backward(self, x, w, dy, padding, need_dx, spectra, x_spectra, dw_out, accumulate):
         n, c, h, wd = x.shape
         k, _, kh, kw = w.shape
         g = self.geometry(x.shape, w.shape, padding)
@@ -445,14 +461,14 @@ class FftConv:
         dyt = dy.T                                          # (Ho*Wo, K*N)
         # returned, so never a scratch buffer; written in its own layout by the inverse GEMM (as
         # fast as writing it taps-first, and no transpose after: ~70 ms on the whole conv2)
-        dw = np.empty((k * c, kh * kw), np.float32)
+        dw = np.empty((k * c, kh * kw), np.float32) if dw_out is None else dw_out.reshape(k * c, kh * kw)
         # dX by rows of the plane, then channel-major (C*N, H*W): the inverse's two stages, below
         dx_rows = self._scratch("fft_dx_rows", (g.qk, 2 * h, c * n)) if need_dx else None
         dx_cn = self._scratch("fft_dx_cn", (c * n, h * wd)) if need_dx else None
         gemm = self._gemm
         for bi, blk in enumerate(g.blocks(self._block(g, n, k, c))):
             f0, fb = blk.f0, blk.f1 - blk.f0
-            beta = 0.0 if bi == 0 else 1.0
+            beta = 0.0 if bi == 0 and not accumulate else 1.0
             xs = self._input_spectra(g, blk, z, n * c, x_spectra)
             xs = xs.reshape(fb, INPUT_PLANES, n, c)
             gs = self._scratch("fft_dy", (GRAD_PLANES * fb, k * n))
@@ -493,7 +509,7 @@ class FftConv:
             self._dx_rows_to_plane(g, dx_rows, dx_cn)
             dx = np.empty(x.shape, np.float32)
             swap_leading(dx_cn.reshape(c, n, h * wd), dx.reshape(n, c, h * wd))
-        return dx, dw.reshape(w.shape)
+        return dx, (dw.reshape(w.shape) if dw_out is None else dw_out)
 
     def _dx_to_rows(self, g, blk, dxs, dx_rows):
         """dX's inverse, first stage, for one block: per q, (U, V) x input row (2H, C*N) of its

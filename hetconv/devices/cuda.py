@@ -688,7 +688,7 @@ class CudaDevice(Device):
                             pooled_shape=out_shape, winner=winner, y=kept_y, pool_geometry=pg)
         return pooled.copy_to_host(), ctx
 
-    def _conv_block_backward(self, ctx, w, dout, need_dx):
+    def _conv_block_backward(self, ctx, w, dout, need_dx, dw_out, accumulate):
         w_dev = self._resident("w", w, ctx.w_shape)
         dy = cuda.device_array(ctx.conv_shape, np.float32)
         nb, k, ho, wo = ctx.conv_shape
@@ -700,7 +700,7 @@ class CudaDevice(Device):
                 self._no_y if ctx.y is None else ctx.y, self._no_winner if ctx.winner is None else ctx.winner,
                 cuda.to_device(dout), dy, ctx.pool_geometry)
         dx, dw, db = self._gradients(ctx.x, w_dev, dy, ctx.block.stride, ctx.block.padding, need_dx)
-        return (dx.copy_to_host() if need_dx else None), dw, db
+        return (dx.copy_to_host() if need_dx else None), self._dw_into(dw_out, accumulate, dw), db
 
     def _sgd_(self, param, velocity, grad, lr, momentum, weight_decay):
         for name, a in (("param", param), ("velocity", velocity), ("grad", grad)):
@@ -719,6 +719,11 @@ class CudaDevice(Device):
         size = int(np.prod(total.shape))
         grid = math.ceil(size / ELEMENTWISE_THREADS)
         accumulate_kernel[grid, ELEMENTWISE_THREADS](total.reshape(size), grad.reshape(size))
+
+    def _assign_(self, dst, src):
+        if not (_is_device_array(dst) and _is_device_array(src)):
+            raise TypeError(f"assigning dW on {self.name} takes arrays on it: upload them first")
+        dst.copy_to_device(src)
 
 
 def _gpu_count(requested):

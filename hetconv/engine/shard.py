@@ -42,6 +42,7 @@ class _LayerSlice:
         self.vb = device.upload(vb) if vb is not None else device.zeros_like(self.b)
         self.ctx = {}                      # micro-batch -> what its backward needs
         self.dw = self.db = None           # gradients summed over the step's micro-batches so far
+        self.dw_kept = None                # the last step's dW sum, which the next step writes over
 
 
 class ConvShard:
@@ -80,26 +81,37 @@ class ConvShard:
 
     def backward(self, layer, dpooled, need_dx, micro=0, sgd=None):
         """Gradient of this shard's channels in, partial dX (or None) out. The kernels' gradients
-        add up over micro-batches; `sgd` = (lr, momentum, weight_decay) on a layer's last
-        micro-batch applies the one update of the step to what was summed."""
+        add up over micro-batches, the device writing each one's dW into the step's sum; `sgd` =
+        (lr, momentum, weight_decay) on a layer's last micro-batch applies the one update of the
+        step to what was summed (as `update` does)."""
         sl = self._layer(layer)
         ctx = sl.ctx.pop(micro, None)      # frees the saved input: it is the largest buffer we hold
         if ctx is None:
             raise ShardError(f"layer {layer}: backward of micro-batch {micro} without a forward to match "
                              f"(waiting: {sorted(sl.ctx)})")
-        dx, dw, db = self.device.conv_block_backward(ctx, sl.w, dpooled, need_dx)
-        if sl.dw is None:
-            sl.dw, sl.db = dw, db          # the device returned fresh arrays: ours to add into
+        first = sl.dw is None
+        dx, dw, db = self.device.conv_block_backward(ctx, sl.w, dpooled, need_dx,
+                                                     dw_out=sl.dw_kept if first else sl.dw, accumulate=not first)
+        if first:
+            sl.dw, sl.db, sl.dw_kept = dw, db, None
         else:
-            self.device.accumulate_(sl.dw, dw)
             self.device.accumulate_(sl.db, db)
         if sgd is not None:
-            lr, momentum, weight_decay = sgd
-            self.device.sgd_(sl.w, sl.vw, sl.dw, lr, momentum, weight_decay)
-            if sl.spec.bias:                                             # a layer without bias keeps b at 0
-                self.device.sgd_(sl.b, sl.vb, sl.db, lr, momentum, 0.0)  # no decay on biases
-            sl.dw = sl.db = None
+            self.update(layer, sgd)
         return dx
+
+    def update(self, layer, sgd):
+        """The step's one SGD update of a layer with the gradients its backward calls summed; sgd
+        = (lr, momentum, weight_decay). Apart from backward, so a worker can send its last dX
+        first and update while its peers receive it. The dW buffer is kept for the next step."""
+        sl = self._layer(layer)
+        if sl.dw is None:                  # no backward of this step ran here (no images): nothing to apply
+            return
+        lr, momentum, weight_decay = sgd
+        self.device.sgd_(sl.w, sl.vw, sl.dw, lr, momentum, weight_decay)
+        if sl.spec.bias:                                             # a layer without bias keeps b at 0
+            self.device.sgd_(sl.b, sl.vb, sl.db, lr, momentum, 0.0)  # no decay on biases
+        sl.dw_kept, sl.dw, sl.db = sl.dw, None, None
 
     def take_gradients(self, layer):
         """(dW, db) summed over the step's micro-batches so far, as numpy float32, and forgotten
@@ -111,7 +123,7 @@ class ConvShard:
             dw, db = np.zeros(sl.w.shape, np.float32), np.zeros(sl.b.shape, np.float32)
         else:
             dw, db = np.asarray(d.download(sl.dw), np.float32), np.asarray(d.download(sl.db), np.float32)
-        sl.dw = sl.db = None
+        sl.dw = sl.db = None               # handed out (the CPU's download is the array itself): not kept
         return dw, db
 
     def apply_update(self, layer, dw, db, sgd):
@@ -194,15 +206,18 @@ class ConvShard:
         return means
 
     def _time_update(self, w_dev, repeats):
-        """What a step pays per layer whatever its batch: the SGD update of the weights held, and
-        adding one micro-batch's gradient into the step's sum. Both scale with the kernels held."""
+        """What a step pays per layer whatever its batch: the SGD update of the weights held (with
+        what a device redoes for weights that changed: the CPU's FFT path recomputes their kernel
+        spectra there), and adding one micro-batch's gradient into the step's sum. Both scale
+        with the kernels held. The update runs on the timed weights themselves, which lr = 0 and
+        zero gradients leave bit for bit as they were, so that what the device keeps for them is
+        redone as after a real update."""
         d = self.device
         v, g = d.zeros_like(w_dev), d.zeros_like(w_dev)
-        w = d.upload(d.download(w_dev))          # a copy: the update must not change the timed weights
 
         def update_and_add():
             t0 = self.clock()
-            d.sgd_(w, v, g, 0.0, 0.9, 0.0)
+            d.sgd_(w_dev, v, g, 0.0, 0.9, 0.0)
             d.synchronize()
             t1 = self.clock()
             d.accumulate_(v, g)
@@ -225,17 +240,21 @@ class ConvShard:
         return self.device.upload(w), self.device.upload(np.zeros(k, np.float32))
 
     def _call_timer(self, spec, x, w_dev, b_dev, need_dx):
-        return lambda: self._time_once(spec, x, w_dev, b_dev, need_dx)
+        kept = []                                  # dW written into the last call's, as a step's backward does
 
-    def _time_once(self, spec, x, w_dev, b_dev, need_dx):
-        """(forward seconds, backward seconds) of one fused call."""
-        t0 = self.clock()
-        y, ctx = self.device.conv_block(x, w_dev, b_dev, spec.block)
-        self.device.synchronize()
-        t1 = self.clock()
-        self.device.conv_block_backward(ctx, w_dev, np.ones_like(y), need_dx)
-        self.device.synchronize()
-        return t1 - t0, self.clock() - t1
+        def time_once():
+            """(forward seconds, backward seconds) of one fused call."""
+            t0 = self.clock()
+            y, ctx = self.device.conv_block(x, w_dev, b_dev, spec.block)
+            self.device.synchronize()
+            t1 = self.clock()
+            _, dw, _ = self.device.conv_block_backward(ctx, w_dev, np.ones_like(y), need_dx,
+                                                       dw_out=kept[0] if kept else None)
+            self.device.synchronize()
+            kept[:] = [dw]
+            return t1 - t0, self.clock() - t1
+
+        return time_once
 
 
 class ShardServer:

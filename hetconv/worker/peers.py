@@ -523,8 +523,7 @@ class PeerLinks:
                         grad = self._gather_grad(step, layer, m, n[m], dx_above.pop(m), wire, out_hw[layer])
                     t0 = time.perf_counter()
                     if len(grad):
-                        update = sgd if m == micros - 1 and lp.mode == "model" else None
-                        dx = self.shard.backward(layer, grad, need_dx=layer > 0, micro=m, sgd=update)
+                        dx = self.shard.backward(layer, grad, need_dx=layer > 0, micro=m)
                         self.shard.device.synchronize()
                     elif layer > 0:
                         dx = np.zeros((0, plans[layer - 1].kernels) + in_hw[layer], np.float32)
@@ -533,6 +532,12 @@ class PeerLinks:
                         block = needed_blocks(lp, plans[layer - 1].kernels, n[m])[self.name]
                         dx_above[m] = self._send_blocks(step, "backward", layer, m, dx, block,
                                                         held_blocks(plans[layer - 1], n[m]), wire)
+                if lp.mode == "model" and sgd is not None:
+                    # after the last dX has left: the peers receive it while this worker updates
+                    t0 = time.perf_counter()
+                    self.shard.update(layer, sgd)
+                    self.shard.device.synchronize()
+                    compute[layer] += time.perf_counter() - t0
                 if lp.mode == "data" and sgd is not None:
                     # the layer's dW and db go to every peer now; the sums are made once backward is done
                     dw, db = self.shard.take_gradients(layer)
