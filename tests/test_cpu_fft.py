@@ -144,16 +144,25 @@ def test_a_second_backward_of_one_forward_recomputes_what_the_first_used(fft):
             assert_close(g, r, name)
 
 
-def test_spectra_computed_once_per_step_of_the_shard():
+@pytest.mark.parametrize("arrival", ["in process", "over the wire"])
+def test_spectra_computed_once_per_step_of_the_shard(arrival):
     """Two micro-batches (two forwards, two backwards, then sgd_ in place), three steps: one kernel
     spectra computation per step, made by the update (the first step's forward computes the
-    first), so no forward after an update pays for them; the weights move as on the im2col path."""
+    first), so no forward after an update pays for them; the weights move as on the im2col path.
+    Over the wire: the weights a worker's LOAD brings (decoded from the message's frames, as
+    little-endian float32) hit the cache as well."""
+    from hetconv.engine.shard import ShardServer
+    from hetconv.transport import protocol as P
     spec = ConvSpec(in_channels=3, kernels=4, kh=3, kw=3, block=ConvBlock(padding=1))
     x, w, b, rng = tensors(4, 3, 8, 8, 4, 3, 3, seed=5)
     shards = {}
     for path in ("fft", "im2col"):
         shard = ConvShard(open_device("cpu", conv_path=path, threads=1))
-        shard.load(0, spec, 0, 4, w, b)
+        if arrival == "over the wire":
+            fields = {"layer": 0, "spec": spec.to_json(), "start": 0, "stop": 4, "wire": "float32"}
+            ShardServer(shard).load(P.unpack(P.pack("LOAD", 1, [w, b], **fields)).arrays, fields)
+        else:
+            shard.load(0, spec, 0, 4, w, b)
         shards[path] = shard
     fft_device = shards["fft"].device
     counted = []
@@ -286,6 +295,8 @@ def test_auto_runs_the_path_its_timer_finds_fastest(fastest):
     check_plain(dev, x, w, b, 1, rng)
     assert list(dev.conv_paths().values()) == [fastest]
     assert sorted(timer.calls) == sorted(["im2col", "shifted", "fft"] * AUTO_TIMED_ROUNDS)
+    # the FFT trial's spectra stay only where FFT won: an update refreshes every cached entry
+    assert any(e.holds(w) for e in dev._fft._entries) == (fastest == "fft")
     dev.conv_block(x, w, b, ConvBlock(padding=1))               # the block form's own timing
     spectra_before = dev._fft.spectra_computed
     w[0, 0, 0, 0] += 0.25               # new weights: the FFT path must compute their spectra

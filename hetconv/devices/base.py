@@ -73,8 +73,11 @@ class Device:
 
     # ---- parameters that may stay resident on the device -------------------------------------
     def upload(self, a):
-        """A device-owned copy (never a view of the caller's or a received, read-only buffer)."""
-        return np.array(a, dtype=np.float32, order="C", copy=True)
+        """A device-owned copy (never a view of the caller's or a received, read-only buffer), in
+        numpy's native float32: astype, unlike np.array, does not keep an equal but distinct
+        descriptor (an explicit '<f4', as np.load gives), on which every np.asarray(w, np.float32)
+        makes a new view, so that nothing keyed by the weights array ever hits."""
+        return np.asarray(a).astype(np.float32, order="C", copy=True)
 
     def download(self, a):
         return np.asarray(a, dtype=np.float32)

@@ -778,6 +778,8 @@ class CpuDevice(Device):
                 return _PathChoice(timed.path, f"as timed for {_describe_call(timed_key)}")
         seconds = self._time_paths(candidates, x, w, stride, padding, block, flops)
         choice = _PathChoice(_fastest(seconds), "timed", seconds)
+        if choice.path != "fft":
+            self._fft.drop(w)      # the FFT trial's spectra: never read again, yet refreshed at each update
         self._timed.append((layer, n, k, (tuple(x.shape), tuple(w.shape), stride, padding, block), choice))
         if self.verbose:
             print(f"cpu device: {_describe_call((tuple(x.shape), tuple(w.shape), stride, padding, block))} "

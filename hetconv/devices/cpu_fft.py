@@ -356,6 +356,11 @@ class FftConv:
             with self._one_blas_thread():
                 self._compute_spectra(entry, w)
 
+    def drop(self, w):
+        """The spectra cached for w, if any, go with their memory: w runs another path, and an
+        update must not recompute spectra no call will read."""
+        self._entries = [e for e in self._entries if not e.holds(w)]
+
     def forget(self, w):
         """The spectra cached for the array w, if any, are not served again: the next call with w
         computes them anew, into the same buffer."""

@@ -150,7 +150,11 @@ def _array_from_frame(i, spec, frame):
     buf = _frame_bytes(frame)
     if len(buf) != expected:
         raise ProtocolError(f"array {i}: declared {dtype}{tuple(shape)} needs {expected} bytes, the frame has {len(buf)}")
-    wire = np.dtype(dtype).newbyteorder("<")             # the native dtype itself on a little-endian host
+    # Little-endian on the wire. Through its type string, so that on a little-endian host this is
+    # numpy's own native dtype: a distinct '<' descriptor compares equal but is not the same, and
+    # np.asarray(a, np.float32) then returns a new view on every call, which defeats every cache
+    # keyed by the array (the FFT path's kernel spectra were recomputed on every call).
+    wire = np.dtype(np.dtype(dtype).newbyteorder("<").str)
     a = np.frombuffer(buf, dtype=wire) if expected else np.empty(0, wire)
     a = a.reshape(shape)
     a.flags.writeable = False
