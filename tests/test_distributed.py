@@ -229,7 +229,7 @@ def test_coordinator_survives_garbage_and_refuses_a_version_mismatch(procs):
     from hetconv.transport import protocol as P
     port = free_port()
     coord = procs(python_cmd("hetconv.cli.coordinator", "--workers", "1", "--bind", f"tcp://127.0.0.1:{port}",
-                             "--connect-timeout", "15", "--conv", "2,2", "--fc", "4"))
+                             "--connect-timeout", "8", "--conv", "2,2", "--fc", "4"))
     deadline = time.monotonic() + 30                                           # a loaded machine starts slowly
     while True:
         try:
