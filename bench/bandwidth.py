@@ -378,8 +378,10 @@ def run_parallel(switch, kind, rate, args, common, coordinator_cache):
         steps = [r for r in records if r["event"] == "step"][args.warmup:]
         for name in (steps[0].get("workers") or {}) if steps else {}:
             med = lambda key: float(statistics.median([r["workers"][name].get(key, 0) for r in steps]))  # noqa: E731
+            per_layer = [r["workers"][name].get("layer_compute_s") or [] for r in steps]
             row["workers"][name] = {"compute_s": med("compute_s"), "sent": int(med("bytes_sent")),
-                                    "recv": int(med("bytes_recv")), "peer_sent": int(med("peer_bytes_sent"))}
+                                    "recv": int(med("bytes_recv")), "peer_sent": int(med("peer_bytes_sent")),
+                                    "layer_compute_s": [float(statistics.median(col)) for col in zip(*per_layer)]}
         row["ok"] = True
     except (OSError, RuntimeError, ValueError, KeyError, StopIteration) as e:
         row["error"] = f"exit {code}: {type(e).__name__}: {e}"
@@ -655,10 +657,45 @@ def write_parallel(out_dir, result, stem):
                      f"{', '.join(f'{t:.3f}' for t in r.get('step_s_all', []))} | {num(r.get('predicted_step_s'))} | "
                      f"{num(r.get('model_error_pct'), '{:+.1f}%')} | {modes_text(r.get('modes') or [])} | "
                      f"{', '.join(images)} | {choice_text} | {r.get('foreign_load_cores', 0):.2f} |")
+    lines += layer_compute_table(rows)
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
         f.write(text)
     print("\n" + text)
+
+
+def layer_compute_table(rows):
+    """Per row kind, each worker's compute per conv layer: measured in the run (median of the timed
+    steps, then of the rounds) against the cost model's price from the run's calibration. Where a
+    row's prediction departs from its step, this says which layer's compute is mispriced (or that
+    none is, and the time went to the wire or to waiting)."""
+    lines = []
+    for kind in dict.fromkeys(r["kind"] for r in rows if r.get("ok") and r.get("workers")):
+        mine = [r for r in rows if r.get("ok") and r["kind"] == kind and r.get("prediction")]
+        names = sorted({w for r in mine for w in r["workers"]})
+        if not mine or not names:
+            continue
+        if not lines:
+            lines += ["", "Compute per conv layer, each worker: measured s a step (median) / priced from calibration, "
+                          "and their ratio:", ""]
+        layers = len(mine[0]["modes"] or [])
+        lines += [f"| {kind} ({modes_text(mine[0].get('modes') or [])}) | " + " | ".join(f"conv{i + 1}" for i in range(layers)) + " |",
+                  "|---|" + "---:|" * layers]
+        for w in names:
+            cells = []
+            for li in range(layers):
+                measured = [r["workers"][w]["layer_compute_s"][li] for r in mine
+                            if len(r["workers"].get(w, {}).get("layer_compute_s") or []) > li]
+                priced = [r["prediction"]["workers"][w]["layer_compute_s"][li] for r in mine
+                          if len(r["prediction"]["workers"].get(w, {}).get("layer_compute_s") or []) > li]
+                if measured and priced:
+                    m, p = statistics.median(measured), statistics.median(priced)
+                    cells.append(f"{m:.3f} / {p:.3f} ({m / p:.2f}x)" if p > 0 else f"{m:.3f} / 0")
+                else:
+                    cells.append("")
+            lines.append(f"| {w} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
 
 
 def write_outputs(out_dir, result, stem="bandwidth"):

@@ -375,3 +375,29 @@ def test_bandwidth_repredict_uses_the_saved_calibrations_and_names_a_bad_file(tm
     saved.write_text(json.dumps([1, 2]))
     bad = subprocess.run([sys.executable, bench, "--repredict", str(saved)], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "no rows with saved profiles" in bad.stderr
+
+
+def test_bandwidth_tables_each_layers_measured_compute_against_its_price():
+    """bench/bandwidth.py's per-layer table: a row's workers' measured compute per conv layer
+    (median over the rows of a kind) beside the peer prediction's price for that layer."""
+    import os
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    try:
+        import bandwidth
+    finally:
+        sys.path.pop(0)
+    from hetconv.engine.costmodel import predict_any
+    from hetconv.geometry import ConvSpec
+    specs = [ConvSpec(3, 4, 3, 3), ConvSpec(4, 6, 3, 3)]
+    cost = LayerCost.fit({"batch": 8, "kernels": [2, 1], "forward_s": [0.02, 0.012], "backward_s": [0.04, 0.024]})
+    profiles = {w: DeviceProfile(w, "cpu", "", (cost, cost)) for w in ("a", "b")}
+    pred = predict_any("peer", specs, (3, 12, 12), 8, {"a": [2, 3], "b": [2, 3]}, profiles, Link(1e9), 0.001).to_json()
+    priced = pred["workers"]["a"]["layer_compute_s"]
+    assert len(priced) == 2 and all(p > 0 for p in priced)
+    assert sum(priced) == pytest.approx(pred["workers"]["a"]["compute_s"])
+    rows = [{"ok": True, "kind": "model", "modes": ["model", "model"], "prediction": pred,
+             "workers": {w: {"layer_compute_s": [2 * priced[0], priced[1]]} for w in ("a", "b")}}] * 2
+    lines = bandwidth.layer_compute_table(rows)
+    row_a = next(line for line in lines if line.startswith("| a |"))
+    assert "(2.00x)" in row_a and "(1.00x)" in row_a
+    assert bandwidth.layer_compute_table([{"ok": False, "kind": "model"}]) == []

@@ -138,6 +138,7 @@ def test_forward_backward_over_the_wire_match_reference(loaded_pair):
     stats = engine.step_stats()
     assert stats["w1-cpu"]["bytes_sent"] > stats["w1-cpu"]["bytes_recv"] > 0
     assert stats["w0-cpu"]["compute_s"] > 0
+    assert 0 < stats["w0-cpu"]["layer_compute_s"][0] <= stats["w0-cpu"]["compute_s"]     # layer 0's calls, not the load
 
 
 def test_worker_error_names_the_worker_and_the_worker_keeps_serving(loaded_pair):
@@ -559,6 +560,13 @@ def test_a_snapshots_traffic_is_its_own_not_the_next_steps(tmp_path):
     weights = 2 * 4 * sum(s.kernels * (s.in_channels * s.kh * s.kw + 1) for s in conv_specs(Config(**TINY).conv_kernels()))
     assert all(r["bytes"] >= weights for r in snapshots), (snapshots, weights)   # every weight and momentum
     assert step_bytes[3] < step_bytes[2] + weights / 2, step_bytes   # step 3 carries none of it
+    # each step books every worker's compute per conv layer too: most of its total (the rest is
+    # work of no layer, such as unpacking the step's request)
+    for r in records:
+        if r["event"] == "step":
+            for stats in r["workers"].values():
+                assert len(stats["layer_compute_s"]) == 2 and min(stats["layer_compute_s"]) > 0, stats
+                assert 0.5 * stats["compute_s"] < sum(stats["layer_compute_s"]) <= stats["compute_s"] + 1e-9, stats
 
 
 @pytest.mark.parametrize("wire", ["bfloat16", "float16"])

@@ -283,10 +283,18 @@ class ShardEngine:
                 stats[key] = stats.get(key, 0) + fields[key]
         per_layer = self.layer_compute.setdefault(name, {})
         if "layer_compute_s" in fields:                  # a whole step's worth, from the peer step
-            for li, seconds in enumerate(fields["layer_compute_s"]):
-                per_layer[li] = per_layer.get(li, 0.0) + float(seconds)
+            booked = [(li, float(seconds)) for li, seconds in enumerate(fields["layer_compute_s"])]
         elif layer is not None:
-            per_layer[layer] = per_layer.get(layer, 0.0) + compute
+            booked = [(layer, compute)]
+        else:
+            booked = []
+        # per layer in the step's stats too: the metrics show which layer's compute departs from
+        # its calibrated price, not just the step's sum
+        step_layers = stats.setdefault("layer_compute_s", [])
+        for li, seconds in booked:
+            per_layer[li] = per_layer.get(li, 0.0) + seconds
+            step_layers.extend([0.0] * (li + 1 - len(step_layers)))
+            step_layers[li] += seconds
 
     def step_stats(self):
         """Per worker, since the last call: compute seconds, round-trip seconds, bytes each way."""

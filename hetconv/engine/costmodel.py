@@ -329,9 +329,11 @@ def predict_peer_step(specs, image_shape, batch, counts, profiles, link, coordin
     t = _Timeline()
     c = "coordinator"
     compute = {w: 0.0 for w in names}
+    layer_compute = {w: [0.0] * layers for w in names}
 
-    def device(w, seconds, ready):
+    def device(w, li, seconds, ready):
         compute[w] += seconds
+        layer_compute[w][li] += seconds
         return t.run((w,), ready, seconds)
 
     def share(w, li):
@@ -369,7 +371,7 @@ def predict_peer_step(specs, image_shape, batch, counts, profiles, link, coordin
         _, (_, hp, wp) = geometry[li]
         here, after = modes[li], modes[li + 1] if li + 1 < layers else None
         for m, b in enumerate(sizes):
-            done = {w: device(w, profiles[w].layers[li].forward_s(kernels_of(w, li), rows_of(w, li, b)),
+            done = {w: device(w, li, profiles[w].layers[li].forward_s(kernels_of(w, li), rows_of(w, li, b)),
                               have_input[(li, m, w)]) for w in names}
             for src in names:
                 # what src holds: its kernels of every image (model), every kernel of its rows (data)
@@ -400,7 +402,7 @@ def predict_peer_step(specs, image_shape, batch, counts, profiles, link, coordin
         (_, ch, h, wd), _ = geometry[li]
         here, below = modes[li], modes[li - 1] if li else None
         for m, b in enumerate(sizes):
-            done = {w: device(w, profiles[w].layers[li].backward_in_step_s(kernels_of(w, li), rows_of(w, li, b), m,
+            done = {w: device(w, li, profiles[w].layers[li].backward_in_step_s(kernels_of(w, li), rows_of(w, li, b), m,
                                                                            len(sizes)),
                               have_grad[(li, m, w)]) for w in names}
             if here == "data" and m == len(sizes) - 1:
@@ -428,7 +430,8 @@ def predict_peer_step(specs, image_shape, batch, counts, profiles, link, coordin
     for w in names:
         wire = t.busy.get(f"{w} out", 0.0) + t.busy.get(f"{w} in", 0.0)
         workers[w] = {"compute_s": compute[w], "wire_s": wire, "wait_s": max(0.0, step - compute[w]),
-                      "sent": t.bytes.get(f"{w} in", 0), "recv": t.bytes.get(f"{w} out", 0)}
+                      "sent": t.bytes.get(f"{w} in", 0), "recv": t.bytes.get(f"{w} out", 0),
+                      "layer_compute_s": layer_compute[w]}
     pred = Prediction(step, coordinator_s, workers, [("step", -1, step)])
     pred.busy = dict(t.busy)
     pred.coordinator_bytes = t.bytes.get(f"{c} in", 0) + t.bytes.get(f"{c} out", 0)
