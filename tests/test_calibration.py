@@ -70,7 +70,8 @@ def test_short_calls_repeat_until_the_floor_and_give_total_over_count():
     # per image: forward MS/16 + k MS/256, backward twice that; batch 16, 64 kernels and 32
     device = FakeDevice(clock, lambda k: MS / 16 + k * MS / 256, lambda k: 2 * (MS / 16 + k * MS / 256))
     speeds, (timing,) = calibrate(device, clock)
-    per_call = {(64, 16): 5 * 3 * MS, (32, 16): 3 * 3 * MS, (32, 8): 3 * 1.5 * MS}    # forward + backward
+    per_call = {(64, 16): 5 * 3 * MS, (32, 16): 3 * 3 * MS, (32, 8): 3 * 1.5 * MS,     # forward + backward
+                (64, 8): 5 * 1.5 * MS}
     for point, seconds in per_call.items():
         timed = device.calls.count(point) - 1                      # the first is the warm-up
         # the fewest calls whose measured time reaches the floor: many more than `repeats`
@@ -78,17 +79,19 @@ def test_short_calls_repeat_until_the_floor_and_give_total_over_count():
     # each point is the window's total over its count: here exactly the per-call time
     assert timing["kernels"] == [64, 32]
     assert timing["forward_s"] == [5 * MS, 3 * MS] and timing["backward_s"] == [10 * MS, 6 * MS]
-    assert timing["half_batch"] == {"batch": 8, "kernels": 32, "forward_s": 1.5 * MS, "backward_s": 3 * MS}
+    assert timing["half_batch"] == {"batch": 8, "kernels": [64, 32], "forward_s": [2.5 * MS, 1.5 * MS],
+                                    "backward_s": [5 * MS, 3 * MS]}
     assert speeds == [64 / (15 * MS)]
     assert timing["update_s"] == 2 * MS / 64 and timing["accumulate_s"] == MS / 64
     # and the cost model reads back the device's own line
     cost = LayerCost.fit(timing)
     assert cost.forward_per_kernel_s == pytest.approx(MS / 256) and cost.forward_fixed_s == pytest.approx(MS / 16)
     assert cost.forward_call_s == pytest.approx(0.0, abs=1e-12)
+    assert cost.forward_call_per_kernel_s == pytest.approx(0.0, abs=1e-12)
     # each point's backwards write dW into the one buffer its warm-up made, as a step's do
     starts = [i for i, d in enumerate(device.dw_given) if d is None]
     points = [device.dw_given[a:b] for a, b in zip(starts, starts[1:] + [len(device.dw_given)])]
-    assert len(points) == 3 and all(len(p) > 3 and len({id(d) for d in p[1:]}) == 1 for p in points)
+    assert len(points) == 4 and all(len(p) > 3 and len({id(d) for d in p[1:]}) == 1 for p in points)
 
 
 def test_a_device_stalled_in_one_short_call_of_several_is_measured_at_its_mean():
@@ -100,7 +103,7 @@ def test_a_device_stalled_in_one_short_call_of_several_is_measured_at_its_mean()
     assert timing["kernels"] == [1]
     # the window spans about 100 calls: its edges move the mean by at most one stall in 100
     assert timing["forward_s"][0] == pytest.approx(2.6 * MS, rel=0.04)
-    assert timing["half_batch"]["forward_s"] == pytest.approx(2.1 * MS, rel=0.04)   # 0.5 ms + the same stalls
+    assert timing["half_batch"]["forward_s"][0] == pytest.approx(2.1 * MS, rel=0.04)   # 0.5 ms + the same stalls
 
 
 def test_tiny_calls_stop_at_the_cap_and_long_calls_are_not_repeated_beyond_repeats():

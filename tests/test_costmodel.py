@@ -48,6 +48,39 @@ def test_fit_separates_the_cost_of_a_call_from_its_images():
     assert DeviceProfile.from_json({"name": "a", "device": "cpu", "layers": [old]}).layers[0].forward_call_s == 0.0
 
 
+def test_fit_separates_a_calls_per_kernel_cost_from_its_images():
+    # the FFT path's shape: each call streams its kernels' spectra whatever its images
+    # (0.4 ms a kernel), on top of 0.03 ms per image and kernel, 5 ms a call and 1 ms an image
+    def t(k, n, scale):
+        return scale * (0.005 + 4e-4 * k + n * (0.001 + 3e-5 * k))
+    timing = {"batch": 32, "kernels": [750, 375], "forward_s": [t(750, 32, 1), t(375, 32, 1)],
+              "backward_s": [t(750, 32, 2), t(375, 32, 2)],
+              "half_batch": {"batch": 16, "kernels": [750, 375], "forward_s": [t(750, 16, 1), t(375, 16, 1)],
+                             "backward_s": [t(750, 16, 2), t(375, 16, 2)]}}
+    cost = LayerCost.fit(timing)
+    assert cost.forward_call_s == pytest.approx(0.005) and cost.forward_call_per_kernel_s == pytest.approx(4e-4)
+    assert cost.forward_fixed_s == pytest.approx(0.001) and cost.forward_per_kernel_s == pytest.approx(3e-5)
+    assert cost.backward_call_per_kernel_s == pytest.approx(8e-4)
+    # a data-parallel layer's point, all 1500 kernels on 16 images, and four micro-batches of it
+    assert cost.forward_s(1500, 16) == pytest.approx(t(1500, 16, 1))
+    assert cost.forward_s(1500, 16) > 1.25 * cost.forward_s(750, 32)
+    fixed, per_image = cost.image_line(1500, calls=4)
+    assert fixed + 16 * per_image == pytest.approx(sum(t(1500, 4, s) for s in (1, 2)) * 4)
+    fixed, per_kernel = cost.step_line(32, calls=2)
+    assert fixed + 750 * per_kernel == pytest.approx(2 * sum(t(750, 16, s) for s in (1, 2)))
+    # the old half point (the smaller count alone) still fits, with no per-kernel call cost
+    timing["half_batch"] = {"batch": 16, "kernels": 375, "forward_s": t(375, 16, 1), "backward_s": t(375, 16, 2)}
+    assert LayerCost.fit(timing).forward_call_per_kernel_s == 0.0
+    # noise that would make a part negative: that part is 0 and the full batch's line is kept
+    timing["half_batch"] = {"batch": 16, "kernels": [750, 375], "forward_s": [t(750, 32, 1) * 1.1, t(375, 32, 1)],
+                            "backward_s": [t(750, 8, 2), t(375, 8, 2)]}
+    noisy = LayerCost.fit(timing)
+    assert noisy.forward_per_kernel_s == 0.0 and noisy.forward_s(750, 32) == pytest.approx(t(750, 32, 1))
+    assert noisy.backward_call_s == 0.0 and noisy.backward_call_per_kernel_s == 0.0
+    assert noisy.backward_s(750, 32) == pytest.approx(t(750, 32, 2)) and noisy.backward_s(375, 32) == pytest.approx(
+        t(375, 32, 2))
+
+
 def test_updates_once_per_step_and_gradient_sums_per_extra_micro_batch():
     from hetconv.engine.costmodel import predict_peer_step
     cost = LayerCost.fit({"batch": 4, "kernels": [10, 5], "forward_s": [1.0, 0.5], "backward_s": [2.0, 1.0],
@@ -71,7 +104,8 @@ def test_calibration_times_calls_updates_and_sums():
     shapes = [(4, 3, 12, 12), (4, 4, 5, 5)]
     _, timings = ConvShard(open_device("cpu", threads=1)).calibrate(specs, shapes, [4, 6], repeats=1)
     for t, k in zip(timings, (4, 6)):
-        assert t["half_batch"]["batch"] == 2 and t["half_batch"]["kernels"] == k // 2
+        assert t["half_batch"]["batch"] == 2 and t["half_batch"]["kernels"] == [k, k // 2]
+        assert len(t["half_batch"]["forward_s"]) == len(t["half_batch"]["backward_s"]) == 2
         assert t["update_kernels"] == k and t["update_s"] > 0 and t["accumulate_s"] > 0
         LayerCost.fit(t)
 

@@ -4,10 +4,14 @@ layer shapes, batch size and link bandwidth — before anything is bought or wir
 
 The model of one step, phase by phase (each conv layer's forward, then each one's backward):
 - Device time: from calibration, per layer and call (one per micro-batch), seconds = call +
-  batch * (fixed + per_kernel * k). Two calibration points (k and k/2 kernels) separate the part
-  every shard pays whatever its share (reading and expanding the input) from the per-kernel GEMM
-  cost; a third (k/2 kernels on half the batch) separates what each call costs whatever its
-  batch, which is what splitting a step into micro-batches adds. Once per step each device also
+  call_per_kernel * k + batch * (fixed + per_kernel * k): bilinear in kernels and images. Four
+  calibration points (k and k/2 kernels, each on the batch and on half of it) fit it exactly.
+  Fixed is what every shard pays whatever its share (reading and expanding the input); the call
+  terms are what a call pays whatever its batch, which is what splitting a step into
+  micro-batches adds. call_per_kernel is large where the kernels' side of a call is streamed
+  once per call (the FFT path's kernel spectra and its dW in the frequency domain): there two
+  workers each running every kernel on half the images (a data-parallel layer) pay nearly twice
+  what each pays for half the kernels on every image. Once per step each device also
   pays the SGD update of the kernels it holds, and per micro-batch after the first the add of its
   dW into the step's sum; both are timed in calibration.
 - Wire: all traffic goes through the coordinator's one link. Requests leave one after another
@@ -31,10 +35,11 @@ FLOAT_BYTES = 4
 
 @dataclass(frozen=True)
 class LayerCost:
-    """One device on one conv layer: seconds = call + batch * (fixed + per_kernel * kernels) for
-    each call (one per micro-batch). `call`: what a call costs whatever its batch (reordering the
-    weights, allocating and writing dW, Python and message handling); fixed and per_kernel are per
-    image. Profiles saved before calls were measured load with a call cost of 0."""
+    """One device on one conv layer: seconds = call + call_per_kernel * kernels + batch * (fixed +
+    per_kernel * kernels) for each call (one per micro-batch). `call` and `call_per_kernel`: what
+    a call costs whatever its batch (Python and message handling; reordering the weights, writing
+    dW, streaming the FFT path's kernel spectra); fixed and per_kernel are per image. Profiles
+    saved before these were measured load with 0 for them."""
     forward_fixed_s: float
     forward_per_kernel_s: float
     backward_fixed_s: float
@@ -43,6 +48,8 @@ class LayerCost:
     backward_call_s: float = 0.0
     update_per_kernel_s: float = 0.0        # the step's SGD update, once per step
     accumulate_per_kernel_s: float = 0.0    # a micro-batch's dW added into the step's sum
+    forward_call_per_kernel_s: float = 0.0
+    backward_call_per_kernel_s: float = 0.0
 
     def update_s(self, kernels):
         return self.update_per_kernel_s * kernels
@@ -57,10 +64,17 @@ class LayerCost:
                 + (self.update_s(kernels) if micro == micros - 1 else 0.0))
 
     def forward_s(self, kernels, batch):
-        return self.forward_call_s + batch * (self.forward_fixed_s + self.forward_per_kernel_s * kernels)
+        return (self.forward_call_s + self.forward_call_per_kernel_s * kernels
+                + batch * (self.forward_fixed_s + self.forward_per_kernel_s * kernels))
 
     def backward_s(self, kernels, batch):
-        return self.backward_call_s + batch * (self.backward_fixed_s + self.backward_per_kernel_s * kernels)
+        return (self.backward_call_s + self.backward_call_per_kernel_s * kernels
+                + batch * (self.backward_fixed_s + self.backward_per_kernel_s * kernels))
+
+    def call_s(self, kernels):
+        """Forward + backward seconds of a call of `kernels` kernels whatever its images."""
+        return (self.forward_call_s + self.backward_call_s
+                + kernels * (self.forward_call_per_kernel_s + self.backward_call_per_kernel_s))
 
     def step_line(self, batch, calls=1):
         """(fixed, per_kernel) seconds of forward + backward for a step of `batch` images in
@@ -68,6 +82,7 @@ class LayerCost:
         return (calls * (self.forward_call_s + self.backward_call_s)
                 + batch * (self.forward_fixed_s + self.backward_fixed_s),
                 batch * (self.forward_per_kernel_s + self.backward_per_kernel_s)
+                + calls * (self.forward_call_per_kernel_s + self.backward_call_per_kernel_s)
                 + self.update_per_kernel_s + (calls - 1) * self.accumulate_per_kernel_s)
 
     def image_line(self, kernels, calls=1):
@@ -75,28 +90,34 @@ class LayerCost:
         calls, as a line in its images: what a device pays in a data-parallel layer, whose share
         is images, not kernels. The update and the micro-batches' gradient sums are of every
         kernel, whatever the share of images."""
-        return (calls * (self.forward_call_s + self.backward_call_s) + self.update_s(kernels)
-                + (calls - 1) * self.accumulate_s(kernels),
+        return (calls * self.call_s(kernels) + self.update_s(kernels) + (calls - 1) * self.accumulate_s(kernels),
                 self.forward_fixed_s + self.backward_fixed_s
                 + kernels * (self.forward_per_kernel_s + self.backward_per_kernel_s))
 
     @classmethod
     def fit(cls, timing):
         """From a calibration timing {batch, kernels: [k1, k2], forward_s: [..], backward_s: [..],
-        and optionally half_batch: {batch, kernels: k2, forward_s, backward_s}}."""
+        and optionally half_batch: {batch, kernels: [k1, k2] (or k2 alone), forward_s, backward_s}}:
+        the same kernel counts on half the images (or the smaller count alone, which leaves
+        call_per_kernel at 0)."""
         batch = timing["batch"]
         ks = timing["kernels"]
         half = timing.get("half_batch")
-        per_image, calls = [], []
-        for key in ("forward_s", "backward_s"):
-            ts = timing[key]
-            call = _fit_call(batch, ts[-1], half["batch"], half[key]) if half else 0.0
-            fixed, per_kernel = _fit_line(ks, [t - call for t in ts])
-            per_image += [fixed / batch, per_kernel / batch]
-            calls.append(call)
+        fitted = {}
+        for phase in ("forward", "backward"):
+            ts = timing[f"{phase}_s"]
+            if half and isinstance(half["kernels"], list) and half["batch"] < batch:
+                at_half = _fit_line(half["kernels"], half[f"{phase}_s"])
+                call, per_image = _fit_batch(batch, _fit_line(ks, ts), half["batch"], at_half)
+            else:
+                call = (_fit_call(batch, ts[-1], half["batch"], half[f"{phase}_s"]), 0.0) if half else (0.0, 0.0)
+                fixed, per_kernel = _fit_line(ks, [t - call[0] for t in ts])
+                per_image = (fixed / batch, per_kernel / batch)
+            fitted.update({f"{phase}_fixed_s": per_image[0], f"{phase}_per_kernel_s": per_image[1],
+                           f"{phase}_call_s": call[0], f"{phase}_call_per_kernel_s": call[1]})
         k_update = max(1, int(timing.get("update_kernels", 1)))
-        return cls(*per_image, *calls, timing.get("update_s", 0.0) / k_update,
-                   timing.get("accumulate_s", 0.0) / k_update)
+        return cls(**fitted, update_per_kernel_s=timing.get("update_s", 0.0) / k_update,
+                   accumulate_per_kernel_s=timing.get("accumulate_s", 0.0) / k_update)
 
 
 def _fit_line(ks, ts):
@@ -120,6 +141,23 @@ def _fit_call(batch, t_batch, half, t_half):
     per_image = (t_batch - t_half) / (batch - half)
     call = t_half - per_image * half
     return min(max(0.0, call), 0.5 * t_half)
+
+
+def _fit_batch(batch, line, half, half_line):
+    """((call, call_per_kernel), (fixed, per_kernel) per image) from the kernel lines (intercept,
+    slope) at `batch` and at `half` images: each coefficient of the line is a call part plus
+    images times a per-image part. Noise can make a part negative: it is then 0, and the line at
+    the full batch is kept (what a whole-batch call costs is measured there; micro-batches read the
+    split)."""
+    parts = []
+    for at_batch, at_half in zip(line, half_line):
+        per_image = max(0.0, (at_batch - at_half) / (batch - half))
+        call = at_batch - per_image * batch
+        if call < 0:
+            call, per_image = 0.0, at_batch / batch
+        parts.append((call, per_image))
+    (call, fixed), (call_per_kernel, per_kernel) = parts
+    return (call, call_per_kernel), (fixed, per_kernel)
 
 
 @dataclass(frozen=True)

@@ -152,9 +152,11 @@ class ConvShard:
         counts, `kernels[i]` and half of it, after a warm-up of each that absorbs JIT compilation
         and buffer growth. Two points separate the per-kernel cost from the part every shard pays
         whatever its share (im2col, the input's trip through memory), which the cost model needs.
-        A third, the smaller count on half the batch (`half_batch`), gives the cost of a call
-        apart from its images. Each is the mean over a block of at least `repeats` calls and at
-        least CALIBRATION_FLOOR_S (see there), one point after the other.
+        The same two counts on half the batch (`half_batch`) separate what a call costs apart
+        from its images, per kernel and not: what micro-batches add, and what a data-parallel
+        layer (every kernel on a part of the images) pays. Each is the mean over a block of at
+        least `repeats` calls and at least CALIBRATION_FLOOR_S (see there), one point after the
+        other.
 
         Returns (kernels/s per layer at kernels[i], per-layer timing dicts)."""
         rng = np.random.default_rng(0)
@@ -167,14 +169,15 @@ class ConvShard:
             timers = [self._call_timer(spec, x, w_dev, b_dev, need_dx) for w_dev, b_dev in layers]
             half = np.ascontiguousarray(x[:shape[0] // 2]) if shape[0] >= 2 else None
             if half is not None:
-                timers.append(self._call_timer(spec, half, *layers[-1], need_dx))
+                # the smaller count first: the path a CPU device times for it is kept for the larger
+                timers += [self._call_timer(spec, half, w_dev, b_dev, need_dx) for w_dev, b_dev in reversed(layers)]
             means = self._mean_times(timers, repeats)
             fwd = [f for f, _ in means[:len(counts)]]
             bwd = [b for _, b in means[:len(counts)]]
             speeds.append(counts[0] / (fwd[0] + bwd[0]))
             timing = {"batch": int(shape[0]), "kernels": counts, "forward_s": fwd, "backward_s": bwd}
             if half is not None:
-                timing["half_batch"] = self._half_batch_timing(half, counts[-1], means[-1])
+                timing["half_batch"] = self._half_batch_timing(half, counts, means[len(counts):][::-1])
             timing.update(self._time_update(layers[0][0], repeats))
             timings.append(timing)
         return speeds, timings
@@ -228,11 +231,13 @@ class ConvShard:
         return {"update_kernels": int(w_dev.shape[0]), "update_s": sgd, "accumulate_s": add}
 
     @staticmethod
-    def _half_batch_timing(x, count, mean):
-        """The smaller count again on half the images: with the full-batch time it separates what
-        each call costs whatever its batch (weights reordered, dW allocated and written, buffers
-        touched) from the per-image cost. The cost model charges it once per micro-batch."""
-        return {"batch": int(x.shape[0]), "kernels": count, "forward_s": mean[0], "backward_s": mean[1]}
+    def _half_batch_timing(x, counts, means):
+        """The kernel counts again on half the images (`means` in the order of `counts`): with the
+        full-batch times they separate what each call costs whatever its batch (weights
+        reordered, dW written, kernel spectra streamed) from the per-image cost. The cost model
+        charges it once per micro-batch."""
+        return {"batch": int(x.shape[0]), "kernels": list(counts), "forward_s": [f for f, _ in means],
+                "backward_s": [b for _, b in means]}
 
     def _calibration_weights(self, spec, k, rng):
         fan_in = spec.in_channels * spec.kh * spec.kw
