@@ -17,7 +17,7 @@ import sys
 from hetconv.devices import DeviceError, parse_device_list
 from hetconv.engine.costmodel import Link, dominant_term, parse_bandwidth, predict_any, predict_local
 from hetconv.engine.measure import calibrate_local, load_profiles, measure_coordinator_s, measure_loopback
-from hetconv.engine.microbatch import micro_batch_count
+from hetconv.engine.microbatch import cheapest_micro_batches, micro_batch_count
 from hetconv.engine.planner import PlanError, choose_modes, forced_modes, make_plan
 from hetconv.flags import HelpFormatter, check_output_file
 from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES, ConvSpec, layer_input_shapes
@@ -126,7 +126,8 @@ def main(argv=None):
         subset = names[:n]
         speeds = {w: [1.0 / (by_name[w].layers[li].forward_s(1, 1) + by_name[w].layers[li].backward_s(1, 1))
                       for li in range(len(specs))] for w in subset}
-        # micro-batches as training picks them (auto: 2-4 with two or more peer workers)
+        # micro-batches as training picks them (auto: at most 2-4 with two or more peer workers, fewer
+        # where the cost model prices fewer faster)
         micro = micro_batch_count(cfg.micro_batches, cfg.batch_size, cfg.exchange, n)
         subset_profiles = {w: baseline if n == 1 else by_name[w] for w in subset}
         # the star has model layers only
@@ -139,9 +140,14 @@ def main(argv=None):
             return 2
         counts = {w: [lp.count(w) for lp in plan.layers] for w in subset}
         images = {w: [lp.images.get(w, 0) for lp in plan.layers] for w in subset}
-        pred = predict_any(cfg.exchange, specs, image, cfg.batch_size, counts,
-                           {**by_name, names[0]: baseline} if n == 1 else by_name, link, coordinator_s[n], micro,
-                           value_bytes(cfg.wire_dtype), modes=choice.modes, images=images)
+        row_profiles = {**by_name, names[0]: baseline} if n == 1 else by_name
+
+        def predict(m):
+            return predict_any(cfg.exchange, specs, image, cfg.batch_size, counts, row_profiles, link, coordinator_s[n],
+                               m, value_bytes(cfg.wire_dtype), modes=choice.modes, images=images)
+        if not cfg.micro_batches and micro > 1 and cfg.split == "proportional":
+            micro, _ = cheapest_micro_batches(micro, lambda m: predict(m).step_s)     # as training picks it
+        pred = predict(micro)
         what, seconds, share = dominant_term(pred)
         rows.append({"devices": order[:n], "step_s": pred.step_s, "micro_batches": micro,
                      "dominant": {"term": what, "seconds": seconds, "share": share},

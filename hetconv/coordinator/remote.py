@@ -27,8 +27,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from hetconv.engine.contract import (ShardEngine, WorkerError, WorkerLost,  # noqa: F401  (raised here, caught by callers)
                                      concat_channels)
-from hetconv.engine.costmodel import parse_bandwidth, profiles_from_calibration
-from hetconv.engine.microbatch import micro_batch_count
+from hetconv.engine.costmodel import parse_bandwidth, predict_peer_step, profiles_from_calibration
+from hetconv.engine.microbatch import cheapest_micro_batches, micro_batch_count
 from hetconv.engine.planner import (PlanError, choose_modes, cost_lines, forced_modes, image_ranges, make_plan,
                                     plan_from_lines)
 from hetconv.transport import keys
@@ -596,6 +596,35 @@ class RemoteEngine(ShardEngine):
         return self._plan_from_calibration(specs, input_shapes, speeds, cfg)
 
     def _plan_from_calibration(self, specs, input_shapes, speeds, cfg):
+        """_split_from_calibration's plan, with the micro-batch count the cost model picks for it
+        (`micro_choice`)."""
+        plan = self._split_from_calibration(specs, input_shapes, speeds, cfg)
+        self.micro_choice = self._choose_micro_batches(plan, specs, input_shapes, cfg)
+        if self.micro_choice is not None and self.micro_choice["micro_batches"] < max(self.micro_choice["predicted_s"]):
+            predicted = ", ".join(f"{m}: {s:.3f} s" for m, s in sorted(self.micro_choice["predicted_s"].items()))
+            self.log(f"micro-batches: {self.micro_choice['micro_batches']}, the cheapest predicted step ({predicted})")
+        return plan
+
+    def _choose_micro_batches(self, plan, specs, input_shapes, cfg):
+        """{micro_batches, predicted_s: {count: seconds}} for auto micro-batches over the peer
+        exchange (engine.microbatch.cheapest_micro_batches on this plan, its calibration and
+        --link), or None where the rule's count stands: set by hand, one piece anyway, a plan
+        not split by cost lines. The coordinator's FC work is left out of the prices: it is the
+        same whatever the count, and the ranking is all that is read."""
+        most = micro_batch_count(cfg.micro_batches, cfg.batch_size, self.exchange, len(plan.workers))
+        if cfg.micro_batches or most < 2 or cfg.split != "proportional" or not all(
+                w in self.calibration for w in plan.workers):
+            return None
+        profiles = profiles_from_calibration({w: self.calibration[w] for w in plan.workers})
+        counts = {w: [lp.count(w) for lp in plan.layers] for w in plan.workers}
+        images = {w: [lp.images.get(w, 0) for lp in plan.layers] for w in plan.workers}
+        link, image_shape = parse_bandwidth(cfg.link), tuple(input_shapes[0][1:])
+        chosen, predicted = cheapest_micro_batches(most, lambda m: predict_peer_step(
+            specs, image_shape, cfg.batch_size, counts, profiles, link, 0.0, m, value_bytes(self.wire),
+            modes=plan.modes(), images=images).step_s)
+        return {"micro_batches": chosen, "predicted_s": predicted}
+
+    def _split_from_calibration(self, specs, input_shapes, speeds, cfg):
         """`proportional`: the devices are chosen on the all-model plan, split by each worker's
         calibrated cost line (fixed + per kernel) at the step's batch, leaving out a worker that
         would slow the step (unless --use-all); then each layer's mode (--parallel: 'auto' asks

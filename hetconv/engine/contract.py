@@ -64,6 +64,16 @@ def mode_choice_record(engine):
                             "model_s": finite[1]}}
 
 
+def micro_choice_record(engine):
+    """{"micro_choice": {micro_batches, predicted_s: {"count": seconds}}} for a "plan" metrics
+    record where the cost model picked the plan's auto micro-batch count, else {}."""
+    choice = getattr(engine, "micro_choice", None)
+    if not choice:
+        return {}
+    return {"micro_choice": {"micro_batches": int(choice["micro_batches"]),
+                             "predicted_s": {str(m): float(s) for m, s in sorted(choice["predicted_s"].items())}}}
+
+
 def sum_in_order(parts):
     """Partial dX in plan order -> their sum, added left to right: the same float result whatever
     order the parts arrived in, and the same as every other engine's sum."""
@@ -84,6 +94,7 @@ class Engine(Protocol):
     wire: str                   # dtype of feature maps and gradients between devices, fixed per plan
     calibration: dict           # worker -> {device, description, speeds, layers: timings, conv_paths}
     mode_choice: object         # planner.ModeChoice behind the plan's modes, or None where none was made
+    micro_choice: object        # {micro_batches, predicted_s} the cost model picked for the plan, or None
 
     def plan_for(self, specs, input_shapes, cfg):
         """-> Plan; calibrates where there is something to measure."""
@@ -145,6 +156,7 @@ class ShardEngine:
         self.fixed_plan = None      # a plan set by hand (tests, experiments): no calibration, no rebalancing
         self.calibration = {}       # worker -> {device, description, speeds, layers: timings}
         self.mode_choice = None     # planner.ModeChoice behind the plan's modes, where one was made
+        self.micro_choice = None    # {micro_batches, predicted_s}: auto micro-batches as the cost model picked them
         self.batch = 0
         self.reset_layer_timings()
         self._stats = {}

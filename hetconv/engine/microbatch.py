@@ -1,8 +1,9 @@
 """How many micro-batches a step is cut into: the one rule, for training and for the planner's
-predictions alike."""
+predictions alike, and the cost model's pick below the rule's count."""
 
 MIN_IMAGES_PER_MICRO = 16       # smaller GEMMs lose more efficiency than the overlap gains
 MAX_MICRO_BATCHES = 4           # each adds a round of messages per layer
+FEWER_MICRO_MARGIN = 0.02       # fewer pieces than the rule's only where predicted this much faster
 
 
 def micro_batch_count(requested, batch_size, exchange, workers):
@@ -14,3 +15,16 @@ def micro_batch_count(requested, batch_size, exchange, workers):
     if exchange != "peer" or workers < 2:
         return 1
     return max(1, min(MAX_MICRO_BATCHES, batch_size // MIN_IMAGES_PER_MICRO))
+
+
+def cheapest_micro_batches(most, predict_s):
+    """(count, {count: predicted seconds}) for auto micro-batches: of 1..`most` (the rule's
+    count), the one whose predicted step, `predict_s(count)`, is lowest, where it beats the rule's
+    own by FEWER_MICRO_MARGIN; else `most`. Pieces overlap the wire with compute, but every piece
+    is a call, and a call pays for its kernels whatever its images (the FFT path streams its
+    kernel spectra once a call): on a large layer that can cost more than the overlap saves."""
+    predicted = {m: float(predict_s(m)) for m in range(1, most + 1)}
+    best = min(predicted, key=predicted.get)
+    if predicted[best] < (1.0 - FEWER_MICRO_MARGIN) * predicted[most]:
+        return best, predicted
+    return most, predicted

@@ -11,7 +11,7 @@ import numpy as np
 from tqdm import tqdm
 
 from hetconv.data import batches, load_dataset, test_batches
-from hetconv.engine.contract import WorkerLost, mode_choice_record, moved_bytes
+from hetconv.engine.contract import WorkerLost, micro_choice_record, mode_choice_record, moved_bytes
 from hetconv.engine.microbatch import micro_batch_count
 from hetconv.geometry import ConvSpec, layer_input_shapes
 from hetconv.net import LoadedNet, NetSpec
@@ -127,8 +127,14 @@ def network_for(cfg, ds, resume=None):
 
 
 def resolve_micro_batches(cfg, engine):
-    """The run's micro-batch count with this engine's workers (engine.microbatch's rule)."""
-    return micro_batch_count(cfg.micro_batches, cfg.batch_size, engine.exchange, len(engine.workers))
+    """The run's micro-batch count with this engine's workers: engine.microbatch's rule, or fewer
+    where the engine's plan_for priced fewer as faster (`micro_choice`). Never more than the
+    rule gives for the workers there are now (a plan made for more workers may still stand)."""
+    most = micro_batch_count(cfg.micro_batches, cfg.batch_size, engine.exchange, len(engine.workers))
+    choice = getattr(engine, "micro_choice", None)
+    if cfg.micro_batches or not choice:
+        return most
+    return max(1, min(most, int(choice["micro_batches"])))
 
 
 def center_crop(x, size):
@@ -466,7 +472,7 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
     choice = mode_choice_record(engine)
     if choice:
         log(f"modes: {', '.join(choice['mode_choice']['modes'])} ({choice['mode_choice']['reason']})")
-    metrics.write("plan", **plan.to_json(), **choice)
+    metrics.write("plan", **plan.to_json(), **choice, **micro_choice_record(engine))
     run = _Run(cfg, engine, net, elastic, ds, specs, start_step, total_steps, steps_per_epoch, log, metrics)
     setup_s = time.perf_counter() - t_setup
     log(f"{ds!r}; {total_steps - start_step} steps of {cfg.batch_size} images "

@@ -1,0 +1,65 @@
+"""Auto micro-batches: the rule's count, or fewer where the cost model prices fewer faster."""
+import pytest
+
+from hetconv.coordinator.remote import RemoteEngine
+from hetconv.engine.microbatch import FEWER_MICRO_MARGIN, cheapest_micro_batches, micro_batch_count
+from hetconv.engine.planner import make_plan
+from hetconv.geometry import conv_specs
+from hetconv.train.config import Config
+from hetconv.train.loop import resolve_micro_batches
+
+SPECS = conv_specs([8, 16])
+SHAPES = [(32, 3, 32, 32), (32, 8, 14, 14)]
+
+
+def test_fewer_pieces_only_where_priced_faster_by_the_margin():
+    assert cheapest_micro_batches(4, {1: 1.0, 2: 0.9, 3: 0.95, 4: 1.1}.get) == (2, {1: 1.0, 2: 0.9, 3: 0.95, 4: 1.1})
+    # within the margin of the rule's own count, the rule's count stands
+    near = 1.0 - FEWER_MICRO_MARGIN / 2
+    assert cheapest_micro_batches(2, {1: near, 2: 1.0}.get)[0] == 2
+    assert cheapest_micro_batches(2, {1: 1.2, 2: 1.0}.get)[0] == 2
+    assert cheapest_micro_batches(1, {1: 5.0}.get) == (1, {1: 5.0})
+
+
+def timing(call_per_kernel, per_image_kernel, batch=32):
+    """A calibration timing of seconds = call_per_kernel k + images per_image_kernel k, forward
+    and backward alike, at the four points calibration times."""
+    def t(k, n):
+        return call_per_kernel * k + n * per_image_kernel * k
+    ks = [16, 8]
+    return {"batch": batch, "kernels": ks, "forward_s": [t(k, batch) for k in ks], "backward_s": [t(k, batch) for k in ks],
+            "half_batch": {"batch": batch // 2, "kernels": ks, "forward_s": [t(k, batch // 2) for k in ks],
+                           "backward_s": [t(k, batch // 2) for k in ks]}}
+
+
+def engine_with(layer_timing):
+    engine = RemoteEngine.__new__(RemoteEngine)
+    engine.exchange, engine.wire, engine.micro_choice = "peer", "float32", None
+    engine.peers = {"a": None, "b": None}
+    engine.calibration = {w: {"device": "cpu", "description": "", "speeds": [1.0, 1.0],
+                              "layers": [layer_timing, layer_timing]} for w in ("a", "b")}
+    return engine
+
+
+@pytest.mark.parametrize("call_per_kernel, link, expected", [
+    (2e-3, "10gbit", 1),          # a call's kernels dominate, the wire is short: one piece
+    (0.0, "100mbit", 2),          # compute per image only, a slow wire to hide: the rule's two
+])
+def test_the_coordinator_picks_the_count_its_cost_model_prices_fastest(call_per_kernel, link, expected):
+    engine = engine_with(timing(call_per_kernel, 2e-5))
+    cfg = Config(conv="8,16", batch_size=32, link=link).validate()
+    plan = make_plan([8, 16], {"a": [1.0, 1.0], "b": [1.0, 1.0]})
+    choice = engine._choose_micro_batches(plan, SPECS, SHAPES, cfg)
+    assert micro_batch_count(0, 32, "peer", 2) == 2
+    assert choice["micro_batches"] == expected and set(choice["predicted_s"]) == {1, 2}
+    assert choice["predicted_s"][expected] == min(choice["predicted_s"].values())
+    # the run follows it, never above the rule for the workers there are now
+    engine.micro_choice = choice
+    assert resolve_micro_batches(cfg, engine) == expected
+    engine.peers = {"a": None}
+    assert resolve_micro_batches(cfg, engine) == 1
+    # a count set by hand is never second-guessed
+    engine.peers = {"a": None, "b": None}
+    assert engine._choose_micro_batches(plan, SPECS, SHAPES, Config(conv="8,16", batch_size=32, link=link,
+                                                                     micro_batches=2).validate()) is None
+    assert resolve_micro_batches(Config(conv="8,16", batch_size=32, micro_batches=3).validate(), engine) == 3
