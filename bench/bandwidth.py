@@ -367,7 +367,10 @@ def run_parallel(switch, kind, rate, args, common, coordinator_cache):
         row["modes"] = [layer.get("mode", "model") for layer in plan["layers"]]
         row["images"] = [layer.get("images") for layer in plan["layers"]]
         row["mode_choice"] = plan.get("mode_choice")
-        row["micro_batches"] = micro_batch_count(args.micro_batches, args.batch_size, "peer", len(plan["workers"]))
+        # the run's count: the cost model's pick where it made one (auto), else the rule
+        row["micro_choice"] = plan.get("micro_choice")
+        row["micro_batches"] = (int(plan["micro_choice"]["micro_batches"]) if plan.get("micro_choice") else
+                                micro_batch_count(args.micro_batches, args.batch_size, "peer", len(plan["workers"])))
         row["calibration"] = calibration
         pred = predict_parallel(args, args.batch_size, plan, calibration, rate or "10gbit",
                                 common.get("wire_cpu_s_per_byte", 0.0), row["micro_batches"], coordinator_cache)
@@ -601,7 +604,7 @@ def write_parallel(out_dir, result, stem):
     num = lambda x, f="{:.3f}": f.format(x) if x is not None else ""  # noqa: E731
     wire = result.get("wire_cpu")
     micro = result.get("micro_batches")
-    micro_text = f"{micro} micro-batch(es)" if micro else "automatic micro-batches"
+    micro_text = f"{micro} micro-batch(es)" if micro else "automatic micro-batches (the cost model's pick)"
     lines = [f"Machine: {result['machine']}. Command: `{result['command']}` ({result.get('wall_s', 0) / 60:.1f} min; "
              f"{result.get('load_before', '')} before, {result.get('load_after', '')} after).",
              f"Network: {result.get('net') or 'conv ' + result['conv'] + ', fc ' + result['fc']}; batch "
@@ -642,9 +645,9 @@ def write_parallel(out_dir, result, stem):
                      f"{num(med([r['vs_local'] for r in mine if r.get('vs_local')]), '{:.2f}x')} | "
                      f"{med([r.get('foreign_load_cores', 0) for r in mine]):.2f} |")
     lines += ["", "Every row:", "",
-              "| round | link | row | step s (median) | timed steps s | predicted s | error | modes | images per worker "
-              "(data layers) | auto's choice | foreign load |",
-              "|---:|---|---|---:|---|---:|---:|---|---|---|---:|"]
+              "| round | link | row | step s (median) | timed steps s | predicted s | error | modes | micro-batches | "
+              "images per worker (data layers) | auto's choice | foreign load |",
+              "|---:|---|---|---:|---|---:|---:|---|---|---|---|---:|"]
     for r in rows:
         if not r.get("ok"):
             lines.append(f"| {r.get('round', 0) + 1} | {r.get('rate')} | {r['kind']} | failed: {r.get('error', '?')} |")
@@ -653,10 +656,14 @@ def write_parallel(out_dir, result, stem):
         choice = r.get("mode_choice") or {}
         choice_text = (f"{choice.get('reason', '')}; priced {num(choice.get('chosen_s'))} s, all-model "
                        f"{num(choice.get('model_s'))} s" if choice else "")
+        micro_choice = r.get("micro_choice")
+        micro_text = str(r.get("micro_batches", "")) + (" (priced " + ", ".join(
+            f"{m}: {float(sec):.3f} s" for m, sec in sorted(micro_choice["predicted_s"].items())) + ")"
+            if micro_choice else "")
         lines.append(f"| {r.get('round', 0) + 1} | {r.get('rate')} | {r['kind']} | {r['step_s']:.3f} | "
                      f"{', '.join(f'{t:.3f}' for t in r.get('step_s_all', []))} | {num(r.get('predicted_step_s'))} | "
                      f"{num(r.get('model_error_pct'), '{:+.1f}%')} | {modes_text(r.get('modes') or [])} | "
-                     f"{', '.join(images)} | {choice_text} | {r.get('foreign_load_cores', 0):.2f} |")
+                     f"{micro_text} | {', '.join(images)} | {choice_text} | {r.get('foreign_load_cores', 0):.2f} |")
     lines += layer_compute_table(rows)
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
@@ -714,7 +721,7 @@ def write_outputs(out_dir, result, stem="bandwidth"):
             if "predicted_step_s" in r:
                 r["predicted_speedup"] = base["predicted_step_s"] / r["predicted_step_s"]
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "bandwidth.json"), "w") as f:
+    with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
         json.dump(result, f, indent=1)
     framed = any("host_cpu_s_per_byte" in (r.get("link") or {}) for r in rows)    # saved by this version's model
     lines = [f"Machine: {result['machine']}. Command: `{result['command']}` "
@@ -758,16 +765,16 @@ def write_outputs(out_dir, result, stem="bandwidth"):
                      f"{peer_mb:.1f} | "
                      f"{dominant[0] if dominant else ''} | {r.get('foreign_load_cores', 0):.2f} |")
     text = "\n".join(lines) + "\n"
-    with open(os.path.join(out_dir, "bandwidth.md"), "w") as f:
+    with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
         f.write(text)
     print("\n" + text)
     try:
-        plot(out_dir, result)
+        plot(out_dir, result, stem)
     except ImportError as e:
         print(f"no plot: {e}")
 
 
-def plot(out_dir, result):
+def plot(out_dir, result, stem="bandwidth"):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -792,7 +799,7 @@ def plot(out_dir, result):
     ax.grid(alpha=.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "bandwidth.png"), dpi=120)
+    fig.savefig(os.path.join(out_dir, f"{stem}.png"), dpi=120)
     plt.close(fig)
 
 
