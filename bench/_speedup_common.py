@@ -173,7 +173,7 @@ def run_one(spec):
             before = cm.profiles_from_calibration(engine.calibration)
             engine.calibrate(specs, layer_input_shapes(specs, batch, image)[0], cfg)
             after = cm.profiles_from_calibration(engine.calibration)
-            counts = {w: [lp.count(w) for lp in engine.plan.layers] for w in engine.plan.workers}
+            counts = engine.plan.counts()
             bracketed = {w: bracket(before[w], after[w], counts[w], batch) for w in counts}
             profiles = {w: profile for w, (profile, _) in bracketed.items()}
             row["calibration_drift"] = {w: drift for w, (_, drift) in bracketed.items()}

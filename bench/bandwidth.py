@@ -598,6 +598,7 @@ def round_ratios(rows):
 def write_parallel(out_dir, result, stem):
     """The --parallel rows: a summary per link and row (medians over the rounds, ratios taken
     within each round) and every row as measured."""
+    from hetconv.engine.microbatch import priced_text
     rows = result["rows"]
     round_ratios(rows)
     med = lambda xs: statistics.median(xs) if xs else None          # noqa: E731
@@ -657,9 +658,8 @@ def write_parallel(out_dir, result, stem):
         choice_text = (f"{choice.get('reason', '')}; priced {num(choice.get('chosen_s'))} s, all-model "
                        f"{num(choice.get('model_s'))} s" if choice else "")
         micro_choice = r.get("micro_choice")
-        micro_text = str(r.get("micro_batches", "")) + (" (priced " + ", ".join(
-            f"{m}: {float(sec):.3f} s" for m, sec in sorted(micro_choice["predicted_s"].items())) + ")"
-            if micro_choice else "")
+        micro_text = str(r.get("micro_batches", "")) + (f" (priced {priced_text(micro_choice['predicted_s'])})"
+                                                         if micro_choice else "")
         lines.append(f"| {r.get('round', 0) + 1} | {r.get('rate')} | {r['kind']} | {r['step_s']:.3f} | "
                      f"{', '.join(f'{t:.3f}' for t in r.get('step_s_all', []))} | {num(r.get('predicted_step_s'))} | "
                      f"{num(r.get('model_error_pct'), '{:+.1f}%')} | {modes_text(r.get('modes') or [])} | "

@@ -133,3 +133,42 @@ def test_peer_features_of_the_wrong_shape_are_named(procs):
             engine.predict(x)
     finally:
         engine.close()
+
+
+def test_a_malformed_calibration_is_named_before_the_cost_model_reads_it():
+    """CALIBRATED comes from the network: the coordinator checks its shape, names the worker and
+    what is wrong, instead of failing deep inside the cost model's fit."""
+    import copy
+
+    from hetconv.coordinator.remote import _checked_calibration
+    from hetconv.devices import open_device
+    from hetconv.engine.contract import WorkerError
+    from hetconv.engine.shard import ConvShard
+
+    specs = conv_specs([4, 6], 3)
+    speeds, timings = ConvShard(open_device("cpu", threads=1)).calibrate(specs, [(4, 3, 12, 12), (4, 4, 5, 5)],
+                                                                         [4, 6], repeats=1)
+    good = {"speeds": speeds, "timings": timings}
+    assert _checked_calibration("w0", good, 2) == (speeds, timings)
+
+    def broken(change):
+        fields = copy.deepcopy(good)
+        change(fields)
+        return fields
+    cases = [
+        (lambda f: f.update(speeds=[1.0]), r"speeds \[1\.0\], expected 2 positive finite numbers"),
+        (lambda f: f["speeds"].__setitem__(0, float("nan")), "expected 2 positive finite numbers"),
+        (lambda f: f.update(timings=f["timings"][:1]), "timings for 1 layers, expected 2"),
+        (lambda f: f["timings"].__setitem__(1, "fast"), "conv2 is str, not a map"),
+        (lambda f: f["timings"][0].update(batch=0), "conv1: batch 0, expected a positive integer"),
+        (lambda f: f["timings"][0].update(kernels=[4, 2, 1]), "conv1: kernels .*expected one or two positive"),
+        (lambda f: f["timings"][1].update(forward_s=[0.1]), r"conv2: forward_s \[0\.1\], expected 2 finite"),
+        (lambda f: f["timings"][1]["half_batch"].update(backward_s=[0.1, -1.0]), "conv2 half_batch: backward_s"),
+        (lambda f: f["timings"][0].update(half_batch=[]), "conv1 half_batch is list, not a map"),
+        (lambda f: f["timings"][0].update(update_s=True), "conv1: update_s True, expected finite"),
+        (lambda f: f["timings"][0].update(update_kernels="4"), "conv1: update_kernels '4', expected an integer"),
+    ]
+    for change, message in cases:
+        with pytest.raises(WorkerError, match=r"worker w0 failed during calibration: CalibrationError: a malformed "
+                                              r"calibration: .*" + message):
+            _checked_calibration("w0", broken(change), 2)

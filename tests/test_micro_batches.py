@@ -2,7 +2,7 @@
 import pytest
 
 from hetconv.coordinator.remote import RemoteEngine
-from hetconv.engine.microbatch import FEWER_MICRO_MARGIN, cheapest_micro_batches, micro_batch_count
+from hetconv.engine.microbatch import FEWER_MICRO_MARGIN, cheapest_micro_batches, micro_batch_count, priced_text
 from hetconv.engine.planner import make_plan
 from hetconv.geometry import conv_specs
 from hetconv.train.config import Config
@@ -13,12 +13,17 @@ SHAPES = [(32, 3, 32, 32), (32, 8, 14, 14)]
 
 
 def test_fewer_pieces_only_where_priced_faster_by_the_margin():
-    assert cheapest_micro_batches(4, {1: 1.0, 2: 0.9, 3: 0.95, 4: 1.1}.get) == (2, {1: 1.0, 2: 0.9, 3: 0.95, 4: 1.1})
+    prices = {1: 1.0, 2: 0.9, 3: 0.95, 4: 1.1}
+    assert cheapest_micro_batches(0, "proportional", 4, prices.get) == (2, prices)
     # within the margin of the rule's own count, the rule's count stands
     near = 1.0 - FEWER_MICRO_MARGIN / 2
-    assert cheapest_micro_batches(2, {1: near, 2: 1.0}.get)[0] == 2
-    assert cheapest_micro_batches(2, {1: 1.2, 2: 1.0}.get)[0] == 2
-    assert cheapest_micro_batches(1, {1: 5.0}.get) == (1, {1: 5.0})
+    assert cheapest_micro_batches(0, "proportional", 2, {1: near, 2: 1.0}.get)[0] == 2
+    assert cheapest_micro_batches(0, "proportional", 2, {1: 1.2, 2: 1.0}.get)[0] == 2
+    # no pick: a count set by hand, one piece anyway, the naive split
+    assert cheapest_micro_batches(3, "proportional", 3, prices.get) is None
+    assert cheapest_micro_batches(0, "proportional", 1, prices.get) is None
+    assert cheapest_micro_batches(0, "equal", 4, prices.get) is None
+    assert priced_text({"2": 1.2545, "1": 1.0}) == priced_text({2: 1.2545, 1: 1.0}) == "1: 1.000 s, 2: 1.254 s"
 
 
 def timing(call_per_kernel, per_image_kernel, batch=32):
@@ -63,3 +68,9 @@ def test_the_coordinator_picks_the_count_its_cost_model_prices_fastest(call_per_
     assert engine._choose_micro_batches(plan, SPECS, SHAPES, Config(conv="8,16", batch_size=32, link=link,
                                                                      micro_batches=2).validate()) is None
     assert resolve_micro_batches(Config(conv="8,16", batch_size=32, micro_batches=3).validate(), engine) == 3
+
+
+def test_a_plan_gives_the_cost_model_its_kernels_and_images_per_worker():
+    plan = make_plan([8, 16], {"a": [3.0, 1.0], "b": [1.0, 1.0]}, modes=["data", "model"], batch=32)
+    assert plan.counts() == {"a": [8, 8], "b": [8, 8]}           # a data layer: every kernel on each
+    assert plan.images() == {"a": [24, 0], "b": [8, 0]}

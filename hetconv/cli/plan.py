@@ -138,15 +138,14 @@ def main(argv=None):
         except PlanError as e:
             print(f"hetconv-plan: {n} device(s): {e}", file=sys.stderr)
             return 2
-        counts = {w: [lp.count(w) for lp in plan.layers] for w in subset}
-        images = {w: [lp.images.get(w, 0) for lp in plan.layers] for w in subset}
+        counts, images = plan.counts(), plan.images()
         row_profiles = {**by_name, names[0]: baseline} if n == 1 else by_name
 
         def predict(m):
             return predict_any(cfg.exchange, specs, image, cfg.batch_size, counts, row_profiles, link, coordinator_s[n],
                                m, value_bytes(cfg.wire_dtype), modes=choice.modes, images=images)
-        if not cfg.micro_batches and micro > 1 and cfg.split == "proportional":
-            micro, _ = cheapest_micro_batches(micro, lambda m: predict(m).step_s)     # as training picks it
+        picked = cheapest_micro_batches(cfg.micro_batches, cfg.split, micro, lambda m: predict(m).step_s)
+        micro = micro if picked is None else picked[0]                     # as training picks it
         pred = predict(micro)
         what, seconds, share = dominant_term(pred)
         rows.append({"devices": order[:n], "step_s": pred.step_s, "micro_batches": micro,

@@ -16,6 +16,7 @@ import atexit
 import collections
 import dataclasses
 import errno
+import math
 import os
 import shutil
 import subprocess
@@ -28,7 +29,7 @@ from zmq.utils.monitor import recv_monitor_message
 from hetconv.engine.contract import (ShardEngine, WorkerError, WorkerLost,  # noqa: F401  (raised here, caught by callers)
                                      concat_channels)
 from hetconv.engine.costmodel import parse_bandwidth, predict_peer_step, profiles_from_calibration
-from hetconv.engine.microbatch import cheapest_micro_batches, micro_batch_count
+from hetconv.engine.microbatch import cheapest_micro_batches, micro_batch_count, priced_text
 from hetconv.engine.planner import (PlanError, choose_modes, cost_lines, forced_modes, image_ranges, make_plan,
                                     plan_from_lines)
 from hetconv.transport import keys
@@ -55,6 +56,56 @@ def _conv_path_choices(value, limit=64):
                          "seconds": {str(p)[:20]: float(t) for p, t in list(c["seconds"].items())[:8]
                                      if isinstance(t, (int, float)) and not isinstance(t, bool)}})
     return kept[:limit]
+
+
+def _is_seconds(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+
+
+def _check_timing_points(where, d):
+    """`d`'s batch, kernels and per-kernel forward_s and backward_s (see _checked_calibration)."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{where} is {type(d).__name__}, not a map")
+    batch, ks = d.get("batch"), d.get("kernels")
+    if not (isinstance(batch, int) and not isinstance(batch, bool) and batch > 0):
+        raise ValueError(f"{where}: batch {batch!r}, expected a positive integer")
+    if not (isinstance(ks, list) and 1 <= len(ks) <= 2
+            and all(isinstance(k, int) and not isinstance(k, bool) and k > 0 for k in ks)):
+        raise ValueError(f"{where}: kernels {ks!r}, expected one or two positive integers")
+    for key in ("forward_s", "backward_s"):
+        ts = d.get(key)
+        if not (isinstance(ts, list) and len(ts) == len(ks) and all(_is_seconds(t) for t in ts)):
+            raise ValueError(f"{where}: {key} {ts!r}, expected {len(ks)} finite non-negative seconds, one per "
+                             f"kernel count")
+
+
+def _checked_calibration(label, fields, layers):
+    """A worker's CALIBRATED fields, checked before the cost model fits them (they come from the
+    network): `speeds`, a positive finite number per conv layer; `timings`, per layer a batch,
+    one or two kernel counts and a forward and backward time for each, the same again on half
+    the batch where there is one (`half_batch`), and finite update and gradient-sum times.
+    -> (speeds, timings), or WorkerError naming the worker and the first thing wrong."""
+    try:
+        speeds, timings = fields.get("speeds"), fields.get("timings")
+        if not (isinstance(speeds, list) and len(speeds) == layers
+                and all(_is_seconds(v) and v > 0 for v in speeds)):
+            raise ValueError(f"speeds {speeds!r:.200}, expected {layers} positive finite numbers")
+        if not (isinstance(timings, list) and len(timings) == layers):
+            raise ValueError(f"timings for {len(timings) if isinstance(timings, list) else 'no'} layers, "
+                             f"expected {layers}")
+        for li, timing in enumerate(timings):
+            _check_timing_points(f"conv{li + 1}", timing)
+            if "half_batch" in timing:
+                _check_timing_points(f"conv{li + 1} half_batch", timing["half_batch"])
+            for key in ("update_s", "accumulate_s"):
+                if key in timing and not _is_seconds(timing[key]):
+                    raise ValueError(f"conv{li + 1}: {key} {timing[key]!r}, expected finite non-negative seconds")
+            if "update_kernels" in timing and not (isinstance(timing["update_kernels"], int)
+                                                   and not isinstance(timing["update_kernels"], bool)):
+                raise ValueError(f"conv{li + 1}: update_kernels {timing['update_kernels']!r}, expected an integer")
+    except ValueError as e:
+        raise WorkerError(label, "calibration", "CalibrationError", f"a malformed calibration: {e}") from None
+    return list(speeds), list(timings)
 
 
 class _Peer:
@@ -561,11 +612,13 @@ class RemoteEngine(ShardEngine):
         request = ("CALIBRATE", [], {"layers": layers, "repeats": CALIBRATION_REPEATS})
         replies = self._call({name: request for name in names}, "calibration")
         self.calibration_s = time.perf_counter() - t0
+        checked = {name: _checked_calibration(self.peers[name].label(), fields, len(specs))
+                   for name, (_, fields) in replies.items()}
         self.calibration.update({name: {"device": self.peers[name].device, "description": self.peers[name].description,
-                                        "speeds": list(fields["speeds"]), "layers": list(fields["timings"]),
-                                        "conv_paths": _conv_path_choices(fields.get("conv_paths"))}
-                                 for name, (_, fields) in replies.items()})
-        return {name: list(replies[name][1]["speeds"]) for name in names}
+                                        "speeds": speeds, "layers": timings,
+                                        "conv_paths": _conv_path_choices(replies[name][1].get("conv_paths"))}
+                                 for name, (speeds, timings) in checked.items()})
+        return {name: list(checked[name][0]) for name in names}
 
     def plan_for(self, specs, input_shapes, cfg):
         kernels = [s.kernels for s in specs]
@@ -601,28 +654,26 @@ class RemoteEngine(ShardEngine):
         plan = self._split_from_calibration(specs, input_shapes, speeds, cfg)
         self.micro_choice = self._choose_micro_batches(plan, specs, input_shapes, cfg)
         if self.micro_choice is not None and self.micro_choice["micro_batches"] < max(self.micro_choice["predicted_s"]):
-            predicted = ", ".join(f"{m}: {s:.3f} s" for m, s in sorted(self.micro_choice["predicted_s"].items()))
-            self.log(f"micro-batches: {self.micro_choice['micro_batches']}, the cheapest predicted step ({predicted})")
+            self.log(f"micro-batches: {self.micro_choice['micro_batches']}, the cheapest predicted step "
+                     f"({priced_text(self.micro_choice['predicted_s'])})")
         return plan
 
     def _choose_micro_batches(self, plan, specs, input_shapes, cfg):
         """{micro_batches, predicted_s: {count: seconds}} for auto micro-batches over the peer
         exchange (engine.microbatch.cheapest_micro_batches on this plan, its calibration and
-        --link), or None where the rule's count stands: set by hand, one piece anyway, a plan
-        not split by cost lines. The coordinator's FC work is left out of the prices: it is the
-        same whatever the count, and the ranking is all that is read."""
-        most = micro_batch_count(cfg.micro_batches, cfg.batch_size, self.exchange, len(plan.workers))
-        if cfg.micro_batches or most < 2 or cfg.split != "proportional" or not all(
-                w in self.calibration for w in plan.workers):
+        --link), or None where the rule's count stands. The coordinator's FC work is left out of
+        the prices: it is the same whatever the count, and the ranking is all that is read."""
+        if not all(w in self.calibration for w in plan.workers):
             return None
         profiles = profiles_from_calibration({w: self.calibration[w] for w in plan.workers})
-        counts = {w: [lp.count(w) for lp in plan.layers] for w in plan.workers}
-        images = {w: [lp.images.get(w, 0) for lp in plan.layers] for w in plan.workers}
+        counts, images, modes = plan.counts(), plan.images(), plan.modes()
         link, image_shape = parse_bandwidth(cfg.link), tuple(input_shapes[0][1:])
-        chosen, predicted = cheapest_micro_batches(most, lambda m: predict_peer_step(
-            specs, image_shape, cfg.batch_size, counts, profiles, link, 0.0, m, value_bytes(self.wire),
-            modes=plan.modes(), images=images).step_s)
-        return {"micro_batches": chosen, "predicted_s": predicted}
+        picked = cheapest_micro_batches(
+            cfg.micro_batches, cfg.split,
+            micro_batch_count(cfg.micro_batches, cfg.batch_size, self.exchange, len(plan.workers)),
+            lambda m: predict_peer_step(specs, image_shape, cfg.batch_size, counts, profiles, link, 0.0, m,
+                                        value_bytes(self.wire), modes=modes, images=images).step_s)
+        return None if picked is None else {"micro_batches": picked[0], "predicted_s": picked[1]}
 
     def _split_from_calibration(self, specs, input_shapes, speeds, cfg):
         """`proportional`: the devices are chosen on the all-model plan, split by each worker's

@@ -105,6 +105,15 @@ class Plan:
     def modes(self):
         return [lp.mode for lp in self.layers]
 
+    def counts(self):
+        """{worker: [kernels it holds per layer]}: the cost model's `counts`."""
+        return {w: [lp.count(w) for lp in self.layers] for w in self.workers}
+
+    def images(self):
+        """{worker: [images of a batch it takes per layer, 0 in a model layer]}: the cost model's
+        `images`."""
+        return {w: [lp.images.get(w, 0) for lp in self.layers] for w in self.workers}
+
     def to_json(self):
         """Per layer: its mode, kernels, ranges and speeds per worker, and for a data layer the
         images of a batch per worker ("images")."""
