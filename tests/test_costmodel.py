@@ -71,11 +71,14 @@ def test_fit_separates_a_calls_per_kernel_cost_from_its_images():
     # the old half point (the smaller count alone) still fits, with no per-kernel call cost
     timing["half_batch"] = {"batch": 16, "kernels": 375, "forward_s": t(375, 16, 1), "backward_s": t(375, 16, 2)}
     assert LayerCost.fit(timing).forward_call_per_kernel_s == 0.0
-    # noise that would make a part negative: that part is 0 and the full batch's line is kept
+    # noise: half the images as slow as all of them (forward), or faster than half (backward). The
+    # full batch's line is kept, and the cost still grows with the images: a data layer's images
+    # are split by that growth, and a zero slope there leaves no usable line to split by
     timing["half_batch"] = {"batch": 16, "kernels": [750, 375], "forward_s": [t(750, 32, 1) * 1.1, t(375, 32, 1)],
                             "backward_s": [t(750, 8, 2), t(375, 8, 2)]}
     noisy = LayerCost.fit(timing)
-    assert noisy.forward_per_kernel_s == 0.0 and noisy.forward_s(750, 32) == pytest.approx(t(750, 32, 1))
+    assert noisy.forward_per_kernel_s > 0 and noisy.forward_s(750, 32) == pytest.approx(t(750, 32, 1))
+    assert noisy.image_line(750)[1] > 0
     assert noisy.backward_call_s == 0.0 and noisy.backward_call_per_kernel_s == 0.0
     assert noisy.backward_s(750, 32) == pytest.approx(t(750, 32, 2)) and noisy.backward_s(375, 32) == pytest.approx(
         t(375, 32, 2))
@@ -435,3 +438,18 @@ def test_bandwidth_tables_each_layers_measured_compute_against_its_price():
     row_a = next(line for line in lines if line.startswith("| a |"))
     assert "(2.00x)" in row_a and "(1.00x)" in row_a
     assert bandwidth.layer_compute_table([{"ok": False, "kind": "model"}]) == []
+
+
+def test_a_calibration_whose_half_batch_is_no_faster_still_splits_a_data_layer():
+    """Noise on a small layer: half the images timed as slow as all of them, both phases. The fit
+    keeps a cost that grows with images, so a data layer's images can still be split by it (a
+    zero per-image cost left no usable line, and a lost worker's re-plan failed on it)."""
+    from hetconv.engine.planner import mode_shares
+    flat = {"batch": 4, "kernels": [4, 2], "forward_s": [0.002, 0.001], "backward_s": [0.004, 0.002],
+            "half_batch": {"batch": 2, "kernels": [4, 2], "forward_s": [0.002, 0.001], "backward_s": [0.004, 0.002]}}
+    cost = LayerCost.fit(flat)
+    assert cost.image_line(4)[1] > 0
+    assert cost.forward_s(4, 4) == pytest.approx(0.002) and cost.backward_s(2, 4) == pytest.approx(0.002)
+    profiles = {w: DeviceProfile(w, "cpu", "", (cost, cost)) for w in ("a", "b")}
+    _, images = mode_shares(conv_specs([4, 4]), 10, profiles)
+    assert all(sum(images[w][li] for w in images) == 10 for li in range(2))

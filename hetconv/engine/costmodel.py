@@ -146,12 +146,16 @@ def _fit_call(batch, t_batch, half, t_half):
 def _fit_batch(batch, line, half, half_line):
     """((call, call_per_kernel), (fixed, per_kernel) per image) from the kernel lines (intercept,
     slope) at `batch` and at `half` images: each coefficient of the line is a call part plus
-    images times a per-image part. Noise can make a part negative: it is then 0, and the line at
-    the full batch is kept (what a whole-batch call costs is measured there; micro-batches read the
-    split)."""
+    images times a per-image part. The line at the full batch is always kept (what a whole-batch
+    call costs is measured there; micro-batches and data layers read the split). Noise can make
+    a part negative: a negative call part is 0; where half the images took no less than all of
+    them, the call gets at most half, as _fit_call gives it, so that a device's cost still grows
+    with its images (a data layer's images are split by that growth)."""
     parts = []
     for at_batch, at_half in zip(line, half_line):
-        per_image = max(0.0, (at_batch - at_half) / (batch - half))
+        per_image = (at_batch - at_half) / (batch - half)
+        if per_image <= 0:
+            per_image = (at_batch - 0.5 * min(at_half, at_batch)) / batch
         call = at_batch - per_image * batch
         if call < 0:
             call, per_image = 0.0, at_batch / batch
