@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("numba_cuda") is None,
 # Each subprocess imports numba and the kernels once and answers several checks; one per compute
 # capability, so every generation's kernels and device functions are compiled in a fresh process.
 # The two run side by side: compiling is one core's work each.
-CHECKS = {"9.0": ["9.0", "9.0 --mistyped", "9.0 --int64-toy"], "7.5": ["7.5"]}
+CHECKS = {"9.0": ["9.0", "9.0 --mistyped", "9.0 --int64-toy", "9.0 --update-arithmetic"], "7.5": ["7.5"]}
 BATCH = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
@@ -81,7 +81,8 @@ def test_index_math_has_no_64_bit_division_or_float64(checks):
     result = _result(checks, "9.0")
     assert result["failed"] == [], result["failed"]
     assert result["counts"], result
-    slow = {name: c for name, c in result["counts"].items() if c["div_rem_64"] or c["f64"]}
+    slow = {name: c for name, c in result["counts"].items()
+            if c["div_rem_64"] or (c["f64"] and not c["float64_on_purpose"])}
     assert not slow, "kernels with 64-bit div/rem or f64 instructions:\n" + "\n".join(
         f"{name}: {c['div_rem_64']} div/rem .s64/.u64, {c['f64']} .f64" for name, c in slow.items())
 
@@ -91,3 +92,26 @@ def test_the_slow_instruction_count_catches_int64_division(checks):
     result = _result(checks, "9.0 --int64-toy")
     assert result["div_rem_64"] >= 2, result
     assert result["f64"] >= 1, result
+
+
+def test_update_kernels_round_every_operation_as_the_cpu_does(checks):
+    """The optimizer kernels' sm_90 PTX: every float multiply, add, division and square root
+    rounded on its own (.rn), none fused into an fma, approximated, flushing subnormals, or left
+    without a rounding mode (NVVM contracts those into an fma): the CPU device rounds each apart,
+    so data-parallel copies of a weight on a CPU and a GPU stay bit-identical."""
+    result = _result(checks, "9.0 --update-arithmetic")
+    assert result["listed"] == ["_adamw", "_scale", "_sgd", "_square_sums"], result
+    assert sorted(result["kernels"]) == result["listed"], "an update kernel is missing from PTX_SIGNATURES"
+    hazards = {name: {k: n for k, n in c.items() if k != "rounded" and n}
+               for name, c in result["kernels"].items()}
+    assert not any(hazards.values()), f"update kernels with fused, approximate or contractible float ops: {hazards}"
+    assert all(c["rounded"] >= 1 for c in result["kernels"].values()), result
+
+
+def test_the_float_instruction_count_catches_contraction_and_approximation(checks):
+    """The check above can fail: plain operators give an fma (a*b + c, as the SGD kernel once
+    had), and under fastmath also an approximate sqrt and division, and flushed subnormals."""
+    result = _result(checks, "9.0 --update-arithmetic")
+    assert result["toy"]["fused"] >= 1, result["toy"]
+    fast = result["toy_fastmath"]
+    assert fast["fused"] >= 1 and fast["approximate"] >= 2 and fast["flushes_subnormals"] >= 1, fast

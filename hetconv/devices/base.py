@@ -10,9 +10,17 @@ Besides the plain contract (conv2d / conv2d_backward), a device offers the fused
 runs, a conv block: conv + bias, then an activation (ReLU or none), then a pool (max, average or
 none) as a `ConvBlock` says, whose backward needs only the opaque `ctx` the forward returned.
 conv_relu_pool is the paper's block (ReLU, 2x2 stride-2 max-pool). Parameters may live on the device between steps: `upload` turns a numpy array into the
-device's own array type, `download` turns it back, and `sgd_` updates parameters where they live.
-For the CPU device both are identities.
+device's own array type, `download` turns it back, and `sgd_` / `adamw_` update parameters where
+they live. For the CPU device both are identities.
+
+The optimizer's arithmetic is written once, here (`update_rules`), and every backend compiles it
+with its own correctly rounded operations, each multiply and each add rounded apart: copies of a
+weight held by several devices (data-parallel layers on a CPU and a GPU) stay bit-identical after
+every update, as they would not if one compiler fused a multiply and an add into an fma.
 """
+import math
+import numbers
+
 import numpy as np
 
 from hetconv.geometry import (ACTIVATIONS, PAPER_BLOCK, POOLS, ConvBlock, as_pair,  # noqa: F401  (the contract's names)
@@ -66,6 +74,92 @@ def pooled_shape(x_shape, w_shape, padding):
     return block_output_shape(x_shape, w_shape, ConvBlock(padding=padding))
 
 
+# ---- the update arithmetic, written once --------------------------------------------------------
+# sum_of_squares' fixed order: element i adds into lane i % SQUARE_SUM_LANES (in float64, lanes
+# in ascending i), and the lanes are summed exactly rounded on the host (math.fsum), so the result
+# depends on neither the thread count nor the device. Each GPU thread owns a lane (16384 threads
+# read a weight tensor coalesced), and the host's fsum over them costs ~0.5 ms.
+SQUARE_SUM_LANES = 16384
+
+
+def update_rules(mul, add, div, sqrt, mul64, add64):
+    """(sgd, adamw, scale, square_add): the optimizers' arithmetic on one element, for a backend
+    to compile with its own operations. mul, add, div and sqrt are float32's, each correctly
+    rounded on its own (no fused multiply-add); mul64 and add64 float64's, for sum_of_squares.
+    A subtraction is an add of the negated operand, which rounds the same. Scalars arrive as
+    float32, prepared once on the host (Device.sgd_, Device.adamw_); a float literal here would
+    be a float64 on the GPU."""
+
+    def sgd(p, v, g, lr, momentum, weight_decay, nesterov):
+        """torch.optim.SGD (dampening 0) on one element: returns (param, velocity). The velocity
+        adds the decay last, v = (momentum*v + g) + weight_decay*p: torch adds it to the
+        gradient first, which can differ in the last bit where weight_decay > 0."""
+        decay = mul(weight_decay, p)
+        v = add(add(mul(momentum, v), g), decay)
+        step = add(add(g, decay), mul(momentum, v)) if nesterov else v
+        return add(p, -mul(lr, step)), v
+
+    def adamw(p, m, v, g, decay, lerp_weight, lerp_from_grad, beta2, one_minus_beta2, bias_correction2_sqrt,
+              eps, step_size):
+        """torch.optim.AdamW's single-tensor step on one element, operation by operation:
+        returns (param, exp_avg, exp_avg_sq). exp_avg.lerp_(grad, 1 - beta1) is torch's lerp,
+        base + weight*(grad - exp_avg) from exp_avg, or from grad with weight - 1 where the
+        weight is at least 0.5; addcmul multiplies (1 - beta2)*grad first, then by grad."""
+        p = mul(p, decay)
+        m = add(g if lerp_from_grad else m, mul(lerp_weight, add(g, -m)))
+        v = add(mul(v, beta2), mul(mul(one_minus_beta2, g), g))
+        denom = add(div(sqrt(v), bias_correction2_sqrt), eps)
+        return add(p, -div(mul(step_size, m), denom)), m, v
+
+    def scale(x, factor):
+        return mul(x, factor)
+
+    def square_add(total, x):
+        """total + x*x in float64 (x a float32 widened: its square is exact in float64)."""
+        return add64(total, mul64(x, x))
+
+    return sgd, adamw, scale, square_add
+
+
+def _finite(name, value, low=0.0, high=None, high_open=True):
+    """value as a float, or ValueError naming it: finite, >= low, and < high (or <= high)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    value = float(value)
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value!r}")
+    if high is not None and (value >= high if high_open else value > high):
+        raise ValueError(f"{name} must be {'<' if high_open else '<='} {high}, got {value!r}")
+    return value
+
+
+def sgd_scalars(lr, momentum, weight_decay, nesterov):
+    """The float32 scalars an SGD update runs with, checked as torch.optim.SGD checks them."""
+    lr, momentum = _finite("lr", lr), _finite("momentum", momentum)
+    weight_decay = _finite("weight_decay", weight_decay)
+    if nesterov and momentum == 0:
+        raise ValueError("nesterov momentum needs a momentum > 0, got 0.0")
+    return np.float32(lr), np.float32(momentum), np.float32(weight_decay), bool(nesterov)
+
+
+def adamw_scalars(lr, beta1, beta2, eps, weight_decay, step):
+    """The scalars an AdamW update runs with (update_rules' adamw after its four arrays),
+    derived in float64 on the host as torch does, then rounded to float32 where torch's kernels
+    take them. step counts updates from 1 (torch's state['step'] after its increment)."""
+    lr, eps, weight_decay = _finite("lr", lr), _finite("eps", eps), _finite("weight_decay", weight_decay)
+    beta1, beta2 = _finite("beta1", beta1, high=1.0), _finite("beta2", beta2, high=1.0)
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
+        raise ValueError(f"step must be an integer >= 1 (the first update is 1), got {step!r}")
+    step = int(step)
+    lerp_weight = 1.0 - beta1
+    lerp_from_grad = not abs(lerp_weight) < 0.5
+    if lerp_from_grad:    # torch's lerp: grad - (grad - exp_avg)*(1 - weight), exact in float32
+        lerp_weight = np.float32(lerp_weight) - np.float32(1.0)
+    return (np.float32(1.0 - lr * weight_decay), np.float32(lerp_weight), lerp_from_grad, np.float32(beta2),
+            np.float32(1.0 - beta2), np.float32((1.0 - beta2 ** step) ** 0.5), np.float32(eps),
+            np.float32(lr / (1.0 - beta1 ** step)))
+
+
 class Device:
     """Base class: public, checked methods; backends implement the underscore ones."""
 
@@ -88,9 +182,36 @@ class Device:
     def synchronize(self):
         pass
 
-    def sgd_(self, param, velocity, grad, lr, momentum, weight_decay):
-        """In place: v = momentum*v + grad + weight_decay*param; param -= lr*v (PyTorch's SGD)."""
-        self._sgd_(param, velocity, grad, float(lr), float(momentum), float(weight_decay))
+    # ---- updates, in place where the arrays live -------------------------------------------------
+    def sgd_(self, param, velocity, grad, lr, momentum, weight_decay, nesterov=False):
+        """In place, torch.optim.SGD with dampening 0: v = momentum*v + grad + weight_decay*param;
+        param -= lr*v, or with nesterov param -= lr*(grad + weight_decay*param + momentum*v)."""
+        self._check_update("sgd_", param, velocity=velocity, grad=grad)
+        self._sgd_(param, velocity, grad, *sgd_scalars(lr, momentum, weight_decay, nesterov))
+
+    def adamw_(self, param, exp_avg, exp_avg_sq, grad, lr, beta1, beta2, eps, weight_decay, step):
+        """In place, torch.optim.AdamW (amsgrad and maximize off): param *= 1 - lr*weight_decay;
+        exp_avg = lerp(exp_avg, grad, 1 - beta1); exp_avg_sq = beta2*exp_avg_sq + (1-beta2)*grad^2;
+        param -= lr/(1 - beta1^step) * exp_avg / (sqrt(exp_avg_sq)/sqrt(1 - beta2^step) + eps).
+        step counts this parameter's updates from 1."""
+        self._check_update("adamw_", param, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, grad=grad)
+        self._adamw_(param, exp_avg, exp_avg_sq, grad, *adamw_scalars(lr, beta1, beta2, eps, weight_decay, step))
+
+    def sum_of_squares(self, a):
+        """sum(a**2) as a Python float, accumulated in float64 in a fixed order (SQUARE_SUM_LANES):
+        the same value on every device and thread count. What global-norm gradient clipping sums
+        over all workers' gradients."""
+        self._check_update("sum_of_squares", a)
+        if not math.prod(self._shape(a)):
+            return 0.0
+        lanes = self._square_sums(a, min(math.prod(self._shape(a)), SQUARE_SUM_LANES))
+        return math.fsum(lanes.tolist())
+
+    def scale_(self, a, factor):
+        """In place: a *= factor, rounded to float32 first (torch's clip_grad_norm_ multiplies the
+        gradients by its float32 clip coefficient)."""
+        self._check_update("scale_", a)
+        self._scale_(a, np.float32(_finite("factor", factor, low=-math.inf)))
 
     def accumulate_(self, total, grad):
         """In place: total += grad, where both live (micro-batches add their gradients up before
@@ -155,6 +276,24 @@ class Device:
     # ---- helpers -------------------------------------------------------------------------------
     def _shape(self, a):
         return tuple(a.shape)
+
+    def _check_update(self, op, param, **others):
+        """The arrays of an update: float32, of param's shape; host arrays C-contiguous (read as
+        flat), and writable unless only read (`grad`, or the one array of sum_of_squares): an
+        update is in place, and a copy would leave the caller's array as it was."""
+        shape = tuple(self._shape(param))
+        only = "a" if not others else "param"
+        for name, a in ((only, param), *others.items()):
+            if getattr(a, "dtype", None) != np.float32:
+                raise TypeError(f"{op}: {name} must be float32, got {getattr(a, 'dtype', type(a).__name__)}")
+            if tuple(self._shape(a)) != shape:
+                raise ValueError(f"{name} shape must match param, {tuple(self._shape(a))!r} != {shape!r}")
+            if isinstance(a, np.ndarray):
+                if not a.flags.c_contiguous:
+                    raise ValueError(f"{op}: {name} must be C-contiguous (it is read as one flat run), "
+                                     f"got strides {a.strides!r}")
+                if not a.flags.writeable and name != "grad" and op != "sum_of_squares":
+                    raise ValueError(f"{op}: {name} is read-only, but it is updated in place")
 
     def _check_bias(self, b, k):
         if b is None:
@@ -226,7 +365,18 @@ class Device:
     def _ctx_pooled_shape(self, ctx):
         return ctx.pooled_shape
 
-    def _sgd_(self, param, velocity, grad, lr, momentum, weight_decay):
+    def _sgd_(self, param, velocity, grad, lr, momentum, weight_decay, nesterov):
+        raise NotImplementedError
+
+    def _adamw_(self, param, exp_avg, exp_avg_sq, grad, *scalars):
+        """scalars: adamw_scalars', in update_rules' adamw order."""
+        raise NotImplementedError
+
+    def _square_sums(self, a, lanes):
+        """numpy float64 (lanes,): lane j = sum of a.flat[i]**2 over i = j (mod lanes), i ascending."""
+        raise NotImplementedError
+
+    def _scale_(self, a, factor):
         raise NotImplementedError
 
     def _accumulate_(self, total, grad):

@@ -45,6 +45,7 @@ Design, and what it costs:
   given disjoint cores.
 - Kernels release the GIL (nogil) so a worker's heartbeat thread keeps running during compute.
 """
+import operator
 import os
 import sys
 import time
@@ -55,11 +56,10 @@ from numba import prange
 from numpy.lib.stride_tricks import as_strided
 from threadpoolctl import ThreadpoolController, threadpool_info, threadpool_limits
 
-from hetconv.devices.base import Device, DeviceError
+from hetconv.devices.base import Device, DeviceError, update_rules
 from hetconv.devices.blas import accumulating_sgemm
 from hetconv.devices.cpu_fft import FftConv, swap_leading
 from hetconv.geometry import window_output_size
-from hetconv.params import sgd_update
 
 # Numba's OpenMP threads spin-wait after each parallel region (GNU libgomp's default), on the very
 # cores the BLAS threads need next. On 2 cores a 2-thread device ran vgg-small's last layer 3.4x
@@ -506,6 +506,56 @@ def _act_pool_backward(dout, n0, relu, is_max, pkh, pkw, psh, psw, pph, ppw, arg
                 for j in range(wo):
                     if mask[n, k, i, j] == 0:
                         dy[nl, k, i, j] = 0.0
+
+
+# ---- optimizer updates -----------------------------------------------------------------------
+# update_rules' arithmetic with Numba's own operators: without fastmath, LLVM rounds each multiply
+# and each add apart (it fuses only what a fast-math flag allows), as the CUDA device's libdevice
+# *_rn calls do. Not cached (cache=True): Numba keys a cached kernel on its own file only, so an
+# edit of the rules in base.py would leave a stale one; compiling the four costs ~2 s, once per
+# process, at its first update.
+_sgd_rule, _adamw_rule, _scale_rule, _square_add = (
+    numba.njit(nogil=True)(rule) for rule in update_rules(operator.mul, operator.add, operator.truediv, np.sqrt,
+                                                         operator.mul, operator.add))
+_update_jit = numba.njit(parallel=True, nogil=True)
+# sum_of_squares' lanes per parallel task: 64 float32 side by side, one cache line per row
+SQUARE_SUM_LANE_BLOCK = 64
+
+
+@_update_jit
+def _sgd_flat(param, velocity, grad, lr, momentum, weight_decay, nesterov):
+    for i in prange(param.shape[0]):
+        param[i], velocity[i] = _sgd_rule(param[i], velocity[i], grad[i], lr, momentum, weight_decay, nesterov)
+
+
+@_update_jit
+def _adamw_flat(param, exp_avg, exp_avg_sq, grad, decay, lerp_weight, lerp_from_grad, beta2, one_minus_beta2,
+                bias_correction2_sqrt, eps, step_size):
+    for i in prange(param.shape[0]):
+        param[i], exp_avg[i], exp_avg_sq[i] = _adamw_rule(
+            param[i], exp_avg[i], exp_avg_sq[i], grad[i], decay, lerp_weight, lerp_from_grad, beta2, one_minus_beta2,
+            bias_correction2_sqrt, eps, step_size)
+
+
+@_update_jit
+def _scale_flat(a, factor):
+    for i in prange(a.shape[0]):
+        a[i] = _scale_rule(a[i], factor)
+
+
+@_update_jit
+def _square_sums_flat(a, lanes):
+    """lanes[j] = sum of a[i]**2 over i = j (mod len(lanes)), i ascending, in float64: parallel
+    over blocks of lanes, each walking the rows of a (len(lanes) wide) in order."""
+    n, width = a.shape[0], lanes.shape[0]
+    for block in prange((width + SQUARE_SUM_LANE_BLOCK - 1) // SQUARE_SUM_LANE_BLOCK):
+        lo = block * SQUARE_SUM_LANE_BLOCK
+        hi = min(lo + SQUARE_SUM_LANE_BLOCK, width)
+        for j in range(lo, hi):
+            lanes[j] = 0.0
+        for row in range(0, n, width):
+            for j in range(lo, min(hi, n - row)):
+                lanes[j] = _square_add(lanes[j], np.float64(a[row + j]))
 
 
 class _PoolGeometry:
@@ -1211,9 +1261,22 @@ class CpuDevice(Device):
         return grads
 
     # ---- optimizer ---------------------------------------------------------------------------
-    def _sgd_(self, param, velocity, grad, lr, momentum, weight_decay):
-        sgd_update(param, velocity, grad, lr, momentum, weight_decay)
+    def _sgd_(self, param, velocity, grad, lr, momentum, weight_decay, nesterov):
+        _sgd_flat(param.reshape(-1), velocity.reshape(-1), grad.reshape(-1), lr, momentum, weight_decay, nesterov)
         self._fft.refresh(param)       # the FFT path's kernel spectra of these weights, if cached
+
+    def _adamw_(self, param, exp_avg, exp_avg_sq, grad, *scalars):
+        _adamw_flat(param.reshape(-1), exp_avg.reshape(-1), exp_avg_sq.reshape(-1), grad.reshape(-1), *scalars)
+        self._fft.refresh(param)
+
+    def _square_sums(self, a, lanes):
+        sums = np.empty(lanes, np.float64)
+        _square_sums_flat(a.reshape(-1), sums)
+        return sums
+
+    def _scale_(self, a, factor):
+        _scale_flat(a.reshape(-1), factor)
+        self._fft.refresh(a)
 
 
 def open(index=None, threads=None, **options):

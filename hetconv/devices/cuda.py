@@ -39,14 +39,17 @@ of the fused forward (the layer input x and the pooling winners, or y where ReLU
 layer inputs, pooled outputs, their gradients and dx cross PCIe.
 """
 import math
+import operator
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32, int8, int32, types
+from numba import cuda, float32, float64, int8, int32, int64, types
+from numba.cuda import libdevice
 from numba.core.extending import intrinsic
 from numba.cuda.core import config as cuda_config
 
-from hetconv.devices.base import ConvBlock, Device, DeviceError, _as_f32, block_output_shape, conv_output_shape
+from hetconv.devices.base import (ConvBlock, Device, DeviceError, _as_f32, block_output_shape, conv_output_shape,
+                                  update_rules)
 
 # ---- tile sizes ----------------------------------------------------------------------------
 # Under Numba's CUDA simulator every GPU thread is a Python thread, so blocks shrink (same
@@ -491,16 +494,72 @@ def _activation_pool_backward(y, winner, dpooled, dy, pg):
 activation_pool_backward_kernel = cuda.jit(_activation_pool_backward)
 
 
-def _sgd(param, velocity, grad, lr, momentum, weight_decay):
-    """PyTorch's SGD: v = momentum*v + grad + weight_decay*param; param -= lr*v."""
+# ---- optimizer updates ----------------------------------------------------------------------------
+# update_rules' arithmetic (written once, in devices/base.py) with libdevice's correctly rounded
+# *_rn operations: NVVM contracts a plain a*b + c into one fma.rn (rounded once, where the CPU
+# device rounds twice: 28% of velocity elements differed after one SGD step), but never an
+# operation with an explicit rounding mode. Its sqrt.rn and div.rn are IEEE's, as the CPU's.
+# The simulator runs kernels as Python, where libdevice is only stubs: there numpy's float32 and
+# float64 scalars give the same roundings.
+if SIMULATED:
+    _UPDATE_ARITHMETIC = (operator.mul, operator.add, operator.truediv, np.sqrt, operator.mul, operator.add)
+else:
+    _UPDATE_ARITHMETIC = (libdevice.fmul_rn, libdevice.fadd_rn, libdevice.fdiv_rn, libdevice.fsqrt_rn,
+                          libdevice.dmul_rn, libdevice.dadd_rn)
+_sgd_rule, _adamw_rule, _scale_rule, _square_add = (cuda.jit(device=True)(rule)
+                                                    for rule in update_rules(*_UPDATE_ARITHMETIC))
+
+
+def _sgd(param, velocity, grad, lr, momentum, weight_decay, nesterov):
     i = cuda.grid(1)
     if i < param.shape[0]:
-        v = momentum * velocity[i] + grad[i] + weight_decay * param[i]
-        velocity[i] = v
-        param[i] -= lr * v
+        param[i], velocity[i] = _sgd_rule(param[i], velocity[i], grad[i], lr, momentum, weight_decay, nesterov)
 
 
 sgd_kernel = cuda.jit(_sgd)
+
+
+def _adamw(param, exp_avg, exp_avg_sq, grad, decay, lerp_weight, lerp_from_grad, beta2, one_minus_beta2,
+           bias_correction2_sqrt, eps, step_size):
+    i = cuda.grid(1)
+    if i < param.shape[0]:
+        param[i], exp_avg[i], exp_avg_sq[i] = _adamw_rule(
+            param[i], exp_avg[i], exp_avg_sq[i], grad[i], decay, lerp_weight, lerp_from_grad, beta2, one_minus_beta2,
+            bias_correction2_sqrt, eps, step_size)
+
+
+adamw_kernel = cuda.jit(_adamw)
+
+
+def _scale(a, factor):
+    i = cuda.grid(1)
+    if i < a.shape[0]:
+        a[i] = _scale_rule(a[i], factor)
+
+
+scale_kernel = cuda.jit(_scale)
+
+
+def _square_sums(a, lanes, rows):
+    """lanes[j] = sum of a[i]**2 over i = j (mod len(lanes)), i ascending, in float64: one thread
+    per lane, so a warp reads consecutive elements. rows = ceil(len(a) / len(lanes)), from the
+    host: a loop to a bound computed here would divide 64-bit integers for its trip count."""
+    j = cuda.grid(1)
+    width = lanes.shape[0]
+    if j < width:
+        total = float64(0.0)
+        for row in range(rows):
+            i = row * width + j
+            if i < a.shape[0]:
+                total = _square_add(total, float64(a[i]))
+        lanes[j] = total
+
+
+square_sums_kernel = cuda.jit(_square_sums)
+# kernels with float64 arithmetic on purpose (tests/test_cuda_ptx.py flags it in any other)
+FLOAT64_KERNELS = (_square_sums,)
+# kernels whose arithmetic must round as the CPU device's does (tests/test_cuda_ptx.py reads their PTX)
+UPDATE_KERNELS = (_sgd, _adamw, _scale, _square_sums)
 
 
 def _accumulate(total, grad):
@@ -529,7 +588,10 @@ PTX_SIGNATURES = [
     (_relu_maxpool2_backward, (_I4, _F4, _F4)),
     (_activation_pool, (_F4, _F4, _W4, POOL_GEOMETRY)),
     (_activation_pool_backward, (_F4, _W4, _F4, _F4, POOL_GEOMETRY)),
-    (_sgd, (_F1, _F1, _F1, float32, float32, float32)),
+    (_sgd, (_F1, _F1, _F1, float32, float32, float32, types.boolean)),
+    (_adamw, (_F1, _F1, _F1, _F1, float32, float32, types.boolean, float32, float32, float32, float32, float32)),
+    (_scale, (_F1, float32)),
+    (_square_sums, (_F1, float64[::1], int64)),
     (_accumulate, (_F1, _F1)),
 ]
 
@@ -702,16 +764,38 @@ class CudaDevice(Device):
         dx, dw, db = self._gradients(ctx.x, w_dev, dy, ctx.block.stride, ctx.block.padding, need_dx)
         return (dx.copy_to_host() if need_dx else None), self._dw_into(dw_out, accumulate, dw), db
 
-    def _sgd_(self, param, velocity, grad, lr, momentum, weight_decay):
-        for name, a in (("param", param), ("velocity", velocity), ("grad", grad)):
+    def _on_device(self, op, verb="updates", **arrays):
+        for name, a in arrays.items():
             if not _is_device_array(a):
-                raise TypeError(f"sgd_ updates arrays on {self.name}: {name} is {type(a).__name__}, upload it first")
-            if tuple(a.shape) != tuple(param.shape):
-                raise ValueError(f"{name} shape must match param, {tuple(a.shape)!r} != {tuple(param.shape)!r}")
-        size = int(np.prod(param.shape))
-        grid = math.ceil(size / ELEMENTWISE_THREADS)
-        sgd_kernel[grid, ELEMENTWISE_THREADS](param.reshape(size), velocity.reshape(size), grad.reshape(size),
-                                              np.float32(lr), np.float32(momentum), np.float32(weight_decay))
+                raise TypeError(f"{op} {verb} arrays on {self.name}: {name} is {type(a).__name__}, upload it first")
+
+    def _elementwise(self, kernel, first, *args):
+        """Launch a 1-D elementwise kernel over the size of `first`, its device arrays flattened
+        and its scalars as they are."""
+        size = int(np.prod(first.shape))
+        if size:
+            flat = [a.reshape(size) if _is_device_array(a) else a for a in (first, *args)]
+            kernel[math.ceil(size / ELEMENTWISE_THREADS), ELEMENTWISE_THREADS](*flat)
+
+    def _sgd_(self, param, velocity, grad, lr, momentum, weight_decay, nesterov):
+        self._on_device("sgd_", param=param, velocity=velocity, grad=grad)
+        self._elementwise(sgd_kernel, param, velocity, grad, lr, momentum, weight_decay, nesterov)
+
+    def _adamw_(self, param, exp_avg, exp_avg_sq, grad, *scalars):
+        self._on_device("adamw_", param=param, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, grad=grad)
+        self._elementwise(adamw_kernel, param, exp_avg, exp_avg_sq, grad, *scalars)
+
+    def _square_sums(self, a, lanes):
+        self._on_device("sum_of_squares", "reads", a=a)
+        sums = cuda.device_array(lanes, np.float64)
+        size = int(np.prod(a.shape))
+        square_sums_kernel[math.ceil(lanes / ELEMENTWISE_THREADS), ELEMENTWISE_THREADS](
+            a.reshape(size), sums, np.int64(math.ceil(size / lanes)))
+        return sums.copy_to_host()       # note: a sync point; lanes * 8 bytes cross PCIe
+
+    def _scale_(self, a, factor):
+        self._on_device("scale_", a=a)
+        self._elementwise(scale_kernel, a, factor)
 
     def _accumulate_(self, total, grad):
         if not (_is_device_array(total) and _is_device_array(grad)):
