@@ -51,13 +51,27 @@ def relu_backward(y, dy):
     return np.where(y > 0, dy, 0).astype(np.float32)
 
 
-def softmax_cross_entropy(logits, labels):
-    """Mean cross-entropy over the batch and its gradient with respect to the logits."""
+def softmax_cross_entropy(logits, labels, label_smoothing=0.0):
+    """Mean cross-entropy over the batch and its gradient with respect to the logits, as
+    F.cross_entropy(logits, labels, label_smoothing=e): the target is (1 - e) on the label plus
+    e / classes on every class. Computed in float64, the gradient returned in float32."""
     logits = np.asarray(logits, np.float64)
-    n = logits.shape[0]
+    labels = np.asarray(labels)
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be (batch, classes), got shape {logits.shape!r}")
+    n, classes = logits.shape
+    if labels.shape != (n,) or (n and not np.issubdtype(labels.dtype, np.integer)):
+        raise ValueError(f"labels must be {n} integers (one per row of logits), "
+                         f"got {labels.dtype} shape {labels.shape!r}")
+    if n and (labels.min() < 0 or labels.max() >= classes):
+        raise ValueError(f"labels must be class indices in 0..{classes - 1}, got {labels.min()}..{labels.max()}")
+    smoothing_ok = isinstance(label_smoothing, (int, float)) and not isinstance(label_smoothing, bool)
+    if not (smoothing_ok and 0.0 <= label_smoothing <= 1.0):
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
     shifted = logits - logits.max(axis=1, keepdims=True)
     log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
-    loss = -log_probs[np.arange(n), labels].mean()
-    grad = np.exp(log_probs)
-    grad[np.arange(n), labels] -= 1
+    target = np.full_like(log_probs, label_smoothing / classes)
+    target[np.arange(n), labels] += 1.0 - label_smoothing
+    loss = -(target * log_probs).sum(axis=1).mean()
+    grad = np.exp(log_probs) - target
     return float(loss), (grad / n).astype(np.float32)

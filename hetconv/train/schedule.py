@@ -94,7 +94,8 @@ class Schedule:
         self._check_milestones()
         if self.momentum_cycle is not None:
             if not isinstance(self.momentum_cycle, (tuple, list)) or len(self.momentum_cycle) != 2:
-                raise ValueError(f"momentum_cycle must be a (lowest, highest) pair or None, got {self.momentum_cycle!r}")
+                raise ValueError(f"momentum_cycle must be a (lowest, highest) pair or None, "
+                                 f"got {self.momentum_cycle!r}")
             low = _number("momentum_cycle's lowest", self.momentum_cycle[0], 0.0, 1.0)
             high = _number("momentum_cycle's highest", self.momentum_cycle[1], low, 1.0)
             set_("momentum_cycle", (low, high))
