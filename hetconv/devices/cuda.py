@@ -31,12 +31,14 @@ overlapping windows add up deterministically, no atomics. ReLU before an average
 pool) keeps y for the backward: 4 bytes per conv output. Costs of this design: every gathered
 element pays some integer index math (divisions by kh*kw and Ho*Wo), and a tile of 64 kernels
 idles rows when a worker holds few. The bias gradient is the weight-gradient GEMM's one extra column,
-whose B operand is all ones (db = dy @ 1), so it costs no pass of its own. Pool backward and SGD
-with momentum are small elementwise kernels.
+whose B operand is all ones (db = dy @ 1), so it costs no pass of its own. Pool backward and the
+optimizer updates (SGD, AdamW, the sum of squares for gradient clipping) are small elementwise
+kernels.
 
-Resident on the GPU between steps: weights, biases, momentum buffers, and the backward context
-of the fused forward (the layer input x and the pooling winners, or y where ReLU needs it). Only
-layer inputs, pooled outputs, their gradients and dx cross PCIe.
+Resident on the GPU between steps: weights, biases, optimizer state (SGD's momentum, AdamW's
+moments), and the backward context of the fused forward (the layer input x and the pooling
+winners, or y where ReLU needs it). Only layer inputs, pooled outputs, their gradients and dx
+cross PCIe.
 """
 import math
 import operator
@@ -496,9 +498,10 @@ activation_pool_backward_kernel = cuda.jit(_activation_pool_backward)
 
 # ---- optimizer updates ----------------------------------------------------------------------------
 # update_rules' arithmetic (written once, in devices/base.py) with libdevice's correctly rounded
-# *_rn operations: NVVM contracts a plain a*b + c into one fma.rn (rounded once, where the CPU
-# device rounds twice: 28% of velocity elements differed after one SGD step), but never an
-# operation with an explicit rounding mode. Its sqrt.rn and div.rn are IEEE's, as the CPU's.
+# *_rn operations: NVVM contracts a plain a*b + c into one fma.rn, rounded once where the CPU
+# device rounds twice (after one SGD step with weight decay, 28% of the velocity's elements then
+# differ), but never an operation with an explicit rounding mode. Its sqrt.rn and div.rn are
+# IEEE's, as the CPU's.
 # The simulator runs kernels as Python, where libdevice is only stubs: there numpy's float32 and
 # float64 scalars give the same roundings.
 if SIMULATED:
