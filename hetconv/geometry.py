@@ -101,15 +101,34 @@ def pooled_hw(h, w):
 
 
 @dataclass(frozen=True)
+class StateArray:
+    """One array of a layer's state: a parameter the optimizer moves, a buffer (BatchNorm's running
+    statistics), or an optimizer's slot for a parameter (momentum, Adam's moments)."""
+    name: str                   # "w", "b", "bn1.weight", "bn1.running_mean", "w.momentum_buffer", ...
+    shape: tuple                # the whole layer's: (K, ...) split by kernels, or () kept whole by every holder
+    dtype: str = "float32"      # "float32", or "int64" for a count
+    kind: str = "param"         # "param", "buffer" or "slot"
+    group: str = ""             # a param's (and its slots') weight-decay group: "weight", "bias" or "norm"
+    on_device: bool = False     # lives where the device computes (conv weights); else a host numpy array
+
+    @property
+    def per_kernel(self):
+        return len(self.shape) > 0
+
+
+@dataclass(frozen=True)
 class ConvSpec:
-    """One conv layer: in_channels -> kernels, kh x kw, then `block` (stride, padding, activation,
-    pool); without `bias` the bias stays zero."""
+    """One conv layer: in_channels -> kernels, kh x kw, then `block` (stride, padding, and the
+    activation and pool a device runs fused with the conv), then `tail`: the per-channel layers
+    after those (hetconv.channelwise: BatchNorm, activations, pools, channel dropout), in order.
+    Without `bias` the bias stays zero."""
     in_channels: int
     kernels: int
     kh: int = 5
     kw: int = 5
     block: ConvBlock = PAPER_BLOCK
     bias: bool = True
+    tail: tuple = ()
 
     @classmethod
     def paper(cls, in_channels, kernels, ksize=5, padding=0):
@@ -119,36 +138,118 @@ class ConvSpec:
     @classmethod
     def from_layer(cls, layer):
         """From a hetconv.net ConvLayer."""
-        return cls(layer.in_channels, layer.kernels, layer.kernel[0], layer.kernel[1], layer.block, layer.bias)
+        return cls(layer.in_channels, layer.kernels, layer.kernel[0], layer.kernel[1], layer.block, layer.bias,
+                   tuple(layer.tail))
 
     def to_json(self):
-        return {"in_channels": self.in_channels, "kernels": self.kernels, "kernel": [self.kh, self.kw],
-                "block": self.block.to_json(), "bias": self.bias}
+        d = {"in_channels": self.in_channels, "kernels": self.kernels, "kernel": [self.kh, self.kw],
+             "block": self.block.to_json(), "bias": self.bias}
+        if self.tail:
+            d["tail"] = [op.to_json() for op in self.tail]
+        return d
 
     @classmethod
     def from_json(cls, d):
+        from hetconv.channelwise import layer_from_json     # it builds on this module
         kh, kw = as_pair("conv kernel", d["kernel"], 1)
+        tail = d.get("tail", [])
+        if not isinstance(tail, list):
+            raise ValueError(f"a conv layer's tail must be a list of per-channel layers, got {tail!r:.80}")
         return cls(int(d["in_channels"]), int(d["kernels"]), kh, kw, ConvBlock.from_json(d["block"]),
-                   bool(d.get("bias", True)))
+                   bool(d.get("bias", True)), tuple(layer_from_json(op) for op in tail))
+
+    @property
+    def batchnorms(self):
+        """(tail index, BatchNorm) of every BatchNorm in the tail."""
+        return [(i, op) for i, op in enumerate(self.tail) if op.type == "batchnorm"]
+
+    def state_layout(self, optimizer=None):
+        """Every array of the layer's state, in a fixed order: the conv's weights and bias (kept on
+        the device), each BatchNorm's weight, bias and running statistics (per-channel vectors,
+        kept on the host), and with `optimizer`, its slots for every parameter that trains (a bias
+        the layer does not have stays zero and takes no slot)."""
+        k = self.kernels
+        arrays = [StateArray("w", (k, self.in_channels, self.kh, self.kw), group="weight", on_device=True),
+                  StateArray("b", (k,), group="bias", on_device=True)]
+        for i, bn in self.batchnorms:
+            if bn.affine:
+                arrays += [StateArray(f"bn{i}.weight", (k,), group="norm"), StateArray(f"bn{i}.bias", (k,), group="bias")]
+            arrays += [StateArray(f"bn{i}.running_mean", (k,), kind="buffer"),
+                       StateArray(f"bn{i}.running_var", (k,), kind="buffer"),
+                       StateArray(f"bn{i}.num_batches_tracked", (), "int64", "buffer")]
+        if optimizer:
+            from hetconv.engine.update import SLOTS, slot_name     # the optimizers' slot names
+            arrays += [StateArray(slot_name(a.name, slot), a.shape, a.dtype, "slot", a.group, a.on_device)
+                       for a in self.trained(arrays) for slot in SLOTS[optimizer]]
+        return arrays
+
+    def trained(self, arrays=None):
+        """The params the optimizer moves: all but a bias the layer does not have."""
+        return [a for a in (arrays if arrays is not None else self.state_layout())
+                if a.kind == "param" and (self.bias or a.name != "b")]
+
+    def initial_state(self, w, b=None):
+        """The layer's state at the start of a run: these conv weights (and bias, zero where None),
+        BatchNorm's PyTorch defaults (weight 1, bias 0, running mean 0 and variance 1, no batches
+        tracked)."""
+        state = {"w": np.asarray(w, np.float32), "b": np.zeros(self.kernels, np.float32) if b is None
+                 else np.asarray(b, np.float32)}
+        for a in self.state_layout()[2:]:
+            fill = 1 if a.name.endswith((".weight", ".running_var")) else 0
+            state[a.name] = np.full(a.shape, fill, a.dtype)
+        return state
 
     def conv_hw(self, h, w):
         """Spatial size after the conv, before the activation and pool."""
         (sh, sw), (ph, pw) = self.block.stride, self.block.padding
         return window_output_size(h, self.kh, sh, ph), window_output_size(w, self.kw, sw, pw)
 
-    def output_hw(self, h, w):
-        """Spatial size leaving the block."""
+    def block_hw(self, h, w):
+        """Spatial size leaving the fused block (conv, activation, pool), before the tail."""
         h, w = self.conv_hw(h, w)
         if self.block.pool == "none":
             return h, w
         (kh, kw), (sh, sw), (ph, pw) = self.block.pool_kernel, self.block.pool_stride, self.block.pool_padding
         return window_output_size(h, kh, sh, ph), window_output_size(w, kw, sw, pw)
 
+    def output_hw(self, h, w):
+        """Spatial size leaving the layer: the block, then every op of the tail."""
+        h, w = self.block_hw(h, w)
+        for op in self.tail:
+            h, w = op.output_hw(h, w)
+        return h, w
+
     def describe(self):
         b = self.block
         pool = "" if b.pool == "none" else f", {b.pool}-pool {b.pool_kernel[0]}x{b.pool_kernel[1]}/{b.pool_stride[0]}"
         return (f"conv {self.kernels} {self.kh}x{self.kw}/{b.stride[0]} pad {b.padding[0]}"
-                + (", relu" if b.activation == "relu" else "") + pool)
+                + (", relu" if b.activation == "relu" else "") + pool
+                + "".join(f", {_op_text(op)}" for op in self.tail))
+
+
+def layer_state(spec, state):
+    """A layer's state as {name: array}: a dict as it is, or the (w, b, vw, vb) of a layer with no
+    tail (momentum may be None) in those names."""
+    if isinstance(state, dict):
+        return state
+    w, b, vw, vb = state
+    out = spec.initial_state(w, b)
+    if vw is not None:
+        out["w.momentum_buffer"], out["b.momentum_buffer"] = vw, vb
+    return out
+
+
+def _op_text(op):
+    """A tail op in a few words, for plan tables and errors."""
+    if op.type == "activation":
+        return op.kind
+    if op.type == "pool":
+        return f"{op.mode}-pool {op.kernel[0]}x{op.kernel[1]}/{op.stride[0]}"
+    if op.type == "global_pool":
+        return f"global {op.mode}-pool"
+    if op.type == "dropout2d":
+        return f"dropout2d {op.p:g}"
+    return op.type
 
 
 def conv_specs(kernels, ksize=5, padding=0, in_channels=IMAGE_SHAPE[0]):

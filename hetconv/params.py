@@ -21,3 +21,4 @@ def sgd_update(param, velocity, grad, lr, momentum, weight_decay):
     if weight_decay:
         velocity += weight_decay * param
     param -= lr * velocity
+

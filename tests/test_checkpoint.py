@@ -12,8 +12,10 @@ from hetconv.train.config import Config
 def params(step):
     """Tiny conv and FC layers whose values say which step they were saved at."""
     rng = np.random.default_rng(step)
-    conv = [tuple(rng.standard_normal(s).astype(np.float32) + step for s in ((4, 3, 3, 3), (4,), (4, 3, 3, 3), (4,)))]
-    fc = [tuple(rng.standard_normal(s).astype(np.float32) for s in ((10, 8), (10,), (10, 8), (10,)))]
+    names = ("w", "b", "w.momentum_buffer", "b.momentum_buffer")
+    conv = [{n: rng.standard_normal(s).astype(np.float32) + step for n, s in zip(names, ((4, 3, 3, 3), (4,), (4, 3, 3, 3),
+                                                                                      (4,)))}]
+    fc = [{n: rng.standard_normal(s).astype(np.float32) for n, s in zip(names, ((10, 8), (10,), (10, 8), (10,)))}]
     return conv, fc
 
 
@@ -46,8 +48,9 @@ def test_round_trip_returns_what_was_saved(tmp_path):
     meta, conv, fc = checkpoint.load(path)
     assert meta["step"] == 5 and meta["format"] == checkpoint.FORMAT and meta["path"] == path
     for got, want in zip(conv + fc, sum(params(5), [])):
-        for g, w in zip(got, want):
-            np.testing.assert_array_equal(g, w)
+        assert sorted(got) == sorted(want)
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key])
 
 
 def test_keep_k_deletes_the_oldest_after_saving(tmp_path):
@@ -87,7 +90,7 @@ def test_truncated_newest_falls_back_to_the_previous_and_says_so(tmp_path):
         f.truncate(size // 2)
     meta, conv, _, skipped = checkpoint.load_newest_valid(str(tmp_path))
     assert meta["step"] == 30
-    np.testing.assert_array_equal(conv[0][0], params(30)[0][0][0])
+    np.testing.assert_array_equal(conv[0]["w"], params(30)[0][0]["w"])
     assert len(skipped) == 1 and skipped[0][0] == "ckpt-step0000040.npz"
     assert "truncated" in skipped[0][1] and "BadZipFile" in skipped[0][1]
 
@@ -106,7 +109,7 @@ def test_a_flipped_byte_in_an_array_is_caught_by_the_checksum(tmp_path):
     newest = save(tmp_path, 40)
 
     def flip(arrays):
-        raw = arrays["conv0.vw"].view(np.uint8).reshape(-1)
+        raw = arrays["conv0.w.momentum_buffer"].view(np.uint8).reshape(-1)
         raw[7] ^= 0x10
     rewrite(newest, change_arrays=flip)
     with pytest.raises(checkpoint.CheckpointError, match=r"ckpt-step0000040\.npz: checksum mismatch"):
@@ -131,7 +134,7 @@ def test_a_raw_flipped_byte_in_array_data_is_never_loaded(tmp_path):
     # in the file itself the zip's CRC or the sha256 catches it: either way it is refused
     path = save(tmp_path, 40)
     data = open(path, "rb").read()
-    start = data.find(params(40)[0][0][0].tobytes())
+    start = data.find(params(40)[0][0]["w"].tobytes())
     assert start > 0
     for offset in (start, start + 17, start + 4 * 4 * 27 - 1):
         flipped = bytearray(data)
@@ -158,7 +161,7 @@ def test_an_old_format_file_without_a_checksum_is_refused(tmp_path):
         meta["format"] = 1
         del meta["sha256"]
     rewrite(path, change_meta=as_format_1)
-    with pytest.raises(checkpoint.CheckpointError, match="checkpoint format 1, expected 2 .*has no checksum"):
+    with pytest.raises(checkpoint.CheckpointError, match="checkpoint format 1, expected 3 .*has no checksum"):
         checkpoint.load(path)
 
 

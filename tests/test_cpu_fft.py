@@ -6,6 +6,7 @@ timer here), kept per shape, skipped for small layers, and reported."""
 import numpy as np
 import pytest
 
+from hetconv.engine.update import UpdateRule
 from hetconv.net import reference as R
 from hetconv.devices import DeviceError, open_device
 from hetconv.devices.base import ConvBlock
@@ -159,10 +160,11 @@ def test_spectra_computed_once_per_step_of_the_shard(arrival):
     for path in ("fft", "im2col"):
         shard = ConvShard(open_device("cpu", conv_path=path, threads=1))
         if arrival == "over the wire":
-            fields = {"layer": 0, "spec": spec.to_json(), "start": 0, "stop": 4, "wire": "float32"}
+            fields = {"layer": 0, "spec": spec.to_json(), "start": 0, "stop": 4, "wire": "float32",
+                      "optimizer": "sgd", "names": ["w", "b"]}
             ShardServer(shard).load(P.unpack(P.pack("LOAD", 1, [w, b], **fields)).arrays, fields)
         else:
-            shard.load(0, spec, 0, 4, w, b)
+            shard.load(0, spec, 0, 4, {"w": w, "b": b})
         shards[path] = shard
     fft_device = shards["fft"].device
     counted = []
@@ -175,11 +177,13 @@ def test_spectra_computed_once_per_step_of_the_shard(arrival):
                 counted.append(fft_device._fft.spectra_computed)
             for micro in (1, 0):
                 shard.backward(0, douts[micro], need_dx=True, micro=micro,
-                               sgd=(0.1, 0.9, 1e-4) if micro == 0 else None)
+                               update=UpdateRule(lr=0.1, momentum=0.9, weight_decay=1e-4) if micro == 0 else None)
         counted.append(fft_device._fft.spectra_computed)
     assert counted == [1, 2, 2, 3, 3, 4]       # (after the forwards, after the update) per step
-    for got, want in zip(shards["fft"].fetch(0), shards["im2col"].fetch(0)):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    got, want = shards["fft"].fetch(0), shards["im2col"].fetch(0)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5)
 
 
 def test_the_spectra_cache_keeps_no_weights_alive_and_reuses_a_gone_arrays_buffer():

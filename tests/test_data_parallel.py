@@ -62,8 +62,9 @@ def assert_equals_local(local_run, losses, ckdir):
     np.testing.assert_allclose(losses, local_losses, rtol=1e-5)
     _, conv, fc = checkpoint.load(str(ckdir))
     for got, want in zip(conv + fc, local_conv + local_fc):
-        for a, b in zip(got, want):                  # w, b and both momenta, every layer
-            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+        assert sorted(got) == sorted(want)                  # w, b and both momenta, every layer
+        for key in want:
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-6)
 
 
 # kernels per worker for the model layers (a data layer's entry is not read), images per worker

@@ -61,16 +61,46 @@ def test_ints_stand_for_pairs():
     assert spec.layers[1] == Pool("avg", 2, 2, 0)
 
 
+# ---- per-channel layers after a conv, in any order ---------------------------------------------------
+
+def test_a_conv_takes_any_sequence_of_per_channel_layers_and_the_device_fuses_what_it_can():
+    """airbench94's order (pool, then BatchNorm, then GELU) and VGG-BN's (BatchNorm, ReLU, pool):
+    a relu right after the conv and then a pool go into the fused block, the rest is the tail."""
+    spec = NetSpec.from_json(small([
+        CONV, {"type": "maxpool", "kernel": 2}, {"type": "batchnorm"}, {"type": "gelu"},
+        {"type": "conv", "out_channels": 6, "kernel": 3, "bias": False}, {"type": "batchnorm", "momentum": None},
+        {"type": "relu"}, {"type": "avgpool", "kernel": 2}, {"type": "dropout2d", "p": 0.1},
+        {"type": "conv", "out_channels": 8, "kernel": 1}, {"type": "relu"}, {"type": "maxpool", "kernel": 1},
+        {"type": "silu"}, {"type": "global_avgpool"},
+        FLAT, {"type": "linear", "out_features": 10, "bias": False}, {"type": "scale", "factor": 1 / 9}]))
+    first, second, third = spec.conv_layers()
+    assert (first.block.activation, first.block.pool) == ("none", "max")
+    assert [op.type for op in first.tail] == ["batchnorm", "activation"] and first.tail[1].kind == "gelu"
+    assert (second.block.activation, second.block.pool) == ("none", "none")
+    assert [op.type for op in second.tail] == ["batchnorm", "activation", "pool", "dropout2d"]
+    assert second.tail[0].momentum is None and not second.bias
+    assert (third.block.activation, third.block.pool) == ("relu", "max")
+    assert [op.type for op in third.tail] == ["activation", "global_pool"]
+    assert third.output_shape == (8, 1, 1) and spec.head()[0].in_features == 8
+    assert NetSpec.from_json(spec.to_json()) == spec
+    assert "batchnorm" in spec.describe() and "scale 0.111111" in spec.describe()
+
+
 # ---- every violation names the layer ---------------------------------------------------------------
 
 BAD = [
     ("relu before any conv", [{"type": "relu"}, CONV, FLAT, OUT], "layer 0 (relu)", "first layer must be conv"),
     ("no conv at all", [FLAT, OUT], "layer 0 (flatten)", "first layer must be conv"),
-    ("two relus in a block", [CONV, {"type": "relu"}, {"type": "relu"}, FLAT, OUT], "layer 2 (relu)", "follow a conv"),
-    ("relu after the pool", [CONV, {"type": "maxpool", "kernel": 2}, {"type": "relu"}, FLAT, OUT],
-     "layer 2 (relu)", "follow a conv"),
-    ("two pools", [CONV, {"type": "maxpool", "kernel": 2}, {"type": "avgpool", "kernel": 2}, FLAT, OUT],
-     "layer 2 (avgpool)", "pool must follow a conv"),
+    ("batchnorm after flatten", [CONV, FLAT, {"type": "batchnorm"}, OUT], "layer 2 (batchnorm)",
+     "after flatten only linear"),
+    ("scale before the classifier", [CONV, FLAT, {"type": "scale", "factor": 2}, OUT], "layer 2 (scale)",
+     "only after the last linear"),
+    ("batchnorm momentum above 1", [CONV, {"type": "batchnorm", "momentum": 2}, FLAT, OUT], "layer 1 (batchnorm)",
+     "momentum must be a number in [0, 1]"),
+    ("gelu with a slope", [CONV, {"type": "gelu", "negative_slope": 0.2}, FLAT, OUT], "layer 1 (gelu)",
+     "unknown key 'negative_slope'"),
+    ("gelu approximated otherwise", [CONV, {"type": "gelu", "approximate": "erf"}, FLAT, OUT], "layer 1 (gelu)",
+     "approximate must be one of"),
     ("linear before flatten", [CONV, OUT], "layer 1 (linear)", "flatten before the FC part"),
     ("two flattens", [CONV, FLAT, FLAT, OUT], "layer 2 (flatten)", "only one flatten"),
     ("conv after flatten", [CONV, FLAT, CONV, OUT], "layer 2 (conv)", "after flatten only linear"),
@@ -86,7 +116,7 @@ BAD = [
     ("ends on relu", [CONV, FLAT, OUT, {"type": "relu"}], "layer 3 (relu)", "must end with a linear"),
     ("last linear not classes", [CONV, FLAT, {"type": "linear", "out_features": 7}], "layer 2 (linear)",
      "out_features 7, expected classes = 10"),
-    ("unknown type", [CONV, {"type": "batchnorm"}, FLAT, OUT], "layer 1 (batchnorm)", "unknown type 'batchnorm'"),
+    ("unknown type", [CONV, {"type": "layernorm"}, FLAT, OUT], "layer 1 (layernorm)", "unknown type 'layernorm'"),
     ("unknown key", [{"type": "conv", "out_channels": 4, "kernel": 3, "dilation": 2}, FLAT, OUT],
      "layer 0 (conv)", "unknown key 'dilation'"),
     ("key on a relu", [CONV, {"type": "relu", "inplace": True}, FLAT, OUT], "layer 1 (relu)", "unknown key 'inplace'"),
@@ -150,8 +180,8 @@ def test_the_network_itself_is_checked(data, what):
 
 
 def test_a_network_built_in_code_is_checked_as_one_read_from_json():
-    with pytest.raises(ValueError, match=r"^layer 2 \(relu\)"):
-        NetSpec((3, 16, 16), 10, (Conv(4, 3), Pool("max", 2), ReLU(), Flatten(), Linear(10)))
+    with pytest.raises(ValueError, match=r"^layer 3 \(relu\)"):
+        NetSpec((3, 16, 16), 10, (Conv(4, 3), Pool("max", 2), Flatten(), ReLU(), Linear(10)))
     with pytest.raises(ValueError, match=r"^layer 1 \(str\)"):
         NetSpec((3, 16, 16), 10, (Conv(4, 3), "relu", Flatten(), Linear(10)))
 

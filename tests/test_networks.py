@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from hetconv.engine.update import UpdateRule
 from hetconv.train import checkpoint
 from hetconv.train.config import Config
 from hetconv.data import batches, load_dataset
@@ -66,7 +67,7 @@ def test_local_equals_pytorch_forward_and_backward(name, tmp_path):
     conv, fc = spec.init_params(rng)
     engine = LocalEngine({"local": ConvShard(open_device("cpu", threads=1))})
     engine.load(fixed_plan([s.kernels for s in specs], {"local": [s.kernels for s in specs]}),
-                specs, [(w, np.zeros(len(w), np.float32) if b is None else b, None, None) for w, b in conv])
+                specs, [s.initial_state(w, b) for s, (w, b) in zip(specs, conv)])
     head = [op.layer.to_json() for op in spec.head() if op.type != "flatten"]
     net = Network(specs, head, engine, rng, spec.conv_layers()[-1].output_shape, fc_params=fc)
     module = to_torch(spec, conv, fc)
@@ -75,13 +76,13 @@ def test_local_equals_pytorch_forward_and_backward(name, tmp_path):
 
     np.testing.assert_allclose(net.predict(x), module(torch.from_numpy(x)).detach().numpy(), rtol=1e-4, atol=1e-5)
     lr = 0.1
-    net.train_step(x, y, lr, 0.0, 0.0)
+    net.train_step(x, y, UpdateRule(lr=lr, momentum=0.0))
     loss = torch.nn.functional.cross_entropy(module(torch.from_numpy(x)), torch.from_numpy(y))
     loss.backward()
     with torch.no_grad():
         for p in module.parameters():
             p -= lr * p.grad
-    ours = [a for w, b, _, _ in engine.gather() for a in (w, b)] + [a for w, b, _, _ in net.fc_state() for a in (w, b)]
+    ours = [layer[n] for layer in engine.gather() + net.fc_state() for n in ("w", "b")]
     convs = [m for m in module if isinstance(m, torch.nn.Conv2d)]
     linears = [m for m in module if isinstance(m, torch.nn.Linear)]
     theirs = [t for m in convs + linears for t in (m.weight, m.bias if m.bias is not None else torch.zeros(m.weight.shape[0]))]
@@ -115,7 +116,7 @@ def test_a_pytorch_sequential_trains_from_its_own_weights_as_torch_sgd_does(tmp_
         torch.nn.functional.cross_entropy(module(torch.from_numpy(x)), torch.from_numpy(y)).backward()
         opt.step()
     theirs = [p.detach().numpy() for p in module.parameters()]
-    ours = [a for w, b, _, _ in conv + fc for a in (w, b)]
+    ours = [layer[n] for layer in conv + fc for n in ("w", "b")]
     for a, b in zip(ours, theirs):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
@@ -156,8 +157,9 @@ def test_distributed_equals_local(local_runs, tmp_path, name, workers, exchange,
     np.testing.assert_allclose(summary["losses"], losses, rtol=1e-5)
     _, conv, fc = checkpoint.load(str(tmp_path / "ck"))
     for got, want in zip(conv + fc, local_conv + local_fc):
-        for a, b in zip(got, want):
-            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+        assert sorted(got) == sorted(want)
+        for key in want:
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("name,workers,modes,micro", [
@@ -186,5 +188,6 @@ def test_data_parallel_layers_equal_local(local_runs, tmp_path, name, workers, m
     np.testing.assert_allclose(summary["losses"], losses, rtol=1e-5)
     _, conv, fc = checkpoint.load(str(tmp_path / "ck"))
     for got, want in zip(conv + fc, local_conv + local_fc):
-        for a, b in zip(got, want):
-            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+        assert sorted(got) == sorted(want)
+        for key in want:
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-6)

@@ -61,8 +61,9 @@ def assert_same_weights(directory, uninterrupted):
     lmeta, lconv, lfc = uninterrupted[1]
     assert meta["step"] == lmeta["step"]
     for got, want in zip(conv + fc, lconv + lfc):
-        for a, b in zip(got, want):
-            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+        assert sorted(got) == sorted(want)
+        for key in want:
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-6)
 
 
 def assert_done(metrics, uninterrupted):

@@ -12,6 +12,7 @@ from hetconv.train.config import Config
 from hetconv.devices import open_device
 from hetconv.engine.local import LocalEngine
 from hetconv.engine.shard import ConvShard
+from hetconv.engine.update import UpdateRule
 from hetconv.train.loop import train
 
 TINY = dict(conv="6,12", fc="32", batch_size=32, synthetic_train=4000, synthetic_test=500, lr=0.01, threads=1)
@@ -63,8 +64,9 @@ def test_checkpoint_and_resume_continue_exactly(tmp_path):
     _, conv_a, fc_a = checkpoint.load(str(tmp_path / "full"))
     _, conv_b, fc_b = checkpoint.load(str(tmp_path / "part"))
     for a, b in zip(conv_a + fc_a, conv_b + fc_b):
-        for x, y in zip(a, b):
-            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+        assert sorted(a) == sorted(b)
+        for name in a:
+            np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-7)
     assert not [f for f in os.listdir(tmp_path / "part") if f.endswith(".tmp")]
 
 
@@ -164,7 +166,7 @@ def test_shard_steps_over_micro_batches_follow_the_reference_sgd(path):
     w = rng.standard_normal((6, 3, 3, 3)).astype(np.float32)
     b = rng.standard_normal(6).astype(np.float32)
     shard = ConvShard(open_device("cpu", threads=1, conv_path=path))
-    shard.load(0, spec, 0, 6, w, b)
+    shard.load(0, spec, 0, 6, {"w": w, "b": b})
     lr, momentum, decay = 0.05, 0.9, 1e-3
     ref_w, ref_b = w.copy(), b.copy()
     vw, vb = np.zeros_like(w), np.zeros_like(b)
@@ -175,14 +177,16 @@ def test_shard_steps_over_micro_batches_follow_the_reference_sgd(path):
         for m, x in enumerate(xs):
             shard.forward(0, x, micro=m)
         for m, dout in enumerate(douts):
-            assert shard.backward(0, dout, need_dx=False, micro=m, sgd=(lr, momentum, decay) if m == 1 else None) is None
+            rule = UpdateRule(lr=lr, momentum=momentum, weight_decay=decay)
+            assert shard.backward(0, dout, need_dx=False, micro=m, update=rule if m == 1 else None) is None
         buffers.add(id(shard.layers[0].dw_kept))
         grads = [R.conv_block_backward(x, ref_w, ref_b, spec.block, d, need_dx=False) for x, d in zip(xs, douts)]
         dw, db = grads[0][1] + grads[1][1], grads[0][2] + grads[1][2]
         vw = momentum * vw + dw + decay * ref_w
         vb = momentum * vb + db
         ref_w, ref_b = ref_w - lr * vw, ref_b - lr * vb
-        got_w, got_b, _, _ = shard.fetch(0)
+        got = shard.fetch(0)
+        got_w, got_b = got["w"], got["b"]
         np.testing.assert_allclose(got_w, ref_w, rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(got_b, ref_b, rtol=1e-4, atol=1e-4)
     assert len(buffers) == 1, "every step writes its dW into the one kept buffer"

@@ -32,6 +32,7 @@ from hetconv.engine.costmodel import parse_bandwidth, predict_peer_step, profile
 from hetconv.engine.microbatch import cheapest_micro_batches, micro_batch_count, priced_text
 from hetconv.engine.planner import (PlanError, choose_modes, cost_lines, forced_modes, image_ranges, make_plan,
                                     plan_from_lines)
+from hetconv.engine.update import clip_factor
 from hetconv.transport import keys
 from hetconv.transport import protocol as P
 from hetconv.transport.keys import authenticated_key, handshake_refusal, read_key_folder
@@ -748,24 +749,28 @@ class RemoteEngine(ShardEngine):
                                              "you": name, "timeout": self.op_timeout, "connect": connect})
                         for name in self.plan.workers}, "connecting workers to each other")
 
-    def conv_step(self, xs, head, sgd):
+    def conv_step(self, xs, head, update, step=(0, 0), head_sum_of_squares=None):
         if self.exchange == "star":
-            return super().conv_step(xs, head, sgd)
+            return super().conv_step(xs, head, update, step, head_sum_of_squares)
         self.batch = sum(len(x) for x in xs)
-        self._peer_step(xs, head, sgd)
+        _, factor = self._peer_step(xs, head, update, step, head_sum_of_squares)
         self.measured_steps += 1
+        return factor
 
     def predict(self, x):
         if self.exchange == "star":
             return super().predict(x)
-        return self._peer_step([x], None, None)[0]
+        return self._peer_step([x], None, None)[0][0]
 
-    def _peer_step(self, xs, head, sgd):
+    def _peer_step(self, xs, head, update, train_step=(0, 0), head_sum_of_squares=None):
         """One STEP through the workers: images out (each worker 1/P of every micro-batch, or its
         rows when the first layer is data-parallel), the last layer's blocks in, per micro-batch
         (channel slices of a model layer, rows of a data layer); with a head (training), FC work
         here on micro-batch m while the workers compute m+1, and the gradient's matching blocks
-        back out. Returns the last layer's features per micro-batch when there is no head."""
+        back out. Where the update clips (max_norm), the last GRAD carries the head's part of the
+        global norm (`head_sum_of_squares()`), and the workers, having summed theirs among
+        themselves, report the whole. Returns (the last layer's features per micro-batch
+        when there is no head, the clipping factor)."""
         self.step_id += 1
         step, names, micros = self.step_id, self.plan.workers, len(xs)
         train = head is not None
@@ -778,7 +783,8 @@ class RemoteEngine(ShardEngine):
         pending = {}
         for name in names:
             seq = self._send(self.peers[name], "STEP", doing=doing, step=step, micro_batches=micros, train=train,
-                             sgd=None if sgd is None else [float(v) for v in sgd], sizes=[len(x) for x in xs])
+                             update=None if update is None else update.to_json(), sizes=[len(x) for x in xs],
+                             train_step=int(train_step[0]), seed=int(train_step[1]))
             pending[seq] = name
         for m, x in enumerate(xs):
             x = np.ascontiguousarray(x)
@@ -792,7 +798,8 @@ class RemoteEngine(ShardEngine):
         # every kernel (data); the features are their concatenation by channels or by rows
         blocks = [image_ranges(last, len(x)) if last.mode == "data" else None for x in xs]
         slices = [dict() for _ in range(micros)]
-        features, next_micro = [None] * micros, 0
+        features, next_micro, norms = [None] * micros, 0, {}
+        clip = train and update is not None and update.max_norm > 0
         for peer, msg in self._incoming(pending, doing):
             if msg.fields.get("step") != step:
                 continue                                       # from an abandoned step
@@ -820,6 +827,8 @@ class RemoteEngine(ShardEngine):
                     slices[next_micro] = None
                     if train:
                         grad = head(next_micro, h)
+                        norm = ({"head_sum_of_squares": float(head_sum_of_squares())}
+                                if clip and next_micro == micros - 1 else {})
                         for name in names:
                             if last.mode == "data":
                                 r0, r1 = blocks[next_micro][name]
@@ -828,16 +837,26 @@ class RemoteEngine(ShardEngine):
                                 s, e = last.ranges[name]
                                 block = grad[:, s:e]
                             self._send(self.peers[name], "GRAD", [encode(np.ascontiguousarray(block), self.wire)],
-                                       doing=doing, step=step, micro=next_micro)
+                                       doing=doing, step=step, micro=next_micro, **norm)
                     else:
                         features[next_micro] = h
                     next_micro += 1
             elif msg.op == "STEP_DONE" and pending.get(msg.seq) == peer.name:
                 del pending[msg.seq]
                 self._record(peer.name, None, msg.fields, roundtrip_s=time.perf_counter() - sent_at)
+                norms[peer.name] = msg.fields.get("sum_of_squares")
         if next_micro < micros:
             raise WorkerLost(f"{doing}: the workers finished without sending micro-batch {next_micro}'s features")
-        return features
+        factor = 1.0
+        if clip:
+            # every worker summed the same parts in the same order: one total, reported by each
+            totals = {norms.get(name) for name in names}
+            total = totals.pop() if len(totals) == 1 else None
+            if not (isinstance(total, float) and math.isfinite(total) and total >= 0):
+                raise WorkerError(names[0], doing, "NormError", f"the workers report different or no global gradient "
+                                                                 f"norms: {dict((n, norms.get(n)) for n in names)}")
+            factor = clip_factor(total, update.max_norm)
+        return features, factor
 
     def close(self):
         """Shut every worker down; on every exit path, spawned processes end."""

@@ -1283,3 +1283,25 @@ def open(index=None, threads=None, **options):
     if index is not None:
         raise DeviceError(f"the cpu device takes no index, got cpu:{index}")
     return CpuDevice(threads=threads, **options)
+
+
+class HostArrays(Device):
+    """Updates of numpy arrays that live on no device (a conv layer's per-channel BatchNorm
+    vectors, the head on the coordinator): the CPU device's update kernels, with nothing to open.
+    Every copy of such a vector, on any worker, moves by this same arithmetic."""
+
+    name = "host"
+
+    def _sgd_(self, param, velocity, grad, lr, momentum, weight_decay, nesterov):
+        _sgd_flat(param.reshape(-1), velocity.reshape(-1), grad.reshape(-1), lr, momentum, weight_decay, nesterov)
+
+    def _adamw_(self, param, exp_avg, exp_avg_sq, grad, *scalars):
+        _adamw_flat(param.reshape(-1), exp_avg.reshape(-1), exp_avg_sq.reshape(-1), grad.reshape(-1), *scalars)
+
+    def _square_sums(self, a, lanes):
+        sums = np.empty(lanes, np.float64)
+        _square_sums_flat(np.ascontiguousarray(a, np.float32).reshape(-1), sums)
+        return sums
+
+    def _scale_(self, a, factor):
+        _scale_flat(a.reshape(-1), factor)

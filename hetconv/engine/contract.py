@@ -15,6 +15,8 @@ import numpy as np
 
 from hetconv.engine.costmodel import profiles_from_calibration
 from hetconv.engine.planner import PlanError, cost_lines, make_plan, replan
+from hetconv.engine.update import clip_factor
+from hetconv.geometry import layer_state
 from hetconv.transport.wire import decode, encode
 
 
@@ -45,11 +47,6 @@ class WorkerLost(RuntimeError):
 def concat_channels(parts):
     """Workers' channel slices (N, k_i, H, W) in plan order -> the layer's (N, K, H, W)."""
     return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
-
-
-def concat_shards(parts):
-    """Per worker (w, b, vw, vb) slices in plan order -> the layer's full (w, b, vw, vb)."""
-    return tuple(np.concatenate([p[i] for p in parts], axis=0) for i in range(4))
 
 
 def mode_choice_record(engine):
@@ -100,17 +97,18 @@ class Engine(Protocol):
         """-> Plan; calibrates where there is something to measure."""
 
     def load(self, plan, specs, params):
-        """Slices full (w, b, vw, vb) per layer onto the shards."""
+        """Slices every layer's whole state ({name: array}) onto the shards."""
 
-    def conv_step(self, xs, head, sgd):
+    def conv_step(self, xs, head, update, step=(0, 0), head_sum_of_squares=None):
         """One training step's conv work over micro-batches xs: forward, head(m, features) ->
-        dfeatures, backward, gradients summed over micro-batches, one SGD update."""
+        dfeatures, backward, gradients summed over micro-batches, one update (an UpdateRule,
+        scaled by global-norm clipping where it has a max_norm). Returns the clipping factor."""
 
     def predict(self, x):
         """-> features of the last conv layer; no state kept."""
 
     def gather(self):
-        """-> full (w, b, vw, vb) per layer (snapshots, checkpoints, rebalancing)."""
+        """-> every layer's whole state {name: array} (snapshots, checkpoints, rebalancing)."""
 
     def step_stats(self):
         """Per worker, since the last call: compute, wire, bytes."""
@@ -148,6 +146,7 @@ class ShardEngine:
 
     wire = "float32"            # dtype of feature maps and gradients between coordinator and shards
     exchange = "star"           # every layer's slices meet here; RemoteEngine may run the peer step
+    optimizer = "sgd"           # whose slots every layer's state holds; the loop sets the run's
 
     def __init__(self):
         self.plan = None
@@ -181,36 +180,51 @@ class ShardEngine:
 
     # ---- written once ------------------------------------------------------------------------------
     def load(self, plan, specs, params):
-        """params: per layer (w, b, vw, vb) full arrays (momentum may be None); a data layer's
-        range is every kernel, so each of its workers gets the whole layer."""
+        """params: per layer its whole state, {name: full array} as ConvSpec.state_layout names it
+        (optimizer slots may be missing: they start at zero), or the old (w, b, vw, vb); each
+        worker gets its kernels' rows of every per-kernel array (a data layer's range is every
+        kernel, so each of its workers gets the whole layer) and every scalar whole."""
         if self.exchange != "peer" and len(plan.workers) > 1 and "data" in plan.modes():
             raise PlanError(f"--exchange {self.exchange} sends every layer through the coordinator and splits only "
                             f"kernels: data-parallel layers ({plan.modes()}) need --exchange peer")
         self.plan, self.specs = plan, list(specs)
-        for lp, spec, (w, b, vw, vb) in zip(plan.layers, specs, params):
+        for lp, spec, state in zip(plan.layers, specs, params):
+            state = layer_state(spec, state)
+            layout = [a for a in spec.state_layout(self.optimizer) if a.name in state]
             requests = {}
             for name, (s, e) in lp.ranges.items():
-                arrays = [w[s:e], b[s:e]] + ([] if vw is None else [vw[s:e], vb[s:e]])
+                arrays = [state[a.name][s:e] if a.per_kernel else state[a.name] for a in layout]
                 requests[name] = ("LOAD", arrays, {"layer": lp.layer, "spec": spec.to_json(), "start": s, "stop": e,
-                                                    "wire": self.wire})
+                                                    "wire": self.wire, "optimizer": self.optimizer,
+                                                    "names": [a.name for a in layout]})
             self._call(requests, f"loading conv{lp.layer + 1}")
         self.step_stats()
 
+    def forward_layer(self, layer, xs, train, step=None):
+        """A layer's input per micro-batch (N, C, H, W) to every shard -> the layer's output per
+        micro-batch (N, K, H', W'). All micro-batches in one request: a shard's BatchNorms
+        normalise with the whole batch's statistics. `step`: (training step, seed), what channel
+        dropout draws its masks from."""
+        sent = [encode(np.ascontiguousarray(x), self.wire) for x in xs]   # one buffer for every shard, never written
+        rows = [int(r) for r in np.cumsum([0] + [len(x) for x in xs])[:-1]]
+        train_step, seed = step if step is not None else (0, 0)
+        fields = {"layer": layer, "micros": list(range(len(xs))), "rows": rows, "batch": int(sum(len(x) for x in xs)),
+                  "train": bool(train), "train_step": int(train_step), "seed": int(seed)}
+        doing = f"forward conv{layer + 1}"
+        replies = self._call({name: ("FORWARD", sent, fields) for name in self.plan.workers}, doing, layer)
+        lp = self.plan.layers[layer]
+        self._input_hw[layer] = tuple(xs[0].shape[2:])
+        out_hw = self.pooled_output_hw(layer, xs[0].shape[2:])
+        return [concat_channels([decode(self._reply_array(replies, name, m, (len(x), lp.count(name)) + out_hw, doing),
+                                        self.wire) for name in self.plan.workers])
+                for m, x in enumerate(xs)]
+
     def forward(self, layer, x, micro=0, keep=True):
-        """Layer input (N, C, H, W) to every shard -> the layer's pooled output (N, K, H', W')."""
-        sent = encode(np.ascontiguousarray(x), self.wire)      # one buffer for every shard, never written
-        fields = {"layer": layer, "micro": micro, "keep": keep}
-        replies = self._call({name: ("FORWARD", [sent], fields) for name in self.plan.workers},
-                             f"forward conv{layer + 1}", layer)
-        lp, doing = self.plan.layers[layer], f"forward conv{layer + 1}"
-        self._input_hw[layer] = tuple(x.shape[2:])
-        out_hw = self.pooled_output_hw(layer, x.shape[2:])
-        return concat_channels([decode(self._reply_array(replies, name, 0, (len(x), lp.ranges[name][1] - lp.ranges[name][0])
-                                                         + out_hw, doing), self.wire)
-                                for name in self.plan.workers])
+        """One layer's input, a whole batch, to every shard -> the layer's output."""
+        return self.forward_layer(layer, [x], keep)[0]
 
     def pooled_output_hw(self, layer, input_hw):
-        """(H', W') of conv layer `layer`'s pooled output for an input of `input_hw`, from its spec."""
+        """(H', W') of conv layer `layer`'s output for an input of `input_hw`, from its spec."""
         spec = self.specs[layer]
         return spec.output_hw(*input_hw)
 
@@ -225,60 +239,93 @@ class ShardEngine:
                                                           f"{tuple(shape)}")
         return arrays[index]
 
-    def backward(self, layer, dpooled, need_dx, micro=0, sgd=None):
-        """Each shard gets its slice of dL/d(pooled output); returns dL/d(layer input), the sum
-        of the shards' partial dX in plan order (None when not needed)."""
+    def backward_layer(self, layer, grads, need_dx):
+        """Each shard gets its slice of dL/d(output) of every micro-batch; returns dL/d(layer input)
+        per micro-batch, the sum of the shards' partial dX in plan order (None when not needed)."""
         lp = self.plan.layers[layer]
-        fields = {"layer": layer, "micro": micro, "need_dx": need_dx,
-                  "sgd": None if sgd is None else [float(v) for v in sgd]}
-        requests = {name: ("BACKWARD", [encode(np.ascontiguousarray(dpooled[:, s:e]), self.wire)], fields)
+        fields = {"layer": layer, "micros": list(range(len(grads))), "need_dx": need_dx}
+        requests = {name: ("BACKWARD", [encode(np.ascontiguousarray(g[:, s:e]), self.wire) for g in grads], fields)
                     for name, (s, e) in lp.ranges.items()}
-        replies = self._call(requests, f"backward conv{layer + 1}", layer)
-        if not need_dx:
-            return None
         doing = f"backward conv{layer + 1}"
-        expected = (len(dpooled), self.specs[layer].in_channels) + self._input_hw[layer]
-        return sum_in_order([decode(self._reply_array(replies, name, 0, expected, doing), self.wire)
-                             for name in self.plan.workers])
+        replies = self._call(requests, doing, layer)
+        if not need_dx:
+            return [None] * len(grads)
+        return [sum_in_order([decode(self._reply_array(replies, name, m, (len(g), self.specs[layer].in_channels)
+                                                       + self._input_hw[layer], doing), self.wire)
+                              for name in self.plan.workers])
+                for m, g in enumerate(grads)]
 
-    def conv_step(self, xs, head, sgd):
-        """One step's conv work, micro-batch after micro-batch, layer by layer through this
-        process: forward, `head(m, features) -> dfeatures` (the FC layers and the loss), backward.
-        Each layer's last micro-batch applies the step's one update, sgd = (lr, momentum, decay)."""
-        last_layer = len(self.plan.layers) - 1
+    def backward(self, layer, dout, need_dx, micro=0):
+        """One layer's gradient, a whole batch -> dL/d(layer input) (None when not needed)."""
+        return self.backward_layer(layer, [dout], need_dx)[0]
+
+    def update_layers(self, rule):
+        """The step's one update of every layer, where its kernels are."""
+        for lp in self.plan.layers:
+            self._call({name: ("UPDATE", [], {"layer": lp.layer, "update": rule.to_json()}) for name in lp.ranges},
+                       f"updating conv{lp.layer + 1}", lp.layer)
+
+    def sum_of_squares(self):
+        """The squared norm of every conv gradient of the step, over every shard (float64)."""
+        replies = self._call({name: ("NORM", [], {}) for name in self.plan.workers}, "summing gradient norms")
+        return sum(float(replies[name][1]["sum_of_squares"]) for name in self.plan.workers)
+
+    def conv_step(self, xs, head, update, step=(0, 0), head_sum_of_squares=None):
+        """One step's conv work through this process, layer by layer over every micro-batch:
+        forward, `head(m, features) -> dfeatures` (the FC layers and the loss) per micro-batch,
+        backward; then the one update of the step (`update`, an UpdateRule). Where it clips
+        (max_norm), `head_sum_of_squares()` is the head's part of the global norm. Returns the
+        factor every gradient was scaled by (1.0 without clipping)."""
+        layers = len(self.plan.layers)
         self.batch = sum(len(x) for x in xs)
-        for m, x in enumerate(xs):
-            h = x
-            for layer in range(last_layer + 1):
-                h = self.forward(layer, h, micro=m)
-            grad = head(m, h)
-            update = sgd if m == len(xs) - 1 else None
-            for layer in reversed(range(last_layer + 1)):
-                grad = self.backward(layer, grad, need_dx=layer > 0, micro=m, sgd=update)
+        hs = list(xs)
+        for layer in range(layers):
+            hs = self.forward_layer(layer, hs, True, step)
+        grads = [head(m, h) for m, h in enumerate(hs)]
+        for layer in reversed(range(layers)):
+            grads = self.backward_layer(layer, grads, need_dx=layer > 0)
+        factor = 1.0
+        if update is not None and update.max_norm > 0:
+            factor = clip_factor(self.sum_of_squares() + head_sum_of_squares(), update.max_norm)
+            update = update.scaled(factor)
+        if update is not None:
+            self.update_layers(update)
         self.measured_steps += 1
+        return factor
 
     def predict(self, x):
         h = x
         for layer in range(len(self.plan.layers)):
-            h = self.forward(layer, h, keep=False)
+            h = self.forward_layer(layer, [h], False)[0]
         return h
 
     def gather(self):
-        """A model layer's slices concatenated in plan order; a data layer's one copy (every
-        worker holds the same weights and momenta), from the plan's first worker."""
+        """Per layer its whole state {name: array}: a model layer's slices concatenated in plan
+        order (scalars from the plan's first worker); a data layer's one copy (every worker holds
+        the same state), from the plan's first worker."""
         out = []
         for lp in self.plan.layers:
             holders = self.plan.workers[:1] if lp.mode == "data" else self.plan.workers
             replies = self._call({name: ("FETCH", [], {"layer": lp.layer}) for name in holders},
                                  f"gathering conv{lp.layer + 1}'s weights")
             spec, doing = self.specs[lp.layer], f"fetching conv{lp.layer + 1}"
+            layout = {a.name: a for a in spec.state_layout(self.optimizer)}
             parts = []
             for name in holders:
-                s, e = lp.ranges[name]
-                w_shape = (e - s, spec.in_channels, spec.kh, spec.kw)
-                parts.append(tuple(self._reply_array(replies, name, i, shape, doing)
-                                   for i, shape in enumerate((w_shape, (e - s,), w_shape, (e - s,)))))
-            out.append(concat_shards(parts))
+                arrays, fields = replies[name]
+                names = fields.get("names")
+                if not isinstance(names, list) or sorted(names) != sorted(layout):
+                    raise WorkerError(name, doing, "ShapeError", f"its state names {str(names)[:200]}, the plan "
+                                                                  f"expects {sorted(layout)}")
+                k = lp.count(name) if lp.mode == "model" else lp.kernels
+                part = {}
+                for i, n in enumerate(names):
+                    a = layout[n]
+                    shape = ((k,) + a.shape[1:]) if a.per_kernel else ()
+                    part[n] = self._reply_array(replies, name, i, shape, doing)
+                parts.append(part)
+            out.append({n: (np.concatenate([p[n] for p in parts], axis=0) if layout[n].per_kernel else
+                            np.array(parts[0][n], copy=True)) for n in layout})
         return out
 
     # ---- measurements ------------------------------------------------------------------------------

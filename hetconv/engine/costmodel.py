@@ -345,6 +345,12 @@ class _Timeline:
         return self.run((f"{src} out", f"{dst} in"), ready, nbytes / link.bytes_per_s + link.latency_s)
 
 
+def batchnorm_sum_bytes(spec):
+    """What one worker sends one peer at one BatchNorm barrier of a data layer: the per-channel
+    sums (two float64 a channel) and the count."""
+    return (2 * spec.kernels + 1) * 8
+
+
 def predict_peer_step(specs, image_shape, batch, counts, profiles, link, coordinator_s, micro_batches=1,
                       value_bytes=FLOAT_BYTES, modes=None, images=None):
     """Predicted seconds for one training step with --exchange peer: every worker and the
@@ -407,14 +413,33 @@ def predict_peer_step(specs, image_shape, batch, counts, profiles, link, coordin
                     gathered[dst] = max(gathered[dst], t.send(src, dst, r * ch * h * wd * value_bytes, arrived[src], link))
         for w in names:
             have_input[(0, m, w)] = gathered[w]
-    # forward, layer by layer, micro-batch by micro-batch
+    def batchnorm_sums(li, ready):
+        """A data layer's BatchNorm barriers: every worker's per-channel sums to every peer, one
+        exchange per BatchNorm. -> when each worker holds the totals."""
+        held = dict(ready)
+        for _ in specs[li].batchnorms:
+            sent = {w: held[w] for w in names}
+            for src in names:
+                for dst in names:
+                    if dst != src:
+                        held[dst] = max(held[dst], t.send(src, dst, batchnorm_sum_bytes(specs[li]), sent[src], link))
+        return held
+
+    # forward, layer by layer, micro-batch by micro-batch; a layer with BatchNorm sends nothing
+    # before its every micro-batch is done (the whole batch's statistics come first)
     features_in = {}
     for li in range(layers):
         _, (_, hp, wp) = geometry[li]
         here, after = modes[li], modes[li + 1] if li + 1 < layers else None
+        dones = [{w: device(w, li, profiles[w].layers[li].forward_s(kernels_of(w, li), rows_of(w, li, b)),
+                            have_input[(li, m, w)]) for w in names} for m, b in enumerate(sizes)]
+        if specs[li].batchnorms:
+            whole = {w: max(d[w] for d in dones) for w in names}
+            if here == "data" and len(names) > 1:
+                whole = batchnorm_sums(li, whole)
+            dones = [whole] * len(sizes)
         for m, b in enumerate(sizes):
-            done = {w: device(w, li, profiles[w].layers[li].forward_s(kernels_of(w, li), rows_of(w, li, b)),
-                              have_input[(li, m, w)]) for w in names}
+            done = dones[m]
             for src in names:
                 # what src holds: its kernels of every image (model), every kernel of its rows (data)
                 nbytes = rows_of(src, li, b) * kernels_of(src, li) * hp * wp * value_bytes
@@ -443,6 +468,13 @@ def predict_peer_step(specs, image_shape, batch, counts, profiles, link, coordin
     for li in reversed(range(layers)):
         (_, ch, h, wd), _ = geometry[li]
         here, below = modes[li], modes[li - 1] if li else None
+        if specs[li].batchnorms:            # backward waits for every micro-batch's gradient, and the sums
+            whole = {w: max(have_grad[(li, m, w)] for m in range(len(sizes))) for w in names}
+            if here == "data" and len(names) > 1:
+                whole = batchnorm_sums(li, whole)
+            for m in range(len(sizes)):
+                for w in names:
+                    have_grad[(li, m, w)] = whole[w]
         for m, b in enumerate(sizes):
             done = {w: device(w, li, profiles[w].layers[li].backward_in_step_s(kernels_of(w, li), rows_of(w, li, b), m,
                                                                            len(sizes)),

@@ -3,11 +3,15 @@
 This is the code a worker runs for every FORWARD / BACKWARD it serves, and the code `--local`
 runs in-process, so the single-device baseline and a distributed run differ only in transport.
 """
+import dataclasses
 import time
 
 import numpy as np
 
+from hetconv.engine.chain import DropoutDraw, LayerChain
+from hetconv.engine.update import UpdateRule, apply_update, slot_name
 from hetconv.geometry import ConvSpec
+from hetconv.devices.cpu import HostArrays
 from hetconv.params import default_init
 from hetconv.transport.protocol import check_fields
 from hetconv.transport.wire import check_wire_dtype, decode, encode
@@ -35,88 +39,152 @@ class ShardError(ValueError):
 
 
 class _LayerSlice:
-    def __init__(self, device, spec, start, stop, w, b, vw, vb):
+    """A shard's kernels [start, stop) of one conv layer: its state (device arrays for the conv's
+    weights, bias and their optimizer slots; host arrays for the per-channel vectors of the
+    tail's BatchNorms and theirs), the per-micro-batch contexts a step's backward needs, and the
+    gradients summed over the step's micro-batches so far."""
+
+    def __init__(self, device, spec, start, stop, state):
         self.spec, self.start, self.stop = spec, start, stop
-        self.w, self.b = device.upload(w), device.upload(b)
-        self.vw = device.upload(vw) if vw is not None else device.zeros_like(self.w)
-        self.vb = device.upload(vb) if vb is not None else device.zeros_like(self.b)
+        self.device_arrays = {}            # name -> the device's array: "w", "b", "w.momentum_buffer", ...
+        self.host = {}                     # name -> numpy: "bn1.weight", "bn1.running_mean", their slots, ...
+        for name, (a, on_device) in state.items():
+            if on_device:
+                self.device_arrays[name] = device.upload(a)
+            else:
+                self.host[name] = np.array(a, copy=True)
+        self.w, self.b = self.device_arrays["w"], self.device_arrays["b"]
         self.ctx = {}                      # micro-batch -> what its backward needs
-        self.dw = self.db = None           # gradients summed over the step's micro-batches so far
+        self.dw = self.db = None           # the conv's gradients summed over the step's micro-batches so far
         self.dw_kept = None                # the last step's dW sum, which the next step writes over
+        self.host_grads = {}               # the tail's parameter gradients of the step (whole-batch sums)
+
+    def array(self, name):
+        return self.device_arrays[name] if name in self.device_arrays else self.host[name]
+
+    def slots(self, param, rule):
+        return {slot: self.array(slot_name(param, slot)) for slot in rule.slots}
 
 
 class ConvShard:
     def __init__(self, device, clock=time.perf_counter):
         self.device = device
+        self.host_device = HostArrays()    # updates of the per-channel vectors, the same arithmetic everywhere
         self.wire = "float32"              # feature maps and gradients between devices; the plan's LOADs set it
         self.layers = {}
         self.clock = clock                 # calibration's timer (tests give a fake one)
 
-    def load(self, layer, spec, start, stop, w, b, vw=None, vb=None):
+    def load(self, layer, spec, start, stop, state, optimizer="sgd"):
+        """Kernels [start, stop) of conv layer `layer`: `state` maps the names of
+        spec.state_layout() to this slice's arrays (per-kernel arrays cut to stop - start rows,
+        scalars whole). Every param and buffer must be there, each of its shape and dtype;
+        `optimizer`'s slots start at zero where they are not given; anything else is refused."""
         k = stop - start
-        expect_w = (k, spec.in_channels, spec.kh, spec.kw)
-        if w.shape != expect_w or b.shape != (k,):
-            raise ShardError(f"layer {layer}: weights {w.shape} / bias {b.shape} do not match kernels "
-                             f"[{start}, {stop}) of {spec}: expected {expect_w} / {(k,)}")
-        for name, a, shape in (("momentum of w", vw, expect_w), ("momentum of b", vb, (k,))):
-            if a is not None and a.shape != shape:
-                raise ShardError(f"layer {layer}: {name} has shape {a.shape}, expected {shape}")
-        self.layers[layer] = _LayerSlice(self.device, spec, start, stop, w, b, vw, vb)
+        if not 0 <= start < stop <= spec.kernels:
+            raise ShardError(f"layer {layer}: kernels [{start}, {stop}) are not a range of its {spec.kernels}")
+        layout = spec.state_layout(optimizer)
+        known = {a.name: a for a in layout}
+        unknown = sorted(set(state) - set(known))
+        if unknown:
+            raise ShardError(f"layer {layer}: unknown state array(s) {unknown[:4]} for {spec.describe()} with "
+                             f"{optimizer}: expected some of {sorted(known)}")
+        arrays = {}
+        for a in layout:
+            shape = ((k,) + a.shape[1:]) if a.per_kernel else ()
+            given = state.get(a.name)
+            if given is None:
+                if a.kind != "slot":
+                    raise ShardError(f"layer {layer}: no {a.name!r} in its state (expected {sorted(known)})")
+                given = np.zeros(shape, a.dtype)
+            given = np.asarray(given)
+            if tuple(given.shape) != shape or given.dtype != np.dtype(a.dtype):
+                raise ShardError(f"layer {layer}: {a.name} is {given.dtype}{tuple(given.shape)}, kernels [{start}, "
+                                 f"{stop}) of {spec.describe()} need {a.dtype}{shape}")
+            arrays[a.name] = (given, a.on_device)
+        self.layers[layer] = _LayerSlice(self.device, spec, start, stop, arrays)
 
     def _layer(self, layer):
         if layer not in self.layers:
             raise ShardError(f"layer {layer} is not loaded on this shard (loaded: {sorted(self.layers)})")
         return self.layers[layer]
 
-    def forward(self, layer, x, micro=0, keep=True):
-        """x (N, C, H, W) -> this shard's channels of pool(relu(conv(x))). With `keep`, what the
-        backward of this micro-batch needs stays here until that backward."""
-        sl = self._layer(layer)
-        if x.ndim != 4 or x.shape[1] != sl.spec.in_channels:
-            raise ShardError(f"layer {layer}: input shape {x.shape} does not have {sl.spec.in_channels} channels (N, C, H, W)")
-        y, ctx = self.device.conv_block(x, sl.w, sl.b, sl.spec.block)
-        if keep:
-            sl.ctx[micro] = ctx
-        return y
+    def _chain(self, layer):
+        return LayerChain(self.device, self._layer(layer), layer)
 
-    def backward(self, layer, dpooled, need_dx, micro=0, sgd=None):
-        """Gradient of this shard's channels in, partial dX (or None) out. The kernels' gradients
-        add up over micro-batches, the device writing each one's dW into the step's sum; `sgd` =
-        (lr, momentum, weight_decay) on a layer's last micro-batch applies the one update of the
-        step to what was summed (as `update` does)."""
+    def forward_layer(self, layer, inputs, train, reduce=None, emit=None, dropout=None):
+        """The layer over a step's micro-batches (engine.chain.LayerChain.forward): inputs are
+        (micro-batch, x (N, C, H, W), its first row in the batch); outputs are this shard's channels
+        of the layer's output, emitted as they are final or returned by micro-batch."""
         sl = self._layer(layer)
-        ctx = sl.ctx.pop(micro, None)      # frees the saved input: it is the largest buffer we hold
-        if ctx is None:
-            raise ShardError(f"layer {layer}: backward of micro-batch {micro} without a forward to match "
-                             f"(waiting: {sorted(sl.ctx)})")
-        first = sl.dw is None
-        dx, dw, db = self.device.conv_block_backward(ctx, sl.w, dpooled, need_dx,
-                                                     dw_out=sl.dw_kept if first else sl.dw, accumulate=not first)
-        if first:
-            sl.dw, sl.db, sl.dw_kept = dw, db, None
-        else:
-            self.device.accumulate_(sl.db, db)
-        if sgd is not None:
-            self.update(layer, sgd)
+        checked = []
+        for m, x, row0 in inputs:
+            if x.ndim != 4 or x.shape[1] != sl.spec.in_channels:
+                raise ShardError(f"layer {layer}: input shape {x.shape} does not have {sl.spec.in_channels} "
+                                 f"channels (N, C, H, W)")
+            checked.append((m, x, row0))
+        return self._chain(layer).forward(checked, train, reduce, emit, dropout)
+
+    def backward_layer(self, layer, grads, need_dx, reduce=None, emit=None):
+        """Gradients of this shard's channels of the layer's output in, by micro-batch; partial dX
+        out (None where not needed). Parameter gradients add up over the step."""
+        return self._chain(layer).backward(grads, need_dx, reduce, emit)
+
+    def forward(self, layer, x, micro=0, keep=True, dropout=None):
+        """One micro-batch that is the layer's whole batch here (its BatchNorms' statistics are this
+        call's): x (N, C, H, W) -> this shard's channels of the layer's output. With `keep`
+        (training), what backward needs stays here until that backward."""
+        return self.forward_layer(layer, [(micro, x, 0)], keep, dropout=dropout)[micro]
+
+    def backward(self, layer, dout, need_dx, micro=0, update=None):
+        """Gradient of this shard's channels in, partial dX (or None) out; `update` (an
+        UpdateRule) on a layer's last micro-batch applies the step's one update (as `update`)."""
+        dx = self.backward_layer(layer, [(micro, dout)], need_dx)[micro]
+        if update is not None:
+            self.update(layer, update)
         return dx
 
-    def update(self, layer, sgd):
-        """The step's one SGD update of a layer with the gradients its backward calls summed; sgd
-        = (lr, momentum, weight_decay). Apart from backward, so a worker can send its last dX
-        first and update while its peers receive it. The dW buffer is kept for the next step."""
+    def _params(self, sl):
+        """(name, group, on device, gradient) of every parameter of a slice that trains this step."""
+        grads = {"w": sl.dw, "b": sl.db}
+        out = []
+        for a in sl.spec.trained():
+            g = grads.get(a.name) if a.on_device else sl.host_grads.get(a.name)
+            out.append((a.name, a.group, a.on_device, g))
+        return out
+
+    def update(self, layer, rule):
+        """The step's one update of a layer with the gradients its backward calls summed (rule: an
+        engine.update.UpdateRule). Apart from backward, so a worker can send its last dX first and
+        update while its peers receive it. The dW buffer is kept for the next step."""
         sl = self._layer(layer)
         if sl.dw is None:                  # no backward of this step ran here (no images): nothing to apply
             return
-        lr, momentum, weight_decay = sgd
-        self.device.sgd_(sl.w, sl.vw, sl.dw, lr, momentum, weight_decay)
-        if sl.spec.bias:                                             # a layer without bias keeps b at 0
-            self.device.sgd_(sl.b, sl.vb, sl.db, lr, momentum, 0.0)  # no decay on biases
+        self._apply(sl, rule, self._params(sl))
         sl.dw_kept, sl.dw, sl.db = sl.dw, None, None
 
+    def _apply(self, sl, rule, params):
+        for name, group, on_device, grad in params:
+            if grad is None:
+                continue
+            device = self.device if on_device else self.host_device
+            apply_update(device, sl.array(name), sl.slots(name, rule), grad, rule, group)
+        sl.host_grads = {}
+
+    def sum_of_squares(self, layer, conv=True, tail=True):
+        """The squared norm of the layer's gradients of the step held here (the conv's weights and
+        bias, the tail's parameters), in float64: this shard's part of a global norm."""
+        sl = self._layer(layer)
+        total = 0.0
+        for name, group, on_device, grad in self._params(sl):
+            if grad is not None and (conv if on_device else tail):
+                total += (self.device if on_device else self.host_device).sum_of_squares(grad)
+        return total
+
     def take_gradients(self, layer):
-        """(dW, db) summed over the step's micro-batches so far, as numpy float32, and forgotten
-        here: a data-parallel layer's share of the step's gradient, which the workers sum among
-        themselves before apply_update. Zeros when this shard had no images of the step."""
+        """(dW, db) of the conv summed over the step's micro-batches so far, as numpy float32, and
+        forgotten here: a data-parallel layer's share of the step's gradient, which the workers sum
+        among themselves before apply_update. Zeros when this shard had no images of the step. (The
+        tail's parameter gradients are whole-batch sums already, the same on every worker.)"""
         sl = self._layer(layer)
         d = self.device
         if sl.dw is None:
@@ -126,26 +194,26 @@ class ConvShard:
         sl.dw = sl.db = None               # handed out (the CPU's download is the array itself): not kept
         return dw, db
 
-    def apply_update(self, layer, dw, db, sgd):
-        """The step's one SGD update of a layer with given gradients (a data-parallel layer's,
-        summed over every worker): every worker given the same arrays holds the same weights
-        after it, bit for bit. sgd = (lr, momentum, weight_decay); no decay on biases."""
+    def apply_update(self, layer, dw, db, rule):
+        """The step's one update of a data-parallel layer with given conv gradients (summed over
+        every worker) and the tail's own: every worker given the same arrays holds the same
+        weights after it, bit for bit."""
         sl = self._layer(layer)
         if tuple(dw.shape) != tuple(sl.w.shape) or tuple(db.shape) != tuple(sl.b.shape):
             raise ShardError(f"layer {layer}: gradients {tuple(dw.shape)} / {tuple(db.shape)} do not match its weights "
                              f"{tuple(sl.w.shape)} / {tuple(sl.b.shape)}")
-        lr, momentum, weight_decay = sgd
-        self.device.sgd_(sl.w, sl.vw, self.device.upload(np.ascontiguousarray(dw, np.float32)), lr, momentum,
-                         weight_decay)
-        if sl.spec.bias:                                                 # a layer without bias keeps b at 0
-            self.device.sgd_(sl.b, sl.vb, self.device.upload(np.ascontiguousarray(db, np.float32)), lr, momentum, 0.0)
+        given = {"w": self.device.upload(np.ascontiguousarray(dw, np.float32)),
+                 "b": self.device.upload(np.ascontiguousarray(db, np.float32))}
+        self._apply(sl, rule, [(name, group, on_device, given[name] if on_device else grad)
+                               for name, group, on_device, grad in self._params(sl)])
         sl.dw = sl.db = None
 
     def fetch(self, layer):
-        """(w, b, vw, vb) as numpy, for checkpoints."""
+        """{name: numpy array} of the slice's whole state, for snapshots and checkpoints."""
         sl = self._layer(layer)
-        d = self.device
-        return d.download(sl.w), d.download(sl.b), d.download(sl.vw), d.download(sl.vb)
+        out = {name: np.asarray(self.device.download(a), np.float32) for name, a in sl.device_arrays.items()}
+        out.update({name: np.array(a, copy=True) for name, a in sl.host.items()})
+        return out
 
     def calibrate(self, specs, input_shapes, kernels, repeats=3):
         """Time the fused forward and backward on each layer's real input shape at two kernel
@@ -164,13 +232,13 @@ class ConvShard:
         for li, (spec, shape, k) in enumerate(zip(specs, input_shapes, kernels)):
             x = rng.standard_normal(shape, dtype=np.float32)
             counts = sorted({max(1, int(k)), max(1, int(k) // 2)}, reverse=True)
-            layers = [self._calibration_weights(spec, count, rng) for count in counts]
+            slices = [self._calibration_slice(spec, count, rng) for count in counts]
             need_dx = li > 0
-            timers = [self._call_timer(spec, x, w_dev, b_dev, need_dx) for w_dev, b_dev in layers]
+            timers = [self._call_timer(sl, x, need_dx) for sl in slices]
             half = np.ascontiguousarray(x[:shape[0] // 2]) if shape[0] >= 2 else None
             if half is not None:
                 # the smaller count first: the path a CPU device times for it is kept for the larger
-                timers += [self._call_timer(spec, half, w_dev, b_dev, need_dx) for w_dev, b_dev in reversed(layers)]
+                timers += [self._call_timer(sl, half, need_dx) for sl in reversed(slices)]
             means = self._mean_times(timers, repeats)
             fwd = [f for f, _ in means[:len(counts)]]
             bwd = [b for _, b in means[:len(counts)]]
@@ -178,7 +246,7 @@ class ConvShard:
             timing = {"batch": int(shape[0]), "kernels": counts, "forward_s": fwd, "backward_s": bwd}
             if half is not None:
                 timing["half_batch"] = self._half_batch_timing(half, counts, means[len(counts):][::-1])
-            timing.update(self._time_update(layers[0][0], repeats))
+            timing.update(self._time_update(slices[0].w, repeats))
             timings.append(timing)
         return speeds, timings
 
@@ -239,24 +307,27 @@ class ConvShard:
         return {"batch": int(x.shape[0]), "kernels": list(counts), "forward_s": [f for f, _ in means],
                 "backward_s": [b for _, b in means]}
 
-    def _calibration_weights(self, spec, k, rng):
+    def _calibration_slice(self, spec, k, rng):
+        """A slice of `k` kernels of the layer with fresh weights, as a step would hold it."""
         fan_in = spec.in_channels * spec.kh * spec.kw
-        w = default_init(rng, (k, spec.in_channels, spec.kh, spec.kw), fan_in)
-        return self.device.upload(w), self.device.upload(np.zeros(k, np.float32))
+        spec = dataclasses.replace(spec, kernels=k)
+        state = spec.initial_state(default_init(rng, (k, spec.in_channels, spec.kh, spec.kw), fan_in))
+        return _LayerSlice(self.device, spec, 0, k, {a.name: (state[a.name], a.on_device) for a in spec.state_layout()})
 
-    def _call_timer(self, spec, x, w_dev, b_dev, need_dx):
-        kept = []                                  # dW written into the last call's, as a step's backward does
+    def _call_timer(self, sl, x, need_dx):
+        chain = LayerChain(self.device, sl, -1)
+        dropout = DropoutDraw(0, 0, len(x))
 
         def time_once():
-            """(forward seconds, backward seconds) of one fused call."""
+            """(forward seconds, backward seconds) of one call of the whole layer: the conv's fused
+            block and the tail, dW written into the last call's, as a step's backward does."""
             t0 = self.clock()
-            y, ctx = self.device.conv_block(x, w_dev, b_dev, spec.block)
+            y = chain.forward([(0, x, 0)], True, dropout=dropout)[0]
             self.device.synchronize()
             t1 = self.clock()
-            _, dw, _ = self.device.conv_block_backward(ctx, w_dev, np.ones_like(y), need_dx,
-                                                       dw_out=kept[0] if kept else None)
+            chain.backward([(0, np.ones_like(y))], need_dx)
             self.device.synchronize()
-            kept[:] = [dw]
+            sl.dw_kept, sl.dw, sl.db, sl.host_grads = sl.dw, None, None, {}
             return t1 - t0, self.clock() - t1
 
         return time_once
@@ -271,7 +342,7 @@ class ShardServer:
     def __init__(self, shard):
         self.shard = shard
         self.handlers = {"CALIBRATE": self.calibrate, "LOAD": self.load, "FORWARD": self.forward,
-                         "BACKWARD": self.backward, "FETCH": self.fetch}
+                         "BACKWARD": self.backward, "UPDATE": self.update, "NORM": self.norm, "FETCH": self.fetch}
 
     def handle(self, op, arrays, fields):
         """-> (reply op, arrays, fields). Raises ShardError for what it cannot serve."""
@@ -290,23 +361,53 @@ class ShardServer:
                                   "conv_paths": self.shard.device.conv_path_choices()}
 
     def load(self, arrays, f):
-        vw, vb = (arrays[2], arrays[3]) if len(arrays) == 4 else (None, None)
+        names = f["names"]
+        if len(names) != len(arrays) or not all(isinstance(n, str) for n in names):
+            raise ShardError(f"LOAD names {names!r:.120} do not name its {len(arrays)} arrays one each")
         self.shard.wire = check_wire_dtype(f["wire"])
         self.shard.load(int(f["layer"]), ConvSpec.from_json(f["spec"]), int(f["start"]), int(f["stop"]),
-                        arrays[0], arrays[1], vw, vb)
+                        dict(zip(names, arrays)), f["optimizer"])
         return "LOADED", [], {"layer": f["layer"]}
 
+    @staticmethod
+    def _micros(op, f, arrays):
+        micros = f["micros"]
+        if len(micros) != len(arrays) or not all(isinstance(m, int) and not isinstance(m, bool) for m in micros):
+            raise ShardError(f"{op} micros {micros!r:.120} do not name its {len(arrays)} arrays one each")
+        return micros
+
     def forward(self, arrays, f):
+        """A layer over all of a step's micro-batches at once (the whole batch of its channels is here,
+        so its BatchNorms' statistics are the batch's), in order."""
         wire = self.shard.wire
-        y = self.shard.forward(int(f["layer"]), decode(arrays[0], wire), int(f["micro"]), bool(f["keep"]))
-        return "FORWARD_DONE", [encode(y, wire)], {"layer": f["layer"]}
+        micros, rows = self._micros("FORWARD", f, arrays), f["rows"]
+        if len(rows) != len(micros):
+            raise ShardError(f"FORWARD rows {rows!r:.120}: expected the first row of each of its {len(micros)} "
+                             f"micro-batches")
+        dropout = DropoutDraw(f["seed"], f["train_step"], f["batch"]) if f["train"] else None
+        out = self.shard.forward_layer(int(f["layer"]), [(m, decode(a, wire), int(r)) for m, a, r in
+                                                         zip(micros, arrays, rows)], f["train"], dropout=dropout)
+        return "FORWARD_DONE", [encode(out[m], wire) for m in micros], {"layer": f["layer"]}
 
     def backward(self, arrays, f):
         wire = self.shard.wire
-        sgd = f["sgd"]
-        dx = self.shard.backward(int(f["layer"]), decode(arrays[0], wire), bool(f["need_dx"]),
-                                 int(f["micro"]), None if sgd is None else tuple(float(v) for v in sgd))
-        return "BACKWARD_DONE", [] if dx is None else [encode(dx, wire)], {"layer": f["layer"]}
+        micros = self._micros("BACKWARD", f, arrays)
+        out = self.shard.backward_layer(int(f["layer"]), [(m, decode(a, wire)) for m, a in zip(micros, arrays)],
+                                        bool(f["need_dx"]))
+        return "BACKWARD_DONE", [encode(out[m], wire) for m in micros] if f["need_dx"] else [], {"layer": f["layer"]}
+
+    def update(self, arrays, f):
+        try:
+            rule = UpdateRule.from_json(f["update"])
+        except (TypeError, ValueError) as e:
+            raise ShardError(f"UPDATE: {e}") from None
+        self.shard.update(int(f["layer"]), rule)
+        return "UPDATED", [], {"layer": f["layer"]}
+
+    def norm(self, arrays, f):
+        total = sum(self.shard.sum_of_squares(layer) for layer in sorted(self.shard.layers))
+        return "NORMED", [], {"sum_of_squares": float(total)}
 
     def fetch(self, arrays, f):
-        return "SHARD", list(self.shard.fetch(int(f["layer"]))), {"layer": f["layer"]}
+        state = self.shard.fetch(int(f["layer"]))
+        return "SHARD", list(state.values()), {"layer": f["layer"], "names": list(state)}

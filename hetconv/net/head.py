@@ -14,13 +14,14 @@ from hetconv.params import default_init
 
 
 def init_conv_params(specs, rng):
-    """Initial (w, b, vw=None, vb=None) per conv layer, drawn before any FC layer so the
-    same seed gives the same conv weights whatever the FC sizes."""
+    """Each conv layer's state at the start ({name: array}, ConvSpec.state_layout's names), its
+    weights drawn before any FC layer so the same seed gives the same conv weights whatever the
+    FC sizes; biases zero, BatchNorms at PyTorch's start."""
     params = []
     for spec in specs:
         fan_in = spec.in_channels * spec.kh * spec.kw
         w = default_init(rng, (spec.kernels, spec.in_channels, spec.kh, spec.kw), fan_in)
-        params.append((w, np.zeros(spec.kernels, np.float32), None, None))
+        params.append(spec.initial_state(w))
     return params
 
 
@@ -48,13 +49,15 @@ def dropout_mask(seed, step, index, shape, p):
 
 class Network:
     """`head`: the layers after flatten, in the network's JSON form ({"type": "linear",
-    "out_features", "bias"}, {"type": "relu"}, {"type": "dropout", "p"}); `feature_shape`: (C, H,
-    W) leaving the last conv block; `fc_params`: [(w, b)] per linear to start from (else drawn)."""
+    "out_features", "bias"}, {"type": "relu"}, {"type": "dropout", "p"}, {"type": "scale",
+    "factor"}); `feature_shape`: (C, H, W) leaving the last conv block; `fc_params`: [(w, b)]
+    per linear to start from (else drawn)."""
 
-    def __init__(self, specs, head, engine, rng, feature_shape, fc_params=None, seed=0):
+    def __init__(self, specs, head, engine, rng, feature_shape, fc_params=None, seed=0, optimizer="sgd"):
         self.specs = specs
         self.engine = engine
         self.seed = seed
+        self.optimizer = optimizer          # whose slots the head's state holds
         self.ops, self.fc = [], []
         width = int(np.prod(feature_shape))
         given = list(fc_params) if fc_params is not None else None
@@ -77,8 +80,10 @@ class Network:
                 self.ops.append(("relu", None))
             elif kind == "dropout":
                 self.ops.append(("dropout", float(layer["p"])))
+            elif kind == "scale":
+                self.ops.append(("scale", np.float32(layer["factor"])))
             else:
-                raise ValueError(f"head layer {layer!r}: expected linear, relu or dropout")
+                raise ValueError(f"head layer {layer!r}: expected linear, relu, dropout or scale")
         self.classes = width
 
     def _head_forward(self, flat, masks=None):
@@ -92,6 +97,9 @@ class Network:
             elif kind == "relu":
                 h = relu(h)
                 saved.append(h)
+            elif kind == "scale":
+                h = h * arg
+                saved.append(None)
             elif masks is not None and arg > 0:
                 h = h * masks[i]
                 saved.append(masks[i])
@@ -106,6 +114,8 @@ class Network:
                 grad = self.fc[arg].backward(grad, accumulate=accumulate)
             elif kind == "relu":
                 grad = relu_backward(saved[i], grad)
+            elif kind == "scale":
+                grad = grad * arg
             elif saved[i] is not None:
                 grad = grad * saved[i]
         return grad
@@ -121,9 +131,10 @@ class Network:
                 masks[i] = dropout_mask(self.seed, step, i, (total, features), arg)
         return masks
 
-    def train_step(self, x, labels, lr, momentum, weight_decay, micro_batches=1, step=0):
-        """One SGD step on the batch, cut into `micro_batches` pieces whose gradients add up to
-        the whole batch's (the loss is the mean over the whole batch). `step` seeds dropout."""
+    def train_step(self, x, labels, rule, micro_batches=1, step=0, label_smoothing=0.0):
+        """One update (`rule`, an engine.update.UpdateRule) on the batch, cut into `micro_batches`
+        pieces whose gradients add up to the whole batch's (the loss is the mean over the whole
+        batch). `step` seeds dropout."""
         xs = np.array_split(x, micro_batches)
         ys = np.array_split(labels, micro_batches)
         total = len(labels)
@@ -136,7 +147,7 @@ class Network:
             # head forward, loss, head backward on micro-batch m: all local; its gradients add up
             masks = {i: mask[starts[m]:starts[m + 1]] for i, mask in batch_masks.items()}
             logits, saved = self._head_forward(features.reshape(features.shape[0], -1), masks)
-            loss, grad = softmax_cross_entropy(logits, ys[m])        # mean over this micro-batch
+            loss, grad = softmax_cross_entropy(logits, ys[m], label_smoothing)   # mean over this micro-batch
             share = len(ys[m]) / total
             if share != 1.0:
                 grad *= np.float32(share)                              # ... made a mean over the batch
@@ -147,12 +158,15 @@ class Network:
 
         # conv forward, head, conv backward per micro-batch: the engine decides how they overlap;
         # the conv kernels get their one update per step where they live
-        self.engine.conv_step(xs, head, (lr, momentum, weight_decay))
+        factor = self.engine.conv_step(xs, head, rule, (step, self.seed), self.head_sum_of_squares)
+        rule = rule.scaled(factor) if factor != 1.0 else rule
         for fc in self.fc:
-            if not fc.has_bias:
-                fc.db[...] = 0
-            fc.step(lr, momentum, weight_decay)
+            fc.step(rule)
         return result
+
+    def head_sum_of_squares(self):
+        """The squared norm of the head's gradients of the step (float64)."""
+        return sum(fc.sum_of_squares() for fc in self.fc)
 
     def predict(self, x):
         """Logits, without touching any training state."""
@@ -162,12 +176,18 @@ class Network:
 
     # ---- state for checkpoints ------------------------------------------------------------
     def fc_state(self):
-        return [(fc.w, fc.b, fc.vw, fc.vb) for fc in self.fc]
+        """Per linear layer, {name: array}: weights and the run's optimizer's slots (copies)."""
+        return [{k: np.array(v, copy=True) for k, v in fc.state(self.optimizer).items()} for fc in self.fc]
 
     def load_fc_state(self, state):
+        """Per linear layer {name: array} (or the old (w, b, vw, vb))."""
         if len(state) != len(self.fc):
             raise ValueError(f"checkpoint has {len(state)} FC layers, the network has {len(self.fc)}")
-        for fc, (w, b, vw, vb) in zip(self.fc, state):
-            if w.shape != fc.w.shape:
-                raise ValueError(f"checkpoint FC weights {w.shape} do not match the network's {fc.w.shape}")
-            fc.w[...], fc.b[...], fc.vw[...], fc.vb[...] = w, b, vw, vb
+        for fc, layer in zip(self.fc, state):
+            if not isinstance(layer, dict):
+                w, b, vw, vb = layer
+                layer = {"w": w, "b": b, "w.momentum_buffer": vw, "b.momentum_buffer": vb}
+            if layer["w"].shape != fc.w.shape or layer["b"].shape != fc.b.shape:
+                raise ValueError(f"checkpoint FC weights {layer['w'].shape} / {layer['b'].shape} do not match the "
+                                 f"network's {fc.w.shape} / {fc.b.shape}")
+            fc.load_state(layer)

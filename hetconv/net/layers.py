@@ -4,17 +4,24 @@ Plain numpy on float32; the FC GEMMs go to BLAS. Shapes are noted as (batch, fea
 """
 import numpy as np
 
-from hetconv.params import default_init, sgd_update
+from hetconv.engine.update import SLOTS, apply_update, slot_name
+from hetconv.devices.cpu import HostArrays
+from hetconv.params import default_init
+
+HOST = HostArrays()
 
 
 class Linear:
-    """y = x @ w.T + b, with w (out, in) as in PyTorch."""
+    """y = x @ w.T + b, with w (out, in) as in PyTorch; without a bias, b stays zero. `slots`:
+    the optimizer's state per parameter, {"w.momentum_buffer": ..., ...}, made at the first
+    update (or loaded)."""
 
-    def __init__(self, w, b):
+    def __init__(self, w, b, has_bias=True):
         self.w = np.ascontiguousarray(w, np.float32)
         self.b = np.ascontiguousarray(b, np.float32)
-        self.vw = np.zeros_like(self.w)
-        self.vb = np.zeros_like(self.b)
+        self.has_bias = has_bias
+        self.slots = {}
+        self.dw = self.db = None
         self._x = None
 
     @classmethod
@@ -36,10 +43,42 @@ class Linear:
         self._x = None
         return dx
 
-    def step(self, lr, momentum, weight_decay):
-        sgd_update(self.w, self.vw, self.dw, lr, momentum, weight_decay)
-        sgd_update(self.b, self.vb, self.db, lr, momentum, 0.0)   # no decay on biases
+    def params(self):
+        """(name, group, array, gradient) of the parameters that train."""
+        out = [("w", "weight", self.w, self.dw)]
+        if self.has_bias:
+            out.append(("b", "bias", self.b, self.db))
+        return out
+
+    def state(self, optimizer):
+        """{name: array} of the layer's weights and `optimizer`'s slots (zeros before any update)."""
+        out = {"w": self.w, "b": self.b}
+        for name, _, array, _ in self.params():
+            for slot in SLOTS[optimizer]:
+                key = slot_name(name, slot)
+                out[key] = self.slots.get(key, np.zeros_like(array))
+        return out
+
+    def load_state(self, state):
+        """Weights and slots from state(): copied in; a slot not given starts at zero."""
+        self.w[...], self.b[...] = state["w"], state["b"]
+        self.slots = {k: np.array(v, np.float32, copy=True) for k, v in state.items() if k not in ("w", "b")}
+
+    def step(self, rule):
+        """The step's one update (an engine.update.UpdateRule) with the gradients summed."""
+        for name, group, array, grad in self.params():
+            slots = {}
+            for slot in rule.slots:
+                key = slot_name(name, slot)
+                if key not in self.slots:
+                    self.slots[key] = np.zeros_like(array)
+                slots[slot] = self.slots[key]
+            apply_update(HOST, array, slots, grad, rule, group)
         self.dw = self.db = None
+
+    def sum_of_squares(self):
+        """The squared norm of the step's gradients (float64), the head's part of a global norm."""
+        return sum(HOST.sum_of_squares(grad) for _, _, _, grad in self.params())
 
 
 def relu(x):

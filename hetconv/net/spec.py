@@ -5,6 +5,7 @@ The stored (JSON) form:
 
     {"input_shape": [3, 32, 32], "classes": 10, "layers": [
       {"type": "conv", "out_channels": 500, "kernel": [5, 5], "stride": [1, 1], "padding": [0, 0], "bias": true},
+      {"type": "batchnorm", "eps": 1e-05, "momentum": 0.1, "affine": true},
       {"type": "relu"},
       {"type": "maxpool", "kernel": [2, 2], "stride": [2, 2], "padding": [0, 0]},
       ...,
@@ -12,13 +13,16 @@ The stored (JSON) form:
       {"type": "linear", "out_features": 256},
       {"type": "relu"},
       {"type": "dropout", "p": 0.5},
-      {"type": "linear", "out_features": 10}]}
+      {"type": "linear", "out_features": 10, "bias": false},
+      {"type": "scale", "factor": 0.111}]}
 
 Defaults: stride 1, padding 0, bias true; a pool's stride is its kernel, its padding 0; an int
-stands for a pair. The conv part is a sequence of blocks (conv, then at most one relu, then at most
-one pool), then exactly one flatten, then the FC part (linear, relu, dropout), ending with a linear
-as wide as `classes`. A violation is a ValueError naming the layer (index and type) and what was
-expected.
+stands for a pair. The conv part is a sequence of blocks: a conv, then any sequence of per-channel
+layers (activations: relu, gelu, silu, leaky_relu, elu, celu, tanh, sigmoid, hardswish, identity;
+maxpool, avgpool, global_avgpool, global_maxpool; batchnorm; dropout2d), in any order. Then
+exactly one flatten, then the FC part (linear, relu, dropout), whose last linear is as wide as
+`classes`, optionally followed by a scale. A violation is a ValueError naming the layer (index and
+type) and what was expected.
 """
 from dataclasses import dataclass, field, replace
 import json
@@ -26,6 +30,7 @@ import math
 
 import numpy as np
 
+from hetconv import channelwise
 from hetconv.geometry import ConvBlock
 from hetconv.params import default_init
 
@@ -68,6 +73,14 @@ def _window_out(size, kernel, stride, padding):
 
 # ---- layers -----------------------------------------------------------------------------------
 
+class ChannelLayer:
+    """A per-channel layer of the conv part (hetconv.channelwise's op inside): it stays with
+    whoever holds the channel."""
+
+    def channel_op(self):
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
 class Conv:
     out_channels: int
@@ -94,8 +107,11 @@ class Conv:
 
 
 @dataclass(frozen=True)
-class ReLU:
+class ReLU(ChannelLayer):
     type = "relu"
+
+    def channel_op(self):
+        return channelwise.Activation("relu")
 
     def to_json(self):
         return {"type": "relu"}
@@ -105,7 +121,7 @@ class ReLU:
 
 
 @dataclass(frozen=True)
-class Pool:
+class Pool(ChannelLayer):
     """Max or average pooling over a window; average counts padded zeros (PyTorch's default)."""
     mode: str                               # "max" or "avg"
     kernel: tuple
@@ -127,6 +143,9 @@ class Pool:
     @property
     def type(self):
         return self.mode + "pool"
+
+    def channel_op(self):
+        return channelwise.Pool(self.mode, self.kernel, self.stride, self.padding)
 
     def to_json(self):
         return {"type": self.type, "kernel": list(self.kernel), "stride": list(self.stride),
@@ -184,6 +203,122 @@ class Dropout:
         return f"dropout {self.p:g}"
 
 
+@dataclass(frozen=True)
+class Activation(ChannelLayer):
+    """Every activation but relu (ReLU, kept apart for the head and the fused conv block):
+    "type" is its kind, with the one parameter the kind takes, if any."""
+    kind: str
+    negative_slope: float = 0.01
+    alpha: float = 1.0
+    approximate: str = "none"
+
+    def __post_init__(self):
+        op = channelwise.Activation(self.kind, self.negative_slope, self.alpha, self.approximate)
+        for name in ("negative_slope", "alpha"):
+            object.__setattr__(self, name, getattr(op, name))
+
+    @property
+    def type(self):
+        return self.kind
+
+    def channel_op(self):
+        return channelwise.Activation(self.kind, self.negative_slope, self.alpha, self.approximate)
+
+    def to_json(self):
+        d = self.channel_op().to_json()
+        del d["kind"]
+        d["type"] = self.kind
+        return d
+
+    def text(self):
+        args = ", ".join(f"{k} {v}" for k, v in self.to_json().items() if k != "type")
+        return self.kind + (f" ({args})" if args else "")
+
+
+@dataclass(frozen=True)
+class GlobalPool(ChannelLayer):
+    """AdaptiveAvgPool2d(1) / AdaptiveMaxPool2d(1): one value per image and channel."""
+    mode: str
+
+    def __post_init__(self):
+        channelwise.GlobalPool(self.mode)
+
+    @property
+    def type(self):
+        return f"global_{self.mode}pool"
+
+    def channel_op(self):
+        return channelwise.GlobalPool(self.mode)
+
+    def to_json(self):
+        return {"type": self.type}
+
+    def text(self):
+        return self.type
+
+
+@dataclass(frozen=True)
+class BatchNorm(ChannelLayer):
+    """BatchNorm2d: statistics of the step's whole batch in training, running ones in evaluation."""
+    eps: float = 1e-5
+    momentum: float = 0.1
+    affine: bool = True
+    type = "batchnorm"
+
+    def __post_init__(self):
+        op = channelwise.BatchNorm(self.eps, self.momentum, self.affine)
+        object.__setattr__(self, "eps", op.eps)
+        object.__setattr__(self, "momentum", op.momentum)
+
+    def channel_op(self):
+        return channelwise.BatchNorm(self.eps, self.momentum, self.affine)
+
+    def to_json(self):
+        return {"type": "batchnorm", "eps": self.eps, "momentum": self.momentum, "affine": self.affine}
+
+    def text(self):
+        momentum = "cumulative" if self.momentum is None else f"momentum {self.momentum:g}"
+        return f"batchnorm eps {self.eps:g} {momentum}{'' if self.affine else ' no affine'}"
+
+
+@dataclass(frozen=True)
+class Dropout2d(ChannelLayer):
+    """Dropout2d: whole channels of an image zeroed with probability p, the rest scaled by 1/(1-p)."""
+    p: float = 0.5
+    type = "dropout2d"
+
+    def __post_init__(self):
+        object.__setattr__(self, "p", channelwise.Dropout2d(self.p).p)
+
+    def channel_op(self):
+        return channelwise.Dropout2d(self.p)
+
+    def to_json(self):
+        return {"type": "dropout2d", "p": self.p}
+
+    def text(self):
+        return f"dropout2d {self.p:g}"
+
+
+@dataclass(frozen=True)
+class Scale:
+    """Multiplies the logits by a constant (airbench's x / 9 after its classifier)."""
+    factor: float
+    type = "scale"
+
+    def __post_init__(self):
+        f = self.factor
+        if isinstance(f, bool) or not isinstance(f, (int, float, np.floating, np.integer)) or not math.isfinite(f):
+            raise ValueError(f"factor must be a finite number, got {f!r}")
+        object.__setattr__(self, "factor", float(f))
+
+    def to_json(self):
+        return {"type": "scale", "factor": self.factor}
+
+    def text(self):
+        return f"scale {self.factor:g}"
+
+
 def _pair_text(p):
     return str(p[0]) if p[0] == p[1] else f"{p[0]}x{p[1]}"
 
@@ -192,14 +327,21 @@ def _pair_text(p):
 _LAYER_TYPES = {
     "conv": (Conv, ("out_channels", "kernel", "stride", "padding", "bias")),
     "relu": (ReLU, ()),
+    **{kind: ((lambda kind: lambda **kw: Activation(kind, **kw))(kind), params)
+       for kind, params in channelwise.ACTIVATION_PARAMETERS.items() if kind != "relu"},
     "maxpool": (lambda **kw: Pool("max", **kw), ("kernel", "stride", "padding")),
     "avgpool": (lambda **kw: Pool("avg", **kw), ("kernel", "stride", "padding")),
+    "global_avgpool": (lambda: GlobalPool("avg"), ()),
+    "global_maxpool": (lambda: GlobalPool("max"), ()),
+    "batchnorm": (BatchNorm, ("eps", "momentum", "affine")),
+    "dropout2d": (Dropout2d, ("p",)),
     "flatten": (Flatten, ()),
     "linear": (Linear, ("out_features", "bias")),
     "dropout": (Dropout, ("p",)),
+    "scale": (Scale, ("factor",)),
 }
 _REQUIRED = {"conv": ("out_channels", "kernel"), "maxpool": ("kernel",), "avgpool": ("kernel",),
-             "linear": ("out_features",)}
+             "linear": ("out_features",), "scale": ("factor",)}
 LAYER_TYPES = tuple(_LAYER_TYPES)
 
 
@@ -240,7 +382,8 @@ class LayerError(ValueError):
 
 @dataclass(frozen=True)
 class ConvLayer:
-    """One conv block as the shards run it: conv, then activation and pool (in `block`)."""
+    """One conv block as the shards run it: conv, then the activation and pool a device fuses with
+    it (in `block`), then the per-channel ops after those (`tail`, hetconv.channelwise ops)."""
     index: int                  # the conv's position in NetSpec.layers
     in_channels: int
     kernels: int                # out_channels: what the planner splits
@@ -250,6 +393,8 @@ class ConvLayer:
     input_shape: tuple          # (C, H, W) entering the conv
     conv_shape: tuple           # (K, H, W) after the conv, before activation and pool
     output_shape: tuple         # (K, H, W) leaving the block
+    tail: tuple = ()            # channelwise ops after the fused block, in order
+    layer_indices: tuple = ()   # NetSpec.layers positions of the block's per-channel layers, in order
 
 
 @dataclass(frozen=True)
@@ -282,7 +427,7 @@ class NetSpec:
             raise ValueError(f"layers must be a list of layers, got {type(self.layers).__name__}")
         layers = tuple(self.layers)
         for i, layer in enumerate(layers):
-            if not isinstance(layer, (Conv, ReLU, Pool, Flatten, Linear, Dropout)):
+            if not isinstance(layer, (Conv, ChannelLayer, Flatten, Linear, Dropout, Scale)):
                 raise ValueError(f"layer {i} ({type(layer).__name__}): not a layer; expected one of "
                                  f"{', '.join(LAYER_TYPES)}")
         object.__setattr__(self, "layers", layers)
@@ -299,39 +444,45 @@ class NetSpec:
         prev = None                 # previous layer's type (dropouts skipped in the FC part)
         for i, layer in enumerate(layers):
             kind = layer.type
-            block_rule = "a block is conv, then at most one relu, then at most one pool"
             if kind == "flatten":
                 if flatten_at is not None:
                     raise LayerError(i, layer, f"only one flatten is allowed, the first is layer {flatten_at}")
                 flatten_at = i
-            elif flatten_at is None:            # conv part: conv [relu] [pool], block after block
-                if kind == "relu" and prev != "conv":
-                    raise LayerError(i, layer, f"relu in the conv part must follow a conv directly ({block_rule})")
-                if kind in ("maxpool", "avgpool") and prev not in ("conv", "relu"):
-                    raise LayerError(i, layer, f"a pool must follow a conv or its relu ({block_rule})")
-                if kind in ("linear", "dropout"):
-                    raise LayerError(i, layer, "expected flatten before the FC part "
-                                               "(conv, relu, maxpool, avgpool or flatten here)")
-            else:                               # FC part: linear, relu, dropout
-                if kind in ("conv", "maxpool", "avgpool"):
-                    raise LayerError(i, layer, "after flatten only linear, relu and dropout are allowed")
+            elif flatten_at is None:            # conv part: conv, then any per-channel layers, block after block
+                if kind in ("linear", "dropout", "scale"):
+                    raise LayerError(i, layer, "expected flatten before the FC part (conv, per-channel layers or "
+                                               "flatten here)")
+            else:                               # FC part: linear, relu, dropout; a scale after the last linear
+                if isinstance(layer, Conv) or (isinstance(layer, ChannelLayer) and kind != "relu"):
+                    raise LayerError(i, layer, "after flatten only linear, relu, dropout and scale are allowed")
                 if kind == "relu" and prev != "linear":
                     raise LayerError(i, layer, f"relu in the FC part must follow a linear "
                                                f"(with at most a dropout between), not {prev}")
                 if kind == "dropout" and layers[i - 1].type == "dropout":
                     raise LayerError(i, layer, "two dropouts in a row; expected linear or relu before it")
+                if kind == "scale" and any(later.type != "scale" for later in layers[i + 1:]):
+                    raise LayerError(i, layer, "a scale comes only after the last linear (it scales the logits)")
             if not (kind == "dropout" and flatten_at is not None):
                 prev = kind
         end, last = len(layers) - 1, layers[-1]
         if flatten_at is None:
             raise LayerError(end, last, "the conv part must be followed by one flatten, then linear layers; "
                                         "the list ends here")
-        if last.type != "linear":
+        classifier_at = self._classifier_index()
+        if classifier_at is None or classifier_at < flatten_at:
             raise LayerError(end, last, f"the network must end with a linear layer of out_features = classes "
-                                        f"({self.classes})")
-        if last.out_features != self.classes:
-            raise LayerError(end, last, f"the last linear has out_features {last.out_features}, "
-                                        f"expected classes = {self.classes}")
+                                        f"({self.classes}), then at most a scale")
+        classifier = layers[classifier_at]
+        if classifier.out_features != self.classes:
+            raise LayerError(classifier_at, classifier, f"the last linear has out_features {classifier.out_features}, "
+                                                        f"expected classes = {self.classes}")
+
+    def _classifier_index(self):
+        """The position of the last linear where only scales follow it, else None."""
+        i = len(self.layers) - 1
+        while i >= 0 and self.layers[i].type == "scale":
+            i -= 1
+        return i if i >= 0 and self.layers[i].type == "linear" else None
 
     def _infer_shapes(self):
         """The output shape of every layer: (C, H, W) up to flatten, (features,) after."""
@@ -339,7 +490,7 @@ class NetSpec:
         features = None
         shapes = []
         for i, layer in enumerate(self.layers):
-            if isinstance(layer, (Conv, Pool)):
+            if isinstance(layer, (Conv, Pool)) and features is None:
                 kh, kw = layer.kernel
                 (sh, sw), (ph, pw) = layer.stride, layer.padding
                 ho, wo = _window_out(h, kh, sh, ph), _window_out(w, kw, sw, pw)
@@ -350,13 +501,19 @@ class NetSpec:
                 if isinstance(layer, Conv):
                     c = layer.out_channels
                 shapes.append((c, h, w))
+            elif isinstance(layer, ChannelLayer) and features is None:
+                try:
+                    h, w = layer.channel_op().output_hw(h, w)
+                except ValueError as e:
+                    raise LayerError(i, layer, str(e)) from None
+                shapes.append((c, h, w))
             elif isinstance(layer, Flatten):
                 features = c * h * w
                 shapes.append((features,))
             elif isinstance(layer, Linear):
                 features = layer.out_features
                 shapes.append((features,))
-            else:                               # relu, dropout: shape unchanged
+            else:                               # dropout, scale, the head's relu: shape unchanged
                 shapes.append(shapes[-1])
         return tuple(shapes)
 
@@ -369,7 +526,9 @@ class NetSpec:
         return next(i for i, layer in enumerate(self.layers) if layer.type == "flatten")
 
     def conv_layers(self):
-        """One ConvLayer per conv block, in order."""
+        """One ConvLayer per conv block, in order. The block a device fuses with the conv takes a
+        relu right after it and then a max or average pool; every other per-channel layer is the
+        tail, in order."""
         flatten_at = self._flatten_index()
         blocks = []
         in_shape = self.input_shape
@@ -379,18 +538,21 @@ class NetSpec:
             end = i + 1
             while end < flatten_at and self.layers[end].type != "conv":
                 end += 1
+            rest = list(range(i + 1, end))
             activation, pool = "none", None
-            for layer in self.layers[i + 1:end]:
-                if layer.type == "relu":
-                    activation = "relu"
-                else:
-                    pool = layer
+            if rest and self.layers[rest[0]].type == "relu":
+                activation = "relu"
+                rest.pop(0)
+            if rest and self.layers[rest[0]].type in ("maxpool", "avgpool"):
+                pool = self.layers[rest.pop(0)]
             pooling = (dict(pool=pool.mode, pool_kernel=pool.kernel, pool_stride=pool.stride,
                             pool_padding=pool.padding) if pool else dict(pool="none"))
             block = ConvBlock(stride=conv.stride, padding=conv.padding, activation=activation, **pooling)
             blocks.append(ConvLayer(index=i, in_channels=in_shape[0], kernels=conv.out_channels,
                                     kernel=conv.kernel, bias=conv.bias, block=block, input_shape=in_shape,
-                                    conv_shape=self._shapes[i], output_shape=self._shapes[end - 1]))
+                                    conv_shape=self._shapes[i], output_shape=self._shapes[end - 1],
+                                    tail=tuple(self.layers[j].channel_op() for j in rest),
+                                    layer_indices=tuple(rest)))
             in_shape = self._shapes[end - 1]
             i = end
         return blocks
@@ -411,7 +573,8 @@ class NetSpec:
         (the classifier) is as wide as its class count."""
         classes = _int("classes", classes, 1)
         layers = list(self.layers)
-        layers[-1] = replace(layers[-1], out_features=classes)
+        at = self._classifier_index()
+        layers[at] = replace(layers[at], out_features=classes)
         return NetSpec(input_shape, classes, tuple(layers))
 
     # ---- parameters ------------------------------------------------------------------------------
@@ -443,7 +606,9 @@ class NetSpec:
 
     def parameter_count(self):
         conv, fc = self.parameter_shapes()
-        return sum(int(np.prod(w)) + (int(np.prod(b)) if b else 0) for w, b in conv + fc)
+        norms = sum(2 * layer.kernels for layer in self.conv_layers() for op in layer.tail
+                    if op.type == "batchnorm" and op.affine)
+        return sum(int(np.prod(w)) + (int(np.prod(b)) if b else 0) for w, b in conv + fc) + norms
 
     # ---- stored form and logs -------------------------------------------------------------------
     def to_json(self):
@@ -490,6 +655,8 @@ class NetSpec:
         lines = [f"input {'x'.join(map(str, self.input_shape))}, {self.classes} classes"]
         for i, (layer, shape) in enumerate(zip(self.layers, self._shapes)):
             params = next(counts) if layer.type in ("conv", "linear") else 0
+            if layer.type == "batchnorm" and layer.affine:
+                params = 2 * shape[0]
             lines.append(f"{i:>3} {layer.text():<40} -> {'x'.join(map(str, shape)):<14} {params:>12,} params")
         lines.append(f"    total {self.parameter_count():,} parameters")
         return "\n".join(lines)

@@ -10,12 +10,18 @@ import sys
 
 import numpy as np
 
-from hetconv.net.spec import Conv, Dropout, Flatten, LayerError, Linear, NetSpec, Pool, ReLU
+from hetconv.net.spec import (Activation, BatchNorm, ChannelLayer, Conv, Dropout, Dropout2d, Flatten, GlobalPool,
+                              LayerError, Linear, NetSpec, Pool, ReLU)
 
 TORCH_INSTALL = "pip install 'hetconv[torch]' (in a checkout: pip install -e '.[torch]')"
-SUPPORTED = ("Conv2d (groups 1, dilation 1, padding_mode 'zeros'), ReLU, MaxPool2d (dilation 1, ceil_mode "
-             "False), AvgPool2d (ceil_mode False, count_include_pad True, no divisor_override), Flatten "
-             "(start_dim 1), Linear, Dropout, and nested Sequential")
+SUPPORTED = ("Conv2d (groups 1, dilation 1, padding_mode 'zeros'), BatchNorm2d (track_running_stats), ReLU, GELU, "
+             "SiLU, LeakyReLU, ELU, CELU, Tanh, Sigmoid, Hardswish, Identity, MaxPool2d (dilation 1, ceil_mode False), "
+             "AvgPool2d (ceil_mode False, count_include_pad True, no divisor_override), AdaptiveAvgPool2d(1), "
+             "AdaptiveMaxPool2d(1), Dropout2d, Flatten (start_dim 1), Linear, Dropout, and nested Sequential")
+
+# PyTorch's activation modules without parameters of their own -> hetconv's kind
+_PLAIN_ACTIVATIONS = {"SiLU": "silu", "Tanh": "tanh", "Sigmoid": "sigmoid", "Hardswish": "hardswish",
+                      "Identity": "identity"}
 
 
 def import_torch():
@@ -81,6 +87,27 @@ def _layer_of(path, module):
         return Linear(module.out_features, module.bias is not None), (_numpy(module.weight), _numpy(module.bias))
     if kind is nn.ReLU:
         return ReLU(), None
+    if kind.__name__ in _PLAIN_ACTIVATIONS and kind is getattr(nn, kind.__name__):
+        return Activation(_PLAIN_ACTIVATIONS[kind.__name__]), None
+    if kind is nn.GELU:
+        return Activation("gelu", approximate=module.approximate), None
+    if kind is nn.LeakyReLU:
+        return Activation("leaky_relu", negative_slope=float(module.negative_slope)), None
+    if kind in (nn.ELU, nn.CELU):
+        return Activation(kind.__name__.lower(), alpha=float(module.alpha)), None
+    if kind is nn.BatchNorm2d:
+        if not module.track_running_stats:
+            raise _unsupported(path, module, "track_running_stats False (evaluation would use the batch's statistics)")
+        return BatchNorm(float(module.eps), None if module.momentum is None else float(module.momentum),
+                         bool(module.affine)), _batchnorm_state(module)
+    if kind in (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d):
+        if module.output_size not in (1, (1, 1)):
+            raise _unsupported(path, module, f"output_size {module.output_size} (only 1: a global pool)")
+        if kind is nn.AdaptiveMaxPool2d and module.return_indices:
+            raise _unsupported(path, module, "return_indices True")
+        return GlobalPool("avg" if kind is nn.AdaptiveAvgPool2d else "max"), None
+    if kind is nn.Dropout2d:
+        return Dropout2d(module.p), None
     if kind is nn.MaxPool2d:
         if module.dilation not in (1, (1, 1)):
             raise _unsupported(path, module, f"dilation {module.dilation}")
@@ -106,6 +133,16 @@ def _layer_of(path, module):
     raise _unsupported(path, module, "not supported")
 
 
+def _batchnorm_state(module):
+    """A BatchNorm2d's parameters and buffers by their state_dict names (weight and bias only
+    where affine)."""
+    state = {"running_mean": _numpy(module.running_mean), "running_var": _numpy(module.running_var),
+             "num_batches_tracked": module.num_batches_tracked.detach().to("cpu").numpy().astype(np.int64)}
+    if module.affine:
+        state.update(weight=_numpy(module.weight), bias=_numpy(module.bias))
+    return state
+
+
 def _numpy(param):
     if param is None:
         return None
@@ -113,8 +150,10 @@ def _numpy(param):
 
 
 def from_torch(module, input_shape):
-    """(NetSpec, conv [(w, b)], fc [(w, b)]) from an nn.Sequential whose current weights are the
-    starting weights; the class count is the last Linear's out_features."""
+    """(NetSpec, conv [state], fc [(w, b)]) from an nn.Sequential whose current weights and
+    buffers are the start; the class count is the last Linear's out_features. A conv layer's state
+    is {name: array} as ConvSpec.state_layout names it: its weights and bias, and its tail's
+    BatchNorm weights, biases and running statistics."""
     if not _is_plain_sequential(module):
         raise ValueError(f"expected an nn.Sequential (a network is an ordered list of layers), got "
                          f"{type(module).__name__}; supported layers: {SUPPORTED}")
@@ -128,7 +167,7 @@ def from_torch(module, input_shape):
                 raise
             raise ValueError(f"module {path} ({type(m).__name__}): {e}") from None
         layers.append(layer)
-        if params is not None:
+        if isinstance(layer, (Conv, Linear)):
             (conv_params if isinstance(layer, Conv) else fc_params).append(params)
     last = next((layer for layer in reversed(layers) if isinstance(layer, Linear)), None)
     if last is None:
@@ -141,11 +180,22 @@ def from_torch(module, input_shape):
         raise ValueError(f"module {path} ({type(m).__name__}): {e.problem}") from None
     # the module fixes every input width; the spec infers them from input_shape: they must agree
     by_index = dict(enumerate(modules))
-    for conv in spec.conv_layers():
+    states = []
+    for conv, (w, b) in zip(spec.conv_layers(), conv_params):
         path, m = by_index[conv.index]
         if m.in_channels != conv.in_channels:
             raise ValueError(f"module {path} (Conv2d): in_channels {m.in_channels}, but its input has "
                              f"{conv.in_channels} channels (input_shape {tuple(spec.input_shape)})")
+        state = {"w": w, "b": np.zeros(conv.kernels, np.float32) if b is None else b}
+        for t, index in enumerate(conv.layer_indices):
+            if conv.tail[t].type == "batchnorm":
+                path, m = by_index[index]
+                if m.num_features != conv.kernels:
+                    raise ValueError(f"module {path} (BatchNorm2d): num_features {m.num_features}, but its input has "
+                                     f"{conv.kernels} channels")
+                state.update({f"bn{t}.{name}": a for name, a in _batchnorm_state(m).items()})
+        states.append(state)
+    conv_params = states
     for op in spec.head():
         if op.type == "linear":
             path, m = by_index[op.index]
@@ -155,36 +205,111 @@ def from_torch(module, input_shape):
     return spec, conv_params, fc_params
 
 
+def state_dict(spec, conv_params, fc_params):
+    """The nn.Sequential state_dict of `spec` with these weights, as numpy arrays and without
+    torch: keys "INDEX.weight", "INDEX.bias", "INDEX.running_mean", "INDEX.num_batches_tracked"
+    by the layer's position, as nn.Sequential names them. conv_params: per conv layer its state
+    {name: array} (or (w, b)); fc_params: per linear (w, b)."""
+    conv_shapes, fc_shapes = spec.parameter_shapes()
+    conv_params = [p if isinstance(p, dict) else {"w": p[0], "b": p[1]} for p in conv_params]
+    _check_params("conv", [(p["w"], p.get("b")) for p in conv_params], conv_shapes, optional_bias=True)
+    _check_params("fc", fc_params, fc_shapes)
+    out = {}
+    for layer, state in zip(spec.conv_layers(), conv_params):
+        out[f"{layer.index}.weight"] = np.asarray(state["w"], np.float32)
+        if layer.bias:
+            out[f"{layer.index}.bias"] = np.asarray(state["b"], np.float32)
+        for t, index in enumerate(layer.layer_indices):
+            if layer.tail[t].type != "batchnorm":
+                continue
+            names = (("weight", "bias") if layer.tail[t].affine else ()) + ("running_mean", "running_var")
+            for name in names + ("num_batches_tracked",):
+                key = f"bn{t}.{name}"
+                if key not in state:
+                    raise ValueError(f"conv layer {layer.index}: no {key} for its BatchNorm (layer {index})")
+                out[f"{index}.{name}"] = np.asarray(state[key], np.int64 if name == "num_batches_tracked" else
+                                                    np.float32)
+    linears = [op for op in spec.head() if op.type == "linear"]
+    for op, (w, b) in zip(linears, fc_params):
+        out[f"{op.index}.weight"] = np.asarray(w, np.float32)
+        if op.layer.bias:
+            out[f"{op.index}.bias"] = np.asarray(b, np.float32)
+    return out
+
+
 def to_torch(spec, conv_params, fc_params):
-    """An nn.Sequential equal to `spec` holding these weights (copied), one module per layer."""
+    """An nn.Sequential equal to `spec` holding these weights and statistics (copied), one module
+    per layer (a scale as a module of its own, which torch.export and ONNX trace to a multiply)."""
     torch = import_torch()
     nn = torch.nn
-    conv_shapes, fc_shapes = spec.parameter_shapes()
-    _check_params("conv", conv_params, conv_shapes)
-    _check_params("fc", fc_params, fc_shapes)
-    conv_iter, fc_iter = iter(conv_params), iter(fc_params)
+    weights = state_dict(spec, conv_params, fc_params)
     in_channels = spec.input_shape[0]
     modules = []
     for layer, op_in in zip(spec.layers, _layer_inputs(spec)):
         if isinstance(layer, Conv):
             m = nn.Conv2d(in_channels, layer.out_channels, layer.kernel, layer.stride, layer.padding,
                           bias=layer.bias)
-            _load(torch, m, next(conv_iter))
             in_channels = layer.out_channels
         elif isinstance(layer, Linear):
             m = nn.Linear(op_in, layer.out_features, bias=layer.bias)
-            _load(torch, m, next(fc_iter))
+        elif isinstance(layer, ChannelLayer) and op_in is None:
+            m = _channel_module(nn, layer, in_channels)
         elif isinstance(layer, ReLU):
             m = nn.ReLU()
-        elif isinstance(layer, Pool):
-            make = nn.MaxPool2d if layer.mode == "max" else nn.AvgPool2d
-            m = make(layer.kernel, layer.stride, layer.padding)
         elif isinstance(layer, Flatten):
             m = nn.Flatten()
+        elif layer.type == "scale":
+            m = _Scale(layer.factor)
         else:
             m = nn.Dropout(layer.p)
         modules.append(m)
-    return nn.Sequential(*modules)
+    module = nn.Sequential(*modules)
+    module.load_state_dict({k: torch.from_numpy(np.array(v, copy=True)) for k, v in weights.items()})
+    return module
+
+
+def _channel_module(nn, layer, channels):
+    if isinstance(layer, ReLU):
+        return nn.ReLU()
+    if isinstance(layer, Pool):
+        return (nn.MaxPool2d if layer.mode == "max" else nn.AvgPool2d)(layer.kernel, layer.stride, layer.padding)
+    if isinstance(layer, GlobalPool):
+        return (nn.AdaptiveMaxPool2d if layer.mode == "max" else nn.AdaptiveAvgPool2d)(1)
+    if isinstance(layer, BatchNorm):
+        return nn.BatchNorm2d(channels, layer.eps, layer.momentum, layer.affine)
+    if isinstance(layer, Dropout2d):
+        return nn.Dropout2d(layer.p)
+    kind = layer.kind
+    if kind == "gelu":
+        return nn.GELU(approximate=layer.approximate)
+    if kind == "leaky_relu":
+        return nn.LeakyReLU(layer.negative_slope)
+    if kind in ("elu", "celu"):
+        return (nn.ELU if kind == "elu" else nn.CELU)(layer.alpha)
+    return getattr(nn, {v: k for k, v in _PLAIN_ACTIVATIONS.items()}[kind])()
+
+
+def _scale_module_class():
+    torch = import_torch()
+
+    class Scale(torch.nn.Module):
+        """Multiplies by a constant (hetconv's scale layer)."""
+
+        def __init__(self, factor):
+            super().__init__()
+            self.factor = float(factor)
+
+        def forward(self, x):
+            return x * self.factor
+
+        def extra_repr(self):
+            return f"factor={self.factor:g}"
+
+    return Scale
+
+
+def _Scale(factor):
+    return _scale_module_class()(factor)
 
 
 def _layer_inputs(spec):
@@ -193,23 +318,17 @@ def _layer_inputs(spec):
     return [s[0] if len(s) == 1 else None for s in shapes]
 
 
-def _check_params(part, params, shapes):
+def _check_params(part, params, shapes, optional_bias=False):
     if len(params) != len(shapes):
         raise ValueError(f"{part} params: {len(params)} layers given, the network has {len(shapes)}")
     for i, ((w, b), (w_shape, b_shape)) in enumerate(zip(params, shapes)):
         if tuple(np.shape(w)) != w_shape:
             raise ValueError(f"{part} params {i}: weight shape {tuple(np.shape(w))} != {w_shape}")
+        if optional_bias and b_shape is None:
+            continue                                 # a conv state keeps a zero bias the layer does not have
         if (b is None) != (b_shape is None) or (b is not None and tuple(np.shape(b)) != b_shape):
             given = None if b is None else tuple(np.shape(b))
             raise ValueError(f"{part} params {i}: bias shape {given} != {b_shape}")
-
-
-def _load(torch, module, params):
-    w, b = params
-    with torch.no_grad():
-        module.weight.copy_(torch.from_numpy(np.array(w, dtype=np.float32)))
-        if b is not None:
-            module.bias.copy_(torch.from_numpy(np.array(b, dtype=np.float32)))
 
 
 def load_module(text):

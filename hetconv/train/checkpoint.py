@@ -26,7 +26,8 @@ import zipfile
 
 import numpy as np
 
-FORMAT = 2                          # 2: sha256 in the meta; format 1 had no checksum and is refused
+FORMAT = 3      # 3: each layer's state by name; 2: only (w, b, vw, vb), read too; 1: no checksum, refused
+READABLE = (2, 3)
 _NAME_RE = re.compile(r"^ckpt-step(\d+)\.npz$")
 _TMP_RE = re.compile(r"^\.ckpt-.*\.npz\.tmp$")
 
@@ -52,16 +53,17 @@ def _digest(arrays, meta_body):
 
 
 def save(directory, step, epoch, config, conv_params, fc_params, plan=None, keep=3, network=None, data=None):
-    """conv_params / fc_params: per layer (w, b, vw, vb). Keeps the `keep` newest checkpoints
+    """conv_params / fc_params: per layer its state {name: array} (weights, BatchNorm statistics,
+    the optimizer's slots), stored as "conv0.w", "conv0.bn1.running_mean", "fc1.w.exp_avg"... Keeps the `keep` newest checkpoints
     (this one always among them). Returns the path written."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1 checkpoint, got {keep}")
     os.makedirs(directory, exist_ok=True)
     arrays = {}
     for kind, params in (("conv", conv_params), ("fc", fc_params)):
-        for i, (w, b, vw, vb) in enumerate(params):
-            arrays[f"{kind}{i}.w"], arrays[f"{kind}{i}.b"] = w, b
-            arrays[f"{kind}{i}.vw"], arrays[f"{kind}{i}.vb"] = vw, vb
+        for i, state in enumerate(params):
+            for name, a in state.items():
+                arrays[f"{kind}{i}.{name}"] = a
     arrays = {name: np.ascontiguousarray(a) for name, a in arrays.items()}
     meta = {"format": FORMAT, "step": int(step), "epoch": int(epoch), "config": config.to_json(),
             "conv_layers": len(conv_params), "fc_layers": len(fc_params),
@@ -189,7 +191,7 @@ def _read(path):
             meta = json.loads(bytes(entry("meta")).decode())
             if not isinstance(meta, dict):
                 raise CheckpointError("meta is not a JSON object")
-            if meta.get("format") != FORMAT:
+            if meta.get("format") not in READABLE:
                 raise CheckpointError(f"checkpoint format {meta.get('format')!r}, expected {FORMAT}"
                                       + (" (format 1 has no checksum; resume it with the version that wrote it)"
                                          if meta.get("format") == 1 else ""))
@@ -204,12 +206,27 @@ def _read(path):
     if meta.get("sha256") != _digest(arrays, body):
         raise CheckpointError("checksum mismatch: the file changed after it was written")
     try:
-        params = {kind: [tuple(arrays[f"{kind}{i}.{n}"] for n in ("w", "b", "vw", "vb"))
-                         for i in range(meta[f"{kind}_layers"])] for kind in ("conv", "fc")}
+        params = {kind: [_layer_arrays(arrays, f"{kind}{i}.", meta["format"]) for i in range(meta[f"{kind}_layers"])]
+                  for kind in ("conv", "fc")}
     except KeyError as e:
         raise CheckpointError(f"not a readable hetconv checkpoint (missing {e})") from None
     meta["path"] = path
     return meta, params["conv"], params["fc"]
+
+
+# format 2 named SGD's momentum vw and vb
+_FORMAT2_NAMES = {"vw": "w.momentum_buffer", "vb": "b.momentum_buffer"}
+
+
+def _layer_arrays(arrays, prefix, form):
+    """{name: array} of one layer, its prefix ("conv0.") taken off; KeyError where it has no weights."""
+    state = {name[len(prefix):]: a for name, a in arrays.items() if name.startswith(prefix)}
+    if form == 2:
+        state = {_FORMAT2_NAMES.get(name, name): a for name, a in state.items()}
+    for name in ("w", "b"):
+        if name not in state:
+            raise KeyError(prefix + name)
+    return state
 
 
 def load_newest_valid(path):

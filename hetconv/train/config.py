@@ -45,9 +45,26 @@ class Config:
     epochs: int = option(1, "passes over the training set")
     steps: int = option(0, "stop after this many steps in total (0: run all epochs)")
     batch_size: int = option(128, "images per step")
-    lr: float = option(0.01, "SGD learning rate")
+    lr: float = option(0.01, "learning rate (a schedule's peak)")
+    optimizer: str = option("sgd", "'sgd' (torch.optim.SGD) or 'adamw' (torch.optim.AdamW)")
     momentum: float = option(0.9, "SGD momentum")
-    weight_decay: float = option(5e-4, "L2 on weights (not on biases)")
+    nesterov: bool = option(False, "SGD with Nesterov momentum")
+    betas: str = option("0.9,0.999", "AdamW's beta1,beta2")
+    eps: float = option(1e-8, "AdamW's eps")
+    weight_decay: float = option(5e-4, "weight decay: coupled (L2 in the gradient) for sgd, decoupled for adamw")
+    no_decay: str = option("bias", "parameter groups without weight decay: a comma list of bias (every bias, "
+                                   "BatchNorm's too) and norm (normalisation weights); '' to decay everything")
+    schedule: str = option("constant", "the learning rate over the run's steps, as PyTorch's scheduler of that name: "
+                                       "constant; step (MultiStepLR: --milestones, --gamma); cosine "
+                                       "(CosineAnnealingLR to --min-lr); onecycle (OneCycleLR with --lr as its peak, "
+                                       "momentum cycled 0.95 to 0.85 and back)")
+    warmup_steps: int = option(0, "a linear warm-up from 0 over this many steps before the schedule")
+    milestones: str = option("", "--schedule step: the steps at which the rate is multiplied by --gamma, e.g. 30,60")
+    gamma: float = option(0.1, "--schedule step: the factor at each milestone")
+    min_lr: float = option(0.0, "--schedule cosine: the rate it ends at")
+    label_smoothing: float = option(0.0, "label smoothing of the cross-entropy, as F.cross_entropy's")
+    clip_grad_norm: float = option(0.0, "clip the global gradient norm (every parameter, head and conv together) to "
+                                        "this, as clip_grad_norm_ (0: off)")
     seed: int = option(0, "initial weights and data order")
     # devices
     threads: int = option(0, "threads per CPU device (0: every core this process may use)")
@@ -167,6 +184,7 @@ class Config:
             raise ValueError(f"--momentum must be in [0, 1), got {self.momentum}")
         if self.weight_decay < 0:
             raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        self.check_recipe()
         if self.exchange not in ("peer", "star"):
             raise ValueError(f"--exchange must be 'peer' or 'star', got {self.exchange!r}")
         if self.micro_batches > self.batch_size:
@@ -180,6 +198,35 @@ class Config:
         except ValueError as e:
             raise ValueError(f"--link: {e}") from None
         return self
+
+    def check_recipe(self):
+        """The optimizer, schedule, loss and clipping flags, each checked with one line naming it."""
+        from hetconv.engine.update import OPTIMIZERS, parse_no_decay
+        from hetconv.train.recipe import parse_betas, parse_milestones
+        from hetconv.train.schedule import KINDS
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.nesterov and (self.optimizer != "sgd" or self.momentum == 0):
+            raise ValueError("--nesterov needs --optimizer sgd with a --momentum above 0 (as torch.optim.SGD)")
+        parse_betas(self.betas)
+        parse_no_decay(self.no_decay)
+        if self.schedule not in KINDS:
+            raise ValueError(f"--schedule must be one of {', '.join(KINDS)}, got {self.schedule!r}")
+        milestones = parse_milestones(self.milestones)
+        if milestones and self.schedule != "step":
+            raise ValueError(f"--milestones applies to --schedule step, not {self.schedule}")
+        if self.schedule == "step" and not milestones:
+            raise ValueError("--schedule step needs --milestones, the steps at which the rate drops, e.g. 30,60")
+        for flag, value, low in (("--eps", self.eps, 0.0), ("--gamma", self.gamma, 0.0), ("--min-lr", self.min_lr, 0.0),
+                                 ("--clip-grad-norm", self.clip_grad_norm, 0.0), ("--warmup-steps", self.warmup_steps, 0)):
+            if value < low:
+                raise ValueError(f"{flag} must be >= {low:g}, got {value}")
+        if self.eps == 0 and self.optimizer == "adamw":
+            raise ValueError("--eps must be > 0 with --optimizer adamw (it keeps the update finite)")
+        if self.min_lr > self.lr:
+            raise ValueError(f"--min-lr {self.min_lr} is above --lr {self.lr}: cosine annealing goes down to it")
+        if not 0 <= self.label_smoothing <= 1:
+            raise ValueError(f"--label-smoothing must be in [0, 1], got {self.label_smoothing}")
 
     def check_same_network(self, saved):
         """Raise unless `saved` (a Config) describes the same network as this one."""

@@ -1,8 +1,8 @@
 """Elastic training: in-memory snapshots, and what the loop does when a worker is lost or joins.
 
 The shards hold the only copy of the conv weights during training, so the coordinator keeps a
-snapshot: every layer's full (w, b, vw, vb) gathered from the workers, the FC layers and their
-momentum, and the step (the batch order depends only on the seed and the epoch, so the step is
+snapshot: every layer's whole state (weights, BatchNorm statistics, optimizer slots) gathered
+from the workers, the FC layers and theirs, and the step (the batch order depends only on the seed and the epoch, so the step is
 the whole data position). Every gather the run makes anyway (a checkpoint's, a rebalance's, the
 final one before evaluation) is kept as the snapshot too, so the snapshot is never older than a
 checkpoint this run wrote. When a worker is lost, during a step or anything else that talks to
@@ -30,8 +30,8 @@ RESCUE_DIR = "hetconv-rescue"
 class Snapshot:
     def __init__(self, step, conv, fc):
         self.step = step
-        self.conv = conv                                    # per layer (w, b, vw, vb), full size
-        self.fc = [tuple(a.copy() for a in layer) for layer in fc]
+        self.conv = conv                                    # per layer its whole state {name: array}, full size
+        self.fc = fc                                        # per linear layer {name: array}, copies
 
 
 class Elastic:

@@ -21,6 +21,7 @@ from hetconv.train.config import Config
 from hetconv.train.elastic import Elastic
 from hetconv.train.membership import Finished, Stopped, WorkersJoined, WorkersLost
 from hetconv.train.metrics import MetricsWriter
+from hetconv.train.recipe import Recipe
 
 MAX_REBALANCES = 3
 
@@ -107,6 +108,17 @@ def _compatible(meta, cfg, network):
         cfg.check_same_network(Config.from_json(meta["config"]))
     except (TypeError, ValueError) as e:
         raise checkpoint.CheckpointError(f"cannot resume: {e}") from None
+
+
+def _run_state(spec, state, optimizer, log):
+    """A checkpoint's layer state for this run: another optimizer's slots are left behind (this
+    run's start at zero), with a line saying so."""
+    layout = {a.name for a in spec.state_layout(optimizer)}
+    dropped = sorted(set(state) - layout)
+    if dropped:
+        log(f"the checkpoint's optimizer state {', '.join(dropped[:4])}{' ...' if len(dropped) > 4 else ''} is not "
+            f"--optimizer {optimizer}'s: it starts afresh")
+    return {name: a for name, a in state.items() if name in layout}
 
 
 def data_meta(ds):
@@ -226,6 +238,7 @@ class _Run:
         self._last_line = time.monotonic()
         self.evaluated = {}                     # step -> Evaluation recorded at that step
         self.augment = cfg.augment_kinds()
+        self.recipe = Recipe(cfg, total_steps)  # each step's update: optimizer, schedule, clipping
 
     # ---- the steps ---------------------------------------------------------------------------------
     def advance(self, stop):
@@ -269,8 +282,9 @@ class _Run:
     def one_step(self, epoch, x, y):
         cfg = self.cfg
         t0 = time.perf_counter()
-        result = self.net.train_step(center_crop(x, cfg.crop), y, cfg.lr, cfg.momentum, cfg.weight_decay,
-                                     self.micro_batches, step=self.step)
+        rule = self.recipe.rule(self.step)
+        result = self.net.train_step(center_crop(x, cfg.crop), y, rule, self.micro_batches, step=self.step,
+                                     label_smoothing=cfg.label_smoothing)
         dt = time.perf_counter() - t0
         if not math.isfinite(result.loss):
             raise FloatingPointError(f"loss became {result.loss} at step {self.step + 1}: lower --lr (now {cfg.lr})")
@@ -279,7 +293,7 @@ class _Run:
         self.losses.append(result.loss)
         self.step_times.append(dt)
         self.metrics.write("step", step=step, epoch=epoch, loss=result.loss, accuracy=result.correct / len(y),
-                           step_s=dt, images_per_s=len(y) / dt, workers=self.engine.step_stats())
+                           lr=rule.lr, step_s=dt, images_per_s=len(y) / dt, workers=self.engine.step_stats())
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{result.loss:.3f}", img_s=f"{len(y) / dt:.0f}")
         if self.bar.disable and time.monotonic() - self._last_line >= 30:
@@ -440,19 +454,23 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
 
     rng = np.random.default_rng(cfg.seed)
     head = [op.layer.to_json() for op in network.head() if op.type != "flatten"]
+    engine.optimizer = cfg.optimizer
     if loaded.params is not None:                 # a PyTorch module's own weights are the starting weights
         conv_given, fc_given = loaded.params
-        conv_params = [(w, np.zeros(len(w), np.float32) if b is None else b, None, None) for w, b in conv_given]
-        net = Network(specs, head, engine, rng, feature_shape, fc_params=fc_given, seed=cfg.seed)
+        conv_params = [given if isinstance(given, dict) else spec.initial_state(*given)
+                       for spec, given in zip(specs, conv_given)]
+        net = Network(specs, head, engine, rng, feature_shape, fc_params=fc_given, seed=cfg.seed,
+                      optimizer=cfg.optimizer)
     else:
         conv_params = init_conv_params(specs, rng)
-        net = Network(specs, head, engine, rng, feature_shape, seed=cfg.seed)
+        net = Network(specs, head, engine, rng, feature_shape, seed=cfg.seed, optimizer=cfg.optimizer)
     start_step = 0
     if resume:
         meta, conv_params, fc_state, skipped = checkpoint.load_newest_valid(resume)
         for name, reason in skipped:
             log(f"skipped {name}: {reason}")
         _compatible(meta, cfg, network)
+        conv_params = [_run_state(spec, state, cfg.optimizer, log) for spec, state in zip(specs, conv_params)]
         net.load_fc_state(fc_state)
         start_step = meta["step"]
         log(f"resumed from {meta['path']} at step {start_step}")

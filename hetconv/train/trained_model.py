@@ -32,6 +32,7 @@ class Model:
     data: dict                  # name, classes, image_shape, mean, std (of [0, 1] pixels, per channel)
     config: dict
     notes: list = field(default_factory=list)
+    conv_buffers: list = field(default_factory=list)   # per conv layer: its tail's BatchNorm state by name
 
     @property
     def classes(self):
@@ -138,17 +139,38 @@ def load_model(path):
         conv_shapes, fc_shapes = spec.parameter_shapes()
         conv = _weights("conv", conv_state, conv_shapes)
         fc = _weights("fc", fc_state, fc_shapes)
+        buffers = _conv_buffers(spec, conv_state)
     except ModelError as e:
         raise ModelError(f"{where}: {e}") from None
-    return Model(where, int(meta.get("step", 0)), spec, conv, fc, data, meta.get("config") or {}, notes)
+    return Model(where, int(meta.get("step", 0)), spec, conv, fc, data, meta.get("config") or {}, notes, buffers)
+
+
+def _conv_buffers(spec, conv_state):
+    """Per conv layer, {name: array} of what evaluation needs besides the conv's weights: the
+    tail's BatchNorm weights, biases and running statistics, each checked against the network."""
+    out = []
+    for i, (layer, state) in enumerate(zip(spec.conv_layers(), conv_state)):
+        arrays = {}
+        for a in ConvSpec.from_layer(layer).state_layout()[2:]:
+            got = state.get(a.name)
+            if got is None:
+                raise ModelError(f"conv layer {i}: no {a.name} in the checkpoint")
+            if tuple(got.shape) != tuple(a.shape) or got.dtype != np.dtype(a.dtype) or \
+                    (got.dtype.kind == "f" and not np.isfinite(got).all()):
+                raise ModelError(f"conv layer {i}: {a.name} is {got.dtype}{tuple(got.shape)}, its network expects "
+                                 f"finite {a.dtype}{tuple(a.shape)}")
+            arrays[a.name] = got
+        out.append(arrays)
+    return out
 
 
 def _weights(part, state, shapes):
-    """[(w, b or None)] from a checkpoint's [(w, b, vw, vb)], each checked against the network."""
+    """[(w, b or None)] from a checkpoint's per-layer states, each checked against the network."""
     if len(state) != len(shapes):
         raise ModelError(f"it has {len(state)} {part} layers, its network {len(shapes)}")
     out = []
-    for i, ((w, b, _, _), (w_shape, b_shape)) in enumerate(zip(state, shapes)):
+    for i, (layer, (w_shape, b_shape)) in enumerate(zip(state, shapes)):
+        w, b = layer["w"], layer["b"]
         if tuple(w.shape) != w_shape or (b_shape is not None and tuple(b.shape) != b_shape):
             raise ModelError(f"{part} layer {i}: weights {tuple(w.shape)}, bias {tuple(b.shape)}; its network "
                              f"expects {w_shape}, {b_shape}")
@@ -170,8 +192,9 @@ class InProcessModel:
         kernels = [s.kernels for s in specs]
         device = open_device("cpu", **({"threads": threads} if threads else {}))
         engine = LocalEngine({"local": ConvShard(device)})
+        buffers = model.conv_buffers or [{} for _ in specs]
         engine.load(fixed_plan(kernels, {"local": kernels}), specs,
-                    [(w, np.zeros(len(w), np.float32) if b is None else b, None, None) for w, b in model.conv])
+                    [{**s.initial_state(w, b), **extra} for s, (w, b), extra in zip(specs, model.conv, buffers)])
         head = [op.layer.to_json() for op in spec.head() if op.type != "flatten"]
         self.net = Network(specs, head, engine, np.random.default_rng(0), spec.conv_layers()[-1].output_shape,
                            fc_params=model.fc)

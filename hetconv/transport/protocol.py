@@ -13,19 +13,19 @@ import traceback
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 # Coordinator -> worker requests, worker -> coordinator replies and notices, worker -> worker.
-REQUESTS = ("WELCOME", "CALIBRATE", "LOAD", "FORWARD", "BACKWARD", "FETCH", "SHUTDOWN",
+REQUESTS = ("WELCOME", "CALIBRATE", "LOAD", "FORWARD", "BACKWARD", "UPDATE", "NORM", "FETCH", "SHUTDOWN",
             "PEERS", "STEP", "INPUT", "GRAD", "WAIT")
-REPLIES = ("HELLO", "HEARTBEAT", "CALIBRATED", "LOADED", "FORWARD_DONE", "BACKWARD_DONE", "SHARD", "BYE", "ERROR",
-           "PEERS_OK", "FEATURES", "STEP_DONE")
+REPLIES = ("HELLO", "HEARTBEAT", "CALIBRATED", "LOADED", "FORWARD_DONE", "BACKWARD_DONE", "UPDATED", "NORMED",
+           "SHARD", "BYE", "ERROR", "PEERS_OK", "FEATURES", "STEP_DONE")
 PEER_OPS = ("SLICE",)
 OPS = frozenset(REQUESTS + REPLIES + PEER_OPS)
 
 DTYPES = frozenset({"float32", "float64", "float16", "int8", "uint8", "uint16", "int32", "int64"})
 MAX_HEADER_BYTES = 1 << 20
-MAX_ARRAYS = 16
+MAX_ARRAYS = 64                   # a layer's state: weights, BatchNorm vectors, optimizer slots
 MAX_NDIM = 8
 MAX_ARRAY_BYTES = 4 << 30         # 4 GiB: far above any layer this project sends
 
@@ -34,14 +34,18 @@ MAX_ARRAY_BYTES = 4 << 30         # 4 GiB: far above any layer this project send
 # request checks them with `check_fields` before reading any (a missing or mistyped field is an
 # ERROR naming it), so a handler reads f["x"] and never falls back to a default. A peer's SLICE
 # and the step's INPUT and GRAD are checked with what the running step adds (worker.peers).
-_OPTIONAL_LIST = (list, type(None))
+_OPTIONAL_MAP = (dict, type(None))
 FIELDS = {
     "CALIBRATE": {"layers": list, "repeats": int},
-    "LOAD": {"layer": int, "spec": dict, "start": int, "stop": int, "wire": str},
-    "FORWARD": {"layer": int, "micro": int, "keep": bool},
-    "BACKWARD": {"layer": int, "micro": int, "need_dx": bool, "sgd": _OPTIONAL_LIST},
+    "LOAD": {"layer": int, "spec": dict, "start": int, "stop": int, "wire": str, "optimizer": str, "names": list},
+    "FORWARD": {"layer": int, "micros": list, "rows": list, "batch": int, "train": bool, "train_step": int,
+                "seed": int},
+    "BACKWARD": {"layer": int, "micros": list, "need_dx": bool},
+    "UPDATE": {"layer": int, "update": dict},
+    "NORM": {},
     "FETCH": {"layer": int},
-    "STEP": {"step": int, "micro_batches": int, "train": bool, "sgd": _OPTIONAL_LIST},
+    "STEP": {"step": int, "micro_batches": int, "train": bool, "update": _OPTIONAL_MAP, "train_step": int,
+             "seed": int},
     "INPUT": {"step": int, "micro": int},
     "GRAD": {"step": int, "micro": int},
     "FEATURES": {"step": int, "micro": int},

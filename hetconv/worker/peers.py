@@ -32,8 +32,10 @@ import time
 import numpy as np
 import zmq
 
+from hetconv.engine.chain import DropoutDraw
 from hetconv.engine.contract import sum_in_order
 from hetconv.engine.planner import MODES, LayerPlan, image_ranges
+from hetconv.engine.update import UpdateRule, clip_factor
 from hetconv.transport import protocol
 from hetconv.transport.keys import connect_peer
 from hetconv.transport.sockets import host_key, ipc_reachable
@@ -44,7 +46,10 @@ class StepAbandoned(RuntimeError):
     """The coordinator gave up on the step this worker was in (and will not wait for its reply)."""
 
 
-PHASES = ("images", "forward", "backward", "dweights")    # a SLICE's phase
+# A SLICE's phase: feature maps and gradients between layers; a data-parallel layer's weight
+# gradients, and its BatchNorms' sums (forward and backward; `micro` is then the op's index in the
+# layer's tail); the workers' parts of a global gradient norm (clipping).
+PHASES = ("images", "forward", "backward", "dweights", "bn_forward", "bn_backward", "gradnorm")
 
 
 # A block of a layer's input or output, (N, C, H, W), is (row0, row1, channel0, channel1): the
@@ -243,6 +248,8 @@ class PeerLinks:
             key = self._admit(msg, running=True)
             if key is None:
                 continue
+            if msg.op == "GRAD" and "head_sum_of_squares" in msg.fields:
+                self._note_head_norm(key[0], msg.fields["head_sum_of_squares"])
             if key in wanted and key not in got:
                 got[key] = msg.arrays[0]
             elif key in got or key in self.held:
@@ -251,6 +258,19 @@ class PeerLinks:
                 self.held[key] = msg.arrays[0]
         self.wait_s += time.perf_counter() - t0
         return got
+
+    def _note_head_norm(self, step, value):
+        """The coordinator's part of a step's global gradient norm, from its last GRAD."""
+        if not (isinstance(value, float) and np.isfinite(value) and value >= 0):
+            raise ValueError(f"step {step}: GRAD's head_sum_of_squares {value!r:.60}: expected a finite number >= 0")
+        self.head_norms = {step: value}
+
+    def _head_sum_of_squares(self, step):
+        value = getattr(self, "head_norms", {}).get(step)
+        if value is None:
+            raise ValueError(f"step {step}: clipping asks for the global gradient norm, but the coordinator's GRAD "
+                             f"carried no head_sum_of_squares")
+        return value
 
     def _check(self, what, sender, got, expected):
         """A piece from a peer (or the coordinator) whose shape is not what the plan says: the
@@ -302,6 +322,11 @@ class PeerLinks:
             late = self.step is not None and step <= self.step
             return self._drop(msg, "step", f"step {step} has ended here (a late slice of an abandoned step)" if late
                               else f"step {step} is neither this plan's current step ({self.step}) nor the next")
+        if msg.op == "SLICE" and phase in ("bn_forward", "bn_backward") and _is_int(layer) \
+                and 0 <= layer < len(self.layer_plans):
+            micros = len(self.shard.layers[layer].spec.tail) if layer in self.shard.layers else 0
+        elif msg.op == "SLICE" and phase in ("dweights", "gradnorm"):
+            micros = 1
         if not _is_int(micro) or not 0 <= micro < micros:
             return self._drop(msg, "micro", f"micro-batch {micro!r} out of range(0, {micros})")
         if msg.op != "SLICE":
@@ -310,21 +335,20 @@ class PeerLinks:
             return (step, phase, layer, micro, sender)
         layers = len(self.ranges)
         first_data = bool(self.layer_plans) and self.layer_plans[0].mode == "data"
+        data_layers = [lp.layer for lp in self.layer_plans if lp.mode == "data"]
         allowed = {"images": range(-1, -1 if first_data else 0), "forward": range(0, layers - 1),
-                   "backward": range(1, layers),
-                   "dweights": [lp.layer for lp in self.layer_plans if lp.mode == "data"]}
+                   "backward": range(1, layers), "dweights": data_layers, "bn_forward": data_layers,
+                   "bn_backward": data_layers, "gradnorm": [-1]}
         if not isinstance(phase, str) or phase not in PHASES:
             return self._drop(msg, "phase", f"phase {phase!r:.40} is not one of {', '.join(PHASES)}")
         # What can precede this worker's own start of a step: a peer's images; and where the first
         # layer is data-parallel (no images to gather), a peer that began first computes alone up to
         # its first exchange, so its forward slices too. Backward needs every worker's features first.
-        if early and phase not in (("images", "forward") if first_data else ("images",)):
+        if early and phase not in (("images", "forward", "bn_forward") if first_data else ("images",)):
             return self._drop(msg, "early", f"{phase!r} for step {step} before that step began")
         if not _is_int(layer) or layer not in allowed[phase]:
             return self._drop(msg, "layer", f"{phase} layer {layer!r:.40} is outside the plan's {layers} layers"
                               + (" (or not a data-parallel one)" if phase == "dweights" else ""))
-        if phase == "dweights" and micro != 0:
-            return self._drop(msg, "micro", f"weight gradients for micro-batch {micro!r}: they travel once a step, as 0")
         if not isinstance(sender, str) or sender == self.name or sender not in self.order:
             return self._drop(msg, "sender", f"sender {sender!r:.60} is not another worker of the plan")
         # With keys the inbox knows which key each connection authenticated (ZAP), so a sender
@@ -470,12 +494,37 @@ class PeerLinks:
                 self._send_peer(peer, step, phase, layer, m, np.ascontiguousarray(sent[within(part, block)]))
         return decode(sent, wire)
 
+    def _all_reduce(self, step, phase, layer, index, local):
+        """Every worker's float64 `local` (the same shape everywhere), summed in plan order: the same
+        total on every worker whatever order the parts arrive in. One message to each peer."""
+        others = [w for w in self.order if w != self.name]
+        for peer in others:
+            self._send_peer(peer, step, phase, layer, index, local)
+        parts = self._await({(step, phase, layer, index, w) for w in others}, step)
+        total = np.zeros_like(local)
+        for w in self.order:
+            part = local if w == self.name else self._check(f"step {step}: {phase} of layer {layer}", w,
+                                                            parts[(step, phase, layer, index, w)], local.shape)
+            if part.dtype != np.float64:
+                raise ValueError(f"step {step}: {phase} of layer {layer} from {w} is {part.dtype}, expected float64")
+            total += part
+        return total
+
+    def _bn_reduce(self, step, layer):
+        """A data-parallel layer's BatchNorm sums: each worker's (over its images) added among all."""
+        def reduce(key, sums, count):
+            phase, index = key
+            flat = self._all_reduce(step, phase, layer, index, np.append(sums.ravel(), float(count)))
+            return flat[:-1].reshape(sums.shape), int(round(flat[-1]))
+        return reduce
+
     def run_step(self, seq, fields):
         """STEP: run every layer forward (and backward when training) over the micro-batches."""
         protocol.check_fields("STEP", fields)
         step, micros, train = int(fields["step"]), int(fields["micro_batches"]), bool(fields["train"])
         wire = self.shard.wire                  # fixed for the plan by its LOADs
-        sgd = None if fields.get("sgd") is None else tuple(float(v) for v in fields["sgd"])
+        rule = None if fields["update"] is None else UpdateRule.from_json(fields["update"])
+        clip = rule is not None and rule.max_norm > 0
         sizes = self._sizes(fields, step, micros)
         plans = self.layer_plans
         layers = len(plans)
@@ -484,78 +533,127 @@ class PeerLinks:
         others = [w for w in self.order if w != self.name]
         in_hw, out_hw = [None] * layers, [None] * layers
 
-        # forward: layer by layer, each micro-batch's output block sent on as soon as it is done
+        # forward: layer by layer, each micro-batch's output block sent on as soon as it is final
         inputs, n = self._first_inputs(step, micros, sizes, wire, others)
+        offsets = [int(v) for v in np.cumsum([0] + n)[:-1]]       # each micro-batch's first row in the batch
+        dropout = DropoutDraw(fields["seed"], fields["train_step"], sum(n)) if train else None
         held_prev = {}                           # micro-batch -> this worker's block of the last layer's output
         for layer in range(layers):
             lp, last = plans[layer], layer == layers - 1
-            for m in range(micros):
-                x = inputs.pop(m) if layer == 0 else self._gather_input(step, layer, m, n[m], held_prev.pop(m), wire)
-                in_hw[layer] = tuple(x.shape[2:])
-                mine = held_blocks(lp, n[m])[self.name]
+            waited = [0.0]                       # gathering inputs and sending outputs: not compute
+
+            def layer_inputs(layer=layer):
+                for m in range(micros):
+                    t0 = time.perf_counter()
+                    x = inputs.pop(m) if layer == 0 else self._gather_input(step, layer, m, n[m], held_prev.pop(m),
+                                                                            wire)
+                    in_hw[layer] = tuple(x.shape[2:])
+                    waited[0] += time.perf_counter() - t0
+                    yield m, x, offsets[m] + held_blocks(plans[layer], n[m])[self.name][0]
+
+            def emit(m, y, layer=layer, lp=lp, last=last):
                 t0 = time.perf_counter()
-                if len(x):
-                    y = self.shard.forward(layer, x, micro=m, keep=train)   # the shard keeps what backward needs
-                    self.shard.device.synchronize()
-                else:                            # no images of this micro-batch here
-                    y = np.zeros((0, mine[3] - mine[2]) + self.shard.layers[layer].spec.output_hw(*in_hw[layer]),
-                                 np.float32)
-                compute[layer] += time.perf_counter() - t0
+                self.shard.device.synchronize()
                 out_hw[layer] = tuple(y.shape[2:])
+                mine = held_blocks(lp, n[m])[self.name]
                 if last:
                     self.send_to_coordinator(protocol.pack("FEATURES", seq, [encode(y, wire)], step=step, micro=m))
                 else:
                     receivers = needed_blocks(plans[layer + 1], lp.kernels, n[m])
                     held_prev[m] = self._send_blocks(step, "forward", layer, m, y, mine, receivers, wire)
+                waited[0] += time.perf_counter() - t0
+
+            t0 = time.perf_counter()
+            reduce = self._bn_reduce(step, layer) if lp.mode == "data" and len(self.order) > 1 else None
+            self.shard.forward_layer(layer, layer_inputs(), train, reduce, emit, dropout)
+            compute[layer] += time.perf_counter() - t0 - waited[0]
 
         # backward: the last layer's gradient block from the coordinator, the rest from the peers
-        if train:
-            dx_above, updates = {}, []
-            for layer in reversed(range(layers)):
-                lp = plans[layer]
+        if not train:
+            return "STEP_DONE", [], {"step": step, "layer_compute_s": compute, "compute_s": sum(compute),
+                                     "peer_wait_s": self.wait_s, "peer_bytes_sent": self.bytes_sent}
+        dx_above, updates, deferred = {}, [], []
+        for layer in reversed(range(layers)):
+            lp = plans[layer]
+            waited = [0.0]
+
+            def layer_grads(layer=layer, lp=lp):
                 for m in range(micros):
+                    t0 = time.perf_counter()
                     mine = held_blocks(lp, n[m])[self.name]
                     if layer == layers - 1:
                         key = (step, "GRAD", -1, m, "coordinator")
                         grad = decode(self._check(f"step {step}: gradient of micro-batch {m}", "the coordinator",
-                                                  self._await({key}, step)[key], block_shape(mine) + out_hw[layer]), wire)
+                                                  self._await({key}, step)[key], block_shape(mine) + out_hw[layer]),
+                                      wire)
                     else:
                         grad = self._gather_grad(step, layer, m, n[m], dx_above.pop(m), wire, out_hw[layer])
-                    t0 = time.perf_counter()
-                    if len(grad):
-                        dx = self.shard.backward(layer, grad, need_dx=layer > 0, micro=m)
-                        self.shard.device.synchronize()
-                    elif layer > 0:
-                        dx = np.zeros((0, plans[layer - 1].kernels) + in_hw[layer], np.float32)
-                    compute[layer] += time.perf_counter() - t0
-                    if layer > 0:
-                        block = needed_blocks(lp, plans[layer - 1].kernels, n[m])[self.name]
-                        dx_above[m] = self._send_blocks(step, "backward", layer, m, dx, block,
-                                                        held_blocks(plans[layer - 1], n[m]), wire)
-                if lp.mode == "model" and sgd is not None:
+                    waited[0] += time.perf_counter() - t0
+                    yield m, grad
+
+            def emit(m, dx, layer=layer, lp=lp):
+                if layer == 0:
+                    return
+                t0 = time.perf_counter()
+                self.shard.device.synchronize()
+                block = needed_blocks(lp, plans[layer - 1].kernels, n[m])[self.name]
+                dx_above[m] = self._send_blocks(step, "backward", layer, m, dx, block,
+                                                held_blocks(plans[layer - 1], n[m]), wire)
+                waited[0] += time.perf_counter() - t0
+
+            t0 = time.perf_counter()
+            reduce = self._bn_reduce(step, layer) if lp.mode == "data" and len(self.order) > 1 else None
+            self.shard.backward_layer(layer, layer_grads(), layer > 0, reduce, emit)
+            self.shard.device.synchronize()
+            compute[layer] += time.perf_counter() - t0 - waited[0]
+            if lp.mode == "model" and rule is not None:
+                if clip:
+                    deferred.append(layer)       # the factor needs every gradient of the step first
+                else:
                     # after the last dX has left: the peers receive it while this worker updates
                     t0 = time.perf_counter()
-                    self.shard.update(layer, sgd)
+                    self.shard.update(layer, rule)
                     self.shard.device.synchronize()
                     compute[layer] += time.perf_counter() - t0
-                if lp.mode == "data" and sgd is not None:
-                    # the layer's dW and db go to every peer now; the sums are made once backward is done
-                    dw, db = self.shard.take_gradients(layer)
-                    flat = np.concatenate([dw.ravel(), db.ravel()])
-                    for peer in others:
-                        self._send_peer(peer, step, "dweights", layer, 0, flat)
-                    updates.append((layer, flat, dw.shape, db.shape))
-            for layer, flat, w_shape, b_shape in updates:
-                keys = {(step, "dweights", layer, 0, w) for w in others}
-                parts = self._await(keys, step)
-                total = sum_in_order([flat if w == self.name else
-                                      decode(self._check(f"step {step}: layer {layer} weight gradients", w,
-                                                         parts[(step, "dweights", layer, 0, w)], flat.shape), "float32")
-                                      for w in self.order])
+            if lp.mode == "data" and rule is not None:
+                # the layer's dW and db go to every peer now; the sums are made once backward is done
+                dw, db = self.shard.take_gradients(layer)
+                flat = np.concatenate([dw.ravel(), db.ravel()])
+                for peer in others:
+                    self._send_peer(peer, step, "dweights", layer, 0, flat)
+                updates.append((layer, flat, dw.shape, db.shape))
+        summed = []
+        for layer, flat, w_shape, b_shape in updates:
+            keys = {(step, "dweights", layer, 0, w) for w in others}
+            parts = self._await(keys, step)
+            total = sum_in_order([flat if w == self.name else
+                                  decode(self._check(f"step {step}: layer {layer} weight gradients", w,
+                                                     parts[(step, "dweights", layer, 0, w)], flat.shape), "float32")
+                                  for w in self.order])
+            size = int(np.prod(w_shape))
+            summed.append((layer, total[:size].reshape(w_shape), total[size:]))
+        done = {"step": step}
+        if clip:
+            # this worker's part of the global norm: its slices of the model layers, and (counted once,
+            # by the plan's first worker) the data layers' sums, which every worker holds alike
+            local = sum(self.shard.sum_of_squares(layer) for layer in deferred)
+            if self.name == self.order[0]:
+                local += sum(float(np.dot(dw.ravel().astype(np.float64), dw.ravel().astype(np.float64))
+                                   + np.dot(db.astype(np.float64), db.astype(np.float64)))
+                             + self.shard.sum_of_squares(layer, conv=False) for layer, dw, db in summed)
+            workers = self._all_reduce(step, "gradnorm", -1, 0, np.array([local]))[0]
+            total = self._head_sum_of_squares(step) + workers
+            done["sum_of_squares"] = float(total)
+            rule = rule.scaled(clip_factor(total, rule.max_norm))
+            for layer in deferred:
                 t0 = time.perf_counter()
-                size = int(np.prod(w_shape))
-                self.shard.apply_update(layer, total[:size].reshape(w_shape), total[size:], sgd)
+                self.shard.update(layer, rule)
                 self.shard.device.synchronize()
                 compute[layer] += time.perf_counter() - t0
-        return "STEP_DONE", [], {"step": step, "layer_compute_s": compute, "compute_s": sum(compute),
+        for layer, dw, db in summed:
+            t0 = time.perf_counter()
+            self.shard.apply_update(layer, dw, db, rule)
+            self.shard.device.synchronize()
+            compute[layer] += time.perf_counter() - t0
+        return "STEP_DONE", [], {**done, "layer_compute_s": compute, "compute_s": sum(compute),
                                  "peer_wait_s": self.wait_s, "peer_bytes_sent": self.bytes_sent}

@@ -1,0 +1,152 @@
+"""BatchNorm and the per-channel layers in training: a PyTorch nn.Sequential using every new layer
+trains through `--net FILE.py:build` exactly as torch.optim.SGD moves it (losses, parameters,
+running statistics), and a distributed run equals `--local` whatever the split: model layers
+(each worker normalises its own channels), data layers (the per-channel sums added among the
+workers), micro-batches (whole-batch statistics, never ghost batches), uneven shares, a resume onto
+another plan, a worker lost mid-run."""
+import numpy as np
+import pytest
+
+from _faults import kill_worker_on_step
+from hetconv.coordinator.remote import RemoteEngine
+from hetconv.data import batches, load_dataset
+from hetconv.devices import open_device
+from hetconv.engine.local import LocalEngine
+from hetconv.engine.planner import fixed_plan
+from hetconv.engine.shard import ConvShard
+from hetconv.net import load_net
+from hetconv.train import checkpoint
+from hetconv.train.config import Config
+from hetconv.train.loop import train
+
+torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install 'hetconv[torch]')")
+
+# Every new per-channel layer, in orders a fused block does not cover (pool before BatchNorm,
+# BatchNorm before the activation), a conv without bias, BatchNorm with momentum None and without
+# affine, and a bias-free classifier. 16x16 inputs (--crop 16).
+MODULE = """
+import torch
+from torch import nn
+
+def build():
+    torch.manual_seed(7)
+    net = nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1, bias=False), nn.MaxPool2d(2), nn.BatchNorm2d(6), nn.GELU(),
+        nn.Conv2d(6, 8, 3, padding=1), nn.BatchNorm2d(8, momentum=None), nn.LeakyReLU(0.2), nn.AvgPool2d(2),
+        nn.Conv2d(8, 8, 3, padding=1), nn.ELU(0.7), nn.BatchNorm2d(8, affine=False, eps=1e-3),
+        nn.SiLU(), nn.Tanh(), nn.CELU(1.3), nn.Sigmoid(), nn.Hardswish(), nn.Identity(),
+        nn.Conv2d(8, 10, 1), nn.GELU(approximate="tanh"), nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(), nn.Linear(10, 10, bias=False))
+    for m in net:
+        if isinstance(m, nn.BatchNorm2d) and m.affine:     # away from 1 and 0, so a wrong gradient shows
+            nn.init.uniform_(m.weight, 0.5, 1.5)
+            nn.init.uniform_(m.bias, -0.5, 0.5)
+    return net
+"""
+STEPS, BATCH = 5, 16
+LAYER_KERNELS = [6, 8, 8, 10]
+
+
+def quiet(*_):
+    pass
+
+
+def config(target, tmp_path, **kw):
+    return Config(net=target, crop=16, batch_size=BATCH, synthetic_train=160, synthetic_test=32, steps=STEPS,
+                  lr=0.05, momentum=0.9, weight_decay=0.0, threads=1, rebalance_after=0, eval_batches=1,
+                  checkpoint_dir=str(tmp_path / "ck"), **kw).validate()
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory):
+    """The module's --local run: its losses, final checkpoint and config."""
+    d = tmp_path_factory.mktemp("bn")
+    (d / "mynet.py").write_text(MODULE)
+    cfg = config(f"{d / 'mynet.py'}:build", d)
+    summary = train(cfg, LocalEngine({"local": ConvShard(open_device("cpu", threads=1))}), log=quiet)
+    return cfg, summary["losses"], checkpoint.load(str(d / "ck"))
+
+
+def torch_run(cfg):
+    """The same module, batches and recipe in PyTorch: losses and the final state_dict."""
+    from hetconv.net.torch_import import load_module
+    module = load_module(cfg.net)
+    opt = torch.optim.SGD(module.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=0.0)
+    ds = load_dataset("synthetic", seed=cfg.seed, n_train=160, n_test=32)
+    losses = []
+    for step, (x, y) in enumerate(batches(ds, BATCH, np.random.default_rng([cfg.seed, 0]))):
+        if step == STEPS:
+            break
+        x = x[:, :, 8:24, 8:24]                              # --crop 16
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(module(torch.from_numpy(np.ascontiguousarray(x))),
+                                                 torch.from_numpy(y))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().numpy() for k, v in module.state_dict().items()}
+
+
+def test_a_module_with_every_new_layer_trains_as_torch_sgd_does(local_run):
+    cfg, losses, (_, conv, fc) = local_run
+    torch_losses, state = torch_run(cfg)
+    np.testing.assert_allclose(losses, torch_losses, rtol=1e-4)
+    spec = load_net(cfg.net, (3, 16, 16), 10).spec
+    from hetconv.net.torch_import import state_dict
+    ours = state_dict(spec, conv, [(layer["w"], layer["b"]) for layer in fc])
+    assert sorted(ours) == sorted(state)                    # running statistics and counts included
+    for key, want in state.items():
+        np.testing.assert_allclose(ours[key], want, rtol=1e-4, atol=1e-5, err_msg=key)
+    assert int(ours["2.num_batches_tracked"]) == STEPS
+
+
+def distributed(cfg, tmp_path, workers, modes, images, micro, counts=None, fault=None, resume=None, steps=None):
+    names = [f"w{i}-cpu" for i in range(workers)]
+    counts = counts or {w: [k // workers + (1 if i < k % workers else 0) for k in LAYER_KERNELS]
+                        for i, w in enumerate(names)}
+    engine = RemoteEngine("tcp://127.0.0.1:0", 0, ["cpu"] * workers, threads=1, connect_timeout=60, log=quiet)
+    engine.fixed_plan = fixed_plan(LAYER_KERNELS, counts, modes=["data" if m == "D" else "model" for m in modes],
+                                   images=dict(zip(names, images)))
+    if fault:
+        fault(engine)
+    run = Config(**{**cfg.to_json(), "checkpoint_dir": str(tmp_path / "ck"), "micro_batches": micro,
+                    "use_all": True, "snapshot_every": 1, **({"steps": steps} if steps else {})})
+    try:
+        summary = train(run, engine, log=quiet, resume=resume)
+    finally:
+        engine.close()
+    return summary, checkpoint.load(str(tmp_path / "ck"))
+
+
+def assert_equal_runs(got, want):
+    (_, conv, fc), (_, local_conv, local_fc) = got, want
+    for g, w in zip(conv + fc, local_conv + local_fc):
+        assert sorted(g) == sorted(w)
+        for key in w:
+            np.testing.assert_allclose(g[key], w[key], rtol=1e-4, atol=1e-5, err_msg=key)
+
+
+@pytest.mark.parametrize("workers,modes,images,micro", [
+    (2, "MMMM", [8, 8], 1),          # every BatchNorm local to its channels' owner
+    (2, "DDDD", [3, 13], 4),         # every BatchNorm's sums added among the workers, four micro-batches
+    (3, "DMDM", [5, 0, 11], 4),      # mixed, a worker with no images of the data layers
+])
+def test_distributed_equals_local(local_run, tmp_path, workers, modes, images, micro):
+    cfg, losses, local = local_run
+    summary, got = distributed(cfg, tmp_path, workers, modes, images, micro)
+    np.testing.assert_allclose(summary["losses"], losses, rtol=1e-5)
+    assert_equal_runs(got, local)
+
+
+def test_uneven_shares_a_lost_worker_and_a_resume_onto_another_plan(local_run, tmp_path):
+    """Three workers, one holding a single kernel of each model layer, the third killed in step 3:
+    the survivors replay from the snapshot (BatchNorm's running statistics are state) and the run
+    stops at step 4; a resume onto two workers in the other modes finishes it: equal to --local."""
+    cfg, losses, local = local_run
+    counts = {"w0-cpu": [1, 1, 1, 1], "w1-cpu": [3, 4, 4, 5], "w2-cpu": [2, 3, 3, 4]}
+    summary, _ = distributed(cfg, tmp_path, 3, "MDMD", [2, 9, 5], 2, counts=counts, steps=STEPS - 1,
+                             fault=lambda engine: kill_worker_on_step(engine, 2, 3))
+    np.testing.assert_allclose(summary["losses"], losses[:STEPS - 1], rtol=1e-5)
+    summary, got = distributed(cfg, tmp_path, 2, "DMDM", [10, 6], 1, resume=str(tmp_path / "ck"))
+    np.testing.assert_allclose(summary["losses"], losses[STEPS - 1:], rtol=1e-5)
+    assert_equal_runs(got, local)
