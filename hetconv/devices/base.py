@@ -17,12 +17,21 @@ The optimizer's arithmetic is written once, here (`update_rules`), and every bac
 with its own correctly rounded operations, each multiply and each add rounded apart: copies of a
 weight held by several devices (data-parallel layers on a CPU and a GPU) stay bit-identical after
 every update, as they would not if one compiler fused a multiply and an add into an fma.
+
+Per-channel layers (hetconv.channelwise): activation, pool (a Pool or a GlobalPool), BatchNorm
+as three calls (channel_sums, batchnorm_apply; batchnorm_grad_sums, batchnorm_backward) so that
+a batch held in pieces adds its per-channel sums up between them, and channel_scale for
+Dropout2d. numpy float32 NCHW in and out on every device; a forward returns (y, ctx), ctx opaque
+and holding what the backward needs (it keeps x or y itself, not a copy: neither may be changed
+until the backward has run).
 """
+from dataclasses import dataclass
 import math
 import numbers
 
 import numpy as np
 
+from hetconv.channelwise import Activation, GlobalPool, Pool
 from hetconv.geometry import (ACTIVATIONS, PAPER_BLOCK, POOLS, ConvBlock, as_pair,  # noqa: F401  (the contract's names)
                               window_output_size)
 
@@ -158,6 +167,42 @@ def adamw_scalars(lr, beta1, beta2, eps, weight_decay, step):
     return (np.float32(1.0 - lr * weight_decay), np.float32(lerp_weight), lerp_from_grad, np.float32(beta2),
             np.float32(1.0 - beta2), np.float32((1.0 - beta2 ** step) ** 0.5), np.float32(eps),
             np.float32(lr / (1.0 - beta1 ** step)))
+def _channel_f32(name, a, channels):
+    """A (channels,) float32 vector, or the error naming it."""
+    a = np.asarray(a)
+    if a.dtype != np.float32:
+        raise TypeError(f"{name} must be float32, got {a.dtype}")
+    if a.shape != (channels,):
+        raise ValueError(f"{name} must have one value per channel, {a.shape!r} != {(channels,)!r}")
+    return np.ascontiguousarray(a)
+
+
+def _channel_f64(name, a, channels):
+    a = np.asarray(a)
+    if not np.issubdtype(a.dtype, np.floating):
+        raise TypeError(f"{name} must be floating point, got {a.dtype}")
+    if a.shape != (channels,):
+        raise ValueError(f"{name} must have one value per channel, {a.shape!r} != {(channels,)!r}")
+    return a.astype(np.float64)
+
+
+@dataclass(frozen=True)
+class ChannelContext:
+    """What a per-channel forward hands its backward: `op` names the forward ("activation",
+    "pool", "batchnorm"), `layer` is its Activation or Pool (a GlobalPool as the Pool of the whole
+    map) or, for BatchNorm, the _BatchNormParams it normalised with; `saved` is the backend's."""
+    op: str
+    layer: object
+    in_shape: tuple
+    out_shape: tuple
+    saved: object
+
+
+@dataclass(frozen=True)
+class _BatchNormParams:
+    mean: np.ndarray        # (C,) float32, as batchnorm_apply got them
+    invstd: np.ndarray
+    weight: np.ndarray      # None when not affine
 
 
 class Device:
@@ -273,6 +318,106 @@ class Device:
         dpooled = self._check_block_gradient("dpooled", "the pooled output", ctx, dpooled)
         return self._conv_block_backward(ctx, w, dpooled, bool(need_dx), None, False)
 
+    # ---- per-channel layers (hetconv.channelwise) -------------------------------------------------
+    def activation(self, x, act):
+        """(y, ctx): act (an Activation) applied to every element of x (N, C, H, W)."""
+        if not isinstance(act, Activation):
+            raise TypeError(f"act must be an Activation, got {type(act).__name__}")
+        x = _as_f32("x", x, 4)
+        y, saved = self._activation(x, act)
+        return y, ChannelContext("activation", act, x.shape, x.shape, saved)
+
+    def activation_backward(self, ctx, dy):
+        """dx: the gradient with respect to the activation's input, given dy for its output."""
+        dy = self._check_channel_gradient("activation", ctx, dy)
+        return self._activation_backward(ctx.layer, ctx.saved, dy)
+
+    def pool(self, x, pool):
+        """(y (N, C, H', W'), ctx): a Pool or a GlobalPool (the Pool of the whole map) of x."""
+        x = _as_f32("x", x, 4)
+        n, c, h, w = x.shape
+        if isinstance(pool, GlobalPool):
+            pool = pool.as_pool(h, w)
+        elif not isinstance(pool, Pool):
+            raise TypeError(f"pool must be a Pool or a GlobalPool, got {type(pool).__name__}")
+        out_shape = (n, c) + pool.output_hw(h, w)
+        y, saved = self._pool(x, pool, out_shape)
+        assert y.shape == out_shape, (y.shape, out_shape)
+        return y, ChannelContext("pool", pool, x.shape, out_shape, saved)
+
+    def pool_backward(self, ctx, dy):
+        """dx (N, C, H, W) given dy for the pool's output."""
+        dy = self._check_channel_gradient("pool", ctx, dy)
+        return self._pool_backward(ctx.layer, ctx.saved, ctx.in_shape, dy)
+
+    def channel_sums(self, x):
+        """(s, ss): float64 (C,), the sums of x and of x*x over images, height and width. The
+        sums of a batch's pieces add up to the whole batch's (float64 rounding aside) whatever the
+        device's thread count."""
+        x = _as_f32("x", x, 4)
+        return self._plane_sums(x, x, np.zeros(x.shape[1], np.float32))
+
+    def batchnorm_apply(self, x, mean, invstd, weight, bias):
+        """(y, ctx): y = (x - mean) * invstd * weight + bias per channel, each a (C,) float32 (the
+        batch's statistics in training, the running ones in evaluation: channelwise's
+        batch_statistics / eval_statistics); weight and bias both None without affine."""
+        x = _as_f32("x", x, 4)
+        c = x.shape[1]
+        mean, invstd = _channel_f32("mean", mean, c), _channel_f32("invstd", invstd, c)
+        if (weight is None) != (bias is None):
+            raise ValueError("weight and bias must both be given (affine) or both be None, got "
+                             f"weight {'None' if weight is None else 'an array'} and bias "
+                             f"{'None' if bias is None else 'an array'}")
+        if weight is None:
+            scale, shift = invstd, np.zeros(c, np.float32)
+        else:
+            weight, shift = _channel_f32("weight", weight, c), _channel_f32("bias", bias, c)
+            scale = (invstd.astype(np.float64) * weight).astype(np.float32)
+        y, saved = self._normalize(x, mean, scale, shift)
+        return y, ChannelContext("batchnorm", _BatchNormParams(mean, invstd, weight), x.shape, x.shape, saved)
+
+    def batchnorm_grad_sums(self, ctx, dy):
+        """(sdy, sdyx): float64 (C,), the sums of dy and of dy * xhat (xhat = (x - mean) * invstd)
+        over this piece's images, height and width: add the pieces' up, then batchnorm_backward."""
+        dy = self._check_channel_gradient("batchnorm", ctx, dy)
+        sdy, sdy_centred = self._batchnorm_grad_sums(ctx.saved, dy, ctx.layer.mean)
+        return sdy, sdy_centred * ctx.layer.invstd.astype(np.float64)
+
+    def batchnorm_backward(self, ctx, dy, sdy, sdyx, count):
+        """dx in training: (dy - sdy/count - xhat * sdyx/count) * invstd * weight, with sdy and
+        sdyx the WHOLE batch's totals and count its values per channel (images x H x W). In
+        evaluation (fixed statistics) pass sdy = sdyx = 0."""
+        dy = self._check_channel_gradient("batchnorm", ctx, dy)
+        c = dy.shape[1]
+        sdy, sdyx = _channel_f64("sdy", sdy, c), _channel_f64("sdyx", sdyx, c)
+        if isinstance(count, (bool, np.bool_)) or not isinstance(count, (int, np.integer)) or count < 1:
+            raise ValueError(f"count must be a positive integer (values per channel in the whole batch), "
+                             f"got {count!r}")
+        p = ctx.layer
+        invstd = p.invstd.astype(np.float64)
+        a = invstd if p.weight is None else invstd * p.weight
+        # per channel in float64, then float32 for the elementwise pass
+        coefficients = [v.astype(np.float32) for v in (sdy / count, sdyx * invstd / count, a)]
+        return self._batchnorm_backward(ctx.saved, dy, p.mean, *coefficients)
+
+    def channel_scale(self, x, mask):
+        """x * mask[:, :, None, None], mask (N, C) float32: Dropout2d's forward, and its backward
+        with dy for x."""
+        x = _as_f32("x", x, 4)
+        mask = _as_f32("mask", mask, 2)
+        if mask.shape != x.shape[:2]:
+            raise ValueError(f"mask must have one value per (image, channel), {mask.shape!r} != {x.shape[:2]!r}")
+        return self._channel_scale(x, mask)
+
+    def _check_channel_gradient(self, op, ctx, grad):
+        if not isinstance(ctx, ChannelContext) or ctx.op != op:
+            got = ctx.op if isinstance(ctx, ChannelContext) else type(ctx).__name__
+            raise TypeError(f"ctx must be what {op}() returned, got {got!r}")
+        grad = _as_f32("dy", grad, 4)
+        if grad.shape != ctx.out_shape:
+            raise ValueError(f"dy shape must match the {op} output, {grad.shape!r} != {ctx.out_shape!r}")
+        return grad
+
     # ---- helpers -------------------------------------------------------------------------------
     def _shape(self, a):
         return tuple(a.shape)
@@ -377,6 +522,41 @@ class Device:
         raise NotImplementedError
 
     def _scale_(self, a, factor):
+        raise NotImplementedError
+
+    # per-channel layers: checked float32 C-contiguous arrays in, numpy out; `saved` is the
+    # backend's own (what its backward needs)
+    def _activation(self, x, act):
+        """(y, saved)."""
+        raise NotImplementedError
+
+    def _activation_backward(self, act, saved, dy):
+        raise NotImplementedError
+
+    def _pool(self, x, pool, out_shape):
+        """(y, saved); pool is a Pool (a global pool arrives as the Pool of the whole map)."""
+        raise NotImplementedError
+
+    def _pool_backward(self, pool, saved, in_shape, dy):
+        raise NotImplementedError
+
+    def _plane_sums(self, a, b, shift):
+        """float64 (C,) each: the sums of a and of a * (b - shift[c]) over N, H and W."""
+        raise NotImplementedError
+
+    def _normalize(self, x, mean, scale, shift):
+        """(y, saved): y = (x - mean) * scale + shift per channel."""
+        raise NotImplementedError
+
+    def _batchnorm_grad_sums(self, saved, dy, mean):
+        """(sum of dy, sum of dy * (x - mean)) per channel, float64."""
+        raise NotImplementedError
+
+    def _batchnorm_backward(self, saved, dy, mean, mean_dy, k, a):
+        """dx = (dy - mean_dy - (x - mean) * k) * a per channel."""
+        raise NotImplementedError
+
+    def _channel_scale(self, x, mask):
         raise NotImplementedError
 
     def _accumulate_(self, total, grad):

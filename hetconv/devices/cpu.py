@@ -56,6 +56,7 @@ from numba import prange
 from numpy.lib.stride_tricks import as_strided
 from threadpoolctl import ThreadpoolController, threadpool_info, threadpool_limits
 
+from hetconv.devices import cpu_channelwise
 from hetconv.devices.base import Device, DeviceError, update_rules
 from hetconv.devices.blas import accumulating_sgemm
 from hetconv.devices.cpu_fft import FftConv, swap_leading
@@ -1277,6 +1278,34 @@ class CpuDevice(Device):
     def _scale_(self, a, factor):
         _scale_flat(a.reshape(-1), factor)
         self._fft.refresh(a)
+
+    # ---- per-channel layers (devices/cpu_channelwise.py) ---------------------------------------------
+    def _activation(self, x, act):
+        return cpu_channelwise.activation(x, act)
+
+    def _activation_backward(self, act, saved, dy):
+        return cpu_channelwise.activation_backward(act, saved, dy)
+
+    def _pool(self, x, pool, out_shape):
+        return cpu_channelwise.pool(x, pool, out_shape)
+
+    def _pool_backward(self, pool, saved, in_shape, dy):
+        return cpu_channelwise.pool_backward(pool, saved, in_shape, dy)
+
+    def _plane_sums(self, a, b, shift):
+        return cpu_channelwise.plane_sums(a, b, shift)
+
+    def _normalize(self, x, mean, scale, shift):
+        return cpu_channelwise.normalize(x, mean, scale, shift), x
+
+    def _batchnorm_grad_sums(self, saved, dy, mean):
+        return cpu_channelwise.plane_sums(dy, saved, mean)
+
+    def _batchnorm_backward(self, saved, dy, mean, mean_dy, k, a):
+        return cpu_channelwise.batchnorm_backward(saved, dy, mean, mean_dy, k, a)
+
+    def _channel_scale(self, x, mask):
+        return cpu_channelwise.channel_scale(x, mask)
 
 
 def open(index=None, threads=None, **options):

@@ -50,6 +50,7 @@ from numba.cuda import libdevice
 from numba.core.extending import intrinsic
 from numba.cuda.core import config as cuda_config
 
+from hetconv.devices import cuda_channelwise
 from hetconv.devices.base import (ConvBlock, Device, DeviceError, _as_f32, block_output_shape, conv_output_shape,
                                   update_rules)
 
@@ -811,6 +812,53 @@ class CudaDevice(Device):
         if not (_is_device_array(dst) and _is_device_array(src)):
             raise TypeError(f"assigning dW on {self.name} takes arrays on it: upload them first")
         dst.copy_to_device(src)
+
+    # ---- per-channel layers (devices/cuda_channelwise.py; the pools are the conv block's kernels) ----
+    def _activation(self, x, act):
+        return cuda_channelwise.activation(x, act)
+
+    def _activation_backward(self, act, saved, dy):
+        return cuda_channelwise.activation_backward(act, saved, dy)
+
+    def _pool(self, x, pool, out_shape):
+        """The generic block pool kernel with no activation: POOL_GEOMETRY's RELU is 0."""
+        _check_planes(out_shape)
+        pg = tuple(np.int32(v) for v in (*pool.kernel, *pool.stride, *pool.padding, 0, pool.mode == "max"))
+        pooled, winner = self._activation_pool(cuda.to_device(x), out_shape, pg)
+        return pooled.copy_to_host(), (pg, winner)
+
+    def _pool_backward(self, pool, saved, in_shape, dy):
+        pg, winner = saved
+        nb, c, h, w = in_shape
+        dx = cuda.device_array(in_shape, np.float32)
+        grid = (math.ceil(h * w / BLOCK_2D[0]), math.ceil(nb * c / BLOCK_2D[1]))
+        activation_pool_backward_kernel[grid, BLOCK_2D](self._no_y, self._no_winner if winner is None else winner,
+                                                        cuda.to_device(dy), dx, pg)
+        return dx.copy_to_host()
+
+    def _plane_sums(self, a, b, shift):
+        a_dev = cuda.to_device(a)
+        return cuda_channelwise.plane_sums(a_dev, a_dev if b is a else cuda.to_device(b), shift)
+
+    def _normalize(self, x, mean, scale, shift):
+        return cuda_channelwise.normalize(x, mean, scale, shift)
+
+    def _batchnorm_grad_sums(self, saved, dy, mean):
+        return cuda_channelwise.plane_sums(cuda.to_device(dy), saved, mean)
+
+    def _batchnorm_backward(self, saved, dy, mean, mean_dy, k, a):
+        return cuda_channelwise.batchnorm_backward(saved, dy, mean, mean_dy, k, a)
+
+    def _channel_scale(self, x, mask):
+        return cuda_channelwise.channel_scale(x, mask)
+
+
+def _check_planes(shape):
+    """The 2-D pool kernels put (image, channel) planes on the grid's y axis, BLOCK_2D[1] a block."""
+    planes = shape[0] * shape[1]
+    if math.ceil(planes / BLOCK_2D[1]) > cuda_channelwise.GRID_YZ_LIMIT:
+        raise DeviceError(f"a pool takes at most {cuda_channelwise.GRID_YZ_LIMIT * BLOCK_2D[1]} (image, channel) "
+                          f"planes, got {planes} ({shape[0]} x {shape[1]}): split the batch")
 
 
 def _gpu_count(requested):
