@@ -25,9 +25,11 @@ from hetconv.train.metrics import MetricsWriter
 MAX_REBALANCES = 3
 
 
-class StopNow(Exception):
+class StopNow(BaseException):
     """A stop that cannot wait for the step: the grace period after SIGTERM ran out, or a second
-    signal came, while workers were still busy."""
+    signal came, while workers were still busy. A BaseException, as KeyboardInterrupt is: it can
+    arrive anywhere (a signal handler raises it), and no `except Exception` that guards a read or
+    a save may take it for that operation's failure and carry on."""
 
 
 class _StopRequests:
@@ -403,6 +405,10 @@ class _Run:
         if self.cfg.checkpoint_dir and self.elastic.unsaved_snapshot():
             try:
                 self.last_ckpt = self.elastic.save_snapshot()
+            except StopNow as e:               # a further signal: stop at once (a save leaves no half file)
+                self.log(f"{why}; {e} while the snapshot of step {self.elastic.snapshot.step} was being saved: "
+                         f"stopped without it")
+                return self.last_ckpt
             except Exception as e:             # a full disk must not hide why the run ended
                 self.log(f"{why}; saving the snapshot of step {self.elastic.snapshot.step} failed too: {e}")
                 return self.last_ckpt
