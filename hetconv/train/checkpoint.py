@@ -257,7 +257,7 @@ _NOT_OURS = "not a readable hetconv checkpoint: "
 
 
 def _size_text(n):
-    for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+    for unit, scale in (("TB", 1 << 40), ("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
         if n >= scale:
             return f"{n / scale:.3g} {unit}"
     return f"{n} bytes"
