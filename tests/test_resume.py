@@ -4,6 +4,7 @@ evaluation settings come back from the saved config; a flag given again changes 
 naming the flag. Runs in this process, on tiny networks: a few seconds each."""
 import json
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -122,3 +123,16 @@ def test_a_resumed_run_names_the_network_it_trains(tmp_path, capsys):
     assert records(metrics, "config")[0]["config"]["net"] == "lenet5@0.5"
     assert report.main([str(metrics), "--out", str(tmp_path / "r")]) in (0, 2)        # plots need matplotlib
     assert "| network | lenet5@0.5 |" in (tmp_path / "r" / "summary.md").read_text()
+
+
+def test_a_checkpoints_data_set_that_is_gone_is_named_as_the_checkpoints(tmp_path, capsys):
+    data = tmp_path / "digits"
+    shutil.copytree(DIGITS, data)
+    ck = tmp_path / "ck"
+    assert coordinator.main([*TINY, "--data", str(data), "--batch-size", "16", "--steps", "1", "--eval-batches", "1",
+                             "--checkpoint-dir", str(ck)]) == 0
+    shutil.rmtree(data)
+    code, _, err = coordinator_run(capsys, *TINY, "--resume", ck)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"the data set {checkpoint.latest(str(ck))} was trained on: " in err and str(data) in err
+    assert err.strip().endswith("(give --data to resume on another copy of it)")
