@@ -1,27 +1,36 @@
 """Checkpoints: the last K kept, checksummed, and resume takes the newest valid one."""
 import json
 import os
+import re
+import time
 
 import numpy as np
 import pytest
 
+from hetconv.net import NetSpec
 from hetconv.train import checkpoint
 from hetconv.train.config import Config
 
 
+# a conv of 4 3x3 kernels on 3x6x6 images, pooled to 4x2x2, then a linear layer to 10 classes
+SPEC = NetSpec.from_json({"input_shape": [3, 6, 6], "classes": 10, "layers": [
+    {"type": "conv", "out_channels": 4, "kernel": 3}, {"type": "relu"}, {"type": "maxpool", "kernel": 2},
+    {"type": "flatten"}, {"type": "linear", "out_features": 10}]})
+
+
 def params(step):
-    """Tiny conv and FC layers whose values say which step they were saved at."""
+    """The network's conv and linear layers' states, their values saying which step they were saved at."""
     rng = np.random.default_rng(step)
     names = ("w", "b", "w.momentum_buffer", "b.momentum_buffer")
     conv = [{n: rng.standard_normal(s).astype(np.float32) + step for n, s in zip(names, ((4, 3, 3, 3), (4,), (4, 3, 3, 3),
                                                                                       (4,)))}]
-    fc = [{n: rng.standard_normal(s).astype(np.float32) for n, s in zip(names, ((10, 8), (10,), (10, 8), (10,)))}]
+    fc = [{n: rng.standard_normal(s).astype(np.float32) for n, s in zip(names, ((10, 16), (10,), (10, 16), (10,)))}]
     return conv, fc
 
 
 def save(directory, step, keep=3):
     conv, fc = params(step)
-    return checkpoint.save(str(directory), step, 0, Config(), conv, fc, keep=keep)
+    return checkpoint.save(str(directory), step, 0, Config(), conv, fc, keep=keep, network=SPEC.to_json())
 
 
 def names(directory):
@@ -41,6 +50,22 @@ def rewrite(path, change_arrays=None, change_meta=None):
     arrays["meta"] = np.frombuffer(json.dumps(meta, sort_keys=True).encode(), dtype=np.uint8)
     with open(path, "wb") as f:
         np.savez(f, **arrays)
+
+
+def forge(path, change_arrays=None, change_meta=None):
+    """Write `path` again with an array or the meta changed and the checksum made to match: a
+    file someone made on purpose, which the checksum cannot tell from a real one."""
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {name: z[name].copy() for name in z.files}
+    meta = json.loads(bytes(arrays.pop("meta")).decode())
+    if change_arrays:
+        change_arrays(arrays)
+    if change_meta:
+        change_meta(meta)
+    meta.pop("sha256", None)
+    meta["sha256"] = checkpoint._digest(arrays, meta)
+    with open(path, "wb") as f:
+        np.savez(f, **arrays, meta=np.frombuffer(json.dumps(meta, sort_keys=True).encode(), dtype=np.uint8))
 
 
 def test_round_trip_returns_what_was_saved(tmp_path):
@@ -182,3 +207,94 @@ def test_a_partial_temp_file_from_a_killed_save_is_ignored_and_cleaned_up(tmp_pa
 def test_keep_checkpoints_is_range_checked():
     with pytest.raises(ValueError, match="--keep-checkpoints must be >= 1, got 0"):
         Config(keep_checkpoints=0).validate()
+
+
+def test_order_is_the_runs_own_not_the_wall_clock(tmp_path, monkeypatch):
+    """A run checkpoints steps 2..6 while the clock is an hour ahead (then corrected: NTP, a VM
+    restored from a snapshot), resumes from the newest and checkpoints 8..12. The newest three
+    are kept, and the directory's newest is 12, where a later --resume DIR continues."""
+    now = time.time_ns()
+    monkeypatch.setattr(time, "time_ns", lambda: now + 3600 * 10**9)
+    for step in (2, 4, 6):
+        save(tmp_path, step)
+    monkeypatch.setattr(time, "time_ns", lambda: now)
+    assert checkpoint.load(str(tmp_path))[0]["step"] == 6          # the resume
+    for step in (8, 10, 12):
+        save(tmp_path, step)
+    assert names(tmp_path) == ["ckpt-step0000008.npz", "ckpt-step0000010.npz", "ckpt-step0000012.npz"]
+    meta, conv, _ = checkpoint.load(str(tmp_path))
+    assert meta["step"] == 12 and meta["order"] == 6
+    np.testing.assert_array_equal(conv[0]["w"], params(12)[0][0]["w"])
+
+
+def test_checkpoints_without_the_counter_come_after_those_with_it_by_step(tmp_path):
+    for step in (30, 40, 20):
+        save(tmp_path, step, keep=5)
+    for step in (30, 40):                  # written before checkpoints numbered themselves
+        forge(tmp_path / f"ckpt-step{step:07d}.npz", change_meta=lambda meta: meta.pop("order"))
+    assert [os.path.basename(p) for p in checkpoint.checkpoints(str(tmp_path))] == [
+        "ckpt-step0000020.npz", "ckpt-step0000040.npz", "ckpt-step0000030.npz"]
+    assert checkpoint.load(str(tmp_path))[0]["step"] == 20
+    save(tmp_path, 50, keep=2)             # retention drops the old ones first, the lowest step first
+    assert names(tmp_path) == ["ckpt-step0000020.npz", "ckpt-step0000050.npz"]
+    assert checkpoint.load(str(tmp_path))[0]["order"] == 4
+
+
+def test_the_expected_arrays_come_from_the_network():
+    table = checkpoint.expected_arrays(SPEC)
+    assert table == {f"{kind}0.{n}": (np.dtype(np.float32), shape, False)
+                     for kind, w, b in (("conv", (4, 3, 3, 3), (4,)), ("fc", (10, 16), (10,)))
+                     for n, shape in (("w", w), ("b", b), ("w.momentum_buffer", w), ("b.momentum_buffer", b))}
+    no_bias = NetSpec.from_json({**SPEC.to_json(), "layers": [*SPEC.to_json()["layers"][:-1],
+                                                             {"type": "linear", "out_features": 10, "bias": False}]})
+    assert checkpoint.expected_arrays(no_bias)["fc0.b"] == (np.dtype(np.float32), (10,), True)
+
+
+def _set(name, value):
+    return lambda arrays: arrays.__setitem__(name, value)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda a: a.__setitem__("conv0.b", a["conv0.b"].astype(np.float64)),
+     r"array conv0\.b is float64 \(4,\); its network needs float32 \(4,\)"),
+    (_set("fc0.b", np.ones(1, np.float64)), r"array fc0\.b is float64 \(1,\); its network needs float32 \(10,\)"),
+    (_set("fc0.b.momentum_buffer", np.ones(1, np.float32)), r"array fc0\.b\.momentum_buffer is float32 \(1,\); its network needs float32 \(10,\)"),
+    (lambda a: a["fc0.w"].__setitem__((3, 4), np.nan), r"array fc0\.w holds NaN or inf"),
+    (lambda a: a["conv0.b.momentum_buffer"].__setitem__(0, -np.inf), r"array conv0\.b\.momentum_buffer holds NaN or inf"),
+    (_set("extra", np.zeros(3, np.float32)), r"entry 'extra' is not an array of its network"),
+    (lambda a: a.pop("conv0.w.momentum_buffer"), r"not a readable hetconv checkpoint \(missing 'conv0\.w\.momentum_buffer'\)"),
+    (_set("conv0.w", np.zeros((4, 3, 3, 3), np.float32, order="F").T.copy().T),
+     r"array conv0\.w is float32 \(4, 3, 3, 3\) \(Fortran order\)"),
+], ids=["conv bias float64", "fc bias (1,) float64", "fc momentum (1,)", "nan", "inf", "extra", "missing",
+        "fortran"])
+def test_arrays_that_do_not_fit_the_network_are_refused_naming_them(tmp_path, change, message):
+    path = save(tmp_path, 7)
+    forge(path, change_arrays=change)                  # the checksum matches: only the network can tell
+    with pytest.raises(checkpoint.CheckpointError, match=r"ckpt-step0000007\.npz: " + message):
+        checkpoint.load(path)
+
+
+def test_a_bias_the_layer_does_not_have_must_be_zero(tmp_path):
+    spec = NetSpec.from_json({**SPEC.to_json(), "layers": [*SPEC.to_json()["layers"][:-1],
+                                                          {"type": "linear", "out_features": 10, "bias": False}]})
+    conv, fc = params(3)
+    fc = [{"w": fc[0]["w"], "b": np.zeros(10, np.float32), "w.momentum_buffer": fc[0]["w.momentum_buffer"]}]
+    path = checkpoint.save(str(tmp_path), 3, 0, Config(), conv, fc, network=spec.to_json())
+    checkpoint.load(path)
+    forge(path, change_arrays=lambda a: a["fc0.b"].__setitem__(2, 0.5))
+    with pytest.raises(checkpoint.CheckpointError, match=r"array fc0\.b is not zero, but its layer has no bias"):
+        checkpoint.load(path)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda m: m.update(network={"layers": []}), "its stored network cannot be read: the network has no"),
+    (lambda m: m.update(conv_layers=2), "its meta says 2 conv and 1 linear layers, its network has 1 and 1"),
+    (lambda m: m.update(step="7"), "its meta's step is \"7\", expected an integer >= 0"),
+    (lambda m: m.update(config=[1]), "its config is not a run's config"),
+    (lambda m: m["config"].update(lr=-1.0), "its config is not a run's config: ValueError: --lr must be > 0"),
+])
+def test_a_meta_that_does_not_hold_together_is_refused(tmp_path, change, message):
+    path = save(tmp_path, 7)
+    forge(path, change_meta=change)
+    with pytest.raises(checkpoint.CheckpointError, match=re.escape(message)):
+        checkpoint.load(path)

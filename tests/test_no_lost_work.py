@@ -14,6 +14,7 @@ import zmq
 
 from _faults import join_during_step
 from conftest import external_worker, python_cmd
+from hetconv.net import NetSpec
 from hetconv.train import checkpoint
 from hetconv.transport import protocol as P
 from hetconv.train.config import Config
@@ -277,11 +278,14 @@ def test_resume_without_checkpoint_dir_writes_to_the_resume_directory(tmp_path):
 def test_resuming_an_earlier_checkpoint_starts_a_timeline_that_retention_and_resume_follow(tmp_path):
     """The directory held 10, 20, 30; a run resumed from 10 saves 15, 20, 25. What is left, and
     what a later --resume DIR takes, is that run's: 15, 20, 25, and 25."""
+    spec = NetSpec.from_json({"input_shape": [3, 4, 4], "classes": 10, "layers": [
+        {"type": "conv", "out_channels": 4, "kernel": 3}, {"type": "flatten"}, {"type": "linear", "out_features": 10}]})
+
     def save(step):
         rng = np.random.default_rng(step)
         conv = [tuple(rng.standard_normal(s).astype(np.float32) for s in ((4, 3, 3, 3), (4,), (4, 3, 3, 3), (4,)))]
-        fc = [tuple(rng.standard_normal(s).astype(np.float32) for s in ((10, 8), (10,), (10, 8), (10,)))]
-        checkpoint.save(str(tmp_path), step, 0, Config(), conv, fc, keep=3)
+        fc = [tuple(rng.standard_normal(s).astype(np.float32) for s in ((10, 16), (10,), (10, 16), (10,)))]
+        checkpoint.save(str(tmp_path), step, 0, Config(), conv, fc, keep=3, network=spec.to_json())
     for step in (10, 20, 30, 15, 20, 25):
         save(step)
     assert sorted(os.listdir(tmp_path)) == [f"ckpt-step{s:07d}.npz" for s in (15, 20, 25)]

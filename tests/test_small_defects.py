@@ -214,7 +214,7 @@ def test_resume_from_a_pickle_says_it_is_not_a_checkpoint(tmp_path, capsys):
     path = tmp_path / "model.pkl"
     path.write_bytes(pickle.dumps({"weights": [1, 2]}))
     code, err = coordinator_says(capsys, "--local", "--resume", str(path))
-    assert code == 1 and f"{path}: not a readable hetconv checkpoint" in err
+    assert code == 2 and f"{path}: not a readable hetconv checkpoint" in err      # before any work
     assert "pickle" not in err.replace(str(path), "")
 
 

@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from hetconv.devices import open_device
 from hetconv.engine.local import LocalEngine
 from hetconv.engine.shard import ConvShard
 from hetconv.engine.update import UpdateRule
-from hetconv.train.loop import train
+from hetconv.train.loop import StopNow, _Run, train
 
 TINY = dict(conv="6,12", fc="32", batch_size=32, synthetic_train=4000, synthetic_test=500, lr=0.01, threads=1)
 
@@ -190,3 +191,46 @@ def test_shard_steps_over_micro_batches_follow_the_reference_sgd(path):
         np.testing.assert_allclose(got_w, ref_w, rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(got_b, ref_b, rtol=1e-4, atol=1e-4)
     assert len(buffers) == 1, "every step writes its dW into the one kept buffer"
+
+
+def test_a_stop_now_during_a_checkpoint_save_stops_the_run(tmp_path, monkeypatch):
+    """StopNow (the --stop-grace alarm, a second signal) raised while a save reads the directory's
+    metas must reach the loop, not pass for an unreadable file: the run stops at that step."""
+    real = checkpoint._read_meta
+    saves = {"n": 0}
+
+    def read_meta(zf):
+        if saves["n"] == 1:                    # the second save, as it sorts the directory
+            raise StopNow("the stop did not complete within --stop-grace 1s")
+        return real(zf)
+
+    def save(*args, **kw):
+        path = real_save(*args, **kw)
+        saves["n"] += 1
+        return path
+    real_save = checkpoint.save
+    monkeypatch.setattr(checkpoint, "_read_meta", read_meta)
+    monkeypatch.setattr(checkpoint, "save", save)
+    lines = []
+    cfg = Config(**TINY, steps=6, checkpoint_every=1, checkpoint_dir=str(tmp_path)).validate()
+    summary = train(cfg, local_engine(), log=lines.append)
+    assert summary["interrupted"] and summary["step"] == 2 and summary["checkpoint"].endswith("ckpt-step0000001.npz")
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+
+
+def test_a_stop_now_while_the_rescue_saves_the_snapshot_stops_at_once_and_says_so():
+    """The rescue after a stop or an error saves the in-memory snapshot; a StopNow during that
+    save ends it there, said in the log, and the last checkpoint written is what remains."""
+    def save_snapshot():
+        raise StopNow("SIGTERM again")
+    elastic = SimpleNamespace(unsaved_snapshot=lambda: True, save_snapshot=save_snapshot,
+                              snapshot=SimpleNamespace(step=4), saved={2: "ck/ckpt-step0000002.npz"})
+    engine = SimpleNamespace(exchange="peer", workers=["a", "b"])
+    lines = []
+    run = _Run(Config(**TINY, checkpoint_dir="ck").validate(), engine, None, elastic, None, [], 0, 6, 10,
+               lines.append, None)
+    run.last_ckpt = "ck/ckpt-step0000002.npz"
+    assert run.rescue("the stop did not complete within --stop-grace 2s") == "ck/ckpt-step0000002.npz"
+    assert lines == ["the stop did not complete within --stop-grace 2s; SIGTERM again while the snapshot of "
+                     "step 4 was being saved: stopped without it"]
+    assert issubclass(StopNow, BaseException) and not issubclass(StopNow, Exception)

@@ -8,6 +8,7 @@ The engines live in hetconv.engine (the contract, and --local) and hetconv.remot
 ZeroMQ); this module is the command line.
 """
 import argparse
+import dataclasses
 import os
 import signal
 import sys
@@ -22,9 +23,9 @@ from hetconv.engine.shard import ConvShard
 from hetconv.flags import (HelpFormatter, check_endpoint, check_output_dir, check_output_file, check_range,
                            threads_note, usable_cores)
 from hetconv.geometry import ConvSpec, message_limit_bytes
-from hetconv.train.checkpoint import CheckpointError
+from hetconv.train.checkpoint import CheckpointError, load_newest_valid
 from hetconv.train.config import Config, add_config_flags, config_from_args
-from hetconv.train.loop import network_for, train
+from hetconv.train.loop import network_for, resumed_config, train
 from hetconv.transport.keys import coordinator_keys, first_worker_dir, refuse_open_bind
 
 # ---- command line --------------------------------------------------------------------------------
@@ -187,19 +188,56 @@ def _on_sigterm(signum, frame):
     raise SystemExit(143)
 
 
+def given_config_fields(argv):
+    """The Config fields whose flags `argv` gives, whatever their values (a flag given with its
+    default value is given): argparse sets a default only on an attribute the namespace lacks,
+    so one parsed into a namespace holding a marker for each field keeps the marker where the
+    flag was not given."""
+    unset = object()
+    names = [f.name for f in dataclasses.fields(Config)]
+    args = build_parser().parse_args(argv, namespace=argparse.Namespace(**{name: unset for name in names}))
+    return {name for name in names if getattr(args, name) is not unset}
+
+
+def _resume(path, given, cfg):
+    """The checkpoint --resume names, read and checked, and the config the run goes on with: its
+    own, with each flag in `given` taken from the command line where it may change (each change
+    printed)."""
+    resumed = load_newest_valid(path)
+    cfg, changes = resumed_config(resumed.meta, cfg, given)
+    for line in changes:
+        print(f"resuming {resumed.meta['path']}: {line}")
+    return resumed, cfg
+
+
+def _load_data(cfg, resumed, given):
+    """The run's data set; where it is the checkpoint's (no --data given), a failure says so."""
+    try:
+        return load_dataset(cfg.data, seed=cfg.seed,
+                            n_train=cfg.synthetic_train if cfg.data == "synthetic" else None,
+                            n_test=cfg.synthetic_test if cfg.data == "synthetic" else None)
+    except DataError as e:
+        if resumed is None or "data" in given:
+            raise
+        raise DataError(f"the data set {resumed.meta['path']} was trained on: {e} (give --data to resume on "
+                        f"another copy of it)") from None
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
         cfg = config_from_args(args)
         _check_args(args, cfg)
+        resumed, given = None, set()
+        if args.resume:              # the run the checkpoint holds goes on: its data, recipe and step target
+            given = given_config_fields(argv)
+            resumed, cfg = _resume(args.resume, given, cfg)
         spawn = [] if args.local or args.workers else _spawn_list(args)
         # the data set is read before any worker starts: a wrong --data costs nothing
-        ds = load_dataset(cfg.data, seed=cfg.seed,
-                          n_train=cfg.synthetic_train if cfg.data == "synthetic" else None,
-                          n_test=cfg.synthetic_test if cfg.data == "synthetic" else None)
+        ds = _load_data(cfg, resumed, given)
         _check_data_flags(cfg)
         # the network too (a --net file, a PyTorch module): before any worker starts
-        network = network_for(cfg, ds, args.resume or None)
+        network = network_for(cfg, ds, resumed)
         forced_modes(cfg.parallel, len(network.spec.conv_layers()))     # a chain of M/D letters fits the network
     except (ValueError, DeviceError, DataError, ConnectionError, CheckpointError) as e:
         print(f"hetconv-coordinator: {e}", file=sys.stderr)
@@ -232,8 +270,7 @@ def main(argv=None):
                                   exchange=cfg.exchange, wire=cfg.wire_dtype, curve=args.curve,
                                   insecure=args.insecure, message_limit=limit, launcher=launcher,
                                   verbose=args.verbose, worker_args=["--cpu-conv-path", cfg.cpu_conv_path])
-        summary = train(cfg, engine, resume=args.resume or None, dataset=ds, stop_grace=args.stop_grace,
-                        network=network)
+        summary = train(cfg, engine, resume=resumed, dataset=ds, stop_grace=args.stop_grace, network=network)
     except (WorkerError, WorkerLost, PlanError, DeviceError, DataError, CheckpointError, ValueError, FloatingPointError,
             ConnectionError) as e:
         print(f"hetconv-coordinator: {e}", file=sys.stderr)

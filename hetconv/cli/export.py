@@ -2,7 +2,8 @@
 
     hetconv-export runs/a --format torch --out model.pt2    # torch.export program
     hetconv-export runs/a --format onnx --out model.onnx    # needs pip install 'hetconv[onnx]'
-    hetconv-export runs/a --format npz --out model.npz      # nn.Sequential state_dict names, no pickle
+    hetconv-export runs/a --format npz --out model.npz      # nn.Sequential state_dict names, no pickle,
+                                                            # and no PyTorch needed to write or read it
 
 The torch and ONNX models take float32 NCHW images in [0, 1] of the network's input size (any
 batch) and return logits: the normalisation (the data set's per-channel mean and std, stored in
@@ -92,8 +93,24 @@ def export_onnx(model, out):
         onnx_log.setLevel(level)
 
 
+def state_dict(model):
+    """The nn.Sequential's state_dict (the one `sequential` builds) as float32 numpy arrays, made
+    without PyTorch: the Sequential holds one module per layer of the network, so layer i's
+    weights are "i.weight" and "i.bias" (none where the layer has no bias), in PyTorch's layouts,
+    which are the checkpoint's."""
+    params = {"conv": iter(model.conv), "linear": iter(model.fc)}
+    state = {}
+    for i, layer in enumerate(model.spec.layers):
+        if layer.type in params:
+            w, b = next(params[layer.type])
+            state[f"{i}.weight"] = np.ascontiguousarray(w, np.float32)
+            if b is not None:
+                state[f"{i}.bias"] = np.ascontiguousarray(b, np.float32)
+    return state
+
+
 def export_npz(model, out):
-    state = {name: t.detach().numpy().astype(np.float32) for name, t in sequential(model).state_dict().items()}
+    state = state_dict(model)
     with open(out, "wb") as f:
         np.savez(f, **state, network=np.array(json.dumps(model.spec.to_json())), data=np.array(json.dumps(model.data)))
 
@@ -124,10 +141,11 @@ def main(argv=None):
         except ValueError as e:
             raise ModelError(str(e)) from None
         model = load_model(args.checkpoint)
-        try:
-            import_torch()
-        except ImportError as e:
-            raise ModelError(f"--format {args.format}: {e}") from None
+        if args.format != "npz":                         # a .npz is for readers without PyTorch
+            try:
+                import_torch()
+            except ImportError as e:
+                raise ModelError(f"--format {args.format}: {e}") from None
         for note in model.notes:
             print(f"hetconv-export: note: {note}", file=sys.stderr)
         # written beside the target, then renamed: a failed export leaves no half file under its name

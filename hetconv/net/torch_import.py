@@ -213,7 +213,7 @@ def state_dict(spec, conv_params, fc_params):
     conv_shapes, fc_shapes = spec.parameter_shapes()
     conv_params = [p if isinstance(p, dict) else {"w": p[0], "b": p[1]} for p in conv_params]
     _check_params("conv", [(p["w"], p.get("b")) for p in conv_params], conv_shapes, optional_bias=True)
-    _check_params("fc", fc_params, fc_shapes)
+    _check_params("fc", fc_params, fc_shapes, optional_bias=True)
     out = {}
     for layer, state in zip(spec.conv_layers(), conv_params):
         out[f"{layer.index}.weight"] = np.asarray(state["w"], np.float32)
@@ -325,7 +325,7 @@ def _check_params(part, params, shapes, optional_bias=False):
         if tuple(np.shape(w)) != w_shape:
             raise ValueError(f"{part} params {i}: weight shape {tuple(np.shape(w))} != {w_shape}")
         if optional_bias and b_shape is None:
-            continue                                 # a conv state keeps a zero bias the layer does not have
+            continue                                 # a state keeps a zero bias the layer does not have
         if (b is None) != (b_shape is None) or (b is not None and tuple(np.shape(b)) != b_shape):
             given = None if b is None else tuple(np.shape(b))
             raise ValueError(f"{part} params {i}: bias shape {given} != {b_shape}")

@@ -17,7 +17,7 @@ from hetconv.geometry import ConvSpec, layer_input_shapes
 from hetconv.net import LoadedNet, NetSpec
 from hetconv.net.head import Network, init_conv_params
 from hetconv.train import checkpoint
-from hetconv.train.config import Config
+from hetconv.train.config import NETWORK_FIELDS, Config
 from hetconv.train.elastic import Elastic
 from hetconv.train.membership import Finished, Stopped, WorkersJoined, WorkersLost
 from hetconv.train.metrics import MetricsWriter
@@ -26,9 +26,11 @@ from hetconv.train.recipe import Recipe
 MAX_REBALANCES = 3
 
 
-class StopNow(Exception):
+class StopNow(BaseException):
     """A stop that cannot wait for the step: the grace period after SIGTERM ran out, or a second
-    signal came, while workers were still busy."""
+    signal came, while workers were still busy. A BaseException, as KeyboardInterrupt is: it can
+    arrive anywhere (a signal handler raises it), and no `except Exception` that guards a read or
+    a save may take it for that operation's failure and carry on."""
 
 
 class _StopRequests:
@@ -86,6 +88,53 @@ class _StopRequests:
             signal.signal(signum, previous)
 
 
+# What a resumed run takes from its checkpoint's config unless given again on the command line:
+# the run itself (its data, network, recipe, step target, evaluation and checkpointing). The rest
+# (devices, threads, the split, links, where metrics go) belongs to the machines of this start.
+RESUMED_FIELDS = ("data", "synthetic_train", "synthetic_test", "crop", "net", "conv", "ksize", "padding", "fc",
+                  "epochs", "steps", "batch_size", "lr", "optimizer", "momentum", "nesterov", "betas", "eps",
+                  "weight_decay", "no_decay", "schedule", "warmup_steps", "milestones", "gamma", "min_lr",
+                  "label_smoothing", "clip_grad_norm", "seed", "augment",
+                  "micro_batches", "wire_dtype", "eval_batches", "eval_every", "checkpoint_every",
+                  "keep_checkpoints")
+_SYNTHETIC_SIZES = ("synthetic_train", "synthetic_test")
+
+
+def _flag(name):
+    return "--" + name.replace("_", "-")
+
+
+def resumed_config(meta, cfg, given):
+    """The config a run resumed from the checkpoint `meta` goes on with: the checkpoint's own for
+    every RESUMED_FIELDS field, except where its flag is in `given` (the Config fields the command
+    line gave, whatever their values). Returns (config, one line per value changed). A change to
+    the network (NETWORK_FIELDS: its layers, --crop) raises CheckpointError naming the flag; the
+    data set may change where its images and classes stay those of the checkpoint's network
+    (network_for checks that once it is loaded)."""
+    try:
+        saved = Config.from_json(meta["config"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise checkpoint.CheckpointError(f"{meta.get('path')}: its config cannot be read: {e}") from None
+    values, changes = {}, []
+    for name in RESUMED_FIELDS:
+        then, now = getattr(saved, name), getattr(cfg, name)
+        if name not in given:
+            values[name] = then
+        elif now != then:
+            if name in NETWORK_FIELDS:
+                was = (f"{_flag(name)} {then!r}" if name != "net" or then else
+                       f"the paper family (--conv {saved.conv} --fc {saved.fc}), not --net")
+                raise checkpoint.CheckpointError(f"cannot resume: the checkpoint was trained with {was}, this run "
+                                                 f"asks for {now!r} (the network cannot change; drop {_flag(name)})")
+            changes.append(f"{_flag(name)} {then if then != '' else repr(then)} -> {now if now != '' else repr(now)} "
+                           f"(given on the command line)")
+    if values.get("data", cfg.data) != "synthetic":
+        for name in _SYNTHETIC_SIZES:           # sizes of the built-in set mean nothing to files
+            if name not in given:
+                values[name] = getattr(Config, name)
+    return dataclasses.replace(cfg, **values).validate(), changes
+
+
 def _compatible(meta, cfg, network):
     """Raise CheckpointError unless the checkpoint holds this run's network (`network`, a NetSpec)."""
     if "network" in meta:
@@ -127,14 +176,40 @@ def data_meta(ds):
     return ds.meta()
 
 
+def load_resume(resume):
+    """`resume` (a checkpoint file or directory, or what checkpoint.load_newest_valid returned for
+    one) as checkpoint.Loaded; None stays None."""
+    if resume is None or isinstance(resume, checkpoint.Loaded):
+        return resume
+    return checkpoint.load_newest_valid(resume)
+
+
+def _shape_text(shape):
+    return "x".join(map(str, shape))
+
+
 def network_for(cfg, ds, resume=None):
     """The run's network (a hetconv.net LoadedNet) for data set `ds`: from the network flags, or,
-    when resuming with none given, the one the checkpoint holds."""
+    when resuming (`resume`: checkpoint.Loaded) with the checkpoint's own network flags, the
+    network the checkpoint holds, which `ds` must fit (its images and classes): raises
+    CheckpointError naming --data where it does not."""
     input_shape = cfg.input_shape(ds.train_x.shape[1:])
-    if resume and not cfg.net and all(getattr(cfg, k) == getattr(Config, k) for k in ("conv", "fc", "ksize", "padding")):
-        saved = checkpoint.saved_network(resume)
-        if saved is not None:
-            return LoadedNet(NetSpec.from_json(saved).with_input(input_shape, len(ds.classes)))
+    meta = resume.meta if resume is not None else None
+    if meta is not None and "network" in meta:
+        saved_cfg = Config.from_json(meta["config"])
+        if all(getattr(saved_cfg, k) == getattr(cfg, k) for k in NETWORK_FIELDS):
+            saved = checkpoint.network_of(meta)
+            classes = (meta.get("data") or {}).get("classes")
+            if tuple(saved.input_shape) != tuple(input_shape) or saved.classes != len(ds.classes):
+                raise checkpoint.CheckpointError(
+                    f"cannot resume on --data {cfg.data}: its images are {_shape_text(input_shape)} with "
+                    f"{len(ds.classes)} classes, the checkpoint's network takes {_shape_text(saved.input_shape)} "
+                    f"with {saved.classes} (the data set's shape and classes cannot change)")
+            if isinstance(classes, list) and classes != list(ds.classes):
+                raise checkpoint.CheckpointError(
+                    f"cannot resume on --data {cfg.data}: its classes are {', '.join(map(str, ds.classes))[:200]}; "
+                    f"the checkpoint's run had {', '.join(map(str, classes))[:200]} (the classes cannot change)")
+            return LoadedNet(saved)
     return cfg.network(input_shape, len(ds.classes))
 
 
@@ -199,17 +274,20 @@ def test_images(ds, batch_size, max_batches=0):
 
 
 def checkpoint_dir_for(cfg, resume):
-    """Where this run's checkpoints go: --checkpoint-dir, else the --resume directory (a resumed
-    run that wrote nothing would lose every step it trained)."""
-    if cfg.checkpoint_dir or not resume:
+    """Where this run's checkpoints go: --checkpoint-dir, else the directory of the checkpoint it
+    resumed from (`resume`: checkpoint.Loaded; a resumed run that wrote nothing would lose every
+    step it trained)."""
+    if cfg.checkpoint_dir or resume is None:
         return cfg.checkpoint_dir
-    return resume if os.path.isdir(resume) else os.path.dirname(os.path.abspath(resume))
+    return os.path.dirname(resume.meta["path"]) or "."
 
 
 def train(cfg, engine, log=print, resume=None, metrics_extra=None, dataset=None, stop_grace=20.0, network=None):
     """Train per `cfg` with conv layers on `engine`. `engine.plan_for(specs, input_shapes, cfg)`
     returns the kernel split; the loop is otherwise transport-agnostic. `dataset`, when given, is
-    cfg.data already loaded (the command line loads it before starting workers). `stop_grace`:
+    cfg.data already loaded (the command line loads it before starting workers). `resume`: a
+    checkpoint file or directory, or what checkpoint.load_newest_valid returned for one; `cfg` is
+    the whole config (hetconv.cli.coordinator takes the checkpoint's with resumed_config). `stop_grace`:
     seconds a SIGTERM or Ctrl-C gives the running step and checkpoint before the last snapshot is
     saved instead. `network`: a hetconv.net LoadedNet, when the caller made it already (else
     network_for). Returns a summary dict."""
@@ -417,6 +495,10 @@ class _Run:
         if self.cfg.checkpoint_dir and self.elastic.unsaved_snapshot():
             try:
                 self.last_ckpt = self.elastic.save_snapshot()
+            except StopNow as e:               # a further signal: stop at once (a save leaves no half file)
+                self.log(f"{why}; {e} while the snapshot of step {self.elastic.snapshot.step} was being saved: "
+                         f"stopped without it")
+                return self.last_ckpt
             except Exception as e:             # a full disk must not hide why the run ended
                 self.log(f"{why}; saving the snapshot of step {self.elastic.snapshot.step} failed too: {e}")
                 return self.last_ckpt
@@ -432,7 +514,8 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
         ds = load_dataset(cfg.data, seed=cfg.seed,
                           n_train=cfg.synthetic_train if cfg.data == "synthetic" else None,
                           n_test=cfg.synthetic_test if cfg.data == "synthetic" else None)
-    if resume and not cfg.checkpoint_dir:
+    resume = load_resume(resume)
+    if resume is not None and not cfg.checkpoint_dir:
         cfg = dataclasses.replace(cfg, checkpoint_dir=checkpoint_dir_for(cfg, resume))
         log(f"checkpoints go to {cfg.checkpoint_dir}, where the run resumed from (--checkpoint-dir sets another)")
     loaded = loaded or network_for(cfg, ds, resume)
@@ -465,8 +548,8 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
         conv_params = init_conv_params(specs, rng)
         net = Network(specs, head, engine, rng, feature_shape, seed=cfg.seed, optimizer=cfg.optimizer)
     start_step = 0
-    if resume:
-        meta, conv_params, fc_state, skipped = checkpoint.load_newest_valid(resume)
+    if resume is not None:
+        meta, conv_params, fc_state, skipped = resume
         for name, reason in skipped:
             log(f"skipped {name}: {reason}")
         _compatible(meta, cfg, network)

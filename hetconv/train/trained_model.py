@@ -11,11 +11,10 @@ from hetconv.devices import open_device
 from hetconv.engine.local import LocalEngine
 from hetconv.engine.planner import fixed_plan
 from hetconv.engine.shard import ConvShard
-from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES, ConvSpec
+from hetconv.geometry import IMAGE_SHAPE, ConvSpec
 from hetconv.net import NetSpec
 from hetconv.net.head import Network
 from hetconv.train import checkpoint
-from hetconv.train.config import Config
 
 
 class ModelError(ValueError):
@@ -87,23 +86,6 @@ def _check_data_meta(data, spec):
                              f"{' > 0' if key == 'std' else ''}, got {str(v)[:120]}")
 
 
-def _fallback_network(config):
-    """The network of a checkpoint written before checkpoints kept it: the run's paper-family
-    flags on CIFAR-shaped images."""
-    if not isinstance(config, dict):
-        raise ModelError("it has neither the network nor the run's config")
-    try:
-        cfg = Config.from_json(config)
-        if cfg.net:
-            raise ModelError(f"it has no stored network, and its config names --net {cfg.net}, which is not "
-                             f"read back from a checkpoint")
-        return cfg.network(cfg.input_shape(IMAGE_SHAPE), NUM_CLASSES).spec
-    except ModelError:
-        raise
-    except (TypeError, ValueError) as e:
-        raise ModelError(f"it has no stored network, and its config does not describe one: {e}") from None
-
-
 def _cifar10_data_meta(config):
     name = config.get("data", "cifar10") if isinstance(config, dict) else "cifar10"
     return {"name": str(name), "classes": list(CIFAR10_CLASSES), "image_shape": list(IMAGE_SHAPE),
@@ -112,73 +94,36 @@ def _cifar10_data_meta(config):
 
 def load_model(path):
     """The model in the checkpoint `path` (a file, or a directory's newest valid checkpoint).
-    Raises ModelError (one line naming the path) when it cannot be used."""
+    Raises ModelError (one line naming the path) when it cannot be used. The arrays were checked
+    against the network by checkpoint.load_newest_valid (names, dtypes, shapes, finite values)."""
     try:
         meta, conv_state, fc_state, _ = checkpoint.load_newest_valid(path)
+        spec = checkpoint.network_of(meta)
     except checkpoint.CheckpointError as e:
         raise ModelError(str(e)) from None
     where = meta["path"]
     notes = []
+    if "network" not in meta:
+        notes.append("no network stored in the checkpoint: taken from the run's --conv/--fc/--ksize/--padding/"
+                     "--crop on CIFAR-shaped images")
+    if "data" in meta:
+        data = meta["data"]
+    else:
+        data = _cifar10_data_meta(meta.get("config"))
+        notes.append("no data meta stored in the checkpoint: assuming CIFAR-10's class names and "
+                     "normalisation, which every run used before checkpoints kept them")
     try:
-        if "network" in meta:
-            try:
-                spec = NetSpec.from_json(meta["network"])
-            except (TypeError, ValueError) as e:
-                raise ModelError(f"its stored network cannot be read: {e}") from None
-        else:
-            spec = _fallback_network(meta.get("config"))
-            notes.append("no network stored in the checkpoint: taken from the run's --conv/--fc/--ksize/--padding/"
-                         "--crop on CIFAR-shaped images")
-        if "data" in meta:
-            data = meta["data"]
-        else:
-            data = _cifar10_data_meta(meta.get("config"))
-            notes.append("no data meta stored in the checkpoint: assuming CIFAR-10's class names and "
-                         "normalisation, which every run used before checkpoints kept them")
         _check_data_meta(data, spec)
-        conv_shapes, fc_shapes = spec.parameter_shapes()
-        conv = _weights("conv", conv_state, conv_shapes)
-        fc = _weights("fc", fc_state, fc_shapes)
-        buffers = _conv_buffers(spec, conv_state)
     except ModelError as e:
         raise ModelError(f"{where}: {e}") from None
-    return Model(where, int(meta.get("step", 0)), spec, conv, fc, data, meta.get("config") or {}, notes, buffers)
-
-
-def _conv_buffers(spec, conv_state):
-    """Per conv layer, {name: array} of what evaluation needs besides the conv's weights: the
-    tail's BatchNorm weights, biases and running statistics, each checked against the network."""
-    out = []
-    for i, (layer, state) in enumerate(zip(spec.conv_layers(), conv_state)):
-        arrays = {}
-        for a in ConvSpec.from_layer(layer).state_layout()[2:]:
-            got = state.get(a.name)
-            if got is None:
-                raise ModelError(f"conv layer {i}: no {a.name} in the checkpoint")
-            if tuple(got.shape) != tuple(a.shape) or got.dtype != np.dtype(a.dtype) or \
-                    (got.dtype.kind == "f" and not np.isfinite(got).all()):
-                raise ModelError(f"conv layer {i}: {a.name} is {got.dtype}{tuple(got.shape)}, its network expects "
-                                 f"finite {a.dtype}{tuple(a.shape)}")
-            arrays[a.name] = got
-        out.append(arrays)
-    return out
-
-
-def _weights(part, state, shapes):
-    """[(w, b or None)] from a checkpoint's per-layer states, each checked against the network."""
-    if len(state) != len(shapes):
-        raise ModelError(f"it has {len(state)} {part} layers, its network {len(shapes)}")
-    out = []
-    for i, (layer, (w_shape, b_shape)) in enumerate(zip(state, shapes)):
-        w, b = layer["w"], layer["b"]
-        if tuple(w.shape) != w_shape or (b_shape is not None and tuple(b.shape) != b_shape):
-            raise ModelError(f"{part} layer {i}: weights {tuple(w.shape)}, bias {tuple(b.shape)}; its network "
-                             f"expects {w_shape}, {b_shape}")
-        if w.dtype != np.float32 or not np.isfinite(w).all() or not np.isfinite(b).all():
-            raise ModelError(f"{part} layer {i}: weights must be finite float32, got {w.dtype}"
-                             f"{'' if w.dtype != np.float32 else ' with inf or nan'}")
-        out.append((w, b.astype(np.float32) if b_shape is not None else None))
-    return out
+    conv_shapes, fc_shapes = spec.parameter_shapes()
+    conv = [(state["w"], state["b"] if b_shape is not None else None)
+            for state, (_, b_shape) in zip(conv_state, conv_shapes)]
+    fc = [(state["w"], state["b"] if b_shape is not None else None) for state, (_, b_shape) in zip(fc_state, fc_shapes)]
+    # what evaluation needs besides the conv weights: each tail's BatchNorm weights and statistics
+    buffers = [{a.name: state[a.name] for a in ConvSpec.from_layer(layer).state_layout()[2:]}
+               for layer, state in zip(spec.conv_layers(), conv_state)]
+    return Model(where, int(meta["step"]), spec, conv, fc, data, meta.get("config") or {}, notes, buffers)
 
 
 class InProcessModel:
