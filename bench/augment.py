@@ -22,6 +22,8 @@ BLAS_NOTE = _common.reexec_without_blas_overrides()
 
 import numpy as np  # noqa: E402
 
+from hetconv.devices.cpu import HostArrays  # noqa: E402
+from hetconv.update import UpdateRule  # noqa: E402
 from hetconv.train.config import Config  # noqa: E402
 from hetconv.data import batches, load_dataset, parse_augment  # noqa: E402
 from hetconv.devices import open_device  # noqa: E402
@@ -44,7 +46,7 @@ def build(net_name, ds, threads, seed=0):
                 init_conv_params(specs, rng))
     _, feature_shape = layer_input_shapes(specs, 1, spec.input_shape)
     head = [op.layer.to_json() for op in spec.head() if op.type != "flatten"]
-    return Network(specs, head, engine, rng, feature_shape)
+    return Network(specs, head, engine, rng, feature_shape, host=HostArrays())
 
 
 def block(net, ds, batch, steps, augment, epoch):
@@ -52,7 +54,7 @@ def block(net, ds, batch, steps, augment, epoch):
     t0 = time.perf_counter()
     it = batches(ds, batch, np.random.default_rng([0, epoch]), augment=augment, seed=0, epoch=epoch, prefetch=True)
     for i, (x, y) in enumerate(it):
-        net.train_step(x, y, 0.01, 0.9, 5e-4)
+        net.train_step(x, y, UpdateRule(lr=0.01, momentum=0.9, weight_decay=5e-4))
         if i + 1 == steps:
             break
     close = getattr(it, "close", None)

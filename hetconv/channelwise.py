@@ -19,7 +19,7 @@ import math
 
 import numpy as np
 
-from hetconv.geometry import as_pair, window_output_size
+from hetconv.sizes import as_pair, window_output_size
 
 
 def _number(owner, name, value, check=None, expected="a finite number"):

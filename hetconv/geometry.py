@@ -10,28 +10,12 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
+from hetconv import channelwise
+from hetconv.sizes import as_pair, window_output_size  # noqa: F401  (every part's size arithmetic, from here)
+from hetconv.update import SLOTS, slot_name
+
 IMAGE_SHAPE = (3, 32, 32)           # (C, H, W) of a CIFAR-10 image
 NUM_CLASSES = 10
-
-
-def window_output_size(size, kernel, stride=1, padding=0):
-    """How many windows of `kernel` at `stride` fit `size` zero-padded by `padding` on each side,
-    PyTorch's floor rule for conv and pool alike: the one place this formula lives."""
-    return (size + 2 * padding - kernel) // stride + 1
-
-
-def _is_int(v):
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
-
-
-def as_pair(name, value, minimum):
-    """An int or an (height, width) pair of ints, each >= minimum, as a tuple of two Python ints;
-    anything else raises ValueError naming `name` and the value."""
-    pair = tuple(value) if isinstance(value, (tuple, list)) else (value, value)
-    if len(pair) != 2 or not all(_is_int(v) and v >= minimum for v in pair):
-        what = "positive" if minimum == 1 else "non-negative"
-        raise ValueError(f"{name} must be a {what} integer or a (height, width) pair of them, got {value!r}")
-    return int(pair[0]), int(pair[1])
 
 
 ACTIVATIONS = ("relu", "none")
@@ -150,13 +134,12 @@ class ConvSpec:
 
     @classmethod
     def from_json(cls, d):
-        from hetconv.channelwise import layer_from_json     # it builds on this module
         kh, kw = as_pair("conv kernel", d["kernel"], 1)
         tail = d.get("tail", [])
         if not isinstance(tail, list):
             raise ValueError(f"a conv layer's tail must be a list of per-channel layers, got {tail!r:.80}")
         return cls(int(d["in_channels"]), int(d["kernels"]), kh, kw, ConvBlock.from_json(d["block"]),
-                   bool(d.get("bias", True)), tuple(layer_from_json(op) for op in tail))
+                   bool(d.get("bias", True)), tuple(channelwise.layer_from_json(op) for op in tail))
 
     @property
     def batchnorms(self):
@@ -178,7 +161,6 @@ class ConvSpec:
                        StateArray(f"bn{i}.running_var", (k,), kind="buffer"),
                        StateArray(f"bn{i}.num_batches_tracked", (), "int64", "buffer")]
         if optimizer:
-            from hetconv.engine.update import SLOTS, slot_name     # the optimizers' slot names
             arrays += [StateArray(slot_name(a.name, slot), a.shape, a.dtype, "slot", a.group, a.on_device)
                        for a in self.trained(arrays) for slot in SLOTS[optimizer]]
         return arrays

@@ -41,7 +41,8 @@ def good_checkpoint(directory):
     from hetconv.train.config import Config
     spec = NetSpec.from_json(NETWORK)
     conv, fc = spec.init_params(np.random.default_rng(0))
-    with_momentum = [[(w, b, np.zeros_like(w), np.zeros_like(b)) for w, b in part] for part in (conv, fc)]
+    with_momentum = [[{"w": w, "b": b, "w.momentum_buffer": np.zeros_like(w), "b.momentum_buffer": np.zeros_like(b)}
+                      for w, b in part] for part in (conv, fc)]
     cfg = Config(conv="4", fc="", ksize=5, synthetic_train=64, synthetic_test=16, batch_size=16, steps=1)
     return checkpoint.save(str(directory), 1, 0, cfg, *with_momentum, network=spec.to_json(), data=DATA)
 
@@ -149,9 +150,9 @@ def make_hostile(directory):
     files["conv0.b float64, checksum consistent"] = forge(
         good, os.path.join(directory, "bias-float64.npz"),
         change_arrays=lambda a: a.update({"conv0.b": a["conv0.b"].astype(np.float64)}))
-    files["fc0.b and fc0.vb (1,) float64"] = forge(
+    files["fc0.b and its momentum (1,) float64"] = forge(
         good, os.path.join(directory, "fc-shape-1.npz"),
-        change_arrays=lambda a: a.update({"fc0.b": np.ones(1), "fc0.vb": np.zeros(1)}))
+        change_arrays=lambda a: a.update({"fc0.b": np.ones(1), "fc0.b.momentum_buffer": np.zeros(1)}))
     files["NaN in fc0.w"] = forge(good, os.path.join(directory, "nan.npz"),
                                   change_arrays=lambda a: a["fc0.w"].__setitem__((0, 0), np.nan))
     return files
@@ -227,7 +228,7 @@ def hostile_paths(directory):
              "fc0.w deflated, 1.25 GB inflated": "array-big.npz",
              "network of 10^9 kernels in the meta": "network-huge.npz",
              "conv0.b float64, checksum consistent": "bias-float64.npz",
-             "fc0.b and fc0.vb (1,) float64": "fc-shape-1.npz", "NaN in fc0.w": "nan.npz"}
+             "fc0.b and its momentum (1,) float64": "fc-shape-1.npz", "NaN in fc0.w": "nan.npz"}
     return {case: os.path.join(directory, name) for case, name in names.items()}
 
 

@@ -25,7 +25,7 @@ SAID = {
                                         "takes 31360 and a header",
     "network of 10^9 kernels in the meta": "its network needs 14.8 TB of arrays, more than this machine's",
     "conv0.b float64, checksum consistent": "array conv0.b is float64 (4,); its network needs float32 (4,)",
-    "fc0.b and fc0.vb (1,) float64": "array fc0.b is float64 (1,); its network needs float32 (10,)",
+    "fc0.b and its momentum (1,) float64": "array fc0.b is float64 (1,); its network needs float32 (10,)",
     "NaN in fc0.w": "array fc0.w holds NaN or inf",
 }
 RSS_MB = 16            # what a refusal may add to the process's peak: none of the files' hundreds of MB
@@ -74,8 +74,8 @@ def test_npz_export_needs_no_pytorch(tmp_path):
     with np.load(out, allow_pickle=False) as z:
         assert sorted(z.files) == ["0.bias", "0.weight", "4.bias", "4.weight", "data", "network"]
         # layer 0 is the conv, layer 4 the linear (after relu, maxpool, flatten): nn.Sequential's indices
-        for name, want in (("0.weight", conv[0][0]), ("0.bias", conv[0][1]), ("4.weight", fc[0][0]),
-                           ("4.bias", fc[0][1])):
+        for name, want in (("0.weight", conv[0]["w"]), ("0.bias", conv[0]["b"]), ("4.weight", fc[0]["w"]),
+                           ("4.bias", fc[0]["b"])):
             assert z[name].dtype == np.float32
             np.testing.assert_array_equal(z[name], want)
         assert NetSpec.from_json(str(z["network"])) == NetSpec.from_json(hostile.NETWORK)

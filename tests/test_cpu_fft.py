@@ -6,7 +6,7 @@ timer here), kept per shape, skipped for small layers, and reported."""
 import numpy as np
 import pytest
 
-from hetconv.engine.update import UpdateRule
+from hetconv.update import UpdateRule
 from hetconv.net import reference as R
 from hetconv.devices import DeviceError, open_device
 from hetconv.devices.base import ConvBlock

@@ -11,11 +11,13 @@ PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 # A place may import from places on lower floors only (and from itself).
 FLOORS = {
-    "geometry": 0, "params": 0, "flags": 0, "__init__": 0,
-    "devices": 1, "net": 1, "data": 1, "transport": 1,
-    "engine": 2,
-    "worker": 3, "coordinator": 3, "train": 3,
-    "cli": 4,
+    "sizes": 0, "update": 0, "params": 0, "flags": 0, "__init__": 0,
+    "channelwise": 1,
+    "geometry": 2,
+    "devices": 3, "net": 3, "data": 3, "transport": 3,
+    "engine": 4,
+    "worker": 5, "coordinator": 5, "train": 5,
+    "cli": 6,
 }
 # Loaded inside a function on purpose: optional extras, and the worker's serve loop after pinning.
 DEFERRED_OK = ("torch", "ray", "PIL", "matplotlib", "onnx", "onnxruntime", "onnxscript", "numba.cuda",

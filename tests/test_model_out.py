@@ -208,7 +208,8 @@ def checkpoint_of(directory, input_shape, classes):
         {"type": "conv", "out_channels": 2, "kernel": 5}, {"type": "relu"}, {"type": "maxpool", "kernel": 2},
         {"type": "flatten"}, {"type": "linear", "out_features": classes}]})
     conv, fc = spec.init_params(np.random.default_rng(0))
-    with_momentum = [[(w, b, np.zeros_like(w), np.zeros_like(b)) for w, b in part] for part in (conv, fc)]
+    with_momentum = [[{"w": w, "b": b, "w.momentum_buffer": np.zeros_like(w), "b.momentum_buffer": np.zeros_like(b)}
+                      for w, b in part] for part in (conv, fc)]
     data = {"name": "other", "classes": [f"c{i}" for i in range(classes)], "image_shape": list(input_shape),
             "mean": [0.5] * input_shape[0], "std": [0.25] * input_shape[0]}
     checkpoint.save(str(directory), 1, 0, Config(), *with_momentum, network=spec.to_json(), data=data)

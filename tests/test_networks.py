@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from hetconv.engine.update import UpdateRule
+from hetconv.devices.cpu import HostArrays
+from hetconv.update import UpdateRule
 from hetconv.train import checkpoint
 from hetconv.train.config import Config
 from hetconv.data import batches, load_dataset
@@ -69,7 +70,7 @@ def test_local_equals_pytorch_forward_and_backward(name, tmp_path):
     engine.load(fixed_plan([s.kernels for s in specs], {"local": [s.kernels for s in specs]}),
                 specs, [s.initial_state(w, b) for s, (w, b) in zip(specs, conv)])
     head = [op.layer.to_json() for op in spec.head() if op.type != "flatten"]
-    net = Network(specs, head, engine, rng, spec.conv_layers()[-1].output_shape, fc_params=fc)
+    net = Network(specs, head, engine, rng, spec.conv_layers()[-1].output_shape, fc_params=fc, host=HostArrays())
     module = to_torch(spec, conv, fc)
     x = rng.standard_normal((6, 3, 32, 32), dtype=np.float32)
     y = rng.integers(0, 10, 6)

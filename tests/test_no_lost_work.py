@@ -283,8 +283,10 @@ def test_resuming_an_earlier_checkpoint_starts_a_timeline_that_retention_and_res
 
     def save(step):
         rng = np.random.default_rng(step)
-        conv = [tuple(rng.standard_normal(s).astype(np.float32) for s in ((4, 3, 3, 3), (4,), (4, 3, 3, 3), (4,)))]
-        fc = [tuple(rng.standard_normal(s).astype(np.float32) for s in ((10, 16), (10,), (10, 16), (10,)))]
+        names = ("w", "b", "w.momentum_buffer", "b.momentum_buffer")
+        conv = [{n: rng.standard_normal(s).astype(np.float32) for n, s in zip(names, ((4, 3, 3, 3), (4,), (4, 3, 3, 3),
+                                                                                      (4,)))}]
+        fc = [{n: rng.standard_normal(s).astype(np.float32) for n, s in zip(names, ((10, 16), (10,), (10, 16), (10,)))}]
         checkpoint.save(str(tmp_path), step, 0, Config(), conv, fc, keep=3, network=spec.to_json())
     for step in (10, 20, 30, 15, 20, 25):
         save(step)

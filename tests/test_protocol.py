@@ -112,13 +112,18 @@ def test_error_fields_carry_name_message_and_traceback():
 
 
 @pytest.mark.parametrize("op,fields,error", [
-    ("FORWARD", {"layer": 0, "keep": True}, "FORWARD without its 'micro' field"),
-    ("FORWARD", {"layer": 0, "micro": True, "keep": True}, "FORWARD field 'micro' must be integer, got True"),
-    ("BACKWARD", {"layer": 0, "micro": 0, "need_dx": 1, "sgd": None}, "BACKWARD field 'need_dx' must be boolean, got 1"),
-    ("BACKWARD", {"layer": 0, "micro": 0, "need_dx": True, "sgd": "fast"},
-     "BACKWARD field 'sgd' must be list or nil, got 'fast'"),
-    ("LOAD", {"layer": 0, "spec": [], "start": 0, "stop": 1, "wire": "float32"}, "LOAD field 'spec' must be map"),
-    ("STEP", {"step": 1, "micro": 2, "train": True, "sgd": None}, "STEP without its 'micro_batches' field"),
+    ("FORWARD", {"layer": 0, "rows": [0], "batch": 4, "train": True, "train_step": 0, "seed": 0},
+     "FORWARD without its 'micros' field"),
+    ("FORWARD", {"layer": 0, "micros": [0], "rows": [0], "batch": 4, "train": 1, "train_step": 0, "seed": 0},
+     "FORWARD field 'train' must be boolean, got 1"),
+    ("BACKWARD", {"layer": 0, "micros": [0], "need_dx": 1}, "BACKWARD field 'need_dx' must be boolean, got 1"),
+    ("UPDATE", {"layer": 0, "update": [0.1, 0.9]}, "UPDATE field 'update' must be map, got [0.1, 0.9]"),
+    ("LOAD", {"layer": 0, "spec": [], "start": 0, "stop": 1, "wire": "float32", "optimizer": "sgd", "names": []},
+     "LOAD field 'spec' must be map"),
+    ("STEP", {"step": 1, "micro": 2, "train": True, "update": None, "train_step": 0, "seed": 0},
+     "STEP without its 'micro_batches' field"),
+    ("STEP", {"step": 1, "micro_batches": 2, "train": True, "update": "fast", "train_step": 0, "seed": 0},
+     "STEP field 'update' must be map or nil, got 'fast'"),
 ])
 def test_a_request_without_its_typed_fields_is_refused_naming_the_field(op, fields, error):
     with pytest.raises(P.ProtocolError, match="^" + re.escape(error)):
@@ -126,6 +131,6 @@ def test_a_request_without_its_typed_fields_is_refused_naming_the_field(op, fiel
 
 
 def test_a_request_with_its_typed_fields_passes_and_unlisted_ops_are_free():
-    P.check_fields("BACKWARD", {"layer": 1, "micro": 3, "need_dx": False, "sgd": [0.1, 0.9, 0.0]})
-    P.check_fields("STEP", {"step": 4, "micro_batches": 2, "train": False, "sgd": None})
+    P.check_fields("BACKWARD", {"layer": 1, "micros": [0, 1], "need_dx": False})
+    P.check_fields("STEP", {"step": 4, "micro_batches": 2, "train": False, "update": None, "train_step": 3, "seed": 0})
     P.check_fields("HEARTBEAT", {})

@@ -13,7 +13,7 @@ from hetconv.train.config import Config
 from hetconv.devices import open_device
 from hetconv.engine.local import LocalEngine
 from hetconv.engine.shard import ConvShard
-from hetconv.engine.update import UpdateRule
+from hetconv.update import UpdateRule
 from hetconv.train.loop import StopNow, _Run, train
 
 TINY = dict(conv="6,12", fc="32", batch_size=32, synthetic_train=4000, synthetic_test=500, lr=0.01, threads=1)

@@ -23,6 +23,7 @@ import numpy as np
 
 from hetconv.flags import OneLineParser, check_output_file
 from hetconv.net.torch_import import import_torch, to_torch
+from hetconv.net.torch_import import state_dict as torch_state_dict
 from hetconv.train.trained_model import ModelError, load_model
 
 FORMATS = ("torch", "onnx", "npz")
@@ -31,7 +32,7 @@ ONNX_INSTALL = "pip install 'hetconv[onnx]' (in a checkout: pip install -e '.[on
 
 def sequential(model):
     """The model as PyTorch's nn.Sequential (state_dict keys by layer index), in eval mode."""
-    return to_torch(model.spec, model.conv, model.fc).eval()
+    return to_torch(model.spec, model.conv_states(), model.fc).eval()
 
 
 def image_module(model):
@@ -94,19 +95,10 @@ def export_onnx(model, out):
 
 
 def state_dict(model):
-    """The nn.Sequential's state_dict (the one `sequential` builds) as float32 numpy arrays, made
-    without PyTorch: the Sequential holds one module per layer of the network, so layer i's
-    weights are "i.weight" and "i.bias" (none where the layer has no bias), in PyTorch's layouts,
-    which are the checkpoint's."""
-    params = {"conv": iter(model.conv), "linear": iter(model.fc)}
-    state = {}
-    for i, layer in enumerate(model.spec.layers):
-        if layer.type in params:
-            w, b = next(params[layer.type])
-            state[f"{i}.weight"] = np.ascontiguousarray(w, np.float32)
-            if b is not None:
-                state[f"{i}.bias"] = np.ascontiguousarray(b, np.float32)
-    return state
+    """The nn.Sequential's state_dict (the one `sequential` builds) as numpy arrays, made without
+    PyTorch: layer i's "i.weight", "i.bias" (none where the layer has no bias), a BatchNorm's
+    "i.running_mean", "i.running_var" and "i.num_batches_tracked", in PyTorch's layouts."""
+    return torch_state_dict(model.spec, model.conv_states(), model.fc)
 
 
 def export_npz(model, out):

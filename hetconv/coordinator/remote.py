@@ -32,7 +32,7 @@ from hetconv.engine.costmodel import parse_bandwidth, predict_peer_step, profile
 from hetconv.engine.microbatch import cheapest_micro_batches, micro_batch_count, priced_text
 from hetconv.engine.planner import (PlanError, choose_modes, cost_lines, forced_modes, image_ranges, make_plan,
                                     plan_from_lines)
-from hetconv.engine.update import clip_factor
+from hetconv.update import clip_factor
 from hetconv.transport import keys
 from hetconv.transport import protocol as P
 from hetconv.transport.keys import authenticated_key, handshake_refusal, read_key_folder

@@ -15,7 +15,7 @@ import numpy as np
 
 from hetconv.engine.costmodel import profiles_from_calibration
 from hetconv.engine.planner import PlanError, cost_lines, make_plan, replan
-from hetconv.engine.update import clip_factor
+from hetconv.update import clip_factor
 from hetconv.geometry import layer_state
 from hetconv.transport.wire import decode, encode
 

@@ -9,6 +9,7 @@ import time
 import numpy as np
 import zmq
 
+from hetconv.devices.cpu import HostArrays
 from hetconv.devices import open_device
 from hetconv.engine.contract import ShardEngine
 from hetconv.engine.costmodel import DeviceProfile, LayerCost, layer_geometry
@@ -16,6 +17,7 @@ from hetconv.engine.planner import make_plan
 from hetconv.engine.shard import ConvShard
 from hetconv.geometry import NUM_CLASSES, layer_input_shapes
 from hetconv.net.head import Network, paper_head
+from hetconv.update import UpdateRule
 
 
 def _timing_engine(specs, image_shape, batch, n, rng):
@@ -56,13 +58,13 @@ def measure_coordinator_s(specs, head, image_shape, batch, n_workers, repeats=3)
     if all(isinstance(layer, int) for layer in head):
         head = paper_head(head, NUM_CLASSES)
     _, feature_shape = layer_input_shapes(specs, 1, image_shape)
-    net = Network(specs, head, engine, rng, feature_shape)
+    net = Network(specs, head, engine, rng, feature_shape, host=HostArrays())
     x = np.zeros((batch,) + tuple(image_shape), np.float32)
     labels = rng.integers(0, 10, batch)
     best = float("inf")
     for rep in range(repeats + 1):
         t0 = time.perf_counter()
-        net.train_step(x, labels, 1e-6, 0.0, 0.0)
+        net.train_step(x, labels, UpdateRule(lr=1e-6, momentum=0.0))
         if rep:
             best = min(best, time.perf_counter() - t0)
     return best

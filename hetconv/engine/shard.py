@@ -9,7 +9,7 @@ import time
 import numpy as np
 
 from hetconv.engine.chain import DropoutDraw, LayerChain
-from hetconv.engine.update import UpdateRule, apply_update, slot_name
+from hetconv.update import UpdateRule, apply_update, slot_name
 from hetconv.geometry import ConvSpec
 from hetconv.devices.cpu import HostArrays
 from hetconv.params import default_init

@@ -53,11 +53,12 @@ class Network:
     "factor"}); `feature_shape`: (C, H, W) leaving the last conv block; `fc_params`: [(w, b)]
     per linear to start from (else drawn)."""
 
-    def __init__(self, specs, head, engine, rng, feature_shape, fc_params=None, seed=0, optimizer="sgd"):
+    def __init__(self, specs, head, engine, rng, feature_shape, fc_params=None, seed=0, optimizer="sgd", host=None):
         self.specs = specs
         self.engine = engine
         self.seed = seed
         self.optimizer = optimizer          # whose slots the head's state holds
+        self.host = host                    # the head's update kernels (devices.cpu.HostArrays); None: predict only
         self.ops, self.fc = [], []
         width = int(np.prod(feature_shape))
         given = list(fc_params) if fc_params is not None else None
@@ -158,15 +159,17 @@ class Network:
 
         # conv forward, head, conv backward per micro-batch: the engine decides how they overlap;
         # the conv kernels get their one update per step where they live
+        if self.host is None:
+            raise ValueError("this Network was made without a host device for the head's updates: it predicts only")
         factor = self.engine.conv_step(xs, head, rule, (step, self.seed), self.head_sum_of_squares)
         rule = rule.scaled(factor) if factor != 1.0 else rule
         for fc in self.fc:
-            fc.step(rule)
+            fc.step(rule, self.host)
         return result
 
     def head_sum_of_squares(self):
         """The squared norm of the head's gradients of the step (float64)."""
-        return sum(fc.sum_of_squares() for fc in self.fc)
+        return sum(fc.sum_of_squares(self.host) for fc in self.fc)
 
     def predict(self, x):
         """Logits, without touching any training state."""

@@ -4,11 +4,8 @@ Plain numpy on float32; the FC GEMMs go to BLAS. Shapes are noted as (batch, fea
 """
 import numpy as np
 
-from hetconv.engine.update import SLOTS, apply_update, slot_name
-from hetconv.devices.cpu import HostArrays
 from hetconv.params import default_init
-
-HOST = HostArrays()
+from hetconv.update import SLOTS, apply_update, slot_name
 
 
 class Linear:
@@ -64,8 +61,9 @@ class Linear:
         self.w[...], self.b[...] = state["w"], state["b"]
         self.slots = {k: np.array(v, np.float32, copy=True) for k, v in state.items() if k not in ("w", "b")}
 
-    def step(self, rule):
-        """The step's one update (an engine.update.UpdateRule) with the gradients summed."""
+    def step(self, rule, host):
+        """The step's one update (an hetconv.update.UpdateRule) with the gradients summed, by
+        `host`'s update kernels (a device's arithmetic on numpy arrays: devices.cpu.HostArrays)."""
         for name, group, array, grad in self.params():
             slots = {}
             for slot in rule.slots:
@@ -73,12 +71,12 @@ class Linear:
                 if key not in self.slots:
                     self.slots[key] = np.zeros_like(array)
                 slots[slot] = self.slots[key]
-            apply_update(HOST, array, slots, grad, rule, group)
+            apply_update(host, array, slots, grad, rule, group)
         self.dw = self.db = None
 
-    def sum_of_squares(self):
+    def sum_of_squares(self, host):
         """The squared norm of the step's gradients (float64), the head's part of a global norm."""
-        return sum(HOST.sum_of_squares(grad) for _, _, _, grad in self.params())
+        return sum(host.sum_of_squares(grad) for _, _, _, grad in self.params())
 
 
 def relu(x):

@@ -36,7 +36,7 @@ from typing import NamedTuple
 import numpy as np
 from numpy.lib import format as npy
 
-from hetconv.engine.update import SLOTS, slot_name
+from hetconv.update import SLOTS, slot_name
 from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES, ConvSpec
 from hetconv.net import NetSpec
 from hetconv.train.config import Config

@@ -11,7 +11,10 @@ from hetconv.engine.planner import POLICIES, check_parallel
 from hetconv.flags import check_finite, parse_int_list
 from hetconv.geometry import IMAGE_SHAPE
 from hetconv.net import LoadedNet, NetSpec, load_net
+from hetconv.train.recipe import parse_betas, parse_milestones
+from hetconv.train.schedule import KINDS
 from hetconv.transport.wire import check_wire_dtype
+from hetconv.update import OPTIMIZERS, parse_no_decay
 
 # the fields that fix the network's shape: a checkpoint resumes only into the same ones
 NETWORK_FIELDS = ("net", "conv", "fc", "ksize", "padding", "crop")
@@ -201,9 +204,6 @@ class Config:
 
     def check_recipe(self):
         """The optimizer, schedule, loss and clipping flags, each checked with one line naming it."""
-        from hetconv.engine.update import OPTIMIZERS, parse_no_decay
-        from hetconv.train.recipe import parse_betas, parse_milestones
-        from hetconv.train.schedule import KINDS
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.nesterov and (self.optimizer != "sgd" or self.momentum == 0):

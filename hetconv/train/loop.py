@@ -11,6 +11,7 @@ import numpy as np
 from tqdm import tqdm
 
 from hetconv.data import batches, load_dataset, test_batches
+from hetconv.devices.cpu import HostArrays
 from hetconv.engine.contract import WorkerLost, micro_choice_record, mode_choice_record, moved_bytes
 from hetconv.engine.microbatch import micro_batch_count
 from hetconv.geometry import ConvSpec, layer_input_shapes
@@ -543,10 +544,11 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
         conv_params = [given if isinstance(given, dict) else spec.initial_state(*given)
                        for spec, given in zip(specs, conv_given)]
         net = Network(specs, head, engine, rng, feature_shape, fc_params=fc_given, seed=cfg.seed,
-                      optimizer=cfg.optimizer)
+                      optimizer=cfg.optimizer, host=HostArrays())
     else:
         conv_params = init_conv_params(specs, rng)
-        net = Network(specs, head, engine, rng, feature_shape, seed=cfg.seed, optimizer=cfg.optimizer)
+        net = Network(specs, head, engine, rng, feature_shape, seed=cfg.seed, optimizer=cfg.optimizer,
+                      host=HostArrays())
     start_step = 0
     if resume is not None:
         meta, conv_params, fc_state, skipped = resume

@@ -2,7 +2,7 @@
 config, the learning rate (and, for one-cycle, the momentum) of every step from the schedule, and
 global-norm clipping, turned into the one UpdateRule each step sends to every holder of a weight.
 A pure function of the step, so a resumed or replaying run continues exactly where it was."""
-from hetconv.engine.update import UpdateRule, parse_no_decay
+from hetconv.update import UpdateRule, parse_no_decay
 from hetconv.train.schedule import Schedule
 
 

@@ -33,6 +33,12 @@ class Model:
     notes: list = field(default_factory=list)
     conv_buffers: list = field(default_factory=list)   # per conv layer: its tail's BatchNorm state by name
 
+    def conv_states(self):
+        """Per conv layer {name: array}: its weights (a zero bias where it has none) and its tail's
+        BatchNorm state."""
+        return [{"w": w, "b": np.zeros(len(w), np.float32) if b is None else b, **extra}
+                for (w, b), extra in zip(self.conv, self.conv_buffers or [{} for _ in self.conv])]
+
     @property
     def classes(self):
         return list(self.data["classes"])
@@ -137,9 +143,7 @@ class InProcessModel:
         kernels = [s.kernels for s in specs]
         device = open_device("cpu", **({"threads": threads} if threads else {}))
         engine = LocalEngine({"local": ConvShard(device)})
-        buffers = model.conv_buffers or [{} for _ in specs]
-        engine.load(fixed_plan(kernels, {"local": kernels}), specs,
-                    [{**s.initial_state(w, b), **extra} for s, (w, b), extra in zip(specs, model.conv, buffers)])
+        engine.load(fixed_plan(kernels, {"local": kernels}), specs, model.conv_states())
         head = [op.layer.to_json() for op in spec.head() if op.type != "flatten"]
         self.net = Network(specs, head, engine, np.random.default_rng(0), spec.conv_layers()[-1].output_shape,
                            fc_params=model.fc)

@@ -35,7 +35,7 @@ import zmq
 from hetconv.engine.chain import DropoutDraw
 from hetconv.engine.contract import sum_in_order
 from hetconv.engine.planner import MODES, LayerPlan, image_ranges
-from hetconv.engine.update import UpdateRule, clip_factor
+from hetconv.update import UpdateRule, clip_factor
 from hetconv.transport import protocol
 from hetconv.transport.keys import connect_peer
 from hetconv.transport.sockets import host_key, ipc_reachable
