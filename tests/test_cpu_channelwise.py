@@ -133,3 +133,7 @@ def test_the_written_out_exp_is_within_float32_rounding():
     exps(np.array([-1e30, 1e30, np.nan], np.float32), ends)
     assert ends[0] == pytest.approx(2.0 ** -126, rel=1e-5) and ends[1] == pytest.approx(np.exp(88.0), rel=1e-7)
     assert np.isnan(ends[2])
+
+
+def test_a_piece_with_no_images(dev):
+    cases.check_a_piece_with_no_images(dev)

@@ -252,7 +252,6 @@ def identity_backward(v, g, param):
     return g
 
 
-# code -> (forward, backward): the CPU kernels are made one per code from these
 FUNCTIONS = {RELU: (relu, relu_backward), GELU: (gelu, gelu_backward), GELU_TANH: (gelu_tanh, gelu_tanh_backward),
              SILU: (silu, silu_backward), LEAKY_RELU: (leaky_relu, leaky_relu_backward),
              ELU: (elu, elu_backward), CELU: (celu, celu_backward), TANH: (tanh_forward, tanh_backward),
@@ -260,31 +259,8 @@ FUNCTIONS = {RELU: (relu, relu_backward), GELU: (gelu, gelu_backward), GELU_TANH
              IDENTITY: (identity, identity_backward)}
 
 
-def _cpu_kernels(code):
-    """(forward, backward) parallel loops over flat float32 arrays for the CPU device, made per
-    code, so each loop is its activation's own few instructions (no branch on the code per
-    element; relu, leaky_relu, hardswish, identity and the exp-based ones vectorise). They live
-    in this file because Numba's cache knows only the file of the function it caches: a loop
-    cached elsewhere would keep an inlined copy of these functions after they change."""
-    f, b = FUNCTIONS[code]
-
-    @numba.njit(parallel=True, nogil=True, cache=True)
-    def forward(param, x, y):
-        for i in numba.prange(x.shape[0]):
-            y[i] = f(x[i], param)
-
-    @numba.njit(parallel=True, nogil=True, cache=True)
-    def backward(param, saved, dy, dx):
-        for i in numba.prange(saved.shape[0]):
-            dx[i] = b(saved[i], dy[i], param)
-
-    return forward, backward
-
-
-CPU_KERNELS = {code: _cpu_kernels(code) for code in FUNCTIONS}
-
-
-# the CUDA kernels take the code as an argument: the branch is the same for every thread of a launch
+# by code; the CUDA kernels take it as an argument (the branch is the same for every thread of a
+# launch), the CPU loops as a constant (below)
 @_scalar
 def forward(code, v, param):
     if code == RELU:
@@ -333,3 +309,27 @@ def backward(code, saved, g, param):
     if code == HARDSWISH:
         return hardswish_backward(saved, g, param)
     return g
+
+
+def _cpu_kernels(code):
+    """(forward, backward) parallel loops over flat float32 arrays for the CPU device, made per
+    code: `code` is a constant inside each, so the inlined dispatch below folds away and each
+    loop is its activation's own few instructions (relu, leaky_relu, hardswish, identity and
+    the exp-based ones vectorise). They close over the code alone (an int), which Numba's cache
+    keys them by; closing over the functions themselves missed the cache in every process. They
+    live in this file because Numba's cache knows only the file of the function it caches: a
+    loop cached elsewhere would keep an inlined copy of these functions after they change."""
+    @numba.njit(parallel=True, nogil=True, cache=True)
+    def forward_loop(param, x, y):
+        for i in numba.prange(x.shape[0]):
+            y[i] = forward(code, x[i], param)
+
+    @numba.njit(parallel=True, nogil=True, cache=True)
+    def backward_loop(param, saved, dy, dx):
+        for i in numba.prange(saved.shape[0]):
+            dx[i] = backward(code, saved[i], dy[i], param)
+
+    return forward_loop, backward_loop
+
+
+CPU_KERNELS = {code: _cpu_kernels(code) for code in FUNCTIONS}
