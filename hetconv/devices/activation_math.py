@@ -252,13 +252,6 @@ def identity_backward(v, g, param):
     return g
 
 
-FUNCTIONS = {RELU: (relu, relu_backward), GELU: (gelu, gelu_backward), GELU_TANH: (gelu_tanh, gelu_tanh_backward),
-             SILU: (silu, silu_backward), LEAKY_RELU: (leaky_relu, leaky_relu_backward),
-             ELU: (elu, elu_backward), CELU: (celu, celu_backward), TANH: (tanh_forward, tanh_backward),
-             SIGMOID: (sigmoid_forward, sigmoid_backward), HARDSWISH: (hardswish, hardswish_backward),
-             IDENTITY: (identity, identity_backward)}
-
-
 # by code; the CUDA kernels take it as an argument (the branch is the same for every thread of a
 # launch), the CPU loops as a constant (below)
 @_scalar
@@ -332,4 +325,4 @@ def _cpu_kernels(code):
     return forward_loop, backward_loop
 
 
-CPU_KERNELS = {code: _cpu_kernels(code) for code in FUNCTIONS}
+CPU_KERNELS = {code: _cpu_kernels(code) for code in range(IDENTITY + 1)}
