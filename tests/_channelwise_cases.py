@@ -129,3 +129,21 @@ def check_channel_scale(dev, shape, seed=0):
     y = dev.channel_scale(x, mask)
     assert y.dtype == np.float32 and y is not x
     close(y, R.dropout2d(x, mask), "channel_scale")
+
+
+def check_a_piece_with_no_images(dev):
+    """A worker or micro-batch may hold no images of a batch: every call returns empty arrays
+    and zero sums."""
+    x = np.zeros((0, 3, 4, 4), np.float32)
+    y, ctx = dev.activation(x, cw.Activation("gelu"))
+    assert y.shape == x.shape and dev.activation_backward(ctx, x).shape == x.shape
+    y, ctx = dev.pool(x, cw.Pool("max", 2))
+    assert y.shape == (0, 3, 2, 2) and dev.pool_backward(ctx, y).shape == x.shape
+    s, ss = dev.channel_sums(x)
+    assert s.tolist() == ss.tolist() == [0, 0, 0]
+    ones = np.ones(3, np.float32)
+    y, ctx = dev.batchnorm_apply(x, ones, ones, ones, ones)
+    sdy, sdyx = dev.batchnorm_grad_sums(ctx, x)
+    assert y.shape == x.shape and sdy.tolist() == sdyx.tolist() == [0, 0, 0]
+    assert dev.batchnorm_backward(ctx, x, ones, ones, 10).shape == x.shape
+    assert dev.channel_scale(x, np.zeros((0, 3), np.float32)).shape == x.shape

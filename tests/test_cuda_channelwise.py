@@ -55,3 +55,7 @@ def test_batchnorm_evaluation_matches_reference(dev):
 
 def test_channel_scale_matches_reference(dev):
     cases.check_channel_scale(dev, (2, 3, 4, 5))
+
+
+def test_a_piece_with_no_images(dev):
+    cases.check_a_piece_with_no_images(dev)

@@ -2,15 +2,19 @@
 
 The functions are Numba @njit scalar functions: the CPU kernels call them in their loops, and
 numba-cuda compiles the same Python for the GPU when a kernel calls them (scalars only: a
-@njit helper taking arrays would fail under the CUDA simulator). So both devices round alike.
+@njit helper taking arrays would fail under the CUDA simulator).
 
 Arithmetic stays in float32: every constant is an np.float32 (a bare 0.5 would turn the
-expression into float64). There is no vectorised libm here, and a libm call per element costs:
-on a Zen 5 core, expf ~2 ns, tanhf ~14 ns, erff ~12 ns, expm1f ~10 ns. So erf is the rational
-approximation PyTorch's vectorised CPU kernel uses (Abramowitz and Stegun 7.1.26, absolute error
-below 1.5e-7: under float32's rounding of 1 + erf in GELU), and tanh and expm1 are built on
-expf, with a short Taylor series near 0 where 1 - e^-2a or e^x - 1 would cancel. Relative error
-stays within a few float32 roundings.
+expression into float64). There is no vectorised libm here (Numba without Intel's SVML), and a
+libm call per element stops a loop from vectorising: on a Zen 5 core, expf ~2 ns, tanhf ~14 ns,
+erff ~12 ns, expm1f ~10 ns an element. So exp is written out (Cody-Waite reduction by ln 2, Cephes'
+expf polynomial, 2^k from a table: within 1e-7 relative, and a sigmoid over the paper-sized
+map ran 4x faster than with expf); erf is the rational approximation PyTorch's vectorised CPU
+kernel uses (Abramowitz and Stegun 7.1.26, absolute error below 1.5e-7: under float32's
+rounding of 1 + erf in GELU); tanh and expm1 are built on exp, with a short Taylor series near 0
+where 1 - e^-2a or e^x - 1 would cancel. Relative error stays within a few float32 roundings.
+The GPU compiles the same formulas (its compiler may fuse a multiply and an add where the CPU's
+does not: the two agree to rounding, not bit for bit).
 
 An activation is `code` (one of the CODES below) and one float32 parameter `param`:
 negative_slope for leaky_relu, alpha for elu and celu, unused by the others. The backward of
@@ -58,7 +62,34 @@ _C5 = np.float32(2 / 15)
 _C7 = np.float32(17 / 315)
 _E2, _E3, _E4, _E5 = (np.float32(1 / f) for f in (2, 6, 24, 120))
 
-_scalar = numba.njit(nogil=True, cache=True)
+# exp: e^v = 2^k * e^r, k = round(v / ln 2), r = v - k ln 2 in [-ln2/2, ln2/2] (ln 2 in two parts,
+# the first exact in a few bits, so k * _LN2_HI has no rounding error); Cephes' expf polynomial
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)
+_LN2_LO = np.float32(-2.12194440e-4)
+_EXP_LO = np.float32(-87.33654)     # e^v below it is not a normal float32: held at ~2^-126 (1.2e-38)
+_EXP_HI = np.float32(88.0)          # 2^k stays finite in the table: e^88 = 1.65e38, held beyond
+_EXP_P = tuple(np.float32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
+                                       1.6666665459e-1, 5.0000001201e-1))
+_EXP_P0, _EXP_P1, _EXP_P2, _EXP_P3, _EXP_P4, _EXP_P5 = _EXP_P
+_EXP_INDEX_SHIFT = np.float32(127.5)
+_EXP2 = np.array([2.0 ** k for k in range(-127, 128)], np.float32)      # 2^k at k + 127
+
+_scalar = numba.njit(nogil=True, cache=True, inline="always")
+
+
+@_scalar
+def exp(v):
+    """e^v, NaN kept; held within [~2^-126, e^88] (see _EXP_LO, _EXP_HI)."""
+    x = v if v > _EXP_LO else _EXP_LO          # a NaN lands here too: a valid table index below
+    x = x if x < _EXP_HI else _EXP_HI
+    # index = k + 127 = floor(v / ln 2 + 1/2) + 127: the sum is positive, so truncation floors
+    index = np.int32(x * _LOG2E + _EXP_INDEX_SHIFT)
+    kf = np.float32(index - 127)
+    r = x - kf * _LN2_HI - kf * _LN2_LO
+    p = ((((_EXP_P0 * r + _EXP_P1) * r + _EXP_P2) * r + _EXP_P3) * r + _EXP_P4) * r + _EXP_P5
+    e = (p * (r * r) + r + _ONE) * _EXP2[index]
+    return e if v == v else v
 
 
 @_scalar
@@ -66,7 +97,7 @@ def expm1(v):
     """e^v - 1."""
     if -_SMALL < v < _SMALL:
         return v * (_ONE + v * (_E2 + v * (_E3 + v * (_E4 + v * _E5))))
-    return math.exp(v) - _ONE
+    return exp(v) - _ONE
 
 
 @_scalar
@@ -78,7 +109,7 @@ def tanh(v):
     elif a > _SATURATED:
         t = _ONE
     else:
-        e = math.exp(-_TWO * a)
+        e = exp(-_TWO * a)
         t = (_ONE - e) / (_ONE + e)
     return t if v >= _ZERO else -t
 
@@ -88,14 +119,14 @@ def erf(v):
     a = abs(v)
     t = _ONE / (_ONE + _ERF_P * a)
     poly = t * (_ERF_A1 + t * (_ERF_A2 + t * (_ERF_A3 + t * (_ERF_A4 + t * _ERF_A5))))
-    r = _ONE - poly * math.exp(-a * a)
+    r = _ONE - poly * exp(-a * a)
     return r if v >= _ZERO else -r
 
 
 @_scalar
 def sigmoid(v):
-    # exp(-v) overflows to inf for v < -88: 1 / inf = 0, the right limit
-    return _ONE / (_ONE + math.exp(-v))
+    # below -88, exp(-v) is held at e^88: 1 / (1 + 1.65e38), ~6e-39, where the true value is smaller still
+    return _ONE / (_ONE + exp(-v))
 
 
 # ---- one forward and one backward per activation: (v, param) and (saved, g, param) ------------------
@@ -121,7 +152,7 @@ def gelu(v, param):
 @_scalar
 def gelu_backward(v, g, param):
     cdf = _HALF * (_ONE + erf(v * _INV_SQRT2))
-    return g * (cdf + v * _INV_SQRT_2PI * math.exp(-_HALF * v * v))
+    return g * (cdf + v * _INV_SQRT_2PI * exp(-_HALF * v * v))
 
 
 @_scalar
@@ -164,7 +195,7 @@ def elu(v, param):
 
 @_scalar
 def elu_backward(v, g, param):
-    return g if v > _ZERO else g * (param * math.exp(v))
+    return g if v > _ZERO else g * (param * exp(v))
 
 
 @_scalar
@@ -174,7 +205,7 @@ def celu(v, param):
 
 @_scalar
 def celu_backward(v, g, param):
-    return g if v > _ZERO else g * math.exp(v / param)
+    return g if v > _ZERO else g * exp(v / param)
 
 
 @_scalar
@@ -221,15 +252,8 @@ def identity_backward(v, g, param):
     return g
 
 
-# code -> (forward, backward): the CPU kernels are made one per code from these
-FUNCTIONS = {RELU: (relu, relu_backward), GELU: (gelu, gelu_backward), GELU_TANH: (gelu_tanh, gelu_tanh_backward),
-             SILU: (silu, silu_backward), LEAKY_RELU: (leaky_relu, leaky_relu_backward),
-             ELU: (elu, elu_backward), CELU: (celu, celu_backward), TANH: (tanh_forward, tanh_backward),
-             SIGMOID: (sigmoid_forward, sigmoid_backward), HARDSWISH: (hardswish, hardswish_backward),
-             IDENTITY: (identity, identity_backward)}
-
-
-# the CUDA kernels take the code as an argument: the branch is the same for every thread of a launch
+# by code; the CUDA kernels take it as an argument (the branch is the same for every thread of a
+# launch), the CPU loops as a constant (below)
 @_scalar
 def forward(code, v, param):
     if code == RELU:
@@ -278,3 +302,27 @@ def backward(code, saved, g, param):
     if code == HARDSWISH:
         return hardswish_backward(saved, g, param)
     return g
+
+
+def _cpu_kernels(code):
+    """(forward, backward) parallel loops over flat float32 arrays for the CPU device, made per
+    code: `code` is a constant inside each, so the inlined dispatch below folds away and each
+    loop is its activation's own few instructions (relu, leaky_relu, hardswish, identity and
+    the exp-based ones vectorise). They close over the code alone (an int), which Numba's cache
+    keys them by; closing over the functions themselves missed the cache in every process. They
+    live in this file because Numba's cache knows only the file of the function it caches: a
+    loop cached elsewhere would keep an inlined copy of these functions after they change."""
+    @numba.njit(parallel=True, nogil=True, cache=True)
+    def forward_loop(param, x, y):
+        for i in numba.prange(x.shape[0]):
+            y[i] = forward(code, x[i], param)
+
+    @numba.njit(parallel=True, nogil=True, cache=True)
+    def backward_loop(param, saved, dy, dx):
+        for i in numba.prange(saved.shape[0]):
+            dx[i] = backward(code, saved[i], dy[i], param)
+
+    return forward_loop, backward_loop
+
+
+CPU_KERNELS = {code: _cpu_kernels(code) for code in range(IDENTITY + 1)}

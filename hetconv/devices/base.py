@@ -22,8 +22,8 @@ Per-channel layers (hetconv.channelwise): activation, pool (a Pool or a GlobalPo
 as three calls (channel_sums, batchnorm_apply; batchnorm_grad_sums, batchnorm_backward) so that
 a batch held in pieces adds its per-channel sums up between them, and channel_scale for
 Dropout2d. numpy float32 NCHW in and out on every device; a forward returns (y, ctx), ctx opaque
-and holding what the backward needs (it keeps x or y itself, not a copy: neither may be changed
-until the backward has run).
+and holding what the backward needs (the CPU device keeps the caller's x or its returned y, not a
+copy: neither may be changed until the backward has run).
 """
 from dataclasses import dataclass
 import math

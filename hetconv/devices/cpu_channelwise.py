@@ -18,40 +18,18 @@ from hetconv.devices import activation_math as am
 _jit = numba.njit(parallel=True, nogil=True, cache=True)
 
 
-def _elementwise_kernels(code):
-    """(forward, backward) parallel loops for one activation: made per code, so each loop is
-    the activation's own few instructions (relu, leaky_relu, hardswish, identity vectorise) and
-    no branch on the code runs per element."""
-    f, b = am.FUNCTIONS[code]
-
-    @_jit
-    def forward(param, x, y):
-        for i in prange(x.shape[0]):
-            y[i] = f(x[i], param)
-
-    @_jit
-    def backward(param, saved, dy, dx):
-        for i in prange(saved.shape[0]):
-            dx[i] = b(saved[i], dy[i], param)
-
-    return forward, backward
-
-
-_KERNELS = {code: _elementwise_kernels(code) for code in am.FUNCTIONS}
-
-
 def activation(x, act):
     """(y, saved): y = act(x); saved is what activation_backward needs (x or y, not copied)."""
     code, param = am.code_and_param(act)
     y = np.empty_like(x)
-    _KERNELS[code][0](param, x.reshape(-1), y.reshape(-1))
+    am.CPU_KERNELS[code][0](param, x.reshape(-1), y.reshape(-1))
     return y, (y if code in am.SAVES_OUTPUT else x)
 
 
 def activation_backward(act, saved, dy):
     code, param = am.code_and_param(act)
     dx = np.empty_like(dy)
-    _KERNELS[code][1](param, saved.reshape(-1), dy.reshape(-1), dx.reshape(-1))
+    am.CPU_KERNELS[code][1](param, saved.reshape(-1), dy.reshape(-1), dx.reshape(-1))
     return dx
 
 

@@ -823,12 +823,16 @@ class CudaDevice(Device):
     def _pool(self, x, pool, out_shape):
         """The generic block pool kernel with no activation: POOL_GEOMETRY's RELU is 0."""
         _check_planes(out_shape)
+        if x.size == 0:         # a piece with no images: CUDA launches no empty grid
+            return np.zeros(out_shape, np.float32), (None, None)
         pg = tuple(np.int32(v) for v in (*pool.kernel, *pool.stride, *pool.padding, 0, pool.mode == "max"))
         pooled, winner = self._activation_pool(cuda.to_device(x), out_shape, pg)
         return pooled.copy_to_host(), (pg, winner)
 
     def _pool_backward(self, pool, saved, in_shape, dy):
         pg, winner = saved
+        if dy.size == 0:
+            return np.zeros(in_shape, np.float32)
         nb, c, h, w = in_shape
         dx = cuda.device_array(in_shape, np.float32)
         grid = (math.ceil(h * w / BLOCK_2D[0]), math.ceil(nb * c / BLOCK_2D[1]))

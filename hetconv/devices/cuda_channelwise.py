@@ -158,6 +158,8 @@ def activation(x, act):
     x_dev = cuda.to_device(x)
     y_dev = cuda.device_array_like(x_dev)
     size = x.size
+    if size == 0:           # a piece with no images: CUDA launches no empty grid
+        return x.copy(), x_dev
     activation_forward_kernel[math.ceil(size / ELEMENTWISE_THREADS), ELEMENTWISE_THREADS](
         _flat(x_dev), _flat(y_dev), np.int32(code), param)
     return y_dev.copy_to_host(), (y_dev if code in am.SAVES_OUTPUT else x_dev)
@@ -165,6 +167,8 @@ def activation(x, act):
 
 def activation_backward(act, saved, dy):
     code, param = am.code_and_param(act)
+    if dy.size == 0:
+        return dy.copy()
     dx_dev = cuda.device_array(dy.shape, np.float32)
     activation_backward_kernel[math.ceil(dy.size / ELEMENTWISE_THREADS), ELEMENTWISE_THREADS](
         _flat(saved), _flat(cuda.to_device(dy)), _flat(dx_dev), np.int32(code), param)
@@ -174,6 +178,8 @@ def activation_backward(act, saved, dy):
 def plane_sums(a_dev, b_dev, shift):
     """Per channel, float64 numpy: (sum of a, sum of a * (b - shift)) over N, H and W."""
     c = a_dev.shape[1]
+    if a_dev.size == 0:
+        return np.zeros(c), np.zeros(c)
     first, second = cuda.device_array(c, np.float64), cuda.device_array(c, np.float64)
     channel_sums_kernel[c, REDUCE_THREADS](_planes(a_dev), _planes(b_dev), cuda.to_device(shift), first, second)
     return first.copy_to_host(), second.copy_to_host()
@@ -182,6 +188,8 @@ def plane_sums(a_dev, b_dev, shift):
 def normalize(x, mean, scale, shift):
     """(y, saved): saved is the GPU's copy of x."""
     x_dev = cuda.to_device(x)
+    if x.size == 0:
+        return x.copy(), x_dev
     y_dev = cuda.device_array_like(x_dev)
     grid, block = _plane_grid(x.shape)
     normalize_kernel[grid, block](_planes(x_dev), cuda.to_device(mean), cuda.to_device(scale),
@@ -190,6 +198,8 @@ def normalize(x, mean, scale, shift):
 
 
 def batchnorm_backward(x_dev, dy, mean, mean_dy, k, a):
+    if dy.size == 0:
+        return dy.copy()
     dx_dev = cuda.device_array(dy.shape, np.float32)
     grid, block = _plane_grid(dy.shape)
     batchnorm_backward_kernel[grid, block](_planes(x_dev), _planes(cuda.to_device(dy)), cuda.to_device(mean),
@@ -199,6 +209,8 @@ def batchnorm_backward(x_dev, dy, mean, mean_dy, k, a):
 
 
 def channel_scale(x, mask):
+    if x.size == 0:
+        return x.copy()
     y_dev = cuda.device_array(x.shape, np.float32)
     grid, block = _plane_grid(x.shape)
     channel_scale_kernel[grid, block](_planes(cuda.to_device(x)), cuda.to_device(mask), _planes(y_dev))
