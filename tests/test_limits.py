@@ -85,27 +85,29 @@ def test_replies_of_the_wrong_shape_are_named_not_concatenated():
     engine.backward(0, np.ones_like(y), need_dx=True)
 
     # the first worker lies: the expected shape comes from the layer's geometry, not from a reply
-    honest_forward, honest_backward = shards["a"].forward, shards["a"].backward
-    shards["a"].forward = lambda *a, **k: honest_forward(*a, **k)[:, :, :3]            # one row short
+    honest_forward, honest_backward = shards["a"].forward_layer, shards["a"].backward_layer
+    shards["a"].forward_layer = lambda *a, **k: {m: y[:, :, :3] for m, y in honest_forward(*a, **k).items()}
     with pytest.raises(WorkerError, match=r"worker a failed during forward conv1: ShapeError: reply array 0 has "
                                           r"shape \(2, 1, 3, 4\), the plan expects \(2, 1, 4, 4\)"):
-        engine.forward(0, x)
-    shards["a"].forward = honest_forward
+        engine.forward(0, x)                                                           # one row short
+    shards["a"].forward_layer = honest_forward
     engine.forward(0, x)
-    shards["a"].backward = lambda *a, **k: honest_backward(*a, **k)[:, :, 1:]          # dX cropped
+    shards["a"].backward_layer = lambda *a, **k: {m: dx[:, :, 1:] for m, dx in honest_backward(*a, **k).items()}
     with pytest.raises(WorkerError, match=r"worker a failed during backward conv1: .*shape \(2, 3, 9, 10\), "
                                           r"the plan expects \(2, 3, 10, 10\)"):
-        engine.backward(0, np.ones_like(y), need_dx=True)
+        engine.backward(0, np.ones_like(y), need_dx=True)                              # dX cropped
     honest_fetch = shards["a"].fetch
-    shards["a"].fetch = lambda layer: (honest_fetch(layer)[0][:, :2],) + honest_fetch(layer)[1:]
+    shards["a"].fetch = lambda layer: {**honest_fetch(layer), "w": honest_fetch(layer)["w"][:, :2]}
     with pytest.raises(WorkerError, match=r"worker a failed during fetching conv1: .*shape \(1, 2, 3, 3\), the plan "
                                           r"expects \(1, 3, 3, 3\)"):
         engine.gather()
 
 
 # A worker whose conv output is one row short: it sends FEATURES of the wrong height.
-_LYING_WORKER = ("import sys\nfrom hetconv.engine import shard\nhonest = shard.ConvShard.forward\n"
-                 "shard.ConvShard.forward = lambda self, *a, **k: honest(self, *a, **k)[:, :, :-1]\n"
+_LYING_WORKER = ("import sys\nfrom hetconv.engine import shard\nhonest = shard.ConvShard.forward_layer\n"
+                 "def lying(self, layer, inputs, train, reduce=None, emit=None, dropout=None):\n"
+                 "    return honest(self, layer, inputs, train, reduce, lambda m, y: emit(m, y[:, :, :-1]), dropout)\n"
+                 "shard.ConvShard.forward_layer = lying\n"
                  "from hetconv.cli.worker import main\nsys.exit(main())\n")
 
 

@@ -42,9 +42,11 @@ def _timing_engine(specs, image_shape, batch, n, rng):
             replies = {}
             for name, (op, arrays, fields) in requests.items():
                 if op == "FORWARD":
-                    replies[name] = ([self.outputs[layer][name]], {})
-                else:
-                    replies[name] = ([self.partials[layer]] if fields["need_dx"] else [], {})
+                    replies[name] = ([self.outputs[layer][name]] * len(arrays), {})
+                elif op == "BACKWARD":
+                    replies[name] = ([self.partials[layer]] * len(arrays) if fields["need_dx"] else [], {})
+                else:                                # UPDATE, NORM: nothing of the coordinator's own
+                    replies[name] = ([], {"sum_of_squares": 0.0})
             return replies
 
     return TimingEngine()
