@@ -162,7 +162,10 @@ def test_a_malformed_calibration_is_named_before_the_cost_model_reads_it():
         (lambda f: f["timings"].__setitem__(1, "fast"), "conv2 is str, not a map"),
         (lambda f: f["timings"][0].update(batch=0), "conv1: batch 0, expected a positive integer"),
         (lambda f: f["timings"][0].update(kernels=[4, 2, 1]), "conv1: kernels .*expected one or two positive"),
-        (lambda f: f["timings"][1].update(forward_s=[0.1]), r"conv2: forward_s \[0\.1\], expected 2 finite"),
+        (lambda f: f["timings"][1].update(forward_s=[0.1]), r"conv2: forward_s \[0\.1\], expected 2 positive finite"),
+        # a zero time would make a free device: the planner sizes a share by dividing by it
+        (lambda f: f["timings"][0].update(forward_s=[0.0, 0.0]), r"conv1: forward_s \[0\.0, 0\.0\], expected 2 positive"),
+        (lambda f: f["timings"][1]["half_batch"].update(backward_s=[0.1, 0.0]), "conv2 half_batch: backward_s"),
         (lambda f: f["timings"][1]["half_batch"].update(backward_s=[0.1, -1.0]), "conv2 half_batch: backward_s"),
         (lambda f: f["timings"][0].update(half_batch=[]), "conv1 half_batch is list, not a map"),
         (lambda f: f["timings"][0].update(update_s=True), "conv1: update_s True, expected finite"),

@@ -73,16 +73,18 @@ def _check_timing_points(where, d):
             and all(isinstance(k, int) and not isinstance(k, bool) and k > 0 for k in ks)):
         raise ValueError(f"{where}: kernels {ks!r}, expected one or two positive integers")
     for key in ("forward_s", "backward_s"):
+        # a real run takes time: a zero would make a free device, whose share the planner
+        # cannot size (it divides by the time a kernel takes)
         ts = d.get(key)
-        if not (isinstance(ts, list) and len(ts) == len(ks) and all(_is_seconds(t) for t in ts)):
-            raise ValueError(f"{where}: {key} {ts!r}, expected {len(ks)} finite non-negative seconds, one per "
+        if not (isinstance(ts, list) and len(ts) == len(ks) and all(_is_seconds(t) and t > 0 for t in ts)):
+            raise ValueError(f"{where}: {key} {ts!r}, expected {len(ks)} positive finite seconds, one per "
                              f"kernel count")
 
 
 def _checked_calibration(label, fields, layers):
     """A worker's CALIBRATED fields, checked before the cost model fits them (they come from the
     network): `speeds`, a positive finite number per conv layer; `timings`, per layer a batch,
-    one or two kernel counts and a forward and backward time for each, the same again on half
+    one or two kernel counts and a positive forward and backward time for each, the same again on half
     the batch where there is one (`half_batch`), and finite update and gradient-sum times.
     -> (speeds, timings), or WorkerError naming the worker and the first thing wrong."""
     try:
