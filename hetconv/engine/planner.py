@@ -171,13 +171,17 @@ class Plan:
         return title + "\n" + "\n".join(lines)
 
 
-def check_lines(lines, unit="kernel"):
+def check_lines(lines, unit="kernel", layers=None):
     """Cost lines {worker: [(fixed_s, per_unit_s) per layer]} as a plan reads them: a fixed part
     finite and >= 0, a per-unit part finite and > 0 (a device whose kernels cost nothing would
     take a layer's every kernel, and a share is sized by dividing by that cost). PlanError naming
-    the worker, the layer and the value otherwise: a zero or non-finite calibration."""
+    the worker, the layer and the value otherwise: a zero or non-finite calibration. `layers`:
+    the indices read (None: every layer)."""
     for w, per_layer in lines.items():
-        for li, (fixed, per_unit) in enumerate(per_layer):
+        for li, line in enumerate(per_layer):
+            if layers is not None and li not in layers:
+                continue
+            fixed, per_unit = line
             if not (math.isfinite(fixed) and fixed >= 0):
                 raise PlanError(f"worker {w!r}: conv{li + 1}'s calibrated fixed seconds {fixed!r}, expected a finite "
                                 f"number >= 0")
@@ -447,7 +451,7 @@ def plan_from_lines(layer_kernels, lines, use_all=False, modes=None, batch=None,
     _check_batch(modes, batch, 1)
     check_lines(lines)
     if image_lines is not None:
-        check_lines(image_lines, "image")
+        check_lines(image_lines, "image", [li for li, m in enumerate(modes) if m == "data"])
     workers = list(lines)
     left_out = {}
     if not use_all:
