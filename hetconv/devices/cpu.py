@@ -775,7 +775,12 @@ class CpuDevice(Device):
         for timed_layer, timed_n, timed_k, timed_key, timed in self._timed:
             if (timed_layer == layer and max(k / timed_k, timed_k / k) <= AUTO_REUSE_FACTOR
                     and (n == timed_n or n > timed_n and timed.path == "fft")):
-                return _PathChoice(timed.path, f"as timed for {_describe_call(timed_key)}")
+                if timed.path in candidates:
+                    return _PathChoice(timed.path, f"as timed for {_describe_call(timed_key)}")
+                # FFT won there but declines here (more kernels: spectra over the budget): the
+                # fastest of the paths this call can take, by the same timing
+                return _PathChoice(_fastest({p: s for p, s in timed.seconds.items() if p in candidates}),
+                                   f"as timed for {_describe_call(timed_key)}, but fft declined: {declined}")
         seconds = self._time_paths(candidates, x, w, stride, padding, block, flops)
         choice = _PathChoice(_fastest(seconds), "timed", seconds)
         if choice.path != "fft":
