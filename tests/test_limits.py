@@ -175,3 +175,28 @@ def test_a_malformed_calibration_is_named_before_the_cost_model_reads_it():
         with pytest.raises(WorkerError, match=r"worker w0 failed during calibration: CalibrationError: a malformed "
                                               r"calibration: .*" + message):
             _checked_calibration("w0", broken(change), 2)
+
+
+def test_workers_waiting_to_join_are_bounded_and_one_more_is_refused_in_words():
+    """Without keys (--insecure) anyone can say HELLO, each time from a new routing id: the run
+    keeps at most MAX_JOINING of them until its next snapshot, refuses the rest with an ERROR the
+    worker prints, and logs the first refusal only."""
+    from types import SimpleNamespace
+
+    from hetconv.coordinator.remote import MAX_JOINING
+
+    sent, told, log = [], [], []
+    stub = SimpleNamespace(joining={}, joiners_refused=0, log=log.append, zmq=zmq, _tell_to_wait=told.append,
+                           sock=SimpleNamespace(send_multipart=lambda frames, flags=0: sent.append(frames)))
+
+    def hello(i):
+        return [zmq.Frame(f"stranger-{i}".encode())] + [zmq.Frame(f) for f in P.pack("HELLO", 0, name=f"s{i}")]
+    for i in range(MAX_JOINING + 50):
+        RemoteEngine._note_stranger(stub, hello(i))
+    assert len(stub.joining) == MAX_JOINING and len(told) == MAX_JOINING
+    RemoteEngine._note_stranger(stub, hello(0))                    # one already waiting says HELLO again: kept
+    assert len(stub.joining) == MAX_JOINING and stub.joiners_refused == 50
+    assert len(sent) == 50
+    refusal = P.unpack(sent[0][1:])
+    assert refusal.op == "ERROR" and f"at most {MAX_JOINING} at a time" in refusal.fields["message"]
+    assert sum("refused worker" in line for line in log) == 1

@@ -40,6 +40,7 @@ from hetconv.transport.worker_argv import command as worker_command
 
 EXCHANGES = ("peer", "star")
 DISCONNECT_PROBE_S = 5.0     # how long after a dropped connection the workers are probed
+MAX_JOINING = 32             # HELLOs kept from workers waiting to join a run, until its next snapshot
 
 
 CALIBRATION_REPEATS = 3          # calls per timed block: each block also lasts at least 0.25 s (engine.shard)
@@ -219,6 +220,7 @@ class RemoteEngine(ShardEngine):
         self.poller.register(self.monitor, zmq.POLLIN)
         self.poller.register(self.heartbeats, zmq.POLLIN)
         self.joining = {}                                   # routing id -> HELLO fields, admitted at a snapshot
+        self.joiners_refused = 0                            # HELLOs refused since the last admission: joining was full
         self.join_wait_s = 0.0                              # what a joiner is told to wait, beyond its own timeout
         self._probe_until = 0.0                             # probe for vanished workers until then
         atexit.register(self.close)
@@ -501,14 +503,31 @@ class RemoteEngine(ShardEngine):
                              in_plan)
 
     def _note_stranger(self, frames):
+        """A HELLO from a routing id outside the run: kept, to be admitted at the next snapshot,
+        up to MAX_JOINING at a time (without keys anyone can say HELLO, each time from a new
+        routing id, and each kept HELLO holds its header, up to 1 MiB); one more is refused."""
         try:
             msg = P.unpack(frames[1:])
         except P.ProtocolError:
             return
-        if msg.op == "HELLO":
-            self.joining[frames[0].bytes] = (msg.fields, authenticated_key(frames[1]))
-            self.log(f"worker {msg.fields.get('name', '?')} asks to join: admitted at the next snapshot")
-            self._tell_to_wait(frames[0].bytes)
+        if msg.op != "HELLO":
+            return
+        identity, name = frames[0].bytes, str(msg.fields.get("name", "?"))[:80]
+        if identity not in self.joining and len(self.joining) >= MAX_JOINING:
+            why = (f"{len(self.joining)} workers wait to join this run already (at most {MAX_JOINING} at a time): "
+                   f"start this one after its next snapshot")
+            try:
+                self.sock.send_multipart([identity] + P.pack("ERROR", 0, name="JoinRefused", message=why, worker=name,
+                                                             doing="HELLO", traceback=""), flags=self.zmq.NOBLOCK)
+            except self.zmq.ZMQError:
+                pass                                        # gone already: nobody to tell
+            self.joiners_refused += 1
+            if self.joiners_refused == 1:
+                self.log(f"refused worker {name} (further refusals are not logged until the next snapshot): {why}")
+            return
+        self.joining[identity] = (msg.fields, authenticated_key(frames[1]))
+        self.log(f"worker {name} asks to join: admitted at the next snapshot")
+        self._tell_to_wait(identity)
 
     def _tell_to_wait(self, identity):
         """WAIT: how long until a joiner is admitted, so it waits that long, not its own
@@ -550,6 +569,7 @@ class RemoteEngine(ShardEngine):
         is dropped, once, and never touches the running plan. Returns the new plan, or None when
         nobody joined."""
         joining, self.joining = self.joining, {}
+        self.joiners_refused = 0
         new = []
         for identity, (hello, public_key) in joining.items():
             name = self._unique_name(str(hello.get("name", "worker")))
