@@ -200,3 +200,16 @@ def test_workers_waiting_to_join_are_bounded_and_one_more_is_refused_in_words():
     refusal = P.unpack(sent[0][1:])
     assert refusal.op == "ERROR" and f"at most {MAX_JOINING} at a time" in refusal.fields["message"]
     assert sum("refused worker" in line for line in log) == 1
+
+
+def test_peers_tells_the_workers_the_most_a_step_of_the_run_needs():
+    """The bounds a worker holds a peer's next step to: the rule's micro-batch count (or the one
+    set by hand), and twice the run's largest array."""
+    from types import SimpleNamespace
+
+    from hetconv.train.config import Config
+    specs, shapes = conv_specs([6, 12]), [(8, 3, 32, 32), (8, 6, 14, 14)]
+    for micro, batch, expected in ((0, 128, 4), (0, 32, 2), (0, 8, 1), (16, 32, 16)):
+        stub = SimpleNamespace()
+        RemoteEngine._note_step_bounds(stub, specs, shapes, Config(micro_batches=micro, batch_size=batch))
+        assert stub.step_bounds == {"micro_batches": expected, "early_bytes": 2 * largest_array_bytes(specs, batch)}

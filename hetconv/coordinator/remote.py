@@ -32,6 +32,7 @@ from hetconv.engine.costmodel import parse_bandwidth, predict_peer_step, profile
 from hetconv.engine.microbatch import cheapest_micro_batches, micro_batch_count, priced_text
 from hetconv.engine.planner import (PlanError, choose_modes, cost_lines, forced_modes, image_ranges, make_plan,
                                     plan_from_lines)
+from hetconv.geometry import largest_array_bytes
 from hetconv.transport import keys
 from hetconv.transport import protocol as P
 from hetconv.transport.keys import authenticated_key, handshake_refusal, read_key_folder
@@ -221,6 +222,7 @@ class RemoteEngine(ShardEngine):
         self.poller.register(self.heartbeats, zmq.POLLIN)
         self.joining = {}                                   # routing id -> HELLO fields, admitted at a snapshot
         self.joiners_refused = 0                            # HELLOs refused since the last admission: joining was full
+        self.step_bounds = {}                               # PEERS' micro_batches and early_bytes (_note_step_bounds)
         self.join_wait_s = 0.0                              # what a joiner is told to wait, beyond its own timeout
         self._probe_until = 0.0                             # probe for vanished workers until then
         atexit.register(self.close)
@@ -603,6 +605,7 @@ class RemoteEngine(ShardEngine):
     def replan(self, specs, input_shapes, cfg):
         """A plan over the workers there are now, from their calibration; a worker without one
         (it joined while another was lost) is calibrated first, never planned blind."""
+        self._note_step_bounds(specs, input_shapes, cfg)
         missing = [name for name in self.peers if name not in self.calibration]
         if missing:
             self._calibrate_some(specs, input_shapes, cfg, missing)
@@ -642,7 +645,17 @@ class RemoteEngine(ShardEngine):
                                  for name, (speeds, timings) in checked.items()})
         return {name: list(checked[name][0]) for name in names}
 
+    def _note_step_bounds(self, specs, input_shapes, cfg):
+        """What PEERS tells the workers a step of this run can need, so a worker bounds what it
+        holds of a peer's next step before that step starts there: the most micro-batches a step
+        has (the rule's count for two or more workers: more workers never give more pieces), and
+        twice the run's largest array (a peer's rows of the images, and where the first layer is
+        data-parallel its rows of one layer's output)."""
+        self.step_bounds = {"micro_batches": micro_batch_count(cfg.micro_batches, cfg.batch_size, "peer", 2),
+                            "early_bytes": 2 * largest_array_bytes(specs, cfg.batch_size, tuple(input_shapes[0][1:]))}
+
     def plan_for(self, specs, input_shapes, cfg):
+        self._note_step_bounds(specs, input_shapes, cfg)
         kernels = [s.kernels for s in specs]
         forced = forced_modes(cfg.parallel, len(specs))
         if forced is not None and "data" in forced and self.exchange == "star":
@@ -767,7 +780,8 @@ class RemoteEngine(ShardEngine):
         # handshake that ZAP denied: its slices would never arrive. One more round trip per plan.
         for connect in (False, True):
             self._call({name: ("PEERS", [], {"peers": peers, "ranges": ranges, "modes": modes, "images": images,
-                                             "you": name, "timeout": self.op_timeout, "connect": connect})
+                                             "you": name, "timeout": self.op_timeout, "connect": connect,
+                                             **self.step_bounds})
                         for name in self.plan.workers}, "connecting workers to each other")
 
     def conv_step(self, xs, head, sgd):
