@@ -88,10 +88,10 @@ STEP_OPS = ("SLICE", "INPUT", "GRAD")        # what a step reads from its queue;
 
 # A step's micro-batch count is known once its STEP is read; a peer's slices that arrive before it
 # (a faster peer already in that step) are checked against the most micro-batches a step of the
-# plan has, as PEERS says (`micro_batches`, at most MAX_EARLY_MICRO), and what is held of one
-# peer's next step against a byte budget (`early_bytes`): a peer sends ahead at most its rows of
-# the step's images and, where the first layer is data-parallel, its rows of one layer's output,
-# each at most the run's largest array. Without them (a plan set by hand in a test) these defaults.
+# plan has, as PEERS says (`micro_batches`), and what is held of one peer's next step against a
+# byte budget (`early_bytes`): a peer sends ahead at most its rows of the step's images and, where
+# the first layer is data-parallel, its rows of one layer's output, each at most the run's largest
+# array. Without them (a plan set by hand in a test), these defaults.
 MAX_EARLY_MICRO = 256
 DEFAULT_EARLY_BYTES = 256 << 20
 
@@ -172,12 +172,12 @@ class PeerLinks:
 
     @staticmethod
     def _early_bounds(fields):
-        """PEERS' `micro_batches` (1 to MAX_EARLY_MICRO) and `early_bytes` (> 0), checked, or the
-        defaults where absent."""
+        """PEERS' `micro_batches` (>= 1) and `early_bytes` (> 0), checked, or the defaults where
+        absent. The count alone bounds nothing (a run may cut a batch into as many pieces as it has
+        images): the byte budget does."""
         micros, early = fields.get("micro_batches", MAX_EARLY_MICRO), fields.get("early_bytes", DEFAULT_EARLY_BYTES)
-        if not _is_int(micros) or not 1 <= micros <= MAX_EARLY_MICRO:
-            raise ValueError(f"PEERS micro_batches {micros!r:.40}: expected the most micro-batches a step has, "
-                             f"1 to {MAX_EARLY_MICRO}")
+        if not _is_int(micros) or micros < 1:
+            raise ValueError(f"PEERS micro_batches {micros!r:.40}: expected the most micro-batches a step has, >= 1")
         if not _is_int(early) or early < 1:
             raise ValueError(f"PEERS early_bytes {early!r:.40}: expected a positive number of bytes")
         return micros, early
