@@ -508,9 +508,12 @@ MODE_LETTERS = {"M": "model", "D": "data"}
 def check_parallel(value):
     """--parallel: 'auto' (the cost model picks per layer), 'model' or 'data' (every layer), or
     a chain of one letter per conv layer, M model or D data (e.g. DDDDDDMM), which forces each
-    layer's mode: how a benchmark checks the cost model's choice layer by layer."""
-    if value in PARALLEL or (isinstance(value, str) and value and set(value) <= set(MODE_LETTERS)):
-        return value
+    layer's mode: how a benchmark checks the cost model's choice layer by layer. Either case is
+    read; returns the value as it is used (a word in lower case, a chain in upper case)."""
+    if isinstance(value, str) and value.lower() in PARALLEL:
+        return value.lower()
+    if isinstance(value, str) and value and set(value.upper()) <= set(MODE_LETTERS):
+        return value.upper()
     raise PlanError(f"--parallel must be one of {', '.join(PARALLEL)}, or a letter per conv layer (M model-parallel, "
                     f"D data-parallel) such as DDMM, got {value!r}")
 
@@ -519,7 +522,7 @@ def forced_modes(parallel, layers):
     """The mode of each of `layers` conv layers that --parallel forces ('model', 'data', or a
     chain of M and D), or None where the cost model chooses ('auto'). A chain of the wrong
     length is a PlanError that says how many layers the network has."""
-    check_parallel(parallel)
+    parallel = check_parallel(parallel)
     if parallel == "auto":
         return None
     if parallel in PARALLEL:
