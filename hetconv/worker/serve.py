@@ -54,6 +54,8 @@ def _check_args(args):
     except (ValueError, DeviceError) as e:
         raise WorkerExit(str(e)) from None
     entry = entries[0]
+    if args.threads and entry.device != "cpu":
+        raise WorkerExit(f"--threads {args.threads} is for a cpu device; --device {args.device} runs on its GPU")
     if entry.threads:
         if args.threads and args.threads != entry.threads:
             raise WorkerExit(f"--device {args.device} and --threads {args.threads} disagree: give one of them")
