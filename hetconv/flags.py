@@ -1,10 +1,14 @@
 """Command-line helpers every entry point shares: the help layout, and the checks that turn a bad
 flag value into one line naming the flag and what was expected."""
 import argparse
+import contextlib
+import logging
 import math
 import os
 import re
 import sys
+import threading
+import time
 
 
 def parse_int_list(flag, text, allow_empty):
@@ -120,6 +124,57 @@ def check_output_dir(flag, path):
         raise ValueError(f"{flag} {path!r} cannot be created: {e.strerror or e}") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise ValueError(f"{flag} {path!r} is not writable")
+
+
+class _PrintHandler(logging.Handler):
+    """A log record as one printed line, to whatever sys.stdout (or sys.stderr) is when it comes."""
+
+    def __init__(self, to_stderr):
+        super().__init__()
+        self.to_stderr = to_stderr
+
+    def emit(self, record):
+        print(self.format(record), file=sys.stderr if self.to_stderr else sys.stdout, flush=True)
+
+
+def show_progress(logger="hetconv.devices", to_stderr=False):
+    """Print the progress lines (INFO) that `logger` and those below it log during long work, such
+    as a CPU device timing its conv paths (on stderr where stdout carries a result, such as JSON);
+    one handler per process however often it is called. Returns it (for removeHandler)."""
+    log = logging.getLogger(logger)
+    log.setLevel(logging.INFO)
+    for h in [h for h in log.handlers if isinstance(h, _PrintHandler)]:
+        log.removeHandler(h)
+    handler = _PrintHandler(to_stderr)
+    log.addHandler(handler)
+    return handler
+
+
+@contextlib.contextmanager
+def still_working(what, every_s=15.0, out=None):
+    """While the block runs, a line every `every_s` seconds saying `what` is still going and for
+    how long, so a long silent wait (calibrating a device) is never mistaken for a hang."""
+    stop = threading.Event()
+    start = time.monotonic()
+
+    def tick():
+        while not stop.wait(every_s):
+            print(f"  ... still {what} ({time.monotonic() - start:.0f} s)", file=out or sys.stderr, flush=True)
+    ticker = threading.Thread(target=tick, name="still-working", daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        ticker.join()
+
+
+def add_version(parser):
+    """--version on a command: its name and the package's version, then exit."""
+    from hetconv import __version__
+    parser.add_argument("--version", action="version", version=f"{parser.prog} {__version__}",
+                        help="print the version and exit")
+    return parser
 
 
 class OneLineParser(argparse.ArgumentParser):

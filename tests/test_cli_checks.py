@@ -183,3 +183,134 @@ def test_help_prints_each_default_once_and_examples():
     assert text.count("(default: 500,1500)") == 1 and "(default: '500,1500')" not in text
     assert "examples:\n  hetconv-coordinator --spawn cpu,cpu" in text
     assert "default: 1.0" in run("hetconv.cli.worker", "--help").stdout
+
+
+# ---- papercuts: --version, help groups, notes, names shared with hetconv-plan ------------------------
+
+COMMANDS = ("coordinator", "worker", "plan", "keygen", "report", "evaluate", "classify", "export")
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_says_its_version(command, capsys):
+    import importlib
+    import tomllib
+
+    from conftest import REPO
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        version = tomllib.load(f)["project"]["version"]
+    module = importlib.import_module(f"hetconv.cli.{command}")
+    with pytest.raises(SystemExit) as done:
+        module.main(["--version"])
+    assert done.value.code == 0
+    name = {"evaluate": "eval"}.get(command, command)
+    assert capsys.readouterr().out == f"hetconv-{name} {version}\n"
+
+
+def test_help_groups_and_texts_fit_any_data_set():
+    """--bind and --curve sit under "connection", apart from --net (the network trained); --crop and
+    --fc speak of the data set's images and classes, not CIFAR-10's."""
+    from hetconv.cli import coordinator
+    text = coordinator.build_parser().format_help()
+    connection = text[text.index("connection"):text.index("\ntraining:")]
+    assert "--bind" in connection and "--curve" in connection and "--net" not in connection
+    assert "\nnetwork:" not in text
+    assert "32x32" not in text and "10-way" not in text
+
+
+@pytest.mark.parametrize("given,modes", [("mmdd", ["model", "model", "data", "data"]), ("MmDd", None),
+                                         ("Data", ["data"] * 4), ("AUTO", None)])
+def test_parallel_is_read_in_either_case(given, modes):
+    from hetconv.engine.planner import forced_modes
+    Config(parallel=given).validate()
+    assert forced_modes(given, 4) == (modes if given != "MmDd" else ["model", "model", "data", "data"])
+
+
+def test_local_says_what_flags_for_workers_and_the_wire_do_there():
+    from hetconv.cli.coordinator import _local_notes
+    assert _local_notes(Config()) == []
+    (wire,) = _local_notes(Config(wire_dtype="bfloat16"))
+    assert wire.startswith("note: --local has no wire; --wire-dtype bfloat16 rounds its feature maps")
+    (ignored,) = _local_notes(Config(parallel="data", link="10gbit", use_all=True))
+    assert ignored.startswith("note: --parallel data, --link 10gbit, --use-all split the work among workers; "
+                              "--local runs every layer whole on one device, so they change nothing here")
+
+
+def test_more_spawned_cpu_threads_than_cores_is_a_note(monkeypatch):
+    """--spawn cpu:1x3 on 2 cores (and cpu,cpu with --threads 2) cannot pin each worker to cores of
+    its own: said in a note; cpu,cpu shares the cores and needs none."""
+    from hetconv.cli import coordinator
+    monkeypatch.setattr(coordinator, "usable_cores", lambda: 2)
+    note = coordinator._pinning_note(["cpu:1"] * 3, 0, True)
+    assert "--spawn cpu:1,cpu:1,cpu:1 asks for 3 CPU threads in all, which is more than the 2 core(s)" in note
+    assert "not pinned" in note
+    assert "2 CPU worker(s) x --threads 2 is more than the 2 core(s)" in coordinator._pinning_note(["cpu", "cpu"], 2, True)
+    assert coordinator._pinning_note(["cpu", "cpu"], 0, True) == ""
+    assert coordinator._pinning_note(["cpu:1", "cpu:1", "cuda:0"], 0, True) == ""
+    assert coordinator._pinning_note(["cpu:1"] * 3, 0, False) == ""          # --no-pin: nothing to say
+
+
+def test_a_training_loss_stuck_at_chance_for_an_epoch_gets_one_hint():
+    import math
+
+    from hetconv.cli.coordinator import _chance_hint
+    chance = math.log(10)
+    assert _chance_hint([2.5, 2.4] + [chance + 0.001] * 8, 8, 10, 0.01).startswith(
+        "hint: the training loss stayed at 2.3036 for the last epoch, log(10) = 2.3026")
+    assert "--lr (this run's: 0.01)" in _chance_hint([chance] * 8, 8, 10, 0.01)
+    assert _chance_hint([chance] * 8 + [2.0] * 8, 8, 10, 0.01) == ""         # it moved in the last epoch
+    assert _chance_hint([chance] * 8 + [2.2975] * 8, 8, 10, 0.01) == ""      # learning slowly is moving
+    assert _chance_hint([chance] * 7, 8, 10, 0.01) == ""                     # less than an epoch
+    assert _chance_hint([chance] * 4, 4, 10, 0.01) == ""                     # an epoch too short to tell
+    assert _chance_hint([math.log(100)] * 8, 8, 100, 0.01) != ""             # log(classes) of the data
+
+
+def test_plan_names_the_link_as_the_coordinator_does_and_keeps_bandwidth(capsys):
+    from hetconv.cli import plan
+    assert plan.build_parser().parse_args([]).link == Config.link == "1gbit"
+    assert plan.build_parser().parse_args(["--bandwidth", "10gbit"]).link == "10gbit"
+    assert plan.main(["--link", "fast"]) == 2
+    assert capsys.readouterr().err.strip() == ("hetconv-plan: --link: bandwidth 'fast': expected a rate such as "
+                                               "100mbit, 1gbit (or 1gbps), 10gbit or 500MB")
+
+
+def test_plan_opens_every_device_before_it_calibrates_any(capsys):
+    """A GPU that is not there is named at once, not after the CPU before it has been timed."""
+    from hetconv.cli import plan
+    assert plan.main(["--devices", "cpu,cuda:7", "--conv", "4,8", "--fc", "8", "--batch-size", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "calibrating" not in err and err.startswith("hetconv-plan: cuda:7") and len(err.splitlines()) == 1
+
+
+def test_plan_refuses_a_saved_profile_with_a_zero_calibration(tmp_path, capsys):
+    from hetconv.cli import plan
+    layer = {"forward_fixed_s": 0.0, "forward_per_kernel_s": 0.0, "backward_fixed_s": 0.0, "backward_per_kernel_s": 0.0}
+    path = tmp_path / "zero.json"
+    path.write_text(json.dumps({"name": "gpu", "device": "cuda:0", "layers": [layer, layer]}))
+    assert plan.main(["--devices", f"cpu,@{path}", "--conv", "4,8", "--fc", "8", "--batch-size", "8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"hetconv-plan: {path}: worker 'gpu': conv1's calibrated forward_per_kernel_s and "
+                   f"backward_per_kernel_s are both 0, expected positive seconds (a zero calibration)")
+
+
+def test_long_work_says_what_it_is_doing(capsys):
+    """A CPU device says when it starts timing its conv paths (where a command shows progress),
+    and a long wait prints a line every few seconds."""
+    import numpy as np
+
+    from hetconv.devices import open_device
+    from hetconv.flags import show_progress, still_working
+    import logging
+    handler = show_progress()
+    dev = open_device("cpu", conv_path="auto", threads=1, auto_timed_min_flops=0,
+                      auto_timer=lambda path, run: run() or {"im2col": 1.0, "shifted": 2.0, "fft": 3.0}[path])
+    x, w = np.zeros((2, 3, 9, 8), np.float32), np.zeros((4, 3, 3, 3), np.float32)
+    try:
+        dev.conv2d(x, w, np.zeros(4, np.float32), padding=1)
+    finally:
+        logging.getLogger("hetconv.devices").removeHandler(handler)
+    assert capsys.readouterr().out == ("cpu device: timing conv paths im2col, shifted, fft on x (2, 3, 9, 8) "
+                                       "w (4, 3, 3, 3) padding (1, 1) (once per call shape) ...\n")
+    with still_working("counting sheep", every_s=0.05):
+        time.sleep(0.3)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) >= 2 and lines[0].startswith("  ... still counting sheep (")

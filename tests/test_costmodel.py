@@ -176,7 +176,15 @@ def test_parse_bandwidth(text, bytes_per_s):
     assert parse_bandwidth(text, framing=TBF_FRAMING).bytes_per_s == pytest.approx(bytes_per_s * (1448 / 1514 if bits else 1))
 
 
-@pytest.mark.parametrize("text", ["fast", "1gigabit", "-1gbit", "0mbit"])
+@pytest.mark.parametrize("text,same_as", [("1gbps", "1gbit"), ("1Gbps", "1gbit"), ("1Gb/s", "1gbit"),
+                                           ("100mbit/s", "100mbit"), ("500MB/s", "500MB"), ("500MBps", "500MB")])
+def test_bandwidth_is_read_as_vendors_write_it(text, same_as):
+    """A lower-case b is bits, an upper-case B bytes, with or without 'ps' or '/s'."""
+    from hetconv.engine.costmodel import line_rate
+    assert line_rate(text) == line_rate(same_as)
+
+
+@pytest.mark.parametrize("text", ["fast", "1gigabit", "-1gbit", "0mbit", "1gb", "1g"])
 def test_bad_bandwidth_is_named(text):
     with pytest.raises(ValueError, match=f"bandwidth '{text}': expected a rate"):
         parse_bandwidth(text)

@@ -471,3 +471,24 @@ def test_forced_paths_are_reported_as_forced():
     dev = open_device("cpu", conv_path="shifted", threads=1)
     dev.conv2d(x, w, b, padding=1)
     assert dev.describe_conv_paths()[0].endswith("shifted (forced)")
+
+
+def test_a_reused_fft_choice_keeps_the_fft_budget():
+    """A layer timed at k kernels chose FFT; a call of the same layer with 2k kernels (calibration
+    times half the share first; a worker's share grows when another is lost) whose kernel spectra
+    exceed the FFT budget runs the fastest direct path of that timing, untimed, never FFT."""
+    from hetconv.devices.cpu_fft import spectra_bytes
+    x, w, b, rng = tensors(4, 3, 9, 8, 8, 3, 3, seed=32)
+    probe = open_device("cpu", threads=1)
+    g = probe._fft.geometry(x.shape, w.shape, (1, 1))
+    budget = (spectra_bytes(g, 4, 3) + spectra_bytes(g, 8, 3)) // 2        # 4 kernels fit, 8 do not
+    dev, timer = auto_device({"im2col": 2.0, "shifted": 3.0, "fft": 1.0}, fft_budget_bytes=budget)
+    half = np.ascontiguousarray(w[:4])
+    dev.conv2d(x, half, b[:4], padding=1)
+    timed_once = len(timer.calls)
+    assert dev.conv_path_choices()[0]["path"] == "fft"
+    check_plain(dev, x, w, b, 1, rng)                                        # twice the kernels
+    assert len(timer.calls) == timed_once
+    choice = dev.conv_path_choices()[-1]
+    assert choice["path"] == "im2col" and "fft declined: its kernel spectra need" in choice["why"]
+    assert not any(e.holds(w) for e in dev._fft._entries)

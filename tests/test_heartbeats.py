@@ -102,3 +102,87 @@ def test_a_worker_silent_on_both_channels_is_named_after_the_timeout():
         engine.close()
         worker.join(5)
     assert worker.error is None, worker.error
+
+
+# ---- a worker whose coordinator is gone -----------------------------------------------------------
+
+def _children(pid):
+    """Pids whose parent is `pid`, from /proc."""
+    import os
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat[stat.rfind(b")") + 2:].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def _running(pid):
+    """Whether `pid` runs (exists and is not a zombie)."""
+    from hetconv.worker.serve import _is_zombie
+    import os
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not _is_zombie(pid)
+
+
+def test_an_unreaped_dead_parent_counts_as_gone():
+    """A process that has exited but is not reaped (a zombie) answers os.kill(pid, 0); the worker's
+    check does not take it for alive."""
+    import subprocess
+    import sys
+
+    from hetconv.worker.serve import _is_zombie, _parent_alive
+    import os
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 10
+        while not _is_zombie(child.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)                     # never polled meanwhile: it stays a zombie
+        os.kill(child.pid, 0)                    # what the old check read as alive
+        assert not _parent_alive(child.pid, False)
+        assert _parent_alive(os.getppid(), True) and not _parent_alive(os.getpid(), True)
+    finally:
+        child.wait()
+
+
+@pytest.mark.timeout(120)
+def test_spawned_workers_exit_when_their_coordinator_is_killed_and_never_reaped(procs):
+    """This test is the parent that never reaps its coordinator (a notebook reading its output):
+    the coordinator is SIGKILLed while its spawned workers run; they exit within a few seconds,
+    not at their 900 s idle timeout."""
+    import os
+    import signal
+
+    from conftest import python_cmd
+    coord = procs(python_cmd("hetconv.cli.coordinator", "--spawn", "cpu:1,cpu:1", "--conv", "4,8", "--fc", "8",
+                             "--batch-size", "8", "--synthetic-train", "64", "--synthetic-test", "16", "--epochs", "50",
+                             "--connect-timeout", "60"))
+    workers, pids = [], []
+    try:
+        for line in coord.stdout:                # each spawned worker announced: both connected
+            if line.startswith("worker w") and len(workers) < 2:
+                workers.append(line)
+            if len(workers) == 2:
+                break
+        assert len(workers) == 2, "the coordinator ended before its workers connected"
+        pids = _children(coord.pid)
+        assert len(pids) == 2, pids
+        os.kill(coord.pid, signal.SIGKILL)       # and never waited for: a zombie until the fixture ends
+        deadline = time.monotonic() + 15
+        while any(_running(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_running(p) for p in pids), "a worker outlived its killed coordinator"
+    finally:
+        for p in set(pids + _children(coord.pid)):      # the workers are not in the fixture's process group
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

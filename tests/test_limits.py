@@ -164,7 +164,10 @@ def test_a_malformed_calibration_is_named_before_the_cost_model_reads_it():
         (lambda f: f["timings"].__setitem__(1, "fast"), "conv2 is str, not a map"),
         (lambda f: f["timings"][0].update(batch=0), "conv1: batch 0, expected a positive integer"),
         (lambda f: f["timings"][0].update(kernels=[4, 2, 1]), "conv1: kernels .*expected one or two positive"),
-        (lambda f: f["timings"][1].update(forward_s=[0.1]), r"conv2: forward_s \[0\.1\], expected 2 finite"),
+        (lambda f: f["timings"][1].update(forward_s=[0.1]), r"conv2: forward_s \[0\.1\], expected 2 positive finite"),
+        # a zero time would make a free device: the planner sizes a share by dividing by it
+        (lambda f: f["timings"][0].update(forward_s=[0.0, 0.0]), r"conv1: forward_s \[0\.0, 0\.0\], expected 2 positive"),
+        (lambda f: f["timings"][1]["half_batch"].update(backward_s=[0.1, 0.0]), "conv2 half_batch: backward_s"),
         (lambda f: f["timings"][1]["half_batch"].update(backward_s=[0.1, -1.0]), "conv2 half_batch: backward_s"),
         (lambda f: f["timings"][0].update(half_batch=[]), "conv1 half_batch is list, not a map"),
         (lambda f: f["timings"][0].update(update_s=True), "conv1: update_s True, expected finite"),
@@ -174,3 +177,41 @@ def test_a_malformed_calibration_is_named_before_the_cost_model_reads_it():
         with pytest.raises(WorkerError, match=r"worker w0 failed during calibration: CalibrationError: a malformed "
                                               r"calibration: .*" + message):
             _checked_calibration("w0", broken(change), 2)
+
+
+def test_workers_waiting_to_join_are_bounded_and_one_more_is_refused_in_words():
+    """Without keys (--insecure) anyone can say HELLO, each time from a new routing id: the run
+    keeps at most MAX_JOINING of them until its next snapshot, refuses the rest with an ERROR the
+    worker prints, and logs the first refusal only."""
+    from types import SimpleNamespace
+
+    from hetconv.coordinator.remote import MAX_JOINING
+
+    sent, told, log = [], [], []
+    stub = SimpleNamespace(joining={}, joiners_refused=0, log=log.append, zmq=zmq, _tell_to_wait=told.append,
+                           sock=SimpleNamespace(send_multipart=lambda frames, flags=0: sent.append(frames)))
+
+    def hello(i):
+        return [zmq.Frame(f"stranger-{i}".encode())] + [zmq.Frame(f) for f in P.pack("HELLO", 0, name=f"s{i}")]
+    for i in range(MAX_JOINING + 50):
+        RemoteEngine._note_stranger(stub, hello(i))
+    assert len(stub.joining) == MAX_JOINING and len(told) == MAX_JOINING
+    RemoteEngine._note_stranger(stub, hello(0))                    # one already waiting says HELLO again: kept
+    assert len(stub.joining) == MAX_JOINING and stub.joiners_refused == 50
+    assert len(sent) == 50
+    refusal = P.unpack(sent[0][1:])
+    assert refusal.op == "ERROR" and f"at most {MAX_JOINING} at a time" in refusal.fields["message"]
+    assert sum("refused worker" in line for line in log) == 1
+
+
+def test_peers_tells_the_workers_the_most_a_step_of_the_run_needs():
+    """The bounds a worker holds a peer's next step to: the rule's micro-batch count (or the one
+    set by hand), and twice the run's largest array."""
+    from types import SimpleNamespace
+
+    from hetconv.train.config import Config
+    specs, shapes = conv_specs([6, 12]), [(8, 3, 32, 32), (8, 6, 14, 14)]
+    for micro, batch, expected in ((0, 128, 4), (0, 32, 2), (0, 8, 1), (16, 32, 16)):
+        stub = SimpleNamespace()
+        RemoteEngine._note_step_bounds(stub, specs, shapes, Config(micro_batches=micro, batch_size=batch))
+        assert stub.step_bounds == {"micro_batches": expected, "early_bytes": 2 * largest_array_bytes(specs, batch)}

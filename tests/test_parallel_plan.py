@@ -301,7 +301,7 @@ def test_the_step_timeline_with_data_layers_agrees_with_the_choice():
         predict_any("star", specs, image, 64, counts, profiles, link, 0.01, modes=["data"] * 8, images=images)
 
 
-@pytest.mark.parametrize("value", ["", "Model", "hybrid", "DDmm", "DXM", None])
+@pytest.mark.parametrize("value", ["", "hybrid", "DXM", "ddx", None])
 def test_the_parallel_flag_is_checked_with_the_config(value):
     from hetconv.train.config import Config
     assert Config().validate().parallel == "auto"

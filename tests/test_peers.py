@@ -73,3 +73,34 @@ def test_between_steps_only_each_senders_newest_steps_slices_are_held(links):
     assert sorted(links.held) == [(199, "images", -1, 0, "w0"), (199, "images", -1, 0, "w2")]
     got = links._await({(199, "images", -1, 0, "w2")}, 199)
     np.testing.assert_array_equal(got[(199, "images", -1, 0, "w2")], 5.0)
+
+
+def test_what_a_peer_sends_ahead_is_bounded_by_the_plans_micro_batches_and_a_byte_budget():
+    """A peer may send its next step's slices before this worker starts that step; it can hold
+    them for no more micro-batches than a step of the plan has (PEERS' micro_batches) and no more
+    bytes per sender than PEERS' early_bytes, between steps and during one alike. Another
+    sender's budget is its own."""
+    one = slice_msg(0).arrays[0].nbytes                          # 384 bytes a slice
+    links = PeerLinks(None, "w1", None, queue.Queue(), None, log=lambda line: None)
+    links.connect({**plan_fields(), "micro_batches": 4, "early_bytes": 3 * one})
+    for m in range(8):
+        links.hold_early(slice_msg(9, micro=m, sender="w0"))
+    links.hold_early(slice_msg(9, micro=0, sender="w2"))
+    assert sorted(k[3] for k in links.held if k[4] == "w0") == [0, 1, 2]      # 4 and up: no such micro-batch;
+    assert (9, "images", -1, 0, "w2") in links.held                             # 3: over w0's budget
+    # during step 9, the same bounds for step 10's
+    links.start_step(9, 4)
+    for m in range(6):
+        links.requests.put(slice_msg(10, micro=m, sender="w2"))
+    links.requests.put(slice_msg(9, micro=1, sender="w2"))
+    links._await({(9, "images", -1, 1, "w2")}, 9)
+    assert sorted(k[3] for k in links.held if k[0] == 10) == [0, 1, 2]
+    assert links.dropped == 8
+
+
+@pytest.mark.parametrize("field,value", [("micro_batches", 0), ("micro_batches", "4"),
+                                         ("early_bytes", 0), ("early_bytes", 1.5)])
+def test_peers_bounds_of_the_wrong_kind_are_refused(field, value):
+    links = PeerLinks(None, "w1", None, queue.Queue(), None)
+    with pytest.raises(ValueError, match=f"PEERS {field}"):
+        links.connect({**plan_fields(), field: value})

@@ -126,3 +126,34 @@ def test_a_cpu_that_helps_is_kept():
     plan = plan_from_lines([500, 1500], {"gpu": gpu, "cpu": cpu})
     assert plan.workers == ("gpu", "cpu") and not plan.left_out
     assert 0 < plan.layers[1].count("cpu") < plan.layers[1].count("gpu")
+
+
+@pytest.mark.parametrize("bad", [0.0, float("nan"), float("inf")])
+def test_a_zero_or_non_finite_calibrated_line_is_refused_naming_the_worker_and_the_layer(bad):
+    """A device whose kernels cost nothing would have its share sized by dividing by that cost:
+    the plan refuses it in one line instead of a ZeroDivisionError."""
+    from hetconv.engine.planner import plan_from_lines
+    lines = {"w0": [(0.01, 1e-3), (0.02, 2e-3)], "w1": [(0.01, 1e-3), (0.0, bad)]}
+    with pytest.raises(PlanError, match=rf"worker 'w1': conv2's calibrated seconds per kernel {bad!r}, expected a "
+                                        r"positive finite number \(a zero or non-finite calibration\)"):
+        plan_from_lines([8, 8], lines)
+    lines["w1"][1] = (float("nan"), 1e-3)
+    with pytest.raises(PlanError, match=r"worker 'w1': conv2's calibrated fixed seconds nan, expected a finite"):
+        plan_from_lines([8, 8], lines)
+
+
+def test_a_zero_calibrated_profile_is_refused_before_the_cost_model_prices_it():
+    """A profile (from a file or a worker) whose every time is 0, or with one field non-finite,
+    is named with its worker, layer and field by cost_lines and choose_modes."""
+    from hetconv.engine.costmodel import DeviceProfile, LayerCost
+    from hetconv.engine.planner import choose_modes, cost_lines
+    from hetconv.geometry import conv_specs
+    good = LayerCost(1e-4, 1e-5, 2e-4, 2e-5)
+    zero = LayerCost(0.0, 0.0, 0.0, 0.0)
+    profiles = {"a": DeviceProfile("a", "cpu", "", (good, good)), "b": DeviceProfile("b", "cpu", "", (good, zero))}
+    with pytest.raises(PlanError, match=r"worker 'b': conv2's calibrated forward_per_kernel_s and "
+                                        r"backward_per_kernel_s are both 0"):
+        cost_lines(profiles, [8, 8], 16)
+    profiles["b"] = DeviceProfile("b", "cpu", "", (LayerCost(1e-4, 1e-5, 2e-4, float("inf")), good))
+    with pytest.raises(PlanError, match=r"worker 'b': conv1's calibrated backward_per_kernel_s inf, expected finite"):
+        choose_modes(conv_specs([8, 8], 3), (3, 16, 16), 16, profiles, None)

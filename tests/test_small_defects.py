@@ -228,6 +228,8 @@ def test_resume_from_a_pickle_says_it_is_not_a_checkpoint(tmp_path, capsys):
     (["--local", "--min-workers", "2"], "--min-workers 2 is for runs with workers"),
     (["--local", "--checkpoint-every", "5"], "--checkpoint-every 5 needs --checkpoint-dir"),
     (["--local", "--bind", "tcp://127.0.0.1:5555"], "--bind 'tcp://127.0.0.1:5555' is where workers connect"),
+    (["--local", "--no-pin"], "--no-pin is for the CPU workers --spawn starts on this host; --local pins nothing"),
+    (["--workers", "2", "--no-pin"], "--workers pins nothing"),
 ])
 def test_flags_that_would_be_ignored_are_refused(argv, message):
     error = check_args_error(*argv)
@@ -287,3 +289,10 @@ def test_the_ray_launcher_checks_its_address_before_ray_init(monkeypatch):
     port = closed_port()
     with pytest.raises(ConnectionError, match=f"--ray-address '127.0.0.1:{port}': nothing accepts"):
         RayLauncher(f"127.0.0.1:{port}", start_timeout=10)
+
+
+def test_a_gpu_worker_refuses_threads_it_would_ignore():
+    args = worker_cli.build_parser().parse_args(["--device", "cuda:0", "--connect", "tcp://127.0.0.1:5555",
+                                                 "--threads", "4"])
+    with pytest.raises(worker.WorkerExit, match="^--threads 4 is for a cpu device; --device cuda:0 runs on its GPU$"):
+        worker._check_args(args)

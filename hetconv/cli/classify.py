@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-from hetconv.flags import OneLineParser
+from hetconv.flags import OneLineParser, add_version
 from hetconv.train.trained_model import InProcessModel, ModelError, load_model, log_softmax
 
 IMAGES_INSTALL = "pip install 'hetconv[images]' (in a checkout: pip install -e '.[images]')"
@@ -81,7 +81,7 @@ def build_parser():
     p.add_argument("--top", type=int, default=3, metavar="K", help="classes shown per image")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for the conv layers (0: every usable core)")
     p.add_argument("--json", action="store_true", help="print one JSON object per image")
-    return p
+    return add_version(p)
 
 
 def main(argv=None):

@@ -9,6 +9,8 @@ ZeroMQ); this module is the command line.
 """
 import argparse
 import dataclasses
+import logging
+import math
 import os
 import signal
 import sys
@@ -20,8 +22,8 @@ from hetconv.devices import DeviceError, cuda_extra_missing, open_device, parse_
 from hetconv.engine.local import LocalEngine
 from hetconv.engine.planner import PlanError, forced_modes
 from hetconv.engine.shard import ConvShard
-from hetconv.flags import (HelpFormatter, check_endpoint, check_output_dir, check_output_file, check_range,
-                           threads_note, usable_cores)
+from hetconv.flags import (HelpFormatter, add_version, check_endpoint, check_output_dir, check_output_file,
+                           check_range, show_progress, threads_note, usable_cores)
 from hetconv.geometry import ConvSpec, message_limit_bytes
 from hetconv.train.checkpoint import CheckpointError, load_newest_valid
 from hetconv.train.config import Config, add_config_flags, config_from_args
@@ -57,7 +59,7 @@ def build_parser():
                       help="start these workers on this host: a comma list of cpu, cpu:THREADS, cuda:N, each "
                            "optionally xCOUNT, e.g. cpu,cpu or cpu:1x2,cuda:0 (default: cpu,cpu)")
     mode.add_argument("--workers", type=int, default=None, help="wait for this many external hetconv-worker processes")
-    net = p.add_argument_group("network")
+    net = p.add_argument_group("connection (workers and the coordinator)")
     net.add_argument("--bind", default="", help="address to listen on (default: tcp://127.0.0.1:5555 with --workers, "
                                                 "a free loopback port with --spawn)")
     net.add_argument("--curve", default="", metavar="DIR",
@@ -83,7 +85,7 @@ def build_parser():
     p.add_argument("--verbose", action="store_true",
                    help="print details too: a failing worker's own traceback, spawned workers' own start-up lines")
     add_config_flags(p)
-    return p
+    return add_version(p)
 
 
 def _spawn_list(args):
@@ -130,6 +132,10 @@ def _check_args(args, cfg):
     # combinations that would otherwise be ignored without a word
     if args.local and args.bind:
         raise ValueError(f"--bind {args.bind!r} is where workers connect; --local has none")
+    if args.no_pin and (args.local or args.workers or args.launcher == "ray"):
+        raise ValueError(f"--no-pin is for the CPU workers --spawn starts on this host; "
+                         f"{'--local' if args.local else '--workers' if args.workers else '--launcher ray'} "
+                         f"pins nothing")
     if cfg.checkpoint_every and not cfg.checkpoint_dir and not args.resume:
         raise ValueError(f"--checkpoint-every {cfg.checkpoint_every} needs --checkpoint-dir DIR: where the "
                          f"checkpoints go")
@@ -170,13 +176,70 @@ def _spawn_threads_note(spawn):
 
 
 def _pinning_note(spawn, threads, pin):
-    """A line when spawned CPU workers cannot each have their own cores (so they are not pinned)."""
+    """A line when spawned CPU workers cannot each have their own cores (so they are not pinned):
+    their threads, counted as RemoteEngine._spawn gives them (`cpu`: --threads, or an equal part
+    of the cores; `cpu:N`: N), are more than the cores."""
     cores = usable_cores()
-    cpu_workers = spawn.count("cpu")
-    if pin and threads and cpu_workers and threads * cpu_workers > cores:
-        return (f"note: {cpu_workers} CPU worker(s) x --threads {threads} is more than the {cores} core(s) "
-                f"this process may use: the workers are not pinned to cores and will share them")
-    return ""
+    plain = spawn.count("cpu")
+    per_plain = threads or max(1, cores // max(1, plain))
+    wanted = plain * per_plain + sum(int(d.split(":")[1]) for d in spawn if d.startswith("cpu:"))
+    if not pin or wanted <= cores:
+        return ""
+    if plain and threads and plain == len(spawn):
+        asked = f"{plain} CPU worker(s) x --threads {threads}"
+    else:
+        asked = f"--spawn {','.join(spawn)} asks for {wanted} CPU threads in all, which"
+    return (f"note: {asked} is more than the {cores} core(s) this process may use: the workers are not pinned "
+            f"to cores and will share them (a step is then slower than with fewer threads)")
+
+
+# flags that split work among workers: with --local (one device) they change nothing
+WORKER_ONLY_FIELDS = ("parallel", "split", "exchange", "link", "use_all", "rebalance_after")
+
+
+def _local_notes(cfg):
+    """Lines for flags that --local reads otherwise than a run with workers: the wire dtype
+    (no wire, yet maps and gradients are rounded to it, as the distributed run it is the reference
+    of), and flags that split work among workers (nothing to split on one device)."""
+    notes = []
+    if cfg.wire_dtype != "float32":
+        notes.append(f"note: --local has no wire; --wire-dtype {cfg.wire_dtype} rounds its feature maps and gradients "
+                     f"between layers to {cfg.wire_dtype} as a distributed run's wire would (this run is that run's "
+                     f"reference); leave it out for full float32")
+    ignored = [f"--{name.replace('_', '-')}" + ("" if value is True else f" {value}")
+               for name in WORKER_ONLY_FIELDS
+               for value in [getattr(cfg, name)] if value != getattr(Config, name)]
+    if ignored:
+        notes.append(f"note: {', '.join(ignored)} split the work among workers; --local runs every layer whole on one "
+                     f"device, so {'it changes' if len(ignored) == 1 else 'they change'} nothing here")
+    return notes
+
+
+# A run whose training loss stays within this fraction of log(classes), the loss of a uniform
+# guess, for a whole epoch of at least CHANCE_MIN_STEPS steps has not started learning: vgg-small
+# (no normalisation) at the default --lr stays at 2.3026 for 10 classes, as PyTorch's same
+# network and recipe does, while a network that learns slowly is off by more within an epoch
+# (the paper family on 64 images: 2.2975 after 4 steps, which is too few to tell).
+CHANCE_LOSS_TOLERANCE = 0.001
+CHANCE_MIN_STEPS = 8
+
+
+def _chance_hint(losses, steps_per_epoch, classes, lr):
+    """One line when the last epoch's mean training loss is log(classes) within
+    CHANCE_LOSS_TOLERANCE (the network guesses uniformly), saying what usually moves it; else ''.
+    Cheap: the run's losses are kept anyway."""
+    from hetconv.net.presets import PRESETS
+    if classes < 2 or steps_per_epoch < CHANCE_MIN_STEPS or len(losses) < steps_per_epoch:
+        return ""
+    chance = math.log(classes)
+    mean = sum(losses[-steps_per_epoch:]) / steps_per_epoch
+    if abs(mean - chance) > CHANCE_LOSS_TOLERANCE * chance:
+        return ""
+    normalised = [name for name in PRESETS if name.endswith("-bn")]
+    return (f"hint: the training loss stayed at {mean:.4f} for the last epoch, log({classes}) = {chance:.4f}: the "
+            f"network still guesses uniformly among its {classes} classes, as a deep one without normalisation "
+            f"often starts. Try another --lr (this run's: {lr:g}) or more epochs"
+            + (f", or a network with normalisation (--net {', '.join(normalised)})" if normalised else ""))
 
 
 def _on_sigterm(signum, frame):
@@ -242,16 +305,17 @@ def main(argv=None):
     except (ValueError, DeviceError, DataError, ConnectionError, CheckpointError) as e:
         print(f"hetconv-coordinator: {e}", file=sys.stderr)
         return 2
-    notes = ([threads_note(cfg.threads)] if args.local else
+    notes = ([threads_note(cfg.threads), *_local_notes(cfg)] if args.local else
              [_pinning_note(spawn, cfg.threads, not args.no_pin), _spawn_threads_note(spawn)]
              if args.launcher == "local" else [])
     for note in filter(None, notes):
         print(note, file=sys.stderr)
     signal.signal(signal.SIGTERM, _on_sigterm)
-    engine = launcher = None
+    engine = launcher = progress = None
     summary = {}
     try:
         if args.local:
+            progress = show_progress()                 # the device's conv path timing, on the first steps
             device = open_device("cpu", threads=cfg.threads or None, conv_path=cfg.cpu_conv_path)
             print(f"local: {device.describe()}")
             engine = LocalEngine({"local": ConvShard(device)}, wire=cfg.wire_dtype)
@@ -271,6 +335,10 @@ def main(argv=None):
                                   insecure=args.insecure, message_limit=limit, launcher=launcher,
                                   verbose=args.verbose, worker_args=["--cpu-conv-path", cfg.cpu_conv_path])
         summary = train(cfg, engine, resume=resumed, dataset=ds, stop_grace=args.stop_grace, network=network)
+        hint = _chance_hint(summary.get("losses", []), len(ds.train_y) // cfg.batch_size, len(ds.classes),
+                            cfg.lr)
+        if hint:
+            print(hint)
     except (WorkerError, WorkerLost, PlanError, DeviceError, DataError, CheckpointError, ValueError, FloatingPointError,
             ConnectionError) as e:
         print(f"hetconv-coordinator: {e}", file=sys.stderr)
@@ -281,6 +349,8 @@ def main(argv=None):
         print("hetconv-coordinator: interrupted", file=sys.stderr)
         return 130
     finally:
+        if progress is not None:                       # main may be called again in this process
+            logging.getLogger("hetconv.devices").removeHandler(progress)
         if engine is not None:
             engine.close()
         if launcher is not None:

@@ -17,7 +17,7 @@ import sys
 
 from tqdm import tqdm
 
-from hetconv.flags import OneLineParser
+from hetconv.flags import OneLineParser, add_version
 from hetconv.train.trained_model import InProcessModel, ModelError, evaluate, load_model, load_test_data
 
 
@@ -47,7 +47,7 @@ def build_parser():
     p.add_argument("--batch-size", type=int, default=256, help="images per forward pass")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for the conv layers (0: every usable core)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    return p
+    return add_version(p)
 
 
 def main(argv=None):

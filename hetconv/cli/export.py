@@ -21,7 +21,7 @@ import warnings
 
 import numpy as np
 
-from hetconv.flags import OneLineParser, check_output_file
+from hetconv.flags import OneLineParser, add_version, check_output_file
 from hetconv.net.torch_import import import_torch, to_torch
 from hetconv.net.torch_import import state_dict as torch_state_dict
 from hetconv.train.trained_model import ModelError, load_model
@@ -119,7 +119,7 @@ def build_parser():
                    help="a checkpoint file, or a directory (its newest valid checkpoint)")
     p.add_argument("--format", required=True, choices=FORMATS, help="what to write")
     p.add_argument("--out", required=True, metavar="PATH", help="the file to write (replaced if it exists)")
-    return p
+    return add_version(p)
 
 
 def main(argv=None):

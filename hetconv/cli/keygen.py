@@ -3,6 +3,7 @@ import argparse
 import os
 import sys
 
+from hetconv.flags import add_version
 from hetconv.transport import keys
 from hetconv.transport.keys import DEFAULT_WORKER, KeyDirError, add_worker, make_keys
 
@@ -20,6 +21,7 @@ def main(argv=None):
     p.add_argument("--worker", metavar="NAME",
                    help="add a keypair for worker NAME to an existing DIR (without it: make DIR's coordinator "
                         f"keys and a first worker, {DEFAULT_WORKER!r})")
+    add_version(p)
     args = p.parse_args(argv)
     try:
         if args.worker:

@@ -1,8 +1,8 @@
 """`hetconv-plan`: calibrate the devices you have (or load saved profiles), measure the link,
 and print the cost model's step time, speedup and wire bytes for one to all of them.
 
-    hetconv-plan --devices cpu:1x4 --bandwidth 1gbit       # four 1-thread CPUs like this one, 1 GbE
-    hetconv-plan --devices cpu:1,@gpu-host.json --bandwidth 10gbit
+    hetconv-plan --devices cpu:1x4 --link 1gbit       # four 1-thread CPUs like this one, 1 GbE
+    hetconv-plan --devices cpu:1,@gpu-host.json --link 10gbit
 
 What it measures comes from engine.measure (calibration in this process, loopback bandwidth, the
 coordinator's own share of a step); the model itself is engine.costmodel.
@@ -12,14 +12,15 @@ cheapest chain is chosen (hetconv.engine.planner.choose_modes), unless --paralle
 import argparse
 from dataclasses import asdict, replace
 import json
+import logging
 import sys
 
-from hetconv.devices import DeviceError, parse_device_list
+from hetconv.devices import DeviceError, open_device, parse_device_list
 from hetconv.engine.costmodel import Link, dominant_term, parse_bandwidth, predict_any, predict_local
 from hetconv.engine.measure import calibrate_local, load_profiles, measure_coordinator_s, measure_loopback
 from hetconv.engine.microbatch import cheapest_micro_batches, micro_batch_count
-from hetconv.engine.planner import PlanError, choose_modes, forced_modes, make_plan
-from hetconv.flags import HelpFormatter, check_output_file
+from hetconv.engine.planner import PlanError, check_profiles, choose_modes, forced_modes, make_plan
+from hetconv.flags import HelpFormatter, add_version, check_output_file, show_progress, still_working
 from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES, ConvSpec, layer_input_shapes
 from hetconv.train.config import Config, add_config_flags
 from hetconv.transport.wire import value_bytes
@@ -36,16 +37,18 @@ def build_parser():
                     "bytes for a set of devices, from calibrating the devices you have (or saved profiles) and the "
                     "link's bandwidth. It trains and classifies nothing.",
         epilog="examples:\n"
-               "  hetconv-plan --devices cpu:1x4 --bandwidth 1gbit\n"
+               "  hetconv-plan --devices cpu:1x4 --link 1gbit\n"
                "  hetconv-plan --devices cpu:2 --save-profiles host-a.json\n"
-               "  hetconv-plan --devices cpu:4,@host-a.jsonx2 --bandwidth 10gbit --batch-size 32",
+               "  hetconv-plan --devices cpu:4,@host-a.jsonx2 --link 10gbit --batch-size 32",
         formatter_class=HelpFormatter)
     p.add_argument("--devices", default="cpu:1x2",
                    help="comma list: cpu (all cores), cpu:THREADS, cuda:N, or @PROFILE.json (every profile saved "
                         "with --save-profiles, e.g. on another host); xCOUNT repeats an entry")
-    p.add_argument("--bandwidth", default="loopback",
-                   help="each host's link: 100mbit, 1gbit, 10gbit, ... (Ethernet line rate: TCP payload is 1448 of "
-                        "every 1538 bytes on it), 500MB (payload bytes/s), or 'loopback' (measured here)")
+    # one name and one default with hetconv-coordinator, whose --parallel auto prices the modes on it
+    p.add_argument("--link", "--bandwidth", dest="link", default=Config.link,
+                   help="each host's link, as hetconv-coordinator --link: 100mbit, 1gbit, 10gbit, ... (Ethernet line "
+                        "rate: TCP payload is 1448 of every 1538 bytes on it), 500MB (payload bytes/s), or 'loopback' "
+                        "(measured here); --bandwidth is another name for it")
     p.add_argument("--wire-cpu-ns", type=float, default=0.0, metavar="NS",
                    help="nanoseconds of a host's compute cores that moving one byte costs (sender and receiver "
                         "together): 0 where hosts have a core to spare for their network; where they have none "
@@ -53,7 +56,7 @@ def build_parser():
     p.add_argument("--save-profiles", default="", help="write the calibrated device profiles to this JSON file")
     p.add_argument("--json", action="store_true", help="print the prediction as JSON")
     add_config_flags(p, NETWORK_FLAGS, title="network and batch (as hetconv-coordinator)")
-    return p
+    return add_version(p)
 
 
 def main(argv=None):
@@ -71,19 +74,43 @@ def main(argv=None):
         check_output_file("--save-profiles", args.save_profiles)
         # saved profiles are read before anything is calibrated: a bad file costs nothing
         saved = {e.profile: load_profiles(e.profile, len(specs)) for e in entries if e.profile}
+        for path, found in saved.items():
+            try:
+                check_profiles({p.name: p for p in found})
+            except PlanError as e:
+                raise ValueError(f"{path}: {e}") from None
         if not 0 <= args.wire_cpu_ns < 1e6:
             raise ValueError(f"--wire-cpu-ns {args.wire_cpu_ns}: expected nanoseconds per byte, 0 or more "
                              f"(about 1 on a current x86 core over TCP)")
-        link = (Link(measure_loopback(), name="loopback (measured)") if args.bandwidth == "loopback"
-                else parse_bandwidth(args.bandwidth))
-        link = replace(link, host_cpu_s_per_byte=args.wire_cpu_ns * 1e-9)
         forced = forced_modes(cfg.parallel, len(specs))
         if cfg.exchange == "star" and forced is not None and "data" in forced:
             raise ValueError(f"--parallel {cfg.parallel} needs --exchange peer: the star moves every layer through the "
                              f"coordinator, by kernels")
+        if args.link != "loopback":
+            try:
+                link = parse_bandwidth(args.link)
+            except ValueError as e:
+                raise ValueError(f"--link: {e}") from None
+        # every device opens before any is calibrated: a missing GPU is said at once, not after
+        # a minute of timing the CPU
+        for device in sorted({e.device for e in entries if not e.profile and e.device != "cpu"}):
+            open_device(device)
+        if args.link == "loopback":
+            link = Link(measure_loopback(), name="loopback (measured)")
+        link = replace(link, host_cpu_s_per_byte=args.wire_cpu_ns * 1e-9)
     except (ValueError, DeviceError) as e:
         print(f"hetconv-plan: {e}", file=sys.stderr)
         return 2
+    progress = show_progress(to_stderr=True)   # a CPU device says when it times its conv paths
+    try:
+        return _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shapes, link)
+    finally:                                   # main may be called again in this process
+        logging.getLogger("hetconv.devices").removeHandler(progress)
+
+
+def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shapes, link):
+    """The devices calibrated (or their saved profiles), then each count of them priced and
+    printed; the exit status."""
     n_total = sum(e.count * (len(saved[e.profile]) if e.profile else 1) for e in entries)
     cal_batch = min(cfg.calibration_batch, cfg.batch_size)
     cal_shapes = [(cal_batch,) + s[1:] for s in input_shapes]
@@ -104,8 +131,10 @@ def main(argv=None):
                 print(f"calibrating {entry.label}{' at its share and on the whole layers' if whole else ''} ...",
                       file=sys.stderr, flush=True)
                 try:
-                    got = calibrate_local(entry.device, specs, cal_shapes, share, threads=entry.threads, also=whole,
-                                          conv_path=cfg.cpu_conv_path)
+                    with still_working(f"calibrating {entry.label}: {len(specs)} conv layers, each at its share"
+                                       + (" and whole" if whole else "") + ", in rounds"):
+                        got = calibrate_local(entry.device, specs, cal_shapes, share, threads=entry.threads,
+                                              also=whole, conv_path=cfg.cpu_conv_path)
                     profiles[entry.label], whole_profile = got if whole else (got, None)
                 except Exception as e:
                     print(f"hetconv-plan: {entry.label}: {e}", file=sys.stderr)
@@ -119,6 +148,8 @@ def main(argv=None):
     baseline, baseline_note = by_name[names[0]], "its share's cost line, extrapolated"
     if whole_profile is not None:
         baseline, baseline_note = whole_profile, "calibrated on the whole layers, alternating with the share"
+    print(f"timing this host's part of a step (FC layers, loss, joining the workers' blocks) for 1 to {len(names)} "
+          f"device(s) ...", file=sys.stderr, flush=True)
     coordinator_s = {n: measure_coordinator_s(specs, fc, image, cfg.batch_size, n) for n in range(1, len(names) + 1)}
     local_s = predict_local(specs, cfg.batch_size, baseline, coordinator_s[1])
     rows = []

@@ -22,7 +22,7 @@ import os
 import statistics
 import sys
 
-from hetconv.flags import HelpFormatter
+from hetconv.flags import HelpFormatter, add_version
 
 MATPLOTLIB_MISSING = "the plots need matplotlib, which is not installed: pip install 'hetconv[report]'"
 
@@ -223,7 +223,7 @@ def build_parser():
     p.add_argument("metrics", metavar="METRICS.jsonl", help="the run's --metrics file")
     p.add_argument("--out", default="", metavar="DIR",
                    help="where summary.md and the plots go (default: beside METRICS, named after it with -report)")
-    return p
+    return add_version(p)
 
 
 def default_out(metrics):

@@ -5,7 +5,7 @@ import signal
 import sys
 import threading
 
-from hetconv.flags import HelpFormatter
+from hetconv.flags import HelpFormatter, add_version
 # the names only: hetconv.devices.cpu itself would start numba before --cores pins this process
 CPU_CONV_PATHS = ("auto", "im2col", "shifted", "fft")
 from hetconv.transport.worker_argv import COORDINATOR_ENV
@@ -62,7 +62,7 @@ def build_parser():
                         "below it exits saying so")
     p.add_argument("--verbose", action="store_true", help="print the traceback of a failure while serving")
     p.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
-    return p
+    return add_version(p)
 
 
 def main(argv=None):

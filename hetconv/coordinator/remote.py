@@ -32,15 +32,17 @@ from hetconv.engine.costmodel import parse_bandwidth, predict_peer_step, profile
 from hetconv.engine.microbatch import cheapest_micro_batches, micro_batch_count, priced_text
 from hetconv.engine.planner import (PlanError, choose_modes, cost_lines, forced_modes, image_ranges, make_plan,
                                     plan_from_lines)
-from hetconv.update import clip_factor
+from hetconv.geometry import largest_array_bytes
 from hetconv.transport import keys
 from hetconv.transport import protocol as P
 from hetconv.transport.keys import authenticated_key, handshake_refusal, read_key_folder
 from hetconv.transport.wire import decode, encode, value_bytes
 from hetconv.transport.worker_argv import command as worker_command
+from hetconv.update import clip_factor
 
 EXCHANGES = ("peer", "star")
 DISCONNECT_PROBE_S = 5.0     # how long after a dropped connection the workers are probed
+MAX_JOINING = 32             # HELLOs kept from workers waiting to join a run, until its next snapshot
 
 
 CALIBRATION_REPEATS = 3          # calls per timed block: each block also lasts at least 0.25 s (engine.shard)
@@ -74,16 +76,18 @@ def _check_timing_points(where, d):
             and all(isinstance(k, int) and not isinstance(k, bool) and k > 0 for k in ks)):
         raise ValueError(f"{where}: kernels {ks!r}, expected one or two positive integers")
     for key in ("forward_s", "backward_s"):
+        # a real run takes time: a zero would make a free device, whose share the planner
+        # cannot size (it divides by the time a kernel takes)
         ts = d.get(key)
-        if not (isinstance(ts, list) and len(ts) == len(ks) and all(_is_seconds(t) for t in ts)):
-            raise ValueError(f"{where}: {key} {ts!r}, expected {len(ks)} finite non-negative seconds, one per "
+        if not (isinstance(ts, list) and len(ts) == len(ks) and all(_is_seconds(t) and t > 0 for t in ts)):
+            raise ValueError(f"{where}: {key} {ts!r}, expected {len(ks)} positive finite seconds, one per "
                              f"kernel count")
 
 
 def _checked_calibration(label, fields, layers):
     """A worker's CALIBRATED fields, checked before the cost model fits them (they come from the
     network): `speeds`, a positive finite number per conv layer; `timings`, per layer a batch,
-    one or two kernel counts and a forward and backward time for each, the same again on half
+    one or two kernel counts and a positive forward and backward time for each, the same again on half
     the batch where there is one (`half_batch`), and finite update and gradient-sum times.
     -> (speeds, timings), or WorkerError naming the worker and the first thing wrong."""
     try:
@@ -218,6 +222,8 @@ class RemoteEngine(ShardEngine):
         self.poller.register(self.monitor, zmq.POLLIN)
         self.poller.register(self.heartbeats, zmq.POLLIN)
         self.joining = {}                                   # routing id -> HELLO fields, admitted at a snapshot
+        self.joiners_refused = 0                            # HELLOs refused since the last admission: joining was full
+        self.step_bounds = {}                               # PEERS' micro_batches and early_bytes (_note_step_bounds)
         self.join_wait_s = 0.0                              # what a joiner is told to wait, beyond its own timeout
         self._probe_until = 0.0                             # probe for vanished workers until then
         atexit.register(self.close)
@@ -500,14 +506,31 @@ class RemoteEngine(ShardEngine):
                              in_plan)
 
     def _note_stranger(self, frames):
+        """A HELLO from a routing id outside the run: kept, to be admitted at the next snapshot,
+        up to MAX_JOINING at a time (without keys anyone can say HELLO, each time from a new
+        routing id, and each kept HELLO holds its header, up to 1 MiB); one more is refused."""
         try:
             msg = P.unpack(frames[1:])
         except P.ProtocolError:
             return
-        if msg.op == "HELLO":
-            self.joining[frames[0].bytes] = (msg.fields, authenticated_key(frames[1]))
-            self.log(f"worker {msg.fields.get('name', '?')} asks to join: admitted at the next snapshot")
-            self._tell_to_wait(frames[0].bytes)
+        if msg.op != "HELLO":
+            return
+        identity, name = frames[0].bytes, str(msg.fields.get("name", "?"))[:80]
+        if identity not in self.joining and len(self.joining) >= MAX_JOINING:
+            why = (f"{len(self.joining)} workers wait to join this run already (at most {MAX_JOINING} at a time): "
+                   f"start this one after its next snapshot")
+            try:
+                self.sock.send_multipart([identity] + P.pack("ERROR", 0, name="JoinRefused", message=why, worker=name,
+                                                             doing="HELLO", traceback=""), flags=self.zmq.NOBLOCK)
+            except self.zmq.ZMQError:
+                pass                                        # gone already: nobody to tell
+            self.joiners_refused += 1
+            if self.joiners_refused == 1:
+                self.log(f"refused worker {name} (further refusals are not logged until the next snapshot): {why}")
+            return
+        self.joining[identity] = (msg.fields, authenticated_key(frames[1]))
+        self.log(f"worker {name} asks to join: admitted at the next snapshot")
+        self._tell_to_wait(identity)
 
     def _tell_to_wait(self, identity):
         """WAIT: how long until a joiner is admitted, so it waits that long, not its own
@@ -549,6 +572,7 @@ class RemoteEngine(ShardEngine):
         is dropped, once, and never touches the running plan. Returns the new plan, or None when
         nobody joined."""
         joining, self.joining = self.joining, {}
+        self.joiners_refused = 0
         new = []
         for identity, (hello, public_key) in joining.items():
             name = self._unique_name(str(hello.get("name", "worker")))
@@ -582,6 +606,7 @@ class RemoteEngine(ShardEngine):
     def replan(self, specs, input_shapes, cfg):
         """A plan over the workers there are now, from their calibration; a worker without one
         (it joined while another was lost) is calibrated first, never planned blind."""
+        self._note_step_bounds(specs, input_shapes, cfg)
         missing = [name for name in self.peers if name not in self.calibration]
         if missing:
             self._calibrate_some(specs, input_shapes, cfg, missing)
@@ -621,7 +646,17 @@ class RemoteEngine(ShardEngine):
                                  for name, (speeds, timings) in checked.items()})
         return {name: list(checked[name][0]) for name in names}
 
+    def _note_step_bounds(self, specs, input_shapes, cfg):
+        """What PEERS tells the workers a step of this run can need, so a worker bounds what it
+        holds of a peer's next step before that step starts there: the most micro-batches a step
+        has (the rule's count for two or more workers: more workers never give more pieces), and
+        twice the run's largest array (a peer's rows of the images, and where the first layer is
+        data-parallel its rows of one layer's output)."""
+        self.step_bounds = {"micro_batches": micro_batch_count(cfg.micro_batches, cfg.batch_size, "peer", 2),
+                            "early_bytes": 2 * largest_array_bytes(specs, cfg.batch_size, tuple(input_shapes[0][1:]))}
+
     def plan_for(self, specs, input_shapes, cfg):
+        self._note_step_bounds(specs, input_shapes, cfg)
         kernels = [s.kernels for s in specs]
         forced = forced_modes(cfg.parallel, len(specs))
         if forced is not None and "data" in forced and self.exchange == "star":
@@ -746,7 +781,8 @@ class RemoteEngine(ShardEngine):
         # handshake that ZAP denied: its slices would never arrive. One more round trip per plan.
         for connect in (False, True):
             self._call({name: ("PEERS", [], {"peers": peers, "ranges": ranges, "modes": modes, "images": images,
-                                             "you": name, "timeout": self.op_timeout, "connect": connect})
+                                             "you": name, "timeout": self.op_timeout, "connect": connect,
+                                             **self.step_bounds})
                         for name in self.plan.workers}, "connecting workers to each other")
 
     def conv_step(self, xs, head, update, step=(0, 0), head_sum_of_squares=None):

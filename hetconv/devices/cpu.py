@@ -45,6 +45,7 @@ Design, and what it costs:
   given disjoint cores.
 - Kernels release the GIL (nogil) so a worker's heartbeat thread keeps running during compute.
 """
+import logging
 import operator
 import os
 import sys
@@ -127,6 +128,11 @@ AUTO_FFT_MARGIN = 0.04
 AUTO_REUSE_FACTOR = 2.0
 
 _jit = numba.njit(parallel=True, nogil=True, cache=True)
+
+# Timing the paths of a big layer takes seconds to tens of seconds (the paper's conv2 on one
+# thread: ~24 s): said here at INFO before it starts, for a command line that shows progress
+# (hetconv-plan, --local) to print; a worker leaves it unshown.
+progress = logging.getLogger(__name__)
 
 
 @_jit
@@ -826,7 +832,15 @@ class CpuDevice(Device):
         for timed_layer, timed_n, timed_k, timed_key, timed in self._timed:
             if (timed_layer == layer and max(k / timed_k, timed_k / k) <= AUTO_REUSE_FACTOR
                     and (n == timed_n or n > timed_n and timed.path == "fft")):
-                return _PathChoice(timed.path, f"as timed for {_describe_call(timed_key)}")
+                if timed.path in candidates:
+                    return _PathChoice(timed.path, f"as timed for {_describe_call(timed_key)}")
+                # FFT won there but declines here (more kernels: spectra over the budget): the
+                # fastest of the paths this call can take, by the same timing
+                return _PathChoice(_fastest({p: s for p, s in timed.seconds.items() if p in candidates}),
+                                   f"as timed for {_describe_call(timed_key)}, but fft declined: {declined}")
+        progress.info(f"cpu device: timing conv paths {', '.join(candidates)} on x {tuple(x.shape)} w {tuple(w.shape)}"
+                      f"{f' stride {stride}' if stride != (1, 1) else ''}{f' padding {padding}' if any(padding) else ''}"
+                      f" (once per call shape) ...")
         seconds = self._time_paths(candidates, x, w, stride, padding, block, flops)
         choice = _PathChoice(_fastest(seconds), "timed", seconds)
         if choice.path != "fft":

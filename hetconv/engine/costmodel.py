@@ -211,13 +211,15 @@ TBF_FRAMING = 66                 # 1514 - 1448: what tbf counts on an emulated o
 
 
 def line_rate(text):
-    """'100mbit', '1gbit', '10gbit', '2.5gbit' (bits per second on the line, as tc writes them)
-    or '500MB' (bytes per second of payload) -> (bytes per second, whether it was given in bits)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgKMG])(bit|B)\s*", str(text))
+    """'100mbit', '1gbit', '10gbit', '2.5gbit' (bits per second on the line, as tc writes them;
+    also 1gbps, 1Gb/s, 1gbit/s) or '500MB' (bytes per second of payload; also 500MB/s, 500MBps)
+    -> (bytes per second, whether it was given in bits). A lower-case b is bits, an upper-case B
+    bytes, as network vendors write them."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgKMG])(bits?(?:/s)?|bps|b/s|B|B/s|Bps)\s*", str(text))
     if not m or float(m.group(1)) <= 0:
-        raise ValueError(f"bandwidth {text!r}: expected a rate such as 100mbit, 1gbit, 10gbit or 500MB")
+        raise ValueError(f"bandwidth {text!r}: expected a rate such as 100mbit, 1gbit (or 1gbps), 10gbit or 500MB")
     per_s = float(m.group(1)) * {"k": 1e3, "m": 1e6, "g": 1e9}[m.group(2).lower()]
-    return (per_s / 8, True) if m.group(3) == "bit" else (per_s, False)
+    return (per_s / 8, True) if m.group(3).startswith("b") else (per_s, False)
 
 
 def parse_bandwidth(text, framing=ETHERNET_FRAMING):

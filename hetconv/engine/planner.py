@@ -12,7 +12,8 @@ A plan is data: per layer, a mode and what each worker does in it.
   Consecutive data layers share one split (a worker keeps its images from one to the next, so
   nothing moves between them), made from their times together.
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+import math
 
 from hetconv.engine.costmodel import FLOAT_BYTES, mode_costs
 
@@ -168,6 +169,43 @@ class Plan:
         title = (f"split: {self.policy}, per conv layer (its kernels in brackets, then its mode): kernels per worker "
                  f"(model), or images of a batch per worker, each holding every kernel (data)")
         return title + "\n" + "\n".join(lines)
+
+
+def check_lines(lines, unit="kernel", layers=None):
+    """Cost lines {worker: [(fixed_s, per_unit_s) per layer]} as a plan reads them: a fixed part
+    finite and >= 0, a per-unit part finite and > 0 (a device whose kernels cost nothing would
+    take a layer's every kernel, and a share is sized by dividing by that cost). PlanError naming
+    the worker, the layer and the value otherwise: a zero or non-finite calibration. `layers`:
+    the indices read (None: every layer)."""
+    for w, per_layer in lines.items():
+        for li, line in enumerate(per_layer):
+            if layers is not None and li not in layers:
+                continue
+            fixed, per_unit = line
+            if not (math.isfinite(fixed) and fixed >= 0):
+                raise PlanError(f"worker {w!r}: conv{li + 1}'s calibrated fixed seconds {fixed!r}, expected a finite "
+                                f"number >= 0")
+            if not (math.isfinite(per_unit) and per_unit > 0):
+                raise PlanError(f"worker {w!r}: conv{li + 1}'s calibrated seconds per {unit} {per_unit!r}, expected a "
+                                f"positive finite number (a zero or non-finite calibration)")
+
+
+def check_profiles(profiles):
+    """Calibrated profiles {worker: DeviceProfile} as the cost model reads them: every field of
+    every layer's LayerCost finite and >= 0, and a kernel's image costing more than nothing
+    (forward_per_kernel_s + backward_per_kernel_s > 0). A profile may come from a file or a
+    worker: PlanError naming the worker, the layer and the field otherwise."""
+    for w, profile in profiles.items():
+        for li, cost in enumerate(profile.layers):
+            for f in fields(cost):
+                value = getattr(cost, f.name)
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                        or value < 0:
+                    raise PlanError(f"worker {w!r}: conv{li + 1}'s calibrated {f.name} {value!r}, expected finite "
+                                    f"seconds >= 0")
+            if not cost.forward_per_kernel_s + cost.backward_per_kernel_s > 0:
+                raise PlanError(f"worker {w!r}: conv{li + 1}'s calibrated forward_per_kernel_s and "
+                                f"backward_per_kernel_s are both 0, expected positive seconds (a zero calibration)")
 
 
 def largest_remainder(total, weights, minimum=1):
@@ -411,6 +449,9 @@ def plan_from_lines(layer_kernels, lines, use_all=False, modes=None, batch=None,
     the devices reads the kernel lines of every layer, whatever its mode."""
     modes = check_modes(modes, len(layer_kernels))
     _check_batch(modes, batch, 1)
+    check_lines(lines)
+    if image_lines is not None:
+        check_lines(image_lines, "image", [li for li, m in enumerate(modes) if m == "data"])
     workers = list(lines)
     left_out = {}
     if not use_all:
@@ -467,9 +508,12 @@ MODE_LETTERS = {"M": "model", "D": "data"}
 def check_parallel(value):
     """--parallel: 'auto' (the cost model picks per layer), 'model' or 'data' (every layer), or
     a chain of one letter per conv layer, M model or D data (e.g. DDDDDDMM), which forces each
-    layer's mode: how a benchmark checks the cost model's choice layer by layer."""
-    if value in PARALLEL or (isinstance(value, str) and value and set(value) <= set(MODE_LETTERS)):
-        return value
+    layer's mode: how a benchmark checks the cost model's choice layer by layer. Either case is
+    read; returns the value as it is used (a word in lower case, a chain in upper case)."""
+    if isinstance(value, str) and value.lower() in PARALLEL:
+        return value.lower()
+    if isinstance(value, str) and value and set(value.upper()) <= set(MODE_LETTERS):
+        return value.upper()
     raise PlanError(f"--parallel must be one of {', '.join(PARALLEL)}, or a letter per conv layer (M model-parallel, "
                     f"D data-parallel) such as DDMM, got {value!r}")
 
@@ -478,7 +522,7 @@ def forced_modes(parallel, layers):
     """The mode of each of `layers` conv layers that --parallel forces ('model', 'data', or a
     chain of M and D), or None where the cost model chooses ('auto'). A chain of the wrong
     length is a PlanError that says how many layers the network has."""
-    check_parallel(parallel)
+    parallel = check_parallel(parallel)
     if parallel == "auto":
         return None
     if parallel in PARALLEL:
@@ -521,6 +565,7 @@ def cost_lines(profiles, layer_kernels, batch, calls=1):
     """Calibrated profiles {worker: DeviceProfile} -> (lines, image_lines) for plan_from_lines:
     per worker and layer, (fixed, per kernel) seconds of a step of `batch` images in `calls`
     calls (model), and (fixed, per image) seconds of all the layer's kernels (data)."""
+    check_profiles(profiles)
     lines = {w: [c.step_line(batch, calls) for c in p.layers] for w, p in profiles.items()}
     image_lines = {w: [c.image_line(k, calls) for c, k in zip(p.layers, layer_kernels)] for w, p in profiles.items()}
     return lines, image_lines
@@ -563,6 +608,7 @@ def choose_modes(specs, image_shape, batch, profiles, link, parallel="auto", mic
     than workers can only be data; a batch with fewer images than workers only model.
     Returns a ModeChoice."""
     check_parallel(parallel)
+    check_profiles(profiles)
     names = list(profiles)
     layers = len(specs)
     if not names:

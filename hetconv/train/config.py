@@ -35,7 +35,7 @@ class Config:
                                     "MNIST-style IDX files, an image folder (ROOT/train/CLASS/*.png, ROOT/test/...), a .npz")
     synthetic_train: int = option(5000, "images in the built-in training set")
     synthetic_test: int = option(1000, "images in the built-in test set")
-    crop: int = option(0, "center-crop images to crop x crop (0: the full 32x32)")
+    crop: int = option(0, "center-crop images to crop x crop (0: the data set's whole images)")
     net: str = option("", "the network: a preset (paper, lenet5, cifar10-quick, vgg-small; NAME@WIDTH scales its "
                           "widths), a .json file of layers, or FILE.py:FUNCTION returning a PyTorch nn.Sequential "
                           "(its weights are the starting weights); '': the paper family that --conv, --fc, --ksize "
@@ -43,7 +43,8 @@ class Config:
     conv: str = option("500,1500", "kernels per conv layer (the paper network: 500,1500)")
     ksize: int = option(5, "conv kernel size (square), stride 1")
     padding: int = option(0, "zero padding of every conv layer")
-    fc: str = option("256", "hidden FC widths before the 10-way output ('' for none)")
+    fc: str = option("256", "hidden FC widths before the output layer, which has one output per class of the data "
+                            "('' for none)")
     # optimisation
     epochs: int = option(1, "passes over the training set")
     steps: int = option(0, "stop after this many steps in total (0: run all epochs)")

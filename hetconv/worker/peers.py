@@ -91,10 +91,14 @@ def block_shape(block):
 STEP_OPS = ("SLICE", "INPUT", "GRAD")        # what a step reads from its queue; any other op ends it
 
 
-# A step's micro-batch count is known once its STEP is read; a peer's images that arrive before it
-# (a faster peer already in that step) are checked against this ceiling instead. What it costs:
-# between steps up to this many images slices per peer may be held, each within the message limit.
+# A step's micro-batch count is known once its STEP is read; a peer's slices that arrive before it
+# (a faster peer already in that step) are checked against the most micro-batches a step of the
+# plan has, as PEERS says (`micro_batches`), and what is held of one peer's next step against a
+# byte budget (`early_bytes`): a peer sends ahead at most its rows of the step's images and, where
+# the first layer is data-parallel, its rows of one layer's output, each at most the run's largest
+# array. Without them (a plan set by hand in a test), these defaults.
 MAX_EARLY_MICRO = 256
+DEFAULT_EARLY_BYTES = 256 << 20
 
 
 def _is_int(value):
@@ -117,6 +121,8 @@ class PeerLinks:
         self.layer_plans = []                    # per layer: its mode, kernel ranges and (data) images
         self.step, self.micros = None, 0         # the step last started under this plan, its micro-batches
         self.held = {}                           # (step, phase, layer, micro, sender) -> array, arrived early
+        self.early_micros = MAX_EARLY_MICRO      # the most micro-batches a step of the plan has (PEERS)
+        self.early_bytes = DEFAULT_EARLY_BYTES   # the most bytes of one peer's next step held before it starts
         self.dropped = 0                         # messages refused by _admit, all told
         self.reported = set()                    # the kinds of refusal already logged (once each)
         self.deferred = []                       # a request that ended a step early, to serve next
@@ -135,6 +141,7 @@ class PeerLinks:
         self.ranges = [{w: tuple(r) for w, r in layer.items()} for layer in fields["ranges"]]
         self.layer_plans = self._layer_plans(fields)
         self.timeout = float(fields.get("timeout", 600.0))
+        self.early_micros, self.early_bytes = self._early_bounds(fields)
         self.step, self.micros, self.held = None, 0, {}    # a new plan: its first step's id comes with its STEP
         others = [p for p in fields["peers"] if p["name"] != self.name]
         if self.keydir:
@@ -167,6 +174,18 @@ class PeerLinks:
             self.outboxes[peer["name"]] = push
             routes[peer["name"]] = endpoint
         return {"routes": routes}
+
+    @staticmethod
+    def _early_bounds(fields):
+        """PEERS' `micro_batches` (>= 1) and `early_bytes` (> 0), checked, or the defaults where
+        absent. The count alone bounds nothing (a run may cut a batch into as many pieces as it has
+        images): the byte budget does."""
+        micros, early = fields.get("micro_batches", MAX_EARLY_MICRO), fields.get("early_bytes", DEFAULT_EARLY_BYTES)
+        if not _is_int(micros) or micros < 1:
+            raise ValueError(f"PEERS micro_batches {micros!r:.40}: expected the most micro-batches a step has, >= 1")
+        if not _is_int(early) or early < 1:
+            raise ValueError(f"PEERS early_bytes {early!r:.40}: expected a positive number of bytes")
+        return micros, early
 
     def _layer_plans(self, fields):
         """PEERS' per-layer `modes` (absent: every layer model) and, for a data layer, `images`
@@ -254,7 +273,7 @@ class PeerLinks:
                 got[key] = msg.arrays[0]
             elif key in got or key in self.held:
                 self._drop(msg, "duplicate", f"a second {key[1]} for layer {key[2]}, micro-batch {key[3]}")
-            else:
+            elif key[0] == step or self._within_early_budget(msg, key):
                 self.held[key] = msg.arrays[0]
         self.wait_s += time.perf_counter() - t0
         return got
@@ -316,7 +335,7 @@ class PeerLinks:
         if running and step == self.step:
             micros = self.micros
         elif (self.step is None and not running) or (self.step is not None and step == self.step + 1):
-            micros = MAX_EARLY_MICRO             # the next step's, from a peer that began it first
+            micros = self.early_micros           # the next step's, from a peer that began it first
             early = True
         else:
             late = self.step is not None and step <= self.step
@@ -377,7 +396,18 @@ class PeerLinks:
             self._drop(msg, "duplicate", f"a second {key[1]} for step {key[0]}, micro-batch {key[3]}")
             return
         self.held = {k: v for k, v in self.held.items() if k[4] != sender or k[0] == key[0]}
-        self.held[key] = msg.arrays[0]
+        if self._within_early_budget(msg, key):
+            self.held[key] = msg.arrays[0]
+
+    def _within_early_budget(self, msg, key):
+        """Whether holding `msg` (key `key`, of a step that has not started here) keeps what its
+        sender has sent ahead within early_bytes; dropped (False) otherwise."""
+        ahead = sum(v.nbytes for k, v in self.held.items() if k[4] == key[4] and k[0] == key[0])
+        if ahead + msg.arrays[0].nbytes <= self.early_bytes:
+            return True
+        self._drop(msg, "early-bytes", f"{ahead + msg.arrays[0].nbytes} bytes for step {key[0]} before it began here, "
+                                       f"over the {self.early_bytes} a peer can send ahead")
+        return False
 
     def start_step(self, step, micros):
         """Forget what was held for other steps (left over from abandoned ones) or for micro-batches

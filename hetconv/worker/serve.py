@@ -54,6 +54,8 @@ def _check_args(args):
     except (ValueError, DeviceError) as e:
         raise WorkerExit(str(e)) from None
     entry = entries[0]
+    if args.threads and entry.device != "cpu":
+        raise WorkerExit(f"--threads {args.threads} is for a cpu device; --device {args.device} runs on its GPU")
     if entry.threads:
         if args.threads and args.threads != entry.threads:
             raise WorkerExit(f"--device {args.device} and --threads {args.threads} disagree: give one of them")
@@ -120,6 +122,7 @@ def run(args):
 
 
     _check_args(args)
+    args.parent_was_ppid = bool(args.parent_pid) and os.getppid() == args.parent_pid
     if args.threads and not args.parent_pid:      # a spawned worker's coordinator has said it already
         note = threads_note(args.threads)
         if note:
@@ -158,7 +161,10 @@ def run(args):
     compute.start()
     heartbeats = None
     try:
-        # The device opens first (it may fail: no GPU, bad index) and says so before we connect.
+        # The device opens first (it may fail: no GPU, bad index) and says so before we connect;
+        # a GPU's can take many seconds, during which the coordinator may go.
+        while not pair.poll(1000):
+            _check_parent(args)
         first = P.unpack(pair.recv_multipart())
         dealer.connect(args.connect)
         if first.op == "ERROR":
@@ -284,18 +290,36 @@ def _heartbeat_socket(ctx, connect, welcome, keydir=""):
 
 
 def _check_parent(args):
-    if args.parent_pid and not _alive(args.parent_pid):
+    if args.parent_pid and not _parent_alive(args.parent_pid, getattr(args, "parent_was_ppid", False)):
         raise WorkerExit(f"the coordinator process {args.parent_pid} that started this worker is gone")
 
 
-def _alive(pid):
+def _parent_alive(pid, was_ppid):
+    """Whether the process `pid` that started this worker still runs. A killed parent that its own
+    parent has not reaped (a notebook or a wrapper reading its output) is a zombie, which
+    os.kill(pid, 0) finds alive; but this worker was handed to another process (init, a
+    subreaper) the moment it died, so its parent pid changed (`was_ppid`: `pid` was the parent
+    at start), and /proc says Z."""
+    if was_ppid and os.getppid() != pid:
+        return False
     try:
         os.kill(pid, 0)
-        return True
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
+    return not _is_zombie(pid)
+
+
+def _is_zombie(pid):
+    """Whether /proc says `pid` has exited (Z, zombie; X, dead); False where /proc cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    state = stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3]     # the name in brackets may hold ")"
+    return state in (b"Z", b"X")
 
 
 def _io_loop(dealer, pair, inbox, requests, args, heartbeats=None, identity=""):
