@@ -135,7 +135,7 @@ def _digest(arrays, meta_body):
     pass over the bytes (about 1 GB/s on one core): a fraction of a second for the paper network."""
     h = hashlib.sha256()
     for name in sorted(arrays):
-        a = np.ascontiguousarray(arrays[name])
+        a = np.asarray(arrays[name], order="C")     # ascontiguousarray would make a count 1-d
         # length-prefixed fields, so no two different checkpoints hash the same byte stream
         for part in (name.encode(), a.dtype.str.encode(), repr(tuple(a.shape)).encode()):
             h.update(len(part).to_bytes(8, "little"))
@@ -159,7 +159,7 @@ def save(directory, step, epoch, config, conv_params, fc_params, plan=None, keep
         for i, state in enumerate(params):
             for name, a in state.items():
                 arrays[f"{kind}{i}.{name}"] = a
-    arrays = {name: np.ascontiguousarray(a) for name, a in arrays.items()}
+    arrays = {name: np.asarray(a, order="C") for name, a in arrays.items()}
     order = _next_order(_listing(directory))
     meta = {"format": FORMAT, "step": int(step), "epoch": int(epoch), "config": config.to_json(),
             "conv_layers": len(conv_params), "fc_layers": len(fc_params), "order": order,
