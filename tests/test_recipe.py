@@ -30,7 +30,7 @@ from torch import nn
 def build():
     torch.manual_seed(3)
     return nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                         nn.Conv2d(6, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(6, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
                          nn.Flatten(), nn.Linear(8 * 4 * 4, 16), nn.ReLU(), nn.Linear(16, 10))
 """
 STEPS, BATCH = 20, 16
@@ -39,7 +39,7 @@ RECIPES = {
     "sgd-nesterov-cosine-warmup": dict(optimizer="sgd", lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-3,
                                        schedule="cosine", min_lr=0.001, warmup_steps=4, no_decay="bias",
                                        label_smoothing=0.2, clip_grad_norm=0.5),
-    "sgd-step": dict(optimizer="sgd", lr=0.05, momentum=0.8, weight_decay=1e-3, schedule="step", milestones="5,12",
+    "sgd-step": dict(optimizer="sgd", lr=0.02, momentum=0.8, weight_decay=1e-3, schedule="step", milestones="5,12",
                      gamma=0.5, no_decay=""),
     "adamw-onecycle-warmup": dict(optimizer="adamw", lr=0.01, betas="0.85,0.99", eps=1e-6, weight_decay=0.05,
                                   schedule="onecycle", warmup_steps=3, no_decay="bias,norm", clip_grad_norm=1.0),

@@ -671,7 +671,7 @@ class PeerLinks:
                 local += sum(float(np.dot(dw.ravel().astype(np.float64), dw.ravel().astype(np.float64))
                                    + np.dot(db.astype(np.float64), db.astype(np.float64)))
                              + self.shard.sum_of_squares(layer, conv=False) for layer, dw, db in summed)
-            workers = self._all_reduce(step, "gradnorm", -1, 0, np.array([local]))[0]
+            workers = self._all_reduce(step, "gradnorm", -1, 0, np.array([local], np.float64))[0]
             total = self._head_sum_of_squares(step) + workers
             done["sum_of_squares"] = float(total)
             rule = rule.scaled(clip_factor(total, rule.max_norm))
