@@ -150,3 +150,78 @@ def test_uneven_shares_a_lost_worker_and_a_resume_onto_another_plan(local_run, t
     summary, got = distributed(cfg, tmp_path, 2, "DMDM", [10, 6], 1, resume=str(tmp_path / "ck"))
     np.testing.assert_allclose(summary["losses"], losses[STEPS - 1:], rtol=1e-5)
     assert_equal_runs(got, local)
+
+
+GHOST = """
+import torch
+from torch import nn
+
+def build():
+    torch.manual_seed(11)
+    net = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1, bias=False), nn.BatchNorm2d(6), nn.ReLU(), nn.MaxPool2d(2),
+                        nn.Conv2d(6, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8, momentum=None), nn.GELU(),
+                        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+    for m in net:
+        if isinstance(m, nn.BatchNorm2d):
+            nn.init.uniform_(m.weight, 0.5, 1.5)
+            nn.init.uniform_(m.bias, -0.5, 0.5)
+    return net
+"""
+
+
+class _InGroups(torch.nn.Module):
+    """A BatchNorm2d run on each group of `size` consecutive images in turn: ghost batch norm."""
+
+    def __init__(self, bn, size):
+        super().__init__()
+        self.bn, self.size = bn, size
+
+    def forward(self, x):
+        return torch.cat([self.bn(part) for part in torch.split(x, self.size)])
+
+
+def test_ghost_batches_are_batchnorm_run_on_each_group_in_turn_whatever_the_split(tmp_path):
+    """--bn-ghost-batch 6 on batches of 16: groups of 6, 6 and 4 images, each normalised by its own
+    statistics, the running ones moving three times a step; --local as PyTorch does it, and two
+    workers holding 3 and 13 images in micro-batches that cut the groups elsewhere as --local."""
+    (tmp_path / "ghost.py").write_text(GHOST)
+    target = f"{tmp_path / 'ghost.py'}:build"
+    cfg = config(target, tmp_path, bn_ghost_batch=6)
+    local = train(cfg, LocalEngine({"local": ConvShard(open_device("cpu", threads=1))}), log=quiet)
+
+    from hetconv.net.torch_import import load_module, state_dict
+    module = load_module(target)
+    for i, m in enumerate(module):
+        if isinstance(m, torch.nn.BatchNorm2d):
+            module[i] = _InGroups(m, 6)
+    opt = torch.optim.SGD(module.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    ds = load_dataset("synthetic", seed=cfg.seed, n_train=160, n_test=32)
+    torch_losses = []
+    for step, (x, y) in enumerate(batches(ds, BATCH, np.random.default_rng([cfg.seed, 0]))):
+        if step == STEPS:
+            break
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(module(torch.from_numpy(np.ascontiguousarray(x[:, :, 8:24, 8:24]))),
+                                                 torch.from_numpy(y))
+        loss.backward()
+        opt.step()
+        torch_losses.append(loss.item())
+    np.testing.assert_allclose(local["losses"], torch_losses, rtol=1e-4)
+    _, conv, fc = checkpoint.load(str(tmp_path / "ck"))
+    ours = state_dict(load_net(target, (3, 16, 16), 10).spec, conv, [(layer["w"], layer["b"]) for layer in fc])
+    theirs = {k.replace(".bn.", "."): v.detach().numpy() for k, v in module.state_dict().items()}
+    for key, want in theirs.items():
+        np.testing.assert_allclose(ours[key], want, rtol=1e-4, atol=1e-5, err_msg=key)
+    assert int(ours["1.num_batches_tracked"]) == 3 * STEPS
+
+    names = ["w0-cpu", "w1-cpu"]
+    engine = RemoteEngine("tcp://127.0.0.1:0", 0, ["cpu"] * 2, threads=1, connect_timeout=60, log=quiet)
+    engine.fixed_plan = fixed_plan([6, 8], {"w0-cpu": [2, 3], "w1-cpu": [4, 5]}, modes=["data", "model"],
+                                   images=dict(zip(names, [3, 13])))
+    run = Config(**{**cfg.to_json(), "checkpoint_dir": str(tmp_path / "two"), "micro_batches": 4, "use_all": True})
+    try:
+        summary = train(run, engine, log=quiet)
+    finally:
+        engine.close()
+    np.testing.assert_allclose(summary["losses"], local["losses"], rtol=1e-5)
+    assert_equal_runs(checkpoint.load(str(tmp_path / "two")), checkpoint.load(str(tmp_path / "ck")))

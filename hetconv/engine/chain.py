@@ -13,6 +13,13 @@ channels), and every micro-batch goes on with the same totals. What it costs: a 
 BatchNorm cannot send micro-batch m's output before every micro-batch's conv is done, so its
 micro-batches overlap the wire only after its last barrier.
 
+Ghost batches (`ghost`, Page's trick for small-batch regularisation) cut the step's batch into
+groups of that many consecutive images, each normalised with its own statistics, the running
+statistics moving once per group in order: what PyTorch's BatchNorm2d does run on each group in
+turn. Without them the whole batch is the one group, so both go the same way: a micro-batch's rows
+fall into groups by their place in the batch, each group's sums are added over every piece of it
+(micro-batches, workers), and a piece is normalised by its group's statistics.
+
 Micro-batch outputs leave through `emit(m, y)` as soon as they are final, so the caller can send
 them while the next one computes.
 """
@@ -40,25 +47,39 @@ class DropoutDraw:
         return np.ascontiguousarray(self._drawn[key][rows, channels])
 
 
-def _statistics_sums(device, held, channels):
-    """(2, C) float64 sums of x and x*x over the held micro-batches, added in micro-batch order, and
-    the count of values per channel (zeros where this shard holds no image)."""
-    total, count = np.zeros((2, channels)), 0
+def ghost_groups(batch, ghost):
+    """How many statistics groups a step of `batch` images has: ceil(batch / ghost), or one."""
+    return -(-batch // ghost) if ghost else 1
+
+
+def _segments(rows, batch, ghost):
+    """The pieces of a micro-batch (its rows `rows`, a slice of the step's batch) by statistics
+    group: [(group, first local row, end local row)]."""
+    size = ghost or batch
+    out, row = [], rows.start
+    while row < rows.stop:
+        group = row // size
+        end = min(rows.stop, (group + 1) * size)
+        out.append((group, row - rows.start, end - rows.start))
+        row = end
+    return out
+
+
+def _group_sums(per_segment, held, segments, groups, channels):
+    """((groups, 2, C) float64 sums of per_segment(m, a, b) over every piece of each group, added in
+    micro-batch and row order, zeros where this shard holds none of a group; and each group's count
+    of values per channel here)."""
+    sums, counts = np.zeros((groups, 2, channels)), np.zeros(groups, np.int64)
     for m in sorted(held):
         y = held[m]
-        s, ss = device.channel_sums(y)
-        total = total + np.stack([s, ss])
-        count += y.shape[0] * y.shape[2] * y.shape[3]
-    return total, count
+        for group, a, b in segments[m]:
+            sums[group] = sums[group] + np.stack(per_segment(m, a, b))
+            counts[group] += (b - a) * y.shape[2] * y.shape[3]
+    return sums, counts
 
 
-def _grad_sums(device, held, ctxs, index, channels):
-    """(2, C) float64 sums of dy and dy*x_hat over the held micro-batches, in micro-batch order."""
-    total = np.zeros((2, channels))
-    for m in sorted(held):
-        sdy, sdyx = device.batchnorm_grad_sums(ctxs[m][1 + index], held[m])
-        total = total + np.stack([sdy, sdyx])
-    return total
+def _join(pieces):
+    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=0)
 
 
 class LayerChain:
@@ -69,12 +90,13 @@ class LayerChain:
         self.device, self.sl, self.layer = device, sl, layer
 
     # ---- forward ---------------------------------------------------------------------------------
-    def forward(self, inputs, train, reduce=None, emit=None, dropout=None):
-        """inputs: iterable of (micro-batch, x (n, C, H, W), first row of x in the step's batch).
-        train: batch statistics and dropout, and what backward needs is kept; else evaluation
-        (running statistics, no dropout, nothing kept). reduce(key, sums (2, C) float64, count) ->
-        (whole-batch sums, whole-batch count) at each BatchNorm. Returns {micro-batch: output}
-        of those not emitted."""
+    def forward(self, inputs, train, reduce=None, emit=None, dropout=None, batch=None, ghost=0):
+        """inputs: iterable of (micro-batch, x (n, C, H, W), first row of x in the step's batch of
+        `batch` images). train: batch statistics and dropout, and what backward needs is kept;
+        else evaluation (running statistics, no dropout, nothing kept). reduce(key, sums (G, 2, C)
+        float64, counts (G,)) -> the sums and counts of every piece of each of the step's G
+        statistics groups, at each BatchNorm. `ghost`: images per group (0: the whole batch).
+        Returns {micro-batch: output} of those not emitted."""
         sl, dev = self.sl, self.device
         tail = sl.spec.tail
         barriers = [i for i, op in enumerate(tail) if train and op.type == "batchnorm"]
@@ -87,6 +109,12 @@ class LayerChain:
             else:
                 emit(m, y)
 
+        inputs = list(inputs) if batch is None else inputs
+        if batch is None:                  # the pieces given are the whole batch
+            batch = sum(len(x) for _, x, _ in inputs)
+        groups, segments = ghost_groups(batch, ghost), {}
+        if train:
+            sl.groups = groups             # backward sums the same groups
         for m, x, row0 in inputs:
             if not len(x):                 # none of this micro-batch's images here (a data layer's share)
                 if train:
@@ -96,6 +124,7 @@ class LayerChain:
             y, ctx = dev.conv_block(x, sl.w, sl.b, sl.spec.block)
             ctxs = [ctx] + [None] * len(tail)
             rows[m] = slice(row0, row0 + len(x))
+            segments[m] = _segments(rows[m], batch, ghost)
             y = self._ops(0, first, y, ctxs, train, dropout, rows[m])
             if train:
                 sl.ctx[m] = ctxs
@@ -105,17 +134,24 @@ class LayerChain:
                 done(m, y)
         for b, index in enumerate(barriers):
             bn = tail[index]
-            sums, count = _statistics_sums(dev, held, sl.stop - sl.start)
+            sums, counts = _group_sums(lambda m, a, b: dev.channel_sums(held[m][a:b]), held, segments, groups,
+                                       sl.stop - sl.start)
             if reduce is not None:
-                sums, count = reduce(("bn_forward", index), sums, count)
-            stats = batch_statistics(bn, sums[0], sums[1], count)
-            self._update_running(index, bn, stats)
+                sums, counts = reduce(("bn_forward", index), sums, counts)
+            stats = [batch_statistics(bn, s[0], s[1], int(n)) for s, n in zip(sums, counts)]
+            for group in stats:            # one BatchNorm call per group, in order
+                self._update_running(index, bn, group)
             end = barriers[b + 1] if b + 1 < len(barriers) else len(tail)
             weight, bias = self._affine(index, bn)
             for m in sorted(held):
-                y, ctx = dev.batchnorm_apply(held[m], stats.mean32, stats.invstd32, weight, bias)
+                pieces, ctx = [], []
+                for group, a, c in segments[m]:
+                    y, piece_ctx = dev.batchnorm_apply(held[m][a:c], stats[group].mean32, stats[group].invstd32,
+                                                       weight, bias)
+                    pieces.append(y)
+                    ctx.append((group, a, c, piece_ctx))
                 sl.ctx[m][1 + index] = ctx
-                held[m] = self._ops(index + 1, end, y, sl.ctx[m], train, dropout, rows[m])
+                held[m] = self._ops(index + 1, end, _join(pieces), sl.ctx[m], train, dropout, rows[m])
         for m in sorted(held):
             done(m, held[m])
         return out
@@ -192,17 +228,20 @@ class LayerChain:
             index = barriers[b]
             bn = tail[index]
             ctxs = {m: sl.ctx[m] for m in held}
-            sums = _grad_sums(dev, held, ctxs, index, sl.stop - sl.start)
-            count = sum(g.shape[0] * g.shape[2] * g.shape[3] for g in held.values())
+            segments = {m: [(group, a, c) for group, a, c, _ in ctxs[m][1 + index]] for m in held}
+            piece_ctx = {(m, a): ctx for m in held for _, a, _, ctx in ctxs[m][1 + index]}
+            sums, counts = _group_sums(lambda m, a, c: dev.batchnorm_grad_sums(piece_ctx[m, a], held[m][a:c]), held,
+                                       segments, sl.groups, sl.stop - sl.start)
             if reduce is not None:
-                sums, count = reduce(("bn_backward", index), sums, count)
-            if bn.affine:
-                dweight, dbias = batchnorm_parameter_grads(sums[0], sums[1])
+                sums, counts = reduce(("bn_backward", index), sums, counts)
+            if bn.affine:                  # the weight's and bias's gradients: every group's, in order
+                dweight, dbias = batchnorm_parameter_grads(sums[:, 0].sum(axis=0), sums[:, 1].sum(axis=0))
                 self._add_host_grad(f"bn{index}.weight", dweight)
                 self._add_host_grad(f"bn{index}.bias", dbias)
             start = barriers[b - 1] + 1 if b > 0 else 0
             for m in sorted(held):
-                g = dev.batchnorm_backward(ctxs[m][1 + index], held[m], sums[0], sums[1], count)
+                g = _join([dev.batchnorm_backward(piece_ctx[m, a], held[m][a:c], sums[group, 0], sums[group, 1],
+                                                  int(counts[group])) for group, a, c in segments[m]])
                 held[m] = self._ops_backward(index, start, g, ctxs[m])
         for m in sorted(held):
             self._conv_backward(m, held[m], need_dx, emit, out)

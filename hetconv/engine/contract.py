@@ -147,6 +147,7 @@ class ShardEngine:
     wire = "float32"            # dtype of feature maps and gradients between coordinator and shards
     exchange = "star"           # every layer's slices meet here; RemoteEngine may run the peer step
     optimizer = "sgd"           # whose slots every layer's state holds; the loop sets the run's
+    bn_ghost_batch = 0          # images per BatchNorm statistics group (0: the whole batch); the run's
 
     def __init__(self):
         self.plan = None
@@ -196,7 +197,8 @@ class ShardEngine:
                 arrays = [state[a.name][s:e] if a.per_kernel else state[a.name] for a in layout]
                 requests[name] = ("LOAD", arrays, {"layer": lp.layer, "spec": spec.to_json(), "start": s, "stop": e,
                                                     "wire": self.wire, "optimizer": self.optimizer,
-                                                    "names": [a.name for a in layout]})
+                                                    "names": [a.name for a in layout],
+                                                    "bn_ghost_batch": self.bn_ghost_batch})
             self._call(requests, f"loading conv{lp.layer + 1}")
         self.step_stats()
 

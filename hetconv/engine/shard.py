@@ -58,6 +58,8 @@ class _LayerSlice:
         self.dw = self.db = None           # the conv's gradients summed over the step's micro-batches so far
         self.dw_kept = None                # the last step's dW sum, which the next step writes over
         self.host_grads = {}               # the tail's parameter gradients of the step (whole-batch sums)
+        self.ghost_batch = 0               # images per BatchNorm statistics group (0: the whole batch)
+        self.groups = 1                    # statistics groups of the step in flight
 
     def array(self, name):
         return self.device_arrays[name] if name in self.device_arrays else self.host[name]
@@ -74,11 +76,14 @@ class ConvShard:
         self.layers = {}
         self.clock = clock                 # calibration's timer (tests give a fake one)
 
-    def load(self, layer, spec, start, stop, state, optimizer="sgd"):
+    def load(self, layer, spec, start, stop, state, optimizer="sgd", ghost_batch=0):
         """Kernels [start, stop) of conv layer `layer`: `state` maps the names of
         spec.state_layout() to this slice's arrays (per-kernel arrays cut to stop - start rows,
         scalars whole). Every param and buffer must be there, each of its shape and dtype;
-        `optimizer`'s slots start at zero where they are not given; anything else is refused."""
+        `optimizer`'s slots start at zero where they are not given; anything else is refused.
+        `ghost_batch`: images per BatchNorm statistics group (0: the whole batch)."""
+        if isinstance(ghost_batch, bool) or not isinstance(ghost_batch, int) or ghost_batch < 0 or ghost_batch == 1:
+            raise ShardError(f"layer {layer}: ghost_batch {ghost_batch!r}: expected 0 (the whole batch) or at least 2")
         k = stop - start
         if not 0 <= start < stop <= spec.kernels:
             raise ShardError(f"layer {layer}: kernels [{start}, {stop}) are not a range of its {spec.kernels}")
@@ -102,6 +107,7 @@ class ConvShard:
                                  f"{stop}) of {spec.describe()} need {a.dtype}{shape}")
             arrays[a.name] = (given, a.on_device)
         self.layers[layer] = _LayerSlice(self.device, spec, start, stop, arrays)
+        self.layers[layer].ghost_batch = ghost_batch
 
     def _layer(self, layer):
         if layer not in self.layers:
@@ -111,18 +117,22 @@ class ConvShard:
     def _chain(self, layer):
         return LayerChain(self.device, self._layer(layer), layer)
 
-    def forward_layer(self, layer, inputs, train, reduce=None, emit=None, dropout=None):
+    def forward_layer(self, layer, inputs, train, reduce=None, emit=None, dropout=None, batch=None):
         """The layer over a step's micro-batches (engine.chain.LayerChain.forward): inputs are
-        (micro-batch, x (N, C, H, W), its first row in the batch); outputs are this shard's channels
-        of the layer's output, emitted as they are final or returned by micro-batch."""
+        (micro-batch, x (N, C, H, W), its first row in the step's `batch` images; None: the inputs
+        are the whole batch), taken one by one as they come (a caller may still be receiving the
+        next); outputs are this shard's channels of the layer's output, emitted as they are final or
+        returned by micro-batch."""
         sl = self._layer(layer)
-        checked = []
-        for m, x, row0 in inputs:
-            if x.ndim != 4 or x.shape[1] != sl.spec.in_channels:
-                raise ShardError(f"layer {layer}: input shape {x.shape} does not have {sl.spec.in_channels} "
-                                 f"channels (N, C, H, W)")
-            checked.append((m, x, row0))
-        return self._chain(layer).forward(checked, train, reduce, emit, dropout)
+
+        def checked():
+            for m, x, row0 in inputs:
+                if x.ndim != 4 or x.shape[1] != sl.spec.in_channels:
+                    raise ShardError(f"layer {layer}: input shape {x.shape} does not have {sl.spec.in_channels} "
+                                     f"channels (N, C, H, W)")
+                yield m, x, row0
+        return self._chain(layer).forward(checked() if batch is not None else list(checked()), train, reduce, emit,
+                                          dropout, batch, sl.ghost_batch)
 
     def backward_layer(self, layer, grads, need_dx, reduce=None, emit=None):
         """Gradients of this shard's channels of the layer's output in, by micro-batch; partial dX
@@ -366,7 +376,7 @@ class ShardServer:
             raise ShardError(f"LOAD names {names!r:.120} do not name its {len(arrays)} arrays one each")
         self.shard.wire = check_wire_dtype(f["wire"])
         self.shard.load(int(f["layer"]), ConvSpec.from_json(f["spec"]), int(f["start"]), int(f["stop"]),
-                        dict(zip(names, arrays)), f["optimizer"])
+                        dict(zip(names, arrays)), f["optimizer"], f["bn_ghost_batch"])
         return "LOADED", [], {"layer": f["layer"]}
 
     @staticmethod
@@ -386,7 +396,8 @@ class ShardServer:
                              f"micro-batches")
         dropout = DropoutDraw(f["seed"], f["train_step"], f["batch"]) if f["train"] else None
         out = self.shard.forward_layer(int(f["layer"]), [(m, decode(a, wire), int(r)) for m, a, r in
-                                                         zip(micros, arrays, rows)], f["train"], dropout=dropout)
+                                                         zip(micros, arrays, rows)], f["train"], dropout=dropout,
+                                       batch=f["batch"])
         return "FORWARD_DONE", [encode(out[m], wire) for m in micros], {"layer": f["layer"]}
 
     def backward(self, arrays, f):

@@ -69,6 +69,9 @@ class Config:
     label_smoothing: float = option(0.0, "label smoothing of the cross-entropy, as F.cross_entropy's")
     clip_grad_norm: float = option(0.0, "clip the global gradient norm (every parameter, head and conv together) to "
                                         "this, as clip_grad_norm_ (0: off)")
+    bn_ghost_batch: int = option(0, "BatchNorm statistics over groups of this many consecutive images of a batch "
+                                    "(ghost batches), each group as PyTorch's BatchNorm2d run on it in turn; 0: the "
+                                    "whole batch, whatever the split and the micro-batches")
     seed: int = option(0, "initial weights and data order")
     # devices
     threads: int = option(0, "threads per CPU device (0: every core this process may use)")
@@ -228,6 +231,9 @@ class Config:
             raise ValueError(f"--min-lr {self.min_lr} is above --lr {self.lr}: cosine annealing goes down to it")
         if not 0 <= self.label_smoothing <= 1:
             raise ValueError(f"--label-smoothing must be in [0, 1], got {self.label_smoothing}")
+        if self.bn_ghost_batch < 0 or self.bn_ghost_batch == 1 or self.bn_ghost_batch > self.batch_size:
+            raise ValueError(f"--bn-ghost-batch must be 0 (the whole batch) or from 2 to --batch-size "
+                             f"{self.batch_size}, got {self.bn_ghost_batch}")
 
     def check_same_network(self, saved):
         """Raise unless `saved` (a Config) describes the same network as this one."""

@@ -95,7 +95,7 @@ class _StopRequests:
 RESUMED_FIELDS = ("data", "synthetic_train", "synthetic_test", "crop", "net", "conv", "ksize", "padding", "fc",
                   "epochs", "steps", "batch_size", "lr", "optimizer", "momentum", "nesterov", "betas", "eps",
                   "weight_decay", "no_decay", "schedule", "warmup_steps", "milestones", "gamma", "min_lr",
-                  "label_smoothing", "clip_grad_norm", "seed", "augment",
+                  "label_smoothing", "clip_grad_norm", "bn_ghost_batch", "seed", "augment",
                   "micro_batches", "wire_dtype", "eval_batches", "eval_every", "checkpoint_every",
                   "keep_checkpoints")
 _SYNTHETIC_SIZES = ("synthetic_train", "synthetic_test")
@@ -538,7 +538,7 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
 
     rng = np.random.default_rng(cfg.seed)
     head = [op.layer.to_json() for op in network.head() if op.type != "flatten"]
-    engine.optimizer = cfg.optimizer
+    engine.optimizer, engine.bn_ghost_batch = cfg.optimizer, cfg.bn_ghost_batch
     if loaded.params is not None:                 # a PyTorch module's own weights are the starting weights
         conv_given, fc_given = loaded.params
         conv_params = [given if isinstance(given, dict) else spec.initial_state(*given)

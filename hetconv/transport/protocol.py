@@ -37,7 +37,8 @@ MAX_ARRAY_BYTES = 4 << 30         # 4 GiB: far above any layer this project send
 _OPTIONAL_MAP = (dict, type(None))
 FIELDS = {
     "CALIBRATE": {"layers": list, "repeats": int},
-    "LOAD": {"layer": int, "spec": dict, "start": int, "stop": int, "wire": str, "optimizer": str, "names": list},
+    "LOAD": {"layer": int, "spec": dict, "start": int, "stop": int, "wire": str, "optimizer": str, "names": list,
+             "bn_ghost_batch": int},
     "FORWARD": {"layer": int, "micros": list, "rows": list, "batch": int, "train": bool, "train_step": int,
                 "seed": int},
     "BACKWARD": {"layer": int, "micros": list, "need_dx": bool},

@@ -541,11 +541,12 @@ class PeerLinks:
         return total
 
     def _bn_reduce(self, step, layer):
-        """A data-parallel layer's BatchNorm sums: each worker's (over its images) added among all."""
-        def reduce(key, sums, count):
+        """A data-parallel layer's BatchNorm sums per statistics group, and the groups' counts: each
+        worker's (over its images) added among all."""
+        def reduce(key, sums, counts):
             phase, index = key
-            flat = self._all_reduce(step, phase, layer, index, np.append(sums.ravel(), float(count)))
-            return flat[:-1].reshape(sums.shape), int(round(flat[-1]))
+            flat = self._all_reduce(step, phase, layer, index, np.append(sums.ravel(), counts.astype(np.float64)))
+            return flat[:sums.size].reshape(sums.shape), np.rint(flat[sums.size:]).astype(np.int64)
         return reduce
 
     def run_step(self, seq, fields):
@@ -595,7 +596,7 @@ class PeerLinks:
 
             t0 = time.perf_counter()
             reduce = self._bn_reduce(step, layer) if lp.mode == "data" and len(self.order) > 1 else None
-            self.shard.forward_layer(layer, layer_inputs(), train, reduce, emit, dropout)
+            self.shard.forward_layer(layer, layer_inputs(), train, reduce, emit, dropout, batch=sum(n))
             compute[layer] += time.perf_counter() - t0 - waited[0]
 
         # backward: the last layer's gradient block from the coordinator, the rest from the peers
