@@ -461,3 +461,23 @@ def test_a_calibration_whose_half_batch_is_no_faster_still_splits_a_data_layer()
     profiles = {w: DeviceProfile(w, "cpu", "", (cost, cost)) for w in ("a", "b")}
     _, images = mode_shares(conv_specs([4, 4]), 10, profiles)
     assert all(sum(images[w][li] for w in images) == 10 for li in range(2))
+
+
+def test_a_batchnorm_layer_is_priced_as_a_barrier_and_a_data_layers_sums_as_bytes():
+    """With micro-batches a layer whose tail has a BatchNorm sends nothing before its last
+    micro-batch is done (whole-batch statistics), which costs the overlap; in a data layer every
+    worker also sends its per-channel sums to every peer, forward and backward."""
+    import dataclasses
+    from hetconv.channelwise import BatchNorm
+    from hetconv.engine.costmodel import batchnorm_sum_bytes, predict_peer_step
+    with_bn = [dataclasses.replace(s, tail=(BatchNorm(),)) for s in PAPER]
+    profiles = {"a": flat_profile("a", 1e-4), "b": flat_profile("b", 1e-4)}
+    link = parse_bandwidth("1gbit")
+    counts = {"a": [250, 750], "b": [250, 750]}
+    for modes, images in ((["model", "model"], None), (["data", "model"], {"a": [16, 16], "b": [16, 16]})):
+        plain = predict_peer_step(PAPER, IMAGE, 32, counts, profiles, link, 0.0, 4, modes=modes, images=images)
+        barrier = predict_peer_step(with_bn, IMAGE, 32, counts, profiles, link, 0.0, 4, modes=modes, images=images)
+        assert barrier.step_s > plain.step_s
+        extra = barrier.workers["a"]["recv"] - plain.workers["a"]["recv"]      # what a's link carried besides
+        assert extra == (2 * batchnorm_sum_bytes(with_bn[0]) if modes[0] == "data" else 0)
+    assert batchnorm_sum_bytes(with_bn[0]) == (2 * 500 + 1) * 8
