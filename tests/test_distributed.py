@@ -305,22 +305,24 @@ def test_worker_answers_malformed_requests_with_errors_and_keeps_serving(procs, 
     assert err.op == "ERROR" and "a worker does not serve 'CALIBRATED'" in err.fields["message"]
     router.send_multipart([ident] + P.pack("FORWARD", 7, [np.ones((1, 3, 6, 6), np.float32)], layer=0))
     _, err = recv()                                                     # every field of a request is required
-    assert err.op == "ERROR" and err.seq == 7 and err.fields["message"] == "FORWARD without its 'micro' field"
-    router.send_multipart([ident] + P.pack("FORWARD", 8, [np.ones((1, 3, 6, 6), np.float32)], layer=0, micro=0,
-                                           keep="yes"))
+    assert err.op == "ERROR" and err.seq == 7 and err.fields["message"] == "FORWARD without its 'micros' field"
+    step = {"micros": [0], "rows": [0], "batch": 1, "train_step": 0, "seed": 0}
+    router.send_multipart([ident] + P.pack("FORWARD", 8, [np.ones((1, 3, 6, 6), np.float32)], layer=0, **step,
+                                           train="yes"))
     _, err = recv()
-    assert err.op == "ERROR" and "FORWARD field 'keep' must be boolean, got 'yes'" in err.fields["message"]
-    router.send_multipart([ident] + P.pack("FORWARD", 2, [np.ones((1, 3, 6, 6), np.float32)], layer=0, micro=0,
-                                           keep=False))
+    assert err.op == "ERROR" and "FORWARD field 'train' must be boolean, got 'yes'" in err.fields["message"]
+    router.send_multipart([ident] + P.pack("FORWARD", 2, [np.ones((1, 3, 6, 6), np.float32)], layer=0, **step,
+                                           train=False))
     _, err = recv()
     assert err.op == "ERROR" and err.seq == 2 and "layer 0 is not loaded on this shard" in err.fields["message"]
     assert err.fields["worker"].startswith("probe/")
     w0 = np.ones((2, 3, 3, 3), np.float32)
     router.send_multipart([ident] + P.pack("LOAD", 3, [w0, np.zeros(2, np.float32)], layer=0,
-                                           spec=ConvSpec.paper(3, 2, 3, 0).to_json(), start=0, stop=2, wire="float32"))
+                                           spec=ConvSpec.paper(3, 2, 3, 0).to_json(), start=0, stop=2, wire="float32",
+                                           optimizer="sgd", names=["w", "b"], bn_ghost_batch=0))
     assert recv()[1].op == "LOADED"
     x = np.ones((1, 3, 6, 6), np.float32)
-    router.send_multipart([ident] + P.pack("FORWARD", 4, [x], layer=0, micro=0, keep=False))
+    router.send_multipart([ident] + P.pack("FORWARD", 4, [x], layer=0, **step, train=False))
     _, done = recv()
     assert done.op == "FORWARD_DONE" and done.seq == 4 and done.fields["compute_s"] >= 0
     np.testing.assert_allclose(done.arrays[0], R.conv_relu_pool(x, w0, np.zeros(2, np.float32)), rtol=1e-6)
