@@ -120,10 +120,10 @@ def weights(cfg, ck):
 
 def assert_like_torch(cfg, losses, ck):
     torch_losses, state = torch_run(cfg)
-    np.testing.assert_allclose(losses, torch_losses, rtol=2e-4)
+    np.testing.assert_allclose(losses, torch_losses, rtol=1e-4)
     ours = weights(cfg, ck)
     for key, want in state.items():
-        np.testing.assert_allclose(ours[key], want, rtol=2e-4, atol=2e-5, err_msg=key)
+        np.testing.assert_allclose(ours[key], want, rtol=1e-4, atol=1e-5, err_msg=key)
 
 
 def local_engine():
