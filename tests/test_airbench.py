@@ -4,13 +4,11 @@ leaves as a torch.export program that runs without hetconv and gives hetconv's o
 dropout draws one mask for the whole batch, so a data-parallel run in micro-batches drops what
 `--local` drops."""
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+from _exported import exported_logits
 from hetconv.cli import export
 from hetconv.coordinator.remote import RemoteEngine
 from hetconv.data import load_dataset
@@ -80,21 +78,6 @@ def test_airbench94_with_two_workers_equals_local(airbench, tmp_path):
     assert_same_checkpoints(str(tmp_path / "two"), str(d / "local"))
 
 
-RUN_EXPORTED = """
-import os, sys
-# neither the checkout nor the editable install: the program must run on PyTorch alone
-sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in (getattr(f, "__module__", "") or "")]
-sys.path[:] = [p for p in sys.path if not os.path.isdir(os.path.join(p or os.curdir, "hetconv"))]
-import importlib.util
-assert importlib.util.find_spec("hetconv") is None, "hetconv is importable"
-import numpy as np
-import torch
-module = torch.export.load(sys.argv[1]).module()
-with torch.no_grad():
-    np.save(sys.argv[3], module(torch.from_numpy(np.load(sys.argv[2]))).numpy())
-"""
-
-
 def test_airbench94_exports_to_a_program_that_gives_hetconvs_logits_without_hetconv(airbench, tmp_path):
     cfg, _, d = airbench
     out = tmp_path / "airbench.pt2"
@@ -104,14 +87,7 @@ def test_airbench94_exports_to_a_program_that_gives_hetconvs_logits_without_hetc
     images = ds.test_x[:8]
     x01 = (images.astype(np.float32) / 255).astype(np.float32)
     ours = trained_model.InProcessModel(model, threads=1).logits(model.normalize(images))
-    np.save(tmp_path / "x.npy", x01)
-    (tmp_path / "run.py").write_text(RUN_EXPORTED)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    got = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(out), str(tmp_path / "x.npy"),
-                          str(tmp_path / "logits.npy")], capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                         env=env)
-    assert got.returncode == 0, got.stderr
-    np.testing.assert_allclose(np.load(tmp_path / "logits.npy"), ours, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(exported_logits(out, x01, tmp_path), ours, atol=1e-4, rtol=0)
     # the npz holds the running statistics by PyTorch's names, and the classifier no bias
     assert export.main([str(d / "local"), "--format", "npz", "--out", str(tmp_path / "m.npz")]) == 0
     with np.load(tmp_path / "m.npz", allow_pickle=False) as z:

@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 
+from _exported import exported_logits
 from hetconv.train import checkpoint
 from hetconv.train.config import Config
 from hetconv.devices import open_device
@@ -102,34 +103,9 @@ def test_a_checkpoint_without_network_and_data_meta_is_read_with_named_assumptio
 
 # ---- hetconv-export ---------------------------------------------------------------------------
 
-RUN_EXPORTED = """
-import os, sys
-# neither the checkout nor the editable install: the program must run on PyTorch alone
-sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in (getattr(f, "__module__", "") or "")]
-sys.path[:] = [p for p in sys.path if not os.path.isdir(os.path.join(p or os.curdir, "hetconv"))]
-import importlib.util
-assert importlib.util.find_spec("hetconv") is None, "hetconv is importable"
-import numpy as np
-import torch
-module = torch.export.load(sys.argv[1]).module()
-with torch.no_grad():
-    np.save(sys.argv[3], module(torch.from_numpy(np.load(sys.argv[2]))).numpy())
-print("hetconv importable:", importlib.util.find_spec("hetconv") is not None)
-"""
-
-
 def test_torch_export_runs_without_hetconv_and_gives_its_logits(run, reference, exported_torch, tmp_path):
     x01, labels, logits = reference
-    np.save(tmp_path / "x.npy", x01)
-    script = tmp_path / "run_exported.py"
-    script.write_text(RUN_EXPORTED)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    got = subprocess.run([sys.executable, str(script), exported_torch, str(tmp_path / "x.npy"),
-                          str(tmp_path / "logits.npy")], capture_output=True, text=True, timeout=300,
-                         cwd=tmp_path, env=env)
-    assert got.returncode == 0, got.stderr
-    assert "hetconv importable: False" in got.stdout
-    exported = np.load(tmp_path / "logits.npy")
+    exported = exported_logits(exported_torch, x01, tmp_path)
     np.testing.assert_allclose(exported, logits, atol=1e-4, rtol=0)
     assert accuracy(exported, labels) == run[1]["test_accuracy"]
 

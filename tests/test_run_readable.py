@@ -8,7 +8,6 @@ import subprocess
 import sys
 import tomllib
 
-import numpy as np
 import pytest
 
 from conftest import REPO

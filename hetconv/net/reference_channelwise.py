@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from hetconv.channelwise import Activation, GlobalPool, Pool
+from hetconv.channelwise import GlobalPool, Pool
 from hetconv.net.reference import _pool64, _pool_backward64
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])

@@ -35,7 +35,7 @@ def import_torch():
 
 def _flat_modules(seq, prefix=""):
     """(index path, module) for every leaf of a Sequential, nested Sequentials opened in place."""
-    nn = import_torch().nn
+    import_torch().nn
     out = []
     for name, module in seq.named_children():
         path = f"{prefix}{name}"
