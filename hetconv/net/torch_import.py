@@ -35,7 +35,6 @@ def import_torch():
 
 def _flat_modules(seq, prefix=""):
     """(index path, module) for every leaf of a Sequential, nested Sequentials opened in place."""
-    import_torch().nn
     out = []
     for name, module in seq.named_children():
         path = f"{prefix}{name}"
