@@ -241,19 +241,42 @@ def test_an_image_folder_numbers_classes_in_sorted_order(tmp_path):
     assert gray.train_x.shape == (18, 1, 10, 12) and gray.meta()["image_shape"] == [1, 10, 12]
 
 
-def test_an_image_folder_refuses_a_mix_naming_the_first_odd_file(tmp_path):
+def test_an_image_folder_refuses_a_mix_of_sizes_naming_the_first_odd_file(tmp_path):
     write_image_folder(tmp_path / "a")
     Image.new("RGB", (13, 10)).save(tmp_path / "a/train/bee/3.png")
-    with pytest.raises(DataError, match=r"a/train/bee/3.png: 13x10 RGB; expected every image 12x10 RGB"):
+    with pytest.raises(DataError, match=r"a/train/bee/3.png: 13x10; expected every image 12x10, as .*a/train/ant/0.png"):
         load_dataset(tmp_path / "a")
-    write_image_folder(tmp_path / "b")
-    Image.new("L", (12, 10)).save(tmp_path / "b/test/ant/1.png")
-    with pytest.raises(DataError, match=r"b/test/ant/1.png: 12x10 L; expected every image 12x10 RGB"):
+    write_image_folder(tmp_path / "b", mode="L")
+    Image.fromarray(np.zeros((10, 12), np.uint16)).save(tmp_path / "b/test/ant/1.png")     # 16-bit grey
+    with pytest.raises(DataError, match=r"b/test/ant/1.png: mode I;16; expected 8 bits a channel"):
         load_dataset(tmp_path / "b")
-    write_image_folder(tmp_path / "c", mode="L")
-    Image.new("RGBA", (12, 10)).save(tmp_path / "c/train/ant/0.png")
-    with pytest.raises(DataError, match=r"c/train/ant/0.png: mode RGBA; expected RGB or L"):
-        load_dataset(tmp_path / "c")
+
+
+def test_an_image_folder_converts_modes_as_torchvision_does(tmp_path):
+    """torchvision's ImageFolder loads every image with convert("RGB"): RGBA loses its alpha, a
+    palette is expanded, grey is repeated; a folder that is all grey stays one channel."""
+    write_image_folder(tmp_path / "a")
+    rng = np.random.default_rng(3)
+    odd = {"train/ant/0.png": Image.fromarray(rng.integers(0, 256, (10, 12, 4), dtype=np.uint8), "RGBA"),
+           "train/bee/1.png": Image.fromarray(rng.integers(0, 256, (10, 12), dtype=np.uint8), "L"),
+           "test/cat/0.png": Image.fromarray(rng.integers(0, 256, (10, 12, 2), dtype=np.uint8), "LA"),
+           "test/ant/1.png": Image.fromarray(rng.integers(0, 256, (10, 12, 3), dtype=np.uint8)).convert("P")}
+    for name, image in odd.items():
+        image.save(tmp_path / "a" / name)
+    ds = load_dataset(tmp_path / "a")
+    assert ds.train_x.shape == (18, 3, 10, 12)
+    for name, image in odd.items():
+        split, cls, file = name.split("/")
+        x = ds.train_x if split == "train" else ds.test_x
+        position = ds.classes.index(cls) * (6 if split == "train" else 2) + int(file[0])
+        with Image.open(tmp_path / "a" / name) as reread:
+            np.testing.assert_array_equal(x[position], np.asarray(reread.convert("RGB")).transpose(2, 0, 1), name)
+    write_image_folder(tmp_path / "grey", mode="L")
+    Image.fromarray(rng.integers(0, 256, (10, 12, 2), dtype=np.uint8), "LA").save(tmp_path / "grey/train/ant/0.png")
+    grey = load_dataset(tmp_path / "grey")
+    assert grey.train_x.shape == (18, 1, 10, 12)
+    with Image.open(tmp_path / "grey/train/ant/0.png") as reread:
+        np.testing.assert_array_equal(grey.train_x[0, 0], np.asarray(reread.convert("L")))
 
 
 def test_an_image_folder_refuses_bad_files_and_layouts(tmp_path):

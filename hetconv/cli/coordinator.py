@@ -196,7 +196,7 @@ def main(argv=None):
         # the data set is read before any worker starts: a wrong --data costs nothing
         ds = load_dataset(cfg.data, seed=cfg.seed,
                           n_train=cfg.synthetic_train if cfg.data == "synthetic" else None,
-                          n_test=cfg.synthetic_test if cfg.data == "synthetic" else None)
+                          n_test=cfg.synthetic_test if cfg.data == "synthetic" else None, val_split=cfg.val_split)
         _check_data_flags(cfg)
         # the network too (a --net file, a PyTorch module): before any worker starts
         network = network_for(cfg, ds, args.resume or None)
