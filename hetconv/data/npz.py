@@ -59,6 +59,8 @@ def _open(path, source: str) -> zipfile.ZipFile:
                             f"the {MAX_MEMBERS} entries or {MAX_DIRECTORY_BYTES >> 20} MB a .npz of arrays may have: "
                             f"not read")
         return zipfile.ZipFile(path)
+    except DataError:
+        raise
     except (ValueError, OSError, zipfile.BadZipFile, EOFError) as e:
         raise DataError(f"{source}: not a readable .npz: {type(e).__name__}: {e}") from None
 
@@ -75,6 +77,8 @@ def _header(zf: zipfile.ZipFile, key: str, source: str):
                 raise DataError(f"{source}: {key} has .npy format version {version}; expected 1.0 or 2.0")
             shape, _, dtype = reader(f)
             offset = f.tell()
+    except DataError:
+        raise
     except (ValueError, OSError, zipfile.BadZipFile, EOFError, zlib.error) as e:
         raise DataError(f"{source}: {key} is not a readable .npy array: {type(e).__name__}: {e}") from None
     if dtype.hasobject:
