@@ -296,7 +296,7 @@ def measure(code: str, specs: dict[str, str], timeout: float, address_space: int
     for name, spec in specs.items():
         records, end = run_child(code, [spec], timeout, address_space)
         rows[name] = records[0] if records else {
-            "outcome": f"killed after {timeout:.0f} s" if end["killed"] else f"exit {end['exit_code']}",
+            "outcome": "killed at the deadline" if end["killed"] else f"exit {end['exit_code']}",
             "said": end["stderr_tail"], "seconds": end["seconds"]}
         rows[name]["peak_rss_mb"] = end["peak_rss_mb"]
     return rows
@@ -311,10 +311,10 @@ def build_all(root: Path, names=None) -> dict[str, str]:
 BEGIN, END = "<!-- hostile-data: begin (bench/hostile_data.py writes this part) -->", "<!-- hostile-data: end -->"
 
 
-def _cell(row: dict | None) -> str:
+def _cell(row: dict | None, work: str) -> str:
     if row is None:
         return ""
-    said = row["said"].replace("|", "\\|")
+    said = " ".join(row["said"].replace(work + "/", "").split()).replace("|", "\\|")     # one line, paths short
     said = said[:220] + ("..." if len(said) > 220 else "")
     rss = f", peak RSS {row['peak_rss_mb']:.0f} MB" if row.get("peak_rss_mb") else ""
     return f"{row['outcome']} after {row['seconds']:.2f} s{rss}: {said}" if said else \
@@ -331,8 +331,8 @@ def render(results: dict) -> str:
              "", "| file | before | now |", "|---|---|---|"]
     for name, (_, what, reported) in CASES.items():
         if name in results["now"]:
-            before = reported or _cell(results.get("before", {}).get(name))
-            lines.append(f"| {what} | {before} | {_cell(results['now'][name])} |")
+            before = reported or _cell(results.get("before", {}).get(name), results["work"])
+            lines.append(f"| {what} | {before} | {_cell(results['now'][name], results['work'])} |")
     lines += ["", "`tests/test_hostile_data.py` loads the same files in one child process and holds each to a "
               "one-line refusal (or note), 20 s, and the child to 600 MB.", END]
     return "\n".join(lines)
@@ -369,7 +369,7 @@ def main():
         results = {"command": "python bench/hostile_data.py --out docs" + (" --before CHECKOUT" if args.before else ""),
                    "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
                               f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') >> 30} GiB",
-                   "timeout_s": args.timeout, "baseline_rss_mb": baseline["peak_rss_mb"],
+                   "work": str(work), "timeout_s": args.timeout, "baseline_rss_mb": baseline["peak_rss_mb"],
                    "now": measure(repo, specs, args.timeout, None)}
         if args.before:
             results["before_code"] = "the checkout before these bounds"
