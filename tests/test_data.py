@@ -406,3 +406,44 @@ def test_wrong_label_names(cifar_dir):
 def test_data_set_repr_is_short(small):
     assert repr(small) == "DataSet('synthetic', train=200, test=50, classes=10)"
     assert isinstance(small, DataSet)
+
+
+# ---- the restricted unpickler's bounds, opcode by opcode ------------------------------------------
+
+def _load(raw: bytes):
+    from hetconv.data.unpickle import restricted_load
+    return restricted_load(io.BytesIO(raw), "f", "CIFAR-10", len(raw))
+
+
+def test_the_unpickler_sizes_shared_references_at_each_use():
+    inner = list(range(1000))
+    assert _load(pickle.dumps([inner] * 100, protocol=2)) == [inner] * 100     # 100 x 8 kB: under the cap
+    with pytest.raises(DataError, match=r"f: its containers expand to more than \d+ bytes .* from a file of \d+"):
+        _load(pickle.dumps([inner] * 1000, protocol=2))                       # 8 MB from 2 kB of references
+    nested = ()
+    for _ in range(40):
+        nested = (nested, nested)                # as a dict key, its hash would walk all 2**40 of it
+    with pytest.raises(DataError, match=r"expand to more than"):
+        _load(pickle.dumps([nested], protocol=2))
+
+
+@pytest.mark.parametrize("raw, message", [
+    # a list placed in another, then grown: counted small, walked large
+    (b"\x80\x02]q\x00]q\x01h\x00ah\x00K\x01a.", r"changes a list after placing it in another"),
+    (b"\x80\x02]q\x00h\x00a.", r"places a list inside itself"),
+    # NEWOBJ on numpy.ndarray: an array of any shape, allocated unread
+    (b"\x80\x02cnumpy\nndarray\nJ\x00\x00\x00@\x85\x81.", r"builds an object of a class \(NEWOBJ\)"),
+    # _reconstruct asked for a shape other than numpy's (0,)
+    (b"\x80\x02cnumpy.core.multiarray\n_reconstruct\ncnumpy\nndarray\nJ\x00\x00\x00@\x85C\x01b\x87R.",
+     r"an array is rebuilt from shape \(0,\)"),
+    # a plain void dtype whose state sets the flags of an object dtype
+    (b"\x80\x02cnumpy\ndtype\nX\x02\x00\x00\x00V8\x89\x88\x87R(K\x03X\x01\x00\x00\x00|NNNK\x08K\x01K\x11tb.",
+     r"a dtype's state marks it as holding Python objects"),
+    (b"\x80\x02cnumpy\ndtype\nX\x02\x00\x00\x00O8\x89\x88\x87R.", r"dtype object holds Python objects"),
+    (b"\x80\x05\x96\x00\x00\x00\x00\x01\x00\x00\x00.", r"declares a bytearray of 4294967296 bytes in a file of 12"),
+    (b"\x80\x02B\x00\x00\x00\x40.", r"needs 1073741824 more bytes where 1 are left"),
+], ids=["grown-after-use", "self", "newobj", "reconstruct-shape", "dtype-flags", "object-dtype", "bytearray8",
+        "binbytes"])
+def test_the_unpickler_refuses_what_no_data_file_needs(raw, message):
+    with pytest.raises(DataError, match=r"^f: .*" + message):
+        _load(raw)

@@ -5,6 +5,7 @@ import gzip
 import io
 import json
 import os
+import shutil
 import pickle
 import struct
 import subprocess
@@ -241,19 +242,42 @@ def test_an_image_folder_numbers_classes_in_sorted_order(tmp_path):
     assert gray.train_x.shape == (18, 1, 10, 12) and gray.meta()["image_shape"] == [1, 10, 12]
 
 
-def test_an_image_folder_refuses_a_mix_naming_the_first_odd_file(tmp_path):
+def test_an_image_folder_refuses_a_mix_of_sizes_naming_the_first_odd_file(tmp_path):
     write_image_folder(tmp_path / "a")
     Image.new("RGB", (13, 10)).save(tmp_path / "a/train/bee/3.png")
-    with pytest.raises(DataError, match=r"a/train/bee/3.png: 13x10 RGB; expected every image 12x10 RGB"):
+    with pytest.raises(DataError, match=r"a/train/bee/3.png: 13x10; expected every image 12x10, as .*a/train/ant/0.png"):
         load_dataset(tmp_path / "a")
-    write_image_folder(tmp_path / "b")
-    Image.new("L", (12, 10)).save(tmp_path / "b/test/ant/1.png")
-    with pytest.raises(DataError, match=r"b/test/ant/1.png: 12x10 L; expected every image 12x10 RGB"):
+    write_image_folder(tmp_path / "b", mode="L")
+    Image.fromarray(np.zeros((10, 12), np.uint16)).save(tmp_path / "b/test/ant/1.png")     # 16-bit grey
+    with pytest.raises(DataError, match=r"b/test/ant/1.png: mode I;16; expected 8 bits a channel"):
         load_dataset(tmp_path / "b")
-    write_image_folder(tmp_path / "c", mode="L")
-    Image.new("RGBA", (12, 10)).save(tmp_path / "c/train/ant/0.png")
-    with pytest.raises(DataError, match=r"c/train/ant/0.png: mode RGBA; expected RGB or L"):
-        load_dataset(tmp_path / "c")
+
+
+def test_an_image_folder_converts_modes_as_torchvision_does(tmp_path):
+    """torchvision's ImageFolder loads every image with convert("RGB"): RGBA loses its alpha, a
+    palette is expanded, grey is repeated; a folder that is all grey stays one channel."""
+    write_image_folder(tmp_path / "a")
+    rng = np.random.default_rng(3)
+    odd = {"train/ant/0.png": Image.fromarray(rng.integers(0, 256, (10, 12, 4), dtype=np.uint8), "RGBA"),
+           "train/bee/1.png": Image.fromarray(rng.integers(0, 256, (10, 12), dtype=np.uint8), "L"),
+           "test/cat/0.png": Image.fromarray(rng.integers(0, 256, (10, 12, 2), dtype=np.uint8), "LA"),
+           "test/ant/1.png": Image.fromarray(rng.integers(0, 256, (10, 12, 3), dtype=np.uint8)).convert("P")}
+    for name, image in odd.items():
+        image.save(tmp_path / "a" / name)
+    ds = load_dataset(tmp_path / "a")
+    assert ds.train_x.shape == (18, 3, 10, 12)
+    for name, image in odd.items():
+        split, cls, file = name.split("/")
+        x = ds.train_x if split == "train" else ds.test_x
+        position = ds.classes.index(cls) * (6 if split == "train" else 2) + int(file[0])
+        with Image.open(tmp_path / "a" / name) as reread:
+            np.testing.assert_array_equal(x[position], np.asarray(reread.convert("RGB")).transpose(2, 0, 1), name)
+    write_image_folder(tmp_path / "grey", mode="L")
+    Image.fromarray(rng.integers(0, 256, (10, 12, 2), dtype=np.uint8), "LA").save(tmp_path / "grey/train/ant/0.png")
+    grey = load_dataset(tmp_path / "grey")
+    assert grey.train_x.shape == (18, 1, 10, 12)
+    with Image.open(tmp_path / "grey/train/ant/0.png") as reread:
+        np.testing.assert_array_equal(grey.train_x[0, 0], np.asarray(reread.convert("L")))
 
 
 def test_an_image_folder_refuses_bad_files_and_layouts(tmp_path):
@@ -500,3 +524,83 @@ def test_lenet5_learns_the_digits_as_pytorch_does_from_the_same_weights_and_batc
     assert summary["step"] == epochs * (len(ds.train_y) // batch) and summary["test_images"] == 360
     assert ours >= 0.95, f"hetconv LeNet-5 on the digits: test accuracy {ours:.3f}"
     assert abs(ours - theirs) <= 0.01, f"hetconv {ours:.3f}, PyTorch {theirs:.3f} from the same weights and batches"
+
+
+# ---------------------------------------------------------------------------------------------
+# Labels, a held-out test split, the Fashion-MNIST name
+
+def test_npz_classes_inferred_from_labels_must_each_have_a_training_image(tmp_path):
+    path, _ = _npz(tmp_path / "gap.npz", y_train=np.array([0, 1, 2, 3] * 2 + [250] * 4))
+    with pytest.raises(DataError, match=r"gap.npz: no `classes` array, and the labels up to 250 imply 251 classes, "
+                                        r"but only 5 distinct labels have training images \(none for 4, 5, 6"):
+        load_dataset(path)
+    path, _ = _npz(tmp_path / "test-only.npz", y_test=np.array([0, 1, 2, 4]))     # 4: in no training image
+    with pytest.raises(DataError, match=r"imply 5 classes, but only 4 distinct labels .*none for 4\)"):
+        load_dataset(path)
+    stray = np.array([i % 4 for i in range(11)] + [4])                         # 0..3 about three times each, one 4
+    rng = np.random.default_rng(0)
+    path, _ = _npz(tmp_path / "stray.npz", y_train=stray)
+    ds = load_dataset(path)
+    assert ds.classes == ("0", "1", "2", "3", "4")
+    assert ds.notes == (f"{path}: no `classes` array: 5 classes inferred from the labels 0..4",)
+    many = np.array([i % 4 for i in range(800)] + [4])                         # 200 each, one 4: under 1%
+    x = rng.integers(0, 256, (801, 8, 8, 3), dtype=np.uint8)
+    path, _ = _npz(tmp_path / "rare.npz", x_train=x, y_train=many)
+    assert load_dataset(path).notes[0].endswith("5 classes inferred from the labels 0..4; class 4 has 1 training "
+                                                "image(s) against 200 for the largest (a stray label?)")
+    path, _ = _npz(tmp_path / "named.npz", y_train=stray, classes=np.array(list("abcd")))
+    with pytest.raises(DataError, match=r"named.npz: y_train: label 4 out of range; expected 0\.\.3 \(the data "
+                                        r"set's 4 classes\)"):
+        load_dataset(path)
+
+
+def test_val_split_holds_out_part_of_train_for_a_set_with_no_test_split(tmp_path):
+    write_image_folder(tmp_path / "pets", per_class=(10, 1))
+    shutil.rmtree(tmp_path / "pets" / "test")
+    with pytest.raises(DataError, match=r"pets: no test split .*give --val-split FRACTION"):
+        load_dataset(tmp_path / "pets")
+    ds = load_dataset(tmp_path / "pets", seed=3, val_split=0.2)
+    assert len(ds.train_y) == 24 and len(ds.test_y) == 6                       # 2 of each class's 10
+    assert np.bincount(ds.test_y).tolist() == [2, 2, 2]
+    assert ds.notes == (f"{tmp_path / 'pets'}: no test split; --val-split 0.2 held out 6 of the 30 training images "
+                        f"(per class, seed 3) as the test split",)
+    again, other = load_dataset(tmp_path / "pets", seed=3, val_split=0.2), load_dataset(tmp_path / "pets", seed=4,
+                                                                                        val_split=0.2)
+    np.testing.assert_array_equal(again.test_x, ds.test_x)                     # the seed decides, nothing else
+    assert not np.array_equal(other.test_x, ds.test_x)
+    whole = load_dataset(_npz(tmp_path / "x.npz")[0])
+    rng = np.random.default_rng(5)
+    np.savez(tmp_path / "train-only.npz", x_train=rng.integers(0, 256, (20, 8, 8, 3), dtype=np.uint8),
+             y_train=np.arange(20) % 2)
+    assert len(load_dataset(tmp_path / "train-only.npz", val_split=0.5).test_y) == 10
+    for spec in (tmp_path / "x.npz", "synthetic", DIGITS):
+        with pytest.raises(DataError, match=r"--val-split applies to a data set with no test split"):
+            load_dataset(spec, val_split=0.1)
+    assert len(whole.test_y) == 4
+    with pytest.raises(DataError, match=r"holds out 0; expected at least one image in each split"):
+        load_dataset(tmp_path / "pets", val_split=0.01)
+    with pytest.raises(ValueError, match=r"--val-split must be in \[0, 1\), got 1.0"):
+        Config(val_split=1.0).validate()
+
+
+def test_val_split_trains_and_evaluates_on_the_same_held_out_images(tmp_path, capsys):
+    write_image_folder(tmp_path / "pets", per_class=(10, 1), size=(16, 16))
+    shutil.rmtree(tmp_path / "pets" / "test")
+    code = coordinator.main(["--local", "--data", str(tmp_path / "pets"), "--val-split", "0.2", "--net", "lenet5",
+                             "--batch-size", "8", "--steps", "2", "--threads", "1",
+                             "--checkpoint-dir", str(tmp_path / "ckpt")])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "--val-split 0.2 held out 6 of the 30 training images (per class, seed 0) as the test split" in out.out
+    from hetconv.train import trained_model
+    model = trained_model.load_model(str(tmp_path / "ckpt"))
+    held = trained_model.load_test_data(model)
+    np.testing.assert_array_equal(held.test_x, load_dataset(tmp_path / "pets", val_split=0.2).test_x)
+
+
+def test_fashion_is_told_by_the_data_sets_own_directory_only(tmp_path):
+    parent = tmp_path / "fashion-experiments"
+    assert load_dataset(_copy_idx(parent / "mnist")).name == "mnist"          # a parent's name says nothing
+    assert load_dataset(_copy_idx(parent / "FashionMNIST" / "raw")).name == "fashion-mnist"
+    assert load_dataset(parent / "FashionMNIST" / "raw").name == "fashion-mnist"   # raw/ itself: its parent's name
+    assert load_dataset(_copy_idx(tmp_path / "digits" / "raw")).name == "mnist"

@@ -264,6 +264,23 @@ def test_classify_refuses_an_image_of_another_size_naming_both(run, tmp_path, ca
     assert "the image is 24x20 (width x height), the network takes 32x32" in line
 
 
+def test_classify_labels_the_good_images_and_names_each_bad_one(run, tmp_path, capsys):
+    Image = pytest.importorskip("PIL.Image", reason="reading images is an optional extra")
+    good = [str(tmp_path / f"good{i}.png") for i in range(2)]
+    for i, path in enumerate(good):
+        Image.fromarray(np.full((32, 32, 3), 40 * i, np.uint8)).save(path)
+    Image.fromarray(np.zeros((20, 24, 3), np.uint8)).save(tmp_path / "small.png")
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")
+    argv = [good[0], str(tmp_path / "small.png"), good[1], str(tmp_path / "broken.png")]
+    assert classify.main([run[0], *argv, "--threads", "1"]) == 1
+    captured = capsys.readouterr()
+    assert [line.split(": ")[0] for line in captured.out.splitlines()] == good
+    errors = captured.err.strip().splitlines()
+    assert len(errors) == 2 and "Traceback" not in captured.err, captured.err
+    assert "small.png: the image is 24x20" in errors[0] and "broken.png: not a PNG or JPEG" in errors[1]
+    assert "1 when some were and any other was refused" in classify.build_parser().format_help().replace("\n", " ")
+
+
 def test_missing_extras_are_named(run, tmp_path, capsys, monkeypatch):
     png = tmp_path / "x.png"
     png.write_bytes(b"\x89PNG\r\n\x1a\n")

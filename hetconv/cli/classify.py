@@ -74,13 +74,17 @@ def top_classes(model, probabilities, k):
 def build_parser():
     p = OneLineParser(prog="hetconv-classify",
                       description="Label PNG or JPEG images with a checkpoint's model, in this process: the most "
-                                  "probable classes of each image and their probabilities.")
+                                  "probable classes of each image and their probabilities.",
+                      epilog="An image that cannot be used (unreadable, or not the network's size) is reported in one "
+                             "line on stderr and the others are still classified. Exit status: 0 when every image "
+                             "was classified; 1 when some were and any other was refused; 2 when none was (a bad "
+                             "checkpoint or option, or every image refused).")
     p.add_argument("checkpoint", metavar="CHECKPOINT_OR_DIR",
                    help="a checkpoint file, or a directory (its newest valid checkpoint)")
     p.add_argument("images", metavar="IMAGE", nargs="+", help="PNG or JPEG files of the network's input size")
     p.add_argument("--top", type=int, default=3, metavar="K", help="classes shown per image")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for the conv layers (0: every usable core)")
-    p.add_argument("--json", action="store_true", help="print one JSON object per image")
+    p.add_argument("--json", action="store_true", help="print one JSON object per classified image")
     return add_version(p)
 
 
@@ -89,25 +93,35 @@ def main(argv=None):
     try:
         if args.threads < 0:
             raise ModelError(f"--threads must be >= 0, got {args.threads}")
+        _pillow()
         model = load_model(args.checkpoint)
         if not 1 <= args.top <= len(model.classes):
             raise ModelError(f"--top must be 1..{len(model.classes)} (the model's classes), got {args.top}")
-        # cropped one by one: a crop-trained network takes images of either size
-        x = np.concatenate([model.crop(model.normalize(read_image(path, model)[None])) for path in args.images])
     except ModelError as e:
         print(f"hetconv-classify: {e}", file=sys.stderr)
         return 2
     for note in model.notes:
         print(f"hetconv-classify: note: {note}", file=sys.stderr)
+    # each image on its own: one that cannot be used is named and the rest still classified
+    paths, inputs = [], []
+    for path in args.images:
+        try:
+            # cropped one by one: a crop-trained network takes images of either size
+            inputs.append(model.crop(model.normalize(read_image(path, model)[None])))
+            paths.append(path)
+        except ModelError as e:
+            print(f"hetconv-classify: {e}", file=sys.stderr)
+    if not paths:
+        return 2
     runner = InProcessModel(model, threads=args.threads or None)
-    probabilities = np.exp(log_softmax(runner.logits(x)))
-    for path, p in zip(args.images, probabilities):
+    probabilities = np.exp(log_softmax(runner.logits(np.concatenate(inputs))))
+    for path, p in zip(paths, probabilities):
         top = top_classes(model, p, args.top)
         if args.json:
             print(json.dumps({"image": path, "top": [{"class": name, "probability": prob} for name, prob in top]}))
         else:
             print(f"{path}: " + ", ".join(f"{name} {prob:.3f}" for name, prob in top))
-    return 0
+    return 1 if len(paths) < len(args.images) else 0
 
 
 if __name__ == "__main__":

@@ -278,7 +278,7 @@ def _load_data(cfg, resumed, given):
     try:
         return load_dataset(cfg.data, seed=cfg.seed,
                             n_train=cfg.synthetic_train if cfg.data == "synthetic" else None,
-                            n_test=cfg.synthetic_test if cfg.data == "synthetic" else None)
+                            n_test=cfg.synthetic_test if cfg.data == "synthetic" else None, val_split=cfg.val_split)
     except DataError as e:
         if resumed is None or "data" in given:
             raise

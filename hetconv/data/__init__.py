@@ -9,7 +9,10 @@ else with one line naming the path and the forms it accepts.
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
+
+import numpy as np
 
 from hetconv.data import cifar, folder, idx
 from hetconv.data.base import (CIFAR10_CLASSES, CIFAR10_MEAN, CIFAR10_STD, DataError, DataSet, channel_stats,
@@ -23,13 +26,14 @@ from hetconv.data.npz import load_npz
 from hetconv.data.synthetic import synthetic
 
 __all__ = ["AUGMENTATIONS", "Batch", "CIFAR10_CLASSES", "CIFAR10_MEAN", "CIFAR10_STD", "DataError", "DataSet",
-           "augment", "batches", "channel_stats", "load_cifar", "load_cifar10", "load_cifar100", "load_dataset",
+           "augment", "batches", "channel_stats", "hold_out", "load_cifar", "load_cifar10", "load_cifar100", "load_dataset",
            "load_idx", "load_image_folder", "load_npz", "normalize", "parse_augment", "synthetic", "test_batches",
            "DIR_NAME", "MAX_MEMBER_BYTES", "META_FILE", "ROW_BYTES", "TAR_NAME", "TEST_FILE", "TRAIN_FILES"]
 
 ACCEPTED = ("'synthetic'; a CIFAR-10 or CIFAR-100 python directory or .tar.gz; a directory of MNIST or "
             "Fashion-MNIST IDX files (train-images-idx3-ubyte[.gz], ...); an image folder with "
-            "train/<class>/ and test/<class>/; or a .npz with x_train, y_train, x_test, y_test")
+            "train/<class>/ and test/<class>/ (or train/ alone, with --val-split); or a .npz with x_train, y_train, "
+            "x_test, y_test")
 
 _GZIP, _ZIP = b"\x1f\x8b", b"PK\x03\x04"
 
@@ -38,7 +42,7 @@ def _file_format(path: Path) -> str | None:
     """A file's format from its first bytes (a tar's from its name or its ustar mark)."""
     with open(path, "rb") as f:
         head = f.read(512)
-    if head.startswith(_ZIP):
+    if head.startswith(_ZIP) or head.startswith(b"PK\x05\x06"):            # an empty zip is a (refused) npz
         return "npz"
     if head.startswith(_GZIP) or path.name.endswith((".tar.gz", ".tgz", ".tar")) or head[257:262] == b"ustar":
         return "cifar"
@@ -58,6 +62,8 @@ def detect_format(path: Path) -> str:
             return "images"
         raise DataError(f"{path}: a directory of no known data set format; expected {ACCEPTED}")
     try:
+        if not stat.S_ISREG(path.stat().st_mode):          # a fifo would block the read below, a device never end
+            raise DataError(f"{path}: not a regular file or directory; expected {ACCEPTED}")
         found = _file_format(path)
     except OSError as e:
         raise DataError(f"{path}: cannot be read: {e}") from None
@@ -67,20 +73,50 @@ def detect_format(path: Path) -> str:
     return found
 
 
+def hold_out(ds: DataSet, fraction: float, seed: int, source: str) -> DataSet:
+    """`ds` with `fraction` of its training images, picked by `seed`, moved to its (empty) test split.
+
+    Per class: round(fraction x its images) of each class, so every class with enough images is in
+    both splits; the images keep their order in each split. The same seed and files give the same
+    split, so a run and a later hetconv-eval of it see the same test images."""
+    rng = np.random.default_rng(seed)
+    held = np.zeros(len(ds.train_y), bool)
+    for label in range(len(ds.classes)):
+        members = np.flatnonzero(ds.train_y == label)
+        held[rng.permutation(members)[:round(fraction * len(members))]] = True
+    if not held.any() or held.all():
+        raise DataError(f"{source}: --val-split {fraction:g} of {len(ds.train_y)} training images holds out "
+                        f"{int(held.sum())}; expected at least one image in each split")
+    note = (f"{source}: no test split; --val-split {fraction:g} held out {int(held.sum())} of the {len(ds.train_y)} "
+            f"training images (per class, seed {seed}) as the test split")
+    # the normalisation is the remaining training images' own, as for any set read from files
+    return DataSet(ds.name, ds.train_x[~held], ds.train_y[~held], ds.train_x[held], ds.train_y[held], ds.classes,
+                   notes=ds.notes + (note,))
+
+
 def load_dataset(spec: str | os.PathLike, seed: int = 0, n_train: int | None = None,
-                 n_test: int | None = None, labels: str | None = None, fashion: bool | None = None) -> DataSet:
+                 n_test: int | None = None, labels: str | None = None, fashion: bool | None = None,
+                 val_split: float = 0.0) -> DataSet:
     """"synthetic" -> synthetic(n_train, n_test, seed); anything else a path, its format detected.
 
     labels: CIFAR-100's "fine" (the default) or "coarse". fashion: an IDX directory is
-    Fashion-MNIST (True) or MNIST (False); None: Fashion-MNIST when "fashion" is in the path.
-    Either is refused for a data set it does not apply to. For a data set read from files,
-    n_train / n_test (when given) keep the first n images of each split, for quick runs; seed is
-    not used (the files fix the data).
+    Fashion-MNIST (True) or MNIST (False); None: Fashion-MNIST when the data set's own directory
+    says "fashion". Either is refused for a data set it does not apply to. For a data set read from
+    files, n_train / n_test (when given) keep the first n images of each split, for quick runs.
+    val_split: for a data set with no test split (an image folder without test/, a .npz without
+    x_test), the fraction of the training images held out as its test split, picked by seed
+    (hold_out); refused for a data set that has one, whose own test split is what its results are
+    compared by. A data set with neither is refused.
     """
+    if not 0 <= val_split < 1:
+        raise DataError(f"--val-split must be in [0, 1), got {val_split}")
     if isinstance(spec, str) and spec == "synthetic":
         if labels is not None or fashion is not None:
             raise DataError("'synthetic' has one kind of label: labels= and fashion= apply to CIFAR-100 and "
                             "IDX directories")
+        if val_split:
+            raise DataError("--val-split applies to a data set with no test split; 'synthetic' has one "
+                            "(--synthetic-test sizes it)")
         sizes = {k: v for k, v in (("n_train", n_train), ("n_test", n_test)) if v is not None}
         return synthetic(seed=seed, **sizes)
     path = Path(spec)
@@ -97,6 +133,14 @@ def load_dataset(spec: str | os.PathLike, seed: int = 0, n_train: int | None = N
         ds = load_image_folder(path)
     else:
         ds = load_npz(path)
+    if val_split and len(ds.test_y):
+        raise DataError(f"{path}: --val-split applies to a data set with no test split; this one has {len(ds.test_y)} "
+                        f"test images, which results on it are compared by (drop --val-split)")
+    if not len(ds.test_y):
+        if not val_split:
+            raise DataError(f"{path}: no test split (no test/ directory, or no x_test and y_test); give "
+                            f"--val-split FRACTION to hold out that part of the training images as one")
+        ds = hold_out(ds, val_split, seed, str(path))
     for name, n, have in (("n_train", n_train, len(ds.train_y)),
                           ("n_test", n_test, len(ds.test_y))):
         if n is not None and not 0 <= n <= have:

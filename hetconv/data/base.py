@@ -78,6 +78,7 @@ class DataSet:
     classes: tuple[str, ...] = CIFAR10_CLASSES
     mean: tuple[float, ...] | None = None    # per channel, of [0, 1] pixels; None: from train_x
     std: tuple[float, ...] | None = None
+    notes: tuple[str, ...] = ()              # what the loader inferred or did, for the run's log
 
     def __post_init__(self):
         if self.mean is None or self.std is None:
@@ -85,6 +86,7 @@ class DataSet:
         self.mean = tuple(float(m) for m in self.mean)
         self.std = tuple(float(s) for s in self.std)
         self.classes = tuple(self.classes)
+        self.notes = tuple(self.notes)
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
@@ -111,7 +113,8 @@ def check_labels(y: np.ndarray, classes: int, source: str) -> np.ndarray:
                         f"got {y.dtype} shape {y.shape}")
     if y.size and (y.min() < 0 or y.max() >= classes):
         bad = y[(y < 0) | (y >= classes)][0]
-        raise DataError(f"{source}: label {int(bad)} out of range; expected 0..{classes - 1}")
+        raise DataError(f"{source}: label {int(bad)} out of range; expected 0..{classes - 1} (the data set's "
+                        f"{classes} classes)")
     return y.astype(np.int64)
 
 

@@ -35,6 +35,16 @@ TAR_NAME_100 = "cifar-100-python.tar.gz"
 TRAIN_FILE_100, TEST_FILE_100, META_FILE_100 = "train", "test", "meta"
 # CIFAR-100 keeps all 50000 training images in one file of about 155 MB.
 MAX_MEMBER_BYTES_100 = 192 << 20
+# A tar archive is read as a stream: every byte before the last member wanted is decompressed, and
+# tarfile holds each header it passes. The official archives hold 9 members (CIFAR-10) and 5
+# (CIFAR-100) in 186 MB and 178 MB; the caps refuse an archive that runs past them when its header
+# says so, before reading on.
+MAX_ARCHIVE_BYTES = 512 << 20
+MAX_ARCHIVE_MEMBERS = 256
+# A pax or GNU long-name header is read whole into memory before tarfile returns its member; a
+# real one is a few hundred bytes.
+MAX_HEADER_BYTES = 1 << 20
+MAX_NAME = 256                               # one class name in a meta file
 LABELS_100 = {"fine": ("fine_labels", "fine_label_names", 100),
               "coarse": ("coarse_labels", "coarse_label_names", 20)}
 
@@ -62,8 +72,8 @@ def _parse_batch(obj, source: str, label_key: str = "labels",
     d = _str_keys(obj, source, f"with 'data' and '{label_key}'")
     missing = [k for k in ("data", label_key) if k not in d]
     if missing:
-        raise DataError(f"{source}: missing key(s) {missing}; expected 'data' and '{label_key}', "
-                        f"found {sorted(map(str, d))}")
+        found = sorted(k if isinstance(k, str) else type(k).__name__ for k in d)[:20]
+        raise DataError(f"{source}: missing key(s) {missing}; expected 'data' and '{label_key}', found {found}")
     data, labels = d["data"], d[label_key]
     if not isinstance(data, np.ndarray):
         raise DataError(f"{source}: 'data' must be a numpy array (N x {ROW_BYTES} uint8), "
@@ -73,27 +83,40 @@ def _parse_batch(obj, source: str, label_key: str = "labels",
     if data.ndim != 2 or data.shape[1] != ROW_BYTES:
         raise DataError(f"{source}: 'data' must be N x {ROW_BYTES} (R, G, B planes of 32x32), "
                         f"got shape {data.shape}")
-    try:
-        y = np.asarray(labels)
-    except (ValueError, TypeError) as e:
-        raise DataError(f"{source}: '{label_key}' must be a list of ints 0..{classes - 1}: {e}") from None
-    if y.ndim != 1 or (y.size and y.dtype.kind not in "iu"):
-        raise DataError(f"{source}: '{label_key}' must be a flat list of ints 0..{classes - 1}, "
-                        f"got {y.dtype} shape {y.shape}")
-    y = check_labels(y, classes, source)
-    if len(y) != len(data):
-        raise DataError(f"{source}: {len(y)} labels for {len(data)} images; expected one label "
+    # The labels' type is checked before numpy converts them: np.asarray of anything else (nested
+    # lists, a long bytes object among ints) may allocate far more than the file holds.
+    flat = (isinstance(labels, (list, tuple)) and all(isinstance(v, (int, np.integer)) for v in labels)) or \
+        (isinstance(labels, np.ndarray) and labels.ndim == 1 and (not labels.size or labels.dtype.kind in "iu"))
+    if not flat:
+        raise DataError(f"{source}: '{label_key}' must be a flat list of ints 0..{classes - 1}, got {_describe(labels)}")
+    if len(labels) != len(data):
+        raise DataError(f"{source}: {len(labels)} labels for {len(data)} images; expected one label "
                         f"per row of 'data'")
+    try:
+        y = np.asarray(labels, np.int64)
+    except OverflowError:
+        raise DataError(f"{source}: '{label_key}' holds an int too large for any class 0..{classes - 1}") from None
+    y = check_labels(y, classes, source)
     # Row-major reshape: the first 1024 bytes of a row are the R plane -> channel 0, and so on.
     return data.reshape(-1, *IMAGE_SHAPE), y
+
+
+def _describe(obj) -> str:
+    """What a pickled value is, in a few words: never its repr, which may be as large as the file."""
+    if isinstance(obj, np.ndarray):
+        return f"a {obj.dtype} array of shape {obj.shape}"
+    kinds = sorted({type(v).__name__ for v in obj}) if isinstance(obj, (list, tuple)) else []
+    return f"a {type(obj).__name__}" + (f" of {len(obj)} ({', '.join(kinds[:4])})" if kinds else "")
 
 
 def _parse_names(obj, source: str, key: str, count: int) -> tuple[str, ...]:
     d = _str_keys(obj, source, f"with '{key}'")
     names = d.get(key)
-    if not isinstance(names, (list, tuple)) or len(names) != count:
-        raise DataError(f"{source}: '{key}' must be a list of {count} names, got {names!r:.200}")
-    return tuple(n.decode("latin1") if isinstance(n, bytes) else str(n) for n in names)
+    if not isinstance(names, (list, tuple)) or len(names) != count or \
+            not all(isinstance(n, (bytes, str)) and len(n) <= MAX_NAME for n in names):
+        raise DataError(f"{source}: '{key}' must be a list of {count} names (each at most {MAX_NAME} characters), "
+                        f"got {_describe(names)}")
+    return tuple(n.decode("latin1") if isinstance(n, bytes) else n for n in names)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,10 +152,31 @@ def _load_from_dir(root: Path) -> dict:
                                 f"{', '.join(TRAIN_FILES)} and {TEST_FILE} in {root}")
             raise DataError(f"{file}: missing; expected the CIFAR-100 python files "
                             f"{TRAIN_FILE_100} and {TEST_FILE_100} in {root}")
-        check_bytes(str(file), file.stat().st_size, _cap(name), f"any {_what(name)} file may have")
+        size = file.stat().st_size
+        check_bytes(str(file), size, _cap(name), f"any {_what(name)} file may have")
         with open(file, "rb") as f:
-            loaded[name] = _unpickle(f, str(file), _what(name))
+            loaded[name] = _unpickle(f, str(file), _what(name), size)
     return loaded
+
+
+class _ArchiveInfo(tarfile.TarInfo):
+    """tarfile's member header, refusing the extended headers tarfile would read whole before
+    returning (an over-long pax or long-name header) and sparse members (a map of holes that
+    tarfile expands as it parses): no CIFAR archive has either."""
+
+    def _proc_member(self, tarfile_):
+        if self.type in (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME,
+                         tarfile.GNUTYPE_LONGLINK) and self.size > MAX_HEADER_BYTES:
+            raise tarfile.HeaderError(f"an extended header of {self.size} bytes, more than the "
+                                      f"{MAX_HEADER_BYTES >> 20} MB one may have")
+        if self.type == tarfile.GNUTYPE_SPARSE:
+            raise tarfile.HeaderError("a sparse member; a CIFAR archive holds plain files")
+        return super()._proc_member(tarfile_)
+
+    def _proc_gnusparse_00(self, *args):
+        raise tarfile.HeaderError("a sparse member; a CIFAR archive holds plain files")
+
+    _proc_gnusparse_01 = _proc_gnusparse_10 = _proc_gnusparse_00
 
 
 def _load_from_tar(archive: Path) -> dict:
@@ -142,15 +186,25 @@ def _load_from_tar(archive: Path) -> dict:
     wanted = set(_CIFAR10_FILES + _CIFAR100_FILES)
     loaded = {}
     try:
-        with tarfile.open(archive, "r:*") as tar:
-            for member in tar:
+        with tarfile.open(archive, "r:*", tarinfo=_ArchiveInfo) as tar:
+            for count, member in enumerate(tar, start=1):
+                where = f"{archive}:{member.name if member.name.isprintable() else ascii(member.name)}"
+                if count > MAX_ARCHIVE_MEMBERS:
+                    raise DataError(f"{archive}: more than {MAX_ARCHIVE_MEMBERS} members; a CIFAR archive holds "
+                                    f"9 or fewer: not read further")
+                if member.offset_data + member.size > MAX_ARCHIVE_BYTES:
+                    raise DataError(f"{where}: ends {member.offset_data + member.size} bytes into the archive, past "
+                                    f"the {MAX_ARCHIVE_BYTES >> 20} MB a CIFAR archive may hold: not read")
                 name = member.name.rsplit("/", 1)[-1]
-                if not member.isfile() or name not in wanted or name in loaded:
+                if name not in wanted or name in loaded:
                     continue
-                check_bytes(f"{archive}:{member.name}", member.size, _cap(name),
-                            f"any {_what(name)} file may have")
+                if not member.isfile():
+                    kind = "a link" if member.issym() or member.islnk() else \
+                        "a directory" if member.isdir() else "a device or fifo"
+                    raise DataError(f"{where}: {kind}, not a file: CIFAR archives hold the batches themselves")
+                check_bytes(where, member.size, _cap(name), f"any {_what(name)} file may have")
                 stream = tar.extractfile(member)
-                loaded[name] = _unpickle(stream, f"{archive}:{member.name}", _what(name))
+                loaded[name] = _unpickle(stream, where, _what(name), member.size)
     except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
         raise DataError(f"{archive}: not a readable {TAR_NAME} archive (truncated or a different "
                         f"file?): {type(e).__name__}: {e}") from None

@@ -1,12 +1,28 @@
 """An image folder: root/train/<class>/*.png|jpg|jpeg and root/test/<class>/..., as torchvision's
 ImageFolder reads it: classes numbered in sorted order of the train/ subdirectories, files taken in
-sorted order (subdirectories of a class included). Every image must have one size and one mode, RGB
-or L. Pillow is needed for this format only, so it is imported here and nowhere else.
+sorted order (subdirectories of a class included). test/ may be left out: the set then has no test
+split, and --val-split holds out part of train/ instead.
+
+Every image must have one size. Modes follow torchvision's loader, which converts every image to
+RGB: an alpha channel is dropped, a palette expanded, grey repeated in three channels; but a folder
+whose images are all grey (L, LA or 1-bit) stays one channel. 16-bit and float images are refused
+(converting them to 8 bits would clip). Pillow is needed for this format only, so it is imported
+here and nowhere else.
+
+Nothing is decoded before it is bounded: the listing stops at MAX_IMAGES, every file must be a
+regular file (a fifo would block the read, a device never end) of at most MAX_FILE_BYTES, every
+header is read first (size, mode, and Pillow's decompression-bomb limit on pixels, refused rather
+than warned about), and the decoded total is checked against MAX_TOTAL_BYTES before the array that
+holds it is allocated.
 """
 
 from __future__ import annotations
 
 import os
+import stat
+import struct
+import warnings
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -14,13 +30,16 @@ import numpy as np
 from hetconv.data.base import DataError, DataSet
 
 EXTENSIONS = (".png", ".jpg", ".jpeg")
-MODES = {"RGB": 3, "L": 1}
+GREY_MODES = ("1", "L", "LA")
+COLOUR_MODES = ("RGB", "RGBA", "RGBX", "P", "PA", "CMYK", "YCbCr")   # 8 bits a channel: convert("RGB")
 MAX_FILE_BYTES = 64 << 20                 # one image file
 MAX_TOTAL_BYTES = 8 << 30                 # every decoded image together: the arrays held in memory
+MAX_IMAGES = 2_000_000                    # files listed, both splits: each is a path held in memory
+MAX_CLASSES = 100_000
 
 
 def is_image_folder(path: Path) -> bool:
-    return (path / "train").is_dir() and (path / "test").is_dir()
+    return (path / "train").is_dir()
 
 
 def _pillow(root: Path):
@@ -32,10 +51,17 @@ def _pillow(root: Path):
     return Image
 
 
-def _listing(split_dir: Path, classes: tuple[str, ...] | None) -> tuple[tuple[str, ...], list[tuple[Path, int]]]:
-    """(class names, [(file, label)]) of one split; `classes` given: the test split, whose class
-    directories must be among the training classes."""
-    found = sorted(d.name for d in split_dir.iterdir() if d.is_dir() and not d.name.startswith("."))
+def _listing(split_dir: Path, classes: tuple[str, ...] | None,
+             budget: int) -> tuple[tuple[str, ...], list[tuple[Path, int]]]:
+    """(class names, [(file, label)]) of one split, at most `budget` files; `classes` given: the
+    test split, whose class directories must be among the training classes."""
+    found = []
+    for entry in os.scandir(split_dir):
+        if entry.is_dir() and not entry.name.startswith("."):
+            found.append(entry.name)
+            if len(found) > MAX_CLASSES:
+                raise DataError(f"{split_dir}: more than {MAX_CLASSES} class directories: not read")
+    found.sort()
     if not found:
         raise DataError(f"{split_dir}: no class directories; expected {split_dir}/<class>/*.png|jpg|jpeg")
     if classes is None:
@@ -53,61 +79,89 @@ def _listing(split_dir: Path, classes: tuple[str, ...] | None) -> tuple[tuple[st
             dirnames.sort()
             in_class += [Path(dirpath) / f for f in sorted(filenames)
                          if f.lower().endswith(EXTENSIONS) and not f.startswith(".")]
+            if len(files) + len(in_class) > budget:
+                raise DataError(f"{split_dir.parent}: more than {MAX_IMAGES} images: not read")
         if not in_class and split_dir.name == "train":
             raise DataError(f"{split_dir / name}: no images; expected *.png, *.jpg or *.jpeg files")
         files += [(f, index[name]) for f in in_class]
     return classes, files
 
 
-def _read_split(Image, files, shape_mode, split_dir: Path):
-    """Decode every file into one (N, C, H, W) uint8 array; shape_mode: ((w, h), mode) every image must have."""
-    (width, height), mode = shape_mode
-    channels = MODES[mode]
+def _open(Image, file: Path):
+    """The image at `file` with only its header read (size and mode), after the file is bounded."""
+    try:
+        st = os.stat(file)
+    except OSError as e:
+        raise DataError(f"{file}: cannot be read: {type(e).__name__}: {e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise DataError(f"{file}: not a regular file (a fifo, socket or device); expected a PNG or JPEG image")
+    if st.st_size > MAX_FILE_BYTES:
+        raise DataError(f"{file}: {st.st_size} bytes, more than the {MAX_FILE_BYTES >> 20} MB an image file may have: "
+                        f"not read")
+    try:
+        with warnings.catch_warnings():
+            # Pillow only warns between its pixel limit and twice it; here the limit refuses
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            return Image.open(file, formats=("PNG", "JPEG"))
+    except (OSError, ValueError, SyntaxError, EOFError, struct.error, Image.DecompressionBombError,
+            Image.DecompressionBombWarning) as e:
+        raise DataError(f"{file}: not a readable PNG or JPEG image: {type(e).__name__}: {e}") from None
+
+
+def _headers(Image, files) -> tuple[tuple[int, int], bool]:
+    """Every file's header: ((width, height) they all have, whether all are grey)."""
+    size, grey = None, True
+    for file, _ in files:
+        with _open(Image, file) as image:
+            if image.mode not in GREY_MODES + COLOUR_MODES:
+                raise DataError(f"{file}: mode {image.mode}; expected 8 bits a channel, grey or colour (convert "
+                                f"16-bit or float images first)")
+            if size is None:
+                size, first = image.size, file
+            elif image.size != size:
+                raise DataError(f"{file}: {image.size[0]}x{image.size[1]}; expected every image {size[0]}x{size[1]}, "
+                                f"as {first} (resize them to one size)")
+            grey = grey and image.mode in GREY_MODES
+    return size, grey
+
+
+def _decode(Image, files, size, mode: str) -> tuple[np.ndarray, np.ndarray]:
+    """Every file's pixels in one (N, C, H, W) uint8 array, each converted to `mode`."""
+    (width, height), channels = size, 1 if mode == "L" else 3
     x = np.empty((len(files), channels, height, width), np.uint8)
     for i, (file, _) in enumerate(files):
-        image = _open(Image, file)
-        with image:
-            if (image.size, image.mode) != ((width, height), mode):
-                raise DataError(f"{file}: {image.size[0]}x{image.size[1]} {image.mode}; expected every image "
-                                f"{width}x{height} {mode}, as the first one (convert them to one size and mode)")
+        with _open(Image, file) as image:
+            if image.size != size or image.mode not in GREY_MODES + COLOUR_MODES:
+                raise DataError(f"{file}: changed while it was read: now {image.size[0]}x{image.size[1]} {image.mode}")
             try:
-                pixels = np.asarray(image)                          # (H, W) or (H, W, 3)
-            except (OSError, ValueError, SyntaxError) as e:
+                pixels = np.asarray(image if image.mode == mode else image.convert(mode))   # (H, W) or (H, W, 3)
+            except (OSError, ValueError, SyntaxError, EOFError, struct.error, zlib.error,
+                    Image.DecompressionBombError) as e:
                 raise DataError(f"{file}: not a readable image: {type(e).__name__}: {e}") from None
         x[i] = pixels.reshape(height, width, channels).transpose(2, 0, 1)
     y = np.array([label for _, label in files], np.int64)
     return x, y
 
 
-def _open(Image, file: Path):
-    size = file.stat().st_size
-    if size > MAX_FILE_BYTES:
-        raise DataError(f"{file}: {size} bytes, more than the {MAX_FILE_BYTES >> 20} MB an image file may have: not read")
-    try:
-        return Image.open(file)                      # reads the header only: size and mode, no pixels yet
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
-        raise DataError(f"{file}: not a readable PNG or JPEG image: {type(e).__name__}: {e}") from None
-
-
 def load_image_folder(path: str | os.PathLike) -> DataSet:
     root = Path(path)
     if not is_image_folder(root):
-        raise DataError(f"{root}: expected an image folder with train/<class>/ and test/<class>/ directories")
+        raise DataError(f"{root}: expected an image folder with train/<class>/ (and test/<class>/) directories")
     Image = _pillow(root)
-    classes, train_files = _listing(root / "train", None)
-    _, test_files = _listing(root / "test", classes)
-    if not test_files:
-        raise DataError(f"{root / 'test'}: no images; expected test/<class>/*.png|jpg|jpeg")
-    first = train_files[0][0]
-    with _open(Image, first) as image:
-        shape_mode = image.size, image.mode
-    if shape_mode[1] not in MODES:
-        raise DataError(f"{first}: mode {shape_mode[1]}; expected RGB or L (convert the images first)")
-    (width, height), mode = shape_mode
-    total = (len(train_files) + len(test_files)) * width * height * MODES[mode]
+    classes, train_files = _listing(root / "train", None, MAX_IMAGES)
+    test_files = []
+    if (root / "test").is_dir():
+        _, test_files = _listing(root / "test", classes, MAX_IMAGES - len(train_files))
+        if not test_files:
+            raise DataError(f"{root / 'test'}: no images; expected test/<class>/*.png|jpg|jpeg (or no test/ at all, "
+                            f"with --val-split)")
+    size, grey = _headers(Image, train_files + test_files)
+    mode = "L" if grey else "RGB"
+    count = len(train_files) + len(test_files)
+    total = count * size[0] * size[1] * (1 if grey else 3)
     if total > MAX_TOTAL_BYTES:
-        raise DataError(f"{root}: {len(train_files) + len(test_files)} images of {width}x{height} {mode} are "
-                        f"{total >> 20} MB decoded, more than the {MAX_TOTAL_BYTES >> 30} GB this loader holds")
-    train_x, train_y = _read_split(Image, train_files, shape_mode, root / "train")
-    test_x, test_y = _read_split(Image, test_files, shape_mode, root / "test")
+        raise DataError(f"{root}: {count} images of {size[0]}x{size[1]} {mode} are {total >> 20} MB decoded, more than "
+                        f"the {MAX_TOTAL_BYTES >> 30} GB this loader holds: not read")
+    train_x, train_y = _decode(Image, train_files, size, mode)
+    test_x, test_y = _decode(Image, test_files, size, mode)
     return DataSet(root.resolve().name or "images", train_x, train_y, test_x, test_y, classes)

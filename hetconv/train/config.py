@@ -33,6 +33,9 @@ class Config:
     # data and network
     data: str = option("synthetic", "'synthetic' (built in), or a path: CIFAR-10/100 (python format, dir or .tar.gz), a dir of "
                                     "MNIST-style IDX files, an image folder (ROOT/train/CLASS/*.png, ROOT/test/...), a .npz")
+    val_split: float = option(0.0, "for a data set with no test split (an image folder without test/, a .npz without "
+                                   "x_test): hold out this fraction of the training images, per class and picked by "
+                                   "--seed, as its test split (0: off; refused for a data set that has a test split)")
     synthetic_train: int = option(5000, "images in the built-in training set")
     synthetic_test: int = option(1000, "images in the built-in test set")
     crop: int = option(0, "center-crop images to crop x crop (0: the data set's whole images)")
@@ -187,6 +190,8 @@ class Config:
             raise ValueError(f"--crop must be at most the image size 32, got {self.crop}")
         if not self.lr > 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if not 0 <= self.val_split < 1:
+            raise ValueError(f"--val-split must be in [0, 1), got {self.val_split}")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"--momentum must be in [0, 1), got {self.momentum}")
         if self.weight_decay < 0:

@@ -514,7 +514,9 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
     if ds is None:
         ds = load_dataset(cfg.data, seed=cfg.seed,
                           n_train=cfg.synthetic_train if cfg.data == "synthetic" else None,
-                          n_test=cfg.synthetic_test if cfg.data == "synthetic" else None)
+                          n_test=cfg.synthetic_test if cfg.data == "synthetic" else None, val_split=cfg.val_split)
+    for note in ds.notes:                     # what the loader inferred (classes) or did (a held-out test split)
+        log(note)
     resume = load_resume(resume)
     if resume is not None and not cfg.checkpoint_dir:
         cfg = dataclasses.replace(cfg, checkpoint_dir=checkpoint_dir_for(cfg, resume))

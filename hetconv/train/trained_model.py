@@ -172,6 +172,9 @@ def load_test_data(model, spec=None):
         options = {"seed": int(config.get("seed", 0)), "n_train": config.get("synthetic_train"),
                    "n_test": config.get("synthetic_test")}
     try:
+        if spec == config.get("data") and config.get("val_split"):
+            # the run held out part of its training images as the test split: the same part again
+            options = {"seed": int(config.get("seed", 0)), "val_split": float(config["val_split"])}
         ds = load_dataset(spec, **{k: v for k, v in options.items() if v is not None})
     except (ValueError, OSError) as e:
         raise ModelError(f"--data {spec}: {e}") from None
