@@ -1009,7 +1009,24 @@ def markdown(doc):
                   "`tests/test_no_lost_work.py` (workers lost outside a step, SIGTERM and --stop-grace, joiners, "
                   "retention by timeline), `tests/test_worker_transport.py` (a worker's SIGTERM clean-up, send "
                   "deadline and WAIT against a fake coordinator)."]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + _hostile_files_section()
+
+
+HOSTILE_FILES = "## Hostile files"
+
+
+def _hostile_files_section():
+    """docs/reliability.md's hostile-files part, from its heading to the end, as it stands: other
+    generators write it (tests/_hostile_checkpoints.py, bench/hostile_data.py), so a render of the
+    faults keeps it."""
+    path = os.path.join(REPO, "docs", "reliability.md")
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return ""
+    at = text.find("\n" + HOSTILE_FILES)
+    return "" if at < 0 else text[at:]
 
 
 def _fmt(v):

@@ -92,7 +92,7 @@ class _StopRequests:
 # What a resumed run takes from its checkpoint's config unless given again on the command line:
 # the run itself (its data, network, recipe, step target, evaluation and checkpointing). The rest
 # (devices, threads, the split, links, where metrics go) belongs to the machines of this start.
-RESUMED_FIELDS = ("data", "synthetic_train", "synthetic_test", "crop", "net", "conv", "ksize", "padding", "fc",
+RESUMED_FIELDS = ("data", "synthetic_train", "synthetic_test", "val_split", "crop", "net", "conv", "ksize", "padding", "fc",
                   "epochs", "steps", "batch_size", "lr", "optimizer", "momentum", "nesterov", "betas", "eps",
                   "weight_decay", "no_decay", "schedule", "warmup_steps", "milestones", "gamma", "min_lr",
                   "label_smoothing", "clip_grad_norm", "bn_ghost_batch", "seed", "augment",
