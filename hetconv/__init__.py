@@ -1,3 +1,23 @@
 """hetconv: train CNNs across mixed CPUs and GPUs by splitting each conv layer's kernels in
-proportion to measured device speed; the fully connected layers stay on the coordinator."""
+proportion to measured device speed; the fully connected layers stay on the coordinator.
+
+From Python (hetconv.api): train, load, load_dataset, and the Run and Model they return.
+"""
 __version__ = "0.1.0"
+
+# The API is loaded on first use: it imports the commands, the coordinator and Numba, which a
+# process importing any other hetconv module (a worker, a data reader) must not pay for.
+API = ("train", "load", "load_dataset", "Model", "Run", "Interrupted", "FlagError")
+__all__ = ["__version__", *API]
+
+
+def __getattr__(name):
+    if name in API:
+        from hetconv import api
+        # `train` is the training package, set here by the import of api, and callable as api.train
+        return globals()["train"] if name == "train" else getattr(api, name)
+    raise AttributeError(f"module 'hetconv' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(API))

@@ -10,6 +10,8 @@ import sys
 import threading
 import time
 
+from hetconv import __version__
+
 
 def parse_int_list(flag, text, allow_empty):
     text = str(text).strip()
@@ -171,7 +173,6 @@ def still_working(what, every_s=15.0, out=None):
 
 def add_version(parser):
     """--version on a command: its name and the package's version, then exit."""
-    from hetconv import __version__
     parser.add_argument("--version", action="version", version=f"{parser.prog} {__version__}",
                         help="print the version and exit")
     return parser

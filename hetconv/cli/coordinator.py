@@ -14,6 +14,7 @@ import math
 import os
 import signal
 import sys
+import threading
 
 from hetconv.coordinator.ray import RayLauncher, check_address, import_ray
 from hetconv.coordinator.remote import RemoteEngine, WorkerError, WorkerLost
@@ -25,6 +26,7 @@ from hetconv.engine.shard import ConvShard
 from hetconv.flags import (HelpFormatter, add_version, check_endpoint, check_output_dir, check_output_file,
                            check_range, show_progress, threads_note, usable_cores)
 from hetconv.geometry import ConvSpec, message_limit_bytes
+from hetconv.net.presets import PRESETS
 from hetconv.train.checkpoint import CheckpointError, load_newest_valid
 from hetconv.train.config import Config, add_config_flags, config_from_args
 from hetconv.train.loop import network_for, resumed_config, train
@@ -228,7 +230,6 @@ def _chance_hint(losses, steps_per_epoch, classes, lr):
     """One line when the last epoch's mean training loss is log(classes) within
     CHANCE_LOSS_TOLERANCE (the network guesses uniformly), saying what usually moves it; else ''.
     Cheap: the run's losses are kept anyway."""
-    from hetconv.net.presets import PRESETS
     if classes < 2 or steps_per_epoch < CHANCE_MIN_STEPS or len(losses) < steps_per_epoch:
         return ""
     chance = math.log(classes)
@@ -286,33 +287,56 @@ def _load_data(cfg, resumed, given):
                         f"another copy of it)") from None
 
 
-def main(argv=None):
-    args = build_parser().parse_args(argv)
-    try:
-        cfg = config_from_args(args)
-        _check_args(args, cfg)
-        resumed, given = None, set()
-        if args.resume:              # the run the checkpoint holds goes on: its data, recipe and step target
-            given = given_config_fields(argv)
-            resumed, cfg = _resume(args.resume, given, cfg)
-        spawn = [] if args.local or args.workers else _spawn_list(args)
-        # the data set is read before any worker starts: a wrong --data costs nothing
-        ds = _load_data(cfg, resumed, given)
-        _check_data_flags(cfg)
-        # the network too (a --net file, a PyTorch module): before any worker starts
-        network = network_for(cfg, ds, resumed)
-        forced_modes(cfg.parallel, len(network.spec.conv_layers()))     # a chain of M/D letters fits the network
-    except (ValueError, DeviceError, DataError, ConnectionError, CheckpointError) as e:
-        print(f"hetconv-coordinator: {e}", file=sys.stderr)
-        return 2
+@dataclasses.dataclass
+class Prepared:
+    """What a run needs before its first worker starts, every value checked: the config, the
+    checkpoint it resumes (or None), the workers to spawn, the data set and the network."""
+    cfg: Config
+    resumed: object
+    spawn: list
+    dataset: object
+    network: object
+
+
+# a bad flag value, found before any work starts (exit 2)
+CHECK_ERRORS = (ValueError, DeviceError, DataError, ConnectionError, CheckpointError)
+# a run that started and failed (exit 1)
+RUN_ERRORS = (WorkerError, WorkerLost, PlanError, DeviceError, DataError, CheckpointError, ValueError,
+              FloatingPointError, ConnectionError)
+
+
+def prepare(args, argv):
+    """Every check that can be made before any work starts (workers, calibration, training), on the
+    flags `args` parsed from `argv`; the data set and the network are read here too, so a wrong
+    --data or --net costs nothing. Raises one of CHECK_ERRORS naming the flag."""
+    cfg = config_from_args(args)
+    _check_args(args, cfg)
+    resumed, given = None, set()
+    if args.resume:              # the run the checkpoint holds goes on: its data, recipe and step target
+        given = given_config_fields(argv)
+        resumed, cfg = _resume(args.resume, given, cfg)
+    spawn = [] if args.local or args.workers else _spawn_list(args)
+    ds = _load_data(cfg, resumed, given)
+    _check_data_flags(cfg)
+    network = network_for(cfg, ds, resumed)
+    forced_modes(cfg.parallel, len(network.spec.conv_layers()))     # a chain of M/D letters fits the network
+    return Prepared(cfg, resumed, spawn, ds, network)
+
+
+def run(args, prepared):
+    """Start the engine (and its workers), train, and return train()'s summary. Whatever way it
+    ends (done, a stop, an exception, KeyboardInterrupt), every worker it started has ended and
+    the SIGTERM handler it set is taken back. Raises one of RUN_ERRORS when the run fails."""
+    cfg, spawn, ds, network = prepared.cfg, prepared.spawn, prepared.dataset, prepared.network
     notes = ([threads_note(cfg.threads), *_local_notes(cfg)] if args.local else
              [_pinning_note(spawn, cfg.threads, not args.no_pin), _spawn_threads_note(spawn)]
              if args.launcher == "local" else [])
     for note in filter(None, notes):
         print(note, file=sys.stderr)
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    # signals reach only the main thread; a run started from another (a caller's own) has none
+    handles_signals = threading.current_thread() is threading.main_thread()
+    previous_sigterm = signal.signal(signal.SIGTERM, _on_sigterm) if handles_signals else None
     engine = launcher = progress = None
-    summary = {}
     try:
         if args.local:
             progress = show_progress()                 # the device's conv path timing, on the first steps
@@ -323,24 +347,53 @@ def main(argv=None):
             if args.launcher == "ray":
                 launcher = RayLauncher(args.ray_address or None, num_cpus=usable_cores(),
                                        start_timeout=args.connect_timeout)
-                signal.signal(signal.SIGTERM, _on_sigterm)    # ray.init put its own in place
+                if handles_signals:
+                    signal.signal(signal.SIGTERM, _on_sigterm)    # ray.init put its own in place
             bind = args.bind or (launcher.bind_address() if launcher else
                                  "tcp://127.0.0.1:0" if spawn else "tcp://127.0.0.1:5555")
             limit = message_limit_bytes([ConvSpec.from_layer(layer) for layer in network.spec.conv_layers()],
                                         cfg.batch_size, network.spec.input_shape)
-            engine = RemoteEngine(bind, args.workers or 0, spawn, threads=cfg.threads,
-                                  worker_timeout=args.worker_timeout, connect_timeout=args.connect_timeout,
-                                  op_timeout=args.op_timeout, pin=not args.no_pin,
-                                  exchange=cfg.exchange, wire=cfg.wire_dtype, curve=args.curve,
-                                  insecure=args.insecure, message_limit=limit, launcher=launcher,
-                                  verbose=args.verbose, worker_args=["--cpu-conv-path", cfg.cpu_conv_path])
-        summary = train(cfg, engine, resume=resumed, dataset=ds, stop_grace=args.stop_grace, network=network)
+            try:
+                engine = RemoteEngine(bind, args.workers or 0, spawn, threads=cfg.threads,
+                                      worker_timeout=args.worker_timeout, connect_timeout=args.connect_timeout,
+                                      op_timeout=args.op_timeout, pin=not args.no_pin,
+                                      exchange=cfg.exchange, wire=cfg.wire_dtype, curve=args.curve,
+                                      insecure=args.insecure, message_limit=limit, launcher=launcher,
+                                      verbose=args.verbose, worker_args=["--cpu-conv-path", cfg.cpu_conv_path])
+            except SystemExit as e:
+                # RemoteEngine ends the command on an address it cannot bind; from Python that is
+                # the ConnectionError it is (the command prints the same line)
+                if not isinstance(e.code, str):
+                    raise
+                raise ConnectionError(e.code.removeprefix("hetconv-coordinator: ")) from None
+        summary = train(cfg, engine, resume=prepared.resumed, dataset=ds, stop_grace=args.stop_grace,
+                        network=network)
         hint = _chance_hint(summary.get("losses", []), len(ds.train_y) // cfg.batch_size, len(ds.classes),
                             cfg.lr)
         if hint:
             print(hint)
-    except (WorkerError, WorkerLost, PlanError, DeviceError, DataError, CheckpointError, ValueError, FloatingPointError,
-            ConnectionError) as e:
+        return summary
+    finally:
+        if progress is not None:                       # run may be called again in this process
+            logging.getLogger("hetconv.devices").removeHandler(progress)
+        if engine is not None:
+            engine.close()
+        if launcher is not None:
+            launcher.close()                           # every actor ends, and Ray if it was started here
+        if handles_signals and previous_sigterm is not None:      # None: a handler not set from Python
+            signal.signal(signal.SIGTERM, previous_sigterm)
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        prepared = prepare(args, argv)
+    except CHECK_ERRORS as e:
+        print(f"hetconv-coordinator: {e}", file=sys.stderr)
+        return 2
+    try:
+        summary = run(args, prepared)
+    except RUN_ERRORS as e:
         print(f"hetconv-coordinator: {e}", file=sys.stderr)
         if args.verbose and isinstance(e, WorkerError) and e.remote_traceback:
             print(f"--- worker traceback ---\n{e.remote_traceback}", file=sys.stderr)
@@ -348,13 +401,6 @@ def main(argv=None):
     except KeyboardInterrupt:
         print("hetconv-coordinator: interrupted", file=sys.stderr)
         return 130
-    finally:
-        if progress is not None:                       # main may be called again in this process
-            logging.getLogger("hetconv.devices").removeHandler(progress)
-        if engine is not None:
-            engine.close()
-        if launcher is not None:
-            launcher.close()                           # every actor ends, and Ray if it was started here
     return summary.get("exit_code", 130) if summary.get("interrupted") else 0
 
 

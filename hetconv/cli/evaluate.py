@@ -2,6 +2,7 @@
 
     hetconv-eval runs/a                        # the newest valid checkpoint, on the data the run used
     hetconv-eval runs/a --data cifar-10-batches-py --json
+    hetconv-eval runs/a --tta flip             # each image's logits averaged with its mirror's
 
 The model is read back and run by train.trained_model (`load_model`, `InProcessModel`), as for
 hetconv-classify and hetconv-export; no worker is needed.
@@ -15,14 +16,15 @@ each assumption is reported as a note.
 import json
 import sys
 
-from tqdm import tqdm
+from tqdm.auto import tqdm
 
 from hetconv.flags import OneLineParser, add_version
-from hetconv.train.trained_model import InProcessModel, ModelError, evaluate, load_model, load_test_data
+from hetconv.train.trained_model import TTA, InProcessModel, ModelError, evaluate, load_model, load_test_data
 
 
 def render(result):
-    lines = [f"{result['checkpoint']} (step {result['step']}) on {result['data']}: {result['images']} test images",
+    tta = "" if result["tta"] == "none" else f", test-time augmentation {result['tta']}"
+    lines = [f"{result['checkpoint']} (step {result['step']}) on {result['data']}: {result['images']} test images{tta}",
              f"loss {result['loss']:.4f}  accuracy {result['accuracy']:.4f} ({result['correct']}/{result['images']})",
              "per class:"]
     width = max(len(c["class"]) for c in result["per_class"])
@@ -46,18 +48,36 @@ def build_parser():
                                               "run trained on)")
     p.add_argument("--batch-size", type=int, default=256, help="images per forward pass")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for the conv layers (0: every usable core)")
+    p.add_argument("--tta", choices=TTA, default="none",
+                   help="test-time augmentation: 'flip' averages the logits of each image and of its left-right "
+                        "mirror (twice the work)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return add_version(p)
+
+
+def check_args(args):
+    """The flags' values, checked before the checkpoint is read: ModelError naming the flag."""
+    if args.batch_size < 1:
+        raise ModelError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.threads < 0:
+        raise ModelError(f"--threads must be >= 0, got {args.threads}")
+
+
+def evaluation(model, ds, args):
+    """hetconv-eval's result (what --json prints) of `model` on the test split of `ds`, read with
+    load_test_data, per the flags `args`; a progress bar on stderr while it runs."""
+    runner = InProcessModel(model, threads=args.threads or None)
+    with tqdm(total=len(ds.test_y), unit="img", disable=None, file=sys.stderr, leave=False) as bar:
+        result = evaluate(model, runner, ds.test_x, ds.test_y, args.batch_size, bar, tta=args.tta)
+    return {"checkpoint": model.path, "step": model.step, "data": args.data or model.config.get("data")
+            or model.data.get("name"), "tta": args.tta, **result}
 
 
 def main(argv=None):
 
     args = build_parser().parse_args(argv)
     try:
-        if args.batch_size < 1:
-            raise ModelError(f"--batch-size must be >= 1, got {args.batch_size}")
-        if args.threads < 0:
-            raise ModelError(f"--threads must be >= 0, got {args.threads}")
+        check_args(args)
         model = load_model(args.checkpoint)
         ds = load_test_data(model, args.data)
     except ModelError as e:
@@ -65,11 +85,7 @@ def main(argv=None):
         return 2
     for note in model.notes:
         print(f"hetconv-eval: note: {note}", file=sys.stderr)
-    runner = InProcessModel(model, threads=args.threads or None)
-    with tqdm(total=len(ds.test_y), unit="img", disable=None, file=sys.stderr, leave=False) as bar:
-        result = evaluate(model, runner, ds.test_x, ds.test_y, args.batch_size, bar)
-    result = {"checkpoint": model.path, "step": model.step, "data": args.data or model.config.get("data")
-              or model.data.get("name"), **result}
+    result = evaluation(model, ds, args)
     print(json.dumps(result) if args.json else render(result))
     return 0
 

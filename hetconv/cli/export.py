@@ -122,32 +122,42 @@ def build_parser():
     return add_version(p)
 
 
+def check_args(args):
+    """--out and --format, checked before the checkpoint is read: ModelError naming the flag."""
+    if os.path.isdir(args.out):
+        raise ModelError(f"--out {args.out!r} is a directory; expected a file path")
+    try:
+        check_output_file("--out", args.out)
+    except ValueError as e:
+        raise ModelError(str(e)) from None
+    if args.format != "npz":                         # a .npz is for readers without PyTorch
+        try:
+            import_torch()
+        except ImportError as e:
+            raise ModelError(f"--format {args.format}: {e}") from None
+
+
+def write(model, args):
+    """Write `model` in --format to --out. It is written beside the target, then renamed: a failed
+    export leaves no half file under its name."""
+    tmp = os.path.join(os.path.dirname(os.path.abspath(args.out)), f".{os.path.basename(args.out)}.tmp")
+    try:
+        EXPORTERS[args.format](model, tmp)
+        os.replace(tmp, args.out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def main(argv=None):
 
     args = build_parser().parse_args(argv)
     try:
-        if os.path.isdir(args.out):
-            raise ModelError(f"--out {args.out!r} is a directory; expected a file path")
-        try:
-            check_output_file("--out", args.out)
-        except ValueError as e:
-            raise ModelError(str(e)) from None
+        check_args(args)
         model = load_model(args.checkpoint)
-        if args.format != "npz":                         # a .npz is for readers without PyTorch
-            try:
-                import_torch()
-            except ImportError as e:
-                raise ModelError(f"--format {args.format}: {e}") from None
         for note in model.notes:
             print(f"hetconv-export: note: {note}", file=sys.stderr)
-        # written beside the target, then renamed: a failed export leaves no half file under its name
-        tmp = os.path.join(os.path.dirname(os.path.abspath(args.out)), f".{os.path.basename(args.out)}.tmp")
-        try:
-            EXPORTERS[args.format](model, tmp)
-            os.replace(tmp, args.out)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        write(model, args)
     except ModelError as e:
         print(f"hetconv-export: {e}", file=sys.stderr)
         return 2

@@ -8,7 +8,7 @@ import threading
 import time
 
 import numpy as np
-from tqdm import tqdm
+from tqdm.auto import tqdm
 
 from hetconv.data import batches, load_dataset, test_batches
 from hetconv.devices.cpu import HostArrays

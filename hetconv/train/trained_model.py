@@ -21,6 +21,11 @@ class ModelError(ValueError):
     """A checkpoint, data set or image that cannot be used with this model: one line, no traceback."""
 
 
+# test-time augmentation: "flip" averages the logits of each image and of its left-right mirror,
+# which costs a second forward pass
+TTA = ("none", "flip")
+
+
 @dataclass
 class Model:
     path: str                   # the checkpoint file read
@@ -153,6 +158,18 @@ class InProcessModel:
         return self.net.predict(np.ascontiguousarray(x, np.float32))
 
 
+def tta_logits(runner, x, tta="none"):
+    """`runner`'s logits of normalised network inputs x (N, C, H, W) under the test-time
+    augmentation `tta` (one of TTA)."""
+    if tta not in TTA:
+        raise ModelError(f"--tta must be one of {', '.join(TTA)}, got {tta!r}")
+    logits = runner.logits(x)
+    if tta == "flip":
+        mirrored = runner.logits(np.ascontiguousarray(x[:, :, :, ::-1]))
+        logits = (logits + mirrored) / np.float32(2)
+    return logits
+
+
 def log_softmax(logits):
     z = np.asarray(logits, np.float64)
     z = z - z.max(axis=1, keepdims=True)
@@ -189,16 +206,17 @@ def load_test_data(model, spec=None):
     return ds
 
 
-def evaluate(model, runner, images, labels, batch_size, progress=None):
+def evaluate(model, runner, images, labels, batch_size, progress=None, tta="none"):
     """Loss, accuracy, per-class accuracy and the confusion matrix (rows: true class, columns:
-    predicted) of `runner` on uint8 images and their labels."""
+    predicted) of `runner` on uint8 images and their labels, under the test-time augmentation
+    `tta` (one of TTA; the mirror is of the network's input, after --crop's centre crop)."""
     k = len(model.classes)
     confusion = np.zeros((k, k), np.int64)
     loss_sum = 0.0
     for start in range(0, len(labels), batch_size):
         x = model.crop(model.normalize(images[start:start + batch_size]))
         y = labels[start:start + batch_size]
-        logits = runner.logits(x)
+        logits = tta_logits(runner, x, tta)
         loss_sum -= float(log_softmax(logits)[np.arange(len(y)), y].sum())
         np.add.at(confusion, (y, logits.argmax(axis=1)), 1)
         if progress is not None:
