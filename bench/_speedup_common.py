@@ -82,9 +82,9 @@ def run_one(spec):
 
     from hetconv.engine import costmodel as cm
     from hetconv.engine import measure as planning
-    from hetconv.train.config import Config
+    from hetconv.training.config import Config
     from hetconv.geometry import conv_specs, layer_input_shapes
-    from hetconv.train.loop import train
+    from hetconv.training.loop import train
 
     threads, conv_path = int(spec.get("threads", 1)), spec.get("conv_path", "auto")
     predict = spec.get("predict", True)
@@ -127,7 +127,7 @@ def run_one(spec):
             local_before = planning.calibrate_local("cpu", specs, cal_shapes, [s.kernels for s in specs], threads=1)
             local_calibration_s = time.perf_counter() - t0
         summary = train(cfg, engine, log=log)
-        from hetconv.train.loop import resolve_micro_batches
+        from hetconv.training.loop import resolve_micro_batches
         micro = resolve_micro_batches(cfg, engine)
         row.update(exchange=cfg.exchange, micro_batches=micro, wire=cfg.wire_dtype)
         # ---- measured ---------------------------------------------------------------------

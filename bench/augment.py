@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 
 from hetconv.devices.cpu import HostArrays  # noqa: E402
 from hetconv.update import UpdateRule  # noqa: E402
-from hetconv.train.config import Config  # noqa: E402
+from hetconv.training.config import Config  # noqa: E402
 from hetconv.data import batches, load_dataset, parse_augment  # noqa: E402
 from hetconv.devices import open_device  # noqa: E402
 from hetconv.engine.local import LocalEngine  # noqa: E402

@@ -310,7 +310,7 @@ def predict_parallel(args, batch, plan, calibration, rate, wire_cpu_s_per_byte, 
     from hetconv.engine import costmodel as cm
     from hetconv.engine.measure import measure_coordinator_s
     from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES, ConvSpec
-    from hetconv.train.config import Config
+    from hetconv.training.config import Config
     net = Config(net=args.net, conv=args.conv if not args.net else Config.conv,
                  fc=args.fc if not args.net else Config.fc).network(IMAGE_SHAPE, NUM_CLASSES).spec
     specs = [ConvSpec.from_layer(layer) for layer in net.conv_layers()]

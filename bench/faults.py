@@ -35,7 +35,7 @@ import _common  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from hetconv.train import checkpoint  # noqa: E402
+from hetconv.training import checkpoint  # noqa: E402
 from hetconv.transport import protocol as P  # noqa: E402
 
 NET = ["--conv", "6,12", "--fc", "16", "--batch-size", "16", "--synthetic-train", "512", "--synthetic-test", "32",
@@ -448,7 +448,7 @@ def foreign_keys(workdir):
 
 def cli_config(*args):
     """The Config `hetconv-coordinator` builds from NET and `args`."""
-    from hetconv.train.config import config_from_args
+    from hetconv.training.config import config_from_args
     from hetconv.cli.coordinator import build_parser
     return config_from_args(build_parser().parse_args([*NET, *map(str, args)]))
 
@@ -497,7 +497,7 @@ class EngineRun(_Outputs):
         """Start the engine, let `inject(self)` wrap its methods, train; the engine is closed after."""
         from hetconv.geometry import conv_specs, message_limit_bytes
         from hetconv.coordinator.remote import RemoteEngine
-        from hetconv.train.loop import train
+        from hetconv.training.loop import train
         cfg = self.cfg
         limit = message_limit_bytes(conv_specs(cfg.conv_kernels(), cfg.ksize, cfg.padding), cfg.batch_size,
                                     cfg.image_shape())

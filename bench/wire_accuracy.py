@@ -53,9 +53,9 @@ def write_digits_as_cifar(directory):
 
 
 def run(data, wire, seed, args, log):
-    from hetconv.train.config import Config
+    from hetconv.training.config import Config
     from hetconv.coordinator.remote import RemoteEngine
-    from hetconv.train.loop import train
+    from hetconv.training.loop import train
     cfg = Config(data=data, conv=args.conv, fc=args.fc, batch_size=args.batch_size, epochs=args.epochs,
                  lr=args.lr, seed=seed, threads=1, wire_dtype=wire, exchange="peer",
                  rebalance_after=0, synthetic_train=args.synthetic_train, synthetic_test=args.synthetic_test).validate()

@@ -14,8 +14,7 @@ __all__ = ["__version__", *API]
 def __getattr__(name):
     if name in API:
         from hetconv import api
-        # `train` is the training package, set here by the import of api, and callable as api.train
-        return globals()["train"] if name == "train" else getattr(api, name)
+        return getattr(api, name)
     raise AttributeError(f"module 'hetconv' has no attribute {name!r}")
 
 

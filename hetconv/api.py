@@ -28,8 +28,8 @@ from hetconv.cli import coordinator
 from hetconv.cli import evaluate as eval_command
 from hetconv.cli import export as export_command
 from hetconv.data import load_dataset as read_dataset
-from hetconv.train import trained_model
-from hetconv.train.trained_model import InProcessModel, ModelError, tta_logits
+from hetconv.training import trained_model
+from hetconv.training.trained_model import InProcessModel, ModelError, tta_logits
 
 
 class FlagError(ValueError):

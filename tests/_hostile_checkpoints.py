@@ -37,8 +37,8 @@ MB = 1 << 20
 def good_checkpoint(directory):
     """A valid checkpoint of NETWORK on a small synthetic set. Returns its path."""
     from hetconv.net import NetSpec
-    from hetconv.train import checkpoint
-    from hetconv.train.config import Config
+    from hetconv.training import checkpoint
+    from hetconv.training.config import Config
     spec = NetSpec.from_json(NETWORK)
     conv, fc = spec.init_params(np.random.default_rng(0))
     with_momentum = [[{"w": w, "b": b, "w.momentum_buffer": np.zeros_like(w), "b.momentum_buffer": np.zeros_like(b)}
@@ -100,7 +100,7 @@ def _stored(name, data):
 
 def forge(path, out, change_arrays=None, change_meta=None):
     """A copy of checkpoint `path` with arrays or meta changed and its sha256 made to match."""
-    from hetconv.train import checkpoint
+    from hetconv.training import checkpoint
     with np.load(path, allow_pickle=False) as z:
         arrays = {name: z[name].copy() for name in z.files}
     meta = json.loads(bytes(arrays.pop("meta")).decode())
@@ -192,7 +192,7 @@ def _tools(directory):
 def measure(directory, only=None):
     """One dict per (hostile file, command), as the module's docstring says; `only`: (case,
     command) to measure that one alone (the files already made)."""
-    from hetconv.train import checkpoint
+    from hetconv.training import checkpoint
     files = make_hostile(directory) if only is None else hostile_paths(directory)
     good = os.path.join(directory, "good")
     tools = _tools(directory)

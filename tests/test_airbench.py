@@ -17,9 +17,9 @@ from hetconv.engine.local import LocalEngine
 from hetconv.engine.planner import fixed_plan
 from hetconv.engine.shard import ConvShard
 from hetconv.net import load_net
-from hetconv.train import checkpoint, trained_model
-from hetconv.train.config import Config
-from hetconv.train.loop import train
+from hetconv.training import checkpoint, trained_model
+from hetconv.training.config import Config
+from hetconv.training.loop import train
 
 torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install 'hetconv[torch]')")
 

@@ -15,9 +15,9 @@ from hetconv.engine.local import LocalEngine
 from hetconv.engine.planner import fixed_plan
 from hetconv.engine.shard import ConvShard
 from hetconv.net import load_net
-from hetconv.train import checkpoint
-from hetconv.train.config import Config
-from hetconv.train.loop import train
+from hetconv.training import checkpoint
+from hetconv.training.config import Config
+from hetconv.training.loop import train
 
 torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install 'hetconv[torch]')")
 

@@ -9,8 +9,8 @@ import pytest
 
 import _hostile_checkpoints as hostile
 from hetconv.net import NetSpec
-from hetconv.train import checkpoint
-from hetconv.train.config import Config
+from hetconv.training import checkpoint
+from hetconv.training.config import Config
 
 
 # a conv of 4 3x3 kernels on 3x6x6 images, pooled to 4x2x2, then a linear layer to 10 classes

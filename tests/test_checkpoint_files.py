@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import _hostile_checkpoints as hostile  # noqa: E402
 
 from hetconv.net import NetSpec  # noqa: E402
-from hetconv.train import checkpoint  # noqa: E402
+from hetconv.training import checkpoint  # noqa: E402
 
 REPO = Path(__file__).parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}

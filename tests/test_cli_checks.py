@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from hetconv.train.config import Config
+from hetconv.training.config import Config
 from hetconv.flags import check_endpoint, check_output_dir, check_output_file
 from hetconv.devices import DeviceEntry, DeviceError, parse_device_list
 

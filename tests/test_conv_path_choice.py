@@ -13,7 +13,7 @@ from hetconv.devices.cpu import CONV_PATHS
 from hetconv.engine.measure import calibrate_local
 from hetconv.engine.shard import ConvShard, ShardServer
 from hetconv.geometry import ConvSpec
-from hetconv.train.config import Config
+from hetconv.training.config import Config
 from hetconv.transport import protocol as P
 
 TINY = ["--conv", "3,4", "--fc", "8", "--batch-size", "8", "--synthetic-train", "16", "--synthetic-test", "8",

@@ -17,9 +17,9 @@ from hetconv.devices import open_device
 from hetconv.engine.local import LocalEngine
 from hetconv.engine.planner import LayerPlan, PlanError, fixed_plan
 from hetconv.engine.shard import ConvShard
-from hetconv.train import checkpoint
-from hetconv.train.config import Config
-from hetconv.train.loop import train
+from hetconv.training import checkpoint
+from hetconv.training.config import Config
+from hetconv.training.loop import train
 from hetconv.transport import protocol as P
 from hetconv.worker.peers import held_blocks, intersect, needed_blocks
 

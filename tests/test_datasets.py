@@ -18,14 +18,14 @@ import numpy as np
 import pytest
 
 from hetconv.cli import coordinator
-from hetconv.train.config import Config
+from hetconv.training.config import Config
 from hetconv.data import (CIFAR10_MEAN, CIFAR10_STD, DataError, augment, batches, load_dataset, normalize,
                           parse_augment, synthetic, test_batches)
 from hetconv.data.idx import FASHION_CLASSES
 from hetconv.devices import open_device
 from hetconv.engine.local import LocalEngine
 from hetconv.engine.shard import ConvShard
-from hetconv.train.loop import train
+from hetconv.training.loop import train
 
 DIGITS = Path(__file__).parent / "data" / "digits"
 IDX_NAMES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
@@ -592,7 +592,7 @@ def test_val_split_trains_and_evaluates_on_the_same_held_out_images(tmp_path, ca
     out = capsys.readouterr()
     assert code == 0, out.err
     assert "--val-split 0.2 held out 6 of the 30 training images (per class, seed 0) as the test split" in out.out
-    from hetconv.train import trained_model
+    from hetconv.training import trained_model
     model = trained_model.load_model(str(tmp_path / "ckpt"))
     held = trained_model.load_test_data(model)
     np.testing.assert_array_equal(held.test_x, load_dataset(tmp_path / "pets", val_split=0.2).test_x)

@@ -12,16 +12,16 @@ import pytest
 
 from conftest import external_worker, python_cmd
 from _faults import join_during_step, kill_worker_on_step
-from hetconv.train import checkpoint
+from hetconv.training import checkpoint
 from hetconv.net import reference as R
-from hetconv.train.config import Config
+from hetconv.training.config import Config
 from hetconv.coordinator.remote import RemoteEngine, WorkerError, WorkerLost
 from hetconv.devices import open_device
 from hetconv.engine.planner import fixed_plan
 from hetconv.geometry import ConvSpec, conv_specs
 from hetconv.engine.local import LocalEngine
 from hetconv.engine.shard import ConvShard
-from hetconv.train.loop import train
+from hetconv.training.loop import train
 
 # use_all: every worker takes part, so which worker holds what does not depend on how loaded the
 # machine was during calibration (the planner may rightly leave a slow one out)

@@ -16,19 +16,18 @@ FLOORS = {
     "geometry": 2,
     "devices": 3, "net": 3, "data": 3, "transport": 3,
     "engine": 4,
-    "worker": 5, "coordinator": 5, "train": 5,
+    "worker": 5, "coordinator": 5, "training": 5,
     "cli": 6,
     "api": 7,
 }
 # Loaded inside a function on purpose: optional extras, and the worker's serve loop after pinning.
 DEFERRED_OK = ("torch", "ray", "PIL", "matplotlib", "onnx", "onnxruntime", "onnxscript", "numba.cuda",
                "hetconv.devices.cuda")
-# The package root hands out the Python API (hetconv.load, ...) on first use, from a module
-# __getattr__: an import at its top would load the commands, the coordinator and Numba into every
-# process that imports any hetconv module, a worker's included. hetconv.train is the training
-# package itself (the import system sets that name on the root), called as the API's train.
-# These are the only imports that go up, and only from inside a function.
-LAZY_UP = {("__init__.py", "hetconv.api"), ("train/__init__.py", "hetconv.api")}
+# The package root hands out the Python API (hetconv.train, hetconv.load, ...) on first use, from a
+# module __getattr__: an import at its top would load the commands, the coordinator and Numba into
+# every process that imports any hetconv module, a worker's included. The only import that goes
+# up, and only from inside a function.
+LAZY_UP = {("__init__.py", "hetconv.api")}
 DEFERRED_PLACES = {("cli/worker.py", "hetconv.worker.serve"), *LAZY_UP}
 
 
@@ -145,4 +144,4 @@ def test_the_rule_catches_an_upward_import(tmp_path):
         test_imports_go_down_only("__init__.py", "hetconv", ast.parse("from hetconv import api\n"))
     test_imports_go_down_only("__init__.py", "hetconv", ast.parse("def f():\n    from hetconv import api\n"))
     with pytest.raises(AssertionError, match="inside a function"):
-        test_imports_sit_at_the_top("train/x.py", "hetconv.train.x", ast.parse("def f():\n    import json\n"))
+        test_imports_sit_at_the_top("train/x.py", "hetconv.training.x", ast.parse("def f():\n    import json\n"))

@@ -209,7 +209,7 @@ def test_peers_tells_the_workers_the_most_a_step_of_the_run_needs():
     set by hand), and twice the run's largest array."""
     from types import SimpleNamespace
 
-    from hetconv.train.config import Config
+    from hetconv.training.config import Config
     specs, shapes = conv_specs([6, 12]), [(8, 3, 32, 32), (8, 6, 14, 14)]
     for micro, batch, expected in ((0, 128, 4), (0, 32, 2), (0, 8, 1), (16, 32, 16)):
         stub = SimpleNamespace()

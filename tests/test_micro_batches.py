@@ -5,8 +5,8 @@ from hetconv.coordinator.remote import RemoteEngine
 from hetconv.engine.microbatch import FEWER_MICRO_MARGIN, cheapest_micro_batches, micro_batch_count, priced_text
 from hetconv.engine.planner import make_plan
 from hetconv.geometry import conv_specs
-from hetconv.train.config import Config
-from hetconv.train.loop import resolve_micro_batches
+from hetconv.training.config import Config
+from hetconv.training.loop import resolve_micro_batches
 
 SPECS = conv_specs([8, 16])
 SHAPES = [(32, 3, 32, 32), (32, 8, 14, 14)]

@@ -10,18 +10,18 @@ import numpy as np
 import pytest
 
 from _exported import exported_logits
-from hetconv.train import checkpoint
-from hetconv.train.config import Config
+from hetconv.training import checkpoint
+from hetconv.training.config import Config
 from hetconv.devices import open_device
 from hetconv.engine.local import LocalEngine
 from hetconv.net import NetSpec
 from hetconv.engine.shard import ConvShard
-from hetconv.train.loop import train
+from hetconv.training.loop import train
 
 torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install 'hetconv[torch]')")
 from hetconv.cli import classify  # noqa: E402
 from hetconv.cli import evaluate
-from hetconv.train import trained_model
+from hetconv.training import trained_model
 from hetconv.cli import export
 from hetconv.net.torch_import import to_torch  # noqa: E402
 

@@ -9,8 +9,8 @@ import pytest
 
 from hetconv.devices.cpu import HostArrays
 from hetconv.update import UpdateRule
-from hetconv.train import checkpoint
-from hetconv.train.config import Config
+from hetconv.training import checkpoint
+from hetconv.training.config import Config
 from hetconv.data import batches, load_dataset
 from hetconv.devices import open_device
 from hetconv.engine.local import LocalEngine
@@ -20,7 +20,7 @@ from hetconv.net import NetSpec, load_net
 from hetconv.engine.planner import fixed_plan
 from hetconv.coordinator.remote import RemoteEngine
 from hetconv.engine.shard import ConvShard
-from hetconv.train.loop import train
+from hetconv.training.loop import train
 
 torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install 'hetconv[torch]')")
 from hetconv.net.torch_import import to_torch  # noqa: E402

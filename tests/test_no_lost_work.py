@@ -15,15 +15,15 @@ import zmq
 from _faults import join_during_step
 from conftest import external_worker, python_cmd
 from hetconv.net import NetSpec
-from hetconv.train import checkpoint
+from hetconv.training import checkpoint
 from hetconv.transport import protocol as P
-from hetconv.train.config import Config
+from hetconv.training.config import Config
 from hetconv.devices import open_device
 from hetconv.engine.local import LocalEngine
 from hetconv.engine.planner import fixed_plan
 from hetconv.coordinator.remote import RemoteEngine
 from hetconv.engine.shard import ConvShard
-from hetconv.train.loop import train
+from hetconv.training.loop import train
 
 TINY = dict(conv="6,12", fc="32", batch_size=32, synthetic_train=512, synthetic_test=64, lr=0.01, threads=1,
             calibration_batch=4, use_all=True, rebalance_after=0)

@@ -303,7 +303,7 @@ def test_the_step_timeline_with_data_layers_agrees_with_the_choice():
 
 @pytest.mark.parametrize("value", ["", "hybrid", "DXM", "ddx", None])
 def test_the_parallel_flag_is_checked_with_the_config(value):
-    from hetconv.train.config import Config
+    from hetconv.training.config import Config
     assert Config().validate().parallel == "auto"
     for ok in ("auto", "model", "data", "DDMM", "M"):
         assert Config(parallel=ok).validate().parallel == ok

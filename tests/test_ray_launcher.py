@@ -102,14 +102,14 @@ def test_a_killed_ray_actor_is_a_lost_worker_and_the_run_recovers(tmp_path, mark
     """In-process, so the test can reach the actor: ray.kill at step 4 (snapshots after steps 2
     and 4), the survivor goes on from the snapshot, and the run equals an uninterrupted one."""
     pytest.importorskip("ray", reason="Ray is not installed (pip install 'hetconv[ray]')")
-    from hetconv.train import checkpoint
-    from hetconv.train.config import Config
+    from hetconv.training import checkpoint
+    from hetconv.training.config import Config
     from hetconv.devices import open_device
     from hetconv.engine.local import LocalEngine
     from hetconv.coordinator.ray import RayLauncher
     from hetconv.coordinator.remote import RemoteEngine
     from hetconv.engine.shard import ConvShard
-    from hetconv.train.loop import train
+    from hetconv.training.loop import train
 
     cfg = dict(conv="6,12", fc="32", batch_size=32, synthetic_train=512, synthetic_test=64, lr=0.01, threads=1,
                calibration_batch=4, steps=6, snapshot_every=2, rebalance_after=0,

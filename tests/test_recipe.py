@@ -15,11 +15,11 @@ from hetconv.devices import open_device
 from hetconv.engine.local import LocalEngine
 from hetconv.engine.planner import fixed_plan
 from hetconv.engine.shard import ConvShard
-from hetconv.train import checkpoint
-from hetconv.train.config import Config
-from hetconv.train.loop import train
-from hetconv.train.recipe import parse_milestones
-from hetconv.train.schedule import Schedule
+from hetconv.training import checkpoint
+from hetconv.training.config import Config
+from hetconv.training.loop import train
+from hetconv.training.recipe import parse_milestones
+from hetconv.training.schedule import Schedule
 
 torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install 'hetconv[torch]')")
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from hetconv.cli import coordinator, report
-from hetconv.train import checkpoint
-from hetconv.train.loop import _Run
+from hetconv.training import checkpoint
+from hetconv.training.loop import _Run
 
 DIGITS = str(Path(__file__).parent / "data" / "digits")          # MNIST IDX, 1x28x28, 10 classes
 TINY = ["--local", "--conv", "4,8", "--fc", "8", "--threads", "1"]

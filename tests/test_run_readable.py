@@ -11,11 +11,11 @@ import tomllib
 import pytest
 
 from conftest import REPO
-from hetconv.train.config import Config
+from hetconv.training.config import Config
 from hetconv.devices import open_device
 from hetconv.engine.local import LocalEngine
 from hetconv.engine.shard import ConvShard
-from hetconv.train.loop import train
+from hetconv.training.loop import train
 
 # 128 training images in batches of 32: 4 steps an epoch
 TINY = dict(conv="6,12", fc="32", batch_size=32, synthetic_train=128, synthetic_test=64, lr=0.01, threads=1)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from hetconv.train.schedule import Schedule
+from hetconv.training.schedule import Schedule
 
 TOTAL = 50
 

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 from hetconv import flags
-from hetconv.train import config
+from hetconv.training import config
 from hetconv.cli import coordinator
 from hetconv.transport import protocol
 from hetconv.cli import worker as worker_cli
 from hetconv.worker import serve as worker
-from hetconv.train.checkpoint import CheckpointError, load_newest_valid
+from hetconv.training.checkpoint import CheckpointError, load_newest_valid
 from hetconv.data import DataError, load_cifar10
 from hetconv.devices import DeviceError, open_device
 
@@ -159,7 +159,7 @@ def test_a_metrics_file_that_refuses_writes_is_one_line_at_start_up(capsys):
 
 @needs_dev_full
 def test_metrics_writer_names_the_flag_when_a_write_fails():
-    from hetconv.train.metrics import MetricsWriter
+    from hetconv.training.metrics import MetricsWriter
     metrics = MetricsWriter("/dev/full")
     with pytest.raises(ValueError, match=r"^--metrics '/dev/full' cannot be written: No space left on device$"):
         metrics.write("step", step=1)
@@ -167,7 +167,7 @@ def test_metrics_writer_names_the_flag_when_a_write_fails():
 
 
 def test_metrics_writer_names_the_flag_when_the_file_cannot_be_opened(tmp_path):
-    from hetconv.train.metrics import MetricsWriter
+    from hetconv.training.metrics import MetricsWriter
     with pytest.raises(ValueError, match="--metrics .* cannot be written"):
         MetricsWriter(str(tmp_path))             # a directory
 

@@ -8,13 +8,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from hetconv.train import checkpoint
-from hetconv.train.config import Config
+from hetconv.training import checkpoint
+from hetconv.training.config import Config
 from hetconv.devices import open_device
 from hetconv.engine.local import LocalEngine
 from hetconv.engine.shard import ConvShard
 from hetconv.update import UpdateRule
-from hetconv.train.loop import StopNow, _Run, train
+from hetconv.training.loop import StopNow, _Run, train
 
 TINY = dict(conv="6,12", fc="32", batch_size=32, synthetic_train=4000, synthetic_test=500, lr=0.01, threads=1)
 

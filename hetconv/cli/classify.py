@@ -14,7 +14,7 @@ import sys
 import numpy as np
 
 from hetconv.flags import OneLineParser, add_version
-from hetconv.train.trained_model import InProcessModel, ModelError, load_model, log_softmax
+from hetconv.training.trained_model import InProcessModel, ModelError, load_model, log_softmax
 
 IMAGES_INSTALL = "pip install 'hetconv[images]' (in a checkout: pip install -e '.[images]')"
 FORMATS = ("PNG", "JPEG")

@@ -27,9 +27,9 @@ from hetconv.flags import (HelpFormatter, add_version, check_endpoint, check_out
                            check_range, show_progress, threads_note, usable_cores)
 from hetconv.geometry import ConvSpec, message_limit_bytes
 from hetconv.net.presets import PRESETS
-from hetconv.train.checkpoint import CheckpointError, load_newest_valid
-from hetconv.train.config import Config, add_config_flags, config_from_args
-from hetconv.train.loop import network_for, resumed_config, train
+from hetconv.training.checkpoint import CheckpointError, load_newest_valid
+from hetconv.training.config import Config, add_config_flags, config_from_args
+from hetconv.training.loop import network_for, resumed_config, train
 from hetconv.transport.keys import coordinator_keys, first_worker_dir, refuse_open_bind
 
 # ---- command line --------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import sys
 from tqdm.auto import tqdm
 
 from hetconv.flags import OneLineParser, add_version
-from hetconv.train.trained_model import TTA, InProcessModel, ModelError, evaluate, load_model, load_test_data
+from hetconv.training.trained_model import TTA, InProcessModel, ModelError, evaluate, load_model, load_test_data
 
 
 def render(result):

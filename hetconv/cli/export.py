@@ -24,7 +24,7 @@ import numpy as np
 from hetconv.flags import OneLineParser, add_version, check_output_file
 from hetconv.net.torch_import import import_torch, to_torch
 from hetconv.net.torch_import import state_dict as torch_state_dict
-from hetconv.train.trained_model import ModelError, load_model
+from hetconv.training.trained_model import ModelError, load_model
 
 FORMATS = ("torch", "onnx", "npz")
 ONNX_INSTALL = "pip install 'hetconv[onnx]' (in a checkout: pip install -e '.[onnx]')"

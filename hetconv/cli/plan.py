@@ -22,7 +22,7 @@ from hetconv.engine.microbatch import cheapest_micro_batches, micro_batch_count
 from hetconv.engine.planner import PlanError, check_profiles, choose_modes, forced_modes, make_plan
 from hetconv.flags import HelpFormatter, add_version, check_output_file, show_progress, still_working
 from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES, ConvSpec, layer_input_shapes
-from hetconv.train.config import Config, add_config_flags
+from hetconv.training.config import Config, add_config_flags
 from hetconv.transport.wire import value_bytes
 
 # the flags this command shares with the coordinator: their defaults and help come from Config

@@ -20,8 +20,8 @@ import os
 import time
 
 from hetconv.engine.contract import ElasticEngine, WorkerLost, micro_choice_record, moved_bytes
-from hetconv.train import checkpoint
-from hetconv.train.membership import WorkersJoined
+from hetconv.training import checkpoint
+from hetconv.training.membership import WorkersJoined
 
 SNAPSHOT_BUDGET = 0.02        # of step time
 RESCUE_DIR = "hetconv-rescue"

@@ -11,8 +11,8 @@ from hetconv.engine.planner import POLICIES, check_parallel
 from hetconv.flags import check_finite, parse_int_list
 from hetconv.geometry import IMAGE_SHAPE
 from hetconv.net import LoadedNet, NetSpec, load_net
-from hetconv.train.recipe import parse_betas, parse_milestones
-from hetconv.train.schedule import KINDS
+from hetconv.training.recipe import parse_betas, parse_milestones
+from hetconv.training.schedule import KINDS
 from hetconv.transport.wire import check_wire_dtype
 from hetconv.update import OPTIMIZERS, parse_no_decay
 

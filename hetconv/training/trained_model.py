@@ -14,7 +14,7 @@ from hetconv.engine.shard import ConvShard
 from hetconv.geometry import IMAGE_SHAPE, ConvSpec
 from hetconv.net import NetSpec
 from hetconv.net.head import Network
-from hetconv.train import checkpoint
+from hetconv.training import checkpoint
 
 
 class ModelError(ValueError):

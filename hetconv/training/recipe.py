@@ -3,7 +3,7 @@ config, the learning rate (and, for one-cycle, the momentum) of every step from 
 global-norm clipping, turned into the one UpdateRule each step sends to every holder of a weight.
 A pure function of the step, so a resumed or replaying run continues exactly where it was."""
 from hetconv.update import UpdateRule, parse_no_decay
-from hetconv.train.schedule import Schedule
+from hetconv.training.schedule import Schedule
 
 
 def parse_betas(text):

@@ -39,7 +39,7 @@ from numpy.lib import format as npy
 from hetconv.update import SLOTS, slot_name
 from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES, ConvSpec
 from hetconv.net import NetSpec
-from hetconv.train.config import Config
+from hetconv.training.config import Config
 
 FORMAT = 3      # 3: each layer's state by name; 2: only (w, b, vw, vb), still read; 1: no checksum, refused
 READABLE = (2, 3)

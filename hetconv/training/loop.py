@@ -17,12 +17,12 @@ from hetconv.engine.microbatch import micro_batch_count
 from hetconv.geometry import ConvSpec, layer_input_shapes
 from hetconv.net import LoadedNet, NetSpec
 from hetconv.net.head import Network, init_conv_params
-from hetconv.train import checkpoint
-from hetconv.train.config import NETWORK_FIELDS, Config
-from hetconv.train.elastic import Elastic
-from hetconv.train.membership import Finished, Stopped, WorkersJoined, WorkersLost
-from hetconv.train.metrics import MetricsWriter
-from hetconv.train.recipe import Recipe
+from hetconv.training import checkpoint
+from hetconv.training.config import NETWORK_FIELDS, Config
+from hetconv.training.elastic import Elastic
+from hetconv.training.membership import Finished, Stopped, WorkersJoined, WorkersLost
+from hetconv.training.metrics import MetricsWriter
+from hetconv.training.recipe import Recipe
 
 MAX_REBALANCES = 3
 
