@@ -161,7 +161,7 @@ def test_spectra_computed_once_per_step_of_the_shard(arrival):
         shard = ConvShard(open_device("cpu", conv_path=path, threads=1))
         if arrival == "over the wire":
             fields = {"layer": 0, "spec": spec.to_json(), "start": 0, "stop": 4, "wire": "float32",
-                      "optimizer": "sgd", "names": ["w", "b"]}
+                      "optimizer": "sgd", "names": ["w", "b"], "bn_ghost_batch": 0}
             ShardServer(shard).load(P.unpack(P.pack("LOAD", 1, [w, b], **fields)).arrays, fields)
         else:
             shard.load(0, spec, 0, 4, {"w": w, "b": b})

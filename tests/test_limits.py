@@ -105,8 +105,9 @@ def test_replies_of_the_wrong_shape_are_named_not_concatenated():
 
 # A worker whose conv output is one row short: it sends FEATURES of the wrong height.
 _LYING_WORKER = ("import sys\nfrom hetconv.engine import shard\nhonest = shard.ConvShard.forward_layer\n"
-                 "def lying(self, layer, inputs, train, reduce=None, emit=None, dropout=None):\n"
-                 "    return honest(self, layer, inputs, train, reduce, lambda m, y: emit(m, y[:, :, :-1]), dropout)\n"
+                 "def lying(self, layer, inputs, train, reduce=None, emit=None, dropout=None, batch=None):\n"
+                 "    return honest(self, layer, inputs, train, reduce, lambda m, y: emit(m, y[:, :, :-1]), dropout,\n"
+                 "                  batch)\n"
                  "shard.ConvShard.forward_layer = lying\n"
                  "from hetconv.cli.worker import main\nsys.exit(main())\n")
 

@@ -9,7 +9,8 @@ nn = torch.nn
 from hetconv.net import PRESETS, load_net, preset  # noqa: E402
 from hetconv.net.torch_import import from_torch, load_module, to_torch  # noqa: E402
 
-WIDTH = {"paper": 0.02, "lenet5": 1.0, "cifar10-quick": 0.25, "vgg-small": 0.125}
+WIDTH = {"paper": 0.02, "lenet5": 1.0, "cifar10-quick": 0.25, "vgg-small": 0.125, "vgg-small-bn": 0.125,
+         "airbench94": 0.125}
 
 
 def same_params(a, b):
@@ -18,16 +19,27 @@ def same_params(a, b):
         for (w1, b1), (w2, b2) in zip(a, b))
 
 
+def conv_weights(states, spec):
+    """[(w, b or None)] of from_torch's conv states, b None where the layer has none."""
+    return [(s["w"], s["b"] if layer.bias else None) for s, layer in zip(states, spec.conv_layers())]
+
+
 @pytest.mark.parametrize("name", sorted(PRESETS))
 @pytest.mark.parametrize("input_shape", [(3, 32, 32), (1, 28, 28)])
 def test_round_trip_keeps_spec_and_weights(name, input_shape):
     spec = preset(name, input_shape, 10, width=WIDTH[name])
     conv, fc = spec.init_params(np.random.default_rng(1))
     module = to_torch(spec, conv, fc)
-    again, conv2, fc2 = from_torch(module, input_shape)
+    again, states, fc2 = from_torch(module, input_shape)
     assert again == spec
+    conv2 = conv_weights(states, spec)
     assert same_params(conv, conv2) and same_params(fc, fc2)
     assert all(w.dtype == np.float32 for w, _ in conv2 + fc2)
+    for state, layer in zip(states, spec.conv_layers()):     # BatchNorm's state at PyTorch's start
+        for t, op in enumerate(layer.tail):
+            if op.type == "batchnorm":
+                assert state[f"bn{t}.running_var"].tolist() == [1.0] * layer.kernels
+                assert state[f"bn{t}.num_batches_tracked"] == 0 and state[f"bn{t}.num_batches_tracked"].shape == ()
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -74,7 +86,7 @@ def test_from_torch_flattens_nested_sequentials_and_reads_every_padding_form():
                                                      "linear"]
     assert spec.layers[0].padding == (1, 1) and spec.layers[2].stride == (2, 1) and spec.layers[2].bias is False
     assert spec.classes == 7 and spec.layers[6].p == 0.25
-    assert conv[1][1] is None and conv[2][0].shape == (6, 5, 2, 2)
+    assert not spec.conv_layers()[1].bias and not conv[1]["b"].any() and conv[2]["w"].shape == (6, 5, 2, 2)
     assert fc[0][0].dtype == np.float32
     np.testing.assert_array_equal(fc[0][0], module[5].weight.detach().float().numpy())
     with torch.no_grad():
@@ -82,8 +94,14 @@ def test_from_torch_flattens_nested_sequentials_and_reads_every_padding_form():
 
 
 UNSUPPORTED = [
-    ("batchnorm", nn.Sequential(nn.Conv2d(3, 4, 3), nn.Sequential(nn.BatchNorm2d(4), nn.ReLU()), nn.Flatten(),
-                                nn.Linear(4 * 14 * 14, 10)), "module 1.0 (BatchNorm2d): not supported"),
+    ("batchnorm without running statistics",
+     nn.Sequential(nn.Conv2d(3, 4, 3), nn.Sequential(nn.BatchNorm2d(4, track_running_stats=False), nn.ReLU()),
+                   nn.Flatten(), nn.Linear(4 * 14 * 14, 10)), "module 1.0 (BatchNorm2d): track_running_stats False"),
+    ("batchnorm of other channels", nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(5), nn.Flatten(),
+                                                  nn.Linear(4 * 14 * 14, 10)),
+     "module 1 (BatchNorm2d): num_features 5, but its input has 4 channels"),
+    ("adaptive pool to 2x2", nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(2), nn.Flatten(),
+                                           nn.Linear(16, 10)), "module 1 (AdaptiveAvgPool2d): output_size 2"),
     ("dilated conv", nn.Sequential(nn.Conv2d(3, 4, 3, dilation=2), nn.Flatten(), nn.Linear(4 * 12 * 12, 10)),
      "module 0 (Conv2d): dilation (2, 2)"),
     ("grouped conv", nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.Flatten(), nn.Linear(4 * 14 * 14, 10)),
@@ -119,8 +137,9 @@ def test_from_torch_names_the_module_it_cannot_take(module, what):
 
 
 def test_unsupported_layers_list_what_is_supported():
-    with pytest.raises(ValueError, match=r"supported: Conv2d .*ReLU, MaxPool2d .*Linear, Dropout"):
-        from_torch(nn.Sequential(nn.Conv2d(3, 4, 3), nn.GELU(), nn.Flatten(), nn.Linear(784, 10)), (3, 16, 16))
+    with pytest.raises(ValueError, match=r"supported: Conv2d .*BatchNorm2d .*GELU.*Dropout2d.*Linear, Dropout"):
+        from_torch(nn.Sequential(nn.Conv2d(3, 4, 3), nn.LocalResponseNorm(2), nn.Flatten(), nn.Linear(784, 10)),
+                   (3, 16, 16))
 
 
 def test_from_torch_wants_a_list_of_layers():
@@ -158,7 +177,7 @@ def test_load_net_takes_a_function_in_a_python_file_with_its_weights(tmp_path):
     loaded = load_net(f"{path}:build", (1, 28, 28), 10)
     assert [layer.type for layer in loaded.spec.layers] == ["conv", "relu", "maxpool", "flatten", "linear"]
     conv, fc = loaded.params
-    assert conv[0][0].shape == (3, 1, 5, 5) and fc[0][0].shape == (10, 432)
+    assert conv[0]["w"].shape == (3, 1, 5, 5) and fc[0][0].shape == (10, 432)
     with pytest.raises(ValueError, match=r"mynet\.py:build: the network's last Linear has 10 outputs, but the data "
                                          r"set has 100 classes"):
         load_net(f"{path}:build", (1, 28, 28), 100)

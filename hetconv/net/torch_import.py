@@ -10,14 +10,16 @@ import sys
 
 import numpy as np
 
+from hetconv.geometry import ConvSpec
 from hetconv.net.spec import (Activation, BatchNorm, ChannelLayer, Conv, Dropout, Dropout2d, Flatten, GlobalPool,
-                              LayerError, Linear, NetSpec, Pool, ReLU)
+                              LayerError, Linear, NetSpec, Pool, ReLU, Scale)
 
 TORCH_INSTALL = "pip install 'hetconv[torch]' (in a checkout: pip install -e '.[torch]')"
 SUPPORTED = ("Conv2d (groups 1, dilation 1, padding_mode 'zeros'), BatchNorm2d (track_running_stats), ReLU, GELU, "
              "SiLU, LeakyReLU, ELU, CELU, Tanh, Sigmoid, Hardswish, Identity, MaxPool2d (dilation 1, ceil_mode False), "
              "AvgPool2d (ceil_mode False, count_include_pad True, no divisor_override), AdaptiveAvgPool2d(1), "
-             "AdaptiveMaxPool2d(1), Dropout2d, Flatten (start_dim 1), Linear, Dropout, and nested Sequential")
+             "AdaptiveMaxPool2d(1), Dropout2d, Flatten (start_dim 1), Linear, Dropout, scale_module_class() (x * factor), "
+             "and nested Sequential")
 
 # PyTorch's activation modules without parameters of their own -> hetconv's kind
 _PLAIN_ACTIVATIONS = {"SiLU": "silu", "Tanh": "tanh", "Sigmoid": "sigmoid", "Hardswish": "hardswish",
@@ -129,6 +131,8 @@ def _layer_of(path, module):
         return Flatten(), None
     if kind is nn.Dropout:
         return Dropout(module.p), None
+    if kind is scale_module_class():
+        return Scale(module.factor), None
     raise _unsupported(path, module, "not supported")
 
 
@@ -208,9 +212,10 @@ def state_dict(spec, conv_params, fc_params):
     """The nn.Sequential state_dict of `spec` with these weights, as numpy arrays and without
     torch: keys "INDEX.weight", "INDEX.bias", "INDEX.running_mean", "INDEX.num_batches_tracked"
     by the layer's position, as nn.Sequential names them. conv_params: per conv layer its state
-    {name: array} (or (w, b)); fc_params: per linear (w, b)."""
+    {name: array}, or (w, b) with its BatchNorms at PyTorch's start; fc_params: per linear (w, b)."""
     conv_shapes, fc_shapes = spec.parameter_shapes()
-    conv_params = [p if isinstance(p, dict) else {"w": p[0], "b": p[1]} for p in conv_params]
+    conv_params = [p if isinstance(p, dict) else ConvSpec.from_layer(layer).initial_state(*p)   # BatchNorm at its start
+                   for p, layer in zip(conv_params, spec.conv_layers())]
     _check_params("conv", [(p["w"], p.get("b")) for p in conv_params], conv_shapes, optional_bias=True)
     _check_params("fc", fc_params, fc_shapes, optional_bias=True)
     out = {}
@@ -288,27 +293,34 @@ def _channel_module(nn, layer, channels):
     return getattr(nn, {v: k for k, v in _PLAIN_ACTIVATIONS.items()}[kind])()
 
 
-def _scale_module_class():
-    torch = import_torch()
+_SCALE = []          # the Scale module class, made once torch is imported
 
-    class Scale(torch.nn.Module):
-        """Multiplies by a constant (hetconv's scale layer)."""
 
-        def __init__(self, factor):
-            super().__init__()
-            self.factor = float(factor)
+def scale_module_class():
+    """The nn.Module hetconv's `scale` layer is in PyTorch (x * factor): what an export holds, and
+    what a user's nn.Sequential may hold for it (airbench's Mul(1/9))."""
+    if not _SCALE:
+        torch = import_torch()
 
-        def forward(self, x):
-            return x * self.factor
+        class Scale(torch.nn.Module):
+            """Multiplies by a constant (hetconv's scale layer)."""
 
-        def extra_repr(self):
-            return f"factor={self.factor:g}"
+            def __init__(self, factor):
+                super().__init__()
+                self.factor = float(factor)
 
-    return Scale
+            def forward(self, x):
+                return x * self.factor
+
+            def extra_repr(self):
+                return f"factor={self.factor:g}"
+
+        _SCALE.append(Scale)
+    return _SCALE[0]
 
 
 def _Scale(factor):
-    return _scale_module_class()(factor)
+    return scale_module_class()(factor)
 
 
 def _layer_inputs(spec):
