@@ -1,7 +1,7 @@
 """airbench94's training step: hetconv on one device, hetconv on two workers and PyTorch, in
 alternating rounds on this host, and the BatchNorm sums the two workers exchange.
 
-    python bench/airbench.py --out bench/results/bn                   # batch 256, 2 rounds at least
+    python bench/airbench.py --out bench/results/bn                   # batch 256, until 3 quiet rounds
     python bench/airbench.py --batch-size 64 --width 0.5 --out DIR     # a smaller step
     python bench/airbench.py --render bench/results/bn/airbench.json   # rewrite airbench.md from the JSON only
 
@@ -22,6 +22,11 @@ calibrated one. A round runs every configuration once, its order rotated by one 
 change in the host's load falls on all of them alike. Step time: the median of the timed steps
 after the warm-up steps (a CPU device times its conv paths on the first call of each shape, in the
 warm-up). Ratios are taken within a round, medians over rounds.
+
+The host is shared: a round is quiet when, during each of its runs, other processes used at most
+--max-foreign cores (CPU time from /proc/stat less this run's own). Rounds go on until
+--quiet-rounds of them were quiet, or --rounds were run, or the next would end past --budget-min.
+The first table is of the quiet rounds, the second of every round.
 
 BatchNorm traffic: each two-worker run's metrics give every step's bytes each worker sent to its
 peers (`peer_bytes_sent`, whole messages: header and arrays). From the run's plan, the script
@@ -59,7 +64,10 @@ def parse_args(argv):
     p.add_argument("--width", type=float, default=1.0, help="airbench94@WIDTH (1: the published widths)")
     p.add_argument("--warmup", type=int, default=2, help="steps discarded before timing (>= 1)")
     p.add_argument("--steps", type=int, default=4, help="timed steps per run")
-    p.add_argument("--rounds", type=int, default=5, help="rounds at most (at least 2 are run)")
+    p.add_argument("--rounds", type=int, default=10, help="rounds at most (at least 2 are run)")
+    p.add_argument("--quiet-rounds", type=int, default=3, help="stop once this many rounds were quiet")
+    p.add_argument("--max-foreign", type=float, default=0.3,
+                   help="a round is quiet when no run of it saw other processes use more cores than this")
     p.add_argument("--budget-min", type=float, default=25.0,
                    help="start no further round (after 2) that the mean round so far would take past this")
     p.add_argument("--threads", type=int, default=2, help="--local's threads and PyTorch's")
@@ -152,6 +160,7 @@ def run_torch(args, scratch, tag):
 
 def torch_child(spec_text, out):
     """PyTorch's steps: the network hetconv builds, from hetconv's start, on hetconv's batches."""
+    omp_wait_policy = os.environ.get("OMP_WAIT_POLICY", "unset")     # as torch's OpenMP runtime starts with it
     import numpy as np
     import torch
     from hetconv.data import batches, load_dataset
@@ -179,7 +188,7 @@ def torch_child(spec_text, out):
     timed = step_s[spec["warmup"]:]
     row = {"ok": True, "step_s": statistics.median(timed), "step_s_all": timed,
            "warmup_step_s": step_s[:spec["warmup"]], "final_loss": float(loss.item()),
-           "torch": "; ".join(_common.torch_info(torch))}
+           "torch": "; ".join(_common.torch_info(torch)), "omp_wait_policy": omp_wait_policy}
     _common.write_text(out, json.dumps(row))
 
 
@@ -255,7 +264,7 @@ def main(argv):
     scratch = tempfile.mkdtemp(prefix="hetconv-airbench-")
     doc = {**_common.run_facts("airbench.py", argv, started, load_start), "net": net_name(args),
            "batch_size": args.batch_size, "warmup": args.warmup, "steps": args.steps, "threads": args.threads,
-           "spawn": args.spawn, "configs": list(CONFIGS), "rows": [], "round_s": []}
+           "spawn": args.spawn, "configs": list(CONFIGS), "max_foreign": args.max_foreign, "rows": [], "round_s": []}
     print(f"machine: {doc['machine']}; {load_start}; per-run files: {scratch}", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(143)))
     try:
@@ -263,6 +272,8 @@ def main(argv):
             elapsed = time.time() - started
             if rnd >= 2 and elapsed + statistics.mean(doc["round_s"]) > args.budget_min * 60:
                 print(f"round {rnd}: would end past --budget-min {args.budget_min:g}: stopping", flush=True)
+                break
+            if rnd >= 2 and len(quiet_rounds(doc)) >= args.quiet_rounds:
                 break
             t_round = time.time()
             order = CONFIGS[rnd % len(CONFIGS):] + CONFIGS[:rnd % len(CONFIGS)]
@@ -291,7 +302,7 @@ def save(args, doc, started, final=False):
     doc["load"]["end"] = _common.load_average()
     torch_row = next((r for r in doc["rows"] if r.get("torch")), None)
     if torch_row:
-        doc["torch"] = torch_row["torch"]
+        doc["torch"], doc["omp_wait_policy"] = torch_row["torch"], torch_row["omp_wait_policy"]
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         _common.write_text(os.path.join(args.out, "airbench.json"), json.dumps(doc, indent=1))
@@ -330,6 +341,34 @@ def ratios(rows):
     return out
 
 
+def quiet_rounds(doc):
+    """The rounds every run of which went well and saw at most doc["max_foreign"] foreign cores."""
+    rounds = {}
+    for r in doc["rows"]:
+        rounds.setdefault(r["round"], []).append(r)
+    return [rnd for rnd, rs in sorted(rounds.items())
+            if len(rs) == len(doc["configs"]) and all(r.get("ok") and r["foreign_load_cores"] <= doc["max_foreign"]
+                                                      for r in rs)]
+
+
+def summary_table(doc, ok):
+    """Per configuration over the rounds of `ok`: median step, each round's, and the ratios."""
+    rat = ratios(ok)
+    med = lambda values: (f"{statistics.median(values):.2f} (" + ", ".join(f"{v:.2f}" for v in values)  # noqa: E731
+                          + ")") if values else "-"
+    table = []
+    for config in doc["configs"]:
+        mine = [r for r in ok if r["config"] == config]
+        if not mine:
+            continue
+        table.append([config, f"{statistics.median(r['step_s'] for r in mine):.3f}",
+                      ", ".join(f"{r['step_s']:.3f}" for r in mine),
+                      f"{doc['batch_size'] / statistics.median(r['step_s'] for r in mine):.0f}",
+                      med(rat[config]["vs_torch"]), med(rat[config]["vs_local"])])
+    return _common.markdown_table(["configuration", "median step s", "rounds' step s", "images/s",
+                                   "step / PyTorch's (per round)", "step / hetconv local's (per round)"], table)
+
+
 def markdown(doc):
     rows = doc["rows"]
     lines = _common.run_header(doc) + [
@@ -338,25 +377,20 @@ def markdown(doc):
         f"SGD on both sides; {doc['warmup']} warm-up step(s), then {doc['steps']} timed; step s = the median of the "
         f"timed steps. hetconv local: `--local --threads {doc['threads']}`; hetconv 2 workers: `--spawn "
         f"{doc['spawn']}`, `--parallel auto` and auto micro-batches (the plan below), workers pinned to a core "
-        f"each; PyTorch: the same nn.Sequential from the same start, torch.set_num_threads({doc['threads']}). "
+        f"each; PyTorch: the same nn.Sequential from the same start, torch.set_num_threads({doc['threads']}) "
+        f"(OMP_WAIT_POLICY {doc.get('omp_wait_policy', '?')} as it started). "
         f"Rebalancing off in every hetconv run. Ratios are taken within a round (> 1: slower than the row named), "
         f"then the median over rounds.", ""]
+    quiet = quiet_rounds(doc)
     ok = [r for r in rows if r.get("ok")]
-    rat = ratios(ok)
-    table = []
-    for config in doc["configs"]:
-        mine = [r for r in ok if r["config"] == config]
-        if not mine:
-            continue
-        med = lambda values: (f"{statistics.median(values):.2f} (" + ", ".join(f"{v:.2f}" for v in values)  # noqa: E731
-                              + ")") if values else "-"
-        table.append([config, f"{statistics.median(r['step_s'] for r in mine):.3f}",
-                      ", ".join(f"{r['step_s']:.3f}" for r in mine),
-                      f"{doc['batch_size'] / statistics.median(r['step_s'] for r in mine):.0f}",
-                      med(rat[config]["vs_torch"]), med(rat[config]["vs_local"])])
-    lines.append(_common.markdown_table(["configuration", "median step s", "rounds' step s", "images/s",
-                                         "step / PyTorch's (per round)", "step / hetconv local's (per round)"],
-                                        table))
+    if quiet:
+        lines += [f"Quiet rounds ({', '.join(map(str, quiet))}: other processes used at most {doc['max_foreign']:g} "
+                  f"cores during each run of them):", ""]
+        lines += [summary_table(doc, [r for r in ok if r["round"] in quiet]), ""]
+    else:
+        lines += [f"No round was quiet (other processes used more than {doc['max_foreign']:g} cores during some run "
+                  f"of every round): every number below was measured with less than the cores it asked for.", ""]
+    lines += [f"Every round ({len({r['round'] for r in rows})}):", "", summary_table(doc, ok)]
     lines += ["", "Every run, in the order they ran:", ""]
     lines.append(_common.markdown_table(
         ["round", "configuration", "step s", "timed steps s", "warm-up steps s", "foreign load (cores)", "load after"],
@@ -369,12 +403,12 @@ def markdown(doc):
         plan = dist[0]["plan"]
         modes = "".join(layer["mode"][0].upper() for layer in plan["layers"])
         lines += ["", "### Two workers: the plan and the bytes to peers", "",
-                  f"Plan (first round): modes {modes} (M model, D data) for the {len(plan['layers'])} conv layers"
+                  f"Plan of the first round: modes {modes} (M model, D data) for the {len(plan['layers'])} conv layers"
                   + (f" ({plan['mode_choice']['reason']})" if plan.get("mode_choice") else "") + "; "
                   + ", ".join(f"{w}: {lp_images(plan, w)}" for w in plan["workers"])
                   + (f"; micro-batches {plan['micro_choice']['micro_batches']}" if plan.get("micro_choice") else "")
                   + ".", ""]
-        first = next(iter(dist[0]["traffic"].values()))
+        first = next(iter(dist[0]["traffic"].values()))           # the first round's plan
         peers = len(plan["workers"]) - 1
         if first["channels"]:
             lines += [f"The data-mode layers hold {first['batchnorms']} BatchNorms of "
@@ -387,18 +421,20 @@ def markdown(doc):
                   "(`peer_bytes_sent`), and, computed from the plan (each message packed as the worker packs it), "
                   "its BatchNorm sums (one message forward, one backward, per BatchNorm of a data-mode layer and "
                   "peer, 2C + 1 float64 each) and its data-mode layers' weight-gradient sums (dW and db, float32); "
-                  "rest = measured - the two (feature maps and their gradients between layers of different modes). "
+                  "rest = measured - the two (feature maps and their gradients between layers of different modes; "
+                  "each round's plan is its own calibration's). "
                   "1 MB = 1e6 bytes.", ""]
         table = []
         for r in dist:
             for name, t in r["traffic"].items():
                 share = 100.0 * t["batchnorm_bytes"] / t["peer_bytes"] if t["peer_bytes"] else 0.0
-                table.append([r["round"], name, f"{t['peer_bytes']:,.0f}",
+                modes = "".join(layer["mode"][0].upper() for layer in r["plan"]["layers"])
+                table.append([r["round"], name, modes, f"{t['peer_bytes']:,.0f}",
                               f"{t['batchnorm_bytes']:,.0f} ({t['batchnorm_array_bytes']:,.0f})",
                               t["batchnorms"], f"{share:.2f}%", f"{t['weight_bytes']:,.0f}", f"{t['rest_bytes']:,.0f}",
                               f"{t['to_worker_bytes'] / 1e6:.2f}", f"{t['from_worker_bytes'] / 1e6:.2f}"])
         lines.append(_common.markdown_table(
-            ["round", "worker", "to peers, measured (bytes)", "BatchNorm sums, computed (bytes; arrays alone)",
+            ["round", "worker", "modes", "to peers, measured (bytes)", "BatchNorm sums, computed (bytes; arrays alone)",
              "BatchNorms",
              "BatchNorm share", "weight-gradient sums, computed (bytes)", "rest (bytes)",
              "coordinator to worker MB", "worker to coordinator MB"], table))

@@ -110,3 +110,12 @@ def test_the_accuracy_verdict_follows_the_medians_and_the_margin():
     assert "hetconv 95.00%, PyTorch 95.50%: -0.50 points** (target: at least -1; met)" in met
     missed = accuracy.markdown(accuracy_doc([0.93, 0.94, 0.99], [0.955, 0.99, 0.90]))
     assert "-1.50 points** (target: at least -1; missed)" in missed
+
+
+def test_a_round_is_quiet_only_when_every_run_of_it_went_well_under_the_foreign_load_limit():
+    def run(rnd, config, foreign, ok=True):
+        return {"round": rnd, "config": config, "foreign_load_cores": foreign, "ok": ok, "step_s": 1.0}
+    configs = list(airbench.CONFIGS)
+    rows = ([run(0, c, 0.1) for c in configs] + [run(1, c, 0.5 if c == "PyTorch" else 0.0) for c in configs]
+            + [run(2, c, 0.0, ok=c != "PyTorch") for c in configs] + [run(3, c, 0.3) for c in configs[:2]])
+    assert airbench.quiet_rounds({"rows": rows, "configs": configs, "max_foreign": 0.3}) == [0]
