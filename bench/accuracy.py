@@ -63,7 +63,7 @@ def parse_args(argv):
 
 
 def make_config(args, seed, metrics=""):
-    from hetconv.train.config import Config
+    from hetconv.training.config import Config
     return Config(data=args.data, net=args.net, batch_size=args.batch_size, epochs=args.epochs, lr=args.lr,
                   momentum=args.momentum, weight_decay=args.weight_decay, schedule=args.schedule, seed=seed,
                   metrics=metrics).validate()
@@ -101,7 +101,7 @@ def run_hetconv(args, seed, ds, loaded, scratch):
     import json
     from hetconv.devices import parse_device_list
     from hetconv.coordinator.remote import RemoteEngine
-    from hetconv.train.loop import train
+    from hetconv.training.loop import train
     metrics = os.path.join(scratch, f"hetconv-seed{seed}.jsonl")
     cfg = make_config(args, seed, metrics)
     spawn = [e.label for e in parse_device_list("--spawn", args.spawn) for _ in range(e.count)]   # as the CLI's
@@ -137,7 +137,7 @@ def run_torch(args, seed, ds, module):
     torch.manual_seed(seed)                       # the head's dropout masks
     opt = _torch_twin.sgd(torch, module, cfg)
     steps_per_epoch = len(ds.train_y) // cfg.batch_size
-    # stepped after every update, as hetconv's schedule counts updates (hetconv.train.schedule)
+    # stepped after every update, as hetconv's schedule counts updates (hetconv.training.schedule)
     scheduler = (torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=cfg.epochs * steps_per_epoch)
                  if cfg.schedule == "cosine" else None)
     epoch_accuracy, step_s, loss = [], [], None
@@ -244,7 +244,7 @@ def main(argv):
     from hetconv.data import load_dataset
     from hetconv.net import LoadedNet
     from hetconv.net.torch_import import to_torch
-    from hetconv.train.loop import network_for
+    from hetconv.training.loop import network_for
     torch.set_num_threads(args.torch_threads)
     doc = {"recipe": {"net": args.net, "data": _common.relative_path(args.data), "spawn": args.spawn,
                       "batch_size": args.batch_size, "epochs": args.epochs, "lr": args.lr, "momentum": args.momentum,

@@ -165,8 +165,8 @@ def torch_child(spec_text, out):
     import torch
     from hetconv.data import batches, load_dataset
     from hetconv.net.torch_import import to_torch
-    from hetconv.train.config import Config
-    from hetconv.train.loop import network_for
+    from hetconv.training.config import Config
+    from hetconv.training.loop import network_for
     spec = json.loads(spec_text)
     torch.set_num_threads(spec["threads"])
     total = spec["warmup"] + spec["steps"]

@@ -14,9 +14,9 @@ from hetconv.devices import open_device
 from hetconv.engine.local import LocalEngine
 from hetconv.engine.shard import ConvShard
 from hetconv.net.torch_import import state_dict
-from hetconv.train import checkpoint
-from hetconv.train.config import Config
-from hetconv.train.loop import network_for, train
+from hetconv.training import checkpoint
+from hetconv.training.config import Config
+from hetconv.training.loop import network_for, train
 
 torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install 'hetconv[torch]')")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
