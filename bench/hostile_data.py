@@ -242,9 +242,27 @@ CASES = {
 # Run in the child: load every spec given, one after another, a JSON line each.
 CHILD = r"""
 import json, resource, sys, time
+limit = int(sys.argv[2])
+if limit:                                         # set here, not in a preexec_fn: that forces a fork
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 sys.path.insert(0, sys.argv[1])
+
+
+def peak_mb():
+    # this process's own high-water mark: /proc's VmHWM starts afresh at exec, where getrusage's
+    # maxrss keeps what the forked parent held (800 MB from a pytest that has loaded torch)
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 from hetconv.data import load_dataset
-for spec in sys.argv[2:]:
+for spec in sys.argv[3:]:
     start = time.perf_counter()
     try:
         ds = load_dataset(spec)
@@ -252,23 +270,21 @@ for spec in sys.argv[2:]:
     except Exception as e:
         outcome, said = type(e).__name__, str(e)
     print(json.dumps({"spec": spec, "outcome": outcome, "said": said[:400], "lines": len(said.splitlines()),
-                      "seconds": round(time.perf_counter() - start, 3),
-                      "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}), flush=True)
+                      "seconds": round(time.perf_counter() - start, 3), "peak_rss_mb": round(peak_mb(), 1)}),
+          flush=True)
 """
 
 
 def run_child(code: str, specs: list[str], timeout: float, address_space: int | None = None) -> tuple[list, dict]:
     """Load `specs` with the checkout at `code` in one child: (its records, how it ended: exit code,
-    seconds, its peak RSS from wait4, whether the deadline killed it, its last line of stderr)."""
-    def limit():
-        os.setsid()
-        if address_space:
-            resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+    seconds, its peak RSS (its own, as it last reported it; where it was killed first, wait4's,
+    which also counts what it held as a fork of this process), whether the deadline killed it, its
+    last line of stderr)."""
     env = {**os.environ, "PYTHONPATH": code}
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         start = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-c", CHILD, code, *specs], stdout=out, stderr=err, text=True,
-                                env=env, preexec_fn=limit)
+        proc = subprocess.Popen([sys.executable, "-c", CHILD, code, str(address_space or 0), *specs], stdout=out,
+                                stderr=err, text=True, env=env, start_new_session=True)
         killed = False
         while True:                                   # reaped here, not by Popen: wait4 gives its own rusage
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
@@ -285,8 +301,9 @@ def run_child(code: str, specs: list[str], timeout: float, address_space: int | 
         err.seek(0)
         records = [json.loads(line) for line in out.read().splitlines() if line.startswith("{")]
         tail = err.read().strip().splitlines()
+    peak = records[-1]["peak_rss_mb"] if records and not killed else round(usage.ru_maxrss / 1024, 1)
     end = {"exit_code": proc.returncode, "seconds": round(time.perf_counter() - start, 2), "killed": killed,
-           "peak_rss_mb": round(usage.ru_maxrss / 1024, 1), "stderr_tail": tail[-1][:300] if tail else ""}
+           "peak_rss_mb": peak, "stderr_tail": tail[-1][:300] if tail else ""}
     return records, end
 
 
