@@ -340,7 +340,8 @@ def run(args, prepared):
     try:
         if args.local:
             progress = show_progress()                 # the device's conv path timing, on the first steps
-            device = open_device("cpu", threads=cfg.threads or None, conv_path=cfg.cpu_conv_path)
+            device = open_device("cpu", threads=cfg.threads or None, conv_path=cfg.cpu_conv_path,
+                                 precision=cfg.precision)
             print(f"local: {device.describe()}")
             engine = LocalEngine({"local": ConvShard(device)}, wire=cfg.wire_dtype)
         else:
@@ -359,7 +360,8 @@ def run(args, prepared):
                                       op_timeout=args.op_timeout, pin=not args.no_pin,
                                       exchange=cfg.exchange, wire=cfg.wire_dtype, curve=args.curve,
                                       insecure=args.insecure, message_limit=limit, launcher=launcher,
-                                      verbose=args.verbose, worker_args=["--cpu-conv-path", cfg.cpu_conv_path])
+                                      verbose=args.verbose, worker_args=["--cpu-conv-path", cfg.cpu_conv_path,
+                                                                            "--precision", cfg.precision])
             except SystemExit as e:
                 # RemoteEngine ends the command on an address it cannot bind; from Python that is
                 # the ConnectionError it is (the command prints the same line)
