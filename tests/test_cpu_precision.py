@@ -217,6 +217,18 @@ def test_without_onednn_fp32_and_auto_run_as_before(monkeypatch):
     assert set(timed) == {"im2col", "shifted", "fft"}
 
 
+def test_a_device_opened_without_onednn_runs_as_without_it():
+    """onednn=False: OpenBLAS's paths only, whatever is installed; bf16 cannot be asked of it."""
+    cpu = open_device("cpu", threads=1, precision="auto", onednn=False, auto_timed_min_flops=0,
+                      auto_timer=lambda path, run: {"im2col": 1.0, "shifted": 2.0, "fft": 3.0}[path])
+    x, w, b, _ = tensors((2, 4, 9, 9, 3, 3, 3), 8)
+    cpu.conv2d(x, w, b)
+    assert set(cpu.conv_path_choices()[0]["seconds"]) == {"im2col", "shifted", "fft"}
+    assert cpu.describe().endswith("precision auto (float32 only: no oneDNN))")
+    with pytest.raises(DeviceError, match="^precision bf16 needs oneDNN, which this device was opened without$"):
+        open_device("cpu", precision="bf16", onednn=False)
+
+
 @needs_dnnl
 def test_the_device_names_its_gemm_library_and_precision():
     cpu = open_device("cpu", threads=1, precision="auto")

@@ -696,7 +696,8 @@ class CpuDevice(Device):
     def __init__(self, threads=None, im2col_budget_bytes=DEFAULT_IM2COL_BUDGET_BYTES,
                  saved_cols_budget_bytes=DEFAULT_SAVED_COLS_BUDGET_BYTES, conv_path="auto",
                  fft_budget_bytes=DEFAULT_FFT_BUDGET_BYTES, verbose=False,
-                 auto_timed_min_flops=AUTO_TIMED_MIN_FLOPS, auto_timer=_time_one_run, precision="fp32"):
+                 auto_timed_min_flops=AUTO_TIMED_MIN_FLOPS, auto_timer=_time_one_run, precision="fp32",
+                 onednn=None):
         available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         if threads is None:
             threads = available
@@ -739,18 +740,23 @@ class CpuDevice(Device):
         self._warm_flops = {}           # path -> the largest call (forward FLOPs) it has run while timed
         self._trial_path = None         # the path forced while "auto" times the candidates
         self._path_gemms = {"im2col": BlasGemms(self)}     # im2col path -> its GEMMs (cpu_gemms)
-        self._dnnl, self.bf16_missing = self._open_dnnl(conv_path, precision)
+        # onednn: None, its paths where it is installed; False, OpenBLAS's only (as without it)
+        self._dnnl, self.bf16_missing = self._open_dnnl(conv_path, precision, onednn)
         if self._dnnl is not None:
             self._path_gemms["im2col-dnnl"] = DnnlGemms(self, self._dnnl)
             if not self.bf16_missing:
                 self._path_gemms["im2col-bf16"] = Bf16Gemms(self, self._dnnl)
 
     @staticmethod
-    def _open_dnnl(conv_path, precision):
+    def _open_dnnl(conv_path, precision, onednn):
         """(oneDNN or None, why bf16 cannot run here or ''). Where a path or precision asks for
         it, its absence is the one-line DeviceError; elsewhere the device runs without it."""
         needed = {"im2col-dnnl": f"conv path {conv_path}", "bf16": f"precision {precision}"}
         asked = needed.get(conv_path) or needed.get(precision)
+        if onednn is False:
+            if asked:
+                raise DeviceError(f"{asked} needs oneDNN, which this device was opened without")
+            return None, "opened without oneDNN"
         if asked is None and not dnnl.available():
             return None, dnnl.unavailable_reason()
         try:
