@@ -85,7 +85,8 @@ def build_parser():
                         "second signal) the last in-memory snapshot is saved instead (Slurm and Kubernetes allow 30 s "
                         "before SIGKILL)")
     p.add_argument("--verbose", action="store_true",
-                   help="print details too: a failing worker's own traceback, spawned workers' own start-up lines")
+                   help="print details too: a failing worker's own traceback, spawned workers' own start-up lines, "
+                        "the conv path --local's device times and takes for each layer")
     add_config_flags(p)
     return add_version(p)
 
@@ -341,7 +342,7 @@ def run(args, prepared):
         if args.local:
             progress = show_progress()                 # the device's conv path timing, on the first steps
             device = open_device("cpu", threads=cfg.threads or None, conv_path=cfg.cpu_conv_path,
-                                 precision=cfg.precision)
+                                 precision=cfg.precision, verbose=args.verbose)
             print(f"local: {device.describe()}")
             engine = LocalEngine({"local": ConvShard(device)}, wire=cfg.wire_dtype)
         else:
