@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from hetconv.cli import coordinator
@@ -84,3 +85,24 @@ def test_spawned_workers_run_bf16_and_the_record_says_so(tmp_path):
     record = next(json.loads(line) for line in open(metrics) if '"event": "calibration"' in line)
     assert [w["precision"] for w in record["workers"].values()] == ["bf16", "bf16"]
     assert all("precision bf16)" in w["description"] for w in record["workers"].values())
+
+
+@needs_bf16
+def test_a_bf16_step_rounds_the_same_whatever_the_split():
+    """Three shards (each a third of every layer's kernels) train as one shard, to float rounding,
+    as in float32: every bf16 rounding is elementwise. And bf16 follows the float32 run closely."""
+    from hetconv.engine.local import LocalEngine
+    from hetconv.training.loop import train
+    tiny = dict(conv="6,12", fc="32", batch_size=32, synthetic_train=400, synthetic_test=64, lr=0.01, threads=1,
+                steps=4, eval_batches=1)
+
+    def losses(precision, shards):
+        device = open_device("cpu", threads=1, precision=precision)
+        engine = LocalEngine({f"s{i}": ConvShard(device) for i in range(shards)})
+        return train(Config(**tiny, precision=precision).validate(), engine, log=lambda *_: None)["losses"]
+
+    one = losses("bf16", 1)
+    np.testing.assert_allclose(losses("bf16", 3), one, rtol=1e-5)
+    fp32 = losses("fp32", 1)
+    np.testing.assert_allclose(one, fp32, rtol=2e-2)
+    assert one != fp32                          # and it did round: not the float32 run again

@@ -11,6 +11,11 @@ Design, and what it costs:
   im2col; conv1 (C*kw = 15, where five 15-long reductions would run thin GEMMs and im2col is
   cheap) is im2col. `conv_path="im2col"`, `"shifted"` or `"fft"` forces one (tests run each
   everywhere).
+- Where oneDNN is installed (the `onednn` extra, devices/dnnl.py), two more im2col paths run its
+  GEMMs (devices/cpu_gemms.py): "im2col-dnnl", oneDNN's sgemm, one more candidate the timing
+  chooses among (~2x OpenBLAS's on the paper's conv2 on an AVX-512 core); and "im2col-bf16",
+  bf16 operands with float32 sums, which `precision="bf16"` runs for every conv and
+  `precision="auto"` times as one more candidate (see PRECISIONS). Untimed calls keep the rule.
 - im2col: one GEMM per chunk of images, Y (K, P) = W (K, C*kh*kw) @ cols.T, cols (P, C*kh*kw)
   the im2col of the chunk (P = images * Ho * Wo); backward writes dcols and folds it with col2im.
 - shifted: the input is expanded along the kernel's width only (kw copies, not kh*kw), rows

@@ -12,8 +12,11 @@ spinning on the same cores). The TBB-threaded `onednn` wheel works too where its
 
 Threads: the GNU OpenMP build runs a GEMM on omp_get_max_threads() threads, an OpenMP setting
 of the calling thread (a worker computes on a thread of its own), so every call here sets it to
-the caller's `threads` first (one ctypes call, ~1 us). A TBB build follows the process's CPU
-affinity, which is what a pinned worker gives it; `threads` cannot narrow it further.
+the caller's `threads` first (one ctypes call, ~1 us); tests/test_dnnl.py checks by the CPU time
+of each thread that one thread means one. The `onednn` wheel (oneDNN 3.13, SYCL runtime over
+TBB) follows the process's CPU affinity instead, and no C call caps it: measured the same way,
+a process on 2 cores ran its GEMMs on 2 threads when asked for 1, and on 1 once pinned to one
+core, which is what a pinned worker gives it.
 
 bf16 travels as np.uint16 holding the upper half of a float32 (numpy has no bfloat16 dtype).
 Rounding is to nearest, ties to even, as PyTorch's (NaN becomes 0x7FC0); widening is exact.
@@ -34,7 +37,7 @@ from hetconv.devices.blas import operand_layout
 LIBRARY_ENV = "HETCONV_DNNL_LIBRARY"
 INSTALL = "pip install 'hetconv[onednn]' (in a checkout: pip install -e '.[onednn]')"
 _SONAME = "libdnnl.so.3"
-_RUNTIMES = {1: "sequential", 2: "OpenMP", 4: "TBB", 8: "threadpool"}
+_RUNTIMES = {1: "sequential", 2: "OpenMP", 4: "TBB", 8: "threadpool", 0x200: "SYCL"}
 # dnnl_get_effective_cpu_isa's values that are the same in every oneDNN 3.x; others print in hex
 _ISAS = {0x7: "avx2", 0x27: "avx512_core", 0x67: "avx512_core_vnni", 0xe7: "avx512_core_bf16"}
 _SUCCESS = 0
