@@ -63,6 +63,7 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, default=4, help="timed steps per row")
     p.add_argument("--render", default="", metavar="JSON", help="rewrite the .md beside a saved JSON, run nothing")
     p.add_argument("--torch-row", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    p.add_argument("--gemm-row", metavar="OUT", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -146,6 +147,57 @@ def run_torch(net, what, args, work, tag):
     return row
 
 
+# ---- the GEMM alone ----------------------------------------------------------------------------------
+GEMM_SHAPE = (1500, 12500, 3200)        # conv2's forward at batch 32: (K, C*kh*kw) @ (C*kh*kw, N*Ho*Wo)
+
+
+def gemm_rows(rounds=3):
+    """conv2's forward GEMM on one thread, in this process: numpy's OpenBLAS sgemm, oneDNN's sgemm
+    and its bf16 GEMM (operands rounded beforehand, not timed), alternating; GFLOP/s per round."""
+    import numpy as np
+    from threadpoolctl import threadpool_limits
+    from hetconv.devices import dnnl
+    lib = dnnl.load()
+    m, k, n = GEMM_SHAPE
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((k, n), dtype=np.float32)
+    a16, b16, c = dnnl.to_bf16(a), dnnl.to_bf16(b), np.empty((m, n), np.float32)
+    runs = {"OpenBLAS sgemm": lambda: np.matmul(a, b, out=c), "oneDNN sgemm": lambda: lib.sgemm(a, b, c, 0.0, 1),
+            "oneDNN bf16 GEMM": lambda: lib.gemm_bf16(a16, b16, c, 0.0, 1)}
+    seconds = {name: [] for name in runs}
+    with threadpool_limits(limits=1, user_api="blas"):
+        for name, run in runs.items():
+            run()                                   # first use: packing buffers, JIT kernels
+        for r in range(rounds):
+            for name, run in (runs.items() if r % 2 == 0 else list(runs.items())[::-1]):
+                t0 = time.perf_counter()
+                run()
+                seconds[name].append(time.perf_counter() - t0)
+    want = a.astype(np.float64)[:64] @ b
+    lib.gemm_bf16(a16, b16, c, 0.0, 1)
+    return {"shape": list(GEMM_SHAPE), "gflops": {name: [2 * m * k * n / t / 1e9 for t in ts]
+                                                   for name, ts in seconds.items()},
+            "bf16_relative_error": float(np.abs(c[:64] - want).max() / np.abs(want).max())}
+
+
+def gemm_tables():
+    """gemm_rows in this process (the BLAS overrides dropped, as every row here runs) and, where
+    the environment had set some, in a process that keeps them: what hetconv gets on this host
+    when nobody drops them."""
+    tables = {"OpenBLAS's own kernel choice": gemm_rows()}
+    dropped = os.environ.get(_common._DROPPED_MARK, "")
+    if dropped:
+        env = {k: v for k, v in os.environ.items() if k != _common._DROPPED_MARK}
+        env.update(item.split("=", 1) for item in dropped.split())
+        with tempfile.TemporaryDirectory() as work:
+            out = os.path.join(work, "gemm.json")
+            subprocess.run([sys.executable, os.path.abspath(__file__), "--gemm-row", out], env=env, check=True,
+                           timeout=600)
+            with open(out) as f:
+                tables[f"with {dropped} (as this host's environment sets it)"] = json.load(f)
+    return tables
+
+
 # ---- the run ---------------------------------------------------------------------------------------
 def machine_facts(argv, started, load_start, env_line):
     import numpy  # noqa: F401  (the BLAS the hetconv rows load, for run_facts to name)
@@ -168,6 +220,8 @@ def run(args, argv, env_line):
            "peers": {name: {k: what[k] for k in ("fp32", "torch") if k in what} for name, what in CONFIGS},
            "rows": []}
     print(f"machine: {doc['machine']}; isa {doc['isa']}; {doc['gemm']}; {load_start}", flush=True)
+    doc["gemm_alone"] = gemm_tables()
+    print(f"conv2's GEMM, one thread, GFLOP/s: {doc['gemm_alone']}", flush=True)
     with tempfile.TemporaryDirectory(prefix="hetconv-precision-") as work:
         try:
             for rnd in range(args.rounds):
@@ -216,6 +270,20 @@ def markdown(doc):
               f"alternating order. `x fp32` is the row's step over the float32 row of the same "
               f"kind (hetconv in the same mode, or torch fp32), `x torch` over PyTorch's step in the row's precision "
               f"(auto: bf16 autocast), both the median of per-round ratios (< 1: faster).", ""]
+    tables = doc.get("gemm_alone")
+    if tables:
+        m, k, n = next(iter(tables.values()))["shape"]
+        lines += ["## The GEMM alone", "", f"conv2's forward GEMM at batch 32 ({m}x{k} @ {k}x{n}), one thread, "
+                  f"alternating rounds; bf16 operands rounded beforehand.", ""]
+        rows = []
+        for blas, gemm in tables.items():
+            base = statistics.median(gemm["gflops"]["OpenBLAS sgemm"])
+            rows += [[name, blas, f"**{statistics.median(g):.0f}**", " / ".join(f"{v:.0f}" for v in g),
+                      f"{statistics.median(g) / base:.2f}"] for name, g in gemm["gflops"].items()]
+        lines += [_common.markdown_table(["GEMM", "OpenBLAS kernel", "GFLOP/s (median)", "per round", "x OpenBLAS"],
+                                         rows), "",
+                  f"Relative error of the bf16 product against float64: "
+                  f"{next(iter(tables.values()))['bf16_relative_error']:.1e}.", ""]
     for net in doc["nets"]:
         rows = [r for r in doc["rows"] if r["net"] == net]
         lines += [f"## {net}", ""]
@@ -275,6 +343,9 @@ def main(argv=None):
     args = parse_args(argv)
     if args.torch_row:
         torch_row(json.loads(args.torch_row[0]), args.torch_row[1])
+        return 0
+    if args.gemm_row:
+        _common.write_text(args.gemm_row, json.dumps(gemm_rows()))
         return 0
     if args.render:
         print(f"wrote {_common.render_saved(args.render, STEM, markdown)}")

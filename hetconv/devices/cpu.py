@@ -13,7 +13,8 @@ Design, and what it costs:
   everywhere).
 - Where oneDNN is installed (the `onednn` extra, devices/dnnl.py), two more im2col paths run its
   GEMMs (devices/cpu_gemms.py): "im2col-dnnl", oneDNN's sgemm, one more candidate the timing
-  chooses among (~2x OpenBLAS's on the paper's conv2 on an AVX-512 core); and "im2col-bf16",
+  chooses among (OpenBLAS's speed where it runs its AVX-512 kernel, 2x where the environment holds
+  it to its Haswell one); and "im2col-bf16",
   bf16 operands with float32 sums, which `precision="bf16"` runs for every conv and
   `precision="auto"` times as one more candidate (see PRECISIONS). Untimed calls keep the rule.
 - im2col: one GEMM per chunk of images, Y (K, P) = W (K, C*kh*kw) @ cols.T, cols (P, C*kh*kw)

@@ -5,8 +5,8 @@
     data_grad      dcols (P, C*kh*kw) = dY.T @ W                    folded back by col2im
 
 - "im2col": numpy's matmul on OpenBLAS (and sgemm with beta = 1 for the sums, devices/blas.py).
-- "im2col-dnnl": the same GEMMs in oneDNN's sgemm (devices/dnnl.py), ~2x OpenBLAS on the
-  paper's conv2 on an AVX-512 core.
+- "im2col-dnnl": the same GEMMs in oneDNN's sgemm (devices/dnnl.py): as fast as OpenBLAS's
+  AVX-512 kernel on the paper's conv2, 2x an OpenBLAS held to its Haswell kernel.
 - "im2col-bf16": the `--precision bf16` path (PyTorch autocast's policy): the input, the weights
   and dY rounded to bf16 (to nearest even), each product summed in float32 by oneDNN's
   gemm_bf16bf16f32; Y, dX, dW, the bias, the activation, the pool and the update stay float32.

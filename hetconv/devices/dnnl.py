@@ -1,9 +1,11 @@
 """oneDNN's GEMMs for the CPU device: fp32 (dnnl_sgemm) and bf16 operands with fp32 accumulation
 (dnnl_gemm_bf16bf16f32), through ctypes; and the fp32 -> bf16 rounding, in Numba.
 
-Why: on an AMD EPYC Zen 5 core (AVX-512 with AVX512_BF16, no AMX) oneDNN's sgemm ran a conv2-
-shaped GEMM (M=1500, K=12500, N=3200, one thread) at ~2x numpy's OpenBLAS and its bf16 GEMM at
-~4-5x (bench/precision.py has the saved runs). PyTorch's own oneDNN is linked in privately, so
+Why: on an AMD EPYC Zen 5 core (AVX-512 with AVX512_BF16, no AMX), a conv2-shaped GEMM (M=1500,
+K=12500, N=3200, one thread) ran ~250 GFLOP/s in OpenBLAS's AVX-512 kernel and in oneDNN's sgemm
+alike, ~500 in oneDNN's bf16 GEMM; and ~125 in OpenBLAS where the environment forces its Haswell
+kernel (OPENBLAS_CORETYPE, as on that host), which oneDNN's sgemm does not depend on
+(bench/results/precision/, "The GEMM alone"). PyTorch's own oneDNN is linked in privately, so
 the library comes from the `onednn` extra: the `onednn-cpu-gomp` wheel, 39 MB with no further
 packages, whose libdnnl.so.3 lands in the environment's lib/ and uses the system's GNU OpenMP,
 the very runtime Numba's threads run on (one pool of threads in the process, no second runtime
