@@ -138,8 +138,9 @@ class Dnnl:
         self.isa = _ISAS.get(isa, f"isa {isa:#x}")
         self._set_threads = None
         if self.runtime == "OpenMP":
-            # the OpenMP runtime libdnnl was linked against, already loaded with it
-            self._set_threads = ctypes.CDLL("libgomp.so.1").omp_set_num_threads
+            # looked up through libdnnl's handle: the OpenMP runtime it was linked against (GNU's
+            # for the extra's wheel, Intel's for an iomp build), not whichever one the name finds
+            self._set_threads = lib.omp_set_num_threads
             self._set_threads.argtypes, self._set_threads.restype = [ctypes.c_int], None
         self.bf16_error = ""            # why the bf16 GEMM cannot be used here, where it cannot
 
