@@ -301,7 +301,7 @@ def test_long_work_says_what_it_is_doing(capsys):
     from hetconv.flags import show_progress, still_working
     import logging
     handler = show_progress()
-    dev = open_device("cpu", conv_path="auto", threads=1, auto_timed_min_flops=0,
+    dev = open_device("cpu", conv_path="auto", threads=1, auto_timed_min_flops=0, onednn=False,
                       auto_timer=lambda path, run: run() or {"im2col": 1.0, "shifted": 2.0, "fft": 3.0}[path])
     x, w = np.zeros((2, 3, 9, 8), np.float32), np.zeros((4, 3, 3, 3), np.float32)
     try:

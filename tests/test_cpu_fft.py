@@ -248,7 +248,7 @@ def test_strided_layers_take_the_direct_path(fft):
 
 
 def test_unknown_conv_path_names_the_choices():
-    with pytest.raises(DeviceError, match=r"conv_path must be one of \('auto', 'im2col', 'shifted', 'fft'\), got 'fftw'"):
+    with pytest.raises(DeviceError, match=r"conv_path must be one of \('auto', 'im2col', 'shifted', 'fft', 'im2col-dnnl'\), got 'fftw'"):
         open_device("cpu", conv_path="fftw")
 
 
@@ -281,8 +281,9 @@ class FakeTimer:
 
 
 def auto_device(seconds, **options):
+    """The OpenBLAS paths' choice (oneDNN's paths, where installed, are timed in test_cpu_precision)."""
     timer = FakeTimer(seconds)
-    options = {"threads": 1, "auto_timed_min_flops": 0, **options}
+    options = {"threads": 1, "auto_timed_min_flops": 0, "onednn": False, **options}
     return open_device("cpu", conv_path="auto", auto_timer=timer, **options), timer
 
 
@@ -393,7 +394,7 @@ def test_auto_takes_the_median_of_its_rounds_and_fft_only_by_a_margin():
         run()
         return lucky[path].pop(0)
 
-    dev = open_device("cpu", conv_path="auto", auto_timer=timer, threads=1, auto_timed_min_flops=0)
+    dev = open_device("cpu", conv_path="auto", auto_timer=timer, threads=1, auto_timed_min_flops=0, onednn=False)
     dev.conv2d(x, w, b, padding=1)
     assert AUTO_TIMED_ROUNDS >= 2 and list(dev.conv_paths().values()) == ["im2col"]
     for fft_s, path in ((1.0 - 0.5 * AUTO_FFT_MARGIN, "im2col"), (1.0 - 2 * AUTO_FFT_MARGIN, "fft")):

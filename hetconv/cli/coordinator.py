@@ -85,7 +85,8 @@ def build_parser():
                         "second signal) the last in-memory snapshot is saved instead (Slurm and Kubernetes allow 30 s "
                         "before SIGKILL)")
     p.add_argument("--verbose", action="store_true",
-                   help="print details too: a failing worker's own traceback, spawned workers' own start-up lines")
+                   help="print details too: a failing worker's own traceback, spawned workers' own start-up lines, "
+                        "the conv path --local's device times and takes for each layer")
     add_config_flags(p)
     return add_version(p)
 
@@ -340,7 +341,8 @@ def run(args, prepared):
     try:
         if args.local:
             progress = show_progress()                 # the device's conv path timing, on the first steps
-            device = open_device("cpu", threads=cfg.threads or None, conv_path=cfg.cpu_conv_path)
+            device = open_device("cpu", threads=cfg.threads or None, conv_path=cfg.cpu_conv_path,
+                                 precision=cfg.precision, verbose=args.verbose)
             print(f"local: {device.describe()}")
             engine = LocalEngine({"local": ConvShard(device)}, wire=cfg.wire_dtype)
         else:
@@ -359,7 +361,8 @@ def run(args, prepared):
                                       op_timeout=args.op_timeout, pin=not args.no_pin,
                                       exchange=cfg.exchange, wire=cfg.wire_dtype, curve=args.curve,
                                       insecure=args.insecure, message_limit=limit, launcher=launcher,
-                                      verbose=args.verbose, worker_args=["--cpu-conv-path", cfg.cpu_conv_path])
+                                      verbose=args.verbose, worker_args=["--cpu-conv-path", cfg.cpu_conv_path,
+                                                                            "--precision", cfg.precision])
             except SystemExit as e:
                 # RemoteEngine ends the command on an address it cannot bind; from Python that is
                 # the ConnectionError it is (the command prints the same line)

@@ -27,7 +27,7 @@ from hetconv.transport.wire import value_bytes
 
 # the flags this command shares with the coordinator: their defaults and help come from Config
 NETWORK_FLAGS = ("net", "conv", "fc", "ksize", "padding", "batch_size", "calibration_batch", "split", "exchange", "micro_batches",
-                 "wire_dtype", "parallel", "cpu_conv_path")
+                 "wire_dtype", "parallel", "cpu_conv_path", "precision")
 
 
 def build_parser():
@@ -134,7 +134,7 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
                     with still_working(f"calibrating {entry.label}: {len(specs)} conv layers, each at its share"
                                        + (" and whole" if whole else "") + ", in rounds"):
                         got = calibrate_local(entry.device, specs, cal_shapes, share, threads=entry.threads,
-                                              also=whole, conv_path=cfg.cpu_conv_path)
+                                              also=whole, conv_path=cfg.cpu_conv_path, precision=cfg.precision)
                     profiles[entry.label], whole_profile = got if whole else (got, None)
                 except Exception as e:
                     print(f"hetconv-plan: {entry.label}: {e}", file=sys.stderr)

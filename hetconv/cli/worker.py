@@ -7,7 +7,8 @@ import threading
 
 from hetconv.flags import HelpFormatter, add_version
 # the names only: hetconv.devices.cpu itself would start numba before --cores pins this process
-CPU_CONV_PATHS = ("auto", "im2col", "shifted", "fft")
+CPU_CONV_PATHS = ("auto", "im2col", "shifted", "fft", "im2col-dnnl")
+PRECISIONS = ("fp32", "bf16", "auto")
 from hetconv.transport.worker_argv import COORDINATOR_ENV
 from hetconv.worker import Terminated, WorkerExit, on_sigterm
 
@@ -45,7 +46,10 @@ def build_parser():
     p.add_argument("--threads", type=int, default=0, help="CPU threads for a cpu device (0: every core this process may use)")
     p.add_argument("--cpu-conv-path", default="auto", choices=CPU_CONV_PATHS,
                    help="a cpu device's conv path: auto (per layer and share, the fastest by timing on first use), "
-                        "or forced: im2col, shifted, fft (stride-1 layers)")
+                        "or forced: im2col, shifted, fft (stride-1 layers), im2col-dnnl (oneDNN's sgemm)")
+    p.add_argument("--precision", default="fp32", choices=PRECISIONS,
+                   help="a cpu device's conv GEMMs: fp32; bf16 (bf16 operands, fp32 sums; needs oneDNN); auto (bf16 "
+                        "where its timing finds it faster, per layer and share). A GPU runs fp32")
     p.add_argument("--name", default="", help="a label for tables and logs (default: DEVICE@HOST)")
     p.add_argument("--cores", default="", help="pin this worker to these CPU cores, e.g. 0,1 (before any thread pool starts)")
     p.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the coordinator to answer HELLO")

@@ -61,6 +61,15 @@ def _conv_path_choices(value, limit=64):
     return kept[:limit]
 
 
+def conv_precision(choices):
+    """What a worker's conv GEMMs run in, from its conv path choices: "fp32", "bf16", or "bf16 on
+    N of M call shapes" (`--precision auto` where its timing took bf16 on some layers only)."""
+    bf16 = sum(c["path"].endswith("-bf16") for c in choices)
+    if bf16 == 0 or bf16 == len(choices):
+        return "bf16" if bf16 else "fp32"
+    return f"bf16 on {bf16} of {len(choices)} call shapes"
+
+
 def _is_seconds(x):
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
 
@@ -644,6 +653,8 @@ class RemoteEngine(ShardEngine):
                                         "speeds": speeds, "layers": timings,
                                         "conv_paths": _conv_path_choices(replies[name][1].get("conv_paths"))}
                                  for name, (speeds, timings) in checked.items()})
+        for name in checked:
+            self.calibration[name]["precision"] = conv_precision(self.calibration[name]["conv_paths"])
         return {name: list(checked[name][0]) for name in names}
 
     def _note_step_bounds(self, specs, input_shapes, cfg):
@@ -676,12 +687,13 @@ class RemoteEngine(ShardEngine):
             # one line a worker: which paths its device runs, by timing or as told (each call shape's
             # choice, with every path's time, is in the metrics' calibration record)
             chosen = self.calibration[name]["conv_paths"]
-            if not any(c["why"] in ("timed", "forced") or c["path"] == "fft" for c in chosen):
+            if not any(c["why"] in ("timed", "forced") or c["path"] == "fft" for c in chosen) and cfg.precision == "fp32":
                 continue                                 # the rule's untimed choices on small layers
             how = "forced" if all(c["why"] == "forced" for c in chosen) else "timed where a call is big enough"
             counts = collections.Counter(c["path"] for c in chosen)
             self.log(f"  {name} conv paths ({how}): " + ", ".join(
-                f"{path} for {n} call shape{'s' if n > 1 else ''}" for path, n in sorted(counts.items())))
+                f"{path} for {n} call shape{'s' if n > 1 else ''}" for path, n in sorted(counts.items()))
+                + f"; precision {self.calibration[name]['precision']}")
         return self._plan_from_calibration(specs, input_shapes, speeds, cfg)
 
     def _plan_from_calibration(self, specs, input_shapes, speeds, cfg):

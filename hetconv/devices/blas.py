@@ -26,6 +26,17 @@ _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 _SUFFIXED = [("scipy_cblas_sgemm64_", ctypes.c_int64), ("cblas_sgemm64_", ctypes.c_int64)]
 
 
+def operand_layout(name, a):
+    """(transposed, leading dimension) of a 2-D view that is row-major (transposed False) or a
+    transposed view of a row-major block (True), as a row-major GEMM takes its operands."""
+    item = a.itemsize
+    if a.strides[1] == item and a.strides[0] >= max(1, a.shape[1]) * item:
+        return False, a.strides[0] // item
+    if a.strides[0] == item and a.strides[1] >= max(1, a.shape[0]) * item:
+        return True, a.strides[1] // item
+    raise ValueError(f"{name} with strides {a.strides!r} is neither row- nor column-contiguous")
+
+
 class AccumulatingSgemm:
     """`sgemm(a, b, c, beta)`: c = a @ b + beta * c for float32 2-D views whose last or first
     stride is one element (any transposed view of a C-contiguous block qualifies); c must be
@@ -38,16 +49,6 @@ class AccumulatingSgemm:
         function.restype = None
         function.argtypes = ([ctypes.c_int] * 3 + [int_type] * 3 + [ctypes.c_float, ctypes.c_void_p, int_type,
                              ctypes.c_void_p, int_type, ctypes.c_float, ctypes.c_void_p, int_type])
-
-    @staticmethod
-    def _operand(name, a):
-        """(transpose flag, leading dimension) of a row-major or column-major float32 view."""
-        item = a.itemsize
-        if a.strides[1] == item and a.strides[0] >= max(1, a.shape[1]) * item:
-            return _NO_TRANS, a.strides[0] // item
-        if a.strides[0] == item and a.strides[1] >= max(1, a.shape[0]) * item:
-            return _TRANS, a.strides[1] // item
-        raise ValueError(f"{name} with strides {a.strides!r} is neither row- nor column-contiguous")
 
     def __call__(self, a, b, c, beta=1.0):
         for name, v in (("a", a), ("b", b), ("c", c)):
@@ -63,8 +64,8 @@ class AccumulatingSgemm:
         if k == 0:
             c *= np.float32(beta)
             return c
-        trans_a, lda = self._operand("a", a)
-        trans_b, ldb = self._operand("b", b)
+        (a_t, lda), (b_t, ldb) = operand_layout("a", a), operand_layout("b", b)
+        trans_a, trans_b = (_TRANS if a_t else _NO_TRANS), (_TRANS if b_t else _NO_TRANS)
         if c.strides[1] != c.itemsize or c.strides[0] < n * c.itemsize or not c.flags.writeable:
             raise ValueError(f"c must be a writeable row-contiguous view, got strides {c.strides!r}")
         self._function(_ROW_MAJOR, trans_a, trans_b, m, n, k, 1.0, a.ctypes.data, lda,

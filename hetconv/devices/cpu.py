@@ -11,6 +11,12 @@ Design, and what it costs:
   im2col; conv1 (C*kw = 15, where five 15-long reductions would run thin GEMMs and im2col is
   cheap) is im2col. `conv_path="im2col"`, `"shifted"` or `"fft"` forces one (tests run each
   everywhere).
+- Where oneDNN is installed (the `onednn` extra, devices/dnnl.py), two more im2col paths run its
+  GEMMs (devices/cpu_gemms.py): "im2col-dnnl", oneDNN's sgemm, one more candidate the timing
+  chooses among (OpenBLAS's speed where it runs its AVX-512 kernel, 2x where the environment holds
+  it to its Haswell one); and "im2col-bf16",
+  bf16 operands with float32 sums, which `precision="bf16"` runs for every conv and
+  `precision="auto"` times as one more candidate (see PRECISIONS). Untimed calls keep the rule.
 - im2col: one GEMM per chunk of images, Y (K, P) = W (K, C*kh*kw) @ cols.T, cols (P, C*kh*kw)
   the im2col of the chunk (P = images * Ho * Wo); backward writes dcols and folds it with col2im.
 - shifted: the input is expanded along the kernel's width only (kw copies, not kh*kw), rows
@@ -57,9 +63,10 @@ from numba import prange
 from numpy.lib.stride_tricks import as_strided
 from threadpoolctl import ThreadpoolController, threadpool_info, threadpool_limits
 
-from hetconv.devices import cpu_channelwise
+from hetconv.devices import cpu_channelwise, dnnl
 from hetconv.devices.base import Device, DeviceError, update_rules
 from hetconv.devices.blas import accumulating_sgemm
+from hetconv.devices.cpu_gemms import BlasGemms, Bf16Gemms, DnnlGemms, scratch16
 from hetconv.devices.cpu_fft import FftConv, swap_leading
 from hetconv.geometry import window_output_size
 
@@ -91,7 +98,17 @@ KERNEL_ROW_MULTIPLE = 16
 # bytes for 5x5 kernels on 14x14 inputs (the whole conv2: 900 MB + a 75 MB copy of the weights);
 # a layer whose spectra would not fit this budget runs the direct path instead.
 DEFAULT_FFT_BUDGET_BYTES = 1 << 30
-CONV_PATHS = ("auto", "im2col", "shifted", "fft")
+CONV_PATHS = ("auto", "im2col", "shifted", "fft", "im2col-dnnl")
+# A CPU device's GEMM precision (`--precision`): "fp32"; "bf16", every conv on the im2col-bf16
+# path (devices/cpu_gemms.py: bf16 operands, float32 sums, everything else float32); "auto",
+# the bf16 path as one more candidate of the timed choice below, taken where it runs faster than
+# the fastest float32 path by AUTO_BF16_MARGIN (the accuracy it gives up buys a real gain, not
+# a timing's noise), and float32 wherever a call is too small to be timed.
+PRECISIONS = ("fp32", "bf16", "auto")
+AUTO_BF16_MARGIN = 0.04
+# the oneDNN paths (devices/cpu_gemms.py): where oneDNN is installed, "auto" times im2col-dnnl
+# among the float32 paths; the rule for untimed calls stays on OpenBLAS's paths
+DNNL_PATHS = ("im2col-dnnl", "im2col-bf16")
 # "auto" times the paths a layer can take (im2col; shifted and FFT at stride 1, FFT within its
 # budget) on the first call with each shape: forward and backward with dX on the call's own input
 # and weights, one warm-up run per path, then AUTO_TIMED_ROUNDS rounds (or more, below) in
@@ -589,8 +606,9 @@ class _BlockContext:
     pool, the argmax (max-pool) or ReLU mask (other pools) and, as _PoolContext, the path that
     ran, the kept im2col or expansion and the forward's kernel rows."""
 
-    def __init__(self, x, w, block, shifted, conv_hw, pool, argmax, mask, pooled_shape, cols, kernel_rows):
+    def __init__(self, x, w, block, shifted, conv_hw, pool, argmax, mask, pooled_shape, cols, kernel_rows, gemms=None):
         self.x = x
+        self.gemms = gemms              # the im2col path's GEMMs (cpu_gemms), which backward runs too
         self.w_shape = w.shape
         self.forward_weights = w
         self.block = block
@@ -612,8 +630,9 @@ class _PoolContext:
     result is defined for the forward's weights only (the argmax came from them), so an array
     changed in place in between is already a caller's error."""
 
-    def __init__(self, x, argmax, padding, w, shifted, cols=None, kernel_rows=None):
+    def __init__(self, x, argmax, padding, w, shifted, cols=None, kernel_rows=None, gemms=None):
         self.x = x
+        self.gemms = gemms
         self.argmax = argmax
         self.padding = padding
         self.w_shape = w.shape
@@ -665,12 +684,12 @@ class _PathChoice:
 
 
 def _fastest(seconds):
-    """The path to run from {path: seconds}: the fastest direct path, or FFT where it beats that
-    by AUTO_FFT_MARGIN."""
-    direct = min((p for p in seconds if p != "fft"), key=seconds.get)
-    if "fft" in seconds and seconds["fft"] < (1.0 - AUTO_FFT_MARGIN) * seconds[direct]:
-        return "fft"
-    return direct
+    """The path to run from {path: seconds}: the fastest direct float32 path, or FFT or bf16
+    where it beats that by its margin (the faster of the two where both do)."""
+    direct = min((p for p in seconds if p not in ("fft", "im2col-bf16")), key=seconds.get)
+    margins = {"fft": AUTO_FFT_MARGIN, "im2col-bf16": AUTO_BF16_MARGIN}
+    better = [p for p, m in margins.items() if p in seconds and seconds[p] < (1.0 - m) * seconds[direct]]
+    return min(better, key=seconds.get) if better else direct
 
 
 def _describe_call(key):
@@ -683,7 +702,8 @@ class CpuDevice(Device):
     def __init__(self, threads=None, im2col_budget_bytes=DEFAULT_IM2COL_BUDGET_BYTES,
                  saved_cols_budget_bytes=DEFAULT_SAVED_COLS_BUDGET_BYTES, conv_path="auto",
                  fft_budget_bytes=DEFAULT_FFT_BUDGET_BYTES, verbose=False,
-                 auto_timed_min_flops=AUTO_TIMED_MIN_FLOPS, auto_timer=_time_one_run):
+                 auto_timed_min_flops=AUTO_TIMED_MIN_FLOPS, auto_timer=_time_one_run, precision="fp32",
+                 onednn=None):
         available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         if threads is None:
             threads = available
@@ -691,7 +711,13 @@ class CpuDevice(Device):
             raise DeviceError(f"threads must be a positive integer, got {threads!r}")
         if conv_path not in CONV_PATHS:
             raise DeviceError(f"conv_path must be one of {CONV_PATHS!r}, got {conv_path!r}")
+        if precision not in PRECISIONS:
+            raise DeviceError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        if precision == "bf16" and conv_path != "auto":
+            raise DeviceError(f"precision bf16 runs every conv on the im2col-bf16 path: conv path {conv_path!r} "
+                              f"cannot be forced with it")
         self.conv_path = conv_path
+        self.precision = precision
         self.threads = int(min(threads, numba.config.NUMBA_NUM_THREADS))
         numba.set_num_threads(self.threads)
         # Held for the device's lifetime: BLAS threads beyond our share only oversubscribe cores
@@ -719,6 +745,33 @@ class CpuDevice(Device):
         self._timed = []                # (layer less its batch, images, kernels, call, choice) per timing
         self._warm_flops = {}           # path -> the largest call (forward FLOPs) it has run while timed
         self._trial_path = None         # the path forced while "auto" times the candidates
+        self._path_gemms = {"im2col": BlasGemms(self)}     # im2col path -> its GEMMs (cpu_gemms)
+        # onednn: None, its paths where it is installed; False, OpenBLAS's only (as without it)
+        self._dnnl, self.bf16_missing = self._open_dnnl(conv_path, precision, onednn)
+        if self._dnnl is not None:
+            self._path_gemms["im2col-dnnl"] = DnnlGemms(self, self._dnnl)
+            if not self.bf16_missing:
+                self._path_gemms["im2col-bf16"] = Bf16Gemms(self, self._dnnl)
+
+    @staticmethod
+    def _open_dnnl(conv_path, precision, onednn):
+        """(oneDNN or None, why bf16 cannot run here or ''). Where a path or precision asks for
+        it, its absence is the one-line DeviceError; elsewhere the device runs without it."""
+        needed = {"im2col-dnnl": f"conv path {conv_path}", "bf16": f"precision {precision}"}
+        asked = needed.get(conv_path) or needed.get(precision)
+        if onednn is False:
+            if asked:
+                raise DeviceError(f"{asked} needs oneDNN, which this device was opened without")
+            return None, "opened without oneDNN"
+        if asked is None and not dnnl.available():
+            return None, dnnl.unavailable_reason()
+        try:
+            lib = dnnl.load()
+        except DeviceError as e:
+            raise DeviceError(f"{asked} needs oneDNN: {e}") from None
+        if lib.bf16_error and precision == "bf16":
+            raise DeviceError(f"precision bf16 cannot run here: {lib.bf16_error}")
+        return lib, lib.bf16_error
 
     def _take_saved_cols(self, size):
         """A flat float32 buffer of at least `size` for a forward's im2col: the smallest pooled
@@ -752,7 +805,12 @@ class CpuDevice(Device):
     def describe(self):
         blas = [f"{i['internal_api']} {i.get('version', '?')} ({i.get('architecture', '?')})"
                 for i in threadpool_info() if i.get("user_api") == "blas"]
-        return f"cpu ({self.threads} thread{'s' if self.threads > 1 else ''}, BLAS {', '.join(blas) or 'unknown'})"
+        gemm = f", {self._dnnl.describe()}" if self._dnnl is not None else ""
+        precision = self.precision
+        if self.precision == "auto" and self.bf16_missing:
+            precision += f" (float32 only: {'no oneDNN' if self._dnnl is None else 'no bf16 GEMM on this CPU'})"
+        return (f"cpu ({self.threads} thread{'s' if self.threads > 1 else ''}, BLAS {', '.join(blas) or 'unknown'}"
+                f"{gemm}, precision {precision})")
 
     def _matmul_add(self, a, b, out, work):
         """out += a @ b: in one sgemm with beta = 1 where the BLAS can be called so, else through
@@ -807,6 +865,10 @@ class CpuDevice(Device):
         return choice.path
 
     def _choose_path(self, x, w, stride, padding, block):
+        if self.precision == "bf16":
+            return _PathChoice("im2col-bf16", "forced")
+        if self.conv_path == "im2col-dnnl":
+            return _PathChoice("im2col-dnnl", "forced")
         rule = "shifted" if self._shifted(w.shape, stride) else "im2col"
         if self.conv_path in ("im2col", "shifted"):
             return _PathChoice(rule, "forced" if rule == self.conv_path else "forced path takes stride 1 only")
@@ -825,7 +887,8 @@ class CpuDevice(Device):
         if flops < self.auto_timed_min_flops:
             return _PathChoice(rule, f"rule: {flops / 1e6:.3g} MFLOP per call, under the "
                                      f"{self.auto_timed_min_flops / 1e6:.3g} timed")
-        candidates = ["im2col"] + (["shifted"] if stride == (1, 1) else []) + ([] if declined else ["fft"])
+        candidates = (["im2col"] + (["shifted"] if stride == (1, 1) else []) + ([] if declined else ["fft"])
+                      + [p for p in DNNL_PATHS if p in self._path_gemms and (p != "im2col-bf16" or self.precision == "auto")])
         if len(candidates) == 1:
             return _PathChoice("im2col", f"the only path here: {declined}")
         layer = (tuple(x.shape[1:]), tuple(w.shape[1:]), stride, padding, block)
@@ -912,23 +975,31 @@ class CpuDevice(Device):
         step = (n + pieces - 1) // pieces
         return [(n0, min(n, n0 + step)) for n0 in range(0, n, step)], step
 
-    def _chunk_plan(self, x, w, stride, padding):
+    def _chunk_plan(self, x, w, stride, padding, cols_dtype=np.float32):
         """What forward and backward share: kernel and output size, W as (K, C*kh*kw), the image
-        ranges of each chunk, and an im2col buffer sized for the largest chunk."""
+        ranges of each chunk, and an im2col buffer sized for the largest chunk (float32, or bf16
+        bits for the bf16 path: chunked as the float32 one)."""
         n, c, h, wd = x.shape
         k, _, kh, kw = w.shape
         ho, wo = _conv_hw(x.shape, w.shape, stride, padding)
         ckk = c * kh * kw
         chunks, step = self._equal_chunks(n, ho * wo * ckk * 4, self.im2col_budget_bytes)
-        return (kh, kw, ho, wo), w.reshape(k, ckk), chunks, self._scratch("cols", (step * ho * wo, ckk))
+        shape = (step * ho * wo, ckk)
+        cols = self._scratch("cols", shape) if cols_dtype == np.float32 else scratch16(self, "cols", shape)
+        return (kh, kw, ho, wo), w.reshape(k, ckk), chunks, cols
 
     # ---- forward -----------------------------------------------------------------------------
-    def _forward_chunks(self, x, w, stride, padding, consume, saved_cols=None):
+    def _forward_chunks(self, x, w, stride, padding, consume, saved_cols=None, gemms=None):
         """Run Y (K, P) = W @ im2col(chunk).T per chunk and hand each Y to `consume(n0, n1, y)`.
-        With `saved_cols` (flat, the whole batch's size) im2col goes there, kept for backward."""
-        (kh, kw, ho, wo), w2, chunks, cols_buf = self._chunk_plan(x, w, stride, padding)
+        With `saved_cols` (flat float32, the whole batch's size) im2col goes there, kept for
+        backward. `gemms`: the path's GEMMs (cpu_gemms; OpenBLAS's where None)."""
+        gemms = gemms or self._path_gemms["im2col"]
+        (kh, kw, ho, wo), w2, chunks, cols_buf = self._chunk_plan(x, w, stride, padding, gemms.cols_dtype)
         (sh, sw), (ph, pw) = stride, padding
         ckk = w2.shape[1]
+        x_in, w_in = gemms.input(x), gemms.weights(w2)
+        if saved_cols is not None:
+            saved_cols = saved_cols.view(gemms.cols_dtype)
         y_buf = self._scratch("y", (w.shape[0], cols_buf.shape[0]))
         for n0, n1 in chunks:
             rows = (n1 - n0) * ho * wo
@@ -937,8 +1008,8 @@ class CpuDevice(Device):
             else:
                 cols = saved_cols[n0 * ho * wo * ckk:n1 * ho * wo * ckk].reshape(rows, ckk)
             y = y_buf[:, :rows]
-            _im2col(x, n0, n1, kh, kw, sh, sw, ph, pw, ho, wo, cols)
-            np.matmul(w2, cols.T, out=y)        # the FLOPs: (K, ckk) x (ckk, rows) in sgemm
+            _im2col(x_in, n0, n1, kh, kw, sh, sw, ph, pw, ho, wo, cols)
+            gemms.forward(w_in, cols, y)
             consume(n0, n1, y)
         return ho, wo
 
@@ -961,7 +1032,7 @@ class CpuDevice(Device):
         def to_nchw(n0, n1, y):
             out[n0] = y.reshape(k, n1 - n0, -1).transpose(1, 0, 2).copy()
 
-        ho, wo = self._forward_chunks(x, w, stride, padding, to_nchw)
+        ho, wo = self._forward_chunks(x, w, stride, padding, to_nchw, gemms=self._path_gemms[path])
         y = np.concatenate([out[n0] for n0 in sorted(out)], axis=0).reshape(n, k, ho, wo)
         y += b[None, :, None, None]
         return y
@@ -972,28 +1043,32 @@ class CpuDevice(Device):
         path = self._path(x, w, block.stride, block.padding, block)
         if path == "fft":
             return self._fft_block(x, w, b, block)
+        gemms = self._path_gemms.get(path)
         if block.is_paper:
-            return self._paper_block(x, w, b, block.padding, path == "shifted")
-        return self._generic_block(x, w, b, block, path == "shifted")
+            return self._paper_block(x, w, b, block.padding, path == "shifted", gemms)
+        return self._generic_block(x, w, b, block, path == "shifted", gemms)
 
-    def _fused_forward(self, x, w, stride, padding, shifted, consume_columns, consume_rows):
+    def _fused_forward(self, x, w, stride, padding, shifted, consume_columns, consume_rows, gemms=None):
         """The conv of a fused forward, each chunk's Y handed to consume_columns(n0, n1, y (K, P))
-        on the im2col path or consume_rows(n0, n1, yt (ho*nb*wo, K)) on the shifted one. Returns
-        (shifted, the kept im2col or expansion or None, the kernel rows or None) for the context."""
+        on an im2col path (its `gemms`) or consume_rows(n0, n1, yt (ho*nb*wo, K)) on the shifted
+        one. Returns (shifted, the kept im2col or expansion or None, the kernel rows or None) for
+        the context."""
         n, c, h, _ = x.shape
         k, _, kh, kw = w.shape
         ho, wo = _conv_hw(x.shape, w.shape, stride, padding)
         # what backward reuses: the width expansion (padded height) or the im2col
         cols_size = n * (h + 2 * padding[0]) * wo * c * kw if shifted else n * ho * wo * c * kh * kw
+        if not shifted and gemms is not None:       # in float32 elements: a bf16 im2col takes half
+            cols_size = -(-cols_size * np.dtype(gemms.cols_dtype).itemsize // 4)
         saved_cols = self._take_saved_cols(cols_size) if cols_size * 4 <= self.saved_cols_budget_bytes else None
         kernel_rows = None
         if shifted:
             kernel_rows = self._shifted_forward(x, w, padding, consume_rows, saved=saved_cols)
         else:
-            self._forward_chunks(x, w, stride, padding, consume_columns, saved_cols=saved_cols)
+            self._forward_chunks(x, w, stride, padding, consume_columns, saved_cols=saved_cols, gemms=gemms)
         return shifted, saved_cols, kernel_rows
 
-    def _paper_block(self, x, w, b, padding, shifted):
+    def _paper_block(self, x, w, b, padding, shifted, gemms=None):
         """Conv + bias + ReLU + 2x2 stride-2 max-pool in one pass over each chunk's Y, keeping an
         int8 argmax per pooled value."""
         ho, wo = _conv_hw(x.shape, w.shape, (1, 1), padding)
@@ -1002,10 +1077,10 @@ class CpuDevice(Device):
         shifted, saved_cols, kernel_rows = self._fused_forward(
             x, w, (1, 1), padding, shifted,
             lambda n0, n1, y: _bias_relu_pool(y, b, n0, n1, ho, wo, out, argmax),
-            lambda n0, n1, yt: _bias_relu_pool_rows(yt, b, n0, n1, ho, wo, out, argmax))
-        return out, _PoolContext(x, argmax, padding, w, shifted, cols=saved_cols, kernel_rows=kernel_rows)
+            lambda n0, n1, yt: _bias_relu_pool_rows(yt, b, n0, n1, ho, wo, out, argmax), gemms)
+        return out, _PoolContext(x, argmax, padding, w, shifted, cols=saved_cols, kernel_rows=kernel_rows, gemms=gemms)
 
-    def _generic_block(self, x, w, b, block, shifted):
+    def _generic_block(self, x, w, b, block, shifted, gemms=None):
         """Any other block: each chunk's Y, seen as (images, K, ho, wo) planes, goes through the
         activation and the pool in one Numba pass. Backward keeps an int32 argmax per pooled value
         (max-pool) or a byte per conv output where ReLU passes (other pools with ReLU)."""
@@ -1023,17 +1098,20 @@ class CpuDevice(Device):
         shifted, saved_cols, kernel_rows = self._fused_forward(
             x, w, stride, padding, shifted,
             lambda n0, n1, y: consume(n0, _planes_of_columns(y, n1 - n0, ho, wo)),
-            lambda n0, n1, yt: consume(n0, _planes_of_rows(yt, n1 - n0, ho, wo)))
-        ctx = _BlockContext(x, w, block, shifted, (ho, wo), pool, argmax, mask, out.shape, saved_cols, kernel_rows)
+            lambda n0, n1, yt: consume(n0, _planes_of_rows(yt, n1 - n0, ho, wo)), gemms)
+        ctx = _BlockContext(x, w, block, shifted, (ho, wo), pool, argmax, mask, out.shape, saved_cols, kernel_rows,
+                            gemms)
         return out, ctx
 
     # ---- backward ----------------------------------------------------------------------------
     def _backward_chunks(self, x, w, stride, padding, need_dx, fill_dy, saved_cols=None, dw_out=None,
-                         accumulate=False):
+                         accumulate=False, gemms=None):
         """dW, db, dx from per-chunk dY (K, P) produced by `fill_dy(n0, n1, dy_out)`. With
         `saved_cols` (the forward's im2col of the whole batch) no im2col runs, and dcols
-        overwrites it chunk by chunk. dW into dw_out where given (added, with accumulate)."""
-        (kh, kw, ho, wo), w2, chunks, cols_buf = self._chunk_plan(x, w, stride, padding)
+        overwrites it chunk by chunk (float32 paths). dW into dw_out where given (added, with
+        accumulate). `gemms` as _forward_chunks'; db sums the float32 dY on every path."""
+        gemms = gemms or self._path_gemms["im2col"]
+        (kh, kw, ho, wo), w2, chunks, cols_buf = self._chunk_plan(x, w, stride, padding, gemms.cols_dtype)
         (sh, sw), (ph, pw) = stride, padding
         k, ckk = w2.shape
         dy_buf = self._scratch("y", (k, cols_buf.shape[0]))
@@ -1041,6 +1119,10 @@ class CpuDevice(Device):
         dw = np.empty((k, ckk), np.float32) if dw_out is None else dw_out.reshape(k, ckk)
         db = np.zeros(k, np.float64)
         dx = np.empty(x.shape, np.float32) if need_dx else None    # every image written by _col2im
+        x_in = gemms.input(x) if saved_cols is None else None
+        w_in = gemms.weights(w2) if need_dx else None
+        if saved_cols is not None:
+            saved_cols = saved_cols.view(gemms.cols_dtype)
         for i, (n0, n1) in enumerate(chunks):
             rows = (n1 - n0) * ho * wo
             dy = dy_buf[:, :rows]
@@ -1048,16 +1130,14 @@ class CpuDevice(Device):
             _add_row_sums(dy, db)
             if saved_cols is None:
                 cols = cols_buf[:rows]
-                _im2col(x, n0, n1, kh, kw, sh, sw, ph, pw, ho, wo, cols)
+                _im2col(x_in, n0, n1, kh, kw, sh, sw, ph, pw, ho, wo, cols)
             else:
                 cols = saved_cols[n0 * ho * wo * ckk:n1 * ho * wo * ckk].reshape(rows, ckk)
-            if i == 0 and not accumulate:
-                np.matmul(dy, cols, out=dw)             # (K, rows) x (rows, ckk)
-            else:
-                self._matmul_add(dy, cols, dw, "dw")
+            dy_in = gemms.grad(dy)
+            gemms.weight_grad(dy_in, cols, dw, add=i > 0 or accumulate)
             if need_dx:
-                np.matmul(dy.T, w2, out=cols)           # dcols overwrites this chunk's im2col
-                _col2im(cols, n0, n1, kh, kw, sh, sw, ph, pw, ho, wo, dx)
+                dcols = gemms.data_grad(dy_in, w_in, cols)
+                _col2im(dcols, n0, n1, kh, kw, sh, sw, ph, pw, ho, wo, dx)
         return dx, (dw.reshape(w.shape) if dw_out is None else dw_out), db.astype(np.float32)
 
     def _conv2d_backward(self, x, w, dy, stride, padding, need_dx):
@@ -1076,7 +1156,7 @@ class CpuDevice(Device):
         def from_nchw(n0, n1, out):
             out[:] = dy[n0:n1].reshape(n1 - n0, k, -1).transpose(1, 0, 2).reshape(k, -1)
 
-        return self._backward_chunks(x, w, stride, padding, need_dx, from_nchw)
+        return self._backward_chunks(x, w, stride, padding, need_dx, from_nchw, gemms=self._path_gemms[path])
 
     def _conv_block_backward(self, ctx, w, dout, need_dx, dw_out=None, accumulate=False):
         w = np.ascontiguousarray(w, np.float32)
@@ -1117,7 +1197,7 @@ class CpuDevice(Device):
             grads = dx, self._dw_into(dw_out, accumulate, dw), db
         else:
             grads = self._backward_chunks(ctx.x, w, stride, padding, need_dx, fill_columns, saved_cols=saved_cols,
-                                          dw_out=dw_out, accumulate=accumulate)
+                                          dw_out=dw_out, accumulate=accumulate, gemms=ctx.gemms)
         if saved_cols is not None:
             self._give_back_saved_cols(saved_cols)
         return grads

@@ -96,15 +96,17 @@ def measure_loopback(megabytes=64, repeats=3):
         ctx.destroy(linger=0)
 
 
-def calibrate_local(device_spec, specs, input_shapes, kernels, threads=None, repeats=3, also=None, conv_path="auto"):
+def calibrate_local(device_spec, specs, input_shapes, kernels, threads=None, repeats=3, also=None, conv_path="auto",
+                    precision="fp32"):
     """A DeviceProfile for a device in this process (what a worker on it would report). With
     `also` (other kernel counts), two profiles from calibrations that alternate round by round,
     each value the median over rounds: a host whose speed drifts (other tenants) then skews both
     alike, and their ratio (a speedup) stays put. A CPU device's conv paths (`conv_path`, auto:
-    timed per layer and share) are named in the profile's description, since its times are theirs."""
+    timed per layer and share) and its `precision` are named in the profile's description, since
+    its times are theirs."""
     options = {"threads": threads} if device_spec == "cpu" and threads else {}
     if device_spec == "cpu":
-        options["conv_path"] = conv_path
+        options.update(conv_path=conv_path, precision=precision)
     device = open_device(device_spec, **options)
     shard = ConvShard(device)
     name = f"{device_spec}:{threads}" if threads else device_spec

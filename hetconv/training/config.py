@@ -5,7 +5,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from hetconv.data.batches import parse_augment
-from hetconv.devices.cpu import CONV_PATHS as CPU_CONV_PATHS
+from hetconv.devices.cpu import CONV_PATHS as CPU_CONV_PATHS, PRECISIONS
 from hetconv.engine.costmodel import parse_bandwidth
 from hetconv.engine.planner import POLICIES, check_parallel
 from hetconv.flags import check_finite, parse_int_list
@@ -79,7 +79,12 @@ class Config:
     # devices
     threads: int = option(0, "threads per CPU device (0: every core this process may use)")
     cpu_conv_path: str = option("auto", "a CPU device's conv path: 'auto' (per layer and share, the fastest by timing on "
-                                        "first use), or forced: 'im2col', 'shifted' or 'fft' (stride-1 layers)")
+                                        "first use), or forced: 'im2col', 'shifted' or 'fft' (stride-1 layers), or "
+                                        "'im2col-dnnl' (oneDNN's sgemm)")
+    precision: str = option("fp32", "a CPU device's conv GEMMs: fp32; bf16 (operands rounded to bf16, sums and "
+                                    "everything else in fp32, as PyTorch's autocast; needs oneDNN: pip install "
+                                    "'hetconv[onednn]'); auto (bf16 where the device's timing finds it faster, per "
+                                    "layer and share, else fp32). GPU devices run fp32")
     split: str = option("proportional", "'proportional' to measured speed, or 'equal' (the naive baseline)")
     parallel: str = option("auto", "per conv layer, 'model' (kernels split among workers) or 'data' (images split, "
                                    "whole weights on every worker); 'auto': the cost model picks per layer; or a "
@@ -164,6 +169,11 @@ class Config:
     def validate(self):
         if self.cpu_conv_path not in CPU_CONV_PATHS:
             raise ValueError(f"--cpu-conv-path must be one of {', '.join(CPU_CONV_PATHS)}, got {self.cpu_conv_path!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.precision == "bf16" and self.cpu_conv_path != "auto":
+            raise ValueError(f"--precision bf16 runs every CPU conv on its bf16 path: --cpu-conv-path "
+                             f"{self.cpu_conv_path} cannot be forced with it")
         self.conv_kernels()
         self.fc_sizes()
         self.augment_kinds()

@@ -66,7 +66,7 @@ def _check_args(args):
 
 
 def _serve_compute(ctx, endpoint, requests, device_spec, threads, identity, name, keydir="", peer_keys=None,
-                   cpu_conv_path="auto"):
+                   cpu_conv_path="auto", precision="fp32"):
     """The compute thread: one request (a Message the I/O thread already checked) in from the
     `requests` queue, its reply out over the PAIR socket, strictly in order; None stops it. A
     STEP reads its further messages (INPUT, GRAD, peers' SLICEs) from the same queue."""
@@ -76,7 +76,8 @@ def _serve_compute(ctx, endpoint, requests, device_spec, threads, identity, name
     pair.linger = 0
     pair.connect(endpoint)
     try:
-        options = {"threads": threads or None, "conv_path": cpu_conv_path} if device_spec == "cpu" else {}
+        options = ({"threads": threads or None, "conv_path": cpu_conv_path, "precision": precision}
+                   if device_spec == "cpu" else {})
         device = open_device(device_spec, **options)
         shard = ConvShard(device)
         server = ShardServer(shard)
@@ -156,7 +157,7 @@ def run(args):
     ipc_token = write_ipc_token(peer_endpoints)   # "" : no ipc path proved, peers reach this worker over tcp
     compute = threading.Thread(target=_serve_compute,
                                args=(ctx, endpoint, requests, args.device, args.threads, identity, label,
-                                     args.curve, peer_keys, args.cpu_conv_path),
+                                     args.curve, peer_keys, args.cpu_conv_path, args.precision),
                                name="compute", daemon=True)
     compute.start()
     heartbeats = None

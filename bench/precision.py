@@ -1,0 +1,358 @@
+"""Mixed precision on CPUs: what `--precision bf16` buys a training step, against float32 and
+against PyTorch's float32 and bf16 autocast, in one run of alternating rounds.
+
+    python bench/precision.py --out bench/results/precision
+    python bench/precision.py --render bench/results/precision/precision.json
+
+Each round runs, for each network (the paper network and vgg-small) at batch 32, in an order that
+rotates from round to round:
+- hetconv --local --threads 2, --precision fp32, bf16 and auto (bf16 layer by layer where timed faster);
+- hetconv --spawn cpu,cpu --threads 1 (two one-thread workers on cores of their own), fp32 and bf16;
+- PyTorch with 2 threads, float32 and bf16 autocast (torch.autocast("cpu", torch.bfloat16) around
+  the forward and the loss), SGD with momentum, the same layers (bench/_ddp_baseline.torch_net).
+fp32 is hetconv's default: each layer's conv path timed on its first call among OpenBLAS's
+im2col, shifted and FFT paths and oneDNN's im2col (the device's `--verbose` lines name the pick);
+bf16 runs every conv on oneDNN's bf16 GEMM (bf16 operands, float32 sums). A row's number is the
+median of its timed steps after the warm-up steps (hetconv's first step times its conv paths).
+Every process is the synthetic data set; the losses of the first and last step are kept, so a
+precision that stopped learning would show.
+
+hetconv needs oneDNN here (pip install -e '.[onednn]'); the results name the CPU, its SIMD flags
+(avx512_bf16, amx_tile), the BLAS kernel, oneDNN's version and ISA, and PyTorch's oneDNN.
+"""
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import _common  # noqa: E402
+import _speedup_common as C  # noqa: E402
+
+STEM = "precision"
+NETS = ("paper", "vgg-small")
+# each config with the row it is compared with in its own precision family ("fp32") and PyTorch's
+# row of its precision ("torch")
+CONFIGS = [("hetconv local fp32", {"kind": "hetconv", "mode": "local", "precision": "fp32", "torch": "torch fp32"}),
+           ("hetconv local bf16", {"kind": "hetconv", "mode": "local", "precision": "bf16", "fp32": "hetconv local fp32",
+                                   "torch": "torch bf16 autocast"}),
+           ("hetconv local auto", {"kind": "hetconv", "mode": "local", "precision": "auto", "fp32": "hetconv local fp32",
+                                   "torch": "torch bf16 autocast"}),
+           ("hetconv 2x1 fp32", {"kind": "hetconv", "mode": "spawn", "precision": "fp32", "torch": "torch fp32"}),
+           ("hetconv 2x1 bf16", {"kind": "hetconv", "mode": "spawn", "precision": "bf16", "fp32": "hetconv 2x1 fp32",
+                                 "torch": "torch bf16 autocast"}),
+           ("torch fp32", {"kind": "torch", "autocast": False}),
+           ("torch bf16 autocast", {"kind": "torch", "autocast": True, "fp32": "torch fp32"})]
+# "cpu device: x (...) w (...) ..., block ...: runs PATH (timed ...)" from the device's --verbose
+_CHOSE = re.compile(r"^cpu device: x \(([^)]*)\) w \(([^)]*)\).* runs (\S+) \(")
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=os.path.join(HERE, "results", "precision"))
+    p.add_argument("--nets", default=",".join(NETS), help="comma list of hetconv --net presets")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=2, help="steps not timed (hetconv's first times its conv paths)")
+    p.add_argument("--steps", type=int, default=4, help="timed steps per row")
+    p.add_argument("--render", default="", metavar="JSON", help="rewrite the .md beside a saved JSON, run nothing")
+    p.add_argument("--torch-row", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    p.add_argument("--gemm-row", metavar="OUT", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# ---- one row, in a process of its own --------------------------------------------------------------
+def hetconv_row(net, what, args, work, tag):
+    metrics = os.path.join(work, f"{tag}.jsonl")
+    steps = args.warmup + args.steps
+    where = ["--local", "--threads", "2"] if what["mode"] == "local" else ["--spawn", "cpu,cpu", "--threads", "1"]
+    cmd = [sys.executable, "-m", "hetconv.cli.coordinator", *where, "--net", net, "--precision", what["precision"],
+           "--batch-size", str(args.batch_size), "--steps", str(steps), "--synthetic-train",
+           str(args.batch_size * (steps + 1)), "--synthetic-test", str(args.batch_size), "--eval-batches", "1",
+           "--metrics", metrics, "--verbose"]
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=work, timeout=1800)
+    wall = time.perf_counter() - t0
+    if done.returncode:
+        return {"ok": False, "error": f"exit {done.returncode}: {done.stderr.strip()[-600:]}", "wall_s": wall}
+    records = [json.loads(line) for line in open(metrics)]
+    step = [r for r in records if r["event"] == "step"]
+    times = [r["step_s"] for r in step]
+    row = {"ok": True, "step_s": statistics.median(times[args.warmup:]), "step_s_all": times[args.warmup:],
+           "warmup_step_s": times[:args.warmup], "loss_first": step[0]["loss"], "loss_last": step[-1]["loss"],
+           "wall_s": wall, "device": next((line.split("local: ", 1)[1] for line in done.stdout.splitlines()
+                                           if line.startswith("local: ")), "")}
+    calibration = next((r for r in records if r["event"] == "calibration"), None)
+    if calibration is not None:             # spawned workers: what each one's device ran, by call shape
+        workers = calibration["workers"]
+        row["workers"] = {name: {"precision": w.get("precision"), "description": w["description"],
+                                 "conv_paths": [f"{c['call'].split(' stride')[0]}: {c['path']} ({c['why'].split(':')[0]})"
+                                                for c in w["conv_paths"]]} for name, w in workers.items()}
+        row["device"] = next(iter(workers.values()))["description"]
+    else:                                   # --local: the device's --verbose lines
+        row["conv_paths"] = [f"x ({m.group(1)}) w ({m.group(2)}): {m.group(3)}" for m in
+                             map(_CHOSE.match, done.stderr.splitlines()) if m]
+    return row
+
+
+def torch_row(spec, out):
+    """PyTorch in this process: `threads` threads, SGD with momentum on hetconv's network `net`,
+    float32 or with the forward and the loss under bf16 autocast."""
+    import torch
+    import torch.nn.functional as F
+    from _ddp_baseline import torch_net
+    torch.set_num_threads(int(spec["threads"]))
+    torch.manual_seed(0)
+    model = torch_net(spec["net"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
+    gen = torch.Generator().manual_seed(0)
+    times, losses = [], []
+    for _ in range(int(spec["warmup"]) + int(spec["steps"])):
+        x = torch.randn(int(spec["batch_size"]), 3, 32, 32, generator=gen)
+        y = torch.randint(0, 10, (int(spec["batch_size"]),), generator=gen)
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(spec["autocast"])):
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    warm = int(spec["warmup"])
+    row = {"ok": True, "step_s": statistics.median(times[warm:]), "step_s_all": times[warm:],
+           "warmup_step_s": times[:warm], "loss_first": losses[0], "loss_last": losses[-1],
+           "threads": torch.get_num_threads()}
+    _common.write_text(out, json.dumps(row))
+
+
+def run_torch(net, what, args, work, tag):
+    out = os.path.join(work, f"{tag}.json")
+    spec = {"net": net, "threads": 2, "batch_size": args.batch_size, "warmup": args.warmup, "steps": args.steps,
+            "autocast": what["autocast"]}
+    env = dict(os.environ, OMP_NUM_THREADS="2", OPENBLAS_NUM_THREADS="2", MKL_NUM_THREADS="2")
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--torch-row", json.dumps(spec), out],
+                          capture_output=True, text=True, env=env, timeout=1800)
+    if done.returncode:
+        return {"ok": False, "error": f"exit {done.returncode}: {done.stderr.strip()[-600:]}"}
+    with open(out) as f:
+        row = json.load(f)
+    row["wall_s"] = time.perf_counter() - t0
+    return row
+
+
+# ---- the GEMM alone ----------------------------------------------------------------------------------
+GEMM_SHAPE = (1500, 12500, 3200)        # conv2's forward at batch 32: (K, C*kh*kw) @ (C*kh*kw, N*Ho*Wo)
+
+
+def gemm_rows(rounds=3):
+    """conv2's forward GEMM on one thread, in this process: numpy's OpenBLAS sgemm, oneDNN's sgemm
+    and its bf16 GEMM (operands rounded beforehand, not timed), alternating; GFLOP/s per round."""
+    import numpy as np
+    from threadpoolctl import threadpool_limits
+    from hetconv.devices import dnnl
+    lib = dnnl.load()
+    m, k, n = GEMM_SHAPE
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((k, n), dtype=np.float32)
+    a16, b16, c = dnnl.to_bf16(a), dnnl.to_bf16(b), np.empty((m, n), np.float32)
+    runs = {"OpenBLAS sgemm": lambda: np.matmul(a, b, out=c), "oneDNN sgemm": lambda: lib.sgemm(a, b, c, 0.0, 1),
+            "oneDNN bf16 GEMM": lambda: lib.gemm_bf16(a16, b16, c, 0.0, 1)}
+    seconds = {name: [] for name in runs}
+    with threadpool_limits(limits=1, user_api="blas"):
+        for name, run in runs.items():
+            run()                                   # first use: packing buffers, JIT kernels
+        for r in range(rounds):
+            for name, run in (runs.items() if r % 2 == 0 else list(runs.items())[::-1]):
+                t0 = time.perf_counter()
+                run()
+                seconds[name].append(time.perf_counter() - t0)
+    want = a.astype(np.float64)[:64] @ b
+    lib.gemm_bf16(a16, b16, c, 0.0, 1)
+    return {"shape": list(GEMM_SHAPE), "gflops": {name: [2 * m * k * n / t / 1e9 for t in ts]
+                                                   for name, ts in seconds.items()},
+            "bf16_relative_error": float(np.abs(c[:64] - want).max() / np.abs(want).max())}
+
+
+def gemm_tables():
+    """gemm_rows in this process (the BLAS overrides dropped, as every row here runs) and, where
+    the environment had set some, in a process that keeps them: what hetconv gets on this host
+    when nobody drops them."""
+    tables = {"OpenBLAS's own kernel choice": gemm_rows()}
+    dropped = os.environ.get(_common._DROPPED_MARK, "")
+    if dropped:
+        env = {k: v for k, v in os.environ.items() if k != _common._DROPPED_MARK}
+        env.update(item.split("=", 1) for item in dropped.split())
+        with tempfile.TemporaryDirectory() as work:
+            out = os.path.join(work, "gemm.json")
+            subprocess.run([sys.executable, os.path.abspath(__file__), "--gemm-row", out], env=env, check=True,
+                           timeout=600)
+            with open(out) as f:
+                tables[f"with {dropped} (as this host's environment sets it)"] = json.load(f)
+    return tables
+
+
+# ---- the run ---------------------------------------------------------------------------------------
+def machine_facts(argv, started, load_start, env_line):
+    import numpy  # noqa: F401  (the BLAS the hetconv rows load, for run_facts to name)
+    import torch
+    from hetconv.devices import dnnl
+    gemm = dnnl.load().describe() if dnnl.available() else f"none: {dnnl.unavailable_reason()}"
+    torch_dnnl = [line.strip(" -") for line in torch.__config__.show().splitlines() if "MKL-DNN" in line]
+    return {**_common.run_facts("precision.py", argv, started, load_start), "gemm": gemm,
+            "torch": "; ".join(_common.torch_info(torch) + torch_dnnl), "env": env_line}
+
+
+def run(args, argv, env_line):
+    from hetconv.devices import dnnl
+    if not dnnl.available():
+        raise SystemExit(f"bench/precision.py: hetconv's bf16 rows need oneDNN: {dnnl.unavailable_reason()}")
+    started, load_start = time.time(), _common.load_average()
+    nets = [n for n in args.nets.split(",") if n]
+    doc = {**machine_facts(argv, started, load_start, env_line), "batch_size": args.batch_size, "warmup": args.warmup,
+           "steps": args.steps, "nets": nets, "configs": [name for name, _ in CONFIGS],
+           "peers": {name: {k: what[k] for k in ("fp32", "torch") if k in what} for name, what in CONFIGS},
+           "rows": []}
+    print(f"machine: {doc['machine']}; isa {doc['isa']}; {doc['gemm']}; {load_start}", flush=True)
+    doc["gemm_alone"] = gemm_tables()
+    print(f"conv2's GEMM, one thread, GFLOP/s: {doc['gemm_alone']}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="hetconv-precision-") as work:
+        try:
+            for rnd in range(args.rounds):
+                order = CONFIGS[rnd % len(CONFIGS):] + CONFIGS[:rnd % len(CONFIGS)]
+                order = order if rnd % 2 == 0 else order[::-1]
+                for net in nets:
+                    for name, what in order:
+                        tag = f"r{rnd}-{net}-{name.replace(' ', '_')}"
+                        print(f"[round {rnd}] {net}: {name} ... ({_common.load_average()})", flush=True)
+                        with C.ForeignLoad() as load:
+                            runner = hetconv_row if what["kind"] == "hetconv" else run_torch
+                            row = runner(net, what, args, work, tag)
+                        row.update(net=net, config=name, round=rnd, foreign_load_cores=load.cores,
+                                   load_after=_common.load_average())
+                        doc["rows"].append(row)
+                        print(f"    -> {row_text(row)}; foreign load {load.cores:.2f} cores", flush=True)
+                save(args.out, doc, started)             # after every round: a stopped run keeps its rounds
+        except KeyboardInterrupt:
+            print("interrupted: writing the rows measured so far", file=sys.stderr)
+        finally:
+            save(args.out, doc, started)
+    return 0 if doc["rows"] and all(r.get("ok") for r in doc["rows"]) else 1
+
+
+def save(out_dir, doc, started):
+    os.makedirs(out_dir, exist_ok=True)
+    doc["wall_s"] = time.time() - started
+    doc["load"]["end"] = _common.load_average()
+    _common.save_outputs(out_dir, STEM, doc, markdown)
+
+
+def row_text(r):
+    if not r.get("ok"):
+        return f"FAILED: {r.get('error')}"
+    return (f"step {r['step_s']:.3f}s (timed {', '.join(f'{s:.2f}' for s in r['step_s_all'])}; warm-up "
+            f"{', '.join(f'{s:.2f}' for s in r['warmup_step_s'])}); loss {r['loss_first']:.3f} -> {r['loss_last']:.3f}")
+
+
+# ---- the table, from the saved JSON alone -------------------------------------------------------------
+def markdown(doc):
+    lines = ["# Mixed precision on CPUs: bf16 GEMMs against float32 and PyTorch", ""] + _common.run_header(doc)
+    lines += [f"CPU SIMD flags: {doc['isa']}. BLAS: {doc['blas']}. hetconv's GEMM library: {doc['gemm']}. "
+              f"PyTorch: {doc['torch']}. Environment: {doc.get('env', '')}.", "",
+              f"Batch {doc['batch_size']}, synthetic data; each row the median of {doc['steps']} timed steps after "
+              f"{doc['warmup']} warm-up steps, in {max([r['round'] for r in doc['rows']], default=-1) + 1} rounds of "
+              f"alternating order. `x fp32` is the row's step over the float32 row of the same "
+              f"kind (hetconv in the same mode, or torch fp32), `x torch` over PyTorch's step in the row's precision "
+              f"(auto: bf16 autocast), both the median of per-round ratios (< 1: faster).", ""]
+    tables = doc.get("gemm_alone")
+    if tables:
+        m, k, n = next(iter(tables.values()))["shape"]
+        lines += ["## The GEMM alone", "", f"conv2's forward GEMM at batch 32 ({m}x{k} @ {k}x{n}), one thread, "
+                  f"alternating rounds; bf16 operands rounded beforehand.", ""]
+        rows = []
+        for blas, gemm in tables.items():
+            base = statistics.median(gemm["gflops"]["OpenBLAS sgemm"])
+            rows += [[name, blas, f"**{statistics.median(g):.0f}**", " / ".join(f"{v:.0f}" for v in g),
+                      f"{statistics.median(g) / base:.2f}"] for name, g in gemm["gflops"].items()]
+        lines += [_common.markdown_table(["GEMM", "OpenBLAS kernel", "GFLOP/s (median)", "per round", "x OpenBLAS"],
+                                         rows), "",
+                  f"Relative error of the bf16 product against float64: "
+                  f"{next(iter(tables.values()))['bf16_relative_error']:.1e}.", ""]
+    for net in doc["nets"]:
+        rows = [r for r in doc["rows"] if r["net"] == net]
+        lines += [f"## {net}", ""]
+        table = []
+        for name in doc["configs"]:
+            mine = [r for r in rows if r["config"] == name]
+            ok = [r for r in mine if r.get("ok")]
+            if not ok:
+                table.append([name, "failed" if mine else "not run", "", "", "", "", ""])
+                continue
+            peers = doc["peers"].get(name, {})
+            per_round = " / ".join(f"{r['step_s']:.3f}" for r in ok)
+            losses = " / ".join(f"{r['loss_first']:.2f}->{r['loss_last']:.2f}" for r in ok)
+            table.append([name, f"**{statistics.median(r['step_s'] for r in ok):.3f}**", per_round,
+                          _ratio(rows, name, peers["fp32"]) if "fp32" in peers else "",
+                          _ratio(rows, name, peers["torch"]) if "torch" in peers else "", losses,
+                          f"{statistics.median(r['foreign_load_cores'] for r in ok):.2f}"])
+        lines += [_common.markdown_table(["config", "step s (median)", "per round", "x fp32", "x torch", "loss first->last",
+                                          "foreign load (cores)"], table), ""]
+        lines += _paths_lines(rows) + [""]
+    failed = [r for r in doc["rows"] if not r.get("ok")]
+    if failed:
+        lines += ["## Failed rows", ""] + [f"- round {r['round']} {r['net']} {r['config']}: {r.get('error')}"
+                                           for r in failed] + [""]
+    return "\n".join(lines)
+
+
+def _ratio(rows, name, base):
+    """The median over rounds of this config's step over `base`'s in the same round."""
+    ratios = []
+    for r in rows:
+        if r["config"] == name and r.get("ok"):
+            other = [o for o in rows if o["config"] == base and o["round"] == r["round"] and o.get("ok")]
+            if other:
+                ratios.append(r["step_s"] / other[0]["step_s"])
+    return f"{statistics.median(ratios):.2f}" if ratios else ""
+
+
+def _paths_lines(rows):
+    """What each hetconv row's devices ran, from its first successful round."""
+    lines = []
+    for r in rows:
+        if not (r.get("ok") and r["config"].startswith("hetconv")) or r["round"] != min(
+                o["round"] for o in rows if o["config"] == r["config"] and o.get("ok")):
+            continue
+        if "workers" in r:
+            first = next(iter(r["workers"].values()))
+            paths = "; ".join(dict.fromkeys(first["conv_paths"])) or "?"
+            lines.append(f"- {r['config']}: worker 0 ran {first['precision']}: {paths}")
+        else:
+            lines.append(f"- {r['config']}: {'; '.join(r['conv_paths']) or 'every conv forced or untimed (the rule)'}")
+    return ["Conv paths (timed on the first call; untimed small calls take the OpenBLAS rule):", *lines] if lines else []
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.torch_row:
+        torch_row(json.loads(args.torch_row[0]), args.torch_row[1])
+        return 0
+    if args.gemm_row:
+        _common.write_text(args.gemm_row, json.dumps(gemm_rows()))
+        return 0
+    if args.render:
+        print(f"wrote {_common.render_saved(args.render, STEM, markdown)}")
+        return 0
+    env_line = _common.reexec_without_blas_overrides()     # before numpy loads: it may re-execute
+    return run(args, argv, env_line)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,267 @@
+"""oneDNN's GEMMs for the CPU device: fp32 (dnnl_sgemm) and bf16 operands with fp32 accumulation
+(dnnl_gemm_bf16bf16f32), through ctypes; and the fp32 -> bf16 rounding, in Numba.
+
+Why: on an AMD EPYC Zen 5 core (AVX-512 with AVX512_BF16, no AMX), a conv2-shaped GEMM (M=1500,
+K=12500, N=3200, one thread) ran ~250 GFLOP/s in OpenBLAS's AVX-512 kernel and in oneDNN's sgemm
+alike, ~500 in oneDNN's bf16 GEMM; and ~125 in OpenBLAS where the environment forces its Haswell
+kernel (OPENBLAS_CORETYPE, as on that host), which oneDNN's sgemm does not depend on
+(bench/results/precision/, "The GEMM alone"). PyTorch's own oneDNN is linked in privately, so
+the library comes from the `onednn` extra: the `onednn-cpu-gomp` wheel, 39 MB with no further
+packages, whose libdnnl.so.3 lands in the environment's lib/ and uses the system's GNU OpenMP,
+the very runtime Numba's threads run on (one pool of threads in the process, no second runtime
+spinning on the same cores). The TBB-threaded `onednn` wheel works too where its libraries load
+(it needs Intel's SYCL and compiler runtimes, ~2 GB): name it with HETCONV_DNNL_LIBRARY.
+
+Threads: the GNU OpenMP build runs a GEMM on omp_get_max_threads() threads, an OpenMP setting
+of the calling thread (a worker computes on a thread of its own), so every call here sets it to
+the caller's `threads` first (one ctypes call, ~1 us); tests/test_dnnl.py checks by the CPU time
+of each thread that one thread means one. The `onednn` wheel (oneDNN 3.13, SYCL runtime over
+TBB) follows the process's CPU affinity instead, and no C call caps it: measured the same way,
+a process on 2 cores ran its GEMMs on 2 threads when asked for 1, and on 1 once pinned to one
+core, which is what a pinned worker gives it.
+
+bf16 travels as np.uint16 holding the upper half of a float32 (numpy has no bfloat16 dtype).
+Rounding is to nearest, ties to even, as PyTorch's (NaN becomes 0x7FC0); widening is exact.
+"""
+import ctypes
+import ctypes.util
+import os
+import site
+import sys
+
+import numba
+import numpy as np
+from numba import prange
+
+from hetconv.devices.base import DeviceError
+from hetconv.devices.blas import operand_layout
+
+LIBRARY_ENV = "HETCONV_DNNL_LIBRARY"
+INSTALL = "pip install 'hetconv[onednn]' (in a checkout: pip install -e '.[onednn]')"
+_SONAME = "libdnnl.so.3"
+_RUNTIMES = {1: "sequential", 2: "OpenMP", 4: "TBB", 8: "threadpool", 0x200: "SYCL"}
+# dnnl_get_effective_cpu_isa's values that are the same in every oneDNN 3.x; others print in hex
+_ISAS = {0x7: "avx2", 0x27: "avx512_core", 0x67: "avx512_core_vnni", 0xe7: "avx512_core_bf16"}
+_SUCCESS = 0
+
+_jit = numba.njit(parallel=True, nogil=True, cache=True)
+
+
+# ---- bf16 -----------------------------------------------------------------------------------------
+@numba.njit(inline="always", nogil=True, cache=True)
+def _bf16_of_bits(u):
+    """The bf16 nearest the float32 whose bits are u (a uint32), ties to even; NaN -> 0x7FC0."""
+    v = np.int64(u)
+    if (v & 0x7FFFFFFF) > 0x7F800000:
+        return np.uint16(0x7FC0)
+    return np.uint16((v + 0x7FFF + ((v >> 16) & 1)) >> 16)
+
+
+@_jit
+def _round_flat(bits, out):
+    for i in prange(bits.shape[0]):
+        out[i] = _bf16_of_bits(bits[i])
+
+
+@_jit
+def _round_rows(bits, out):
+    """For 2-D views whose rows are contiguous (a window of a wider buffer)."""
+    for r in prange(bits.shape[0]):
+        for c in range(bits.shape[1]):
+            out[r, c] = _bf16_of_bits(bits[r, c])
+
+
+def to_bf16(a, out=None):
+    """float32 array -> its bf16 bits (np.uint16, same shape), in `out` where given. A 2-D view
+    whose rows are contiguous is taken as it is (no copy)."""
+    if not isinstance(a, np.ndarray) or a.dtype != np.float32:
+        raise TypeError(f"to_bf16 takes a float32 numpy array, got {getattr(a, 'dtype', type(a).__name__)}")
+    if out is None:
+        out = np.empty(a.shape, np.uint16)
+    elif not (isinstance(out, np.ndarray) and out.dtype == np.uint16 and out.shape == a.shape):
+        raise ValueError(f"out must be a uint16 array of shape {a.shape!r}, got "
+                         f"{getattr(out, 'dtype', type(out).__name__)} {getattr(out, 'shape', None)!r}")
+    if a.flags.c_contiguous and out.flags.c_contiguous:
+        _round_flat(a.reshape(-1).view(np.uint32), out.reshape(-1))
+    elif a.ndim == 2 and a.strides[1] == 4 and out.strides[1] == 2:
+        _round_rows(a.view(np.uint32), out)
+    else:
+        out[...] = to_bf16(np.ascontiguousarray(a))
+    return out
+
+
+def from_bf16(bits):
+    """bf16 bits (np.uint16) -> float32, exactly."""
+    return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def round_to_bf16(a):
+    """float32 -> float32 holding the nearest bf16 (what a bf16 GEMM's operands are)."""
+    return from_bf16(to_bf16(np.ascontiguousarray(a, np.float32)))
+
+
+# ---- the library ----------------------------------------------------------------------------------
+class _Version(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_int), ("minor", ctypes.c_int), ("patch", ctypes.c_int),
+                ("hash", ctypes.c_char_p), ("cpu_runtime", ctypes.c_uint), ("gpu_runtime", ctypes.c_uint)]
+
+
+def _candidates():
+    """Where libdnnl.so.3 may be: the user's choice, then where a wheel's data files land (this
+    environment's lib/, the user site's), then the system's library path."""
+    named = os.environ.get(LIBRARY_ENV)
+    if named:
+        return [named]
+    roots = [sys.prefix, getattr(site, "USER_BASE", None) or ""]
+    found = [os.path.join(root, "lib", _SONAME) for root in roots if root]
+    system = ctypes.util.find_library("dnnl")
+    return [p for p in found if os.path.exists(p)] + ([system] if system else [])
+
+
+class Dnnl:
+    """The loaded library: `sgemm` and `gemm_bf16` on numpy views, and what it is (`describe`)."""
+
+    def __init__(self, path):
+        self.path = path
+        lib = ctypes.CDLL(path)
+        dim, flt, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+        args = [ctypes.c_char, ctypes.c_char, dim, dim, dim, flt, ptr, dim, ptr, dim, flt, ptr, dim]
+        self._sgemm, self._bf16 = lib.dnnl_sgemm, lib.dnnl_gemm_bf16bf16f32
+        for f in (self._sgemm, self._bf16):
+            f.argtypes, f.restype = args, ctypes.c_int
+        lib.dnnl_version.restype = ctypes.POINTER(_Version)
+        v = lib.dnnl_version().contents
+        self.version = f"{v.major}.{v.minor}.{v.patch}"
+        self.runtime = _RUNTIMES.get(v.cpu_runtime, f"runtime {v.cpu_runtime:#x}")
+        lib.dnnl_get_effective_cpu_isa.restype = ctypes.c_uint
+        isa = lib.dnnl_get_effective_cpu_isa()
+        self.isa = _ISAS.get(isa, f"isa {isa:#x}")
+        self._set_threads = None
+        if self.runtime == "OpenMP":
+            # looked up through libdnnl's handle: the OpenMP runtime it was linked against (GNU's
+            # for the extra's wheel, Intel's for an iomp build), not whichever one the name finds
+            self._set_threads = lib.omp_set_num_threads
+            self._set_threads.argtypes, self._set_threads.restype = [ctypes.c_int], None
+        self.bf16_error = ""            # why the bf16 GEMM cannot be used here, where it cannot
+
+    def describe(self):
+        return f"oneDNN {self.version} ({self.runtime}, {self.isa})"
+
+    def _call(self, name, function, a, b, c, beta, threads, dtype):
+        for label, v, want in (("a", a, dtype), ("b", b, dtype), ("c", c, np.float32)):
+            if not isinstance(v, np.ndarray) or v.dtype != want or v.ndim != 2:
+                raise ValueError(f"{name}: {label} must be a 2-D {np.dtype(want).name} view, got "
+                                 f"{getattr(v, 'dtype', type(v).__name__)} with shape {getattr(v, 'shape', None)!r}")
+        m, k = a.shape
+        k2, n = b.shape
+        if k != k2 or c.shape != (m, n):
+            raise ValueError(f"{name} shapes do not chain: a {a.shape!r} @ b {b.shape!r} into c {c.shape!r}")
+        if c.strides[1] != 4 or c.strides[0] < max(1, n) * 4 or not c.flags.writeable:
+            raise ValueError(f"{name}: c must be a writeable row-contiguous view, got strides {c.strides!r}")
+        if m == 0 or n == 0:
+            return c
+        if k == 0:
+            c *= np.float32(beta)
+            return c
+        (a_t, lda), (b_t, ldb) = operand_layout("a", a), operand_layout("b", b)
+        if self._set_threads is not None:
+            self._set_threads(int(threads))
+        status = function(b"T" if a_t else b"N", b"T" if b_t else b"N", m, n, k, 1.0, a.ctypes.data, lda,
+                          b.ctypes.data, ldb, float(beta), c.ctypes.data, c.strides[0] // 4)
+        if status != _SUCCESS:
+            raise DeviceError(f"oneDNN's {name} failed (status {status}) on a {a.shape!r} @ b {b.shape!r}")
+        return c
+
+    def sgemm(self, a, b, c, beta=0.0, threads=1):
+        """c = a @ b + beta * c in float32; a and b row-major or transposed views of row-major
+        blocks, c row-contiguous. Releases the GIL (ctypes does) while it runs."""
+        return self._call("sgemm", self._sgemm, a, b, c, beta, threads, np.float32)
+
+    def gemm_bf16(self, a, b, c, beta=0.0, threads=1):
+        """c = a @ b + beta * c, a and b bf16 bits (np.uint16) as sgemm takes them, products
+        summed in float32 into c."""
+        if self.bf16_error:
+            raise DeviceError(self.bf16_error)
+        return self._call("gemm_bf16", self._bf16, a, b, c, beta, threads, np.uint16)
+
+
+def _self_check(lib):
+    """A small product of every operand layout against numpy: '' if the fp32 GEMM is right, else
+    what went wrong; sets lib.bf16_error where the bf16 GEMM is missing or wrong on this CPU."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((7, 9)).astype(np.float32)
+    b = rng.standard_normal((9, 5)).astype(np.float32)
+    c0 = rng.standard_normal((7, 5)).astype(np.float32)
+    a16, b16 = round_to_bf16(a), round_to_bf16(b)
+    for a_view, b_view, transposed in ((a, b, False), (np.ascontiguousarray(a.T).T, np.ascontiguousarray(b.T).T, True)):
+        for beta in (0.0, 1.0):
+            c = c0.copy()
+            lib.sgemm(a_view, b_view, c, beta)
+            if not np.allclose(c, a.astype(np.float64) @ b + beta * c0, rtol=1e-5, atol=1e-5):
+                return f"its sgemm disagrees with numpy (transposed operands: {transposed}, beta {beta})"
+            c = c0.copy()
+            try:
+                lib.gemm_bf16(to_bf16(a_view), to_bf16(b_view), c, beta)
+            except DeviceError as e:
+                lib.bf16_error = f"oneDNN {lib.version} at {lib.path} has no bf16 GEMM for this CPU ({e})"
+                return ""
+            if not np.allclose(c, a16.astype(np.float64) @ b16 + beta * c0, rtol=1e-5, atol=1e-5):
+                lib.bf16_error = (f"oneDNN {lib.version} at {lib.path}: its bf16 GEMM disagrees with numpy on "
+                                  f"bf16 operands (transposed: {transposed}, beta {beta})")
+                return ""
+    return ""
+
+
+_loaded = {}       # HETCONV_DNNL_LIBRARY's value -> the library, or why it cannot be had
+
+
+def load():
+    """The oneDNN library (loaded and checked once per process), or DeviceError in one line
+    saying what is missing and how to install it."""
+    key = os.environ.get(LIBRARY_ENV, "")
+    if key not in _loaded:
+        _loaded[key] = _find()
+    if isinstance(_loaded[key], str):
+        raise DeviceError(_loaded[key])
+    return _loaded[key]
+
+
+def _find():
+    problems = []
+    for path in _candidates():
+        try:
+            lib = Dnnl(path)
+        except OSError as e:
+            problems.append(f"{path}: {e}")
+            continue
+        except AttributeError as e:           # a libdnnl without the GEMM API
+            problems.append(f"{path}: not a oneDNN 3 library ({e})")
+            continue
+        wrong = _self_check(lib)
+        if wrong:
+            problems.append(f"{path}: {wrong}")
+            continue
+        return lib
+    if os.environ.get(LIBRARY_ENV):
+        return f"{LIBRARY_ENV}={os.environ[LIBRARY_ENV]} cannot be used: {'; '.join(problems)}"
+    if problems:
+        return f"oneDNN was found but cannot be used ({'; '.join(problems)}): {INSTALL}"
+    return f"oneDNN is not installed (no {_SONAME} in {os.path.join(sys.prefix, 'lib')}): {INSTALL}"
+
+
+def available():
+    """Whether load() succeeds, without raising."""
+    try:
+        load()
+        return True
+    except DeviceError:
+        return False
+
+
+def unavailable_reason():
+    """'' where oneDNN loads, else the one line load() raises."""
+    try:
+        load()
+        return ""
+    except DeviceError as e:
+        return str(e)

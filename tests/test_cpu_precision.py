@@ -1,0 +1,284 @@
+"""The CPU device's oneDNN paths against the numpy reference: im2col-dnnl (fp32) at the fp32
+tolerances, im2col-bf16 exactly to float32 rounding against the reference on bf16-rounded
+operands, at a bf16 tolerance against the fp32 reference and PyTorch's bf16 autocast; and the
+precision option: what it refuses, what it says, and that "auto" never takes bf16 where it is
+slower."""
+import numpy as np
+import pytest
+
+from hetconv.devices import DeviceError, dnnl, open_device
+from hetconv.devices import cpu as cpu_module
+from hetconv.devices.base import ConvBlock
+from hetconv.net import reference as R
+
+MISSING = dnnl.unavailable_reason()
+BF16_MISSING = MISSING or dnnl.load().bf16_error
+needs_dnnl = pytest.mark.skipif(bool(MISSING), reason=f"oneDNN is an optional extra: {MISSING}")
+needs_bf16 = pytest.mark.skipif(bool(BF16_MISSING), reason=f"no bf16 GEMM here: {BF16_MISSING}")
+
+# (N, C, H, W, K, kh, kw, stride, padding): odd sizes, 1x1 to 5x5 kernels, strides 1 and 2
+CONVS = [
+    (1, 1, 5, 5, 1, 1, 1, 1, 0),
+    (2, 3, 9, 7, 4, 3, 3, 1, 1),
+    (3, 2, 8, 8, 5, 5, 5, 1, 2),
+    (1, 3, 11, 13, 6, 4, 2, 2, 2),
+    (4, 5, 7, 7, 2, 5, 5, 1, 0),
+    (2, 6, 10, 9, 7, 3, 3, 2, 1),
+]
+BLOCKS = [ConvBlock(padding=1),                                               # the paper's block
+          ConvBlock(stride=2, padding=1, pool="avg", pool_kernel=3, pool_stride=2, pool_padding=1),
+          ConvBlock(padding=2, activation="none", pool="max", pool_kernel=3, pool_stride=1),
+          ConvBlock(padding=1, pool="none")]
+# chunked (several chunks of images, a short last one) and with backward recomputing the im2col
+CONFIGS = {"1thread": {"threads": 1}, "2threads-chunked": {"threads": 2, "im2col_budget_bytes": 4000},
+           "2threads-chunked-recomputed": {"threads": 2, "im2col_budget_bytes": 4000, "saved_cols_budget_bytes": 0}}
+
+
+def tensors(conv, seed):
+    n, c, h, w, k, kh, kw = conv[:7]
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((n, c, h, w)).astype(np.float32), rng.standard_normal((k, c, kh, kw)).astype(np.float32),
+            rng.standard_normal(k).astype(np.float32), rng)
+
+
+def close(a, b, rtol=1e-4):
+    scale = max(1.0, float(np.abs(b).max()))
+    np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * 0.1 * scale)
+
+
+def bf16_close(a, b):
+    """Within what bf16 operands cost: a few parts in a thousand of the largest value."""
+    assert np.abs(a - b).max() <= 1.5e-2 * max(1.0, float(np.abs(b).max())), float(np.abs(a - b).max())
+
+
+def bf16(a):
+    return dnnl.round_to_bf16(a)
+
+
+def block_reference_bf16(x, w, b, block, dout):
+    """(out, dx, dw, db) of the block with the conv's GEMM operands in bf16: x and w rounded for
+    the conv, and dY (after the pool and activation backward) rounded for dX and dW; the bias and
+    its gradient from the float32 values."""
+    rx, rw = bf16(x), bf16(w)
+    y = R.conv2d(rx, rw, b, block.stride, block.padding)
+    pool = (block.pool, block.pool_kernel, block.pool_stride, block.pool_padding)
+    a = R.activation(y, block.activation)
+    out = R.pool2d(a, *pool) if block.pool != "none" else a
+    da = R.pool2d_backward(a, dout, *pool) if block.pool != "none" else dout
+    dy = R.activation_backward(y, da, block.activation)
+    dx, dw, _ = R.conv2d_backward(rx, rw, bf16(dy), block.stride, block.padding)
+    return out, dx, dw, dy.sum(axis=(0, 2, 3), dtype=np.float64).astype(np.float32)
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def dnnl_cpu(request):
+    if MISSING:
+        pytest.skip(f"oneDNN is an optional extra: {MISSING}")
+    return open_device("cpu", conv_path="im2col-dnnl", **CONFIGS[request.param])
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def bf16_cpu(request):
+    if BF16_MISSING:
+        pytest.skip(f"no bf16 GEMM here: {BF16_MISSING}")
+    return open_device("cpu", precision="bf16", **CONFIGS[request.param])
+
+
+# ---- im2col-dnnl: float32 ------------------------------------------------------------------------
+@pytest.mark.parametrize("conv", CONVS, ids=str)
+def test_dnnl_plain_conv_matches_the_reference(dnnl_cpu, conv):
+    x, w, b, rng = tensors(conv, 0)
+    stride, p = conv[7], conv[8]
+    y = dnnl_cpu.conv2d(x, w, b, stride=stride, padding=p)
+    close(y, R.conv2d(x, w, b, stride, p))
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    for need_dx in (True, False):
+        got = dnnl_cpu.conv2d_backward(x, w, dy, stride=stride, padding=p, need_dx=need_dx)
+        want = R.conv2d_backward(x, w, dy, stride, p, need_dx)
+        for g, r in zip(got, want):
+            assert (g is None) == (r is None)
+            if r is not None:
+                close(g, r)
+    assert set(dnnl_cpu.conv_paths().values()) == {"im2col-dnnl"}
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=str)
+def test_dnnl_blocks_match_the_reference_and_accumulate_dw(dnnl_cpu, block):
+    x, w, b, rng = tensors((3, 4, 10, 9, 6, 3, 3), 1)
+    out, ctx = dnnl_cpu.conv_block(x, w, b, block)
+    close(out, R.conv_block(x, w, b, block))
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    dx, dw, db = dnnl_cpu.conv_block_backward(ctx, w, dout, need_dx=True)
+    rdx, rdw, rdb = R.conv_block_backward(x, w, b, block, dout)
+    close(dx, rdx)
+    close(dw, rdw)
+    close(db, rdb)
+    out, ctx = dnnl_cpu.conv_block(x, w, b, block)
+    kept = np.ones_like(w)
+    dnnl_cpu.conv_block_backward(ctx, w, dout, need_dx=False, dw_out=kept, accumulate=True)
+    close(kept, rdw + 1)
+
+
+# ---- im2col-bf16 ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("conv", CONVS, ids=str)
+def test_bf16_plain_conv_is_the_conv_of_rounded_operands(bf16_cpu, conv):
+    x, w, b, rng = tensors(conv, 2)
+    stride, p = conv[7], conv[8]
+    y = bf16_cpu.conv2d(x, w, b, stride=stride, padding=p)
+    close(y, R.conv2d(bf16(x), bf16(w), b, stride, p))
+    bf16_close(y, R.conv2d(x, w, b, stride, p))
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    dx, dw, db = bf16_cpu.conv2d_backward(x, w, dy, stride=stride, padding=p)
+    rdx, rdw, _ = R.conv2d_backward(bf16(x), bf16(w), bf16(dy), stride, p)
+    close(dx, rdx)
+    close(dw, rdw)
+    close(db, R.conv2d_backward(x, w, dy, stride, p)[2])           # the bias's gradient: float32 dY
+    fdx, fdw, _ = R.conv2d_backward(x, w, dy, stride, p)
+    bf16_close(dx, fdx)
+    bf16_close(dw, fdw)
+    assert bf16_cpu.conv2d_backward(x, w, dy, stride=stride, padding=p, need_dx=False)[0] is None
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=str)
+def test_bf16_blocks_round_only_the_gemm_operands(bf16_cpu, block):
+    x, w, b, rng = tensors((3, 4, 10, 9, 6, 3, 3), 3)
+    out, ctx = bf16_cpu.conv_block(x, w, b, block)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    dx, dw, db = bf16_cpu.conv_block_backward(ctx, w, dout, need_dx=True)
+    rout, rdx, rdw, rdb = block_reference_bf16(x, w, b, block, dout)
+    close(out, rout)
+    close(dx, rdx)
+    close(dw, rdw)
+    close(db, rdb)
+    bf16_close(out, R.conv_block(x, w, b, block))
+    out, ctx = bf16_cpu.conv_block(x, w, b, block)
+    kept = np.ones_like(w)
+    bf16_cpu.conv_block_backward(ctx, w, dout, need_dx=False, dw_out=kept, accumulate=True)
+    close(kept, rdw + 1)
+    assert set(bf16_cpu.conv_paths().values()) == {"im2col-bf16"}
+
+
+@needs_bf16
+@pytest.mark.parametrize("conv", CONVS[1:4], ids=str)
+def test_bf16_conv_agrees_with_pytorchs_bf16_autocast(conv):
+    torch = pytest.importorskip("torch", reason="PyTorch is an optional extra")
+    F = torch.nn.functional
+    x, w, b, rng = tensors(conv, 4)
+    stride, p = conv[7], conv[8]
+    cpu = open_device("cpu", threads=1, precision="bf16")
+    y = cpu.conv2d(x, w, b, stride=stride, padding=p)
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    dx, dw, db = cpu.conv2d_backward(x, w, dy, stride=stride, padding=p)
+    tx, tw, tb = (torch.tensor(a, requires_grad=True) for a in (x, w, b))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ty = F.conv2d(tx, tw, tb, stride=stride, padding=p)
+    assert ty.dtype == torch.bfloat16
+    ty.float().backward(torch.tensor(dy))
+    for ours, theirs in ((y, ty), (dx, tx.grad), (dw, tw.grad), (db, tb.grad)):
+        bf16_close(ours, theirs.detach().float().numpy())
+
+
+# ---- the precision option -------------------------------------------------------------------------
+def test_an_unknown_precision_is_refused():
+    with pytest.raises(DeviceError, match="^precision must be one of fp32, bf16, auto, got 'fp16'$"):
+        open_device("cpu", precision="fp16")
+
+
+def test_bf16_with_a_forced_float32_path_is_refused():
+    with pytest.raises(DeviceError, match="^precision bf16 runs every conv on the im2col-bf16 path: conv path 'shifted' "
+                                          "cannot be forced with it$"):
+        open_device("cpu", precision="bf16", conv_path="shifted")
+
+
+@pytest.mark.parametrize("options,asked", [({"precision": "bf16"}, "precision bf16"),
+                                          ({"conv_path": "im2col-dnnl"}, "conv path im2col-dnnl")])
+def test_asking_for_onednn_without_it_is_one_line(monkeypatch, options, asked):
+    monkeypatch.delenv(dnnl.LIBRARY_ENV, raising=False)
+    monkeypatch.setattr(dnnl, "_candidates", lambda: [])
+    monkeypatch.setattr(dnnl, "_loaded", {})
+    with pytest.raises(DeviceError) as e:
+        open_device("cpu", threads=1, **options)
+    assert str(e.value).startswith(f"{asked} needs oneDNN: oneDNN is not installed")
+    assert "pip install 'hetconv[onednn]'" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_without_onednn_fp32_and_auto_run_as_before(monkeypatch):
+    monkeypatch.delenv(dnnl.LIBRARY_ENV, raising=False)
+    monkeypatch.setattr(dnnl, "_candidates", lambda: [])
+    monkeypatch.setattr(dnnl, "_loaded", {})
+    timed = []
+    for precision in ("fp32", "auto"):
+        cpu = open_device("cpu", threads=1, precision=precision, auto_timed_min_flops=0,
+                          auto_timer=lambda path, run: timed.append(path) or 1.0)
+        x, w, b, _ = tensors((2, 4, 9, 9, 3, 3, 3), 5)
+        cpu.conv2d(x, w, b)
+        assert cpu.describe().endswith(f"precision {precision})" if precision == "fp32" else
+                                       "precision auto (float32 only: no oneDNN))")
+    assert set(timed) == {"im2col", "shifted", "fft"}
+
+
+def test_a_device_opened_without_onednn_runs_as_without_it():
+    """onednn=False: OpenBLAS's paths only, whatever is installed; bf16 cannot be asked of it."""
+    cpu = open_device("cpu", threads=1, precision="auto", onednn=False, auto_timed_min_flops=0,
+                      auto_timer=lambda path, run: {"im2col": 1.0, "shifted": 2.0, "fft": 3.0}[path])
+    x, w, b, _ = tensors((2, 4, 9, 9, 3, 3, 3), 8)
+    cpu.conv2d(x, w, b)
+    assert set(cpu.conv_path_choices()[0]["seconds"]) == {"im2col", "shifted", "fft"}
+    assert cpu.describe().endswith("precision auto (float32 only: no oneDNN))")
+    with pytest.raises(DeviceError, match="^precision bf16 needs oneDNN, which this device was opened without$"):
+        open_device("cpu", precision="bf16", onednn=False)
+
+
+@needs_dnnl
+def test_the_device_names_its_gemm_library_and_precision():
+    cpu = open_device("cpu", threads=1, precision="auto")
+    lib = dnnl.load()
+    assert f"oneDNN {lib.version} ({lib.runtime}, {lib.isa})" in cpu.describe()
+    assert cpu.describe().endswith("precision auto)" if not lib.bf16_error else "")
+
+
+def _faked(precision, seconds, **options):
+    """A device whose path timings are `seconds` (path -> seconds of one run), timing every call."""
+    return open_device("cpu", threads=1, precision=precision, auto_timed_min_flops=0,
+                       auto_timer=lambda path, run: seconds[path], **options)
+
+
+SLOWER_BF16 = {"im2col": 1.0, "shifted": 1.2, "fft": 3.0, "im2col-dnnl": 0.9, "im2col-bf16": 0.95}
+
+
+@needs_bf16
+@pytest.mark.parametrize("seconds,chosen", [
+    (SLOWER_BF16, "im2col-dnnl"),                                   # bf16 slower than the best fp32 path
+    ({**SLOWER_BF16, "im2col-bf16": 0.88}, "im2col-dnnl"),          # faster, but within its margin
+    ({**SLOWER_BF16, "im2col-bf16": 0.5}, "im2col-bf16"),           # well faster
+    ({**SLOWER_BF16, "im2col-bf16": 0.5, "fft": 0.4}, "fft"),      # FFT faster still
+])
+def test_auto_takes_bf16_only_where_it_times_faster(seconds, chosen):
+    cpu = _faked("auto", seconds)
+    x, w, b, _ = tensors((2, 4, 9, 9, 3, 3, 3), 6)
+    cpu.conv2d(x, w, b)
+    out, ctx = cpu.conv_block(x, w, b, ConvBlock())
+    assert set(cpu.conv_paths().values()) == {chosen}
+    assert all(set(c["seconds"]) == set(seconds) for c in cpu.conv_path_choices())
+
+
+@needs_bf16
+def test_fp32_never_times_bf16_and_small_calls_stay_float32():
+    cpu = _faked("fp32", {**SLOWER_BF16, "im2col-bf16": 0.01})
+    x, w, b, _ = tensors((2, 4, 9, 9, 3, 3, 3), 7)
+    cpu.conv2d(x, w, b)
+    assert cpu.conv_paths() and set(cpu.conv_paths().values()) == {"im2col-dnnl"}
+    untimed = open_device("cpu", threads=1, precision="auto")         # a call under the timed size: the rule
+    untimed.conv2d(x, w, b)
+    assert set(untimed.conv_paths().values()) <= {"im2col", "shifted"}
+
+
+def test_the_choice_among_timed_paths():
+    """_fastest, the rule auto follows, on every side of each margin."""
+    fastest = cpu_module._fastest
+    assert fastest({"im2col": 1.0, "im2col-bf16": 1.1}) == "im2col"
+    assert fastest({"im2col": 1.0, "im2col-bf16": 0.97}) == "im2col"
+    assert fastest({"im2col": 1.0, "im2col-bf16": 0.9}) == "im2col-bf16"
+    assert fastest({"im2col": 1.0, "im2col-dnnl": 0.6, "im2col-bf16": 0.59}) == "im2col-dnnl"
+    assert fastest({"im2col": 1.0, "fft": 0.9, "im2col-bf16": 0.8}) == "im2col-bf16"
+    assert fastest({"im2col": 1.0, "fft": 0.7, "im2col-bf16": 0.8}) == "fft"

@@ -1,0 +1,204 @@
+"""oneDNN's GEMMs through ctypes (every operand layout against numpy, bad views named, the thread
+count obeyed), the bf16 rounding against PyTorch's, and the one line a missing library gives."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hetconv.devices import dnnl
+from hetconv.devices.base import DeviceError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MISSING = dnnl.unavailable_reason()
+needs_dnnl = pytest.mark.skipif(bool(MISSING), reason=f"oneDNN is an optional extra: {MISSING}")
+
+
+@pytest.fixture(scope="module")
+def lib():
+    if MISSING:
+        pytest.skip(f"oneDNN is an optional extra: {MISSING}")
+    return dnnl.load()
+
+
+# ---- bf16 rounding (Numba only: runs everywhere) --------------------------------------------------
+def _torch_bf16_bits(x):
+    torch = pytest.importorskip("torch", reason="PyTorch is an optional extra")
+    return torch.from_numpy(np.ascontiguousarray(x)).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+
+
+def test_rounding_matches_pytorch_on_every_kind_of_float():
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 2 ** 32, 200_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    x = x[~np.isnan(x)]                                     # every exponent, subnormals, infinities
+    np.testing.assert_array_equal(dnnl.to_bf16(x), _torch_bf16_bits(x))
+
+
+def test_ties_go_to_even_and_the_largest_floats_round_to_infinity():
+    halfway = ((np.arange(1 << 16, dtype=np.uint32) << 16) | 0x8000).view(np.float32)
+    halfway = halfway[~np.isnan(halfway)]
+    got = dnnl.to_bf16(halfway)
+    np.testing.assert_array_equal(got & 1, 0)               # the even neighbour, always
+    np.testing.assert_array_equal(got, _torch_bf16_bits(halfway))
+    big = np.array([3.4028235e38, -3.4028235e38, 1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8], np.float32)
+    np.testing.assert_array_equal(dnnl.to_bf16(big), [0x7F80, 0xFF80, 0x3F80, 0x3F82])
+
+
+def test_nan_stays_a_nan():
+    x = np.array([np.nan, -np.nan], np.float32)
+    x[1] = np.frombuffer(np.uint32(0xFFC12345).tobytes(), np.float32)[0]
+    np.testing.assert_array_equal(dnnl.to_bf16(x), [0x7FC0, 0x7FC0])
+    assert np.isnan(dnnl.from_bf16(dnnl.to_bf16(x))).all()
+
+
+def test_a_window_of_a_wider_buffer_is_rounded_in_place_of_a_copy():
+    rng = np.random.default_rng(2)
+    wide = rng.standard_normal((13, 40)).astype(np.float32)
+    out = np.zeros((13, 64), np.uint16)
+    dnnl.to_bf16(wide[:, 3:30], out[:, :27])
+    np.testing.assert_array_equal(out[:, :27], dnnl.to_bf16(np.ascontiguousarray(wide[:, 3:30])))
+    np.testing.assert_array_equal(out[:, 27:], 0)
+    np.testing.assert_array_equal(dnnl.from_bf16(dnnl.to_bf16(wide)), dnnl.round_to_bf16(wide))
+    assert (np.abs(dnnl.round_to_bf16(wide) - wide) <= np.abs(wide) * 2.0 ** -8).all()     # half an ulp of 8 bits
+
+
+def test_rounding_refuses_what_is_not_float32():
+    with pytest.raises(TypeError, match="to_bf16 takes a float32 numpy array, got float64"):
+        dnnl.to_bf16(np.zeros(3))
+    with pytest.raises(ValueError, match=r"out must be a uint16 array of shape \(3,\), got float32 \(3,\)"):
+        dnnl.to_bf16(np.zeros(3, np.float32), np.zeros(3, np.float32))
+
+
+# ---- the GEMMs ------------------------------------------------------------------------------------
+def _operands(trans_a, trans_b, m=37, k=53, n=29, seed=3):
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    view = (lambda t: np.ascontiguousarray(t.T).T)
+    return a, b, (view(a) if trans_a else a), (view(b) if trans_b else b), rng.standard_normal((m, n)).astype(np.float32)
+
+
+@pytest.mark.parametrize("trans_a", [False, True])
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("beta", [0.0, 1.0, 0.5])
+def test_sgemm_every_layout_matches_numpy(lib, trans_a, trans_b, beta):
+    a, b, a_view, b_view, c = _operands(trans_a, trans_b)
+    want = a.astype(np.float64) @ b + beta * c
+    lib.sgemm(a_view, b_view, c, beta)
+    np.testing.assert_allclose(c, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("trans_a", [False, True])
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_bf16_gemm_sums_the_rounded_operands_in_float32(lib, trans_a, trans_b, beta):
+    """Exact to float32 rounding against the product of the bf16 operands: only the operands are
+    bf16, never the sum."""
+    a, b, a_view, b_view, c = _operands(trans_a, trans_b, k=300)
+    want = dnnl.round_to_bf16(a).astype(np.float64) @ dnnl.round_to_bf16(b) + beta * c
+    lib.gemm_bf16(dnnl.to_bf16(a_view), dnnl.to_bf16(b_view), c, beta)
+    np.testing.assert_allclose(c, want, rtol=1e-5, atol=1e-4)
+    fp32 = a.astype(np.float64) @ b + beta * c
+    assert np.abs(c - fp32).max() > 1e-3                    # and they were rounded: not an sgemm
+
+
+def test_windows_of_wider_buffers_as_operands_and_output(lib):
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((20, 50)).astype(np.float32)
+    b = rng.standard_normal((60, 30)).astype(np.float32)
+    out = np.zeros((25, 40), np.float32)
+    lib.sgemm(a[:15, 5:45], b[10:50, 2:22], out[5:20, 10:30])
+    np.testing.assert_allclose(out[5:20, 10:30], a[:15, 5:45].astype(np.float64) @ b[10:50, 2:22], rtol=1e-4, atol=1e-4)
+    assert not out[:5].any() and not out[:, :10].any() and not out[:, 30:].any()
+
+
+def test_bad_operands_are_named(lib):
+    a = np.zeros((3, 4), np.float32)
+    with pytest.raises(ValueError, match=r"sgemm shapes do not chain: a \(3, 4\) @ b \(3, 4\) into c \(3, 4\)"):
+        lib.sgemm(a, a, np.zeros((3, 4), np.float32))
+    with pytest.raises(ValueError, match="gemm_bf16: a must be a 2-D uint16 view, got float32"):
+        lib.gemm_bf16(a, np.zeros((4, 2), np.uint16), np.zeros((3, 2), np.float32))
+    with pytest.raises(ValueError, match="sgemm: c must be a writeable row-contiguous view"):
+        lib.sgemm(a, np.zeros((4, 2), np.float32), np.zeros((2, 3), np.float32).T)
+    with pytest.raises(ValueError, match=r"a with strides \(64, 8\) is neither row- nor column-contiguous"):
+        lib.sgemm(np.zeros((6, 8), np.float32)[::2, ::2], np.zeros((4, 4), np.float32), np.zeros((3, 4), np.float32))
+
+
+def test_empty_reduction_scales_by_beta(lib):
+    c = np.ones((3, 2), np.float32)
+    lib.sgemm(np.empty((3, 0), np.float32), np.empty((0, 2), np.float32), c, 0.5)
+    np.testing.assert_array_equal(c, 0.5)
+
+
+def test_it_says_what_it_is(lib):
+    assert lib.describe().startswith(f"oneDNN {lib.version} (")
+
+
+_THREADS_PROBE = """
+import os, threading, numpy as np
+from hetconv.devices import dnnl
+lib = dnnl.load()
+a = np.ones((768, 768), np.float32); c = np.empty_like(a)
+def ticks():
+    out = {}
+    for t in os.listdir("/proc/self/task"):
+        try:
+            out[int(t)] = sum(map(int, open(f"/proc/self/task/{t}/stat").read().rsplit(")", 1)[1].split()[11:13]))
+        except OSError:
+            pass
+    return out
+for threads in (1, 2):
+    lib.sgemm(a, a, c, threads=threads)
+    before = ticks()
+    for _ in range(25):
+        lib.sgemm(a, a, c, threads=threads)
+    spent = {t: v - before.get(t, 0) for t, v in ticks().items()}
+    mine = spent.pop(threading.get_native_id())
+    print(threads, mine, max(spent.values(), default=0))
+"""
+
+
+@needs_dnnl
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2
+                    or not os.path.isdir("/proc/self/task"), reason="needs two cores and Linux's /proc")
+def test_a_gemm_runs_on_as_many_threads_as_the_caller_says():
+    """One thread: the caller's thread does all the work; two: another thread shares it. CPU
+    time per thread, not wall time, so a busy machine cannot make it pass or fail."""
+    if dnnl.load().runtime != "OpenMP":
+        pytest.skip(f"a {dnnl.load().runtime} build follows the process's CPU affinity instead")
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=REPO)
+    r = subprocess.run([sys.executable, "-c", _THREADS_PROBE], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    (one, one_mine, one_other), (two, two_mine, two_other) = [map(int, line.split()) for line in r.stdout.split("\n")[:2]]
+    assert one_other <= max(2, one_mine // 10), r.stdout
+    assert two_other >= two_mine // 3, r.stdout
+
+
+# ---- a missing or broken library ------------------------------------------------------------------
+def test_a_missing_library_is_one_line_saying_how_to_install_it(monkeypatch):
+    monkeypatch.delenv(dnnl.LIBRARY_ENV, raising=False)
+    monkeypatch.setattr(dnnl, "_candidates", lambda: [])
+    monkeypatch.setattr(dnnl, "_loaded", {})
+    with pytest.raises(DeviceError) as e:
+        dnnl.load()
+    assert str(e.value).startswith("oneDNN is not installed (no libdnnl.so.3 in ")
+    assert str(e.value).endswith("pip install 'hetconv[onednn]' (in a checkout: pip install -e '.[onednn]')")
+    assert "\n" not in str(e.value)
+    assert not dnnl.available() and dnnl.unavailable_reason() == str(e.value)
+
+
+def test_a_named_library_that_is_not_there_is_named(monkeypatch, tmp_path):
+    monkeypatch.setenv(dnnl.LIBRARY_ENV, str(tmp_path / "libdnnl.so.3"))
+    monkeypatch.setattr(dnnl, "_loaded", {})
+    with pytest.raises(DeviceError, match=f"^{dnnl.LIBRARY_ENV}={tmp_path}/libdnnl.so.3 cannot be used: "):
+        dnnl.load()
+
+
+def test_a_library_that_is_not_onednn_is_refused(monkeypatch):
+    """A loadable library without the GEMM API (here: the C library) is named, not called."""
+    monkeypatch.setenv(dnnl.LIBRARY_ENV, "libc.so.6")
+    monkeypatch.setattr(dnnl, "_loaded", {})
+    with pytest.raises(DeviceError, match="^HETCONV_DNNL_LIBRARY=libc.so.6 cannot be used: libc.so.6: not a oneDNN 3 "
+                                          "library"):
+        dnnl.load()

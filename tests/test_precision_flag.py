@@ -1,0 +1,108 @@
+"""--precision fp32|bf16|auto: checked with the config, carried to --local, spawned workers and
+hetconv-plan's calibration, and what each worker's conv GEMMs ran in said and kept in the run's
+calibration record."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hetconv.cli import coordinator
+from hetconv.cli import worker as worker_cli
+from hetconv.coordinator.remote import conv_precision
+from hetconv.devices import dnnl, open_device
+from hetconv.devices.cpu import CONV_PATHS, PRECISIONS
+from hetconv.engine.measure import calibrate_local
+from hetconv.engine.shard import ConvShard, ShardServer
+from hetconv.geometry import ConvSpec
+from hetconv.training.config import Config
+
+BF16_MISSING = dnnl.unavailable_reason() or dnnl.load().bf16_error
+needs_bf16 = pytest.mark.skipif(bool(BF16_MISSING), reason=f"no bf16 GEMM here: {BF16_MISSING}")
+TINY = ["--conv", "3,4", "--fc", "8", "--batch-size", "8", "--synthetic-train", "16", "--synthetic-test", "8",
+        "--steps", "1", "--eval-batches", "1", "--seed", "3"]
+
+
+def test_the_workers_flags_name_what_the_device_takes():
+    assert worker_cli.PRECISIONS == PRECISIONS and worker_cli.CPU_CONV_PATHS == CONV_PATHS
+
+
+def test_the_default_is_fp32():
+    assert Config().precision == "fp32"
+    assert worker_cli.build_parser().parse_args(["--device", "cpu"]).precision == "fp32"
+
+
+@pytest.mark.parametrize("bad", ["fp16", "BF16", ""])
+def test_an_unknown_precision_is_refused_naming_the_flag(bad):
+    with pytest.raises(ValueError, match=f"^--precision must be one of fp32, bf16, auto, got {bad!r}$"):
+        Config(precision=bad).validate()
+
+
+def test_bf16_with_a_forced_conv_path_is_refused():
+    with pytest.raises(ValueError, match="^--precision bf16 runs every CPU conv on its bf16 path: --cpu-conv-path fft "
+                                         "cannot be forced with it$"):
+        Config(precision="bf16", cpu_conv_path="fft").validate()
+    Config(precision="auto", cpu_conv_path="fft").validate()
+
+
+def test_what_a_workers_gemms_ran_in():
+    def paths(*names):
+        return [{"path": p} for p in names]
+    assert conv_precision(paths("im2col", "shifted", "fft")) == "fp32"
+    assert conv_precision(paths("im2col-bf16", "im2col-bf16")) == "bf16"
+    assert conv_precision(paths("im2col-bf16", "im2col-dnnl", "shifted")) == "bf16 on 1 of 3 call shapes"
+    assert conv_precision([]) == "fp32"
+
+
+@needs_bf16
+def test_calibration_reports_the_bf16_path():
+    spec = ConvSpec.paper(3, 4, 3, 0)
+    server = ShardServer(ConvShard(open_device("cpu", threads=1, precision="bf16")))
+    op, _, fields = server.handle("CALIBRATE", [], {"layers": [{"spec": spec.to_json(), "input_shape": [2, 3, 10, 10],
+                                                                "kernels": 4}], "repeats": 1})
+    assert op == "CALIBRATED" and conv_precision(fields["conv_paths"]) == "bf16"
+    profile = calibrate_local("cpu", [spec], [(2, 3, 10, 10)], [4], threads=1, repeats=1, precision="bf16")
+    assert "precision bf16)" in profile.description and profile.description.endswith("; conv paths im2col-bf16")
+
+
+@needs_bf16
+def test_local_runs_and_says_its_precision(capsys, tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    assert coordinator.main(["--local", "--threads", "1", "--precision", "bf16", "--metrics", str(metrics), *TINY]) == 0
+    assert "precision bf16)" in capsys.readouterr().out
+    assert json.loads(open(metrics).readline())["config"]["precision"] == "bf16"
+
+
+@needs_bf16
+def test_spawned_workers_run_bf16_and_the_record_says_so(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    r = subprocess.run([sys.executable, "-m", "hetconv.cli.coordinator", "--spawn", "cpu,cpu", "--threads", "1",
+                        "--precision", "bf16", "--metrics", str(metrics), *TINY],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "w0-cpu conv paths (forced): im2col-bf16 for " in r.stdout and "; precision bf16" in r.stdout
+    record = next(json.loads(line) for line in open(metrics) if '"event": "calibration"' in line)
+    assert [w["precision"] for w in record["workers"].values()] == ["bf16", "bf16"]
+    assert all("precision bf16)" in w["description"] for w in record["workers"].values())
+
+
+@needs_bf16
+def test_a_bf16_step_rounds_the_same_whatever_the_split():
+    """Three shards (each a third of every layer's kernels) train as one shard, to float rounding,
+    as in float32: every bf16 rounding is elementwise. And bf16 follows the float32 run closely."""
+    from hetconv.engine.local import LocalEngine
+    from hetconv.training.loop import train
+    tiny = dict(conv="6,12", fc="32", batch_size=32, synthetic_train=400, synthetic_test=64, lr=0.01, threads=1,
+                steps=4, eval_batches=1)
+
+    def losses(precision, shards):
+        device = open_device("cpu", threads=1, precision=precision)
+        engine = LocalEngine({f"s{i}": ConvShard(device) for i in range(shards)})
+        return train(Config(**tiny, precision=precision).validate(), engine, log=lambda *_: None)["losses"]
+
+    one = losses("bf16", 1)
+    np.testing.assert_allclose(losses("bf16", 3), one, rtol=1e-5)
+    fp32 = losses("fp32", 1)
+    np.testing.assert_allclose(one, fp32, rtol=2e-2)
+    assert one != fp32                          # and it did round: not the float32 run again
