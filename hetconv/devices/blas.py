@@ -37,6 +37,29 @@ def operand_layout(name, a):
     raise ValueError(f"{name} with strides {a.strides!r} is neither row- nor column-contiguous")
 
 
+def gemm_operands(name, a, b, c, beta, dtype=np.float32):
+    """The checks of a GEMM c = a @ b + beta * c on 2-D views (a and b of `dtype`, c float32 and
+    writeable row-contiguous) that a BLAS takes as they are. -> None where nothing is left to
+    multiply (an empty product; c scaled by beta where k is 0), else (m, n, k, (a transposed, lda),
+    (b transposed, ldb), ldc). Raises ValueError naming the operand and what was expected."""
+    for label, v, want in (("a", a, dtype), ("b", b, dtype), ("c", c, np.float32)):
+        if not isinstance(v, np.ndarray) or v.dtype != want or v.ndim != 2:
+            raise ValueError(f"{name}: {label} must be a 2-D {np.dtype(want).name} view, got "
+                             f"{getattr(v, 'dtype', type(v).__name__)} with shape {getattr(v, 'shape', None)!r}")
+    m, k = a.shape
+    k2, n = b.shape
+    if k != k2 or c.shape != (m, n):
+        raise ValueError(f"{name} shapes do not chain: a {a.shape!r} @ b {b.shape!r} into c {c.shape!r}")
+    if c.strides[1] != c.itemsize or c.strides[0] < max(1, n) * c.itemsize or not c.flags.writeable:
+        raise ValueError(f"{name}: c must be a writeable row-contiguous view, got strides {c.strides!r}")
+    if m == 0 or n == 0:
+        return None
+    if k == 0:
+        c *= np.float32(beta)
+        return None
+    return m, n, k, operand_layout("a", a), operand_layout("b", b), c.strides[0] // c.itemsize
+
+
 class AccumulatingSgemm:
     """`sgemm(a, b, c, beta)`: c = a @ b + beta * c for float32 2-D views whose last or first
     stride is one element (any transposed view of a C-contiguous block qualifies); c must be
@@ -51,25 +74,12 @@ class AccumulatingSgemm:
                              ctypes.c_void_p, int_type, ctypes.c_float, ctypes.c_void_p, int_type])
 
     def __call__(self, a, b, c, beta=1.0):
-        for name, v in (("a", a), ("b", b), ("c", c)):
-            if not isinstance(v, np.ndarray) or v.dtype != np.float32 or v.ndim != 2:
-                raise ValueError(f"{name} must be a 2-D float32 view, got {getattr(v, 'dtype', type(v).__name__)} "
-                                 f"with shape {getattr(v, 'shape', None)!r}")
-        m, k = a.shape
-        k2, n = b.shape
-        if k != k2 or c.shape != (m, n):
-            raise ValueError(f"sgemm shapes do not chain: a {a.shape!r} @ b {b.shape!r} into c {c.shape!r}")
-        if m == 0 or n == 0:
+        call = gemm_operands("sgemm", a, b, c, beta)
+        if call is None:
             return c
-        if k == 0:
-            c *= np.float32(beta)
-            return c
-        (a_t, lda), (b_t, ldb) = operand_layout("a", a), operand_layout("b", b)
-        trans_a, trans_b = (_TRANS if a_t else _NO_TRANS), (_TRANS if b_t else _NO_TRANS)
-        if c.strides[1] != c.itemsize or c.strides[0] < n * c.itemsize or not c.flags.writeable:
-            raise ValueError(f"c must be a writeable row-contiguous view, got strides {c.strides!r}")
-        self._function(_ROW_MAJOR, trans_a, trans_b, m, n, k, 1.0, a.ctypes.data, lda,
-                       b.ctypes.data, ldb, beta, c.ctypes.data, c.strides[0] // c.itemsize)
+        m, n, k, (a_t, lda), (b_t, ldb), ldc = call
+        self._function(_ROW_MAJOR, _TRANS if a_t else _NO_TRANS, _TRANS if b_t else _NO_TRANS, m, n, k, 1.0,
+                       a.ctypes.data, lda, b.ctypes.data, ldb, beta, c.ctypes.data, ldc)
         return c
 
 

@@ -34,7 +34,7 @@ import numpy as np
 from numba import prange
 
 from hetconv.devices.base import DeviceError
-from hetconv.devices.blas import operand_layout
+from hetconv.devices.blas import gemm_operands
 
 LIBRARY_ENV = "HETCONV_DNNL_LIBRARY"
 INSTALL = "pip install 'hetconv[onednn]' (in a checkout: pip install -e '.[onednn]')"
@@ -148,26 +148,14 @@ class Dnnl:
         return f"oneDNN {self.version} ({self.runtime}, {self.isa})"
 
     def _call(self, name, function, a, b, c, beta, threads, dtype):
-        for label, v, want in (("a", a, dtype), ("b", b, dtype), ("c", c, np.float32)):
-            if not isinstance(v, np.ndarray) or v.dtype != want or v.ndim != 2:
-                raise ValueError(f"{name}: {label} must be a 2-D {np.dtype(want).name} view, got "
-                                 f"{getattr(v, 'dtype', type(v).__name__)} with shape {getattr(v, 'shape', None)!r}")
-        m, k = a.shape
-        k2, n = b.shape
-        if k != k2 or c.shape != (m, n):
-            raise ValueError(f"{name} shapes do not chain: a {a.shape!r} @ b {b.shape!r} into c {c.shape!r}")
-        if c.strides[1] != 4 or c.strides[0] < max(1, n) * 4 or not c.flags.writeable:
-            raise ValueError(f"{name}: c must be a writeable row-contiguous view, got strides {c.strides!r}")
-        if m == 0 or n == 0:
+        call = gemm_operands(name, a, b, c, beta, dtype)
+        if call is None:
             return c
-        if k == 0:
-            c *= np.float32(beta)
-            return c
-        (a_t, lda), (b_t, ldb) = operand_layout("a", a), operand_layout("b", b)
+        m, n, k, (a_t, lda), (b_t, ldb), ldc = call
         if self._set_threads is not None:
             self._set_threads(int(threads))
         status = function(b"T" if a_t else b"N", b"T" if b_t else b"N", m, n, k, 1.0, a.ctypes.data, lda,
-                          b.ctypes.data, ldb, float(beta), c.ctypes.data, c.strides[0] // 4)
+                          b.ctypes.data, ldb, float(beta), c.ctypes.data, ldc)
         if status != _SUCCESS:
             raise DeviceError(f"oneDNN's {name} failed (status {status}) on a {a.shape!r} @ b {b.shape!r}")
         return c
