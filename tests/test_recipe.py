@@ -3,6 +3,7 @@ schedule with and without warm-up, parameter groups without decay, label smoothi
 clipping, 20 steps with `--local` and with two workers (model and data layers) equal to
 torch.optim, its scheduler and clip_grad_norm_ on the same batches; a run stopped at step 10 and
 resumed equals the uninterrupted one exactly."""
+import json
 import os
 import signal
 
@@ -38,11 +39,11 @@ STEPS, BATCH = 20, 16
 RECIPES = {
     "sgd-nesterov-cosine-warmup": dict(optimizer="sgd", lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-3,
                                        schedule="cosine", min_lr=0.001, warmup_steps=4, no_decay="bias",
-                                       label_smoothing=0.2, clip_grad_norm=0.5),
+                                       label_smoothing=0.2, clip_grad_norm=0.3),
     "sgd-step": dict(optimizer="sgd", lr=0.02, momentum=0.8, weight_decay=1e-3, schedule="step", milestones="5,12",
                      gamma=0.5, no_decay=""),
     "adamw-onecycle-warmup": dict(optimizer="adamw", lr=0.01, betas="0.85,0.99", eps=1e-6, weight_decay=0.05,
-                                  schedule="onecycle", warmup_steps=3, no_decay="bias,norm", clip_grad_norm=1.0),
+                                  schedule="onecycle", warmup_steps=3, no_decay="bias,norm", clip_grad_norm=0.3),
     "adamw-constant": dict(optimizer="adamw", lr=0.003, weight_decay=0.01, no_decay="norm", label_smoothing=0.1),
 }
 
@@ -61,7 +62,16 @@ def net_file(tmp_path_factory):
 def config(target, tmp_path, recipe, **kw):
     return Config(net=target, crop=16, batch_size=BATCH, synthetic_train=400, synthetic_test=32, steps=STEPS,
                   threads=1, rebalance_after=0, eval_batches=1, checkpoint_dir=str(tmp_path / "ck"),
-                  **{**RECIPES[recipe], **kw}).validate()
+                  metrics=str(tmp_path / "m.jsonl"), **{**RECIPES[recipe], **kw}).validate()
+
+
+def assert_clipped_where_asked(cfg):
+    """Where the recipe clips, some steps' gradients were scaled (the test would pass vacuously else)."""
+    scales = [r["grad_scale"] for r in map(json.loads, open(cfg.metrics)) if r["event"] == "step" and "grad_scale" in r]
+    if cfg.clip_grad_norm:
+        assert len(scales) == STEPS and min(scales) < 0.9, scales
+    else:
+        assert not scales
 
 
 def torch_run(cfg):
@@ -135,6 +145,7 @@ def test_local_equals_torch(net_file, tmp_path, recipe):
     cfg = config(net_file, tmp_path, recipe)
     summary = train(cfg, local_engine(), log=quiet)
     assert_like_torch(cfg, summary["losses"], str(tmp_path / "ck"))
+    assert_clipped_where_asked(cfg)
 
 
 @pytest.mark.parametrize("recipe,modes,micro", [("sgd-nesterov-cosine-warmup", "MM", 2),
@@ -152,6 +163,7 @@ def test_two_workers_equal_torch(net_file, tmp_path, recipe, modes, micro):
     finally:
         engine.close()
     assert_like_torch(cfg, summary["losses"], str(tmp_path / "ck"))
+    assert_clipped_where_asked(cfg)
 
 
 def test_a_run_stopped_at_step_10_and_resumed_equals_the_uninterrupted_one(net_file, tmp_path):

@@ -180,14 +180,19 @@ class ConvShard:
             apply_update(device, sl.array(name), sl.slots(name, rule), grad, rule, group)
         sl.host_grads = {}
 
-    def sum_of_squares(self, layer, conv=True, tail=True):
-        """The squared norm of the layer's gradients of the step held here (the conv's weights and
-        bias, the tail's parameters), in float64: this shard's part of a global norm."""
+    def sum_of_squares(self, layer, given=None):
+        """The squared norm of the layer's gradients of the step (float64): this shard's part of a
+        global norm. `given`: the conv's (dW, db) summed over every worker (a data-parallel layer's,
+        on the host), in place of the ones held here; a bias the layer does not have counts nothing."""
         sl = self._layer(layer)
         total = 0.0
         for name, group, on_device, grad in self._params(sl):
-            if grad is not None and (conv if on_device else tail):
-                total += (self.device if on_device else self.host_device).sum_of_squares(grad)
+            if given is not None and on_device:
+                grad, device = given[0 if name == "w" else 1], self.host_device
+            else:
+                device = self.device if on_device else self.host_device
+            if grad is not None:
+                total += device.sum_of_squares(grad)
         return total
 
     def take_gradients(self, layer):

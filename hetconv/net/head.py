@@ -38,6 +38,7 @@ def paper_head(fc_sizes, classes):
 class StepResult:
     loss: float
     correct: int
+    grad_scale: float = 1.0     # what global-norm clipping multiplied every gradient by (1: not clipped)
 
 
 def dropout_mask(seed, step, index, shape, p):
@@ -162,6 +163,7 @@ class Network:
         if self.host is None:
             raise ValueError("this Network was made without a host device for the head's updates: it predicts only")
         factor = self.engine.conv_step(xs, head, rule, (step, self.seed), self.head_sum_of_squares)
+        result.grad_scale = factor
         rule = rule.scaled(factor) if factor != 1.0 else rule
         for fc in self.fc:
             fc.step(rule, self.host)

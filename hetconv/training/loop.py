@@ -371,8 +371,9 @@ class _Run:
         step = self.step
         self.losses.append(result.loss)
         self.step_times.append(dt)
+        clipped = {"grad_scale": result.grad_scale} if rule.max_norm else {}
         self.metrics.write("step", step=step, epoch=epoch, loss=result.loss, accuracy=result.correct / len(y),
-                           lr=rule.lr, step_s=dt, images_per_s=len(y) / dt, workers=self.engine.step_stats())
+                           lr=rule.lr, **clipped, step_s=dt, images_per_s=len(y) / dt, workers=self.engine.step_stats())
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{result.loss:.3f}", img_s=f"{len(y) / dt:.0f}")
         if self.bar.disable and time.monotonic() - self._last_line >= 30:

@@ -669,9 +669,7 @@ class PeerLinks:
             # by the plan's first worker) the data layers' sums, which every worker holds alike
             local = sum(self.shard.sum_of_squares(layer) for layer in deferred)
             if self.name == self.order[0]:
-                local += sum(float(np.dot(dw.ravel().astype(np.float64), dw.ravel().astype(np.float64))
-                                   + np.dot(db.astype(np.float64), db.astype(np.float64)))
-                             + self.shard.sum_of_squares(layer, conv=False) for layer, dw, db in summed)
+                local += sum(self.shard.sum_of_squares(layer, given=(dw, db)) for layer, dw, db in summed)
             workers = self._all_reduce(step, "gradnorm", -1, 0, np.array([local], np.float64))[0]
             total = self._head_sum_of_squares(step) + workers
             done["sum_of_squares"] = float(total)
