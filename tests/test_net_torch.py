@@ -142,16 +142,19 @@ def test_unsupported_layers_list_what_is_supported():
                    (3, 16, 16))
 
 
-def test_from_torch_wants_a_list_of_layers():
+def test_a_module_that_cannot_be_traced_is_refused_saying_so():
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
             self.conv = nn.Conv2d(3, 4, 3)
 
         def forward(self, x):
+            if x.sum() > 0:                         # control flow on a tensor's value: not traceable
+                x = -x
             return self.conv(x)
 
-    with pytest.raises(ValueError, match=r"expected an nn.Sequential .*got Net"):
+    with pytest.raises(ValueError, match=r"expected an nn.Sequential, or a module whose forward torch.fx can trace; "
+                                         r"Net does not trace \(TraceError"):
         from_torch(Net(), (3, 16, 16))
 
 
@@ -204,3 +207,127 @@ def test_load_module_refuses_a_missing_file_and_one_that_fails_to_import(tmp_pat
     bad.write_text("import not_a_module_anywhere\n")
     with pytest.raises(ValueError, match=r"bad\.py:build: importing .*bad\.py raised ModuleNotFoundError"):
         load_module(f"{bad}:build")
+
+
+# ---- any nn.Module whose forward is a chain, by tracing ---------------------------------------------
+
+TRACED = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class Net(nn.Module):                      # the PyTorch tutorial's CNN, with a BatchNorm and a scaled output
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 6, 5)
+        self.pool = nn.MaxPool2d(2, 2)     # one module called twice: it holds no weights
+        self.conv2 = nn.Conv2d(6, 16, 5, bias=False)
+        self.bn = nn.BatchNorm2d(16)
+        self.fc1 = nn.Linear(16 * 5 * 5, 32)
+        self.fc2 = nn.Linear(32, 10)
+
+    def forward(self, x):
+        x = self.pool(F.relu(self.conv1(x)))
+        x = self.pool(F.gelu(self.bn(self.conv2(x)), approximate="tanh"))
+        x = x.view(x.size(0), -1)
+        x = F.relu(self.fc1(x))
+        return self.fc2(x) / 2
+
+
+def build():
+    torch.manual_seed(4)
+    return Net()
+"""
+
+
+def test_a_module_whose_forward_is_a_chain_traces_into_a_network_and_trains_as_torch_sgd_does(tmp_path):
+    from hetconv.data import batches, load_dataset
+    from hetconv.devices import open_device
+    from hetconv.engine.local import LocalEngine
+    from hetconv.engine.shard import ConvShard
+    from hetconv.net.torch_import import state_dict
+    from hetconv.training import checkpoint
+    from hetconv.training.config import Config
+    from hetconv.training.loop import train
+    (tmp_path / "tutorial.py").write_text(TRACED)
+    target = f"{tmp_path / 'tutorial.py'}:build"
+    spec = load_net(target, (3, 32, 32), 10).spec
+    assert [layer.type for layer in spec.layers] == ["conv", "relu", "maxpool", "conv", "batchnorm", "gelu", "maxpool",
+                                                     "flatten", "linear", "relu", "linear", "scale"]
+    cfg = Config(net=target, batch_size=16, synthetic_train=160, synthetic_test=32, steps=4, lr=0.05, momentum=0.9,
+                 weight_decay=0.0, threads=1, rebalance_after=0, eval_batches=1,
+                 checkpoint_dir=str(tmp_path / "ck")).validate()
+    losses = train(cfg, LocalEngine({"local": ConvShard(open_device("cpu", threads=1))}), log=lambda *_: None)["losses"]
+    module = load_module(target)
+    opt = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
+    ds = load_dataset("synthetic", seed=cfg.seed, n_train=160, n_test=32)
+    theirs = []
+    for step, (x, y) in enumerate(batches(ds, 16, np.random.default_rng([cfg.seed, 0]))):
+        if step == 4:
+            break
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(module(torch.from_numpy(x)), torch.from_numpy(y))
+        loss.backward()
+        opt.step()
+        theirs.append(loss.item())
+    np.testing.assert_allclose(losses, theirs, rtol=1e-4)
+    _, conv, fc = checkpoint.load(str(tmp_path / "ck"))
+    ours = state_dict(spec, conv, [(layer["w"], layer["b"]) for layer in fc])
+    names = {"0": "conv1", "3": "conv2", "4": "bn", "8": "fc1", "10": "fc2"}      # index -> the module's own name
+    for key, want in module.state_dict().items():
+        index = next(i for i, name in names.items() if key.startswith(name + "."))
+        np.testing.assert_allclose(ours[f"{index}.{key.split('.', 1)[1]}"], want.numpy(), rtol=1e-4, atol=1e-5,
+                                   err_msg=key)
+
+
+class _Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+        self.fc = nn.Linear(3 * 16 * 16, 10)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(torch.relu(self.conv(x)) + x, 1))
+
+
+class _Branches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 2, 1), nn.Conv2d(3, 2, 3, padding=1)
+        self.fc = nn.Linear(4 * 16 * 16, 10)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(torch.cat([self.a(x), self.b(x)], dim=1), 1))
+
+
+class _Shared(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+        self.fc = nn.Linear(3 * 16 * 16, 10)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.conv(self.conv(x)), 1))
+
+
+class _Softmin(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+        self.fc = nn.Linear(3 * 16 * 16, 10)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(torch.nn.functional.softmin(self.conv(x), dim=1), 1))
+
+
+@pytest.mark.parametrize("module, what", [
+    (_Residual(), "node x feeds conv, add: a branch makes the network a graph"),
+    (_Branches(), "node x feeds a, b: a branch makes the network a graph"),
+    (_Shared(), "node conv_1: module conv is called twice with the same weights"),
+    (_Softmin(), "node softmin (softmin): not supported; supported functions: F.relu"),
+], ids=["residual", "concatenation", "shared weights", "unsupported function"])
+def test_a_traced_module_that_is_not_a_chain_of_supported_layers_is_refused_naming_the_node(module, what):
+    with pytest.raises(ValueError) as e:
+        from_torch(module, (3, 16, 16))
+    assert str(e.value).startswith(what), str(e.value)

@@ -167,12 +167,21 @@ class RayProcess:
             pass
 
 
-def plain_worker_lines(environ=os.environ, streams=(sys.stdout, sys.stderr)):
+def plain_worker_lines(environ=os.environ, streams=None):
     """Ray prints its actors' output prefixed with terminal colour codes; where this process's
     output is not a terminal (a log file, a pipe, Slurm's output) they are noise, so Ray is told
-    to leave them out (RAY_COLOR_PREFIX=0, read as each line is printed). One the user set stays."""
-    if not all(getattr(s, "isatty", lambda: False)() for s in streams):
+    to leave them out (RAY_COLOR_PREFIX=0, read as each line is printed). One the user set stays.
+    The streams are this process's stdout and stderr as they are at the call (a caller may have
+    replaced them); a closed one is not a terminal."""
+    if not all(_is_terminal(s) for s in (streams if streams is not None else (sys.stdout, sys.stderr))):
         environ.setdefault("RAY_COLOR_PREFIX", "0")
+
+
+def _is_terminal(stream):
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):      # no isatty, or closed
+        return False
 
 
 class RayLauncher:

@@ -102,14 +102,16 @@ class LoadedNet(NamedTuple):
 
 def _accepted():
     return (f"expected a preset ({', '.join(PRESETS)}, optionally NAME@WIDTH such as vgg-small@0.25), "
-            f"a .json file, or path.py:function returning an nn.Sequential")
+            f"a .json file, or path.py:function returning a PyTorch module (an nn.Sequential, or one whose forward "
+            f"is a chain of layers)")
 
 
 def load_net(text, input_shape, classes):
     """A network from a `--net` text, sized for the data set (input_shape, classes):
     - a preset name, optionally NAME@WIDTH;
     - a path to a .json file (the stored form);
-    - path.py:function, a function returning a PyTorch nn.Sequential (its weights come along).
+    - path.py:function, a function returning a PyTorch module: an nn.Sequential, or an nn.Module whose
+      forward torch.fx traces into a chain of layers (its weights come along).
     Returns LoadedNet(spec, params)."""
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"--net {text!r}: {_accepted()}")

@@ -1,10 +1,12 @@
-"""PyTorch in and out: an nn.Sequential becomes a NetSpec and its weights, and back.
+"""PyTorch in and out: an nn.Sequential (or a module whose forward torch.fx traces into a chain of
+layers) becomes a NetSpec and its weights, and back.
 
 torch is imported here only, and only when one of these functions runs: hetconv trains without it.
 The weights cross as float32 numpy copies, conv (K, C, kh, kw) and linear (out, in), as PyTorch
 keeps them; to_torch's module has the layer indices as its state_dict keys ("0.weight").
 """
 import importlib.util
+import operator
 import os
 import sys
 
@@ -153,25 +155,28 @@ def _numpy(param):
 
 
 def from_torch(module, input_shape):
-    """(NetSpec, conv [state], fc [(w, b)]) from an nn.Sequential whose current weights and
-    buffers are the start; the class count is the last Linear's out_features. A conv layer's state
-    is {name: array} as ConvSpec.state_layout names it: its weights and bias, and its tail's
-    BatchNorm weights, biases and running statistics."""
-    if not _is_plain_sequential(module):
-        raise ValueError(f"expected an nn.Sequential (a network is an ordered list of layers), got "
-                         f"{type(module).__name__}; supported layers: {SUPPORTED}")
-    modules = _flat_modules(module)
+    """(NetSpec, conv [state], fc [(w, b)]) from a PyTorch module whose current weights and
+    buffers are the start: an nn.Sequential, or any nn.Module whose forward torch.fx traces into a
+    chain of supported modules and functions (F.relu, torch.flatten, x.view(x.size(0), -1), ...);
+    the class count is the last Linear's out_features. A conv layer's state is {name: array} as
+    ConvSpec.state_layout names it: its weights and bias, and its tail's BatchNorm weights, biases
+    and running statistics."""
+    if _is_plain_sequential(module):
+        steps, features = [(f"module {path} ({type(m).__name__})", m, None) for path, m in _flat_modules(module)], {}
+    else:
+        steps, features = _traced_steps(module)
     layers, conv_params, fc_params = [], [], []
-    for path, m in modules:
-        try:
-            layer, params = _layer_of(path, m)
-        except ValueError as e:
-            if str(e).startswith(f"module {path} "):
-                raise
-            raise ValueError(f"module {path} ({type(m).__name__}): {e}") from None
+    for label, m, layer in steps:
+        if layer is None:
+            try:
+                layer, params = _layer_of(label.split()[1], m)
+            except ValueError as e:
+                if str(e).startswith(label.split(" (")[0] + " "):
+                    raise
+                raise ValueError(f"{label}: {e}") from None
+            if isinstance(layer, (Conv, Linear)):
+                (conv_params if isinstance(layer, Conv) else fc_params).append(params)
         layers.append(layer)
-        if isinstance(layer, (Conv, Linear)):
-            (conv_params if isinstance(layer, Conv) else fc_params).append(params)
     last = next((layer for layer in reversed(layers) if isinstance(layer, Linear)), None)
     if last is None:
         raise ValueError(f"the module has no Linear layer, so no class count; expected conv blocks, Flatten, "
@@ -179,8 +184,12 @@ def from_torch(module, input_shape):
     try:
         spec = NetSpec(input_shape, last.out_features, tuple(layers))
     except LayerError as e:
-        path, m = modules[e.index]
-        raise ValueError(f"module {path} ({type(m).__name__}): {e.problem}") from None
+        raise ValueError(f"{steps[e.index][0]}: {e.problem}") from None
+    for index, width in features.items():                    # a view(-1, K) must flatten to K features
+        if spec.output_shapes()[index] != (width,):
+            raise ValueError(f"{steps[index][0]}: views its input as (-1, {width}), but it has "
+                             f"{spec.output_shapes()[index][0]} features on input_shape {tuple(spec.input_shape)}")
+    modules = [(label.split()[1], m) for label, m, _ in steps]
     # the module fixes every input width; the spec infers them from input_shape: they must agree
     by_index = dict(enumerate(modules))
     states = []
@@ -206,6 +215,154 @@ def from_torch(module, input_shape):
                 raise ValueError(f"module {path} (Linear): in_features {m.in_features}, but its input has "
                                  f"{op.in_features} features on input_shape {tuple(spec.input_shape)}")
     return spec, conv_params, fc_params
+
+
+# ---- any nn.Module whose forward is a chain, by tracing ------------------------------------------
+
+def _traced_steps(module):
+    """([(label, module or None, layer or None)], {step: features}) of a module's forward traced by
+    torch.fx: a module call is (label, the module, None), a function or method (label, None, its
+    layer); a view(-1, K) must flatten to K features. The trace must be a chain (each node takes
+    the one before it and feeds only the next): a residual sum or a concatenation is refused naming
+    its node."""
+    torch = import_torch()
+    try:
+        traced = torch.fx.symbolic_trace(module)
+    except Exception as e:              # noqa: BLE001 (any failure of the user's forward under tracing)
+        raise ValueError(f"expected an nn.Sequential, or a module whose forward torch.fx can trace; "
+                         f"{type(module).__name__} does not trace ({type(e).__name__}: {str(e)[:200]})") from None
+    named = dict(traced.named_modules())
+    steps, current, called, features = [], None, set(), {}
+    for node in traced.graph.nodes:
+        if node.op == "placeholder":
+            if current is not None:
+                raise ValueError(f"node {node.name}: the forward takes more than one input; expected the images only")
+            current = node
+            continue
+        if _is_size(node):
+            continue                                     # x.size(0): an argument of the view that follows
+        what = _op_text(node)
+        inputs = [n for n in node.all_input_nodes if not _is_size(n)]
+        if node.op == "output":
+            if inputs != [current]:
+                raise ValueError(f"node {node.name}: the forward returns {what}; expected the last layer's output")
+            break
+        if node.op == "get_attr":
+            raise ValueError(f"node {node.name} ({what}): a tensor the forward reads from the module itself; "
+                             f"supported: {SUPPORTED}")
+        if len(inputs) > 1:
+            raise ValueError(f"node {node.name} ({what}) joins {', '.join(n.name for n in inputs)}: a residual sum or "
+                             f"a concatenation makes the network a graph; hetconv trains a chain of layers")
+        if inputs != [current]:
+            raise ValueError(f"node {node.name} ({what}) takes {inputs[0].name if inputs else 'no tensor'}, not "
+                             f"{current.name}: a branch makes the network a graph; hetconv trains a chain of layers")
+        users = [u for u in current.users if not _is_size(u)] if current.op != "placeholder" else list(current.users)
+        if len(users) > 1:
+            raise ValueError(f"node {current.name} feeds {', '.join(u.name for u in users)}: a branch makes the "
+                             f"network a graph; hetconv trains a chain of layers")
+        if node.op == "call_module":
+            m = named[node.target]
+            if node.target in called and any(True for _ in m.parameters()):
+                raise ValueError(f"node {node.name}: module {node.target} is called twice with the same weights; "
+                                 f"a layer's weights are its own")
+            called.add(node.target)
+            steps.append((f"module {node.target} ({type(m).__name__})", m, None))
+        else:
+            layer, width = _function_layer(node, what)
+            if width is not None:
+                features[len(steps)] = width
+            if layer is not None:
+                steps.append((f"node {node.name} ({what})", None, layer))
+        current = node
+    return steps, features
+
+
+def _is_size(node):
+    return node.op == "call_method" and node.target == "size"
+
+
+def _op_text(node):
+    target = node.target
+    if node.op == "call_function":
+        return getattr(target, "__name__", str(target))
+    if node.op == "call_method":
+        return f".{target}()"
+    return str(target)
+
+
+_FUNCTION_ACTIVATIONS = {"relu": "relu", "relu_": "relu", "gelu": "gelu", "silu": "silu", "leaky_relu": "leaky_relu",
+                         "elu": "elu", "celu": "celu", "tanh": "tanh", "sigmoid": "sigmoid", "hardswish": "hardswish"}
+
+
+def _function_layer(node, what):
+    """(The layer of a traced function or method call, or None for one that does nothing here:
+    dropout with training=False; the features a view(-1, K) promises, or None), or ValueError
+    naming the node."""
+    torch = import_torch()
+    F = torch.nn.functional
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    args, kwargs = list(node.args[1:]), dict(node.kwargs)
+    refuse = lambda why: ValueError(f"node {node.name} ({what}): {why}")     # noqa: E731
+    if node.op == "call_function" and node.target in (operator.mul, operator.truediv):
+        constant = [a for a in node.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+        if len(constant) != 1:
+            raise refuse("a product of two tensors; supported: a tensor times or over a constant (a scale)")
+        if constant[0] == 0 and node.target is operator.truediv:
+            raise refuse("division by zero")
+        return Scale(constant[0] if node.target is operator.mul else 1.0 / constant[0]), None
+    if node.op == "call_method":
+        if name in ("flatten",):
+            start = args[0] if args else kwargs.get("start_dim", 0)
+            if start != 1 or (args[1:] or [kwargs.get("end_dim", -1)])[0] != -1:
+                raise refuse(f"flatten from dim {start}; expected flatten(1): keep the batch dimension")
+            return Flatten(), None
+        if name in ("view", "reshape"):
+            shape = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list)) else args
+            if len(shape) == 2 and shape[1] == -1 and (isinstance(shape[0], int) or _is_size(shape[0])):
+                return Flatten(), None
+            if len(shape) == 2 and shape[0] == -1 and isinstance(shape[1], int):
+                return Flatten(), shape[1]
+            raise refuse(f"a view to {tuple(getattr(a, 'name', a) for a in shape)}; expected (x.size(0), -1) or "
+                         f"(-1, features): flattening before the head")
+        if name in _FUNCTION_ACTIVATIONS and not args and not kwargs:
+            return (ReLU() if name.startswith("relu") else Activation(_FUNCTION_ACTIVATIONS[name])), None
+        raise refuse(f"not supported; supported methods: .relu() .sigmoid() .tanh() .flatten(1) .view(n, -1); "
+                     f"{SUPPORTED}")
+    from torch.fx.operator_schemas import normalize_function
+    found = normalize_function(node.target, tuple(node.args), node.kwargs, normalize_to_only_use_kwargs=True)
+    kw = dict(found.kwargs) if found else {}
+    kw.pop("input", None)
+    kw.pop("inplace", None)
+    if name in _FUNCTION_ACTIVATIONS:
+        if name.startswith("relu"):
+            return ReLU(), None
+        params = {"gelu": ("approximate",), "leaky_relu": ("negative_slope",), "elu": ("alpha",),
+                  "celu": ("alpha",)}.get(name, ())
+        return Activation(_FUNCTION_ACTIVATIONS[name], **{k: kw[k] for k in params if k in kw}), None
+    if node.target in (F.max_pool2d, F.avg_pool2d):
+        mode = "max" if node.target is F.max_pool2d else "avg"
+        if kw.get("ceil_mode"):
+            raise refuse("ceil_mode True")
+        if kw.get("dilation", 1) not in (1, (1, 1)) or kw.get("return_indices"):
+            raise refuse("dilation or return_indices")
+        if mode == "avg" and (not kw.get("count_include_pad", True) or kw.get("divisor_override") is not None):
+            raise refuse("count_include_pad False or a divisor_override")
+        return Pool(mode, kw["kernel_size"], kw.get("stride") or None, kw.get("padding", 0)), None
+    if node.target in (F.adaptive_avg_pool2d, F.adaptive_max_pool2d):
+        if kw.get("output_size") not in (1, (1, 1), [1, 1]):
+            raise refuse(f"output_size {kw.get('output_size')} (only 1: a global pool)")
+        return GlobalPool("avg" if node.target is F.adaptive_avg_pool2d else "max"), None
+    if node.target is torch.flatten:
+        if kw.get("start_dim") != 1 or kw.get("end_dim", -1) != -1:
+            raise refuse(f"start_dim {kw.get('start_dim')}; expected torch.flatten(x, 1)")
+        return Flatten(), None
+    if node.target in (F.dropout, F.dropout2d):
+        if not kw.get("training", True):
+            return None, None
+        return (Dropout if node.target is F.dropout else Dropout2d)(kw.get("p", 0.5)), None
+    raise refuse(f"not supported; supported functions: F.relu and the other activations, F.max_pool2d, "
+                 f"F.avg_pool2d, F.adaptive_avg/max_pool2d(x, 1), F.dropout, F.dropout2d, torch.flatten(x, 1), "
+                 f"x * c, x / c; {SUPPORTED}")
 
 
 def state_dict(spec, conv_params, fc_params):
@@ -369,5 +526,5 @@ def load_module(text):
         raise ValueError(f"--net {text}: {func_name}() raised {type(e).__name__}: {e}") from e
     if not isinstance(module, nn.Module):
         raise ValueError(f"--net {text}: {func_name}() returned {type(module).__name__}, expected an "
-                         f"nn.Module (an nn.Sequential)")
+                         f"nn.Module")
     return module
