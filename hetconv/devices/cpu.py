@@ -698,6 +698,23 @@ def _describe_call(key):
     return f"x {x_shape} w {w_shape} stride {stride} padding {padding}, {form}"
 
 
+class _ChannelKernels:
+    """The activation and pool kernels of the CPU device, which the coordinator's host arrays
+    use too (a graph's nodes between blocks)."""
+
+    def _activation(self, x, act):
+        return cpu_channelwise.activation(x, act)
+
+    def _activation_backward(self, act, saved, dy):
+        return cpu_channelwise.activation_backward(act, saved, dy)
+
+    def _pool(self, x, pool, out_shape):
+        return cpu_channelwise.pool(x, pool, out_shape)
+
+    def _pool_backward(self, pool, saved, in_shape, dy):
+        return cpu_channelwise.pool_backward(pool, saved, in_shape, dy)
+
+
 class CpuDevice(Device):
     def __init__(self, threads=None, im2col_budget_bytes=DEFAULT_IM2COL_BUDGET_BYTES,
                  saved_cols_budget_bytes=DEFAULT_SAVED_COLS_BUDGET_BYTES, conv_path="auto",
@@ -1374,17 +1391,10 @@ class CpuDevice(Device):
         self._fft.refresh(a)
 
     # ---- per-channel layers (devices/cpu_channelwise.py) ---------------------------------------------
-    def _activation(self, x, act):
-        return cpu_channelwise.activation(x, act)
-
-    def _activation_backward(self, act, saved, dy):
-        return cpu_channelwise.activation_backward(act, saved, dy)
-
-    def _pool(self, x, pool, out_shape):
-        return cpu_channelwise.pool(x, pool, out_shape)
-
-    def _pool_backward(self, pool, saved, in_shape, dy):
-        return cpu_channelwise.pool_backward(pool, saved, in_shape, dy)
+    _activation = _ChannelKernels._activation
+    _activation_backward = _ChannelKernels._activation_backward
+    _pool = _ChannelKernels._pool
+    _pool_backward = _ChannelKernels._pool_backward
 
     def _plane_sums(self, a, b, shift):
         return cpu_channelwise.plane_sums(a, b, shift)
@@ -1408,10 +1418,11 @@ def open(index=None, threads=None, **options):
     return CpuDevice(threads=threads, **options)
 
 
-class HostArrays(Device):
+class HostArrays(_ChannelKernels, Device):
     """Updates of numpy arrays that live on no device (a conv layer's per-channel BatchNorm
     vectors, the head on the coordinator): the CPU device's update kernels, with nothing to open.
-    Every copy of such a vector, on any worker, moves by this same arithmetic."""
+    Every copy of such a vector, on any worker, moves by this same arithmetic. The activations and
+    pools a graph runs between its blocks use the CPU device's kernels."""
 
     name = "host"
 

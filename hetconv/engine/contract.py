@@ -148,6 +148,7 @@ class ShardEngine:
     exchange = "star"           # every layer's slices meet here; RemoteEngine may run the peer step
     optimizer = "sgd"           # whose slots every layer's state holds; the loop sets the run's
     bn_ghost_batch = 0          # images per BatchNorm statistics group (0: the whole batch); the run's
+    graph = None                # engine.graph.GraphPass where the network is not a chain: what joins its blocks
 
     def __init__(self):
         self.plan = None
@@ -280,12 +281,15 @@ class ShardEngine:
         factor every gradient was scaled by (1.0 without clipping)."""
         layers = len(self.plan.layers)
         self.batch = sum(len(x) for x in xs)
-        hs = list(xs)
-        for layer in range(layers):
-            hs = self.forward_layer(layer, hs, True, step)
-        grads = [head(m, h) for m, h in enumerate(hs)]
-        for layer in reversed(range(layers)):
-            grads = self.backward_layer(layer, grads, need_dx=layer > 0)
+        if self.graph is not None:
+            self.graph.train(self, xs, head, step)
+        else:
+            hs = list(xs)
+            for layer in range(layers):
+                hs = self.forward_layer(layer, hs, True, step)
+            grads = [head(m, h) for m, h in enumerate(hs)]
+            for layer in reversed(range(layers)):
+                grads = self.backward_layer(layer, grads, need_dx=layer > 0)
         factor = 1.0
         if update is not None and update.max_norm > 0:
             factor = clip_factor(self.sum_of_squares() + head_sum_of_squares(), update.max_norm)
@@ -296,6 +300,8 @@ class ShardEngine:
         return factor
 
     def predict(self, x):
+        if self.graph is not None:
+            return self.graph.predict(self, x)
         h = x
         for layer in range(len(self.plan.layers)):
             h = self.forward_layer(layer, [h], False)[0]

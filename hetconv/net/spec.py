@@ -319,6 +319,34 @@ class Scale:
         return f"scale {self.factor:g}"
 
 
+@dataclass(frozen=True)
+class Add:
+    """The elementwise sum of two or more inputs of one shape (a residual connection), in the
+    order its inputs are named."""
+    type = "add"
+
+    def to_json(self):
+        return {"type": "add"}
+
+    def text(self):
+        return "add"
+
+
+@dataclass(frozen=True)
+class Concat:
+    """Its inputs side by side along channels, in the order they are named (torch.cat(dim=1))."""
+    type = "concat"
+
+    def to_json(self):
+        return {"type": "concat"}
+
+    def text(self):
+        return "concat"
+
+
+MERGES = (Add, Concat)
+
+
 def _pair_text(p):
     return str(p[0]) if p[0] == p[1] else f"{p[0]}x{p[1]}"
 
@@ -339,6 +367,8 @@ _LAYER_TYPES = {
     "linear": (Linear, ("out_features", "bias")),
     "dropout": (Dropout, ("p",)),
     "scale": (Scale, ("factor",)),
+    "add": (Add, ()),
+    "concat": (Concat, ()),
 }
 _REQUIRED = {"conv": ("out_channels", "kernel"), "maxpool": ("kernel",), "avgpool": ("kernel",),
              "linear": ("out_features",), "scale": ("factor",)}
@@ -395,6 +425,8 @@ class ConvLayer:
     output_shape: tuple         # (K, H, W) leaving the block
     tail: tuple = ()            # channelwise ops after the fused block, in order
     layer_indices: tuple = ()   # NetSpec.layers positions of the block's per-channel layers, in order
+    source: int = -1            # the node whose output the conv reads (-1: the network's input)
+    node: int = -1              # the node whose output the block gives (its last layer's position)
 
 
 @dataclass(frozen=True)
@@ -411,10 +443,42 @@ class HeadOp:
 
 
 @dataclass(frozen=True)
+class GraphStep:
+    """One step of the conv part in order: a conv block (`block`: its position in conv_layers(),
+    run by the shards), or a node the coordinator computes itself (`node`: an add, a concat, or a
+    per-channel layer that follows one or reads the network's input). `inputs` are node positions
+    (-1: the network's input); `output` is the node whose tensor the step makes."""
+    kind: str                   # "block" or "node"
+    output: int
+    inputs: tuple
+    block: int = -1
+    layer: object = None        # the node's layer (kind "node")
+
+
+INPUT_NAME = "input"            # what a node's inputs call the network's input
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.")
+MAX_NAME_CHARS = 200
+
+
+def _check_name(i, name):
+    if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS or not set(name) <= _NAME_CHARS \
+            or name == INPUT_NAME:
+        raise ValueError(f"node {i}: name {name!r:.80}: expected 1 to {MAX_NAME_CHARS} letters, digits, '_' or "
+                         f"'.', other than {INPUT_NAME!r}")
+    return name
+
+
+@dataclass(frozen=True)
 class NetSpec:
+    """The layers in order, and for a graph what each reads: `inputs[i]` are the positions of
+    layer i's inputs (-1: the network's input; None: a chain, each layer reading the one before),
+    `names[i]` its name (None: its position), which export and import use as PyTorch's
+    state_dict prefix."""
     input_shape: tuple          # (C, H, W), from the data set
     classes: int                # from the data set; the last linear's width
     layers: tuple
+    inputs: tuple = None
+    names: tuple = None
     _shapes: tuple = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -427,12 +491,86 @@ class NetSpec:
             raise ValueError(f"layers must be a list of layers, got {type(self.layers).__name__}")
         layers = tuple(self.layers)
         for i, layer in enumerate(layers):
-            if not isinstance(layer, (Conv, ChannelLayer, Flatten, Linear, Dropout, Scale)):
+            if not isinstance(layer, (Conv, ChannelLayer, Flatten, Linear, Dropout, Scale) + MERGES):
                 raise ValueError(f"layer {i} ({type(layer).__name__}): not a layer; expected one of "
                                  f"{', '.join(LAYER_TYPES)}")
         object.__setattr__(self, "layers", layers)
-        self._check_order()
+        object.__setattr__(self, "inputs", self._checked_inputs())
+        names = self.names
+        if names is None:
+            names = tuple(str(i) for i in range(len(layers)))
+        elif not isinstance(names, (list, tuple)) or len(names) != len(layers):
+            raise ValueError(f"names must be one per layer ({len(layers)}), got {names!r:.120}")
+        names = tuple(_check_name(i, n) for i, n in enumerate(names))
+        repeated = next((n for i, n in enumerate(names) if n in names[:i]), None)
+        if repeated is not None:
+            raise ValueError(f"two nodes are named {repeated!r}; every node's name is its own")
+        object.__setattr__(self, "names", names)
+        if self.is_chain():
+            self._check_order()
+        else:
+            self._check_graph()
         object.__setattr__(self, "_shapes", self._infer_shapes())
+        if not self.is_chain():
+            self.conv_layers()          # refuses a per-channel layer no block or the coordinator can run
+
+    def _checked_inputs(self):
+        n = len(self.layers)
+        if self.inputs is None:
+            return tuple((i - 1,) for i in range(n))
+        if not isinstance(self.inputs, (list, tuple)) or len(self.inputs) != n:
+            raise ValueError(f"inputs must be one list per layer ({n}), got {self.inputs!r:.120}")
+        out = []
+        for i, given in enumerate(self.inputs):
+            if not isinstance(given, (list, tuple)) or not given or any(
+                    isinstance(j, bool) or not isinstance(j, (int, np.integer)) or not -1 <= j < i for j in given):
+                raise LayerError(i, self.layers[i], f"inputs {given!r:.80}: expected one or more earlier nodes")
+            out.append(tuple(int(j) for j in given))
+        return tuple(out)
+
+    def is_chain(self):
+        """Whether each layer reads the one before it (the first, the network's input)."""
+        return all(given == (i - 1,) for i, given in enumerate(self.inputs))
+
+    def _check_graph(self):
+        """A graph: merges take two or more inputs, every other layer one; one flatten, after it a
+        chain of head layers as in a chain network (checked by _check_order on that part); every
+        node before it feeds something."""
+        layers, inputs = self.layers, self.inputs
+        flatten_at = [i for i, layer in enumerate(layers) if layer.type == "flatten"]
+        if len(flatten_at) != 1:
+            at = flatten_at[1] if flatten_at else len(layers) - 1
+            raise LayerError(at, layers[at], "a network has exactly one flatten, between its conv part and its "
+                                             f"linear layers ({len(flatten_at)} found)")
+        flatten_at = flatten_at[0]
+        for i, layer in enumerate(layers):
+            arity = len(inputs[i])
+            if isinstance(layer, MERGES) and arity < 2:
+                raise LayerError(i, layer, f"{layer.type} takes two or more inputs, got {arity}")
+            if not isinstance(layer, MERGES) and arity != 1:
+                raise LayerError(i, layer, f"takes one input, got {arity} ({', '.join(self._name(j) for j in inputs[i])})")
+            if i < flatten_at and isinstance(layer, (Linear, Dropout, Scale)):
+                raise LayerError(i, layer, "expected flatten before the FC part (conv, per-channel layers, add, concat "
+                                           "or flatten here)")
+            if i > flatten_at and inputs[i] != (i - 1,):
+                raise LayerError(i, layer, "after flatten the layers form a chain: each reads the one before it")
+            if i > flatten_at and isinstance(layer, MERGES):
+                raise LayerError(i, layer, "after flatten only linear, relu, dropout and scale are allowed")
+        if not any(isinstance(layer, Conv) for layer in layers[:flatten_at]):
+            raise LayerError(0, layers[0], "the conv part has no conv layer")
+        used = {j for i in range(len(layers)) for j in inputs[i]}
+        for i in range(flatten_at):
+            if i not in used:
+                raise LayerError(i, layers[i], "its output is used by no node (every node before flatten must "
+                                               "lead to it)")
+        try:                            # the head's order, checked as a chain's (a 1x1 conv stands for the conv part)
+            NetSpec(self.input_shape, self.classes, (Conv(1, 1),) + layers[flatten_at:])
+        except LayerError as e:
+            at = flatten_at + e.index - 1
+            raise LayerError(at, layers[at], e.problem) from None
+
+    def _name(self, j):
+        return INPUT_NAME if j < 0 else self.names[j] if self.names is not None and len(self.names) > j else str(j)
 
     def _check_order(self):
         layers = self.layers
@@ -444,6 +582,9 @@ class NetSpec:
         prev = None                 # previous layer's type (dropouts skipped in the FC part)
         for i, layer in enumerate(layers):
             kind = layer.type
+            if isinstance(layer, MERGES):
+                raise LayerError(i, layer, f"{kind} joins two or more nodes: a network with one names each node's "
+                                           f"inputs (the \"nodes\" form)")
             if kind == "flatten":
                 if flatten_at is not None:
                     raise LayerError(i, layer, f"only one flatten is allowed, the first is layer {flatten_at}")
@@ -486,35 +627,46 @@ class NetSpec:
 
     def _infer_shapes(self):
         """The output shape of every layer: (C, H, W) up to flatten, (features,) after."""
-        c, h, w = self.input_shape
-        features = None
         shapes = []
         for i, layer in enumerate(self.layers):
-            if isinstance(layer, (Conv, Pool)) and features is None:
+            given = [self.input_shape if j < 0 else shapes[j] for j in self.inputs[i]]
+            if isinstance(layer, Add):
+                if any(s != given[0] for s in given):
+                    raise LayerError(i, layer, f"adds inputs of different shapes: "
+                                               + ", ".join(f"{self._name(j)} {'x'.join(map(str, s))}"
+                                                           for j, s in zip(self.inputs[i], given)))
+                shapes.append(given[0])
+                continue
+            if isinstance(layer, Concat):
+                if any(s[1:] != given[0][1:] for s in given):
+                    raise LayerError(i, layer, f"joins maps of different heights and widths: "
+                                               + ", ".join(f"{self._name(j)} {'x'.join(map(str, s))}"
+                                                           for j, s in zip(self.inputs[i], given)))
+                shapes.append((sum(s[0] for s in given),) + given[0][1:])
+                continue
+            shape = given[0]
+            if isinstance(layer, (Conv, Pool)) and len(shape) == 3:
+                c, h, w = shape
                 kh, kw = layer.kernel
                 (sh, sw), (ph, pw) = layer.stride, layer.padding
                 ho, wo = _window_out(h, kh, sh, ph), _window_out(w, kw, sw, pw)
                 if ho is None or wo is None:
                     raise LayerError(i, layer, f"kernel {kh}x{kw} does not fit its {h}x{w} input with padding "
                                                f"{_pair_text(layer.padding)} (padded {h + 2 * ph}x{w + 2 * pw})")
-                h, w = ho, wo
-                if isinstance(layer, Conv):
-                    c = layer.out_channels
-                shapes.append((c, h, w))
-            elif isinstance(layer, ChannelLayer) and features is None:
+                shapes.append((layer.out_channels if isinstance(layer, Conv) else c, ho, wo))
+            elif isinstance(layer, ChannelLayer) and len(shape) == 3:
+                c, h, w = shape
                 try:
                     h, w = layer.channel_op().output_hw(h, w)
                 except ValueError as e:
                     raise LayerError(i, layer, str(e)) from None
                 shapes.append((c, h, w))
             elif isinstance(layer, Flatten):
-                features = c * h * w
-                shapes.append((features,))
+                shapes.append((int(np.prod(shape)),))
             elif isinstance(layer, Linear):
-                features = layer.out_features
-                shapes.append((features,))
+                shapes.append((layer.out_features,))
             else:                               # dropout, scale, the head's relu: shape unchanged
-                shapes.append(shapes[-1])
+                shapes.append(shape)
         return tuple(shapes)
 
     # ---- sizes ----------------------------------------------------------------------------------
@@ -525,20 +677,50 @@ class NetSpec:
     def _flatten_index(self):
         return next(i for i, layer in enumerate(self.layers) if layer.type == "flatten")
 
+    def feature_node(self):
+        """The node whose output the flatten reads."""
+        return self.inputs[self._flatten_index()][0]
+
+    def feature_shape(self):
+        """(C, H, W) of what the head flattens."""
+        return self._shapes[self.feature_node()]
+
+    def consumers(self):
+        """Per node, the nodes that read its output, in order."""
+        users = [[] for _ in self.layers]
+        for i, given in enumerate(self.inputs):
+            for j in given:
+                if j >= 0 and i not in users[j]:
+                    users[j].append(i)
+        return users
+
+    def _block_members(self, users, conv_at, flatten_at):
+        """The conv at `conv_at` and the per-channel layers the shards run after it: each next one
+        is the only reader of the one before and reads nothing else."""
+        members = [conv_at]
+        while True:
+            last = members[-1]
+            following = users[last]
+            if len(following) != 1:
+                return members
+            nxt = following[0]
+            if nxt >= flatten_at or not isinstance(self.layers[nxt], ChannelLayer) or self.inputs[nxt] != (last,):
+                return members
+            members.append(nxt)
+
     def conv_layers(self):
-        """One ConvLayer per conv block, in order. The block a device fuses with the conv takes a
-        relu right after it and then a max or average pool; every other per-channel layer is the
-        tail, in order."""
+        """One ConvLayer per conv block, in the order of their convs. The block a device fuses with
+        the conv takes a relu right after it and then a max or average pool; every other per-channel
+        layer is the tail, in order."""
         flatten_at = self._flatten_index()
-        blocks = []
-        in_shape = self.input_shape
-        i = 0
-        while i < flatten_at:
-            conv = self.layers[i]
-            end = i + 1
-            while end < flatten_at and self.layers[end].type != "conv":
-                end += 1
-            rest = list(range(i + 1, end))
+        users = self.consumers()
+        blocks, owned = [], set()
+        for i in range(flatten_at):
+            if not isinstance(self.layers[i], Conv):
+                continue
+            members = self._block_members(users, i, flatten_at)
+            owned.update(members)
+            conv, rest = self.layers[i], members[1:]
             activation, pool = "none", None
             if rest and self.layers[rest[0]].type == "relu":
                 activation = "relu"
@@ -548,20 +730,43 @@ class NetSpec:
             pooling = (dict(pool=pool.mode, pool_kernel=pool.kernel, pool_stride=pool.stride,
                             pool_padding=pool.padding) if pool else dict(pool="none"))
             block = ConvBlock(stride=conv.stride, padding=conv.padding, activation=activation, **pooling)
+            source = self.inputs[i][0]
+            in_shape = self.input_shape if source < 0 else self._shapes[source]
             blocks.append(ConvLayer(index=i, in_channels=in_shape[0], kernels=conv.out_channels,
                                     kernel=conv.kernel, bias=conv.bias, block=block, input_shape=in_shape,
-                                    conv_shape=self._shapes[i], output_shape=self._shapes[end - 1],
+                                    conv_shape=self._shapes[i], output_shape=self._shapes[members[-1]],
                                     tail=tuple(self.layers[j].channel_op() for j in rest),
-                                    layer_indices=tuple(rest)))
-            in_shape = self._shapes[end - 1]
-            i = end
+                                    layer_indices=tuple(rest), source=source, node=members[-1]))
+        for i in range(flatten_at):
+            layer = self.layers[i]
+            if i not in owned and isinstance(layer, (BatchNorm, Dropout2d)):
+                raise LayerError(i, layer, f"reads {self._name(self.inputs[i][0])}, which is not a conv block's "
+                                           f"output: a {layer.type} runs where its channels are, in the block of the "
+                                           f"conv before it (conv, then per-channel layers, each the only reader of "
+                                           f"the one before)")
         return blocks
 
+    def graph_steps(self):
+        """The conv part as GraphSteps in order: each block where its conv is, each node the
+        coordinator computes (merges, and per-channel layers outside a block) where it is. For a
+        chain: its blocks alone, each reading the one before."""
+        blocks = self.conv_layers()
+        by_conv = {b.index: n for n, b in enumerate(blocks)}
+        owned = {i for b in blocks for i in (b.index,) + b.layer_indices} | {b.node for b in blocks}
+        steps = []
+        for i in range(self._flatten_index()):
+            if i in by_conv:
+                b = blocks[by_conv[i]]
+                steps.append(GraphStep("block", b.node, (b.source,), block=by_conv[i]))
+            elif i not in owned:
+                steps.append(GraphStep("node", i, self.inputs[i], layer=self.layers[i]))
+        return steps
+
     def head(self):
-        """The FC part as ops, flatten first (in = out = the last block's C*H*W)."""
+        """The FC part as ops, flatten first (in = out = the flattened features' count)."""
         flatten_at = self._flatten_index()
         ops = []
-        features = int(np.prod(self._shapes[flatten_at - 1]))
+        features = int(np.prod(self.feature_shape()))
         for i in range(flatten_at, len(self.layers)):
             out = self._shapes[i][0]
             ops.append(HeadOp(index=i, layer=self.layers[i], in_features=features, out_features=out))
@@ -575,7 +780,7 @@ class NetSpec:
         layers = list(self.layers)
         at = self._classifier_index()
         layers[at] = replace(layers[at], out_features=classes)
-        return NetSpec(input_shape, classes, tuple(layers))
+        return NetSpec(input_shape, classes, tuple(layers), None if self.is_chain() else self.inputs, self.names)
 
     # ---- parameters ------------------------------------------------------------------------------
     def parameter_shapes(self):
@@ -611,10 +816,18 @@ class NetSpec:
         return sum(int(np.prod(w)) + (int(np.prod(b)) if b else 0) for w, b in conv + fc) + norms
 
     # ---- stored form and logs -------------------------------------------------------------------
+    def _default_names(self):
+        return self.names == tuple(str(i) for i in range(len(self.layers)))
+
     def to_json(self):
-        """The stored form, a dict ready for json.dumps (every default written out)."""
+        """The stored form, a dict ready for json.dumps (every default written out): a chain with
+        positional names as "layers", anything else as "nodes", each with its name and inputs."""
+        if self.is_chain() and self._default_names():
+            return {"input_shape": list(self.input_shape), "classes": self.classes,
+                    "layers": [layer.to_json() for layer in self.layers]}
         return {"input_shape": list(self.input_shape), "classes": self.classes,
-                "layers": [layer.to_json() for layer in self.layers]}
+                "nodes": [{"name": name, "inputs": [self._name(j) for j in given], **layer.to_json()}
+                          for layer, name, given in zip(self.layers, self.names, self.inputs)]}
 
     def dumps(self):
         return json.dumps(self.to_json(), indent=1)
@@ -630,33 +843,56 @@ class NetSpec:
         if not isinstance(data, dict):
             raise ValueError(f"the network must be a JSON object with input_shape, classes and layers, "
                              f"got {type(data).__name__}")
-        keys = ("input_shape", "classes", "layers")
+        form = "nodes" if "nodes" in data else "layers"
+        keys = ("input_shape", "classes", form)
         unknown = [k for k in data if k not in keys]
         if unknown:
-            raise ValueError(f"unknown key {unknown[0]!r} in the network; expected {', '.join(keys)}")
+            raise ValueError(f"unknown key {unknown[0]!r} in the network; expected {', '.join(keys)}"
+                             + (" (layers for a chain, or nodes for a graph, not both)" if unknown[0] in
+                                ("layers", "nodes") else ""))
         missing = [k for k in keys if k not in data]
         if missing:
             raise ValueError(f"the network has no {missing[0]!r}; expected {', '.join(keys)}")
-        if not isinstance(data["layers"], list):
-            raise ValueError(f"layers must be a list, got {type(data['layers']).__name__}")
-        layers = []
-        for i, d in enumerate(data["layers"]):
+        if not isinstance(data[form], list):
+            raise ValueError(f"{form} must be a list, got {type(data[form]).__name__}")
+        layers, names, inputs = [], [], []
+        for i, d in enumerate(data[form]):
+            kind = d.get("type", "no type") if isinstance(d, dict) else type(d).__name__
+            if form == "nodes":
+                if not isinstance(d, dict) or "name" not in d or "inputs" not in d:
+                    raise ValueError(f"node {i} ({kind}): expected an object with \"name\", \"inputs\" and \"type\"")
+                d = dict(d)
+                name, given = d.pop("name"), d.pop("inputs")
+                _check_name(i, name)
+                known = {n: j for j, n in enumerate(names)}
+                if not isinstance(given, list) or not given or any(
+                        not isinstance(g, str) or (g != INPUT_NAME and g not in known) for g in given):
+                    raise ValueError(f"node {i} ({name}): inputs {given!r:.120}: expected a list of earlier nodes' "
+                                     f"names or {INPUT_NAME!r}")
+                names.append(name)
+                inputs.append(tuple(-1 if g == INPUT_NAME else known[g] for g in given))
             try:
                 layers.append(layer_from_json(d))
             except (ValueError, TypeError) as e:
-                kind = d.get("type", "no type") if isinstance(d, dict) else type(d).__name__
-                raise ValueError(f"layer {i} ({kind}): {e}") from None
+                raise ValueError(f"{'node' if form == 'nodes' else 'layer'} {i} ({kind}): {e}") from None
+        if form == "nodes":
+            return cls(data["input_shape"], data["classes"], tuple(layers), tuple(inputs), tuple(names))
         return cls(data["input_shape"], data["classes"], tuple(layers))
 
     def describe(self):
-        """One line per layer: what it is, its output shape, its parameter count (for logs)."""
+        """One line per layer: what it is, its output shape, its parameter count (for logs); a
+        graph's lines name each node and its inputs."""
         conv_shapes, fc_shapes = self.parameter_shapes()
         counts = iter([int(np.prod(w)) + (int(np.prod(b)) if b else 0) for w, b in conv_shapes + fc_shapes])
+        graph = not self.is_chain() or not self._default_names()
         lines = [f"input {'x'.join(map(str, self.input_shape))}, {self.classes} classes"]
         for i, (layer, shape) in enumerate(zip(self.layers, self._shapes)):
             params = next(counts) if layer.type in ("conv", "linear") else 0
             if layer.type == "batchnorm" and layer.affine:
                 params = 2 * shape[0]
-            lines.append(f"{i:>3} {layer.text():<40} -> {'x'.join(map(str, shape)):<14} {params:>12,} params")
+            what = layer.text()
+            if graph:
+                what = f"{self.names[i]} = {what} ({', '.join(self._name(j) for j in self.inputs[i])})"
+            lines.append(f"{i:>3} {what:<40} -> {'x'.join(map(str, shape)):<14} {params:>12,} params")
         lines.append(f"    total {self.parameter_count():,} parameters")
         return "\n".join(lines)

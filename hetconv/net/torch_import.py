@@ -13,8 +13,8 @@ import sys
 import numpy as np
 
 from hetconv.geometry import ConvSpec
-from hetconv.net.spec import (Activation, BatchNorm, ChannelLayer, Conv, Dropout, Dropout2d, Flatten, GlobalPool,
-                              LayerError, Linear, NetSpec, Pool, ReLU, Scale)
+from hetconv.net.spec import (Activation, Add, BatchNorm, ChannelLayer, Concat, Conv, Dropout, Dropout2d, Flatten,
+                              GlobalPool, LayerError, Linear, NetSpec, Pool, ReLU, Scale)
 
 TORCH_INSTALL = "pip install 'hetconv[torch]' (in a checkout: pip install -e '.[torch]')"
 SUPPORTED = ("Conv2d (groups 1, dilation 1, padding_mode 'zeros'), BatchNorm2d (track_running_stats), ReLU, GELU, "
@@ -162,11 +162,13 @@ def from_torch(module, input_shape):
     ConvSpec.state_layout names it: its weights and bias, and its tail's BatchNorm weights, biases
     and running statistics."""
     if _is_plain_sequential(module):
-        steps, features = [(f"module {path} ({type(m).__name__})", m, None) for path, m in _flat_modules(module)], {}
+        flat = _flat_modules(module)
+        steps = [(f"module {path} ({type(m).__name__})", m, None, None, None) for path, m in flat]
+        features = {}
     else:
         steps, features = _traced_steps(module)
     layers, conv_params, fc_params = [], [], []
-    for label, m, layer in steps:
+    for label, m, layer, _, _ in steps:
         if layer is None:
             try:
                 layer, params = _layer_of(label.split()[1], m)
@@ -181,15 +183,18 @@ def from_torch(module, input_shape):
     if last is None:
         raise ValueError(f"the module has no Linear layer, so no class count; expected conv blocks, Flatten, "
                          f"then Linear layers ({SUPPORTED})")
+    graph = steps and steps[0][3] is not None
+    inputs = tuple(step[4] for step in steps) if graph else None
+    names = tuple(step[3] for step in steps) if graph else None
     try:
-        spec = NetSpec(input_shape, last.out_features, tuple(layers))
+        spec = NetSpec(input_shape, last.out_features, tuple(layers), inputs, names)
     except LayerError as e:
         raise ValueError(f"{steps[e.index][0]}: {e.problem}") from None
     for index, width in features.items():                    # a view(-1, K) must flatten to K features
         if spec.output_shapes()[index] != (width,):
             raise ValueError(f"{steps[index][0]}: views its input as (-1, {width}), but it has "
                              f"{spec.output_shapes()[index][0]} features on input_shape {tuple(spec.input_shape)}")
-    modules = [(label.split()[1], m) for label, m, _ in steps]
+    modules = [(label.split()[1], m) for label, m, _, _, _ in steps]
     # the module fixes every input width; the spec infers them from input_shape: they must agree
     by_index = dict(enumerate(modules))
     states = []
@@ -217,14 +222,15 @@ def from_torch(module, input_shape):
     return spec, conv_params, fc_params
 
 
-# ---- any nn.Module whose forward is a chain, by tracing ------------------------------------------
+# ---- any nn.Module, by tracing ----------------------------------------------------------------------
 
 def _traced_steps(module):
-    """([(label, module or None, layer or None)], {step: features}) of a module's forward traced by
-    torch.fx: a module call is (label, the module, None), a function or method (label, None, its
-    layer); a view(-1, K) must flatten to K features. The trace must be a chain (each node takes
-    the one before it and feeds only the next): a residual sum or a concatenation is refused naming
-    its node."""
+    """([(label, module or None, layer or None, name, inputs)], {step: features}) of a module's
+    forward traced by torch.fx, in the trace's order: a module call is (label, the module, None,
+    ...), a function or method (label, None, its layer, ...); `inputs` are the steps whose outputs
+    it reads (-1: the images). A module with weights keeps its own path as its name (PyTorch's
+    state_dict prefix), anything else its node's name. An nn.Identity, and dropout with
+    training=False, pass their input on. A view(-1, K) must flatten to K features."""
     torch = import_torch()
     try:
         traced = torch.fx.symbolic_trace(module)
@@ -232,49 +238,101 @@ def _traced_steps(module):
         raise ValueError(f"expected an nn.Sequential, or a module whose forward torch.fx can trace; "
                          f"{type(module).__name__} does not trace ({type(e).__name__}: {str(e)[:200]})") from None
     named = dict(traced.named_modules())
-    steps, current, called, features = [], None, set(), {}
+    steps, features, index, alias, called = [], {}, {}, {}, set()
+
+    def resolve(n):
+        while n in alias:
+            n = alias[n]
+        return n
+
     for node in traced.graph.nodes:
         if node.op == "placeholder":
-            if current is not None:
+            if index:
                 raise ValueError(f"node {node.name}: the forward takes more than one input; expected the images only")
-            current = node
+            index[node] = -1
             continue
         if _is_size(node):
             continue                                     # x.size(0): an argument of the view that follows
         what = _op_text(node)
-        inputs = [n for n in node.all_input_nodes if not _is_size(n)]
         if node.op == "output":
-            if inputs != [current]:
-                raise ValueError(f"node {node.name}: the forward returns {what}; expected the last layer's output")
+            returned = node.args[0] if node.args else None
+            if not isinstance(returned, torch.fx.Node) or index.get(resolve(returned)) != len(steps) - 1:
+                raise ValueError(f"node {node.name}: the forward returns {getattr(returned, 'name', returned)!r:.80}; "
+                                 f"expected one tensor, the last layer's output")
             break
         if node.op == "get_attr":
             raise ValueError(f"node {node.name} ({what}): a tensor the forward reads from the module itself; "
                              f"supported: {SUPPORTED}")
-        if len(inputs) > 1:
-            raise ValueError(f"node {node.name} ({what}) joins {', '.join(n.name for n in inputs)}: a residual sum or "
-                             f"a concatenation makes the network a graph; hetconv trains a chain of layers")
-        if inputs != [current]:
-            raise ValueError(f"node {node.name} ({what}) takes {inputs[0].name if inputs else 'no tensor'}, not "
-                             f"{current.name}: a branch makes the network a graph; hetconv trains a chain of layers")
-        users = [u for u in current.users if not _is_size(u)] if current.op != "placeholder" else list(current.users)
-        if len(users) > 1:
-            raise ValueError(f"node {current.name} feeds {', '.join(u.name for u in users)}: a branch makes the "
-                             f"network a graph; hetconv trains a chain of layers")
-        if node.op == "call_module":
+        merge, operands = _merge_of(node, what)
+        if merge is None:
+            operands = [n for n in node.all_input_nodes if not _is_size(n)]
+            if len(operands) != 1:
+                raise ValueError(f"node {node.name} ({what}) takes {len(operands)} tensors "
+                                 f"({', '.join(n.name for n in operands)}); expected one, or a sum (+, torch.add) or "
+                                 f"a torch.cat(dim=1) of several")
+        operands = [resolve(n) for n in operands]
+        unknown = [n.name for n in operands if n not in index]
+        if unknown:
+            raise ValueError(f"node {node.name} ({what}) reads {unknown[0]}, which is not a tensor of the network")
+        inputs = tuple(index[n] for n in operands)
+        if merge is not None:
+            steps.append((f"node {node.name} ({what})", None, merge, node.name, inputs))
+        elif node.op == "call_module":
             m = named[node.target]
-            if node.target in called and any(True for _ in m.parameters()):
+            if type(m) is torch.nn.Identity:
+                alias[node] = operands[0]
+                continue
+            owns = any(True for _ in m.parameters()) or any(True for _ in m.buffers())
+            if node.target in called and owns:
                 raise ValueError(f"node {node.name}: module {node.target} is called twice with the same weights; "
                                  f"a layer's weights are its own")
             called.add(node.target)
-            steps.append((f"module {node.target} ({type(m).__name__})", m, None))
+            steps.append((f"module {node.target} ({type(m).__name__})", m, None,
+                          node.target if owns else node.name, inputs))
         else:
             layer, width = _function_layer(node, what)
+            if layer is None:
+                alias[node] = operands[0]
+                continue
             if width is not None:
                 features[len(steps)] = width
-            if layer is not None:
-                steps.append((f"node {node.name} ({what})", None, layer))
-        current = node
+            steps.append((f"node {node.name} ({what})", None, layer, node.name, inputs))
+        index[node] = len(steps) - 1
     return steps, features
+
+
+def _merge_of(node, what):
+    """(Add() or Concat(), the tensors it joins in order) for a sum or a concatenation of tensors,
+    else (None, None); a merge hetconv cannot run (a sum with a constant or a scaled operand, a
+    concatenation along another dimension) is a ValueError naming the node."""
+    torch = import_torch()
+    fx = torch.fx
+    refuse = lambda why: ValueError(f"node {node.name} ({what}): {why}")     # noqa: E731
+    target = node.target
+    is_sum = (node.op == "call_function" and target in (operator.add, operator.iadd, torch.add)) or \
+        (node.op == "call_method" and target in ("add", "add_"))
+    if is_sum:
+        if node.kwargs.get("alpha", 1) != 1 or len(node.args) > 2:
+            raise refuse("a sum with alpha; expected a + b")
+        operands = list(node.args[:2]) + ([node.kwargs["other"]] if "other" in node.kwargs else [])
+        if len(operands) != 2 or not all(isinstance(a, fx.Node) for a in operands):
+            if not any(isinstance(a, fx.Node) and _is_size(a) for a in operands):
+                raise refuse("adds a constant to a tensor; supported: the sum of two tensors (a residual connection)")
+            return None, None
+        return Add(), operands
+    is_cat = node.op == "call_function" and target in (torch.cat, getattr(torch, "concat", None),
+                                                        getattr(torch, "concatenate", None))
+    if is_cat:
+        tensors = node.args[0] if node.args else node.kwargs.get("tensors")
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", node.kwargs.get("axis", 0))
+        if dim not in (1, -3):
+            raise refuse(f"concatenates along dim {dim}; expected dim=1 (channels)")
+        if not isinstance(tensors, (list, tuple)) or not all(isinstance(t, fx.Node) for t in tensors):
+            raise refuse("concatenates something other than tensors of the network")
+        if len(tensors) < 2:
+            return None, None                            # a cat of one tensor passes it on
+        return Concat(), list(tensors)
+    return None, None
 
 
 def _is_size(node):
@@ -366,9 +424,10 @@ def _function_layer(node, what):
 
 
 def state_dict(spec, conv_params, fc_params):
-    """The nn.Sequential state_dict of `spec` with these weights, as numpy arrays and without
-    torch: keys "INDEX.weight", "INDEX.bias", "INDEX.running_mean", "INDEX.num_batches_tracked"
-    by the layer's position, as nn.Sequential names them. conv_params: per conv layer its state
+    """The state_dict of `spec` with these weights, as numpy arrays and without torch: keys
+    "NAME.weight", "NAME.bias", "NAME.running_mean", "NAME.num_batches_tracked" by the layer's
+    name, which is its position ("0.weight", as nn.Sequential names them) unless the network
+    names its nodes (a traced module's own paths: "layer1.0.conv1.weight"). conv_params: per conv layer its state
     {name: array}, or (w, b) with its BatchNorms at PyTorch's start; fc_params: per linear (w, b)."""
     conv_shapes, fc_shapes = spec.parameter_shapes()
     conv_params = [p if isinstance(p, dict) else ConvSpec.from_layer(layer).initial_state(*p)   # BatchNorm at its start
@@ -377,9 +436,9 @@ def state_dict(spec, conv_params, fc_params):
     _check_params("fc", fc_params, fc_shapes, optional_bias=True)
     out = {}
     for layer, state in zip(spec.conv_layers(), conv_params):
-        out[f"{layer.index}.weight"] = np.asarray(state["w"], np.float32)
+        out[f"{spec.names[layer.index]}.weight"] = np.asarray(state["w"], np.float32)
         if layer.bias:
-            out[f"{layer.index}.bias"] = np.asarray(state["b"], np.float32)
+            out[f"{spec.names[layer.index]}.bias"] = np.asarray(state["b"], np.float32)
         for t, index in enumerate(layer.layer_indices):
             if layer.tail[t].type != "batchnorm":
                 continue
@@ -388,13 +447,13 @@ def state_dict(spec, conv_params, fc_params):
                 key = f"bn{t}.{name}"
                 if key not in state:
                     raise ValueError(f"conv layer {layer.index}: no {key} for its BatchNorm (layer {index})")
-                out[f"{index}.{name}"] = np.asarray(state[key], np.int64 if name == "num_batches_tracked" else
+                out[f"{spec.names[index]}.{name}"] = np.asarray(state[key], np.int64 if name == "num_batches_tracked" else
                                                     np.float32)
     linears = [op for op in spec.head() if op.type == "linear"]
     for op, (w, b) in zip(linears, fc_params):
-        out[f"{op.index}.weight"] = np.asarray(w, np.float32)
+        out[f"{spec.names[op.index]}.weight"] = np.asarray(w, np.float32)
         if op.layer.bias:
-            out[f"{op.index}.bias"] = np.asarray(b, np.float32)
+            out[f"{spec.names[op.index]}.bias"] = np.asarray(b, np.float32)
     return out
 
 

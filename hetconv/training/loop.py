@@ -14,7 +14,8 @@ from hetconv.data import batches, load_dataset, test_batches
 from hetconv.devices.cpu import HostArrays
 from hetconv.engine.contract import WorkerLost, micro_choice_record, mode_choice_record, moved_bytes
 from hetconv.engine.microbatch import micro_batch_count
-from hetconv.geometry import ConvSpec, layer_input_shapes
+from hetconv.engine.graph import GraphPass
+from hetconv.geometry import ConvSpec
 from hetconv.net import LoadedNet, NetSpec
 from hetconv.net.head import Network, init_conv_params
 from hetconv.training import checkpoint
@@ -525,7 +526,14 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
     loaded = loaded or network_for(cfg, ds, resume)
     network = loaded.spec
     specs = [ConvSpec.from_layer(layer) for layer in network.conv_layers()]
-    input_shapes, feature_shape = layer_input_shapes(specs, cfg.batch_size, network.input_shape)
+    input_shapes = [(cfg.batch_size,) + layer.input_shape for layer in network.conv_layers()]
+    feature_shape = network.feature_shape()
+    if not network.is_chain():
+        engine.graph = GraphPass(network, HostArrays())
+        if engine.exchange != "star":
+            log("the network is a graph: its blocks' outputs meet at the coordinator, which runs what joins them "
+                "(--exchange star); the peer step runs chains")
+            engine.exchange = "star"
     steps_per_epoch = len(ds.train_y) // cfg.batch_size
     if steps_per_epoch < 1:
         raise ValueError(f"--batch-size {cfg.batch_size} is larger than the {len(ds.train_y)} training images of {ds.name}")

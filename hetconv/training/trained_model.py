@@ -8,6 +8,8 @@ import numpy as np
 
 from hetconv.data import CIFAR10_CLASSES, CIFAR10_MEAN, CIFAR10_STD, load_dataset
 from hetconv.devices import open_device
+from hetconv.devices.cpu import HostArrays
+from hetconv.engine.graph import GraphPass
 from hetconv.engine.local import LocalEngine
 from hetconv.engine.planner import fixed_plan
 from hetconv.engine.shard import ConvShard
@@ -150,8 +152,9 @@ class InProcessModel:
         engine = LocalEngine({"local": ConvShard(device)})
         engine.load(fixed_plan(kernels, {"local": kernels}), specs, model.conv_states())
         head = [op.layer.to_json() for op in spec.head() if op.type != "flatten"]
-        self.net = Network(specs, head, engine, np.random.default_rng(0), spec.conv_layers()[-1].output_shape,
-                           fc_params=model.fc)
+        if not spec.is_chain():
+            engine.graph = GraphPass(spec, HostArrays())
+        self.net = Network(specs, head, engine, np.random.default_rng(0), spec.feature_shape(), fc_params=model.fc)
 
     def logits(self, x):
         """Normalised network inputs (N, C, H, W) float32 -> logits (N, classes) float32."""
