@@ -10,7 +10,7 @@ from hetconv.net import PRESETS, load_net, preset  # noqa: E402
 from hetconv.net.torch_import import from_torch, load_module, to_torch  # noqa: E402
 
 WIDTH = {"paper": 0.02, "lenet5": 1.0, "cifar10-quick": 0.25, "vgg-small": 0.125, "vgg-small-bn": 0.125,
-         "airbench94": 0.125}
+         "airbench94": 0.125, "resnet9": 0.0625, "resnet18": 0.0625, "inception-small": 0.25}
 
 
 def same_params(a, b):
@@ -47,12 +47,13 @@ def test_round_trip_keeps_spec_and_weights(name, input_shape):
 def test_spec_shapes_equal_what_torch_computes(name, input_shape):
     spec = preset(name, input_shape, 10, width=WIDTH[name])
     module = to_torch(spec, *spec.init_params(np.random.default_rng(0))).eval()
-    h = torch.zeros((2,) + input_shape)
-    seen = []
+    seen = {}
+    for name in spec.names:               # every node is a module at its name, a sum or a concatenation too
+        module.get_submodule(name).register_forward_hook(
+            lambda m, args, out, name=name: seen.__setitem__(name, tuple(out.shape[1:])))
     with torch.no_grad():
-        for layer in module:
-            h = layer(h)
-            seen.append(tuple(h.shape[1:]))
+        module(torch.zeros((2,) + input_shape))
+    seen = [seen[name] for name in spec.names]
     assert seen == spec.output_shapes()
     convs = spec.conv_layers()
     assert [seen[c.index] for c in convs] == [c.conv_shape for c in convs]

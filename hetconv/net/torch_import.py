@@ -13,8 +13,8 @@ import sys
 import numpy as np
 
 from hetconv.geometry import ConvSpec
-from hetconv.net.spec import (Activation, Add, BatchNorm, ChannelLayer, Concat, Conv, Dropout, Dropout2d, Flatten,
-                              GlobalPool, LayerError, Linear, NetSpec, Pool, ReLU, Scale)
+from hetconv.net.spec import (INPUT_NAME, Activation, Add, BatchNorm, ChannelLayer, Concat, Conv, Dropout, Dropout2d,
+                              Flatten, GlobalPool, LayerError, Linear, NetSpec, Pool, ReLU, Scale)
 
 TORCH_INSTALL = "pip install 'hetconv[torch]' (in a checkout: pip install -e '.[torch]')"
 SUPPORTED = ("Conv2d (groups 1, dilation 1, padding_mode 'zeros'), BatchNorm2d (track_running_stats), ReLU, GELU, "
@@ -228,12 +228,17 @@ def _traced_steps(module):
     """([(label, module or None, layer or None, name, inputs)], {step: features}) of a module's
     forward traced by torch.fx, in the trace's order: a module call is (label, the module, None,
     ...), a function or method (label, None, its layer, ...); `inputs` are the steps whose outputs
-    it reads (-1: the images). A module with weights keeps its own path as its name (PyTorch's
-    state_dict prefix), anything else its node's name. An nn.Identity, and dropout with
+    it reads (-1: the images). A module's first call is named by its path (a module with weights
+    is called once: its path is its state_dict prefix), anything else by its node's name. An nn.Identity, and dropout with
     training=False, pass their input on. A view(-1, K) must flatten to K features."""
     torch = import_torch()
+    own = merge_module_classes() + (scale_module_class(),)
+
+    class Tracer(torch.fx.Tracer):
+        def is_leaf_module(self, m, qualname):          # an exported graph's joins and scales stay one node each
+            return type(m) in own or super().is_leaf_module(m, qualname)
     try:
-        traced = torch.fx.symbolic_trace(module)
+        traced = torch.fx.GraphModule(module, Tracer().trace(module))
     except Exception as e:              # noqa: BLE001 (any failure of the user's forward under tracing)
         raise ValueError(f"expected an nn.Sequential, or a module whose forward torch.fx can trace; "
                          f"{type(module).__name__} does not trace ({type(e).__name__}: {str(e)[:200]})") from None
@@ -263,7 +268,7 @@ def _traced_steps(module):
         if node.op == "get_attr":
             raise ValueError(f"node {node.name} ({what}): a tensor the forward reads from the module itself; "
                              f"supported: {SUPPORTED}")
-        merge, operands = _merge_of(node, what)
+        merge, operands = _merge_of(node, what, named)
         if merge is None:
             operands = [n for n in node.all_input_nodes if not _is_size(n)]
             if len(operands) != 1:
@@ -276,7 +281,8 @@ def _traced_steps(module):
             raise ValueError(f"node {node.name} ({what}) reads {unknown[0]}, which is not a tensor of the network")
         inputs = tuple(index[n] for n in operands)
         if merge is not None:
-            steps.append((f"node {node.name} ({what})", None, merge, node.name, inputs))
+            steps.append((f"node {node.name} ({what})", None, merge,
+                          node.target if node.op == "call_module" else node.name, inputs))
         elif node.op == "call_module":
             m = named[node.target]
             if type(m) is torch.nn.Identity:
@@ -286,9 +292,9 @@ def _traced_steps(module):
             if node.target in called and owns:
                 raise ValueError(f"node {node.name}: module {node.target} is called twice with the same weights; "
                                  f"a layer's weights are its own")
+            name = node.target if node.target not in called else node.name
             called.add(node.target)
-            steps.append((f"module {node.target} ({type(m).__name__})", m, None,
-                          node.target if owns else node.name, inputs))
+            steps.append((f"module {node.target} ({type(m).__name__})", m, None, name, inputs))
         else:
             layer, width = _function_layer(node, what)
             if layer is None:
@@ -298,17 +304,29 @@ def _traced_steps(module):
                 features[len(steps)] = width
             steps.append((f"node {node.name} ({what})", None, layer, node.name, inputs))
         index[node] = len(steps) - 1
+    used = set()
+    for k, (label, m, layer, name, inputs) in enumerate(steps):
+        unique, n = name, 1
+        while unique in used:                       # a function's node named as a module's path
+            unique, n = f"{name}_{n}", n + 1
+        used.add(unique)
+        steps[k] = (label, m, layer, unique, inputs)
     return steps, features
 
 
-def _merge_of(node, what):
-    """(Add() or Concat(), the tensors it joins in order) for a sum or a concatenation of tensors,
-    else (None, None); a merge hetconv cannot run (a sum with a constant or a scaled operand, a
-    concatenation along another dimension) is a ValueError naming the node."""
+def _merge_of(node, what, named):
+    """(Add() or Concat(), the tensors it joins in order) for a sum or a concatenation of tensors
+    (an exported graph's Sum and Cat modules too), else (None, None); a merge hetconv cannot run
+    (a sum with a constant or a scaled operand, a concatenation along another dimension) is a
+    ValueError naming the node."""
     torch = import_torch()
     fx = torch.fx
     refuse = lambda why: ValueError(f"node {node.name} ({what}): {why}")     # noqa: E731
     target = node.target
+    if node.op == "call_module" and type(named[target]) in merge_module_classes():
+        if len(node.args) < 2 or node.kwargs or not all(isinstance(a, fx.Node) for a in node.args):
+            raise refuse("a join of fewer than two tensors of the network")
+        return (Add() if type(named[target]) is merge_module_classes()[0] else Concat()), list(node.args)
     is_sum = (node.op == "call_function" and target in (operator.add, operator.iadd, torch.add)) or \
         (node.op == "call_method" and target in ("add", "add_"))
     if is_sum:
@@ -458,34 +476,124 @@ def state_dict(spec, conv_params, fc_params):
 
 
 def to_torch(spec, conv_params, fc_params):
-    """An nn.Sequential equal to `spec` holding these weights and statistics (copied), one module
-    per layer (a scale as a module of its own, which torch.export and ONNX trace to a multiply)."""
+    """A PyTorch module equal to `spec` holding these weights and statistics (copied): for a chain
+    with positional names an nn.Sequential, one module per layer (a scale as a module of its own,
+    which torch.export and ONNX trace to a multiply); otherwise a graph_module_class() whose
+    modules sit at their nodes' names, so its state_dict keys are the network's own."""
     torch = import_torch()
     nn = torch.nn
     weights = state_dict(spec, conv_params, fc_params)
-    in_channels = spec.input_shape[0]
-    modules = []
-    for layer, op_in in zip(spec.layers, _layer_inputs(spec)):
-        if isinstance(layer, Conv):
-            m = nn.Conv2d(in_channels, layer.out_channels, layer.kernel, layer.stride, layer.padding,
-                          bias=layer.bias)
-            in_channels = layer.out_channels
-        elif isinstance(layer, Linear):
-            m = nn.Linear(op_in, layer.out_features, bias=layer.bias)
-        elif isinstance(layer, ChannelLayer) and op_in is None:
-            m = _channel_module(nn, layer, in_channels)
-        elif isinstance(layer, ReLU):
-            m = nn.ReLU()
-        elif isinstance(layer, Flatten):
-            m = nn.Flatten()
-        elif layer.type == "scale":
-            m = _Scale(layer.factor)
-        else:
-            m = nn.Dropout(layer.p)
-        modules.append(m)
-    module = nn.Sequential(*modules)
+    shapes = spec.output_shapes()
+    modules = [_module_of(nn, spec, i, shapes) for i in range(len(spec.layers))]
+    if spec.is_chain() and spec.names == tuple(str(i) for i in range(len(spec.layers))):
+        module = nn.Sequential(*modules)
+    else:
+        plan = []
+        module = graph_module_class()(plan)
+        for i, (name, m) in enumerate(zip(spec.names, modules)):
+            plan.append((name, [INPUT_NAME if j < 0 else spec.names[j] for j in spec.inputs[i]]))
+            _place(module, name, m)
     module.load_state_dict({k: torch.from_numpy(np.array(v, copy=True)) for k, v in weights.items()})
     return module
+
+
+def _module_of(nn, spec, i, shapes):
+    """Layer i as a PyTorch module (None for a sum or a concatenation, which are functions)."""
+    layer = spec.layers[i]
+    source = spec.inputs[i][0]
+    in_shape = spec.input_shape if source < 0 else shapes[source]
+    if isinstance(layer, Conv):
+        return nn.Conv2d(in_shape[0], layer.out_channels, layer.kernel, layer.stride, layer.padding, bias=layer.bias)
+    if isinstance(layer, Linear):
+        return nn.Linear(in_shape[0], layer.out_features, bias=layer.bias)
+    if isinstance(layer, ChannelLayer) and len(in_shape) == 3:
+        return _channel_module(nn, layer, in_shape[0])
+    if isinstance(layer, ReLU):
+        return nn.ReLU()
+    if isinstance(layer, Flatten):
+        return nn.Flatten()
+    if isinstance(layer, Scale):
+        return _Scale(layer.factor)
+    if isinstance(layer, Dropout):
+        return nn.Dropout(layer.p)
+    sum_class, cat_class = merge_module_classes()
+    return sum_class() if isinstance(layer, Add) else cat_class()
+
+
+def _place(root, name, module):
+    """root's submodule at the dotted `name`, with empty modules for the parts before the last."""
+    nn = import_torch().nn
+    parts = name.split(".")
+    owner = root
+    for k, part in enumerate(parts[:-1]):
+        child = owner._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            owner.add_module(part, child)
+        elif type(child) is not nn.Module:
+            raise ValueError(f"node {name}: {'.'.join(parts[:k + 1])} is a layer of its own, so {name} cannot sit "
+                             f"inside it; rename one of them")
+        owner = child
+    if parts[-1] in owner._modules or hasattr(owner, parts[-1]):
+        raise ValueError(f"node {name}: the name is taken in the exported module (another node, or one of "
+                         f"nn.Module's own attributes); rename it")
+    owner.add_module(parts[-1], module)
+
+
+_GRAPH = []          # the graph module class, made once torch is imported
+_MERGES = []         # the sum and concatenation module classes, likewise
+
+
+def merge_module_classes():
+    """(Sum, Cat): hetconv's add and concat as modules, so an exported graph keeps every node's
+    name, and from_torch reads them back as the same nodes."""
+    if not _MERGES:
+        torch = import_torch()
+
+        class Sum(torch.nn.Module):
+            """The sum of its inputs, left to right (a residual connection)."""
+
+            def forward(self, *xs):
+                y = xs[0]
+                for x in xs[1:]:
+                    y = y + x
+                return y
+
+        class Cat(torch.nn.Module):
+            """Its inputs side by side along channels (torch.cat(dim=1))."""
+
+            def forward(self, *xs):
+                return torch.cat(xs, 1)
+
+        _MERGES.extend([Sum, Cat])
+    return tuple(_MERGES)
+
+
+def graph_module_class():
+    """The nn.Module a graph network is in PyTorch: `plan` lists (name, input names) in order,
+    each name a submodule (a layer, or a Sum or Cat of merge_module_classes()); forward runs them
+    in order on the images (INPUT_NAME) and returns the last. torch.export traces the loop away:
+    what it keeps is the graph itself."""
+    if not _GRAPH:
+        torch = import_torch()
+
+        class NetworkGraph(torch.nn.Module):
+            """A hetconv network whose layers read named outputs of the layers before them."""
+
+            def __init__(self, plan):
+                super().__init__()
+                self.plan = plan
+
+            def forward(self, x):
+                values = {INPUT_NAME: x}
+                y = x
+                for name, inputs in self.plan:
+                    y = self.get_submodule(name)(*[values[i] for i in inputs])
+                    values[name] = y
+                return y
+
+        _GRAPH.append(NetworkGraph)
+    return _GRAPH[0]
 
 
 def _channel_module(nn, layer, channels):
@@ -537,12 +645,6 @@ def scale_module_class():
 
 def _Scale(factor):
     return scale_module_class()(factor)
-
-
-def _layer_inputs(spec):
-    """Each layer's input feature count after flatten (None before it)."""
-    shapes = [tuple(spec.input_shape)] + spec.output_shapes()[:-1]
-    return [s[0] if len(s) == 1 else None for s in shapes]
 
 
 def _check_params(part, params, shapes, optional_bias=False):
