@@ -214,6 +214,14 @@ def network_for(cfg, ds, resume=None):
     return cfg.network(input_shape, len(ds.classes))
 
 
+def wire_record(engine):
+    """{"wire": {dtype, reason, workers: {name: {computed, carried}}}} for a "plan" metrics record:
+    what the plan's wire carries, why, and per worker what it computes in; {} where the engine
+    made no choice (one built with a dtype and never planned)."""
+    choice = getattr(engine, "wire_choice", None)
+    return {"wire": choice} if choice else {}
+
+
 def resolve_micro_batches(cfg, engine):
     """The run's micro-batch count with this engine's workers: engine.microbatch's rule, or fewer
     where the engine's plan_for priced fewer as faster (`micro_choice`). Never more than the
@@ -453,7 +461,7 @@ class _Run:
         self.rebalances += 1
         self.log("rebalanced from measured step times:\n" + plan.table())
         self.metrics.write("plan", reason="rebalance", step=self.step, bytes=moved_bytes(self.engine.step_stats()),
-                           **plan.to_json())
+                           **plan.to_json(), **wire_record(self.engine))
         if self.rebalances < MAX_REBALANCES:                     # check again: each round corrects the last
             self.rebalance_at = self.step + after
 
@@ -577,7 +585,10 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
     choice = mode_choice_record(engine)
     if choice:
         log(f"modes: {', '.join(choice['mode_choice']['modes'])} ({choice['mode_choice']['reason']})")
-    metrics.write("plan", **plan.to_json(), **choice, **micro_choice_record(engine))
+    wire = wire_record(engine)
+    if wire and (wire["wire"]["dtype"] != "float32" or cfg.precision != "fp32"):
+        log(f"feature maps and gradients between layers: {wire['wire']['dtype']} ({wire['wire']['reason']})")
+    metrics.write("plan", **plan.to_json(), **choice, **micro_choice_record(engine), **wire)
     run = _Run(cfg, engine, net, elastic, ds, specs, start_step, total_steps, steps_per_epoch, log, metrics)
     setup_s = time.perf_counter() - t_setup
     log(f"{ds!r}; {total_steps - start_step} steps of {cfg.batch_size} images "
