@@ -10,12 +10,13 @@ from hetconv.cli import coordinator
 from hetconv.coordinator.remote import RemoteEngine
 from hetconv.devices import dnnl, open_device
 from hetconv.engine.local import LocalEngine
+from hetconv.engine.contract import wire_record
 from hetconv.engine.planner import fixed_plan
 from hetconv.engine.shard import ConvShard, ShardError, ShardServer
 from hetconv.geometry import ConvSpec
 from hetconv.training import checkpoint
 from hetconv.training.config import Config
-from hetconv.training.loop import train, wire_record
+from hetconv.training.loop import train
 from hetconv.transport.wire import carried_dtype, value_bytes, wire_for
 
 BF16_MISSING = dnnl.unavailable_reason() or dnnl.load().bf16_error

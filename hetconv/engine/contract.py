@@ -71,6 +71,14 @@ def micro_choice_record(engine):
                              "predicted_s": {str(m): float(s) for m, s in sorted(choice["predicted_s"].items())}}}
 
 
+def wire_record(engine):
+    """{"wire": {dtype, reason, workers: {name: {computed, carried}}}} for a "plan" metrics record:
+    what the plan's wire carries, why, and per worker what it computes in; {} where the engine
+    made no choice (one built with a dtype and never planned)."""
+    choice = getattr(engine, "wire_choice", None)
+    return {"wire": choice} if choice else {}
+
+
 def sum_in_order(parts):
     """Partial dX in plan order -> their sum, added left to right: the same float result whatever
     order the parts arrived in, and the same as every other engine's sum."""

@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from hetconv.data import batches, load_dataset, test_batches
 from hetconv.devices.cpu import HostArrays
-from hetconv.engine.contract import WorkerLost, micro_choice_record, mode_choice_record, moved_bytes
+from hetconv.engine.contract import WorkerLost, micro_choice_record, mode_choice_record, moved_bytes, wire_record
 from hetconv.engine.microbatch import micro_batch_count
 from hetconv.geometry import ConvSpec, layer_input_shapes
 from hetconv.net import LoadedNet, NetSpec
@@ -212,14 +212,6 @@ def network_for(cfg, ds, resume=None):
                     f"the checkpoint's run had {', '.join(map(str, classes))[:200]} (the classes cannot change)")
             return LoadedNet(saved)
     return cfg.network(input_shape, len(ds.classes))
-
-
-def wire_record(engine):
-    """{"wire": {dtype, reason, workers: {name: {computed, carried}}}} for a "plan" metrics record:
-    what the plan's wire carries, why, and per worker what it computes in; {} where the engine
-    made no choice (one built with a dtype and never planned)."""
-    choice = getattr(engine, "wire_choice", None)
-    return {"wire": choice} if choice else {}
 
 
 def resolve_micro_batches(cfg, engine):
