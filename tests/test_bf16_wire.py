@@ -2,6 +2,8 @@
 CPU worker computes in bf16 and float32 elsewhere, decided once per plan and recorded with it,
 worker by worker; and a distributed bf16 step rounds where --local's bf16 step rounds."""
 import json
+import os
+import sys
 
 import numpy as np
 import pytest
@@ -217,3 +219,27 @@ def test_a_distributed_bf16_step_rounds_where_locals_does(tmp_path):
     weights_close(tmp_path / "mmm", same_split_ckpt, 1e-4)
     # the sums' own rounding: 2.5e-5 of the loss after three steps where this was written
     np.testing.assert_allclose(summary["losses"], local_losses, rtol=1e-3)
+
+
+# ---- bench/bf16_accuracy.py's verdict ------------------------------------------------------------
+def bf16_accuracy_doc(fp32, bf16):
+    wire = {"dtype": "bfloat16", "reason": "", "workers": {"w0": {"computed": "bf16", "carried": "bfloat16"}}}
+    rows = [{"precision": p, "seed": s, "test_accuracy": a, "test_loss": 0.1, "test_images": 360, "final_loss": 0.1,
+             "steps": 10, "epoch_accuracy": [a], "modes": ["data", "model"], "wire": wire, "median_step_s": 0.1,
+             "wall_s": 1.0, "foreign_load_cores": 0.0}
+            for p, accs in (("fp32", fp32), ("bf16", bf16)) for s, a in enumerate(accs)]
+    return {"command": "python bench/bf16_accuracy.py", "machine": "test machine", "wall_s": 60.0, "isa": "avx512_bf16",
+            "blas": "test", "gemm": "test", "load": {"start": "load average 0", "end": "load average 0"},
+            "recipe": {"net": "lenet5", "data": "tests/data/digits", "spawn": "cpu:1,cpu:1", "batch_size": 32,
+                       "epochs": 1, "steps": 10, "lr": 0.02, "momentum": 0.9},
+            "data": "digits", "margin": 1.0, "seeds": [0, 1, 2], "rows": rows}
+
+
+def test_the_bf16_accuracy_verdict_follows_the_medians_and_the_margin():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import bf16_accuracy
+    met = bf16_accuracy.markdown(bf16_accuracy_doc([0.95, 0.90, 0.99], [0.945, 0.99, 0.90]))   # medians .95, .945
+    assert "fp32 95.00%, bf16 94.50%: -0.50 points** (target: at least -1; met)" in met
+    assert "| bf16 | 0 | 94.50 |" in met and "w0 bf16 / bfloat16" in met
+    missed = bf16_accuracy.markdown(bf16_accuracy_doc([0.95, 0.90, 0.99], [0.93, 0.99, 0.90]))
+    assert "-2.00 points** (target: at least -1; missed)" in missed
