@@ -186,6 +186,7 @@ def test_parallel_data_is_planned_from_calibration_and_survives_a_lost_worker(tm
     plans = [json.loads(line) for line in open(metrics) if '"event": "plan"' in line]
     assert plans[0]["mode_choice"]["modes"] == ["data"] * 3 and plans[0]["mode_choice"]["reason"] == "--parallel data"
     assert [layer["mode"] for layer in plans[-1]["layers"]] == ["data"] * 3 and plans[-1]["reason"] == "lost w1-cpu"
+    assert plans[-1]["wire"]["workers"] == {w: {"computed": "fp32", "carried": "float32"} for w in survivors}
     np.testing.assert_allclose(summary["losses"], local["losses"], rtol=1e-4)
     assert_equals_local((local["losses"], checkpoint.load(str(tmp_path / "local"))), summary["losses"], tmp_path / "ck")
 
@@ -249,6 +250,7 @@ def test_a_worker_that_joins_a_data_plan_gets_its_share_of_the_images(local_run,
     assert any(r["event"] == "worker_joined" for r in records)
     joined = [r for r in records if r["event"] == "plan" and r.get("reason") == "worker joined"]
     assert joined and [layer["mode"] for layer in joined[0]["layers"]] == ["data"] * 3
+    assert list(joined[0]["wire"]["workers"]) == workers and joined[0]["wire"]["dtype"] == "float32"
     assert_equals_local(local_run, summary["losses"], tmp_path / "ck")
 
 

@@ -85,6 +85,11 @@ def test_spawned_workers_run_bf16_and_the_record_says_so(tmp_path):
     record = next(json.loads(line) for line in open(metrics) if '"event": "calibration"' in line)
     assert [w["precision"] for w in record["workers"].values()] == ["bf16", "bf16"]
     assert all("precision bf16)" in w["description"] for w in record["workers"].values())
+    # the wire follows, decided from what calibration found them computing in
+    assert ("feature maps and gradients between layers: bfloat16 (every CPU worker's conv GEMMs run bf16 "
+            "(w0-cpu, w1-cpu))") in r.stdout
+    plan = next(json.loads(line) for line in open(metrics) if '"event": "plan"' in line)
+    assert plan["wire"]["workers"] == {w: {"computed": "bf16", "carried": "bfloat16"} for w in ("w0-cpu", "w1-cpu")}
 
 
 @needs_bf16

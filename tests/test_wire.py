@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from hetconv.transport.wire import WIRE_DTYPES, check_wire_dtype, decode, encode
+from hetconv.transport.wire import WIRE_DTYPES, check_wire_dtype, decode, encode, round_in_place
 
 
 def test_float32_is_passed_through_untouched():
@@ -37,6 +37,18 @@ def test_float16_round_trip():
 def test_a_wire_of_the_wrong_dtype_is_refused():
     with pytest.raises(ValueError, match="a bfloat16 wire carried float32"):
         decode(np.zeros(2, np.float32), "bfloat16")
-    with pytest.raises(ValueError, match="--wire-dtype must be one of float32, bfloat16, float16, got 'int8'"):
+    with pytest.raises(ValueError, match="--wire-dtype must be one of auto, float32, bfloat16, float16, got .int8."):
         check_wire_dtype("int8")
     assert set(WIRE_DTYPES) == {"float32", "bfloat16", "float16"}
+
+
+@pytest.mark.parametrize("wire", WIRE_DTYPES)
+def test_rounding_in_place_gives_what_the_wire_would_have_carried(wire):
+    rng = np.random.default_rng(1)
+    decades = 3 if wire == "float16" else 30             # within float16's range: no overflow to say
+    a = (rng.standard_normal(4096) * 10.0 ** rng.integers(-decades, decades, 4096)).astype(np.float32).reshape(8, 512)
+    a[0, :3] = [1.0 + 2.0 ** -8, np.inf, np.nan]         # a tie to even, and the values with a full exponent
+    want = decode(encode(a, wire), wire)
+    got = a.copy()
+    assert round_in_place(got, wire) is got
+    np.testing.assert_array_equal(got, want)

@@ -205,7 +205,7 @@ def _local_notes(cfg):
     (no wire, yet maps and gradients are rounded to it, as the distributed run it is the reference
     of), and flags that split work among workers (nothing to split on one device)."""
     notes = []
-    if cfg.wire_dtype != "float32":
+    if cfg.wire_dtype not in ("float32", "auto"):         # auto's choice is said with the plan
         notes.append(f"note: --local has no wire; --wire-dtype {cfg.wire_dtype} rounds its feature maps and gradients "
                      f"between layers to {cfg.wire_dtype} as a distributed run's wire would (this run is that run's "
                      f"reference); leave it out for full float32")

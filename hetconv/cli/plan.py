@@ -23,7 +23,7 @@ from hetconv.engine.planner import PlanError, check_profiles, choose_modes, forc
 from hetconv.flags import HelpFormatter, add_version, check_output_file, show_progress, still_working
 from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES, ConvSpec, layer_input_shapes
 from hetconv.training.config import Config, add_config_flags
-from hetconv.transport.wire import value_bytes
+from hetconv.transport.wire import value_bytes, wire_for
 
 # the flags this command shares with the coordinator: their defaults and help come from Config
 NETWORK_FLAGS = ("net", "conv", "fc", "ksize", "padding", "batch_size", "calibration_batch", "split", "exchange", "micro_batches",
@@ -112,6 +112,7 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
     """The devices calibrated (or their saved profiles), then each count of them priced and
     printed; the exit status."""
     n_total = sum(e.count * (len(saved[e.profile]) if e.profile else 1) for e in entries)
+    wire, wire_reason = wire_for(cfg.wire_dtype, cfg.precision)       # auto: as --precision asks
     cal_batch = min(cfg.calibration_batch, cfg.batch_size)
     cal_shapes = [(cal_batch,) + s[1:] for s in input_shapes]
     share = [-(-s.kernels // n_total) for s in specs]
@@ -164,7 +165,7 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
         # the star has model layers only
         try:
             choice = choose_modes(specs, image, cfg.batch_size, subset_profiles, link,
-                                  "model" if cfg.exchange == "star" else cfg.parallel, micro, value_bytes(cfg.wire_dtype))
+                                  "model" if cfg.exchange == "star" else cfg.parallel, micro, value_bytes(wire))
             plan = make_plan([s.kernels for s in specs], speeds, cfg.split, modes=choice.modes, batch=cfg.batch_size)
         except PlanError as e:
             print(f"hetconv-plan: {n} device(s): {e}", file=sys.stderr)
@@ -174,7 +175,7 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
 
         def predict(m):
             return predict_any(cfg.exchange, specs, image, cfg.batch_size, counts, row_profiles, link, coordinator_s[n],
-                               m, value_bytes(cfg.wire_dtype), modes=choice.modes, images=images)
+                               m, value_bytes(wire), modes=choice.modes, images=images)
         picked = cheapest_micro_batches(cfg.micro_batches, cfg.split, micro, lambda m: predict(m).step_s)
         micro = micro if picked is None else picked[0]                     # as training picks it
         pred = predict(micro)
@@ -186,11 +187,11 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
                      "counts": counts, "modes": choice.modes, "plan": plan.to_json(), "mode_costs": choice.to_json(),
                      "prediction": pred.to_json()})
     if args.json:
-        print(json.dumps({"link": asdict(link), "local_step_s": local_s, "baseline": baseline_note, "rows": rows}, indent=1))
+        print(json.dumps({"link": asdict(link), "wire": wire, "local_step_s": local_s, "baseline": baseline_note, "rows": rows}, indent=1))
         return 0
     print(f"link: {link.name} = {link.bytes_per_s / 1e6:,.0f} MB/s of payload"
           f"{f', {args.wire_cpu_ns:g} ns of CPU a byte' if args.wire_cpu_ns else ''}; batch {cfg.batch_size}; {('network ' + cfg.net) if cfg.net else 'conv ' + cfg.conv}; "
-          f"split {cfg.split}; --exchange {cfg.exchange}, wire {cfg.wire_dtype}; --parallel {cfg.parallel}; "
+          f"split {cfg.split}; --exchange {cfg.exchange}, wire {wire} ({wire_reason}); --parallel {cfg.parallel}; "
           f"single-device baseline {local_s:.3f} s/step ({order[0]}, {baseline_note})")
     for key, prof in profiles.items():
         print(f"  {key}: {prof.description}")

@@ -36,7 +36,7 @@ from hetconv.geometry import largest_array_bytes
 from hetconv.transport import keys
 from hetconv.transport import protocol as P
 from hetconv.transport.keys import authenticated_key, handshake_refusal, read_key_folder
-from hetconv.transport.wire import decode, encode, value_bytes
+from hetconv.transport.wire import check_wire_dtype, decode, encode, value_bytes
 from hetconv.transport.worker_argv import command as worker_command
 from hetconv.update import clip_factor
 
@@ -149,7 +149,7 @@ class RemoteEngine(ShardEngine):
         super().__init__()
         if exchange not in EXCHANGES:
             raise ValueError(f"--exchange must be one of {', '.join(EXCHANGES)}, got {exchange!r}")
-        self.exchange, self.wire = exchange, wire
+        self.exchange, self.wire = exchange, check_wire_dtype(wire)     # auto: decided with each plan
         self.step_id = 0
         self.zmq = zmq
         self.log = log
@@ -678,6 +678,7 @@ class RemoteEngine(ShardEngine):
             raise PlanError(f"{len(self.peers)} workers but a conv layer has only {min(too_few)} kernels: "
                             f"every worker needs at least one kernel of every layer (use fewer workers or wider --conv)")
         if self.fixed_plan is not None:
+            self.decide_wire(cfg)
             return self.fixed_plan
         self.log(f"calibrating {len(self.peers)} worker(s): each times its share of every conv layer on the real "
                  f"shapes, after a warm-up (seconds to a minute) ...")
@@ -698,13 +699,27 @@ class RemoteEngine(ShardEngine):
 
     def _plan_from_calibration(self, specs, input_shapes, speeds, cfg):
         """_split_from_calibration's plan, with the micro-batch count the cost model picks for it
-        (`micro_choice`)."""
+        (`micro_choice`), and the wire the workers' calibrated precision gives (`decide_wire`):
+        first over every worker, which the modes are priced with, then over the plan's own
+        where it left one out."""
+        before = self.wire_choice["dtype"] if self.wire_choice else None
+        self._decide_wire_from_calibration(cfg, list(speeds))
         plan = self._split_from_calibration(specs, input_shapes, speeds, cfg)
+        if list(plan.workers) != list(speeds):
+            self._decide_wire_from_calibration(cfg, plan.workers)
+        if before is not None and before != self.wire:
+            self.log(f"feature maps and gradients between layers: {self.wire} from this plan on, was {before} "
+                     f"({self.wire_choice['reason']})")
         self.micro_choice = self._choose_micro_batches(plan, specs, input_shapes, cfg)
         if self.micro_choice is not None and self.micro_choice["micro_batches"] < max(self.micro_choice["predicted_s"]):
             self.log(f"micro-batches: {self.micro_choice['micro_batches']}, the cheapest predicted step "
                      f"({priced_text(self.micro_choice['predicted_s'])})")
         return plan
+
+    def _decide_wire_from_calibration(self, cfg, names):
+        computed = {name: (self.calibration[name].get("device", "?"), self.calibration[name].get("precision", "fp32"))
+                    for name in names}
+        return self.decide_wire(cfg, computed, names)
 
     def _choose_micro_batches(self, plan, specs, input_shapes, cfg):
         """{micro_batches, predicted_s: {count: seconds}} for auto micro-batches over the peer

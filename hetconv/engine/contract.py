@@ -17,7 +17,7 @@ from hetconv.engine.costmodel import profiles_from_calibration
 from hetconv.engine.planner import PlanError, cost_lines, make_plan, replan
 from hetconv.update import clip_factor
 from hetconv.geometry import layer_state
-from hetconv.transport.wire import decode, encode
+from hetconv.transport.wire import decode, encode, wire_for
 
 
 def moved_bytes(stats):
@@ -71,6 +71,14 @@ def micro_choice_record(engine):
                              "predicted_s": {str(m): float(s) for m, s in sorted(choice["predicted_s"].items())}}}
 
 
+def wire_record(engine):
+    """{"wire": {dtype, reason, workers: {name: {computed, carried}}}} for a "plan" metrics record:
+    what the plan's wire carries, why, and per worker what it computes in; {} where the engine
+    made no choice (one built with a dtype and never planned)."""
+    choice = getattr(engine, "wire_choice", None)
+    return {"wire": choice} if choice else {}
+
+
 def sum_in_order(parts):
     """Partial dX in plan order -> their sum, added left to right: the same float result whatever
     order the parts arrived in, and the same as every other engine's sum."""
@@ -89,6 +97,7 @@ class Engine(Protocol):
     fixed_plan: object          # a plan set by hand (tests, experiments): no calibration, no rebalancing
     exchange: str               # "star" (every layer through this process) or "peer" (workers trade slices)
     wire: str                   # dtype of feature maps and gradients between devices, fixed per plan
+    wire_choice: object         # {dtype, reason, workers: {name: {computed, carried}}} of the plan, or None
     calibration: dict           # worker -> {device, description, speeds, layers: timings, conv_paths}
     mode_choice: object         # planner.ModeChoice behind the plan's modes, or None where none was made
     micro_choice: object        # {micro_batches, predicted_s} the cost model picked for the plan, or None
@@ -145,6 +154,8 @@ class ShardEngine:
     """The contract, written once over an abstract `_call`."""
 
     wire = "float32"            # dtype of feature maps and gradients between coordinator and shards
+    wire_asked = None           # the wire the engine was made with (a dtype, or auto), once a plan decided it
+    wire_choice = None          # {dtype, reason, workers: {name: {computed, carried}}}: what decide_wire chose
     exchange = "star"           # every layer's slices meet here; RemoteEngine may run the peer step
     optimizer = "sgd"           # whose slots every layer's state holds; the loop sets the run's
     bn_ghost_batch = 0          # images per BatchNorm statistics group (0: the whole batch); the run's
@@ -173,9 +184,27 @@ class ShardEngine:
 
     def plan_for(self, specs, input_shapes, cfg):
         """Shards that cannot be measured apart (one process): an equal split, unless set by hand."""
+        self.decide_wire(cfg)
         if self.fixed_plan is not None:
             return self.fixed_plan
         return make_plan([s.kernels for s in specs], {name: None for name in self.workers}, "equal")
+
+    def decide_wire(self, cfg, computed=None, names=None):
+        """The wire of the plan being made (transport.wire.wire_for), before anything prices or
+        loads it: the engine's own where it was made with a dtype; for auto, --wire-dtype and
+        --precision with what each worker computes in (`computed`: {name: (device, precision)}
+        from calibration, or None). Kept in `wire_choice` for the log and the plan record, with
+        each worker's side of it (`names`: the workers, default every one): what it computes in
+        (without a calibration, the --precision asked) and what the wire carries to it."""
+        if self.wire_asked is None:
+            self.wire_asked = self.wire
+        asked = self.wire_asked if self.wire_asked != "auto" else cfg.wire_dtype
+        self.wire, reason = wire_for(asked, cfg.precision, computed)
+        names = list(self.workers if names is None else names)
+        self.wire_choice = {"dtype": self.wire, "reason": reason, "workers": {
+            name: {"computed": computed[name][1] if computed else cfg.precision, "carried": self.wire}
+            for name in names}}
+        return self.wire
 
     def close(self):
         pass

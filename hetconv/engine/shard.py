@@ -14,7 +14,7 @@ from hetconv.geometry import ConvSpec
 from hetconv.devices.cpu import HostArrays
 from hetconv.params import default_init
 from hetconv.transport.protocol import check_fields
-from hetconv.transport.wire import check_wire_dtype, decode, encode
+from hetconv.transport.wire import carried_dtype, decode, encode
 
 # Every calibration point (a kernel count on a batch, or the update) is the mean over timed calls
 # that together measure at least CALIBRATION_FLOOR_S. A core shared with another busy process is
@@ -379,7 +379,10 @@ class ShardServer:
         names = f["names"]
         if len(names) != len(arrays) or not all(isinstance(n, str) for n in names):
             raise ShardError(f"LOAD names {names!r:.120} do not name its {len(arrays)} arrays one each")
-        self.shard.wire = check_wire_dtype(f["wire"])
+        try:
+            self.shard.wire = carried_dtype(f["wire"])
+        except ValueError as e:
+            raise ShardError(f"LOAD: {e}") from None
         self.shard.load(int(f["layer"]), ConvSpec.from_json(f["spec"]), int(f["start"]), int(f["stop"]),
                         dict(zip(names, arrays)), f["optimizer"], f["bn_ghost_batch"])
         return "LOADED", [], {"layer": f["layer"]}

@@ -98,7 +98,9 @@ class Config:
     exchange: str = option("peer", "'peer': workers pass feature maps among themselves; 'star': all through the coordinator")
     micro_batches: int = option(0, "pieces each batch is cut into so wire and compute overlap (0: auto: up to batch/16, at most 4, "
                                      "fewer where the cost model prices fewer faster; 1: none)")
-    wire_dtype: str = option("float32", "feature maps and gradients on the wire: float32 (exact), bfloat16 or float16")
+    wire_dtype: str = option("auto", "feature maps and gradients on the wire: float32 (exact), bfloat16 or float16 "
+                                     "(half the bytes, rounded); auto: bfloat16 where every CPU worker's conv GEMMs "
+                                     "run bf16 (--precision bf16, or auto where calibration took bf16), else float32")
     snapshot_every: int = option(0, "steps between in-memory snapshots a lost worker is recovered from (0: auto: at most 2 percent of step time)")
     min_workers: int = option(1, "below this many workers, checkpoint and stop instead of going on")
     # output

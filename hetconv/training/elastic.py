@@ -19,7 +19,7 @@ import math
 import os
 import time
 
-from hetconv.engine.contract import ElasticEngine, WorkerLost, micro_choice_record, moved_bytes
+from hetconv.engine.contract import ElasticEngine, WorkerLost, micro_choice_record, moved_bytes, wire_record
 from hetconv.training import checkpoint
 from hetconv.training.membership import WorkersJoined
 
@@ -96,7 +96,7 @@ class Elastic:
             self.engine.load(plan, self.specs, self.snapshot.conv)
             self.metrics.write("worker_joined", step=step, workers=list(plan.workers))
             self.metrics.write("plan", reason="worker joined", step=step, **plan.to_json(),
-                               **micro_choice_record(self.engine))
+                               **micro_choice_record(self.engine), **wire_record(self.engine))
             self.log("a worker joined:\n" + plan.table())
             return WorkersJoined(plan)
         return None
@@ -136,7 +136,7 @@ class Elastic:
                 error = again
         self.net.load_fc_state(self.snapshot.fc)
         self.metrics.write("plan", reason=f"lost {', '.join(error.workers)}", step=self.snapshot.step, **plan.to_json(),
-                           **micro_choice_record(self.engine))
+                           **micro_choice_record(self.engine), **wire_record(self.engine))
         self.log(f"going on with {left} worker(s) from the snapshot at step {self.snapshot.step} "
                  f"(replaying {step - self.snapshot.step} step(s)):\n" + plan.table())
         return self.snapshot.step, plan

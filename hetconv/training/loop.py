@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from hetconv.data import batches, load_dataset, test_batches
 from hetconv.devices.cpu import HostArrays
-from hetconv.engine.contract import WorkerLost, micro_choice_record, mode_choice_record, moved_bytes
+from hetconv.engine.contract import WorkerLost, micro_choice_record, mode_choice_record, moved_bytes, wire_record
 from hetconv.engine.microbatch import micro_batch_count
 from hetconv.engine.graph import GraphPass
 from hetconv.geometry import ConvSpec
@@ -455,7 +455,7 @@ class _Run:
         self.rebalances += 1
         self.log("rebalanced from measured step times:\n" + plan.table())
         self.metrics.write("plan", reason="rebalance", step=self.step, bytes=moved_bytes(self.engine.step_stats()),
-                           **plan.to_json())
+                           **plan.to_json(), **wire_record(self.engine))
         if self.rebalances < MAX_REBALANCES:                     # check again: each round corrects the last
             self.rebalance_at = self.step + after
 
@@ -586,7 +586,10 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
     choice = mode_choice_record(engine)
     if choice:
         log(f"modes: {', '.join(choice['mode_choice']['modes'])} ({choice['mode_choice']['reason']})")
-    metrics.write("plan", **plan.to_json(), **choice, **micro_choice_record(engine))
+    wire = wire_record(engine)
+    if wire and (wire["wire"]["dtype"] != "float32" or cfg.precision != "fp32"):
+        log(f"feature maps and gradients between layers: {wire['wire']['dtype']} ({wire['wire']['reason']})")
+    metrics.write("plan", **plan.to_json(), **choice, **micro_choice_record(engine), **wire)
     run = _Run(cfg, engine, net, elastic, ds, specs, start_step, total_steps, steps_per_epoch, log, metrics)
     setup_s = time.perf_counter() - t_setup
     log(f"{ds!r}; {total_steps - start_step} steps of {cfg.batch_size} images "

@@ -39,7 +39,7 @@ from hetconv.update import UpdateRule, clip_factor
 from hetconv.transport import protocol
 from hetconv.transport.keys import connect_peer
 from hetconv.transport.sockets import host_key, ipc_reachable
-from hetconv.transport.wire import decode, encode
+from hetconv.transport.wire import decode, encode, round_in_place
 
 
 class StepAbandoned(RuntimeError):
@@ -494,23 +494,29 @@ class PeerLinks:
     def _gather_grad(self, step, layer, m, n, own_dx, wire, hw):
         """This worker's block of dL/d(layer `layer`'s output) for micro-batch m: every worker's dX
         of layer+1 over that block, summed in plan order (a model layer's partial dX: a
-        reduce-scatter; a data layer's dX is whole for its rows: it goes to their holders)."""
+        reduce-scatter; a data layer's dX is whole for its rows: it goes to their holders), and
+        a sum of several parts rounded to the wire's dtype as the coordinator's sum is before it
+        goes down and --local's one part is: every gradient a layer takes is a value the wire
+        carries, whatever the split (one more pass over the block, on a 16-bit wire only)."""
         mine = held_blocks(self.layer_plans[layer], n)[self.name]
         dx_blocks = needed_blocks(self.layer_plans[layer + 1], self.layer_plans[layer].kernels, n)
         senders = [w for w in self.order if w != self.name and intersect(dx_blocks[w], mine)]
         parts = self._await({(step, "backward", layer + 1, m, w) for w in senders}, step)
         grad = np.zeros(block_shape(mine) + hw, np.float32)
+        summed = 0
         for w in self.order:
             part = intersect(dx_blocks[w], mine)
             if part is None:
                 continue
+            summed += 1
             if w == self.name:
                 piece = own_dx[within(part, dx_blocks[w])]
             else:
                 piece = decode(self._check(f"step {step}: layer {layer + 1} partial dX of micro-batch {m}", w,
                                            parts[(step, "backward", layer + 1, m, w)], block_shape(part) + hw), wire)
             grad[within(part, mine)] += piece    # 0 + a is a: one contributor is copied exactly
-        return grad
+        overlapped = summed > 1 and self.layer_plans[layer + 1].mode == "model"   # a data layer's rows meet no other
+        return round_in_place(grad, wire) if overlapped else grad
 
     def _send_blocks(self, step, phase, layer, m, array, block, receivers, wire):
         """Send each peer the part of `array` (this worker's `block` of a tensor) that lies in the
