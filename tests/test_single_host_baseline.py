@@ -209,6 +209,8 @@ def test_the_coordinator_records_without_a_note_where_the_split_is_faster(monkey
     plan, logged, _ = _coordinator(monkeypatch, 0.95e-6)
     assert plan.cores_together["ratio"] > 1 and "note" not in plan.cores_together
     assert not [line for line in logged if line.startswith("note:")]
+    assert logged[-1].startswith("one worker with the 2 cores of w0, w1 together (cpu:2) is priced ")
+    assert logged[-1].endswith(": the plan stands")
 
 
 def test_the_coordinator_prices_nothing_it_cannot_calibrate_cheaply_or_at_all(monkeypatch):

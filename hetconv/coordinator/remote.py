@@ -753,9 +753,7 @@ class RemoteEngine(ShardEngine):
             why = f"{type(e).__name__}: {e}"
             self.log(f"one worker with the cores of {', '.join(group)} together not priced: {why}")
             return dataclasses.replace(plan, cores_together={**record, "not_priced": why})
-        note = priced.note()
-        if note:
-            self.log(note)
+        self.log(priced.line())
         return dataclasses.replace(plan, cores_together={**priced.to_json(), "link": link.name,
                                                          "description": together.description})
 

@@ -742,6 +742,12 @@ class CoresTogether:
                 f"({self.device}{' on ' + self.host if self.host else ''}) in their place {priced}: run one "
                 f"hetconv-worker --device {self.device} there instead")
 
+    def line(self):
+        """The note where the device is priced faster, else one line saying the plan stands."""
+        return self.note() or (f"one worker with the {self.threads} cores of {', '.join(self.workers)} together "
+                               f"({self.device}) is priced {self.ratio:.2f}x this plan's step ({self.step_s:.3g} s "
+                               f"against {self.plan_step_s:.3g} s): the plan stands")
+
     def to_json(self):
         d = {"device": self.device, "threads": self.threads, "workers": list(self.workers), "step_s": self.step_s,
              "plan_step_s": self.plan_step_s, "ratio": self.ratio}
