@@ -242,3 +242,47 @@ def test_calibration_rounds_time_a_device_per_thread_count_and_give_the_threads_
     assert (one.name, whole.name, two.name) == ("cpu:1", "cpu:1", "cpu:2")
     assert "(1 thread," in one.description and "(2 threads," in two.description
     assert all(layer.forward_per_kernel_s >= 0 and layer.backward_s(4, 2) > 0 for layer in two.layers)
+
+
+# ---- bench/speedup.py ----------------------------------------------------------------------------
+
+def _speedup_bench():
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import speedup
+    return speedup
+
+
+@pytest.mark.parametrize("two_threads_s,against", [(2.1, "local 2 threads"), (4.5, "local")])
+def test_the_speedup_bench_divides_by_the_faster_single_device_of_each_batch(two_threads_s, against):
+    speedup = _speedup_bench()
+
+    def row(name, step_s, devices=("cpu",), batch=128):
+        return {"ok": True, "set": name, "devices": list(devices), "batch_size": batch, "split": "equal",
+                "step_s": step_s, "predicted_step_s": step_s * 1.1, "model_error_pct": 10.0, "calibration_s": 1.0,
+                "setup_s": 1.0, "foreign_load_cores": 0.0, "step_s_all": [step_s]}
+
+    rows = [row("local", 4.0), row("local 2 threads", two_threads_s), row("2 workers", 2.5, ("cpu", "cpu")),
+            row("local", 1.0, batch=32), row("2 workers", 0.8, ("cpu", "cpu"), batch=32)]
+    speedup.add_speedups(rows)
+    best = min(4.0, two_threads_s)
+    workers = rows[2]
+    assert workers["speedup_against"] == against and workers["speedup"] == pytest.approx(best / 2.5)
+    assert workers["efficiency"] == pytest.approx(best / 2.5 / 2)
+    assert workers["predicted_speedup"] == pytest.approx(best / 2.5)
+    assert workers["speedup_1core"] == pytest.approx(4.0 / 2.5)
+    assert rows[4]["speedup_against"] == "local" and rows[4]["speedup"] == pytest.approx(1.25)   # no 2-thread row
+    table = speedup.markdown({"machine": "test", "command": "test", "wall_s": 60.0, "load": {}, "rows": rows})
+    line = next(line for line in table.splitlines() if line.startswith("| 2 workers | 128 |"))
+    assert f"| {best / 2.5:.2f}x | {against} | 1.60x |" in line
+
+
+def test_the_speedup_bench_runs_the_two_thread_baseline_beside_the_one_core_one():
+    speedup = _speedup_bench()
+    args = types.SimpleNamespace(gpu="", batch_sizes=[32, 128], quick=True)
+    runs = {(r["set"], r["batch_size"]): r for r in speedup.plan_runs(args)}
+    two = runs[("local 2 threads", 128)]
+    assert two["local"] and two["threads"] == 2 and two["pin"] is None and two["devices"] == ["cpu"]
+    assert runs[("local", 128)]["threads"] == 1 and runs[("local", 128)]["pin"] == [0]
+    assert not runs[("2 workers", 128)]["local"]
