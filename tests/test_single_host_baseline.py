@@ -91,6 +91,8 @@ def test_the_plan_keeps_what_was_priced_through_json():
     noted = Plan.from_json(json.loads(json.dumps(
         {**plan.to_json(), "cores_together": record})))
     assert noted.cores_together == record and noted.to_json()["cores_together"]["note"].startswith("note: ")
+    with pytest.raises(PlanError, match="not a stored plan"):
+        Plan.from_json({**plan.to_json(), "cores_together": 5})
 
 
 # ---- hetconv-plan --------------------------------------------------------------------------------
