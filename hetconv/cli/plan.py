@@ -194,8 +194,7 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
         baselines.append({"device": together_label, "step_s": predict_local(specs, cfg.batch_size, together_profile,
                                                                             coordinator_s[1]),
                           "how": f"one device with the {together} cores the CPU devices use together, calibrated on "
-                                 f"the whole layers" + (" in the same rounds" if first.device == "cpu" and
-                                                        not first.profile else ""),
+                                 f"the whole layers" + ("" if first.profile else f" in the same rounds as {first.label}"),
                           "description": together_profile.description})
     stronger = min(baselines, key=lambda b: b["step_s"])
     rows = []
