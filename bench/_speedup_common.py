@@ -124,7 +124,7 @@ def run_one(spec):
                                   exchange=cfg.exchange, wire=cfg.wire_dtype)
         if spec.get("local") and predict:   # the baseline's first calibration, before its steps
             t0 = time.perf_counter()
-            local_before = planning.calibrate_local("cpu", specs, cal_shapes, [s.kernels for s in specs], threads=1)
+            local_before = planning.calibrate_local("cpu", specs, cal_shapes, [s.kernels for s in specs], threads=threads)
             local_calibration_s = time.perf_counter() - t0
         summary = train(cfg, engine, log=log)
         from hetconv.training.loop import resolve_micro_batches
@@ -159,13 +159,13 @@ def run_one(spec):
             pred = None
         elif spec.get("local"):
             t0 = time.perf_counter()
-            after = planning.calibrate_local("cpu", specs, cal_shapes, [s.kernels for s in specs], threads=1)
+            after = planning.calibrate_local("cpu", specs, cal_shapes, [s.kernels for s in specs], threads=threads)
             row["calibration_s"] = time.perf_counter() - t0 + local_calibration_s
             profile, drift = bracket(local_before, after, [s.kernels for s in specs], batch)
             row["calibration_drift"] = {"local": drift}
             pred = _cost_prediction(specs, cfg.fc_sizes(), image, batch, None, None, None, 1, local_profile=profile)
-            row["profile_source"] = ("calibrate_local in the baseline's process (1 thread, all kernels and half), "
-                                     "before and after the timed steps, averaged")
+            row["profile_source"] = (f"calibrate_local in the baseline's process ({threads} thread(s), all kernels "
+                                     f"and half), before and after the timed steps, averaged")
             row["profiles"] = {"local": profile.to_json()}
             row["plan"] = None
         else:

@@ -10,6 +10,8 @@ measured and predicted by the cost model.
 The network: 3x32x32 -> conv 5x5 500 -> ReLU -> pool -> conv 5x5 1500 -> ReLU -> pool -> FC 256 -> FC 10.
 Device sets (on a 2-core host):
   local       the conv layers in-process on one 1-thread CPU device, pinned to core 0: the baseline
+  local 2 threads   the same on one 2-thread CPU device (--local --threads 2), both cores: on one
+              host this is the device to beat; each batch's speedups are against the faster of the two
   1 worker    one 1-thread CPU worker on core 0: the baseline plus the wire
   2 workers   two 1-thread CPU workers pinned to cores 0 and 1
   hetero      the same two workers while a CPU-bound co-runner shares core 1 (started before the
@@ -44,9 +46,13 @@ import _common  # noqa: E402
 import _speedup_common as C  # noqa: E402
 
 
+LOCAL_THREADS = 2       # the second baseline's threads: the cores the 2-worker sets use together
+
+
 def device_sets(gpus):
     """(set name, devices, splits, co-runner core or None) in the order they run."""
     sets = [("local", ["cpu"], ["equal"], None),
+            ("local 2 threads", ["cpu"], ["equal"], None),
             ("1 worker", ["cpu"], ["proportional"], None),
             ("2 workers", ["cpu", "cpu"], ["proportional"], None),
             ("hetero (co-runner on core 1)", ["cpu", "cpu"], ["equal", "proportional"], 1)]
@@ -62,12 +68,12 @@ def plan_runs(args):
     runs = []
     for batch in args.batch_sizes:
         for name, devices, splits, corunner in device_sets(gpus):
-            if args.quick and batch > min(args.batch_sizes) and name not in ("local", "2 workers"):
-                continue                 # --quick: at the larger batches only the baseline and the 2-core target
+            if args.quick and batch > min(args.batch_sizes) and name not in ("local", "local 2 threads", "2 workers"):
+                continue                 # --quick: at the larger batches only the baselines and the 2-core target
             for split in splits:
                 runs.append({"set": name, "devices": devices, "batch_size": batch, "split": split,
-                             "local": name == "local", "pin": [0] if name == "local" else None,
-                             "corunner": corunner})
+                             "local": name.startswith("local"), "pin": [0] if name == "local" else None,
+                             "threads": LOCAL_THREADS if name == "local 2 threads" else 1, "corunner": corunner})
     return runs
 
 
@@ -334,16 +340,32 @@ def fft_markdown(doc):
 
 
 def add_speedups(rows):
-    base = {r["batch_size"]: r for r in rows if r.get("ok") and r["set"] == "local"}
+    """Each row's speedup and efficiency against the faster single device of its batch (one
+    thread on one core, or one device with both cores: `speedup_against` names it), and its
+    speedup over the one-thread device (`speedup_1core`); the predicted speedup against the
+    same baseline's prediction."""
+    one_core = {r["batch_size"]: r for r in rows if r.get("ok") and r["set"] == "local"}
+    singles = {}
     for r in rows:
-        b = base.get(r["batch_size"])
+        if r.get("ok") and r["set"] in ("local", "local 2 threads"):
+            b = singles.get(r["batch_size"])
+            singles[r["batch_size"]] = r if b is None or r["step_s"] < b["step_s"] else b
+    for r in rows:
+        b = singles.get(r["batch_size"])
         if not r.get("ok") or b is None:
             continue
         n = len(r["devices"])
         r["n_devices"] = n
         r["speedup"] = b["step_s"] / r["step_s"]
+        r["speedup_against"] = b["set"]
         r["efficiency"] = r["speedup"] / n
         r["predicted_speedup"] = b["predicted_step_s"] / r["predicted_step_s"]
+        if r["batch_size"] in one_core:
+            r["speedup_1core"] = one_core[r["batch_size"]]["step_s"] / r["step_s"]
+
+
+def _times(value):
+    return "-" if value is None else f"{value:.2f}x"
 
 
 def kernels_text(r):
@@ -365,15 +387,16 @@ def markdown(doc):
         notes.append("Each row's devices are calibrated before its steps (the plan) and after them; the model gets "
                      "the average, and `calibration drift` is after/before per device (1.00: the host held its speed).")
     out = _common.run_header(doc) + ([" ".join(notes), ""] if notes else []) + [
-        "| set | batch | split | kernels conv1 / conv2 | step s | predicted s | model error | speedup | "
-        "efficiency | calibration s | calibration drift | setup s | foreign load |",
-        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        "| set | batch | split | kernels conv1 / conv2 | step s | predicted s | model error | speedup | against | "
+        "over 1 core | efficiency | calibration s | calibration drift | setup s | foreign load |",
+        "|---|---:|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if not r.get("ok"):
             out.append(f"| {r['set']} | {r['batch_size']} | {r['split']} | failed: {r.get('error', '?')} |")
             continue
         out.append(f"| {r['set']} | {r['batch_size']} | {r['split']} | {kernels_text(r)} | {r['step_s']:.3f} | "
                    f"{r['predicted_step_s']:.3f} | {r['model_error_pct']:+.1f}% | {r.get('speedup', float('nan')):.2f}x | "
+                   f"{r.get('speedup_against', '-')} | {_times(r.get('speedup_1core'))} | "
                    f"{r.get('efficiency', float('nan')):.2f} | {r['calibration_s']:.1f} | {C.drift_text(r)} | "
                    f"{r['setup_s']:.1f} | "
                    f"{r['foreign_load_cores']:.2f} |")
@@ -403,7 +426,7 @@ def plot(out_dir, rows, machine):
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     top = max([r["n_devices"] for r in ok] + [2])
     ax.plot([1, top], [1, top], "k--", lw=1, label="ideal (speedup = devices)")
-    markers = {"local": "o", "1 worker": "s", "2 workers": "^"}
+    markers = {"local": "o", "local 2 threads": "P", "1 worker": "s", "2 workers": "^"}
     for batch in sorted({r["batch_size"] for r in ok}):
         for r in [r for r in ok if r["batch_size"] == batch]:
             label = f"b{batch} {r['set']}" + (f" {r['split']}" if r["set"].startswith("hetero") or "+" in r["set"] else "")
@@ -411,7 +434,7 @@ def plot(out_dir, rows, machine):
             ax.plot(r["n_devices"], r["speedup"], m, ms=8, label=label)
             ax.plot(r["n_devices"], r["predicted_speedup"], m, ms=8, mfc="none", color="grey")
     ax.set_xlabel("devices")
-    ax.set_ylabel("speedup over local (1 thread, 1 core)")
+    ax.set_ylabel("speedup over the faster single device (1 or 2 threads)")
     ax.set_title(f"paper net speedup (hollow grey: cost model)\n{machine}", fontsize=9)
     ax.set_xticks(range(1, top + 1))
     ax.legend(fontsize=7)

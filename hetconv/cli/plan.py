@@ -17,10 +17,10 @@ import sys
 
 from hetconv.devices import DeviceError, open_device, parse_device_list
 from hetconv.engine.costmodel import Link, dominant_term, parse_bandwidth, predict_any, predict_local
-from hetconv.engine.measure import calibrate_local, load_profiles, measure_coordinator_s, measure_loopback
+from hetconv.engine.measure import calibrate_rounds, load_profiles, measure_coordinator_s, measure_loopback
 from hetconv.engine.microbatch import cheapest_micro_batches, micro_batch_count
-from hetconv.engine.planner import PlanError, check_profiles, choose_modes, forced_modes, make_plan
-from hetconv.flags import HelpFormatter, add_version, check_output_file, show_progress, still_working
+from hetconv.engine.planner import CoresTogether, PlanError, check_profiles, choose_modes, forced_modes, make_plan
+from hetconv.flags import HelpFormatter, add_version, check_output_file, show_progress, still_working, usable_cores
 from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES, ConvSpec, layer_input_shapes
 from hetconv.training.config import Config, add_config_flags
 from hetconv.transport.wire import value_bytes, wire_for
@@ -108,6 +108,15 @@ def main(argv=None):
         logging.getLogger("hetconv.devices").removeHandler(progress)
 
 
+def cores_together(entries):
+    """Threads of one CPU device with every core the CPU devices of `entries` (calibrated here, not
+    saved profiles) would use together: their threads added up (cpu: all this process's cores),
+    at most this process's cores. 0 where there is no such device."""
+    cores = usable_cores()
+    wanted = sum((e.threads or cores) * e.count for e in entries if not e.profile and e.device == "cpu")
+    return min(cores, wanted)
+
+
 def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shapes, link):
     """The devices calibrated (or their saved profiles), then each count of them priced and
     printed; the exit status."""
@@ -116,7 +125,15 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
     cal_batch = min(cfg.calibration_batch, cfg.batch_size)
     cal_shapes = [(cal_batch,) + s[1:] for s in input_shapes]
     share = [-(-s.kernels // n_total) for s in specs]
-    profiles, order, whole_profile = {}, [], None
+    whole_kernels = [s.kernels for s in specs]
+    # the second baseline: one device with the cores the list's CPU devices would use together,
+    # where that is more than the first device has
+    first = entries[0]
+    first_threads = (first.threads or usable_cores()) if first.device == "cpu" and not first.profile else 0
+    together = cores_together(entries)
+    together = together if together > first_threads else 0
+    together_label = f"cpu:{together}"
+    profiles, order, whole_profile, together_profile = {}, [], None, None
     for entry in entries:
         if entry.profile:
             found = saved[entry.profile]
@@ -127,20 +144,40 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
             if entry.label not in profiles:
                 # the first device also gives the single-device baseline: every kernel, which its
                 # share's line only extrapolates to (a CPU takes another conv path for the whole
-                # layer), timed in rounds alternating with its share's
-                whole = [s.kernels for s in specs] if entry is entries[0] and share != [s.kernels for s in specs] else None
-                print(f"calibrating {entry.label}{' at its share and on the whole layers' if whole else ''} ...",
-                      file=sys.stderr, flush=True)
+                # layer), timed in rounds alternating with its share's, and with one device of the
+                # CPU devices' cores together on every kernel
+                runs, what = [(entry.device, entry.threads, share)], ""
+                if entry is first and share != whole_kernels:
+                    runs.append((entry.device, entry.threads, whole_kernels))
+                    what = " at its share and on the whole layers"
+                if entry is first and together:
+                    runs.append(("cpu", together, whole_kernels))
+                    what += (f"{',' if what else ''} and {together_label} (the {together} cores of the CPU devices "
+                             f"together) on the whole layers")
+                print(f"calibrating {entry.label}{what} ...", file=sys.stderr, flush=True)
                 try:
-                    with still_working(f"calibrating {entry.label}: {len(specs)} conv layers, each at its share"
-                                       + (" and whole" if whole else "") + ", in rounds"):
-                        got = calibrate_local(entry.device, specs, cal_shapes, share, threads=entry.threads,
-                                              also=whole, conv_path=cfg.cpu_conv_path, precision=cfg.precision)
-                    profiles[entry.label], whole_profile = got if whole else (got, None)
+                    with still_working(f"calibrating {entry.label}: {len(specs)} conv layers{what}, in rounds"):
+                        got = calibrate_rounds(runs, specs, cal_shapes, conv_path=cfg.cpu_conv_path,
+                                               precision=cfg.precision)
                 except Exception as e:
                     print(f"hetconv-plan: {entry.label}: {e}", file=sys.stderr)
                     return 2
+                profiles[entry.label] = got[0]
+                if entry is first and share != whole_kernels:
+                    whole_profile = got[1]
+                if entry is first and together:
+                    together_profile = got[-1]
         order += keys * entry.count
+    if together and together_profile is None:         # the first device is a saved profile
+        print(f"calibrating {together_label} (the {together} cores of the CPU devices together) on the whole "
+              f"layers ...", file=sys.stderr, flush=True)
+        try:
+            with still_working(f"calibrating {together_label}: {len(specs)} conv layers, whole"):
+                together_profile = calibrate_rounds([("cpu", together, whole_kernels)], specs, cal_shapes,
+                                                    conv_path=cfg.cpu_conv_path, precision=cfg.precision)[0]
+        except Exception as e:
+            print(f"hetconv-plan: {together_label}: {e}", file=sys.stderr)
+            return 2
     if args.save_profiles:
         with open(args.save_profiles, "w") as f:
             json.dump([p.to_json() for p in profiles.values()], f, indent=1)
@@ -153,6 +190,14 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
           f"device(s) ...", file=sys.stderr, flush=True)
     coordinator_s = {n: measure_coordinator_s(specs, fc, image, cfg.batch_size, n) for n in range(1, len(names) + 1)}
     local_s = predict_local(specs, cfg.batch_size, baseline, coordinator_s[1])
+    baselines = [{"device": order[0], "step_s": local_s, "how": baseline_note}]
+    if together_profile is not None:
+        baselines.append({"device": together_label, "step_s": predict_local(specs, cfg.batch_size, together_profile,
+                                                                            coordinator_s[1]),
+                          "how": f"one device with the {together} cores the CPU devices use together, calibrated on "
+                                 f"the whole layers" + ("" if first.profile else f" in the same rounds as {first.label}"),
+                          "description": together_profile.description})
+    stronger = min(baselines, key=lambda b: b["step_s"])
     rows = []
     for n in range(1, len(names) + 1):
         subset = names[:n]
@@ -182,19 +227,31 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
         what, seconds, share = dominant_term(pred)
         rows.append({"devices": order[:n], "step_s": pred.step_s, "micro_batches": micro,
                      "dominant": {"term": what, "seconds": seconds, "share": share},
-                     "speedup": local_s / pred.step_s, "efficiency": local_s / pred.step_s / n,
+                     "speedup": stronger["step_s"] / pred.step_s, "efficiency": stronger["step_s"] / pred.step_s / n,
                      "wire_mb": sum(v["sent"] + v["recv"] for v in pred.workers.values()) / 1e6,
                      "counts": counts, "modes": choice.modes, "plan": plan.to_json(), "mode_costs": choice.to_json(),
                      "prediction": pred.to_json()})
+    note, last = "", rows[-1]
+    if together_profile is not None and len(last["devices"]) > 1:
+        # the line the coordinator logs where its plan is priced slower than one such worker
+        cpus = tuple(e.label for e in entries if e.device == "cpu" and not e.profile for _ in range(e.count))
+        note = CoresTogether(together_label, together, cpus, baselines[-1]["step_s"], last["step_s"], alone=True).note()
     if args.json:
-        print(json.dumps({"link": asdict(link), "wire": wire, "local_step_s": local_s, "baseline": baseline_note, "rows": rows}, indent=1))
+        print(json.dumps({"link": asdict(link), "wire": wire, "local_step_s": local_s, "baseline": baseline_note,
+                          "baselines": baselines, "speedup_against": stronger["device"], "note": note, "rows": rows},
+                         indent=1))
         return 0
     print(f"link: {link.name} = {link.bytes_per_s / 1e6:,.0f} MB/s of payload"
           f"{f', {args.wire_cpu_ns:g} ns of CPU a byte' if args.wire_cpu_ns else ''}; batch {cfg.batch_size}; {('network ' + cfg.net) if cfg.net else 'conv ' + cfg.conv}; "
-          f"split {cfg.split}; --exchange {cfg.exchange}, wire {wire} ({wire_reason}); --parallel {cfg.parallel}; "
-          f"single-device baseline {local_s:.3f} s/step ({order[0]}, {baseline_note})")
+          f"split {cfg.split}; --exchange {cfg.exchange}, wire {wire} ({wire_reason}); --parallel {cfg.parallel}")
+    for b in baselines:
+        print(f"single-device baseline {b['device']}: {b['step_s']:.3f} s/step ({b['how']})"
+              + (" <- speedup and efficiency (speedup / devices) against this one" if len(baselines) > 1 and
+                 b is stronger else ""))
     for key, prof in profiles.items():
         print(f"  {key}: {prof.description}")
+    if together_profile is not None:
+        print(f"  {together_label}: {together_profile.description}")
     width = max(5, len(specs))
     print(f"{'devices':<34} {'step s':>8} {'speedup':>8} {'effic.':>7} {'wire MB/step':>13}  {'modes':<{width}}  "
           f"dominant term")
@@ -204,6 +261,8 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
               f"{r['wire_mb']:13.1f}  {''.join(m[0].upper() for m in r['modes']):<{width}}  "
               f"{d['term']} ({100 * d['share']:.0f}% of the step)")
     print("modes: a letter per conv layer, M model-parallel (kernels split), D data-parallel (images split)")
+    if note:
+        print(note)
     print(mode_table(rows[-1]))
     return 0
 

@@ -28,14 +28,16 @@ from zmq.utils.monitor import recv_monitor_message
 
 from hetconv.engine.contract import (ShardEngine, WorkerError, WorkerLost,  # noqa: F401  (raised here, caught by callers)
                                      concat_channels)
-from hetconv.engine.costmodel import parse_bandwidth, predict_peer_step, profiles_from_calibration
+from hetconv.engine.costmodel import Link, parse_bandwidth, predict_peer_step, profiles_from_calibration
 from hetconv.engine.microbatch import cheapest_micro_batches, micro_batch_count, priced_text
-from hetconv.engine.planner import (PlanError, choose_modes, cost_lines, forced_modes, image_ranges, make_plan,
-                                    plan_from_lines)
+from hetconv.engine.planner import (PlanError, choose_modes, cost_lines, cpu_groups, forced_modes, image_ranges,
+                                    make_plan, plan_from_lines, price_cores_together, price_plan)
+from hetconv.flags import usable_cores
 from hetconv.geometry import largest_array_bytes
 from hetconv.transport import keys
 from hetconv.transport import protocol as P
 from hetconv.transport.keys import authenticated_key, handshake_refusal, read_key_folder
+from hetconv.transport.sockets import host_key
 from hetconv.transport.wire import check_wire_dtype, decode, encode, value_bytes
 from hetconv.transport.worker_argv import command as worker_command
 from hetconv.update import clip_factor
@@ -46,6 +48,10 @@ MAX_JOINING = 32             # HELLOs kept from workers waiting to join a run, u
 
 
 CALIBRATION_REPEATS = 3          # calls per timed block: each block also lasts at least 0.25 s (engine.shard)
+# One device with the cores of this host's CPU workers is calibrated here, about as long as the
+# workers' own calibration took: only where that is at most this many of the plan's priced steps.
+# On tiny layers calibration's fixed costs (warm-up, 0.25 s blocks) are hundreds of steps.
+CORES_TOGETHER_MAX_STEPS = 50
 
 
 def _conv_path_choices(value, limit=64):
@@ -133,6 +139,8 @@ class _Peer:
         self.description = hello.get("description", self.device)
         self.peer_endpoints = list(hello.get("peer_endpoints", []))
         self.host_key = hello.get("host_key", "")
+        threads = hello.get("threads", 0)              # 0: all the cores it may run on
+        self.threads = threads if isinstance(threads, int) and not isinstance(threads, bool) and threads > 0 else 0
         self.ipc_token = hello.get("ipc_token", "")         # proves its ipc path is readable from a peer's host
         self.process = process
         self.last_seen = time.monotonic()
@@ -695,7 +703,60 @@ class RemoteEngine(ShardEngine):
             self.log(f"  {name} conv paths ({how}): " + ", ".join(
                 f"{path} for {n} call shape{'s' if n > 1 else ''}" for path, n in sorted(counts.items()))
                 + f"; precision {self.calibration[name]['precision']}")
-        return self._plan_from_calibration(specs, input_shapes, speeds, cfg)
+        plan = self._plan_from_calibration(specs, input_shapes, speeds, cfg)
+        return self._price_cores_together(plan, specs, input_shapes, cfg)
+
+    def _price_cores_together(self, plan, specs, input_shapes, cfg):
+        """`plan`, and where two or more of its CPU workers run on this host, one device with their
+        cores together priced in their place as a plan like any other (planner.price_cores_together),
+        in the plan's `cores_together` (its metrics record); its note logged where it is faster.
+        That device is calibrated here, in this process, while the workers wait: this process can
+        open a device on those cores, a worker pinned to its own cannot. Workers together on another
+        host are not priced so: their cores cannot be calibrated together from here."""
+        # measure opens a CPU device (Numba, BLAS): loaded only where something is priced with it
+        from hetconv.engine.measure import calibrate_local, measure_loopback
+
+        here = host_key()
+        group = cpu_groups({w: (self.peers[w].host_key, self.peers[w].device) for w in plan.workers}).get(here)
+        if not group or not all(w in self.calibration for w in plan.workers):
+            return plan
+        cores = usable_cores()
+        threads = min(cores, sum(self.peers[w].threads or cores for w in group))
+        record = {"device": f"cpu:{threads}", "threads": threads, "workers": list(group)}
+        profiles = profiles_from_calibration({w: self.calibration[w] for w in plan.workers})
+        image_shape = tuple(input_shapes[0][1:])
+        micro = (self.micro_choice["micro_batches"] if self.micro_choice else
+                 micro_batch_count(cfg.micro_batches, cfg.batch_size, self.exchange, len(plan.workers)))
+        link = parse_bandwidth(cfg.link)
+        try:
+            step_s = price_plan(specs, image_shape, cfg.batch_size, plan, profiles, link, self.exchange, micro,
+                                value_bytes(self.wire))
+        except (PlanError, ValueError) as e:
+            return dataclasses.replace(plan, cores_together={**record, "not_priced": f"this plan: {e}"})
+        if self.calibration_s > CORES_TOGETHER_MAX_STEPS * step_s:
+            return dataclasses.replace(plan, cores_together={
+                **record, "not_priced": f"its calibration, about the workers' {self.calibration_s:.1f} s, would cost more "
+                                        f"than {CORES_TOGETHER_MAX_STEPS} of this plan's steps ({step_s:.3g} s each)"})
+        if all(self.peers[w].host_key == here for w in plan.workers):
+            # every worker is on this host: what moves goes over loopback and ipc, not --link
+            link = Link(measure_loopback(), name="loopback (measured)")
+        self.log(f"pricing one worker with the {threads} cores of {', '.join(group)} together: calibrating "
+                 f"cpu:{threads} in this process ...")
+        batch = min(cfg.calibration_batch, cfg.batch_size)
+        try:
+            together = calibrate_local("cpu", specs, [(batch,) + tuple(s[1:]) for s in input_shapes],
+                                       [s.kernels for s in specs], threads=threads, repeats=CALIBRATION_REPEATS,
+                                       conv_path=cfg.cpu_conv_path, precision=cfg.precision)
+            priced = price_cores_together(specs, image_shape, cfg.batch_size, plan, profiles, together, threads, group,
+                                          link, self.exchange, cfg.parallel, cfg.micro_batches, value_bytes(self.wire),
+                                          micro, self.peers[group[0]].host)
+        except Exception as e:          # a price the run does not need: whatever fails, the run goes on
+            why = f"{type(e).__name__}: {e}"
+            self.log(f"one worker with the cores of {', '.join(group)} together not priced: {why}")
+            return dataclasses.replace(plan, cores_together={**record, "not_priced": why})
+        self.log(priced.line())
+        return dataclasses.replace(plan, cores_together={**priced.to_json(), "link": link.name,
+                                                         "description": together.description})
 
     def _plan_from_calibration(self, specs, input_shapes, speeds, cfg):
         """_split_from_calibration's plan, with the micro-batch count the cost model picks for it

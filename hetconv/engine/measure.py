@@ -2,11 +2,14 @@
 loopback link's bandwidth, the coordinator's own share of a step (the FC layers and the loss), and
 saved profiles of other hosts. Clocks and sockets live here; the model itself (engine.costmodel)
 has neither."""
+import contextlib
 import json
 import threading
 import time
 
+import numba
 import numpy as np
+from threadpoolctl import threadpool_limits
 import zmq
 
 from hetconv.devices.cpu import HostArrays
@@ -104,25 +107,72 @@ def calibrate_local(device_spec, specs, input_shapes, kernels, threads=None, rep
     alike, and their ratio (a speedup) stays put. A CPU device's conv paths (`conv_path`, auto:
     timed per layer and share) and its `precision` are named in the profile's description, since
     its times are theirs."""
-    options = {"threads": threads} if device_spec == "cpu" and threads else {}
-    if device_spec == "cpu":
-        options.update(conv_path=conv_path, precision=precision)
-    device = open_device(device_spec, **options)
-    shard = ConvShard(device)
-    name = f"{device_spec}:{threads}" if threads else device_spec
+    runs = [(device_spec, threads, kernels)] + ([] if also is None else [(device_spec, threads, also)])
+    got = calibrate_rounds(runs, specs, input_shapes, repeats=repeats, conv_path=conv_path, precision=precision)
+    return got[0] if also is None else tuple(got)
 
-    def profile(timings):
-        paths = sorted(set(device.conv_paths().values()))
-        description = device.describe() + (f"; conv paths {', '.join(paths)}" if paths else "")
-        return DeviceProfile(name, device_spec, description, tuple(LayerCost.fit(t) for t in timings))
 
-    if also is None:
-        return profile(shard.calibrate(specs, input_shapes, kernels, repeats=repeats)[1])
-    rounds = {0: [], 1: []}
-    for _ in range(repeats):
-        for i, counts in enumerate((kernels, also)):
-            rounds[i].append(shard.calibrate(specs, input_shapes, counts, repeats=1)[1])
-    return tuple(profile([_median_of(layer_rounds) for layer_rounds in zip(*rounds[i])]) for i in (0, 1))
+def calibrate_rounds(runs, specs, input_shapes, repeats=3, conv_path="auto", precision="fp32"):
+    """A DeviceProfile per run (device_spec, threads or None, kernels per layer), from
+    calibrations in this process that alternate run by run, round by round, each value the
+    median over `repeats` rounds (one round: a single calibration). Runs of the same device and
+    threads share one opened device; a CPU device of other threads is a device of its own (one
+    thread against all the cores, say), its Numba and BLAS thread counts set again before each of
+    its calibrations, since both are the process's. The caller's thread counts are back as they
+    were on return."""
+    devices, opened = [], {}
+    with _threads_kept():
+        for device_spec, threads, _ in runs:
+            key = (device_spec, threads if device_spec == "cpu" else None)
+            if key not in opened:
+                options = {"threads": threads} if device_spec == "cpu" and threads else {}
+                if device_spec == "cpu":
+                    options.update(conv_path=conv_path, precision=precision)
+                device = open_device(device_spec, **options)
+                name = f"{device_spec}:{threads}" if device_spec == "cpu" and threads else device_spec
+                opened[key] = (device, ConvShard(device), name, device_spec)
+            devices.append(opened[key])
+        if len(runs) == 1:
+            shard = devices[0][1]
+            return [_profile(devices[0], shard.calibrate(specs, input_shapes, runs[0][2], repeats=repeats)[1])]
+        rounds = [[] for _ in runs]
+        for _ in range(repeats):
+            for i, ((device, shard, _, _), (_, _, kernels)) in enumerate(zip(devices, runs)):
+                with _threads_of(device):
+                    rounds[i].append(shard.calibrate(specs, input_shapes, kernels, repeats=1)[1])
+        return [_profile(d, [_median_of(layer_rounds) for layer_rounds in zip(*r)]) for d, r in zip(devices, rounds)]
+
+
+def _profile(opened, timings):
+    device, _, name, device_spec = opened
+    paths = sorted(set(device.conv_paths().values()))
+    description = device.describe() + (f"; conv paths {', '.join(paths)}" if paths else "")
+    return DeviceProfile(name, device_spec, description, tuple(LayerCost.fit(t) for t in timings))
+
+
+@contextlib.contextmanager
+def _threads_of(device):
+    """A CPU device's Numba and BLAS threads for what runs inside (another device opened since
+    set them to its own); other devices keep theirs."""
+    threads = getattr(device, "threads", None)
+    if threads is None:
+        yield
+        return
+    numba.set_num_threads(threads)
+    with threadpool_limits(limits=threads, user_api="blas"):
+        yield
+
+
+@contextlib.contextmanager
+def _threads_kept():
+    """The caller's Numba and BLAS thread counts, as they were, after what runs inside (opening a
+    CPU device sets both to its own for the process)."""
+    numba_threads = numba.get_num_threads()
+    try:
+        with threadpool_limits(limits=None):
+            yield
+    finally:
+        numba.set_num_threads(numba_threads)
 
 
 def _median_of(values):
