@@ -6,7 +6,7 @@ A conv layer is a block: conv (kh x kw, any stride and zero padding) + bias, the
 (blocks, head, input shape, classes) is hetconv.net's NetSpec; this module sits below it and below
 the devices, which import ConvBlock from here.
 """
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -113,6 +113,9 @@ class ConvSpec:
     block: ConvBlock = PAPER_BLOCK
     bias: bool = True
     tail: tuple = ()
+    # (C, H, W) entering the conv where the network says (a graph's block need not read the one
+    # before it); planning and pricing only: a shard takes the shape of what it is sent
+    input_shape: tuple = field(default=None, compare=False)
 
     @classmethod
     def paper(cls, in_channels, kernels, ksize=5, padding=0):
@@ -123,7 +126,7 @@ class ConvSpec:
     def from_layer(cls, layer):
         """From a hetconv.net ConvLayer."""
         return cls(layer.in_channels, layer.kernels, layer.kernel[0], layer.kernel[1], layer.block, layer.bias,
-                   tuple(layer.tail))
+                   tuple(layer.tail), tuple(layer.input_shape))
 
     def to_json(self):
         d = {"in_channels": self.in_channels, "kernels": self.kernels, "kernel": [self.kh, self.kw],
@@ -249,6 +252,8 @@ def layer_input_shapes(specs, batch, image_shape=IMAGE_SHAPE):
     c, h, w = image_shape
     shapes = []
     for i, spec in enumerate(specs):
+        if spec.input_shape is not None:       # a graph's block reads what the network says
+            c, h, w = spec.input_shape
         ho, wo = spec.output_hw(h, w)
         if min(spec.conv_hw(h, w)) < 1 or ho < 1 or wo < 1:
             raise ValueError(f"conv layer {i + 1} ({spec.describe()}) gets a {h}x{w} input: too small for its "

@@ -71,6 +71,14 @@ def main(argv=None):
         fc = [op.layer.to_json() for op in network.head() if op.type != "flatten"]
         image = network.input_shape
         input_shapes, _ = layer_input_shapes(specs, cfg.batch_size, image)
+        if not network.is_chain():
+            # as the coordinator runs a graph: its blocks' outputs meet at the coordinator
+            if forced_modes(cfg.parallel, len(specs)) not in (None, ["model"] * len(specs)):
+                raise ValueError(f"--parallel {cfg.parallel}: the network is a graph, whose blocks run model-parallel "
+                                 f"through the coordinator (--exchange star)")
+            cfg = replace(cfg, exchange="star", parallel="model")
+            print("the network is a graph: priced as it runs, every block model-parallel, its blocks' outputs "
+                  "meeting at the coordinator (--exchange star)", file=sys.stderr)
         check_output_file("--save-profiles", args.save_profiles)
         # saved profiles are read before anything is calibrated: a bad file costs nothing
         saved = {e.profile: load_profiles(e.profile, len(specs)) for e in entries if e.profile}
