@@ -39,11 +39,11 @@ class Config:
     synthetic_train: int = option(5000, "images in the built-in training set")
     synthetic_test: int = option(1000, "images in the built-in test set")
     crop: int = option(0, "center-crop images to crop x crop (0: the data set's whole images)")
-    net: str = option("", "the network: a preset (paper, lenet5, cifar10-quick, vgg-small, vgg-small-bn, airbench94; NAME@WIDTH "
-                          "scales its "
-                          "widths), a .json file of layers, or FILE.py:FUNCTION returning a PyTorch module "
-                          "(its weights are the starting weights); '': the paper family that --conv, --fc, --ksize "
-                          "and --padding describe")
+    net: str = option("", "the network: a preset (paper, lenet5, cifar10-quick, vgg-small, vgg-small-bn, airbench94, "
+                          "resnet9, resnet18, inception-small; NAME@WIDTH scales its widths), a .json file of layers "
+                          "or nodes, or FILE.py:FUNCTION returning a PyTorch module, sequential or traceable with "
+                          "residual sums and concatenations (its weights are the starting weights); '': the paper "
+                          "family that --conv, --fc, --ksize and --padding describe")
     conv: str = option("500,1500", "kernels per conv layer (the paper network: 500,1500)")
     ksize: int = option(5, "conv kernel size (square), stride 1")
     padding: int = option(0, "zero padding of every conv layer")
