@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from _faults import kill_worker_on_step
+from _module_runs import BATCH, STEPS, assert_equal_runs, config, quiet, torch_run
 from hetconv.coordinator.remote import RemoteEngine
 from hetconv.data import batches, load_dataset
 from hetconv.devices import open_device
@@ -43,18 +44,11 @@ def build():
             nn.init.uniform_(m.bias, -0.5, 0.5)
     return net
 """
-STEPS, BATCH = 5, 16
 LAYER_KERNELS = [6, 8, 8, 10]
 
 
-def quiet(*_):
-    pass
 
 
-def config(target, tmp_path, **kw):
-    return Config(net=target, crop=16, batch_size=BATCH, synthetic_train=160, synthetic_test=32, steps=STEPS,
-                  lr=0.05, momentum=0.9, weight_decay=0.0, threads=1, rebalance_after=0, eval_batches=1,
-                  checkpoint_dir=str(tmp_path / "ck"), **kw).validate()
 
 
 @pytest.fixture(scope="module")
@@ -67,24 +61,6 @@ def local_run(tmp_path_factory):
     return cfg, summary["losses"], checkpoint.load(str(d / "ck"))
 
 
-def torch_run(cfg):
-    """The same module, batches and recipe in PyTorch: losses and the final state_dict."""
-    from hetconv.net.torch_import import load_module
-    module = load_module(cfg.net)
-    opt = torch.optim.SGD(module.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=0.0)
-    ds = load_dataset("synthetic", seed=cfg.seed, n_train=160, n_test=32)
-    losses = []
-    for step, (x, y) in enumerate(batches(ds, BATCH, np.random.default_rng([cfg.seed, 0]))):
-        if step == STEPS:
-            break
-        x = x[:, :, 8:24, 8:24]                              # --crop 16
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(module(torch.from_numpy(np.ascontiguousarray(x))),
-                                                 torch.from_numpy(y))
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().numpy() for k, v in module.state_dict().items()}
 
 
 def test_a_module_with_every_new_layer_trains_as_torch_sgd_does(local_run):
@@ -118,12 +94,6 @@ def distributed(cfg, tmp_path, workers, modes, images, micro, counts=None, fault
     return summary, checkpoint.load(str(tmp_path / "ck"))
 
 
-def assert_equal_runs(got, want):
-    (_, conv, fc), (_, local_conv, local_fc) = got, want
-    for g, w in zip(conv + fc, local_conv + local_fc):
-        assert sorted(g) == sorted(w)
-        for key in w:
-            np.testing.assert_allclose(g[key], w[key], rtol=1e-4, atol=1e-5, err_msg=key)
 
 
 @pytest.mark.parametrize("workers,modes,images,micro", [

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from _faults import kill_worker_on_step
+from _module_runs import STEPS, assert_equal_runs, config, quiet, torch_run
 from hetconv.coordinator.remote import RemoteEngine
-from hetconv.data import batches, load_dataset
 from hetconv.devices import open_device
 from hetconv.engine.local import LocalEngine
 from hetconv.engine.planner import PlanError, fixed_plan
@@ -81,37 +81,12 @@ def build():
             nn.init.uniform_(m.bias, -0.5, 0.5)
     return net
 """
-STEPS, BATCH = 5, 16
 
 
-def quiet(*_):
-    pass
 
 
-def config(target, tmp_path, lr=0.05, **kw):
-    return Config(net=target, crop=16, batch_size=BATCH, synthetic_train=160, synthetic_test=32, steps=STEPS,
-                  lr=lr, momentum=0.9, weight_decay=0.0, threads=1, rebalance_after=0, eval_batches=1,
-                  checkpoint_dir=str(tmp_path / "ck"), **kw).validate()
 
 
-def torch_run(cfg):
-    """The same module, batches and recipe in PyTorch: losses and the final state_dict."""
-    from hetconv.net.torch_import import load_module
-    module = load_module(cfg.net)
-    opt = torch.optim.SGD(module.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=0.0)
-    ds = load_dataset("synthetic", seed=cfg.seed, n_train=160, n_test=32)
-    losses = []
-    for step, (x, y) in enumerate(batches(ds, BATCH, np.random.default_rng([cfg.seed, 0]))):
-        if step == STEPS:
-            break
-        x = x[:, :, 8:24, 8:24]                              # --crop 16
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(module(torch.from_numpy(np.ascontiguousarray(x))),
-                                                 torch.from_numpy(y))
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().numpy() for k, v in module.state_dict().items()}
 
 
 def assert_equals_torch(cfg, losses, conv, fc, atol=1e-5):
@@ -193,12 +168,6 @@ def distributed(cfg, tmp_path, workers, micro, counts=None, fault=None, resume=N
     return summary, checkpoint.load(str(tmp_path / "ck"))
 
 
-def assert_equal_runs(got, want):
-    (_, conv, fc), (_, local_conv, local_fc) = got, want
-    for g, w in zip(conv + fc, local_conv + local_fc):
-        assert sorted(g) == sorted(w)
-        for key in w:
-            np.testing.assert_allclose(g[key], w[key], rtol=1e-4, atol=1e-5, err_msg=key)
 
 
 def test_two_workers_equal_local_and_three_uneven_ones_survive_a_lost_worker_and_a_resume(local_run, tmp_path):

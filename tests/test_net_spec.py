@@ -368,3 +368,75 @@ def test_presets_and_json_never_import_torch():
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+# ---- graphs ---------------------------------------------------------------------------------------
+
+def _node(name, inputs, **layer):
+    return {"name": name, "inputs": inputs, **layer}
+
+
+RESIDUAL = {"input_shape": [3, 8, 8], "classes": 10, "nodes": [
+    _node("stem", ["input"], type="conv", out_channels=4, kernel=3, padding=1),
+    _node("stem_relu", ["stem"], type="relu"),
+    _node("a", ["stem_relu"], type="conv", out_channels=4, kernel=3, padding=1, bias=False),
+    _node("a_bn", ["a"], type="batchnorm"),
+    _node("sum", ["a_bn", "stem_relu"], type="add"),
+    _node("out", ["sum"], type="relu"),
+    _node("b", ["out"], type="conv", out_channels=2, kernel=1),
+    _node("cat", ["b", "out"], type="concat"),
+    _node("pool", ["cat"], type="maxpool", kernel=2),
+    _node("flatten", ["pool"], type="flatten"),
+    _node("fc", ["flatten"], type="linear", out_features=10)]}
+
+
+def test_a_graph_reads_its_nodes_infers_shapes_and_splits_into_blocks_and_joins():
+    spec = NetSpec.from_json(json.dumps(RESIDUAL))
+    assert not spec.is_chain()
+    assert spec.output_shapes()[spec.names.index("cat")] == (6, 8, 8)
+    assert spec.feature_shape() == (6, 4, 4) and spec.head()[1].in_features == 96
+    blocks = spec.conv_layers()
+    # the stem's relu is fused into its block; a_bn stays in a's block; the sum, its relu, the
+    # concatenation and the pool join blocks on the coordinator
+    assert [(spec.names[b.index], b.block.activation, [t.type for t in b.tail], b.source, b.node) for b in blocks] == [
+        ("stem", "relu", [], -1, 1), ("a", "none", ["batchnorm"], 1, 3), ("b", "none", [], 5, 6)]
+    assert [(st.kind, spec.names[st.output]) for st in spec.graph_steps()] == [
+        ("block", "stem_relu"), ("block", "a_bn"), ("node", "sum"), ("node", "out"), ("block", "b"),
+        ("node", "cat"), ("node", "pool")]
+    assert NetSpec.from_json(spec.to_json()) == spec and spec.to_json()["nodes"][4]["inputs"] == ["a_bn", "stem_relu"]
+    assert "sum = add (a_bn, stem_relu)" in spec.describe()
+
+
+def _with(change):
+    data = json.loads(json.dumps(RESIDUAL))
+    change(data["nodes"])
+    return data
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda n: n[4].update(inputs=["a_bn", "nowhere"]), "node 4 (sum): inputs ['a_bn', 'nowhere']: expected a list of "
+                                                        "earlier nodes' names"),
+    (lambda n: n[4].update(inputs=["a_bn", "out"]), "node 4 (sum): inputs ['a_bn', 'out']: expected a list of earlier"),
+    (lambda n: n[2].update(stride=2), "layer 4 (add): adds inputs of different shapes: a_bn 4x4x4, stem_relu 4x8x8"),
+    (lambda n: n[7].update(inputs=["b", "stem"]) or n[6].update(stride=2),
+     "layer 7 (concat): joins maps of different heights and widths: b 2x4x4, stem 4x8x8"),
+    (lambda n: n[5].update(type="batchnorm"), "layer 5 (batchnorm): reads sum, which is not a conv block's output"),
+    (lambda n: n[4].update(inputs=["a_bn"]), "layer 4 (add): add takes two or more inputs, got 1"),
+    (lambda n: n[1].update(name="input"), "node 1: name 'input': expected 1 to 200 letters"),
+    (lambda n: n[6].update(name="a"), "node 6: two nodes are named 'a'"),
+    (lambda n: n.insert(6, _node("spare", ["out"], type="relu")), "layer 6 (relu): its output is used by no node"),
+    (lambda n: n.insert(10, _node("drop", ["flatten"], type="dropout")),
+     "layer 11 (linear): after flatten the layers form a chain"),
+], ids=["unknown input", "later input", "sum of shapes", "concatenation of sizes", "norm after a sum",
+        "sum of one", "reserved name", "two names", "unused node", "head not a chain"])
+def test_a_graph_that_cannot_run_is_refused_naming_the_node(change, message):
+    with pytest.raises(ValueError) as e:
+        NetSpec.from_json(_with(change))
+    assert message in str(e.value), str(e.value)
+
+
+def test_a_stored_network_is_either_a_chain_or_a_graph():
+    with pytest.raises(ValueError, match="layers for a chain, or nodes for a graph, not both"):
+        NetSpec.from_json({**RESIDUAL, "layers": []})
+    chain = NetSpec.from_json(PAPER_JSON)
+    assert chain.is_chain() and "layers" in chain.to_json()

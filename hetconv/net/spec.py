@@ -632,14 +632,14 @@ class NetSpec:
             given = [self.input_shape if j < 0 else shapes[j] for j in self.inputs[i]]
             if isinstance(layer, Add):
                 if any(s != given[0] for s in given):
-                    raise LayerError(i, layer, f"adds inputs of different shapes: "
+                    raise LayerError(i, layer, "adds inputs of different shapes: "
                                                + ", ".join(f"{self._name(j)} {'x'.join(map(str, s))}"
                                                            for j, s in zip(self.inputs[i], given)))
                 shapes.append(given[0])
                 continue
             if isinstance(layer, Concat):
                 if any(s[1:] != given[0][1:] for s in given):
-                    raise LayerError(i, layer, f"joins maps of different heights and widths: "
+                    raise LayerError(i, layer, "joins maps of different heights and widths: "
                                                + ", ".join(f"{self._name(j)} {'x'.join(map(str, s))}"
                                                            for j, s in zip(self.inputs[i], given)))
                 shapes.append((sum(s[0] for s in given),) + given[0][1:])
@@ -865,6 +865,8 @@ class NetSpec:
                 name, given = d.pop("name"), d.pop("inputs")
                 _check_name(i, name)
                 known = {n: j for j, n in enumerate(names)}
+                if name in known:
+                    raise ValueError(f"node {i}: two nodes are named {name!r}; every node's name is its own")
                 if not isinstance(given, list) or not given or any(
                         not isinstance(g, str) or (g != INPUT_NAME and g not in known) for g in given):
                     raise ValueError(f"node {i} ({name}): inputs {given!r:.120}: expected a list of earlier nodes' "

@@ -530,6 +530,8 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
     feature_shape = network.feature_shape()
     if not network.is_chain():
         engine.graph = GraphPass(network, HostArrays())
+        log("the network is a graph; its conv blocks, as the plan names them: " + ", ".join(
+            f"conv{n + 1} = {network.names[b.index]}" for n, b in enumerate(network.conv_layers())))
         if engine.exchange != "star":
             log("the network is a graph: its blocks' outputs meet at the coordinator, which runs what joins them "
                 "(--exchange star); the peer step runs chains")

@@ -1,0 +1,50 @@
+"""What the tests that train a PyTorch module through `--net FILE.py:build` share: the run's
+config (16x16 crops of the synthetic set, five steps of 16 images, SGD with momentum), the same
+steps in PyTorch, and the check that two runs' final states agree."""
+import numpy as np
+
+from hetconv.data import batches, load_dataset
+from hetconv.training.config import Config
+
+STEPS, BATCH = 5, 16
+
+
+def quiet(*_):
+    pass
+
+
+def config(target, tmp_path, lr=0.05, **kw):
+    return Config(net=target, crop=16, batch_size=BATCH, synthetic_train=160, synthetic_test=32, steps=STEPS,
+                  lr=lr, momentum=0.9, weight_decay=0.0, threads=1, rebalance_after=0, eval_batches=1,
+                  checkpoint_dir=str(tmp_path / "ck"), **kw).validate()
+
+
+def torch_run(cfg, module=None):
+    """The module (default: the one cfg.net builds), batches and recipe in PyTorch: the losses and
+    the final state_dict."""
+    import torch
+    from hetconv.net.torch_import import load_module
+    module = module if module is not None else load_module(cfg.net)
+    opt = torch.optim.SGD(module.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=0.0)
+    ds = load_dataset("synthetic", seed=cfg.seed, n_train=160, n_test=32)
+    losses = []
+    for step, (x, y) in enumerate(batches(ds, BATCH, np.random.default_rng([cfg.seed, 0]))):
+        if step == STEPS:
+            break
+        x = x[:, :, 8:24, 8:24]                              # --crop 16
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(module(torch.from_numpy(np.ascontiguousarray(x))),
+                                                 torch.from_numpy(y))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().numpy() for k, v in module.state_dict().items()}
+
+
+def assert_equal_runs(got, want):
+    """Two checkpoints (checkpoint.load's (meta, conv, fc)) hold the same state, name by name."""
+    (_, conv, fc), (_, other_conv, other_fc) = got, want
+    for g, w in zip(conv + fc, other_conv + other_fc):
+        assert sorted(g) == sorted(w)
+        for key in w:
+            np.testing.assert_allclose(g[key], w[key], rtol=1e-4, atol=1e-5, err_msg=key)
