@@ -88,37 +88,16 @@ def main(spec, out_path):
 
 
 def torch_net(text):
-    """hetconv's network `text` (--net: a preset such as vgg-small@0.5, or a .json) on CIFAR-shaped
-    input as an nn.Sequential, layer for layer: the same shapes as hetconv trains."""
-    import torch.nn as nn
+    """hetconv's network `text` (--net: a preset such as vgg-small@0.5 or resnet18, or a .json) on
+    CIFAR-shaped input as PyTorch modules (hetconv.net.torch_import.to_torch: an nn.Sequential for
+    a chain, the graph module for a graph), from hetconv's own start for seed 0: the same layers
+    and shapes as hetconv trains."""
+    import numpy as np
     from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES
     from hetconv.net import load_net
+    from hetconv.net.torch_import import to_torch
     net = load_net(text, IMAGE_SHAPE, NUM_CLASSES).spec
-    channels, modules = net.input_shape[0], []
-    x = __import__("torch").zeros((1,) + tuple(net.input_shape))
-    for layer in net.layers:
-        if layer.type == "conv":
-            m = nn.Conv2d(channels, layer.out_channels, tuple(layer.kernel), tuple(layer.stride), tuple(layer.padding),
-                          bias=layer.bias)
-            channels = layer.out_channels
-        elif layer.type == "relu":
-            m = nn.ReLU()
-        elif layer.type in ("maxpool", "avgpool"):
-            pool = nn.MaxPool2d if layer.mode == "max" else nn.AvgPool2d
-            m = pool(tuple(layer.kernel), tuple(layer.stride or layer.kernel), tuple(layer.padding))
-        elif layer.type == "flatten":
-            m = nn.Flatten()
-        elif layer.type == "linear":
-            m = nn.Linear(x.shape[1], layer.out_features, bias=layer.bias)
-        elif layer.type == "dropout":
-            m = nn.Dropout(layer.p)
-        else:
-            raise ValueError(f"{text}: no PyTorch module for layer type {layer.type!r}")
-        x = m(x)                      # (1, ...) shapes as the layers go, for the next Linear's inputs
-        modules.append(m)
-    if x.shape[1] != NUM_CLASSES:
-        raise ValueError(f"{text}: the network ends in {x.shape[1]} outputs, not {NUM_CLASSES} classes")
-    return nn.Sequential(*modules)
+    return to_torch(net, *net.init_params(np.random.default_rng(0)))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ def initial_weights(cfg, spec):
     rng = np.random.default_rng(cfg.seed)
     specs = [ConvSpec.from_layer(layer) for layer in spec.conv_layers()]
     conv = init_conv_params(specs, rng)
-    fc, width = [], int(np.prod(spec.conv_layers()[-1].output_shape))
+    fc, width = [], int(np.prod(spec.feature_shape()))
     for op in spec.head():
         if op.type == "linear":
             layer = Linear.init(width, op.layer.out_features, rng)

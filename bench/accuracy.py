@@ -77,6 +77,7 @@ def check_same_start(spec, conv, fc, module, ds, batch_size):
     from hetconv.data import test_batches
     from hetconv.devices import open_device
     from hetconv.devices.cpu import HostArrays
+    from hetconv.engine.graph import graph_pass
     from hetconv.engine.local import LocalEngine
     from hetconv.engine.planner import fixed_plan
     from hetconv.engine.shard import ConvShard
@@ -86,8 +87,9 @@ def check_same_start(spec, conv, fc, module, ds, batch_size):
     engine = LocalEngine({"local": ConvShard(open_device("cpu", threads=1))})
     engine.load(fixed_plan([s.kernels for s in specs], {"local": [s.kernels for s in specs]}), specs,
                 [{k: np.array(v, copy=True) for k, v in state.items()} for state in conv])
+    engine.graph = graph_pass(spec, HostArrays())
     head = [op.layer.to_json() for op in spec.head() if op.type != "flatten"]
-    net = Network(specs, head, engine, None, spec.conv_layers()[-1].output_shape, fc_params=fc, host=HostArrays())
+    net = Network(specs, head, engine, None, spec.feature_shape(), fc_params=fc, host=HostArrays())
     module.eval()
     worst = 0.0
     with torch.no_grad():
@@ -202,7 +204,7 @@ def markdown(doc):
               f"({r['steps']} steps), SGD lr {r['lr']:g} momentum {r['momentum']:g}, weight decay "
               f"{r['weight_decay']:g} except biases, {r['schedule']} learning rate. hetconv: `--spawn {r['spawn']}` "
               f"(`--parallel auto`; modes below), the training loop in this process. PyTorch: the same "
-              f"`nn.Sequential` (hetconv.net.torch_import.to_torch) from the same start, the same batches, "
+              f"network as a PyTorch module (hetconv.net.torch_import.to_torch) from the same start, the same batches, "
               f"torch.set_num_threads({r['torch_threads']}). Each seed's two starts differ on the test set by at "
               f"most {max(doc['start_logit_diff'].values()):.1e} in a logit. The head's dropout masks are each "
               f"framework's own.", ""]

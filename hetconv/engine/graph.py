@@ -19,6 +19,12 @@ from hetconv.channelwise import Activation, GlobalPool, Pool
 from hetconv.net.spec import Add, Concat
 
 
+def graph_pass(spec, host):
+    """What an engine runs `spec`'s conv part with (its `graph`): a GraphPass where the network is
+    not a chain, None for a chain (the engine's own layer-by-layer step)."""
+    return None if spec.is_chain() else GraphPass(spec, host)
+
+
 class GraphPass:
     """The steps of NetSpec.graph_steps() run over an engine (`forward_layer`, `backward_layer`)
     and `host`, a device whose activation and pool kernels the coordinator's nodes use."""

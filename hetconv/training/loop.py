@@ -14,7 +14,7 @@ from hetconv.data import batches, load_dataset, test_batches
 from hetconv.devices.cpu import HostArrays
 from hetconv.engine.contract import WorkerLost, micro_choice_record, mode_choice_record, moved_bytes, wire_record
 from hetconv.engine.microbatch import micro_batch_count
-from hetconv.engine.graph import GraphPass
+from hetconv.engine.graph import graph_pass
 from hetconv.geometry import ConvSpec
 from hetconv.net import LoadedNet, NetSpec
 from hetconv.net.head import Network, init_conv_params
@@ -528,8 +528,8 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
     specs = [ConvSpec.from_layer(layer) for layer in network.conv_layers()]
     input_shapes = [(cfg.batch_size,) + layer.input_shape for layer in network.conv_layers()]
     feature_shape = network.feature_shape()
-    if not network.is_chain():
-        engine.graph = GraphPass(network, HostArrays())
+    engine.graph = graph_pass(network, HostArrays())
+    if engine.graph is not None:
         log("the network is a graph; its conv blocks, as the plan names them: " + ", ".join(
             f"conv{n + 1} = {network.names[b.index]}" for n, b in enumerate(network.conv_layers())))
         if engine.exchange != "star":

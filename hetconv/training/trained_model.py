@@ -9,7 +9,7 @@ import numpy as np
 from hetconv.data import CIFAR10_CLASSES, CIFAR10_MEAN, CIFAR10_STD, load_dataset
 from hetconv.devices import open_device
 from hetconv.devices.cpu import HostArrays
-from hetconv.engine.graph import GraphPass
+from hetconv.engine.graph import graph_pass
 from hetconv.engine.local import LocalEngine
 from hetconv.engine.planner import fixed_plan
 from hetconv.engine.shard import ConvShard
@@ -152,8 +152,7 @@ class InProcessModel:
         engine = LocalEngine({"local": ConvShard(device)})
         engine.load(fixed_plan(kernels, {"local": kernels}), specs, model.conv_states())
         head = [op.layer.to_json() for op in spec.head() if op.type != "flatten"]
-        if not spec.is_chain():
-            engine.graph = GraphPass(spec, HostArrays())
+        engine.graph = graph_pass(spec, HostArrays())
         self.net = Network(specs, head, engine, np.random.default_rng(0), spec.feature_shape(), fc_params=model.fc)
 
     def logits(self, x):
