@@ -168,11 +168,10 @@ def _coordinator(monkeypatch, together_per_kernel, calibration_s=1.0, hosts=("he
     """A RemoteEngine's state as plan_for leaves it after calibrating two one-thread CPU workers,
     this process's calibration of their cores together faked (None: it fails)."""
     from hetconv.coordinator import remote
-    from hetconv.engine import measure
     from hetconv.training.config import Config
     monkeypatch.setattr(remote, "host_key", lambda: "here")
     monkeypatch.setattr(remote, "usable_cores", lambda: 2)
-    monkeypatch.setattr(measure, "measure_loopback", lambda: 20e9)
+    monkeypatch.setattr(remote, "measure_loopback", lambda: 20e9)
     asked = []
 
     def fake_calibrate(device, specs, shapes, kernels, threads=None, **options):
@@ -181,7 +180,7 @@ def _coordinator(monkeypatch, together_per_kernel, calibration_s=1.0, hosts=("he
             raise MemoryError("no room")
         return _profile(f"cpu:{threads}", together_per_kernel, 0.05)
 
-    monkeypatch.setattr(measure, "calibrate_local", fake_calibrate)
+    monkeypatch.setattr(remote, "calibrate_local", fake_calibrate)
     logged = []
     peers = {w: types.SimpleNamespace(host_key=h, device="cpu", threads=1, host="box") for w, h in zip(("w0", "w1"), hosts)}
     one = _profile("cpu:1", 1e-6, 0.05)

@@ -29,6 +29,7 @@ from zmq.utils.monitor import recv_monitor_message
 from hetconv.engine.contract import (ShardEngine, WorkerError, WorkerLost,  # noqa: F401  (raised here, caught by callers)
                                      concat_channels)
 from hetconv.engine.costmodel import Link, parse_bandwidth, predict_peer_step, profiles_from_calibration
+from hetconv.engine.measure import calibrate_local, measure_loopback
 from hetconv.engine.microbatch import cheapest_micro_batches, micro_batch_count, priced_text
 from hetconv.engine.planner import (PlanError, choose_modes, cost_lines, cpu_groups, forced_modes, image_ranges,
                                     make_plan, plan_from_lines, price_cores_together, price_plan)
@@ -713,9 +714,6 @@ class RemoteEngine(ShardEngine):
         That device is calibrated here, in this process, while the workers wait: this process can
         open a device on those cores, a worker pinned to its own cannot. Workers together on another
         host are not priced so: their cores cannot be calibrated together from here."""
-        # measure opens a CPU device (Numba, BLAS): loaded only where something is priced with it
-        from hetconv.engine.measure import calibrate_local, measure_loopback
-
         here = host_key()
         group = cpu_groups({w: (self.peers[w].host_key, self.peers[w].device) for w in plan.workers}).get(here)
         if not group or not all(w in self.calibration for w in plan.workers):
