@@ -11,12 +11,14 @@ Design, and what it costs:
   im2col; conv1 (C*kw = 15, where five 15-long reductions would run thin GEMMs and im2col is
   cheap) is im2col. `conv_path="im2col"`, `"shifted"` or `"fft"` forces one (tests run each
   everywhere).
-- Where oneDNN is installed (the `onednn` extra, devices/dnnl.py), two more im2col paths run its
-  GEMMs (devices/cpu_gemms.py): "im2col-dnnl", oneDNN's sgemm, one more candidate the timing
-  chooses among (OpenBLAS's speed where it runs its AVX-512 kernel, 2x where the environment holds
-  it to its Haswell one); and "im2col-bf16",
-  bf16 operands with float32 sums, which `precision="bf16"` runs for every conv and
-  `precision="auto"` times as one more candidate (see PRECISIONS). Untimed calls keep the rule.
+- Where oneDNN is installed (the `onednn` extra, devices/dnnl.py), more paths run its GEMMs
+  (devices/cpu_gemms.py, devices/cpu_shifted_gemms.py): "im2col-dnnl" and "shifted-dnnl",
+  oneDNN's sgemm on either layout, more candidates the timing chooses among (OpenBLAS's speed
+  where it runs its AVX-512 kernel, 2x where the environment holds it to its Haswell one); and
+  "im2col-bf16" and "shifted-bf16", bf16 operands with float32 sums, which `precision="bf16"`
+  times against each other (stride-1 calls big enough to time; im2col-bf16 elsewhere) and
+  `precision="auto"` times as more candidates (see PRECISIONS). Untimed calls keep the rule.
+  "im2col-dnnl" can be forced (`conv_path`); the others are reached by timing only.
 - im2col: one GEMM per chunk of images, Y (K, P) = W (K, C*kh*kw) @ cols.T, cols (P, C*kh*kw)
   the im2col of the chunk (P = images * Ho * Wo); backward writes dcols and folds it with col2im.
 - shifted: the input is expanded along the kernel's width only (kw copies, not kh*kw), rows
@@ -68,6 +70,7 @@ from hetconv.devices.base import Device, DeviceError, update_rules
 from hetconv.devices.blas import accumulating_sgemm
 from hetconv.devices.cpu_gemms import BlasGemms, Bf16Gemms, DnnlGemms, scratch16
 from hetconv.devices.cpu_fft import FftConv, swap_leading
+from hetconv.devices.cpu_shifted_gemms import ShiftedBf16Gemms, ShiftedBlasGemms, ShiftedDnnlGemms
 from hetconv.geometry import window_output_size
 
 # Numba's OpenMP threads spin-wait after each parallel region (GNU libgomp's default), on the very
@@ -99,16 +102,20 @@ KERNEL_ROW_MULTIPLE = 16
 # a layer whose spectra would not fit this budget runs the direct path instead.
 DEFAULT_FFT_BUDGET_BYTES = 1 << 30
 CONV_PATHS = ("auto", "im2col", "shifted", "fft", "im2col-dnnl")
-# A CPU device's GEMM precision (`--precision`): "fp32"; "bf16", every conv on the im2col-bf16
-# path (devices/cpu_gemms.py: bf16 operands, float32 sums, everything else float32); "auto",
-# the bf16 path as one more candidate of the timed choice below, taken where it runs faster than
-# the fastest float32 path by AUTO_BF16_MARGIN (the accuracy it gives up buys a real gain, not
-# a timing's noise), and float32 wherever a call is too small to be timed.
+# A CPU device's GEMM precision (`--precision`): "fp32"; "bf16", every conv on a bf16 path
+# (bf16 operands, float32 sums, everything else float32): im2col-bf16 (devices/cpu_gemms.py), or
+# at stride 1 shifted-bf16 (devices/cpu_shifted_gemms.py) where the timing below finds it faster;
+# "auto", the bf16 paths as more candidates of the timed choice below, taken where one runs
+# faster than the fastest float32 path by AUTO_BF16_MARGIN (the accuracy it gives up buys a real
+# gain, not a timing's noise), and float32 wherever a call is too small to be timed.
 PRECISIONS = ("fp32", "bf16", "auto")
 AUTO_BF16_MARGIN = 0.04
-# the oneDNN paths (devices/cpu_gemms.py): where oneDNN is installed, "auto" times im2col-dnnl
-# among the float32 paths; the rule for untimed calls stays on OpenBLAS's paths
-DNNL_PATHS = ("im2col-dnnl", "im2col-bf16")
+# the oneDNN paths (devices/cpu_gemms.py, cpu_shifted_gemms.py): where oneDNN is installed,
+# "auto" times im2col-dnnl and shifted-dnnl among the float32 paths; the rule for untimed calls
+# stays on OpenBLAS's paths. On vgg-small's 32x32 and 16x16 layers the shifted layout's kw-fold
+# expansion costs a third of im2col's kh*kw one, which the im2col paths' GEMMs do not win back.
+DNNL_PATHS = ("im2col-dnnl", "im2col-bf16", "shifted-dnnl", "shifted-bf16")
+BF16_PATHS = ("im2col-bf16", "shifted-bf16")
 # "auto" times the paths a layer can take (im2col; shifted and FFT at stride 1, FFT within its
 # budget) on the first call with each shape: forward and backward with dX on the call's own input
 # and weights, one warm-up run per path, then AUTO_TIMED_ROUNDS rounds (or more, below) in
@@ -709,7 +716,8 @@ class _BlockContext:
         self.w_shape = w.shape
         self.forward_weights = w
         self.block = block
-        self.shifted = shifted
+        self.shifted = bool(shifted)
+        self.shifted_gemms = shifted or None   # the shifted path's GEMMs (cpu_shifted_gemms), which backward runs too
         self.conv_hw = conv_hw
         self.pool = pool
         self.argmax = argmax
@@ -733,7 +741,8 @@ class _PoolContext:
         self.argmax = argmax
         self.padding = padding
         self.w_shape = w.shape
-        self.shifted = shifted
+        self.shifted = bool(shifted)
+        self.shifted_gemms = shifted or None   # the shifted path's GEMMs (cpu_shifted_gemms), which backward runs too
         self.pooled_shape = argmax.shape
         self.cols = cols
         self.forward_weights = w
@@ -781,10 +790,14 @@ class _PathChoice:
 
 
 def _fastest(seconds):
-    """The path to run from {path: seconds}: the fastest direct float32 path, or FFT or bf16
-    where it beats that by its margin (the faster of the two where both do)."""
-    direct = min((p for p in seconds if p not in ("fft", "im2col-bf16")), key=seconds.get)
-    margins = {"fft": AUTO_FFT_MARGIN, "im2col-bf16": AUTO_BF16_MARGIN}
+    """The path to run from {path: seconds}: the fastest direct float32 path, or FFT or a bf16
+    path where it beats that by its margin (the fastest of those that do); where every path is
+    bf16 (precision bf16), the fastest."""
+    direct = [p for p in seconds if p != "fft" and p not in BF16_PATHS]
+    if not direct:
+        return min(seconds, key=seconds.get)
+    direct = min(direct, key=seconds.get)
+    margins = {"fft": AUTO_FFT_MARGIN, **dict.fromkeys(BF16_PATHS, AUTO_BF16_MARGIN)}
     better = [p for p, m in margins.items() if p in seconds and seconds[p] < (1.0 - m) * seconds[direct]]
     return min(better, key=seconds.get) if better else direct
 
@@ -811,7 +824,7 @@ class CpuDevice(Device):
         if precision not in PRECISIONS:
             raise DeviceError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         if precision == "bf16" and conv_path != "auto":
-            raise DeviceError(f"precision bf16 runs every conv on the im2col-bf16 path: conv path {conv_path!r} "
+            raise DeviceError(f"precision bf16 runs every conv on a bf16 path: conv path {conv_path!r} "
                               f"cannot be forced with it")
         self.conv_path = conv_path
         self.precision = precision
@@ -843,12 +856,15 @@ class CpuDevice(Device):
         self._warm_flops = {}           # path -> the largest call (forward FLOPs) it has run while timed
         self._trial_path = None         # the path forced while "auto" times the candidates
         self._path_gemms = {"im2col": BlasGemms(self)}     # im2col path -> its GEMMs (cpu_gemms)
+        self._shifted_gemms = {"shifted": ShiftedBlasGemms(self)}    # shifted path -> its GEMMs
         # onednn: None, its paths where it is installed; False, OpenBLAS's only (as without it)
         self._dnnl, self.bf16_missing = self._open_dnnl(conv_path, precision, onednn)
         if self._dnnl is not None:
             self._path_gemms["im2col-dnnl"] = DnnlGemms(self, self._dnnl)
+            self._shifted_gemms["shifted-dnnl"] = ShiftedDnnlGemms(self, self._dnnl)
             if not self.bf16_missing:
                 self._path_gemms["im2col-bf16"] = Bf16Gemms(self, self._dnnl)
+                self._shifted_gemms["shifted-bf16"] = ShiftedBf16Gemms(self, self._dnnl)
 
     @staticmethod
     def _open_dnnl(conv_path, precision, onednn):
@@ -962,8 +978,15 @@ class CpuDevice(Device):
         return choice.path
 
     def _choose_path(self, x, w, stride, padding, block):
+        n, k, ho, wo = x.shape[0], w.shape[0], *_conv_hw(x.shape, w.shape, stride, padding)
+        flops = 2.0 * n * k * w.shape[1] * w.shape[2] * w.shape[3] * ho * wo
+        untimed = f"rule: {flops / 1e6:.3g} MFLOP per call, under the {self.auto_timed_min_flops / 1e6:.3g} timed"
         if self.precision == "bf16":
-            return _PathChoice("im2col-bf16", "forced")
+            if stride != (1, 1):
+                return _PathChoice("im2col-bf16", "the only bf16 path at this stride")
+            if flops < self.auto_timed_min_flops:
+                return _PathChoice("im2col-bf16", untimed)
+            return self._timed_choice(["im2col-bf16", "shifted-bf16"], x, w, stride, padding, block, flops, "")
         if self.conv_path == "im2col-dnnl":
             return _PathChoice("im2col-dnnl", "forced")
         rule = "shifted" if self._shifted(w.shape, stride) else "im2col"
@@ -979,15 +1002,21 @@ class CpuDevice(Device):
                       f"not FFT: {declined}", file=sys.stderr, flush=True)
             self._fft_declined.add(layer)
             return _PathChoice(rule, f"fft declined: {declined}")
-        n, k, ho, wo = x.shape[0], w.shape[0], *_conv_hw(x.shape, w.shape, stride, padding)
-        flops = 2.0 * n * k * w.shape[1] * w.shape[2] * w.shape[3] * ho * wo
         if flops < self.auto_timed_min_flops:
-            return _PathChoice(rule, f"rule: {flops / 1e6:.3g} MFLOP per call, under the "
-                                     f"{self.auto_timed_min_flops / 1e6:.3g} timed")
+            return _PathChoice(rule, untimed)
+        have = {**self._path_gemms, **self._shifted_gemms}
         candidates = (["im2col"] + (["shifted"] if stride == (1, 1) else []) + ([] if declined else ["fft"])
-                      + [p for p in DNNL_PATHS if p in self._path_gemms and (p != "im2col-bf16" or self.precision == "auto")])
+                      + [p for p in DNNL_PATHS if p in have and (stride == (1, 1) or p not in self._shifted_gemms)
+                         and (p not in BF16_PATHS or self.precision == "auto")])
         if len(candidates) == 1:
             return _PathChoice("im2col", f"the only path here: {declined}")
+        return self._timed_choice(candidates, x, w, stride, padding, block, flops, declined)
+
+    def _timed_choice(self, candidates, x, w, stride, padding, block, flops, declined):
+        """The fastest of `candidates` on this call, timed (or as timed for a call of the same
+        layer, see AUTO_REUSE_FACTOR); `declined`: why FFT is not among them ('' where it is or
+        was never asked)."""
+        n, k = x.shape[0], w.shape[0]
         layer = (tuple(x.shape[1:]), tuple(w.shape[1:]), stride, padding, block)
         for timed_layer, timed_n, timed_k, timed_key, timed in self._timed:
             if (timed_layer == layer and max(k / timed_k, timed_k / k) <= AUTO_REUSE_FACTOR
@@ -1119,10 +1148,11 @@ class CpuDevice(Device):
             swap_leading(y_kn.reshape(k, n, -1), y.reshape(n, k, -1))
             y += b[None, :, None, None]
             return y
-        if path == "shifted":
+        if path in self._shifted_gemms:
             ho, wo = _conv_hw(x.shape, w.shape, stride, padding)
             y = np.empty((n, k, ho, wo), np.float32)
-            self._shifted_forward(x, w, padding, lambda n0, n1, yt: _rows_to_nchw(yt, b, n0, n1, ho, wo, y))
+            self._shifted_forward(x, w, padding, lambda n0, n1, yt: _rows_to_nchw(yt, b, n0, n1, ho, wo, y),
+                                  gemms=self._shifted_gemms[path])
             return y
         out = {}
 
@@ -1140,27 +1170,27 @@ class CpuDevice(Device):
         path = self._path(x, w, block.stride, block.padding, block)
         if path == "fft":
             return self._fft_block(x, w, b, block)
-        gemms = self._path_gemms.get(path)
+        gemms, shifted = self._path_gemms.get(path), self._shifted_gemms.get(path)
         if _is_max2(block):
-            return self._paper_block(x, w, b, block.padding, path == "shifted", gemms, block.activation == "relu")
-        return self._generic_block(x, w, b, block, path == "shifted", gemms)
+            return self._paper_block(x, w, b, block.padding, shifted, gemms, block.activation == "relu")
+        return self._generic_block(x, w, b, block, shifted, gemms)
 
     def _fused_forward(self, x, w, stride, padding, shifted, consume_columns, consume_rows, gemms=None):
         """The conv of a fused forward, each chunk's Y handed to consume_columns(n0, n1, y (K, P))
-        on an im2col path (its `gemms`) or consume_rows(n0, n1, yt (ho*nb*wo, K)) on the shifted
-        one. Returns (shifted, the kept im2col or expansion or None, the kernel rows or None) for
-        the context."""
+        on an im2col path (its `gemms`) or consume_rows(n0, n1, yt (ho*nb*wo, K)) on a shifted
+        one (`shifted`: its GEMMs, cpu_shifted_gemms; None on an im2col path). Returns (shifted,
+        the kept im2col or expansion or None, the kernel rows or None) for the context."""
         n, c, h, _ = x.shape
         k, _, kh, kw = w.shape
         ho, wo = _conv_hw(x.shape, w.shape, stride, padding)
         # what backward reuses: the width expansion (padded height) or the im2col
         cols_size = n * (h + 2 * padding[0]) * wo * c * kw if shifted else n * ho * wo * c * kh * kw
-        if not shifted and gemms is not None:       # in float32 elements: a bf16 im2col takes half
-            cols_size = -(-cols_size * np.dtype(gemms.cols_dtype).itemsize // 4)
+        dtype = shifted.dtype if shifted else gemms.cols_dtype if gemms is not None else np.float32
+        cols_size = -(-cols_size * np.dtype(dtype).itemsize // 4)   # in float32 elements: bf16 takes half
         saved_cols = self._take_saved_cols(cols_size) if cols_size * 4 <= self.saved_cols_budget_bytes else None
         kernel_rows = None
         if shifted:
-            kernel_rows = self._shifted_forward(x, w, padding, consume_rows, saved=saved_cols)
+            kernel_rows = self._shifted_forward(x, w, padding, consume_rows, saved=saved_cols, gemms=shifted)
         else:
             self._forward_chunks(x, w, stride, padding, consume_columns, saved_cols=saved_cols, gemms=gemms)
         return shifted, saved_cols, kernel_rows
@@ -1250,10 +1280,11 @@ class CpuDevice(Device):
             dy_kn = self._scratch("fft_dy_kn", (k, n, dy.shape[2] * dy.shape[3]))
             swap_leading(dy.reshape(n, k, -1), dy_kn)
             return self._fft_backward(x, w, dy_kn, padding, need_dx)
-        if path == "shifted":
+        if path in self._shifted_gemms:
             ho, wo = dy.shape[2], dy.shape[3]
             return self._shifted_backward(x, w, padding, need_dx,
-                                          lambda n0, n1, dyt: _nchw_to_rows(dy, n0, n1, ho, wo, dyt))
+                                          lambda n0, n1, dyt: _nchw_to_rows(dy, n0, n1, ho, wo, dyt),
+                                          gemms=self._shifted_gemms[path])
 
         def from_nchw(n0, n1, out):
             out[:] = dy[n0:n1].reshape(n1 - n0, k, -1).transpose(1, 0, 2).reshape(k, -1)
@@ -1300,7 +1331,7 @@ class CpuDevice(Device):
         if ctx.shifted:
             kernel_rows = ctx.kernel_rows if w is ctx.forward_weights else None
             dx, dw, db = self._shifted_backward(ctx.x, w, padding, need_dx, fill_rows, saved=saved_cols,
-                                                wu=kernel_rows)
+                                                wu=kernel_rows, gemms=ctx.shifted_gemms)
             grads = dx, self._dw_into(dw_out, accumulate, dw), db
         else:
             grads = self._backward_chunks(ctx.x, w, stride, padding, need_dx, fill_columns, saved_cols=saved_cols,
@@ -1343,65 +1374,70 @@ class CpuDevice(Device):
             wu[:, k:] = 0.0
         return wu
 
-    def _chunk_xv(self, x, n0, n1, kw, padding, hp, wo, saved, expand):
-        """The chunk's width expansion: in `saved` (flat, the whole batch's size) or a work
-        buffer, computed there when `expand`."""
-        ckv = x.shape[1] * kw
+    def _chunk_xv(self, x_in, n0, n1, kw, padding, hp, wo, saved, expand, gemms):
+        """The chunk's width expansion of x_in (the input as `gemms` take it): in `saved` (flat,
+        the whole batch's size, in float32 elements) or a work buffer, computed there when
+        `expand`."""
+        ckv = x_in.shape[1] * kw
         rows = hp * (n1 - n0) * wo
         if saved is None:
-            xv = self._scratch("cols", (rows, ckv))
+            xv = gemms.expansion((rows, ckv))
         else:
-            xv = saved[n0 * hp * wo * ckv:n1 * hp * wo * ckv].reshape(rows, ckv)
+            xv = saved.view(gemms.dtype)[n0 * hp * wo * ckv:n1 * hp * wo * ckv].reshape(rows, ckv)
         if expand:
-            _vexpand(x, n0, n1, kw, padding[0], padding[1], wo, xv)
+            _vexpand(x_in, n0, n1, kw, padding[0], padding[1], wo, xv)
         return xv
 
-    def _shifted_forward(self, x, w, padding, consume, saved=None):
+    def _shifted_forward(self, x, w, padding, consume, saved=None, gemms=None):
         """Y (ho*nb*wo, K) per chunk (a view into a Kp-wide buffer), handed to
-        `consume(n0, n1, yt)`. Returns the kernel rows, which a backward can reuse."""
+        `consume(n0, n1, yt)`. `gemms`: the path's (cpu_shifted_gemms; OpenBLAS's where None).
+        Returns the kernel rows as the GEMMs take them, which a backward can reuse."""
+        gemms = gemms or self._shifted_gemms["shifted"]
         (kh, kw, ho, wo, hp), chunks = self._shifted_plan(x, w, padding)
-        wu = self._kernel_rows(w)
+        wu = gemms.kernel_rows(self._kernel_rows(w))
         k, kp = w.shape[0], wu.shape[1]
+        x_in = gemms.input(x)
         for n0, n1 in chunks:
             s = (n1 - n0) * wo                  # xv rows per input row
             rows = ho * s
-            xv = self._chunk_xv(x, n0, n1, kw, padding, hp, wo, saved, expand=True)
+            xv = self._chunk_xv(x_in, n0, n1, kw, padding, hp, wo, saved, True, gemms)
             yt = self._scratch("y", (rows, kp))
-            np.matmul(xv[:rows], wu[0].T, out=yt)
-            for u in range(1, kh):
-                self._matmul_add(xv[u * s:u * s + rows], wu[u].T, yt, "y_part")
+            for u in range(kh):
+                gemms.gemm(xv[u * s:u * s + rows], wu[u].T, yt, 0.0 if u == 0 else 1.0, "y_part")
             consume(n0, n1, yt[:, :k])
         return wu
 
-    def _shifted_backward(self, x, w, padding, need_dx, fill_dyt, saved=None, wu=None):
+    def _shifted_backward(self, x, w, padding, need_dx, fill_dyt, saved=None, wu=None, gemms=None):
         """dW, db, dx from per-chunk dY (ho*nb*wo, K) produced by `fill_dyt(n0, n1, dyt)`. With
         `saved` (the forward's expansion of the whole batch) no expansion runs, and dxv
-        overwrites it chunk by chunk. `wu`: the forward's kernel rows of these same weights."""
+        overwrites it chunk by chunk where the GEMMs allow. `wu`: the forward's kernel rows of
+        these same weights, as `gemms` take them."""
+        gemms = gemms or self._shifted_gemms["shifted"]
         (kh, kw, ho, wo, hp), chunks = self._shifted_plan(x, w, padding)
         k, ckv = w.shape[0], w.shape[1] * kw
-        wu = (self._kernel_rows(w) if wu is None else wu)[:, :k]
+        wu = (gemms.kernel_rows(self._kernel_rows(w)) if wu is None else wu)[:, :k]
         dwu = np.empty((kh, k, ckv), np.float32)
         db = np.zeros(k, np.float64)
         dx = np.empty(x.shape, np.float32) if need_dx else None     # every row written by _vfold
+        x_in = gemms.input(x) if saved is None else None
         for i, (n0, n1) in enumerate(chunks):
             s = (n1 - n0) * wo
             rows = ho * s
             dyt = self._scratch("y", (rows, k))
             fill_dyt(n0, n1, dyt)
             _add_column_sums(dyt, db)
-            xv = self._chunk_xv(x, n0, n1, kw, padding, hp, wo, saved, expand=saved is None)
+            dyt_in = gemms.grad(dyt)
+            xv = self._chunk_xv(x if x_in is None else x_in, n0, n1, kw, padding, hp, wo, saved, saved is None,
+                                gemms)
             for u in range(kh):                 # dW[:, :, u, :] (K, C*kw) = dY.T @ window u
-                if i == 0:
-                    np.matmul(dyt.T, xv[u * s:u * s + rows], out=dwu[u])
-                else:
-                    self._matmul_add(dyt.T, xv[u * s:u * s + rows], dwu[u], "dw")
+                gemms.gemm(dyt_in.T, xv[u * s:u * s + rows], dwu[u], 0.0 if i == 0 else 1.0, "dw")
             if need_dx:
-                dxv = xv                        # this chunk's expansion is done with: reuse it
-                np.matmul(dyt, wu[0], out=dxv[:rows])
+                dxv = gemms.dxv(xv)             # this chunk's expansion is done with: reused where it can be
+                gemms.gemm(dyt_in, wu[0], dxv[:rows], 0.0, "dx_part")
                 _zero_rows(dxv, rows)
                 # kernel row u's product lands on the window shifted by u input rows
                 for u in range(1, kh):
-                    self._matmul_add(dyt, wu[u], dxv[u * s:u * s + rows], "dx_part")
+                    gemms.gemm(dyt_in, wu[u], dxv[u * s:u * s + rows], 1.0, "dx_part")
                 _vfold(dxv, n0, n1, kw, padding[0], padding[1], wo, dx)
         dw = np.empty(w.shape, np.float32)          # returned: never a scratch buffer
         _weights_from_kernel_rows(dwu, dw)
