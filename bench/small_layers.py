@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -116,13 +117,13 @@ class _Counter:
                     setattr(modules[mod_name], name, self.wrap(getattr(modules[mod_name], name), kind))
         counter = self
 
-        class Numpy:                        # numpy, with matmul counted as a GEMM
-            def __getattr__(self, name):
-                return getattr(np, name)
-
-            matmul = staticmethod(counter.wrap(np.matmul, "gemm"))
+        # numpy, with matmul counted as a GEMM: a module object, which Numba's kernels in the same
+        # modules read their globals from as from numpy itself (np.inf, np.float32, np.empty)
+        numpy_counted = types.ModuleType("numpy")
+        numpy_counted.__dict__.update(np.__dict__)
+        numpy_counted.matmul = counter.wrap(np.matmul, "gemm")
         for mod in (cpu, cpu_gemms):
-            mod.np = Numpy()
+            mod.np = numpy_counted
         if dnnl.available():
             lib = dnnl.load()
             lib.sgemm, lib.gemm_bf16 = self.wrap(lib.sgemm, "gemm"), self.wrap(lib.gemm_bf16, "gemm")
