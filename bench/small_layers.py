@@ -334,6 +334,9 @@ def rows_to_run(args):
 def run_in_process(spec_row, work, tag):
     out = os.path.join(work, f"{tag}.json")
     env = dict(os.environ, OMP_NUM_THREADS="2", OPENBLAS_NUM_THREADS="2", MKL_NUM_THREADS="2")
+    # PyTorch's rows under the OpenMP wait policy hetconv's run under (the environment line says
+    # which): with its threads spinning, a PyTorch layer on this shared 2-core host ran 3-10x slower
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     repo = spec_row["tree"] or os.path.dirname(HERE)
     env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     t0 = time.perf_counter()
