@@ -68,3 +68,29 @@ def test_a_max_pool_without_activation_runs_the_2x2_kernels(cpu):
     dout = rng.standard_normal(out.shape).astype(np.float32)
     for got, expected in zip(cpu.conv_block_backward(ctx, w, dout), R.conv_block_backward(x, w, b, block, dout)):
         close(got, expected)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (32, 4099), (5, 1024)])
+def test_bias_sums_match_numpy_whatever_the_thread_count(shape):
+    """The bias gradient's sums over rows (im2col layout) and over columns (shifted layout), in
+    float64 whatever their order, and the same bits on 1 and 2 threads."""
+    import numba
+
+    from hetconv.devices.cpu import _add_column_sums, _add_row_sums
+    a = np.random.default_rng(4).standard_normal(shape).astype(np.float32)
+    got = {}
+    for threads in (1, min(2, numba.config.NUMBA_NUM_THREADS)):
+        before = numba.get_num_threads()
+        numba.set_num_threads(threads)
+        try:
+            rows, columns = np.ones(shape[0]), np.ones(shape[0])
+            _add_row_sums(a, rows)
+            _add_column_sums(np.ascontiguousarray(a.T), columns)
+        finally:
+            numba.set_num_threads(before)
+        np.testing.assert_allclose(rows, 1 + a.sum(axis=1, dtype=np.float64), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(columns, 1 + a.sum(axis=1, dtype=np.float64), rtol=1e-12, atol=1e-12)
+        got[threads] = (rows, columns)
+    for rows, columns in got.values():
+        np.testing.assert_array_equal(rows, got[1][0])
+        np.testing.assert_array_equal(columns, got[1][1])
