@@ -271,7 +271,7 @@ def test_fp32_never_times_bf16_and_small_calls_stay_float32():
     assert cpu.conv_paths() and set(cpu.conv_paths().values()) == {"im2col-dnnl"}
     untimed = open_device("cpu", threads=1, precision="auto")         # a call under the timed size: the rule
     untimed.conv2d(x, w, b)
-    assert set(untimed.conv_paths().values()) <= {"im2col", "shifted"}
+    assert set(untimed.conv_paths().values()) <= {"im2col-dnnl", "shifted-dnnl"}
 
 
 def test_the_choice_among_timed_paths():

@@ -161,3 +161,18 @@ def test_with_only_bf16_paths_timed_the_fastest_is_taken():
     # against float32, either bf16 path needs its margin
     assert cpu_module._fastest({"im2col-dnnl": 1.0, "shifted-bf16": 0.97}) == "im2col-dnnl"
     assert cpu_module._fastest({"im2col-dnnl": 1.0, "shifted-dnnl": 0.9, "shifted-bf16": 0.8}) == "shifted-bf16"
+
+
+@pytest.mark.skipif(bool(MISSING), reason=f"oneDNN is an optional extra: {MISSING}")
+@pytest.mark.parametrize("c,shifted", [(4, False), (32, True)])
+def test_an_untimed_call_takes_the_rules_layout_on_onednn(c, shifted):
+    """Under the timed size the rule picks the layout (shifted where C*kw >= 64) and, where
+    oneDNN is installed, its sgemm runs it; a device opened without oneDNN keeps OpenBLAS's."""
+    x, w, b, rng = tensors((2, c, 7, 7, 3, 3, 3), 18)
+    expected = R.conv2d(x, w, b, 1, 1)
+    for onednn, path in ((None, "shifted-dnnl" if shifted else "im2col-dnnl"),
+                         (False, "shifted" if shifted else "im2col")):
+        dev = open_device("cpu", threads=1, onednn=onednn)
+        close(dev.conv2d(x, w, b, padding=1), expected)
+        [choice] = dev.conv_path_choices()
+        assert choice["path"] == path and choice["why"].startswith("rule: ")

@@ -17,7 +17,8 @@ Design, and what it costs:
   where it runs its AVX-512 kernel, 2x where the environment holds it to its Haswell one); and
   "im2col-bf16" and "shifted-bf16", bf16 operands with float32 sums, which `precision="bf16"`
   times against each other (stride-1 calls big enough to time; im2col-bf16 elsewhere) and
-  `precision="auto"` times as more candidates (see PRECISIONS). Untimed calls keep the rule.
+  `precision="auto"` times as more candidates (see PRECISIONS). Untimed calls keep the rule's
+  layout, on oneDNN's sgemm where it is installed (see DNNL_PATHS).
   "im2col-dnnl" can be forced (`conv_path`); the others are reached by timing only.
 - im2col: one GEMM per chunk of images, Y (K, P) = W (K, C*kh*kw) @ cols.T, cols (P, C*kh*kw)
   the im2col of the chunk (P = images * Ho * Wo); backward writes dcols and folds it with col2im.
@@ -111,9 +112,12 @@ CONV_PATHS = ("auto", "im2col", "shifted", "fft", "im2col-dnnl")
 PRECISIONS = ("fp32", "bf16", "auto")
 AUTO_BF16_MARGIN = 0.04
 # the oneDNN paths (devices/cpu_gemms.py, cpu_shifted_gemms.py): where oneDNN is installed,
-# "auto" times im2col-dnnl and shifted-dnnl among the float32 paths; the rule for untimed calls
-# stays on OpenBLAS's paths. On vgg-small's 32x32 and 16x16 layers the shifted layout's kw-fold
-# expansion costs a third of im2col's kh*kw one, which the im2col paths' GEMMs do not win back.
+# "auto" times im2col-dnnl and shifted-dnnl among the float32 paths. On vgg-small's 32x32 and
+# 16x16 layers the shifted layout's kw-fold expansion costs a third of im2col's kh*kw one, which
+# the im2col paths' GEMMs do not win back. An untimed call takes the rule's layout on oneDNN's
+# sgemm: OpenBLAS's two threads, which spin between calls, waited ~30 ms a call for a core beside
+# other tenants' work (airbench94's 2x2 first layer at batch 32: 36 ms forward and backward
+# against 2-4 on oneDNN, under either OpenBLAS kernel), where oneDNN's OpenMP threads sleep.
 DNNL_PATHS = ("im2col-dnnl", "im2col-bf16", "shifted-dnnl", "shifted-bf16")
 BF16_PATHS = ("im2col-bf16", "shifted-bf16")
 # "auto" times the paths a layer can take (im2col; shifted and FFT at stride 1, FFT within its
@@ -1019,9 +1023,9 @@ class CpuDevice(Device):
                       f"not FFT: {declined}", file=sys.stderr, flush=True)
             self._fft_declined.add(layer)
             return _PathChoice(rule, f"fft declined: {declined}")
-        if flops < self.auto_timed_min_flops:
-            return _PathChoice(rule, untimed)
         have = {**self._path_gemms, **self._shifted_gemms}
+        if flops < self.auto_timed_min_flops:
+            return _PathChoice(f"{rule}-dnnl" if f"{rule}-dnnl" in have else rule, untimed)
         candidates = (["im2col"] + (["shifted"] if stride == (1, 1) else []) + ([] if declined else ["fft"])
                       + [p for p in DNNL_PATHS if p in have and (stride == (1, 1) or p not in self._shifted_gemms)
                          and (p not in BF16_PATHS or self.precision == "auto")])
