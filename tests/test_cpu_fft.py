@@ -442,7 +442,8 @@ def test_small_layers_keep_the_rule_untimed():
     def no_timing(path, run):
         raise AssertionError(f"timed {path} on a small layer")
 
-    dev = open_device("cpu", conv_path="auto", threads=1, auto_timer=no_timing)
+    # OpenBLAS's paths, as auto_device: where oneDNN is installed the rule runs on its sgemm
+    dev = open_device("cpu", conv_path="auto", threads=1, auto_timer=no_timing, onednn=False)
     x, w, b, rng = tensors(2, 3, 9, 8, 4, 3, 3, seed=24)       # ~0.03 MFLOP
     check_plain(dev, x, w, b, 1, rng)
     assert list(dev.conv_paths().values()) == ["im2col"]

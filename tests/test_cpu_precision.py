@@ -185,7 +185,7 @@ def test_an_unknown_precision_is_refused():
 
 
 def test_bf16_with_a_forced_float32_path_is_refused():
-    with pytest.raises(DeviceError, match="^precision bf16 runs every conv on the im2col-bf16 path: conv path 'shifted' "
+    with pytest.raises(DeviceError, match="^precision bf16 runs every conv on a bf16 path: conv path 'shifted' "
                                           "cannot be forced with it$"):
         open_device("cpu", precision="bf16", conv_path="shifted")
 
@@ -243,7 +243,8 @@ def _faked(precision, seconds, **options):
                        auto_timer=lambda path, run: seconds[path], **options)
 
 
-SLOWER_BF16 = {"im2col": 1.0, "shifted": 1.2, "fft": 3.0, "im2col-dnnl": 0.9, "im2col-bf16": 0.95}
+SLOWER_BF16 = {"im2col": 1.0, "shifted": 1.2, "fft": 3.0, "im2col-dnnl": 0.9, "im2col-bf16": 0.95,
+               "shifted-dnnl": 1.1, "shifted-bf16": 0.97}
 
 
 @needs_bf16
@@ -264,13 +265,13 @@ def test_auto_takes_bf16_only_where_it_times_faster(seconds, chosen):
 
 @needs_bf16
 def test_fp32_never_times_bf16_and_small_calls_stay_float32():
-    cpu = _faked("fp32", {**SLOWER_BF16, "im2col-bf16": 0.01})
+    cpu = _faked("fp32", {**SLOWER_BF16, "im2col-bf16": 0.01, "shifted-bf16": 0.01})
     x, w, b, _ = tensors((2, 4, 9, 9, 3, 3, 3), 7)
     cpu.conv2d(x, w, b)
     assert cpu.conv_paths() and set(cpu.conv_paths().values()) == {"im2col-dnnl"}
     untimed = open_device("cpu", threads=1, precision="auto")         # a call under the timed size: the rule
     untimed.conv2d(x, w, b)
-    assert set(untimed.conv_paths().values()) <= {"im2col", "shifted"}
+    assert set(untimed.conv_paths().values()) <= {"im2col-dnnl", "shifted-dnnl"}
 
 
 def test_the_choice_among_timed_paths():

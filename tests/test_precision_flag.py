@@ -81,7 +81,9 @@ def test_spawned_workers_run_bf16_and_the_record_says_so(tmp_path):
                         "--precision", "bf16", "--metrics", str(metrics), *TINY],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "w0-cpu conv paths (forced): im2col-bf16 for " in r.stdout and "; precision bf16" in r.stdout
+    # bf16 at every call; its layout by timing where a call is big enough (these are not: im2col)
+    assert "w0-cpu conv paths (timed where a call is big enough): im2col-bf16 for " in r.stdout
+    assert "; precision bf16" in r.stdout
     record = next(json.loads(line) for line in open(metrics) if '"event": "calibration"' in line)
     assert [w["precision"] for w in record["workers"].values()] == ["bf16", "bf16"]
     assert all("precision bf16)" in w["description"] for w in record["workers"].values())

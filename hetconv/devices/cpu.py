@@ -11,12 +11,15 @@ Design, and what it costs:
   im2col; conv1 (C*kw = 15, where five 15-long reductions would run thin GEMMs and im2col is
   cheap) is im2col. `conv_path="im2col"`, `"shifted"` or `"fft"` forces one (tests run each
   everywhere).
-- Where oneDNN is installed (the `onednn` extra, devices/dnnl.py), two more im2col paths run its
-  GEMMs (devices/cpu_gemms.py): "im2col-dnnl", oneDNN's sgemm, one more candidate the timing
-  chooses among (OpenBLAS's speed where it runs its AVX-512 kernel, 2x where the environment holds
-  it to its Haswell one); and "im2col-bf16",
-  bf16 operands with float32 sums, which `precision="bf16"` runs for every conv and
-  `precision="auto"` times as one more candidate (see PRECISIONS). Untimed calls keep the rule.
+- Where oneDNN is installed (the `onednn` extra, devices/dnnl.py), more paths run its GEMMs
+  (devices/cpu_gemms.py, devices/cpu_shifted_gemms.py): "im2col-dnnl" and "shifted-dnnl",
+  oneDNN's sgemm on either layout, more candidates the timing chooses among (OpenBLAS's speed
+  where it runs its AVX-512 kernel, 2x where the environment holds it to its Haswell one); and
+  "im2col-bf16" and "shifted-bf16", bf16 operands with float32 sums, which `precision="bf16"`
+  times against each other (stride-1 calls big enough to time; im2col-bf16 elsewhere) and
+  `precision="auto"` times as more candidates (see PRECISIONS). Untimed calls keep the rule's
+  layout, on oneDNN's sgemm where it is installed (see DNNL_PATHS).
+  "im2col-dnnl" can be forced (`conv_path`); the others are reached by timing only.
 - im2col: one GEMM per chunk of images, Y (K, P) = W (K, C*kh*kw) @ cols.T, cols (P, C*kh*kw)
   the im2col of the chunk (P = images * Ho * Wo); backward writes dcols and folds it with col2im.
 - shifted: the input is expanded along the kernel's width only (kw copies, not kh*kw), rows
@@ -68,6 +71,7 @@ from hetconv.devices.base import Device, DeviceError, update_rules
 from hetconv.devices.blas import accumulating_sgemm
 from hetconv.devices.cpu_gemms import BlasGemms, Bf16Gemms, DnnlGemms, scratch16
 from hetconv.devices.cpu_fft import FftConv, swap_leading
+from hetconv.devices.cpu_shifted_gemms import ShiftedBf16Gemms, ShiftedBlasGemms, ShiftedDnnlGemms
 from hetconv.geometry import window_output_size
 
 # Numba's OpenMP threads spin-wait after each parallel region (GNU libgomp's default), on the very
@@ -99,16 +103,23 @@ KERNEL_ROW_MULTIPLE = 16
 # a layer whose spectra would not fit this budget runs the direct path instead.
 DEFAULT_FFT_BUDGET_BYTES = 1 << 30
 CONV_PATHS = ("auto", "im2col", "shifted", "fft", "im2col-dnnl")
-# A CPU device's GEMM precision (`--precision`): "fp32"; "bf16", every conv on the im2col-bf16
-# path (devices/cpu_gemms.py: bf16 operands, float32 sums, everything else float32); "auto",
-# the bf16 path as one more candidate of the timed choice below, taken where it runs faster than
-# the fastest float32 path by AUTO_BF16_MARGIN (the accuracy it gives up buys a real gain, not
-# a timing's noise), and float32 wherever a call is too small to be timed.
+# A CPU device's GEMM precision (`--precision`): "fp32"; "bf16", every conv on a bf16 path
+# (bf16 operands, float32 sums, everything else float32): im2col-bf16 (devices/cpu_gemms.py), or
+# at stride 1 shifted-bf16 (devices/cpu_shifted_gemms.py) where the timing below finds it faster;
+# "auto", the bf16 paths as more candidates of the timed choice below, taken where one runs
+# faster than the fastest float32 path by AUTO_BF16_MARGIN (the accuracy it gives up buys a real
+# gain, not a timing's noise), and float32 wherever a call is too small to be timed.
 PRECISIONS = ("fp32", "bf16", "auto")
 AUTO_BF16_MARGIN = 0.04
-# the oneDNN paths (devices/cpu_gemms.py): where oneDNN is installed, "auto" times im2col-dnnl
-# among the float32 paths; the rule for untimed calls stays on OpenBLAS's paths
-DNNL_PATHS = ("im2col-dnnl", "im2col-bf16")
+# the oneDNN paths (devices/cpu_gemms.py, cpu_shifted_gemms.py): where oneDNN is installed,
+# "auto" times im2col-dnnl and shifted-dnnl among the float32 paths. On vgg-small's 32x32 and
+# 16x16 layers the shifted layout's kw-fold expansion costs a third of im2col's kh*kw one, which
+# the im2col paths' GEMMs do not win back. An untimed call takes the rule's layout on oneDNN's
+# sgemm: OpenBLAS's two threads, which spin between calls, waited ~30 ms a call for a core beside
+# other tenants' work (airbench94's 2x2 first layer at batch 32: 36 ms forward and backward
+# against 2-4 on oneDNN, under either OpenBLAS kernel), where oneDNN's OpenMP threads sleep.
+DNNL_PATHS = ("im2col-dnnl", "im2col-bf16", "shifted-dnnl", "shifted-bf16")
+BF16_PATHS = ("im2col-bf16", "shifted-bf16")
 # "auto" times the paths a layer can take (im2col; shifted and FFT at stride 1, FFT within its
 # budget) on the first call with each shape: forward and backward with dX on the call's own input
 # and weights, one warm-up run per path, then AUTO_TIMED_ROUNDS rounds (or more, below) in
@@ -199,9 +210,10 @@ def _col2im(dcols, n0, n1, kh, kw, sh, sw, ph, pw, ho, wo, dx):
 
 
 @numba.njit(inline="always", nogil=True, cache=True)
-def _relu_pool_store(out, argmax, n, k, a, e, v0, v1, v2, v3):
-    """out[n, k, a, e] = relu(max(v0..v3)); argmax = the first max in row-major window order
-    (0..3), or -1 where it is not > 0. Inlined into both pool kernels, whatever their layout."""
+def _max2_store(out, argmax, n, k, a, e, relu, v0, v1, v2, v3):
+    """out[n, k, a, e] = max(v0..v3), through ReLU where `relu`; argmax = the first max in
+    row-major window order (0..3), or -1 where ReLU gives it no gradient (the max is not > 0).
+    Inlined into both pool kernels, whatever their layout."""
     best, arg = v0, 0
     if v1 > best:
         best, arg = v1, 1
@@ -209,7 +221,7 @@ def _relu_pool_store(out, argmax, n, k, a, e, v0, v1, v2, v3):
         best, arg = v2, 2
     if v3 > best:
         best, arg = v3, 3
-    if best > 0:
+    if best > 0 or not relu:
         out[n, k, a, e] = best
         argmax[n, k, a, e] = arg
     else:
@@ -218,9 +230,10 @@ def _relu_pool_store(out, argmax, n, k, a, e, v0, v1, v2, v3):
 
 
 @_jit
-def _bias_relu_pool(y, b, n0, n1, ho, wo, out, argmax):
-    """out[n, k, a, e] = max over the 2x2 window of relu(y + b); argmax = first max in row-major
-    order (0..3), or -1 where that max is not > 0. y is (K, P) with p = ((n-n0)*ho + i)*wo + j."""
+def _bias_act_max2(y, b, n0, n1, ho, wo, relu, out, argmax):
+    """out[n, k, a, e] = max over the 2x2 window of act(y + b), act ReLU where `relu`, else the
+    identity; argmax = first max in row-major order (0..3), or -1 where ReLU gives it no
+    gradient. y is (K, P) with p = ((n-n0)*ho + i)*wo + j."""
     k_out = y.shape[0]
     hp, wp = ho // 2, wo // 2
     for k in prange(k_out):
@@ -230,8 +243,8 @@ def _bias_relu_pool(y, b, n0, n1, ho, wo, out, argmax):
             for a in range(hp):
                 for e in range(wp):
                     p0 = base + (2 * a) * wo + 2 * e
-                    _relu_pool_store(out, argmax, n0 + nl, k, a, e, y[k, p0] + bk, y[k, p0 + 1] + bk,
-                                     y[k, p0 + wo] + bk, y[k, p0 + wo + 1] + bk)
+                    _max2_store(out, argmax, n0 + nl, k, a, e, relu, y[k, p0] + bk, y[k, p0 + 1] + bk,
+                                y[k, p0 + wo] + bk, y[k, p0 + wo + 1] + bk)
 
 
 @_jit
@@ -262,12 +275,21 @@ def _add_into(dst, src):
 
 @_jit
 def _add_row_sums(a, out):
-    """out[r] += sum of row r of a, accumulated in float64."""
+    """out[r] += sum of row r of a, accumulated in float64: four running sums over the columns
+    in turn (c mod 4), added at the end. One running sum waits an add's latency per element
+    (vgg-small's first layer at batch 32: 32 rows of 32768, ~1 ms on 2 threads)."""
+    n = a.shape[1]
+    full = n - n % 4
     for r in prange(a.shape[0]):
-        total = 0.0
-        for c in range(a.shape[1]):
-            total += a[r, c]
-        out[r] += total
+        t0 = t1 = t2 = t3 = 0.0
+        for c in range(0, full, 4):
+            t0 += a[r, c]
+            t1 += a[r, c + 1]
+            t2 += a[r, c + 2]
+            t3 += a[r, c + 3]
+        for c in range(full, n):
+            t0 += a[r, c]
+        out[r] += (t0 + t1) + (t2 + t3)
 
 
 # ---- the shifted-GEMM path: kernels on the (rows, C*kw) layout ---------------------------------
@@ -319,8 +341,8 @@ def _vfold(dxv, n0, n1, kw, ph, pw, wo, dx):
 
 
 @_jit
-def _bias_relu_pool_rows(yt, b, n0, n1, ho, wo, out, argmax):
-    """As _bias_relu_pool, from yt (ho*nb*wo, K) with row (i*nb + n)*wo + j."""
+def _bias_act_max2_rows(yt, b, n0, n1, ho, wo, relu, out, argmax):
+    """As _bias_act_max2, from yt (ho*nb*wo, K) with row (i*nb + n)*wo + j."""
     k_out = yt.shape[1]
     nb = n1 - n0
     hp, wp = ho // 2, wo // 2
@@ -332,8 +354,8 @@ def _bias_relu_pool_rows(yt, b, n0, n1, ho, wo, out, argmax):
         for e in range(wp):
             for k in range(k_out):
                 bk = b[k]
-                _relu_pool_store(out, argmax, n0 + nl, k, a, e, yt[r0 + 2 * e, k] + bk, yt[r0 + 2 * e + 1, k] + bk,
-                                 yt[r1 + 2 * e, k] + bk, yt[r1 + 2 * e + 1, k] + bk)
+                _max2_store(out, argmax, n0 + nl, k, a, e, relu, yt[r0 + 2 * e, k] + bk, yt[r0 + 2 * e + 1, k] + bk,
+                            yt[r1 + 2 * e, k] + bk, yt[r1 + 2 * e + 1, k] + bk)
 
 
 @_jit
@@ -354,6 +376,88 @@ def _unpool_rows(dpooled, argmax, n0, n1, ho, wo, dyt):
                 if arg >= 0:
                     row = ((2 * a + arg // 2) * nb + nl) * wo + 2 * e + arg % 2
                     dyt[row, k] = dpooled[n0 + nl, k, a, e]
+
+
+# ---- a block with no pool: bias and activation, on the conv paths' own layouts ----------------------
+# Typed 2-D and 3-D arrays whose rows are contiguous, which LLVM vectorizes: _act_pool on the
+# strided 4-D views of the same buffers (below) ran ~12x slower on the im2col layout and ~4x on
+# the shifted one (vgg-small's first layer at batch 32, 2 threads: 4.2 ms against 0.34, and 4.4
+# against 1.1).
+# The mask is a byte per conv output where ReLU passes (empty without ReLU).
+
+@_jit
+def _bias_act_columns(y, b, n0, relu, out, mask):
+    """out[n0+n, k] = act(y[k, n*hw:(n+1)*hw] + b[k]) for y (K, nb*hw); out, mask (N, K, hw)."""
+    k_out, hw = y.shape[0], out.shape[2]
+    nb = y.shape[1] // hw
+    for t in prange(nb * k_out):
+        nl = t // k_out
+        k = t % k_out
+        n = n0 + nl
+        bk = b[k]
+        base = nl * hw
+        if relu:
+            for j in range(hw):
+                v = y[k, base + j] + bk
+                v = v if not v < 0 else np.float32(0.0)
+                out[n, k, j] = v
+                mask[n, k, j] = 1 if v > 0 else 0
+        else:
+            for j in range(hw):
+                out[n, k, j] = y[k, base + j] + bk
+
+
+@_jit
+def _bias_act_rows(yt, b, n0, nb, ho, wo, relu, out, mask):
+    """As _bias_act_columns, from yt (ho*nb*wo, K) with row (i*nb + n)*wo + j: parallel over
+    (image, row), each reading one contiguous (wo, K) block."""
+    k_out = yt.shape[1]
+    for t in prange(nb * ho):
+        nl = t // ho
+        i = t % ho
+        n = n0 + nl
+        r0 = (i * nb + nl) * wo
+        for k in range(k_out):
+            bk = b[k]
+            for j in range(wo):
+                v = yt[r0 + j, k] + bk
+                if relu:
+                    v = v if not v < 0 else np.float32(0.0)
+                    mask[n, k, i * wo + j] = 1 if v > 0 else 0
+                out[n, k, i * wo + j] = v
+
+
+@_jit
+def _act_backward_columns(dout, mask, n0, relu, dy):
+    """dy (K, nb*hw) = dout[n0+n, k] where the mask passes (everywhere without ReLU)."""
+    k_out, hw = dy.shape[0], dout.shape[2]
+    nb = dy.shape[1] // hw
+    for t in prange(nb * k_out):
+        nl = t // k_out
+        k = t % k_out
+        n = n0 + nl
+        base = nl * hw
+        if relu:
+            for j in range(hw):
+                dy[k, base + j] = dout[n, k, j] if mask[n, k, j] else np.float32(0.0)
+        else:
+            for j in range(hw):
+                dy[k, base + j] = dout[n, k, j]
+
+
+@_jit
+def _act_backward_rows(dout, mask, n0, nb, ho, wo, relu, dyt):
+    """As _act_backward_columns, into dyt (ho*nb*wo, K) with row (i*nb + n)*wo + j."""
+    k_out = dyt.shape[1]
+    for t in prange(nb * ho):
+        nl = t // ho
+        i = t % ho
+        n = n0 + nl
+        r0 = (i * nb + nl) * wo
+        for j in range(wo):
+            for k in range(k_out):
+                g = dout[n, k, i * wo + j]
+                dyt[r0 + j, k] = g if not relu or mask[n, k, i * wo + j] else np.float32(0.0)
 
 
 @_jit
@@ -384,19 +488,26 @@ def _nchw_to_rows(dy, n0, n1, ho, wo, dyt):
                 dyt[row, k] = dy[n0 + nl, k, i, j]
 
 
+# Rows per partial sum of _add_column_sums: a fixed block, not a thread's share, so that its
+# result does not depend on the thread count. Parallel over column blocks of 64 alone, a layer
+# of up to 64 kernels summed on one thread (vgg-small's first: 32768 rows x 32, ~1 ms).
+COLUMN_SUM_ROW_BLOCK = 1024
+
+
 @_jit
 def _add_column_sums(a, out):
-    """out[c] += sum of column c of a, accumulated in float64; parallel over column blocks."""
-    block = 64
-    for cb in prange((a.shape[1] + block - 1) // block):
-        c0 = cb * block
-        c1 = min(a.shape[1], c0 + block)
-        acc = np.zeros(c1 - c0, np.float64)
-        for r in range(a.shape[0]):
-            for c in range(c0, c1):
-                acc[c - c0] += a[r, c]
-        for c in range(c0, c1):
-            out[c] += acc[c - c0]
+    """out[c] += sum of column c of a, accumulated in float64: partial sums over fixed blocks of
+    rows in parallel (each row's columns in order, which vectorizes), added in block order."""
+    rows, cols = a.shape
+    blocks = (rows + COLUMN_SUM_ROW_BLOCK - 1) // COLUMN_SUM_ROW_BLOCK
+    parts = np.zeros((blocks, cols), np.float64)
+    for i in prange(blocks):
+        for r in range(i * COLUMN_SUM_ROW_BLOCK, min(rows, (i + 1) * COLUMN_SUM_ROW_BLOCK)):
+            for c in range(cols):
+                parts[i, c] += a[r, c]
+    for i in range(blocks):
+        for c in range(cols):
+            out[c] += parts[i, c]
 
 
 @_jit
@@ -428,6 +539,20 @@ def _zero_rows(a, r0):
     for r in prange(r0, a.shape[0]):
         for c in range(a.shape[1]):
             a[r, c] = 0.0
+
+
+def _is_max2(block):
+    """Whether a block runs the 2x2 kernels with an int8 argmax (the paper's block, and the same
+    with no activation): stride 1, ReLU or none, a 2x2 stride-2 max-pool without padding."""
+    return (block.stride == (1, 1) and block.pool == "max" and block.pool_kernel == (2, 2)
+            and block.pool_stride == (2, 2) and block.pool_padding == (0, 0))
+
+
+def _flat_planes(a):
+    """(N, K, H*W) view of a C-contiguous (N, K, H, W) array, the empty mask included (where a
+    -1 in reshape cannot say what it means)."""
+    n, k, h, w = a.shape
+    return a.reshape(n, k, h * w)
 
 
 def _conv_hw(x_shape, w_shape, stride, padding):
@@ -612,7 +737,8 @@ class _BlockContext:
         self.w_shape = w.shape
         self.forward_weights = w
         self.block = block
-        self.shifted = shifted
+        self.shifted = bool(shifted)
+        self.shifted_gemms = shifted or None   # the shifted path's GEMMs (cpu_shifted_gemms), which backward runs too
         self.conv_hw = conv_hw
         self.pool = pool
         self.argmax = argmax
@@ -636,7 +762,8 @@ class _PoolContext:
         self.argmax = argmax
         self.padding = padding
         self.w_shape = w.shape
-        self.shifted = shifted
+        self.shifted = bool(shifted)
+        self.shifted_gemms = shifted or None   # the shifted path's GEMMs (cpu_shifted_gemms), which backward runs too
         self.pooled_shape = argmax.shape
         self.cols = cols
         self.forward_weights = w
@@ -684,10 +811,14 @@ class _PathChoice:
 
 
 def _fastest(seconds):
-    """The path to run from {path: seconds}: the fastest direct float32 path, or FFT or bf16
-    where it beats that by its margin (the faster of the two where both do)."""
-    direct = min((p for p in seconds if p not in ("fft", "im2col-bf16")), key=seconds.get)
-    margins = {"fft": AUTO_FFT_MARGIN, "im2col-bf16": AUTO_BF16_MARGIN}
+    """The path to run from {path: seconds}: the fastest direct float32 path, or FFT or a bf16
+    path where it beats that by its margin (the fastest of those that do); where every path is
+    bf16 (precision bf16), the fastest."""
+    direct = [p for p in seconds if p != "fft" and p not in BF16_PATHS]
+    if not direct:
+        return min(seconds, key=seconds.get)
+    direct = min(direct, key=seconds.get)
+    margins = {"fft": AUTO_FFT_MARGIN, **dict.fromkeys(BF16_PATHS, AUTO_BF16_MARGIN)}
     better = [p for p, m in margins.items() if p in seconds and seconds[p] < (1.0 - m) * seconds[direct]]
     return min(better, key=seconds.get) if better else direct
 
@@ -731,7 +862,7 @@ class CpuDevice(Device):
         if precision not in PRECISIONS:
             raise DeviceError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         if precision == "bf16" and conv_path != "auto":
-            raise DeviceError(f"precision bf16 runs every conv on the im2col-bf16 path: conv path {conv_path!r} "
+            raise DeviceError(f"precision bf16 runs every conv on a bf16 path: conv path {conv_path!r} "
                               f"cannot be forced with it")
         self.conv_path = conv_path
         self.precision = precision
@@ -763,12 +894,15 @@ class CpuDevice(Device):
         self._warm_flops = {}           # path -> the largest call (forward FLOPs) it has run while timed
         self._trial_path = None         # the path forced while "auto" times the candidates
         self._path_gemms = {"im2col": BlasGemms(self)}     # im2col path -> its GEMMs (cpu_gemms)
+        self._shifted_gemms = {"shifted": ShiftedBlasGemms(self)}    # shifted path -> its GEMMs
         # onednn: None, its paths where it is installed; False, OpenBLAS's only (as without it)
         self._dnnl, self.bf16_missing = self._open_dnnl(conv_path, precision, onednn)
         if self._dnnl is not None:
             self._path_gemms["im2col-dnnl"] = DnnlGemms(self, self._dnnl)
+            self._shifted_gemms["shifted-dnnl"] = ShiftedDnnlGemms(self, self._dnnl)
             if not self.bf16_missing:
                 self._path_gemms["im2col-bf16"] = Bf16Gemms(self, self._dnnl)
+                self._shifted_gemms["shifted-bf16"] = ShiftedBf16Gemms(self, self._dnnl)
 
     @staticmethod
     def _open_dnnl(conv_path, precision, onednn):
@@ -882,8 +1016,15 @@ class CpuDevice(Device):
         return choice.path
 
     def _choose_path(self, x, w, stride, padding, block):
+        n, k, ho, wo = x.shape[0], w.shape[0], *_conv_hw(x.shape, w.shape, stride, padding)
+        flops = 2.0 * n * k * w.shape[1] * w.shape[2] * w.shape[3] * ho * wo
+        untimed = f"rule: {flops / 1e6:.3g} MFLOP per call, under the {self.auto_timed_min_flops / 1e6:.3g} timed"
         if self.precision == "bf16":
-            return _PathChoice("im2col-bf16", "forced")
+            if stride != (1, 1):
+                return _PathChoice("im2col-bf16", "the only bf16 path at this stride")
+            if flops < self.auto_timed_min_flops:
+                return _PathChoice("im2col-bf16", untimed)
+            return self._timed_choice(["im2col-bf16", "shifted-bf16"], x, w, stride, padding, block, flops, "")
         if self.conv_path == "im2col-dnnl":
             return _PathChoice("im2col-dnnl", "forced")
         rule = "shifted" if self._shifted(w.shape, stride) else "im2col"
@@ -899,15 +1040,21 @@ class CpuDevice(Device):
                       f"not FFT: {declined}", file=sys.stderr, flush=True)
             self._fft_declined.add(layer)
             return _PathChoice(rule, f"fft declined: {declined}")
-        n, k, ho, wo = x.shape[0], w.shape[0], *_conv_hw(x.shape, w.shape, stride, padding)
-        flops = 2.0 * n * k * w.shape[1] * w.shape[2] * w.shape[3] * ho * wo
+        have = {**self._path_gemms, **self._shifted_gemms}
         if flops < self.auto_timed_min_flops:
-            return _PathChoice(rule, f"rule: {flops / 1e6:.3g} MFLOP per call, under the "
-                                     f"{self.auto_timed_min_flops / 1e6:.3g} timed")
+            return _PathChoice(f"{rule}-dnnl" if f"{rule}-dnnl" in have else rule, untimed)
         candidates = (["im2col"] + (["shifted"] if stride == (1, 1) else []) + ([] if declined else ["fft"])
-                      + [p for p in DNNL_PATHS if p in self._path_gemms and (p != "im2col-bf16" or self.precision == "auto")])
+                      + [p for p in DNNL_PATHS if p in have and (stride == (1, 1) or p not in self._shifted_gemms)
+                         and (p not in BF16_PATHS or self.precision == "auto")])
         if len(candidates) == 1:
             return _PathChoice("im2col", f"the only path here: {declined}")
+        return self._timed_choice(candidates, x, w, stride, padding, block, flops, declined)
+
+    def _timed_choice(self, candidates, x, w, stride, padding, block, flops, declined):
+        """The fastest of `candidates` on this call, timed (or as timed for a call of the same
+        layer, see AUTO_REUSE_FACTOR); `declined`: why FFT is not among them ('' where it is or
+        was never asked)."""
+        n, k = x.shape[0], w.shape[0]
         layer = (tuple(x.shape[1:]), tuple(w.shape[1:]), stride, padding, block)
         for timed_layer, timed_n, timed_k, timed_key, timed in self._timed:
             if (timed_layer == layer and max(k / timed_k, timed_k / k) <= AUTO_REUSE_FACTOR
@@ -1039,10 +1186,11 @@ class CpuDevice(Device):
             swap_leading(y_kn.reshape(k, n, -1), y.reshape(n, k, -1))
             y += b[None, :, None, None]
             return y
-        if path == "shifted":
+        if path in self._shifted_gemms:
             ho, wo = _conv_hw(x.shape, w.shape, stride, padding)
             y = np.empty((n, k, ho, wo), np.float32)
-            self._shifted_forward(x, w, padding, lambda n0, n1, yt: _rows_to_nchw(yt, b, n0, n1, ho, wo, y))
+            self._shifted_forward(x, w, padding, lambda n0, n1, yt: _rows_to_nchw(yt, b, n0, n1, ho, wo, y),
+                                  gemms=self._shifted_gemms[path])
             return y
         out = {}
 
@@ -1060,41 +1208,41 @@ class CpuDevice(Device):
         path = self._path(x, w, block.stride, block.padding, block)
         if path == "fft":
             return self._fft_block(x, w, b, block)
-        gemms = self._path_gemms.get(path)
-        if block.is_paper:
-            return self._paper_block(x, w, b, block.padding, path == "shifted", gemms)
-        return self._generic_block(x, w, b, block, path == "shifted", gemms)
+        gemms, shifted = self._path_gemms.get(path), self._shifted_gemms.get(path)
+        if _is_max2(block):
+            return self._paper_block(x, w, b, block.padding, shifted, gemms, block.activation == "relu")
+        return self._generic_block(x, w, b, block, shifted, gemms)
 
     def _fused_forward(self, x, w, stride, padding, shifted, consume_columns, consume_rows, gemms=None):
         """The conv of a fused forward, each chunk's Y handed to consume_columns(n0, n1, y (K, P))
-        on an im2col path (its `gemms`) or consume_rows(n0, n1, yt (ho*nb*wo, K)) on the shifted
-        one. Returns (shifted, the kept im2col or expansion or None, the kernel rows or None) for
-        the context."""
+        on an im2col path (its `gemms`) or consume_rows(n0, n1, yt (ho*nb*wo, K)) on a shifted
+        one (`shifted`: its GEMMs, cpu_shifted_gemms; None on an im2col path). Returns (shifted,
+        the kept im2col or expansion or None, the kernel rows or None) for the context."""
         n, c, h, _ = x.shape
         k, _, kh, kw = w.shape
         ho, wo = _conv_hw(x.shape, w.shape, stride, padding)
         # what backward reuses: the width expansion (padded height) or the im2col
         cols_size = n * (h + 2 * padding[0]) * wo * c * kw if shifted else n * ho * wo * c * kh * kw
-        if not shifted and gemms is not None:       # in float32 elements: a bf16 im2col takes half
-            cols_size = -(-cols_size * np.dtype(gemms.cols_dtype).itemsize // 4)
+        dtype = shifted.dtype if shifted else gemms.cols_dtype if gemms is not None else np.float32
+        cols_size = -(-cols_size * np.dtype(dtype).itemsize // 4)   # in float32 elements: bf16 takes half
         saved_cols = self._take_saved_cols(cols_size) if cols_size * 4 <= self.saved_cols_budget_bytes else None
         kernel_rows = None
         if shifted:
-            kernel_rows = self._shifted_forward(x, w, padding, consume_rows, saved=saved_cols)
+            kernel_rows = self._shifted_forward(x, w, padding, consume_rows, saved=saved_cols, gemms=shifted)
         else:
             self._forward_chunks(x, w, stride, padding, consume_columns, saved_cols=saved_cols, gemms=gemms)
         return shifted, saved_cols, kernel_rows
 
-    def _paper_block(self, x, w, b, padding, shifted, gemms=None):
-        """Conv + bias + ReLU + 2x2 stride-2 max-pool in one pass over each chunk's Y, keeping an
-        int8 argmax per pooled value."""
+    def _paper_block(self, x, w, b, padding, shifted, gemms=None, relu=True):
+        """Conv + bias + ReLU (or none) + 2x2 stride-2 max-pool in one pass over each chunk's Y,
+        keeping an int8 argmax per pooled value."""
         ho, wo = _conv_hw(x.shape, w.shape, (1, 1), padding)
         out = np.empty((x.shape[0], w.shape[0], ho // 2, wo // 2), np.float32)
         argmax = np.empty(out.shape, np.int8)
         shifted, saved_cols, kernel_rows = self._fused_forward(
             x, w, (1, 1), padding, shifted,
-            lambda n0, n1, y: _bias_relu_pool(y, b, n0, n1, ho, wo, out, argmax),
-            lambda n0, n1, yt: _bias_relu_pool_rows(yt, b, n0, n1, ho, wo, out, argmax), gemms)
+            lambda n0, n1, y: _bias_act_max2(y, b, n0, n1, ho, wo, relu, out, argmax),
+            lambda n0, n1, yt: _bias_act_max2_rows(yt, b, n0, n1, ho, wo, relu, out, argmax), gemms)
         return out, _PoolContext(x, argmax, padding, w, shifted, cols=saved_cols, kernel_rows=kernel_rows, gemms=gemms)
 
     def _generic_block(self, x, w, b, block, shifted, gemms=None):
@@ -1112,10 +1260,15 @@ class CpuDevice(Device):
         def consume(n0, planes):
             _act_pool(planes, b, n0, relu, pool.is_max, *pool.args, out, argmax, mask)
 
-        shifted, saved_cols, kernel_rows = self._fused_forward(
-            x, w, stride, padding, shifted,
-            lambda n0, n1, y: consume(n0, _planes_of_columns(y, n1 - n0, ho, wo)),
-            lambda n0, n1, yt: consume(n0, _planes_of_rows(yt, n1 - n0, ho, wo)), gemms)
+        if block.pool == "none":        # out and mask as (N, K, ho*wo), on each layout's own kernel
+            out3, mask3 = _flat_planes(out), _flat_planes(mask)
+            consume_columns = lambda n0, n1, y: _bias_act_columns(y, b, n0, relu, out3, mask3)  # noqa: E731
+            consume_rows = lambda n0, n1, yt: _bias_act_rows(yt, b, n0, n1 - n0, ho, wo, relu, out3, mask3)  # noqa: E731
+        else:
+            consume_columns = lambda n0, n1, y: consume(n0, _planes_of_columns(y, n1 - n0, ho, wo))  # noqa: E731
+            consume_rows = lambda n0, n1, yt: consume(n0, _planes_of_rows(yt, n1 - n0, ho, wo))  # noqa: E731
+        shifted, saved_cols, kernel_rows = self._fused_forward(x, w, stride, padding, shifted, consume_columns,
+                                                               consume_rows, gemms)
         ctx = _BlockContext(x, w, block, shifted, (ho, wo), pool, argmax, mask, out.shape, saved_cols, kernel_rows,
                             gemms)
         return out, ctx
@@ -1165,10 +1318,11 @@ class CpuDevice(Device):
             dy_kn = self._scratch("fft_dy_kn", (k, n, dy.shape[2] * dy.shape[3]))
             swap_leading(dy.reshape(n, k, -1), dy_kn)
             return self._fft_backward(x, w, dy_kn, padding, need_dx)
-        if path == "shifted":
+        if path in self._shifted_gemms:
             ho, wo = dy.shape[2], dy.shape[3]
             return self._shifted_backward(x, w, padding, need_dx,
-                                          lambda n0, n1, dyt: _nchw_to_rows(dy, n0, n1, ho, wo, dyt))
+                                          lambda n0, n1, dyt: _nchw_to_rows(dy, n0, n1, ho, wo, dyt),
+                                          gemms=self._shifted_gemms[path])
 
         def from_nchw(n0, n1, out):
             out[:] = dy[n0:n1].reshape(n1 - n0, k, -1).transpose(1, 0, 2).reshape(k, -1)
@@ -1197,10 +1351,15 @@ class CpuDevice(Device):
         def fill(n0, planes):
             _act_pool_backward(dout, n0, relu, pool.is_max, *pool.args, ctx.argmax, ctx.mask, planes)
 
-        return self._fused_backward(
-            ctx, w, ctx.block.stride, ctx.block.padding, need_dx, dw_out, accumulate,
-            lambda n0, n1, dy: fill(n0, _planes_of_columns(dy, n1 - n0, ho, wo)),
-            lambda n0, n1, dyt: fill(n0, _planes_of_rows(dyt, n1 - n0, ho, wo)))
+        if ctx.block.pool == "none":
+            dout3, mask3 = _flat_planes(dout), _flat_planes(ctx.mask)
+            fill_columns = lambda n0, n1, dy: _act_backward_columns(dout3, mask3, n0, relu, dy)  # noqa: E731
+            fill_rows = lambda n0, n1, dyt: _act_backward_rows(dout3, mask3, n0, n1 - n0, ho, wo, relu, dyt)  # noqa: E731
+        else:
+            fill_columns = lambda n0, n1, dy: fill(n0, _planes_of_columns(dy, n1 - n0, ho, wo))  # noqa: E731
+            fill_rows = lambda n0, n1, dyt: fill(n0, _planes_of_rows(dyt, n1 - n0, ho, wo))  # noqa: E731
+        return self._fused_backward(ctx, w, ctx.block.stride, ctx.block.padding, need_dx, dw_out, accumulate,
+                                    fill_columns, fill_rows)
 
     def _fused_backward(self, ctx, w, stride, padding, need_dx, dw_out, accumulate, fill_columns, fill_rows):
         """dx, dW, db of a fused forward, each chunk's dY filled by fill_columns(n0, n1, dy (K, P))
@@ -1210,7 +1369,7 @@ class CpuDevice(Device):
         if ctx.shifted:
             kernel_rows = ctx.kernel_rows if w is ctx.forward_weights else None
             dx, dw, db = self._shifted_backward(ctx.x, w, padding, need_dx, fill_rows, saved=saved_cols,
-                                                wu=kernel_rows)
+                                                wu=kernel_rows, gemms=ctx.shifted_gemms)
             grads = dx, self._dw_into(dw_out, accumulate, dw), db
         else:
             grads = self._backward_chunks(ctx.x, w, stride, padding, need_dx, fill_columns, saved_cols=saved_cols,
@@ -1253,65 +1412,70 @@ class CpuDevice(Device):
             wu[:, k:] = 0.0
         return wu
 
-    def _chunk_xv(self, x, n0, n1, kw, padding, hp, wo, saved, expand):
-        """The chunk's width expansion: in `saved` (flat, the whole batch's size) or a work
-        buffer, computed there when `expand`."""
-        ckv = x.shape[1] * kw
+    def _chunk_xv(self, x_in, n0, n1, kw, padding, hp, wo, saved, expand, gemms):
+        """The chunk's width expansion of x_in (the input as `gemms` take it): in `saved` (flat,
+        the whole batch's size, in float32 elements) or a work buffer, computed there when
+        `expand`."""
+        ckv = x_in.shape[1] * kw
         rows = hp * (n1 - n0) * wo
         if saved is None:
-            xv = self._scratch("cols", (rows, ckv))
+            xv = gemms.expansion((rows, ckv))
         else:
-            xv = saved[n0 * hp * wo * ckv:n1 * hp * wo * ckv].reshape(rows, ckv)
+            xv = saved.view(gemms.dtype)[n0 * hp * wo * ckv:n1 * hp * wo * ckv].reshape(rows, ckv)
         if expand:
-            _vexpand(x, n0, n1, kw, padding[0], padding[1], wo, xv)
+            _vexpand(x_in, n0, n1, kw, padding[0], padding[1], wo, xv)
         return xv
 
-    def _shifted_forward(self, x, w, padding, consume, saved=None):
+    def _shifted_forward(self, x, w, padding, consume, saved=None, gemms=None):
         """Y (ho*nb*wo, K) per chunk (a view into a Kp-wide buffer), handed to
-        `consume(n0, n1, yt)`. Returns the kernel rows, which a backward can reuse."""
+        `consume(n0, n1, yt)`. `gemms`: the path's (cpu_shifted_gemms; OpenBLAS's where None).
+        Returns the kernel rows as the GEMMs take them, which a backward can reuse."""
+        gemms = gemms or self._shifted_gemms["shifted"]
         (kh, kw, ho, wo, hp), chunks = self._shifted_plan(x, w, padding)
-        wu = self._kernel_rows(w)
+        wu = gemms.kernel_rows(self._kernel_rows(w))
         k, kp = w.shape[0], wu.shape[1]
+        x_in = gemms.input(x)
         for n0, n1 in chunks:
             s = (n1 - n0) * wo                  # xv rows per input row
             rows = ho * s
-            xv = self._chunk_xv(x, n0, n1, kw, padding, hp, wo, saved, expand=True)
+            xv = self._chunk_xv(x_in, n0, n1, kw, padding, hp, wo, saved, True, gemms)
             yt = self._scratch("y", (rows, kp))
-            np.matmul(xv[:rows], wu[0].T, out=yt)
-            for u in range(1, kh):
-                self._matmul_add(xv[u * s:u * s + rows], wu[u].T, yt, "y_part")
+            for u in range(kh):
+                gemms.gemm(xv[u * s:u * s + rows], wu[u].T, yt, 0.0 if u == 0 else 1.0, "y_part")
             consume(n0, n1, yt[:, :k])
         return wu
 
-    def _shifted_backward(self, x, w, padding, need_dx, fill_dyt, saved=None, wu=None):
+    def _shifted_backward(self, x, w, padding, need_dx, fill_dyt, saved=None, wu=None, gemms=None):
         """dW, db, dx from per-chunk dY (ho*nb*wo, K) produced by `fill_dyt(n0, n1, dyt)`. With
         `saved` (the forward's expansion of the whole batch) no expansion runs, and dxv
-        overwrites it chunk by chunk. `wu`: the forward's kernel rows of these same weights."""
+        overwrites it chunk by chunk where the GEMMs allow. `wu`: the forward's kernel rows of
+        these same weights, as `gemms` take them."""
+        gemms = gemms or self._shifted_gemms["shifted"]
         (kh, kw, ho, wo, hp), chunks = self._shifted_plan(x, w, padding)
         k, ckv = w.shape[0], w.shape[1] * kw
-        wu = (self._kernel_rows(w) if wu is None else wu)[:, :k]
+        wu = (gemms.kernel_rows(self._kernel_rows(w)) if wu is None else wu)[:, :k]
         dwu = np.empty((kh, k, ckv), np.float32)
         db = np.zeros(k, np.float64)
         dx = np.empty(x.shape, np.float32) if need_dx else None     # every row written by _vfold
+        x_in = gemms.input(x) if saved is None else None
         for i, (n0, n1) in enumerate(chunks):
             s = (n1 - n0) * wo
             rows = ho * s
             dyt = self._scratch("y", (rows, k))
             fill_dyt(n0, n1, dyt)
             _add_column_sums(dyt, db)
-            xv = self._chunk_xv(x, n0, n1, kw, padding, hp, wo, saved, expand=saved is None)
+            dyt_in = gemms.grad(dyt)
+            xv = self._chunk_xv(x if x_in is None else x_in, n0, n1, kw, padding, hp, wo, saved, saved is None,
+                                gemms)
             for u in range(kh):                 # dW[:, :, u, :] (K, C*kw) = dY.T @ window u
-                if i == 0:
-                    np.matmul(dyt.T, xv[u * s:u * s + rows], out=dwu[u])
-                else:
-                    self._matmul_add(dyt.T, xv[u * s:u * s + rows], dwu[u], "dw")
+                gemms.gemm(dyt_in.T, xv[u * s:u * s + rows], dwu[u], 0.0 if i == 0 else 1.0, "dw")
             if need_dx:
-                dxv = xv                        # this chunk's expansion is done with: reuse it
-                np.matmul(dyt, wu[0], out=dxv[:rows])
+                dxv = gemms.dxv(xv)             # this chunk's expansion is done with: reused where it can be
+                gemms.gemm(dyt_in, wu[0], dxv[:rows], 0.0, "dx_part")
                 _zero_rows(dxv, rows)
                 # kernel row u's product lands on the window shifted by u input rows
                 for u in range(1, kh):
-                    self._matmul_add(dyt, wu[u], dxv[u * s:u * s + rows], "dx_part")
+                    gemms.gemm(dyt_in, wu[u], dxv[u * s:u * s + rows], 1.0, "dx_part")
                 _vfold(dxv, n0, n1, kw, padding[0], padding[1], wo, dx)
         dw = np.empty(w.shape, np.float32)          # returned: never a scratch buffer
         _weights_from_kernel_rows(dwu, dw)
