@@ -319,13 +319,15 @@ def predict_parallel(args, batch, plan, calibration, rate, wire_cpu_s_per_byte, 
     if key not in coordinator_cache:      # the coordinator's FC, loss, concat and sums, at its 1 thread
         fc = [op.layer.to_json() for op in net.head() if op.type != "flatten"]
         with threadpool_limits(1):
-            coordinator_cache[key] = measure_coordinator_s(specs, fc, net.input_shape, batch, len(workers))
+            coordinator_cache[key] = measure_coordinator_s(specs, fc, net.input_shape, batch, len(workers),
+                                                           network=net)
     profiles = cm.profiles_from_calibration({w: calibration[w] for w in workers})
     counts = {w: [layer["kernels"][w] for layer in plan["layers"]] for w in workers}
     images = {w: [layer.get("images", {}).get(w, 0) for layer in plan["layers"]] for w in workers}
     modes = [layer.get("mode", "model") for layer in plan["layers"]]
     link = C.model_link(rate, "tbf", wire_cpu_s_per_byte)
-    pred = cm.predict_any("peer", specs, net.input_shape, batch, counts, profiles, link, coordinator_cache[key],
+    exchange = "peer" if net.is_chain() else "star"      # a graph's blocks meet at the coordinator
+    pred = cm.predict_any(exchange, specs, net.input_shape, batch, counts, profiles, link, coordinator_cache[key],
                           micro, 4, modes=modes, images=images)
     out = pred.to_json()
     out["dominant"] = list(cm.dominant_term(pred))

@@ -213,3 +213,19 @@ def test_the_export_keeps_the_modules_keys_and_gives_hetconvs_logits(local_run, 
     theirs = program(torch.from_numpy(images.astype(np.float32) / 255)).detach().numpy()
     ours = InProcessModel(model, threads=1).logits(model.normalize(images))
     np.testing.assert_allclose(theirs, ours, rtol=1e-4, atol=1e-4)
+
+
+def test_planning_prices_a_graphs_blocks_on_their_own_shapes_and_times_its_joins():
+    """The cost model's geometry is each block's own input and output (a block need not read the
+    one before it), and timing the coordinator's share runs the graph's joins."""
+    from hetconv.engine.costmodel import layer_geometry
+    from hetconv.engine.measure import measure_coordinator_s
+    from hetconv.geometry import ConvSpec
+    from hetconv.net import preset
+    spec = preset("resnet18", (3, 16, 16), 10, 0.0625)
+    blocks = spec.conv_layers()
+    specs = [ConvSpec.from_layer(b) for b in blocks]
+    assert layer_geometry(specs, spec.input_shape, 4) == [((4,) + b.input_shape, (4,) + b.output_shape[1:])
+                                                          for b in blocks]
+    fc = [op.layer.to_json() for op in spec.head() if op.type != "flatten"]
+    assert measure_coordinator_s(specs, fc, spec.input_shape, 4, 2, repeats=1, network=spec) > 0

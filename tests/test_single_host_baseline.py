@@ -109,7 +109,7 @@ def _run_plan(monkeypatch, capsys, together_per_kernel, *extra):
                 for device, threads, _ in runs]
 
     monkeypatch.setattr(plan_cli, "calibrate_rounds", fake_rounds)
-    monkeypatch.setattr(plan_cli, "measure_coordinator_s", lambda *a: 0.01)
+    monkeypatch.setattr(plan_cli, "measure_coordinator_s", lambda *a, **kw: 0.01)
     monkeypatch.setattr(plan_cli, "usable_cores", lambda: 2)
     code = plan_cli.main(["--devices", "cpu:1x2", "--net", "paper", "--batch-size", str(BATCH), "--link", "20GB",
                           *extra])
@@ -155,7 +155,7 @@ def test_hetconv_plan_has_one_baseline_where_one_device_has_every_core(monkeypat
         return [_profile("cpu:2", 1e-6, 0.01)]
 
     monkeypatch.setattr(plan_cli, "calibrate_rounds", fake_rounds)
-    monkeypatch.setattr(plan_cli, "measure_coordinator_s", lambda *a: 0.01)
+    monkeypatch.setattr(plan_cli, "measure_coordinator_s", lambda *a, **kw: 0.01)
     monkeypatch.setattr(plan_cli, "usable_cores", lambda: 2)
     assert plan_cli.main(["--devices", "cpu:2", "--net", "paper", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

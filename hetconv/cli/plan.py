@@ -111,7 +111,7 @@ def main(argv=None):
         return 2
     progress = show_progress(to_stderr=True)   # a CPU device says when it times its conv paths
     try:
-        return _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shapes, link)
+        return _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shapes, link, network)
     finally:                                   # main may be called again in this process
         logging.getLogger("hetconv.devices").removeHandler(progress)
 
@@ -125,7 +125,7 @@ def cores_together(entries):
     return min(cores, wanted)
 
 
-def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shapes, link):
+def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shapes, link, network=None):
     """The devices calibrated (or their saved profiles), then each count of them priced and
     printed; the exit status."""
     n_total = sum(e.count * (len(saved[e.profile]) if e.profile else 1) for e in entries)
@@ -196,7 +196,8 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
         baseline, baseline_note = whole_profile, "calibrated on the whole layers, alternating with the share"
     print(f"timing this host's part of a step (FC layers, loss, joining the workers' blocks) for 1 to {len(names)} "
           f"device(s) ...", file=sys.stderr, flush=True)
-    coordinator_s = {n: measure_coordinator_s(specs, fc, image, cfg.batch_size, n) for n in range(1, len(names) + 1)}
+    coordinator_s = {n: measure_coordinator_s(specs, fc, image, cfg.batch_size, n, network=network)
+                     for n in range(1, len(names) + 1)}
     local_s = predict_local(specs, cfg.batch_size, baseline, coordinator_s[1])
     baselines = [{"device": order[0], "step_s": local_s, "how": baseline_note}]
     if together_profile is not None:

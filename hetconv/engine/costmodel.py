@@ -232,9 +232,8 @@ def parse_bandwidth(text, framing=ETHERNET_FRAMING):
 
 def layer_geometry(specs, image_shape, batch):
     """Per layer: (input shape (N,C,H,W), pooled output shape without K (N,H',W'))."""
-    shapes, last = layer_input_shapes(specs, batch, image_shape)
-    outputs = [s[2:] for s in shapes[1:]] + [last[1:]]
-    return [(shape, (batch,) + tuple(hw)) for shape, hw in zip(shapes, outputs)]
+    shapes, _ = layer_input_shapes(specs, batch, image_shape)
+    return [(shape, (batch,) + tuple(spec.output_hw(*shape[2:]))) for spec, shape in zip(specs, shapes)]
 
 
 def wire_bytes(specs, image_shape, batch, counts, value_bytes=FLOAT_BYTES):

@@ -17,6 +17,7 @@ from hetconv.devices import open_device
 from hetconv.engine.contract import ShardEngine
 from hetconv.engine.costmodel import DeviceProfile, LayerCost, layer_geometry
 from hetconv.engine.planner import make_plan
+from hetconv.engine.graph import graph_pass
 from hetconv.engine.shard import ConvShard
 from hetconv.geometry import NUM_CLASSES, layer_input_shapes
 from hetconv.net.head import Network, paper_head
@@ -55,14 +56,18 @@ def _timing_engine(specs, image_shape, batch, n, rng):
     return TimingEngine()
 
 
-def measure_coordinator_s(specs, head, image_shape, batch, n_workers, repeats=3):
-    """Seconds of coordinator work per step (FC, loss, concatenation, dX sum) on this host.
-    `head`: the network's layers after flatten (JSON form), or the paper family's hidden FC widths."""
+def measure_coordinator_s(specs, head, image_shape, batch, n_workers, repeats=3, network=None):
+    """Seconds of coordinator work per step (FC, loss, concatenation, dX sum, and a graph's joins
+    between its blocks) on this host. `head`: the network's layers after flatten (JSON form), or
+    the paper family's hidden FC widths; `network`: the NetSpec, where it may be a graph."""
     rng = np.random.default_rng(0)
     engine = _timing_engine(specs, image_shape, batch, n_workers, rng)
     if all(isinstance(layer, int) for layer in head):
         head = paper_head(head, NUM_CLASSES)
     _, feature_shape = layer_input_shapes(specs, 1, image_shape)
+    if network is not None:
+        engine.graph = graph_pass(network, HostArrays())
+        feature_shape = network.feature_shape()
     net = Network(specs, head, engine, rng, feature_shape, host=HostArrays())
     x = np.zeros((batch,) + tuple(image_shape), np.float32)
     labels = rng.integers(0, 10, batch)
