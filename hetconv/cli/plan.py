@@ -78,7 +78,9 @@ def main(argv=None):
                                  f"through the coordinator (--exchange star)")
             cfg = replace(cfg, exchange="star", parallel="model")
             print("the network is a graph: priced as it runs, every block model-parallel, its blocks' outputs "
-                  "meeting at the coordinator (--exchange star)", file=sys.stderr)
+                  "meeting at the coordinator (--exchange star); its blocks: " + ", ".join(
+                      f"conv{n + 1} = {network.names[b.index]}" for n, b in enumerate(network.conv_layers())),
+                  file=sys.stderr)
         check_output_file("--save-profiles", args.save_profiles)
         # saved profiles are read before anything is calibrated: a bad file costs nothing
         saved = {e.profile: load_profiles(e.profile, len(specs)) for e in entries if e.profile}
