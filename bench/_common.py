@@ -212,6 +212,15 @@ def save_outputs(out_dir, stem, doc, markdown, plot=None):
         rerender(json_path, stem, markdown, plot)
 
 
+def save_run(out_dir, stem, doc, started, markdown):
+    """A run's outputs so far (after every round, and at its end): its wall time since `started`
+    and the load at the end into `doc`, then save_outputs."""
+    os.makedirs(out_dir, exist_ok=True)
+    doc["wall_s"] = time.time() - started
+    doc["load"]["end"] = load_average()
+    save_outputs(out_dir, stem, doc, markdown)
+
+
 def save_or_print(out_dir, stem, doc, markdown):
     """save_outputs into `out_dir` (made if missing), or, without one, only print the markdown."""
     if out_dir:

@@ -238,19 +238,13 @@ def run(args, argv, env_line):
                                    load_after=_common.load_average())
                         doc["rows"].append(row)
                         print(f"    -> {row_text(row)}; foreign load {load.cores:.2f} cores", flush=True)
-                save(args.out, doc, started)             # after every round: a stopped run keeps its rounds
+                # after every round: a stopped run keeps its rounds
+                _common.save_run(args.out, STEM, doc, started, markdown)
         except KeyboardInterrupt:
             print("interrupted: writing the rows measured so far", file=sys.stderr)
         finally:
-            save(args.out, doc, started)
+            _common.save_run(args.out, STEM, doc, started, markdown)
     return 0 if doc["rows"] and all(r.get("ok") for r in doc["rows"]) else 1
-
-
-def save(out_dir, doc, started):
-    os.makedirs(out_dir, exist_ok=True)
-    doc["wall_s"] = time.time() - started
-    doc["load"]["end"] = _common.load_average()
-    _common.save_outputs(out_dir, STEM, doc, markdown)
 
 
 def row_text(r):

@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+from test_data_parallel import KERNELS, NET
 from hetconv.cli import coordinator
 from hetconv.coordinator.remote import RemoteEngine
 from hetconv.devices import dnnl, open_device
@@ -149,13 +150,7 @@ def test_local_bf16_says_its_wire(capsys, tmp_path):
 
 
 # ---- a distributed bf16 step against --local's ---------------------------------------------------
-# 12x12 images through three conv layers of 4, 6 and 8 kernels: 12 -> 6 -> 3 -> 3
-NET = {"input_shape": [3, 12, 12], "classes": 10, "layers": [
-    {"type": "conv", "out_channels": 4, "kernel": 3, "padding": 1}, {"type": "relu"}, {"type": "maxpool", "kernel": 2},
-    {"type": "conv", "out_channels": 6, "kernel": 3, "padding": 1}, {"type": "relu"}, {"type": "maxpool", "kernel": 2},
-    {"type": "conv", "out_channels": 8, "kernel": 3, "padding": 1}, {"type": "relu"},
-    {"type": "flatten"}, {"type": "linear", "out_features": 10}]}
-KERNELS = [4, 6, 8]
+# the distributed tests' network: 12x12 images through conv layers of 4, 6 and 8 kernels
 COUNTS = {"w0-cpu": [1, 2, 3], "w1-cpu": [3, 4, 5]}     # a model layer's kernels per worker
 IMAGES = {"w0-cpu": 3, "w1-cpu": 7}                     # a data layer's images of a batch per worker
 

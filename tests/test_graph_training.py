@@ -229,3 +229,9 @@ def test_planning_prices_a_graphs_blocks_on_their_own_shapes_and_times_its_joins
                                                           for b in blocks]
     fc = [op.layer.to_json() for op in spec.head() if op.type != "flatten"]
     assert measure_coordinator_s(specs, fc, spec.input_shape, 4, 2, repeats=1, network=spec) > 0
+
+
+def test_hetconv_plan_refuses_data_parallel_blocks_for_a_graph(capsys):
+    from hetconv.cli import plan
+    assert plan.main(["--net", "resnet9@0.0625", "--devices", "cpu:1x2", "--parallel", "data"]) == 2
+    assert "--parallel data: the network is a graph, whose blocks run model-parallel" in capsys.readouterr().err

@@ -354,3 +354,26 @@ def test_a_traced_module_with_an_op_hetconv_cannot_run_is_refused_naming_the_nod
     with pytest.raises(ValueError) as e:
         from_torch(module, (3, 16, 16))
     assert str(e.value).startswith(what), str(e.value)
+
+
+class _ScaledSum(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+        self.fc = nn.Linear(3 * 16 * 16, 10)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(torch.add(self.conv(x), x, alpha=2), 1))
+
+
+def test_a_sum_with_alpha_is_refused_naming_the_node():
+    with pytest.raises(ValueError, match=r"node add \(add\): a sum with alpha; expected a \+ b"):
+        from_torch(_ScaledSum(), (3, 16, 16))
+
+
+def test_an_export_refuses_a_node_named_inside_another_layer():
+    from hetconv.net.spec import Conv, Flatten, Linear, NetSpec
+    spec = NetSpec((3, 8, 8), 10, (Conv(2, 3, padding=1), Conv(2, 3, padding=1), Flatten(), Linear(10)),
+                   names=("a", "a.b", "flatten", "fc"))
+    with pytest.raises(ValueError, match="node a.b: a is a layer of its own, so a.b cannot sit inside it"):
+        to_torch(spec, *spec.init_params(np.random.default_rng(0)))

@@ -33,7 +33,6 @@ class GraphPass:
         self.steps = spec.graph_steps()
         self.feature = spec.feature_node()
         self.host = host
-        self.blocks = len(spec.conv_layers())
         # which tensors a gradient must reach: a block's output and what is made from one (the
         # network's input and what is made from it alone need none)
         requires = {-1: False}

@@ -333,10 +333,8 @@ def _merge_of(node, what, named):
         if node.kwargs.get("alpha", 1) != 1 or len(node.args) > 2:
             raise refuse("a sum with alpha; expected a + b")
         operands = list(node.args[:2]) + ([node.kwargs["other"]] if "other" in node.kwargs else [])
-        if len(operands) != 2 or not all(isinstance(a, fx.Node) for a in operands):
-            if not any(isinstance(a, fx.Node) and _is_size(a) for a in operands):
-                raise refuse("adds a constant to a tensor; supported: the sum of two tensors (a residual connection)")
-            return None, None
+        if len(operands) != 2 or not all(isinstance(a, fx.Node) and not _is_size(a) for a in operands):
+            raise refuse("adds a constant to a tensor; supported: the sum of two tensors (a residual connection)")
         return Add(), operands
     is_cat = node.op == "call_function" and target in (torch.cat, getattr(torch, "concat", None),
                                                         getattr(torch, "concatenate", None))
