@@ -865,8 +865,10 @@ class RemoteEngine(ShardEngine):
         # Twice: first every worker learns whom to admit, then they connect. With keys, a peer
         # that connects before its inbox knows it is refused, and libzmq does not retry a CURVE
         # handshake that ZAP denied: its slices would never arrive. One more round trip per plan.
+        graph = None if self.graph is None else self.graph.spec.to_json()
         for connect in (False, True):
             self._call({name: ("PEERS", [], {"peers": peers, "ranges": ranges, "modes": modes, "images": images,
+                                             "graph": graph,
                                              "you": name, "timeout": self.op_timeout, "connect": connect,
                                              **self.step_bounds})
                         for name in self.plan.workers}, "connecting workers to each other")
@@ -893,6 +895,8 @@ class RemoteEngine(ShardEngine):
         global norm (`head_sum_of_squares()`), and the workers, having summed theirs among
         themselves, report the whole. Returns (the last layer's features per micro-batch
         when there is no head, the clipping factor)."""
+        if self.graph is not None:
+            return self._graph_peer_step(xs, head, update, train_step, head_sum_of_squares)
         self.step_id += 1
         step, names, micros = self.step_id, self.plan.workers, len(xs)
         train = head is not None
@@ -972,6 +976,66 @@ class RemoteEngine(ShardEngine):
         factor = 1.0
         if clip:
             # every worker summed the same parts in the same order: one total, reported by each
+            totals = {norms.get(name) for name in names}
+            total = totals.pop() if len(totals) == 1 else None
+            if not (isinstance(total, float) and math.isfinite(total) and total >= 0):
+                raise WorkerError(names[0], doing, "NormError", f"the workers report different or no global gradient "
+                                                                 f"norms: {dict((n, norms.get(n)) for n in names)}")
+            factor = clip_factor(total, update.max_norm)
+        return features, factor
+
+    def _graph_peer_step(self, xs, head, update, train_step=(0, 0), head_sum_of_squares=None):
+        """_peer_step for a graph (worker.graph_step): each worker 1/P of every micro-batch's
+        images, which they all-gather; the features, whole, from the plan's first worker; with a
+        head, the FC work here on micro-batch m while the workers compute m+1, and the whole
+        gradient back to every worker. Both ways float32: the joins next to them run in float32
+        on the workers as on this process in the star exchange."""
+        self.step_id += 1
+        step, names, micros = self.step_id, self.plan.workers, len(xs)
+        train = head is not None
+        doing = f"{'training' if train else 'inference'} step {step}"
+        shape = self.graph.feature_shape
+        sent_at = time.perf_counter()
+        pending = {}
+        for name in names:
+            seq = self._send(self.peers[name], "STEP", doing=doing, step=step, micro_batches=micros, train=train,
+                             update=None if update is None else update.to_json(), sizes=[len(x) for x in xs],
+                             train_step=int(train_step[0]), seed=int(train_step[1]))
+            pending[seq] = name
+        for m, x in enumerate(xs):
+            for name, piece in zip(names, np.array_split(np.ascontiguousarray(x, np.float32), len(names))):
+                self._send(self.peers[name], "INPUT", [piece], doing=doing, step=step, micro=m)
+        features, next_micro, norms = [None] * micros, 0, {}
+        clip = train and update is not None and update.max_norm > 0
+        for peer, msg in self._incoming(pending, doing):
+            if msg.fields.get("step") != step:
+                continue                                       # from an abandoned step
+            if msg.op == "FEATURES":
+                m = msg.fields.get("micro")
+                got = tuple(msg.arrays[0].shape) if msg.arrays else ()
+                if peer.name != names[0] or m != next_micro or got != (len(xs[next_micro]),) + tuple(shape) \
+                        or msg.arrays[0].dtype != np.float32:
+                    raise WorkerError(peer.label(), doing, "ShapeError",
+                                      f"FEATURES for micro-batch {m!r}: {msg.arrays[0].dtype if msg.arrays else 'no'} "
+                                      f"{got}; the plan expects float32 {(len(xs[next_micro]),) + tuple(shape)} for "
+                                      f"micro-batch {next_micro}, from {names[0]} alone", "")
+                h = msg.arrays[0]
+                if train:
+                    grad = np.ascontiguousarray(head(m, h), np.float32)
+                    norm = ({"head_sum_of_squares": float(head_sum_of_squares())} if clip and m == micros - 1 else {})
+                    for name in names:
+                        self._send(self.peers[name], "GRAD", [grad], doing=doing, step=step, micro=m, **norm)
+                else:
+                    features[m] = h
+                next_micro += 1
+            elif msg.op == "STEP_DONE" and pending.get(msg.seq) == peer.name:
+                del pending[msg.seq]
+                self._record(peer.name, None, msg.fields, roundtrip_s=time.perf_counter() - sent_at)
+                norms[peer.name] = msg.fields.get("sum_of_squares")
+        if next_micro < micros:
+            raise WorkerLost(f"{doing}: the workers finished without sending micro-batch {next_micro}'s features")
+        factor = 1.0
+        if clip:
             totals = {norms.get(name) for name in names}
             total = totals.pop() if len(totals) == 1 else None
             if not (isinstance(total, float) and math.isfinite(total) and total >= 0):

@@ -30,6 +30,8 @@ class GraphPass:
     and `host`, a device whose activation and pool kernels the coordinator's nodes use."""
 
     def __init__(self, spec, host):
+        self.spec = spec
+        self.feature_shape = tuple(spec.feature_shape())
         self.steps = spec.graph_steps()
         self.feature = spec.feature_node()
         self.host = host

@@ -532,10 +532,6 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
     if engine.graph is not None:
         log("the network is a graph; its conv blocks, as the plan names them: " + ", ".join(
             f"conv{n + 1} = {network.names[b.index]}" for n, b in enumerate(network.conv_layers())))
-        if engine.exchange != "star":
-            log("the network is a graph: its blocks' outputs meet at the coordinator, which runs what joins them "
-                "(--exchange star); the peer step runs chains")
-            engine.exchange = "star"
     steps_per_epoch = len(ds.train_y) // cfg.batch_size
     if steps_per_epoch < 1:
         raise ValueError(f"--batch-size {cfg.batch_size} is larger than the {len(ds.train_y)} training images of {ds.name}")

@@ -32,14 +32,19 @@ import time
 import numpy as np
 import zmq
 
+from hetconv.devices.cpu import HostArrays
 from hetconv.engine.chain import DropoutDraw
+from hetconv.engine.graph import GraphPass
 from hetconv.engine.contract import sum_in_order
 from hetconv.engine.planner import MODES, LayerPlan, image_ranges
+from hetconv.net.spec import NetSpec
 from hetconv.update import UpdateRule, clip_factor
 from hetconv.transport import protocol
 from hetconv.transport.keys import connect_peer
 from hetconv.transport.sockets import host_key, ipc_reachable
 from hetconv.transport.wire import decode, encode, round_in_place
+from hetconv.worker.blocks import block_shape, held_blocks, intersect, needed_blocks, within
+from hetconv.worker.graph_step import run_graph_step
 
 
 class StepAbandoned(RuntimeError):
@@ -50,42 +55,6 @@ class StepAbandoned(RuntimeError):
 # gradients, and its BatchNorms' sums (forward and backward; `micro` is then the op's index in the
 # layer's tail); the workers' parts of a global gradient norm (clipping).
 PHASES = ("images", "forward", "backward", "dweights", "bn_forward", "bn_backward", "gradnorm")
-
-
-# A block of a layer's input or output, (N, C, H, W), is (row0, row1, channel0, channel1): the
-# rows and channels it covers, every H and W. Each worker holds one block of every layer's output
-# and needs one block of every layer's input; between layers each sends every peer what it holds
-# of what that peer needs.
-
-def held_blocks(lp, n):
-    """Per worker, the block of layer `lp`'s output (a micro-batch of n images) it computes:
-    every row of its kernels (model), or its rows of every kernel (data)."""
-    if lp.mode == "data":
-        return {w: (r0, r1, 0, lp.kernels) for w, (r0, r1) in image_ranges(lp, n).items()}
-    return {w: (0, n, s, e) for w, (s, e) in lp.ranges.items()}
-
-
-def needed_blocks(lp, channels, n):
-    """Per worker, the block of layer `lp`'s input (`channels` of them) it computes on: every row
-    (model) or its own rows (data), every channel."""
-    if lp.mode == "data":
-        return {w: (r0, r1, 0, channels) for w, (r0, r1) in image_ranges(lp, n).items()}
-    return {w: (0, n, 0, channels) for w in lp.ranges}
-
-
-def intersect(a, b):
-    """The block two blocks share, or None when they share no element."""
-    r0, r1, c0, c1 = max(a[0], b[0]), min(a[1], b[1]), max(a[2], b[2]), min(a[3], b[3])
-    return (r0, r1, c0, c1) if r0 < r1 and c0 < c1 else None
-
-
-def within(block, outer):
-    """Index of `block` inside an array that holds block `outer` (block lies in outer)."""
-    return (slice(block[0] - outer[0], block[1] - outer[0]), slice(block[2] - outer[2], block[3] - outer[2]))
-
-
-def block_shape(block):
-    return (block[1] - block[0], block[3] - block[2])
 
 
 STEP_OPS = ("SLICE", "INPUT", "GRAD")        # what a step reads from its queue; any other op ends it
@@ -119,6 +88,7 @@ class PeerLinks:
         self.outboxes = {}                       # peer name -> PUSH socket
         self.order, self.ranges = [name], []
         self.layer_plans = []                    # per layer: its mode, kernel ranges and (data) images
+        self.graph = None                        # engine.graph.GraphPass where the network is a graph
         self.step, self.micros = None, 0         # the step last started under this plan, its micro-batches
         self.held = {}                           # (step, phase, layer, micro, sender) -> array, arrived early
         self.early_micros = MAX_EARLY_MICRO      # the most micro-batches a step of the plan has (PEERS)
@@ -140,6 +110,7 @@ class PeerLinks:
             raise ValueError(f"this worker {self.name!r} is not among the plan's workers {self.order}")
         self.ranges = [{w: tuple(r) for w, r in layer.items()} for layer in fields["ranges"]]
         self.layer_plans = self._layer_plans(fields)
+        self.graph = self._graph(fields.get("graph"))
         self.timeout = float(fields.get("timeout", 600.0))
         self.early_micros, self.early_bytes = self._early_bounds(fields)
         self.step, self.micros, self.held = None, 0, {}    # a new plan: its first step's id comes with its STEP
@@ -174,6 +145,22 @@ class PeerLinks:
             self.outboxes[peer["name"]] = push
             routes[peer["name"]] = endpoint
         return {"routes": routes}
+
+    def _graph(self, stored):
+        """PEERS' `graph`: the network's stored form where it is a graph (None for a chain) ->
+        the GraphPass this worker runs its steps with, checked against the plan's layers."""
+        if stored is None:
+            return None
+        if not isinstance(stored, dict):
+            raise ValueError(f"PEERS graph is {type(stored).__name__}: expected the network's stored form")
+        spec = NetSpec.from_json(stored)
+        if spec.is_chain():
+            raise ValueError("PEERS graph is a chain: a chain's step needs no graph")
+        blocks = spec.conv_layers()
+        if len(blocks) != len(self.ranges) or any(b.kernels != lp.kernels for b, lp in zip(blocks, self.layer_plans)):
+            raise ValueError(f"PEERS graph has conv blocks of {[b.kernels for b in blocks]} kernels, the plan's layers "
+                             f"{[lp.kernels for lp in self.layer_plans]}")
+        return GraphPass(spec, HostArrays())
 
     @staticmethod
     def _early_bounds(fields):
@@ -353,10 +340,12 @@ class PeerLinks:
                 return self._drop(msg, "early", f"{phase!r} for step {step} before that step began")
             return (step, phase, layer, micro, sender)
         layers = len(self.ranges)
-        first_data = bool(self.layer_plans) and self.layer_plans[0].mode == "data"
+        first_data = bool(self.layer_plans) and self.layer_plans[0].mode == "data" and self.graph is None
         data_layers = [lp.layer for lp in self.layer_plans if lp.mode == "data"]
-        allowed = {"images": range(-1, -1 if first_data else 0), "forward": range(0, layers - 1),
-                   "backward": range(1, layers), "dweights": data_layers, "bn_forward": data_layers,
+        # a graph's every block output is all-gathered, and any block's dX may be wanted
+        whole = self.graph is not None
+        allowed = {"images": range(-1, -1 if first_data else 0), "forward": range(0, layers if whole else layers - 1),
+                   "backward": range(0 if whole else 1, layers), "dweights": data_layers, "bn_forward": data_layers,
                    "bn_backward": data_layers, "gradnorm": [-1]}
         if not isinstance(phase, str) or phase not in PHASES:
             return self._drop(msg, "phase", f"phase {phase!r:.40} is not one of {', '.join(PHASES)}")
@@ -428,18 +417,19 @@ class PeerLinks:
             raise ValueError(f"step {step}: STEP field 'sizes' must list {micros} image counts >= 1, got {sizes!r:.80}")
         return sizes
 
-    def _first_inputs(self, step, micros, sizes, wire, others):
+    def _first_inputs(self, step, micros, sizes, wire, others, whole=False):
         """-> ({micro-batch: this worker's input block of layer 0}, images per micro-batch). A data
-        first layer takes its own rows from the coordinator; a model one all-gathers the rows
-        (each worker got 1/P of every micro-batch)."""
-        lp, channels = self.layer_plans[0], self.shard.layers[0].spec.in_channels
+        first layer takes its own rows from the coordinator; a model one, and a graph (`whole`),
+        all-gathers the rows (each worker got 1/P of every micro-batch)."""
+        lp = self.layer_plans[0]
+        channels = self.graph.spec.input_shape[0] if whole else self.shard.layers[0].spec.in_channels
         got = self._await({(step, "INPUT", -1, m, "coordinator") for m in range(micros)}, step)
         mine = [got[(step, "INPUT", -1, m, "coordinator")] for m in range(micros)]
         for m, piece in enumerate(mine):
             if piece.ndim != 4 or piece.shape[1] != channels:
                 raise ValueError(f"step {step}: images of micro-batch {m} have shape {piece.shape}, expected "
                                  f"(N, {channels}, H, W)")
-        if lp.mode == "data":
+        if lp.mode == "data" and not whole:
             if sizes is None:
                 raise ValueError(f"step {step}: STEP without 'sizes': the first layer is data-parallel, so this "
                                  f"worker needs each micro-batch's image count")
@@ -563,6 +553,9 @@ class PeerLinks:
         rule = None if fields["update"] is None else UpdateRule.from_json(fields["update"])
         clip = rule is not None and rule.max_norm > 0
         sizes = self._sizes(fields, step, micros)
+        if self.graph is not None:
+            self.start_step(step, micros)
+            return "STEP_DONE", [], run_graph_step(self, seq, fields, step, micros, train, rule, sizes)
         plans = self.layer_plans
         layers = len(plans)
         self.start_step(step, micros)
@@ -643,22 +636,47 @@ class PeerLinks:
             self.shard.backward_layer(layer, layer_grads(), layer > 0, reduce, emit)
             self.shard.device.synchronize()
             compute[layer] += time.perf_counter() - t0 - waited[0]
-            if lp.mode == "model" and rule is not None:
-                if clip:
-                    deferred.append(layer)       # the factor needs every gradient of the step first
-                else:
-                    # after the last dX has left: the peers receive it while this worker updates
-                    t0 = time.perf_counter()
-                    self.shard.update(layer, rule)
-                    self.shard.device.synchronize()
-                    compute[layer] += time.perf_counter() - t0
-            if lp.mode == "data" and rule is not None:
-                # the layer's dW and db go to every peer now; the sums are made once backward is done
-                dw, db = self.shard.take_gradients(layer)
-                flat = np.concatenate([dw.ravel(), db.ravel()])
-                for peer in others:
-                    self._send_peer(peer, step, "dweights", layer, 0, flat)
-                updates.append((layer, flat, dw.shape, db.shape))
+            if rule is not None:
+                self._after_backward(step, layer, rule, clip, deferred, updates, compute)
+        done = self._apply_updates(step, rule, deferred, updates, compute) if rule is not None else {}
+        return "STEP_DONE", [], {"step": step, **done, "layer_compute_s": compute, "compute_s": sum(compute),
+                                 "peer_wait_s": self.wait_s, "peer_bytes_sent": self.bytes_sent}
+
+    def _after_backward(self, step, layer, rule, clip, deferred, updates, compute):
+        """What follows a layer's last backward: a model layer's update (after its last dX has
+        left: the peers receive it while this worker updates; deferred to `deferred` where the
+        update clips, as the factor needs every gradient of the step first); a data layer's dW
+        and db to every peer, into `updates` (the sums are made once backward is done)."""
+        if self.layer_plans[layer].mode == "model":
+            if clip:
+                deferred.append(layer)
+                return
+            t0 = time.perf_counter()
+            self.shard.update(layer, rule)
+            self.shard.device.synchronize()
+            compute[layer] += time.perf_counter() - t0
+            return
+        dw, db = self.shard.take_gradients(layer)
+        flat = np.concatenate([dw.ravel(), db.ravel()])
+        for peer in self.order:
+            if peer != self.name:
+                self._send_peer(peer, step, "dweights", layer, 0, flat)
+        updates.append((layer, flat, dw.shape, db.shape))
+
+    def finish_updates(self, step, rule, layers, compute):
+        """Every layer's part of the step's update once backward is done (a graph's blocks end
+        their backward in no fixed layer order): _after_backward for each, then _apply_updates."""
+        clip = rule.max_norm > 0
+        deferred, updates = [], []
+        for layer in layers:
+            self._after_backward(step, layer, rule, clip, deferred, updates, compute)
+        return self._apply_updates(step, rule, deferred, updates, compute)
+
+    def _apply_updates(self, step, rule, deferred, updates, compute):
+        """The data layers' weight gradients summed over every worker in plan order and applied;
+        where the update clips, the global norm (the coordinator's part from its last GRAD) and
+        the deferred model layers' updates scaled by it. -> STEP_DONE's extra fields."""
+        others = [w for w in self.order if w != self.name]
         summed = []
         for layer, flat, w_shape, b_shape in updates:
             keys = {(step, "dweights", layer, 0, w) for w in others}
@@ -669,8 +687,8 @@ class PeerLinks:
                                   for w in self.order])
             size = int(np.prod(w_shape))
             summed.append((layer, total[:size].reshape(w_shape), total[size:]))
-        done = {"step": step}
-        if clip:
+        done = {}
+        if rule.max_norm > 0:
             # this worker's part of the global norm: its slices of the model layers, and (counted once,
             # by the plan's first worker) the data layers' sums, which every worker holds alike
             local = sum(self.shard.sum_of_squares(layer) for layer in deferred)
@@ -690,5 +708,4 @@ class PeerLinks:
             self.shard.apply_update(layer, dw, db, rule)
             self.shard.device.synchronize()
             compute[layer] += time.perf_counter() - t0
-        return "STEP_DONE", [], {**done, "layer_compute_s": compute, "compute_s": sum(compute),
-                                 "peer_wait_s": self.wait_s, "peer_bytes_sent": self.bytes_sent}
+        return done

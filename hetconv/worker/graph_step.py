@@ -1,0 +1,193 @@
+"""The worker side of the peer-exchange step for a network that is a graph.
+
+Every worker runs the graph's steps itself (engine.graph.GraphPass, the code the coordinator runs
+in the star exchange), over `PeerBlocks`, an engine whose blocks are this worker's shard of each
+conv block and whose tensors are made whole among the workers:
+- forward: a block's input is whole here; a model block computes this worker's channels of every
+  image, a data block every channel of this worker's images (its BatchNorms' sums added among the
+  block's workers, as in a chain); each worker sends its block of the output to every other and
+  builds the whole output from its own and theirs (an all-gather). The joins (a residual sum, a
+  concatenation, the ReLU and pools between blocks) then run on every worker alike, on whole
+  tensors, with no traffic: one pass over each tensor, repeated on each worker, where the
+  alternative is a round of messages per join.
+- backward: the gradient of a block's output is whole here (every reader's part summed in the
+  same fixed order on every worker); the block takes its part of it. A model block's partial dX
+  (every image, every input channel, this worker's kernels' share) goes to every other worker and
+  each sums all of them in plan order (an all-reduce: the same float sum as the star's and
+  --local's); a data block's dX (its images, whole) is all-gathered.
+What it costs against a chain's step: a tensor that only per-channel work reads is gathered all
+the same, and a partial dX moves whole to every peer (P - 1 times its size out of each worker,
+where a reduce-scatter moves (P - 1) / P); for two workers the two are the same. The coordinator
+sends the images (each worker 1/P of them, all-gathered) and gets the features from the plan's
+first worker; both ways the arrays are float32, so the joins around them compute on what
+--local's coordinator computes on.
+
+Rounding points are those of the star exchange, where each block's input, output, gradient and
+partial dX cross the wire once: a worker rounds each to the wire where it enters or leaves a
+block, and nowhere else.
+"""
+import time
+
+import numpy as np
+
+from hetconv.engine.chain import DropoutDraw
+from hetconv.engine.contract import sum_in_order
+from hetconv.engine.planner import image_ranges
+from hetconv.transport import protocol
+from hetconv.transport.wire import decode, encode
+from hetconv.worker.blocks import block_shape, held_blocks, within
+
+
+def _rounded(x, wire):
+    """x as it would arrive over the wire (x itself for float32)."""
+    return decode(encode(np.ascontiguousarray(x, np.float32), wire), wire)
+
+
+class PeerBlocks:
+    """GraphPass's engine on a worker: forward_layer / backward_layer of conv block `layer` with
+    whole tensors in and out, over `links` (worker.peers.PeerLinks) in step `step` of `sizes`
+    images per micro-batch. Seconds spent computing are added to `compute[layer]`."""
+
+    def __init__(self, links, step, sizes, wire, dropout, compute):
+        self.links, self.step, self.sizes, self.wire = links, step, list(sizes), wire
+        self.offsets = [int(v) for v in np.cumsum([0] + self.sizes)[:-1]]
+        self.dropout, self.compute = dropout, compute
+        self.me, self.order = links.name, links.order
+
+    def _reduce(self, layer):
+        lp = self.links.layer_plans[layer]
+        return self.links._bn_reduce(self.step, layer) if lp.mode == "data" and len(self.order) > 1 else None
+
+    def _all_gather(self, phase, layer, parts, shapes, channels):
+        """Per micro-batch m, the whole (n, channels, H, W) array of which each worker holds the
+        block held_blocks gives it (`parts[m]`: this worker's, already rounded): the others'
+        blocks from them, checked against the plan."""
+        lp, links, step = self.links.layer_plans[layer], self.links, self.step
+        out = []
+        for m, n in enumerate(self.sizes):
+            blocks = self._blocks(lp, n, channels, phase)
+            senders = [w for w in self.order if w != self.me and block_shape(blocks[w])[0] * block_shape(blocks[w])[1]]
+            got = links._await({(step, phase, layer, m, w) for w in senders}, step)
+            hw = shapes[m]
+            whole = np.empty((n, channels) + hw, np.float32)
+            for w in self.order:
+                b = blocks[w]
+                if not block_shape(b)[0] * block_shape(b)[1]:
+                    continue
+                piece = parts[m] if w == self.me else decode(links._check(
+                    f"step {step}: conv{layer + 1} {phase} block of micro-batch {m}", w,
+                    got[(step, phase, layer, m, w)], block_shape(b) + hw), self.wire)
+                whole[within(b, (0, n, 0, channels))] = piece
+            out.append(whole)
+        return out
+
+    @staticmethod
+    def _blocks(lp, n, channels, phase):
+        """Each worker's block of the tensor an all-gather makes whole: a block's output (forward)
+        as held_blocks has it; a data block's dX (backward), its images x every input channel."""
+        if phase == "forward":
+            return held_blocks(lp, n)
+        return {w: (r0, r1, 0, channels) for w, (r0, r1) in image_ranges(lp, n).items()}
+
+    def _send_all(self, phase, layer, m, array):
+        """This worker's block of a tensor to every other worker, as the wire carries it; returns
+        it rounded, as they see it."""
+        sent = encode(np.ascontiguousarray(array, np.float32), self.wire)
+        if len(array):
+            for peer in self.order:
+                if peer != self.me:
+                    self.links._send_peer(peer, self.step, phase, layer, m, sent)
+        return decode(sent, self.wire)
+
+    # ---- GraphPass's engine ------------------------------------------------------------------------
+    def forward_layer(self, layer, xs, train, step=None):
+        lp = self.links.layer_plans[layer]
+        shard = self.links.shard
+        mine, waited, shapes = {}, [0.0], {}
+
+        def inputs():
+            for m, x in enumerate(xs):
+                r0, r1 = held_blocks(lp, len(x))[self.me][:2] if lp.mode == "data" else (0, len(x))
+                yield m, _rounded(x[r0:r1], self.wire), self.offsets[m] + r0
+
+        def emit(m, y):
+            t0 = time.perf_counter()
+            shard.device.synchronize()
+            shapes[m] = tuple(y.shape[2:])
+            mine[m] = self._send_all("forward", layer, m, y)
+            waited[0] += time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        shard.forward_layer(layer, inputs(), train, self._reduce(layer), emit, self.dropout, batch=sum(self.sizes))
+        self.compute[layer] += time.perf_counter() - t0 - waited[0]
+        return self._all_gather("forward", layer, mine, [shapes[m] for m in range(len(xs))], lp.kernels)
+
+    def backward_layer(self, layer, grads, need_dx):
+        lp = self.links.layer_plans[layer]
+        shard = self.links.shard
+        dx_own, waited = {}, [0.0]
+
+        def pieces():
+            for m, g in enumerate(grads):
+                r0, r1, c0, c1 = held_blocks(lp, len(g))[self.me]
+                yield m, _rounded(g[r0:r1, c0:c1], self.wire)
+
+        def emit(m, dx):
+            if not need_dx:
+                return
+            t0 = time.perf_counter()
+            shard.device.synchronize()
+            dx_own[m] = self._send_all("backward", layer, m, dx)
+            waited[0] += time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        shard.backward_layer(layer, pieces(), need_dx, self._reduce(layer), emit)
+        shard.device.synchronize()
+        self.compute[layer] += time.perf_counter() - t0 - waited[0]
+        if not need_dx:
+            return [None] * len(grads)
+        channels = shard.layers[layer].spec.in_channels
+        shapes = [tuple(dx_own[m].shape[2:]) for m in range(len(grads))]
+        if lp.mode == "data":
+            return self._all_gather("backward", layer, dx_own, shapes, channels)
+        return [self._sum_partials(layer, m, n, dx_own[m], channels, shapes[m]) for m, n in enumerate(self.sizes)]
+
+    def _sum_partials(self, layer, m, n, own, channels, hw):
+        """A model block's dX of micro-batch m: every worker's partial, summed in plan order."""
+        links, step = self.links, self.step
+        others = [w for w in self.order if w != self.me]
+        got = links._await({(step, "backward", layer, m, w) for w in others}, step)
+        return sum_in_order([own if w == self.me else decode(links._check(
+            f"step {step}: conv{layer + 1} partial dX of micro-batch {m}", w, got[(step, "backward", layer, m, w)],
+            (n, channels) + hw), self.wire) for w in self.order])
+
+
+def run_graph_step(links, seq, fields, step, micros, train, rule, sizes):
+    """STEP for a graph: the images all-gathered, the graph forward over every micro-batch, the
+    features to the coordinator (the plan's first worker sends them), and when training the
+    gradient from it and the graph backward, then the step's updates (PeerLinks.finish_updates).
+    -> STEP_DONE's fields."""
+    graph, wire = links.graph, links.shard.wire
+    others = [w for w in links.order if w != links.name]
+    compute = [0.0] * len(links.layer_plans)
+    xs, n = links._first_inputs(step, micros, sizes, "float32", others, whole=True)
+    dropout = DropoutDraw(fields["seed"], fields["train_step"], sum(n)) if train else None
+    engine = PeerBlocks(links, step, n, wire, dropout, compute)
+    features = graph.forward(engine, [xs[m] for m in range(micros)], train)
+    first = links.name == links.order[0]
+    if first:
+        for m, h in enumerate(features):
+            links.send_to_coordinator(protocol.pack("FEATURES", seq, [np.ascontiguousarray(h, np.float32)], step=step,
+                                                    micro=m))
+    done = {"step": step}
+    if train:
+        grads = []
+        for m, h in enumerate(features):
+            key = (step, "GRAD", -1, m, "coordinator")
+            grads.append(decode(links._check(f"step {step}: gradient of micro-batch {m}", "the coordinator",
+                                             links._await({key}, step)[key], h.shape), "float32"))
+        graph.backward(engine, grads)
+        if rule is not None:
+            done.update(links.finish_updates(step, rule, range(len(links.layer_plans)), compute))
+    return {**done, "layer_compute_s": compute, "compute_s": sum(compute), "peer_wait_s": links.wait_s,
+            "peer_bytes_sent": links.bytes_sent}
