@@ -308,6 +308,7 @@ def predict_parallel(args, batch, plan, calibration, rate, wire_cpu_s_per_byte, 
     from threadpoolctl import threadpool_limits
 
     from hetconv.engine import costmodel as cm
+    from hetconv.engine.graph import graph_pass
     from hetconv.engine.measure import measure_coordinator_s
     from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES, ConvSpec
     from hetconv.training.config import Config
@@ -326,9 +327,9 @@ def predict_parallel(args, batch, plan, calibration, rate, wire_cpu_s_per_byte, 
     images = {w: [layer.get("images", {}).get(w, 0) for layer in plan["layers"]] for w in workers}
     modes = [layer.get("mode", "model") for layer in plan["layers"]]
     link = C.model_link(rate, "tbf", wire_cpu_s_per_byte)
-    exchange = "peer" if net.is_chain() else "star"      # a graph's blocks meet at the coordinator
-    pred = cm.predict_any(exchange, specs, net.input_shape, batch, counts, profiles, link, coordinator_cache[key],
-                          micro, 4, modes=modes, images=images)
+    graph = None if net.is_chain() else graph_pass(net, None).shape()
+    pred = cm.predict_any("peer", specs, net.input_shape, batch, counts, profiles, link, coordinator_cache[key],
+                          micro, 4, modes=modes, images=images, graph=graph)
     out = pred.to_json()
     out["dominant"] = list(cm.dominant_term(pred))
     return out

@@ -150,17 +150,20 @@ def test_each_graph_preset_trains_as_torch_sgd_does_on_two_shards_with_micro_bat
     assert_equals_torch(cfg, losses, conv, fc, atol=3e-4)
 
 
-def distributed(cfg, tmp_path, workers, micro, counts=None, fault=None, resume=None, steps=None, parallel="auto"):
+def distributed(cfg, tmp_path, workers, micro, counts=None, fault=None, resume=None, steps=None, modes=None,
+                images=None, exchange="peer"):
     spec = load_net(cfg.net, (3, 16, 16), 10).spec
     kernels = [b.kernels for b in spec.conv_layers()]
     names = [f"w{i}-cpu" for i in range(workers)]
     counts = counts or {w: [k // workers + (1 if i < k % workers else 0) for k in kernels] for i, w in enumerate(names)}
-    engine = RemoteEngine("tcp://127.0.0.1:0", 0, ["cpu"] * workers, threads=1, connect_timeout=60, log=quiet)
-    engine.fixed_plan = fixed_plan(kernels, counts)
+    modes = [{"M": "model", "D": "data"}[m] for m in modes] if modes else None
+    engine = RemoteEngine("tcp://127.0.0.1:0", 0, ["cpu"] * workers, threads=1, connect_timeout=60, log=quiet,
+                          exchange=exchange)
+    engine.fixed_plan = fixed_plan(kernels, counts, modes=modes, images=images)
     if fault:
         fault(engine)
     run = Config(**{**cfg.to_json(), "checkpoint_dir": str(tmp_path / "ck"), "micro_batches": micro,
-                    "use_all": True, "snapshot_every": 1, "parallel": parallel, **({"steps": steps} if steps else {})})
+                    "exchange": exchange, "use_all": True, "snapshot_every": 1, **({"steps": steps} if steps else {})})
     try:
         summary = train(run, engine, log=quiet, resume=resume)
     finally:
@@ -168,32 +171,28 @@ def distributed(cfg, tmp_path, workers, micro, counts=None, fault=None, resume=N
     return summary, checkpoint.load(str(tmp_path / "ck"))
 
 
-
-
 def test_two_workers_equal_local_and_three_uneven_ones_survive_a_lost_worker_and_a_resume(local_run, tmp_path):
-    """Two workers with four micro-batches: as --local. Then three, one holding a single kernel of
-    each block, the third killed in step 3: the survivors replay from the snapshot and stop at
-    step 4; a resume onto two workers split another way finishes the run: as --local."""
+    """Through the coordinator (star), two workers with four micro-batches: as --local. Then the
+    peer step: three workers, model blocks with one worker holding a single kernel of each and
+    data blocks with uneven images, the third killed in step 3: the survivors replay from the
+    snapshot and stop at step 4; a resume onto two workers with other modes and shares and four
+    micro-batches finishes the run: as --local."""
     cfg, losses, local = local_run
-    summary, got = distributed(cfg, tmp_path / "even", 2, 4)
+    summary, got = distributed(cfg, tmp_path / "star", 2, 4, exchange="star")
     np.testing.assert_allclose(summary["losses"], losses, rtol=1e-5)
     assert_equal_runs(got, local)
 
     counts = {"w0-cpu": [1] * 8, "w1-cpu": [3, 3, 3, 4, 4, 4, 2, 2], "w2-cpu": [2, 2, 2, 3, 3, 3, 1, 2]}
-    summary, _ = distributed(cfg, tmp_path / "uneven", 3, 2, counts=counts, steps=STEPS - 1,
+    summary, _ = distributed(cfg, tmp_path / "uneven", 3, 2, counts=counts, steps=STEPS - 1, modes="MDDMMDMD",
+                             images={"w0-cpu": 3, "w1-cpu": 9, "w2-cpu": 4},
                              fault=lambda engine: kill_worker_on_step(engine, 2, 3))
     np.testing.assert_allclose(summary["losses"], losses[:STEPS - 1], rtol=1e-5)
-    summary, got = distributed(cfg, tmp_path / "uneven", 2, 1, counts={"w0-cpu": [5, 5, 5, 7, 7, 7, 3, 4],
+    summary, got = distributed(cfg, tmp_path / "uneven", 2, 4, counts={"w0-cpu": [5, 5, 5, 7, 7, 7, 3, 4],
                                                                        "w1-cpu": [1, 1, 1, 1, 1, 1, 1, 1]},
+                               modes="DMDDMDMD", images={"w0-cpu": 13, "w1-cpu": 3},
                                resume=str(tmp_path / "uneven" / "ck"))
     np.testing.assert_allclose(summary["losses"], losses[STEPS - 1:], rtol=1e-5)
     assert_equal_runs(got, local)
-
-
-def test_a_graph_asked_for_data_parallel_layers_is_refused_saying_why(local_run, tmp_path):
-    cfg, _, _ = local_run
-    with pytest.raises(PlanError, match="--exchange peer"):
-        distributed(cfg, tmp_path, 2, 1, parallel="data")
 
 
 def test_the_export_keeps_the_modules_keys_and_gives_hetconvs_logits(local_run, tmp_path):
@@ -231,7 +230,60 @@ def test_planning_prices_a_graphs_blocks_on_their_own_shapes_and_times_its_joins
     assert measure_coordinator_s(specs, fc, spec.input_shape, 4, 2, repeats=1, network=spec) > 0
 
 
-def test_hetconv_plan_refuses_data_parallel_blocks_for_a_graph(capsys):
+def test_hetconv_plan_prices_a_graphs_blocks_in_the_modes_asked_naming_them(tmp_path, capsys):
+    import json
+    from test_parallel_plan import cpu_profile
     from hetconv.cli import plan
-    assert plan.main(["--net", "resnet9@0.0625", "--devices", "cpu:1x2", "--parallel", "data"]) == 2
-    assert "--parallel data: the network is a graph, whose blocks run model-parallel" in capsys.readouterr().err
+    from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES, ConvSpec
+    from hetconv.net import preset
+    spec = preset("resnet9", IMAGE_SHAPE, NUM_CLASSES, 0.0625)
+    specs = [ConvSpec.from_layer(b) for b in spec.conv_layers()]
+    (tmp_path / "cpu.json").write_text(json.dumps(cpu_profile("cpu", specs, IMAGE_SHAPE).to_json()))
+    assert plan.main(["--net", "resnet9@0.0625", "--devices", f"@{tmp_path / 'cpu.json'}x2", "--link", "1gbit",
+                      "--parallel", "data", "--json"]) == 0
+    out = capsys.readouterr()
+    row = json.loads(out.out)["rows"][-1]
+    assert row["modes"] == ["data"] * len(specs) and row["blocks"][:2] == ["prep.conv", "layer1.conv"]
+    assert row["wire_mb"] > 0
+    assert "each block's output all-gathered among the workers" in out.err
+
+
+def test_the_cost_model_prices_each_graph_block_as_the_graph_step_moves_it():
+    """Every tensor is whole between a graph's blocks, so each block is priced on its own: the
+    chosen modes are each block's cheaper one, a block fed by the images alone pays no dX, a
+    model block's partial dX goes whole to every other worker, and the prediction's bytes are
+    the blocks' own."""
+    from test_parallel_plan import cpu_profile
+    from hetconv.engine.costmodel import GraphShape, parse_bandwidth, predict_graph_step
+    from hetconv.engine.graph import graph_pass
+    from hetconv.engine.planner import choose_modes
+    from hetconv.geometry import ConvSpec
+    from hetconv.net import preset
+    spec = preset("resnet18", (3, 32, 32), 10)
+    specs = [ConvSpec.from_layer(b) for b in spec.conv_layers()]
+    shape = graph_pass(spec, None).shape()
+    assert shape.needs_dx == (False,) + (True,) * (len(specs) - 1) and shape.feature_floats == 512
+    profiles = {w: cpu_profile(w, specs, spec.input_shape) for w in ("a", "b")}
+    link, batch = parse_bandwidth("1gbit"), 128
+    choice = choose_modes(specs, spec.input_shape, batch, profiles, link, "auto", graph=shape)
+    node = choice.costs.node
+    assert choice.modes == [min(("model", "data"), key=lambda m: (node[li][m], m == "data")) for li in range(len(specs))]
+    assert set(choice.modes) == {"model", "data"}        # early wide maps data, late heavy weights model
+    assert choice.chosen_s == pytest.approx(sum(node[li][m] for li, m in enumerate(choice.modes)))
+
+    counts = {w: [s.kernels // 2 for s in specs] for w in profiles}
+    pred = predict_graph_step(specs, spec.input_shape, batch, counts, profiles, link, 0.0, shape)
+    detail = choice.costs.detail
+    for li, ((n, c, h, w), (_, hp, wp)) in enumerate(layer_geometry_of(specs, spec.input_shape, batch)):
+        out_half, whole_in = n * specs[li].kernels * hp * wp * 4 / 2, n * c * h * w * 4
+        assert detail[li]["model"]["sent_bytes"][0] == pytest.approx(out_half + (whole_in if li else 0))
+    assert pred.workers["a"]["sent"] == pytest.approx(sum(detail[li]["model"]["sent_bytes"][0]
+                                                          for li in range(len(specs))))
+    no_dx = choose_modes(specs, spec.input_shape, batch, profiles, link, "model",
+                         graph=GraphShape((True,) * len(specs), 512)).costs.detail
+    assert no_dx[0]["model"]["wire_s"] > detail[0]["model"]["wire_s"]
+
+
+def layer_geometry_of(specs, image_shape, batch):
+    from hetconv.engine.costmodel import layer_geometry
+    return layer_geometry(specs, image_shape, batch)

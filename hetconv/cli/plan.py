@@ -17,6 +17,7 @@ import sys
 
 from hetconv.devices import DeviceError, open_device, parse_device_list
 from hetconv.engine.costmodel import Link, dominant_term, parse_bandwidth, predict_any, predict_local
+from hetconv.engine.graph import graph_pass
 from hetconv.engine.measure import calibrate_rounds, load_profiles, measure_coordinator_s, measure_loopback
 from hetconv.engine.microbatch import cheapest_micro_batches, micro_batch_count
 from hetconv.engine.planner import CoresTogether, PlanError, check_profiles, choose_modes, forced_modes, make_plan
@@ -71,16 +72,13 @@ def main(argv=None):
         fc = [op.layer.to_json() for op in network.head() if op.type != "flatten"]
         image = network.input_shape
         input_shapes, _ = layer_input_shapes(specs, cfg.batch_size, image)
-        if not network.is_chain():
-            # as the coordinator runs a graph: its blocks' outputs meet at the coordinator
-            if forced_modes(cfg.parallel, len(specs)) not in (None, ["model"] * len(specs)):
-                raise ValueError(f"--parallel {cfg.parallel}: the network is a graph, whose blocks run model-parallel "
-                                 f"through the coordinator (--exchange star)")
-            cfg = replace(cfg, exchange="star", parallel="model")
-            print("the network is a graph: priced as it runs, every block model-parallel, its blocks' outputs "
-                  "meeting at the coordinator (--exchange star); its blocks: " + ", ".join(
-                      f"conv{n + 1} = {network.names[b.index]}" for n, b in enumerate(network.conv_layers())),
-                  file=sys.stderr)
+        graph = None if network is None or network.is_chain() else graph_pass(network, None).shape()
+        if graph is not None:
+            blocks = ", ".join(f"conv{n + 1} = {network.names[b.index]}" for n, b in enumerate(network.conv_layers()))
+            how = ("its blocks' outputs meeting at the coordinator, which joins them (--exchange star)"
+                   if cfg.exchange == "star" else
+                   "each block's output all-gathered among the workers, which each run the joins (--exchange peer)")
+            print(f"the network is a graph: priced as it runs, {how}; its blocks: {blocks}", file=sys.stderr)
         check_output_file("--save-profiles", args.save_profiles)
         # saved profiles are read before anything is calibrated: a bad file costs nothing
         saved = {e.profile: load_profiles(e.profile, len(specs)) for e in entries if e.profile}
@@ -130,6 +128,7 @@ def cores_together(entries):
 def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shapes, link, network=None):
     """The devices calibrated (or their saved profiles), then each count of them priced and
     printed; the exit status."""
+    graph = None if network is None or network.is_chain() else graph_pass(network, None).shape()
     n_total = sum(e.count * (len(saved[e.profile]) if e.profile else 1) for e in entries)
     wire, wire_reason = wire_for(cfg.wire_dtype, cfg.precision)       # auto: as --precision asks
     cal_batch = min(cfg.calibration_batch, cfg.batch_size)
@@ -221,7 +220,8 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
         # the star has model layers only
         try:
             choice = choose_modes(specs, image, cfg.batch_size, subset_profiles, link,
-                                  "model" if cfg.exchange == "star" else cfg.parallel, micro, value_bytes(wire))
+                                  "model" if cfg.exchange == "star" else cfg.parallel, micro, value_bytes(wire),
+                                  graph=graph)
             plan = make_plan([s.kernels for s in specs], speeds, cfg.split, modes=choice.modes, batch=cfg.batch_size)
         except PlanError as e:
             print(f"hetconv-plan: {n} device(s): {e}", file=sys.stderr)
@@ -231,7 +231,7 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
 
         def predict(m):
             return predict_any(cfg.exchange, specs, image, cfg.batch_size, counts, row_profiles, link, coordinator_s[n],
-                               m, value_bytes(wire), modes=choice.modes, images=images)
+                               m, value_bytes(wire), modes=choice.modes, images=images, graph=graph)
         picked = cheapest_micro_batches(cfg.micro_batches, cfg.split, micro, lambda m: predict(m).step_s)
         micro = micro if picked is None else picked[0]                     # as training picks it
         pred = predict(micro)
@@ -241,6 +241,7 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
                      "speedup": stronger["step_s"] / pred.step_s, "efficiency": stronger["step_s"] / pred.step_s / n,
                      "wire_mb": sum(v["sent"] + v["recv"] for v in pred.workers.values()) / 1e6,
                      "counts": counts, "modes": choice.modes, "plan": plan.to_json(), "mode_costs": choice.to_json(),
+                     "blocks": [network.names[b.index] for b in network.conv_layers()] if graph else None,
                      "prediction": pred.to_json()})
     note, last = "", rows[-1]
     if together_profile is not None and len(last["devices"]) > 1:
@@ -290,8 +291,9 @@ def mode_table(row):
     for li, layer in enumerate(costs["layers"]):
         into = layer["transition_s"].get(f"{modes[li - 1]}->{modes[li]}", 0.0) if li else 0.0
         mark = {m: "*" if modes[li] == m else " " for m in ("model", "data")}
+        block = f" ({row['blocks'][li]})" if row.get("blocks") else ""
         lines.append(f"{'conv' + str(li + 1):<8} {layer['mode_s']['model']:9.4f}{mark['model']} "
-                     f"{layer['mode_s']['data']:9.4f}{mark['data']} {into:10.4f}  {modes[li]}")
+                     f"{layer['mode_s']['data']:9.4f}{mark['data']} {into:10.4f}  {modes[li]}{block}")
     lines.append(f"chosen chain {costs['chosen_s']:.4f} s, every layer in model mode {costs['model_s']:.4f} s "
                  f"(compute and wire added up; the step time above overlaps them)")
     return "\n".join(lines)

@@ -28,7 +28,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from hetconv.engine.contract import (ShardEngine, WorkerError, WorkerLost,  # noqa: F401  (raised here, caught by callers)
                                      concat_channels)
-from hetconv.engine.costmodel import Link, parse_bandwidth, predict_peer_step, profiles_from_calibration
+from hetconv.engine.costmodel import Link, parse_bandwidth, predict_any, profiles_from_calibration
 from hetconv.engine.measure import calibrate_local, measure_loopback
 from hetconv.engine.microbatch import cheapest_micro_batches, micro_batch_count, priced_text
 from hetconv.engine.planner import (PlanError, choose_modes, cost_lines, cpu_groups, forced_modes, image_ranges,
@@ -728,7 +728,7 @@ class RemoteEngine(ShardEngine):
         link = parse_bandwidth(cfg.link)
         try:
             step_s = price_plan(specs, image_shape, cfg.batch_size, plan, profiles, link, self.exchange, micro,
-                                value_bytes(self.wire))
+                                value_bytes(self.wire), self._graph_shape())
         except (PlanError, ValueError) as e:
             return dataclasses.replace(plan, cores_together={**record, "not_priced": f"this plan: {e}"})
         if self.calibration_s > CORES_TOGETHER_MAX_STEPS * step_s:
@@ -747,7 +747,7 @@ class RemoteEngine(ShardEngine):
                                        conv_path=cfg.cpu_conv_path, precision=cfg.precision)
             priced = price_cores_together(specs, image_shape, cfg.batch_size, plan, profiles, together, threads, group,
                                           link, self.exchange, cfg.parallel, cfg.micro_batches, value_bytes(self.wire),
-                                          micro, self.peers[group[0]].host)
+                                          micro, self.peers[group[0]].host, self._graph_shape())
         except Exception as e:          # a price the run does not need: whatever fails, the run goes on
             why = f"{type(e).__name__}: {e}"
             self.log(f"one worker with the cores of {', '.join(group)} together not priced: {why}")
@@ -775,6 +775,10 @@ class RemoteEngine(ShardEngine):
                      f"({priced_text(self.micro_choice['predicted_s'])})")
         return plan
 
+    def _graph_shape(self):
+        """What the cost model prices this network's blocks with where it is a graph, else None."""
+        return None if self.graph is None else self.graph.shape()
+
     def _decide_wire_from_calibration(self, cfg, names):
         computed = {name: (self.calibration[name].get("device", "?"), self.calibration[name].get("precision", "fp32"))
                     for name in names}
@@ -793,8 +797,8 @@ class RemoteEngine(ShardEngine):
         picked = cheapest_micro_batches(
             cfg.micro_batches, cfg.split,
             micro_batch_count(cfg.micro_batches, cfg.batch_size, self.exchange, len(plan.workers)),
-            lambda m: predict_peer_step(specs, image_shape, cfg.batch_size, counts, profiles, link, 0.0, m,
-                                        value_bytes(self.wire), modes=modes, images=images).step_s)
+            lambda m: predict_any("peer", specs, image_shape, cfg.batch_size, counts, profiles, link, 0.0, m,
+                                  value_bytes(self.wire), modes=modes, images=images, graph=self._graph_shape()).step_s)
         return None if picked is None else {"micro_batches": picked[0], "predicted_s": picked[1]}
 
     def _split_from_calibration(self, specs, input_shapes, speeds, cfg):
@@ -831,7 +835,8 @@ class RemoteEngine(ShardEngine):
         micro = micro_batch_count(cfg.micro_batches, cfg.batch_size, self.exchange, len(kept))
         self.mode_choice = choose_modes(specs, tuple(input_shapes[0][1:]), cfg.batch_size,
                                         {w: profiles[w] for w in kept}, parse_bandwidth(cfg.link), cfg.parallel,
-                                        micro_batches=micro, value_bytes=value_bytes(self.wire))
+                                        micro_batches=micro, value_bytes=value_bytes(self.wire),
+                                        graph=self._graph_shape())
         if "data" not in self.mode_choice.modes:
             return model_plan
         try:

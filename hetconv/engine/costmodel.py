@@ -26,6 +26,7 @@ The model of one step, phase by phase (each conv layer's forward, then each one'
 Everything here is pure: no clocks, no sockets, no devices (those are in hetconv/cli/plan.py).
 """
 from dataclasses import asdict, dataclass
+import math
 import re
 
 from hetconv.geometry import layer_input_shapes
@@ -514,9 +515,13 @@ def predict_peer_step(specs, image_shape, batch, counts, profiles, link, coordin
 
 
 def predict_any(exchange, specs, image_shape, batch, counts, profiles, link, coordinator_s, micro_batches=1,
-                value_bytes=FLOAT_BYTES, modes=None, images=None):
-    """predict_peer_step or, for --exchange star, predict_step once per micro-batch (the star
-    overlaps nothing, so micro-batches only add round trips; it has model layers only)."""
+                value_bytes=FLOAT_BYTES, modes=None, images=None, graph=None):
+    """predict_peer_step (predict_graph_step where `graph`, a GraphShape, says the network is a
+    graph) or, for --exchange star, predict_step once per micro-batch (the star overlaps nothing,
+    so micro-batches only add round trips; it has model layers only)."""
+    if exchange == "peer" and graph is not None:
+        return predict_graph_step(specs, image_shape, batch, counts, profiles, link, coordinator_s, graph,
+                                  micro_batches, value_bytes, modes, images)
     if exchange == "peer":
         return predict_peer_step(specs, image_shape, batch, counts, profiles, link, coordinator_s,
                                  micro_batches, value_bytes, modes, images)
@@ -550,6 +555,8 @@ def dominant_term(pred):
         what = f"{host}'s link ({'sending' if direction == 'out' else 'receiving'})"
     elif name == "coordinator link":
         what = "the coordinator's link"
+    elif name == "peer links":
+        what = "the links between the workers"
     else:
         what = f"{name}'s compute"
     return what, seconds, seconds / pred.step_s if pred.step_s else 0.0
@@ -679,3 +686,96 @@ def mode_costs(specs, image_shape, batch, counts, images, profiles, link, micro_
                                           link, len(sizes))
                      for a in MODES for b in MODES})
     return ModeCosts(node, edge, detail)
+
+
+def graph_mode_costs(specs, image_shape, batch, counts, images, profiles, link, needs_dx, micro_batches=1,
+                     value_bytes=FLOAT_BYTES, feature_floats=0):
+    """Price every conv block of a graph in both modes, as the graph's peer step runs them
+    (worker.graph_step): a block's output all-gathered among the workers whatever reads it, and
+    where its input needs a gradient (`needs_dx[l]`), a model block's partial dX sent whole to
+    every other worker, a data block's dX (its images) all-gathered. Every tensor is whole on
+    every worker between blocks, so a block's price does not depend on its neighbours' modes:
+    the edges are all zero, and the cheapest assignment is each block's cheaper mode.
+    counts, images: as mode_costs. The coordinator's link, the same in both modes, is priced on
+    the first block: the images (float32, 1/P to each worker, all-gathered among them) and the
+    features (`feature_floats` a step, float32) from the plan's first worker, their gradient to
+    every worker."""
+    names = list(counts)
+    p = len(names)
+    geometry = layer_geometry(specs, image_shape, batch)
+    sizes = split_sizes(batch, micro_batches)
+    messages = (p - 1) * len(sizes) * link.latency_s
+    node, edge, detail = [], [], []
+    for li, (spec, ((n, c, h, wd), (_, hp, wp))) in enumerate(zip(specs, geometry)):
+        total = spec.kernels
+        compute = {"model": max(_compute_s(profiles[w].layers[li], counts[w][li], batch, sizes, batch) for w in names),
+                   "data": max(_compute_s(profiles[w].layers[li], total, images[w][li], sizes, batch) for w in names)}
+        wire = {"model": 0.0, "data": 0.0}
+        moved = {m: ([0.0] * p, [0.0] * p) for m in MODES}       # bytes each worker sends and receives
+        if p > 1:
+            out_bytes, in_bytes = n * total * hp * wp * value_bytes, n * c * h * wd * value_bytes
+            shares = {"model": [counts[w][li] / total for w in names], "data": [images[w][li] / batch for w in names]}
+            for mode, fractions in shares.items():
+                traffic = [([out_bytes * f * (p - 1) for f in fractions], [out_bytes * (1 - f) for f in fractions])]
+                if needs_dx[li] and mode == "model":
+                    traffic.append(([in_bytes * (p - 1)] * p, [in_bytes * (p - 1)] * p))
+                elif needs_dx[li]:
+                    traffic.append(([in_bytes * r * (p - 1) for r in fractions], [in_bytes * (1 - r) for r in fractions]))
+                if mode == "data":
+                    dw = weight_floats(spec) * FLOAT_BYTES * (p - 1)
+                    traffic.append(([dw] * p, [dw] * p))
+                for sent, recv in traffic:
+                    wire[mode] += _links_s(sent, recv, link) + messages
+                    moved[mode] = ([a + b for a, b in zip(moved[mode][0], sent)],
+                                   [a + b for a, b in zip(moved[mode][1], recv)])
+        coordinator = 0.0
+        if li == 0:
+            x_bytes = batch * math.prod(image_shape) * FLOAT_BYTES
+            coordinator = x_bytes / link.bytes_per_s + (feature_floats * FLOAT_BYTES * (1 + p)) / link.bytes_per_s
+            if p > 1:
+                coordinator += _links_s([x_bytes * (p - 1) / p] * p, [x_bytes * (p - 1) / p] * p, link)
+        node.append({m: compute[m] + wire[m] + coordinator for m in MODES})
+        detail.append({m: {"compute_s": compute[m], "wire_s": wire[m], "coordinator_s": coordinator,
+                           "sent_bytes": moved[m][0], "recv_bytes": moved[m][1]} for m in MODES})
+        edge.append({} if li == 0 else {(a, b): 0.0 for a in MODES for b in MODES})
+    return ModeCosts(node, edge, detail)
+
+
+@dataclass(frozen=True)
+class GraphShape:
+    """What the cost model needs of a network that is a graph beyond its conv blocks' specs:
+    whether each block's input needs a gradient (not where it is made from the images alone),
+    and the floats per image of the features the head reads."""
+    needs_dx: tuple
+    feature_floats: int
+
+
+def predict_graph_step(specs, image_shape, batch, counts, profiles, link, coordinator_s, graph, micro_batches=1,
+                       value_bytes=FLOAT_BYTES, modes=None, images=None):
+    """Predicted seconds of one peer step of a graph (graph_mode_costs: the blocks one after
+    another, each in its mode, nothing overlapped) with the coordinator's FC work on top.
+    counts, images: as the plan gives them (Plan.counts(), Plan.images())."""
+    names = list(counts)
+    modes = list(modes) if modes is not None else ["model"] * len(specs)
+    images = images or {w: [0] * len(specs) for w in names}
+    # a model block's images and a data block's kernels are not what the plan holds: fill them in
+    # as the other mode's shares (they are not read for the block's own mode)
+    share = {w: [images[w][li] if m == "data" else batch // len(names) for li, m in enumerate(modes)] for w in names}
+    costs = graph_mode_costs(specs, image_shape, batch, counts, share, profiles, link, graph.needs_dx, micro_batches,
+                             value_bytes, graph.feature_floats * batch)
+    step_s = costs.chain_s(modes) + coordinator_s
+    workers = {}
+    for w in names:
+        sizes = split_sizes(batch, micro_batches)
+        compute = sum(_compute_s(profiles[w].layers[li], counts[w][li] if m == "model" else specs[li].kernels,
+                                 batch if m == "model" else images[w][li], sizes, batch) for li, m in enumerate(modes))
+        k = names.index(w)
+        workers[w] = {"compute_s": compute, "wire_s": sum(costs.detail[li][m]["wire_s"] for li, m in enumerate(modes)),
+                      "wait_s": 0.0, "sent": sum(costs.detail[li][m]["sent_bytes"][k] for li, m in enumerate(modes)),
+                      "recv": sum(costs.detail[li][m]["recv_bytes"][k] for li, m in enumerate(modes))}
+    pred = Prediction(step_s, coordinator_s, workers,
+                      [("block", li, costs.node[li][m]) for li, m in enumerate(modes)])
+    pred.busy = {**{w: v["compute_s"] for w, v in workers.items()},
+                 "peer links": sum(costs.detail[li][m]["wire_s"] for li, m in enumerate(modes)),
+                 "coordinator": coordinator_s}
+    return pred

@@ -13,9 +13,12 @@ Backward walks the steps in reverse. A tensor read by several steps (a residual 
 the block and its skip path) gets the sum of their gradients, added in the reverse order of the
 steps that read it, so one network and batch always give the same sums whatever the split.
 """
+import math
+
 import numpy as np
 
 from hetconv.channelwise import Activation, GlobalPool, Pool
+from hetconv.engine.costmodel import GraphShape
 from hetconv.net.spec import Add, Concat
 
 
@@ -48,6 +51,11 @@ class GraphPass:
                 last_read[j] = n
         self.last_read = last_read
         self._saved = {}
+
+    def shape(self):
+        """What the cost model prices a graph's blocks with (costmodel.GraphShape)."""
+        needs = {st.block: self.requires[st.inputs[0]] for st in self.steps if st.kind == "block"}
+        return GraphShape(tuple(needs[b] for b in sorted(needs)), math.prod(self.feature_shape))
 
     # ---- forward ---------------------------------------------------------------------------------
     def forward(self, engine, xs, train, step=None):

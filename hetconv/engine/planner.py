@@ -15,7 +15,7 @@ A plan is data: per layer, a mode and what each worker does in it.
 from dataclasses import dataclass, field, fields, replace
 import math
 
-from hetconv.engine.costmodel import FLOAT_BYTES, mode_costs, predict_any
+from hetconv.engine.costmodel import FLOAT_BYTES, graph_mode_costs, mode_costs, predict_any
 from hetconv.engine.microbatch import cheapest_micro_batches, micro_batch_count
 
 POLICIES = ("proportional", "equal")
@@ -604,7 +604,7 @@ def mode_shares(specs, batch, profiles, micro_batches=1):
 
 
 def choose_modes(specs, image_shape, batch, profiles, link, parallel="auto", micro_batches=1, value_bytes=FLOAT_BYTES,
-                 min_gain=0.02):
+                 min_gain=0.02, graph=None):
     """Model or data per conv layer, from the cost model: every layer priced in both modes at
     the shares its workers would get (mode_shares), then the cheapest chain (cheapest_modes).
     profiles: {worker: DeviceProfile} of the workers of the plan, in plan order.
@@ -613,7 +613,8 @@ def choose_modes(specs, image_shape, batch, profiles, link, parallel="auto", mic
     layers holds whole weights on every worker, and the model's error is a few percent). With
     one worker the two modes are the same: every layer is "model". A layer with fewer kernels
     than workers can only be data; a batch with fewer images than workers only model.
-    Returns a ModeChoice."""
+    `graph`: a costmodel.GraphShape where the network is a graph, whose blocks are priced as its
+    step runs them (graph_mode_costs). Returns a ModeChoice."""
     check_parallel(parallel)
     check_profiles(profiles)
     names = list(profiles)
@@ -621,7 +622,11 @@ def choose_modes(specs, image_shape, batch, profiles, link, parallel="auto", mic
     if not names:
         raise PlanError("no workers to choose modes for")
     counts, images = mode_shares(specs, batch, profiles, micro_batches)
-    costs = mode_costs(specs, image_shape, batch, counts, images, profiles, link, micro_batches, value_bytes)
+    if graph is None:
+        costs = mode_costs(specs, image_shape, batch, counts, images, profiles, link, micro_batches, value_bytes)
+    else:
+        costs = graph_mode_costs(specs, image_shape, batch, counts, images, profiles, link, graph.needs_dx,
+                                 micro_batches, value_bytes, graph.feature_floats * batch)
     inf = float("inf")
     for li, spec in enumerate(specs):
         if spec.kernels < len(names):
@@ -672,16 +677,17 @@ def cpu_groups(workers):
 
 
 def price_plan(specs, image_shape, batch, plan, profiles, link, exchange="peer", micro_batches=1,
-               value_bytes=FLOAT_BYTES):
+               value_bytes=FLOAT_BYTES, graph=None):
     """The cost model's seconds of one step of `plan` ({worker: DeviceProfile} for its workers;
     its modes and images), the coordinator's own FC work left out: it is the same whatever the
-    plan."""
+    plan. `graph`: a costmodel.GraphShape where the network is a graph."""
     return predict_any(exchange, specs, image_shape, batch, plan.counts(), {w: profiles[w] for w in plan.workers},
-                       link, 0.0, micro_batches, value_bytes, modes=plan.modes(), images=plan.images()).step_s
+                       link, 0.0, micro_batches, value_bytes, modes=plan.modes(), images=plan.images(),
+                       graph=graph).step_s
 
 
 def plan_profiles(specs, image_shape, batch, profiles, link, exchange="peer", parallel="auto", micro_batches=0,
-                  value_bytes=FLOAT_BYTES):
+                  value_bytes=FLOAT_BYTES, graph=None):
     """The proportional plan of calibrated profiles {worker: DeviceProfile} (in plan order), made
     as the coordinator makes one from its workers' calibration: the devices chosen on their
     all-model cost lines, each layer's mode by choose_modes (peer exchange), the micro-batches
@@ -694,14 +700,14 @@ def plan_profiles(specs, image_shape, batch, profiles, link, exchange="peer", pa
     kept = list(plan.workers)
     if len(kept) > 1 and exchange == "peer" and (forced is None or "data" in forced):
         choice = choose_modes(specs, image_shape, batch, {w: profiles[w] for w in kept}, link, parallel,
-                              micro_batch_count(micro_batches, batch, exchange, len(kept)), value_bytes)
+                              micro_batch_count(micro_batches, batch, exchange, len(kept)), value_bytes, graph=graph)
         if "data" in choice.modes:
             plan = replace(plan_from_lines(kernels, {w: lines[w] for w in kept}, use_all=True, modes=choice.modes,
                                            batch=batch, image_lines={w: image_lines[w] for w in kept}),
                            left_out=dict(plan.left_out))
 
     def price(m):
-        return price_plan(specs, image_shape, batch, plan, profiles, link, exchange, m, value_bytes)
+        return price_plan(specs, image_shape, batch, plan, profiles, link, exchange, m, value_bytes, graph)
 
     most = micro_batch_count(micro_batches, batch, exchange, len(plan.workers))
     picked = cheapest_micro_batches(micro_batches, "proportional", most, price)
@@ -758,7 +764,8 @@ class CoresTogether:
 
 
 def price_cores_together(specs, image_shape, batch, plan, profiles, together, threads, workers, link, exchange="peer",
-                         parallel="auto", micro_batches=0, value_bytes=FLOAT_BYTES, plan_micro_batches=1, host=""):
+                         parallel="auto", micro_batches=0, value_bytes=FLOAT_BYTES, plan_micro_batches=1, host="",
+                         graph=None):
     """`plan` ({worker: DeviceProfile} for its workers, priced at `plan_micro_batches`) against the
     plan with one CPU device of `threads` threads, `together` (its DeviceProfile, from its own
     calibration), in the place of `workers` (CPU workers of one host in the plan), made by
@@ -767,12 +774,13 @@ def price_cores_together(specs, image_shape, batch, plan, profiles, together, th
     if len(workers) < 2:
         raise PlanError(f"one device with the cores of several workers needs two or more of the plan's, got {workers!r}")
     check_profiles({together.name: together})
-    plan_step_s = price_plan(specs, image_shape, batch, plan, profiles, link, exchange, plan_micro_batches, value_bytes)
+    plan_step_s = price_plan(specs, image_shape, batch, plan, profiles, link, exchange, plan_micro_batches, value_bytes,
+                             graph)
     device = f"cpu:{int(threads)}"
     name = f"{device} (together)"
     others = [w for w in plan.workers if w not in workers]
     order = [name if w == workers[0] else w for w in plan.workers if w not in workers[1:]]
     alternative = {w: together if w == name else profiles[w] for w in order}
     _, _, step_s = plan_profiles(specs, image_shape, batch, alternative, link, exchange, parallel, micro_batches,
-                                 value_bytes)
+                                 value_bytes, graph)
     return CoresTogether(device, int(threads), tuple(workers), step_s, plan_step_s, not others, host)
