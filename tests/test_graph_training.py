@@ -287,3 +287,25 @@ def test_the_cost_model_prices_each_graph_block_as_the_graph_step_moves_it():
 def layer_geometry_of(specs, image_shape, batch):
     from hetconv.engine.costmodel import layer_geometry
     return layer_geometry(specs, image_shape, batch)
+
+
+def test_a_worker_refuses_a_graph_that_is_not_its_plans():
+    """PEERS' graph comes from the network: it must be a graph whose conv blocks are the plan's
+    layers, or the worker says what it got."""
+    from types import SimpleNamespace
+    from hetconv.engine.planner import LayerPlan
+    from hetconv.net import preset
+    from hetconv.worker.peers import PeerLinks
+    spec = preset("resnet9", (3, 16, 16), 10, 0.0625)
+    kernels = [b.kernels for b in spec.conv_layers()]
+    links = SimpleNamespace(ranges=[{"a": (0, k)} for k in kernels],
+                            layer_plans=[LayerPlan(li, k, {"a": (0, k)}, {}) for li, k in enumerate(kernels)])
+    assert PeerLinks._graph(links, spec.to_json()).spec == spec
+    with pytest.raises(ValueError, match="PEERS graph is a chain"):
+        PeerLinks._graph(links, preset("vgg-small", (3, 16, 16), 10).to_json())
+    with pytest.raises(ValueError, match=r"conv blocks of \[4, 8, 8, 8, 16, 32, 32, 32\] kernels, the plan's layers "
+                                         r"\[4, 8, 8, 8, 16, 32, 32, 33\]"):
+        PeerLinks._graph(SimpleNamespace(ranges=links.ranges, layer_plans=links.layer_plans[:-1] + [
+            LayerPlan(7, 33, {"a": (0, 33)}, {})]), spec.to_json())
+    with pytest.raises(ValueError, match="PEERS graph is list"):
+        PeerLinks._graph(links, [1, 2])
