@@ -41,10 +41,10 @@ def torch_run(cfg, module=None):
     return losses, {k: v.detach().numpy() for k, v in module.state_dict().items()}
 
 
-def assert_equal_runs(got, want):
+def assert_equal_runs(got, want, rtol=1e-4, atol=1e-5):
     """Two checkpoints (checkpoint.load's (meta, conv, fc)) hold the same state, name by name."""
     (_, conv, fc), (_, other_conv, other_fc) = got, want
     for g, w in zip(conv + fc, other_conv + other_fc):
         assert sorted(g) == sorted(w)
         for key in w:
-            np.testing.assert_allclose(g[key], w[key], rtol=1e-4, atol=1e-5, err_msg=key)
+            np.testing.assert_allclose(g[key], w[key], rtol=rtol, atol=atol, err_msg=key)

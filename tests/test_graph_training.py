@@ -195,6 +195,31 @@ def test_two_workers_equal_local_and_three_uneven_ones_survive_a_lost_worker_and
     assert_equal_runs(got, local)
 
 
+def test_on_a_bfloat16_wire_the_peer_step_rounds_where_the_coordinator_would(local_run, tmp_path):
+    """A 16-bit wire rounds each block's input, output, gradient and partial dX once, where they
+    would cross it through the coordinator: the peer step's model blocks give, bit for bit, what
+    the same split gives in one process (star, the coordinator joining the blocks)."""
+    cfg, _, _ = local_run
+    cfg = Config(**{**cfg.to_json(), "wire_dtype": "bfloat16", "micro_batches": 2,
+                    "checkpoint_dir": str(tmp_path / "one" / "ck")})
+    spec = load_net(cfg.net, (3, 16, 16), 10).spec
+    kernels = [b.kernels for b in spec.conv_layers()]
+    counts = {w: [k // 2 + (1 if i < k % 2 else 0) for k in kernels] for i, w in enumerate(("w0-cpu", "w1-cpu"))}
+    engine = LocalEngine({w: ConvShard(open_device("cpu", threads=1)) for w in counts}, wire="auto")
+    engine.fixed_plan = fixed_plan(kernels, counts)
+    losses = train(cfg, engine, log=quiet)["losses"]
+    engine = RemoteEngine("tcp://127.0.0.1:0", 0, ["cpu"] * 2, threads=1, connect_timeout=60, log=quiet, wire="auto")
+    engine.fixed_plan = fixed_plan(kernels, counts)
+    try:
+        summary = train(Config(**{**cfg.to_json(), "checkpoint_dir": str(tmp_path / "ck")}), engine, log=quiet)
+    finally:
+        engine.close()
+    assert engine.wire == "bfloat16"
+    assert summary["losses"] == losses
+    assert_equal_runs(checkpoint.load(str(tmp_path / "ck")), checkpoint.load(str(tmp_path / "one" / "ck")), rtol=0,
+                      atol=0)
+
+
 def test_the_export_keeps_the_modules_keys_and_gives_hetconvs_logits(local_run, tmp_path):
     from hetconv.cli import export
     from hetconv.training.trained_model import InProcessModel, load_model
