@@ -668,10 +668,36 @@ def write_parallel(out_dir, result, stem):
                      f"{num(r.get('model_error_pct'), '{:+.1f}%')} | {modes_text(r.get('modes') or [])} | "
                      f"{micro_text} | {', '.join(images)} | {choice_text} | {r.get('foreign_load_cores', 0):.2f} |")
     lines += layer_compute_table(rows)
+    lines += bytes_table(rows)
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
         f.write(text)
     print("\n" + text)
+
+
+def bytes_table(rows):
+    """A graph's rows: megabytes a step by what they carry, as the cost model counts them for the
+    run's plan, beside what the workers measured sending to each other (STEP_DONE's peer bytes,
+    headers included) and what crossed the coordinator's link."""
+    mine = [r for r in rows if r.get("ok") and (r.get("prediction") or {}).get("bytes_by_kind")]
+    if not mine:
+        return []
+    kinds = list(dict.fromkeys(k for r in mine for k in r["prediction"]["bytes_by_kind"]))
+    lines = ["", "Megabytes a step by what they carry (a graph: every block's output all-gathered among the workers, "
+                 "a model block's partial input gradient to every other worker, a data block's input gradient by "
+                 "images and its weight gradients), priced for the run's plan; measured: sent among the workers and "
+                 "through the coordinator's link (median step):", "",
+             "| link | row | " + " | ".join(kinds) + " | priced among the workers | measured among the workers | "
+             "measured through the coordinator |",
+             "|---|---|" + "---:|" * (len(kinds) + 3)]
+    for r in mine:
+        by_kind = r["prediction"]["bytes_by_kind"]
+        among = sum(v for k, v in by_kind.items() if "coordinator" not in k)
+        peer = sum(w.get("peer_sent", 0) for w in r["workers"].values())
+        coordinator = sum(w.get("sent", 0) + w.get("recv", 0) for w in r["workers"].values())
+        lines.append(f"| {r.get('rate')} | {r['kind']} | " + " | ".join(f"{by_kind.get(k, 0) / 1e6:.1f}" for k in kinds)
+                     + f" | {among / 1e6:.1f} | {peer / 1e6:.1f} | {coordinator / 1e6:.1f} |")
+    return lines
 
 
 def layer_compute_table(rows):

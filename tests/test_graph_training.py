@@ -304,6 +304,10 @@ def test_the_cost_model_prices_each_graph_block_as_the_graph_step_moves_it():
         assert detail[li]["model"]["sent_bytes"][0] == pytest.approx(out_half + (whole_in if li else 0))
     assert pred.workers["a"]["sent"] == pytest.approx(sum(detail[li]["model"]["sent_bytes"][0]
                                                           for li in range(len(specs))))
+    among = {k: v for k, v in pred.bytes_by_kind.items() if "coordinator" not in k}
+    assert sorted(among) == ["block outputs", "images (among the workers)", "partial input gradients"]
+    assert sum(among.values()) == pytest.approx(sum(w["sent"] for w in pred.workers.values())
+                                                + batch * 3 * 32 * 32 * 4)
     no_dx = choose_modes(specs, spec.input_shape, batch, profiles, link, "model",
                          graph=GraphShape((True,) * len(specs), 512)).costs.detail
     assert no_dx[0]["model"]["wire_s"] > detail[0]["model"]["wire_s"]

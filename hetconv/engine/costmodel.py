@@ -267,8 +267,11 @@ class Prediction:
     phases: list             # (phase, layer, seconds)
 
     def to_json(self):
-        return {"step_s": self.step_s, "coordinator_s": self.coordinator_s, "workers": self.workers,
-                "phases": [{"phase": p, "layer": l, "seconds": s} for p, l, s in self.phases]}
+        d = {"step_s": self.step_s, "coordinator_s": self.coordinator_s, "workers": self.workers,
+             "phases": [{"phase": p, "layer": l, "seconds": s} for p, l, s in self.phases]}
+        if getattr(self, "bytes_by_kind", None):
+            d["bytes_by_kind"] = dict(self.bytes_by_kind)     # a graph's step: what its bytes carry
+        return d
 
 
 def predict_step(specs, image_shape, batch, counts, profiles, link, coordinator_s, value_bytes=FLOAT_BYTES,
@@ -712,22 +715,26 @@ def graph_mode_costs(specs, image_shape, batch, counts, images, profiles, link, 
                    "data": max(_compute_s(profiles[w].layers[li], total, images[w][li], sizes, batch) for w in names)}
         wire = {"model": 0.0, "data": 0.0}
         moved = {m: ([0.0] * p, [0.0] * p) for m in MODES}       # bytes each worker sends and receives
+        kinds = {m: {} for m in MODES}                          # bytes sent by all workers, by what they carry
         if p > 1:
             out_bytes, in_bytes = n * total * hp * wp * value_bytes, n * c * h * wd * value_bytes
             shares = {"model": [counts[w][li] / total for w in names], "data": [images[w][li] / batch for w in names]}
             for mode, fractions in shares.items():
-                traffic = [([out_bytes * f * (p - 1) for f in fractions], [out_bytes * (1 - f) for f in fractions])]
+                traffic = [("block outputs", [out_bytes * f * (p - 1) for f in fractions],
+                            [out_bytes * (1 - f) for f in fractions])]
                 if needs_dx[li] and mode == "model":
-                    traffic.append(([in_bytes * (p - 1)] * p, [in_bytes * (p - 1)] * p))
+                    traffic.append(("partial input gradients", [in_bytes * (p - 1)] * p, [in_bytes * (p - 1)] * p))
                 elif needs_dx[li]:
-                    traffic.append(([in_bytes * r * (p - 1) for r in fractions], [in_bytes * (1 - r) for r in fractions]))
+                    traffic.append(("input gradients", [in_bytes * r * (p - 1) for r in fractions],
+                                    [in_bytes * (1 - r) for r in fractions]))
                 if mode == "data":
                     dw = weight_floats(spec) * FLOAT_BYTES * (p - 1)
-                    traffic.append(([dw] * p, [dw] * p))
-                for sent, recv in traffic:
+                    traffic.append(("weight gradients", [dw] * p, [dw] * p))
+                for kind, sent, recv in traffic:
                     wire[mode] += _links_s(sent, recv, link) + messages
                     moved[mode] = ([a + b for a, b in zip(moved[mode][0], sent)],
                                    [a + b for a, b in zip(moved[mode][1], recv)])
+                    kinds[mode][kind] = kinds[mode].get(kind, 0.0) + sum(sent)
         coordinator = 0.0
         if li == 0:
             x_bytes = batch * math.prod(image_shape) * FLOAT_BYTES
@@ -736,7 +743,8 @@ def graph_mode_costs(specs, image_shape, batch, counts, images, profiles, link, 
                 coordinator += _links_s([x_bytes * (p - 1) / p] * p, [x_bytes * (p - 1) / p] * p, link)
         node.append({m: compute[m] + wire[m] + coordinator for m in MODES})
         detail.append({m: {"compute_s": compute[m], "wire_s": wire[m], "coordinator_s": coordinator,
-                           "sent_bytes": moved[m][0], "recv_bytes": moved[m][1]} for m in MODES})
+                           "sent_bytes": moved[m][0], "recv_bytes": moved[m][1], "bytes_by_kind": kinds[m]}
+                       for m in MODES})
         edge.append({} if li == 0 else {(a, b): 0.0 for a in MODES for b in MODES})
     return ModeCosts(node, edge, detail)
 
@@ -767,14 +775,22 @@ def predict_graph_step(specs, image_shape, batch, counts, profiles, link, coordi
     workers = {}
     for w in names:
         sizes = split_sizes(batch, micro_batches)
-        compute = sum(_compute_s(profiles[w].layers[li], counts[w][li] if m == "model" else specs[li].kernels,
-                                 batch if m == "model" else images[w][li], sizes, batch) for li, m in enumerate(modes))
         k = names.index(w)
-        workers[w] = {"compute_s": compute, "wire_s": sum(costs.detail[li][m]["wire_s"] for li, m in enumerate(modes)),
+        layer_compute = [_compute_s(profiles[w].layers[li], counts[w][li] if m == "model" else specs[li].kernels,
+                                    batch if m == "model" else images[w][li], sizes, batch) for li, m in enumerate(modes)]
+        workers[w] = {"compute_s": sum(layer_compute), "layer_compute_s": layer_compute,
+                      "wire_s": sum(costs.detail[li][m]["wire_s"] for li, m in enumerate(modes)),
                       "wait_s": 0.0, "sent": sum(costs.detail[li][m]["sent_bytes"][k] for li, m in enumerate(modes)),
                       "recv": sum(costs.detail[li][m]["recv_bytes"][k] for li, m in enumerate(modes))}
     pred = Prediction(step_s, coordinator_s, workers,
                       [("block", li, costs.node[li][m]) for li, m in enumerate(modes)])
+    image_bytes, feature_bytes = batch * math.prod(image_shape) * FLOAT_BYTES, batch * graph.feature_floats * FLOAT_BYTES
+    by_kind = {"images and features (coordinator)": image_bytes + feature_bytes * (1 + len(names)),
+               "images (among the workers)": image_bytes * (len(names) - 1)}
+    for li, m in enumerate(modes):
+        for kind, moved in costs.detail[li][m]["bytes_by_kind"].items():
+            by_kind[kind] = by_kind.get(kind, 0.0) + moved
+    pred.bytes_by_kind = by_kind
     pred.busy = {**{w: v["compute_s"] for w, v in workers.items()},
                  "peer links": sum(costs.detail[li][m]["wire_s"] for li, m in enumerate(modes)),
                  "coordinator": coordinator_s}
