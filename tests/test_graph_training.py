@@ -172,13 +172,13 @@ def distributed(cfg, tmp_path, workers, micro, counts=None, fault=None, resume=N
 
 
 def test_two_workers_equal_local_and_three_uneven_ones_survive_a_lost_worker_and_a_resume(local_run, tmp_path):
-    """Through the coordinator (star), two workers with four micro-batches: as --local. Then the
-    peer step: three workers, model blocks with one worker holding a single kernel of each and
-    data blocks with uneven images, the third killed in step 3: the survivors replay from the
-    snapshot and stop at step 4; a resume onto two workers with other modes and shares and four
-    micro-batches finishes the run: as --local."""
+    """Through the coordinator (star), two workers: as --local. Then the peer step: three workers
+    with two micro-batches, model blocks with one worker holding a single kernel of each and data
+    blocks with uneven images, the third killed in step 3: the survivors replay from the snapshot
+    on a plan the cost model makes (--parallel auto) and stop at step 4; a resume onto two workers
+    with other modes and shares and four micro-batches finishes the run: as --local."""
     cfg, losses, local = local_run
-    summary, got = distributed(cfg, tmp_path / "star", 2, 4, exchange="star")
+    summary, got = distributed(cfg, tmp_path / "star", 2, 1, exchange="star")
     np.testing.assert_allclose(summary["losses"], losses, rtol=1e-5)
     assert_equal_runs(got, local)
 
