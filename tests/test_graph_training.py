@@ -264,13 +264,17 @@ def test_hetconv_plan_prices_a_graphs_blocks_in_the_modes_asked_naming_them(tmp_
     spec = preset("resnet9", IMAGE_SHAPE, NUM_CLASSES, 0.0625)
     specs = [ConvSpec.from_layer(b) for b in spec.conv_layers()]
     (tmp_path / "cpu.json").write_text(json.dumps(cpu_profile("cpu", specs, IMAGE_SHAPE).to_json()))
-    assert plan.main(["--net", "resnet9@0.0625", "--devices", f"@{tmp_path / 'cpu.json'}x2", "--link", "1gbit",
-                      "--parallel", "data", "--json"]) == 0
+    devices = ["--net", "resnet9@0.0625", "--devices", f"@{tmp_path / 'cpu.json'}x2", "--link", "1gbit"]
+    assert plan.main(devices + ["--parallel", "data", "--json"]) == 0
     out = capsys.readouterr()
     row = json.loads(out.out)["rows"][-1]
     assert row["modes"] == ["data"] * len(specs) and row["blocks"][:2] == ["prep.conv", "layer1.conv"]
-    assert row["wire_mb"] > 0
+    assert row["wire_mb"] > 0 and row["prediction"]["bytes_by_kind"]["weight gradients"] > 0
     assert "each block's output all-gathered among the workers" in out.err
+    assert plan.main(devices + ["--parallel", "model"]) == 0
+    out = capsys.readouterr().out
+    assert "\nconv1 " in out and "model (prep.conv)" in out
+    assert "by what they carry: images and features (coordinator)" in out and "partial input gradients" in out
 
 
 def test_the_cost_model_prices_each_graph_block_as_the_graph_step_moves_it():

@@ -276,6 +276,10 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
     if note:
         print(note)
     print(mode_table(rows[-1]))
+    by_kind = rows[-1]["prediction"].get("bytes_by_kind")
+    if by_kind:
+        print(f"a step's bytes with {len(rows[-1]['devices'])} device(s), by what they carry: "
+              + ", ".join(f"{kind} {moved / 1e6:.1f} MB" for kind, moved in by_kind.items()))
     return 0
 
 
