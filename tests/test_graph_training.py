@@ -4,6 +4,8 @@ and a 1x1 projection), a concatenation of branches and a pooled branch trains th
 statistics); the resnet9, resnet18 and inception-small presets' graphs do too; a distributed run
 equals `--local` with even and uneven shares, micro-batches, a worker lost mid-run and a resume
 onto another plan; the export gives back the module's own state_dict keys and hetconv's logits."""
+import json
+
 import numpy as np
 import pytest
 
@@ -198,10 +200,11 @@ def test_two_workers_equal_local_and_three_uneven_ones_survive_a_lost_worker_and
 def test_on_a_bfloat16_wire_the_peer_step_rounds_where_the_coordinator_would(local_run, tmp_path):
     """A 16-bit wire rounds each block's input, output, gradient and partial dX once, where they
     would cross it through the coordinator: the peer step's model blocks give, bit for bit, what
-    the same split gives in one process (star, the coordinator joining the blocks)."""
+    the same split gives in one process (star, the coordinator joining the blocks), with the
+    update clipped by the global gradient norm the workers sum among themselves."""
     cfg, _, _ = local_run
-    cfg = Config(**{**cfg.to_json(), "wire_dtype": "bfloat16", "micro_batches": 2,
-                    "checkpoint_dir": str(tmp_path / "one" / "ck")})
+    cfg = Config(**{**cfg.to_json(), "wire_dtype": "bfloat16", "micro_batches": 2, "clip_grad_norm": 0.3,
+                    "checkpoint_dir": str(tmp_path / "one" / "ck"), "metrics": str(tmp_path / "one.jsonl")})
     spec = load_net(cfg.net, (3, 16, 16), 10).spec
     kernels = [b.kernels for b in spec.conv_layers()]
     counts = {w: [k // 2 + (1 if i < k % 2 else 0) for k in kernels] for i, w in enumerate(("w0-cpu", "w1-cpu"))}
@@ -211,11 +214,15 @@ def test_on_a_bfloat16_wire_the_peer_step_rounds_where_the_coordinator_would(loc
     engine = RemoteEngine("tcp://127.0.0.1:0", 0, ["cpu"] * 2, threads=1, connect_timeout=60, log=quiet, wire="auto")
     engine.fixed_plan = fixed_plan(kernels, counts)
     try:
-        summary = train(Config(**{**cfg.to_json(), "checkpoint_dir": str(tmp_path / "ck")}), engine, log=quiet)
+        summary = train(Config(**{**cfg.to_json(), "checkpoint_dir": str(tmp_path / "ck"),
+                                   "metrics": str(tmp_path / "peer.jsonl")}), engine, log=quiet)
     finally:
         engine.close()
     assert engine.wire == "bfloat16"
     assert summary["losses"] == losses
+    for metrics in ("one.jsonl", "peer.jsonl"):           # every step clipped, in both runs
+        scales = [r["grad_scale"] for r in map(json.loads, open(tmp_path / metrics)) if r["event"] == "step"]
+        assert len(scales) == STEPS and max(scales) < 0.9
     assert_equal_runs(checkpoint.load(str(tmp_path / "ck")), checkpoint.load(str(tmp_path / "one" / "ck")), rtol=0,
                       atol=0)
 
@@ -256,7 +263,6 @@ def test_planning_prices_a_graphs_blocks_on_their_own_shapes_and_times_its_joins
 
 
 def test_hetconv_plan_prices_a_graphs_blocks_in_the_modes_asked_naming_them(tmp_path, capsys):
-    import json
     from test_parallel_plan import cpu_profile
     from hetconv.cli import plan
     from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES, ConvSpec

@@ -911,12 +911,7 @@ class RemoteEngine(ShardEngine):
         for layer in range(len(self.specs)):
             hw = self.pooled_output_hw(layer, hw)
         sent_at = time.perf_counter()
-        pending = {}
-        for name in names:
-            seq = self._send(self.peers[name], "STEP", doing=doing, step=step, micro_batches=micros, train=train,
-                             update=None if update is None else update.to_json(), sizes=[len(x) for x in xs],
-                             train_step=int(train_step[0]), seed=int(train_step[1]))
-            pending[seq] = name
+        pending = self._start_step(step, xs, train, update, train_step, doing)
         for m, x in enumerate(xs):
             x = np.ascontiguousarray(x)
             if first.mode == "data":                           # each its own rows: nothing is all-gathered
@@ -976,18 +971,34 @@ class RemoteEngine(ShardEngine):
                 del pending[msg.seq]
                 self._record(peer.name, None, msg.fields, roundtrip_s=time.perf_counter() - sent_at)
                 norms[peer.name] = msg.fields.get("sum_of_squares")
-        if next_micro < micros:
-            raise WorkerLost(f"{doing}: the workers finished without sending micro-batch {next_micro}'s features")
-        factor = 1.0
-        if clip:
-            # every worker summed the same parts in the same order: one total, reported by each
-            totals = {norms.get(name) for name in names}
-            total = totals.pop() if len(totals) == 1 else None
-            if not (isinstance(total, float) and math.isfinite(total) and total >= 0):
-                raise WorkerError(names[0], doing, "NormError", f"the workers report different or no global gradient "
-                                                                 f"norms: {dict((n, norms.get(n)) for n in names)}")
-            factor = clip_factor(total, update.max_norm)
-        return features, factor
+        return self._step_result(features, next_micro, norms, doing, update if clip else None)
+
+    def _start_step(self, step, xs, train, update, train_step, doing):
+        """STEP to every worker of the plan -> {seq: worker}, the replies the step waits for."""
+        pending = {}
+        for name in self.plan.workers:
+            seq = self._send(self.peers[name], "STEP", doing=doing, step=step, micro_batches=len(xs), train=train,
+                             update=None if update is None else update.to_json(), sizes=[len(x) for x in xs],
+                             train_step=int(train_step[0]), seed=int(train_step[1]))
+            pending[seq] = name
+        return pending
+
+    def _step_result(self, features, received, norms, doing, clipping):
+        """(features, clipping factor) once every worker has said STEP_DONE: every micro-batch's
+        features must have come (`received` of them), and where the update clips (`clipping`, its
+        rule) every worker must report the same global gradient norm, as each summed the same parts
+        in the same order."""
+        if received < len(features):
+            raise WorkerLost(f"{doing}: the workers finished without sending micro-batch {received}'s features")
+        if clipping is None:
+            return features, 1.0
+        names = self.plan.workers
+        totals = {norms.get(name) for name in names}
+        total = totals.pop() if len(totals) == 1 else None
+        if not (isinstance(total, float) and math.isfinite(total) and total >= 0):
+            raise WorkerError(names[0], doing, "NormError", f"the workers report different or no global gradient "
+                                                             f"norms: {dict((n, norms.get(n)) for n in names)}")
+        return features, clip_factor(total, clipping.max_norm)
 
     def _graph_peer_step(self, xs, head, update, train_step=(0, 0), head_sum_of_squares=None):
         """_peer_step for a graph (worker.graph_step): each worker 1/P of every micro-batch's
@@ -1001,12 +1012,7 @@ class RemoteEngine(ShardEngine):
         doing = f"{'training' if train else 'inference'} step {step}"
         shape = self.graph.feature_shape
         sent_at = time.perf_counter()
-        pending = {}
-        for name in names:
-            seq = self._send(self.peers[name], "STEP", doing=doing, step=step, micro_batches=micros, train=train,
-                             update=None if update is None else update.to_json(), sizes=[len(x) for x in xs],
-                             train_step=int(train_step[0]), seed=int(train_step[1]))
-            pending[seq] = name
+        pending = self._start_step(step, xs, train, update, train_step, doing)
         for m, x in enumerate(xs):
             for name, piece in zip(names, np.array_split(np.ascontiguousarray(x, np.float32), len(names))):
                 self._send(self.peers[name], "INPUT", [piece], doing=doing, step=step, micro=m)
@@ -1037,17 +1043,7 @@ class RemoteEngine(ShardEngine):
                 del pending[msg.seq]
                 self._record(peer.name, None, msg.fields, roundtrip_s=time.perf_counter() - sent_at)
                 norms[peer.name] = msg.fields.get("sum_of_squares")
-        if next_micro < micros:
-            raise WorkerLost(f"{doing}: the workers finished without sending micro-batch {next_micro}'s features")
-        factor = 1.0
-        if clip:
-            totals = {norms.get(name) for name in names}
-            total = totals.pop() if len(totals) == 1 else None
-            if not (isinstance(total, float) and math.isfinite(total) and total >= 0):
-                raise WorkerError(names[0], doing, "NormError", f"the workers report different or no global gradient "
-                                                                 f"norms: {dict((n, norms.get(n)) for n in names)}")
-            factor = clip_factor(total, update.max_norm)
-        return features, factor
+        return self._step_result(features, next_micro, norms, doing, update if clip else None)
 
     def close(self):
         """Shut every worker down; on every exit path, spawned processes end."""
