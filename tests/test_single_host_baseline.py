@@ -190,7 +190,7 @@ def _coordinator(monkeypatch, together_per_kernel, calibration_s=1.0, hosts=("he
     plan, micro, _ = plan_profiles(PAPER, IMAGE, BATCH, {"w0": one, "w1": one}, LINK)
     engine = types.SimpleNamespace(peers=peers, calibration=calibration, calibration_s=calibration_s,
                                    micro_choice={"micro_batches": micro}, exchange="peer", wire="float32",
-                                   log=logged.append)
+                                   log=logged.append, _graph_shape=lambda: None)
     cfg = Config(net="paper", batch_size=BATCH, link="1gbit").validate()
     shapes = [(BATCH,) + IMAGE, (BATCH, 500, 14, 14)]
     got = remote.RemoteEngine._price_cores_together(engine, plan, PAPER, shapes, cfg)
