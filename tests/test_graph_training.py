@@ -197,6 +197,19 @@ def test_two_workers_equal_local_and_three_uneven_ones_survive_a_lost_worker_and
     assert_equal_runs(got, local)
 
 
+@pytest.mark.parametrize("name,width,workers,modes", [("resnet9", 0.0625, 2, "DDMMDMDM"),
+                                                      ("inception-small", 0.25, 3, "DMDDDMDMMDMDM")])
+def test_graph_presets_train_as_torch_sgd_does_on_workers_with_model_and_data_blocks(tmp_path, name, width, workers,
+                                                                                    modes):
+    """The presets' graphs over the peer step, model and data blocks mixed, uneven images and two
+    micro-batches: as PyTorch's SGD (as on two shards in one process above)."""
+    (tmp_path / "preset.py").write_text(PRESET_MODULE.format(name=name, width=width))
+    cfg = config(f"{tmp_path / 'preset.py'}:build", tmp_path, lr=0.01)
+    images = {f"w{i}-cpu": n for i, n in enumerate([5, 11] if workers == 2 else [3, 8, 5])}
+    summary, (_, conv, fc) = distributed(cfg, tmp_path, workers, 2, modes=modes, images=images)
+    assert_equals_torch(cfg, summary["losses"], conv, fc, atol=3e-4)
+
+
 def test_on_a_bfloat16_wire_the_peer_step_rounds_where_the_coordinator_would(local_run, tmp_path):
     """A 16-bit wire rounds each block's input, output, gradient and partial dX once, where they
     would cross it through the coordinator: the peer step's model blocks give, bit for bit, what

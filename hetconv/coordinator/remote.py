@@ -682,13 +682,13 @@ class RemoteEngine(ShardEngine):
         if forced is not None and "data" in forced and self.exchange == "star":
             raise PlanError(f"--parallel {cfg.parallel} needs --exchange peer: --exchange star sends every layer through "
                             f"the coordinator and splits only kernels")
+        if self.fixed_plan is not None:             # checked when it was made: its data layers need no kernel each
+            self.decide_wire(cfg)
+            return self.fixed_plan
         too_few = [k for li, k in enumerate(kernels) if k < len(self.peers) and (forced is None or forced[li] == "model")]
         if too_few:
             raise PlanError(f"{len(self.peers)} workers but a conv layer has only {min(too_few)} kernels: "
                             f"every worker needs at least one kernel of every layer (use fewer workers or wider --conv)")
-        if self.fixed_plan is not None:
-            self.decide_wire(cfg)
-            return self.fixed_plan
         self.log(f"calibrating {len(self.peers)} worker(s): each times its share of every conv layer on the real "
                  f"shapes, after a warm-up (seconds to a minute) ...")
         speeds = self.calibrate(specs, input_shapes, cfg)
