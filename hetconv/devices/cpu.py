@@ -120,6 +120,15 @@ AUTO_BF16_MARGIN = 0.04
 # against 2-4 on oneDNN, under either OpenBLAS kernel), where oneDNN's OpenMP threads sleep.
 DNNL_PATHS = ("im2col-dnnl", "im2col-bf16", "shifted-dnnl", "shifted-bf16")
 BF16_PATHS = ("im2col-bf16", "shifted-bf16")
+# ... and where oneDNN is installed, a device of two or more threads choosing its own paths runs no
+# direct path on OpenBLAS at all: OpenBLAS's pthreads keep spinning after each call on the very
+# cores the next Numba pass and oneDNN GEMM (one OpenMP pool) need, a cost that falls on the layers
+# after the call, so a layer timed alone cannot see it. vgg-small at batch 32, 2 threads, quiet
+# host: the OpenBLAS layers' neighbours ran 1.3-1.8x slower than alone (its 32x32 layer's forward
+# 5.9 ms in the step against 3.3 ms alone), and the step took 52 ms with OpenBLAS's shifted path
+# on five layers against 43 ms with every GEMM on oneDNN. OpenBLAS is held to one thread there:
+# the FFT path (one BLAS thread per call, split over its own threads) still runs on it.
+OPENBLAS_PATHS = ("im2col", "shifted")
 # "auto" times the paths a layer can take (im2col; shifted and FFT at stride 1, FFT within its
 # budget) on the first call with each shape: forward and backward with dX on the call's own input
 # and weights, one warm-up run per path, then AUTO_TIMED_ROUNDS rounds (or more, below) in
@@ -868,9 +877,6 @@ class CpuDevice(Device):
         self.precision = precision
         self.threads = int(min(threads, numba.config.NUMBA_NUM_THREADS))
         numba.set_num_threads(self.threads)
-        # Held for the device's lifetime: BLAS threads beyond our share only oversubscribe cores
-        # that another worker on this host was given.
-        self._blas_limit = threadpool_limits(limits=self.threads, user_api="blas")
         self.im2col_budget_bytes = int(im2col_budget_bytes)
         self.saved_cols_budget_bytes = int(saved_cols_budget_bytes)
         self.name = "cpu"
@@ -897,6 +903,11 @@ class CpuDevice(Device):
         self._shifted_gemms = {"shifted": ShiftedBlasGemms(self)}    # shifted path -> its GEMMs
         # onednn: None, its paths where it is installed; False, OpenBLAS's only (as without it)
         self._dnnl, self.bf16_missing = self._open_dnnl(conv_path, precision, onednn)
+        # the direct paths' GEMMs all on oneDNN's OpenMP threads, OpenBLAS on one (see OPENBLAS_PATHS)
+        self.openmp_gemms_only = self._dnnl is not None and self.threads > 1 and conv_path == "auto"
+        # Held for the device's lifetime: BLAS threads beyond our share only oversubscribe cores
+        # that another worker on this host was given.
+        self._blas_limit = threadpool_limits(limits=1 if self.openmp_gemms_only else self.threads, user_api="blas")
         if self._dnnl is not None:
             self._path_gemms["im2col-dnnl"] = DnnlGemms(self, self._dnnl)
             self._shifted_gemms["shifted-dnnl"] = ShiftedDnnlGemms(self, self._dnnl)
@@ -1046,8 +1057,10 @@ class CpuDevice(Device):
         candidates = (["im2col"] + (["shifted"] if stride == (1, 1) else []) + ([] if declined else ["fft"])
                       + [p for p in DNNL_PATHS if p in have and (stride == (1, 1) or p not in self._shifted_gemms)
                          and (p not in BF16_PATHS or self.precision == "auto")])
+        if self.openmp_gemms_only:
+            candidates = [p for p in candidates if p not in OPENBLAS_PATHS]
         if len(candidates) == 1:
-            return _PathChoice("im2col", f"the only path here: {declined}")
+            return _PathChoice(candidates[0], f"the only path here: {declined}")
         return self._timed_choice(candidates, x, w, stride, padding, block, flops, declined)
 
     def _timed_choice(self, candidates, x, w, stride, padding, block, flops, declined):

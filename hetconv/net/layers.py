@@ -1,11 +1,53 @@
 """The layers that stay on the coordinator: fully connected, ReLU, softmax cross-entropy.
 
-Plain numpy on float32; the FC GEMMs go to BLAS. Shapes are noted as (batch, features).
+Plain numpy on float32. Shapes are noted as (batch, features). The FC GEMMs run on oneDNN's sgemm
+where it is installed (the `onednn` extra), on the OpenMP threads Numba runs on, else on numpy's
+BLAS. Why: numpy's OpenBLAS keeps its pthreads spinning after each call on the cores the conv
+layers compute on next; at vgg-small's size (batch 32, 1024 -> 256 -> 10) the head's GEMMs take
+~0.1 ms, and an OpenBLAS thread left spinning beside a two-thread conv slowed the layers after it
+by more than that, and under other tenants' load OpenBLAS's two threads took 10-30 ms a call.
 """
+import numba
 import numpy as np
 
 from hetconv.params import default_init
 from hetconv.update import SLOTS, apply_update, slot_name
+
+_gemm_library = None        # oneDNN (devices/dnnl.py) where installed, False where not; looked up once
+
+
+def _sgemm():
+    global _gemm_library
+    if _gemm_library is None:
+        from hetconv.devices import dnnl
+        _gemm_library = dnnl.load() if dnnl.available() else False
+    return _gemm_library
+
+
+def gemm(a, b, out=None, accumulate=False):
+    """a @ b for 2-D float32 views (row-major, or transposed views of row-major blocks), into a
+    new array, or added into `out` (float32, row-contiguous) where `accumulate`, else written
+    there. oneDNN's sgemm where installed, on as many threads as Numba runs here; numpy's
+    matmul otherwise, and for any other dtype or layout."""
+    lib = _sgemm()
+    plain = not lib or a.dtype != np.float32 or b.dtype != np.float32 or not (
+        _one_unit_stride(a) and _one_unit_stride(b))
+    if plain:
+        if out is None:
+            return a @ b
+        if accumulate:
+            out += a @ b
+        else:
+            np.matmul(a, b, out=out)
+        return out
+    if out is None:
+        out = np.empty((a.shape[0], b.shape[1]), np.float32)
+    lib.sgemm(a, b, out, 1.0 if accumulate else 0.0, numba.get_num_threads())
+    return out
+
+
+def _one_unit_stride(a):
+    return a.ndim == 2 and (a.strides[1] == a.itemsize or a.strides[0] == a.itemsize)
 
 
 class Linear:
@@ -27,16 +69,18 @@ class Linear:
 
     def forward(self, x):                           # (N, in) -> (N, out)
         self._x = x
-        return x @ self.w.T + self.b
+        y = gemm(x, self.w.T)
+        y += self.b
+        return y
 
     def backward(self, dy, accumulate=False):        # (N, out) -> (N, in); keeps (or adds to) dw, db
-        dw, db = dy.T @ self._x, dy.sum(axis=0)
+        db = dy.sum(axis=0)
         if accumulate:                               # a later micro-batch of the same step
-            self.dw += dw
+            gemm(dy.T, self._x, out=self.dw, accumulate=True)
             self.db += db
         else:
-            self.dw, self.db = dw, db
-        dx = dy @ self.w
+            self.dw, self.db = gemm(dy.T, self._x), db
+        dx = gemm(dy, self.w)
         self._x = None
         return dx
 
