@@ -50,6 +50,17 @@ CONFIGS = [("hetconv local fp32", {"kind": "hetconv", "mode": "local", "precisio
                                  "torch": "torch bf16 autocast"}),
            ("torch fp32", {"kind": "torch", "autocast": False}),
            ("torch bf16 autocast", {"kind": "torch", "autocast": True, "fp32": "torch fp32"})]
+DEFAULT_CONFIGS = [name for name, _ in CONFIGS]
+# hetconv's CPU device puts its OpenMP threads to sleep at the end of each parallel region
+# (OMP_WAIT_POLICY=PASSIVE, its default: a spinning thread costs a shared core's other tenants, and
+# costs us a scheduler slice where our two threads land on one core); PyTorch runs GNU OpenMP's own
+# default, a spin before sleeping. These rows give hetconv that same spin (GOMP_SPINCOUNT, which
+# overrides PASSIVE's zero), as a user with cores of their own may: `--configs` picks them.
+SPINNING = {"GOMP_SPINCOUNT": "300000"}
+CONFIGS += [("hetconv local fp32 spinning", {"kind": "hetconv", "mode": "local", "precision": "fp32", "env": SPINNING,
+                                             "fp32": "hetconv local fp32", "torch": "torch fp32"}),
+            ("hetconv local bf16 spinning", {"kind": "hetconv", "mode": "local", "precision": "bf16", "env": SPINNING,
+                                             "fp32": "hetconv local fp32 spinning", "torch": "torch bf16 autocast"})]
 # "cpu device: x (...) w (...) ..., block ...: runs PATH (timed ...)" from the device's --verbose
 _CHOSE = re.compile(r"^cpu device: x \(([^)]*)\) w \(([^)]*)\).* runs (\S+) \(")
 
@@ -60,6 +71,8 @@ def parse_args(argv):
     p.add_argument("--nets", default=",".join(NETS),
                    help="comma list of hetconv --net presets, each NAME or NAME:BATCH (its own batch size)")
     p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                   help=f"comma list of the rows to run, among: {', '.join(name for name, _ in CONFIGS)}")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--warmup", type=int, default=2, help="steps not timed (hetconv's first times its conv paths)")
     p.add_argument("--steps", type=int, default=4, help="timed steps per row")
@@ -70,6 +83,16 @@ def parse_args(argv):
 
 
 # ---- one row, in a process of its own --------------------------------------------------------------
+def chosen_configs(text):
+    """The (name, what) of CONFIGS that --configs names, in CONFIGS' order; an unknown name exits with one line."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    known = dict(CONFIGS)
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise SystemExit(f"bench/precision.py: --configs {text!r}: expected names among {', '.join(known)}")
+    return [(name, what) for name, what in CONFIGS if name in names]
+
+
 def net_batches(text, default):
     """[(net, batch)] from --nets: NAME (batch `default`) or NAME:BATCH; a bad batch exits with one line."""
     out = []
@@ -90,7 +113,8 @@ def hetconv_row(net, what, args, work, tag, batch):
            str(batch * (steps + 1)), "--synthetic-test", str(batch), "--eval-batches", "1",
            "--metrics", metrics, "--verbose"]
     t0 = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=work, timeout=1800)
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=work, timeout=1800,
+                          env=dict(os.environ, **what.get("env", {})))
     wall = time.perf_counter() - t0
     if done.returncode:
         return {"ok": False, "error": f"exit {done.returncode}: {done.stderr.strip()[-600:]}", "wall_s": wall}
@@ -228,10 +252,12 @@ def run(args, argv, env_line):
         raise SystemExit(f"bench/precision.py: hetconv's bf16 rows need oneDNN: {dnnl.unavailable_reason()}")
     started, load_start = time.time(), _common.load_average()
     batches = net_batches(args.nets, args.batch_size)
+    configs = chosen_configs(args.configs)
     nets = [n for n, _ in batches]
     doc = {**machine_facts(argv, started, load_start, env_line), "batch_size": args.batch_size, "warmup": args.warmup,
-           "steps": args.steps, "nets": nets, "net_batch": dict(batches), "configs": [name for name, _ in CONFIGS],
-           "peers": {name: {k: what[k] for k in ("fp32", "torch") if k in what} for name, what in CONFIGS},
+           "steps": args.steps, "nets": nets, "net_batch": dict(batches), "configs": [name for name, _ in configs],
+           "peers": {name: {k: what[k] for k in ("fp32", "torch") if k in what} for name, what in configs},
+           "config_env": {name: what["env"] for name, what in configs if what.get("env")},
            "rows": []}
     print(f"machine: {doc['machine']}; isa {doc['isa']}; {doc['gemm']}; {load_start}", flush=True)
     doc["gemm_alone"] = gemm_tables()
@@ -239,7 +265,7 @@ def run(args, argv, env_line):
     with tempfile.TemporaryDirectory(prefix="hetconv-precision-") as work:
         try:
             for rnd in range(args.rounds):
-                order = CONFIGS[rnd % len(CONFIGS):] + CONFIGS[:rnd % len(CONFIGS)]
+                order = configs[rnd % len(configs):] + configs[:rnd % len(configs)]
                 order = order if rnd % 2 == 0 else order[::-1]
                 for net, batch in batches:
                     for name, what in order:
@@ -313,6 +339,11 @@ def markdown(doc):
         lines += [_common.markdown_table(["config", "step s (median)", "per round", "x fp32", "x torch", "loss first->last",
                                           "foreign load (cores)"], table), ""]
         lines += _paths_lines(rows) + [""]
+    if doc.get("config_env"):
+        lines += ["Rows run with more environment: " + "; ".join(
+            f"{name}: {' '.join(f'{k}={v}' for k, v in env.items())}" for name, env in doc["config_env"].items())
+            + " (GNU OpenMP's own spin before its threads sleep, which PyTorch's rows run with; hetconv's "
+            "default is OMP_WAIT_POLICY=PASSIVE).", ""]
     failed = [r for r in doc["rows"] if not r.get("ok")]
     if failed:
         lines += ["## Failed rows", ""] + [f"- round {r['round']} {r['net']} {r['config']}: {r.get('error')}"

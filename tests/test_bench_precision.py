@@ -26,3 +26,13 @@ def test_the_table_names_a_network_s_own_batch():
            "command": "python bench/precision.py", "wall_s": 1}
     text = precision.markdown(doc)
     assert "## paper\n" in text and "## airbench94, batch 256\n" in text
+
+
+def test_configs_pick_rows_in_their_own_order_and_refuse_unknown_names():
+    picked = precision.chosen_configs("torch fp32,hetconv local fp32 spinning, hetconv local fp32")
+    assert [name for name, _ in picked] == ["hetconv local fp32", "torch fp32", "hetconv local fp32 spinning"]
+    assert picked[2][1]["env"] == precision.SPINNING and "env" not in picked[0][1]
+    assert [name for name, _ in precision.chosen_configs(",".join(precision.DEFAULT_CONFIGS))] == \
+        precision.DEFAULT_CONFIGS
+    with pytest.raises(SystemExit, match="--configs 'torch fp64'"):
+        precision.chosen_configs("torch fp64")
