@@ -3,6 +3,7 @@ against PyTorch's float32 and bf16 autocast, in one run of alternating rounds.
 
     python bench/precision.py --out bench/results/precision
     python bench/precision.py --nets airbench94:256 --out DIR     # a network at a batch of its own
+    python bench/precision.py --nets vgg-small --configs "hetconv local fp32,hetconv local fp32 spinning,torch fp32"
     python bench/precision.py --render bench/results/precision/precision.json
 
 Each round runs, for each network (the paper network and vgg-small; `--nets NAME:BATCH` gives a
