@@ -376,7 +376,7 @@ def _paths_lines(rows):
             lines.append(f"- {r['config']}: worker 0 ran {first['precision']}: {paths}")
         else:
             lines.append(f"- {r['config']}: {'; '.join(r['conv_paths']) or 'every conv forced or untimed (the rule)'}")
-    return ["Conv paths (timed on the first call; untimed small calls take the OpenBLAS rule):", *lines] if lines else []
+    return ["Conv paths (timed on the first call; untimed small calls take the rule's layout):", *lines] if lines else []
 
 
 def main(argv=None):
