@@ -18,7 +18,9 @@ Design, and what it costs:
   "im2col-bf16" and "shifted-bf16", bf16 operands with float32 sums, which `precision="bf16"`
   times against each other (stride-1 calls big enough to time; im2col-bf16 elsewhere) and
   `precision="auto"` times as more candidates (see PRECISIONS). Untimed calls keep the rule's
-  layout, on oneDNN's sgemm where it is installed (see DNNL_PATHS).
+  layout, on oneDNN's sgemm where it is installed (see DNNL_PATHS). A device of two or more
+  threads choosing its own paths with oneDNN installed times no OpenBLAS direct path at all (see
+  OPENBLAS_PATHS): their spinning threads slow the layers after them.
   "im2col-dnnl" can be forced (`conv_path`); the others are reached by timing only.
 - im2col: one GEMM per chunk of images, Y (K, P) = W (K, C*kh*kw) @ cols.T, cols (P, C*kh*kw)
   the im2col of the chunk (P = images * Ho * Wo); backward writes dcols and folds it with col2im.
@@ -50,8 +52,8 @@ Design, and what it costs:
   garbage collector. Over the budget, backward recomputes it per chunk.
 - Work buffers (im2col, Y/dY, partial products) are kept between calls; what is returned is
   always freshly allocated, because a returned array may still be in flight on the wire.
-- `threads` caps both Numba's and BLAS's threads, so that several workers on one host can be
-  given disjoint cores.
+- `threads` caps both Numba's and BLAS's threads (BLAS at one where oneDNN runs the direct
+  GEMMs, see OPENBLAS_PATHS), so that several workers on one host can be given disjoint cores.
 - Kernels release the GIL (nogil) so a worker's heartbeat thread keeps running during compute.
 """
 import logging
@@ -85,7 +87,7 @@ from hetconv.geometry import window_output_size
 # ~1.4 us with them spinning, and a vgg-small step at batch 32 runs ~130 regions. Spinning threads
 # (GOMP_SPINCOUNT, which overrides PASSIVE's zero) took that step from 43-48 ms to 36-38 ms in
 # single runs while the host was quiet, and made it 1.5-2x slower in three rounds beside 1-1.5
-# cores of other tenants' work (bench/results/precision/targets/vgg_small.md):
+# cores of other tenants' work (bench/results/precision/targets/vgg_small_loaded.md):
 # a spinning thread holds a core its peer or a neighbour needs. So sleeping stays the default, and
 # a user with cores of their own may set GOMP_SPINCOUNT.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
