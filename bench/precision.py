@@ -300,7 +300,8 @@ def markdown(doc):
     lines = ["# Mixed precision on CPUs: bf16 GEMMs against float32 and PyTorch", ""] + _common.run_header(doc)
     lines += [f"CPU SIMD flags: {doc['isa']}. BLAS: {doc['blas']}. hetconv's GEMM library: {doc['gemm']}. "
               f"PyTorch: {doc['torch']}. Environment: {doc.get('env', '')}.", "",
-              f"Batch {doc['batch_size']} unless a network's heading says otherwise, synthetic data; each row the median of {doc['steps']} timed steps after "
+              f"Batch {doc['batch_size']} unless a network's heading says otherwise, synthetic data; each row the "
+              f"median of {doc['steps']} timed steps after "
               f"{doc['warmup']} warm-up steps, in {max([r['round'] for r in doc['rows']], default=-1) + 1} rounds of "
               f"alternating order. `x fp32` is the row's step over the float32 row of the same "
               f"kind (hetconv in the same mode, or torch fp32), `x torch` over PyTorch's step in the row's precision "
@@ -376,7 +377,8 @@ def _paths_lines(rows):
             lines.append(f"- {r['config']}: worker 0 ran {first['precision']}: {paths}")
         else:
             lines.append(f"- {r['config']}: {'; '.join(r['conv_paths']) or 'every conv forced or untimed (the rule)'}")
-    return ["Conv paths (timed on the first call; untimed small calls take the rule's layout):", *lines] if lines else []
+    head = "Conv paths (timed on the first call; untimed small calls take the rule's layout):"
+    return [head, *lines] if lines else []
 
 
 def main(argv=None):

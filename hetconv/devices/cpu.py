@@ -83,13 +83,13 @@ from hetconv.geometry import window_output_size
 # wait for no one). Read once, when Numba first starts its threads, so it is set here, at import;
 # a user's own OMP_WAIT_POLICY is left alone. PyTorch imported later in the same process reads it
 # too (the benchmarks say so in their headers). What sleeping costs: every parallel region (a Numba
-# pass, a oneDNN GEMM) wakes the other threads, ~42 us a region on this project's 2-core VM against
-# ~1.4 us with them spinning, and a vgg-small step at batch 32 runs ~130 regions. Spinning threads
-# (GOMP_SPINCOUNT, which overrides PASSIVE's zero) took that step from 43-48 ms to 36-38 ms in
-# single runs while the host was quiet, and made it 1.5-2x slower in three rounds beside 1-1.5
-# cores of other tenants' work (bench/results/precision/targets/vgg_small_loaded.md):
-# a spinning thread holds a core its peer or a neighbour needs. So sleeping stays the default, and
-# a user with cores of their own may set GOMP_SPINCOUNT.
+# pass, a oneDNN GEMM) wakes the other threads, 10-45 us a region on this project's 2-core VM
+# against ~1.4 us with them spinning, and a vgg-small step at batch 32 runs ~130 regions. Spinning
+# threads (GOMP_SPINCOUNT, which overrides PASSIVE's zero) took that step from 0.042 s to 0.036 s
+# on a quiet host (bench/results/precision/targets/vgg_small.md), and made it 1.5-2x slower in
+# three rounds beside 1-1.5 cores of other tenants' work (targets/vgg_small_loaded.md): a spinning
+# thread holds a core its peer or a neighbour needs. So sleeping stays the default, and a user
+# with cores of their own may set GOMP_SPINCOUNT.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 DEFAULT_IM2COL_BUDGET_BYTES = 64 << 20
