@@ -43,6 +43,8 @@ def test_head_gemm_matches_numpy_on_every_layout_the_head_uses():
         np.testing.assert_allclose(out, want + 1, rtol=1e-5, atol=1e-5)
         gemm(a, b, out=out)
         np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    broadcast = np.broadcast_to(x[:1], x.shape)                 # no GEMM takes it as it is
+    np.testing.assert_allclose(gemm(broadcast, w.T), broadcast.astype(np.float64) @ w.T, rtol=1e-5, atol=1e-5)
     got = gemm(x.astype(np.float64), w.T.astype(np.float64))
     assert got.dtype == np.float64
     np.testing.assert_allclose(got, x.astype(np.float64) @ w.T, rtol=1e-6)

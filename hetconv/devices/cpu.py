@@ -132,11 +132,13 @@ BF16_PATHS = ("im2col-bf16", "shifted-bf16")
 # ... and where oneDNN is installed, a device of two or more threads choosing its own paths runs no
 # direct path on OpenBLAS at all: OpenBLAS's pthreads keep spinning after each call on the very
 # cores the next Numba pass and oneDNN GEMM (one OpenMP pool) need, a cost that falls on the layers
-# after the call, so a layer timed alone cannot see it. vgg-small at batch 32, 2 threads, quiet
-# host: the OpenBLAS layers' neighbours ran 1.3-1.8x slower than alone (its 32x32 layer's forward
-# 5.9 ms in the step against 3.3 ms alone), and the step took 52 ms with OpenBLAS's shifted path
-# on five layers against 43 ms with every GEMM on oneDNN. OpenBLAS is held to one thread there:
-# the FFT path (one BLAS thread per call, split over its own threads) still runs on it.
+# after the call, so a layer timed alone cannot see it. vgg-small at batch 32, 2 threads, single
+# runs on a nearly quiet host: the OpenBLAS layers' neighbours ran 1.3-1.8x slower than alone (its
+# 32x32 layer's forward 5.9 ms in the step against 3.3 ms alone), and the step took 52 ms with
+# OpenBLAS's shifted path on five layers against 43 ms with every GEMM on oneDNN; three quiet
+# rounds since: 0.042 s a step (bench/results/precision/targets/vgg_small.md; 0.055 s before).
+# OpenBLAS is held to one thread there: the FFT path (one BLAS thread per call, split over its own
+# threads) still runs on it.
 OPENBLAS_PATHS = ("im2col", "shifted")
 # "auto" times the paths a layer can take (im2col; shifted and FFT at stride 1, FFT within its
 # budget) on the first call with each shape: forward and backward with dX on the call's own input

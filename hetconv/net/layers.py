@@ -30,24 +30,19 @@ def gemm(a, b, out=None, accumulate=False):
     there. oneDNN's sgemm where installed, on as many threads as Numba runs here; numpy's
     matmul otherwise, and for any other dtype or layout."""
     lib = _sgemm()
-    plain = not lib or a.dtype != np.float32 or b.dtype != np.float32 or not (
-        _one_unit_stride(a) and _one_unit_stride(b))
-    if plain:
-        if out is None:
-            return a @ b
-        if accumulate:
-            out += a @ b
-        else:
-            np.matmul(a, b, out=out)
-        return out
+    if lib and a.dtype == np.float32 and b.dtype == np.float32 and a.ndim == b.ndim == 2:
+        c = np.empty((a.shape[0], b.shape[1]), np.float32) if out is None else out
+        try:
+            return lib.sgemm(a, b, c, 1.0 if accumulate else 0.0, numba.get_num_threads())
+        except ValueError:          # a layout a GEMM cannot take as it is (a broadcast view, say)
+            pass
     if out is None:
-        out = np.empty((a.shape[0], b.shape[1]), np.float32)
-    lib.sgemm(a, b, out, 1.0 if accumulate else 0.0, numba.get_num_threads())
+        return a @ b
+    if accumulate:
+        out += a @ b
+    else:
+        np.matmul(a, b, out=out)
     return out
-
-
-def _one_unit_stride(a):
-    return a.ndim == 2 and (a.strides[1] == a.itemsize or a.strides[0] == a.itemsize)
 
 
 class Linear:
