@@ -2,10 +2,12 @@
 against PyTorch's float32 and bf16 autocast, in one run of alternating rounds.
 
     python bench/precision.py --out bench/results/precision
+    python bench/precision.py --nets airbench94:256 --out DIR     # a network at a batch of its own
+    python bench/precision.py --nets vgg-small --configs "hetconv local fp32,hetconv local fp32 spinning,torch fp32"
     python bench/precision.py --render bench/results/precision/precision.json
 
-Each round runs, for each network (the paper network and vgg-small) at batch 32, in an order that
-rotates from round to round:
+Each round runs, for each network (the paper network and vgg-small; `--nets NAME:BATCH` gives a
+network a batch of its own, else --batch-size, 32), in an order that rotates from round to round:
 - hetconv --local --threads 2, --precision fp32, bf16 and auto (bf16 layer by layer where timed faster);
 - hetconv --spawn cpu,cpu --threads 1 (two one-thread workers on cores of their own), fp32 and bf16;
 - PyTorch with 2 threads, float32 and bf16 autocast (torch.autocast("cpu", torch.bfloat16) around
@@ -49,6 +51,17 @@ CONFIGS = [("hetconv local fp32", {"kind": "hetconv", "mode": "local", "precisio
                                  "torch": "torch bf16 autocast"}),
            ("torch fp32", {"kind": "torch", "autocast": False}),
            ("torch bf16 autocast", {"kind": "torch", "autocast": True, "fp32": "torch fp32"})]
+DEFAULT_CONFIGS = [name for name, _ in CONFIGS]
+# hetconv's CPU device puts its OpenMP threads to sleep at the end of each parallel region
+# (OMP_WAIT_POLICY=PASSIVE, its default: a spinning thread costs a shared core's other tenants, and
+# costs us a scheduler slice where our two threads land on one core); PyTorch runs GNU OpenMP's own
+# default, a spin before sleeping. These rows give hetconv that same spin (GOMP_SPINCOUNT, which
+# overrides PASSIVE's zero), as a user with cores of their own may: `--configs` picks them.
+SPINNING = {"GOMP_SPINCOUNT": "300000"}
+CONFIGS += [("hetconv local fp32 spinning", {"kind": "hetconv", "mode": "local", "precision": "fp32", "env": SPINNING,
+                                             "fp32": "hetconv local fp32", "torch": "torch fp32"}),
+            ("hetconv local bf16 spinning", {"kind": "hetconv", "mode": "local", "precision": "bf16", "env": SPINNING,
+                                             "fp32": "hetconv local fp32 spinning", "torch": "torch bf16 autocast"})]
 # "cpu device: x (...) w (...) ..., block ...: runs PATH (timed ...)" from the device's --verbose
 _CHOSE = re.compile(r"^cpu device: x \(([^)]*)\) w \(([^)]*)\).* runs (\S+) \(")
 
@@ -56,8 +69,11 @@ _CHOSE = re.compile(r"^cpu device: x \(([^)]*)\) w \(([^)]*)\).* runs (\S+) \(")
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join(HERE, "results", "precision"))
-    p.add_argument("--nets", default=",".join(NETS), help="comma list of hetconv --net presets")
+    p.add_argument("--nets", default=",".join(NETS),
+                   help="comma list of hetconv --net presets, each NAME or NAME:BATCH (its own batch size)")
     p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                   help=f"comma list of the rows to run, among: {', '.join(name for name, _ in CONFIGS)}")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--warmup", type=int, default=2, help="steps not timed (hetconv's first times its conv paths)")
     p.add_argument("--steps", type=int, default=4, help="timed steps per row")
@@ -68,16 +84,38 @@ def parse_args(argv):
 
 
 # ---- one row, in a process of its own --------------------------------------------------------------
-def hetconv_row(net, what, args, work, tag):
+def chosen_configs(text):
+    """The (name, what) of CONFIGS that --configs names, in CONFIGS' order; an unknown name exits with one line."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    known = dict(CONFIGS)
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise SystemExit(f"bench/precision.py: --configs {text!r}: expected names among {', '.join(known)}")
+    return [(name, what) for name, what in CONFIGS if name in names]
+
+
+def net_batches(text, default):
+    """[(net, batch)] from --nets: NAME (batch `default`) or NAME:BATCH; a bad batch exits with one line."""
+    out = []
+    for item in (t for t in text.split(",") if t):
+        net, _, batch = item.partition(":")
+        if batch and not (batch.isdigit() and int(batch) > 0):
+            raise SystemExit(f"bench/precision.py: --nets {item!r}: expected NAME or NAME:BATCH with a positive batch")
+        out.append((net, int(batch) if batch else default))
+    return out
+
+
+def hetconv_row(net, what, args, work, tag, batch):
     metrics = os.path.join(work, f"{tag}.jsonl")
     steps = args.warmup + args.steps
     where = ["--local", "--threads", "2"] if what["mode"] == "local" else ["--spawn", "cpu,cpu", "--threads", "1"]
     cmd = [sys.executable, "-m", "hetconv.cli.coordinator", *where, "--net", net, "--precision", what["precision"],
-           "--batch-size", str(args.batch_size), "--steps", str(steps), "--synthetic-train",
-           str(args.batch_size * (steps + 1)), "--synthetic-test", str(args.batch_size), "--eval-batches", "1",
+           "--batch-size", str(batch), "--steps", str(steps), "--synthetic-train",
+           str(batch * (steps + 1)), "--synthetic-test", str(batch), "--eval-batches", "1",
            "--metrics", metrics, "--verbose"]
     t0 = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=work, timeout=1800)
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=work, timeout=1800,
+                          env=dict(os.environ, **what.get("env", {})))
     wall = time.perf_counter() - t0
     if done.returncode:
         return {"ok": False, "error": f"exit {done.returncode}: {done.stderr.strip()[-600:]}", "wall_s": wall}
@@ -131,9 +169,9 @@ def torch_row(spec, out):
     _common.write_text(out, json.dumps(row))
 
 
-def run_torch(net, what, args, work, tag):
+def run_torch(net, what, args, work, tag, batch):
     out = os.path.join(work, f"{tag}.json")
-    spec = {"net": net, "threads": 2, "batch_size": args.batch_size, "warmup": args.warmup, "steps": args.steps,
+    spec = {"net": net, "threads": 2, "batch_size": batch, "warmup": args.warmup, "steps": args.steps,
             "autocast": what["autocast"]}
     env = dict(os.environ, OMP_NUM_THREADS="2", OPENBLAS_NUM_THREADS="2", MKL_NUM_THREADS="2")
     t0 = time.perf_counter()
@@ -214,10 +252,13 @@ def run(args, argv, env_line):
     if not dnnl.available():
         raise SystemExit(f"bench/precision.py: hetconv's bf16 rows need oneDNN: {dnnl.unavailable_reason()}")
     started, load_start = time.time(), _common.load_average()
-    nets = [n for n in args.nets.split(",") if n]
+    batches = net_batches(args.nets, args.batch_size)
+    configs = chosen_configs(args.configs)
+    nets = [n for n, _ in batches]
     doc = {**machine_facts(argv, started, load_start, env_line), "batch_size": args.batch_size, "warmup": args.warmup,
-           "steps": args.steps, "nets": nets, "configs": [name for name, _ in CONFIGS],
-           "peers": {name: {k: what[k] for k in ("fp32", "torch") if k in what} for name, what in CONFIGS},
+           "steps": args.steps, "nets": nets, "net_batch": dict(batches), "configs": [name for name, _ in configs],
+           "peers": {name: {k: what[k] for k in ("fp32", "torch") if k in what} for name, what in configs},
+           "config_env": {name: what["env"] for name, what in configs if what.get("env")},
            "rows": []}
     print(f"machine: {doc['machine']}; isa {doc['isa']}; {doc['gemm']}; {load_start}", flush=True)
     doc["gemm_alone"] = gemm_tables()
@@ -225,16 +266,16 @@ def run(args, argv, env_line):
     with tempfile.TemporaryDirectory(prefix="hetconv-precision-") as work:
         try:
             for rnd in range(args.rounds):
-                order = CONFIGS[rnd % len(CONFIGS):] + CONFIGS[:rnd % len(CONFIGS)]
+                order = configs[rnd % len(configs):] + configs[:rnd % len(configs)]
                 order = order if rnd % 2 == 0 else order[::-1]
-                for net in nets:
+                for net, batch in batches:
                     for name, what in order:
                         tag = f"r{rnd}-{net}-{name.replace(' ', '_')}"
                         print(f"[round {rnd}] {net}: {name} ... ({_common.load_average()})", flush=True)
                         with C.ForeignLoad() as load:
                             runner = hetconv_row if what["kind"] == "hetconv" else run_torch
-                            row = runner(net, what, args, work, tag)
-                        row.update(net=net, config=name, round=rnd, foreign_load_cores=load.cores,
+                            row = runner(net, what, args, work, tag, batch)
+                        row.update(net=net, batch_size=batch, config=name, round=rnd, foreign_load_cores=load.cores,
                                    load_after=_common.load_average())
                         doc["rows"].append(row)
                         print(f"    -> {row_text(row)}; foreign load {load.cores:.2f} cores", flush=True)
@@ -259,7 +300,8 @@ def markdown(doc):
     lines = ["# Mixed precision on CPUs: bf16 GEMMs against float32 and PyTorch", ""] + _common.run_header(doc)
     lines += [f"CPU SIMD flags: {doc['isa']}. BLAS: {doc['blas']}. hetconv's GEMM library: {doc['gemm']}. "
               f"PyTorch: {doc['torch']}. Environment: {doc.get('env', '')}.", "",
-              f"Batch {doc['batch_size']}, synthetic data; each row the median of {doc['steps']} timed steps after "
+              f"Batch {doc['batch_size']} unless a network's heading says otherwise, synthetic data; each row the "
+              f"median of {doc['steps']} timed steps after "
               f"{doc['warmup']} warm-up steps, in {max([r['round'] for r in doc['rows']], default=-1) + 1} rounds of "
               f"alternating order. `x fp32` is the row's step over the float32 row of the same "
               f"kind (hetconv in the same mode, or torch fp32), `x torch` over PyTorch's step in the row's precision "
@@ -280,7 +322,8 @@ def markdown(doc):
                   f"{next(iter(tables.values()))['bf16_relative_error']:.1e}.", ""]
     for net in doc["nets"]:
         rows = [r for r in doc["rows"] if r["net"] == net]
-        lines += [f"## {net}", ""]
+        batch = doc.get("net_batch", {}).get(net, doc["batch_size"])
+        lines += [f"## {net}" + (f", batch {batch}" if batch != doc["batch_size"] else ""), ""]
         table = []
         for name in doc["configs"]:
             mine = [r for r in rows if r["config"] == name]
@@ -298,6 +341,11 @@ def markdown(doc):
         lines += [_common.markdown_table(["config", "step s (median)", "per round", "x fp32", "x torch", "loss first->last",
                                           "foreign load (cores)"], table), ""]
         lines += _paths_lines(rows) + [""]
+    if doc.get("config_env"):
+        lines += ["Rows run with more environment: " + "; ".join(
+            f"{name}: {' '.join(f'{k}={v}' for k, v in env.items())}" for name, env in doc["config_env"].items())
+            + " (GNU OpenMP's own spin before its threads sleep, which PyTorch's rows run with; hetconv's "
+            "default is OMP_WAIT_POLICY=PASSIVE).", ""]
     failed = [r for r in doc["rows"] if not r.get("ok")]
     if failed:
         lines += ["## Failed rows", ""] + [f"- round {r['round']} {r['net']} {r['config']}: {r.get('error')}"
@@ -329,7 +377,8 @@ def _paths_lines(rows):
             lines.append(f"- {r['config']}: worker 0 ran {first['precision']}: {paths}")
         else:
             lines.append(f"- {r['config']}: {'; '.join(r['conv_paths']) or 'every conv forced or untimed (the rule)'}")
-    return ["Conv paths (timed on the first call; untimed small calls take the OpenBLAS rule):", *lines] if lines else []
+    head = "Conv paths (timed on the first call; untimed small calls take the rule's layout):"
+    return [head, *lines] if lines else []
 
 
 def main(argv=None):

@@ -283,3 +283,30 @@ def test_the_choice_among_timed_paths():
     assert fastest({"im2col": 1.0, "im2col-dnnl": 0.6, "im2col-bf16": 0.59}) == "im2col-dnnl"
     assert fastest({"im2col": 1.0, "fft": 0.9, "im2col-bf16": 0.8}) == "im2col-bf16"
     assert fastest({"im2col": 1.0, "fft": 0.7, "im2col-bf16": 0.8}) == "fft"
+
+
+@needs_dnnl
+def test_a_multi_thread_device_with_onednn_times_no_openblas_path():
+    """OpenBLAS's threads would spin on the cores the next layer needs: with two threads and
+    oneDNN, auto never times (or runs) im2col or shifted, and holds OpenBLAS to one thread; one
+    thread, or a forced path, keeps OpenBLAS as it was."""
+    import numba
+    from threadpoolctl import threadpool_info
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("one core: no device of two threads here")
+    x, w, b, _ = tensors((2, 4, 9, 9, 3, 3, 3), 8)
+    timed = []
+    cpu = open_device("cpu", threads=2, auto_timed_min_flops=0,
+                      auto_timer=lambda path, run: timed.append(path) or SLOWER_BF16[path])
+    assert cpu.openmp_gemms_only
+    assert {i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"} == {1}
+    close(cpu.conv2d(x, w, b, padding=1), R.conv2d(x, w, b, 1, 1))
+    assert set(timed) == {"fft", "im2col-dnnl", "shifted-dnnl"}
+    assert set(cpu.conv_paths().values()) == {"im2col-dnnl"}
+    one = _faked("fp32", SLOWER_BF16)
+    one.conv2d(x, w, b)
+    assert not one.openmp_gemms_only and set(one.conv_paths().values()) == {"im2col-dnnl"}
+    assert set(one.conv_path_choices()[0]["seconds"]) == {"im2col", "shifted", "fft", "im2col-dnnl", "shifted-dnnl"}
+    forced = open_device("cpu", threads=2, conv_path="im2col")
+    assert not forced.openmp_gemms_only
+    assert {i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"} == {2}

@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 
+from hetconv.devices.cpu import head_gemm as gemm
 from hetconv.net.layers import Linear, relu, relu_backward, softmax_cross_entropy
 from hetconv.params import sgd_update
 
@@ -25,6 +26,35 @@ def test_linear_gradients_match_finite_differences():
     lm = np.sum(dy * fc.forward(x))
     assert (lp - lm) / 2 == pytest.approx(float(np.sum(fc.dw * vw)), rel=1e-4)
     np.testing.assert_allclose(fc.db, dy.sum(axis=0), rtol=1e-5)
+
+
+def test_head_gemm_matches_numpy_on_every_layout_the_head_uses():
+    """oneDNN's sgemm where installed, numpy's matmul otherwise: the same products (to float32
+    rounding) on row-major operands and transposed views, written or added into `out`; another
+    dtype goes to numpy."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((6, 9)).astype(np.float32)
+    w = rng.standard_normal((5, 9)).astype(np.float32)
+    dy = rng.standard_normal((6, 5)).astype(np.float32)
+    for a, b in ((x, w.T), (dy.T, x), (dy, w)):
+        want = a.astype(np.float64) @ b
+        np.testing.assert_allclose(gemm(a, b), want, rtol=1e-5, atol=1e-5)
+        out = np.ones(want.shape, np.float32)
+        assert gemm(a, b, out=out, accumulate=True) is out
+        np.testing.assert_allclose(out, want + 1, rtol=1e-5, atol=1e-5)
+        gemm(a, b, out=out)
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    broadcast = np.broadcast_to(x[:1], x.shape)                 # no GEMM takes it as it is
+    np.testing.assert_allclose(gemm(broadcast, w.T), broadcast.astype(np.float64) @ w.T, rtol=1e-5, atol=1e-5)
+    got = gemm(x.astype(np.float64), w.T.astype(np.float64))
+    assert got.dtype == np.float64
+    np.testing.assert_allclose(got, x.astype(np.float64) @ w.T, rtol=1e-6)
+    fc = Linear(w, np.zeros(5, np.float32), gemm=gemm)     # a later micro-batch's gradients add up
+    fc.forward(x[:3])
+    fc.backward(dy[:3])
+    fc.forward(x[3:])
+    fc.backward(dy[3:], accumulate=True)
+    np.testing.assert_allclose(fc.dw, dy.T.astype(np.float64) @ x, rtol=1e-5, atol=1e-5)
 
 
 def test_softmax_cross_entropy_value_and_gradient():

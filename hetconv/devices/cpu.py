@@ -18,7 +18,9 @@ Design, and what it costs:
   "im2col-bf16" and "shifted-bf16", bf16 operands with float32 sums, which `precision="bf16"`
   times against each other (stride-1 calls big enough to time; im2col-bf16 elsewhere) and
   `precision="auto"` times as more candidates (see PRECISIONS). Untimed calls keep the rule's
-  layout, on oneDNN's sgemm where it is installed (see DNNL_PATHS).
+  layout, on oneDNN's sgemm where it is installed (see DNNL_PATHS). A device of two or more
+  threads choosing its own paths with oneDNN installed times no OpenBLAS direct path at all (see
+  OPENBLAS_PATHS): their spinning threads slow the layers after them.
   "im2col-dnnl" can be forced (`conv_path`); the others are reached by timing only.
 - im2col: one GEMM per chunk of images, Y (K, P) = W (K, C*kh*kw) @ cols.T, cols (P, C*kh*kw)
   the im2col of the chunk (P = images * Ho * Wo); backward writes dcols and folds it with col2im.
@@ -50,8 +52,8 @@ Design, and what it costs:
   garbage collector. Over the budget, backward recomputes it per chunk.
 - Work buffers (im2col, Y/dY, partial products) are kept between calls; what is returned is
   always freshly allocated, because a returned array may still be in flight on the wire.
-- `threads` caps both Numba's and BLAS's threads, so that several workers on one host can be
-  given disjoint cores.
+- `threads` caps both Numba's and BLAS's threads (BLAS at one where oneDNN runs the direct
+  GEMMs, see OPENBLAS_PATHS), so that several workers on one host can be given disjoint cores.
 - Kernels release the GIL (nogil) so a worker's heartbeat thread keeps running during compute.
 """
 import logging
@@ -80,7 +82,14 @@ from hetconv.geometry import window_output_size
 # the paper's conv1 1.5x slower (im2col 102 ms against 68); conv2's big GEMMs are unchanged (they
 # wait for no one). Read once, when Numba first starts its threads, so it is set here, at import;
 # a user's own OMP_WAIT_POLICY is left alone. PyTorch imported later in the same process reads it
-# too (the benchmarks say so in their headers).
+# too (the benchmarks say so in their headers). What sleeping costs: every parallel region (a Numba
+# pass, a oneDNN GEMM) wakes the other threads, 10-45 us a region on this project's 2-core VM
+# against ~1.4 us with them spinning, and a vgg-small step at batch 32 runs ~130 regions. Spinning
+# threads (GOMP_SPINCOUNT, which overrides PASSIVE's zero) took that step from 0.042 s to 0.036 s
+# on a quiet host (bench/results/precision/targets/vgg_small.md), and made it 1.5-2x slower in
+# three rounds beside 1-1.5 cores of other tenants' work (targets/vgg_small_loaded.md): a spinning
+# thread holds a core its peer or a neighbour needs. So sleeping stays the default, and a user
+# with cores of their own may set GOMP_SPINCOUNT.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 DEFAULT_IM2COL_BUDGET_BYTES = 64 << 20
@@ -120,6 +129,17 @@ AUTO_BF16_MARGIN = 0.04
 # against 2-4 on oneDNN, under either OpenBLAS kernel), where oneDNN's OpenMP threads sleep.
 DNNL_PATHS = ("im2col-dnnl", "im2col-bf16", "shifted-dnnl", "shifted-bf16")
 BF16_PATHS = ("im2col-bf16", "shifted-bf16")
+# ... and where oneDNN is installed, a device of two or more threads choosing its own paths runs no
+# direct path on OpenBLAS at all: OpenBLAS's pthreads keep spinning after each call on the very
+# cores the next Numba pass and oneDNN GEMM (one OpenMP pool) need, a cost that falls on the layers
+# after the call, so a layer timed alone cannot see it. vgg-small at batch 32, 2 threads, single
+# runs on a nearly quiet host: the OpenBLAS layers' neighbours ran 1.3-1.8x slower than alone (its
+# 32x32 layer's forward 5.9 ms in the step against 3.3 ms alone), and the step took 52 ms with
+# OpenBLAS's shifted path on five layers against 43 ms with every GEMM on oneDNN; three quiet
+# rounds since: 0.042 s a step (bench/results/precision/targets/vgg_small.md; 0.055 s before).
+# OpenBLAS is held to one thread there: the FFT path (one BLAS thread per call, split over its own
+# threads) still runs on it.
+OPENBLAS_PATHS = ("im2col", "shifted")
 # "auto" times the paths a layer can take (im2col; shifted and FFT at stride 1, FFT within its
 # budget) on the first call with each shape: forward and backward with dX on the call's own input
 # and weights, one warm-up run per path, then AUTO_TIMED_ROUNDS rounds (or more, below) in
@@ -868,9 +888,6 @@ class CpuDevice(Device):
         self.precision = precision
         self.threads = int(min(threads, numba.config.NUMBA_NUM_THREADS))
         numba.set_num_threads(self.threads)
-        # Held for the device's lifetime: BLAS threads beyond our share only oversubscribe cores
-        # that another worker on this host was given.
-        self._blas_limit = threadpool_limits(limits=self.threads, user_api="blas")
         self.im2col_budget_bytes = int(im2col_budget_bytes)
         self.saved_cols_budget_bytes = int(saved_cols_budget_bytes)
         self.name = "cpu"
@@ -897,6 +914,11 @@ class CpuDevice(Device):
         self._shifted_gemms = {"shifted": ShiftedBlasGemms(self)}    # shifted path -> its GEMMs
         # onednn: None, its paths where it is installed; False, OpenBLAS's only (as without it)
         self._dnnl, self.bf16_missing = self._open_dnnl(conv_path, precision, onednn)
+        # the direct paths' GEMMs all on oneDNN's OpenMP threads, OpenBLAS on one (see OPENBLAS_PATHS)
+        self.openmp_gemms_only = self._dnnl is not None and self.threads > 1 and conv_path == "auto"
+        # Held for the device's lifetime: BLAS threads beyond our share only oversubscribe cores
+        # that another worker on this host was given.
+        self._blas_limit = threadpool_limits(limits=1 if self.openmp_gemms_only else self.threads, user_api="blas")
         if self._dnnl is not None:
             self._path_gemms["im2col-dnnl"] = DnnlGemms(self, self._dnnl)
             self._shifted_gemms["shifted-dnnl"] = ShiftedDnnlGemms(self, self._dnnl)
@@ -1046,8 +1068,10 @@ class CpuDevice(Device):
         candidates = (["im2col"] + (["shifted"] if stride == (1, 1) else []) + ([] if declined else ["fft"])
                       + [p for p in DNNL_PATHS if p in have and (stride == (1, 1) or p not in self._shifted_gemms)
                          and (p not in BF16_PATHS or self.precision == "auto")])
+        if self.openmp_gemms_only:
+            candidates = [p for p in candidates if p not in OPENBLAS_PATHS]
         if len(candidates) == 1:
-            return _PathChoice("im2col", f"the only path here: {declined}")
+            return _PathChoice(candidates[0], f"the only path here: {declined}")
         return self._timed_choice(candidates, x, w, stride, padding, block, flops, declined)
 
     def _timed_choice(self, candidates, x, w, stride, padding, block, flops, declined):
@@ -1582,13 +1606,45 @@ def open(index=None, threads=None, **options):
     return CpuDevice(threads=threads, **options)
 
 
+_head_sgemm = None       # oneDNN where installed, False where not: looked up on the first head GEMM
+
+
+def head_gemm(a, b, out=None, accumulate=False):
+    """a @ b for the head's 2-D float32 operands (row-major, or transposed views of row-major
+    blocks), into a new array, or added into `out` (float32, row-contiguous) where `accumulate`,
+    else written there: oneDNN's sgemm where installed, on as many threads as Numba runs here;
+    numpy's matmul otherwise, and for any other dtype or layout. Why not numpy's OpenBLAS: its
+    pthreads keep spinning after each call on the cores the conv layers compute on next; at
+    vgg-small's size (batch 32, 1024 -> 256 -> 10) the head's GEMMs take ~0.1 ms, and an OpenBLAS
+    thread left spinning beside a two-thread conv slowed the layers after it by more than that,
+    and under other tenants' load OpenBLAS's two threads took 10-30 ms a call."""
+    global _head_sgemm
+    if _head_sgemm is None:
+        _head_sgemm = dnnl.load() if dnnl.available() else False
+    if _head_sgemm and a.dtype == np.float32 and b.dtype == np.float32 and a.ndim == b.ndim == 2:
+        c = np.empty((a.shape[0], b.shape[1]), np.float32) if out is None else out
+        try:
+            return _head_sgemm.sgemm(a, b, c, 1.0 if accumulate else 0.0, numba.get_num_threads())
+        except ValueError:          # a layout a GEMM cannot take as it is (a broadcast view, say)
+            pass
+    if out is None:
+        return a @ b
+    if accumulate:
+        out += a @ b
+    else:
+        np.matmul(a, b, out=out)
+    return out
+
+
 class HostArrays(_ChannelKernels, Device):
     """Updates of numpy arrays that live on no device (a conv layer's per-channel BatchNorm
     vectors, the head on the coordinator): the CPU device's update kernels, with nothing to open.
     Every copy of such a vector, on any worker, moves by this same arithmetic. The activations and
-    pools a graph runs between its blocks use the CPU device's kernels."""
+    pools a graph runs between its blocks use the CPU device's kernels, the head's GEMMs
+    `head_gemm`."""
 
     name = "host"
+    gemm = staticmethod(head_gemm)
 
     def _sgd_(self, param, velocity, grad, lr, momentum, weight_decay, nesterov):
         _sgd_flat(param.reshape(-1), velocity.reshape(-1), grad.reshape(-1), lr, momentum, weight_decay, nesterov)

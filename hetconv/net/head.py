@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hetconv.net.layers import Linear, relu, relu_backward, softmax_cross_entropy
+from hetconv.net.layers import Linear, numpy_gemm, relu, relu_backward, softmax_cross_entropy
 from hetconv.params import default_init
 
 
@@ -59,7 +59,7 @@ class Network:
         self.engine = engine
         self.seed = seed
         self.optimizer = optimizer          # whose slots the head's state holds
-        self.host = host                    # the head's update kernels (devices.cpu.HostArrays); None: predict only
+        self.host = host                    # the head's GEMMs and update kernels (devices.cpu.HostArrays); None: predict only
         self.ops, self.fc = [], []
         width = int(np.prod(feature_shape))
         given = list(fc_params) if fc_params is not None else None
@@ -67,11 +67,12 @@ class Network:
             kind = layer["type"]
             if kind == "linear":
                 out = int(layer["out_features"])
+                gemm = host.gemm if host is not None else numpy_gemm
                 if given is not None:
                     w, b = given[len(self.fc)]
-                    fc = Linear(w, b if b is not None else np.zeros(out, np.float32))
+                    fc = Linear(w, b if b is not None else np.zeros(out, np.float32), gemm=gemm)
                 else:
-                    fc = Linear.init(width, out, rng)
+                    fc = Linear.init(width, out, rng, gemm=gemm)
                 fc.has_bias = bool(layer.get("bias", True))
                 if not fc.has_bias:
                     fc.b[...] = 0

@@ -1,6 +1,8 @@
 """The layers that stay on the coordinator: fully connected, ReLU, softmax cross-entropy.
 
-Plain numpy on float32; the FC GEMMs go to BLAS. Shapes are noted as (batch, features).
+Plain numpy on float32. Shapes are noted as (batch, features). A Linear's GEMMs are numpy's, or
+those of the host device the network gives it (HostArrays.gemm: oneDNN's sgemm where installed,
+see there for why).
 """
 import numpy as np
 
@@ -8,12 +10,24 @@ from hetconv.params import default_init
 from hetconv.update import SLOTS, apply_update, slot_name
 
 
+def numpy_gemm(a, b, out=None, accumulate=False):
+    """a @ b into a new array, or added into `out` where `accumulate`, else written there."""
+    if out is None:
+        return a @ b
+    if accumulate:
+        out += a @ b
+    else:
+        np.matmul(a, b, out=out)
+    return out
+
+
 class Linear:
     """y = x @ w.T + b, with w (out, in) as in PyTorch; without a bias, b stays zero. `slots`:
     the optimizer's state per parameter, {"w.momentum_buffer": ..., ...}, made at the first
     update (or loaded)."""
 
-    def __init__(self, w, b, has_bias=True):
+    def __init__(self, w, b, has_bias=True, gemm=numpy_gemm):
+        self.gemm = gemm                             # gemm(a, b, out=None, accumulate=False), as numpy_gemm
         self.w = np.ascontiguousarray(w, np.float32)
         self.b = np.ascontiguousarray(b, np.float32)
         self.has_bias = has_bias
@@ -22,21 +36,23 @@ class Linear:
         self._x = None
 
     @classmethod
-    def init(cls, n_in, n_out, rng):
-        return cls(default_init(rng, (n_out, n_in), n_in), np.zeros(n_out, np.float32))
+    def init(cls, n_in, n_out, rng, gemm=numpy_gemm):
+        return cls(default_init(rng, (n_out, n_in), n_in), np.zeros(n_out, np.float32), gemm=gemm)
 
     def forward(self, x):                           # (N, in) -> (N, out)
         self._x = x
-        return x @ self.w.T + self.b
+        y = self.gemm(x, self.w.T)
+        y += self.b
+        return y
 
     def backward(self, dy, accumulate=False):        # (N, out) -> (N, in); keeps (or adds to) dw, db
-        dw, db = dy.T @ self._x, dy.sum(axis=0)
+        db = dy.sum(axis=0)
         if accumulate:                               # a later micro-batch of the same step
-            self.dw += dw
+            self.gemm(dy.T, self._x, out=self.dw, accumulate=True)
             self.db += db
         else:
-            self.dw, self.db = dw, db
-        dx = dy @ self.w
+            self.dw, self.db = self.gemm(dy.T, self._x), db
+        dx = self.gemm(dy, self.w)
         self._x = None
         return dx
 
