@@ -52,3 +52,32 @@ def test_rounding_in_place_gives_what_the_wire_would_have_carried(wire):
     got = a.copy()
     assert round_in_place(got, wire) is got
     np.testing.assert_array_equal(got, want)
+
+
+def test_bfloat16_kernels_equal_the_bit_arithmetic_on_every_kind_of_value_and_layout():
+    """encode, decode and round_in_place against the definition written out in numpy: every
+    float32 bit pattern class (normals, subnormals, ties, infinities, NaNs, both signs), a 4-D map,
+    and views that are not contiguous (a channel slice, a transposed block)."""
+    rng = np.random.default_rng(2)
+    bits = rng.integers(0, 2 ** 32, (6, 5, 4, 3), dtype=np.uint64).astype(np.uint32)
+    bits.reshape(-1)[:8] = [0x3F808000, 0x3F818000, 0x7F800000, 0xFF800000, 0x7FC00001, 0x00000001, 0x80008000,
+                            0x7F7FFFFF]
+    a = bits.view(np.float32)
+
+    def want_encoded(x):
+        b = np.ascontiguousarray(x).view(np.uint32).astype(np.uint64)
+        return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+
+    for x in (a, a[:, 1:3], a.transpose(1, 0, 2, 3)):
+        got = encode(x, "bfloat16")
+        np.testing.assert_array_equal(got, want_encoded(x))
+        np.testing.assert_array_equal(decode(got, "bfloat16").view(np.uint32), got.astype(np.uint32) << 16)
+        rounded = np.array(x, copy=True)
+        round_in_place(rounded, "bfloat16")
+        np.testing.assert_array_equal(rounded.view(np.uint32), want_encoded(x).astype(np.uint32) << 16)
+    view = np.array(a, copy=True)[:, 1:3]                   # rounded in place through a strided view
+    whole = view.base if view.base is not None else view
+    before = np.array(whole, copy=True)
+    round_in_place(view, "bfloat16")
+    np.testing.assert_array_equal(view.view(np.uint32), want_encoded(a[:, 1:3]).astype(np.uint32) << 16)
+    np.testing.assert_array_equal(whole[:, [0, 3, 4]], before[:, [0, 3, 4]])
