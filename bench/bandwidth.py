@@ -397,7 +397,8 @@ def run_parallel(switch, kind, rate, args, common, coordinator_cache):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.path.join(HERE, "results"))
-    p.add_argument("--rates", default="100mbit,1gbit,10gbit", help="tc rates, each host's own link")
+    p.add_argument("--rates", default="100mbit,1gbit,10gbit",
+                   help="tc rates, each host's own link; 'unshaped': the namespaces' veth links as they are")
     p.add_argument("--rows", default=",".join(ROW_KINDS), help=f"which rows per rate, of {', '.join(ROW_KINDS)}")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--conv", default="500,1500", help="kernels per conv layer (default: the paper network)")
@@ -494,6 +495,7 @@ def main(argv=None):
             print(f"    -> {fmt(base)}", flush=True)
             rows.append(base)
             for rate in [r.strip() for r in args.rates.split(",") if r.strip()]:
+                rate = None if rate == "unshaped" else rate          # the veth pair as it is
                 switch.shape(rate)
                 for kind in (kinds if rnd % 2 == 0 else kinds[::-1]):
                     print(f"[round {rnd + 1}/{args.rounds}] [{rate}] {kind}, {args.workers} workers ...", flush=True)
