@@ -62,6 +62,11 @@ CONFIGS += [("hetconv local fp32 spinning", {"kind": "hetconv", "mode": "local",
                                              "fp32": "hetconv local fp32", "torch": "torch fp32"}),
             ("hetconv local bf16 spinning", {"kind": "hetconv", "mode": "local", "precision": "bf16", "env": SPINNING,
                                              "fp32": "hetconv local fp32 spinning", "torch": "torch bf16 autocast"})]
+# ... and shorter spins, which a quiet host rewards nearly as much and a shared core punishes less
+# (bench/results/precision/targets/vgg_small_spin*.md)
+CONFIGS += [(f"hetconv local fp32 spin{count}", {"kind": "hetconv", "mode": "local", "precision": "fp32",
+                                                 "env": {"GOMP_SPINCOUNT": str(count)}, "fp32": "hetconv local fp32",
+                                                 "torch": "torch fp32"}) for count in (3000, 30000)]
 # "cpu device: x (...) w (...) ..., block ...: runs PATH (timed ...)" from the device's --verbose
 _CHOSE = re.compile(r"^cpu device: x \(([^)]*)\) w \(([^)]*)\).* runs (\S+) \(")
 
