@@ -16,6 +16,21 @@ BLAS_OVERRIDES = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 _DROPPED_MARK = "HETCONV_BENCH_DROPPED_BLAS_ENV"
 
 
+def add_digits_run_flags(p, net, lr, spawn_help="the workers, as hetconv-coordinator --spawn"):
+    """The flags of a benchmark that trains on the real digits over several seeds (accuracy.py,
+    bf16_accuracy.py): the data, the network, the workers, the recipe's batch, epochs, lr and
+    momentum, and the seeds."""
+    p.add_argument("--data", default=os.path.join(REPO, "tests", "data", "digits"),
+                   help="the data set (default: the digits in tests/data/digits, 1437 train / 360 test)")
+    p.add_argument("--net", default=net)
+    p.add_argument("--spawn", default="cpu:1,cpu:1", help=spawn_help)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--epochs", type=int, default=6)
+    p.add_argument("--lr", type=float, default=lr)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1; the medians over them are compared")
+
+
 def reexec_without_blas_overrides(keep=False):
     """Re-exec this script once with BLAS_OVERRIDES unset; returns a line saying what happened."""
     present = {k: os.environ[k] for k in BLAS_OVERRIDES if k in os.environ}

@@ -36,23 +36,15 @@ import _common  # noqa: E402
 import _torch_twin  # noqa: E402
 from _speedup_common import ForeignLoad  # noqa: E402
 
-REPO = os.path.dirname(HERE)
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", default=os.path.join(REPO, "tests", "data", "digits"),
-                   help="the data set (default: the digits in tests/data/digits, 1437 train / 360 test)")
-    p.add_argument("--net", default="vgg-small-bn@0.5")
-    p.add_argument("--spawn", default="cpu:1,cpu:1", help="hetconv's workers, as hetconv-coordinator --spawn")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--epochs", type=int, default=6)
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--momentum", type=float, default=0.9)
+    _common.add_digits_run_flags(p, net="vgg-small-bn@0.5", lr=0.05,
+                                 spawn_help="hetconv's workers, as hetconv-coordinator --spawn")
     p.add_argument("--weight-decay", type=float, default=5e-4)
     p.add_argument("--schedule", choices=("constant", "cosine"), default="cosine",
                    help="hetconv's --schedule; PyTorch: no scheduler, or CosineAnnealingLR over every step")
-    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1; the medians over them are compared")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch.set_num_threads for the PyTorch runs (one: the shared host's cores are not idle)")
     p.add_argument("--margin", type=float, default=1.0,

@@ -27,22 +27,13 @@ sys.path.insert(0, HERE)
 import _common  # noqa: E402
 from _speedup_common import ForeignLoad  # noqa: E402
 
-REPO = os.path.dirname(HERE)
 STEM = "bf16_accuracy"
 PRECISIONS = ("fp32", "bf16")
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", default=os.path.join(REPO, "tests", "data", "digits"),
-                   help="the data set (default: the digits in tests/data/digits, 1437 train / 360 test)")
-    p.add_argument("--net", default="lenet5")
-    p.add_argument("--spawn", default="cpu:1,cpu:1", help="the workers, as hetconv-coordinator --spawn")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--epochs", type=int, default=6)
-    p.add_argument("--lr", type=float, default=0.02)
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1; the medians over them are compared")
+    _common.add_digits_run_flags(p, net="lenet5", lr=0.02)
     p.add_argument("--margin", type=float, default=1.0,
                    help="the target: bf16's median test accuracy at most this many points below fp32's")
     p.add_argument("--out", default="", help="folder for bf16_accuracy.json and .md (default: print only)")

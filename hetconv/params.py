@@ -3,6 +3,18 @@ layers on the coordinator, so both train alike."""
 import numpy as np
 
 
+def numpy_gemm(a, b, out=None, accumulate=False):
+    """a @ b into a new array, or added into `out` where `accumulate`, else written there: the FC
+    layers' GEMM where no library GEMM serves (devices.cpu.head_gemm falls back to it)."""
+    if out is None:
+        return a @ b
+    if accumulate:
+        out += a @ b
+    else:
+        np.matmul(a, b, out=out)
+    return out
+
+
 def default_init(rng, shape, fan_in):
     """PyTorch's default for Linear and Conv2d: uniform in +-1/sqrt(fan_in) (std 1/sqrt(3 fan_in)).
     He's sqrt(2/fan_in) is 2.4x wider; with two max-pools (which keep the largest of four) in

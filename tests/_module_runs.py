@@ -4,7 +4,12 @@ steps in PyTorch, and the check that two runs' final states agree."""
 import numpy as np
 
 from hetconv.data import batches, load_dataset
+from hetconv.devices import open_device
+from hetconv.engine.local import LocalEngine
+from hetconv.engine.shard import ConvShard
+from hetconv.training import checkpoint
 from hetconv.training.config import Config
+from hetconv.training.loop import train
 
 STEPS, BATCH = 5, 16
 
@@ -17,6 +22,15 @@ def config(target, tmp_path, lr=0.05, **kw):
     return Config(net=target, crop=16, batch_size=BATCH, synthetic_train=160, synthetic_test=32, steps=STEPS,
                   lr=lr, momentum=0.9, weight_decay=0.0, threads=1, rebalance_after=0, eval_batches=1,
                   checkpoint_dir=str(tmp_path / "ck"), **kw).validate()
+
+
+def local_module_run(folder, module_source):
+    """`module_source` written to folder/mynet.py and trained with --local (one 1-thread shard) on
+    config()'s recipe -> (its config, losses, final checkpoint (meta, conv, fc))."""
+    (folder / "mynet.py").write_text(module_source)
+    cfg = config(f"{folder / 'mynet.py'}:build", folder)
+    summary = train(cfg, LocalEngine({"local": ConvShard(open_device("cpu", threads=1))}), log=quiet)
+    return cfg, summary["losses"], checkpoint.load(str(folder / "ck"))
 
 
 def torch_run(cfg, module=None):

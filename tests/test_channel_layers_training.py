@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from _faults import kill_worker_on_step
-from _module_runs import BATCH, STEPS, assert_equal_runs, config, quiet, torch_run
+from _module_runs import BATCH, STEPS, assert_equal_runs, config, local_module_run, quiet, torch_run
 from hetconv.coordinator.remote import RemoteEngine
 from hetconv.data import batches, load_dataset
 from hetconv.devices import open_device
@@ -47,20 +47,10 @@ def build():
 LAYER_KERNELS = [6, 8, 8, 10]
 
 
-
-
-
-
 @pytest.fixture(scope="module")
 def local_run(tmp_path_factory):
     """The module's --local run: its losses, final checkpoint and config."""
-    d = tmp_path_factory.mktemp("bn")
-    (d / "mynet.py").write_text(MODULE)
-    cfg = config(f"{d / 'mynet.py'}:build", d)
-    summary = train(cfg, LocalEngine({"local": ConvShard(open_device("cpu", threads=1))}), log=quiet)
-    return cfg, summary["losses"], checkpoint.load(str(d / "ck"))
-
-
+    return local_module_run(tmp_path_factory.mktemp("bn"), MODULE)
 
 
 def test_a_module_with_every_new_layer_trains_as_torch_sgd_does(local_run):
@@ -92,8 +82,6 @@ def distributed(cfg, tmp_path, workers, modes, images, micro, counts=None, fault
     finally:
         engine.close()
     return summary, checkpoint.load(str(tmp_path / "ck"))
-
-
 
 
 @pytest.mark.parametrize("workers,modes,images,micro", [

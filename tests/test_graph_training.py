@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from _faults import kill_worker_on_step
-from _module_runs import STEPS, assert_equal_runs, config, quiet, torch_run
+from _module_runs import STEPS, assert_equal_runs, config, local_module_run, quiet, torch_run
 from hetconv.coordinator.remote import RemoteEngine
 from hetconv.devices import open_device
 from hetconv.engine.local import LocalEngine
-from hetconv.engine.planner import PlanError, fixed_plan
+from hetconv.engine.planner import fixed_plan
 from hetconv.engine.shard import ConvShard
 from hetconv.net import load_net
 from hetconv.training import checkpoint
@@ -85,12 +85,6 @@ def build():
 """
 
 
-
-
-
-
-
-
 def assert_equals_torch(cfg, losses, conv, fc, atol=1e-5):
     from hetconv.net.torch_import import state_dict
     torch_losses, state = torch_run(cfg)
@@ -105,11 +99,7 @@ def assert_equals_torch(cfg, losses, conv, fc, atol=1e-5):
 @pytest.fixture(scope="module")
 def local_run(tmp_path_factory):
     """The module's --local run: its losses, final checkpoint and config."""
-    d = tmp_path_factory.mktemp("graph")
-    (d / "mynet.py").write_text(MODULE)
-    cfg = config(f"{d / 'mynet.py'}:build", d)
-    summary = train(cfg, LocalEngine({"local": ConvShard(open_device("cpu", threads=1))}), log=quiet)
-    return cfg, summary["losses"], checkpoint.load(str(d / "ck"))
+    return local_module_run(tmp_path_factory.mktemp("graph"), MODULE)
 
 
 def test_a_residual_and_branching_module_trains_as_torch_sgd_does(local_run):

@@ -138,6 +138,45 @@ def test_peer_features_of_the_wrong_shape_are_named(procs):
         engine.close()
 
 
+def test_a_graphs_features_of_the_wrong_shape_are_named(procs):
+    """A graph's step: the plan's first worker sends the whole feature map, which the coordinator
+    checks against the graph's feature shape and float32 before the head reads it. Every block of
+    the liar comes out one row short, so its two branches still concatenate (each lost two rows)
+    and only the features show it."""
+    import sys
+
+    from hetconv.devices.cpu import HostArrays
+    from hetconv.engine.contract import WorkerError
+    from hetconv.engine.graph import graph_pass
+    from hetconv.engine.planner import fixed_plan
+    from hetconv.geometry import ConvSpec
+    from hetconv.net import NetSpec
+
+    spec = NetSpec.from_json({"input_shape": [3, 8, 8], "classes": 2, "nodes": [
+        {"name": "stem", "inputs": ["input"], "type": "conv", "out_channels": 4, "kernel": 3, "padding": 1},
+        {"name": "a", "inputs": ["stem"], "type": "conv", "out_channels": 2, "kernel": 1},
+        {"name": "b", "inputs": ["stem"], "type": "conv", "out_channels": 3, "kernel": 1},
+        {"name": "cat", "inputs": ["a", "b"], "type": "concat"},
+        {"name": "flatten", "inputs": ["cat"], "type": "flatten"},
+        {"name": "fc", "inputs": ["flatten"], "type": "linear", "out_features": 2}]})
+    specs = [ConvSpec.from_layer(b) for b in spec.conv_layers()]
+    address = f"tcp://127.0.0.1:{free_port()}"
+    procs([sys.executable, "-c", _LYING_WORKER, "--device", "cpu", "--connect", address, "--threads", "1",
+           "--name", "liar"])
+    engine = RemoteEngine(address, 1, threads=1, connect_timeout=60, worker_timeout=10.0, log=quiet, exchange="peer")
+    engine.graph = graph_pass(spec, HostArrays())
+    try:
+        rng = np.random.default_rng(0)
+        params = [(rng.standard_normal((s.kernels, s.in_channels, s.kh, s.kw)).astype(np.float32),
+                   np.zeros(s.kernels, np.float32), None, None) for s in specs]
+        engine.load(fixed_plan([s.kernels for s in specs], {"liar": [s.kernels for s in specs]}), specs, params)
+        with pytest.raises(WorkerError, match=r"liar.*ShapeError: FEATURES for micro-batch 0: float32 \(2, 5, 6, 8\); "
+                                              r"the plan expects float32 \(2, 5, 8, 8\) for micro-batch 0, from liar"):
+            engine.predict(rng.standard_normal((2, 3, 8, 8)).astype(np.float32))
+    finally:
+        engine.close()
+
+
 def test_a_malformed_calibration_is_named_before_the_cost_model_reads_it():
     """CALIBRATED comes from the network: the coordinator checks its shape, names the worker and
     what is wrong, instead of failing deep inside the cost model's fit."""

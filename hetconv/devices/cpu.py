@@ -75,6 +75,7 @@ from hetconv.devices.cpu_gemms import BlasGemms, Bf16Gemms, DnnlGemms, scratch16
 from hetconv.devices.cpu_fft import FftConv, swap_leading
 from hetconv.devices.cpu_shifted_gemms import ShiftedBf16Gemms, ShiftedBlasGemms, ShiftedDnnlGemms
 from hetconv.geometry import window_output_size
+from hetconv.params import numpy_gemm
 
 # Numba's OpenMP threads spin-wait after each parallel region (GNU libgomp's default), on the very
 # cores the BLAS threads need next. On 2 cores a 2-thread device ran vgg-small's last layer 3.4x
@@ -1627,13 +1628,7 @@ def head_gemm(a, b, out=None, accumulate=False):
             return _head_sgemm.sgemm(a, b, c, 1.0 if accumulate else 0.0, numba.get_num_threads())
         except ValueError:          # a layout a GEMM cannot take as it is (a broadcast view, say)
             pass
-    if out is None:
-        return a @ b
-    if accumulate:
-        out += a @ b
-    else:
-        np.matmul(a, b, out=out)
-    return out
+    return numpy_gemm(a, b, out, accumulate)
 
 
 class HostArrays(_ChannelKernels, Device):

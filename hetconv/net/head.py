@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hetconv.net.layers import Linear, numpy_gemm, relu, relu_backward, softmax_cross_entropy
-from hetconv.params import default_init
+from hetconv.net.layers import Linear, relu, relu_backward, softmax_cross_entropy
+from hetconv.params import default_init, numpy_gemm
 
 
 def init_conv_params(specs, rng):

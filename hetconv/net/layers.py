@@ -6,19 +6,8 @@ see there for why).
 """
 import numpy as np
 
-from hetconv.params import default_init
+from hetconv.params import default_init, numpy_gemm
 from hetconv.update import SLOTS, apply_update, slot_name
-
-
-def numpy_gemm(a, b, out=None, accumulate=False):
-    """a @ b into a new array, or added into `out` where `accumulate`, else written there."""
-    if out is None:
-        return a @ b
-    if accumulate:
-        out += a @ b
-    else:
-        np.matmul(a, b, out=out)
-    return out
 
 
 class Linear:
