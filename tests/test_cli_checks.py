@@ -143,7 +143,7 @@ def interrupt_after_first_step(extra, sig):
     cmd = [sys.executable, "-m", "hetconv.cli.coordinator", *TINY, "--local", "--steps", "0", "--epochs", "200",
            "--conv", "8,16", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"})
     try:
         for line in proc.stdout:                  # the set-up line comes just before the first step
             if "steps of 8 images" in line:
@@ -159,13 +159,13 @@ def interrupt_after_first_step(extra, sig):
 
 def test_ctrl_c_without_a_checkpoint_dir_says_nothing_is_saved():
     code, err = interrupt_after_first_step([], signal.SIGINT)
-    assert code == 130
+    assert code == 130, err                       # a crash's stacks: PYTHONFAULTHANDLER
     assert "no --checkpoint-dir: nothing is saved" in err
 
 
 def test_sigterm_finishes_the_step_like_ctrl_c():
     code, err = interrupt_after_first_step([], signal.SIGTERM)
-    assert code == 143
+    assert code == 143, err
     assert "SIGTERM: finishing this step, then stopping (no --checkpoint-dir: nothing is saved)" in err
 
 
