@@ -1,6 +1,6 @@
-"""The CPU device's oneDNN paths against the numpy reference: im2col-dnnl (fp32) at the fp32
-tolerances, im2col-bf16 exactly to float32 rounding against the reference on bf16-rounded
-operands, at a bf16 tolerance against the fp32 reference and PyTorch's bf16 autocast; and the
+"""The CPU device's oneDNN paths against the numpy reference: im2col-dnnl and direct-dnnl (oneDNN's
+convolutions) in fp32 at the fp32 tolerances, im2col-bf16 and direct-bf16 to float32 rounding
+against the reference on bf16-rounded operands, at a bf16 tolerance against the fp32 reference and PyTorch's bf16 autocast; and the
 precision option: what it refuses, what it says, and that "auto" never takes bf16 where it is
 slower."""
 import numpy as np
@@ -70,18 +70,32 @@ def block_reference_bf16(x, w, b, block, dout):
     return out, dx, dw, dy.sum(axis=(0, 2, 3), dtype=np.float64).astype(np.float32)
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
+# the forced path of each fixture's device: (conv_path, the path it runs); the direct paths once
+# with a saved input and once recomputing it (the config's saved-cols budget)
+FLOAT32_PATHS = [("im2col-dnnl", "im2col-dnnl", c) for c in CONFIGS] + [
+    ("direct-dnnl", "direct-dnnl", c) for c in ("1thread", "2threads-chunked-recomputed")]
+BF16_FORCED = [("auto", "im2col-bf16", c) for c in CONFIGS] + [
+    ("direct-dnnl", "direct-bf16", c) for c in ("1thread", "2threads-chunked-recomputed")]
+
+
+@pytest.fixture(scope="module", params=FLOAT32_PATHS, ids=lambda p: f"{p[0]}-{p[2]}")
 def dnnl_cpu(request):
     if MISSING:
         pytest.skip(f"oneDNN is an optional extra: {MISSING}")
-    return open_device("cpu", conv_path="im2col-dnnl", **CONFIGS[request.param])
+    conv_path, runs, config = request.param
+    cpu = open_device("cpu", conv_path=conv_path, **CONFIGS[config])
+    cpu.expected_path = runs
+    return cpu
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
+@pytest.fixture(scope="module", params=BF16_FORCED, ids=lambda p: f"{p[1]}-{p[2]}")
 def bf16_cpu(request):
     if BF16_MISSING:
         pytest.skip(f"no bf16 GEMM here: {BF16_MISSING}")
-    return open_device("cpu", precision="bf16", **CONFIGS[request.param])
+    conv_path, runs, config = request.param
+    cpu = open_device("cpu", precision="bf16", conv_path=conv_path, **CONFIGS[config])
+    cpu.expected_path = runs
+    return cpu
 
 
 # ---- im2col-dnnl: float32 ------------------------------------------------------------------------
@@ -99,7 +113,11 @@ def test_dnnl_plain_conv_matches_the_reference(dnnl_cpu, conv):
             assert (g is None) == (r is None)
             if r is not None:
                 close(g, r)
-    assert set(dnnl_cpu.conv_paths().values()) == {"im2col-dnnl"}
+    assert set(dnnl_cpu.conv_paths().values()) == {dnnl_cpu.expected_path}
+    if dnnl_cpu.expected_path == "direct-dnnl":       # oneDNN names the kernels it ran
+        assert all(set(c["kernels"]) == {"forward", "backward-data", "backward-weights"}
+                   for c in dnnl_cpu.conv_path_choices())
+        assert all("; oneDNN forward " in line for line in dnnl_cpu.describe_conv_paths())
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=str)
@@ -155,17 +173,18 @@ def test_bf16_blocks_round_only_the_gemm_operands(bf16_cpu, block):
     kept = np.ones_like(w)
     bf16_cpu.conv_block_backward(ctx, w, dout, need_dx=False, dw_out=kept, accumulate=True)
     close(kept, rdw + 1)
-    assert set(bf16_cpu.conv_paths().values()) == {"im2col-bf16"}
+    assert set(bf16_cpu.conv_paths().values()) == {bf16_cpu.expected_path}
 
 
 @needs_bf16
+@pytest.mark.parametrize("conv_path", ["auto", "direct-dnnl"])
 @pytest.mark.parametrize("conv", CONVS[1:4], ids=str)
-def test_bf16_conv_agrees_with_pytorchs_bf16_autocast(conv):
+def test_bf16_conv_agrees_with_pytorchs_bf16_autocast(conv, conv_path):
     torch = pytest.importorskip("torch", reason="PyTorch is an optional extra")
     F = torch.nn.functional
     x, w, b, rng = tensors(conv, 4)
     stride, p = conv[7], conv[8]
-    cpu = open_device("cpu", threads=1, precision="bf16")
+    cpu = open_device("cpu", threads=1, precision="bf16", conv_path=conv_path)
     y = cpu.conv2d(x, w, b, stride=stride, padding=p)
     dy = rng.standard_normal(y.shape).astype(np.float32)
     dx, dw, db = cpu.conv2d_backward(x, w, dy, stride=stride, padding=p)
@@ -186,7 +205,8 @@ def test_an_unknown_precision_is_refused():
 
 def test_bf16_with_a_forced_float32_path_is_refused():
     with pytest.raises(DeviceError, match="^precision bf16 runs every conv on a bf16 path: conv path 'shifted' "
-                                          "cannot be forced with it$"):
+                                          "cannot be forced with it \\(direct-dnnl can: oneDNN's convolutions in "
+                                          "bf16\\)$"):
         open_device("cpu", precision="bf16", conv_path="shifted")
 
 
@@ -244,7 +264,7 @@ def _faked(precision, seconds, **options):
 
 
 SLOWER_BF16 = {"im2col": 1.0, "shifted": 1.2, "fft": 3.0, "im2col-dnnl": 0.9, "im2col-bf16": 0.95,
-               "shifted-dnnl": 1.1, "shifted-bf16": 0.97}
+               "shifted-dnnl": 1.1, "shifted-bf16": 0.97, "direct-dnnl": 0.92, "direct-bf16": 0.96}
 
 
 @needs_bf16
@@ -253,6 +273,9 @@ SLOWER_BF16 = {"im2col": 1.0, "shifted": 1.2, "fft": 3.0, "im2col-dnnl": 0.9, "i
     ({**SLOWER_BF16, "im2col-bf16": 0.88}, "im2col-dnnl"),          # faster, but within its margin
     ({**SLOWER_BF16, "im2col-bf16": 0.5}, "im2col-bf16"),           # well faster
     ({**SLOWER_BF16, "im2col-bf16": 0.5, "fft": 0.4}, "fft"),      # FFT faster still
+    ({**SLOWER_BF16, "direct-dnnl": 0.6}, "direct-dnnl"),           # oneDNN's own convolution
+    ({**SLOWER_BF16, "direct-dnnl": 0.6, "direct-bf16": 0.3}, "direct-bf16"),
+    ({**SLOWER_BF16, "direct-dnnl": 0.6, "direct-bf16": 0.59}, "direct-dnnl"),   # bf16 within its margin
 ])
 def test_auto_takes_bf16_only_where_it_times_faster(seconds, chosen):
     cpu = _faked("auto", seconds)
@@ -265,7 +288,7 @@ def test_auto_takes_bf16_only_where_it_times_faster(seconds, chosen):
 
 @needs_bf16
 def test_fp32_never_times_bf16_and_small_calls_stay_float32():
-    cpu = _faked("fp32", {**SLOWER_BF16, "im2col-bf16": 0.01, "shifted-bf16": 0.01})
+    cpu = _faked("fp32", {**SLOWER_BF16, "im2col-bf16": 0.01, "shifted-bf16": 0.01, "direct-bf16": 0.01})
     x, w, b, _ = tensors((2, 4, 9, 9, 3, 3, 3), 7)
     cpu.conv2d(x, w, b)
     assert cpu.conv_paths() and set(cpu.conv_paths().values()) == {"im2col-dnnl"}
@@ -301,12 +324,28 @@ def test_a_multi_thread_device_with_onednn_times_no_openblas_path():
     assert cpu.openmp_gemms_only
     assert {i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"} == {1}
     close(cpu.conv2d(x, w, b, padding=1), R.conv2d(x, w, b, 1, 1))
-    assert set(timed) == {"fft", "im2col-dnnl", "shifted-dnnl"}
+    assert set(timed) == {"fft", "im2col-dnnl", "shifted-dnnl", "direct-dnnl"}
     assert set(cpu.conv_paths().values()) == {"im2col-dnnl"}
     one = _faked("fp32", SLOWER_BF16)
     one.conv2d(x, w, b)
     assert not one.openmp_gemms_only and set(one.conv_paths().values()) == {"im2col-dnnl"}
-    assert set(one.conv_path_choices()[0]["seconds"]) == {"im2col", "shifted", "fft", "im2col-dnnl", "shifted-dnnl"}
+    assert set(one.conv_path_choices()[0]["seconds"]) == {"im2col", "shifted", "fft", "im2col-dnnl", "shifted-dnnl",
+                                                          "direct-dnnl"}
     forced = open_device("cpu", threads=2, conv_path="im2col")
     assert not forced.openmp_gemms_only
     assert {i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"} == {2}
+
+
+@needs_bf16
+def test_a_conv_onednn_cannot_run_is_named_where_forced_and_left_out_of_auto(monkeypatch):
+    from hetconv.devices.dnnl_conv import DirectConvs
+    monkeypatch.setattr(DirectConvs, "declines", lambda self, *call: "no implementation of it here")
+    x, w, b, _ = tensors((2, 4, 9, 9, 3, 3, 3), 9)
+    forced = open_device("cpu", threads=1, conv_path="direct-dnnl")
+    with pytest.raises(DeviceError, match=r"^conv path direct-dnnl cannot run x \(2, 4, 9, 9\) w \(3, 4, 3, 3\) "
+                                          r"stride \(1, 1\) padding \(0, 0\), plain conv: no implementation of it here$"):
+        forced.conv2d(x, w, b)
+    cpu = _faked("auto", {**SLOWER_BF16, "direct-dnnl": 0.1, "direct-bf16": 0.1})
+    cpu.conv2d(x, w, b)
+    assert set(cpu.conv_paths().values()) == {"im2col-dnnl"}
+    assert not {"direct-dnnl", "direct-bf16"} & set(cpu.conv_path_choices()[0]["seconds"])

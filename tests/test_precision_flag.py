@@ -41,7 +41,7 @@ def test_an_unknown_precision_is_refused_naming_the_flag(bad):
 
 def test_bf16_with_a_forced_conv_path_is_refused():
     with pytest.raises(ValueError, match="^--precision bf16 runs every CPU conv on its bf16 path: --cpu-conv-path fft "
-                                         "cannot be forced with it$"):
+                                         "cannot be forced with it \\(direct-dnnl can: oneDNN's convolutions in bf16\\)$"):
         Config(precision="bf16", cpu_conv_path="fft").validate()
     Config(precision="auto", cpu_conv_path="fft").validate()
 

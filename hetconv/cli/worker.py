@@ -7,7 +7,7 @@ import threading
 
 from hetconv.flags import HelpFormatter, add_version
 # the names only: hetconv.devices.cpu itself would start numba before --cores pins this process
-CPU_CONV_PATHS = ("auto", "im2col", "shifted", "fft", "im2col-dnnl")
+CPU_CONV_PATHS = ("auto", "im2col", "shifted", "fft", "im2col-dnnl", "direct-dnnl")
 PRECISIONS = ("fp32", "bf16", "auto")
 from hetconv.transport.worker_argv import COORDINATOR_ENV
 from hetconv.worker import Terminated, WorkerExit, on_sigterm

@@ -74,6 +74,7 @@ from hetconv.devices.blas import accumulating_sgemm
 from hetconv.devices.cpu_gemms import BlasGemms, Bf16Gemms, DnnlGemms, scratch16
 from hetconv.devices.cpu_fft import FftConv, swap_leading
 from hetconv.devices.cpu_shifted_gemms import ShiftedBf16Gemms, ShiftedBlasGemms, ShiftedDnnlGemms
+from hetconv.devices.dnnl_conv import DirectConvs
 from hetconv.geometry import window_output_size
 from hetconv.params import numpy_gemm
 
@@ -112,7 +113,7 @@ KERNEL_ROW_MULTIPLE = 16
 # bytes for 5x5 kernels on 14x14 inputs (the whole conv2: 900 MB + a 75 MB copy of the weights);
 # a layer whose spectra would not fit this budget runs the direct path instead.
 DEFAULT_FFT_BUDGET_BYTES = 1 << 30
-CONV_PATHS = ("auto", "im2col", "shifted", "fft", "im2col-dnnl")
+CONV_PATHS = ("auto", "im2col", "shifted", "fft", "im2col-dnnl", "direct-dnnl")
 # A CPU device's GEMM precision (`--precision`): "fp32"; "bf16", every conv on a bf16 path
 # (bf16 operands, float32 sums, everything else float32): im2col-bf16 (devices/cpu_gemms.py), or
 # at stride 1 shifted-bf16 (devices/cpu_shifted_gemms.py) where the timing below finds it faster;
@@ -128,8 +129,12 @@ AUTO_BF16_MARGIN = 0.04
 # sgemm: OpenBLAS's two threads, which spin between calls, waited ~30 ms a call for a core beside
 # other tenants' work (airbench94's 2x2 first layer at batch 32: 36 ms forward and backward
 # against 2-4 on oneDNN, under either OpenBLAS kernel), where oneDNN's OpenMP threads sleep.
-DNNL_PATHS = ("im2col-dnnl", "im2col-bf16", "shifted-dnnl", "shifted-bf16")
-BF16_PATHS = ("im2col-bf16", "shifted-bf16")
+DNNL_PATHS = ("im2col-dnnl", "im2col-bf16", "shifted-dnnl", "shifted-bf16", "direct-dnnl", "direct-bf16")
+BF16_PATHS = ("im2col-bf16", "shifted-bf16", "direct-bf16")
+# ... and oneDNN's own convolutions (devices/dnnl_conv.py), float32 and bf16, at any stride: no
+# expansion of the input at all, for a reorder into a channel-blocked layout and back (one pass
+# over x, dY, Y and dX each). Timed among the others where oneDNN is installed.
+DIRECT_PATHS = ("direct-dnnl", "direct-bf16")
 # ... and where oneDNN is installed, a device of two or more threads choosing its own paths runs no
 # direct path on OpenBLAS at all: OpenBLAS's pthreads keep spinning after each call on the very
 # cores the next Numba pass and oneDNN GEMM (one OpenMP pool) need, a cost that falls on the layers
@@ -496,6 +501,26 @@ def _rows_to_nchw(yt, b, n0, n1, ho, wo, y):
 
 
 @_jit
+def _plane_totals(a, out):
+    """out[n, k] = the sum of a[n, k, :] (a (N, K, P)), in float64."""
+    for t in prange(a.shape[0] * a.shape[1]):
+        n, k = t // a.shape[1], t % a.shape[1]
+        total = 0.0
+        for j in range(a.shape[2]):
+            total += a[n, k, j]
+        out[n, k] = total
+
+
+def _channel_totals(a):
+    """Per channel of a (N, K, H, W): the float32 sum over images and planes, added in float64
+    (a bias's gradient)."""
+    n, k = a.shape[:2]
+    out = np.empty((n, k))
+    _plane_totals(a.reshape(n, k, -1), out)
+    return out.sum(axis=0).astype(np.float32)
+
+
+@_jit
 def _nchw_to_rows(dy, n0, n1, ho, wo, dyt):
     """dyt[(i*nb + n)*wo + j, k] = dy[n0+n, k, i, j]."""
     k_out = dyt.shape[1]
@@ -810,6 +835,17 @@ class _FftBlockContext:
         self.x_spectra = x_spectra
 
 
+class _DirectBlockContext:
+    """What a block's backward needs on a direct (oneDNN convolution) path: as _BlockContext, with
+    the input in the forward primitive's layout where it fit the saved-cols budget (flat float32
+    from that pool; None otherwise)."""
+
+    def __init__(self, x, w, block, conv_hw, pool, argmax, mask, pooled_shape, convs, saved_src):
+        self.x, self.w_shape, self.block, self.conv_hw = x, w.shape, block, conv_hw
+        self.pool, self.argmax, self.mask, self.pooled_shape = pool, argmax, mask, pooled_shape
+        self.convs, self.saved_src = convs, saved_src
+
+
 def _time_one_run(path, run):
     """Seconds of one run() (the default timer of the automatic path choice)."""
     t0 = time.perf_counter()
@@ -882,9 +918,9 @@ class CpuDevice(Device):
             raise DeviceError(f"conv_path must be one of {CONV_PATHS!r}, got {conv_path!r}")
         if precision not in PRECISIONS:
             raise DeviceError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-        if precision == "bf16" and conv_path != "auto":
+        if precision == "bf16" and conv_path not in ("auto", "direct-dnnl"):
             raise DeviceError(f"precision bf16 runs every conv on a bf16 path: conv path {conv_path!r} "
-                              f"cannot be forced with it")
+                              f"cannot be forced with it (direct-dnnl can: oneDNN's convolutions in bf16)")
         self.conv_path = conv_path
         self.precision = precision
         self.threads = int(min(threads, numba.config.NUMBA_NUM_THREADS))
@@ -913,6 +949,7 @@ class CpuDevice(Device):
         self._trial_path = None         # the path forced while "auto" times the candidates
         self._path_gemms = {"im2col": BlasGemms(self)}     # im2col path -> its GEMMs (cpu_gemms)
         self._shifted_gemms = {"shifted": ShiftedBlasGemms(self)}    # shifted path -> its GEMMs
+        self._direct = {}               # direct path -> its oneDNN convolutions (dnnl_conv)
         # onednn: None, its paths where it is installed; False, OpenBLAS's only (as without it)
         self._dnnl, self.bf16_missing = self._open_dnnl(conv_path, precision, onednn)
         # the direct paths' GEMMs all on oneDNN's OpenMP threads, OpenBLAS on one (see OPENBLAS_PATHS)
@@ -923,15 +960,18 @@ class CpuDevice(Device):
         if self._dnnl is not None:
             self._path_gemms["im2col-dnnl"] = DnnlGemms(self, self._dnnl)
             self._shifted_gemms["shifted-dnnl"] = ShiftedDnnlGemms(self, self._dnnl)
+            self._direct["direct-dnnl"] = DirectConvs(self._dnnl, self.threads, bf16=False)
             if not self.bf16_missing:
                 self._path_gemms["im2col-bf16"] = Bf16Gemms(self, self._dnnl)
                 self._shifted_gemms["shifted-bf16"] = ShiftedBf16Gemms(self, self._dnnl)
+                self._direct["direct-bf16"] = DirectConvs(self._dnnl, self.threads, bf16=True)
 
     @staticmethod
     def _open_dnnl(conv_path, precision, onednn):
         """(oneDNN or None, why bf16 cannot run here or ''). Where a path or precision asks for
         it, its absence is the one-line DeviceError; elsewhere the device runs without it."""
-        needed = {"im2col-dnnl": f"conv path {conv_path}", "bf16": f"precision {precision}"}
+        needed = {"im2col-dnnl": f"conv path {conv_path}", "direct-dnnl": f"conv path {conv_path}",
+                  "bf16": f"precision {precision}"}
         asked = needed.get(conv_path) or needed.get(precision)
         if onednn is False:
             if asked:
@@ -1020,12 +1060,24 @@ class CpuDevice(Device):
 
     def conv_path_choices(self):
         return [{"call": _describe_call(key), "path": choice.path, "why": choice.why,
-                 "seconds": {p: float(s) for p, s in choice.seconds.items()}} for key, choice in self._choices.items()]
+                 "seconds": {p: float(s) for p, s in choice.seconds.items()},
+                 **({"kernels": self._direct_kernels(key, choice)} if choice.path in self._direct else {})}
+                for key, choice in self._choices.items()]
+
+    def _direct_kernels(self, key, choice):
+        """oneDNN's implementations of a call on a direct path: {direction: name}."""
+        return self._direct[choice.path].implementations(*key[:4])
 
     def describe_conv_paths(self):
         """One line per call shape run so far: the path and why (timed, with each path's time; the
-        rule; forced; or why the FFT path declined)."""
-        return [f"{_describe_call(key)}: {choice.describe()}" for key, choice in self._choices.items()]
+        rule; forced; or why the FFT path declined); on a direct path, oneDNN's kernels."""
+        lines = []
+        for key, choice in self._choices.items():
+            kernels = ""
+            if choice.path in self._direct:
+                kernels = "; oneDNN " + ", ".join(f"{d} {name}" for d, name in self._direct_kernels(key, choice).items())
+            lines.append(f"{_describe_call(key)}: {choice.describe()}{kernels}")
+        return lines
 
     def _path(self, x, w, stride, padding, block=None):
         """The conv path of this call, "fft", "shifted" or "im2col": chosen on the first call with
@@ -1043,13 +1095,19 @@ class CpuDevice(Device):
         flops = 2.0 * n * k * w.shape[1] * w.shape[2] * w.shape[3] * ho * wo
         untimed = f"rule: {flops / 1e6:.3g} MFLOP per call, under the {self.auto_timed_min_flops / 1e6:.3g} timed"
         if self.precision == "bf16":
-            if stride != (1, 1):
-                return _PathChoice("im2col-bf16", "the only bf16 path at this stride")
+            if self.conv_path == "direct-dnnl":
+                return self._forced_direct("direct-bf16", x, w, stride, padding, block)
             if flops < self.auto_timed_min_flops:
                 return _PathChoice("im2col-bf16", untimed)
-            return self._timed_choice(["im2col-bf16", "shifted-bf16"], x, w, stride, padding, block, flops, "")
+            candidates = (["im2col-bf16"] + (["shifted-bf16"] if stride == (1, 1) else [])
+                          + self._direct_paths(["direct-bf16"], x, w, stride, padding))
+            if len(candidates) == 1:
+                return _PathChoice("im2col-bf16", "the only bf16 path here")
+            return self._timed_choice(candidates, x, w, stride, padding, block, flops, "")
         if self.conv_path == "im2col-dnnl":
             return _PathChoice("im2col-dnnl", "forced")
+        if self.conv_path == "direct-dnnl":
+            return self._forced_direct("direct-dnnl", x, w, stride, padding, block)
         rule = "shifted" if self._shifted(w.shape, stride) else "im2col"
         if self.conv_path in ("im2col", "shifted"):
             return _PathChoice(rule, "forced" if rule == self.conv_path else "forced path takes stride 1 only")
@@ -1063,17 +1121,30 @@ class CpuDevice(Device):
                       f"not FFT: {declined}", file=sys.stderr, flush=True)
             self._fft_declined.add(layer)
             return _PathChoice(rule, f"fft declined: {declined}")
-        have = {**self._path_gemms, **self._shifted_gemms}
+        have = {**self._path_gemms, **self._shifted_gemms, **self._direct}
         if flops < self.auto_timed_min_flops:
             return _PathChoice(f"{rule}-dnnl" if f"{rule}-dnnl" in have else rule, untimed)
         candidates = (["im2col"] + (["shifted"] if stride == (1, 1) else []) + ([] if declined else ["fft"])
                       + [p for p in DNNL_PATHS if p in have and (stride == (1, 1) or p not in self._shifted_gemms)
                          and (p not in BF16_PATHS or self.precision == "auto")])
+        candidates = [p for p in candidates if p not in DIRECT_PATHS] + self._direct_paths(
+            [p for p in candidates if p in DIRECT_PATHS], x, w, stride, padding)
         if self.openmp_gemms_only:
             candidates = [p for p in candidates if p not in OPENBLAS_PATHS]
         if len(candidates) == 1:
             return _PathChoice(candidates[0], f"the only path here: {declined}")
         return self._timed_choice(candidates, x, w, stride, padding, block, flops, declined)
+
+    def _forced_direct(self, path, x, w, stride, padding, block):
+        declined = self._direct[path].declines(x.shape, w.shape, stride, padding)
+        if declined:
+            call = _describe_call((tuple(x.shape), tuple(w.shape), stride, padding, block))
+            raise DeviceError(f"conv path direct-dnnl cannot run {call}: {declined}")
+        return _PathChoice(path, "forced")
+
+    def _direct_paths(self, paths, x, w, stride, padding):
+        """Those of the direct `paths` this device has and oneDNN can run for this call."""
+        return [p for p in paths if p in self._direct and not self._direct[p].declines(x.shape, w.shape, stride, padding)]
 
     def _timed_choice(self, candidates, x, w, stride, padding, block, flops, declined):
         """The fastest of `candidates` on this call, timed (or as timed for a call of the same
@@ -1211,6 +1282,11 @@ class CpuDevice(Device):
             swap_leading(y_kn.reshape(k, n, -1), y.reshape(n, k, -1))
             y += b[None, :, None, None]
             return y
+        if path in self._direct:
+            y = np.empty((n, k) + _conv_hw(x.shape, w.shape, stride, padding), np.float32)
+            self._direct[path].forward(np.ascontiguousarray(x, np.float32), w, stride, padding, y)
+            y += b[None, :, None, None]
+            return y
         if path in self._shifted_gemms:
             ho, wo = _conv_hw(x.shape, w.shape, stride, padding)
             y = np.empty((n, k, ho, wo), np.float32)
@@ -1233,6 +1309,8 @@ class CpuDevice(Device):
         path = self._path(x, w, block.stride, block.padding, block)
         if path == "fft":
             return self._fft_block(x, w, b, block)
+        if path in self._direct:
+            return self._direct_block(x, w, b, block, self._direct[path])
         gemms, shifted = self._path_gemms.get(path), self._shifted_gemms.get(path)
         if _is_max2(block):
             return self._paper_block(x, w, b, block.padding, shifted, gemms, block.activation == "relu")
@@ -1343,6 +1421,11 @@ class CpuDevice(Device):
             dy_kn = self._scratch("fft_dy_kn", (k, n, dy.shape[2] * dy.shape[3]))
             swap_leading(dy.reshape(n, k, -1), dy_kn)
             return self._fft_backward(x, w, dy_kn, padding, need_dx)
+        if path in self._direct:
+            dw = np.empty(w.shape, np.float32)
+            dy = np.ascontiguousarray(dy, np.float32)
+            dx = self._direct[path].backward(np.ascontiguousarray(x, np.float32), w, dy, stride, padding, need_dx, dw)
+            return dx, dw, _channel_totals(dy)
         if path in self._shifted_gemms:
             ho, wo = dy.shape[2], dy.shape[3]
             return self._shifted_backward(x, w, padding, need_dx,
@@ -1364,6 +1447,8 @@ class CpuDevice(Device):
         x = ctx.x
         if isinstance(ctx, _FftBlockContext):
             return self._fft_block_backward(ctx, w, dout, need_dx, dw_out, accumulate)
+        if isinstance(ctx, _DirectBlockContext):
+            return self._direct_block_backward(ctx, w, dout, need_dx, dw_out, accumulate)
         if isinstance(ctx, _PoolContext):
             ho, wo = _conv_hw(x.shape, w.shape, (1, 1), ctx.padding)
             return self._fused_backward(
@@ -1560,6 +1645,40 @@ class CpuDevice(Device):
         if x_spectra is not None:
             self._give_back_saved_cols(x_spectra.base if x_spectra.base is not None else x_spectra)
         return grads
+
+    # ---- the direct paths: oneDNN's convolutions ------------------------------------------------
+    def _direct_block(self, x, w, b, block, convs):
+        """The block's conv by oneDNN into a work buffer (N, K, Ho, Wo), then bias, activation and
+        pool in one pass, as _generic_block; the input in the primitive's layout kept for backward
+        within the saved-cols budget."""
+        x = np.ascontiguousarray(x, np.float32)
+        n, k = x.shape[0], w.shape[0]
+        stride, padding = block.stride, block.padding
+        ho, wo = _conv_hw(x.shape, w.shape, stride, padding)
+        pool = _PoolGeometry.of(block)
+        relu = block.activation == "relu"
+        out = np.empty((n, k) + pool.output_hw(ho, wo), np.float32)
+        argmax = np.empty(out.shape if pool.is_max else (0, 0, 0, 0), np.int32)
+        mask = np.empty((n, k, ho, wo) if relu and not pool.is_max else (0, 0, 0, 0), np.uint8)
+        nbytes = convs.src_nbytes(x.shape, w.shape, stride, padding)
+        saved = self._take_saved_cols(-(-nbytes // 4)) if nbytes <= self.saved_cols_budget_bytes else None
+        y = self._scratch("direct_y", (n, k, ho, wo))
+        convs.forward(x, w, stride, padding, y, None if saved is None else saved.view(np.uint8)[:nbytes])
+        _act_pool(y, b, 0, relu, pool.is_max, *pool.args, out, argmax, mask)
+        return out, _DirectBlockContext(x, w, block, (ho, wo), pool, argmax, mask, out.shape, convs, saved)
+
+    def _direct_block_backward(self, ctx, w, dout, need_dx, dw_out, accumulate):
+        (ho, wo), pool, x = ctx.conv_hw, ctx.pool, ctx.x
+        dy = self._scratch("direct_dy", (x.shape[0], w.shape[0], ho, wo))
+        _act_pool_backward(dout, 0, ctx.block.activation == "relu", pool.is_max, *pool.args, ctx.argmax, ctx.mask, dy)
+        saved, ctx.saved_src = ctx.saved_src, None      # a second backward reorders x again
+        nbytes = ctx.convs.src_nbytes(x.shape, w.shape, ctx.block.stride, ctx.block.padding)
+        into = dw_out if dw_out is not None and not accumulate else np.empty(w.shape, np.float32)
+        dx = ctx.convs.backward(x, w, dy, ctx.block.stride, ctx.block.padding, need_dx, into,
+                                None if saved is None else saved.view(np.uint8)[:nbytes])
+        if saved is not None:
+            self._give_back_saved_cols(saved)
+        return dx, (into if into is dw_out else self._dw_into(dw_out, accumulate, into)), _channel_totals(dy)
 
     # ---- optimizer ---------------------------------------------------------------------------
     def _sgd_(self, param, velocity, grad, lr, momentum, weight_decay, nesterov):

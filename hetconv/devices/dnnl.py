@@ -123,7 +123,7 @@ class Dnnl:
 
     def __init__(self, path):
         self.path = path
-        lib = ctypes.CDLL(path)
+        self.cdll = lib = ctypes.CDLL(path)
         dim, flt, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
         args = [ctypes.c_char, ctypes.c_char, dim, dim, dim, flt, ptr, dim, ptr, dim, flt, ptr, dim]
         self._sgemm, self._bf16 = lib.dnnl_sgemm, lib.dnnl_gemm_bf16bf16f32
@@ -147,13 +147,17 @@ class Dnnl:
     def describe(self):
         return f"oneDNN {self.version} ({self.runtime}, {self.isa})"
 
+    def set_threads(self, threads):
+        """The OpenMP build's thread count for what the calling thread runs next."""
+        if self._set_threads is not None:
+            self._set_threads(int(threads))
+
     def _call(self, name, function, a, b, c, beta, threads, dtype):
         call = gemm_operands(name, a, b, c, beta, dtype)
         if call is None:
             return c
         m, n, k, (a_t, lda), (b_t, ldb), ldc = call
-        if self._set_threads is not None:
-            self._set_threads(int(threads))
+        self.set_threads(threads)
         status = function(b"T" if a_t else b"N", b"T" if b_t else b"N", m, n, k, 1.0, a.ctypes.data, lda,
                           b.ctypes.data, ldb, float(beta), c.ctypes.data, ldc)
         if status != _SUCCESS:

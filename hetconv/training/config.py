@@ -81,7 +81,7 @@ class Config:
     threads: int = option(0, "threads per CPU device (0: every core this process may use)")
     cpu_conv_path: str = option("auto", "a CPU device's conv path: 'auto' (per layer and share, the fastest by timing on "
                                         "first use), or forced: 'im2col', 'shifted' or 'fft' (stride-1 layers), or "
-                                        "'im2col-dnnl' (oneDNN's sgemm)")
+                                        "'im2col-dnnl' (oneDNN's sgemm), 'direct-dnnl' (oneDNN's own convolutions)")
     precision: str = option("fp32", "a CPU device's conv GEMMs: fp32; bf16 (operands rounded to bf16, sums and "
                                     "everything else in fp32, as PyTorch's autocast; needs oneDNN: pip install "
                                     "'hetconv[onednn]'); auto (bf16 where the device's timing finds it faster, per "
@@ -174,9 +174,10 @@ class Config:
             raise ValueError(f"--cpu-conv-path must be one of {', '.join(CPU_CONV_PATHS)}, got {self.cpu_conv_path!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        if self.precision == "bf16" and self.cpu_conv_path != "auto":
+        if self.precision == "bf16" and self.cpu_conv_path not in ("auto", "direct-dnnl"):
             raise ValueError(f"--precision bf16 runs every CPU conv on its bf16 path: --cpu-conv-path "
-                             f"{self.cpu_conv_path} cannot be forced with it")
+                             f"{self.cpu_conv_path} cannot be forced with it (direct-dnnl can: oneDNN's "
+                             f"convolutions in bf16)")
         self.conv_kernels()
         self.fc_sizes()
         self.augment_kinds()

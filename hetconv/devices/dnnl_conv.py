@@ -1,0 +1,382 @@
+"""oneDNN's convolution primitives for the CPU device: a 2-D conv's forward, backward-data and
+backward-weights on NCHW float32 arrays, in float32 or with bf16 operands (float32 sums and
+float32 results), through oneDNN's C API over ctypes (the library devices/dnnl.py loads).
+
+Why: on 3x3 layers with few channels (vgg-small, airbench94) the im2col and shifted paths spend
+a third to half of a call expanding and folding the input around GEMMs too thin to reach their
+peak; oneDNN's direct convolutions (its "brgconv" and "jit" kernels) read the input in place in a
+channel-blocked layout. PyTorch's CPU convolutions, fp32 and bf16 autocast alike, are these very
+primitives.
+
+What a call costs beyond the primitive: the input, the weights and dY are reordered into the
+primitive's blocked layout (bf16: rounded in the same pass, nearest-even as to_bf16), and Y, dX
+and dW reordered back to NCHW/KCRS: one pass over each, as PyTorch's NCHW tensors pay. Primitives
+are created once per call shape (oneDNN generates their code then: tens of milliseconds) and kept.
+
+Threads: oneDNN's OpenMP build runs each primitive on omp_get_max_threads() of the calling thread
+and fixes its blocking for that count when the primitive is created, so the count is set before
+creating and before running (Dnnl.set_threads)."""
+import ctypes
+
+import numpy as np
+
+from hetconv.devices.base import DeviceError
+
+# the C API's values (oneapi/dnnl/dnnl_types.h, dnnl_common_types.h: the same in every oneDNN 3.x)
+_F32, _BF16 = 3, 2
+_FORMAT_ANY = 1
+_FORWARD_TRAINING = 64
+_CONVOLUTION_DIRECT = 1
+_CPU_ENGINE = 1
+_STREAM_IN_ORDER = 1
+_QUERY_IMPL_INFO_STR = 8
+_QUERY_SRC_MD, _QUERY_DIFF_SRC_MD, _QUERY_WEIGHTS_MD, _QUERY_DIFF_WEIGHTS_MD = 129, 130, 131, 132
+_QUERY_DST_MD, _QUERY_DIFF_DST_MD = 133, 134
+ARG_SRC, ARG_DST, ARG_WEIGHTS = 1, 17, 33
+ARG_DIFF_SRC, ARG_DIFF_DST, ARG_DIFF_WEIGHTS = 129, 145, 161
+_SUCCESS, _UNIMPLEMENTED = 0, 3
+_MAX_DIMS = 12
+
+_Dims = ctypes.c_int64 * _MAX_DIMS
+
+
+class _ExecArg(ctypes.Structure):
+    _fields_ = [("arg", ctypes.c_int), ("memory", ctypes.c_void_p)]
+
+
+def _dims(values):
+    return _Dims(*[int(v) for v in values])
+
+
+class _Api:
+    """The C functions this module calls, typed once per library."""
+
+    def __init__(self, cdll):
+        p, pp, i, dims = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, _Dims
+        signatures = {
+            "dnnl_engine_create": [pp, i, ctypes.c_size_t],
+            "dnnl_stream_create": [pp, p, ctypes.c_uint],
+            "dnnl_memory_desc_create_with_strides": [pp, i, dims, i, dims],
+            "dnnl_memory_desc_create_with_tag": [pp, i, dims, i, i],
+            "dnnl_memory_desc_destroy": [p],
+            "dnnl_convolution_forward_primitive_desc_create": [pp, p, i, i, p, p, p, p, dims, dims, dims, dims, p],
+            "dnnl_convolution_backward_data_primitive_desc_create": [pp, p, i, p, p, p, dims, dims, dims, dims, p, p],
+            "dnnl_convolution_backward_weights_primitive_desc_create": [pp, p, i, p, p, p, p, dims, dims, dims, dims,
+                                                                        p, p],
+            "dnnl_reorder_primitive_desc_create": [pp, p, p, p, p, p],
+            "dnnl_primitive_desc_query": [p, i, i, p],
+            "dnnl_primitive_desc_destroy": [p],
+            "dnnl_primitive_create": [pp, p],
+            "dnnl_primitive_destroy": [p],
+            "dnnl_primitive_execute": [p, p, i, ctypes.POINTER(_ExecArg)],
+            "dnnl_memory_create": [pp, p, p, p],
+            "dnnl_memory_set_data_handle": [p, p],
+            "dnnl_memory_destroy": [p],
+            "dnnl_stream_wait": [p],
+            "dnnl_engine_destroy": [p],
+            "dnnl_stream_destroy": [p],
+        }
+        for name, argtypes in signatures.items():
+            f = getattr(cdll, name)
+            f.argtypes, f.restype = argtypes, ctypes.c_int
+            setattr(self, name[len("dnnl_"):], f)
+        self.primitive_desc_query_md = cdll.dnnl_primitive_desc_query_md
+        self.primitive_desc_query_md.argtypes, self.primitive_desc_query_md.restype = [p, i, i], p
+        self.memory_desc_equal = cdll.dnnl_memory_desc_equal
+        self.memory_desc_equal.argtypes, self.memory_desc_equal.restype = [p, p], ctypes.c_int
+        self.memory_desc_get_size = cdll.dnnl_memory_desc_get_size
+        self.memory_desc_get_size.argtypes, self.memory_desc_get_size.restype = [p], ctypes.c_size_t
+
+
+class _Unsupported(Exception):
+    """oneDNN has no implementation for this convolution here (status unimplemented)."""
+
+
+def _check(status, what):
+    if status == _UNIMPLEMENTED:
+        raise _Unsupported(what)
+    if status != _SUCCESS:
+        raise DeviceError(f"oneDNN failed {what} (status {status})")
+
+
+class _Handle:
+    """A C object destroyed with its owner."""
+
+    def __init__(self, api, destroy):
+        self.value = ctypes.c_void_p()
+        self._api, self._destroy = api, destroy
+
+    def __del__(self):
+        if self.value:
+            try:
+                getattr(self._api, self._destroy)(self.value)
+            except Exception:       # the interpreter is shutting down: the process frees it all
+                pass
+            self.value = ctypes.c_void_p()
+
+
+class _Memory:
+    """A memory descriptor (owned or borrowed from a primitive descriptor) with one memory object
+    on it whose data pointer is set per call; `nbytes` is what a buffer in it holds."""
+
+    def __init__(self, lib, md, owner=None):
+        self._lib, self.md, self._owner = lib, md, owner      # owner: keeps a borrowed md alive
+        self.nbytes = int(lib.api.memory_desc_get_size(md))
+        self._memory = _Handle(lib.api, "memory_destroy")
+        _check(lib.api.memory_create(ctypes.byref(self._memory.value), md, lib.engine.value, None), "creating memory")
+
+    def at(self, array):
+        _check(self._lib.api.memory_set_data_handle(self._memory.value, array.ctypes.data), "setting a data pointer")
+        return self._memory.value
+
+    def same_layout(self, other):
+        return bool(self._lib.api.memory_desc_equal(self.md, other.md))
+
+
+class _PlainDesc(_Handle):
+    """An owned memory descriptor: a C-contiguous float32 array of `shape`, or the `any` layout
+    of `dtype` the primitive chooses."""
+
+    def __init__(self, api, shape, dtype, any_layout=False):
+        super().__init__(api, "memory_desc_destroy")
+        if any_layout:
+            _check(api.memory_desc_create_with_tag(ctypes.byref(self.value), len(shape), _dims(shape), dtype,
+                                                   _FORMAT_ANY), "describing a tensor")
+        else:
+            strides = np.cumprod((1,) + tuple(shape[:0:-1]))[::-1]
+            _check(api.memory_desc_create_with_strides(ctypes.byref(self.value), len(shape), _dims(shape), dtype,
+                                                       _dims(strides)), "describing a tensor")
+
+
+class _Primitive:
+    """A primitive descriptor and its primitive."""
+
+    def __init__(self, lib, create_desc, what):
+        api = lib.api
+        self._lib = lib
+        self.desc = _Handle(api, "primitive_desc_destroy")
+        create_desc(ctypes.byref(self.desc.value))
+        self._primitive = _Handle(api, "primitive_destroy")
+        _check(api.primitive_create(ctypes.byref(self._primitive.value), self.desc.value), f"creating {what}")
+        self.what = what
+
+    def memory(self, query):
+        return _Memory(self._lib, self._lib.api.primitive_desc_query_md(self.desc.value, query, 0), owner=self)
+
+    def implementation(self):
+        name = ctypes.c_char_p()
+        _check(self._lib.api.primitive_desc_query(self.desc.value, _QUERY_IMPL_INFO_STR, 0, ctypes.byref(name)),
+               "naming an implementation")
+        return name.value.decode()
+
+    def run(self, args):
+        pairs = (_ExecArg * len(args))(*[_ExecArg(arg, memory) for arg, memory in args])
+        _check(self._lib.api.primitive_execute(self._primitive.value, self._lib.stream.value, len(args), pairs),
+               f"running {self.what}")
+
+
+class _Reorder(_Primitive):
+    def __init__(self, lib, src, dst):
+        api = lib.api
+        super().__init__(lib, lambda out: _check(api.reorder_primitive_desc_create(
+            out, src.md, lib.engine.value, dst.md, lib.engine.value, None), "creating a reorder"), "a reorder")
+        self.src, self.dst = src, dst
+
+    def __call__(self, src_array, dst_array):
+        self.run([(ARG_SRC, self.src.at(src_array)), (ARG_DST, self.dst.at(dst_array))])
+
+
+class _Library:
+    """One engine and stream on the loaded libdnnl."""
+
+    def __init__(self, dnnl):
+        self.dnnl = dnnl
+        self.api = _Api(dnnl.cdll)
+        self.engine = _Handle(self.api, "engine_destroy")
+        _check(self.api.engine_create(ctypes.byref(self.engine.value), _CPU_ENGINE, 0), "creating a CPU engine")
+        self.stream = _Handle(self.api, "stream_destroy")
+        _check(self.api.stream_create(ctypes.byref(self.stream.value), self.engine.value, _STREAM_IN_ORDER),
+               "creating a stream")
+
+
+class ConvPlan:
+    """The primitives of one call shape: x (N, C, H, W), w (K, C, kh, kw), stride, padding, in
+    float32 or bf16 (for the thread count set when it is made); the reorders between the arrays'
+    plain layouts and the primitives' blocked ones, and the buffers of the blocked ones."""
+
+    def __init__(self, lib, x_shape, w_shape, stride, padding, bf16):
+        api = lib.api
+        self._lib = lib
+        n, c, h, wd = x_shape
+        k, _, kh, kw = w_shape
+        ho = (h + 2 * padding[0] - kh) // stride[0] + 1
+        wo = (wd + 2 * padding[1] - kw) // stride[1] + 1
+        self.y_shape = (n, k, ho, wo)
+        operand = _BF16 if bf16 else _F32
+        plain = {name: _PlainDesc(api, shape, _F32) for name, shape in
+                 (("x", x_shape), ("w", w_shape), ("y", self.y_shape))}
+        chosen = {name: _PlainDesc(api, shape, dtype, any_layout=True) for name, shape, dtype in
+                  (("x", x_shape, operand), ("w", w_shape, operand), ("y", self.y_shape, _F32),
+                   ("dx", x_shape, _F32), ("dw", w_shape, _F32), ("dy", self.y_shape, operand))}
+        geometry = (_dims(stride), _dims((0, 0)), _dims(padding), _dims(padding))
+        self.forward = _Primitive(lib, lambda out: _check(api.convolution_forward_primitive_desc_create(
+            out, lib.engine.value, _FORWARD_TRAINING, _CONVOLUTION_DIRECT, chosen["x"].value, chosen["w"].value,
+            None, chosen["y"].value, *geometry, None), "describing the forward convolution"), "the forward conv")
+        self.backward_data = _Primitive(lib, lambda out: _check(api.convolution_backward_data_primitive_desc_create(
+            out, lib.engine.value, _CONVOLUTION_DIRECT, chosen["dx"].value, chosen["w"].value, chosen["dy"].value,
+            *geometry, self.forward.desc.value, None), "describing the backward-data convolution"),
+            "the backward-data conv")
+        self.backward_weights = _Primitive(
+            lib, lambda out: _check(api.convolution_backward_weights_primitive_desc_create(
+                out, lib.engine.value, _CONVOLUTION_DIRECT, chosen["x"].value, chosen["dw"].value, None,
+                chosen["dy"].value, *geometry, self.forward.desc.value, None),
+                "describing the backward-weights convolution"), "the backward-weights conv")
+        self._descs = (plain, chosen)          # alive as long as the memory objects made on them
+        self.plain = {name: _Memory(lib, d.value) for name, d in plain.items()}
+        f, bd, bw = self.forward, self.backward_data, self.backward_weights
+        self.src = f.memory(_QUERY_SRC_MD)
+        self.weights = f.memory(_QUERY_WEIGHTS_MD)
+        self.dst = f.memory(_QUERY_DST_MD)
+        self.bd_weights = bd.memory(_QUERY_WEIGHTS_MD)
+        self.bd_diff_dst = bd.memory(_QUERY_DIFF_DST_MD)
+        self.bd_diff_src = bd.memory(_QUERY_DIFF_SRC_MD)
+        self.bw_src = bw.memory(_QUERY_SRC_MD)
+        self.bw_diff_dst = bw.memory(_QUERY_DIFF_DST_MD)
+        self.bw_diff_weights = bw.memory(_QUERY_DIFF_WEIGHTS_MD)
+        self._reorders = {}
+        self._buffers = {}
+        # every reorder a call may run, created now: creating one generates its code (~1 ms),
+        # which would otherwise land in the first call, the one the device's path choice times
+        x, w, y = self.plain["x"], self.plain["w"], self.plain["y"]
+        for src, dst in ((x, self.src), (w, self.weights), (self.dst, y), (y, self.bw_diff_dst), (x, self.bw_src),
+                         (self.bw_diff_weights, w), (y, self.bd_diff_dst), (w, self.bd_weights),
+                         (self.bd_diff_src, x)):
+            if not src.same_layout(dst):
+                self._reorder(src, dst)
+
+    def implementations(self):
+        return {"forward": self.forward.implementation(), "backward-data": self.backward_data.implementation(),
+                "backward-weights": self.backward_weights.implementation()}
+
+    def _reorder(self, src, dst):
+        key = (id(src), id(dst))
+        if key not in self._reorders:
+            self._reorders[key] = _Reorder(self._lib, src, dst)
+        return self._reorders[key]
+
+    def reorder(self, src, dst, src_array, dst_array):
+        """dst_array (in dst's layout) = src_array (in src's)."""
+        self._reorder(src, dst)(src_array, dst_array)
+
+    def buffer(self, name, memory):
+        """A work buffer for a tensor in `memory`'s layout, kept with the plan (never returned)."""
+        buf = self._buffers.get(name)
+        if buf is None:
+            buf = self._buffers[name] = np.empty(memory.nbytes, np.uint8)
+        return buf
+
+
+class DirectConvs:
+    """The oneDNN convolutions of one device: `forward` and `backward` on numpy arrays, float32 or
+    bf16 operands (`bf16`), on `threads` threads."""
+
+    def __init__(self, dnnl, threads, bf16):
+        self._lib = _library(dnnl)
+        self.threads, self.bf16 = int(threads), bool(bf16)
+        self._plans = {}
+        self._unsupported = {}
+
+    def _plan(self, x_shape, w_shape, stride, padding):
+        key = (tuple(x_shape), tuple(w_shape), tuple(stride), tuple(padding))
+        plan = self._plans.get(key)
+        if plan is None:
+            self._lib.dnnl.set_threads(self.threads)
+            try:
+                plan = self._plans[key] = ConvPlan(self._lib, x_shape, w_shape, stride, padding, self.bf16)
+            except _Unsupported as e:
+                self._unsupported[key] = f"oneDNN {self._lib.dnnl.version} has no {'bf16 ' if self.bf16 else ''}" \
+                                         f"implementation of {e} here"
+                raise DeviceError(self._unsupported[key]) from None
+        return plan
+
+    def declines(self, x_shape, w_shape, stride, padding):
+        """'' where oneDNN has this convolution (its primitives created, kept), else why not."""
+        key = (tuple(x_shape), tuple(w_shape), tuple(stride), tuple(padding))
+        if key in self._unsupported:
+            return self._unsupported[key]
+        try:
+            self._plan(x_shape, w_shape, stride, padding)
+        except DeviceError as e:
+            return str(e)
+        return ""
+
+    def implementations(self, x_shape, w_shape, stride, padding):
+        """{direction: oneDNN's implementation name} for this call shape."""
+        return self._plan(x_shape, w_shape, stride, padding).implementations()
+
+    def forward(self, x, w, stride, padding, y, saved_src=None):
+        """y (N, K, Ho, Wo), float32 C-contiguous = conv(x, w), no bias. With `saved_src` (a uint8
+        buffer of src_nbytes()) the input in the primitive's layout is left there for backward."""
+        plan = self._plan(x.shape, w.shape, stride, padding)
+        self._lib.dnnl.set_threads(self.threads)
+        src = saved_src if saved_src is not None else plan.buffer("src", plan.src)
+        plan.reorder(plan.plain["x"], plan.src, x, src)
+        weights = plan.buffer("weights", plan.weights)
+        plan.reorder(plan.plain["w"], plan.weights, w, weights)
+        same_dst = plan.dst.same_layout(plan.plain["y"])
+        dst = y if same_dst else plan.buffer("dst", plan.dst)
+        plan.forward.run([(ARG_SRC, plan.src.at(src)), (ARG_WEIGHTS, plan.weights.at(weights)),
+                          (ARG_DST, plan.dst.at(dst))])
+        if not same_dst:
+            plan.reorder(plan.dst, plan.plain["y"], dst, y)
+        return y
+
+    def src_nbytes(self, x_shape, w_shape, stride, padding):
+        """The bytes of the input in the forward primitive's layout (what forward can save)."""
+        return self._plan(x_shape, w_shape, stride, padding).src.nbytes
+
+    def backward(self, x, w, dy, stride, padding, need_dx, dw, saved_src=None):
+        """dx (N, C, H, W) or None where not asked; dW of this call into dw (K, C, kh, kw) float32
+        C-contiguous. `saved_src`: forward's, for these x. The bias's gradient is the caller's
+        (from the float32 dY, as the other paths: a bf16 primitive would sum the rounded one)."""
+        plan = self._plan(x.shape, w.shape, stride, padding)
+        self._lib.dnnl.set_threads(self.threads)
+        diff_dst = plan.buffer("diff_dst", plan.bw_diff_dst)
+        plan.reorder(plan.plain["y"], plan.bw_diff_dst, dy, diff_dst)
+        if saved_src is not None and plan.bw_src.same_layout(plan.src):
+            src = saved_src
+        else:
+            src = plan.buffer("bw_src", plan.bw_src)
+            plan.reorder(plan.plain["x"], plan.bw_src, x, src)
+        same_dw = plan.bw_diff_weights.same_layout(plan.plain["w"])
+        diff_weights = dw if same_dw else plan.buffer("diff_weights", plan.bw_diff_weights)
+        plan.backward_weights.run([(ARG_SRC, plan.bw_src.at(src)), (ARG_DIFF_DST, plan.bw_diff_dst.at(diff_dst)),
+                                   (ARG_DIFF_WEIGHTS, plan.bw_diff_weights.at(diff_weights))])
+        if not same_dw:
+            plan.reorder(plan.bw_diff_weights, plan.plain["w"], diff_weights, dw)
+        if not need_dx:
+            return None
+        if plan.bd_diff_dst.same_layout(plan.bw_diff_dst):
+            bd_dy = diff_dst
+        else:
+            bd_dy = plan.buffer("bd_diff_dst", plan.bd_diff_dst)
+            plan.reorder(plan.plain["y"], plan.bd_diff_dst, dy, bd_dy)
+        weights = plan.buffer("bd_weights", plan.bd_weights)
+        plan.reorder(plan.plain["w"], plan.bd_weights, w, weights)
+        dx = np.empty(x.shape, np.float32)
+        same_dx = plan.bd_diff_src.same_layout(plan.plain["x"])
+        diff_src = dx if same_dx else plan.buffer("diff_src", plan.bd_diff_src)
+        plan.backward_data.run([(ARG_DIFF_DST, plan.bd_diff_dst.at(bd_dy)), (ARG_WEIGHTS, plan.bd_weights.at(weights)),
+                                (ARG_DIFF_SRC, plan.bd_diff_src.at(diff_src))])
+        if not same_dx:
+            plan.reorder(plan.bd_diff_src, plan.plain["x"], diff_src, dx)
+        return dx
+
+
+_libraries = {}
+
+
+def _library(dnnl):
+    if dnnl.path not in _libraries:
+        _libraries[dnnl.path] = _Library(dnnl)
+    return _libraries[dnnl.path]
