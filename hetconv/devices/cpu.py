@@ -500,6 +500,69 @@ def _rows_to_nchw(yt, b, n0, n1, ho, wo, y):
                 y[n0 + nl, k, i, j] = yt[row, k] + b[k]
 
 
+# ---- the direct paths' block tails: on the conv output's (N, K, H, W) planes, one parallel pass
+# each way; backward sums each plane's gradient for the bias in the same pass
+@_jit
+def _bias_act_planes(y, b, relu, out, mask):
+    """out = act(y + b[k]) over (N, K, P) views; mask 1 where ReLU passes (left alone without it)."""
+    for t in prange(y.shape[0] * y.shape[1]):
+        n, k = t // y.shape[1], t % y.shape[1]
+        bk = b[k]
+        for j in range(y.shape[2]):
+            v = y[n, k, j] + bk
+            if relu:
+                passes = v > 0
+                mask[n, k, j] = passes
+                v = v if passes else np.float32(0.0)
+            out[n, k, j] = v
+
+
+@_jit
+def _act_backward_planes(dout, mask, relu, dy, sums):
+    """dy = dout where ReLU passed (everywhere without it), over (N, K, P) views; sums[n, k] =
+    the plane's sum of dy, in float64."""
+    for t in prange(dy.shape[0] * dy.shape[1]):
+        n, k = t // dy.shape[1], t % dy.shape[1]
+        total = 0.0
+        for j in range(dy.shape[2]):
+            g = dout[n, k, j] if not relu or mask[n, k, j] else np.float32(0.0)
+            dy[n, k, j] = g
+            total += g
+        sums[n, k] = total
+
+
+@_jit
+def _bias_act_max2_planes(y, b, relu, out, argmax):
+    """As _bias_act_max2, on y (N, K, ho, wo)."""
+    hp, wp = out.shape[2], out.shape[3]
+    for t in prange(y.shape[0] * y.shape[1]):
+        n, k = t // y.shape[1], t % y.shape[1]
+        bk = b[k]
+        for a in range(hp):
+            for e in range(wp):
+                i, j = 2 * a, 2 * e
+                _max2_store(out, argmax, n, k, a, e, relu, y[n, k, i, j] + bk, y[n, k, i, j + 1] + bk,
+                            y[n, k, i + 1, j] + bk, y[n, k, i + 1, j + 1] + bk)
+
+
+@_jit
+def _unpool_planes(dpooled, argmax, dy, sums):
+    """As _unpool, into dy (N, K, ho, wo); sums[n, k] = the plane's sum of dy, in float64."""
+    hp, wp = dpooled.shape[2], dpooled.shape[3]
+    for t in prange(dy.shape[0] * dy.shape[1]):
+        n, k = t // dy.shape[1], t % dy.shape[1]
+        dy[n, k] = 0.0
+        total = 0.0
+        for a in range(hp):
+            for e in range(wp):
+                arg = argmax[n, k, a, e]
+                if arg >= 0:
+                    g = dpooled[n, k, a, e]
+                    dy[n, k, 2 * a + arg // 2, 2 * e + arg % 2] = g
+                    total += g
+        sums[n, k] = total
+
+
 @_jit
 def _plane_totals(a, out):
     """out[n, k] = the sum of a[n, k, :] (a (N, K, P)), in float64."""
@@ -1658,19 +1721,33 @@ class CpuDevice(Device):
         pool = _PoolGeometry.of(block)
         relu = block.activation == "relu"
         out = np.empty((n, k) + pool.output_hw(ho, wo), np.float32)
-        argmax = np.empty(out.shape if pool.is_max else (0, 0, 0, 0), np.int32)
+        max2 = _is_max2(block)
+        argmax = np.empty(out.shape if pool.is_max else (0, 0, 0, 0), np.int8 if max2 else np.int32)
         mask = np.empty((n, k, ho, wo) if relu and not pool.is_max else (0, 0, 0, 0), np.uint8)
         nbytes = convs.src_nbytes(x.shape, w.shape, stride, padding)
         saved = self._take_saved_cols(-(-nbytes // 4)) if nbytes <= self.saved_cols_budget_bytes else None
         y = self._scratch("direct_y", (n, k, ho, wo))
         convs.forward(x, w, stride, padding, y, None if saved is None else saved.view(np.uint8)[:nbytes])
-        _act_pool(y, b, 0, relu, pool.is_max, *pool.args, out, argmax, mask)
+        if max2:
+            _bias_act_max2_planes(y, b, relu, out, argmax)
+        elif block.pool == "none":
+            _bias_act_planes(_flat_planes(y), b, relu, _flat_planes(out), _flat_planes(mask))
+        else:
+            _act_pool(y, b, 0, relu, pool.is_max, *pool.args, out, argmax, mask)
         return out, _DirectBlockContext(x, w, block, (ho, wo), pool, argmax, mask, out.shape, convs, saved)
 
     def _direct_block_backward(self, ctx, w, dout, need_dx, dw_out, accumulate):
-        (ho, wo), pool, x = ctx.conv_hw, ctx.pool, ctx.x
+        (ho, wo), pool, x, block = ctx.conv_hw, ctx.pool, ctx.x, ctx.block
+        relu = block.activation == "relu"
         dy = self._scratch("direct_dy", (x.shape[0], w.shape[0], ho, wo))
-        _act_pool_backward(dout, 0, ctx.block.activation == "relu", pool.is_max, *pool.args, ctx.argmax, ctx.mask, dy)
+        sums = np.empty(dy.shape[:2])
+        if _is_max2(block):
+            _unpool_planes(dout, ctx.argmax, dy, sums)
+        elif block.pool == "none":
+            _act_backward_planes(_flat_planes(dout), _flat_planes(ctx.mask), relu, _flat_planes(dy), sums)
+        else:
+            _act_pool_backward(dout, 0, relu, pool.is_max, *pool.args, ctx.argmax, ctx.mask, dy)
+            _plane_totals(dy.reshape(dy.shape[0], dy.shape[1], -1), sums)
         saved, ctx.saved_src = ctx.saved_src, None      # a second backward reorders x again
         nbytes = ctx.convs.src_nbytes(x.shape, w.shape, ctx.block.stride, ctx.block.padding)
         into = dw_out if dw_out is not None and not accumulate else np.empty(w.shape, np.float32)
@@ -1678,7 +1755,8 @@ class CpuDevice(Device):
                                 None if saved is None else saved.view(np.uint8)[:nbytes])
         if saved is not None:
             self._give_back_saved_cols(saved)
-        return dx, (into if into is dw_out else self._dw_into(dw_out, accumulate, into)), _channel_totals(dy)
+        db = sums.sum(axis=0).astype(np.float32)        # over the images in order, as _channel_totals
+        return dx, (into if into is dw_out else self._dw_into(dw_out, accumulate, into)), db
 
     # ---- optimizer ---------------------------------------------------------------------------
     def _sgd_(self, param, velocity, grad, lr, momentum, weight_decay, nesterov):
