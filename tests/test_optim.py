@@ -94,14 +94,17 @@ def test_the_cpu_update_kernels_hold_no_fused_multiply_add(cpu):
     round once where the emulation and the GPU round twice (the test above would see it only on
     a CPU with FMA)."""
     rng = np.random.default_rng(3)
-    p, v, g = _arrays(rng, (10,), 3)
-    cpu.sgd_(p, v, g, 0.1, 0.9, 1e-4, nesterov=True)
-    cpu.adamw_(p, v.copy(), np.abs(v), g, 1e-3, 0.9, 0.999, 1e-8, 0.01, 1)
+    for size in (10, cpudev.SERIAL_UPDATE_SIZE):        # the serial kernels, then the parallel ones
+        p, v, g = _arrays(rng, (size,), 3)
+        cpu.sgd_(p, v, g, 0.1, 0.9, 1e-4, nesterov=True)
+        cpu.adamw_(p, v.copy(), np.abs(v), g, 1e-3, 0.9, 0.999, 1e-8, 0.01, 1)
     cpu.scale_(g, 0.5)
     cpu.sum_of_squares(g)
-    kernels = [cpudev._sgd_flat, cpudev._adamw_flat, cpudev._scale_flat, cpudev._square_sums_flat]
+    kernels = [cpudev._sgd_flat, cpudev._adamw_flat, cpudev._sgd_serial, cpudev._adamw_serial, cpudev._scale_flat,
+               cpudev._square_sums_flat]
     fused = re.compile(r"\bv?f(?:n)?m(?:add|sub)\w*\b")
     for kernel in kernels:
+        assert kernel.signatures, kernel
         for sig in kernel.signatures:
             asm = kernel.inspect_asm(sig)
             assert not fused.search(asm), f"{kernel.__name__}{sig} holds {fused.search(asm).group(0)}"
