@@ -127,16 +127,18 @@ def test_both_bf16_layouts_give_the_same_values():
 
 
 @needs_bf16
-def test_precision_bf16_times_its_two_paths_at_stride_1_only():
+def test_precision_bf16_times_the_shifted_path_at_stride_1_only():
     timed = []
+    seconds = {"im2col-bf16": 1.0, "shifted-bf16": 0.5, "direct-bf16": 0.7}
     dev = open_device("cpu", threads=1, precision="bf16", auto_timed_min_flops=0,
-                      auto_timer=lambda p, run: timed.append(p) or {"im2col-bf16": 1.0, "shifted-bf16": 0.5}[p])
+                      auto_timer=lambda p, run: timed.append(p) or seconds[p])
     x, w, b, _ = tensors((2, 4, 9, 9, 3, 3, 3), 16)
     dev.conv2d(x, w, b, stride=1, padding=1)
-    assert set(timed) == {"im2col-bf16", "shifted-bf16"}
+    assert set(timed) == set(seconds)
+    timed.clear()
     dev.conv2d(x, w, b, stride=2, padding=1)
-    assert [c["path"] for c in dev.conv_path_choices()] == ["shifted-bf16", "im2col-bf16"]
-    assert dev.conv_path_choices()[1]["why"] == "the only bf16 path at this stride"
+    assert set(timed) == {"im2col-bf16", "direct-bf16"}
+    assert [c["path"] for c in dev.conv_path_choices()] == ["shifted-bf16", "direct-bf16"]
     untimed = open_device("cpu", threads=1, precision="bf16")        # under the timed size: the rule
     untimed.conv2d(x, w, b, stride=1, padding=1)
     assert set(untimed.conv_paths().values()) == {"im2col-bf16"}
@@ -146,7 +148,7 @@ def test_precision_bf16_times_its_two_paths_at_stride_1_only():
 def test_auto_times_the_shifted_onednn_paths_at_stride_1():
     timed = []
     seconds = {"im2col": 1.0, "shifted": 1.0, "fft": 3.0, "im2col-dnnl": 1.0, "im2col-bf16": 1.0,
-               "shifted-dnnl": 0.8, "shifted-bf16": 0.5}
+               "shifted-dnnl": 0.8, "shifted-bf16": 0.5, "direct-dnnl": 0.9, "direct-bf16": 0.9}
     dev = open_device("cpu", threads=1, precision="auto", auto_timed_min_flops=0,
                       auto_timer=lambda p, run: timed.append(p) or seconds[p])
     x, w, b, _ = tensors((2, 4, 9, 9, 3, 3, 3), 17)
@@ -155,7 +157,7 @@ def test_auto_times_the_shifted_onednn_paths_at_stride_1():
     assert dev.conv_path_choices()[0]["path"] == "shifted-bf16"
     timed.clear()
     dev.conv2d(x, w, b, stride=2, padding=1)
-    assert set(timed) == {"im2col", "im2col-dnnl", "im2col-bf16"}
+    assert set(timed) == {"im2col", "im2col-dnnl", "im2col-bf16", "direct-dnnl", "direct-bf16"}
 
 
 def test_with_only_bf16_paths_timed_the_fastest_is_taken():

@@ -226,18 +226,30 @@ class ShardEngine:
             for name, (s, e) in lp.ranges.items():
                 arrays = [state[a.name][s:e] if a.per_kernel else state[a.name] for a in layout]
                 requests[name] = ("LOAD", arrays, {"layer": lp.layer, "spec": spec.to_json(), "start": s, "stop": e,
-                                                    "wire": self.wire, "optimizer": self.optimizer,
+                                                    "wire": self._shard_wire(), "optimizer": self.optimizer,
                                                     "names": [a.name for a in layout],
                                                     "bn_ghost_batch": self.bn_ghost_batch})
             self._call(requests, f"loading conv{lp.layer + 1}")
         self.step_stats()
+
+    def _shard_wire(self):
+        """The wire dtype the shards' LOADs name: what their requests and replies carry."""
+        return self.wire
+
+    def _wire_out(self, x):
+        """A feature map or gradient -> what a request carries for it (the wire's encoding)."""
+        return encode(np.ascontiguousarray(x), self.wire)
+
+    def _wire_in(self, a):
+        """What a reply carried -> float32."""
+        return decode(a, self.wire)
 
     def forward_layer(self, layer, xs, train, step=None):
         """A layer's input per micro-batch (N, C, H, W) to every shard -> the layer's output per
         micro-batch (N, K, H', W'). All micro-batches in one request: a shard's BatchNorms
         normalise with the whole batch's statistics. `step`: (training step, seed), what channel
         dropout draws its masks from."""
-        sent = [encode(np.ascontiguousarray(x), self.wire) for x in xs]   # one buffer for every shard, never written
+        sent = [self._wire_out(x) for x in xs]   # one buffer for every shard, never written
         rows = [int(r) for r in np.cumsum([0] + [len(x) for x in xs])[:-1]]
         train_step, seed = step if step is not None else (0, 0)
         fields = {"layer": layer, "micros": list(range(len(xs))), "rows": rows, "batch": int(sum(len(x) for x in xs)),
@@ -247,8 +259,8 @@ class ShardEngine:
         lp = self.plan.layers[layer]
         self._input_hw[layer] = tuple(xs[0].shape[2:])
         out_hw = self.pooled_output_hw(layer, xs[0].shape[2:])
-        return [concat_channels([decode(self._reply_array(replies, name, m, (len(x), lp.count(name)) + out_hw, doing),
-                                        self.wire) for name in self.plan.workers])
+        return [concat_channels([self._wire_in(self._reply_array(replies, name, m, (len(x), lp.count(name)) + out_hw,
+                                                                  doing)) for name in self.plan.workers])
                 for m, x in enumerate(xs)]
 
     def forward(self, layer, x, micro=0, keep=True):
@@ -276,14 +288,14 @@ class ShardEngine:
         per micro-batch, the sum of the shards' partial dX in plan order (None when not needed)."""
         lp = self.plan.layers[layer]
         fields = {"layer": layer, "micros": list(range(len(grads))), "need_dx": need_dx}
-        requests = {name: ("BACKWARD", [encode(np.ascontiguousarray(g[:, s:e]), self.wire) for g in grads], fields)
+        requests = {name: ("BACKWARD", [self._wire_out(g[:, s:e]) for g in grads], fields)
                     for name, (s, e) in lp.ranges.items()}
         doing = f"backward conv{layer + 1}"
         replies = self._call(requests, doing, layer)
         if not need_dx:
             return [None] * len(grads)
-        return [sum_in_order([decode(self._reply_array(replies, name, m, (len(g), self.specs[layer].in_channels)
-                                                       + self._input_hw[layer], doing), self.wire)
+        return [sum_in_order([self._wire_in(self._reply_array(replies, name, m, (len(g), self.specs[layer].in_channels)
+                                                               + self._input_hw[layer], doing))
                               for name in self.plan.workers])
                 for m, g in enumerate(grads)]
 

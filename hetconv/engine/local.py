@@ -2,9 +2,11 @@
 device, in this process, behind the same contract as the remote engine."""
 import time
 
+import numpy as np
+
 from hetconv.engine.contract import ShardEngine
 from hetconv.engine.shard import ShardServer
-from hetconv.transport.wire import check_wire_dtype
+from hetconv.transport.wire import check_wire_dtype, rounded
 
 
 class LocalEngine(ShardEngine):
@@ -15,6 +17,27 @@ class LocalEngine(ShardEngine):
         self.servers = {name: ShardServer(shard) for name, shard in dict(shards).items()}
         super().__init__()
         self.wire = check_wire_dtype(wire)      # rounded as a distributed run's wire rounds: --local is its reference
+        self._rounded = []                      # the last arrays this engine returned, already as the wire carries them
+
+    # Nothing travels, so the shards take and give float32 and the engine rounds where a wire would:
+    # one pass a map (encode then decode made two, and two new arrays), and none for a map that
+    # is this engine's own rounded output going back in (a chain's next input, a next dX's dout).
+    # vgg-small --local --precision bf16, batch 32: ~4 ms a step less.
+    def _shard_wire(self):
+        return "float32"
+
+    def _wire_out(self, x):
+        if self.wire == "float32" or any(x is r for r in self._rounded):
+            return np.ascontiguousarray(x)
+        return rounded(x, self.wire)
+
+    def _wire_in(self, a):
+        if self.wire == "float32":
+            return a
+        out = rounded(a, self.wire)              # a new array: the shard may keep `a` for its backward
+        out.flags.writeable = False              # so it stays as the wire carries it, when it comes back
+        self._rounded = [out] + self._rounded[:1]
+        return out
 
     @property
     def workers(self):
