@@ -68,7 +68,7 @@ CONFIGS += [(f"hetconv local fp32 spin{count}", {"kind": "hetconv", "mode": "loc
                                                  "env": {"GOMP_SPINCOUNT": str(count)}, "fp32": "hetconv local fp32",
                                                  "torch": "torch fp32"}) for count in (3000, 30000)]
 # "cpu device: x (...) w (...) ..., block ...: runs PATH (timed ...)" from the device's --verbose
-_CHOSE = re.compile(r"^cpu device: x \(([^)]*)\) w \(([^)]*)\).* runs (\S+) \(")
+_CHOSE = re.compile(r"^cpu device: x \(([^)]*)\) w \(([^)]*)\).* runs (\S+) \(.*?(?:; (oneDNN .*))?$")
 
 
 def parse_args(argv):
@@ -136,10 +136,12 @@ def hetconv_row(net, what, args, work, tag, batch):
         workers = calibration["workers"]
         row["workers"] = {name: {"precision": w.get("precision"), "description": w["description"],
                                  "conv_paths": [f"{c['call'].split(' stride')[0]}: {c['path']} ({c['why'].split(':')[0]})"
-                                                for c in w["conv_paths"]]} for name, w in workers.items()}
+                                                + (f" (oneDNN {', '.join(f'{d} {k}' for d, k in c['kernels'].items())})"
+                                                   if c.get("kernels") else "") for c in w["conv_paths"]]} for name, w in workers.items()}
         row["device"] = next(iter(workers.values()))["description"]
     else:                                   # --local: the device's --verbose lines
-        row["conv_paths"] = [f"x ({m.group(1)}) w ({m.group(2)}): {m.group(3)}" for m in
+        row["conv_paths"] = [f"x ({m.group(1)}) w ({m.group(2)}): {m.group(3)}"
+                             + (f" ({m.group(4)})" if m.group(4) else "") for m in
                              map(_CHOSE.match, done.stderr.splitlines()) if m]
     return row
 

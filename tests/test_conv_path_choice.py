@@ -64,3 +64,7 @@ def test_a_workers_malformed_conv_path_report_is_dropped_not_trusted():
     assert got == [{"call": good["call"], "path": "fft", "why": "timed", "seconds": {"fft": 0.5, "im2col": 1.0}}]
     assert remote_module._conv_path_choices("everything") == []
     assert len(remote_module._conv_path_choices([good] * 100)) == 64
+    direct = {**good, "path": "direct-bf16", "kernels": {"forward": "jit_bf16:avx512_core_bf16", "backward-data": 7,
+                                                          "x" * 99: "y" * 99, "four": "a", "five": "b"}}
+    kernels = remote_module._conv_path_choices([direct])[0]["kernels"]
+    assert kernels == {"forward": "jit_bf16:avx512_core_bf16", "x" * 20: "y" * 60}    # strings, 3 entries, cut

@@ -57,14 +57,19 @@ CORES_TOGETHER_MAX_STEPS = 50
 
 def _conv_path_choices(value, limit=64):
     """A worker's reported conv path choices, kept only as far as they are well-formed (they come
-    from the network): at most `limit` of {call, path, why: strings, seconds: {path: number}}."""
+    from the network): at most `limit` of {call, path, why: strings, seconds: {path: number}, and
+    on a direct path kernels: {direction: oneDNN's kernel name}}."""
     kept = []
     for c in value if isinstance(value, list) else []:
         if (isinstance(c, dict) and all(isinstance(c.get(k), str) for k in ("call", "path", "why"))
                 and isinstance(c.get("seconds"), dict)):
-            kept.append({"call": c["call"][:300], "path": c["path"][:20], "why": c["why"][:300],
-                         "seconds": {str(p)[:20]: float(t) for p, t in list(c["seconds"].items())[:8]
-                                     if isinstance(t, (int, float)) and not isinstance(t, bool)}})
+            choice = {"call": c["call"][:300], "path": c["path"][:20], "why": c["why"][:300],
+                      "seconds": {str(p)[:20]: float(t) for p, t in list(c["seconds"].items())[:16]
+                                  if isinstance(t, (int, float)) and not isinstance(t, bool)}}
+            if isinstance(c.get("kernels"), dict):
+                choice["kernels"] = {str(d)[:20]: str(k)[:60] for d, k in list(c["kernels"].items())[:3]
+                                     if isinstance(k, str)}
+            kept.append(choice)
     return kept[:limit]
 
 

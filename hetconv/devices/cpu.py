@@ -1155,13 +1155,13 @@ class CpuDevice(Device):
     def describe_conv_paths(self):
         """One line per call shape run so far: the path and why (timed, with each path's time; the
         rule; forced; or why the FFT path declined); on a direct path, oneDNN's kernels."""
-        lines = []
-        for key, choice in self._choices.items():
-            kernels = ""
-            if choice.path in self._direct:
-                kernels = "; oneDNN " + ", ".join(f"{d} {name}" for d, name in self._direct_kernels(key, choice).items())
-            lines.append(f"{_describe_call(key)}: {choice.describe()}{kernels}")
-        return lines
+        return [f"{_describe_call(key)}: {self._describe_choice(key, choice)}" for key, choice in self._choices.items()]
+
+    def _describe_choice(self, key, choice):
+        if choice.path not in self._direct:
+            return choice.describe()
+        kernels = ", ".join(f"{d} {name}" for d, name in self._direct_kernels(key, choice).items())
+        return f"{choice.describe()}; oneDNN {kernels}"
 
     def _path(self, x, w, stride, padding, block=None):
         """The conv path of this call, "fft", "shifted" or "im2col": chosen on the first call with
@@ -1254,8 +1254,9 @@ class CpuDevice(Device):
             self._fft.drop(w)      # the FFT trial's spectra: never read again, yet refreshed at each update
         self._timed.append((layer, n, k, (tuple(x.shape), tuple(w.shape), stride, padding, block), choice))
         if self.verbose:
-            print(f"cpu device: {_describe_call((tuple(x.shape), tuple(w.shape), stride, padding, block))} "
-                  f"runs {choice.describe()}", file=sys.stderr, flush=True)
+            key = (tuple(x.shape), tuple(w.shape), stride, padding, block)
+            print(f"cpu device: {_describe_call(key)} runs {self._describe_choice(key, choice)}", file=sys.stderr,
+                  flush=True)
         return choice
 
     def _time_paths(self, candidates, x, w, stride, padding, block, flops):
