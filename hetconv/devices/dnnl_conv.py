@@ -268,6 +268,23 @@ class ConvPlan:
         """dst_array (in dst's layout) = src_array (in src's)."""
         self._reorder(src, dst)(src_array, dst_array)
 
+    def operand(self, name, plain, memory, array):
+        """`array` (in the plain layout `plain`, a key of self.plain) as the primitive's `memory`
+        takes it: reordered into the plan's buffer `name`."""
+        buf = self.buffer(name, memory)
+        self.reorder(self.plain[plain], memory, array, buf)
+        return buf
+
+    def result(self, name, memory, plain, array):
+        """Where a primitive writes its `memory` for `array` (plain layout `plain`): the array
+        itself where the layouts agree, else the plan's buffer `name` (then see deliver)."""
+        return array if memory.same_layout(self.plain[plain]) else self.buffer(name, memory)
+
+    def deliver(self, memory, plain, written, array):
+        """`array` = what the primitive wrote into `written` (a no-op where that was `array`)."""
+        if written is not array:
+            self.reorder(memory, self.plain[plain], written, array)
+
     def buffer(self, name, memory):
         """A work buffer for a tensor in `memory`'s layout, kept with the plan (never returned)."""
         buf = self._buffers.get(name)
@@ -319,16 +336,16 @@ class DirectConvs:
         buffer of src_nbytes()) the input in the primitive's layout is left there for backward."""
         plan = self._plan(x.shape, w.shape, stride, padding)
         self._lib.dnnl.set_threads(self.threads)
-        src = saved_src if saved_src is not None else plan.buffer("src", plan.src)
-        plan.reorder(plan.plain["x"], plan.src, x, src)
-        weights = plan.buffer("weights", plan.weights)
-        plan.reorder(plan.plain["w"], plan.weights, w, weights)
-        same_dst = plan.dst.same_layout(plan.plain["y"])
-        dst = y if same_dst else plan.buffer("dst", plan.dst)
+        if saved_src is None:
+            src = plan.operand("src", "x", plan.src, x)
+        else:
+            src = saved_src
+            plan.reorder(plan.plain["x"], plan.src, x, src)
+        weights = plan.operand("weights", "w", plan.weights, w)
+        dst = plan.result("dst", plan.dst, "y", y)
         plan.forward.run([(ARG_SRC, plan.src.at(src)), (ARG_WEIGHTS, plan.weights.at(weights)),
                           (ARG_DST, plan.dst.at(dst))])
-        if not same_dst:
-            plan.reorder(plan.dst, plan.plain["y"], dst, y)
+        plan.deliver(plan.dst, "y", dst, y)
         return y
 
     def src_nbytes(self, x_shape, w_shape, stride, padding):
@@ -341,35 +358,27 @@ class DirectConvs:
         (from the float32 dY, as the other paths: a bf16 primitive would sum the rounded one)."""
         plan = self._plan(x.shape, w.shape, stride, padding)
         self._lib.dnnl.set_threads(self.threads)
-        diff_dst = plan.buffer("diff_dst", plan.bw_diff_dst)
-        plan.reorder(plan.plain["y"], plan.bw_diff_dst, dy, diff_dst)
+        diff_dst = plan.operand("diff_dst", "y", plan.bw_diff_dst, dy)
         if saved_src is not None and plan.bw_src.same_layout(plan.src):
             src = saved_src
         else:
-            src = plan.buffer("bw_src", plan.bw_src)
-            plan.reorder(plan.plain["x"], plan.bw_src, x, src)
-        same_dw = plan.bw_diff_weights.same_layout(plan.plain["w"])
-        diff_weights = dw if same_dw else plan.buffer("diff_weights", plan.bw_diff_weights)
+            src = plan.operand("bw_src", "x", plan.bw_src, x)
+        diff_weights = plan.result("diff_weights", plan.bw_diff_weights, "w", dw)
         plan.backward_weights.run([(ARG_SRC, plan.bw_src.at(src)), (ARG_DIFF_DST, plan.bw_diff_dst.at(diff_dst)),
                                    (ARG_DIFF_WEIGHTS, plan.bw_diff_weights.at(diff_weights))])
-        if not same_dw:
-            plan.reorder(plan.bw_diff_weights, plan.plain["w"], diff_weights, dw)
+        plan.deliver(plan.bw_diff_weights, "w", diff_weights, dw)
         if not need_dx:
             return None
         if plan.bd_diff_dst.same_layout(plan.bw_diff_dst):
             bd_dy = diff_dst
         else:
-            bd_dy = plan.buffer("bd_diff_dst", plan.bd_diff_dst)
-            plan.reorder(plan.plain["y"], plan.bd_diff_dst, dy, bd_dy)
-        weights = plan.buffer("bd_weights", plan.bd_weights)
-        plan.reorder(plan.plain["w"], plan.bd_weights, w, weights)
+            bd_dy = plan.operand("bd_diff_dst", "y", plan.bd_diff_dst, dy)
+        weights = plan.operand("bd_weights", "w", plan.bd_weights, w)
         dx = np.empty(x.shape, np.float32)
-        same_dx = plan.bd_diff_src.same_layout(plan.plain["x"])
-        diff_src = dx if same_dx else plan.buffer("diff_src", plan.bd_diff_src)
+        diff_src = plan.result("diff_src", plan.bd_diff_src, "x", dx)
         plan.backward_data.run([(ARG_DIFF_DST, plan.bd_diff_dst.at(bd_dy)), (ARG_WEIGHTS, plan.bd_weights.at(weights)),
                                 (ARG_DIFF_SRC, plan.bd_diff_src.at(diff_src))])
-        if not same_dx:
-            plan.reorder(plan.bd_diff_src, plan.plain["x"], diff_src, dx)
+        plan.deliver(plan.bd_diff_src, "x", diff_src, dx)
         return dx
 
 
