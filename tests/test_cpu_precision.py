@@ -349,3 +349,14 @@ def test_a_conv_onednn_cannot_run_is_named_where_forced_and_left_out_of_auto(mon
     cpu.conv2d(x, w, b)
     assert set(cpu.conv_paths().values()) == {"im2col-dnnl"}
     assert not {"direct-dnnl", "direct-bf16"} & set(cpu.conv_path_choices()[0]["seconds"])
+
+
+@needs_dnnl
+def test_a_device_keeps_the_primitives_of_its_latest_call_shapes_only(monkeypatch):
+    from hetconv.devices import dnnl_conv
+    monkeypatch.setattr(dnnl_conv, "MAX_PLANS", 2)
+    cpu = open_device("cpu", threads=1, conv_path="direct-dnnl")
+    for n in (1, 2, 3, 2):                               # the third shape pushes out the first
+        x, w, b, _ = tensors((n, 3, 6, 6, 4, 3, 3), n)
+        close(cpu.conv2d(x, w, b, padding=1), R.conv2d(x, w, b, 1, 1))
+    assert [key[0][0] for key in cpu._direct["direct-dnnl"]._plans] == [3, 2]

@@ -17,6 +17,7 @@ Threads: oneDNN's OpenMP build runs each primitive on omp_get_max_threads() of t
 and fixes its blocking for that count when the primitive is created, so the count is set before
 creating and before running (Dnnl.set_threads)."""
 import ctypes
+from collections import OrderedDict
 
 import numpy as np
 
@@ -36,6 +37,10 @@ ARG_SRC, ARG_DST, ARG_WEIGHTS = 1, 17, 33
 ARG_DIFF_SRC, ARG_DIFF_DST, ARG_DIFF_WEIGHTS = 129, 145, 161
 _SUCCESS, _UNIMPLEMENTED = 0, 3
 _MAX_DIMS = 12
+# Call shapes whose primitives and work buffers a device keeps (the least recently used go): a
+# network has a few per layer (training, calibration's shares, evaluation's batches), each holding
+# up to ~3 of the layer's feature maps in buffers (airbench94 at batch 256: ~40 MB for a 7x7 layer).
+MAX_PLANS = 64
 
 _Dims = ctypes.c_int64 * _MAX_DIMS
 
@@ -300,20 +305,25 @@ class DirectConvs:
     def __init__(self, dnnl, threads, bf16):
         self._lib = _library(dnnl)
         self.threads, self.bf16 = int(threads), bool(bf16)
-        self._plans = {}
+        self._plans = OrderedDict()
         self._unsupported = {}
 
     def _plan(self, x_shape, w_shape, stride, padding):
         key = (tuple(x_shape), tuple(w_shape), tuple(stride), tuple(padding))
         plan = self._plans.get(key)
-        if plan is None:
-            self._lib.dnnl.set_threads(self.threads)
-            try:
-                plan = self._plans[key] = ConvPlan(self._lib, x_shape, w_shape, stride, padding, self.bf16)
-            except _Unsupported as e:
-                self._unsupported[key] = f"oneDNN {self._lib.dnnl.version} has no {'bf16 ' if self.bf16 else ''}" \
-                                         f"implementation of {e} here"
-                raise DeviceError(self._unsupported[key]) from None
+        if plan is not None:
+            self._plans.move_to_end(key)
+            return plan
+        self._lib.dnnl.set_threads(self.threads)
+        try:
+            plan = ConvPlan(self._lib, x_shape, w_shape, stride, padding, self.bf16)
+        except _Unsupported as e:
+            self._unsupported[key] = f"oneDNN {self._lib.dnnl.version} has no {'bf16 ' if self.bf16 else ''}" \
+                                     f"implementation of {e} here"
+            raise DeviceError(self._unsupported[key]) from None
+        self._plans[key] = plan
+        if len(self._plans) > MAX_PLANS:
+            self._plans.popitem(last=False)
         return plan
 
     def declines(self, x_shape, w_shape, stride, padding):
