@@ -20,7 +20,7 @@ from hetconv.geometry import ConvSpec
 from hetconv.training import checkpoint
 from hetconv.training.config import Config
 from hetconv.training.loop import train
-from hetconv.transport.wire import carried_dtype, value_bytes, wire_for
+from hetconv.transport.wire import carried_dtype, decode, encode, value_bytes, wire_for
 
 BF16_MISSING = dnnl.unavailable_reason() or dnnl.load().bf16_error
 needs_bf16 = pytest.mark.skipif(bool(BF16_MISSING), reason=f"no bf16 GEMM here: {BF16_MISSING}")
@@ -89,6 +89,27 @@ def test_local_decides_from_the_precision_and_loads_the_plan_with_it():
     engine = LocalEngine({"local": ConvShard(open_device("cpu", threads=1))})
     engine.plan_for(SPECS, [(2, 3, 10, 10), (2, 4, 4, 4)], Config(conv="4,6", precision="bf16"))
     assert engine.wire == "float32"
+
+
+def test_local_rounds_each_map_once_and_its_own_output_not_again(monkeypatch):
+    from hetconv.engine import local as local_module
+    from hetconv.transport.wire import rounded
+    calls = []
+    monkeypatch.setattr(local_module, "rounded", lambda a, wire: calls.append(a.shape) or rounded(a, wire))
+    shard = ConvShard(open_device("cpu", threads=1))
+    engine = LocalEngine({"local": shard}, wire="bfloat16")
+    plan = engine.plan_for(SPECS, [(2, 3, 10, 10), (2, 4, 4, 4)], Config(conv="4,6"))
+    engine.load(plan, SPECS, [s.initial_state(np.full((s.kernels, s.in_channels, 3, 3), 0.1, np.float32))
+                              for s in SPECS])
+    x = np.random.default_rng(0).standard_normal((2, 3, 10, 10)).astype(np.float32)
+    h = engine.forward(0, x)
+    out = engine.forward(1, h)
+    assert calls == [x.shape, h.shape, out.shape]       # the images, then each output once: h went back as it came
+    assert not h.flags.writeable and not out.flags.writeable
+    np.testing.assert_array_equal(h, decode(encode(h.copy(), "bfloat16"), "bfloat16"))
+    dh = engine.backward(1, np.ones_like(out), need_dx=True)
+    engine.backward(0, dh, need_dx=False)
+    assert calls[3:] == [out.shape, h.shape]            # the head's gradient, then dX once: dh went back as it came
 
 
 def calibrated_engine(computed):

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from hetconv.transport.wire import WIRE_DTYPES, check_wire_dtype, decode, encode, round_in_place
+from hetconv.transport.wire import WIRE_DTYPES, check_wire_dtype, decode, encode, round_in_place, rounded
 
 
 def test_float32_is_passed_through_untouched():
@@ -52,6 +52,11 @@ def test_rounding_in_place_gives_what_the_wire_would_have_carried(wire):
     got = a.copy()
     assert round_in_place(got, wire) is got
     np.testing.assert_array_equal(got, want)
+    kept = a.copy()                                      # --local's one pass: a new array, the input untouched
+    fresh = rounded(a[:, ::2], wire)
+    np.testing.assert_array_equal(fresh, want[:, ::2])
+    np.testing.assert_array_equal(a, kept)
+    assert fresh.dtype == np.float32 and fresh.flags.c_contiguous and not np.shares_memory(fresh, a)
 
 
 def test_bfloat16_kernels_equal_the_bit_arithmetic_on_every_kind_of_value_and_layout():
