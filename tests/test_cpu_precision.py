@@ -360,3 +360,22 @@ def test_a_device_keeps_the_primitives_of_its_latest_call_shapes_only(monkeypatc
         x, w, b, _ = tensors((n, 3, 6, 6, 4, 3, 3), n)
         close(cpu.conv2d(x, w, b, padding=1), R.conv2d(x, w, b, 1, 1))
     assert [key[0][0] for key in cpu._direct["direct-dnnl"]._plans] == [3, 2]
+
+
+@needs_dnnl
+def test_what_onednn_has_no_kernel_for_is_named_and_a_wrong_array_never_reaches_it(monkeypatch):
+    from hetconv.devices import dnnl_conv
+
+    def unsupported(*args):
+        raise dnnl_conv._Unsupported("the backward-data convolution")
+    convs = dnnl_conv.DirectConvs(dnnl.load(), 1, bf16=False)
+    with monkeypatch.context() as m:
+        m.setattr(dnnl_conv, "ConvPlan", unsupported)
+        why = convs.declines((2, 3, 6, 6), (4, 3, 3, 3), (1, 1), (1, 1))
+    assert why == f"oneDNN {dnnl.load().version} has no implementation of the backward-data convolution here"
+    assert convs.declines((2, 3, 6, 6), (4, 3, 3, 3), (1, 1), (1, 1)) == why      # remembered, not tried again
+    x, w, _, _ = tensors((2, 3, 6, 6, 4, 3, 3), 10)
+    for y in (np.empty((2, 4, 5, 6), np.float32), np.empty((2, 4, 6, 12), np.float32)[..., ::2]):
+        with pytest.raises(ValueError, match="^oneDNN's layout takes a C-contiguous array of 1152 bytes, got"):
+            convs.forward(x, w, (1, 1), (1, 1), y)      # too small, then the right size but strided
+    assert not convs.declines((2, 3, 6, 6), (4, 3, 5, 5), (1, 1), (2, 2))

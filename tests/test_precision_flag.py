@@ -44,6 +44,7 @@ def test_bf16_with_a_forced_conv_path_is_refused():
                                          "cannot be forced with it \\(direct-dnnl can: oneDNN's convolutions in bf16\\)$"):
         Config(precision="bf16", cpu_conv_path="fft").validate()
     Config(precision="auto", cpu_conv_path="fft").validate()
+    Config(precision="bf16", cpu_conv_path="direct-dnnl").validate()     # oneDNN's convolutions run bf16
 
 
 def test_what_a_workers_gemms_ran_in():

@@ -579,13 +579,18 @@ def _plane_totals(a, out):
         out[n, k] = total
 
 
+def _bias_grad(plane_sums):
+    """A bias's gradient from its per-(image, channel) float64 sums: over the images in order."""
+    return plane_sums.sum(axis=0).astype(np.float32)
+
+
 def _channel_totals(a):
     """Per channel of a (N, K, H, W): the float32 sum over images and planes, added in float64
     (a bias's gradient)."""
     n, k = a.shape[:2]
     out = np.empty((n, k))
     _plane_totals(a.reshape(n, k, -1), out)
-    return out.sum(axis=0).astype(np.float32)
+    return _bias_grad(out)
 
 
 @_jit
@@ -921,13 +926,14 @@ class _FftBlockContext:
 
 class _DirectBlockContext:
     """What a block's backward needs on a direct (oneDNN convolution) path: as _BlockContext, with
-    the input in the forward primitive's layout where it fit the saved-cols budget (flat float32
-    from that pool; None otherwise)."""
+    the input in the forward primitive's layout where it fit the saved-cols budget (`saved`, a
+    flat float32 buffer of that pool; `saved_src`, its bytes oneDNN's layout takes; both None
+    otherwise)."""
 
-    def __init__(self, x, w, block, conv_hw, pool, argmax, mask, pooled_shape, convs, saved_src):
+    def __init__(self, x, w, block, conv_hw, pool, argmax, mask, pooled_shape, convs, saved, saved_src):
         self.x, self.w_shape, self.block, self.conv_hw = x, w.shape, block, conv_hw
         self.pool, self.argmax, self.mask, self.pooled_shape = pool, argmax, mask, pooled_shape
-        self.convs, self.saved_src = convs, saved_src
+        self.convs, self.saved, self.saved_src = convs, saved, saved_src
 
 
 def _time_one_run(path, run):
@@ -1184,7 +1190,7 @@ class CpuDevice(Device):
             if flops < self.auto_timed_min_flops:
                 return _PathChoice("im2col-bf16", untimed)
             candidates = (["im2col-bf16"] + (["shifted-bf16"] if stride == (1, 1) else [])
-                          + self._direct_paths(["direct-bf16"], x, w, stride, padding))
+                          + (["direct-bf16"] if self._direct_runs("direct-bf16", x, w, stride, padding) else []))
             if len(candidates) == 1:
                 return _PathChoice("im2col-bf16", "the only bf16 path here")
             return self._timed_choice(candidates, x, w, stride, padding, block, flops, "")
@@ -1210,9 +1216,8 @@ class CpuDevice(Device):
             return _PathChoice(f"{rule}-dnnl" if f"{rule}-dnnl" in have else rule, untimed)
         candidates = (["im2col"] + (["shifted"] if stride == (1, 1) else []) + ([] if declined else ["fft"])
                       + [p for p in DNNL_PATHS if p in have and (stride == (1, 1) or p not in self._shifted_gemms)
-                         and (p not in BF16_PATHS or self.precision == "auto")])
-        candidates = [p for p in candidates if p not in DIRECT_PATHS] + self._direct_paths(
-            [p for p in candidates if p in DIRECT_PATHS], x, w, stride, padding)
+                         and (p not in BF16_PATHS or self.precision == "auto")
+                         and (p not in self._direct or self._direct_runs(p, x, w, stride, padding))])
         if self.openmp_gemms_only:
             candidates = [p for p in candidates if p not in OPENBLAS_PATHS]
         if len(candidates) == 1:
@@ -1226,9 +1231,9 @@ class CpuDevice(Device):
             raise DeviceError(f"conv path direct-dnnl cannot run {call}: {declined}")
         return _PathChoice(path, "forced")
 
-    def _direct_paths(self, paths, x, w, stride, padding):
-        """Those of the direct `paths` this device has and oneDNN can run for this call."""
-        return [p for p in paths if p in self._direct and not self._direct[p].declines(x.shape, w.shape, stride, padding)]
+    def _direct_runs(self, path, x, w, stride, padding):
+        """Whether this device has the direct `path` and oneDNN can run this call on it."""
+        return path in self._direct and not self._direct[path].declines(x.shape, w.shape, stride, padding)
 
     def _timed_choice(self, candidates, x, w, stride, padding, block, flops, declined):
         """The fastest of `candidates` on this call, timed (or as timed for a call of the same
@@ -1748,15 +1753,16 @@ class CpuDevice(Device):
         mask = np.empty((n, k, ho, wo) if relu and not pool.is_max else (0, 0, 0, 0), np.uint8)
         nbytes = convs.src_nbytes(x.shape, w.shape, stride, padding)
         saved = self._take_saved_cols(-(-nbytes // 4)) if nbytes <= self.saved_cols_budget_bytes else None
+        saved_src = None if saved is None else saved.view(np.uint8)[:nbytes]
         y = self._scratch("direct_y", (n, k, ho, wo))
-        convs.forward(x, w, stride, padding, y, None if saved is None else saved.view(np.uint8)[:nbytes])
+        convs.forward(x, w, stride, padding, y, saved_src)
         if max2:
             _bias_act_max2_planes(y, b, relu, out, argmax)
         elif block.pool == "none":
             _bias_act_planes(_flat_planes(y), b, relu, _flat_planes(out), _flat_planes(mask))
         else:
             _act_pool(y, b, 0, relu, pool.is_max, *pool.args, out, argmax, mask)
-        return out, _DirectBlockContext(x, w, block, (ho, wo), pool, argmax, mask, out.shape, convs, saved)
+        return out, _DirectBlockContext(x, w, block, (ho, wo), pool, argmax, mask, out.shape, convs, saved, saved_src)
 
     def _direct_block_backward(self, ctx, w, dout, need_dx, dw_out, accumulate):
         (ho, wo), pool, x, block = ctx.conv_hw, ctx.pool, ctx.x, ctx.block
@@ -1770,15 +1776,13 @@ class CpuDevice(Device):
         else:
             _act_pool_backward(dout, 0, relu, pool.is_max, *pool.args, ctx.argmax, ctx.mask, dy)
             _plane_totals(dy.reshape(dy.shape[0], dy.shape[1], -1), sums)
-        saved, ctx.saved_src = ctx.saved_src, None      # a second backward reorders x again
-        nbytes = ctx.convs.src_nbytes(x.shape, w.shape, ctx.block.stride, ctx.block.padding)
+        saved, saved_src = ctx.saved, ctx.saved_src
+        ctx.saved = ctx.saved_src = None        # the buffer goes back to the pool: a second backward reorders x
         into = dw_out if dw_out is not None and not accumulate else np.empty(w.shape, np.float32)
-        dx = ctx.convs.backward(x, w, dy, ctx.block.stride, ctx.block.padding, need_dx, into,
-                                None if saved is None else saved.view(np.uint8)[:nbytes])
+        dx = ctx.convs.backward(x, w, dy, block.stride, block.padding, need_dx, into, saved_src)
         if saved is not None:
             self._give_back_saved_cols(saved)
-        db = sums.sum(axis=0).astype(np.float32)        # over the images in order, as _channel_totals
-        return dx, (into if into is dw_out else self._dw_into(dw_out, accumulate, into)), db
+        return dx, (into if into is dw_out else self._dw_into(dw_out, accumulate, into)), _bias_grad(sums)
 
     # ---- optimizer ---------------------------------------------------------------------------
     def _sgd_(self, param, velocity, grad, lr, momentum, weight_decay, nesterov):

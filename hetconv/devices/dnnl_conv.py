@@ -77,7 +77,6 @@ class _Api:
             "dnnl_memory_create": [pp, p, p, p],
             "dnnl_memory_set_data_handle": [p, p],
             "dnnl_memory_destroy": [p],
-            "dnnl_stream_wait": [p],
             "dnnl_engine_destroy": [p],
             "dnnl_stream_destroy": [p],
         }
@@ -129,13 +128,22 @@ class _Memory:
         self.nbytes = int(lib.api.memory_desc_get_size(md))
         self._memory = _Handle(lib.api, "memory_destroy")
         _check(lib.api.memory_create(ctypes.byref(self._memory.value), md, lib.engine.value, None), "creating memory")
+        self._same = {}                 # id of another memory -> whether its layout is this one's (fixed)
 
     def at(self, array):
+        """The memory object, pointing at `array`: oneDNN reads or writes nbytes from its start, so
+        anything but a C-contiguous array of at least that many bytes is refused here."""
+        if not (isinstance(array, np.ndarray) and array.flags.c_contiguous and array.nbytes >= self.nbytes):
+            raise ValueError(f"oneDNN's layout takes a C-contiguous array of {self.nbytes} bytes, got "
+                             f"{getattr(array, 'nbytes', None)} bytes with shape {getattr(array, 'shape', None)}")
         _check(self._lib.api.memory_set_data_handle(self._memory.value, array.ctypes.data), "setting a data pointer")
         return self._memory.value
 
     def same_layout(self, other):
-        return bool(self._lib.api.memory_desc_equal(self.md, other.md))
+        same = self._same.get(id(other))
+        if same is None:
+            same = self._same[id(other)] = bool(self._lib.api.memory_desc_equal(self.md, other.md))
+        return same
 
 
 class _PlainDesc(_Handle):
@@ -214,15 +222,13 @@ class ConvPlan:
         self._lib = lib
         n, c, h, wd = x_shape
         k, _, kh, kw = w_shape
-        ho = (h + 2 * padding[0] - kh) // stride[0] + 1
-        wo = (wd + 2 * padding[1] - kw) // stride[1] + 1
-        self.y_shape = (n, k, ho, wo)
+        y_shape = (n, k, (h + 2 * padding[0] - kh) // stride[0] + 1, (wd + 2 * padding[1] - kw) // stride[1] + 1)
         operand = _BF16 if bf16 else _F32
         plain = {name: _PlainDesc(api, shape, _F32) for name, shape in
-                 (("x", x_shape), ("w", w_shape), ("y", self.y_shape))}
+                 (("x", x_shape), ("w", w_shape), ("y", y_shape))}
         chosen = {name: _PlainDesc(api, shape, dtype, any_layout=True) for name, shape, dtype in
-                  (("x", x_shape, operand), ("w", w_shape, operand), ("y", self.y_shape, _F32),
-                   ("dx", x_shape, _F32), ("dw", w_shape, _F32), ("dy", self.y_shape, operand))}
+                  (("x", x_shape, operand), ("w", w_shape, operand), ("y", y_shape, _F32),
+                   ("dx", x_shape, _F32), ("dw", w_shape, _F32), ("dy", y_shape, operand))}
         geometry = (_dims(stride), _dims((0, 0)), _dims(padding), _dims(padding))
         self.forward = _Primitive(lib, lambda out: _check(api.convolution_forward_primitive_desc_create(
             out, lib.engine.value, _FORWARD_TRAINING, _CONVOLUTION_DIRECT, chosen["x"].value, chosen["w"].value,
@@ -273,10 +279,10 @@ class ConvPlan:
         """dst_array (in dst's layout) = src_array (in src's)."""
         self._reorder(src, dst)(src_array, dst_array)
 
-    def operand(self, name, plain, memory, array):
+    def operand(self, name, plain, memory, array, into=None):
         """`array` (in the plain layout `plain`, a key of self.plain) as the primitive's `memory`
-        takes it: reordered into the plan's buffer `name`."""
-        buf = self.buffer(name, memory)
+        takes it: reordered into `into`, or the plan's buffer `name`."""
+        buf = self.buffer(name, memory) if into is None else into
         self.reorder(self.plain[plain], memory, array, buf)
         return buf
 
@@ -308,8 +314,12 @@ class DirectConvs:
         self._plans = OrderedDict()
         self._unsupported = {}
 
+    @staticmethod
+    def _key(x_shape, w_shape, stride, padding):
+        return tuple(x_shape), tuple(w_shape), tuple(stride), tuple(padding)
+
     def _plan(self, x_shape, w_shape, stride, padding):
-        key = (tuple(x_shape), tuple(w_shape), tuple(stride), tuple(padding))
+        key = self._key(x_shape, w_shape, stride, padding)
         plan = self._plans.get(key)
         if plan is not None:
             self._plans.move_to_end(key)
@@ -328,7 +338,7 @@ class DirectConvs:
 
     def declines(self, x_shape, w_shape, stride, padding):
         """'' where oneDNN has this convolution (its primitives created, kept), else why not."""
-        key = (tuple(x_shape), tuple(w_shape), tuple(stride), tuple(padding))
+        key = self._key(x_shape, w_shape, stride, padding)
         if key in self._unsupported:
             return self._unsupported[key]
         try:
@@ -346,11 +356,7 @@ class DirectConvs:
         buffer of src_nbytes()) the input in the primitive's layout is left there for backward."""
         plan = self._plan(x.shape, w.shape, stride, padding)
         self._lib.dnnl.set_threads(self.threads)
-        if saved_src is None:
-            src = plan.operand("src", "x", plan.src, x)
-        else:
-            src = saved_src
-            plan.reorder(plan.plain["x"], plan.src, x, src)
+        src = plan.operand("src", "x", plan.src, x, into=saved_src)
         weights = plan.operand("weights", "w", plan.weights, w)
         dst = plan.result("dst", plan.dst, "y", y)
         plan.forward.run([(ARG_SRC, plan.src.at(src)), (ARG_WEIGHTS, plan.weights.at(weights)),

@@ -291,8 +291,7 @@ class ShardEngine:
         per micro-batch, the sum of the shards' partial dX in plan order (None when not needed)."""
         lp = self.plan.layers[layer]
         fields = {"layer": layer, "micros": list(range(len(grads))), "need_dx": need_dx}
-        requests = {name: ("BACKWARD", [self._wire_out(g if (s, e) == (0, g.shape[1]) else g[:, s:e]) for g in grads],
-                           fields)
+        requests = {name: ("BACKWARD", [self._wire_out(g[:, s:e]) for g in grads], fields)
                     for name, (s, e) in lp.ranges.items()}
         doing = f"backward conv{layer + 1}"
         replies = self._call(requests, doing, layer)

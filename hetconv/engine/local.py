@@ -9,6 +9,12 @@ from hetconv.engine.shard import ShardServer
 from hetconv.transport.wire import check_wire_dtype, rounded
 
 
+def _whole_of(x, r):
+    """Whether x is r or a view of all of it (a layer's whole channel range, as sent to a shard)."""
+    return x is r or (x.base is r and x.shape == r.shape and x.strides == r.strides
+                      and x.ctypes.data == r.ctypes.data)
+
+
 class LocalEngine(ShardEngine):
     """The conv layers in this process, on in-process shards: `--local`, and tests. The shards
     are served by the same ShardServer a worker process runs; only the sockets are missing."""
@@ -27,7 +33,7 @@ class LocalEngine(ShardEngine):
         return "float32"
 
     def _wire_out(self, x):
-        if self.wire == "float32" or any(x is r for r in self._rounded):
+        if self.wire == "float32" or any(_whole_of(x, r) for r in self._rounded):
             return np.ascontiguousarray(x)
         return rounded(x, self.wire)
 

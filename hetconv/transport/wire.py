@@ -106,7 +106,8 @@ def round_in_place(a, wire):
         a[...] = a.astype(np.float16)
         return a
     if wire == "bfloat16" and a.flags.c_contiguous:
-        _round_bf16(a.reshape(-1).view(np.uint32))
+        flat = a.reshape(-1).view(np.uint32)
+        _round_bf16_into(flat, flat)
         return a
     if wire == "bfloat16":
         bits = a.view(np.uint32)
@@ -158,14 +159,8 @@ def _to_bf16(bits, out):
 
 
 @numba.njit(parallel=True, nogil=True, cache=True)
-def _round_bf16(bits):
-    for i in prange(bits.size):
-        b = bits[i]
-        bits[i] = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
-
-
-@numba.njit(parallel=True, nogil=True, cache=True)
 def _round_bf16_into(bits, out):
+    """out = bits rounded to bf16's (kept in the upper 16 bits); out may be bits itself."""
     for i in prange(bits.size):
         b = bits[i]
         out[i] = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
