@@ -26,6 +26,8 @@ import math
 import numba
 import numpy as np
 
+from hetconv.jit import cached_njit
+
 RELU, GELU, GELU_TANH, SILU, LEAKY_RELU, ELU, CELU, TANH, SIGMOID, HARDSWISH, IDENTITY = range(11)
 CODES = {"relu": RELU, "gelu": GELU, "silu": SILU, "leaky_relu": LEAKY_RELU, "elu": ELU, "celu": CELU,
          "tanh": TANH, "sigmoid": SIGMOID, "hardswish": HARDSWISH, "identity": IDENTITY}
@@ -75,7 +77,7 @@ _EXP_P0, _EXP_P1, _EXP_P2, _EXP_P3, _EXP_P4, _EXP_P5 = _EXP_P
 _EXP_INDEX_SHIFT = np.float32(127.5)
 _EXP2 = np.array([2.0 ** k for k in range(-127, 128)], np.float32)      # 2^k at k + 127
 
-_scalar = numba.njit(nogil=True, cache=True, inline="always")
+_scalar = cached_njit(nogil=True, inline="always")
 
 
 @_scalar
@@ -312,12 +314,12 @@ def _cpu_kernels(code):
     keys them by; closing over the functions themselves missed the cache in every process. They
     live in this file because Numba's cache knows only the file of the function it caches: a
     loop cached elsewhere would keep an inlined copy of these functions after they change."""
-    @numba.njit(parallel=True, nogil=True, cache=True)
+    @cached_njit(parallel=True, nogil=True)
     def forward_loop(param, x, y):
         for i in numba.prange(x.shape[0]):
             y[i] = forward(code, x[i], param)
 
-    @numba.njit(parallel=True, nogil=True, cache=True)
+    @cached_njit(parallel=True, nogil=True)
     def backward_loop(param, saved, dy, dx):
         for i in numba.prange(saved.shape[0]):
             dx[i] = backward(code, saved[i], dy[i], param)

@@ -76,6 +76,7 @@ from hetconv.devices.cpu_fft import FftConv, swap_leading
 from hetconv.devices.cpu_shifted_gemms import ShiftedBf16Gemms, ShiftedBlasGemms, ShiftedDnnlGemms
 from hetconv.devices.dnnl_conv import DirectConvs
 from hetconv.geometry import window_output_size
+from hetconv.jit import cached_njit
 from hetconv.params import numpy_gemm
 
 # Numba's OpenMP threads spin-wait after each parallel region (GNU libgomp's default), on the very
@@ -181,12 +182,12 @@ AUTO_FFT_MARGIN = 0.04
 # layer: even with the shifted path at 16 images x 128 kernels, 1.5x slower at 8 x 256).
 AUTO_REUSE_FACTOR = 2.0
 
-_jit = numba.njit(parallel=True, nogil=True, cache=True)
+_jit = cached_njit(parallel=True, nogil=True)
 # ... for kernels that also sum their output per plane in float64: LLVM may reassociate those sums
 # (and so vectorize the whole loop). Without it the loop stays scalar: vgg-small's 32x32 ReLU
 # backward with its bias sums ran 1.8 ms on 2 threads, 0.06 ms with it. The order is fixed when
 # the kernel is compiled, so a run repeats; it differs from a serial sum by float64 rounding only.
-_jit_sums = numba.njit(parallel=True, nogil=True, cache=True, fastmath={"reassoc"})
+_jit_sums = cached_njit(parallel=True, nogil=True, fastmath={"reassoc"})
 
 # Timing the paths of a big layer takes seconds to tens of seconds (the paper's conv2 on one
 # thread: ~24 s): said here at INFO before it starts, for a command line that shows progress
@@ -240,7 +241,7 @@ def _col2im(dcols, n0, n1, kh, kw, sh, sw, ph, pw, ho, wo, dx):
                             dx[n0 + nl, c, r, s] += dcols[p, base + u * kw + v]
 
 
-@numba.njit(inline="always", nogil=True, cache=True)
+@cached_njit(inline="always", nogil=True)
 def _max2_store(out, argmax, n, k, a, e, relu, v0, v1, v2, v3):
     """out[n, k, a, e] = max(v0..v3), through ReLU where `relu`; argmax = the first max in
     row-major window order (0..3), or -1 where ReLU gives it no gradient (the max is not > 0).
@@ -779,13 +780,12 @@ def _act_pool_backward(dout, n0, relu, is_max, pkh, pkw, psh, psw, pph, ppw, arg
 # ---- optimizer updates -----------------------------------------------------------------------
 # update_rules' arithmetic with Numba's own operators: without fastmath, LLVM rounds each multiply
 # and each add apart (it fuses only what a fast-math flag allows), as the CUDA device's libdevice
-# *_rn calls do. Not cached (cache=True): Numba keys a cached kernel on its own file only, so an
-# edit of the rules in base.py would leave a stale one; compiling the four costs ~2 s, once per
-# process, at its first update.
+# *_rn calls do. The loops are cached (the cache's stamp covers base.py, where the rules live):
+# compiled, they cost ~2 s once per process at its first update, on a worker's compute thread.
 _sgd_rule, _adamw_rule, _scale_rule, _square_add = (
     numba.njit(nogil=True)(rule) for rule in update_rules(operator.mul, operator.add, operator.truediv, np.sqrt,
                                                          operator.mul, operator.add))
-_update_jit = numba.njit(parallel=True, nogil=True)
+_update_jit = cached_njit(parallel=True, nogil=True)
 # sum_of_squares' lanes per parallel task: 64 float32 side by side, one cache line per row
 SQUARE_SUM_LANE_BLOCK = 64
 

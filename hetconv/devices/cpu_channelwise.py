@@ -9,13 +9,13 @@ order on one thread, and the planes' sums are added over the images in order aft
 totals do not depend on the thread count, and the sums of a batch's pieces add up to the whole
 batch's within float64 rounding. What is returned is always a fresh array.
 """
-import numba
 import numpy as np
 from numba import prange
 
 from hetconv.devices import activation_math as am
+from hetconv.jit import cached_njit
 
-_jit = numba.njit(parallel=True, nogil=True, cache=True)
+_jit = cached_njit(parallel=True, nogil=True)
 
 
 def activation(x, act):

@@ -45,15 +45,16 @@ import contextlib
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 
-import numba
 import numpy as np
 from numba import prange
+
+from hetconv.jit import cached_njit
 
 KERNEL_PLANES = 3       # re, im - re, -(re + im)
 INPUT_PLANES = 4        # re, im, re + im, -(re + im)
 GRAD_PLANES = 4         # dY's re, im, re + im, re - im
 
-_jit = numba.njit(parallel=True, nogil=True, cache=True)
+_jit = cached_njit(parallel=True, nogil=True)
 
 
 @_jit

@@ -29,12 +29,12 @@ import os
 import site
 import sys
 
-import numba
 import numpy as np
 from numba import prange
 
 from hetconv.devices.base import DeviceError
 from hetconv.devices.blas import gemm_operands
+from hetconv.jit import cached_njit
 
 LIBRARY_ENV = "HETCONV_DNNL_LIBRARY"
 INSTALL = "pip install 'hetconv[onednn]' (in a checkout: pip install -e '.[onednn]')"
@@ -44,11 +44,11 @@ _RUNTIMES = {1: "sequential", 2: "OpenMP", 4: "TBB", 8: "threadpool", 0x200: "SY
 _ISAS = {0x7: "avx2", 0x27: "avx512_core", 0x67: "avx512_core_vnni", 0xe7: "avx512_core_bf16"}
 _SUCCESS = 0
 
-_jit = numba.njit(parallel=True, nogil=True, cache=True)
+_jit = cached_njit(parallel=True, nogil=True)
 
 
 # ---- bf16 -----------------------------------------------------------------------------------------
-@numba.njit(inline="always", nogil=True, cache=True)
+@cached_njit(inline="always", nogil=True)
 def _bf16_of_bits(u):
     """The bf16 nearest the float32 whose bits are u (a uint32), ties to even; NaN -> 0x7FC0."""
     v = np.int64(u)

@@ -19,9 +19,10 @@ rounds a map once more only where it was not yet bf16), float32 elsewhere. It is
 plan, when what the workers compute in is known (calibration), and every LOAD of the plan names
 the dtype it chose (`wire_for`).
 """
-import numba
 import numpy as np
 from numba import prange
+
+from hetconv.jit import cached_njit
 
 WIRE_DTYPES = ("float32", "bfloat16", "float16")        # what travels
 WIRE_CHOICES = ("auto",) + WIRE_DTYPES                   # what --wire-dtype takes
@@ -151,14 +152,14 @@ def decode(a, wire):
 
 # Round to nearest even on the 16 bits dropped: add 0x7FFF plus the lowest kept bit, then cut. NaN
 # stays NaN (its exponent is full, so the carry cannot reach the sign), an infinity stays one.
-@numba.njit(parallel=True, nogil=True, cache=True)
+@cached_njit(parallel=True, nogil=True)
 def _to_bf16(bits, out):
     for i in prange(bits.size):
         b = bits[i]
         out[i] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
 
 
-@numba.njit(parallel=True, nogil=True, cache=True)
+@cached_njit(parallel=True, nogil=True)
 def _round_bf16_into(bits, out):
     """out = bits rounded to bf16's (kept in the upper 16 bits); out may be bits itself."""
     for i in prange(bits.size):
@@ -166,7 +167,7 @@ def _round_bf16_into(bits, out):
         out[i] = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
 
 
-@numba.njit(parallel=True, nogil=True, cache=True)
+@cached_njit(parallel=True, nogil=True)
 def _from_bf16(halves, out):
     for i in prange(halves.size):
         out[i] = np.uint32(halves[i]) << np.uint32(16)

@@ -1,0 +1,103 @@
+"""hetconv.jit's on-disk kernel cache: processes compiling different signatures of one function at
+once never leave an index entry that points at another signature's machine code (Numba's own
+numbering does: the cause of the heap corruption that aborted the signal tests), and a loaded
+entry of the wrong signature is never run."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import numba
+import numpy as np
+from numba.core import caching
+
+from hetconv.jit import _KeyNamedIndex, _VerifiedCache, cached_njit
+
+KERNEL = textwrap.dedent("""
+    import numpy as np
+    from hetconv.jit import cached_njit
+
+    @cached_njit(nogil=True)
+    def fill(a, v):
+        for i in range(a.size):
+            a[i] = v
+        return a.size
+""")
+
+CALL = textwrap.dedent("""
+    import sys
+    import numpy as np
+    sys.path.insert(0, sys.argv[1])
+    import kern
+    for name in sys.argv[2].split(","):
+        buf = np.zeros(64, name)
+        view = buf[16:32]                   # guard bands on both sides: a wider type's code writes past
+        kern.fill(view, 7)
+        assert (view == 7).all() and not buf[:16].any() and not buf[32:].any(), name
+    print("ok", flush=True)
+""")
+
+DTYPES = ("float64", "int64", "float32", "int16")
+
+
+def _index(tmp_path, stamp="s"):
+    return _KeyNamedIndex(str(tmp_path), "mod.f-1.py311", stamp)
+
+
+def test_each_key_has_its_own_data_file_and_saves_in_any_order_load_their_own(tmp_path):
+    a, b = _index(tmp_path), _index(tmp_path)       # two processes' views of one cache
+    key_a, key_b = (("float32",), "magic", "h"), (("int32",), "magic", "h")
+    assert a._name_of(key_a) != a._name_of(key_b)
+    # b's whole save lands between a's data write and a's index update (what two compilers
+    # finishing together may do): the index keeps both entries, each pointing at its own data
+    write_data = a._save_data
+    a._save_data = lambda name, data: (write_data(name, data), b.save(key_b, "code B"))
+    a.save(key_a, "code A")
+    fresh = _index(tmp_path)
+    assert (fresh.load(key_a), fresh.load(key_b)) == ("code A", "code B")
+
+
+def test_an_entry_numbered_by_numbas_own_index_is_not_loaded(tmp_path):
+    ours = _index(tmp_path)
+    numbered = caching.IndexDataCacheFile(str(tmp_path), "mod.f-1.py311", "s")
+    numbered.save((("int16",), "magic", "h"), "code of another signature")   # 'mod.f-1.py311.1.nbc'
+    assert ours.load((("int16",), "magic", "h")) is None
+
+
+def test_a_loaded_overload_of_another_signature_is_compiled_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(numba.config, "CACHE_DIR", str(tmp_path))
+
+    def double(a):
+        for i in range(a.size):
+            a[i] = 2 * a[i]
+
+    f64 = cached_njit(nogil=True)(double)
+    f64(np.ones(4))                                   # compiled and saved for float64[::1]
+    cache = f64._cache
+    assert isinstance(cache, _VerifiedCache)
+    [(key, name)] = cache._cache_file._load_index().items()
+    # the int64 entry points at float64 code, as a crossed index would
+    int64_sig = (numba.typeof(np.ones(4, np.int64)),)
+    int64_key = cache._index_key(int64_sig, f64.targetctx.codegen())
+    cache._cache_file.save(int64_key, cache._cache_file._load_data(name))
+    fresh = cached_njit(nogil=True)(double)
+    a = np.arange(4, dtype=np.int64)
+    fresh(a)
+    np.testing.assert_array_equal(a, [0, 2, 4, 6])
+    assert fresh._cache_hits.get(int64_sig, 0) == 0
+
+
+def test_processes_compiling_four_signatures_at_once_each_run_their_own_code(tmp_path):
+    (tmp_path / "kern.py").write_text(KERNEL)
+    (tmp_path / "call.py").write_text(CALL)
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=os.getcwd())
+    run = [sys.executable, str(tmp_path / "call.py"), str(tmp_path)]
+    at_once = [subprocess.Popen(run + [dtype], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               for dtype in DTYPES]
+    for p in at_once:
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 0, out
+    # a later process loads every signature from the shared cache: each must be its own code
+    done = subprocess.run(run + [",".join(DTYPES)], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
