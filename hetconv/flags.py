@@ -139,6 +139,18 @@ class _PrintHandler(logging.Handler):
         print(self.format(record), file=sys.stderr if self.to_stderr else sys.stdout, flush=True)
 
 
+def say_in_handler(text):
+    """Write `text` to stderr from a signal handler: straight to file descriptor 2, past
+    sys.stderr's buffer, whose lock the interrupted main thread may hold (a progress bar was
+    writing): print() there raises "reentrant call" and the run would die without its save."""
+    data = text.encode(errors="replace")
+    try:
+        while data:
+            data = data[os.write(2, data):]
+    except OSError:
+        pass
+
+
 def show_progress(logger="hetconv.devices", to_stderr=False):
     """Print the progress lines (INFO) that `logger` and those below it log during long work, such
     as a CPU device timing its conv paths (on stderr where stdout carries a result, such as JSON);

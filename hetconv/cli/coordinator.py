@@ -24,7 +24,7 @@ from hetconv.engine.local import LocalEngine
 from hetconv.engine.planner import PlanError, forced_modes
 from hetconv.engine.shard import ConvShard
 from hetconv.flags import (HelpFormatter, add_version, check_endpoint, check_output_dir, check_output_file,
-                           check_range, show_progress, threads_note, usable_cores)
+                           check_range, say_in_handler, show_progress, threads_note, usable_cores)
 from hetconv.geometry import ConvSpec, message_limit_bytes
 from hetconv.net.presets import PRESETS
 from hetconv.training.checkpoint import CheckpointError, load_newest_valid
@@ -248,8 +248,7 @@ def _on_sigterm(signum, frame):
     # Outside the training loop (starting workers, calibrating, after the last checkpoint) nothing
     # trained is unsaved: SIGTERM ends the run like an exception, so the finally in main still ends
     # every worker. Inside the loop, train() handles it like Ctrl-C: finish the step, checkpoint.
-    print("hetconv-coordinator: terminated (SIGTERM) outside the training steps: stopping the workers",
-          file=sys.stderr, flush=True)
+    say_in_handler("hetconv-coordinator: terminated (SIGTERM) outside the training steps: stopping the workers\n")
     raise SystemExit(143)
 
 

@@ -96,5 +96,14 @@ def main(argv=None):
     return 0
 
 
+def entry():
+    """The hetconv-worker command: main(), then the process ends as serve.exit_process says."""
+    code = main()
+    serve = sys.modules.get("hetconv.worker.serve")     # not imported: nothing ever ran
+    if serve is None:
+        sys.exit(code)
+    serve.exit_process(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

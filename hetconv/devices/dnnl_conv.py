@@ -16,6 +16,7 @@ are created once per call shape (oneDNN generates their code then: tens of milli
 Threads: oneDNN's OpenMP build runs each primitive on omp_get_max_threads() of the calling thread
 and fixes its blocking for that count when the primitive is created, so the count is set before
 creating and before running (Dnnl.set_threads)."""
+import atexit
 import ctypes
 from collections import OrderedDict
 
@@ -103,18 +104,30 @@ def _check(status, what):
         raise DeviceError(f"oneDNN failed {what} (status {status})")
 
 
-class _Handle:
-    """A C object destroyed with its owner."""
+_exiting = []          # non-empty once the interpreter has begun to exit
 
-    def __init__(self, api, destroy):
+
+@atexit.register
+def _note_exit():
+    _exiting.append(True)
+
+
+class _Handle:
+    """A C object destroyed with its owner, after what it was made on: `needs` (the engine's
+    handle, for memories, primitives and the stream) stays alive until this one is destroyed, so
+    however Python frees the owners, the engine goes last. Nothing is destroyed once the
+    interpreter exits: module teardown frees objects in no dependency order, and a stream or
+    memory destroyed after its engine reads freed memory; the process frees it all anyway."""
+
+    def __init__(self, api, destroy, needs=None):
         self.value = ctypes.c_void_p()
-        self._api, self._destroy = api, destroy
+        self._api, self._destroy, self._needs = api, destroy, needs
 
     def __del__(self):
-        if self.value:
+        if self.value and not _exiting:
             try:
                 getattr(self._api, self._destroy)(self.value)
-            except Exception:       # the interpreter is shutting down: the process frees it all
+            except Exception:
                 pass
             self.value = ctypes.c_void_p()
 
@@ -126,7 +139,7 @@ class _Memory:
     def __init__(self, lib, md, owner=None):
         self._lib, self.md, self._owner = lib, md, owner      # owner: keeps a borrowed md alive
         self.nbytes = int(lib.api.memory_desc_get_size(md))
-        self._memory = _Handle(lib.api, "memory_destroy")
+        self._memory = _Handle(lib.api, "memory_destroy", needs=lib.engine)
         _check(lib.api.memory_create(ctypes.byref(self._memory.value), md, lib.engine.value, None), "creating memory")
         self._same = {}                 # id of another memory -> whether its layout is this one's (fixed)
 
@@ -167,9 +180,9 @@ class _Primitive:
     def __init__(self, lib, create_desc, what):
         api = lib.api
         self._lib = lib
-        self.desc = _Handle(api, "primitive_desc_destroy")
+        self.desc = _Handle(api, "primitive_desc_destroy", needs=lib.engine)
         create_desc(ctypes.byref(self.desc.value))
-        self._primitive = _Handle(api, "primitive_destroy")
+        self._primitive = _Handle(api, "primitive_destroy", needs=(lib.engine, self.desc))
         _check(api.primitive_create(ctypes.byref(self._primitive.value), self.desc.value), f"creating {what}")
         self.what = what
 
@@ -207,7 +220,7 @@ class _Library:
         self.api = _Api(dnnl.cdll)
         self.engine = _Handle(self.api, "engine_destroy")
         _check(self.api.engine_create(ctypes.byref(self.engine.value), _CPU_ENGINE, 0), "creating a CPU engine")
-        self.stream = _Handle(self.api, "stream_destroy")
+        self.stream = _Handle(self.api, "stream_destroy", needs=self.engine)
         _check(self.api.stream_create(ctypes.byref(self.stream.value), self.engine.value, _STREAM_IN_ORDER),
                "creating a stream")
 

@@ -3,7 +3,6 @@ import dataclasses
 import math
 import os
 import signal
-import sys
 import threading
 import time
 
@@ -15,6 +14,7 @@ from hetconv.devices.cpu import HostArrays
 from hetconv.engine.contract import WorkerLost, micro_choice_record, mode_choice_record, moved_bytes, wire_record
 from hetconv.engine.microbatch import micro_batch_count
 from hetconv.engine.graph import graph_pass
+from hetconv.flags import say_in_handler
 from hetconv.geometry import ConvSpec
 from hetconv.net import LoadedNet, NetSpec
 from hetconv.net.head import Network, init_conv_params
@@ -40,7 +40,12 @@ class _StopRequests:
     running step, write a checkpoint, exit (130 or 143). Where workers do the steps (`bounded`), a
     step can hang on the network, so a stop that has not completed `grace` seconds after the first
     signal, or a second signal, raises StopNow: the loop then saves its newest in-memory snapshot
-    instead, which needs no worker. In one process a second Ctrl-C stops at once."""
+    instead, which needs no worker. In one process a second Ctrl-C stops at once.
+
+    The handlers set what the loop reads and write their one line past Python's stderr buffer
+    (flags.say_in_handler). SIGALRM and the real-time timer are the caller's until a stop arms the
+    grace: only then is the handler replaced and the timer set, and both are given back after, the
+    caller's own alarm (pytest-timeout's, a notebook's) with what was left of it."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -48,6 +53,7 @@ class _StopRequests:
         self.saving, self.grace, self.bounded = saving, grace, bounded
         self.signum = None
         self._previous = {}
+        self._alarm = None              # (the caller's SIGALRM handler, its timer, when armed) while ours runs
 
     @property
     def requested(self):
@@ -59,7 +65,7 @@ class _StopRequests:
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():   # signals only work there
-            for signum in self.SIGNALS + (signal.SIGALRM,):
+            for signum in self.SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
@@ -74,15 +80,26 @@ class _StopRequests:
         then = "saving a checkpoint and stopping" if self.saving else "stopping (no --checkpoint-dir: nothing is saved)"
         bound = (f"; if that takes over {self.grace:g}s, the last snapshot is saved instead" if self.bounded
                  and self.grace > 0 else "")
-        print(f"\n{signal.Signals(signum).name}: finishing this step, then {then}{bound} "
-              f"(the same signal again to stop now)", file=sys.stderr, flush=True)
+        say_in_handler(f"\n{signal.Signals(signum).name}: finishing this step, then {then}{bound} "
+                       f"(the same signal again to stop now)\n")
         if self.bounded and self.grace > 0 and self._previous:
-            signal.setitimer(signal.ITIMER_REAL, self.grace)
+            self._arm_grace()
+
+    def _arm_grace(self):
+        handler = signal.signal(signal.SIGALRM, self._handle)
+        self._alarm = (handler, signal.setitimer(signal.ITIMER_REAL, self.grace), time.monotonic())
 
     def disarm(self):
-        """The stop completed: the grace timer must not fire into what follows."""
-        if self._previous:
-            signal.setitimer(signal.ITIMER_REAL, 0)
+        """The stop completed: the grace timer must not fire into what follows. The caller's
+        SIGALRM handler and timer (less the time since) are theirs again."""
+        if self._alarm is None:
+            return
+        handler, (delay, interval), armed = self._alarm
+        self._alarm = None
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, handler)
+        if delay > 0:                   # 0: the caller had none running
+            signal.setitimer(signal.ITIMER_REAL, max(delay - (time.monotonic() - armed), 1e-3), interval)
 
     def __exit__(self, *exc):
         self.disarm()

@@ -205,8 +205,30 @@ def run(args):
         pair.close(linger=0)
         if auth is not None:
             auth.stop()
-        if not compute.is_alive():               # else a kernel still runs: its sockets end with the process
+        if compute.is_alive():                   # a kernel still runs: its sockets end with the process
+            _compute_still_running.append(compute)
+        else:
             ctx.term()
+
+
+# The compute thread of a run() that ended while it was still inside a kernel (see exit_process).
+_compute_still_running = []
+
+
+def exit_process(code):
+    """End the worker process with `code`. Where run() left its compute thread inside a kernel
+    (SHUTDOWN or SIGTERM mid-step; it is a daemon thread), the interpreter's own exit would tear
+    down native state under it, oneDNN's objects, OpenMP's pool, LLVM's JIT, while it still runs
+    there: so stdout and stderr are flushed and the process ends by os._exit, running no more
+    Python. Otherwise the ordinary exit."""
+    if any(t.is_alive() for t in _compute_still_running):
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+    sys.exit(code)
 
 
 def wait_seconds(fields):
