@@ -29,7 +29,8 @@ from hetconv.geometry import ConvSpec, message_limit_bytes
 from hetconv.net.presets import PRESETS
 from hetconv.training.checkpoint import CheckpointError, load_newest_valid
 from hetconv.training.config import Config, add_config_flags, config_from_args
-from hetconv.training.loop import network_for, resumed_config, train
+from hetconv.training.loop import network_for, resume_lines, resumed_config, run_length, train
+from hetconv.training.recipe import Recipe
 from hetconv.transport.keys import coordinator_keys, first_worker_dir, refuse_open_bind
 
 # ---- command line --------------------------------------------------------------------------------
@@ -264,14 +265,39 @@ def given_config_fields(argv):
 
 
 def _resume(path, given, cfg):
-    """The checkpoint --resume names, read and checked, and the config the run goes on with: its
-    own, with each flag in `given` taken from the command line where it may change (each change
-    printed)."""
+    """The checkpoint --resume names, read and checked, the config the run goes on with: its own,
+    with each flag in `given` taken from the command line where it may change, and a line per
+    change (printed by prepare once the data set says what they do to the schedule)."""
     resumed = load_newest_valid(path)
     cfg, changes = resumed_config(resumed.meta, cfg, given)
-    for line in changes:
-        print(f"resuming {resumed.meta['path']}: {line}")
-    return resumed, cfg
+    return resumed, cfg, changes
+
+
+def _check_given(args, cfg, given):
+    """Flags given (`given`, as given_config_fields) that this run would ignore, each refused in
+    one line naming it: the recipe's (Config.check_given), and those of the devices and outputs.
+    Returns notes for flags that count only in part, or that scripts give to every kind of run."""
+    notes = cfg.check_given(given)
+    if "keep_checkpoints" in given and not cfg.checkpoint_dir and not args.resume:
+        raise ValueError(f"--keep-checkpoints {cfg.keep_checkpoints} needs --checkpoint-dir DIR: without it no "
+                         f"checkpoint is written")
+    if "rebalance_after" in given and cfg.rebalance_after and cfg.split == "equal" and not args.local:
+        raise ValueError(f"--rebalance-after {cfg.rebalance_after} re-splits the work by measured speed; --split "
+                         f"equal keeps it equal (drop one of them, or give --rebalance-after 0)")
+    if args.workers and "threads" in given:        # a note: benches give --threads 1 to every row
+        notes.append(f"note: --threads {cfg.threads} is for the devices this run starts (--local, --spawn); the "
+                     f"--workers {args.workers} external ones take their own (hetconv-worker --threads), so it "
+                     f"changes nothing here")
+    return notes
+
+
+def _check_network_flags(cfg, network, given):
+    """Flags given that the run's network (a LoadedNet) would ignore, refused naming the flag."""
+    if "bn_ghost_batch" in given and not any(layer.type == "batchnorm" for layer in network.spec.layers):
+        which = f"--net {cfg.net}" if cfg.net else f"the paper family (--conv {cfg.conv} --fc {cfg.fc})"
+        raise ValueError(f"--bn-ghost-batch {cfg.bn_ghost_batch} groups the images of BatchNorm's statistics; "
+                         f"{which} has no BatchNorm layer (drop it, or use a network with one, such as "
+                         f"--net vgg-small-bn)")
 
 
 def _load_data(cfg, resumed, given):
@@ -311,15 +337,23 @@ def prepare(args, argv):
     --data or --net costs nothing. Raises one of CHECK_ERRORS naming the flag."""
     cfg = config_from_args(args)
     _check_args(args, cfg)
-    resumed, given = None, set()
+    given = given_config_fields(argv)
+    resumed, changes = None, []
     if args.resume:              # the run the checkpoint holds goes on: its data, recipe and step target
-        given = given_config_fields(argv)
-        resumed, cfg = _resume(args.resume, given, cfg)
+        resumed, cfg, changes = _resume(args.resume, given, cfg)
+    notes = _check_given(args, cfg, given)
     spawn = [] if args.local or args.workers else _spawn_list(args)
     ds = _load_data(cfg, resumed, given)
     _check_data_flags(cfg)
+    Recipe(cfg, run_length(cfg, ds)[1])        # the schedule over the run's steps: --warmup-steps, --milestones
+    if resumed is not None:      # each change, with what it does to the learning rate
+        for line in resume_lines(resumed.meta, cfg, changes, ds):
+            print(f"resuming {resumed.meta['path']}: {line}")
     network = network_for(cfg, ds, resumed)
+    _check_network_flags(cfg, network, given)
     forced_modes(cfg.parallel, len(network.spec.conv_layers()))     # a chain of M/D letters fits the network
+    for note in notes:
+        print(note, file=sys.stderr)
     return Prepared(cfg, resumed, spawn, ds, network)
 
 

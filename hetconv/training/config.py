@@ -246,6 +246,8 @@ class Config:
                 raise ValueError(f"{flag} must be >= {low:g}, got {value}")
         if self.eps == 0 and self.optimizer == "adamw":
             raise ValueError("--eps must be > 0 with --optimizer adamw (it keeps the update finite)")
+        if self.min_lr and self.schedule != "cosine":
+            raise ValueError(f"--min-lr {self.min_lr:g} applies to --schedule cosine, not {self.schedule}")
         if self.min_lr > self.lr:
             raise ValueError(f"--min-lr {self.min_lr} is above --lr {self.lr}: cosine annealing goes down to it")
         if not 0 <= self.label_smoothing <= 1:
@@ -253,6 +255,39 @@ class Config:
         if self.bn_ghost_batch < 0 or self.bn_ghost_batch == 1 or self.bn_ghost_batch > self.batch_size:
             raise ValueError(f"--bn-ghost-batch must be 0 (the whole batch) or from 2 to --batch-size "
                              f"{self.batch_size}, got {self.bn_ghost_batch}")
+
+    def check_given(self, given):
+        """The flags the command line gave (`given`: Config field names, whatever their values) that
+        this config would ignore: each refused in one line naming it, its value and what would make
+        it count. Returns notes (lines) for a flag that counts only in part."""
+        def refuse(name, why):
+            if name in given:
+                value = getattr(self, name)
+                shown = f"{value:g}" if isinstance(value, float) else repr(value) if value == "" else value
+                raise ValueError(f"--{name.replace('_', '-')} {shown} {why}")
+        if self.optimizer == "sgd":
+            refuse("betas", "applies to --optimizer adamw, not sgd")
+            refuse("eps", "applies to --optimizer adamw, not sgd")
+        else:
+            refuse("momentum", f"applies to --optimizer sgd, not {self.optimizer} (AdamW's momentum is the "
+                               f"beta1 of --betas)")
+        if self.schedule == "onecycle":
+            refuse("momentum", "has no effect with --schedule onecycle: it cycles the momentum from 0.95 to 0.85 "
+                               "and back (drop --momentum, or use another --schedule)")
+        if self.schedule != "step":
+            refuse("gamma", f"applies to --schedule step, not {self.schedule}")
+        if self.schedule != "cosine":
+            refuse("min_lr", f"applies to --schedule cosine, not {self.schedule}")
+        if self.weight_decay == 0:
+            refuse("no_decay", "has no effect with --weight-decay 0: no parameter is decayed")
+        if self.bn_ghost_batch == self.batch_size:
+            refuse("bn_ghost_batch", f"is the whole --batch-size {self.batch_size}: one statistics group, as 0 "
+                                     f"(the default) makes; give fewer images per group")
+        notes = []
+        if self.schedule == "onecycle" and self.optimizer == "adamw" and "betas" in given:
+            notes.append(f"note: --schedule onecycle cycles AdamW's beta1 from 0.95 to 0.85 and back: --betas "
+                         f"{self.betas} sets only its beta2, {parse_betas(self.betas)[1]:g}")
+        return notes
 
     def check_same_network(self, saved):
         """Raise unless `saved` (a Config) describes the same network as this one."""

@@ -154,6 +154,91 @@ def resumed_config(meta, cfg, given):
     return dataclasses.replace(cfg, **values).validate(), changes
 
 
+# the fields that set how many steps a run has (with its data set's size), and those that shape
+# its learning rate over them
+LENGTH_FIELDS = ("data", "synthetic_train", "epochs", "steps", "batch_size")
+RATE_FIELDS = ("lr", "optimizer", "momentum", "betas", "schedule", "warmup_steps", "milestones", "gamma", "min_lr")
+
+
+def run_length(cfg, ds):
+    """(steps per epoch, steps in all) of a run of `cfg` on the data set `ds`, as train() counts
+    them: --steps where given, else --epochs whole epochs."""
+    per_epoch = len(ds.train_y) // cfg.batch_size
+    if per_epoch < 1:
+        raise ValueError(f"--batch-size {cfg.batch_size} is larger than the {len(ds.train_y)} training images of "
+                         f"{ds.name}")
+    return per_epoch, cfg.steps or cfg.epochs * per_epoch
+
+
+def _two_numbers(a, b):
+    """a and b as text, with the fewest significant digits (3 at least) that tell them apart."""
+    for digits in (3, 6, 9):
+        x, y = f"{a:.{digits}g}", f"{b:.{digits}g}"
+        if x != y:
+            break
+    return x, y
+
+
+def _resumed_rate_notes(meta, cfg, ds):
+    """(what the run's length, what the learning rate) of a run resumed with `cfg` from the
+    checkpoint `meta`, on data set `ds`, changes from the checkpoint's run, in words; '' for each
+    that does not change. The schedule is a function of the run's steps, so it is laid over the
+    resumed run's length: where it now ends, and the learning rate (and one-cycle's momentum) of
+    the step the run resumes at, before and after."""
+    step = int(meta["step"])
+    try:
+        saved = Config.from_json(meta["config"])
+        then_total = run_length(saved, ds)[1]
+        then = Recipe(saved, then_total).rule(min(step, then_total - 1))
+    except (KeyError, TypeError, ValueError):           # the checkpoint's run cannot be laid over this data
+        saved = then = None
+    now_total = run_length(cfg, ds)[1]
+    length = ""
+    if then is not None and now_total != then_total:
+        if cfg.schedule != "constant":
+            length = (f"the {cfg.schedule} schedule, laid over the run's new length, now ends at step {now_total} "
+                      f"(was {then_total})")
+        elif not cfg.steps:                             # --steps says so itself
+            length = f"the run now ends at step {now_total} (was {then_total})"
+    if step >= now_total:
+        return ((length + "; " if length else "") + f"the run's {now_total} steps end at or before step {step}, "
+                f"where the checkpoint is: no step is trained, the checkpoint is only evaluated"), ""
+    now = Recipe(cfg, now_total).rule(step)
+    if then is None:
+        return length, ""
+    # each rate at its flag's value (constant, or past the warm-up) is said by that flag's line
+    lr_moved = then.lr != now.lr and not (then.lr == saved.lr and now.lr == cfg.lr)
+    momentum_moved = then.momentum != now.momentum and "onecycle" in (saved.schedule, cfg.schedule)
+    if not (lr_moved or momentum_moved):
+        return length, ""
+    rate = []
+    if then.lr != now.lr:
+        a, b = _two_numbers(then.lr, now.lr)
+        ended = " (its last step's, where the checkpoint's run ended)" if step >= then_total else ""
+        rate.append(f"the learning rate goes from {a}{ended} to {b}")
+    if momentum_moved:
+        a, b = _two_numbers(then.momentum, now.momentum)
+        rate.append(f"{'beta1' if cfg.optimizer == 'adamw' else 'the momentum'} from {a} to {b}")
+    return length, f"where it resumes (step {step}), " + " and ".join(rate)
+
+
+def resume_lines(meta, cfg, changes, ds):
+    """resumed_config's `changes` lines with what they do to the learning rate (_resumed_rate_notes):
+    after the first line of a flag that sets the run's length where that changed, else after the
+    first of a flag that shapes the rate; a line of its own where no such line is there."""
+    length, rate = _resumed_rate_notes(meta, cfg, ds)
+    note = "; ".join(filter(None, (length, rate)))
+    lines = list(changes)
+    if not note:
+        return lines
+    for names in ((LENGTH_FIELDS,) if length else ()) + (RATE_FIELDS, LENGTH_FIELDS):
+        for i, line in enumerate(lines):
+            if any(line.startswith(_flag(name) + " ") for name in names):
+                lines[i] = f"{line}: {note}"
+                return lines
+    return lines + [note]
+
+
 def _compatible(meta, cfg, network):
     """Raise CheckpointError unless the checkpoint holds this run's network (`network`, a NetSpec)."""
     if "network" in meta:
@@ -607,7 +692,7 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
     metrics.write("plan", **plan.to_json(), **choice, **micro_choice_record(engine), **wire)
     run = _Run(cfg, engine, net, elastic, ds, specs, start_step, total_steps, steps_per_epoch, log, metrics)
     setup_s = time.perf_counter() - t_setup
-    log(f"{ds!r}; {total_steps - start_step} steps of {cfg.batch_size} images "
+    log(f"{ds!r}; {max(0, total_steps - start_step)} steps of {cfg.batch_size} images "
         f"({steps_per_epoch} per epoch" + (f", {run.micro_batches} micro-batches each" if run.micro_batches > 1 else "")
         + f"); setup {setup_s:.1f}s")
     run.arm_rebalance(first=True)

@@ -31,10 +31,27 @@ def parse_milestones(text):
     return steps
 
 
+def check_run_length(cfg, total_steps):
+    """The schedule flags that depend on the run's length, against its `total_steps` updates
+    (--epochs or --steps), each refused in one line naming its flag (Schedule, which the rest of
+    the flags reach already checked by Config.check_recipe, would name its keyword instead)."""
+    if cfg.warmup_steps >= total_steps:
+        raise ValueError(f"--warmup-steps {cfg.warmup_steps} leaves --schedule {cfg.schedule} no step: the run has "
+                         f"{total_steps} steps; give fewer warm-up steps, or more --epochs or --steps")
+    main = total_steps - cfg.warmup_steps
+    late = [m for m in parse_milestones(cfg.milestones) if m >= main] if cfg.schedule == "step" else []
+    if late:
+        run = (f"milestones count from the end of the {cfg.warmup_steps} --warmup-steps of the run's {total_steps} "
+               f"steps" if cfg.warmup_steps else f"the run has {total_steps} steps")
+        raise ValueError(f"--milestones {cfg.milestones}: {late[0]} is past the schedule's last step {main - 1} "
+                         f"({run}); give milestones below {main}, or more --epochs or --steps")
+
+
 class Recipe:
     """cfg's optimizer, schedule and clipping over a run of `total_steps` optimizer steps."""
 
     def __init__(self, cfg, total_steps):
+        check_run_length(cfg, total_steps)
         self.cfg = cfg
         self.betas = parse_betas(cfg.betas)
         self.no_decay = parse_no_decay(cfg.no_decay)
