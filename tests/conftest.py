@@ -17,6 +17,26 @@ import pytest  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _conv_path_wisdom_outside_tests(tmp_path_factory):
+    """What module- and session-scoped fixtures (set up before a test's own folder below) time
+    goes to a folder of the session's, never to the user's ~/.cache."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HETCONV_CACHE", str(tmp_path_factory.mktemp("hetconv-cache-shared")))
+        yield
+
+
+@pytest.fixture(autouse=True)
+def conv_path_wisdom(tmp_path_factory, monkeypatch):
+    """Every test its own, empty conv path wisdom folder (hetconv.devices.wisdom; HETCONV_CACHE,
+    inherited by the workers it starts): the suite never reads or writes the user's ~/.cache, and
+    a path one test timed is not reused by the next, which times afresh. A folder of its own
+    beside tmp_path, so a test that lists tmp_path finds only its own files there."""
+    folder = tmp_path_factory.mktemp("hetconv-cache")
+    monkeypatch.setenv("HETCONV_CACHE", str(folder))
+    return folder
+
+
 @pytest.fixture
 def procs():
     """Start processes through this fixture: every one is ended when the test ends, pass or fail."""

@@ -294,12 +294,13 @@ def test_resuming_an_earlier_checkpoint_starts_a_timeline_that_retention_and_res
     assert checkpoint.load(str(tmp_path))[0]["step"] == 25
 
 
+_FLAGS = ("--conv", "6,12", "--fc", "32", "--batch-size", "32", "--synthetic-train", "512", "--synthetic-test", "64",
+          "--threads", "1", "--calibration-batch", "4", "--use-all", "--rebalance-after", "0", "--lr", "0.01")
+
+
 def _coordinator(procs, tmp_path, *args):
-    log = open(tmp_path / "out.txt", "w")
-    return procs(python_cmd("hetconv.cli.coordinator", "--conv", "6,12", "--fc", "32", "--batch-size", "32",
-                            "--synthetic-train", "512", "--synthetic-test", "64", "--threads", "1",
-                            "--calibration-batch", "4", "--use-all", "--rebalance-after", "0", "--lr", "0.01", *args),
-                 stdout=log, stderr=subprocess.STDOUT)
+    log = open(tmp_path / "out.txt", "a")
+    return procs(python_cmd("hetconv.cli.coordinator", *_FLAGS, *args), stdout=log, stderr=subprocess.STDOUT)
 
 
 def _wait_for_step(metrics, step, seconds=120):
@@ -312,11 +313,22 @@ def _wait_for_step(metrics, step, seconds=120):
     raise AssertionError(f"no step {step} within {seconds}s")
 
 
+def assert_bit_identical(directory, other):
+    (meta, conv, fc), (other_meta, other_conv, other_fc) = checkpoint.load(str(directory)), checkpoint.load(str(other))
+    assert meta["step"] == other_meta["step"]
+    for got, want in zip(conv + fc, other_conv + other_fc):
+        assert sorted(got) == sorted(want)
+        for key in want:
+            assert got[key].dtype == want[key].dtype and got[key].tobytes() == want[key].tobytes(), key
+
+
 @pytest.mark.parametrize("mode", [["--local"], ["--spawn", "cpu:1,cpu:1"]])
 def test_sigterm_checkpoints_the_step_reached_and_resume_finishes_like_an_uninterrupted_run(procs, tmp_path, mode):
+    """--deterministic, so the resumed run ends bit for bit where the uninterrupted one does: --local
+    against the same run in this process, two workers against an uninterrupted two-worker run."""
     ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
-    coord = _coordinator(procs, tmp_path, *mode, "--epochs", "25", "--steps", "400", "--checkpoint-dir", ck,
-                         "--metrics", metrics)
+    coord = _coordinator(procs, tmp_path, *mode, "--deterministic", "--epochs", "25", "--steps", "400",
+                         "--checkpoint-dir", ck, "--metrics", metrics)
     _wait_for_step(metrics, 2)
     coord.send_signal(signal.SIGTERM)
     assert coord.wait(timeout=60) == 143, (tmp_path / "out.txt").read_text()
@@ -325,12 +337,19 @@ def test_sigterm_checkpoints_the_step_reached_and_resume_finishes_like_an_uninte
     assert last["event"] == "interrupted" and last["step"] == reached < 400
     assert checkpoint.load(str(ck))[0]["step"] == reached
     # resumed with no --checkpoint-dir: its checkpoints go on into the directory it resumed from
-    again = _coordinator(procs, tmp_path, *mode, "--epochs", "25", "--steps", reached + 2, "--resume", ck)
-    local_dir = tmp_path / "local"                       # the uninterrupted run, while the resumed one runs
-    train(Config(**TINY, epochs=25, steps=reached + 2, checkpoint_dir=str(local_dir)).validate(),
-          LocalEngine({"local": ConvShard(open_device("cpu", threads=1))}), log=quiet)
+    again = _coordinator(procs, tmp_path, *mode, "--deterministic", "--epochs", "25", "--steps", reached + 2,
+                         "--resume", ck)
+    whole = tmp_path / "whole"                          # the uninterrupted run, while the resumed one runs
+    if mode == ["--local"]:
+        train(Config(**TINY, epochs=25, steps=reached + 2, checkpoint_dir=str(whole), deterministic=True).validate(),
+              LocalEngine({"local": ConvShard(open_device("cpu", threads=1, deterministic=True))}), log=quiet)
+    else:
+        uninterrupted = procs(python_cmd("hetconv.cli.coordinator", *_FLAGS, *mode, "--deterministic", "--epochs",
+                                         "25", "--steps", reached + 2, "--checkpoint-dir", whole),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        assert uninterrupted.wait(timeout=120) == 0
     assert again.wait(timeout=120) == 0, (tmp_path / "out.txt").read_text()
-    assert_same_weights(ck, (None, checkpoint.load(str(local_dir))))
+    assert_bit_identical(ck, whole)
 
 
 def test_a_stop_that_cannot_finish_its_step_saves_the_last_snapshot_within_the_grace(procs, tmp_path):

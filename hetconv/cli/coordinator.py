@@ -20,6 +20,7 @@ from hetconv.coordinator.ray import RayLauncher, check_address, import_ray
 from hetconv.coordinator.remote import RemoteEngine, WorkerError, WorkerLost
 from hetconv.data import DataError, load_dataset
 from hetconv.devices import DeviceError, cuda_extra_missing, open_device, parse_device_list
+from hetconv.devices.wisdom import machine_wisdom
 from hetconv.engine.local import LocalEngine
 from hetconv.engine.planner import PlanError, forced_modes
 from hetconv.engine.shard import ConvShard
@@ -27,7 +28,7 @@ from hetconv.flags import (HelpFormatter, add_version, check_endpoint, check_out
                            check_range, say_in_handler, show_progress, threads_note, usable_cores)
 from hetconv.geometry import ConvSpec, message_limit_bytes
 from hetconv.net.presets import PRESETS
-from hetconv.training.checkpoint import CheckpointError, load_newest_valid
+from hetconv.training.checkpoint import CheckpointError, load_newest_valid, recorded_conv_paths
 from hetconv.training.config import Config, add_config_flags, config_from_args
 from hetconv.training.loop import network_for, resume_lines, resumed_config, run_length, train
 from hetconv.training.recipe import Recipe
@@ -357,6 +358,26 @@ def prepare(args, argv):
     return Prepared(cfg, resumed, spawn, ds, network)
 
 
+def _resumed_conv_paths(resumed):
+    """The conv path records of the checkpoint a run resumes from (`resumed`: checkpoint.Loaded,
+    or None for a new run: none), which its devices run again where their machine key is the
+    record's. What is malformed there is left out, said in one line: those call shapes are taken
+    from the wisdom or timed, as in a new run."""
+    if resumed is None:
+        return []
+    records, problem = recorded_conv_paths(resumed.meta)
+    if problem:
+        print(f"resuming {resumed.meta['path']}: its conv path records: {problem} (left out: those call shapes "
+              f"take the wisdom's path or are timed)", file=sys.stderr)
+    return records
+
+
+def _conv_path_flags(cfg):
+    """The hetconv-worker flags that give a spawned worker this run's conv path options."""
+    return (["--cpu-conv-path", cfg.cpu_conv_path, "--precision", cfg.precision] + (["--retime"] if cfg.retime else [])
+            + (["--deterministic"] if cfg.deterministic else []))
+
+
 def run(args, prepared):
     """Start the engine (and its workers), train, and return train()'s summary. Whatever way it
     ends (done, a stop, an exception, KeyboardInterrupt), every worker it started has ended and
@@ -375,7 +396,9 @@ def run(args, prepared):
         if args.local:
             progress = show_progress()                 # the device's conv path timing, on the first steps
             device = open_device("cpu", threads=cfg.threads or None, conv_path=cfg.cpu_conv_path,
-                                 precision=cfg.precision, verbose=args.verbose)
+                                 precision=cfg.precision, verbose=args.verbose, wisdom=machine_wisdom(),
+                                 retime=cfg.retime, deterministic=cfg.deterministic)
+            device.preload_conv_paths(_resumed_conv_paths(prepared.resumed))
             print(f"local: {device.describe()}")
             engine = LocalEngine({"local": ConvShard(device)}, wire=cfg.wire_dtype)
         else:
@@ -394,8 +417,8 @@ def run(args, prepared):
                                       op_timeout=args.op_timeout, pin=not args.no_pin,
                                       exchange=cfg.exchange, wire=cfg.wire_dtype, curve=args.curve,
                                       insecure=args.insecure, message_limit=limit, launcher=launcher,
-                                      verbose=args.verbose, worker_args=["--cpu-conv-path", cfg.cpu_conv_path,
-                                                                            "--precision", cfg.precision])
+                                      verbose=args.verbose, worker_args=_conv_path_flags(cfg),
+                                      conv_paths=_resumed_conv_paths(prepared.resumed))
             except SystemExit as e:
                 # RemoteEngine ends the command on an address it cannot bind; from Python that is
                 # the ConnectionError it is (the command prints the same line)

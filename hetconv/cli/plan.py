@@ -16,6 +16,7 @@ import logging
 import sys
 
 from hetconv.devices import DeviceError, open_device, parse_device_list
+from hetconv.devices.wisdom import machine_wisdom
 from hetconv.engine.costmodel import Link, dominant_term, parse_bandwidth, predict_any, predict_local
 from hetconv.engine.graph import graph_pass
 from hetconv.engine.measure import calibrate_rounds, load_profiles, measure_coordinator_s, measure_loopback
@@ -28,7 +29,13 @@ from hetconv.transport.wire import value_bytes, wire_for
 
 # the flags this command shares with the coordinator: their defaults and help come from Config
 NETWORK_FLAGS = ("net", "conv", "fc", "ksize", "padding", "batch_size", "calibration_batch", "split", "exchange", "micro_batches",
-                 "wire_dtype", "parallel", "cpu_conv_path", "precision")
+                 "wire_dtype", "parallel", "cpu_conv_path", "precision", "retime", "deterministic")
+
+
+def _conv_path_options(cfg):
+    """A CPU device's options for reusing conv paths: this machine's wisdom (timed once, reused by
+    every later run here), --retime and --deterministic as hetconv-coordinator takes them."""
+    return {"wisdom": machine_wisdom(), "retime": cfg.retime, "deterministic": cfg.deterministic}
 
 
 def build_parser():
@@ -167,7 +174,7 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
                 try:
                     with still_working(f"calibrating {entry.label}: {len(specs)} conv layers{what}, in rounds"):
                         got = calibrate_rounds(runs, specs, cal_shapes, conv_path=cfg.cpu_conv_path,
-                                               precision=cfg.precision)
+                                               precision=cfg.precision, **_conv_path_options(cfg))
                 except Exception as e:
                     print(f"hetconv-plan: {entry.label}: {e}", file=sys.stderr)
                     return 2
@@ -183,7 +190,8 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
         try:
             with still_working(f"calibrating {together_label}: {len(specs)} conv layers, whole"):
                 together_profile = calibrate_rounds([("cpu", together, whole_kernels)], specs, cal_shapes,
-                                                    conv_path=cfg.cpu_conv_path, precision=cfg.precision)[0]
+                                                    conv_path=cfg.cpu_conv_path, precision=cfg.precision,
+                                                    **_conv_path_options(cfg))[0]
         except Exception as e:
             print(f"hetconv-plan: {together_label}: {e}", file=sys.stderr)
             return 2

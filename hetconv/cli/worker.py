@@ -50,6 +50,13 @@ def build_parser():
     p.add_argument("--precision", default="fp32", choices=PRECISIONS,
                    help="a cpu device's conv GEMMs: fp32; bf16 (bf16 operands, fp32 sums; needs oneDNN); auto (bf16 "
                         "where its timing finds it faster, per layer and share). A GPU runs fp32")
+    p.add_argument("--retime", action="store_true",
+                   help="time a cpu device's conv paths again and store them over this machine's wisdom "
+                        "($HETCONV_CACHE/conv-paths.json, default ~/.cache/hetconv), which otherwise gives a call "
+                        "shape timed before on this machine its path")
+    p.add_argument("--deterministic", action="store_true",
+                   help="a cpu device's conv paths by a fixed rule, no timing and no wisdom: the same bits every run "
+                        "(slower where another path is faster)")
     p.add_argument("--name", default="", help="a label for tables and logs (default: DEVICE@HOST)")
     p.add_argument("--cores", default="", help="pin this worker to these CPU cores, e.g. 0,1 (before any thread pool starts)")
     p.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the coordinator to answer HELLO")

@@ -26,6 +26,7 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from hetconv.devices.wisdom import DETERMINISTIC, machine_wisdom
 from hetconv.engine.contract import (ShardEngine, WorkerError, WorkerLost,  # noqa: F401  (raised here, caught by callers)
                                      concat_channels)
 from hetconv.engine.costmodel import Link, parse_bandwidth, predict_any, profiles_from_calibration
@@ -158,8 +159,11 @@ class _Peer:
 class RemoteEngine(ShardEngine):
     def __init__(self, bind, expected_workers, spawn=(), threads=0, worker_timeout=10.0,
                  connect_timeout=60.0, op_timeout=600.0, pin=True, log=print, exchange="peer", wire="float32",
-                 curve="", insecure=False, message_limit=0, launcher=None, verbose=False, worker_args=()):
-
+                 curve="", insecure=False, message_limit=0, launcher=None, verbose=False, worker_args=(),
+                 conv_paths=()):
+        """`worker_args`: flags every spawned worker gets (its conv path options). `conv_paths`:
+        the conv path records of the checkpoint a run resumes from (checkpoint.recorded_conv_paths),
+        told every worker in its WELCOME: a device whose machine key is a record's runs its paths."""
         super().__init__()
         if exchange not in EXCHANGES:
             raise ValueError(f"--exchange must be one of {', '.join(EXCHANGES)}, got {exchange!r}")
@@ -169,6 +173,7 @@ class RemoteEngine(ShardEngine):
         self.log = log
         self.verbose = verbose                              # spawned workers' own start-up lines too
         self.worker_args = list(worker_args)                # flags every spawned worker gets (--cpu-conv-path)
+        self.resume_conv_paths = list(conv_paths)           # what WELCOME tells each worker's device to run
         self.worker_timeout, self.connect_timeout, self.op_timeout = worker_timeout, connect_timeout, op_timeout
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -356,7 +361,8 @@ class RemoteEngine(ShardEngine):
         """Admit a worker and tell it where to send heartbeats (a port on the host it reached us
         on, or an ipc path)."""
         self._send(peer, "WELCOME", heartbeat_port=self.heartbeat_port, heartbeat_endpoint=self.heartbeat_endpoint,
-                   message_limit=self.message_limit)
+                   message_limit=self.message_limit,
+                   **({"conv_paths": self.resume_conv_paths} if self.resume_conv_paths else {}))
 
     def _note_heartbeats(self):
         """Drain the heartbeat channel: each names the worker's identity. Anything else there is
@@ -702,9 +708,13 @@ class RemoteEngine(ShardEngine):
             # one line a worker: which paths its device runs, by timing or as told (each call shape's
             # choice, with every path's time, is in the metrics' calibration record)
             chosen = self.calibration[name]["conv_paths"]
-            if not any(c["why"] in ("timed", "forced") or c["path"] == "fft" for c in chosen) and cfg.precision == "fp32":
+            if (not any(c["why"] in ("timed", "forced", "wisdom", "checkpoint", DETERMINISTIC) or c["path"] == "fft"
+                        for c in chosen) and cfg.precision == "fp32"):
                 continue                                 # the rule's untimed choices on small layers
-            how = "forced" if all(c["why"] == "forced" for c in chosen) else "timed where a call is big enough"
+            # (timed in this run, or earlier: this machine's wisdom, the checkpoint resumed from)
+            how = ("forced" if all(c["why"] == "forced" for c in chosen) else
+                   "by rule, --deterministic" if all(c["why"] == DETERMINISTIC for c in chosen) else
+                   "timed where a call is big enough")
             counts = collections.Counter(c["path"] for c in chosen)
             self.log(f"  {name} conv paths ({how}): " + ", ".join(
                 f"{path} for {n} call shape{'s' if n > 1 else ''}" for path, n in sorted(counts.items()))
@@ -749,7 +759,8 @@ class RemoteEngine(ShardEngine):
         try:
             together = calibrate_local("cpu", specs, [(batch,) + tuple(s[1:]) for s in input_shapes],
                                        [s.kernels for s in specs], threads=threads, repeats=CALIBRATION_REPEATS,
-                                       conv_path=cfg.cpu_conv_path, precision=cfg.precision)
+                                       conv_path=cfg.cpu_conv_path, precision=cfg.precision,
+                                       wisdom=machine_wisdom(), retime=cfg.retime, deterministic=cfg.deterministic)
             priced = price_cores_together(specs, image_shape, cfg.batch_size, plan, profiles, together, threads, group,
                                           link, self.exchange, cfg.parallel, cfg.micro_batches, value_bytes(self.wire),
                                           micro, self.peers[group[0]].host, self._graph_shape())

@@ -474,6 +474,17 @@ class Device:
         path per call shape have nothing to say."""
         return []
 
+    def conv_path_record(self):
+        """{machine, choices: [{call, path, why}]}: the choices this device made from a
+        measurement, keyed as devices.wisdom keys them, for a run's metrics and checkpoints; None
+        for a device with one path per call shape."""
+        return None
+
+    def preload_conv_paths(self, records):
+        """Run the paths a checkpoint recorded (records as conv_path_record gives them) where
+        their machine key is this device's; returns how many call shapes it took (none here)."""
+        return 0
+
     # ---- backend ---------------------------------------------------------------------------------
     def _conv2d(self, x, w, b, stride, padding):
         raise NotImplementedError

@@ -11,6 +11,10 @@ Design, and what it costs:
   im2col; conv1 (C*kw = 15, where five 15-long reductions would run thin GEMMs and im2col is
   cheap) is im2col. `conv_path="im2col"`, `"shifted"` or `"fft"` forces one (tests run each
   everywhere).
+- What the timing chose is data (devices/wisdom.py): kept per machine in a wisdom file, which
+  later devices of that machine reuse instead of timing (`wisdom`, `retime`), recorded per run
+  (`conv_path_record`) and run again on resume (`preload_conv_paths`); `deterministic` chooses by
+  the rule above, never by a clock.
 - Where oneDNN is installed (the `onednn` extra, devices/dnnl.py), more paths run its GEMMs
   (devices/cpu_gemms.py, devices/cpu_shifted_gemms.py): "im2col-dnnl" and "shifted-dnnl",
   oneDNN's sgemm on either layout, more candidates the timing chooses among (OpenBLAS's speed
@@ -75,6 +79,7 @@ from hetconv.devices.cpu_gemms import BlasGemms, Bf16Gemms, DnnlGemms, scratch16
 from hetconv.devices.cpu_fft import FftConv, swap_leading
 from hetconv.devices.cpu_shifted_gemms import ShiftedBf16Gemms, ShiftedBlasGemms, ShiftedDnnlGemms
 from hetconv.devices.dnnl_conv import DirectConvs
+from hetconv.devices import wisdom as wisdom_keys
 from hetconv.geometry import window_output_size
 from hetconv.jit import cached_njit
 from hetconv.params import numpy_gemm
@@ -936,6 +941,9 @@ class _DirectBlockContext:
         self.convs, self.saved, self.saved_src = convs, saved, saved_src
 
 
+DETERMINISTIC = wisdom_keys.DETERMINISTIC      # the `why` of a choice made by `deterministic`'s rule
+
+
 def _time_one_run(path, run):
     """Seconds of one run() (the default timer of the automatic path choice)."""
     t0 = time.perf_counter()
@@ -944,17 +952,20 @@ def _time_one_run(path, run):
 
 
 class _PathChoice:
-    """The path a layer call runs, why ("timed", "rule", "forced", "fft declined: ..."), and the
-    seconds each path took where they were timed."""
+    """The path a layer call runs, why ("timed", "as timed for ...", "wisdom", "checkpoint",
+    "rule: ...", "rule (deterministic)", "forced", "fft declined: ..."), the seconds each path
+    took where they were timed (in this run, or where the wisdom kept them), and whether it came
+    from a measurement (`measured`: a run's record and the wisdom keep only those; the others a
+    device makes the same again by itself)."""
 
-    def __init__(self, path, why, seconds=None):
-        self.path, self.why, self.seconds = path, why, seconds or {}
+    def __init__(self, path, why, seconds=None, measured=False):
+        self.path, self.why, self.seconds, self.measured = path, why, seconds or {}, measured
 
     def describe(self):
         if not self.seconds:
             return f"{self.path} ({self.why})"
         times = ", ".join(f"{p} {s * 1e3:.1f} ms" for p, s in sorted(self.seconds.items(), key=lambda kv: kv[1]))
-        return f"{self.path} (timed forward+backward: {times})"
+        return f"{self.path} ({'' if self.why == 'timed' else self.why + ': '}timed forward+backward: {times})"
 
 
 def _fastest(seconds):
@@ -998,7 +1009,18 @@ class CpuDevice(Device):
                  saved_cols_budget_bytes=DEFAULT_SAVED_COLS_BUDGET_BYTES, conv_path="auto",
                  fft_budget_bytes=DEFAULT_FFT_BUDGET_BYTES, verbose=False,
                  auto_timed_min_flops=AUTO_TIMED_MIN_FLOPS, auto_timer=_time_one_run, precision="fp32",
-                 onednn=None):
+                 onednn=None, wisdom=None, retime=False, deterministic=False):
+        """`wisdom`: a devices.wisdom.Wisdom whose stored choices this device reuses and where
+        it keeps what it times (None: none; the command lines give the machine's file,
+        wisdom.machine_wisdom(), so a device made here touches no file unless told). `retime`:
+        time every call shape again and store the result over the wisdom's. `deterministic`:
+        choose by a fixed rule, never timing and never reading or writing the wisdom: under
+        precision bf16 im2col-bf16; else the untimed rule (shifted where C*kw is long enough
+        and the kernels few enough, see SHIFTED_MIN_REDUCTION, else im2col), on oneDNN's sgemm
+        (shifted-dnnl, im2col-dnnl) where oneDNN is loaded; a forced `conv_path` still rules.
+        Slower than the timed choice where another path is faster, and the same bits every
+        run. Choices a checkpoint recorded (preload_conv_paths) come before the wisdom and
+        timing, after the forced path and `deterministic`."""
         available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         if threads is None:
             threads = available
@@ -1033,6 +1055,12 @@ class CpuDevice(Device):
         # the path of each call shape (x, w, stride, padding, block or None): see _path
         self.auto_timed_min_flops = float(auto_timed_min_flops)
         self._auto_timer = auto_timer   # (path, run) -> seconds of one run; tests give a fake one
+        if wisdom is not None and not (callable(getattr(wisdom, "lookup", None))
+                                        and callable(getattr(wisdom, "store", None))):
+            raise DeviceError(f"wisdom must be a devices.wisdom.Wisdom or None, got {type(wisdom).__name__}")
+        self.wisdom, self.retime, self.deterministic = wisdom, bool(retime), bool(deterministic)
+        self._machine = None            # this device's wisdom machine key, (dict, canonical string), when first needed
+        self._preloaded = {}            # canonical call key -> path, from a checkpoint's record (preload_conv_paths)
         self._choices = {}
         self._timed = []                # (layer less its batch, images, kernels, call, choice) per timing
         self._warm_flops = {}           # path -> the largest call (forward FLOPs) it has run while timed
@@ -1154,6 +1182,52 @@ class CpuDevice(Device):
                  **({"kernels": self._direct_kernels(key, choice)} if choice.path in self._direct else {})}
                 for key, choice in self._choices.items()]
 
+    def machine_key(self):
+        """This device's machine key in the wisdom and in a run's records (devices.wisdom
+        machine_key): the host's CPU and libraries, and this device's threads, precision,
+        conv_path option and paths."""
+        return self._machine_key()[0]
+
+    def _machine_key(self):
+        if self._machine is None:
+            paths = {*self._path_gemms, *self._shifted_gemms, *self._direct, "fft"}
+            key = wisdom_keys.machine_key(self.threads, self.precision, self.conv_path,
+                                          None if self._dnnl is None else self._dnnl.version, paths)
+            self._machine = (key, wisdom_keys.canonical(key))
+        return self._machine
+
+    def conv_path_record(self):
+        """{machine, choices: [{call, path, why}]}: the choices this device made from a measurement
+        (timed, as timed, the wisdom's, a checkpoint's; the latest MAX_RECORD_CHOICES), which a
+        run keeps in its metrics and checkpoints and `--resume` hands back (preload_conv_paths).
+        The rule's and forced choices are left out: a device makes them the same again."""
+        choices = [{"call": wisdom_keys.call_key(*key), "path": c.path, "why": c.why[:wisdom_keys.MAX_WHY]}
+                   for key, c in self._choices.items() if c.measured]
+        return {"machine": self.machine_key(), "choices": choices[-wisdom_keys.MAX_RECORD_CHOICES:]}
+
+    def preload_conv_paths(self, records):
+        """Take the choices of `records` (a run's, as conv_path_record gives them per device:
+        from a checkpoint, checked here again) whose machine key is this device's: those call
+        shapes run that path from now on (why "checkpoint"), before the wisdom and timing, where
+        the path is among the call's candidates. Where two records of this machine disagree, the
+        first one's stands. Returns how many call shapes were taken."""
+        checked, _ = wisdom_keys.checked_records(records)
+        machine = self._machine_key()[1]
+        taken = 0
+        for record in checked:
+            if wisdom_keys.canonical(record["machine"]) != machine:
+                continue
+            for c in record["choices"]:
+                call = wisdom_keys.canonical(c["call"])
+                if call not in self._preloaded:
+                    self._preloaded[call] = c["path"]
+                    taken += 1
+        # a call shape chosen already (calibration before a resume's record came) is chosen again
+        self._choices = {key: choice for key, choice in self._choices.items()
+                         if self._preloaded.get(wisdom_keys.canonical(wisdom_keys.call_key(*key)), choice.path)
+                         == choice.path}
+        return taken
+
     def _direct_kernels(self, key, choice):
         """oneDNN's implementations of a call on a direct path: {direction: name}."""
         return self._direct[choice.path].implementations(*key[:4])
@@ -1187,13 +1261,18 @@ class CpuDevice(Device):
         if self.precision == "bf16":
             if self.conv_path == "direct-dnnl":
                 return self._forced_direct("direct-bf16", x, w, stride, padding, block)
-            if flops < self.auto_timed_min_flops:
+            if self.deterministic:
+                return _PathChoice("im2col-bf16", DETERMINISTIC)
+            if flops < self.auto_timed_min_flops and not self._preloaded:
                 return _PathChoice("im2col-bf16", untimed)
             candidates = (["im2col-bf16"] + (["shifted-bf16"] if stride == (1, 1) else [])
                           + (["direct-bf16"] if self._direct_runs("direct-bf16", x, w, stride, padding) else []))
+            if flops < self.auto_timed_min_flops:       # untimed, unless a checkpoint's record says otherwise
+                found = self._preloaded_choice(candidates, x, w, stride, padding, block)
+                return found or _PathChoice("im2col-bf16", untimed)
             if len(candidates) == 1:
                 return _PathChoice("im2col-bf16", "the only bf16 path here")
-            return self._timed_choice(candidates, x, w, stride, padding, block, flops, "")
+            return self._measured_choice(candidates, x, w, stride, padding, block, flops, "")
         if self.conv_path == "im2col-dnnl":
             return _PathChoice("im2col-dnnl", "forced")
         if self.conv_path == "direct-dnnl":
@@ -1212,17 +1291,64 @@ class CpuDevice(Device):
             self._fft_declined.add(layer)
             return _PathChoice(rule, f"fft declined: {declined}")
         have = {**self._path_gemms, **self._shifted_gemms, **self._direct}
-        if flops < self.auto_timed_min_flops:
-            return _PathChoice(f"{rule}-dnnl" if f"{rule}-dnnl" in have else rule, untimed)
+        by_rule = f"{rule}-dnnl" if f"{rule}-dnnl" in have else rule
+        if self.deterministic:
+            return _PathChoice(by_rule, DETERMINISTIC)
+        if flops < self.auto_timed_min_flops and not self._preloaded:
+            return _PathChoice(by_rule, untimed)
         candidates = (["im2col"] + (["shifted"] if stride == (1, 1) else []) + ([] if declined else ["fft"])
                       + [p for p in DNNL_PATHS if p in have and (stride == (1, 1) or p not in self._shifted_gemms)
                          and (p not in BF16_PATHS or self.precision == "auto")
                          and (p not in self._direct or self._direct_runs(p, x, w, stride, padding))])
         if self.openmp_gemms_only:
             candidates = [p for p in candidates if p not in OPENBLAS_PATHS]
+        if flops < self.auto_timed_min_flops:           # untimed, unless a checkpoint's record says otherwise
+            return self._preloaded_choice(candidates, x, w, stride, padding, block) or _PathChoice(by_rule, untimed)
         if len(candidates) == 1:
             return _PathChoice(candidates[0], f"the only path here: {declined}")
-        return self._timed_choice(candidates, x, w, stride, padding, block, flops, declined)
+        return self._measured_choice(candidates, x, w, stride, padding, block, flops, declined)
+
+    def _preloaded_choice(self, candidates, x, w, stride, padding, block):
+        """The checkpoint's choice for this call (preload_conv_paths), where it gave one among
+        `candidates`, else None. Said with --verbose, as a timed choice is."""
+        if not self._preloaded:
+            return None
+        key = (tuple(x.shape), tuple(w.shape), stride, padding, block)
+        path = self._preloaded.get(wisdom_keys.canonical(wisdom_keys.call_key(*key)))
+        if path not in candidates:
+            return None
+        found = _PathChoice(path, "checkpoint", measured=True)
+        if self.verbose:
+            print(f"cpu device: {_describe_call(key)} runs {self._describe_choice(key, found)}", file=sys.stderr,
+                  flush=True)
+        return found
+
+    def _measured_choice(self, candidates, x, w, stride, padding, block, flops, declined):
+        """The choice among `candidates` (two or more) of a call big enough to be timed: the
+        checkpoint's where preload_conv_paths gave one for this call; else the wisdom's (unless
+        `retime`); else timed (_timed_choice), and kept in the wisdom. A stored path that is not
+        among this call's candidates (a budget or a library changed) is passed over."""
+        found = self._preloaded_choice(candidates, x, w, stride, padding, block)
+        if found is not None:
+            return found
+        if self.wisdom is None:
+            return self._timed_choice(candidates, x, w, stride, padding, block, flops, declined)
+        key = (tuple(x.shape), tuple(w.shape), stride, padding, block)
+        machine, call = self._machine_key()[1], wisdom_keys.canonical(wisdom_keys.call_key(*key))
+        entry = None if self.retime else self.wisdom.lookup(machine, call)
+        if entry is not None and entry["path"] in candidates:
+            found = _PathChoice(entry["path"], "wisdom", entry.get("seconds"), measured=True)
+            if found.seconds and set(found.seconds) <= set(candidates):
+                # as if timed here: calls of the same layer within AUTO_REUSE_FACTOR take it too
+                layer = (tuple(x.shape[1:]), tuple(w.shape[1:]), stride, padding, block)
+                self._timed.append((layer, x.shape[0], w.shape[0], key, found))
+            if self.verbose:
+                print(f"cpu device: {_describe_call(key)} runs {self._describe_choice(key, found)}", file=sys.stderr,
+                      flush=True)
+            return found
+        choice = self._timed_choice(candidates, x, w, stride, padding, block, flops, declined)
+        self.wisdom.store(machine, call, choice.path, choice.seconds)
+        return choice
 
     def _forced_direct(self, path, x, w, stride, padding, block):
         declined = self._direct[path].declines(x.shape, w.shape, stride, padding)
@@ -1245,16 +1371,17 @@ class CpuDevice(Device):
             if (timed_layer == layer and max(k / timed_k, timed_k / k) <= AUTO_REUSE_FACTOR
                     and (n == timed_n or n > timed_n and timed.path == "fft")):
                 if timed.path in candidates:
-                    return _PathChoice(timed.path, f"as timed for {_describe_call(timed_key)}")
+                    return _PathChoice(timed.path, f"as timed for {_describe_call(timed_key)}", measured=True)
                 # FFT won there but declines here (more kernels: spectra over the budget): the
                 # fastest of the paths this call can take, by the same timing
                 return _PathChoice(_fastest({p: s for p, s in timed.seconds.items() if p in candidates}),
-                                   f"as timed for {_describe_call(timed_key)}, but fft declined: {declined}")
+                                   f"as timed for {_describe_call(timed_key)}, but fft declined: {declined}",
+                                   measured=True)
         progress.info(f"cpu device: timing conv paths {', '.join(candidates)} on x {tuple(x.shape)} w {tuple(w.shape)}"
                       f"{f' stride {stride}' if stride != (1, 1) else ''}{f' padding {padding}' if any(padding) else ''}"
                       f" (once per call shape) ...")
         seconds = self._time_paths(candidates, x, w, stride, padding, block, flops)
-        choice = _PathChoice(_fastest(seconds), "timed", seconds)
+        choice = _PathChoice(_fastest(seconds), "timed", seconds, measured=True)
         if choice.path != "fft":
             self._fft.drop(w)      # the FFT trial's spectra: never read again, yet refreshed at each update
         self._timed.append((layer, n, k, (tuple(x.shape), tuple(w.shape), stride, padding, block), choice))

@@ -13,6 +13,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from hetconv.devices.wisdom import checked_record
 from hetconv.engine.costmodel import profiles_from_calibration
 from hetconv.engine.planner import PlanError, cost_lines, make_plan, replan
 from hetconv.update import clip_factor
@@ -122,6 +123,10 @@ class Engine(Protocol):
     def gather(self):
         """-> every layer's whole state {name: array} (snapshots, checkpoints, rebalancing)."""
 
+    def conv_path_records(self):
+        """-> [{worker, machine, choices}]: each device's measured conv path choices (checkpoints,
+        metrics; `--resume` hands them back)."""
+
     def step_stats(self):
         """Per worker, since the last call: compute, wire, bytes."""
 
@@ -172,6 +177,7 @@ class ShardEngine:
         self.calibration = {}       # worker -> {device, description, speeds, layers: timings}
         self.mode_choice = None     # planner.ModeChoice behind the plan's modes, where one was made
         self.micro_choice = None    # {micro_batches, predicted_s}: auto micro-batches as the cost model picked them
+        self._conv_path_records = {}    # worker -> its device's conv path record, as of the last gather
         self.batch = 0
         self.reset_layer_timings()
         self._stats = {}
@@ -355,11 +361,17 @@ class ShardEngine:
         """Per layer its whole state {name: array}: a model layer's slices concatenated in plan
         order (scalars from the plan's first worker); a data layer's one copy (every worker holds
         the same state), from the plan's first worker."""
-        out = []
+        out, asked = [], set()
         for lp in self.plan.layers:
             holders = self.plan.workers[:1] if lp.mode == "data" else self.plan.workers
-            replies = self._call({name: ("FETCH", [], {"layer": lp.layer}) for name in holders},
-                                 f"gathering conv{lp.layer + 1}'s weights")
+            # each worker's first FETCH of the gather also asks for its conv path record
+            replies = self._call({name: ("FETCH", [], {"layer": lp.layer, **({} if name in asked else
+                                                                            {"conv_paths": True})})
+                                  for name in holders}, f"gathering conv{lp.layer + 1}'s weights")
+            for name in holders:
+                if name not in asked:
+                    asked.add(name)
+                    self._keep_conv_path_record(name, replies[name][1])
             spec, doing = self.specs[lp.layer], f"fetching conv{lp.layer + 1}"
             layout = {a.name: a for a in spec.state_layout(self.optimizer)}
             parts = []
@@ -378,7 +390,32 @@ class ShardEngine:
                 parts.append(part)
             out.append({n: (np.concatenate([p[n] for p in parts], axis=0) if layout[n].per_kernel else
                             np.array(parts[0][n], copy=True)) for n in layout})
+        rest = [name for name in self.plan.workers if name not in asked]     # every layer data-parallel
+        if rest:
+            replies = self._call({name: ("FETCH", [], {"layer": -1, "conv_paths": True}) for name in rest},
+                                 "gathering the conv path records")
+            for name in rest:
+                self._keep_conv_path_record(name, replies[name][1])
         return out
+
+    def _keep_conv_path_record(self, name, fields):
+        """A SHARD reply's conv path record (devices.wisdom.checked_record: checked, bounded), kept
+        as the worker's newest; a malformed one is dropped, and the one before stands."""
+        record = fields.get("conv_paths")
+        if record is None:
+            return
+        record, _ = checked_record(record)
+        if record is not None:
+            record.pop("worker", None)                  # the plan's name for it, not its own
+            self._conv_path_records[name] = record
+
+    def conv_path_records(self):
+        """[{worker, machine, choices: [{call, path, why}]}] per worker of the plan, in plan order:
+        the conv path choices each device made from a measurement, as of the last gather. What a
+        checkpoint and the metrics keep, and `--resume` hands back to the devices."""
+        workers = self.plan.workers if self.plan is not None else self.workers
+        return [{"worker": name, **self._conv_path_records[name]} for name in workers
+                if name in self._conv_path_records]
 
     # ---- measurements ------------------------------------------------------------------------------
     def _record(self, name, layer, fields, roundtrip_s=0.0, sent=0, received=0):

@@ -58,6 +58,15 @@ class LocalEngine(ShardEngine):
             self._record(name, layer, {"compute_s": time.perf_counter() - t0})
         return replies
 
+    def conv_path_records(self):
+        """Each in-process device's conv path record, read from it now: no gather needed."""
+        records = []
+        for name, server in self.servers.items():
+            record = server.shard.device.conv_path_record()
+            if record is not None:
+                records.append({"worker": name, **record})
+        return records
+
     def propose_rebalance(self, specs, min_gain=0.05):
         """In-process shards share one device: nothing to rebalance."""
         return None

@@ -329,6 +329,40 @@ def fixed_plan(layer_kernels, counts, policy="fixed", modes=None, images=None):
     return Plan(policy, workers, tuple(layers))
 
 
+def given_plan(record, layer_kernels, batch, workers, source):
+    """The plan an earlier run recorded (`record`: Plan.to_json()'s fields, as a "plan" metrics
+    record holds them), checked against this run as fixed_plan checks a plan set by hand: its
+    layers' kernels, its data layers' images summing to `batch`, and its workers exactly this
+    run's `workers` (names). Raises PlanError naming `source` and what differs."""
+    try:
+        plan = Plan.from_json(record)
+    except PlanError as e:
+        raise PlanError(f"{source}: {e}") from None
+    if len(plan.layers) != len(layer_kernels):
+        raise PlanError(f"{source}: a plan of {len(plan.layers)} conv layers; this network has {len(layer_kernels)}")
+    if sorted(plan.workers) != sorted(workers):
+        raise PlanError(f"{source}: a plan for workers {', '.join(plan.workers)}; this run has {', '.join(workers)} "
+                        f"(the same --spawn list, or external workers started with the same --name)")
+    for lp, total in zip(plan.layers, layer_kernels):
+        if lp.kernels != total:
+            raise PlanError(f"{source}: conv layer {lp.layer + 1} has {lp.kernels} kernels in the plan, {total} here")
+    images = plan.images()
+    data_batches = {sum(images[w][li] for w in plan.workers) for li, m in enumerate(plan.modes()) if m == "data"}
+    if data_batches and data_batches != {batch}:
+        raise PlanError(f"{source}: its data layers split batches of {sorted(data_batches)} images; this run's "
+                        f"--batch-size is {batch}")
+    try:
+        checked = fixed_plan(list(layer_kernels), plan.counts(), policy=f"given ({source})", modes=plan.modes(),
+                             images=images)
+    except PlanError as e:
+        raise PlanError(f"{source}: {e}") from None
+    for lp, mine in zip(plan.layers, checked.layers):
+        if lp.mode == "model" and lp.ranges != mine.ranges:
+            raise PlanError(f"{source}: conv layer {lp.layer + 1}'s kernel ranges {lp.ranges} are not contiguous in "
+                            f"the plan's worker order")
+    return replace(checked, layers=tuple(replace(mine, speeds=lp.speeds) for lp, mine in zip(plan.layers, checked.layers)))
+
+
 def replan(plan, lines, measured, min_gain=0.05, image_lines=None):
     """Re-split a proportional plan from what real steps took under it: kernels of its model
     layers, images of its data layers (each layer keeps its mode).

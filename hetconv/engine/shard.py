@@ -428,5 +428,12 @@ class ShardServer:
         return "NORMED", [], {"sum_of_squares": float(total)}
 
     def fetch(self, arrays, f):
+        """A layer's slice; with `conv_paths` true, also the device's conv path record
+        (conv_path_record: what a checkpoint keeps), asked once per worker and gather. Layer -1
+        with `conv_paths`: the record alone (a worker that holds no layer the gather fetches
+        from it: every layer data-parallel, where the plan's first worker gives the weights)."""
+        paths = {"conv_paths": self.shard.device.conv_path_record()} if f.get("conv_paths") is True else {}
+        if f["layer"] == -1 and paths:
+            return "SHARD", [], {"layer": -1, "names": [], **paths}
         state = self.shard.fetch(int(f["layer"]))
-        return "SHARD", list(state.values()), {"layer": f["layer"], "names": list(state)}
+        return "SHARD", list(state.values()), {"layer": f["layer"], "names": list(state), **paths}

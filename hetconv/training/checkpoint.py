@@ -36,6 +36,7 @@ from typing import NamedTuple
 import numpy as np
 from numpy.lib import format as npy
 
+from hetconv.devices.wisdom import checked_records
 from hetconv.update import SLOTS, slot_name
 from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES, ConvSpec
 from hetconv.net import NetSpec
@@ -146,11 +147,15 @@ def _digest(arrays, meta_body):
     return h.hexdigest()
 
 
-def save(directory, step, epoch, config, conv_params, fc_params, plan=None, keep=3, network=None, data=None):
+def save(directory, step, epoch, config, conv_params, fc_params, plan=None, keep=3, network=None, data=None,
+         conv_paths=None, micro_batches=None):
     """conv_params / fc_params: per layer its state {name: array} (weights, BatchNorm statistics,
     the optimizer's slots), stored as "conv0.w", "conv0.bn1.running_mean", "fc1.w.exp_avg"... (the
-    names expected_arrays lists). Keeps the `keep` newest checkpoints (this one always among them).
-    Returns the path written."""
+    names expected_arrays lists). `conv_paths`: each device's conv path record (the engine's
+    conv_path_records), kept in the meta as far as devices.wisdom.checked_records keeps it, so
+    `--resume` runs the same paths (recorded_conv_paths). `micro_batches`: the count the cost
+    model chose for `plan` (auto), which a resume onto the same workers runs again. Keeps the
+    `keep` newest checkpoints (this one always among them). Returns the path written."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1 checkpoint, got {keep}")
     os.makedirs(directory, exist_ok=True)
@@ -164,11 +169,14 @@ def save(directory, step, epoch, config, conv_params, fc_params, plan=None, keep
     meta = {"format": FORMAT, "step": int(step), "epoch": int(epoch), "config": config.to_json(),
             "conv_layers": len(conv_params), "fc_layers": len(fc_params), "order": order,
             "plan": plan.to_json() if plan is not None else None,
+            "micro_batches": int(micro_batches) if micro_batches else None,
             "written_ns": time.time_ns()}          # information only: the clock can step back
     if network is not None:
         meta["network"] = network                      # the NetSpec's JSON: resume needs no network flags
     if data is not None:
         meta["data"] = data                            # the data set's classes and normalisation: the model leaves
+    if conv_paths:
+        meta["conv_paths"] = checked_records(conv_paths)[0]    # the paths each device ran: --resume runs them again
     # round-trip through JSON first so the digest is over exactly what load() will parse back
     meta = json.loads(json.dumps(meta))
     meta["sha256"] = _digest(arrays, meta)
@@ -528,6 +536,14 @@ def load_newest_valid(path):
     skipped += [(os.path.basename(e.path), e.problem) for e in listing if e.problem]
     raise CheckpointError(f"{path}: no valid checkpoint among {len(skipped)}: "
                           + "; ".join(f"{name}: {reason}" for name, reason in skipped))
+
+
+def recorded_conv_paths(meta):
+    """The conv path records a checkpoint's meta holds (what each device chose by measuring, see
+    save), checked and bounded (devices.wisdom.checked_records): (records, '' or why some or all
+    were left out). A checkpoint without them (written before they were kept) has none; a
+    malformed one never stops a resume: its records are left out, and said."""
+    return checked_records(meta.get("conv_paths") if isinstance(meta, dict) else None)
 
 
 def load(path):

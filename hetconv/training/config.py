@@ -86,6 +86,16 @@ class Config:
                                     "everything else in fp32, as PyTorch's autocast; needs oneDNN: pip install "
                                     "'hetconv[onednn]'); auto (bf16 where the device's timing finds it faster, per "
                                     "layer and share, else fp32). GPU devices run fp32")
+    retime: bool = option(False, "time every CPU device's conv paths again, and store the result over the "
+                                 "machine's wisdom ($HETCONV_CACHE/conv-paths.json, default ~/.cache/hetconv): "
+                                 "without it a call shape timed before on this machine reuses its path (a resumed "
+                                 "run runs its checkpoint's paths either way)")
+    deterministic: bool = option(False, "conv paths by a fixed rule, no timing; the plan fixed; the same command "
+                                        "gives the same bits (slower: see README)")
+    plan: str = option("", "run this plan instead of calibrating one: an earlier run's --metrics file (its last plan "
+                           "record: the split, the modes and the micro-batch count) or a plan JSON; the same worker "
+                           "names (--spawn gives the same ones each time). With --deterministic, the same bits as "
+                           "that run; without --plan, --deterministic splits equally")
     split: str = option("proportional", "'proportional' to measured speed, or 'equal' (the naive baseline)")
     parallel: str = option("auto", "per conv layer, 'model' (kernels split among workers) or 'data' (images split, "
                                    "whole weights on every worker); 'auto': the cost model picks per layer; or a "

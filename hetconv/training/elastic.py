@@ -162,6 +162,7 @@ class Elastic:
     def _write(self, directory, step, conv, fc):
         path = checkpoint.save(directory, step, step // self.steps_per_epoch, self.cfg, conv, fc, self.engine.plan,
                                keep=self.cfg.keep_checkpoints, network=self.network,
-                               data=self.data)
+                               data=self.data, conv_paths=self.engine.conv_path_records(),
+                               micro_batches=(getattr(self.engine, "micro_choice", None) or {}).get("micro_batches"))
         self.saved[step] = path
         return path

@@ -14,6 +14,7 @@ from hetconv.devices.cpu import HostArrays
 from hetconv.engine.contract import WorkerLost, micro_choice_record, mode_choice_record, moved_bytes, wire_record
 from hetconv.engine.microbatch import micro_batch_count
 from hetconv.engine.graph import graph_pass
+from hetconv.engine.planner import PlanError, given_plan
 from hetconv.flags import say_in_handler
 from hetconv.geometry import ConvSpec
 from hetconv.net import LoadedNet, NetSpec
@@ -22,7 +23,7 @@ from hetconv.training import checkpoint
 from hetconv.training.config import NETWORK_FIELDS, Config
 from hetconv.training.elastic import Elastic
 from hetconv.training.membership import Finished, Stopped, WorkersJoined, WorkersLost
-from hetconv.training.metrics import MetricsWriter
+from hetconv.training.metrics import MetricsWriter, last_plan_record
 from hetconv.training.recipe import Recipe
 
 MAX_REBALANCES = 3
@@ -115,7 +116,7 @@ RESUMED_FIELDS = ("data", "synthetic_train", "synthetic_test", "val_split", "cro
                   "weight_decay", "no_decay", "schedule", "warmup_steps", "milestones", "gamma", "min_lr",
                   "label_smoothing", "clip_grad_norm", "bn_ghost_batch", "seed", "augment",
                   "micro_batches", "wire_dtype", "eval_batches", "eval_every", "checkpoint_every",
-                  "keep_checkpoints")
+                  "keep_checkpoints", "deterministic")
 _SYNTHETIC_SIZES = ("synthetic_train", "synthetic_test")
 
 
@@ -414,6 +415,7 @@ class _Run:
         self.steps_per_epoch = steps_per_epoch
         self.losses, self.step_times = [], []
         self.last_ckpt = None
+        self.conv_paths_written = None          # the conv path records last written to the metrics
         self.micro_batches = resolve_micro_batches(cfg, engine)
         self.rebalance_at, self.rebalances = 0, 0
         self.bar = None
@@ -584,7 +586,18 @@ class _Run:
         # the gather's traffic is the checkpoint's, not the next step's
         self.metrics.write("checkpoint", step=self.step, path=path, bytes=moved_bytes(self.engine.step_stats()))
         self.last_ckpt = path
+        self.record_conv_paths()
         return path
+
+    def record_conv_paths(self):
+        """A "conv_paths" metrics record: each device's conv path choices made by a measurement
+        (engine.conv_path_records: machine key, call, path, why), as the checkpoints keep them;
+        written at each checkpoint and at the end, where there are any and they changed since the
+        last one."""
+        records = self.engine.conv_path_records()
+        if any(r["choices"] for r in records) and records != self.conv_paths_written:
+            self.metrics.write("conv_paths", step=self.step, devices=records)
+            self.conv_paths_written = records
 
     def final_state(self):
         """The checkpoint of the step reached (where --checkpoint-dir is set), and with workers a
@@ -611,6 +624,44 @@ class _Run:
         elif self.elastic.saved:
             self.last_ckpt = self.elastic.saved[max(self.elastic.saved)]
         return self.last_ckpt
+
+
+def _reproducible(cfg, engine, specs, log, resumed_meta=None):
+    """--plan and --deterministic on this run: a given plan is fixed on the engine (no calibrated
+    split, no rebalancing), with its micro-batch count where --micro-batches is auto; so is the
+    plan of the checkpoint a run resumes from, where the same workers (names) came back;
+    --deterministic without either takes the split that no timing decides: equal, every worker
+    kept, never re-split from step times (the returned config, saved with the run, says so)."""
+    layer_kernels = [s.kernels for s in specs]
+    if cfg.plan:
+        record = last_plan_record(cfg.plan)
+        engine.fixed_plan = given_plan(record, layer_kernels, cfg.batch_size, engine.workers, cfg.plan)
+        if not cfg.micro_batches and record.get("micro_batches"):
+            cfg = dataclasses.replace(cfg, micro_batches=record["micro_batches"])
+        log(f"--plan {cfg.plan}: running its plan"
+            + (f" and its {cfg.micro_batches} micro-batches" if record.get("micro_batches") else "")
+            + " (no calibrated split, no rebalancing)")
+        return cfg
+    saved = (resumed_meta or {}).get("plan")
+    if (isinstance(saved, dict) and len(engine.workers) > 1
+            and sorted(map(str, saved.get("workers") or [])) == sorted(engine.workers)):
+        try:
+            engine.fixed_plan = given_plan(saved, layer_kernels, cfg.batch_size, engine.workers, resumed_meta["path"])
+        except PlanError as e:
+            log(f"the checkpoint's plan is not run again ({e}): calibrating a new one")
+        else:
+            micro = resumed_meta.get("micro_batches")
+            if not cfg.micro_batches and isinstance(micro, int) and not isinstance(micro, bool) and micro >= 1:
+                cfg = dataclasses.replace(cfg, micro_batches=micro)
+            log("the same workers as the checkpoint's: running its plan" + (f" and its {micro} micro-batches"
+                if cfg.micro_batches == micro else "") + " (no calibrated split, no rebalancing)")
+            return cfg
+    if cfg.deterministic and (cfg.split, cfg.use_all, cfg.rebalance_after) != ("equal", True, 0):
+        cfg = dataclasses.replace(cfg, split="equal", use_all=True, rebalance_after=0)
+        if len(engine.workers) > 1:
+            log("--deterministic: the equal split over every worker, never re-split (a split from timing would change "
+                "the sums' order from run to run); --plan METRICS repeats an earlier run's calibrated plan")
+    return cfg
 
 
 def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loaded):
@@ -645,6 +696,7 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
         cfg = dataclasses.replace(cfg, epochs=epochs)
     if cfg.steps:
         total_steps = cfg.steps
+    cfg = _reproducible(cfg, engine, specs, log, None if resume is None else resume[0])
     metrics.write("config", config=cfg.to_json(), data=repr(ds), network=network.to_json(), **metrics_extra)
 
     rng = np.random.default_rng(cfg.seed)
@@ -724,6 +776,7 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
         finally:
             run.bar.close()
     step, last_ckpt, losses = run.step, run.last_ckpt, run.losses
+    run.record_conv_paths()
     if evaluation is None:
         log(f"stopped at step {step}" + (f"; checkpoint {last_ckpt}" if last_ckpt else "; nothing saved"))
         metrics.write("interrupted", step=step, checkpoint=last_ckpt)

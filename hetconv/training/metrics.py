@@ -45,3 +45,41 @@ class MetricsWriter:
                 file.close()
             except OSError as e:
                 raise self._error(e) from None
+
+
+# A metrics file is read line by line for --plan; no line of one is near this (a plan record of a
+# network of hundreds of layers is tens of KB).
+MAX_RECORD_BYTES = 16 << 20
+
+
+def last_plan_record(path):
+    """The newest "plan" record of the metrics file `path` (or the plan JSON `path` holds), for
+    --plan: the plan's fields, and "micro_batches" where the run's plan had a micro-batch count
+    chosen for it. Raises ValueError naming --plan and the file where it holds none or is no
+    such file; a line over MAX_RECORD_BYTES is refused, never read whole."""
+    def bad(why):
+        return ValueError(f"--plan {path!r}: {why}")
+
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise bad(f"cannot be read ({e.strerror or e})") from None
+    found = None
+    with f:
+        for n, line in enumerate(iter(lambda: f.readline(MAX_RECORD_BYTES + 1), b""), 1):
+            if len(line) > MAX_RECORD_BYTES:
+                raise bad(f"line {n} is over {MAX_RECORD_BYTES:,} bytes: not a metrics file")
+            try:
+                record = json.loads(line)
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                continue                    # a last line cut short by a killed run
+            if isinstance(record, dict) and (record.get("event") == "plan" or
+                                             "event" not in record and "layers" in record and "workers" in record):
+                found = record
+    if found is None:
+        raise bad("holds no plan record (give the --metrics file of a run with workers, or a plan's JSON)")
+    plan = {k: v for k, v in found.items() if k != "event"}
+    micro = found.get("micro_choice")
+    if isinstance(micro, dict) and isinstance(micro.get("micro_batches"), int) and micro["micro_batches"] >= 1:
+        plan["micro_batches"] = micro["micro_batches"]
+    return plan

@@ -8,6 +8,7 @@ import numpy as np
 
 from hetconv.data import CIFAR10_CLASSES, CIFAR10_MEAN, CIFAR10_STD, load_dataset
 from hetconv.devices import open_device
+from hetconv.devices.wisdom import machine_wisdom
 from hetconv.devices.cpu import HostArrays
 from hetconv.engine.graph import graph_pass
 from hetconv.engine.local import LocalEngine
@@ -148,7 +149,8 @@ class InProcessModel:
         spec = model.spec
         specs = [ConvSpec.from_layer(layer) for layer in spec.conv_layers()]
         kernels = [s.kernels for s in specs]
-        device = open_device("cpu", **({"threads": threads} if threads else {}))
+        # the paths this machine timed before (devices.wisdom), as the run's own devices took them
+        device = open_device("cpu", wisdom=machine_wisdom(), **({"threads": threads} if threads else {}))
         engine = LocalEngine({"local": ConvShard(device)})
         engine.load(fixed_plan(kernels, {"local": kernels}), specs, model.conv_states())
         head = [op.layer.to_json() for op in spec.head() if op.type != "flatten"]

@@ -54,6 +54,12 @@ FIELDS = {
 }
 
 
+# Fields a request may carry beside those, each checked for its type where present.
+OPTIONAL_FIELDS = {
+    "FETCH": {"conv_paths": bool},
+}
+
+
 class ProtocolError(ValueError):
     """A message that is not well-formed hetconv protocol."""
 
@@ -173,10 +179,14 @@ def _type_names(types):
 
 
 def check_fields(op, fields):
-    """Raise ProtocolError unless `fields` has every field FIELDS lists for `op`, each of its type
-    (a boolean is not an integer here, as msgpack keeps them apart)."""
-    for name, types in FIELDS.get(op, {}).items():
+    """Raise ProtocolError unless `fields` has every field FIELDS lists for `op`, each of its type,
+    and each of OPTIONAL_FIELDS it has of its type too (a boolean is not an integer here, as msgpack
+    keeps them apart)."""
+    optional = OPTIONAL_FIELDS.get(op, {})
+    for name, types in [*FIELDS.get(op, {}).items(), *optional.items()]:
         if name not in fields:
+            if name in optional:
+                continue
             raise ProtocolError(f"{op} without its {name!r} field")
         value = fields[name]
         wanted = types if isinstance(types, tuple) else (types,)

@@ -21,6 +21,7 @@ import zmq
 
 from hetconv import __version__
 from hetconv.devices import DeviceError, open_device, parse_device_list
+from hetconv.devices.wisdom import machine_wisdom
 from hetconv.engine.shard import ConvShard, ShardServer
 from hetconv.flags import check_endpoint, check_range, threads_note
 from hetconv.transport import protocol as P
@@ -66,7 +67,7 @@ def _check_args(args):
 
 
 def _serve_compute(ctx, endpoint, requests, device_spec, threads, identity, name, keydir="", peer_keys=None,
-                   cpu_conv_path="auto", precision="fp32"):
+                   cpu_conv_path="auto", precision="fp32", retime=False, deterministic=False):
     """The compute thread: one request (a Message the I/O thread already checked) in from the
     `requests` queue, its reply out over the PAIR socket, strictly in order; None stops it. A
     STEP reads its further messages (INPUT, GRAD, peers' SLICEs) from the same queue."""
@@ -76,7 +77,8 @@ def _serve_compute(ctx, endpoint, requests, device_spec, threads, identity, name
     pair.linger = 0
     pair.connect(endpoint)
     try:
-        options = ({"threads": threads or None, "conv_path": cpu_conv_path, "precision": precision}
+        options = ({"threads": threads or None, "conv_path": cpu_conv_path, "precision": precision,
+                    "wisdom": machine_wisdom(), "retime": retime, "deterministic": deterministic}
                    if device_spec == "cpu" else {})
         device = open_device(device_spec, **options)
         shard = ConvShard(device)
@@ -100,6 +102,9 @@ def _serve_compute(ctx, endpoint, requests, device_spec, threads, identity, name
                     op, arrays, fields = peers.run_step(seq, msg.fields)
                 elif msg.op == "PEERS":
                     op, arrays, fields = ("PEERS_OK", [], peers.connect(msg.fields))
+                elif msg.op == "WELCOME":        # a resumed run's conv paths, before any work
+                    device.preload_conv_paths(msg.fields.get("conv_paths"))
+                    continue
                 elif msg.op in ("SLICE", "INPUT", "GRAD"):
                     peers.hold_early(msg)        # may overtake its STEP: kept for that step (or dropped by the next)
                     continue
@@ -157,7 +162,8 @@ def run(args):
     ipc_token = write_ipc_token(peer_endpoints)   # "" : no ipc path proved, peers reach this worker over tcp
     compute = threading.Thread(target=_serve_compute,
                                args=(ctx, endpoint, requests, args.device, args.threads, identity, label,
-                                     args.curve, peer_keys, args.cpu_conv_path, args.precision),
+                                     args.curve, peer_keys, args.cpu_conv_path, args.precision, args.retime,
+                                     args.deterministic),
                                name="compute", daemon=True)
     compute.start()
     heartbeats = None
@@ -179,6 +185,8 @@ def run(args):
                                      description=first.fields["description"], peer_endpoints=peer_endpoints,
                                      host_key=host_key(), ipc_token=ipc_token))
         welcome = _await_welcome(dealer, args)
+        if welcome is not None and welcome.fields.get("conv_paths"):
+            requests.put(welcome)                   # the compute thread's device takes them first
         if welcome is None:
             return                                  # SHUTDOWN while waiting to join
         needed = int(welcome.fields.get("message_limit") or 0)

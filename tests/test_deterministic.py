@@ -1,0 +1,63 @@
+"""--deterministic: the same command gives the same bits, --local and with workers, whatever else the
+host runs (one of each pair beside a busy process); --plan runs an earlier run's calibrated plan, and
+with --deterministic repeats it bit for bit. Real processes: the wisdom, the conv path choice and
+the plan are each process's own."""
+import json
+import sys
+
+import numpy as np
+
+from conftest import python_cmd
+from hetconv.training import checkpoint
+
+FLAGS = ("--conv", "6,12", "--fc", "16", "--batch-size", "32", "--synthetic-train", "256", "--synthetic-test", "32",
+         "--threads", "1", "--calibration-batch", "4", "--steps", "5", "--seed", "3", "--rebalance-after", "0")
+
+
+def _run(procs, tmp_path, name, *args, busy=False):
+    """One run to its end (beside a busy process where `busy`); returns (losses, final state)."""
+    out = tmp_path / name
+    spinner = procs([sys.executable, "-c", "while True: pass"]) if busy else None
+    try:
+        p = procs(python_cmd("hetconv.cli.coordinator", *FLAGS, *args, "--metrics", out / "m.jsonl",
+                             "--checkpoint-dir", out / "ck"))
+        text, _ = p.communicate(timeout=240)
+        assert p.returncode == 0, text
+    finally:
+        if spinner is not None:
+            spinner.kill()
+    records = [json.loads(line) for line in open(out / "m.jsonl")]
+    losses = [r["loss"] for r in records if r["event"] == "step"]
+    _, conv, fc = checkpoint.load(str(out / "ck"))
+    return records, losses, {f"{i}.{k}": a for i, layer in enumerate(conv + fc) for k, a in layer.items()}
+
+
+def _assert_same_bits(a, b):
+    (_, losses_a, state_a), (_, losses_b, state_b) = a, b
+    assert losses_a == losses_b and len(losses_a) == 5
+    assert sorted(state_a) == sorted(state_b)
+    for key in state_a:
+        assert state_a[key].tobytes() == state_b[key].tobytes(), key
+
+
+def test_the_same_local_command_twice_gives_the_same_bits(procs, tmp_path):
+    _assert_same_bits(_run(procs, tmp_path, "a", "--local", "--deterministic"),
+                      _run(procs, tmp_path, "b", "--local", "--deterministic", busy=True))
+
+
+def test_a_calibrated_plan_given_again_runs_and_repeats_bit_for_bit(procs, tmp_path):
+    first, _, _ = _run(procs, tmp_path, "calibrated", "--spawn", "cpu:1,cpu:1")
+    given = str(tmp_path / "calibrated" / "m.jsonl")
+    again = _run(procs, tmp_path, "given", "--spawn", "cpu:1,cpu:1", "--deterministic", "--plan", given)
+    twice = _run(procs, tmp_path, "given-busy", "--spawn", "cpu:1,cpu:1", "--deterministic", "--plan", given, busy=True)
+    _assert_same_bits(again, twice)
+
+    def plan(records):
+        p = next(r for r in records if r["event"] == "plan")
+        return p["workers"], [(lp["mode"], lp["kernels"], lp.get("images")) for lp in p["layers"]]
+
+    assert plan(again[0]) == plan(first) and plan(twice[0]) == plan(first)
+    assert not any(r["event"] == "calibration" for r in again[0])        # no split was calibrated
+    config = next(r for r in again[0] if r["event"] == "config")["config"]
+    assert config["deterministic"] and config["plan"] == given
+    assert np.isfinite(again[1]).all()

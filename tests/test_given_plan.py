@@ -1,0 +1,79 @@
+"""--plan: an earlier run's plan record, read from its metrics file (bounded, the newest plan record,
+a cut last line ignored) or a plan JSON, and checked against this run before it replaces
+calibration: its workers, layers, kernels and data layers' batch."""
+import json
+
+import pytest
+
+from hetconv.engine.planner import PlanError, fixed_plan, given_plan, make_plan
+from hetconv.training import metrics
+from hetconv.training.metrics import last_plan_record
+
+
+def _plan():
+    return fixed_plan([6, 12], {"w0-cpu:1": [2, 5], "w1-cpu:1": [4, 7]}, modes=["data", "model"],
+                      images={"w0-cpu:1": 10, "w1-cpu:1": 22})
+
+
+def _metrics_file(tmp_path, *plans, tail=""):
+    path = tmp_path / "run.jsonl"
+    lines = [json.dumps({"event": "config", "config": {}})]
+    lines += [json.dumps({"event": "plan", **p.to_json(), "micro_choice": {"micro_batches": 2, "predicted_s": {}}})
+              for p in plans]
+    path.write_text("\n".join(lines + [json.dumps({"event": "step", "step": 1})]) + "\n" + tail)
+    return str(path)
+
+
+def test_the_newest_plan_record_runs_with_its_micro_batches(tmp_path):
+    first = make_plan([6, 12], {"w0-cpu:1": [1.0, 1.0], "w1-cpu:1": [1.0, 1.0]}, "equal")
+    path = _metrics_file(tmp_path, first, _plan(), tail='{"event": "step", "st')    # a run killed mid-line
+    record = last_plan_record(path)
+    assert record["micro_batches"] == 2
+    plan = given_plan(record, [6, 12], 32, ["w0-cpu:1", "w1-cpu:1"], path)
+    assert plan.counts() == _plan().counts() and plan.modes() == ["data", "model"] and plan.images() == _plan().images()
+    assert plan.layers[1].ranges == {"w0-cpu:1": (0, 5), "w1-cpu:1": (5, 12)}
+
+
+def test_a_plan_json_is_taken_as_it_is(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(_plan().to_json()))
+    record = last_plan_record(str(path))
+    assert "micro_batches" not in record
+    assert given_plan(record, [6, 12], 32, ["w1-cpu:1", "w0-cpu:1"], str(path)).counts() == _plan().counts()
+
+
+@pytest.mark.parametrize("layers,batch,workers,said", [
+    ([6, 12, 24], 32, ["w0-cpu:1", "w1-cpu:1"], "a plan of 2 conv layers; this network has 3"),
+    ([6, 16], 32, ["w0-cpu:1", "w1-cpu:1"], "conv layer 2 has 12 kernels in the plan, 16 here"),
+    ([6, 12], 64, ["w0-cpu:1", "w1-cpu:1"], "split batches of [32] images; this run's --batch-size is 64"),
+    ([6, 12], 32, ["w0-cpu:1", "w1-cpu:1", "w2-cpu:1"], "a plan for workers w0-cpu:1, w1-cpu:1; this run has "
+                                                        "w0-cpu:1, w1-cpu:1, w2-cpu:1"),
+], ids=["layers", "kernels", "batch", "workers"])
+def test_a_plan_that_does_not_fit_the_run_is_refused_naming_what_differs(tmp_path, layers, batch, workers, said):
+    path = _metrics_file(tmp_path, _plan())
+    with pytest.raises(PlanError) as e:
+        given_plan(last_plan_record(path), layers, batch, workers, path)
+    assert said in str(e.value) and path in str(e.value)
+
+
+def test_kernel_ranges_out_of_order_are_refused(tmp_path):
+    record = _plan().to_json()
+    record["layers"][1]["ranges"] = {"w0-cpu:1": [7, 12], "w1-cpu:1": [0, 7]}
+    with pytest.raises(PlanError, match="not contiguous in the plan's worker order"):
+        given_plan(record, [6, 12], 32, ["w0-cpu:1", "w1-cpu:1"], "plan.json")
+
+
+def test_files_without_a_plan_are_refused_in_one_line(tmp_path, monkeypatch):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"event": "config"}\n')
+    with pytest.raises(ValueError, match="holds no plan record"):
+        last_plan_record(str(empty))
+    with pytest.raises(ValueError, match="cannot be read"):
+        last_plan_record(str(tmp_path / "missing.jsonl"))
+    monkeypatch.setattr(metrics, "MAX_RECORD_BYTES", 64)
+    long = tmp_path / "long.jsonl"
+    long.write_text("x" * 200 + "\n")
+    with pytest.raises(ValueError, match="line 1 is over"):
+        last_plan_record(str(long))
+    with pytest.raises(PlanError, match="not a stored plan"):
+        given_plan({"workers": ["a"], "layers": [{"ranges": {}}]}, [6], 8, ["a"], "bad.json")
