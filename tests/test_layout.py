@@ -11,7 +11,7 @@ PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 # A place may import from places on lower floors only (and from itself).
 FLOORS = {
-    "sizes": 0, "update": 0, "params": 0, "flags": 0, "__init__": 0,
+    "sizes": 0, "update": 0, "params": 0, "flags": 0, "__init__": 0, "jit": 0,
     "channelwise": 1,
     "geometry": 2,
     "devices": 3, "net": 3, "data": 3, "transport": 3,

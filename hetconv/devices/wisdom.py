@@ -35,6 +35,10 @@ import sys
 import tempfile
 import threading
 
+import numba
+import numpy
+from threadpoolctl import threadpool_info
+
 try:
     import fcntl
 except ImportError:                 # not POSIX: merged without the lock
@@ -131,9 +135,6 @@ def _libraries():
     numpy's own: the BLAS its wheel bundles (in numpy.libs, numpy/.dylibs), not one a library
     loaded later brings (PyTorch's MKL, in a process that imported it for --net FILE.py); where
     numpy links a system BLAS, every BLAS loaded."""
-    import numba
-    import numpy
-    from threadpoolctl import threadpool_info
     blas = [i for i in threadpool_info() if i.get("user_api") == "blas"]
     home = os.path.dirname(os.path.abspath(numpy.__file__))
     bundled = [i for i in blas if str(i.get("filepath", "")).startswith((home + os.sep, home + ".libs" + os.sep))]
