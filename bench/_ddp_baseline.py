@@ -11,12 +11,21 @@ same as hetconv's), `threads` CPU threads, SGD with momentum; DDP all-reduces ev
 and FC) each step. World 1 is plain PyTorch in one process: no process group, no DDP wrapper
 (master and port unused). Rank 0 writes the row: median step seconds over the timed steps, and the bytes one
 all-reduce moves.
+
+DDP runs as a user gets it: `DistributedDataParallel(net)` with no options, so every one of them
+keeps PyTorch's default (bucket_cap_mb 25, broadcast_buffers, no gradient_as_bucket_view, no
+static_graph), and the benches' DDP rows run NCHW. `"layout": "channels_last"` (default "NCHW")
+puts the model and each step's input in channels-last memory (the input converted inside the
+timed step), as PyTorch's CPU guidance tunes a conv network: bench/speedup.py --fft runs its one-
+process row (world 1) in both layouts (bench/_torch_twin.py LAYOUTS).
 """
 import json
 import os
 import statistics
 import sys
 import time
+
+from _torch_twin import in_layout
 
 
 def main(spec, out_path):
@@ -56,7 +65,9 @@ def main(spec, out_path):
 
     torch.manual_seed(0)
     net = torch_net(spec["net"]) if spec.get("net") else Net()
-    model = nn.parallel.DistributedDataParallel(net) if world > 1 else net
+    layout = spec.get("layout", "NCHW")
+    net, _ = in_layout(torch, layout, net)
+    model = nn.parallel.DistributedDataParallel(net) if world > 1 else net     # every DDP option its default
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
     local_batch = int(spec["batch_size"]) // world
     gen = torch.Generator().manual_seed(rank)
@@ -67,6 +78,7 @@ def main(spec, out_path):
         if world > 1:
             dist.barrier()
         t0 = time.perf_counter()
+        (x,) = in_layout(torch, layout, None, [x])[1]
         opt.zero_grad()
         loss = F.cross_entropy(model(x), y)
         loss.backward()                    # DDP all-reduces the gradients in buckets here
@@ -80,7 +92,7 @@ def main(spec, out_path):
         # the median, as hetconv's rows take it (np.median: with 2 timed steps, their mean)
         row = {"ok": True, "step_s": statistics.median(timed), "step_s_all": timed,
                "allreduce_mb": params * 4 / 1e6, "local_batch": local_batch, "torch": torch.__version__,
-               "threads": torch.get_num_threads(), "warmup_step_s": times[:int(spec["warmup"])]}
+               "threads": torch.get_num_threads(), "warmup_step_s": times[:int(spec["warmup"])], "layout": layout}
         tmp = out_path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(row, f)

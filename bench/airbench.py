@@ -13,8 +13,13 @@ CIFAR-shaped set. Configurations, each in a fresh process per round:
   hetconv local    hetconv-coordinator --local --threads 2
   hetconv 2 workers  hetconv-coordinator --spawn cpu:1,cpu:1 (--parallel auto, auto micro-batches),
                    the workers pinned to one core each
-  PyTorch          the same nn.Sequential (hetconv.net.torch_import.to_torch) from hetconv's start,
-                   torch.set_num_threads(2), forward + backward + SGD on the same batches
+  PyTorch (NCHW), PyTorch (channels_last)
+                   the same nn.Sequential (hetconv.net.torch_import.to_torch) from hetconv's start,
+                   torch.set_num_threads(2), forward + backward + SGD on the same batches, in both
+                   memory layouts as PyTorch's CPU guidance tunes a conv network (channels_last: the
+                   module's parameters and each batch in channels-last memory, the batch converted
+                   inside the timed step); ratios to PyTorch take its faster layout (the least
+                   median over the rounds a table covers), which the table names
 
 The recipe is hetconv's default SGD (lr 0.01, momentum 0.9, weight decay 5e-4 except biases) on
 both sides. hetconv's rebalancing is off (--rebalance-after 0): the split under test is the
@@ -55,7 +60,9 @@ import _common  # noqa: E402
 import _speedup_common as C  # noqa: E402
 import _torch_twin  # noqa: E402
 
-CONFIGS = ("hetconv local", "hetconv 2 workers", "PyTorch")
+TORCH = "PyTorch"
+CONFIGS = ("hetconv local", "hetconv 2 workers",
+           *(_torch_twin.layout_config(TORCH, layout) for layout in _torch_twin.LAYOUTS))
 
 
 def parse_args(argv):
@@ -136,11 +143,11 @@ def row_from_metrics(records, warmup):
     return row
 
 
-def run_torch(args, scratch, tag):
-    """The PyTorch run in a fresh process (this script's --torch-run); -> its row."""
+def run_torch(args, scratch, tag, layout):
+    """The PyTorch run in a fresh process (this script's --torch-run), in memory `layout`; -> its row."""
     out = os.path.join(scratch, f"torch-{tag}.json")
     spec = {"net": net_name(args), "batch_size": args.batch_size, "warmup": args.warmup, "steps": args.steps,
-            "threads": args.threads}
+            "threads": args.threads, "layout": layout}
     n = str(args.threads)
     env = dict(os.environ, OMP_NUM_THREADS=n, MKL_NUM_THREADS=n, OPENBLAS_NUM_THREADS=n)
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--torch-run", json.dumps(spec), out],
@@ -174,21 +181,23 @@ def torch_child(spec_text, out):
                  synthetic_train=spec["batch_size"] * total, synthetic_test=spec["batch_size"]).validate()
     ds = load_dataset("synthetic", seed=cfg.seed, n_train=cfg.synthetic_train, n_test=cfg.synthetic_test)
     net = network_for(cfg, ds).spec
-    module = to_torch(net, *_torch_twin.initial_weights(cfg, net))
+    layout = spec.get("layout", "NCHW")
+    module, _ = _torch_twin.in_layout(torch, layout, to_torch(net, *_torch_twin.initial_weights(cfg, net)))
     module.train()
     opt = _torch_twin.sgd(torch, module, cfg)
     step_s = []
     for x, y in batches(ds, cfg.batch_size, np.random.default_rng([cfg.seed, 0])):
         t0 = time.perf_counter()
+        (x,) = _torch_twin.in_layout(torch, layout, None, [torch.from_numpy(x)])[1]
         opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(module(torch.from_numpy(x)), torch.from_numpy(y))
+        loss = torch.nn.functional.cross_entropy(module(x), torch.from_numpy(y))
         loss.backward()
         opt.step()
         step_s.append(time.perf_counter() - t0)
     timed = step_s[spec["warmup"]:]
     row = {"ok": True, "step_s": statistics.median(timed), "step_s_all": timed,
            "warmup_step_s": step_s[:spec["warmup"]], "final_loss": float(loss.item()),
-           "torch": "; ".join(_common.torch_info(torch)), "omp_wait_policy": omp_wait_policy}
+           "torch": "; ".join(_common.torch_info(torch)), "omp_wait_policy": omp_wait_policy, "layout": layout}
     _common.write_text(out, json.dumps(row))
 
 
@@ -281,8 +290,9 @@ def main(argv):
                 tag = f"r{rnd}-{config.replace(' ', '_')}"
                 print(f"[round {rnd}] {config} ... ({_common.load_average()})", flush=True)
                 with C.ForeignLoad() as load:
-                    row = run_torch(args, scratch, tag) if config == "PyTorch" else run_hetconv(args, config, scratch,
-                                                                                               tag)
+                    mode, layout = _torch_twin.layout_of(config)
+                    row = (run_torch(args, scratch, tag, layout) if mode == TORCH
+                           else run_hetconv(args, config, scratch, tag))
                 row.update(config=config, round=rnd, foreign_load_cores=load.cores, load_after=_common.load_average())
                 if row.get("ok") and "workers" in row:
                     row["traffic"] = traffic(row)
@@ -327,15 +337,26 @@ def row_text(r):
 
 # ---- the tables -----------------------------------------------------------------------------------
 
+def torch_peer(rows):
+    """The PyTorch row ratios take over `rows`: its faster layout, by the median over them (the
+    one "PyTorch" row of results saved before both layouts ran); None without one."""
+    configs = {r["config"] for r in rows if r.get("ok") and _torch_twin.layout_of(r["config"])[0] == TORCH}
+    return _torch_twin.faster_layout({c: statistics.median(r["step_s"] for r in rows
+                                                           if r["config"] == c and r.get("ok"))
+                                      for c in configs}, TORCH)
+
+
 def ratios(rows):
-    """Per round, each configuration's step over the PyTorch row's and over hetconv local's (> 1: slower)."""
+    """Per round, each configuration's step over PyTorch's (its faster layout over `rows`,
+    torch_peer) and over hetconv local's (> 1: slower)."""
     out = {}
+    peer = torch_peer(rows)
     for rnd in sorted({r["round"] for r in rows}):
         here = {r["config"]: r["step_s"] for r in rows if r["round"] == rnd and r.get("ok")}
         for config, s in here.items():
             out.setdefault(config, {"vs_torch": [], "vs_local": []})
-            if "PyTorch" in here:
-                out[config]["vs_torch"].append(s / here["PyTorch"])
+            if peer in here:
+                out[config]["vs_torch"].append(s / here[peer])
             if "hetconv local" in here:
                 out[config]["vs_local"].append(s / here["hetconv local"])
     return out
@@ -352,8 +373,9 @@ def quiet_rounds(doc):
 
 
 def summary_table(doc, ok):
-    """Per configuration over the rounds of `ok`: median step, each round's, and the ratios."""
-    rat = ratios(ok)
+    """Per configuration over the rounds of `ok`: median step, each round's, and the ratios; and
+    which PyTorch layout was the faster."""
+    rat, peer = ratios(ok), torch_peer(ok)
     med = lambda values: (f"{statistics.median(values):.2f} (" + ", ".join(f"{v:.2f}" for v in values)  # noqa: E731
                           + ")") if values else "-"
     table = []
@@ -365,8 +387,13 @@ def summary_table(doc, ok):
                       ", ".join(f"{r['step_s']:.3f}" for r in mine),
                       f"{doc['batch_size'] / statistics.median(r['step_s'] for r in mine):.0f}",
                       med(rat[config]["vs_torch"]), med(rat[config]["vs_local"])])
+    medians = {c: statistics.median(r["step_s"] for r in ok if r["config"] == c)
+               for c in {r["config"] for r in ok}}
+    note = _torch_twin.layout_note(medians, TORCH)
     return _common.markdown_table(["configuration", "median step s", "rounds' step s", "images/s",
-                                   "step / PyTorch's (per round)", "step / hetconv local's (per round)"], table)
+                                   f"step / {peer or TORCH}'s (per round)", "step / hetconv local's (per round)"],
+                                  table) + (f"\n\nPyTorch's faster layout, which the ratios take: {note}."
+                                            if note else "")
 
 
 def markdown(doc):
@@ -378,9 +405,11 @@ def markdown(doc):
         f"timed steps. hetconv local: `--local --threads {doc['threads']}`; hetconv 2 workers: `--spawn "
         f"{doc['spawn']}`, `--parallel auto` and auto micro-batches (the plan below), workers pinned to a core "
         f"each; PyTorch: the same nn.Sequential from the same start, torch.set_num_threads({doc['threads']}) "
-        f"(OMP_WAIT_POLICY {doc.get('omp_wait_policy', '?')} as it started). "
-        f"Rebalancing off in every hetconv run. Ratios are taken within a round (> 1: slower than the row named), "
-        f"then the median over rounds.", ""]
+        f"(OMP_WAIT_POLICY {doc.get('omp_wait_policy', '?')} as it started)"
+        + (", in each memory layout (NCHW; channels_last: the module and each batch in channels-last memory), "
+           "ratios taking the faster" if any(_torch_twin.layout_of(c)[1] for c in doc["configs"]) else "")
+        + ". Rebalancing off in every hetconv run. Ratios are taken within a round (> 1: slower than the row named), "
+          "then the median over rounds.", ""]
     quiet = quiet_rounds(doc)
     ok = [r for r in rows if r.get("ok")]
     if quiet:

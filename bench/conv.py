@@ -11,7 +11,10 @@ What it measures, per layer, batch N and thread count T (CPU) or per layer and N
   conv2 yes, conv1 no);
 - hetconv fused: conv_relu_pool then conv_relu_pool_backward, what a worker runs each step;
 - torch: F.conv2d (plain) and F.max_pool2d(F.relu(F.conv2d)) (fused), backward by autograd with
-  the input requiring grad only for conv2; torch.set_num_threads(T) against hetconv's threads=T.
+  the input requiring grad only for conv2; torch.set_num_threads(T) against hetconv's threads=T;
+  in both memory layouts, as PyTorch's guidance tunes a conv network: NCHW, and channels_last (x,
+  w and the output gradients in channels-last memory). A row's ratio is to the faster layout of its
+  layer, N, T and form (by the fwd+bwd median), which the row names.
 --fft adds the CPU device's FFT path (conv_path="fft") as a third contender beside the direct path
 (--cpu-conv-path) and torch, all three alternating in the same rounds; each row then carries
 "fft" (its times), fft/direct and fft/torch (medians over rounds of the ratio within a round).
@@ -53,6 +56,7 @@ import sys
 import time
 
 import _common
+import _torch_twin
 
 LAYERS = {  # the paper network's conv layers: input (C, H, W), weights (K, C, kh, kw); padding 0
     "conv1": {"x": (3, 32, 32), "w": (500, 3, 5, 5), "need_dx": False},
@@ -199,9 +203,10 @@ def hetconv_steps(dev, data, need_dx):
     return {"plain": plain, "fused": fused}
 
 
-def torch_steps(torch, tdev, data, need_dx):
+def torch_steps(torch, tdev, data, need_dx, layout="NCHW"):
     F = torch.nn.functional
     t = {k: torch.from_numpy(v).to(tdev) for k, v in data.items()}
+    t = dict(zip(t, _torch_twin.in_layout(torch, layout, None, list(t.values()))[1]))   # x, w, dy, dpooled
     x = t["x"].requires_grad_(need_dx)
     w, b = t["w"].requires_grad_(True), t["b"].requires_grad_(True)
     sync = torch.cuda.synchronize if tdev.startswith("cuda") else (lambda: None)
@@ -250,9 +255,9 @@ def check_against_torch(dev, torch, layers):
     for layer in layers:
         data = make_inputs(layer, CHECK_BATCH, seed=1)
         need_dx = LAYERS[layer]["need_dx"]
-        ours, theirs = hetconv_steps(dev, data, need_dx), torch_steps(torch, "cpu", data, need_dx)
-        for form in ("plain", "fused"):
-            got, ref = ours[form]()["out"], theirs[form]()["out"]
+        ours = hetconv_steps(dev, data, need_dx)
+        for form, layout in ((f, lay) for f in ("plain", "fused") for lay in _torch_twin.LAYOUTS):
+            got, ref = ours[form]()["out"], torch_steps(torch, "cpu", data, need_dx, layout)[form]()["out"]
             for name, a, r in zip(names, got, ref):
                 if (a is None) != (r is None):
                     sys.exit(f"ABORT: {layer} {form} {name}: hetconv gave {a is not None and 'an array'} "
@@ -265,9 +270,9 @@ def check_against_torch(dev, torch, layers):
                 scale = max(float(np.abs(r).max()), 1e-30)
                 err = float(np.abs(a - r).max())
                 if not np.allclose(a, r, rtol=RTOL, atol=ATOL * scale):
-                    sys.exit(f"ABORT: hetconv {dev.describe()} differs from torch on {layer} {form} {name}: "
+                    sys.exit(f"ABORT: hetconv {dev.describe()} differs from torch ({layout}) on {layer} {form} {name}: "
                              f"max |diff| {err:.3g}, max |torch| {scale:.3g} (rtol {RTOL}, atol {ATOL} x magnitude)")
-        print(f"check {layer} (N={CHECK_BATCH}): plain and fused y, dx, dw, db match torch", flush=True)
+        print(f"check {layer} (N={CHECK_BATCH}): plain and fused y, dx, dw, db match torch in both layouts", flush=True)
 
 
 # ---- the GPU's peak ----------------------------------------------------------------------------
@@ -538,7 +543,9 @@ def markdown(doc):
     with_torch = any(r["torch"] for r in rows)
     headers = ["layer", "N", "T", "form", "phase", "hetconv ms", "GFLOP/s"]
     headers += ["% peak"] if peak else []
-    headers += ["torch ms", "GFLOP/s", "ratio", "ratio of mins"] if with_torch else []
+    layouts = any(r.get("torch_channels_last") for r in rows)      # results saved before: NCHW alone
+    headers += (["torch NCHW ms", "torch channels_last ms", "faster", "GFLOP/s", "ratio", "ratio of mins"] if layouts
+                else ["torch ms", "GFLOP/s", "ratio", "ratio of mins"]) if with_torch else []
     with_fft = any("fft" in r for r in rows)
     headers += ["fft ms", "fft spread", "fft/direct"] + (["fft/torch"] if with_torch else []) if with_fft else []
     with_share = any("fft_share" in r for r in rows)
@@ -549,7 +556,9 @@ def markdown(doc):
                  fmt(r["hetconv"]["median_ms"]), fmt(r["hetconv_gflops"])]
         cells += [fmt(100 * r["peak_fraction"])] if peak else []
         if with_torch:
-            cells += [fmt(r["torch"]["median_ms"]), fmt(r["torch_gflops"]), f"{r['ratio']:.2f}", f"{r['ratio_min']:.2f}"]
+            cells += ([fmt(r["torch"]["median_ms"]), fmt(r["torch_channels_last"]["median_ms"]), r["torch_layout"]]
+                      if layouts else [fmt(r["torch"]["median_ms"])])
+            cells += [fmt(r["torch_gflops"]), f"{r['ratio']:.2f}", f"{r['ratio_min']:.2f}"]
         if with_fft:
             cells += [fmt(r["fft"]["median_ms"]), f"{r['fft']['spread']:.0%}", f"{r['fft_vs_direct']:.2f}"]
             cells += [f"{r['fft_vs_torch']:.2f}"] if with_torch else []
@@ -569,6 +578,10 @@ def markdown(doc):
         wall += (" fft share = kernels of the layer held (the first ones), on the FFT path, fused step, timed in "
                  "the same rounds on a device of its own; share/whole = median over rounds of its time over the "
                  "whole layer's on the FFT path (ideal: share / kernels).")
+    if layouts:
+        wall += (" torch runs in both memory layouts (channels_last: x, w and the output gradients in "
+                 "channels-last memory); faster = the layout with the lesser fwd+bwd median for the row's layer, N, "
+                 "T and form, which GFLOP/s, ratio, ratio of mins and fft/torch take.")
     notes = (f"{doc['load_end']} at end.{wall} ms = median of the timed runs; ratio = hetconv / torch "
              "medians (<= 1.00: hetconv at least as fast); ratio of mins = the same on the fastest runs, "
              "less sensitive to a shared machine. fused = conv+bias+ReLU+2x2 max-pool (torch: "
@@ -666,6 +679,9 @@ def main():
                 if torch_dev is not None:
                     cases.update({("torch", form): timed(step)
                                   for form, step in torch_steps(torch, torch_dev, data, need_dx).items()})
+                    cases.update({("torch channels_last", form): timed(step)
+                                  for form, step in torch_steps(torch, torch_dev, data, need_dx,
+                                                                "channels_last").items()})
                 samples = _common.time_interleaved(cases, args.min_reps, args.max_reps, args.budget)
                 loads.append(os.getloadavg()[0])
 
@@ -674,13 +690,22 @@ def main():
                     return float(np.median([a / b for a, b in zip(samples[num][phase], samples[den][phase])]))
                 fwd_flops, step_flops = flops(layer, n)
                 for form in ("plain", "fused"):
+                    # PyTorch's faster layout for this layer, N, T and form: by its whole step's median
+                    faster = (min(("torch", "torch channels_last"),
+                                  key=lambda who: float(np.median(samples[(who, form)]["fwd+bwd"])))
+                              if torch_dev else None)
                     for phase, flop in (("fwd", fwd_flops), ("fwd+bwd", step_flops)):
                         ours = _common.summarize(samples[("hetconv", form)][phase])
-                        ref = _common.summarize(samples[("torch", form)][phase]) if torch_dev else None
+                        nchw = _common.summarize(samples[("torch", form)][phase]) if torch_dev else None
+                        last = _common.summarize(samples[("torch channels_last", form)][phase]) if torch_dev else None
+                        ref = last if faster == "torch channels_last" else nchw
                         row = {"layer": layer, "N": n, "threads": threads, "form": form, "phase": phase,
                                "need_dx": need_dx, "gflop": flop / 1e9, "device": dev.describe(),
                                "hetconv": ours, "hetconv_gflops": flop / ours["median_ms"] / 1e6,
-                               "torch": ref, "torch_gflops": ref and flop / ref["median_ms"] / 1e6,
+                               # torch: NCHW's; torch_layout: the faster layout, which the ratios take
+                               "torch": nchw, "torch_channels_last": last,
+                               "torch_layout": faster and ("channels_last" if faster != "torch" else "NCHW"),
+                               "torch_gflops": ref and flop / ref["median_ms"] / 1e6,
                                "ratio": ref and ours["median_ms"] / ref["median_ms"],
                                "ratio_min": ref and ours["min_ms"] / ref["min_ms"]}
                         if peak:
@@ -688,7 +713,7 @@ def main():
                         if with_fft:
                             row["fft"] = _common.summarize(samples[("fft", form)][phase])
                             row["fft_vs_direct"] = per_round(("fft", form), ("hetconv", form), phase)
-                            row["fft_vs_torch"] = ref and per_round(("fft", form), ("torch", form), phase)
+                            row["fft_vs_torch"] = ref and per_round(("fft", form), (faster, form), phase)
                         if share_kernels and form == "fused":
                             row["share_kernels"] = share_kernels
                             row["fft_share"] = _common.summarize(samples[("fft-share", form)][phase])
@@ -702,7 +727,8 @@ def main():
                         rows.append(row)
                         print(f"  {layer} N={n} T={threads} {form:5s} {phase:7s} hetconv "
                               f"{ours['median_ms']:9.1f} ms {row['hetconv_gflops']:6.1f} GFLOP/s"
-                              + (f" | torch {ref['median_ms']:9.1f} ms  ratio {row['ratio']:.2f}" if ref else "")
+                              + (f" | torch NCHW {nchw['median_ms']:9.1f} ms, channels_last {last['median_ms']:9.1f} ms"
+                                 f"  ratio to {row['torch_layout']} {row['ratio']:.2f}" if ref else "")
                               + f"  ({len(ours['samples_ms'])} runs, spread {ours['spread']:.0%})", flush=True)
         if not is_cuda:
             del dev, fft_dev, share_dev

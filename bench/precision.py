@@ -11,7 +11,12 @@ network a batch of its own, else --batch-size, 32), in an order that rotates fro
 - hetconv --local --threads 2, --precision fp32, bf16 and auto (bf16 layer by layer where timed faster);
 - hetconv --spawn cpu,cpu --threads 1 (two one-thread workers on cores of their own), fp32 and bf16;
 - PyTorch with 2 threads, float32 and bf16 autocast (torch.autocast("cpu", torch.bfloat16) around
-  the forward and the loss), SGD with momentum, the same layers (bench/_ddp_baseline.torch_net).
+  the forward and the loss), SGD with momentum, the same layers (bench/_ddp_baseline.torch_net),
+  each in both memory layouts, as PyTorch's CPU guidance tunes a conv network: NCHW, and
+  channels_last (the model's parameters and each step's input in channels-last memory, the input's
+  conversion inside the timed step); rows "torch fp32 (NCHW)", "torch fp32 (channels_last)", ...
+  Every comparison with PyTorch (`x torch`, and torch bf16's `x fp32`) takes the mode's faster
+  layout, by its median over rounds, and the table says which it was.
 fp32 is hetconv's default: each layer's conv path timed on its first call among OpenBLAS's
 im2col, shifted and FFT paths and oneDNN's im2col (the device's `--verbose` lines name the pick);
 bf16 runs every conv on oneDNN's bf16 GEMM (bf16 operands, float32 sums). A row's number is the
@@ -36,11 +41,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import _common  # noqa: E402
 import _speedup_common as C  # noqa: E402
+import _torch_twin as T  # noqa: E402
 
 STEM = "precision"
 NETS = ("paper", "vgg-small")
 # each config with the row it is compared with in its own precision family ("fp32") and PyTorch's
-# row of its precision ("torch")
+# row of its precision ("torch"); a PyTorch mode names its rows in both layouts, and is compared by
+# the faster (_torch_twin.faster_layout)
 CONFIGS = [("hetconv local fp32", {"kind": "hetconv", "mode": "local", "precision": "fp32", "torch": "torch fp32"}),
            ("hetconv local bf16", {"kind": "hetconv", "mode": "local", "precision": "bf16", "fp32": "hetconv local fp32",
                                    "torch": "torch bf16 autocast"}),
@@ -49,8 +56,10 @@ CONFIGS = [("hetconv local fp32", {"kind": "hetconv", "mode": "local", "precisio
            ("hetconv 2x1 fp32", {"kind": "hetconv", "mode": "spawn", "precision": "fp32", "torch": "torch fp32"}),
            ("hetconv 2x1 bf16", {"kind": "hetconv", "mode": "spawn", "precision": "bf16", "fp32": "hetconv 2x1 fp32",
                                  "torch": "torch bf16 autocast"}),
-           ("torch fp32", {"kind": "torch", "autocast": False}),
-           ("torch bf16 autocast", {"kind": "torch", "autocast": True, "fp32": "torch fp32"})]
+           *[(T.layout_config(mode, layout), {**what, "layout": layout}) for mode, what in (
+               ("torch fp32", {"kind": "torch", "autocast": False}),
+               ("torch bf16 autocast", {"kind": "torch", "autocast": True, "fp32": "torch fp32"}))
+             for layout in T.LAYOUTS]]
 DEFAULT_CONFIGS = [name for name, _ in CONFIGS]
 # hetconv's CPU device puts its OpenMP threads to sleep at the end of each parallel region
 # (OMP_WAIT_POLICY=PASSIVE, its default: a spinning thread costs a shared core's other tenants, and
@@ -78,7 +87,8 @@ def parse_args(argv):
                    help="comma list of hetconv --net presets, each NAME or NAME:BATCH (its own batch size)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
-                   help=f"comma list of the rows to run, among: {', '.join(name for name, _ in CONFIGS)}")
+                   help=f"comma list of the rows to run, among: {', '.join(name for name, _ in CONFIGS)} (a "
+                        f"PyTorch mode without its layout, such as 'torch fp32': both layouts)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--warmup", type=int, default=2, help="steps not timed (hetconv's first times its conv paths)")
     p.add_argument("--steps", type=int, default=4, help="timed steps per row")
@@ -90,10 +100,12 @@ def parse_args(argv):
 
 # ---- one row, in a process of its own --------------------------------------------------------------
 def chosen_configs(text):
-    """The (name, what) of CONFIGS that --configs names, in CONFIGS' order; an unknown name exits with one line."""
+    """The (name, what) of CONFIGS that --configs names, in CONFIGS' order (a PyTorch mode without
+    its layout names its rows in both); an unknown name exits with one line."""
     names = [t.strip() for t in text.split(",") if t.strip()]
     known = dict(CONFIGS)
-    unknown = [n for n in names if n not in known]
+    names += [T.layout_config(n, layout) for n in names for layout in T.LAYOUTS if T.layout_config(n, layout) in known]
+    unknown = [n for n in names if n not in known and not any(T.layout_of(k)[0] == n for k in known)]
     if unknown or not names:
         raise SystemExit(f"bench/precision.py: --configs {text!r}: expected names among {', '.join(known)}")
     return [(name, what) for name, what in CONFIGS if name in names]
@@ -148,13 +160,16 @@ def hetconv_row(net, what, args, work, tag, batch):
 
 def torch_row(spec, out):
     """PyTorch in this process: `threads` threads, SGD with momentum on hetconv's network `net`,
-    float32 or with the forward and the loss under bf16 autocast."""
+    float32 or with the forward and the loss under bf16 autocast, in memory `layout` (NCHW or
+    channels_last: the model's, and each step's input converted inside the timed step, as a
+    user's training loop converts each batch)."""
     import torch
     import torch.nn.functional as F
     from _ddp_baseline import torch_net
     torch.set_num_threads(int(spec["threads"]))
     torch.manual_seed(0)
-    model = torch_net(spec["net"])
+    layout = spec.get("layout", "NCHW")
+    model, _ = T.in_layout(torch, layout, torch_net(spec["net"]))
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
     gen = torch.Generator().manual_seed(0)
     times, losses = [], []
@@ -162,6 +177,7 @@ def torch_row(spec, out):
         x = torch.randn(int(spec["batch_size"]), 3, 32, 32, generator=gen)
         y = torch.randint(0, 10, (int(spec["batch_size"]),), generator=gen)
         t0 = time.perf_counter()
+        (x,) = T.in_layout(torch, layout, None, [x])[1]
         opt.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(spec["autocast"])):
             loss = F.cross_entropy(model(x), y)
@@ -172,14 +188,14 @@ def torch_row(spec, out):
     warm = int(spec["warmup"])
     row = {"ok": True, "step_s": statistics.median(times[warm:]), "step_s_all": times[warm:],
            "warmup_step_s": times[:warm], "loss_first": losses[0], "loss_last": losses[-1],
-           "threads": torch.get_num_threads()}
+           "threads": torch.get_num_threads(), "layout": layout}
     _common.write_text(out, json.dumps(row))
 
 
 def run_torch(net, what, args, work, tag, batch):
     out = os.path.join(work, f"{tag}.json")
     spec = {"net": net, "threads": 2, "batch_size": batch, "warmup": args.warmup, "steps": args.steps,
-            "autocast": what["autocast"]}
+            "autocast": what["autocast"], "layout": what["layout"]}
     env = dict(os.environ, OMP_NUM_THREADS="2", OPENBLAS_NUM_THREADS="2", MKL_NUM_THREADS="2")
     t0 = time.perf_counter()
     done = subprocess.run([sys.executable, os.path.abspath(__file__), "--torch-row", json.dumps(spec), out],
@@ -312,7 +328,10 @@ def markdown(doc):
               f"{doc['warmup']} warm-up steps, in {max([r['round'] for r in doc['rows']], default=-1) + 1} rounds of "
               f"alternating order. `x fp32` is the row's step over the float32 row of the same "
               f"kind (hetconv in the same mode, or torch fp32), `x torch` over PyTorch's step in the row's precision "
-              f"(auto: bf16 autocast), both the median of per-round ratios (< 1: faster).", ""]
+              f"(auto: bf16 autocast), both the median of per-round ratios (< 1: faster)."
+              + (" PyTorch's rows name their memory layout (NCHW, or channels_last: the model and each step's "
+                 "input); a comparison with a PyTorch mode takes its faster layout (by median), named under each "
+                 "table." if any(T.layout_of(c)[1] for c in doc["configs"]) else ""), ""]
     tables = doc.get("gemm_alone")
     if tables:
         m, k, n = next(iter(tables.values()))["shape"]
@@ -332,21 +351,29 @@ def markdown(doc):
         batch = doc.get("net_batch", {}).get(net, doc["batch_size"])
         lines += [f"## {net}" + (f", batch {batch}" if batch != doc["batch_size"] else ""), ""]
         table = []
+        medians = {name: statistics.median(ok) if (ok := [r["step_s"] for r in rows if r["config"] == name
+                                                          and r.get("ok")]) else None for name in doc["configs"]}
         for name in doc["configs"]:
             mine = [r for r in rows if r["config"] == name]
             ok = [r for r in mine if r.get("ok")]
             if not ok:
                 table.append([name, "failed" if mine else "not run", "", "", "", "", ""])
                 continue
-            peers = doc["peers"].get(name, {})
+            # the row each peer is compared by: a PyTorch mode's faster layout
+            peers = {k: T.faster_layout(medians, v) for k, v in doc["peers"].get(name, {}).items()}
             per_round = " / ".join(f"{r['step_s']:.3f}" for r in ok)
             losses = " / ".join(f"{r['loss_first']:.2f}->{r['loss_last']:.2f}" for r in ok)
             table.append([name, f"**{statistics.median(r['step_s'] for r in ok):.3f}**", per_round,
-                          _ratio(rows, name, peers["fp32"]) if "fp32" in peers else "",
-                          _ratio(rows, name, peers["torch"]) if "torch" in peers else "", losses,
+                          _ratio(rows, name, peers["fp32"]) if peers.get("fp32") else "",
+                          _ratio(rows, name, peers["torch"]) if peers.get("torch") else "", losses,
                           f"{statistics.median(r['foreign_load_cores'] for r in ok):.2f}"])
         lines += [_common.markdown_table(["config", "step s (median)", "per round", "x fp32", "x torch", "loss first->last",
                                           "foreign load (cores)"], table), ""]
+        layouts = [note for mode in dict.fromkeys(T.layout_of(c)[0] for c in doc["configs"] if T.layout_of(c)[1])
+                   if (note := T.layout_note(medians, mode))]
+        if layouts:
+            lines += ["PyTorch's faster layout, which `x torch` and torch's `x fp32` compare with: "
+                      + "; ".join(layouts) + ".", ""]
         lines += _paths_lines(rows) + [""]
     if doc.get("config_env"):
         lines += ["Rows run with more environment: " + "; ".join(

@@ -13,7 +13,12 @@ timed apart, fp32 (each layer's conv path timed on its first call, as --local do
 nn.Sequential, hetconv.net.torch_import.to_torch) with 2 threads, float32 and under bf16
 autocast (each layer fed what the network before it gives under autocast: bf16 maps after a conv).
 Then the whole training step: hetconv-coordinator --local --threads 2 (fp32 and bf16) against
-PyTorch's step (forward, loss, backward, SGD with momentum) in float32 and bf16 autocast.
+PyTorch's step (forward, loss, backward, SGD with momentum) in float32 and bf16 autocast. Every
+PyTorch row runs in both memory layouts, as PyTorch's CPU guidance tunes a conv network: NCHW and
+channels_last (the modules' parameters and the input in channels-last memory; a step converts its
+input inside the timed step), named "torch fp32 (NCHW)", "torch step bf16 autocast (channels_last)",
+...; hetconv is compared with each mode's faster layout (layers: by the sum of every layer's forward
+and backward; the step: by its median), which the tables name.
 
 Where hetconv's time goes: a second series of runs of each layer counts the seconds spent in each
 kind of kernel (wrapped at the module level, so the counted runs pay a few microseconds a call
@@ -46,12 +51,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import _common  # noqa: E402
 import _speedup_common as C  # noqa: E402
+import _torch_twin as T  # noqa: E402
 
 STEM = "small_layers"
 NETS = ("vgg-small", "airbench94")
-LAYER_ROWS = ("hetconv fp32", "hetconv bf16", "torch fp32", "torch bf16 autocast")
-STEP_ROWS = ("hetconv step fp32", "hetconv step bf16", "torch step fp32", "torch step bf16 autocast")
-# hetconv's rows compared with PyTorch's of the same precision
+TORCH_MODES = ("fp32", "bf16 autocast")
+LAYER_ROWS = ("hetconv fp32", "hetconv bf16",
+              *(T.layout_config(f"torch {m}", lay) for m in TORCH_MODES for lay in T.LAYOUTS))
+STEP_ROWS = ("hetconv step fp32", "hetconv step bf16",
+             *(T.layout_config(f"torch step {m}", lay) for m in TORCH_MODES for lay in T.LAYOUTS))
+# hetconv's rows compared with PyTorch's mode of the same precision (its faster layout)
 PEERS = {"fp32": "torch fp32", "bf16": "torch bf16 autocast"}
 # the kinds of kernel a call's time is counted in: module -> {function name: kind}
 KINDS = ("gemm", "expand", "fold", "layout", "act/pool", "bias sums", "bf16 round", "tail", "other")
@@ -224,6 +233,8 @@ def torch_layers(spec_row):
     torch.set_num_threads(2)
     torch.manual_seed(0)
     model, layers = _torch_model(spec_row["net"], spec_row["batch_size"])
+    layout = spec_row.get("layout", "NCHW")
+    model, _ = T.in_layout(torch, layout, model)
     model.train()
     autocast = bool(spec_row["autocast"])
     ctx = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)  # noqa: E731
@@ -231,7 +242,7 @@ def torch_layers(spec_row):
     # a conv layer's modules: from its conv to the next conv, or to the flatten after the last
     ends = [layer.index for layer, _, _ in layers[1:]] + [next(i for i, m in enumerate(modules)
                                                                if isinstance(m, torch.nn.Flatten))]
-    x = torch.randn(*layers[0][2])
+    (x,) = T.in_layout(torch, layout, None, [torch.randn(*layers[0][2])])[1]
     out = []
     for li, (layer, cs, x_shape) in enumerate(layers):
         block = torch.nn.Sequential(*modules[layer.index:ends[li]])
@@ -258,7 +269,7 @@ def torch_layers(spec_row):
                     "flops": {"forward": fwd_flops, "backward": bwd_flops}})
         with torch.no_grad(), ctx():
             x = block(x)                     # the next layer's input, as the network gives it
-    return {"layers": out, "threads": torch.get_num_threads()}
+    return {"layers": out, "threads": torch.get_num_threads(), "layout": layout}
 
 
 def torch_step(spec_row):
@@ -267,6 +278,8 @@ def torch_step(spec_row):
     torch.set_num_threads(2)
     torch.manual_seed(0)
     model, layers = _torch_model(spec_row["net"], spec_row["batch_size"])
+    layout = spec_row.get("layout", "NCHW")
+    model, _ = T.in_layout(torch, layout, model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
     gen = torch.Generator().manual_seed(0)
     times = []
@@ -274,13 +287,14 @@ def torch_step(spec_row):
         x = torch.randn(*layers[0][2], generator=gen)
         y = torch.randint(0, 10, (spec_row["batch_size"],), generator=gen)
         t0 = time.perf_counter()
+        (x,) = T.in_layout(torch, layout, None, [x])[1]
         opt.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(spec_row["autocast"])):
             loss = F.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
         times.append(time.perf_counter() - t0)
-    return {"step_s": statistics.median(times[2:]), "step_s_all": times[2:]}
+    return {"step_s": statistics.median(times[2:]), "step_s_all": times[2:], "layout": layout}
 
 
 def hetconv_step(spec_row, work):
@@ -325,9 +339,12 @@ def rows_to_run(args):
                                                                       "precision": precision, "tree": tree}))
         for autocast in (False, True):
             name = "bf16 autocast" if autocast else "fp32"
-            rows.append((f"torch {name}", {**base, "kind": "torch", "autocast": autocast, "tree": ""}))
-            if not args.no_steps:
-                rows.append((f"torch step {name}", {**base, "kind": "torch step", "autocast": autocast, "tree": ""}))
+            for layout in T.LAYOUTS:
+                rows.append((T.layout_config(f"torch {name}", layout),
+                             {**base, "kind": "torch", "autocast": autocast, "layout": layout, "tree": ""}))
+                if not args.no_steps:
+                    rows.append((T.layout_config(f"torch step {name}", layout),
+                                 {**base, "kind": "torch step", "autocast": autocast, "layout": layout, "tree": ""}))
     return rows
 
 
@@ -426,13 +443,22 @@ def markdown(doc):
               f"the median of {doc['reps']} runs per row, then the median over "
               f"{max([r['round'] for r in doc['rows']], default=-1) + 1} rounds of alternating order. hetconv's "
               f"layer is the conv's fused block and the layer's tail as a shard runs them; PyTorch's, the same "
-              f"modules of the network. `x torch`: hetconv over PyTorch in the same precision (< 1: faster). "
-              f"GFLOP/s counts the conv's FLOPs only.", ""]
+              f"modules of the network. `x torch`: hetconv over PyTorch in the same precision (< 1: faster)"
+              + (", in its faster memory layout (each PyTorch row names its layout: NCHW, or channels_last, the "
+                 "modules and the input in channels-last memory)"
+                 if any(T.layout_of(r["config"])[1] for r in doc["rows"]) else "")
+              + ". GFLOP/s counts the conv's FLOPs only.", ""]
     rows = doc["rows"]
     befores = sorted({r["config"] for r in rows if r["config"].endswith("(before)")})
     for net in doc["nets"]:
         lines += [f"## {net}", ""]
-        for precision, peer in PEERS.items():
+        for precision, mode in PEERS.items():
+            # PyTorch's mode in its faster layout: the least forward + backward over every layer
+            per_layout = {config: sum(x["forward_ms"] + x["backward_ms"] for x in layers.values())
+                          for config in {r["config"] for r in rows
+                                         if r["net"] == net and T.layout_of(r["config"])[0] == mode}
+                          if (layers := _median_layers(rows, net, config))}
+            peer = T.faster_layout(per_layout, mode) or mode
             mine, theirs = _median_layers(rows, net, f"hetconv {precision}"), _median_layers(rows, net, peer)
             before = _median_layers(rows, net, f"hetconv {precision} (before)")
             if not mine:
@@ -464,8 +490,11 @@ def markdown(doc):
             table.append(cells)
             loads = f"foreign load (cores, median over rounds): hetconv {_load(rows, net, f'hetconv {precision}')}, " \
                     f"{peer} {_load(rows, net, peer)}"
+            layout = T.layout_note(per_layout, mode, fmt="{:.1f}", suffix=" ms")
             lines += [f"### {precision}: hetconv --precision {precision} against {peer}", "",
                       _common.markdown_table(head, table), "", loads + ".", ""]
+            lines += [f"PyTorch's faster layout, which `x torch` compares with (forward + backward over every layer): "
+                      f"{layout}.", ""] if layout else []
             lines += _breakdown(mine) + [""]
         lines += _steps(rows, net, befores) + [""]
     failed = [r for r in rows if not r.get("ok")]
@@ -488,14 +517,19 @@ def _breakdown(mine):
 
 
 def _steps(rows, net, befores):
-    configs = list(STEP_ROWS) + [f"hetconv step {p} (before)" for p in ("fp32", "bf16")
-                                 if f"hetconv {p} (before)" in befores]
+    # a PyTorch step row of results saved before both layouts were measured has none in its name
+    configs = list(STEP_ROWS[:2]) + [c for m in TORCH_MODES for c in (f"torch step {m}", *STEP_ROWS[2:])
+                                     if T.layout_of(c)[0] == f"torch step {m}"]
+    configs += [f"hetconv step {p} (before)" for p in ("fp32", "bf16") if f"hetconv {p} (before)" in befores]
+    medians = {c: statistics.median(ok) if (ok := [r["step_s"] for r in rows if r["net"] == net and r["config"] == c
+                                                   and r.get("ok")]) else None for c in configs}
     table = []
     for name in configs:
         ok = [r for r in rows if r["net"] == net and r["config"] == name and r.get("ok")]
         if not ok:
             continue
-        peer = "torch step bf16 autocast" if "bf16" in name else "torch step fp32"
+        mode = "torch step bf16 autocast" if "bf16" in name else "torch step fp32"
+        peer = T.faster_layout(medians, mode)          # PyTorch's step in its faster layout
         ratios = []
         for r in ok:
             other = [o for o in rows if o["net"] == net and o["config"] == peer and o["round"] == r["round"] and o.get("ok")]
@@ -507,10 +541,14 @@ def _steps(rows, net, befores):
                       " / ".join(f"{r['foreign_load_cores']:.2f}" for r in ok)])
     if not table:
         return []
+    layouts = [note for m in TORCH_MODES if (note := T.layout_note(medians, f"torch step {m}", 1e3, "{:.1f}", " ms"))]
     return ["### The whole step", "", "hetconv-coordinator --local --threads 2 and PyTorch's training step (2 threads), "
             "ms: the median of the timed steps per round, then over rounds; `x torch` is the median of per-round "
-            "ratios to PyTorch's step in the same precision.", "",
-            _common.markdown_table(["config", "step ms (median)", "per round", "x torch", "foreign load per round"], table)]
+            "ratios to PyTorch's step in the same precision" + (" and its faster layout" if layouts else "") + ".", "",
+            _common.markdown_table(["config", "step ms (median)", "per round", "x torch", "foreign load per round"],
+                                   table)] \
+        + (["", "PyTorch's faster layout, which `x torch` compares with: " + "; ".join(layouts) + "."]
+           if layouts else [])
 
 
 def main(argv=None):

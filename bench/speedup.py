@@ -28,11 +28,16 @@ devices, with the ideal line) and OUT/speedup_breakdown.png (per-worker compute 
 --fft: the whole step on both cores, in alternating rounds (round r runs every configuration once,
 the order rotated by r, so a change in the host's load falls on all of them alike):
   hetconv fft / auto / shifted / im2col   --local --threads 2 with that cpu_conv_path (whole network)
-  PyTorch 2 threads                        the same network in one process, torch.set_num_threads(2)
-  PyTorch DDP 2x1 thread                   two one-thread ranks (gloo, 127.0.0.1), one core each
+  PyTorch 2 threads (NCHW), (channels_last)  the same network in one process, torch.set_num_threads(2),
+                                           in each memory layout (channels_last: the model and each
+                                           step's input in channels-last memory, as PyTorch's CPU
+                                           guidance tunes a conv network)
+  PyTorch DDP 2x1 thread                   two one-thread ranks (gloo, 127.0.0.1), one core each, as
+                                           DDP runs by default (NCHW, bucket_cap_mb 25)
 "direct" is the faster of shifted and im2col in the same round (the closest forced runs to the
 path the device took before the FFT path: conv1 im2col, conv2 shifted). Each row's ratios are to
-the direct row and to the faster PyTorch row of its own round. No cost-model prediction here.
+the direct row and to the faster PyTorch row of its own round (either layout, or DDP), which the
+table names. No cost-model prediction here.
 """
 import argparse
 import os
@@ -44,6 +49,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 import _speedup_common as C  # noqa: E402
+import _torch_twin  # noqa: E402
 
 
 LOCAL_THREADS = 2       # the second baseline's threads: the cores the 2-worker sets use together
@@ -160,7 +166,9 @@ FFT_CONFIGS = [          # (name, what runs); the order of round 0, rotated by o
     ("hetconv auto", {"kind": "hetconv", "conv_path": "auto"}),
     ("hetconv shifted", {"kind": "hetconv", "conv_path": "shifted"}),
     ("hetconv im2col", {"kind": "hetconv", "conv_path": "im2col"}),
-    ("PyTorch 2 threads", {"kind": "torch", "world": 1, "threads": 2}),
+    *((_torch_twin.layout_config("PyTorch 2 threads", layout), {"kind": "torch", "world": 1, "threads": 2,
+                                                                  "layout": layout})
+      for layout in _torch_twin.LAYOUTS),
     ("PyTorch DDP 2x1 thread", {"kind": "torch", "world": 2, "threads": 1}),
 ]
 DIRECT = ("hetconv shifted", "hetconv im2col")
@@ -173,9 +181,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_torch(world, threads, batch, warmup, steps, out_dir, tag):
+def run_torch(world, threads, batch, warmup, steps, out_dir, tag, layout="NCHW"):
     """PyTorch on this host (bench/_ddp_baseline.py): world ranks of `threads` threads on 127.0.0.1,
-    each rank pinned to its own core when world > 1 (as bench/bandwidth.py's DDP rows)."""
+    each rank pinned to its own core when world > 1 (as bench/bandwidth.py's DDP rows), in memory
+    `layout`."""
     import json
     import subprocess
     out = os.path.join(out_dir, f"torch-{tag}.json")
@@ -187,7 +196,7 @@ def run_torch(world, threads, batch, warmup, steps, out_dir, tag):
     try:
         for rank in range(world):
             spec = {"rank": rank, "world": world, "master": "127.0.0.1", "port": port, "threads": threads,
-                    "batch_size": batch, "warmup": warmup, "steps": steps}
+                    "batch_size": batch, "warmup": warmup, "steps": steps, "layout": layout}
             pin = ["taskset", "-c", str(cores[rank % len(cores)])] if world > 1 else []
             procs.append(subprocess.Popen([*pin, sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                            "_ddp_baseline.py"), json.dumps(spec), out],
@@ -236,7 +245,7 @@ def run_fft(args, argv):
                             row = C.run_in_subprocess(spec)
                         else:
                             row = run_torch(what["world"], what["threads"], batch, args.warmup, args.steps,
-                                            scratch, tag)
+                                            scratch, tag, what.get("layout", "NCHW"))
                     row.update(config=name, round=rnd, batch_size=batch, foreign_load_cores=load.cores,
                                load_after=_common.load_average(), **{k: v for k, v in what.items() if k != "kind"})
                     doc["rows"].append(row)
@@ -298,12 +307,19 @@ def fft_markdown(doc):
         "two one-thread ranks, each on its own core and half the batch. x direct = (the faster of shifted and "
         "im2col in the same round) / this row; x PyTorch = (the faster PyTorch row in the same round) / this "
         "row; > 1: this row is faster. Foreign load = cores' worth of CPU used by other processes while the "
-        "row ran; load = the 1/5/15-minute load average after it.", ""]
+        "row ran; load = the 1/5/15-minute load average after it."
+        + (" The one-process PyTorch rows run in each memory layout (NCHW; channels_last: the model and each "
+           "step's input in channels-last memory); DDP as it runs by default." if any(
+               _torch_twin.layout_of(c)[1] for c in doc["configs"]) else ""), ""]
     for batch in doc["batch_sizes"]:
         here = [r for r in rows if r["batch_size"] == batch]
         if not here:
             continue
+        medians = {c: statistics.median(ok) if (ok := [r["step_s"] for r in here if r["config"] == c and r.get("ok")])
+                   else None for c in doc["configs"]}
+        note = _torch_twin.layout_note(medians, "PyTorch 2 threads")
         out += [f"### Batch {batch}: per configuration, over {len({r['round'] for r in here})} round(s)", "",
+                *([f"PyTorch's faster layout in one process: {note}.", ""] if note else []),
                 "| configuration | median step s | rounds' step s | x direct (median; per round) | "
                 "x PyTorch (median; per round) |", "|---|---:|---|---|---|"]
         for name in doc["configs"]:

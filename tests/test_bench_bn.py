@@ -116,6 +116,27 @@ def test_a_round_is_quiet_only_when_every_run_of_it_went_well_under_the_foreign_
     def run(rnd, config, foreign, ok=True):
         return {"round": rnd, "config": config, "foreign_load_cores": foreign, "ok": ok, "step_s": 1.0}
     configs = list(airbench.CONFIGS)
-    rows = ([run(0, c, 0.1) for c in configs] + [run(1, c, 0.5 if c == "PyTorch" else 0.0) for c in configs]
-            + [run(2, c, 0.0, ok=c != "PyTorch") for c in configs] + [run(3, c, 0.3) for c in configs[:2]])
+    torch_nchw = "PyTorch (NCHW)"                   # PyTorch runs in both layouts, each a run of the round
+    assert configs[2:] == [torch_nchw, "PyTorch (channels_last)"]
+    rows = ([run(0, c, 0.1) for c in configs] + [run(1, c, 0.5 if c == torch_nchw else 0.0) for c in configs]
+            + [run(2, c, 0.0, ok=c != torch_nchw) for c in configs] + [run(3, c, 0.3) for c in configs[:2]])
     assert airbench.quiet_rounds({"rows": rows, "configs": configs, "max_foreign": 0.3}) == [0]
+
+
+def test_airbench_compares_with_pytorchs_faster_layout_and_names_it():
+    steps = {"hetconv local": (1.0, 1.2), "hetconv 2 workers": (0.8, 0.9), "PyTorch (NCHW)": (2.0, 2.2),
+             "PyTorch (channels_last)": (1.6, 1.5)}
+    rows = [{"round": rnd, "config": c, "ok": True, "step_s": s, "step_s_all": [s], "warmup_step_s": [s],
+             "foreign_load_cores": 0.0, "load_after": ""} for c, per in steps.items() for rnd, s in enumerate(per)]
+    assert airbench.torch_peer(rows) == "PyTorch (channels_last)"
+    assert airbench.ratios(rows)["hetconv local"]["vs_torch"] == [1.0 / 1.6, 1.2 / 1.5]
+    doc = {"command": "python bench/airbench.py", "machine": "test machine", "wall_s": 60.0, "isa": "avx2",
+           "blas": "test", "load": {"start": "load average 0", "end": "load average 0"}, "net": "airbench94",
+           "batch_size": 256, "warmup": 1, "steps": 1, "threads": 2, "spawn": "cpu:1,cpu:1",
+           "configs": list(airbench.CONFIGS), "max_foreign": 0.3, "rows": rows}
+    text = airbench.markdown(doc)
+    assert "step / PyTorch (channels_last)'s (per round)" in text
+    assert "PyTorch: channels_last the faster (1.550 s; NCHW 2.100 s)" in text
+    # a result saved before both layouts ran: its one PyTorch row
+    old = [dict(r, config="PyTorch") for r in rows if r["config"] == "PyTorch (NCHW)"]
+    assert airbench.torch_peer(old) == "PyTorch"

@@ -287,3 +287,24 @@ def test_the_speedup_bench_runs_the_two_thread_baseline_beside_the_one_core_one(
     assert two["local"] and two["threads"] == 2 and two["pin"] is None and two["devices"] == ["cpu"]
     assert runs[("local", 128)]["threads"] == 1 and runs[("local", 128)]["pin"] == [0]
     assert not runs[("2 workers", 128)]["local"]
+
+
+def test_the_fft_table_takes_the_faster_pytorch_row_of_each_round_in_either_layout():
+    speedup = _speedup_bench()
+    configs = [name for name, _ in speedup.FFT_CONFIGS]
+    assert "PyTorch 2 threads (NCHW)" in configs and "PyTorch 2 threads (channels_last)" in configs
+    assert dict(speedup.FFT_CONFIGS)["PyTorch DDP 2x1 thread"].get("layout") is None      # DDP as it runs by default
+    steps = {"hetconv shifted": (1.0, 1.0), "hetconv im2col": (1.2, 1.2), "hetconv auto": (1.0, 0.9),
+             "PyTorch 2 threads (NCHW)": (1.5, 1.4), "PyTorch 2 threads (channels_last)": (1.2, 1.6),
+             "PyTorch DDP 2x1 thread": (2.0, 2.0)}
+    rows = [{"ok": True, "config": c, "round": rnd, "batch_size": 128, "step_s": s, "step_s_all": [s],
+             "warmup_step_s": [s], "foreign_load_cores": 0.0, "load_after": ""}
+            for c, per in steps.items() for rnd, s in enumerate(per)]
+    doc = {"mode": "fft", "machine": "test", "command": "test", "wall_s": 60.0, "load": {}, "warmup": 1, "steps": 1,
+           "batch_sizes": [128], "configs": list(steps), "direct": list(speedup.DIRECT), "rows": rows}
+    text = speedup.markdown(doc)
+    auto = [r for r in rows if r["config"] == "hetconv auto"]
+    speedup.add_fft_ratios(rows)
+    assert [r["torch_config"] for r in auto] == ["PyTorch 2 threads (channels_last)", "PyTorch 2 threads (NCHW)"]
+    assert "PyTorch's faster layout in one process: PyTorch 2 threads: channels_last the faster (1.400 s; NCHW " \
+           "1.450 s)." in text
