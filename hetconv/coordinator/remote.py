@@ -29,6 +29,7 @@ from zmq.utils.monitor import recv_monitor_message
 from hetconv.devices.wisdom import DETERMINISTIC, machine_wisdom
 from hetconv.engine.contract import (ShardEngine, WorkerError, WorkerLost,  # noqa: F401  (raised here, caught by callers)
                                      concat_channels)
+from hetconv.engine.conv_precision import checked_choices as _conv_path_choices
 from hetconv.engine.costmodel import Link, parse_bandwidth, predict_any, profiles_from_calibration
 from hetconv.engine.measure import calibrate_local, measure_loopback
 from hetconv.engine.microbatch import cheapest_micro_batches, micro_batch_count, priced_text
@@ -54,24 +55,6 @@ CALIBRATION_REPEATS = 3          # calls per timed block: each block also lasts 
 # workers' own calibration took: only where that is at most this many of the plan's priced steps.
 # On tiny layers calibration's fixed costs (warm-up, 0.25 s blocks) are hundreds of steps.
 CORES_TOGETHER_MAX_STEPS = 50
-
-
-def _conv_path_choices(value, limit=64):
-    """A worker's reported conv path choices, kept only as far as they are well-formed (they come
-    from the network): at most `limit` of {call, path, why: strings, seconds: {path: number}, and
-    on a direct path kernels: {direction: oneDNN's kernel name}}."""
-    kept = []
-    for c in value if isinstance(value, list) else []:
-        if (isinstance(c, dict) and all(isinstance(c.get(k), str) for k in ("call", "path", "why"))
-                and isinstance(c.get("seconds"), dict)):
-            choice = {"call": c["call"][:300], "path": c["path"][:20], "why": c["why"][:300],
-                      "seconds": {str(p)[:20]: float(t) for p, t in list(c["seconds"].items())[:16]
-                                  if isinstance(t, (int, float)) and not isinstance(t, bool)}}
-            if isinstance(c.get("kernels"), dict):
-                choice["kernels"] = {str(d)[:20]: str(k)[:60] for d, k in list(c["kernels"].items())[:3]
-                                     if isinstance(k, str)}
-            kept.append(choice)
-    return kept[:limit]
 
 
 def conv_precision(choices):

@@ -464,9 +464,10 @@ class Device:
         return {}
 
     def conv_path_choices(self):
-        """[{call, path, why, seconds}] per conv call shape run so far: the path it takes, why
-        ("timed", "rule: ...", "forced", ...) and each timed path's seconds; what a worker reports
-        at calibration. Devices with one path per call shape have none."""
+        """[{call, key, path, why, seconds, calls}] per conv call shape run so far: the path it
+        takes, why ("timed", "rule: ...", "forced", ...), each timed path's seconds and how many
+        calls have run it (`key`: the call as devices.wisdom.call_key writes it); what a worker
+        reports at calibration. Devices with one path per call shape have none."""
         return []
 
     def describe_conv_paths(self):

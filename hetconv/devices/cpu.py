@@ -956,10 +956,12 @@ class _PathChoice:
     "rule: ...", "rule (deterministic)", "forced", "fft declined: ..."), the seconds each path
     took where they were timed (in this run, or where the wisdom kept them), and whether it came
     from a measurement (`measured`: a run's record and the wisdom keep only those; the others a
-    device makes the same again by itself)."""
+    device makes the same again by itself); `calls`: how many calls of its shape have run it
+    (what ran since a report: --precision auto's per-layer line, training.loop)."""
 
     def __init__(self, path, why, seconds=None, measured=False):
         self.path, self.why, self.seconds, self.measured = path, why, seconds or {}, measured
+        self.calls = 0
 
     def describe(self):
         if not self.seconds:
@@ -1177,8 +1179,10 @@ class CpuDevice(Device):
         return {_describe_call(key): choice.path for key, choice in self._choices.items()}
 
     def conv_path_choices(self):
-        return [{"call": _describe_call(key), "path": choice.path, "why": choice.why,
-                 "seconds": {p: float(s) for p, s in choice.seconds.items()},
+        """[{call, key, path, why, seconds, calls}] per call shape run so far (see
+        Device.conv_path_choices); `key`: the call as devices.wisdom.call_key writes it."""
+        return [{"call": _describe_call(key), "key": wisdom_keys.call_key(*key), "path": choice.path, "why": choice.why,
+                 "seconds": {p: float(s) for p, s in choice.seconds.items()}, "calls": choice.calls,
                  **({"kernels": self._direct_kernels(key, choice)} if choice.path in self._direct else {})}
                 for key, choice in self._choices.items()]
 
@@ -1252,6 +1256,7 @@ class CpuDevice(Device):
         choice = self._choices.get(key)
         if choice is None:
             choice = self._choices[key] = self._choose_path(x, w, stride, padding, block)
+        choice.calls += 1
         return choice.path
 
     def _choose_path(self, x, w, stride, padding, block):

@@ -13,7 +13,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from hetconv.devices.wisdom import checked_record
+from hetconv.devices.wisdom import MAX_RECORD_CHOICES, checked_record
+from hetconv.engine.conv_precision import checked_choices
 from hetconv.engine.costmodel import profiles_from_calibration
 from hetconv.engine.planner import PlanError, cost_lines, make_plan, replan
 from hetconv.update import clip_factor
@@ -126,6 +127,10 @@ class Engine(Protocol):
     def conv_path_records(self):
         """-> [{worker, machine, choices}]: each device's measured conv path choices (checkpoints,
         metrics; `--resume` hands them back)."""
+
+    def conv_path_choices(self):
+        """-> {worker: [{call, key, path, why, seconds, calls}]}: each device's conv path choices
+        per call shape, asked now (--precision auto's per-layer report)."""
 
     def step_stats(self):
         """Per worker, since the last call: compute, wire, bytes."""
@@ -416,6 +421,22 @@ class ShardEngine:
         workers = self.plan.workers if self.plan is not None else self.workers
         return [{"worker": name, **self._conv_path_records[name]} for name in workers
                 if name in self._conv_path_records]
+
+    def conv_path_choices(self):
+        """{worker: [{call, key, path, why, seconds, calls}]} per worker of the plan: each device's
+        conv path choices per call shape, the rule's too, with how many calls ran each
+        (conv_precision.checked_choices: checked, bounded), asked now: one small FETCH a worker,
+        which also refreshes its conv path record. A device with one path per call shape (GPU)
+        has none. A worker that answers without them (an older one) gives none."""
+        workers = self.plan.workers if self.plan is not None else self.workers
+        replies = self._call({name: ("FETCH", [], {"layer": -1, "conv_paths": True, "conv_path_choices": True})
+                              for name in workers}, "asking the conv paths run")
+        out = {}
+        for name in workers:
+            fields = replies[name][1]
+            self._keep_conv_path_record(name, fields)
+            out[name] = checked_choices(fields.get("conv_path_choices"), MAX_RECORD_CHOICES)
+        return out
 
     # ---- measurements ------------------------------------------------------------------------------
     def _record(self, name, layer, fields, roundtrip_s=0.0, sent=0, received=0):

@@ -12,6 +12,7 @@ from hetconv.engine.chain import DropoutDraw, LayerChain
 from hetconv.update import UpdateRule, apply_update, slot_name
 from hetconv.geometry import ConvSpec
 from hetconv.devices.cpu import HostArrays
+from hetconv.devices.wisdom import MAX_RECORD_CHOICES
 from hetconv.params import default_init
 from hetconv.transport.protocol import check_fields
 from hetconv.transport.wire import carried_dtype, decode, encode
@@ -431,8 +432,13 @@ class ShardServer:
         """A layer's slice; with `conv_paths` true, also the device's conv path record
         (conv_path_record: what a checkpoint keeps), asked once per worker and gather. Layer -1
         with `conv_paths`: the record alone (a worker that holds no layer the gather fetches
-        from it: every layer data-parallel, where the plan's first worker gives the weights)."""
+        from it: every layer data-parallel, where the plan's first worker gives the weights). With
+        `conv_path_choices` true, also the device's choices per call shape (conv_path_choices: every
+        one, the rule's too, with its count of calls; the latest MAX_RECORD_CHOICES), which
+        --precision auto's per-layer report reads; layer -1 with it: those alone."""
         paths = {"conv_paths": self.shard.device.conv_path_record()} if f.get("conv_paths") is True else {}
+        if f.get("conv_path_choices") is True:
+            paths["conv_path_choices"] = self.shard.device.conv_path_choices()[-MAX_RECORD_CHOICES:]
         if f["layer"] == -1 and paths:
             return "SHARD", [], {"layer": -1, "names": [], **paths}
         state = self.shard.fetch(int(f["layer"]))

@@ -85,7 +85,8 @@ class Config:
     precision: str = option("fp32", "a CPU device's conv GEMMs: fp32; bf16 (operands rounded to bf16, sums and "
                                     "everything else in fp32, as PyTorch's autocast; needs oneDNN: pip install "
                                     "'hetconv[onednn]'); auto (bf16 where the device's timing finds it faster, per "
-                                    "layer and share, else fp32). GPU devices run fp32")
+                                    "layer and share, else fp32; the log and the metrics' precision records say "
+                                    "per layer which ran). GPU devices run fp32")
     retime: bool = option(False, "time every CPU device's conv paths again, and store the result over the "
                                  "machine's wisdom ($HETCONV_CACHE/conv-paths.json, default ~/.cache/hetconv): "
                                  "without it a call shape timed before on this machine reuses its path (a resumed "

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from hetconv.data import batches, load_dataset, test_batches
 from hetconv.devices.cpu import HostArrays
 from hetconv.engine.contract import WorkerLost, micro_choice_record, mode_choice_record, moved_bytes, wire_record
+from hetconv.engine.conv_precision import PrecisionReport, precision_line
 from hetconv.engine.microbatch import micro_batch_count
 from hetconv.engine.graph import graph_pass
 from hetconv.engine.planner import PlanError, given_plan
@@ -416,6 +417,11 @@ class _Run:
         self.losses, self.step_times = [], []
         self.last_ckpt = None
         self.conv_paths_written = None          # the conv path records last written to the metrics
+        # --precision auto: what each conv layer ran in, said after calibration and after the first
+        # step of each plan, where it changed (conv_precision.PrecisionReport); None for fp32 and bf16
+        self.precision, self.precision_due = None, True
+        self.precision_counted = True           # the report's call counts are the devices' (nothing ran since)
+        self.precision_bytes = 0                # what asking the counts before a step moved
         self.micro_batches = resolve_micro_batches(cfg, engine)
         self.rebalance_at, self.rebalances = 0, 0
         self.bar = None
@@ -465,6 +471,8 @@ class _Run:
 
     def one_step(self, epoch, x, y):
         cfg = self.cfg
+        if self.precision_due:
+            self.count_precision()
         t0 = time.perf_counter()
         rule = self.recipe.rule(self.step)
         result = self.net.train_step(center_crop(x, cfg.crop), y, rule, self.micro_batches, step=self.step,
@@ -479,6 +487,9 @@ class _Run:
         clipped = {"grad_scale": result.grad_scale} if rule.max_norm else {}
         self.metrics.write("step", step=step, epoch=epoch, loss=result.loss, accuracy=result.correct / len(y),
                            lr=rule.lr, **clipped, step_s=dt, images_per_s=len(y) / dt, workers=self.engine.step_stats())
+        self.precision_counted = False
+        if self.precision_due:          # the paths this plan's shapes run are chosen by now
+            self.report_precision()
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{result.loss:.3f}", img_s=f"{len(y) / dt:.0f}")
         if self.bar.disable and time.monotonic() - self._last_line >= 30:
@@ -557,6 +568,7 @@ class _Run:
         self.elastic.keep(self.step, conv)                       # a loss while the kernels move replays nothing
         self.engine.load(plan, self.specs, conv)
         self.rebalances += 1
+        self.precision_due = True                                # new shares: new call shapes
         self.log("rebalanced from measured step times:\n" + plan.table())
         self.metrics.write("plan", reason="rebalance", step=self.step, bytes=moved_bytes(self.engine.step_stats()),
                            **plan.to_json(), **wire_record(self.engine))
@@ -578,6 +590,7 @@ class _Run:
         """Another set of workers (lost or joined): the micro-batch count follows it, and
         rebalancing starts over."""
         self.micro_batches = resolve_micro_batches(self.cfg, self.engine)
+        self.precision_due, self.precision_counted = True, False     # a step cut short ran some calls
         self.arm_rebalance()
 
     # ---- saving ---------------------------------------------------------------------------------
@@ -598,6 +611,36 @@ class _Run:
         if any(r["choices"] for r in records) and records != self.conv_paths_written:
             self.metrics.write("conv_paths", step=self.step, devices=records)
             self.conv_paths_written = records
+
+    def count_precision(self):
+        """Before the step a report follows: each device's calls so far, so that the report says
+        what that step ran, not an evaluation's batches or a joiner's calibration (one small FETCH
+        a worker, unless nothing ran since the counts were taken)."""
+        if self.precision is None or self.precision_counted:
+            return
+        self.precision.ran(self.engine.conv_path_choices())
+        self.precision_bytes += moved_bytes(self.engine.step_stats())    # no step's
+        self.precision_counted = True
+
+    def report_precision(self, calibration=None):
+        """--precision auto: the conv layers' precision and paths since the calls were counted
+        (engine.conv_precision), logged in one line and kept as a "precision" metrics record where
+        it changed; from `calibration` ({worker: its calibration record}) where given, else asked
+        of the engine now (one small FETCH a worker, whose bytes the record keeps, no step)."""
+        self.precision_due = False
+        if self.precision is None:
+            return
+        if calibration is not None:
+            devices = {name: c.get("conv_paths", []) for name, c in calibration.items()}
+        else:
+            devices = self.engine.conv_path_choices()
+            self.precision_bytes += moved_bytes(self.engine.step_stats())
+        records = self.precision.update(devices)
+        if records:
+            self.log(precision_line(records, calibration is not None))
+            self.metrics.write("precision", step=self.step, calibration=calibration is not None, layers=records,
+                               **({} if calibration is not None else {"bytes": self.precision_bytes}))
+        self.precision_bytes = 0
 
     def final_state(self):
         """The checkpoint of the step reached (where --checkpoint-dir is set), and with workers a
@@ -743,6 +786,12 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
         log(f"feature maps and gradients between layers: {wire['wire']['dtype']} ({wire['wire']['reason']})")
     metrics.write("plan", **plan.to_json(), **choice, **micro_choice_record(engine), **wire)
     run = _Run(cfg, engine, net, elastic, ds, specs, start_step, total_steps, steps_per_epoch, log, metrics)
+    if cfg.precision == "auto":
+        run.precision = PrecisionReport(specs, input_shapes)
+        if engine.calibration:          # the workers' choices at calibration; the first step's follow
+            run.report_precision({name: engine.calibration[name] for name in plan.workers
+                                  if name in engine.calibration})
+            run.precision_due = True    # its counts stand as the first step's start (nothing runs between)
     setup_s = time.perf_counter() - t_setup
     log(f"{ds!r}; {max(0, total_steps - start_step)} steps of {cfg.batch_size} images "
         f"({steps_per_epoch} per epoch" + (f", {run.micro_batches} micro-batches each" if run.micro_batches > 1 else "")
