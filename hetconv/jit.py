@@ -18,7 +18,8 @@ file is only ever replaced by the same key's code), the data is written before t
 that points at it, the index's read-modify-write holds an exclusive lock (no lost entries), a
 loaded entry whose signature is not the one asked for is dropped and compiled again, and the
 index's stamp covers every kernel source file, not only the function's own (a cached kernel
-inlines helpers from other files; Numba alone would keep a stale copy of them).
+inlines helpers from other files; Numba alone would keep a stale copy of them). NUMBA_BOUNDSCHECK
+is part of the key, so a checking run on a warm cache compiles checked kernels beside the others.
 """
 import contextlib
 import hashlib
@@ -104,6 +105,11 @@ class _VerifiedCache(caching.FunctionCache):
         super().__init__(py_func)
         stamp = (self._impl.locator.get_source_stamp(), _SOURCES_STAMP)
         self._cache_file = _KeyNamedIndex(self._cache_path, self._impl.filename_base, stamp)
+
+    def _index_key(self, sig, codegen):
+        # NUMBA_BOUNDSCHECK changes the machine code but not Numba's key: a warm cache would hand
+        # a checking run the unchecked kernels
+        return (*super()._index_key(sig, codegen), ("boundscheck", bool(numba.config.BOUNDSCHECK)))
 
     def _load_overload(self, sig, target_context):
         cres = super()._load_overload(sig, target_context)

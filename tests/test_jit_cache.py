@@ -101,3 +101,18 @@ def test_processes_compiling_four_signatures_at_once_each_run_their_own_code(tmp
     # a later process loads every signature from the shared cache: each must be its own code
     done = subprocess.run(run + [",".join(DTYPES)], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
+
+
+def test_boundscheck_is_part_of_the_key(tmp_path, monkeypatch):
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(numba.config, "CACHE_DIR", str(tmp_path))
+
+    def poke(a, i):
+        a[i] = 1.0
+
+    unchecked = cached_njit(nogil=True)(poke)
+    unchecked(np.zeros(4), 1)                          # compiled and cached without bounds checks
+    monkeypatch.setattr(numba.config, "BOUNDSCHECK", 1)
+    checked = cached_njit(nogil=True)(poke)
+    with __import__("pytest").raises(IndexError):      # not the unchecked code from the warm cache
+        checked(np.zeros(4), 9)
