@@ -61,3 +61,17 @@ def test_a_calibrated_plan_given_again_runs_and_repeats_bit_for_bit(procs, tmp_p
     config = next(r for r in again[0] if r["event"] == "config")["config"]
     assert config["deterministic"] and config["plan"] == given
     assert np.isfinite(again[1]).all()
+
+
+def test_a_resume_onto_the_same_workers_runs_the_checkpoints_plan(procs, tmp_path):
+    first, _, _ = _run(procs, tmp_path, "first", "--spawn", "cpu:1,cpu:1")
+    out = tmp_path / "first"
+    p = procs(python_cmd("hetconv.cli.coordinator", *FLAGS[:-6], "--steps", "7", "--seed", "3", "--rebalance-after",
+                         "0", "--spawn", "cpu:1,cpu:1", "--resume", out / "ck", "--metrics", tmp_path / "again.jsonl"))
+    text, _ = p.communicate(timeout=240)
+    assert p.returncode == 0, text
+    assert "the same workers as the checkpoint's: running its plan" in text
+    again = [json.loads(line) for line in open(tmp_path / "again.jsonl")]
+    plans = [r for r in again if r["event"] == "plan"]
+    assert plans[-1]["layers"] == next(r for r in first if r["event"] == "plan")["layers"]
+    assert not any(r["event"] == "calibration" for r in again)

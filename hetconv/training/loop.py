@@ -672,7 +672,8 @@ class _Run:
 def _reproducible(cfg, engine, specs, log, resumed_meta=None):
     """--plan and --deterministic on this run: a given plan is fixed on the engine (no calibrated
     split, no rebalancing), with its micro-batch count where --micro-batches is auto; so is the
-    plan of the checkpoint a run resumes from, where the same workers (names) came back;
+    plan of the checkpoint a run resumes from, where the same workers (names) came back and the
+    caller set no plan of its own;
     --deterministic without either takes the split that no timing decides: equal, every worker
     kept, never re-split from step times (the returned config, saved with the run, says so)."""
     layer_kernels = [s.kernels for s in specs]
@@ -686,7 +687,7 @@ def _reproducible(cfg, engine, specs, log, resumed_meta=None):
             + " (no calibrated split, no rebalancing)")
         return cfg
     saved = (resumed_meta or {}).get("plan")
-    if (isinstance(saved, dict) and len(engine.workers) > 1
+    if (isinstance(saved, dict) and getattr(engine, "fixed_plan", None) is None and len(engine.workers) > 1
             and sorted(map(str, saved.get("workers") or [])) == sorted(engine.workers)):
         try:
             engine.fixed_plan = given_plan(saved, layer_kernels, cfg.batch_size, engine.workers, resumed_meta["path"])
