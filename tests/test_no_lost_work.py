@@ -299,8 +299,11 @@ _FLAGS = ("--conv", "6,12", "--fc", "32", "--batch-size", "32", "--synthetic-tra
 
 
 def _coordinator(procs, tmp_path, *args):
+    """A coordinator run, its output in out.txt; with Python's fault handler on, so that a crash names
+    where each thread was (a heap corruption has aborted these runs: see docs/reliability.md)."""
     log = open(tmp_path / "out.txt", "a")
-    return procs(python_cmd("hetconv.cli.coordinator", *_FLAGS, *args), stdout=log, stderr=subprocess.STDOUT)
+    return procs(python_cmd("hetconv.cli.coordinator", *_FLAGS, *args), stdout=log, stderr=subprocess.STDOUT,
+                 env={**os.environ, "PYTHONFAULTHANDLER": "1", "LIBC_FATAL_STDERR_": "1"})
 
 
 def _wait_for_step(metrics, step, seconds=120):
