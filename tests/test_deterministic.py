@@ -45,7 +45,7 @@ def test_the_same_local_command_twice_gives_the_same_bits(procs, tmp_path):
                       _run(procs, tmp_path, "b", "--local", "--deterministic", busy=True))
 
 
-def test_a_calibrated_plan_given_again_runs_and_repeats_bit_for_bit(procs, tmp_path):
+def test_a_calibrated_plan_given_again_or_resumed_runs_and_repeats_bit_for_bit(procs, tmp_path):
     first, _, _ = _run(procs, tmp_path, "calibrated", "--spawn", "cpu:1,cpu:1")
     given = str(tmp_path / "calibrated" / "m.jsonl")
     again = _run(procs, tmp_path, "given", "--spawn", "cpu:1,cpu:1", "--deterministic", "--plan", given)
@@ -61,17 +61,12 @@ def test_a_calibrated_plan_given_again_runs_and_repeats_bit_for_bit(procs, tmp_p
     config = next(r for r in again[0] if r["event"] == "config")["config"]
     assert config["deterministic"] and config["plan"] == given
     assert np.isfinite(again[1]).all()
-
-
-def test_a_resume_onto_the_same_workers_runs_the_checkpoints_plan(procs, tmp_path):
-    first, _, _ = _run(procs, tmp_path, "first", "--spawn", "cpu:1,cpu:1")
-    out = tmp_path / "first"
+    # the calibrated run resumed onto the same workers runs its checkpoint's plan, calibrating none
     p = procs(python_cmd("hetconv.cli.coordinator", *FLAGS[:-6], "--steps", "7", "--seed", "3", "--rebalance-after",
-                         "0", "--spawn", "cpu:1,cpu:1", "--resume", out / "ck", "--metrics", tmp_path / "again.jsonl"))
+                         "0", "--spawn", "cpu:1,cpu:1", "--resume", tmp_path / "calibrated" / "ck", "--metrics",
+                         tmp_path / "resumed.jsonl"))
     text, _ = p.communicate(timeout=240)
-    assert p.returncode == 0, text
-    assert "the same workers as the checkpoint's: running its plan" in text
-    again = [json.loads(line) for line in open(tmp_path / "again.jsonl")]
-    plans = [r for r in again if r["event"] == "plan"]
-    assert plans[-1]["layers"] == next(r for r in first if r["event"] == "plan")["layers"]
-    assert not any(r["event"] == "calibration" for r in again)
+    assert p.returncode == 0 and "the same workers as the checkpoint's: running its plan" in text, text
+    resumed = [json.loads(line) for line in open(tmp_path / "resumed.jsonl")]
+    assert plan(resumed) == plan(first) and not any(r["event"] == "calibration" for r in resumed)
+
