@@ -52,16 +52,8 @@ def reexec_without_blas_overrides(keep=False):
 
 def cpu_model():
     """'AMD EPYC (family 25 model 17), 2 cores' from /proc/cpuinfo where there is one."""
-    fields = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if not line.strip():
-                    break                        # the first processor is enough
-                key, _, value = line.partition(":")
-                fields[key.strip()] = value.strip()
-    except OSError:
-        pass
+    from hetconv.devices.wisdom import cpuinfo_fields    # here: this module loads before numpy
+    fields = cpuinfo_fields()
     name = fields.get("model name") or platform.processor() or platform.machine()
     if "cpu family" in fields:
         name += f" (family {fields['cpu family']} model {fields.get('model', '?')})"
@@ -76,15 +68,9 @@ ISA_FLAGS = ("avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vn
 
 def cpu_isa_flags():
     """The SIMD flags of /proc/cpuinfo that decide which BLAS and oneDNN kernels run."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    present = set(line.partition(":")[2].split())
-                    return [flag for flag in ISA_FLAGS if flag in present]
-    except OSError:
-        pass
-    return []
+    from hetconv.devices.wisdom import cpuinfo_fields
+    present = set(cpuinfo_fields().get("flags", "").split())
+    return [flag for flag in ISA_FLAGS if flag in present]
 
 
 def relative_path(path):

@@ -77,3 +77,43 @@ def test_files_without_a_plan_are_refused_in_one_line(tmp_path, monkeypatch):
         last_plan_record(str(long))
     with pytest.raises(PlanError, match="not a stored plan"):
         given_plan({"workers": ["a"], "layers": [{"ranges": {}}]}, [6], 8, ["a"], "bad.json")
+
+
+class _Engine:
+    """What the loop's plan choice reads of an engine: its workers and a plan set by hand."""
+
+    def __init__(self, workers, fixed_plan=None):
+        self.workers, self.fixed_plan = list(workers), fixed_plan
+
+
+def _specs(*kernels):
+    from hetconv.geometry import ConvSpec
+    return [ConvSpec(3, k) for k in kernels]
+
+
+def _resumed(plan, micro):
+    return {"path": "ck/ckpt-step0000004.npz", "plan": plan.to_json(), "micro_batches": micro}
+
+
+@pytest.mark.parametrize("micro,given,taken", [(2, 0, 2), (True, 0, 0), (-3, 0, 0), ("2", 0, 0), (2, 4, 4)],
+                         ids=["recorded", "a bool", "negative", "a string", "--micro-batches given"])
+def test_a_resume_onto_the_same_workers_runs_the_checkpoints_plan_and_only_a_sound_count(micro, given, taken):
+    from hetconv.training.config import Config
+    from hetconv.training.loop import _reproducible
+    said, engine = [], _Engine(["w0-cpu:1", "w1-cpu:1"])
+    cfg = _reproducible(Config(conv="6,12", batch_size=32, micro_batches=given), engine, _specs(6, 12), said.append,
+                        _resumed(_plan(), micro))
+    assert engine.fixed_plan.counts() == _plan().counts() and cfg.micro_batches == taken
+    assert ("micro-batches" in said[0]) == (given == 0 and taken > 0), said
+
+
+def test_a_checkpoints_plan_that_does_not_fit_is_said_and_a_plan_set_by_hand_stands():
+    from hetconv.training.config import Config
+    from hetconv.training.loop import _reproducible
+    said, engine = [], _Engine(["w0-cpu:1", "w1-cpu:1"])
+    _reproducible(Config(conv="6,16", batch_size=32), engine, _specs(6, 16), said.append, _resumed(_plan(), 2))
+    assert engine.fixed_plan is None and "not run again" in said[0] and "calibrating a new one" in said[0]
+    mine = fixed_plan([6, 12], {"w0-cpu:1": [3, 6], "w1-cpu:1": [3, 6]})
+    engine = _Engine(["w0-cpu:1", "w1-cpu:1"], fixed_plan=mine)
+    _reproducible(Config(conv="6,12", batch_size=32), engine, _specs(6, 12), said.append, _resumed(_plan(), 2))
+    assert engine.fixed_plan is mine

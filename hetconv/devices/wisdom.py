@@ -109,9 +109,9 @@ def canonical(key):
 # ---- keys --------------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=1)
-def _host():
-    """(CPU model, architecture, ISA flags) of this host, read once: /proc/cpuinfo's first
-    processor where there is one, else what `platform` says (no flags)."""
+def cpuinfo_fields():
+    """/proc/cpuinfo's fields of the first processor ({} where there is none), read once; what
+    the machine key and the benchmarks' machine line are made of."""
     fields = {}
     try:
         with open("/proc/cpuinfo") as f:
@@ -122,6 +122,14 @@ def _host():
                 fields[key.strip()] = value.strip()
     except OSError:
         pass
+    return fields
+
+
+@functools.lru_cache(maxsize=1)
+def _host():
+    """(CPU model, architecture, ISA flags) of this host: /proc/cpuinfo's first processor where
+    there is one, else what `platform` says (no flags)."""
+    fields = cpuinfo_fields()
     name = fields.get("model name") or fields.get("Processor") or platform.processor() or platform.machine() or "?"
     if "cpu family" in fields:
         name += f" (family {fields['cpu family']} model {fields.get('model', '?')})"

@@ -17,6 +17,12 @@ def micro_batch_count(requested, batch_size, exchange, workers):
     return max(1, min(MAX_MICRO_BATCHES, batch_size // MIN_IMAGES_PER_MICRO))
 
 
+def recorded_micro_batches(value):
+    """A micro-batch count read from a file (a metrics record, a checkpoint's meta): an int >= 1,
+    else None (missing, a bool, anything else: the rule's count stands)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
+
+
 def cheapest_micro_batches(requested, split, most, predict_s):
     """(count, {count: predicted seconds}) for auto micro-batches: of 1..`most` (the rule's
     count), the one whose predicted step, `predict_s(count)`, is lowest, where it beats the rule's

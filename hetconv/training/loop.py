@@ -13,7 +13,7 @@ from hetconv.data import batches, load_dataset, test_batches
 from hetconv.devices.cpu import HostArrays
 from hetconv.engine.contract import WorkerLost, micro_choice_record, mode_choice_record, moved_bytes, wire_record
 from hetconv.engine.conv_precision import PrecisionReport, precision_line
-from hetconv.engine.microbatch import micro_batch_count
+from hetconv.engine.microbatch import micro_batch_count, recorded_micro_batches
 from hetconv.engine.graph import graph_pass
 from hetconv.engine.planner import PlanError, given_plan
 from hetconv.flags import say_in_handler
@@ -673,38 +673,41 @@ def _reproducible(cfg, engine, specs, log, resumed_meta=None):
     """--plan and --deterministic on this run: a given plan is fixed on the engine (no calibrated
     split, no rebalancing), with its micro-batch count where --micro-batches is auto; so is the
     plan of the checkpoint a run resumes from, where the same workers (names) came back and the
-    caller set no plan of its own;
-    --deterministic without either takes the split that no timing decides: equal, every worker
-    kept, never re-split from step times (the returned config, saved with the run, says so)."""
+    caller set no plan of its own; --deterministic without either takes the split that no timing
+    decides: equal, every worker kept, never re-split from step times (the returned config,
+    saved with the run, says so)."""
     layer_kernels = [s.kernels for s in specs]
     if cfg.plan:
         record = last_plan_record(cfg.plan)
-        engine.fixed_plan = given_plan(record, layer_kernels, cfg.batch_size, engine.workers, cfg.plan)
-        if not cfg.micro_batches and record.get("micro_batches"):
-            cfg = dataclasses.replace(cfg, micro_batches=record["micro_batches"])
-        log(f"--plan {cfg.plan}: running its plan"
-            + (f" and its {cfg.micro_batches} micro-batches" if record.get("micro_batches") else "")
-            + " (no calibrated split, no rebalancing)")
-        return cfg
+        plan = given_plan(record, layer_kernels, cfg.batch_size, engine.workers, cfg.plan)
+        return _run_given_plan(cfg, engine, plan, record.get("micro_batches"), f"--plan {cfg.plan}", log)
     saved = (resumed_meta or {}).get("plan")
     if (isinstance(saved, dict) and getattr(engine, "fixed_plan", None) is None and len(engine.workers) > 1
             and sorted(map(str, saved.get("workers") or [])) == sorted(engine.workers)):
         try:
-            engine.fixed_plan = given_plan(saved, layer_kernels, cfg.batch_size, engine.workers, resumed_meta["path"])
+            plan = given_plan(saved, layer_kernels, cfg.batch_size, engine.workers, resumed_meta["path"])
         except PlanError as e:
             log(f"the checkpoint's plan is not run again ({e}): calibrating a new one")
         else:
-            micro = resumed_meta.get("micro_batches")
-            if not cfg.micro_batches and isinstance(micro, int) and not isinstance(micro, bool) and micro >= 1:
-                cfg = dataclasses.replace(cfg, micro_batches=micro)
-            log("the same workers as the checkpoint's: running its plan" + (f" and its {micro} micro-batches"
-                if cfg.micro_batches == micro else "") + " (no calibrated split, no rebalancing)")
-            return cfg
+            return _run_given_plan(cfg, engine, plan, recorded_micro_batches(resumed_meta.get("micro_batches")),
+                                   "the same workers as the checkpoint's", log)
     if cfg.deterministic and (cfg.split, cfg.use_all, cfg.rebalance_after) != ("equal", True, 0):
         cfg = dataclasses.replace(cfg, split="equal", use_all=True, rebalance_after=0)
         if len(engine.workers) > 1:
             log("--deterministic: the equal split over every worker, never re-split (a split from timing would change "
                 "the sums' order from run to run); --plan METRICS repeats an earlier run's calibrated plan")
+    return cfg
+
+
+def _run_given_plan(cfg, engine, plan, micro_batches, source, log):
+    """`plan` fixed on the engine, and its recorded micro-batch count (or None) where
+    --micro-batches is auto; the config the run goes on with."""
+    engine.fixed_plan = plan
+    taken = micro_batches if micro_batches and not cfg.micro_batches else None
+    if taken:
+        cfg = dataclasses.replace(cfg, micro_batches=taken)
+    log(f"{source}: running its plan" + (f" and its {taken} micro-batches" if taken else "")
+        + " (no calibrated split, no rebalancing)")
     return cfg
 
 

@@ -3,6 +3,8 @@ worker_lost, worker_joined, done), read back by hetconv-report."""
 import json
 import os
 
+from hetconv.engine.microbatch import recorded_micro_batches
+
 
 class MetricsWriter:
     """JSON lines, flushed per record so a crash loses at most the line being written. A resumed
@@ -79,7 +81,8 @@ def last_plan_record(path):
     if found is None:
         raise bad("holds no plan record (give the --metrics file of a run with workers, or a plan's JSON)")
     plan = {k: v for k, v in found.items() if k != "event"}
-    micro = found.get("micro_choice")
-    if isinstance(micro, dict) and isinstance(micro.get("micro_batches"), int) and micro["micro_batches"] >= 1:
-        plan["micro_batches"] = micro["micro_batches"]
+    choice = found.get("micro_choice")
+    micro = recorded_micro_batches(choice.get("micro_batches")) if isinstance(choice, dict) else None
+    if micro:
+        plan["micro_batches"] = micro
     return plan
