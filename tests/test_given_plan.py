@@ -117,3 +117,23 @@ def test_a_checkpoints_plan_that_does_not_fit_is_said_and_a_plan_set_by_hand_sta
     engine = _Engine(["w0-cpu:1", "w1-cpu:1"], fixed_plan=mine)
     _reproducible(Config(conv="6,12", batch_size=32), engine, _specs(6, 12), said.append, _resumed(_plan(), 2))
     assert engine.fixed_plan is mine
+
+
+def test_a_plan_that_left_a_worker_out_runs_on_the_same_workers_given_or_resumed(tmp_path):
+    """The planner may leave a slow worker out (its fixed cost outweighs its share): the plan is
+    still this run's; that worker idles again. A worker neither in the plan nor left out is not."""
+    from hetconv.training.config import Config
+    from hetconv.training.loop import _reproducible
+    alone = fixed_plan([6, 12], {"w0-cpu:1": [6, 12]})
+    alone = type(alone)(alone.policy, alone.workers, alone.layers, {"w1-cpu:1": "adds 0.01 s of fixed work a step"})
+    path = _metrics_file(tmp_path, alone)
+    plan = given_plan(last_plan_record(path), [6, 12], 32, ["w1-cpu:1", "w0-cpu:1"], path)
+    assert plan.workers == ("w0-cpu:1",) and plan.left_out == alone.left_out
+    with pytest.raises(PlanError, match=r"a plan for workers w0-cpu:1 \(left out: w1-cpu:1\); this run has w0-cpu:1 \("):
+        given_plan(last_plan_record(path), [6, 12], 32, ["w0-cpu:1"], path)
+    bad = dict(alone.to_json(), left_out={"w1-cpu:1": 3})
+    with pytest.raises(PlanError, match="left-out workers .* are not names with reasons"):
+        given_plan(bad, [6, 12], 32, ["w0-cpu:1", "w1-cpu:1"], "bad.json")
+    said, engine = [], _Engine(["w0-cpu:1", "w1-cpu:1"])
+    _reproducible(Config(conv="6,12", batch_size=32), engine, _specs(6, 12), said.append, _resumed(alone, 0))
+    assert engine.fixed_plan.workers == ("w0-cpu:1",) and "checkpoint's: running its plan" in said[0]

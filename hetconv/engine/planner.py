@@ -329,6 +329,15 @@ def fixed_plan(layer_kernels, counts, policy="fixed", modes=None, images=None):
     return Plan(policy, workers, tuple(layers))
 
 
+def recorded_worker_names(record):
+    """The names of the workers a recorded plan ran with, those it left out included, sorted;
+    [] where the record holds none it can name (an untrusted file's record)."""
+    if not isinstance(record, dict) or not isinstance(record.get("workers"), list):
+        return []
+    left_out = record.get("left_out") if isinstance(record.get("left_out"), dict) else {}
+    return sorted({str(w) for w in record["workers"]} | {str(w) for w in left_out})
+
+
 def given_plan(record, layer_kernels, batch, workers, source):
     """The plan an earlier run recorded (`record`: Plan.to_json()'s fields, as a "plan" metrics
     record holds them), checked against this run as fixed_plan checks a plan set by hand: its
@@ -340,9 +349,14 @@ def given_plan(record, layer_kernels, batch, workers, source):
         raise PlanError(f"{source}: {e}") from None
     if len(plan.layers) != len(layer_kernels):
         raise PlanError(f"{source}: a plan of {len(plan.layers)} conv layers; this network has {len(layer_kernels)}")
-    if sorted(plan.workers) != sorted(workers):
-        raise PlanError(f"{source}: a plan for workers {', '.join(plan.workers)}; this run has {', '.join(workers)} "
-                        f"(the same --spawn list, or external workers started with the same --name)")
+    if not all(isinstance(w, str) and isinstance(why, str) for w, why in plan.left_out.items()):
+        raise PlanError(f"{source}: its left-out workers {plan.left_out!r} are not names with reasons")
+    # a worker the planner left out (too slow to pay for its share) was part of the run: it idles again
+    planned = sorted(plan.workers) + sorted(w for w in plan.left_out if w not in plan.workers)
+    if sorted(planned) != sorted(workers):
+        left = f" (left out: {', '.join(plan.left_out)})" if plan.left_out else ""
+        raise PlanError(f"{source}: a plan for workers {', '.join(plan.workers)}{left}; this run has "
+                        f"{', '.join(workers)} (the same --spawn list, or external workers started with the same --name)")
     for lp, total in zip(plan.layers, layer_kernels):
         if lp.kernels != total:
             raise PlanError(f"{source}: conv layer {lp.layer + 1} has {lp.kernels} kernels in the plan, {total} here")
@@ -360,7 +374,8 @@ def given_plan(record, layer_kernels, batch, workers, source):
         if lp.mode == "model" and lp.ranges != mine.ranges:
             raise PlanError(f"{source}: conv layer {lp.layer + 1}'s kernel ranges {lp.ranges} are not contiguous in "
                             f"the plan's worker order")
-    return replace(checked, layers=tuple(replace(mine, speeds=lp.speeds) for lp, mine in zip(plan.layers, checked.layers)))
+    return replace(checked, layers=tuple(replace(mine, speeds=lp.speeds) for lp, mine in zip(plan.layers, checked.layers)),
+                   left_out=dict(plan.left_out))
 
 
 def replan(plan, lines, measured, min_gain=0.05, image_lines=None):

@@ -15,7 +15,7 @@ from hetconv.engine.contract import WorkerLost, micro_choice_record, mode_choice
 from hetconv.engine.conv_precision import PrecisionReport, precision_line
 from hetconv.engine.microbatch import micro_batch_count, recorded_micro_batches
 from hetconv.engine.graph import graph_pass
-from hetconv.engine.planner import PlanError, given_plan
+from hetconv.engine.planner import PlanError, given_plan, recorded_worker_names
 from hetconv.flags import say_in_handler
 from hetconv.geometry import ConvSpec
 from hetconv.net import LoadedNet, NetSpec
@@ -683,7 +683,7 @@ def _reproducible(cfg, engine, specs, log, resumed_meta=None):
         return _run_given_plan(cfg, engine, plan, record.get("micro_batches"), f"--plan {cfg.plan}", log)
     saved = (resumed_meta or {}).get("plan")
     if (isinstance(saved, dict) and getattr(engine, "fixed_plan", None) is None and len(engine.workers) > 1
-            and sorted(map(str, saved.get("workers") or [])) == sorted(engine.workers)):
+            and recorded_worker_names(saved) == sorted(engine.workers)):
         try:
             plan = given_plan(saved, layer_kernels, cfg.batch_size, engine.workers, resumed_meta["path"])
         except PlanError as e:
