@@ -112,7 +112,7 @@ class _StopRequests:
 # What a resumed run takes from its checkpoint's config unless given again on the command line:
 # the run itself (its data, network, recipe, step target, evaluation and checkpointing). The rest
 # (devices, threads, the split, links, where metrics go) belongs to the machines of this start.
-RESUMED_FIELDS = ("data", "synthetic_train", "synthetic_test", "val_split", "crop", "net", "conv", "ksize", "padding", "fc",
+RESUMED_FIELDS = ("data", "synthetic_train", "synthetic_test", "val_split", "crop", "image_size", "bad_images", "net", "conv", "ksize", "padding", "fc",
                   "epochs", "steps", "batch_size", "lr", "optimizer", "momentum", "nesterov", "betas", "eps",
                   "weight_decay", "no_decay", "schedule", "warmup_steps", "milestones", "gamma", "min_lr",
                   "label_smoothing", "clip_grad_norm", "bn_ghost_batch", "seed", "augment",
@@ -299,7 +299,7 @@ def network_for(cfg, ds, resume=None):
     when resuming (`resume`: checkpoint.Loaded) with the checkpoint's own network flags, the
     network the checkpoint holds, which `ds` must fit (its images and classes): raises
     CheckpointError naming --data where it does not."""
-    input_shape = cfg.input_shape(ds.train_x.shape[1:])
+    input_shape = cfg.input_shape(ds.image_shape)
     meta = resume.meta if resume is not None else None
     if meta is not None and "network" in meta:
         saved_cfg = Config.from_json(meta["config"])
@@ -714,9 +714,7 @@ def _run_given_plan(cfg, engine, plan, micro_batches, source, log):
 def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loaded):
     t_setup = time.perf_counter()
     if ds is None:
-        ds = load_dataset(cfg.data, seed=cfg.seed,
-                          n_train=cfg.synthetic_train if cfg.data == "synthetic" else None,
-                          n_test=cfg.synthetic_test if cfg.data == "synthetic" else None, val_split=cfg.val_split)
+        ds = load_dataset(cfg.data, **cfg.dataset_options())
     for note in ds.notes:                     # what the loader inferred (classes) or did (a held-out test split)
         log(note)
     resume = load_resume(resume)

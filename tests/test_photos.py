@@ -1,0 +1,132 @@
+"""Photo folders (ImageNet's layout, photos of any size, streamed): the listing and its bad files,
+torchvision's transforms, the loader processes and hetconv-data. Folders are a few tiny photos
+written here, one bad file a test."""
+import math
+import os
+
+import numpy as np
+import pytest
+
+Image = pytest.importorskip("PIL.Image", reason="photo folders are an optional extra (pip install 'hetconv[images]')")
+
+from hetconv.data import DataError, load_dataset  # noqa: E402
+from hetconv.data import photos  # noqa: E402
+from hetconv.data.photos import (eval_image, random_resized_box, resize_box, train_batch)  # noqa: E402
+from hetconv.training.config import Config  # noqa: E402
+
+CLASSES = ("cat", "dog", "eel")
+
+
+def write_photos(root, per_class=(4, 2), split="val", seed=0, size_range=(18, 60)):
+    """ROOT/train/<class>/ and ROOT/<split>/<class>/: photos of random sizes and formats (JPEG,
+    PNG, WebP; RGB, grey, palette, RGBA). Returns the paths written, in listing order."""
+    rng = np.random.default_rng(seed)
+    written = []
+    for name, count in zip(("train", split), per_class):
+        for c in CLASSES:
+            os.makedirs(root / name / c)
+            for i in range(count):
+                w, h = (int(v) for v in rng.integers(*size_range, 2))
+                image = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+                kind = i % 4
+                if kind == 0:
+                    path = root / name / c / f"{i}.jpg"
+                    image.save(path, quality=90)
+                elif kind == 1:
+                    path = root / name / c / f"{i}.png"
+                    image.convert("L").save(path)
+                elif kind == 2:
+                    path = root / name / c / f"{i}.webp"
+                    image.save(path)
+                else:
+                    path = root / name / c / f"{i}.png"
+                    image.convert("P").save(path)
+                written.append(str(path))
+    return written
+
+
+def reference_eval(path, size):
+    """torchvision's Resize(round(size / 0.875)) then CenterCrop(size), step by step in Pillow."""
+    resize = round(size / 0.875)
+    with Image.open(path) as im:
+        im = im.convert("RGB")
+        w, h = im.size
+        rw, rh = (resize, int(resize * h / w)) if w <= h else (int(resize * w / h), resize)
+        im = im.resize((rw, rh), Image.BILINEAR)
+        top, left = int(round((rh - size) / 2.0)), int(round((rw - size) / 2.0))
+        return np.asarray(im.crop((left, top, left + size, top + size))).transpose(2, 0, 1)
+
+
+def test_a_photo_folder_lists_as_image_folder_and_evaluates_as_torchvision(tmp_path):
+    written = write_photos(tmp_path / "pets")
+    ds = load_dataset(tmp_path / "pets", image_size=16)
+    assert ds.classes == CLASSES and ds.name == "pets" and ds.image_shape == (3, 16, 16)
+    assert ds.train_y.tolist() == [0] * 4 + [1] * 4 + [2] * 4 and ds.test_y.tolist() == [0, 0, 1, 1, 2, 2]
+    assert ds.train_x.files == written[:12] and ds.test_x.files == written[12:]
+    assert ds.mean == photos.IMAGENET_MEAN and ds.meta()["photos"] == {"image_size": 16, "eval_resize": 18}
+    x = ds.test_x[0:6]                                       # decoded now, with evaluation's transform
+    assert x.shape == (6, 3, 16, 16) and x.dtype == np.uint8
+    # one resize of the crop's box is a resize then a crop, to a rounding step (1 of 255); a JPEG
+    # too small for a reduced-scale decode as well
+    for i in range(4):                                       # JPEG, PNG grey, WebP, PNG palette
+        diff = ds.train_x[i].astype(int) - reference_eval(ds.train_x.files[i], 16)
+        assert np.abs(diff).max() <= 1 and np.abs(diff).mean() < 0.5, ds.train_x.files[i]
+
+
+def test_resize_and_center_crop_boxes_are_torchvisions():
+    # Resize(256) of 500x375 is 341x256; CenterCrop(224) starts at round(58.5) = 58, round(16) = 16
+    left, top, right, bottom = resize_box(500, 375, 256, 224)
+    assert (left, top) == pytest.approx((58 * 500 / 341, 16 * 375 / 256))
+    assert (right - left, bottom - top) == pytest.approx((224 * 500 / 341, 224 * 375 / 256))
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        w, h = (int(v) for v in rng.integers(20, 400, 2))
+        l, t, r, b = random_resized_box(w, h, rng)
+        assert 0 <= l < r <= w and 0 <= t < b <= h
+        area = (r - l) * (b - t) / (w * h)
+        if (r - l, b - t) != (w, h):
+            assert 0.07 <= area <= 1.0 and 3 / 4 - 0.1 <= (r - l) / (b - t) <= 4 / 3 + 0.1
+    # ten tries cannot fit a strip: the center crop, clamped to ratio 4/3
+    assert random_resized_box(1000, 10, rng) == (493, 0, 506, 10)
+    assert random_resized_box(10, 1000, rng) == (0, 493, 10, 506)
+
+
+def test_training_batches_depend_only_on_seed_epoch_and_position(tmp_path):
+    write_photos(tmp_path / "pets", per_class=(3, 1))
+    files = load_dataset(tmp_path / "pets", image_size=12).train_x.files
+    augment = ("random-resized-crop", "flip", "crop")
+    a = train_batch(files[:4], 12, augment, seed=1, epoch=2, first=8)
+    b = train_batch(files[2:4], 12, augment, seed=1, epoch=2, first=10)
+    np.testing.assert_array_equal(a[2:], b)
+    assert not np.array_equal(a, train_batch(files[:4], 12, augment, seed=1, epoch=3, first=8))
+    plain = train_batch(files[:1], 12, (), seed=0, epoch=0, first=0)      # Resize(12), CenterCrop(12)
+    big = photos.decode(files[0], 12, lambda w, h: resize_box(w, h, 12, 12), draft=False)
+    np.testing.assert_array_equal(plain[0], big)
+
+
+def test_a_large_jpeg_is_decoded_at_reduced_scale_close_to_a_full_decode(tmp_path):
+    rng = np.random.default_rng(1)
+    smooth = np.kron(rng.integers(0, 256, (30, 40, 3), dtype=np.uint8), np.ones((16, 16, 1), np.uint8))
+    Image.fromarray(smooth).save(tmp_path / "big.jpg", quality=95)          # 640x480
+    box_of = lambda w, h: resize_box(w, h, 73, 64)                          # noqa: E731
+    fast = photos.decode(str(tmp_path / "big.jpg"), 64, box_of).astype(int)
+    full = photos.decode(str(tmp_path / "big.jpg"), 64, box_of, draft=False).astype(int)
+    assert np.abs(fast - full).mean() < 4
+
+
+def test_flags_bound_crop_by_the_image_size_and_photo_only_options(tmp_path):
+    Config(crop=200, image_size=224, augment="random-resized-crop,flip").validate()
+    with pytest.raises(ValueError, match=r"--crop 240 is larger than --image-size 224"):
+        Config(crop=240, image_size=224).validate()
+    with pytest.raises(ValueError, match=r"random-resized-crop applies to a photo folder: give --image-size"):
+        Config(augment="random-resized-crop").validate()
+    with pytest.raises(ValueError, match=r"--bad-images must be 'fail' or 'skip'"):
+        Config(bad_images="ignore").validate()
+    with pytest.raises(DataError, match=r"--image-size 16 applies to an image folder"):
+        load_dataset("synthetic", image_size=16)
+    write_photos(tmp_path / "pets", per_class=(2, 1))
+    os.rename(tmp_path / "pets/val", tmp_path / "pets/elsewhere")
+    with pytest.raises(DataError, match=r"no val/ or test/ directory.*--val-split"):
+        load_dataset(tmp_path / "pets", image_size=16)
+    held = load_dataset(tmp_path / "pets", image_size=16, val_split=0.5)
+    assert len(held.test_y) == 3 and len(held.train_y) == 3 and held.test_x.shape == (3, 3, 16, 16)
