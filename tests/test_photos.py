@@ -130,3 +130,85 @@ def test_flags_bound_crop_by_the_image_size_and_photo_only_options(tmp_path):
         load_dataset(tmp_path / "pets", image_size=16)
     held = load_dataset(tmp_path / "pets", image_size=16, val_split=0.5)
     assert len(held.test_y) == 3 and len(held.train_y) == 3 and held.test_x.shape == (3, 3, 16, 16)
+
+
+# ---------------------------------------------------------------------------------------------
+# The loader processes
+
+def _no_leftovers(loader):
+    assert loader.workers == [] and loader.shm is None
+
+
+def test_loader_processes_give_the_batches_one_process_makes_and_end_cleanly(tmp_path):
+    from hetconv.data.batches import batches
+    from hetconv.data.loader import PhotoLoader, open_loader
+    write_photos(tmp_path / "pets", per_class=(5, 2))
+    ds = load_dataset(tmp_path / "pets", image_size=12)
+    augment = ("random-resized-crop", "flip")
+    lines = []
+    loader = open_loader(ds, 4, augment, seed=3, workers=2, log=lines.append, prefetch=3)
+    assert isinstance(loader, PhotoLoader) and "photo loader: 2 processes (--loader-workers), 3 batches" in lines[0]
+    try:
+        name = loader.shm.name
+        for epoch, start in ((0, 0), (1, 2)):          # a resumed epoch starts at its batch
+            ours = list(loader.epoch(epoch, start=start))
+            theirs = list(batches(ds, 4, np.random.default_rng([3, epoch]), augment=augment, seed=3, epoch=epoch,
+                                  start=start))
+            assert len(ours) == len(theirs) == 3 - start
+            for (x, y), (x2, y2) in zip(ours, theirs):
+                np.testing.assert_array_equal(x, x2)
+                np.testing.assert_array_equal(y, y2)
+        abandoned = loader.epoch(2)
+        next(abandoned)                                # left with batches decoding ahead
+        tests = list(loader.test_batches(4))
+        assert [len(y) for _, y in tests] == [4, 2]
+        np.testing.assert_array_equal(tests[1][0], ds.normalize(ds.test_x[4:6]))
+        processes = list(loader.workers)
+    finally:
+        loader.close()
+    _no_leftovers(loader)
+    assert not any(p.is_alive() for p in processes)
+    from multiprocessing import shared_memory
+    with pytest.raises(FileNotFoundError):
+        shared_memory.SharedMemory(name=name)
+
+
+def test_a_photo_that_fails_in_a_loader_is_named_and_fails_or_is_replaced(tmp_path):
+    from hetconv.data.loader import PhotoLoader
+    write_photos(tmp_path / "pets", per_class=(2, 1))
+    ds = load_dataset(tmp_path / "pets", image_size=12)
+    broken = ds.train_x.files[4]
+    with open(broken, "wb") as f:                      # broken after the listing checked it
+        f.write(b"\xff\xd8\xff\xe0 gone")
+    with PhotoLoader(ds, 6, (), workers=1) as loader:
+        with pytest.raises(DataError, match=rf"{broken}: cannot be decoded: .*a loader could not decode it; "
+                                            rf"--bad-images skip replaces"):
+            list(loader.epoch(0))
+        assert len(list(loader.test_batches())) == 1              # the loader goes on after the error
+    _no_leftovers(loader)
+    with PhotoLoader(ds, 6, (), workers=1, skip=True) as loader:
+        (x, y), = list(loader.epoch(0))
+        order = np.random.default_rng([0, 0]).permutation(6)
+        k = int(np.flatnonzero(order == 4)[0])
+        src = (k + 1) % 6
+        np.testing.assert_array_equal(x[k], x[src])
+        assert y[k] == y[src] and loader.skipped == [(broken, loader.skipped[0][1])]
+    _no_leftovers(loader)
+
+
+def test_a_dead_loader_process_ends_the_epoch_with_an_error_not_a_hang(tmp_path):
+    import signal
+    import time
+    from hetconv.data.loader import PhotoLoader
+    write_photos(tmp_path / "pets", per_class=(4, 1))
+    ds = load_dataset(tmp_path / "pets", image_size=12)
+    with PhotoLoader(ds, 2, (), workers=1, prefetch=2) as loader:
+        batches = loader.epoch(0)
+        next(batches)
+        os.kill(loader.workers[0].pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(DataError, match=r"photo loader process hetconv-loader-0 .* exited with code -9"):
+            for _ in batches:
+                pass
+        assert time.monotonic() - started < 10
+    _no_leftovers(loader)

@@ -338,7 +338,8 @@ class FileImages:
 class PhotoSet(DataSet):
     """A DataSet whose train_x and test_x are FileImages: streamed, never held."""
     image_size: int = 0
-    skipped: tuple = field(default_factory=tuple)       # (path, why) of the photos left out
+    skipped: tuple = field(default_factory=tuple)       # (path, why) of the files left out at listing
+    bad_images: str = "fail"                            # a photo that fails mid-run: "fail" or "skip"
 
     def meta(self) -> dict:
         return {**super().meta(), "photos": {"image_size": self.image_size, "eval_resize": eval_resize(self.image_size)}}
@@ -347,7 +348,8 @@ class PhotoSet(DataSet):
         """This set with only the training photos where `keep_train` is True."""
         keep_train = np.asarray(keep_train, bool)
         return PhotoSet(self.name, self.train_x.subset(keep_train), self.train_y[keep_train], self.test_x,
-                        self.test_y, self.classes, self.mean, self.std, self.notes, self.image_size, self.skipped)
+                        self.test_y, self.classes, self.mean, self.std, self.notes, self.image_size, self.skipped,
+                        self.bad_images)
 
     def __repr__(self) -> str:
         return (f"PhotoSet({self.name!r}, train={len(self.train_y)}, test={len(self.test_y)}, "
@@ -394,7 +396,7 @@ def load_photo_folder(path, image_size: int, bad_images: str = "fail", scan=scan
     name = os.path.basename(os.path.normpath(os.path.abspath(root))) or "photos"
     ds = PhotoSet(name, FileImages([p for p, _ in train], image_size), np.array([y for _, y in train], np.int64),
                   FileImages([p for p, _ in test], image_size), np.array([y for _, y in test], np.int64), classes,
-                  IMAGENET_MEAN, IMAGENET_STD, tuple(notes), image_size, tuple(bad))
+                  IMAGENET_MEAN, IMAGENET_STD, tuple(notes), image_size, tuple(bad), bad_images)
     return ds
 
 
