@@ -57,8 +57,16 @@ def reference_eval(path, size):
         return np.asarray(im.crop((left, top, left + size, top + size))).transpose(2, 0, 1)
 
 
-def test_a_photo_folder_lists_as_image_folder_and_evaluates_as_torchvision(tmp_path):
+def test_a_photo_folder_lists_as_image_folder_and_evaluates_as_torchvision(tmp_path, monkeypatch):
     written = write_photos(tmp_path / "pets")
+    (tmp_path / "pets/train/cat/3.png").write_bytes(b"")              # a bad file, found in a scan process
+    monkeypatch.setattr(photos, "PARALLEL_SCAN", 2)                    # headers checked in processes
+    monkeypatch.setattr(photos, "SCAN_CHUNK", 5)
+    with pytest.raises(DataError, match=r"1 bad file .*cat/3.png: an empty file"):
+        load_dataset(tmp_path / "pets", image_size=16)
+    monkeypatch.undo()
+    Image.new("P", (20, 30)).save(tmp_path / "pets/train/cat/3.png")
+    written[3] = str(tmp_path / "pets/train/cat/3.png")
     ds = load_dataset(tmp_path / "pets", image_size=16)
     assert ds.classes == CLASSES and ds.name == "pets" and ds.image_shape == (3, 16, 16)
     assert ds.train_y.tolist() == [0] * 4 + [1] * 4 + [2] * 4 and ds.test_y.tolist() == [0, 0, 1, 1, 2, 2]
@@ -212,3 +220,44 @@ def test_a_dead_loader_process_ends_the_epoch_with_an_error_not_a_hang(tmp_path)
                 pass
         assert time.monotonic() - started < 10
     _no_leftovers(loader)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad photos, found at listing
+
+def test_bad_photos_are_named_at_listing_and_refused_or_left_out(tmp_path, monkeypatch):
+    write_photos(tmp_path / "pets", per_class=(2, 1), size_range=(18, 30))
+    train = tmp_path / "pets/train"
+    rng = np.random.default_rng(4)
+    image = Image.fromarray(rng.integers(0, 256, (40, 40, 3), dtype=np.uint8))
+    image.save(train / "cat/whole.jpg")
+    data = (train / "cat/whole.jpg").read_bytes()
+    (train / "cat/truncated.jpg").write_bytes(data[:len(data) // 2])
+    (train / "cat/empty.jpg").write_bytes(b"")
+    (train / "dog/corrupt.jpg").write_bytes(b"\xff\xd8\xff" + rng.bytes(200))
+    image.convert("CMYK").save(train / "dog/cmyk.jpg")                 # fine: converted to RGB
+    Image.fromarray(np.zeros((20, 24), np.uint16)).save(train / "dog/wide.png")
+    Image.new("RGB", (60, 60)).save(train / "eel/bomb.png")
+    (train / "eel/notes.txt").write_text("not a photo")
+    (train / "fox").mkdir()
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 3000)                # 60 x 60 is past it; 40 x 40 is not
+    with pytest.raises(DataError) as refused:
+        load_dataset(tmp_path / "pets", image_size=16)
+    said = str(refused.value)
+    assert said.startswith(f"{tmp_path / 'pets'}: 7 bad files (--bad-images skip leaves them out): ")
+    for name, why in (("cat/empty.jpg", "an empty file (0 bytes)"),
+                      ("cat/truncated.jpg", "a truncated JPEG (no end-of-image marker)"),
+                      ("dog/corrupt.jpg", "not a readable JPEG, PNG or WebP photo"),
+                      ("dog/wide.png", "mode I;16 (16-bit); expected 8 bits a channel"),
+                      ("eel/bomb.png", "a decompression bomb"),
+                      ("eel/notes.txt", "not a photo by its name"),
+                      ("fox", "an empty class directory")):
+        assert f"{train / name}: {why}" in said, (name, said)
+    assert "cmyk" not in said and "whole" not in said
+    monkeypatch.setattr(photos, "BAD_SHOWN", 2)
+    with pytest.raises(DataError, match=r"; and 5 more$"):
+        load_dataset(tmp_path / "pets", image_size=16)
+    ds = load_dataset(tmp_path / "pets", image_size=16, bad_images="skip")
+    assert ds.classes == CLASSES + ("fox",) and len(ds.train_y) == 6 + 2
+    assert any("--bad-images skip: left out 7 bad files" in note for note in ds.notes)
+    assert ds.train_x[ds.train_x.files.index(str(train / "dog/cmyk.jpg"))].shape == (3, 16, 16)
