@@ -261,3 +261,24 @@ def test_bad_photos_are_named_at_listing_and_refused_or_left_out(tmp_path, monke
     assert ds.classes == CLASSES + ("fox",) and len(ds.train_y) == 6 + 2
     assert any("--bad-images skip: left out 7 bad files" in note for note in ds.notes)
     assert ds.train_x[ds.train_x.files.index(str(train / "dog/cmyk.jpg"))].shape == (3, 16, 16)
+
+
+# ---------------------------------------------------------------------------------------------
+# hetconv-data
+
+def test_hetconv_data_describes_a_photo_folder_and_times_its_loader(tmp_path, capsys):
+    from hetconv.cli import data
+    write_photos(tmp_path / "pets", per_class=(4, 2))
+    (tmp_path / "pets/val/dog/1.png").write_bytes(b"\x89PNG\r\n\x1a\n cut")
+    assert data.main([str(tmp_path / "pets")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"{tmp_path / 'pets'}: a photo folder of 3 classes: cat, dog, eel"
+    assert out[1:3] == ["  train/: 12 photos, 4 to 4 a class", "  val/: 5 photos, 1 to 2 a class"]
+    assert out[3].startswith("  shorter side: 0-63 px 17") and out[4] == "  formats: PNG 8, JPEG 6, WEBP 3"
+    assert out[5].startswith("  bad files: 1 (a run refuses the folder") and "val/dog/1.png: not a readable" in out[5]
+    assert data.main([str(tmp_path / "pets"), "--bench", "--image-size", "16", "--batch-size", "4",
+                      "--augment", "random-resized-crop,flip", "--loader-workers", "1", "--bad-images", "skip"]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("training loader: 2 batches of 4 in ") and last.endswith(" images/s")
+    assert data.main([str(tmp_path / "pets"), "--bench"]) == 2
+    assert "--bench on a folder of photos needs --image-size S" in capsys.readouterr().err

@@ -372,15 +372,22 @@ class PhotoSet(DataSet):
                 f"classes={len(self.classes)}, image_size={self.image_size})")
 
 
-def load_photo_folder(path, image_size: int, bad_images: str = "fail", scan=scan_headers) -> PhotoSet:
-    """The photo folder at `path`, every file's header checked (`scan`: a function of a list of
-    paths, as scan_headers). bad_images "fail": DataError naming the bad files (the first ten,
-    then a count); "skip": they are left out and a note says how many."""
+@dataclass
+class Survey:
+    """What a photo folder holds, from its listing and headers, nothing decoded."""
+    root: str
+    classes: tuple
+    split: str | None                        # "val", "test" or None: the evaluation split's directory
+    train: list                              # [(path, label)] of the usable photos
+    test: list
+    bad: list                                # [(path, why)]
+    headers: dict                            # path -> (width, height, format) of the usable photos
+
+
+def survey(path, scan=None) -> Survey:
+    """The photo folder at `path` listed and every photo's header checked (`scan`: a function of a
+    list of paths, as scan_headers). Refuses a folder with no train/ or no class directory."""
     root = os.fspath(path)
-    if bad_images not in ("fail", "skip"):
-        raise ValueError(f"--bad-images must be 'fail' or 'skip', got {bad_images!r}")
-    if not 1 <= image_size <= MAX_IMAGE_SIZE:
-        raise ValueError(f"--image-size must be 1..{MAX_IMAGE_SIZE}, got {image_size}")
     if not os.path.isdir(os.path.join(root, "train")):
         raise DataError(f"{root}: a photo folder has train/<class>/ and val/<class>/ (or test/<class>/) directories; "
                         f"no train/")
@@ -391,9 +398,25 @@ def load_photo_folder(path, image_size: int, bad_images: str = "fail", scan=scan
     if split is not None:
         _, test, bad_test = list_split(os.path.join(root, split), classes, MAX_IMAGES - len(train))
         bad += bad_test
-    checked = scan([f for f, _ in train + test])
+    checked = (scan or scan_headers)([f for f, _ in train + test])
+    headers = {p: h for p, h in checked if not isinstance(h, str)}
     failed = {p: why for p, why in checked if isinstance(why, str)}
     bad += [(p, failed[p]) for p, _ in train + test if p in failed]
+    return Survey(root, classes, split, [(p, y) for p, y in train if p in headers],
+                  [(p, y) for p, y in test if p in headers], bad, headers)
+
+
+def load_photo_folder(path, image_size: int, bad_images: str = "fail", scan=None) -> PhotoSet:
+    """The photo folder at `path`, every file's header checked (survey). bad_images "fail":
+    DataError naming the bad files (the first ten, then a count); "skip": they are left out and a
+    note says how many."""
+    root = os.fspath(path)
+    if bad_images not in ("fail", "skip"):
+        raise ValueError(f"--bad-images must be 'fail' or 'skip', got {bad_images!r}")
+    if not 1 <= image_size <= MAX_IMAGE_SIZE:
+        raise ValueError(f"--image-size must be 1..{MAX_IMAGE_SIZE}, got {image_size}")
+    found = survey(root, scan)
+    train, test, bad, split = found.train, found.test, found.bad, found.split
     notes = [f"{root}: photos resized and cropped to {image_size}x{image_size} (evaluation: the shorter side to "
              f"{eval_resize(image_size)}, then the center); normalised with ImageNet's mean and std"]
     if bad:
@@ -402,18 +425,15 @@ def load_photo_folder(path, image_size: int, bad_images: str = "fail", scan=scan
                             f"out): {bad_list(bad, root)}")
         notes.append(f"{root}: --bad-images skip: left out {len(bad)} bad file{'s' if len(bad) > 1 else ''}: "
                      f"{bad_list(bad, root)}")
-        train = [(p, y) for p, y in train if p not in failed]
-        test = [(p, y) for p, y in test if p not in failed]
         if not train:
             raise DataError(f"{root}: no usable training photo is left")
     if split is not None and not test:
         raise DataError(f"{os.path.join(root, split)}: no photos; expected {split}/<class>/*.jpg|png|webp (or no "
                         f"val/ and no test/, with --val-split)")
     name = os.path.basename(os.path.normpath(os.path.abspath(root))) or "photos"
-    ds = PhotoSet(name, FileImages([p for p, _ in train], image_size), np.array([y for _, y in train], np.int64),
-                  FileImages([p for p, _ in test], image_size), np.array([y for _, y in test], np.int64), classes,
-                  IMAGENET_MEAN, IMAGENET_STD, tuple(notes), image_size, tuple(bad), bad_images)
-    return ds
+    return PhotoSet(name, FileImages([p for p, _ in train], image_size), np.array([y for _, y in train], np.int64),
+                    FileImages([p for p, _ in test], image_size), np.array([y for _, y in test], np.int64),
+                    found.classes, IMAGENET_MEAN, IMAGENET_STD, tuple(notes), image_size, tuple(bad), bad_images)
 
 
 def train_batch(files, size: int, augment: tuple[str, ...], seed: int, epoch: int, first: int,
