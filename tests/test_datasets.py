@@ -478,14 +478,25 @@ def test_parse_augment():
 # ---------------------------------------------------------------------------------------------
 # End to end
 
-def test_a_tiny_cifar100_archive_and_an_image_folder_train_end_to_end(tmp_path):
+def test_a_tiny_cifar100_archive_an_image_folder_and_a_photo_folder_train_end_to_end(tmp_path):
+    from test_photos import write_photos
     archive = write_cifar100(tmp_path / "c100", as_tar=True)
     write_image_folder(tmp_path / "pets", size=(32, 32))
-    for data, classes in ((archive, 100), (tmp_path / "pets", 3)):
-        cfg = Config(net="lenet5", data=str(data), batch_size=8, steps=2, threads=1, rebalance_after=0).validate()
-        summary = train(cfg, engine(), log=quiet)
+    write_photos(tmp_path / "photos", per_class=(6, 2))
+    photos = dict(image_size=32, augment="random-resized-crop,flip", loader_workers=1, eval_every=1,
+                  metrics=str(tmp_path / "m.jsonl"))
+    for data, classes, extra in ((archive, 100, {}), (tmp_path / "pets", 3, {}), (tmp_path / "photos", 3, photos)):
+        cfg = Config(net="lenet5", data=str(data), batch_size=8, steps=2, threads=1, rebalance_after=0,
+                     **extra).validate()
+        lines = []
+        summary = train(cfg, engine(), log=lines.append)
         assert summary["step"] == 2 and len(summary["losses"]) == 2 and np.isfinite(summary["losses"]).all()
         assert summary["losses"][0] == pytest.approx(np.log(classes), rel=0.2)     # a fresh head: about chance
+    # the photos streamed through a loader process, evaluated on val/ (the eval transform)
+    assert any(line.startswith("photo loader: 1 process (--loader-workers)") for line in lines), lines
+    records = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
+    assert [r["data_wait_s"] >= 0 for r in records if r["event"] == "step"] == [True, True]
+    assert [r["test_images"] for r in records if r["event"] == "eval"] == [6]
 
 
 def test_lenet5_learns_the_digits_as_pytorch_does_from_the_same_weights_and_batches(tmp_path):

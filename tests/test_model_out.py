@@ -226,7 +226,7 @@ def bad_input_cases(run, tmp_path):
         "classify: missing checkpoint": (classify.main, [str(tmp_path / "nope"), str(not_a_checkpoint)],
                                          "no such checkpoint file"),
         "classify: missing image": (classify.main, [directory, str(tmp_path / "nope.png")], "nope.png: no such file"),
-        "classify: not an image": (classify.main, [directory, str(not_a_checkpoint)], "not a PNG or JPEG image"),
+        "classify: not an image": (classify.main, [directory, str(not_a_checkpoint)], "not a JPEG, PNG or WebP image"),
         "classify: top 0": (classify.main, [directory, str(not_a_checkpoint), "--top", "0"],
                             "--top must be 1..10 (the model's classes), got 0"),
         "classify: top over the classes": (classify.main, [directory, str(not_a_checkpoint), "--top", "11"],
@@ -257,11 +257,17 @@ def test_bad_input_is_one_line_exit_2(case, run, tmp_path, capsys):
     assert message in one_line_error(main, argv, capsys)
 
 
-def test_classify_refuses_an_image_of_another_size_naming_both(run, tmp_path, capsys):
+def test_classify_takes_an_image_of_any_size_as_evaluation_would_crop_it(run, tmp_path, capsys):
     Image = pytest.importorskip("PIL.Image", reason="reading images is an optional extra")
-    Image.fromarray(np.zeros((20, 24, 3), np.uint8)).save(tmp_path / "small.png")
-    line = one_line_error(classify.main, [run[0], str(tmp_path / "small.png")], capsys)
-    assert "the image is 24x20 (width x height), the network takes 32x32" in line
+    from hetconv.data.photos import eval_image
+    rng = np.random.default_rng(5)
+    Image.fromarray(rng.integers(0, 256, (20, 24, 3), np.uint8)).save(tmp_path / "small.png")
+    model = trained_model.load_model(run[0])
+    # the shorter side to round(32 / 0.875) = 37, then the center 32 x 32
+    np.testing.assert_array_equal(classify.read_image(tmp_path / "small.png", model),
+                                  eval_image(str(tmp_path / "small.png"), 32))
+    assert classify.main([run[0], str(tmp_path / "small.png"), "--threads", "1"]) == 0
+    assert capsys.readouterr().out.startswith(f"{tmp_path / 'small.png'}: ")
 
 
 def test_classify_labels_the_good_images_and_names_each_bad_one(run, tmp_path, capsys):
@@ -269,15 +275,15 @@ def test_classify_labels_the_good_images_and_names_each_bad_one(run, tmp_path, c
     good = [str(tmp_path / f"good{i}.png") for i in range(2)]
     for i, path in enumerate(good):
         Image.fromarray(np.full((32, 32, 3), 40 * i, np.uint8)).save(path)
-    Image.fromarray(np.zeros((20, 24, 3), np.uint8)).save(tmp_path / "small.png")
+    Image.fromarray(np.zeros((20, 24), np.uint16)).save(tmp_path / "wide.png")        # 16-bit grey
     (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")
-    argv = [good[0], str(tmp_path / "small.png"), good[1], str(tmp_path / "broken.png")]
+    argv = [good[0], str(tmp_path / "wide.png"), good[1], str(tmp_path / "broken.png")]
     assert classify.main([run[0], *argv, "--threads", "1"]) == 1
     captured = capsys.readouterr()
     assert [line.split(": ")[0] for line in captured.out.splitlines()] == good
     errors = captured.err.strip().splitlines()
     assert len(errors) == 2 and "Traceback" not in captured.err, captured.err
-    assert "small.png: the image is 24x20" in errors[0] and "broken.png: not a PNG or JPEG" in errors[1]
+    assert "wide.png: Pillow mode 'I;16'" in errors[0] and "broken.png: not a JPEG, PNG or WebP" in errors[1]
     assert "1 when some were and any other was refused" in classify.build_parser().format_help().replace("\n", " ")
 
 

@@ -303,7 +303,7 @@ def test_load_net_reads_presets_widths_and_json(tmp_path):
 
 
 @pytest.mark.parametrize("text, what", [
-    ("resnet50", "not a preset nor an existing file"),
+    ("resnet101", "not a preset nor an existing file"),
     ("vgg-small@", "width after @ must be a positive number"),
     ("vgg-small@-1", "width after @ must be a positive number"),
     ("vgg-small@nan", "width after @ must be a positive number"),
@@ -440,3 +440,22 @@ def test_a_stored_network_is_either_a_chain_or_a_graph():
         NetSpec.from_json({**RESIDUAL, "layers": []})
     chain = NetSpec.from_json(PAPER_JSON)
     assert chain.is_chain() and "layers" in chain.to_json()
+
+
+@pytest.mark.parametrize("name,params,keys,feature", [("resnet34", 21_797_672, 218, 512),
+                                                      ("resnet50", 25_557_032, 320, 2048)])
+def test_imagenet_resnets_have_torchvisions_parameters_and_state_dict_keys(name, params, keys, feature):
+    """torchvision's resnet34 and resnet50 at 224x224 with 1000 classes: their published parameter
+    counts and state_dict lengths, the 7x7 stride-2 stem and max-pool (224 -> 56), and its key names."""
+    from hetconv.net.torch_import import state_dict
+    spec = preset(name, (3, 224, 224), 1000)
+    sd = state_dict(spec, *spec.init_params(np.random.default_rng(0)))
+    assert len(sd) == keys and spec.feature_shape() == (feature, 1, 1)
+    assert sum(v.size for k, v in sd.items() if k.endswith(("weight", "bias"))) == params
+    assert sd["conv1.weight"].shape == (64, 3, 7, 7) and sd["fc.weight"].shape == (1000, feature)
+    assert spec.output_shapes()[spec.names.index("maxpool")] == (64, 56, 56)
+    # a bottleneck's first block projects even in layer1 (64 -> 256); a basic block's only from layer2
+    first = "layer1.0" if name == "resnet50" else "layer2.0"
+    last = "layer4.2.bn3" if name == "resnet50" else "layer4.2.bn2"
+    assert {f"{first}.downsample.0.weight", f"{first}.downsample.1.running_var", f"{last}.num_batches_tracked"} <= set(sd)
+    assert ("layer1.0.downsample.0.weight" in sd) == (name == "resnet50")

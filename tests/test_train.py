@@ -131,7 +131,7 @@ def test_cli_bad_input_gets_a_clear_error(args, message):
     (["--workers", "0"], "--workers must be >= 1, got 0"),
     (["--workers", "-1"], "--workers must be >= 1, got -1"),
     (["--local", "--rebalance-after", "1"], "--rebalance-after must be 0 (never) or at least 2"),
-    (["--local", "--crop", "40"], "--crop must be at most the image size 32, got 40"),
+    (["--local", "--crop", "40"], "--crop 40 is larger than the data set's 32x32 images"),
 ])
 def test_cli_mode_flags_are_checked(args, message):
     result = run_cli("--steps", "1", *args)

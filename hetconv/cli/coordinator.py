@@ -304,9 +304,7 @@ def _check_network_flags(cfg, network, given):
 def _load_data(cfg, resumed, given):
     """The run's data set; where it is the checkpoint's (no --data given), a failure says so."""
     try:
-        return load_dataset(cfg.data, seed=cfg.seed,
-                            n_train=cfg.synthetic_train if cfg.data == "synthetic" else None,
-                            n_test=cfg.synthetic_test if cfg.data == "synthetic" else None, val_split=cfg.val_split)
+        return load_dataset(cfg.data, **cfg.dataset_options())
     except DataError as e:
         if resumed is None or "data" in given:
             raise

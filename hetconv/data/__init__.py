@@ -23,16 +23,18 @@ from hetconv.data.cifar import (DIR_NAME, MAX_MEMBER_BYTES, META_FILE, ROW_BYTES
 from hetconv.data.folder import load_image_folder
 from hetconv.data.idx import load_idx
 from hetconv.data.npz import load_npz
+from hetconv.data.photos import PhotoSet, load_photo_folder
 from hetconv.data.synthetic import synthetic
 
 __all__ = ["AUGMENTATIONS", "Batch", "CIFAR10_CLASSES", "CIFAR10_MEAN", "CIFAR10_STD", "DataError", "DataSet",
            "augment", "batches", "channel_stats", "hold_out", "load_cifar", "load_cifar10", "load_cifar100", "load_dataset",
-           "load_idx", "load_image_folder", "load_npz", "normalize", "parse_augment", "synthetic", "test_batches",
+           "load_idx", "load_image_folder", "load_npz", "load_photo_folder", "PhotoSet", "normalize", "parse_augment", "synthetic", "test_batches",
            "DIR_NAME", "MAX_MEMBER_BYTES", "META_FILE", "ROW_BYTES", "TAR_NAME", "TEST_FILE", "TRAIN_FILES"]
 
 ACCEPTED = ("'synthetic'; a CIFAR-10 or CIFAR-100 python directory or .tar.gz; a directory of MNIST or "
             "Fashion-MNIST IDX files (train-images-idx3-ubyte[.gz], ...); an image folder with "
-            "train/<class>/ and test/<class>/ (or train/ alone, with --val-split); or a .npz with x_train, y_train, "
+            "train/<class>/ and val/<class>/ or test/<class>/ (or train/ alone, with --val-split; photos of any size "
+            "with --image-size); or a .npz with x_train, y_train, "
             "x_test, y_test")
 
 _GZIP, _ZIP = b"\x1f\x8b", b"PK\x03\x04"
@@ -87,8 +89,15 @@ def hold_out(ds: DataSet, fraction: float, seed: int, source: str) -> DataSet:
     if not held.any() or held.all():
         raise DataError(f"{source}: --val-split {fraction:g} of {len(ds.train_y)} training images holds out "
                         f"{int(held.sum())}; expected at least one image in each split")
+    if isinstance(ds, PhotoSet):
+        test = ds.subset(held)
+        ds = ds.subset(~held)
+        ds.test_x, ds.test_y = test.train_x, test.train_y
     note = (f"{source}: no test split; --val-split {fraction:g} held out {int(held.sum())} of the {len(ds.train_y)} "
             f"training images (per class, seed {seed}) as the test split")
+    if isinstance(ds, PhotoSet):
+        ds.notes += (note,)
+        return ds
     # the normalisation is the remaining training images' own, as for any set read from files
     return DataSet(ds.name, ds.train_x[~held], ds.train_y[~held], ds.train_x[held], ds.train_y[held], ds.classes,
                    notes=ds.notes + (note,))
@@ -96,7 +105,7 @@ def hold_out(ds: DataSet, fraction: float, seed: int, source: str) -> DataSet:
 
 def load_dataset(spec: str | os.PathLike, seed: int = 0, n_train: int | None = None,
                  n_test: int | None = None, labels: str | None = None, fashion: bool | None = None,
-                 val_split: float = 0.0) -> DataSet:
+                 val_split: float = 0.0, image_size: int = 0, bad_images: str = "fail") -> DataSet:
     """"synthetic" -> synthetic(n_train, n_test, seed); anything else a path, its format detected.
 
     labels: CIFAR-100's "fine" (the default) or "coarse". fashion: an IDX directory is
@@ -107,6 +116,9 @@ def load_dataset(spec: str | os.PathLike, seed: int = 0, n_train: int | None = N
     x_test), the fraction of the training images held out as its test split, picked by seed
     (hold_out); refused for a data set that has one, whose own test split is what its results are
     compared by. A data set with neither is refused.
+    image_size: an image folder is a photo folder (photos.py): photos of any size, streamed and
+    transformed to image_size x image_size; bad_images ("fail" or "skip") says what its unreadable
+    files do. 0: an image folder is read whole into memory, every image of one size.
     """
     if not 0 <= val_split < 1:
         raise DataError(f"--val-split must be in [0, 1), got {val_split}")
@@ -114,6 +126,8 @@ def load_dataset(spec: str | os.PathLike, seed: int = 0, n_train: int | None = N
         if labels is not None or fashion is not None:
             raise DataError("'synthetic' has one kind of label: labels= and fashion= apply to CIFAR-100 and "
                             "IDX directories")
+        if image_size:
+            raise DataError(f"--image-size {image_size} applies to an image folder; 'synthetic' images are 3x32x32")
         if val_split:
             raise DataError("--val-split applies to a data set with no test split; 'synthetic' has one "
                             "(--synthetic-test sizes it)")
@@ -121,6 +135,9 @@ def load_dataset(spec: str | os.PathLike, seed: int = 0, n_train: int | None = N
         return synthetic(seed=seed, **sizes)
     path = Path(spec)
     kind = detect_format(path)
+    if image_size and kind != "images":
+        raise DataError(f"{path}: --image-size {image_size} applies to an image folder (train/<class>/...), "
+                        f"not to this {kind} data set, whose images have their own size")
     if labels is not None and kind != "cifar":
         raise DataError(f"{path}: labels={labels!r} applies to CIFAR-100 only")
     if fashion is not None and kind != "idx":
@@ -129,6 +146,8 @@ def load_dataset(spec: str | os.PathLike, seed: int = 0, n_train: int | None = N
         ds = load_cifar(path, labels)
     elif kind == "idx":
         ds = load_idx(path, fashion)
+    elif kind == "images" and image_size:
+        ds = load_photo_folder(path, image_size, bad_images)
     elif kind == "images":
         ds = load_image_folder(path)
     else:
@@ -138,13 +157,20 @@ def load_dataset(spec: str | os.PathLike, seed: int = 0, n_train: int | None = N
                         f"test images, which results on it are compared by (drop --val-split)")
     if not len(ds.test_y):
         if not val_split:
-            raise DataError(f"{path}: no test split (no test/ directory, or no x_test and y_test); give "
+            raise DataError(f"{path}: no test split (no val/ or test/ directory, or no x_test and y_test); give "
                             f"--val-split FRACTION to hold out that part of the training images as one")
         ds = hold_out(ds, val_split, seed, str(path))
     for name, n, have in (("n_train", n_train, len(ds.train_y)),
                           ("n_test", n_test, len(ds.test_y))):
         if n is not None and not 0 <= n <= have:
             raise ValueError(f"{name}={n}, but {spec} has {have} images in that split")
+    if isinstance(ds, PhotoSet):                       # slicing FileImages would decode
+        if n_train is not None:
+            ds = ds.subset(np.arange(len(ds.train_y)) < n_train)
+        if n_test is not None:
+            ds.test_x = ds.test_x.subset(np.arange(len(ds.test_y)) < n_test)
+            ds.test_y = ds.test_y[:n_test]
+        return ds
     if n_train is not None:
         ds.train_x, ds.train_y = ds.train_x[:n_train], ds.train_y[:n_train]
     if n_test is not None:

@@ -15,10 +15,11 @@ from typing import Iterator
 import numpy as np
 
 from hetconv.data.base import DataSet
+from hetconv.data.photos import FileImages, train_batch
 
 Batch = tuple[np.ndarray, np.ndarray]        # (x float32 (B, C, H, W), y int64 (B,))
 
-AUGMENTATIONS = ("crop", "flip")
+AUGMENTATIONS = ("crop", "flip", "random-resized-crop")      # the last for photo folders only
 CROP_PADDING = 4
 # First word of every augmentation generator's seed: keeps its stream apart from the epoch order's
 # np.random.default_rng([seed, epoch]) (a trailing 0 in a seed list does not change the stream).
@@ -67,11 +68,14 @@ def augment(x: np.ndarray, rng: np.random.Generator, crop_padding: int = CROP_PA
 _augment = augment                           # batches() has a parameter of the same name
 
 
-def _check_augment(names) -> tuple[str, ...]:
+def _check_augment(names, photos=False) -> tuple[str, ...]:
     names = tuple(names or ())
     bad = [n for n in names if n not in AUGMENTATIONS]
     if bad:
         raise ValueError(f"augment={names!r}: {bad[0]!r} is not one of {', '.join(AUGMENTATIONS)}")
+    if "random-resized-crop" in names and not photos:
+        raise ValueError("augment random-resized-crop applies to a photo folder (--image-size), whose photos are "
+                         "cropped from their full size; this data set's images are already their final size")
     return names
 
 
@@ -88,7 +92,8 @@ def batches(ds: DataSet, batch_size: int, rng: np.random.Generator | None,
     the batches are exactly those made without it.
     """
     n = len(ds.train_y)
-    names = _check_augment(augment)
+    photos = isinstance(ds.train_x, FileImages)
+    names = _check_augment(augment, photos)
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if drop_last and batch_size > n:
@@ -105,6 +110,9 @@ def batches(ds: DataSet, batch_size: int, rng: np.random.Generator | None,
 
     def make(i: int) -> Batch:
         idx = order[i * batch_size:(i + 1) * batch_size]
+        if photos:                           # decoded here, in this process (loader.py: in several)
+            x = train_batch([ds.train_x.files[j] for j in idx], ds.train_x.size, names, seed, epoch, i * batch_size)
+            return ds.normalize(x), ds.train_y[idx]
         x = ds.train_x[idx]
         if names:
             x = _augment(x, np.random.default_rng([_AUGMENT_STREAM, seed, epoch, i]),

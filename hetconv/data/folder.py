@@ -1,7 +1,9 @@
-"""An image folder: root/train/<class>/*.png|jpg|jpeg and root/test/<class>/..., as torchvision's
-ImageFolder reads it: classes numbered in sorted order of the train/ subdirectories, files taken in
-sorted order (subdirectories of a class included). test/ may be left out: the set then has no test
-split, and --val-split holds out part of train/ instead.
+"""An image folder: root/train/<class>/*.png|jpg|jpeg and root/val/<class>/... or root/test/<class>/...,
+as torchvision's ImageFolder reads it: classes numbered in sorted order of the train/
+subdirectories, files taken in sorted order (subdirectories of a class included). val/ and test/
+may be left out: the set then has no test split, and --val-split holds out part of train/ instead.
+This reader holds every image in memory, all of one size; photos of any size are photos.py's
+(--image-size), streamed.
 
 Every image must have one size. Modes follow torchvision's loader, which converts every image to
 RGB: an alpha channel is dropped, a palette expanded, grey repeated in three channels; but a folder
@@ -120,7 +122,8 @@ def _headers(Image, files) -> tuple[tuple[int, int], bool]:
                 size, first = image.size, file
             elif image.size != size:
                 raise DataError(f"{file}: {image.size[0]}x{image.size[1]}; expected every image {size[0]}x{size[1]}, "
-                                f"as {first} (resize them to one size)")
+                                f"as {first} (resize them to one size, or give --image-size S to resize and "
+                                f"crop photos of any size to S x S as they stream)")
             grey = grey and image.mode in GREY_MODES
     return size, grey
 
@@ -146,15 +149,17 @@ def _decode(Image, files, size, mode: str) -> tuple[np.ndarray, np.ndarray]:
 def load_image_folder(path: str | os.PathLike) -> DataSet:
     root = Path(path)
     if not is_image_folder(root):
-        raise DataError(f"{root}: expected an image folder with train/<class>/ (and test/<class>/) directories")
+        raise DataError(f"{root}: expected an image folder with train/<class>/ (and val/<class>/ or test/<class>/) "
+                        f"directories")
     Image = _pillow(root)
     classes, train_files = _listing(root / "train", None, MAX_IMAGES)
     test_files = []
-    if (root / "test").is_dir():
-        _, test_files = _listing(root / "test", classes, MAX_IMAGES - len(train_files))
+    split = next((s for s in ("val", "test") if (root / s).is_dir()), None)
+    if split is not None:
+        _, test_files = _listing(root / split, classes, MAX_IMAGES - len(train_files))
         if not test_files:
-            raise DataError(f"{root / 'test'}: no images; expected test/<class>/*.png|jpg|jpeg (or no test/ at all, "
-                            f"with --val-split)")
+            raise DataError(f"{root / split}: no images; expected {split}/<class>/*.png|jpg|jpeg (or neither val/ "
+                            f"nor test/, with --val-split)")
     size, grey = _headers(Image, train_files + test_files)
     mode = "L" if grey else "RGB"
     count = len(train_files) + len(test_files)

@@ -181,9 +181,55 @@ def _inception_small(width, classes):
     return g
 
 
+def _imagenet_resnet(width, classes, blocks, bottleneck):
+    """torchvision's ImageNet ResNet (He et al. 2016; v1.5, the stride on the 3x3 conv of a
+    bottleneck): a 7x7 stride-2 stem conv, BatchNorm, ReLU and a 3x3 stride-2 max-pool, then four
+    stages of `blocks` basic or bottleneck blocks at widths 64, 128, 256, 512 (a bottleneck's output
+    4x that), each stage after the first halving the map, a global average pool and the
+    classifier. Nodes are named as torchvision names its modules, so the state_dict keys are
+    torchvision's own (conv1.weight, bn1.running_mean, layer1.0.downsample.0.weight, fc.bias)."""
+    g = _Graph()
+    stem = _scaled(64, width)
+    x = g.conv_bn_relu("", INPUT_NAME, stem, 7, 2, conv="conv1", bn="bn1")
+    x = g.node("maxpool", Pool("max", 3, stride=2, padding=1), x)
+    cin = stem
+    expansion = 4 if bottleneck else 1
+    for stage, (channels, count) in enumerate(zip((64, 128, 256, 512), blocks), start=1):
+        planes = _scaled(channels, width)
+        out = planes * expansion
+        for b in range(count):
+            stride = 2 if stage > 1 and b == 0 else 1
+            p = f"layer{stage}.{b}."
+            if bottleneck:
+                h = g.conv_bn_relu(p, x, planes, 1, conv="conv1", bn="bn1")
+                h = g.conv_bn_relu(p, h, planes, 3, stride, conv="conv2", bn="bn2")
+                h = g.conv_bn_relu(p, h, out, 1, relu=False, conv="conv3", bn="bn3")
+            else:
+                h = g.conv_bn_relu(p, x, planes, 3, stride, conv="conv1", bn="bn1")
+                h = g.conv_bn_relu(p, h, planes, 3, relu=False, conv="conv2", bn="bn2")
+            skip = x
+            if stride != 1 or cin != out:
+                skip = g.node(p + "downsample.0", Conv(out, 1, stride, bias=False), x)
+                skip = g.node(p + "downsample.1", BatchNorm(), skip)
+            x = g.node(p + "relu_out", ReLU(), g.node(p + "add", Add(), h, skip))
+            cin = out
+    x = g.node("avgpool", GlobalPool("avg"), x)
+    x = g.node("flatten", Flatten(), x)
+    g.node("fc", Linear(classes), x)
+    return g
+
+
+def _resnet34(width, classes):
+    return _imagenet_resnet(width, classes, (3, 4, 6, 3), bottleneck=False)
+
+
+def _resnet50(width, classes):
+    return _imagenet_resnet(width, classes, (3, 4, 6, 3), bottleneck=True)
+
+
 PRESETS = {"paper": _paper, "lenet5": _lenet5, "cifar10-quick": _cifar10_quick, "vgg-small": _vgg_small,
            "vgg-small-bn": _vgg_small_bn, "airbench94": _airbench94, "resnet9": _resnet9, "resnet18": _resnet18,
-           "inception-small": _inception_small}
+           "inception-small": _inception_small, "resnet34": _resnet34, "resnet50": _resnet50}
 
 
 def preset(name, input_shape, classes, width=1.0):

@@ -5,6 +5,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from hetconv.data.batches import parse_augment
+from hetconv.data.photos import MAX_IMAGE_SIZE
 from hetconv.devices.cpu import CONV_PATHS as CPU_CONV_PATHS, PRECISIONS
 from hetconv.engine.costmodel import parse_bandwidth
 from hetconv.engine.planner import POLICIES, check_parallel
@@ -17,7 +18,7 @@ from hetconv.transport.wire import check_wire_dtype
 from hetconv.update import OPTIMIZERS, parse_no_decay
 
 # the fields that fix the network's shape: a checkpoint resumes only into the same ones
-NETWORK_FIELDS = ("net", "conv", "fc", "ksize", "padding", "crop")
+NETWORK_FIELDS = ("net", "conv", "fc", "ksize", "padding", "crop", "image_size")
 
 
 PAPER_FAMILY_DEFAULTS = {"conv": "500,1500", "fc": "256", "ksize": 5, "padding": 0}
@@ -32,15 +33,25 @@ def option(default, help):
 class Config:
     # data and network
     data: str = option("synthetic", "'synthetic' (built in), or a path: CIFAR-10/100 (python format, dir or .tar.gz), a dir of "
-                                    "MNIST-style IDX files, an image folder (ROOT/train/CLASS/*.png, ROOT/test/...), a .npz")
+                                    "MNIST-style IDX files, an image folder (ROOT/train/CLASS/*.jpg, ROOT/val/... or "
+                                    "ROOT/test/...; photos of any size with --image-size), a .npz")
+    image_size: int = option(0, "an image folder of photos of any size (JPEG, PNG, WebP): the network's input size S; "
+                                "photos are decoded as they stream, resized and cropped to S x S (training: see "
+                                "--augment; evaluation: the shorter side to round(S/0.875), then the center). 0: an "
+                                "image folder's images all have one size and are held in memory")
+    bad_images: str = option("fail", "photos that cannot be read (truncated, corrupt, 16-bit, decompression bombs, "
+                                     "files that are not photos, empty class directories): 'fail' refuses the folder "
+                                     "naming them; 'skip' leaves them out and says how many")
+    loader_workers: int = option(0, "processes that decode a photo folder's batches (0: auto: the cores the compute "
+                                    "leaves, at least 1; the run says what it chose)")
     val_split: float = option(0.0, "for a data set with no test split (an image folder without test/, a .npz without "
                                    "x_test): hold out this fraction of the training images, per class and picked by "
                                    "--seed, as its test split (0: off; refused for a data set that has a test split)")
     synthetic_train: int = option(5000, "images in the built-in training set")
     synthetic_test: int = option(1000, "images in the built-in test set")
-    crop: int = option(0, "center-crop images to crop x crop (0: the data set's whole images)")
+    crop: int = option(0, "center-crop images to crop x crop, at most their size (0: the data set's whole images)")
     net: str = option("", "the network: a preset (paper, lenet5, cifar10-quick, vgg-small, vgg-small-bn, airbench94, "
-                          "resnet9, resnet18, inception-small; NAME@WIDTH scales its widths), a .json file of layers "
+                          "resnet9, resnet18, inception-small, and ImageNet's resnet34, resnet50; NAME@WIDTH scales its widths), a .json file of layers "
                           "or nodes, or FILE.py:FUNCTION returning a PyTorch module, sequential or traceable with "
                           "residual sums and concatenations (its weights are the starting weights); '': the paper "
                           "family that --conv, --fc, --ksize and --padding describe")
@@ -122,7 +133,9 @@ class Config:
     eval_batches: int = option(0, "test batches each evaluation reads (0: the whole test set)")
     eval_every: int = option(1, "evaluate on the test set every N epochs, and at the end (0: only at the end)")
     augment: str = option("", "training images: a comma list of crop (a random crop of the image padded by 4 "
-                              "pixels) and flip (a random horizontal flip); '' for none")
+                              "pixels), flip (a random horizontal flip) and, for a photo folder, random-resized-crop "
+                              "(torchvision's RandomResizedCrop: 8 to 100 percent of the area, ratio 3/4-4/3); '' for none "
+                              "(a photo folder: the shorter side resized to --image-size, then the center)")
 
     def conv_kernels(self):
         return parse_int_list("--conv", self.conv, allow_empty=False)
@@ -133,6 +146,13 @@ class Config:
     def augment_kinds(self):
         """--augment as a tuple of kinds, each once, in the order given."""
         return parse_augment(self.augment)
+
+    def dataset_options(self):
+        """load_dataset's keywords for this run's --data."""
+        synthetic = self.data == "synthetic"
+        return {"seed": self.seed, "n_train": self.synthetic_train if synthetic else None,
+                "n_test": self.synthetic_test if synthetic else None, "val_split": self.val_split,
+                "image_size": self.image_size, "bad_images": self.bad_images}
 
     def image_shape(self):
         c, h, w = IMAGE_SHAPE
@@ -201,7 +221,8 @@ class Config:
                   ("--keep-checkpoints", self.keep_checkpoints, 1),
                   ("--synthetic-train", self.synthetic_train, 1), ("--synthetic-test", self.synthetic_test, 1),
                   ("--eval-batches", self.eval_batches, 0), ("--eval-every", self.eval_every, 0),
-                  ("--crop", self.crop, 0),
+                  ("--crop", self.crop, 0), ("--image-size", self.image_size, 0),
+                  ("--loader-workers", self.loader_workers, 0),
                   ("--rebalance-after", self.rebalance_after, 0), ("--micro-batches", self.micro_batches, 0),
                   ("--snapshot-every", self.snapshot_every, 0), ("--min-workers", self.min_workers, 1),
                   ("--seed", self.seed, 0)]
@@ -211,8 +232,14 @@ class Config:
         if self.rebalance_after == 1:
             raise ValueError("--rebalance-after must be 0 (never) or at least 2: step 1 pays for growing buffers "
                              "and is not measured")
-        if self.crop > 32:
-            raise ValueError(f"--crop must be at most the image size 32, got {self.crop}")
+        if self.image_size and self.crop > self.image_size:
+            raise ValueError(f"--crop {self.crop} is larger than --image-size {self.image_size}")
+        if self.image_size > MAX_IMAGE_SIZE:
+            raise ValueError(f"--image-size must be at most {MAX_IMAGE_SIZE}, got {self.image_size}")
+        if "random-resized-crop" in self.augment_kinds() and not self.image_size:
+            raise ValueError("--augment random-resized-crop applies to a photo folder: give --image-size S")
+        if self.bad_images not in ("fail", "skip"):
+            raise ValueError(f"--bad-images must be 'fail' or 'skip', got {self.bad_images!r}")
         if not self.lr > 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
         if not 0 <= self.val_split < 1:

@@ -9,7 +9,9 @@ import time
 import numpy as np
 from tqdm.auto import tqdm
 
-from hetconv.data import batches, load_dataset, test_batches
+from hetconv.data import load_dataset, test_batches
+from hetconv.data.loader import open_loader
+from hetconv.data.photos import bad_list
 from hetconv.devices.cpu import HostArrays
 from hetconv.engine.contract import WorkerLost, micro_choice_record, mode_choice_record, moved_bytes, wire_record
 from hetconv.engine.conv_precision import PrecisionReport, precision_line
@@ -112,7 +114,7 @@ class _StopRequests:
 # What a resumed run takes from its checkpoint's config unless given again on the command line:
 # the run itself (its data, network, recipe, step target, evaluation and checkpointing). The rest
 # (devices, threads, the split, links, where metrics go) belongs to the machines of this start.
-RESUMED_FIELDS = ("data", "synthetic_train", "synthetic_test", "val_split", "crop", "net", "conv", "ksize", "padding", "fc",
+RESUMED_FIELDS = ("data", "synthetic_train", "synthetic_test", "val_split", "crop", "image_size", "bad_images", "net", "conv", "ksize", "padding", "fc",
                   "epochs", "steps", "batch_size", "lr", "optimizer", "momentum", "nesterov", "betas", "eps",
                   "weight_decay", "no_decay", "schedule", "warmup_steps", "milestones", "gamma", "min_lr",
                   "label_smoothing", "clip_grad_norm", "bn_ghost_batch", "seed", "augment",
@@ -299,7 +301,7 @@ def network_for(cfg, ds, resume=None):
     when resuming (`resume`: checkpoint.Loaded) with the checkpoint's own network flags, the
     network the checkpoint holds, which `ds` must fit (its images and classes): raises
     CheckpointError naming --data where it does not."""
-    input_shape = cfg.input_shape(ds.train_x.shape[1:])
+    input_shape = cfg.input_shape(ds.image_shape)
     meta = resume.meta if resume is not None else None
     if meta is not None and "network" in meta:
         saved_cfg = Config.from_json(meta["config"])
@@ -354,12 +356,13 @@ class Evaluation:
     images: int
 
 
-def evaluate(net, ds, batch_size, max_batches=0, crop=0, stop=None, progress=None):
+def evaluate(net, ds, batch_size, max_batches=0, crop=0, stop=None, progress=None, loader=None):
     """-> an Evaluation on the test set (its first `max_batches` batches, 0: all of it), or None
-    when `stop` (a _StopRequests) asks to stop first. `progress(images)` is called after each batch."""
+    when `stop` (a _StopRequests) asks to stop first. `progress(images)` is called after each batch.
+    `loader`: the run's (data.loader), whose processes decode a photo folder's test batches."""
     correct = seen = 0
     loss = 0.0
-    for i, (x, y) in enumerate(test_batches(ds, batch_size)):
+    for i, (x, y) in enumerate(test_batches(ds, batch_size) if loader is None else loader.test_batches(batch_size)):
         if max_batches and i >= max_batches:
             break
         if stop is not None and stop.requested:
@@ -398,9 +401,15 @@ def train(cfg, engine, log=print, resume=None, metrics_extra=None, dataset=None,
     saved instead. `network`: a hetconv.net LoadedNet, when the caller made it already (else
     network_for). Returns a summary dict."""
     metrics = MetricsWriter(cfg.metrics, append=bool(resume))
+    opened = []                                  # the data loader, once _train opens it
     try:
-        return _train(cfg, engine, log, resume, metrics, metrics_extra or {}, dataset, stop_grace, network)
+        return _train(cfg, engine, log, resume, metrics, metrics_extra or {}, dataset, stop_grace, network, opened)
     finally:
+        for loader in opened:
+            loader.close()
+            if getattr(loader, "skipped", None):
+                log(f"--bad-images skip: {len(loader.skipped)} photos failed to decode during the run and were "
+                    f"replaced in their batches by others of the batch: {bad_list(loader.skipped)}")
         metrics.close()
 
 
@@ -429,6 +438,7 @@ class _Run:
         self.evaluated = {}                     # step -> Evaluation recorded at that step
         self.augment = cfg.augment_kinds()
         self.recipe = Recipe(cfg, total_steps)  # each step's update: optimizer, schedule, clipping
+        self.loader = None                      # the data's (data.loader): set by _train, which closes it
 
     # ---- the steps ---------------------------------------------------------------------------------
     def advance(self, stop):
@@ -459,17 +469,22 @@ class _Run:
             epoch = self.step // self.steps_per_epoch
             # the epoch's order and augmentation depend only on (seed, epoch, batch), so a resumed or
             # replaying run sees the same batches; the next batch is made while this step runs
-            order_rng = np.random.default_rng([cfg.seed, epoch])
-            for x, y in batches(self.ds, cfg.batch_size, order_rng, augment=self.augment, seed=cfg.seed, epoch=epoch,
-                                start=self.step % self.steps_per_epoch, prefetch=True):
-                joined = self.one_step(epoch, x, y)
+            # (a photo folder's loader processes decode ahead the same way)
+            batches = self.loader.epoch(epoch, start=self.step % self.steps_per_epoch)
+            while True:
+                waited = time.perf_counter()
+                x, y = next(batches, (None, None))
+                waited = time.perf_counter() - waited            # the seconds this step waited for its data
+                if x is None:
+                    break
+                joined = self.one_step(epoch, x, y, waited)
                 if joined is not None:
                     return joined
                 self.evaluate_if_due(stop)
                 if self.step >= self.total_steps or stop.requested:
                     break
 
-    def one_step(self, epoch, x, y):
+    def one_step(self, epoch, x, y, data_wait_s=0.0):
         cfg = self.cfg
         if self.precision_due:
             self.count_precision()
@@ -486,7 +501,8 @@ class _Run:
         self.step_times.append(dt)
         clipped = {"grad_scale": result.grad_scale} if rule.max_norm else {}
         self.metrics.write("step", step=step, epoch=epoch, loss=result.loss, accuracy=result.correct / len(y),
-                           lr=rule.lr, **clipped, step_s=dt, images_per_s=len(y) / dt, workers=self.engine.step_stats())
+                           lr=rule.lr, **clipped, step_s=dt, data_wait_s=round(data_wait_s, 6), images_per_s=len(y) / dt,
+                           workers=self.engine.step_stats())
         self.precision_counted = False
         if self.precision_due:          # the paths this plan's shapes run are chosen by now
             self.report_precision()
@@ -522,7 +538,8 @@ class _Run:
         bar = tqdm(total=total, unit="img", desc=f"test set at step {step}", leave=False, dynamic_ncols=True,
                    disable=None)
         try:
-            result = evaluate(self.net, self.ds, cfg.batch_size, cfg.eval_batches, cfg.crop, stop, bar.update)
+            result = evaluate(self.net, self.ds, cfg.batch_size, cfg.eval_batches, cfg.crop, stop, bar.update,
+                              loader=self.loader)
         finally:
             bar.close()
         if result is None:
@@ -711,12 +728,10 @@ def _run_given_plan(cfg, engine, plan, micro_batches, source, log):
     return cfg
 
 
-def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loaded):
+def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loaded, opened):
     t_setup = time.perf_counter()
     if ds is None:
-        ds = load_dataset(cfg.data, seed=cfg.seed,
-                          n_train=cfg.synthetic_train if cfg.data == "synthetic" else None,
-                          n_test=cfg.synthetic_test if cfg.data == "synthetic" else None, val_split=cfg.val_split)
+        ds = load_dataset(cfg.data, **cfg.dataset_options())
     for note in ds.notes:                     # what the loader inferred (classes) or did (a held-out test split)
         log(note)
     resume = load_resume(resume)
@@ -790,6 +805,9 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
         log(f"feature maps and gradients between layers: {wire['wire']['dtype']} ({wire['wire']['reason']})")
     metrics.write("plan", **plan.to_json(), **choice, **micro_choice_record(engine), **wire)
     run = _Run(cfg, engine, net, elastic, ds, specs, start_step, total_steps, steps_per_epoch, log, metrics)
+    # the photo loader's processes end with the run, however it ends (train's finally closes it)
+    run.loader = open_loader(ds, cfg.batch_size, run.augment, cfg.seed, cfg.loader_workers, log)
+    opened.append(run.loader)
     if cfg.precision == "auto":
         run.precision = PrecisionReport(specs, input_shapes)
         if engine.calibration:          # the workers' choices at calibration; the first step's follow

@@ -192,10 +192,16 @@ def load_test_data(model, spec=None):
     if spec == "synthetic":
         options = {"seed": int(config.get("seed", 0)), "n_train": config.get("synthetic_train"),
                    "n_test": config.get("synthetic_test")}
+    photos = model.data.get("photos")
+    if isinstance(photos, dict):
+        # a photo folder: decoded with the run's evaluation transform to its --image-size, and its
+        # --bad-images policy (a folder it skipped files of is read again the same way)
+        options["image_size"] = int(photos.get("image_size") or model.data["image_shape"][1])
+        options["bad_images"] = config.get("bad_images", "fail")
     try:
         if spec == config.get("data") and config.get("val_split"):
             # the run held out part of its training images as the test split: the same part again
-            options = {"seed": int(config.get("seed", 0)), "val_split": float(config["val_split"])}
+            options.update({"seed": int(config.get("seed", 0)), "val_split": float(config["val_split"])})
         ds = load_dataset(spec, **{k: v for k, v in options.items() if v is not None})
     except (ValueError, OSError) as e:
         raise ModelError(f"--data {spec}: {e}") from None

@@ -1,0 +1,299 @@
+"""The streaming loader: a photo folder's batches decoded in loader processes, a bounded number of
+batches ahead of the step, passed back as uint8 through one shared-memory block; and the same
+interface over the in-memory sets (batches.py), so the training loop has one way to ask.
+
+    loader = open_loader(ds, batch_size, augment, seed, workers)   # InMemory or Photo
+    for x, y in loader.epoch(epoch, start=step_in_epoch): ...     # float32 (B, C, H, W), int64 (B,)
+    for x, y in loader.test_batches(): ...
+    loader.close()                                                  # every process ended, the block freed
+
+An epoch's order is a full permutation of the training files from np.random.default_rng([seed,
+epoch]) (what batches.py draws for an in-memory set), and each photo's random choices come from
+(seed, epoch, its position), so a resumed or replaying run sees the same images at the same steps,
+whichever process decoded them.
+
+Nothing waits without a deadline: a loader process that dies, or one that fails to decode a
+photo with --bad-images fail, ends the epoch with a DataError naming it; with skip, a photo that
+fails mid-run is replaced in its batch by the batch's next good photo (label and all), and named.
+A loader process exits on a None task, and on its own when the parent process is gone.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import signal
+import time
+from multiprocessing import shared_memory
+
+import numpy as np
+
+from hetconv.data.base import DataError
+from hetconv.data.batches import _check_augment, batches, test_batches
+from hetconv.data.photos import BadImage, FileImages, eval_image, image_rng, train_image
+
+POLL_S = 0.2                  # how often a wait checks that the loader processes are alive
+MAX_AUTO_WORKERS = 8
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def auto_workers(cores: int | None = None) -> int:
+    """The loader processes when --loader-workers is 0: a quarter of the usable cores (at most
+    MAX_AUTO_WORKERS, at least 1): the other three quarters are left to the conv and head compute,
+    which a decoded batch is worth nothing without."""
+    return max(1, min(MAX_AUTO_WORKERS, (cores or usable_cores()) // 4))
+
+
+def open_loader(ds, batch_size: int, augment=(), seed: int = 0, workers: int = 0, log=None, prefetch: int = 0):
+    """The loader of data set `ds`: PhotoLoader for a photo folder (its processes started now, `log`
+    told how many), else InMemoryLoader."""
+    if isinstance(ds.train_x, FileImages):
+        chosen = workers or auto_workers()
+        loader = PhotoLoader(ds, batch_size, augment, seed, chosen, prefetch=prefetch)
+        if log is not None:
+            why = "--loader-workers" if workers else (f"auto: a quarter of the {usable_cores()} usable cores, the rest left "
+                                                      f"to the compute; --loader-workers sets it")
+            log(f"photo loader: {chosen} process{'es' if chosen > 1 else ''} ({why}), {loader.slots} batches of "
+                f"{batch_size} ahead in shared memory ({loader.shm.size / 2 ** 20:.1f} MB)")
+        return loader
+    return InMemoryLoader(ds, batch_size, augment, seed)
+
+
+class InMemoryLoader:
+    """batches.py's epochs over a set held in memory, behind the loader's interface."""
+
+    def __init__(self, ds, batch_size, augment=(), seed=0):
+        self.ds, self.batch_size, self.augment, self.seed = ds, batch_size, tuple(augment), seed
+
+    def epoch(self, epoch, start=0):
+        return batches(self.ds, self.batch_size, np.random.default_rng([self.seed, epoch]), augment=self.augment,
+                       seed=self.seed, epoch=epoch, start=start, prefetch=True)
+
+    def test_batches(self, batch_size=None):
+        return test_batches(self.ds, batch_size or self.batch_size)
+
+    def close(self):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _serve(shm_name, slots_shape, size, augment, seed, skip, tasks, results):
+    """A loader process: decode each task's photos into its slot of the shared block, then say so."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)         # Ctrl-C is the parent's to handle; it ends us
+    block = shared_memory.SharedMemory(name=shm_name)
+    slots = None
+    try:
+        slots = np.ndarray(slots_shape, np.uint8, block.buf)
+        parent = mp.parent_process()
+        while True:
+            try:
+                task = tasks.get(timeout=1.0)
+            except queue.Empty:
+                if parent is not None and not parent.is_alive():
+                    return                                 # the parent died without telling us
+                continue
+            if task is None:
+                return
+            tag, slot, paths, epoch, first = task
+            out = slots[slot]
+            failed = []
+            for k, path in enumerate(paths):
+                try:
+                    if epoch is None:
+                        out[k] = eval_image(path, size)
+                    else:
+                        out[k] = train_image(path, size, augment, image_rng(seed, epoch, first + k))
+                except BadImage as e:
+                    failed.append((k, path, str(e)))
+                except Exception as e:                     # anything else names the photo too
+                    failed.append((k, path, f"{type(e).__name__}: {e}"))
+            if failed and (not skip or len(failed) == len(paths)):
+                results.put((tag, "error", failed))
+                continue
+            taken = {}                                     # position -> the good position it copies
+            bad = {k for k, _, _ in failed}
+            for k, _, _ in failed:
+                src = next(j % len(paths) for j in range(k + 1, k + len(paths)) if j % len(paths) not in bad)
+                out[k] = out[src]
+                taken[k] = src
+            results.put((tag, "ok", (taken, failed)))
+    finally:
+        del slots
+        block.close()
+
+
+class PhotoLoader:
+    """`workers` loader processes decoding a photo folder's batches into `slots` shared-memory
+    batch buffers; at most `slots` batches are decoded ahead of the one the step takes. Memory is
+    slots x batch x 3 x S x S bytes and the paths, whatever the number of photos."""
+
+    def __init__(self, ds, batch_size, augment=(), seed=0, workers=1, prefetch=0, skip=None):
+        self.ds, self.batch_size, self.seed = ds, batch_size, seed
+        self.augment = _check_augment(augment, photos=True)
+        self.files = ds.train_x.files
+        self.size = ds.train_x.size
+        self.skip = ds.bad_images == "skip" if skip is None else skip
+        self.slots = prefetch or max(2, 2 * workers)
+        self.workers = []
+        self.shm = None
+        self._tag = 0
+        self._busy = {}                     # slot -> tag of the task decoding into it
+        self._done = {}                     # tag -> (status, payload) arrived before it was waited for
+        self.skipped = []                   # (path, why) of photos replaced mid-run
+        shape = (self.slots, batch_size, 3, self.size, self.size)
+        self.shm = shared_memory.SharedMemory(create=True, size=max(1, int(np.prod(shape))))
+        self.buffers = np.ndarray(shape, np.uint8, self.shm.buf)
+        ctx = mp.get_context("spawn")       # no fork of a process that holds sockets and BLAS threads
+        self.tasks, self.results = ctx.Queue(), ctx.Queue()
+        try:
+            for i in range(workers):
+                p = ctx.Process(target=_serve, name=f"hetconv-loader-{i}", daemon=True,
+                                args=(self.shm.name, shape, self.size, self.augment, seed, self.skip,
+                                      self.tasks, self.results))
+                p.start()
+                self.workers.append(p)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- tasks and results -------------------------------------------------------------------
+    def _submit(self, slot, paths, epoch, first):
+        self._tag += 1
+        self._busy[slot] = self._tag
+        self.tasks.put((self._tag, slot, paths, epoch, first))
+        return self._tag
+
+    def _check_alive(self):
+        for p in self.workers:
+            if not p.is_alive():
+                raise DataError(f"photo loader process {p.name} (pid {p.pid}) exited with code {p.exitcode} "
+                                f"while decoding batches; the run cannot go on without it")
+
+    def _wait(self, tag):
+        """The result of task `tag` (others that arrive first are kept for their own wait)."""
+        done = self._done
+        while tag not in done:
+            try:
+                got, status, payload = self.results.get(timeout=POLL_S)
+            except queue.Empty:
+                self._check_alive()
+                continue
+            done[got] = (status, payload)
+        return done.pop(tag)
+
+    def _drain(self):
+        """Wait for every task still decoding (a generator left early), dropping its result."""
+        for slot, tag in list(self._busy.items()):
+            self._wait(tag)
+            del self._busy[slot]
+
+    def _batches(self, jobs, epoch, labels_of):
+        """Yield (x float32, y int64) of each job (paths, first position, labels), in order, with
+        up to `slots` jobs decoding ahead."""
+        self._drain()
+        free = list(range(self.slots))
+        pending = []                                    # (tag, slot, labels) in job order
+        jobs = iter(jobs)
+
+        def fill():
+            while free:
+                job = next(jobs, None)
+                if job is None:
+                    return
+                paths, first, labels = job
+                slot = free.pop(0)
+                pending.append((self._submit(slot, paths, epoch, first), slot, labels))
+
+        fill()
+        while pending:
+            tag, slot, labels = pending.pop(0)
+            status, payload = self._wait(tag)
+            del self._busy[slot]
+            if status == "error":
+                free.append(slot)
+                k, path, why = payload[0]
+                more = f" (and {len(payload) - 1} more in its batch)" if len(payload) > 1 else ""
+                hint = "" if self.skip else "; --bad-images skip replaces such a photo in its batch and goes on"
+                raise DataError(f"{path}: {why}{more}: a loader could not decode it{hint}")
+            taken, failed = payload
+            y = labels.copy()
+            for k, src in taken.items():
+                y[k] = labels[src]
+            self.skipped += [(path, why) for _, path, why in failed]
+            x = self.ds.normalize(self.buffers[slot, :len(labels)])     # a copy: the slot is free again
+            free.append(slot)
+            fill()
+            yield x, y
+
+    # ---- the interface -------------------------------------------------------------------------
+    def epoch(self, epoch, start=0):
+        """Epoch `epoch` from its batch `start`: full batches only (drop_last), as batches.py."""
+        n, b = len(self.files), self.batch_size
+        if b > n:
+            raise ValueError(f"batch_size {b} is larger than the {n} training photos of {self.ds.name!r}")
+        order = np.random.default_rng([self.seed, epoch]).permutation(n)
+        train_y = self.ds.train_y
+
+        def jobs():
+            for i in range(start, n // b):
+                idx = order[i * b:(i + 1) * b]
+                yield [self.files[j] for j in idx], i * b, train_y[idx]
+        return self._batches(jobs(), epoch, train_y)
+
+    def test_batches(self, batch_size=None):
+        """Every evaluation photo once, in order, with evaluation's transform; the last batch may
+        be smaller."""
+        b = min(batch_size or self.batch_size, self.batch_size)
+        files, labels = self.ds.test_x.files, self.ds.test_y
+
+        def jobs():
+            for s in range(0, len(files), b):
+                yield files[s:s + b], s, labels[s:s + b]
+        return self._batches(jobs(), None, labels)
+
+    def close(self, timeout=5.0):
+        """Every loader process told to stop and joined (terminated, then killed, past `timeout`),
+        the queues closed and the shared block freed. Safe to call twice."""
+        for _ in self.workers:
+            try:
+                self.tasks.put(None)
+            except (ValueError, OSError):
+                break
+        deadline = time.monotonic() + timeout
+        for p in self.workers:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.terminate()
+                p.join(1.0)
+            if p.is_alive():
+                p.kill()
+                p.join(1.0)
+        self.workers = []
+        for q in (getattr(self, "tasks", None), getattr(self, "results", None)):
+            if q is not None:
+                q.close()
+                q.cancel_join_thread()
+        if self.shm is not None:
+            self.buffers = None
+            self.shm.close()
+            self.shm.unlink()
+            self.shm = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        if getattr(self, "shm", None) is not None:
+            self.close(timeout=1.0)

@@ -1,0 +1,284 @@
+"""Photo folders (ImageNet's layout, photos of any size, streamed): the listing and its bad files,
+torchvision's transforms, the loader processes and hetconv-data. Folders are a few tiny photos
+written here, one bad file a test."""
+import math
+import os
+
+import numpy as np
+import pytest
+
+Image = pytest.importorskip("PIL.Image", reason="photo folders are an optional extra (pip install 'hetconv[images]')")
+
+from hetconv.data import DataError, load_dataset  # noqa: E402
+from hetconv.data import photos  # noqa: E402
+from hetconv.data.photos import (eval_image, random_resized_box, resize_box, train_batch)  # noqa: E402
+from hetconv.training.config import Config  # noqa: E402
+
+CLASSES = ("cat", "dog", "eel")
+
+
+def write_photos(root, per_class=(4, 2), split="val", seed=0, size_range=(18, 60)):
+    """ROOT/train/<class>/ and ROOT/<split>/<class>/: photos of random sizes and formats (JPEG,
+    PNG, WebP; RGB, grey, palette, RGBA). Returns the paths written, in listing order."""
+    rng = np.random.default_rng(seed)
+    written = []
+    for name, count in zip(("train", split), per_class):
+        for c in CLASSES:
+            os.makedirs(root / name / c)
+            for i in range(count):
+                w, h = (int(v) for v in rng.integers(*size_range, 2))
+                image = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+                kind = i % 4
+                if kind == 0:
+                    path = root / name / c / f"{i}.jpg"
+                    image.save(path, quality=90)
+                elif kind == 1:
+                    path = root / name / c / f"{i}.png"
+                    image.convert("L").save(path)
+                elif kind == 2:
+                    path = root / name / c / f"{i}.webp"
+                    image.save(path)
+                else:
+                    path = root / name / c / f"{i}.png"
+                    image.convert("P").save(path)
+                written.append(str(path))
+    return written
+
+
+def reference_eval(path, size):
+    """torchvision's Resize(round(size / 0.875)) then CenterCrop(size), step by step in Pillow."""
+    resize = round(size / 0.875)
+    with Image.open(path) as im:
+        im = im.convert("RGB")
+        w, h = im.size
+        rw, rh = (resize, int(resize * h / w)) if w <= h else (int(resize * w / h), resize)
+        im = im.resize((rw, rh), Image.BILINEAR)
+        top, left = int(round((rh - size) / 2.0)), int(round((rw - size) / 2.0))
+        return np.asarray(im.crop((left, top, left + size, top + size))).transpose(2, 0, 1)
+
+
+def test_a_photo_folder_lists_as_image_folder_and_evaluates_as_torchvision(tmp_path, monkeypatch):
+    written = write_photos(tmp_path / "pets")
+    (tmp_path / "pets/train/cat/3.png").write_bytes(b"")              # a bad file, found in a scan process
+    monkeypatch.setattr(photos, "PARALLEL_SCAN", 2)                    # headers checked in processes
+    monkeypatch.setattr(photos, "SCAN_CHUNK", 5)
+    with pytest.raises(DataError, match=r"1 bad file .*cat/3.png: an empty file"):
+        load_dataset(tmp_path / "pets", image_size=16)
+    monkeypatch.undo()
+    Image.new("P", (20, 30)).save(tmp_path / "pets/train/cat/3.png")
+    written[3] = str(tmp_path / "pets/train/cat/3.png")
+    ds = load_dataset(tmp_path / "pets", image_size=16)
+    assert ds.classes == CLASSES and ds.name == "pets" and ds.image_shape == (3, 16, 16)
+    assert ds.train_y.tolist() == [0] * 4 + [1] * 4 + [2] * 4 and ds.test_y.tolist() == [0, 0, 1, 1, 2, 2]
+    assert ds.train_x.files == written[:12] and ds.test_x.files == written[12:]
+    assert ds.mean == photos.IMAGENET_MEAN and ds.meta()["photos"] == {"image_size": 16, "eval_resize": 18}
+    x = ds.test_x[0:6]                                       # decoded now, with evaluation's transform
+    assert x.shape == (6, 3, 16, 16) and x.dtype == np.uint8
+    # one resize of the crop's box is a resize then a crop, to a rounding step (1 of 255); a JPEG
+    # too small for a reduced-scale decode as well
+    for i in range(4):                                       # JPEG, PNG grey, WebP, PNG palette
+        diff = ds.train_x[i].astype(int) - reference_eval(ds.train_x.files[i], 16)
+        assert np.abs(diff).max() <= 1 and np.abs(diff).mean() < 0.5, ds.train_x.files[i]
+
+
+def test_resize_and_center_crop_boxes_are_torchvisions():
+    # Resize(256) of 500x375 is 341x256; CenterCrop(224) starts at round(58.5) = 58, round(16) = 16
+    left, top, right, bottom = resize_box(500, 375, 256, 224)
+    assert (left, top) == pytest.approx((58 * 500 / 341, 16 * 375 / 256))
+    assert (right - left, bottom - top) == pytest.approx((224 * 500 / 341, 224 * 375 / 256))
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        w, h = (int(v) for v in rng.integers(20, 400, 2))
+        l, t, r, b = random_resized_box(w, h, rng)
+        assert 0 <= l < r <= w and 0 <= t < b <= h
+        area = (r - l) * (b - t) / (w * h)
+        if (r - l, b - t) != (w, h):
+            assert 0.07 <= area <= 1.0 and 3 / 4 - 0.1 <= (r - l) / (b - t) <= 4 / 3 + 0.1
+    # ten tries cannot fit a strip: the center crop, clamped to ratio 4/3
+    assert random_resized_box(1000, 10, rng) == (493, 0, 506, 10)
+    assert random_resized_box(10, 1000, rng) == (0, 493, 10, 506)
+
+
+def test_training_batches_depend_only_on_seed_epoch_and_position(tmp_path):
+    write_photos(tmp_path / "pets", per_class=(3, 1))
+    files = load_dataset(tmp_path / "pets", image_size=12).train_x.files
+    augment = ("random-resized-crop", "flip", "crop")
+    a = train_batch(files[:4], 12, augment, seed=1, epoch=2, first=8)
+    b = train_batch(files[2:4], 12, augment, seed=1, epoch=2, first=10)
+    np.testing.assert_array_equal(a[2:], b)
+    assert not np.array_equal(a, train_batch(files[:4], 12, augment, seed=1, epoch=3, first=8))
+    plain = train_batch(files[:1], 12, (), seed=0, epoch=0, first=0)      # Resize(12), CenterCrop(12)
+    big = photos.decode(files[0], 12, lambda w, h: resize_box(w, h, 12, 12), draft=False)
+    np.testing.assert_array_equal(plain[0], big)
+
+
+def test_a_large_jpeg_is_decoded_at_reduced_scale_close_to_a_full_decode(tmp_path):
+    rng = np.random.default_rng(1)
+    smooth = np.kron(rng.integers(0, 256, (30, 40, 3), dtype=np.uint8), np.ones((16, 16, 1), np.uint8))
+    Image.fromarray(smooth).save(tmp_path / "big.jpg", quality=95)          # 640x480
+    box_of = lambda w, h: resize_box(w, h, 73, 64)                          # noqa: E731
+    fast = photos.decode(str(tmp_path / "big.jpg"), 64, box_of).astype(int)
+    full = photos.decode(str(tmp_path / "big.jpg"), 64, box_of, draft=False).astype(int)
+    assert np.abs(fast - full).mean() < 4
+
+
+def test_flags_bound_crop_by_the_image_size_and_photo_only_options(tmp_path):
+    Config(crop=200, image_size=224, augment="random-resized-crop,flip").validate()
+    with pytest.raises(ValueError, match=r"--crop 240 is larger than --image-size 224"):
+        Config(crop=240, image_size=224).validate()
+    with pytest.raises(ValueError, match=r"random-resized-crop applies to a photo folder: give --image-size"):
+        Config(augment="random-resized-crop").validate()
+    with pytest.raises(ValueError, match=r"--bad-images must be 'fail' or 'skip'"):
+        Config(bad_images="ignore").validate()
+    with pytest.raises(DataError, match=r"--image-size 16 applies to an image folder"):
+        load_dataset("synthetic", image_size=16)
+    write_photos(tmp_path / "pets", per_class=(2, 1))
+    os.rename(tmp_path / "pets/val", tmp_path / "pets/elsewhere")
+    with pytest.raises(DataError, match=r"no val/ or test/ directory.*--val-split"):
+        load_dataset(tmp_path / "pets", image_size=16)
+    held = load_dataset(tmp_path / "pets", image_size=16, val_split=0.5)
+    assert len(held.test_y) == 3 and len(held.train_y) == 3 and held.test_x.shape == (3, 3, 16, 16)
+
+
+# ---------------------------------------------------------------------------------------------
+# The loader processes
+
+def _no_leftovers(loader):
+    assert loader.workers == [] and loader.shm is None
+
+
+def test_loader_processes_give_the_batches_one_process_makes_and_end_cleanly(tmp_path):
+    from hetconv.data.batches import batches
+    from hetconv.data.loader import PhotoLoader, open_loader
+    write_photos(tmp_path / "pets", per_class=(5, 2))
+    ds = load_dataset(tmp_path / "pets", image_size=12)
+    augment = ("random-resized-crop", "flip")
+    lines = []
+    loader = open_loader(ds, 4, augment, seed=3, workers=2, log=lines.append, prefetch=3)
+    assert isinstance(loader, PhotoLoader) and "photo loader: 2 processes (--loader-workers), 3 batches" in lines[0]
+    try:
+        name = loader.shm.name
+        for epoch, start in ((0, 0), (1, 2)):          # a resumed epoch starts at its batch
+            ours = list(loader.epoch(epoch, start=start))
+            theirs = list(batches(ds, 4, np.random.default_rng([3, epoch]), augment=augment, seed=3, epoch=epoch,
+                                  start=start))
+            assert len(ours) == len(theirs) == 3 - start
+            for (x, y), (x2, y2) in zip(ours, theirs):
+                np.testing.assert_array_equal(x, x2)
+                np.testing.assert_array_equal(y, y2)
+        abandoned = loader.epoch(2)
+        next(abandoned)                                # left with batches decoding ahead
+        tests = list(loader.test_batches(4))
+        assert [len(y) for _, y in tests] == [4, 2]
+        np.testing.assert_array_equal(tests[1][0], ds.normalize(ds.test_x[4:6]))
+        processes = list(loader.workers)
+    finally:
+        loader.close()
+    _no_leftovers(loader)
+    assert not any(p.is_alive() for p in processes)
+    from multiprocessing import shared_memory
+    with pytest.raises(FileNotFoundError):
+        shared_memory.SharedMemory(name=name)
+
+
+def test_a_photo_that_fails_in_a_loader_is_named_and_fails_or_is_replaced(tmp_path):
+    from hetconv.data.loader import PhotoLoader
+    write_photos(tmp_path / "pets", per_class=(2, 1))
+    ds = load_dataset(tmp_path / "pets", image_size=12)
+    broken = ds.train_x.files[4]
+    with open(broken, "wb") as f:                      # broken after the listing checked it
+        f.write(b"\xff\xd8\xff\xe0 gone")
+    with PhotoLoader(ds, 6, (), workers=1) as loader:
+        with pytest.raises(DataError, match=rf"{broken}: cannot be decoded: .*a loader could not decode it; "
+                                            rf"--bad-images skip replaces"):
+            list(loader.epoch(0))
+        assert len(list(loader.test_batches())) == 1              # the loader goes on after the error
+    _no_leftovers(loader)
+    with PhotoLoader(ds, 6, (), workers=1, skip=True) as loader:
+        (x, y), = list(loader.epoch(0))
+        order = np.random.default_rng([0, 0]).permutation(6)
+        k = int(np.flatnonzero(order == 4)[0])
+        src = (k + 1) % 6
+        np.testing.assert_array_equal(x[k], x[src])
+        assert y[k] == y[src] and loader.skipped == [(broken, loader.skipped[0][1])]
+    _no_leftovers(loader)
+
+
+def test_a_dead_loader_process_ends_the_epoch_with_an_error_not_a_hang(tmp_path):
+    import signal
+    import time
+    from hetconv.data.loader import PhotoLoader
+    write_photos(tmp_path / "pets", per_class=(4, 1))
+    ds = load_dataset(tmp_path / "pets", image_size=12)
+    with PhotoLoader(ds, 2, (), workers=1, prefetch=2) as loader:
+        batches = loader.epoch(0)
+        next(batches)
+        os.kill(loader.workers[0].pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(DataError, match=r"photo loader process hetconv-loader-0 .* exited with code -9"):
+            for _ in batches:
+                pass
+        assert time.monotonic() - started < 10
+    _no_leftovers(loader)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad photos, found at listing
+
+def test_bad_photos_are_named_at_listing_and_refused_or_left_out(tmp_path, monkeypatch):
+    write_photos(tmp_path / "pets", per_class=(2, 1), size_range=(18, 30))
+    train = tmp_path / "pets/train"
+    rng = np.random.default_rng(4)
+    image = Image.fromarray(rng.integers(0, 256, (40, 40, 3), dtype=np.uint8))
+    image.save(train / "cat/whole.jpg")
+    data = (train / "cat/whole.jpg").read_bytes()
+    (train / "cat/truncated.jpg").write_bytes(data[:len(data) // 2])
+    (train / "cat/empty.jpg").write_bytes(b"")
+    (train / "dog/corrupt.jpg").write_bytes(b"\xff\xd8\xff" + rng.bytes(200))
+    image.convert("CMYK").save(train / "dog/cmyk.jpg")                 # fine: converted to RGB
+    Image.fromarray(np.zeros((20, 24), np.uint16)).save(train / "dog/wide.png")
+    Image.new("RGB", (60, 60)).save(train / "eel/bomb.png")
+    (train / "eel/notes.txt").write_text("not a photo")
+    (train / "fox").mkdir()
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 3000)                # 60 x 60 is past it; 40 x 40 is not
+    with pytest.raises(DataError) as refused:
+        load_dataset(tmp_path / "pets", image_size=16)
+    said = str(refused.value)
+    assert said.startswith(f"{tmp_path / 'pets'}: 7 bad files (--bad-images skip leaves them out): ")
+    for name, why in (("cat/empty.jpg", "an empty file (0 bytes)"),
+                      ("cat/truncated.jpg", "a truncated JPEG (no end-of-image marker)"),
+                      ("dog/corrupt.jpg", "not a readable JPEG, PNG or WebP photo"),
+                      ("dog/wide.png", "mode I;16 (16-bit); expected 8 bits a channel"),
+                      ("eel/bomb.png", "a decompression bomb"),
+                      ("eel/notes.txt", "not a photo by its name"),
+                      ("fox", "an empty class directory")):
+        assert f"{train / name}: {why}" in said, (name, said)
+    assert "cmyk" not in said and "whole" not in said
+    monkeypatch.setattr(photos, "BAD_SHOWN", 2)
+    with pytest.raises(DataError, match=r"; and 5 more$"):
+        load_dataset(tmp_path / "pets", image_size=16)
+    ds = load_dataset(tmp_path / "pets", image_size=16, bad_images="skip")
+    assert ds.classes == CLASSES + ("fox",) and len(ds.train_y) == 6 + 2
+    assert any("--bad-images skip: left out 7 bad files" in note for note in ds.notes)
+    assert ds.train_x[ds.train_x.files.index(str(train / "dog/cmyk.jpg"))].shape == (3, 16, 16)
+
+
+# ---------------------------------------------------------------------------------------------
+# hetconv-data
+
+def test_hetconv_data_describes_a_photo_folder_and_times_its_loader(tmp_path, capsys):
+    from hetconv.cli import data
+    write_photos(tmp_path / "pets", per_class=(4, 2))
+    (tmp_path / "pets/val/dog/1.png").write_bytes(b"\x89PNG\r\n\x1a\n cut")
+    assert data.main([str(tmp_path / "pets")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"{tmp_path / 'pets'}: a photo folder of 3 classes: cat, dog, eel"
+    assert out[1:3] == ["  train/: 12 photos, 4 to 4 a class", "  val/: 5 photos, 1 to 2 a class"]
+    assert out[3].startswith("  shorter side: 0-63 px 17") and out[4] == "  formats: PNG 8, JPEG 6, WEBP 3"
+    assert out[5].startswith("  bad files: 1 (a run refuses the folder") and "val/dog/1.png: not a readable" in out[5]
+    assert data.main([str(tmp_path / "pets"), "--bench", "--image-size", "16", "--batch-size", "4",
+                      "--augment", "random-resized-crop,flip", "--loader-workers", "1", "--bad-images", "skip"]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("training loader: 2 batches of 4 in ") and last.endswith(" images/s")
+    assert data.main([str(tmp_path / "pets"), "--bench"]) == 2
+    assert "--bench on a folder of photos needs --image-size S" in capsys.readouterr().err
