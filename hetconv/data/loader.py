@@ -88,7 +88,10 @@ class InMemoryLoader:
 
 def _serve(shm_name, slots_shape, size, augment, seed, skip, tasks, results):
     """A loader process: decode each task's photos into its slot of the shared block, then say so."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)         # Ctrl-C is the parent's to handle; it ends us
+    # Ctrl-C and a SIGTERM to the process group are the parent's to handle: it checkpoints, then
+    # ends us (close(): a None task, then kill); a parent gone without that is noticed below
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     block = shared_memory.SharedMemory(name=shm_name)
     slots = None
     try:
@@ -261,7 +264,7 @@ class PhotoLoader:
         return self._batches(jobs(), None, labels)
 
     def close(self, timeout=5.0):
-        """Every loader process told to stop and joined (terminated, then killed, past `timeout`),
+        """Every loader process told to stop and joined (killed past `timeout`),
         the queues closed and the shared block freed. Safe to call twice."""
         for _ in self.workers:
             try:
@@ -272,10 +275,7 @@ class PhotoLoader:
         for p in self.workers:
             p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
-                p.terminate()
-                p.join(1.0)
-            if p.is_alive():
-                p.kill()
+                p.kill()                     # SIGTERM is ignored there (see _serve)
                 p.join(1.0)
         self.workers = []
         for q in (getattr(self, "tasks", None), getattr(self, "results", None)):
