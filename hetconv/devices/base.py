@@ -65,7 +65,8 @@ def conv_output_shape(x_shape, w_shape, stride=(1, 1), padding=(0, 0), dilation=
     dilation = as_pair("dilation", dilation, 1)
     kh, kw = dilated_size(kh, dilation[0]), dilated_size(kw, dilation[1])
     if h + 2 * padding[0] < kh or w + 2 * padding[1] < kw:
-        raise ValueError(f"kernel {kh}x{kw} (dilation {dilation!r}) does not fit input {h}x{w} with padding {padding!r}")
+        spread = "" if dilation == (1, 1) else f" (dilation {dilation!r})"
+        raise ValueError(f"kernel {kh}x{kw}{spread} does not fit input {h}x{w} with padding {padding!r}")
     ho = window_output_size(h, kh, stride[0], padding[0])
     wo = window_output_size(w, kw, stride[1], padding[1])
     return n, k, ho, wo
