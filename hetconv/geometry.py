@@ -6,7 +6,7 @@ A conv layer is a block: conv (kh x kw, any stride and zero padding) + bias, the
 (blocks, head, input shape, classes) is hetconv.net's NetSpec; this module sits below it and below
 the devices, which import ConvBlock from here.
 """
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
@@ -163,6 +163,28 @@ class ConvSpec:
         stops at multiples of this."""
         return self.kernels // self.block.groups
 
+    def whole_groups(self, k):
+        """`k` kernels rounded down to whole groups, at least one group: what a shard of a grouped
+        conv can hold (k itself for a conv of one group)."""
+        if self.block.groups == 1:
+            return int(k)
+        kg = self.kernel_group
+        return max(kg, int(k) // kg * kg)
+
+    def kernel_slice(self, start, stop):
+        """(the block a shard holding kernels [start, stop) runs, the input channels [c0, c1) its
+        kernels read). A conv of one group reads every channel; a grouped conv's range must hold
+        whole groups, and reads only theirs: a depthwise conv's shard reads its own channels."""
+        g = self.block.groups
+        if g == 1:
+            return self.block, (0, self.in_channels)
+        kg, cg = self.kernel_group, self.in_channels // g
+        if start % kg or stop % kg:
+            raise ValueError(f"kernels [{start}, {stop}) of a conv of {g} groups ({kg} kernels each) must start and "
+                             f"stop at whole groups")
+        g0, g1 = start // kg, stop // kg
+        return replace(self.block, groups=g1 - g0), (g0 * cg, g1 * cg)
+
     @classmethod
     def paper(cls, in_channels, kernels, ksize=5, padding=0):
         """The paper family's layer: ksize x ksize, stride 1, ReLU, 2x2 max-pool."""
@@ -222,12 +244,13 @@ class ConvSpec:
     def initial_state(self, w, b=None):
         """The layer's state at the start of a run: these conv weights (and bias, zero where None),
         BatchNorm's PyTorch defaults (weight 1, bias 0, running mean 0 and variance 1, no batches
-        tracked)."""
-        state = {"w": np.asarray(w, np.float32), "b": np.zeros(self.kernels, np.float32) if b is None
+        tracked). Per-kernel arrays have as many rows as `w` (a shard's slice, or the layer)."""
+        k = len(w)
+        state = {"w": np.asarray(w, np.float32), "b": np.zeros(k, np.float32) if b is None
                  else np.asarray(b, np.float32)}
         for a in self.state_layout()[2:]:
             fill = 1 if a.name.endswith((".weight", ".running_var")) else 0
-            state[a.name] = np.full(a.shape, fill, a.dtype)
+            state[a.name] = np.full((k,) + a.shape[1:] if a.per_kernel else a.shape, fill, a.dtype)
         return state
 
     def conv_hw(self, h, w):
