@@ -481,6 +481,13 @@ class Device:
         """One line for logs and plan tables."""
         return self.name
 
+    def declines_block(self, block):
+        """'' where this device runs the conv block `block` (its dilation and groups), else why
+        not, in words: what a shard asks before it takes a layer, so a layer no kernel of the
+        device runs is refused when the plan is loaded or calibrated, naming the layer, never
+        mid-step."""
+        return ""
+
     def conv_paths(self):
         """{conv call shape: the path it runs}, for devices with more than one path."""
         return {}

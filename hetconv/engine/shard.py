@@ -110,6 +110,7 @@ class ConvShard:
             spec.kernel_slice(start, stop)
         except ValueError as e:
             raise ShardError(f"layer {layer}: {e}") from None
+        self._check_runs(layer, spec)
         layout = spec.state_layout(optimizer)
         known = {a.name: a for a in layout}
         unknown = sorted(set(state) - set(known))
@@ -131,6 +132,12 @@ class ConvShard:
             arrays[a.name] = (given, a.on_device)
         self.layers[layer] = _LayerSlice(self.device, spec, start, stop, arrays)
         self.layers[layer].ghost_batch = ghost_batch
+
+    def _check_runs(self, layer, spec):
+        """ShardError naming the layer where this shard's device has no kernel for its conv."""
+        declined = self.device.declines_block(spec.block)
+        if declined:
+            raise ShardError(f"conv layer {layer + 1} ({spec.describe()}): {declined}")
 
     def _layer(self, layer):
         if layer not in self.layers:
@@ -267,6 +274,8 @@ class ConvShard:
         Returns (kernels/s per layer at kernels[i], per-layer timing dicts)."""
         rng = np.random.default_rng(0)
         speeds, timings = [], []
+        for li, spec in enumerate(specs):           # every layer this device cannot run, before timing any
+            self._check_runs(li, spec)
         for li, (spec, shape, k) in enumerate(zip(specs, input_shapes, kernels)):
             x = rng.standard_normal(shape, dtype=np.float32)
             counts = sorted({spec.whole_groups(max(1, int(k))), spec.whole_groups(max(1, int(k) // 2))}, reverse=True)
