@@ -58,8 +58,9 @@ def conv_output_shape(x_shape, w_shape, stride=(1, 1), padding=(0, 0), dilation=
         raise ValueError(f"groups {groups} must divide the input's {c} channels and the {k} kernels: "
                          f"w {tuple(w_shape)!r}, x {tuple(x_shape)!r}")
     if wc * groups != c:
-        raise ValueError(f"weights expect {wc * groups} input channels ({wc} per group, {groups} group(s)) but input "
-                         f"has {c}: w {tuple(w_shape)!r}, x {tuple(x_shape)!r}")
+        per_group = "" if groups == 1 else f" ({wc} per group, {groups} groups)"
+        raise ValueError(f"weights expect {wc * groups} input channels{per_group} but input has {c}: "
+                         f"w {tuple(w_shape)!r}, x {tuple(x_shape)!r}")
     stride = as_pair("stride", stride, 1)
     padding = as_pair("padding", padding, 0)
     dilation = as_pair("dilation", dilation, 1)
