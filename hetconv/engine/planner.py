@@ -87,7 +87,7 @@ def whole_groups(plan, specs):
             raise PlanError(f"conv layer {lp.layer + 1} ({spec.describe()}): its {spec.groups} groups cannot be split "
                             f"among {len(workers)} workers in model mode (a worker holds whole groups); give it data "
                             f"mode")
-        stops, ranges, start = [], {}, 0
+        ranges, start = {}, 0
         for i, w in enumerate(workers):
             stop = lp.ranges[w][1]
             groups_left = len(workers) - 1 - i
