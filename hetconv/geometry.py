@@ -6,12 +6,12 @@ A conv layer is a block: conv (kh x kw, any stride and zero padding) + bias, the
 (blocks, head, input shape, classes) is hetconv.net's NetSpec; this module sits below it and below
 the devices, which import ConvBlock from here.
 """
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
 from hetconv import channelwise
-from hetconv.sizes import as_pair, window_output_size  # noqa: F401  (every part's size arithmetic, from here)
+from hetconv.sizes import as_pair, dilated_size, window_output_size  # noqa: F401  (every part's size arithmetic, from here)
 from hetconv.update import SLOTS, slot_name
 
 IMAGE_SHAPE = (3, 32, 32)           # (C, H, W) of a CIFAR-10 image
@@ -24,8 +24,11 @@ POOLS = ("max", "avg", "none")
 
 @dataclass(frozen=True)
 class ConvBlock:
-    """What follows a conv layer's GEMM, and its stride and padding: everything a device needs
-    besides the weights' shape. Pairs are (height, width); an int stands for (int, int).
+    """What follows a conv layer's GEMM, and its stride, padding, dilation and groups: everything a
+    device needs besides the weights' shape. Pairs are (height, width); an int stands for (int, int).
+    Dilation and groups are PyTorch's: dilation 1 is a dense kernel; with `groups` g the input
+    channels and the kernels are cut in g equal parts, kernel part i reading input part i only
+    (weights (K, C/g, kh, kw)); g == C is a depthwise conv.
     Semantics are PyTorch's: the activation applies before the pool; pools use floor mode; a
     max-pool pads with -inf; an average pool counts its zero padding (every window divides by
     pkh*pkw); a pool's padding is at most half its kernel, as PyTorch requires."""
@@ -36,11 +39,16 @@ class ConvBlock:
     pool_kernel: tuple = (2, 2)
     pool_stride: tuple = (2, 2)
     pool_padding: tuple = (0, 0)
+    dilation: tuple = (1, 1)
+    groups: int = 1
 
     def __post_init__(self):
         for name, minimum in (("stride", 1), ("padding", 0), ("pool_kernel", 1), ("pool_stride", 1),
-                              ("pool_padding", 0)):
+                              ("pool_padding", 0), ("dilation", 1)):
             object.__setattr__(self, name, as_pair(f"ConvBlock {name}", getattr(self, name), minimum))
+        if isinstance(self.groups, bool) or not isinstance(self.groups, (int, np.integer)) or self.groups < 1:
+            raise ValueError(f"ConvBlock groups must be an integer >= 1, got {self.groups!r}")
+        object.__setattr__(self, "groups", int(self.groups))
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"ConvBlock activation must be one of {ACTIVATIONS!r}, got {self.activation!r}")
         if self.pool not in POOLS:
@@ -50,7 +58,14 @@ class ConvBlock:
                              f"{self.pool_kernel!r} (as PyTorch requires)")
 
     def to_json(self):
-        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
+        """Every field, but dilation and groups only where they are not 1: a dense block's form
+        (and the wisdom keys made from it) stays what it was before convs had them."""
+        d = {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
+        if self.dilation == (1, 1):
+            del d["dilation"]
+        if self.groups == 1:
+            del d["groups"]
+        return d
 
     @classmethod
     def from_json(cls, d):
@@ -67,8 +82,18 @@ class ConvBlock:
     def is_paper(self):
         """Stride 1, ReLU, 2x2 stride-2 max-pool with no pool padding (any conv padding): the
         block devices run with their own fused kernels."""
-        return (self.stride == (1, 1) and self.activation == "relu" and self.pool == "max"
+        return (self.stride == (1, 1) and self.dense and self.activation == "relu" and self.pool == "max"
                 and self.pool_kernel == (2, 2) and self.pool_stride == (2, 2) and self.pool_padding == (0, 0))
+
+
+    @property
+    def dense(self):
+        """No dilation and one group: the plain conv every path runs."""
+        return self.dilation == (1, 1) and self.groups == 1
+
+    def kernel_span(self, kh, kw):
+        """(height, width) a kh x kw kernel covers at this dilation."""
+        return dilated_size(kh, self.dilation[0]), dilated_size(kw, self.dilation[1])
 
 
 PAPER_BLOCK = ConvBlock()           # stride 1, no padding, ReLU, 2x2 stride-2 max-pool: today's block
@@ -117,6 +142,49 @@ class ConvSpec:
     # before it); planning and pricing only: a shard takes the shape of what it is sent
     input_shape: tuple = field(default=None, compare=False)
 
+    def __post_init__(self):
+        g = self.block.groups
+        if self.in_channels % g or self.kernels % g:
+            raise ValueError(f"conv groups {g} must divide both the input channels ({self.in_channels}) and the "
+                             f"kernels ({self.kernels})")
+
+    @property
+    def groups(self):
+        return self.block.groups
+
+    @property
+    def weight_shape(self):
+        """(K, C/groups, kh, kw): each kernel reads its group's input channels only."""
+        return (self.kernels, self.in_channels // self.block.groups, self.kh, self.kw)
+
+    @property
+    def kernel_group(self):
+        """Kernels per group: a kernel range of a shard holds whole groups where it starts and
+        stops at multiples of this."""
+        return self.kernels // self.block.groups
+
+    def whole_groups(self, k):
+        """`k` kernels rounded down to whole groups, at least one group: what a shard of a grouped
+        conv can hold (k itself for a conv of one group)."""
+        if self.block.groups == 1:
+            return int(k)
+        kg = self.kernel_group
+        return max(kg, int(k) // kg * kg)
+
+    def kernel_slice(self, start, stop):
+        """(the block a shard holding kernels [start, stop) runs, the input channels [c0, c1) its
+        kernels read). A conv of one group reads every channel; a grouped conv's range must hold
+        whole groups, and reads only theirs: a depthwise conv's shard reads its own channels."""
+        g = self.block.groups
+        if g == 1:
+            return self.block, (0, self.in_channels)
+        kg, cg = self.kernel_group, self.in_channels // g
+        if start % kg or stop % kg:
+            raise ValueError(f"kernels [{start}, {stop}) of a conv of {g} groups ({kg} kernels each) must start and "
+                             f"stop at whole groups")
+        g0, g1 = start // kg, stop // kg
+        return replace(self.block, groups=g1 - g0), (g0 * cg, g1 * cg)
+
     @classmethod
     def paper(cls, in_channels, kernels, ksize=5, padding=0):
         """The paper family's layer: ksize x ksize, stride 1, ReLU, 2x2 max-pool."""
@@ -155,7 +223,7 @@ class ConvSpec:
         kept on the host), and with `optimizer`, its slots for every parameter that trains (a bias
         the layer does not have stays zero and takes no slot)."""
         k = self.kernels
-        arrays = [StateArray("w", (k, self.in_channels, self.kh, self.kw), group="weight", on_device=True),
+        arrays = [StateArray("w", self.weight_shape, group="weight", on_device=True),
                   StateArray("b", (k,), group="bias", on_device=True)]
         for i, bn in self.batchnorms:
             if bn.affine:
@@ -176,18 +244,20 @@ class ConvSpec:
     def initial_state(self, w, b=None):
         """The layer's state at the start of a run: these conv weights (and bias, zero where None),
         BatchNorm's PyTorch defaults (weight 1, bias 0, running mean 0 and variance 1, no batches
-        tracked)."""
-        state = {"w": np.asarray(w, np.float32), "b": np.zeros(self.kernels, np.float32) if b is None
+        tracked). Per-kernel arrays have as many rows as `w` (a shard's slice, or the layer)."""
+        k = len(w)
+        state = {"w": np.asarray(w, np.float32), "b": np.zeros(k, np.float32) if b is None
                  else np.asarray(b, np.float32)}
         for a in self.state_layout()[2:]:
             fill = 1 if a.name.endswith((".weight", ".running_var")) else 0
-            state[a.name] = np.full(a.shape, fill, a.dtype)
+            state[a.name] = np.full((k,) + a.shape[1:] if a.per_kernel else a.shape, fill, a.dtype)
         return state
 
     def conv_hw(self, h, w):
         """Spatial size after the conv, before the activation and pool."""
         (sh, sw), (ph, pw) = self.block.stride, self.block.padding
-        return window_output_size(h, self.kh, sh, ph), window_output_size(w, self.kw, sw, pw)
+        kh, kw = self.block.kernel_span(self.kh, self.kw)
+        return window_output_size(h, kh, sh, ph), window_output_size(w, kw, sw, pw)
 
     def block_hw(self, h, w):
         """Spatial size leaving the fused block (conv, activation, pool), before the tail."""
@@ -208,6 +278,8 @@ class ConvSpec:
         b = self.block
         pool = "" if b.pool == "none" else f", {b.pool}-pool {b.pool_kernel[0]}x{b.pool_kernel[1]}/{b.pool_stride[0]}"
         return (f"conv {self.kernels} {self.kh}x{self.kw}/{b.stride[0]} pad {b.padding[0]}"
+                + (f" dilation {b.dilation[0]}" if b.dilation != (1, 1) else "")
+                + (f" groups {b.groups}" if b.groups != 1 else "")
                 + (", relu" if b.activation == "relu" else "") + pool
                 + "".join(f", {_op_text(op)}" for op in self.tail))
 
@@ -273,7 +345,7 @@ def largest_array_bytes(specs, batch, image_shape=IMAGE_SHAPE, value_bytes=4):
     sizes = [batch * c * h * w]
     for spec, (n, cin, hin, win) in zip(specs, shapes):
         sizes.append(n * cin * hin * win)
-        sizes.append(spec.kernels * cin * spec.kh * spec.kw)
+        sizes.append(int(np.prod(spec.weight_shape)))
     return max(sizes) * value_bytes
 
 

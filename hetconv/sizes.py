@@ -9,6 +9,12 @@ def window_output_size(size, kernel, stride=1, padding=0):
     return (size + 2 * padding - kernel) // stride + 1
 
 
+def dilated_size(kernel, dilation=1):
+    """The span a kernel of `kernel` taps covers with `dilation` between taps (PyTorch's
+    dilation: 1 is a dense kernel): what window_output_size takes as a dilated conv's kernel."""
+    return dilation * (kernel - 1) + 1
+
+
 def _is_int(v):
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 

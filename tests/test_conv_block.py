@@ -382,3 +382,68 @@ def test_dw_out_of_the_wrong_shape_is_named():
     out, ctx = dev.conv_block(np.ones((1, 1, 6, 6), np.float32), w, None, PAPER_BLOCK)
     with pytest.raises(ValueError, match=r"dw_out shape must match the weights, \(2, 1, 3, 2\) != \(2, 1, 3, 3\)"):
         dev.conv_block_backward(ctx, w, np.ones_like(out), dw_out=np.zeros((2, 1, 3, 2), np.float32))
+
+
+# ---- dilation and groups on each CPU path that takes them ------------------------------------------
+# (N, C, H, W, K, kh, kw, stride, padding, dilation, groups, pool): a grouped 3x3 (ResNeXt), a
+# depthwise 3x3 and a strided one (MobileNet), a dilated dense conv and a dilated depthwise one
+# (dilated ResNets), uneven pairs; each through a pool, or none
+GROUPED = [
+    (2, 4, 9, 8, 6, 3, 3, (1, 1), (1, 1), (1, 1), 2, ("max", 2, 2, 0)),
+    (2, 4, 8, 8, 4, 3, 3, (1, 1), (1, 1), (1, 1), 4, ("none", 2, 2, 0)),
+    (2, 6, 9, 9, 6, 3, 3, (2, 2), (1, 1), (1, 1), 6, ("avg", 3, 2, 1)),
+    (2, 3, 11, 10, 4, 3, 3, (1, 1), (2, 2), (2, 2), 1, ("max", 3, 2, 1)),
+    (1, 4, 12, 11, 8, 3, 3, (1, 2), (2, 1), (2, 1), 4, ("none", 2, 2, 0)),
+    (2, 6, 10, 10, 3, 3, 2, (2, 1), (3, 0), (3, 2), 3, ("avg", 2, 2, 0)),
+]
+# the paths that run them (oneDNN's where installed), and the forced ones that do not, which take im2col
+GROUPED_PATHS = {"im2col": {"threads": 1}, "im2col-chunked": {"threads": 2, "conv_path": "im2col",
+                                                              "im2col_budget_bytes": 3000,
+                                                              "saved_cols_budget_bytes": 0},
+                 "im2col-dnnl": {"threads": 1}, "direct-dnnl": {"threads": 1}, "shifted": {"threads": 1},
+                 "fft": {"threads": 1}}
+
+
+@pytest.fixture(scope="module", params=list(GROUPED_PATHS))
+def grouped_cpu(request):
+    options = dict(GROUPED_PATHS[request.param])
+    options.setdefault("conv_path", request.param)
+    try:
+        return request.param, open_device("cpu", **options)
+    except Exception as e:              # noqa: BLE001  (oneDNN not installed: its paths only)
+        if "dnnl" in request.param:
+            pytest.skip(f"no oneDNN here: {e}")
+        raise
+
+
+def test_dilated_and_grouped_blocks_match_the_reference_on_every_cpu_path(grouped_cpu):
+    name, cpu = grouped_cpu
+    for case in GROUPED:
+        n, c, h, wd, k, kh, kw, stride, padding, dilation, groups, pool = case
+        kind, pk, ps, pp = pool
+        rng = np.random.default_rng(11)
+        x = rng.standard_normal((n, c, h, wd)).astype(np.float32)
+        w = rng.standard_normal((k, c // groups, kh, kw)).astype(np.float32)
+        b = rng.standard_normal(k).astype(np.float32)
+        for activation in ACTIVATIONS:
+            block = ConvBlock(stride=stride, padding=padding, dilation=dilation, groups=groups,
+                              activation=activation, pool=kind, pool_kernel=pk, pool_stride=ps, pool_padding=pp)
+            out, ctx = cpu.conv_block(x, w, b, block)
+            close(out, R.conv_block(x, w, b, block))
+            dout = rng.standard_normal(out.shape).astype(np.float32)
+            expected = R.conv_block_backward(x, w, b, block, dout)
+            for got, exp in zip(cpu.conv_block_backward(ctx, w, dout, need_dx=True), expected):
+                close(got, exp)
+        # the plain contract takes them too
+        y = cpu.conv2d(x, w, b, stride, padding, dilation, groups)
+        close(y, R.conv2d(x, w, b, stride, padding, dilation, groups))
+        dy = rng.standard_normal(y.shape).astype(np.float32)
+        for got, exp in zip(cpu.conv2d_backward(x, w, dy, stride, padding, True, dilation, groups),
+                            R.conv2d_backward(x, w, dy, stride, padding, True, dilation, groups)):
+            close(got, exp)
+    runs = {c["path"]: c["why"] for c in cpu.conv_path_choices()}
+    if name in ("shifted", "fft"):      # refused in the path choice: im2col runs them, and says why
+        assert set(runs) == {"im2col"}, runs
+        assert all("runs dense convs only" in why for why in runs.values()), runs
+    else:
+        assert set(runs) == {name.split("-chunked")[0]}, runs

@@ -1,5 +1,6 @@
 """The network as data: stored form, checks that name the layer, inferred sizes, presets, --net."""
 import json
+import re
 import subprocess
 import sys
 
@@ -117,8 +118,8 @@ BAD = [
     ("last linear not classes", [CONV, FLAT, {"type": "linear", "out_features": 7}], "layer 2 (linear)",
      "out_features 7, expected classes = 10"),
     ("unknown type", [CONV, {"type": "layernorm"}, FLAT, OUT], "layer 1 (layernorm)", "unknown type 'layernorm'"),
-    ("unknown key", [{"type": "conv", "out_channels": 4, "kernel": 3, "dilation": 2}, FLAT, OUT],
-     "layer 0 (conv)", "unknown key 'dilation'"),
+    ("unknown key", [{"type": "conv", "out_channels": 4, "kernel": 3, "transposed": True}, FLAT, OUT],
+     "layer 0 (conv)", "unknown key 'transposed'"),
     ("key on a relu", [CONV, {"type": "relu", "inplace": True}, FLAT, OUT], "layer 1 (relu)", "unknown key 'inplace'"),
     ("missing kernel", [{"type": "conv", "out_channels": 4}, FLAT, OUT], "layer 0 (conv)", "missing key 'kernel'"),
     ("zero kernels", [{"type": "conv", "out_channels": 0, "kernel": 3}, FLAT, OUT], "layer 0 (conv)",
@@ -459,3 +460,56 @@ def test_imagenet_resnets_have_torchvisions_parameters_and_state_dict_keys(name,
     last = "layer4.2.bn3" if name == "resnet50" else "layer4.2.bn2"
     assert {f"{first}.downsample.0.weight", f"{first}.downsample.1.running_var", f"{last}.num_batches_tracked"} <= set(sd)
     assert ("layer1.0.downsample.0.weight" in sd) == (name == "resnet50")
+
+
+# ---- groups and dilation ----------------------------------------------------------------------------
+
+def test_groups_and_dilation_survive_json_and_shape_the_weights():
+    from hetconv.geometry import ConvSpec
+    from hetconv.engine.costmodel import weight_floats
+    spec = NetSpec.from_json(small([{"type": "conv", "out_channels": 8, "kernel": 3, "padding": 1},
+                                    {"type": "conv", "out_channels": 8, "kernel": 3, "groups": 8},   # depthwise
+                                    {"type": "conv", "out_channels": 4, "kernel": 3, "dilation": 2, "groups": 2},
+                                    FLAT, OUT]))
+    again = NetSpec.from_json(spec.dumps())
+    assert again == spec
+    stored = spec.to_json()["layers"]
+    assert "groups" not in stored[0] and "dilation" not in stored[0]     # a dense conv's form is as it was
+    assert stored[1]["groups"] == 8 and stored[2]["dilation"] == [2, 2]
+    assert [s for s in spec.output_shapes()[:3]] == [(8, 16, 16), (8, 14, 14), (4, 10, 10)]
+    assert [w for w, _ in spec.parameter_shapes()[0]] == [(8, 3, 3, 3), (8, 1, 3, 3), (4, 4, 3, 3)]
+    blocks = spec.conv_layers()
+    assert blocks[1].block.groups == 8 and blocks[2].block.dilation == (2, 2) and blocks[2].block.groups == 2
+    specs = [ConvSpec.from_layer(b) for b in blocks]
+    assert ConvSpec.from_json(specs[2].to_json()) == specs[2]
+    assert specs[1].state_layout()[0].shape == (8, 1, 3, 3)
+    # a depthwise conv is priced as the 1/C of a dense one it is
+    assert weight_floats(specs[1]) == 8 * 9 + 8
+    w, _ = spec.init_params(np.random.default_rng(0))[0][1]
+    assert np.abs(w).max() <= 1 / 3                                        # fan_in = 1 * 3 * 3
+
+
+def test_an_older_block_without_groups_or_dilation_means_one():
+    d = ConvBlock(stride=2).to_json()
+    assert "groups" not in d and "dilation" not in d
+    b = ConvBlock.from_json(d)
+    assert b.groups == 1 and b.dilation == (1, 1) and b.dense
+
+
+@pytest.mark.parametrize("conv, what", [
+    ({"groups": 3}, "groups 3 must divide out_channels 4"),
+    ({"groups": 0}, "groups must be an integer >= 1, got 0"),
+    ({"dilation": 0}, "dilation must be an integer >= 1, got 0"),
+    ({"dilation": 9}, "dilation 9) does not fit its 16x16 input"),
+])
+def test_a_bad_group_or_dilation_is_refused_naming_the_value(conv, what):
+    with pytest.raises(ValueError, match=r"layer 0 \(conv\).*" + re.escape(what)):
+        NetSpec.from_json(small([{**CONV, **conv}, FLAT, OUT]))
+
+
+def test_groups_must_divide_the_input_channels():
+    with pytest.raises(ValueError, match=r"layer 0 \(conv\): groups 2 must divide its 3 input channels"):
+        NetSpec.from_json(small([{**CONV, "groups": 2}, FLAT, OUT]))
+    from hetconv.geometry import ConvSpec
+    with pytest.raises(ValueError, match=r"conv groups 2 must divide both the input channels \(3\)"):
+        ConvSpec(3, 4, 3, 3, ConvBlock(groups=2))

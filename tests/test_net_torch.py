@@ -104,10 +104,6 @@ UNSUPPORTED = [
      "module 1 (BatchNorm2d): num_features 5, but its input has 4 channels"),
     ("adaptive pool to 2x2", nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(2), nn.Flatten(),
                                            nn.Linear(16, 10)), "module 1 (AdaptiveAvgPool2d): output_size 2"),
-    ("dilated conv", nn.Sequential(nn.Conv2d(3, 4, 3, dilation=2), nn.Flatten(), nn.Linear(4 * 12 * 12, 10)),
-     "module 0 (Conv2d): dilation (2, 2)"),
-    ("grouped conv", nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.Flatten(), nn.Linear(4 * 14 * 14, 10)),
-     "module 0 (Conv2d): groups 2"),
     ("reflect padding", nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"), nn.Flatten(),
                                       nn.Linear(4 * 16 * 16, 10)), "module 0 (Conv2d): padding_mode 'reflect'"),
     ("even same padding", nn.Sequential(nn.Conv2d(3, 4, 2, padding="same"), nn.Flatten(), nn.Linear(4 * 16 * 16, 10)),
@@ -219,19 +215,23 @@ from torch import nn
 import torch.nn.functional as F
 
 
-class Net(nn.Module):                      # the PyTorch tutorial's CNN, with a BatchNorm and a scaled output
-    def __init__(self):
+class Net(nn.Module):                      # the PyTorch tutorial's CNN, with a BatchNorm and a scaled output,
+    def __init__(self):                    # a depthwise conv (MobileNet's), a grouped one and a dilated one
         super().__init__()
         self.conv1 = nn.Conv2d(3, 6, 5)
         self.pool = nn.MaxPool2d(2, 2)     # one module called twice: it holds no weights
-        self.conv2 = nn.Conv2d(6, 16, 5, bias=False)
+        self.depthwise = nn.Conv2d(6, 6, 3, padding=1, groups=6)
+        self.conv2 = nn.Conv2d(6, 16, 5, bias=False, groups=2)
         self.bn = nn.BatchNorm2d(16)
+        self.dilated = nn.Conv2d(16, 16, 3, padding=2, dilation=2)
         self.fc1 = nn.Linear(16 * 5 * 5, 32)
         self.fc2 = nn.Linear(32, 10)
 
     def forward(self, x):
         x = self.pool(F.relu(self.conv1(x)))
+        x = F.relu(self.depthwise(x))
         x = self.pool(F.gelu(self.bn(self.conv2(x)), approximate="tanh"))
+        x = self.dilated(x)
         x = x.view(x.size(0), -1)
         x = F.relu(self.fc1(x))
         return self.fc2(x) / 2
@@ -247,6 +247,7 @@ def test_a_module_whose_forward_is_a_chain_traces_into_a_network_and_trains_as_t
     from hetconv.data import batches, load_dataset
     from hetconv.devices import open_device
     from hetconv.engine.local import LocalEngine
+    from hetconv.engine.planner import fixed_plan
     from hetconv.engine.shard import ConvShard
     from hetconv.net.torch_import import state_dict
     from hetconv.training import checkpoint
@@ -255,8 +256,11 @@ def test_a_module_whose_forward_is_a_chain_traces_into_a_network_and_trains_as_t
     (tmp_path / "tutorial.py").write_text(TRACED)
     target = f"{tmp_path / 'tutorial.py'}:build"
     spec = load_net(target, (3, 32, 32), 10).spec
-    assert [layer.type for layer in spec.layers] == ["conv", "relu", "maxpool", "conv", "batchnorm", "gelu", "maxpool",
-                                                     "flatten", "linear", "relu", "linear", "scale"]
+    assert [layer.type for layer in spec.layers] == ["conv", "relu", "maxpool", "conv", "relu", "conv", "batchnorm",
+                                                     "gelu", "maxpool", "conv", "flatten", "linear", "relu", "linear",
+                                                     "scale"]
+    assert [(c.groups, c.dilation) for c in spec.layers if c.type == "conv"] == [(1, (1, 1)), (6, (1, 1)), (2, (1, 1)),
+                                                                                 (1, (2, 2))]
     cfg = Config(net=target, batch_size=16, synthetic_train=160, synthetic_test=32, steps=4, lr=0.05, momentum=0.9,
                  weight_decay=0.0, threads=1, rebalance_after=0, eval_batches=1,
                  checkpoint_dir=str(tmp_path / "ck")).validate()
@@ -274,11 +278,26 @@ def test_a_module_whose_forward_is_a_chain_traces_into_a_network_and_trains_as_t
         opt.step()
         theirs.append(loss.item())
     np.testing.assert_allclose(losses, theirs, rtol=1e-4)
+    # the kernels split between two shards: the grouped conv's at a group boundary (5 of its 16
+    # kernels asked, a group of 8 held), the depthwise conv's anywhere; the same steps
+    split = LocalEngine({w: ConvShard(open_device("cpu", threads=1)) for w in ("s0", "s1")})
+    split.fixed_plan = fixed_plan([6, 6, 16, 16], {"s0": [2, 1, 5, 7], "s1": [4, 5, 11, 9]})
+    split_losses = train(Config(**{**cfg.to_json(), "checkpoint_dir": str(tmp_path / "split")}), split,
+                         log=lambda *_: None)["losses"]
+    assert [split.plan.layers[i].ranges["s0"] for i in range(4)] == [(0, 2), (0, 1), (0, 8), (0, 7)]
+    np.testing.assert_allclose(split_losses, theirs, rtol=1e-4)
     _, conv, fc = checkpoint.load(str(tmp_path / "ck"))
     ours = state_dict(spec, conv, [(layer["w"], layer["b"]) for layer in fc])
     assert sorted(ours) == sorted(module.state_dict())      # the module's own names
     for key, want in module.state_dict().items():
         np.testing.assert_allclose(ours[key], want.numpy(), rtol=1e-4, atol=1e-5, err_msg=key)
+    # exported back, the convs keep their groups and dilation, and compute what the module does
+    exported = to_torch(spec, conv, [(layer["w"], layer["b"]) for layer in fc]).eval()
+    assert [(m.groups, m.dilation) for m in exported.modules() if isinstance(m, nn.Conv2d)] == \
+        [(1, (1, 1)), (6, (1, 1)), (2, (1, 1)), (1, (2, 2))]
+    x = torch.from_numpy(np.random.default_rng(5).standard_normal((2, 3, 32, 32)).astype(np.float32))
+    with torch.no_grad():
+        np.testing.assert_allclose(exported(x).numpy(), module.eval()(x).numpy(), rtol=1e-4, atol=1e-5)
 
 
 class _AddConstant(nn.Module):

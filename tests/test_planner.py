@@ -157,3 +157,22 @@ def test_a_zero_calibrated_profile_is_refused_before_the_cost_model_prices_it():
     profiles["b"] = DeviceProfile("b", "cpu", "", (LayerCost(1e-4, 1e-5, 2e-4, float("inf")), good))
     with pytest.raises(PlanError, match=r"worker 'b': conv1's calibrated backward_per_kernel_s inf, expected finite"):
         choose_modes(conv_specs([8, 8], 3), (3, 16, 16), 16, profiles, None)
+
+
+def test_a_grouped_convs_ranges_move_to_whole_groups_and_a_depthwise_one_splits_anywhere():
+    from hetconv.engine.planner import whole_groups
+    from hetconv.geometry import ConvBlock, ConvSpec
+    grouped = ConvSpec(16, 32, 3, 3, ConvBlock(groups=4))          # 8 kernels a group
+    depthwise = ConvSpec(16, 16, 3, 3, ConvBlock(groups=16))
+    dense = ConvSpec(16, 32, 3, 3, ConvBlock())
+    plan = make_plan([32, 16, 32], {"a": [1.0] * 3, "b": [2.0] * 3, "c": [3.0] * 3})
+    aligned = whole_groups(plan, [grouped, depthwise, dense])
+    assert aligned.layers[1:] == plan.layers[1:]                    # depthwise and dense: as they were
+    ranges = [aligned.layers[0].ranges[w] for w in ("a", "b", "c")]
+    assert ranges == [(0, 8), (8, 16), (16, 32)], ranges            # shares 5.3, 10.7, 16: to whole groups
+    for w in "abc":
+        grouped.kernel_slice(*aligned.layers[0].ranges[w])          # each a slice a shard can hold
+    few = ConvSpec(4, 4, 3, 3, ConvBlock(groups=2))
+    with pytest.raises(PlanError, match=r"conv layer 1 \(conv 4 3x3/1 pad 0 groups 2, .*\): its 2 groups cannot be "
+                                        r"split among 3 workers in model mode"):
+        whole_groups(make_plan([4], {"a": None, "b": None, "c": None}, "equal"), [few])

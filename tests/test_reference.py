@@ -3,6 +3,7 @@ finite differences, and against a direct loop for the forward."""
 import numpy as np
 import pytest
 
+from hetconv.geometry import ConvBlock
 from hetconv.net import reference as R
 
 
@@ -78,3 +79,45 @@ def test_pool_ties_go_to_first_maximum_and_negative_windows_get_nothing():
     assert grad[0, 0].tolist() == [[1, 0], [0, 0]]
     assert not grad[0, 1].any()
     assert R.relu_maxpool2(y)[0, :, 0, 0].tolist() == [2, 0]
+
+
+# (C, K, groups, dilation, stride, padding): grouped, depthwise, depthwise dilated, dilated dense,
+# uneven pairs, and both at a stride
+GROUPED_DILATED = [(4, 6, 2, 1, 1, 1), (4, 4, 4, 1, 1, 1), (4, 8, 4, 2, 1, 2), (3, 6, 1, 2, 2, 1),
+                   (6, 3, 3, (2, 1), 1, (1, 0)), (4, 8, 2, 3, 2, 2)]
+
+
+@pytest.mark.parametrize("c, k, groups, dilation, stride, padding", GROUPED_DILATED)
+def test_grouped_and_dilated_conv_matches_torch_forward_and_backward(c, k, groups, dilation, stride, padding):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((2, c, 9, 8)).astype(np.float32)
+    w = rng.standard_normal((k, c // groups, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(k).astype(np.float32)
+    tx, tw, tb = (torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in (x, w, b))
+    ty = torch.nn.functional.conv2d(tx, tw, tb, stride, padding, dilation, groups)
+    dy = rng.standard_normal(ty.shape).astype(np.float32)
+    ty.backward(torch.tensor(dy, dtype=torch.float64))
+    y = R.conv2d(x, w, b, stride, padding, dilation, groups)
+    np.testing.assert_allclose(y, ty.detach().numpy(), rtol=1e-5, atol=1e-5)
+    dx, dw, db = R.conv2d_backward(x, w, dy, stride, padding, True, dilation, groups)
+    for mine, theirs in ((dx, tx), (dw, tw), (db, tb)):
+        np.testing.assert_allclose(mine, theirs.grad.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_grouped_dilated_block_matches_torch():
+    torch = pytest.importorskip("torch")
+    block = ConvBlock(stride=1, padding=2, dilation=2, groups=2, activation="relu", pool="max")
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((2, 4, 10, 10)).astype(np.float32)
+    w = rng.standard_normal((6, 2, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(6).astype(np.float32)
+    tx, tw, tb = (torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in (x, w, b))
+    F = torch.nn.functional
+    ty = F.max_pool2d(F.relu(F.conv2d(tx, tw, tb, 1, 2, 2, 2)), 2)
+    dout = rng.standard_normal(ty.shape).astype(np.float32)
+    ty.backward(torch.tensor(dout, dtype=torch.float64))
+    np.testing.assert_allclose(R.conv_block(x, w, b, block), ty.detach().numpy(), rtol=1e-5, atol=1e-5)
+    dx, dw, db = R.conv_block_backward(x, w, b, block, dout)
+    for mine, theirs in ((dx, tx), (dw, tw), (db, tb)):
+        np.testing.assert_allclose(mine, theirs.grad.numpy(), rtol=1e-5, atol=1e-5)

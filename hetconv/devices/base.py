@@ -33,7 +33,7 @@ import numpy as np
 
 from hetconv.channelwise import Activation, GlobalPool, Pool
 from hetconv.geometry import (ACTIVATIONS, PAPER_BLOCK, POOLS, ConvBlock, as_pair,  # noqa: F401  (the contract's names)
-                              window_output_size)
+                              dilated_size, window_output_size)
 
 
 class DeviceError(RuntimeError):
@@ -49,16 +49,25 @@ def _as_f32(name, a, ndim):
     return np.ascontiguousarray(a)
 
 
-def conv_output_shape(x_shape, w_shape, stride=(1, 1), padding=(0, 0)):
-    """(N, K, Ho, Wo) of conv2d(x, w) at this stride and padding, or ValueError naming the values."""
+def conv_output_shape(x_shape, w_shape, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1):
+    """(N, K, Ho, Wo) of conv2d(x, w) at this stride, padding, dilation and groups, or ValueError
+    naming the values."""
     n, c, h, w = x_shape
     k, wc, kh, kw = w_shape
-    if wc != c:
-        raise ValueError(f"weights expect {wc} input channels but input has {c}: w {tuple(w_shape)!r}, x {tuple(x_shape)!r}")
+    if c % groups or k % groups:
+        raise ValueError(f"groups {groups} must divide the input's {c} channels and the {k} kernels: "
+                         f"w {tuple(w_shape)!r}, x {tuple(x_shape)!r}")
+    if wc * groups != c:
+        per_group = "" if groups == 1 else f" ({wc} per group, {groups} groups)"
+        raise ValueError(f"weights expect {wc * groups} input channels{per_group} but input has {c}: "
+                         f"w {tuple(w_shape)!r}, x {tuple(x_shape)!r}")
     stride = as_pair("stride", stride, 1)
     padding = as_pair("padding", padding, 0)
+    dilation = as_pair("dilation", dilation, 1)
+    kh, kw = dilated_size(kh, dilation[0]), dilated_size(kw, dilation[1])
     if h + 2 * padding[0] < kh or w + 2 * padding[1] < kw:
-        raise ValueError(f"kernel {kh}x{kw} does not fit input {h}x{w} with padding {padding!r}")
+        spread = "" if dilation == (1, 1) else f" (dilation {dilation!r})"
+        raise ValueError(f"kernel {kh}x{kw}{spread} does not fit input {h}x{w} with padding {padding!r}")
     ho = window_output_size(h, kh, stride[0], padding[0])
     wo = window_output_size(w, kw, stride[1], padding[1])
     return n, k, ho, wo
@@ -68,7 +77,7 @@ def block_output_shape(x_shape, w_shape, block):
     """(N, K, Hp, Wp) leaving a conv block: after the conv, the activation and the pool."""
     if not isinstance(block, ConvBlock):
         raise TypeError(f"block must be a ConvBlock, got {type(block).__name__}")
-    n, k, ho, wo = conv_output_shape(x_shape, w_shape, block.stride, block.padding)
+    n, k, ho, wo = conv_output_shape(x_shape, w_shape, block.stride, block.padding, block.dilation, block.groups)
     if block.pool == "none":
         return n, k, ho, wo
     (pkh, pkw), (psh, psw), (pph, ppw) = block.pool_kernel, block.pool_stride, block.pool_padding
@@ -81,6 +90,11 @@ def block_output_shape(x_shape, w_shape, block):
 def pooled_shape(x_shape, w_shape, padding):
     """(N, K, Hp, Wp) leaving the paper's block with this conv padding."""
     return block_output_shape(x_shape, w_shape, ConvBlock(padding=padding))
+
+
+def _plain_block(stride, padding, dilation, groups):
+    """The block of a plain conv2d: the conv alone."""
+    return ConvBlock(stride=stride, padding=padding, dilation=dilation, groups=groups, activation="none", pool="none")
 
 
 # ---- the update arithmetic, written once --------------------------------------------------------
@@ -267,24 +281,33 @@ class Device:
         self._accumulate_(total, grad)
 
     # ---- the plain contract ------------------------------------------------------------------
-    def conv2d(self, x, w, b, stride=1, padding=0):
-        """y (N, K, Ho, Wo) = conv2d(x, w) + b; stride and padding an int or an (h, w) pair."""
+    def conv2d(self, x, w, b, stride=1, padding=0, dilation=1, groups=1):
+        """y (N, K, Ho, Wo) = conv2d(x, w) + b; stride, padding and dilation an int or an (h, w)
+        pair; w (K, C/groups, kh, kw). A dilated or grouped conv runs as a block with no
+        activation and no pool (the block is where devices implement them)."""
         x, w = _as_f32("x", x, 4), _as_f32("w", w, 4)
-        stride, padding = as_pair("stride", stride, 1), as_pair("padding", padding, 0)
-        out_shape = conv_output_shape(x.shape, w.shape, stride, padding)
+        block = _plain_block(stride, padding, dilation, groups)
+        out_shape = conv_output_shape(x.shape, w.shape, block.stride, block.padding, block.dilation, block.groups)
         b = self._check_bias(b, w.shape[0])
-        y = self._conv2d(x, w, b, stride, padding)
+        if not block.dense:
+            return self.conv_block(x, w, b, block)[0]
+        y = self._conv2d(x, w, b, block.stride, block.padding)
         assert y.shape == out_shape, (y.shape, out_shape)
         return y
 
-    def conv2d_backward(self, x, w, dy, stride=1, padding=0, need_dx=True):
-        """(dx or None, dw, db): the gradients of sum(dy * conv2d(x, w, b))."""
+    def conv2d_backward(self, x, w, dy, stride=1, padding=0, need_dx=True, dilation=1, groups=1):
+        """(dx or None, dw, db): the gradients of sum(dy * conv2d(x, w, b)). A dilated or grouped
+        conv runs its block's forward again for the context its backward needs."""
         x, w, dy = _as_f32("x", x, 4), _as_f32("w", w, 4), _as_f32("dy", dy, 4)
-        stride, padding = as_pair("stride", stride, 1), as_pair("padding", padding, 0)
-        out_shape = conv_output_shape(x.shape, w.shape, stride, padding)
+        block = _plain_block(stride, padding, dilation, groups)
+        out_shape = conv_output_shape(x.shape, w.shape, block.stride, block.padding, block.dilation, block.groups)
         if dy.shape != out_shape:
             raise ValueError(f"dy shape must match the conv output, {dy.shape!r} != {out_shape!r}")
-        return self._conv2d_backward(x, w, dy, stride, padding, bool(need_dx))
+        if not block.dense:
+            _, ctx = self.conv_block(x, w, np.zeros(w.shape[0], np.float32), block)
+            dx, dw, db = self.conv_block_backward(ctx, w, dy, need_dx)
+            return dx, self.download(dw), self.download(db)
+        return self._conv2d_backward(x, w, dy, block.stride, block.padding, bool(need_dx))
 
     # ---- the fused form workers run ------------------------------------------------------------
     def conv_block(self, x, w, b, block):
@@ -458,6 +481,13 @@ class Device:
     def describe(self):
         """One line for logs and plan tables."""
         return self.name
+
+    def declines_block(self, block):
+        """'' where this device runs the conv block `block` (its dilation and groups), else why
+        not, in words: what a shard asks before it takes a layer, so a layer no kernel of the
+        device runs is refused when the plan is loaded or calibrated, naming the layer, never
+        mid-step."""
+        return ""
 
     def conv_paths(self):
         """{conv call shape: the path it runs}, for devices with more than one path."""

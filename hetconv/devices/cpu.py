@@ -80,7 +80,7 @@ from hetconv.devices.cpu_fft import FftConv, swap_leading
 from hetconv.devices.cpu_shifted_gemms import ShiftedBf16Gemms, ShiftedBlasGemms, ShiftedDnnlGemms
 from hetconv.devices.dnnl_conv import DirectConvs
 from hetconv.devices import wisdom as wisdom_keys
-from hetconv.geometry import window_output_size
+from hetconv.geometry import dilated_size, window_output_size
 from hetconv.jit import cached_njit
 from hetconv.params import numpy_gemm
 
@@ -201,8 +201,8 @@ progress = logging.getLogger(__name__)
 
 
 @_jit
-def _im2col(x, n0, n1, kh, kw, sh, sw, ph, pw, ho, wo, cols):
-    """cols[p, (c*kh+u)*kw+v] = xpad[n, c, i*sh+u, j*sw+v] for p = ((n-n0)*ho + i)*wo + j."""
+def _im2col(x, n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, ho, wo, cols):
+    """cols[p, (c*kh+u)*kw+v] = xpad[n, c, i*sh+u*dh, j*sw+v*dw] for p = ((n-n0)*ho + i)*wo + j."""
     c_in, h, w = x.shape[1], x.shape[2], x.shape[3]
     rows = (n1 - n0) * ho * wo
     for p in prange(rows):
@@ -212,9 +212,9 @@ def _im2col(x, n0, n1, kh, kw, sh, sw, ph, pw, ho, wo, cols):
         col = 0
         for c in range(c_in):
             for u in range(kh):
-                r = i * sh + u - ph
+                r = i * sh + u * dh - ph
                 for v in range(kw):
-                    s = j * sw + v - pw
+                    s = j * sw + v * dw - pw
                     if 0 <= r < h and 0 <= s < w:
                         cols[p, col] = x[n, c, r, s]
                     else:
@@ -223,7 +223,7 @@ def _im2col(x, n0, n1, kh, kw, sh, sw, ph, pw, ho, wo, cols):
 
 
 @_jit
-def _col2im(dcols, n0, n1, kh, kw, sh, sw, ph, pw, ho, wo, dx):
+def _col2im(dcols, n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, ho, wo, dx):
     """dx[n, c] = the im2col-adjoint of dcols for images n0..n1 (each written whole, so dx may
     start uninitialised); parallel over (image, channel), so race-free."""
     c_in, h, w = dx.shape[1], dx.shape[2], dx.shape[3]
@@ -237,11 +237,11 @@ def _col2im(dcols, n0, n1, kh, kw, sh, sw, ph, pw, ho, wo, dx):
                 p = (nl * ho + i) * wo + j
                 base = c * kh * kw
                 for u in range(kh):
-                    r = i * sh + u - ph
+                    r = i * sh + u * dh - ph
                     if r < 0 or r >= h:
                         continue
                     for v in range(kw):
-                        s = j * sw + v - pw
+                        s = j * sw + v * dw - pw
                         if 0 <= s < w:
                             dx[n0 + nl, c, r, s] += dcols[p, base + u * kw + v]
 
@@ -668,8 +668,9 @@ def _zero_rows(a, r0):
 
 def _is_max2(block):
     """Whether a block runs the 2x2 kernels with an int8 argmax (the paper's block, and the same
-    with no activation): stride 1, ReLU or none, a 2x2 stride-2 max-pool without padding."""
-    return (block.stride == (1, 1) and block.pool == "max" and block.pool_kernel == (2, 2)
+    with no activation): a dense conv at stride 1, ReLU or none, a 2x2 stride-2 max-pool without
+    padding."""
+    return (block.stride == (1, 1) and block.dense and block.pool == "max" and block.pool_kernel == (2, 2)
             and block.pool_stride == (2, 2) and block.pool_padding == (0, 0))
 
 
@@ -680,10 +681,32 @@ def _flat_planes(a):
     return a.reshape(n, k, h * w)
 
 
-def _conv_hw(x_shape, w_shape, stride, padding):
-    """(Ho, Wo) of the conv at this stride and (h, w) padding."""
-    return (window_output_size(x_shape[2], w_shape[2], stride[0], padding[0]),
-            window_output_size(x_shape[3], w_shape[3], stride[1], padding[1]))
+def _conv_hw(x_shape, w_shape, stride, padding, dilation=(1, 1)):
+    """(Ho, Wo) of the conv at this stride, (h, w) padding and dilation."""
+    return (window_output_size(x_shape[2], dilated_size(w_shape[2], dilation[0]), stride[0], padding[0]),
+            window_output_size(x_shape[3], dilated_size(w_shape[3], dilation[1]), stride[1], padding[1]))
+
+
+def _group_views(groups, a, b, c, kernel_rows=(0, 2)):
+    """Per group of a grouped conv, the views of the im2col path's three GEMM operands that its
+    GEMM reads and writes: two of them cut by kernel rows (positions `kernel_rows`: W, Y, dY,
+    dW), the other by the group's input-channel columns of the im2col (C/groups * kh * kw of
+    them, as cols lays out c outermost). One group: the arrays themselves."""
+    if groups == 1:
+        return [(a, b, c)]
+    arrays = (a, b, c)
+    views = []
+    for g in range(groups):
+        cut = []
+        for i, arr in enumerate(arrays):
+            if i in kernel_rows:
+                rows = arr.shape[0] // groups
+                cut.append(arr[g * rows:(g + 1) * rows])
+            else:
+                width = arr.shape[1] // groups
+                cut.append(arr[:, g * width:(g + 1) * width])
+        views.append(tuple(cut))
+    return views
 
 
 # ---- any activation and pool: kernels on (images, K, ho, wo) planes ------------------------------
@@ -983,6 +1006,11 @@ def _fastest(seconds):
     return min(better, key=seconds.get) if better else direct
 
 
+def _conv_shape(block):
+    """The dilation and groups of a call's block as keyword arguments (none for a plain call)."""
+    return {} if block is None else dict(dilation=block.dilation, groups=block.groups)
+
+
 def _describe_call(key):
     x_shape, w_shape, stride, padding, block = key
     form = "plain conv" if block is None else f"block {block}"
@@ -1234,7 +1262,7 @@ class CpuDevice(Device):
 
     def _direct_kernels(self, key, choice):
         """oneDNN's implementations of a call on a direct path: {direction: name}."""
-        return self._direct[choice.path].implementations(*key[:4])
+        return self._direct[choice.path].implementations(*key[:4], **_conv_shape(key[4]))
 
     def describe_conv_paths(self):
         """One line per call shape run so far: the path and why (timed, with each path's time; the
@@ -1260,9 +1288,12 @@ class CpuDevice(Device):
         return choice.path
 
     def _choose_path(self, x, w, stride, padding, block):
-        n, k, ho, wo = x.shape[0], w.shape[0], *_conv_hw(x.shape, w.shape, stride, padding)
+        n, k, ho, wo = x.shape[0], w.shape[0], *_conv_hw(x.shape, w.shape, stride, padding,
+                                                         (1, 1) if block is None else block.dilation)
         flops = 2.0 * n * k * w.shape[1] * w.shape[2] * w.shape[3] * ho * wo
         untimed = f"rule: {flops / 1e6:.3g} MFLOP per call, under the {self.auto_timed_min_flops / 1e6:.3g} timed"
+        if block is not None and not block.dense:
+            return self._choose_dilated_or_grouped(x, w, stride, padding, block, flops, untimed)
         if self.precision == "bf16":
             if self.conv_path == "direct-dnnl":
                 return self._forced_direct("direct-bf16", x, w, stride, padding, block)
@@ -1271,7 +1302,7 @@ class CpuDevice(Device):
             if flops < self.auto_timed_min_flops and not self._preloaded:
                 return _PathChoice("im2col-bf16", untimed)
             candidates = (["im2col-bf16"] + (["shifted-bf16"] if stride == (1, 1) else [])
-                          + (["direct-bf16"] if self._direct_runs("direct-bf16", x, w, stride, padding) else []))
+                          + (["direct-bf16"] if self._direct_runs("direct-bf16", x, w, stride, padding, block) else []))
             if flops < self.auto_timed_min_flops:       # untimed, unless a checkpoint's record says otherwise
                 found = self._preloaded_choice(candidates, x, w, stride, padding, block)
                 return found or _PathChoice("im2col-bf16", untimed)
@@ -1304,7 +1335,7 @@ class CpuDevice(Device):
         candidates = (["im2col"] + (["shifted"] if stride == (1, 1) else []) + ([] if declined else ["fft"])
                       + [p for p in DNNL_PATHS if p in have and (stride == (1, 1) or p not in self._shifted_gemms)
                          and (p not in BF16_PATHS or self.precision == "auto")
-                         and (p not in self._direct or self._direct_runs(p, x, w, stride, padding))])
+                         and (p not in self._direct or self._direct_runs(p, x, w, stride, padding, block))])
         if self.openmp_gemms_only:
             candidates = [p for p in candidates if p not in OPENBLAS_PATHS]
         if flops < self.auto_timed_min_flops:           # untimed, unless a checkpoint's record says otherwise
@@ -1312,6 +1343,38 @@ class CpuDevice(Device):
         if len(candidates) == 1:
             return _PathChoice(candidates[0], f"the only path here: {declined}")
         return self._measured_choice(candidates, x, w, stride, padding, block, flops, declined)
+
+    def _choose_dilated_or_grouped(self, x, w, stride, padding, block, flops, untimed):
+        """The path of a dilated or grouped conv: an im2col path (its GEMMs one per group, its
+        im2col taps dilation apart) or oneDNN's direct one (which takes both), never the shifted
+        path (its GEMMs read each kernel row's dense taps as one block of rows) nor FFT (dense
+        kernel spectra): a forced one of those runs im2col, and says why."""
+        bf16 = self.precision == "bf16"
+        if self.conv_path == "direct-dnnl":
+            return self._forced_direct("direct-bf16" if bf16 else "direct-dnnl", x, w, stride, padding, block)
+        if self.conv_path == "im2col-dnnl":
+            return _PathChoice("im2col-dnnl", "forced")
+        if self.conv_path in ("im2col", "shifted", "fft"):
+            return _PathChoice("im2col", "forced" if self.conv_path == "im2col"
+                               else f"forced path {self.conv_path} runs dense convs only (no dilation, one group)")
+        by_rule = ("im2col-bf16" if bf16 else "im2col-dnnl" if "im2col-dnnl" in self._path_gemms else "im2col")
+        if self.deterministic:
+            return _PathChoice(by_rule, DETERMINISTIC)
+        if bf16:
+            candidates = ["im2col-bf16", "direct-bf16"]
+        else:
+            candidates = ["im2col", "im2col-dnnl", "direct-dnnl"] + (["im2col-bf16", "direct-bf16"]
+                                                                    if self.precision == "auto" else [])
+        if self.openmp_gemms_only:
+            candidates = [p for p in candidates if p not in OPENBLAS_PATHS]
+        candidates = [p for p in candidates if p in self._path_gemms or self._direct_runs(p, x, w, stride, padding,
+                                                                                           block)]
+        if flops < self.auto_timed_min_flops:
+            return (self._preloaded_choice(candidates, x, w, stride, padding, block)
+                    or _PathChoice(by_rule, untimed))
+        if len(candidates) == 1:
+            return _PathChoice(candidates[0], "the only path here for a dilated or grouped conv")
+        return self._measured_choice(candidates, x, w, stride, padding, block, flops, "")
 
     def _preloaded_choice(self, candidates, x, w, stride, padding, block):
         """The checkpoint's choice for this call (preload_conv_paths), where it gave one among
@@ -1356,15 +1419,16 @@ class CpuDevice(Device):
         return choice
 
     def _forced_direct(self, path, x, w, stride, padding, block):
-        declined = self._direct[path].declines(x.shape, w.shape, stride, padding)
+        declined = self._direct[path].declines(x.shape, w.shape, stride, padding, **_conv_shape(block))
         if declined:
             call = _describe_call((tuple(x.shape), tuple(w.shape), stride, padding, block))
             raise DeviceError(f"conv path direct-dnnl cannot run {call}: {declined}")
         return _PathChoice(path, "forced")
 
-    def _direct_runs(self, path, x, w, stride, padding):
+    def _direct_runs(self, path, x, w, stride, padding, block=None):
         """Whether this device has the direct `path` and oneDNN can run this call on it."""
-        return path in self._direct and not self._direct[path].declines(x.shape, w.shape, stride, padding)
+        return path in self._direct and not self._direct[path].declines(x.shape, w.shape, stride, padding,
+                                                                        **_conv_shape(block))
 
     def _timed_choice(self, candidates, x, w, stride, padding, block, flops, declined):
         """The fastest of `candidates` on this call, timed (or as timed for a call of the same
@@ -1457,28 +1521,31 @@ class CpuDevice(Device):
         step = (n + pieces - 1) // pieces
         return [(n0, min(n, n0 + step)) for n0 in range(0, n, step)], step
 
-    def _chunk_plan(self, x, w, stride, padding, cols_dtype=np.float32):
-        """What forward and backward share: kernel and output size, W as (K, C*kh*kw), the image
-        ranges of each chunk, and an im2col buffer sized for the largest chunk (float32, or bf16
-        bits for the bf16 path: chunked as the float32 one)."""
+    def _chunk_plan(self, x, w, stride, padding, cols_dtype=np.float32, dilation=(1, 1)):
+        """What forward and backward share: kernel and output size, W as (K, C/groups*kh*kw), the
+        image ranges of each chunk, and an im2col buffer of every input channel sized for the
+        largest chunk (float32, or bf16 bits for the bf16 path: chunked as the float32 one)."""
         n, c, h, wd = x.shape
-        k, _, kh, kw = w.shape
-        ho, wo = _conv_hw(x.shape, w.shape, stride, padding)
+        k, cg, kh, kw = w.shape
+        ho, wo = _conv_hw(x.shape, w.shape, stride, padding, dilation)
         ckk = c * kh * kw
         chunks, step = self._equal_chunks(n, ho * wo * ckk * 4, self.im2col_budget_bytes)
         shape = (step * ho * wo, ckk)
         cols = self._scratch("cols", shape) if cols_dtype == np.float32 else scratch16(self, "cols", shape)
-        return (kh, kw, ho, wo), w.reshape(k, ckk), chunks, cols
+        return (kh, kw, ho, wo), w.reshape(k, cg * kh * kw), chunks, cols
 
     # ---- forward -----------------------------------------------------------------------------
-    def _forward_chunks(self, x, w, stride, padding, consume, saved_cols=None, gemms=None):
+    def _forward_chunks(self, x, w, stride, padding, consume, saved_cols=None, gemms=None, dilation=(1, 1),
+                        groups=1):
         """Run Y (K, P) = W @ im2col(chunk).T per chunk and hand each Y to `consume(n0, n1, y)`.
         With `saved_cols` (flat float32, the whole batch's size) im2col goes there, kept for
-        backward. `gemms`: the path's GEMMs (cpu_gemms; OpenBLAS's where None)."""
+        backward. `gemms`: the path's GEMMs (cpu_gemms; OpenBLAS's where None). With `groups`,
+        one GEMM per group on its kernels' rows of W and its input channels' columns of the
+        im2col (see _group_views)."""
         gemms = gemms or self._path_gemms["im2col"]
-        (kh, kw, ho, wo), w2, chunks, cols_buf = self._chunk_plan(x, w, stride, padding, gemms.cols_dtype)
-        (sh, sw), (ph, pw) = stride, padding
-        ckk = w2.shape[1]
+        (kh, kw, ho, wo), w2, chunks, cols_buf = self._chunk_plan(x, w, stride, padding, gemms.cols_dtype, dilation)
+        (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
+        ckk = cols_buf.shape[1]
         x_in, w_in = gemms.input(x), gemms.weights(w2)
         if saved_cols is not None:
             saved_cols = saved_cols.view(gemms.cols_dtype)
@@ -1490,8 +1557,9 @@ class CpuDevice(Device):
             else:
                 cols = saved_cols[n0 * ho * wo * ckk:n1 * ho * wo * ckk].reshape(rows, ckk)
             y = y_buf[:, :rows]
-            _im2col(x_in, n0, n1, kh, kw, sh, sw, ph, pw, ho, wo, cols)
-            gemms.forward(w_in, cols, y)
+            _im2col(x_in, n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, ho, wo, cols)
+            for w_g, cols_g, y_g in _group_views(groups, w_in, cols, y):
+                gemms.forward(w_g, cols_g, y_g)
             consume(n0, n1, y)
         return ho, wo
 
@@ -1538,14 +1606,16 @@ class CpuDevice(Device):
             return self._paper_block(x, w, b, block.padding, shifted, gemms, block.activation == "relu")
         return self._generic_block(x, w, b, block, shifted, gemms)
 
-    def _fused_forward(self, x, w, stride, padding, shifted, consume_columns, consume_rows, gemms=None):
+    def _fused_forward(self, x, w, stride, padding, shifted, consume_columns, consume_rows, gemms=None,
+                       dilation=(1, 1), groups=1):
         """The conv of a fused forward, each chunk's Y handed to consume_columns(n0, n1, y (K, P))
         on an im2col path (its `gemms`) or consume_rows(n0, n1, yt (ho*nb*wo, K)) on a shifted
         one (`shifted`: its GEMMs, cpu_shifted_gemms; None on an im2col path). Returns (shifted,
-        the kept im2col or expansion or None, the kernel rows or None) for the context."""
+        the kept im2col or expansion or None, the kernel rows or None) for the context. A dilated
+        or grouped conv (`dilation`, `groups`) runs on an im2col path only (see _choose_path)."""
         n, c, h, _ = x.shape
         k, _, kh, kw = w.shape
-        ho, wo = _conv_hw(x.shape, w.shape, stride, padding)
+        ho, wo = _conv_hw(x.shape, w.shape, stride, padding, dilation)
         # what backward reuses: the width expansion (padded height) or the im2col
         cols_size = n * (h + 2 * padding[0]) * wo * c * kw if shifted else n * ho * wo * c * kh * kw
         dtype = shifted.dtype if shifted else gemms.cols_dtype if gemms is not None else np.float32
@@ -1555,7 +1625,8 @@ class CpuDevice(Device):
         if shifted:
             kernel_rows = self._shifted_forward(x, w, padding, consume_rows, saved=saved_cols, gemms=shifted)
         else:
-            self._forward_chunks(x, w, stride, padding, consume_columns, saved_cols=saved_cols, gemms=gemms)
+            self._forward_chunks(x, w, stride, padding, consume_columns, saved_cols=saved_cols, gemms=gemms,
+                                 dilation=dilation, groups=groups)
         return shifted, saved_cols, kernel_rows
 
     def _paper_block(self, x, w, b, padding, shifted, gemms=None, relu=True):
@@ -1575,7 +1646,7 @@ class CpuDevice(Device):
         activation and the pool in one Numba pass. Backward keeps an int32 argmax per pooled value
         (max-pool) or a byte per conv output where ReLU passes (other pools with ReLU)."""
         stride, padding = block.stride, block.padding
-        ho, wo = _conv_hw(x.shape, w.shape, stride, padding)
+        ho, wo = _conv_hw(x.shape, w.shape, stride, padding, block.dilation)
         pool = _PoolGeometry.of(block)
         out = np.empty((x.shape[0], w.shape[0]) + pool.output_hw(ho, wo), np.float32)
         relu = block.activation == "relu"
@@ -1593,25 +1664,27 @@ class CpuDevice(Device):
             consume_columns = lambda n0, n1, y: consume(n0, _planes_of_columns(y, n1 - n0, ho, wo))  # noqa: E731
             consume_rows = lambda n0, n1, yt: consume(n0, _planes_of_rows(yt, n1 - n0, ho, wo))  # noqa: E731
         shifted, saved_cols, kernel_rows = self._fused_forward(x, w, stride, padding, shifted, consume_columns,
-                                                               consume_rows, gemms)
+                                                               consume_rows, gemms, block.dilation, block.groups)
         ctx = _BlockContext(x, w, block, shifted, (ho, wo), pool, argmax, mask, out.shape, saved_cols, kernel_rows,
                             gemms)
         return out, ctx
 
     # ---- backward ----------------------------------------------------------------------------
     def _backward_chunks(self, x, w, stride, padding, need_dx, fill_dy, saved_cols=None, dw_out=None,
-                         accumulate=False, gemms=None):
+                         accumulate=False, gemms=None, dilation=(1, 1), groups=1):
         """dW, db, dx from per-chunk dY (K, P) produced by `fill_dy(n0, n1, dy_out)`. With
         `saved_cols` (the forward's im2col of the whole batch) no im2col runs, and dcols
         overwrites it chunk by chunk (float32 paths). dW into dw_out where given (added, with
-        accumulate). `gemms` as _forward_chunks'; db sums the float32 dY on every path."""
+        accumulate). `gemms` as _forward_chunks'; db sums the float32 dY on every path; `groups`
+        as there, each group's dcols into its own columns."""
         gemms = gemms or self._path_gemms["im2col"]
-        (kh, kw, ho, wo), w2, chunks, cols_buf = self._chunk_plan(x, w, stride, padding, gemms.cols_dtype)
-        (sh, sw), (ph, pw) = stride, padding
-        k, ckk = w2.shape
+        (kh, kw, ho, wo), w2, chunks, cols_buf = self._chunk_plan(x, w, stride, padding, gemms.cols_dtype, dilation)
+        (sh, sw), (ph, pw), (dh, dwd) = stride, padding, dilation
+        k, ckk = w2.shape[0], cols_buf.shape[1]
+        ckk_w = w2.shape[1]
         dy_buf = self._scratch("y", (k, cols_buf.shape[0]))
         # returned: never a scratch buffer
-        dw = np.empty((k, ckk), np.float32) if dw_out is None else dw_out.reshape(k, ckk)
+        dw = np.empty((k, ckk_w), np.float32) if dw_out is None else dw_out.reshape(k, ckk_w)
         db = np.zeros(k, np.float64)
         dx = np.empty(x.shape, np.float32) if need_dx else None    # every image written by _col2im
         x_in = gemms.input(x) if saved_cols is None else None
@@ -1625,14 +1698,20 @@ class CpuDevice(Device):
             _add_row_sums(dy, db)
             if saved_cols is None:
                 cols = cols_buf[:rows]
-                _im2col(x_in, n0, n1, kh, kw, sh, sw, ph, pw, ho, wo, cols)
+                _im2col(x_in, n0, n1, kh, kw, sh, sw, ph, pw, dh, dwd, ho, wo, cols)
             else:
                 cols = saved_cols[n0 * ho * wo * ckk:n1 * ho * wo * ckk].reshape(rows, ckk)
             dy_in = gemms.grad(dy)
-            gemms.weight_grad(dy_in, cols, dw, add=i > 0 or accumulate)
+            for dy_g, cols_g, dw_g in _group_views(groups, dy_in, cols, dw):
+                gemms.weight_grad(dy_g, cols_g, dw_g, add=i > 0 or accumulate)
             if need_dx:
-                dcols = gemms.data_grad(dy_in, w_in, cols)
-                _col2im(dcols, n0, n1, kh, kw, sh, sw, ph, pw, ho, wo, dx)
+                if groups == 1:
+                    dcols = gemms.data_grad(dy_in, w_in, cols)
+                else:                   # every group's dcols, float32, before col2im folds them
+                    dcols = cols if cols.dtype == np.float32 else self._scratch("dcols_groups", cols.shape)
+                    for dy_g, w_g, dcols_g in _group_views(groups, dy_in, w_in, dcols, kernel_rows=(0, 1)):
+                        gemms.data_grad_into(dy_g, w_g, dcols_g)
+                _col2im(dcols, n0, n1, kh, kw, sh, sw, ph, pw, dh, dwd, ho, wo, dx)
         return dx, (dw.reshape(w.shape) if dw_out is None else dw_out), db.astype(np.float32)
 
     def _conv2d_backward(self, x, w, dy, stride, padding, need_dx):
@@ -1704,8 +1783,10 @@ class CpuDevice(Device):
                                                 wu=kernel_rows, gemms=ctx.shifted_gemms)
             grads = dx, self._dw_into(dw_out, accumulate, dw), db
         else:
+            block = getattr(ctx, "block", None)         # a paper block's context has none: a dense conv
             grads = self._backward_chunks(ctx.x, w, stride, padding, need_dx, fill_columns, saved_cols=saved_cols,
-                                          dw_out=dw_out, accumulate=accumulate, gemms=ctx.gemms)
+                                          dw_out=dw_out, accumulate=accumulate, gemms=ctx.gemms,
+                                          **({} if block is None else dict(dilation=block.dilation, groups=block.groups)))
         if saved_cols is not None:
             self._give_back_saved_cols(saved_cols)
         return grads
@@ -1875,19 +1956,19 @@ class CpuDevice(Device):
         within the saved-cols budget."""
         x = np.ascontiguousarray(x, np.float32)
         n, k = x.shape[0], w.shape[0]
-        stride, padding = block.stride, block.padding
-        ho, wo = _conv_hw(x.shape, w.shape, stride, padding)
+        stride, padding, shape = block.stride, block.padding, dict(dilation=block.dilation, groups=block.groups)
+        ho, wo = _conv_hw(x.shape, w.shape, stride, padding, block.dilation)
         pool = _PoolGeometry.of(block)
         relu = block.activation == "relu"
         out = np.empty((n, k) + pool.output_hw(ho, wo), np.float32)
         max2 = _is_max2(block)
         argmax = np.empty(out.shape if pool.is_max else (0, 0, 0, 0), np.int8 if max2 else np.int32)
         mask = np.empty((n, k, ho, wo) if relu and not pool.is_max else (0, 0, 0, 0), np.uint8)
-        nbytes = convs.src_nbytes(x.shape, w.shape, stride, padding)
+        nbytes = convs.src_nbytes(x.shape, w.shape, stride, padding, **shape)
         saved = self._take_saved_cols(-(-nbytes // 4)) if nbytes <= self.saved_cols_budget_bytes else None
         saved_src = None if saved is None else saved.view(np.uint8)[:nbytes]
         y = self._scratch("direct_y", (n, k, ho, wo))
-        convs.forward(x, w, stride, padding, y, saved_src)
+        convs.forward(x, w, stride, padding, y, saved_src, **shape)
         if max2:
             _bias_act_max2_planes(y, b, relu, out, argmax)
         elif block.pool == "none":
@@ -1911,7 +1992,8 @@ class CpuDevice(Device):
         saved, saved_src = ctx.saved, ctx.saved_src
         ctx.saved = ctx.saved_src = None        # the buffer goes back to the pool: a second backward reorders x
         into = dw_out if dw_out is not None and not accumulate else np.empty(w.shape, np.float32)
-        dx = ctx.convs.backward(x, w, dy, block.stride, block.padding, need_dx, into, saved_src)
+        dx = ctx.convs.backward(x, w, dy, block.stride, block.padding, need_dx, into, saved_src,
+                                dilation=block.dilation, groups=block.groups)
         if saved is not None:
             self._give_back_saved_cols(saved)
         return dx, (into if into is dw_out else self._dw_into(dw_out, accumulate, into)), _bias_grad(sums)

@@ -4,6 +4,9 @@
     weight_grad    dW (K, C*kh*kw) = dY (K, P) @ cols               (+= for a later chunk)
     data_grad      dcols (P, C*kh*kw) = dY.T @ W                    folded back by col2im
 
+A grouped conv runs them once per group, on views (a group's kernel rows of W, Y, dY and dW; its
+input channels' columns of cols and dcols): data_grad_into writes a group's dcols into one.
+
 - "im2col": numpy's matmul on OpenBLAS (and sgemm with beta = 1 for the sums, devices/blas.py).
 - "im2col-dnnl": the same GEMMs in oneDNN's sgemm (devices/dnnl.py): as fast as OpenBLAS's
   AVX-512 kernel on the paper's conv2, 2x an OpenBLAS held to its Haswell kernel.
@@ -62,6 +65,10 @@ class BlasGemms:
         np.matmul(dy.T, w2, out=cols)
         return cols
 
+    def data_grad_into(self, dy, w2, dcols):
+        """dcols (float32, a view: one group's columns) = dY.T @ W."""
+        np.matmul(dy.T, w2, out=dcols)
+
 
 class DnnlGemms(BlasGemms):
     """oneDNN's sgemm, on the device's threads."""
@@ -81,6 +88,9 @@ class DnnlGemms(BlasGemms):
     def data_grad(self, dy, w2, cols):
         self.lib.sgemm(dy.T, w2, cols, 0.0, self.device.threads)
         return cols
+
+    def data_grad_into(self, dy, w2, dcols):
+        self.lib.sgemm(dy.T, w2, dcols, 0.0, self.device.threads)
 
 
 class Bf16Gemms(DnnlGemms):
@@ -108,3 +118,6 @@ class Bf16Gemms(DnnlGemms):
         dcols = self.device._scratch("dcols", cols.shape)
         self.lib.gemm_bf16(dy.T, w2, dcols, 0.0, self.device.threads)
         return dcols
+
+    def data_grad_into(self, dy, w2, dcols):
+        self.lib.gemm_bf16(dy.T, w2, dcols, 0.0, self.device.threads)

@@ -226,23 +226,29 @@ class _Library:
 
 
 class ConvPlan:
-    """The primitives of one call shape: x (N, C, H, W), w (K, C, kh, kw), stride, padding, in
-    float32 or bf16 (for the thread count set when it is made); the reorders between the arrays'
-    plain layouts and the primitives' blocked ones, and the buffers of the blocked ones."""
+    """The primitives of one call shape: x (N, C, H, W), w (K, C/groups, kh, kw), stride, padding,
+    dilation, groups, in float32 or bf16 (for the thread count set when it is made); the reorders
+    between the arrays' plain layouts and the primitives' blocked ones, and the buffers of the
+    blocked ones. oneDNN takes both natively: a grouped conv's weights as (groups, K/groups,
+    C/groups, kh, kw), the same bytes as ours; its dilation counts the taps skipped (ours - 1)."""
 
-    def __init__(self, lib, x_shape, w_shape, stride, padding, bf16):
+    def __init__(self, lib, x_shape, w_shape, stride, padding, bf16, dilation=(1, 1), groups=1):
         api = lib.api
         self._lib = lib
         n, c, h, wd = x_shape
         k, _, kh, kw = w_shape
-        y_shape = (n, k, (h + 2 * padding[0] - kh) // stride[0] + 1, (wd + 2 * padding[1] - kw) // stride[1] + 1)
+        spans = ((kh - 1) * dilation[0] + 1, (kw - 1) * dilation[1] + 1)
+        y_shape = (n, k, (h + 2 * padding[0] - spans[0]) // stride[0] + 1,
+                   (wd + 2 * padding[1] - spans[1]) // stride[1] + 1)
+        if groups > 1:
+            w_shape = (groups, k // groups) + tuple(w_shape[1:])
         operand = _BF16 if bf16 else _F32
         plain = {name: _PlainDesc(api, shape, _F32) for name, shape in
                  (("x", x_shape), ("w", w_shape), ("y", y_shape))}
         chosen = {name: _PlainDesc(api, shape, dtype, any_layout=True) for name, shape, dtype in
                   (("x", x_shape, operand), ("w", w_shape, operand), ("y", y_shape, _F32),
                    ("dx", x_shape, _F32), ("dw", w_shape, _F32), ("dy", y_shape, operand))}
-        geometry = (_dims(stride), _dims((0, 0)), _dims(padding), _dims(padding))
+        geometry = (_dims(stride), _dims((dilation[0] - 1, dilation[1] - 1)), _dims(padding), _dims(padding))
         self.forward = _Primitive(lib, lambda out: _check(api.convolution_forward_primitive_desc_create(
             out, lib.engine.value, _FORWARD_TRAINING, _CONVOLUTION_DIRECT, chosen["x"].value, chosen["w"].value,
             None, chosen["y"].value, *geometry, None), "describing the forward convolution"), "the forward conv")
@@ -328,18 +334,18 @@ class DirectConvs:
         self._unsupported = {}
 
     @staticmethod
-    def _key(x_shape, w_shape, stride, padding):
-        return tuple(x_shape), tuple(w_shape), tuple(stride), tuple(padding)
+    def _key(x_shape, w_shape, stride, padding, dilation=(1, 1), groups=1):
+        return tuple(x_shape), tuple(w_shape), tuple(stride), tuple(padding), tuple(dilation), int(groups)
 
-    def _plan(self, x_shape, w_shape, stride, padding):
-        key = self._key(x_shape, w_shape, stride, padding)
+    def _plan(self, x_shape, w_shape, stride, padding, dilation=(1, 1), groups=1):
+        key = self._key(x_shape, w_shape, stride, padding, dilation, groups)
         plan = self._plans.get(key)
         if plan is not None:
             self._plans.move_to_end(key)
             return plan
         self._lib.dnnl.set_threads(self.threads)
         try:
-            plan = ConvPlan(self._lib, x_shape, w_shape, stride, padding, self.bf16)
+            plan = ConvPlan(self._lib, x_shape, w_shape, stride, padding, self.bf16, tuple(dilation), int(groups))
         except _Unsupported as e:
             self._unsupported[key] = f"oneDNN {self._lib.dnnl.version} has no {'bf16 ' if self.bf16 else ''}" \
                                      f"implementation of {e} here"
@@ -349,25 +355,25 @@ class DirectConvs:
             self._plans.popitem(last=False)
         return plan
 
-    def declines(self, x_shape, w_shape, stride, padding):
+    def declines(self, x_shape, w_shape, stride, padding, dilation=(1, 1), groups=1):
         """'' where oneDNN has this convolution (its primitives created, kept), else why not."""
-        key = self._key(x_shape, w_shape, stride, padding)
+        key = self._key(x_shape, w_shape, stride, padding, dilation, groups)
         if key in self._unsupported:
             return self._unsupported[key]
         try:
-            self._plan(x_shape, w_shape, stride, padding)
+            self._plan(x_shape, w_shape, stride, padding, dilation, groups)
         except DeviceError as e:
             return str(e)
         return ""
 
-    def implementations(self, x_shape, w_shape, stride, padding):
+    def implementations(self, x_shape, w_shape, stride, padding, dilation=(1, 1), groups=1):
         """{direction: oneDNN's implementation name} for this call shape."""
-        return self._plan(x_shape, w_shape, stride, padding).implementations()
+        return self._plan(x_shape, w_shape, stride, padding, dilation, groups).implementations()
 
-    def forward(self, x, w, stride, padding, y, saved_src=None):
+    def forward(self, x, w, stride, padding, y, saved_src=None, dilation=(1, 1), groups=1):
         """y (N, K, Ho, Wo), float32 C-contiguous = conv(x, w), no bias. With `saved_src` (a uint8
         buffer of src_nbytes()) the input in the primitive's layout is left there for backward."""
-        plan = self._plan(x.shape, w.shape, stride, padding)
+        plan = self._plan(x.shape, w.shape, stride, padding, dilation, groups)
         self._lib.dnnl.set_threads(self.threads)
         src = plan.operand("src", "x", plan.src, x, into=saved_src)
         weights = plan.operand("weights", "w", plan.weights, w)
@@ -377,15 +383,15 @@ class DirectConvs:
         plan.deliver(plan.dst, "y", dst, y)
         return y
 
-    def src_nbytes(self, x_shape, w_shape, stride, padding):
+    def src_nbytes(self, x_shape, w_shape, stride, padding, dilation=(1, 1), groups=1):
         """The bytes of the input in the forward primitive's layout (what forward can save)."""
-        return self._plan(x_shape, w_shape, stride, padding).src.nbytes
+        return self._plan(x_shape, w_shape, stride, padding, dilation, groups).src.nbytes
 
-    def backward(self, x, w, dy, stride, padding, need_dx, dw, saved_src=None):
+    def backward(self, x, w, dy, stride, padding, need_dx, dw, saved_src=None, dilation=(1, 1), groups=1):
         """dx (N, C, H, W) or None where not asked; dW of this call into dw (K, C, kh, kw) float32
         C-contiguous. `saved_src`: forward's, for these x. The bias's gradient is the caller's
         (from the float32 dY, as the other paths: a bf16 primitive would sum the rounded one)."""
-        plan = self._plan(x.shape, w.shape, stride, padding)
+        plan = self._plan(x.shape, w.shape, stride, padding, dilation, groups)
         self._lib.dnnl.set_threads(self.threads)
         diff_dst = plan.operand("diff_dst", "y", plan.bw_diff_dst, dy)
         if saved_src is not None and plan.bw_src.same_layout(plan.src):

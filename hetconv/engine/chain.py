@@ -121,7 +121,7 @@ class LayerChain:
                     sl.ctx[m] = x.shape
                 done(m, np.zeros((0, sl.stop - sl.start) + sl.spec.output_hw(*x.shape[2:]), np.float32))
                 continue
-            y, ctx = dev.conv_block(x, sl.w, sl.b, sl.spec.block)
+            y, ctx = dev.conv_block(sl.conv_input(x), sl.w, sl.b, sl.block)
             ctxs = [ctx] + [None] * len(tail)
             rows[m] = slice(row0, row0 + len(x))
             segments[m] = _segments(rows[m], batch, ghost)
@@ -274,6 +274,7 @@ class LayerChain:
             sl.dw, sl.db, sl.dw_kept = dw, db, None
         else:
             self.device.accumulate_(sl.db, db)
+        dx = sl.whole_dx(dx)
         if emit is None:
             out[m] = dx
         else:

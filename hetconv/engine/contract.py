@@ -16,7 +16,7 @@ import numpy as np
 from hetconv.devices.wisdom import MAX_RECORD_CHOICES, checked_record
 from hetconv.engine.conv_precision import checked_choices
 from hetconv.engine.costmodel import profiles_from_calibration
-from hetconv.engine.planner import PlanError, cost_lines, make_plan, replan
+from hetconv.engine.planner import PlanError, cost_lines, make_plan, replan, whole_groups
 from hetconv.update import clip_factor
 from hetconv.geometry import layer_state
 from hetconv.transport.wire import decode, encode, wire_for
@@ -232,6 +232,7 @@ class ShardEngine:
         if self.exchange != "peer" and len(plan.workers) > 1 and "data" in plan.modes():
             raise PlanError(f"--exchange {self.exchange} sends every layer through the coordinator and splits only "
                             f"kernels: data-parallel layers ({plan.modes()}) need --exchange peer")
+        plan = whole_groups(plan, specs)       # a grouped conv's shards hold whole groups
         self.plan, self.specs = plan, list(specs)
         for lp, spec, state in zip(plan.layers, specs, params):
             state = layer_state(spec, state)

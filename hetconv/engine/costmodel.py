@@ -586,7 +586,7 @@ MODES = ("model", "data")
 
 def weight_floats(spec):
     """|W| + |b| of a conv layer: what a data layer's dW all-gather sends to each peer."""
-    return spec.kernels * spec.in_channels * spec.kh * spec.kw + (spec.kernels if spec.bias else 0)
+    return math.prod(spec.weight_shape) + (spec.kernels if spec.bias else 0)     # a grouped conv's (K, C/g, kh, kw)
 
 
 def _links_s(out_bytes, in_bytes, link):

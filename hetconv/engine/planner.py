@@ -69,6 +69,36 @@ def image_ranges(lp, n):
     return ranges
 
 
+def whole_groups(plan, specs):
+    """`plan` with each model layer's kernel ranges moved to whole groups where its conv is
+    grouped (ConvSpec.kernel_group kernels each): every boundary between two workers goes to the
+    nearest group boundary (a depthwise conv's groups are single kernels: nothing moves), each
+    worker keeping at least one group, so a worker's kernels read only their groups' input
+    channels. A grouped layer with fewer groups than the plan has workers cannot be split so: a
+    PlanError naming it (the mode choice puts such a layer in data mode)."""
+    layers = []
+    for lp, spec in zip(plan.layers, specs):
+        kg = spec.kernel_group if spec.groups > 1 else 1
+        if lp.mode != "model" or kg == 1:
+            layers.append(lp)
+            continue
+        workers = [w for w in plan.workers if w in lp.ranges]
+        if spec.groups < len(workers):
+            raise PlanError(f"conv layer {lp.layer + 1} ({spec.describe()}): its {spec.groups} groups cannot be split "
+                            f"among {len(workers)} workers in model mode (a worker holds whole groups); give it data "
+                            f"mode")
+        ranges, start = {}, 0
+        for i, w in enumerate(workers):
+            stop = lp.ranges[w][1]
+            groups_left = len(workers) - 1 - i
+            # the nearest whole group, leaving each worker before and after at least one
+            stop = min(max(round(stop / kg), start // kg + 1), spec.groups - groups_left) * kg
+            ranges[w] = (start, stop)
+            start = stop
+        layers.append(replace(lp, ranges=ranges))
+    return replace(plan, layers=tuple(layers))
+
+
 def check_modes(modes, layers):
     """`modes` (None: every layer "model") as a list of one mode per layer, or PlanError."""
     if modes is None:
@@ -678,8 +708,8 @@ def choose_modes(specs, image_shape, batch, profiles, link, parallel="auto", mic
                                  micro_batches, value_bytes, graph.feature_floats * batch)
     inf = float("inf")
     for li, spec in enumerate(specs):
-        if spec.kernels < len(names):
-            costs.node[li]["model"] = inf
+        if spec.kernels < len(names) or spec.groups > 1 and spec.groups < len(names):
+            costs.node[li]["model"] = inf      # a worker of a model layer holds a kernel, of a grouped one a group
         if batch < len(names):
             costs.node[li]["data"] = inf
     model_s = costs.chain_s(["model"] * layers)

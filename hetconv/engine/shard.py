@@ -47,6 +47,9 @@ class _LayerSlice:
 
     def __init__(self, device, spec, start, stop, state):
         self.spec, self.start, self.stop = spec, start, stop
+        # the block the device runs and the input channels it reads: a grouped conv's slice holds
+        # whole groups and reads only their channels (its partial dX is zero elsewhere)
+        self.block, self.channels = spec.kernel_slice(start, stop)
         self.device_arrays = {}            # name -> the device's array: "w", "b", "w.momentum_buffer", ...
         self.host = {}                     # name -> numpy: "bn1.weight", "bn1.running_mean", their slots, ...
         for name, (a, on_device) in state.items():
@@ -64,6 +67,21 @@ class _LayerSlice:
 
     def array(self, name):
         return self.device_arrays[name] if name in self.device_arrays else self.host[name]
+
+    def conv_input(self, x):
+        """The channels of the layer input x (N, C, H, W) that this slice's kernels read."""
+        c0, c1 = self.channels
+        return x if (c0, c1) == (0, x.shape[1]) else x[:, c0:c1]
+
+    def whole_dx(self, dx):
+        """This slice's partial dX over the layer's every input channel (zero where its kernels
+        read none), as the reduce-scatter of partial dX takes it."""
+        c0, c1 = self.channels
+        if dx is None or (c0, c1) == (0, self.spec.in_channels):
+            return dx
+        whole = np.zeros((dx.shape[0], self.spec.in_channels) + dx.shape[2:], np.float32)
+        whole[:, c0:c1] = dx
+        return whole
 
     def slots(self, param, rule):
         return {slot: self.array(slot_name(param, slot)) for slot in rule.slots}
@@ -88,6 +106,11 @@ class ConvShard:
         k = stop - start
         if not 0 <= start < stop <= spec.kernels:
             raise ShardError(f"layer {layer}: kernels [{start}, {stop}) are not a range of its {spec.kernels}")
+        try:
+            spec.kernel_slice(start, stop)
+        except ValueError as e:
+            raise ShardError(f"layer {layer}: {e}") from None
+        self._check_runs(layer, spec)
         layout = spec.state_layout(optimizer)
         known = {a.name: a for a in layout}
         unknown = sorted(set(state) - set(known))
@@ -109,6 +132,12 @@ class ConvShard:
             arrays[a.name] = (given, a.on_device)
         self.layers[layer] = _LayerSlice(self.device, spec, start, stop, arrays)
         self.layers[layer].ghost_batch = ghost_batch
+
+    def _check_runs(self, layer, spec):
+        """ShardError naming the layer where this shard's device has no kernel for its conv."""
+        declined = self.device.declines_block(spec.block)
+        if declined:
+            raise ShardError(f"conv layer {layer + 1} ({spec.describe()}): {declined}")
 
     def _layer(self, layer):
         if layer not in self.layers:
@@ -245,9 +274,11 @@ class ConvShard:
         Returns (kernels/s per layer at kernels[i], per-layer timing dicts)."""
         rng = np.random.default_rng(0)
         speeds, timings = [], []
+        for li, spec in enumerate(specs):           # every layer this device cannot run, before timing any
+            self._check_runs(li, spec)
         for li, (spec, shape, k) in enumerate(zip(specs, input_shapes, kernels)):
             x = rng.standard_normal(shape, dtype=np.float32)
-            counts = sorted({max(1, int(k)), max(1, int(k) // 2)}, reverse=True)
+            counts = sorted({spec.whole_groups(max(1, int(k))), spec.whole_groups(max(1, int(k) // 2))}, reverse=True)
             slices = [self._calibration_slice(spec, count, rng) for count in counts]
             need_dx = li > 0
             timers = [self._call_timer(sl, x, need_dx) for sl in slices]
@@ -325,9 +356,11 @@ class ConvShard:
 
     def _calibration_slice(self, spec, k, rng):
         """A slice of `k` kernels of the layer with fresh weights, as a step would hold it."""
-        fan_in = spec.in_channels * spec.kh * spec.kw
-        spec = dataclasses.replace(spec, kernels=k)
-        state = spec.initial_state(default_init(rng, (k, spec.in_channels, spec.kh, spec.kw), fan_in))
+        fan_in = int(np.prod(spec.weight_shape[1:]))
+        if spec.groups == 1:
+            spec = dataclasses.replace(spec, kernels=k)
+        k = spec.whole_groups(k)        # a grouped conv's slice: its first groups (calibrate counts so)
+        state = spec.initial_state(default_init(rng, (k,) + spec.weight_shape[1:], fan_in))
         return _LayerSlice(self.device, spec, 0, k, {a.name: (state[a.name], a.on_device) for a in spec.state_layout()})
 
     def _call_timer(self, sl, x, need_dx):

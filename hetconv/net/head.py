@@ -19,8 +19,8 @@ def init_conv_params(specs, rng):
     FC sizes; biases zero, BatchNorms at PyTorch's start."""
     params = []
     for spec in specs:
-        fan_in = spec.in_channels * spec.kh * spec.kw
-        w = default_init(rng, (spec.kernels, spec.in_channels, spec.kh, spec.kw), fan_in)
+        fan_in = int(np.prod(spec.weight_shape[1:]))         # (C/groups) * kh * kw, as PyTorch's
+        w = default_init(rng, spec.weight_shape, fan_in)
         params.append(spec.initial_state(w))
     return params
 

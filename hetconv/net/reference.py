@@ -4,7 +4,8 @@ This file is the definition that every device kernel is tested against, so it is
 clarity, not speed: a convolution is a sum over the kh*kw kernel offsets of strided views of the
 padded input, each contracted with one tap of the weights; a pool is a loop over its output
 positions, each reducing one window. Cross-correlation (as PyTorch's conv2d), NCHW, weights
-(K, C, kh, kw), stride and zero padding an int or an (height, width) pair. A conv block is conv +
+(K, C/groups, kh, kw), stride, zero padding and dilation an int or an (height, width) pair;
+with `groups` g, kernel group i (kernels i*K/g ...) reads input channel group i only. A conv block is conv +
 bias -> activation (ReLU or none) -> pool (max, average or none), with PyTorch's semantics: floor
 mode; a max-pool pads with -inf and routes each output's gradient to the first maximum of its
 window in row-major order; an average pool counts its zero padding (divides by the whole
@@ -20,55 +21,64 @@ def _pair(v):
     return tuple(int(a) for a in v) if isinstance(v, (tuple, list)) else (int(v), int(v))
 
 
-def _conv64(x, w, b, stride, padding):
-    """conv2d in float64: y[n,k,i,j] = b[k] + sum_{c,u,v} xpad[n,c,i*sh+u,j*sw+v] * w[k,c,u,v]."""
-    (sh, sw), (ph, pw) = _pair(stride), _pair(padding)
+def _conv64(x, w, b, stride, padding, dilation=1, groups=1):
+    """conv2d in float64: y[n,k,i,j] = b[k] + sum_{c,u,v} xpad[n,g*Cg+c,i*sh+u*dh,j*sw+v*dw] * w[k,c,u,v],
+    g = k // (K/groups) the kernel's group, Cg = C/groups."""
+    (sh, sw), (ph, pw), (dh, dw) = _pair(stride), _pair(padding), _pair(dilation)
     x = np.asarray(x, np.float64)
     w = np.asarray(w, np.float64)
     n, c, h, wd = x.shape
-    k, _, kh, kw = w.shape
-    ho, wo = window_output_size(h, kh, sh, ph), window_output_size(wd, kw, sw, pw)
+    k, cg, kh, kw = w.shape
+    kg = k // groups
+    ho = window_output_size(h, dh * (kh - 1) + 1, sh, ph)
+    wo = window_output_size(wd, dw * (kw - 1) + 1, sw, pw)
     xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
     y = np.zeros((n, k, ho, wo))
-    for u in range(kh):
-        for v in range(kw):
-            patch = xp[:, :, u:u + sh * (ho - 1) + 1:sh, v:v + sw * (wo - 1) + 1:sw]   # (N, C, Ho, Wo)
-            y += np.einsum("nchw,kc->nkhw", patch, w[:, :, u, v])
+    for g in range(groups):
+        for u in range(kh):
+            for v in range(kw):
+                patch = xp[:, g * cg:(g + 1) * cg, u * dh:u * dh + sh * (ho - 1) + 1:sh,
+                           v * dw:v * dw + sw * (wo - 1) + 1:sw]                   # (N, Cg, Ho, Wo)
+                y[:, g * kg:(g + 1) * kg] += np.einsum("nchw,kc->nkhw", patch, w[g * kg:(g + 1) * kg, :, u, v])
     if b is not None:
         y += np.asarray(b, np.float64)[None, :, None, None]
     return y
 
 
-def _conv_backward64(x, w, dy, stride, padding, need_dx):
-    (sh, sw), (ph, pw) = _pair(stride), _pair(padding)
+def _conv_backward64(x, w, dy, stride, padding, need_dx, dilation=1, groups=1):
+    (sh, sw), (ph, pw), (dh, dwd) = _pair(stride), _pair(padding), _pair(dilation)
     x = np.asarray(x, np.float64)
     w = np.asarray(w, np.float64)
     dy = np.asarray(dy, np.float64)
     n, c, h, wd = x.shape
-    k, _, kh, kw = w.shape
+    k, cg, kh, kw = w.shape
+    kg = k // groups
     ho, wo = dy.shape[2], dy.shape[3]
     xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
     dw = np.zeros(w.shape)
     dxp = np.zeros(xp.shape)
-    for u in range(kh):
-        for v in range(kw):
-            window = (slice(None), slice(None), slice(u, u + sh * (ho - 1) + 1, sh), slice(v, v + sw * (wo - 1) + 1, sw))
-            dw[:, :, u, v] = np.einsum("nchw,nkhw->kc", xp[window], dy)
-            if need_dx:
-                dxp[window] += np.einsum("nkhw,kc->nchw", dy, w[:, :, u, v])
+    for g in range(groups):
+        ks, cs = slice(g * kg, (g + 1) * kg), slice(g * cg, (g + 1) * cg)
+        for u in range(kh):
+            for v in range(kw):
+                window = (slice(None), cs, slice(u * dh, u * dh + sh * (ho - 1) + 1, sh),
+                          slice(v * dwd, v * dwd + sw * (wo - 1) + 1, sw))
+                dw[ks, :, u, v] = np.einsum("nchw,nkhw->kc", xp[window], dy[:, ks])
+                if need_dx:
+                    dxp[window] += np.einsum("nkhw,kc->nchw", dy[:, ks], w[ks, :, u, v])
     db = dy.sum(axis=(0, 2, 3))
     dx = dxp[:, :, ph:ph + h, pw:pw + wd] if need_dx else None
     return dx, dw, db
 
 
-def conv2d(x, w, b, stride=1, padding=0):
-    """y[n,k,i,j] = b[k] + sum_{c,u,v} xpad[n,c,i*sh+u,j*sw+v] * w[k,c,u,v]."""
-    return _conv64(x, w, b, stride, padding).astype(np.float32)
+def conv2d(x, w, b, stride=1, padding=0, dilation=1, groups=1):
+    """y[n,k,i,j] = b[k] + sum_{c,u,v} xpad[n,g*Cg+c,i*sh+u*dh,j*sw+v*dw] * w[k,c,u,v] (see _conv64)."""
+    return _conv64(x, w, b, stride, padding, dilation, groups).astype(np.float32)
 
 
-def conv2d_backward(x, w, dy, stride=1, padding=0, need_dx=True):
+def conv2d_backward(x, w, dy, stride=1, padding=0, need_dx=True, dilation=1, groups=1):
     """Gradients of sum(dy * conv2d(x, w, b)) with respect to x (None unless need_dx), w and b."""
-    dx, dw, db = _conv_backward64(x, w, dy, stride, padding, need_dx)
+    dx, dw, db = _conv_backward64(x, w, dy, stride, padding, need_dx, dilation, groups)
     return (None if dx is None else dx.astype(np.float32)), dw.astype(np.float32), db.astype(np.float32)
 
 
@@ -154,16 +164,16 @@ def _block_args(block):
 
 def conv_block(x, w, b, block):
     """pool(activation(conv2d(x, w, b))) as the ConvBlock `block` says."""
-    y = _conv64(x, w, b, block.stride, block.padding)
+    y = _conv64(x, w, b, block.stride, block.padding, block.dilation, block.groups)
     return _pool64(activation(y, block.activation), *_block_args(block)).astype(np.float32)
 
 
 def conv_block_backward(x, w, b, block, dout, need_dx=True):
     """(dx or None, dw, db): the gradients of sum(dout * conv_block(x, w, b, block))."""
-    y = _conv64(x, w, b, block.stride, block.padding)
+    y = _conv64(x, w, b, block.stride, block.padding, block.dilation, block.groups)
     da = _pool_backward64(activation(y, block.activation), dout, *_block_args(block))
     dy = activation_backward(y, da, block.activation)
-    dx, dw, db = _conv_backward64(x, w, dy, block.stride, block.padding, need_dx)
+    dx, dw, db = _conv_backward64(x, w, dy, block.stride, block.padding, need_dx, block.dilation, block.groups)
     return (None if dx is None else dx.astype(np.float32)), dw.astype(np.float32), db.astype(np.float32)
 
 

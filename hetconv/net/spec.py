@@ -16,7 +16,11 @@ The stored (JSON) form:
       {"type": "linear", "out_features": 10, "bias": false},
       {"type": "scale", "factor": 0.111}]}
 
-Defaults: stride 1, padding 0, bias true; a pool's stride is its kernel, its padding 0; an int
+A conv may also have "dilation" (an int or a pair, PyTorch's: 1 is a dense kernel) and "groups"
+(it must divide the conv's input channels and out_channels; groups == input channels is a
+depthwise conv, weights (out_channels, in/groups, kh, kw)); both are written only where they are
+not 1, so a dense conv's stored form is what it was before them, and a file without them means 1.
+Defaults: stride 1, padding 0, dilation 1, groups 1, bias true; a pool's stride is its kernel, its padding 0; an int
 stands for a pair. The conv part is a sequence of blocks: a conv, then any sequence of per-channel
 layers (activations: relu, gelu, silu, leaky_relu, elu, celu, tanh, sigmoid, hardswish, identity;
 maxpool, avgpool, global_avgpool, global_maxpool; batchnorm; dropout2d), in any order. Then
@@ -88,6 +92,8 @@ class Conv:
     stride: tuple = (1, 1)
     padding: tuple = (0, 0)
     bias: bool = True
+    dilation: tuple = (1, 1)
+    groups: int = 1
     type = "conv"
 
     def __post_init__(self):
@@ -96,14 +102,31 @@ class Conv:
         object.__setattr__(self, "stride", _pair("stride", self.stride, 1))
         object.__setattr__(self, "padding", _pair("padding", self.padding, 0))
         object.__setattr__(self, "bias", _bool("bias", self.bias))
+        object.__setattr__(self, "dilation", _pair("dilation", self.dilation, 1))
+        object.__setattr__(self, "groups", _int("groups", self.groups, 1))
+        if self.out_channels % self.groups:
+            raise ValueError(f"groups {self.groups} must divide out_channels {self.out_channels}")
+
+    @property
+    def span(self):
+        """(height, width) the kernel covers at its dilation."""
+        return tuple(d * (k - 1) + 1 for k, d in zip(self.kernel, self.dilation))
 
     def to_json(self):
-        return {"type": "conv", "out_channels": self.out_channels, "kernel": list(self.kernel),
-                "stride": list(self.stride), "padding": list(self.padding), "bias": self.bias}
+        d = {"type": "conv", "out_channels": self.out_channels, "kernel": list(self.kernel),
+             "stride": list(self.stride), "padding": list(self.padding), "bias": self.bias}
+        if self.dilation != (1, 1):
+            d["dilation"] = list(self.dilation)
+        if self.groups != 1:
+            d["groups"] = self.groups
+        return d
 
     def text(self):
         return (f"conv {self.out_channels} {self.kernel[0]}x{self.kernel[1]} stride {_pair_text(self.stride)} "
-                f"padding {_pair_text(self.padding)}{'' if self.bias else ' no bias'}")
+                f"padding {_pair_text(self.padding)}"
+                + (f" dilation {_pair_text(self.dilation)}" if self.dilation != (1, 1) else "")
+                + (f" groups {self.groups}" if self.groups != 1 else "")
+                + ('' if self.bias else ' no bias'))
 
 
 @dataclass(frozen=True)
@@ -353,7 +376,7 @@ def _pair_text(p):
 
 # type -> (constructor, keys it accepts besides "type")
 _LAYER_TYPES = {
-    "conv": (Conv, ("out_channels", "kernel", "stride", "padding", "bias")),
+    "conv": (Conv, ("out_channels", "kernel", "stride", "padding", "bias", "dilation", "groups")),
     "relu": (ReLU, ()),
     **{kind: ((lambda kind: lambda **kw: Activation(kind, **kw))(kind), params)
        for kind, params in channelwise.ACTIVATION_PARAMETERS.items() if kind != "relu"},
@@ -647,11 +670,16 @@ class NetSpec:
             shape = given[0]
             if isinstance(layer, (Conv, Pool)) and len(shape) == 3:
                 c, h, w = shape
-                kh, kw = layer.kernel
+                if isinstance(layer, Conv) and c % layer.groups:
+                    raise LayerError(i, layer, f"groups {layer.groups} must divide its {c} input channels (and its "
+                                               f"{layer.out_channels} out_channels)")
+                kh, kw = layer.span if isinstance(layer, Conv) else layer.kernel
                 (sh, sw), (ph, pw) = layer.stride, layer.padding
                 ho, wo = _window_out(h, kh, sh, ph), _window_out(w, kw, sw, pw)
                 if ho is None or wo is None:
-                    raise LayerError(i, layer, f"kernel {kh}x{kw} does not fit its {h}x{w} input with padding "
+                    what = f"kernel {kh}x{kw}" + (f" (dilation {_pair_text(layer.dilation)})" if isinstance(
+                        layer, Conv) and layer.dilation != (1, 1) else "")
+                    raise LayerError(i, layer, f"{what} does not fit its {h}x{w} input with padding "
                                                f"{_pair_text(layer.padding)} (padded {h + 2 * ph}x{w + 2 * pw})")
                 shapes.append((layer.out_channels if isinstance(layer, Conv) else c, ho, wo))
             elif isinstance(layer, ChannelLayer) and len(shape) == 3:
@@ -729,7 +757,8 @@ class NetSpec:
                 pool = self.layers[rest.pop(0)]
             pooling = (dict(pool=pool.mode, pool_kernel=pool.kernel, pool_stride=pool.stride,
                             pool_padding=pool.padding) if pool else dict(pool="none"))
-            block = ConvBlock(stride=conv.stride, padding=conv.padding, activation=activation, **pooling)
+            block = ConvBlock(stride=conv.stride, padding=conv.padding, activation=activation,
+                              dilation=conv.dilation, groups=conv.groups, **pooling)
             source = self.inputs[i][0]
             in_shape = self.input_shape if source < 0 else self._shapes[source]
             blocks.append(ConvLayer(index=i, in_channels=in_shape[0], kernels=conv.out_channels,
@@ -785,8 +814,8 @@ class NetSpec:
     # ---- parameters ------------------------------------------------------------------------------
     def parameter_shapes(self):
         """([(w, b)] per conv, [(w, b)] per linear) shapes; b is None where a layer has no bias.
-        conv w is (K, C, kh, kw), linear w is (out, in), as in PyTorch."""
-        conv = [((c.kernels, c.in_channels) + c.kernel, (c.kernels,) if c.bias else None)
+        conv w is (K, C/groups, kh, kw), linear w is (out, in), as in PyTorch."""
+        conv = [((c.kernels, c.in_channels // c.block.groups) + c.kernel, (c.kernels,) if c.bias else None)
                 for c in self.conv_layers()]
         fc = [((op.out_features, op.in_features), (op.out_features,) if op.layer.bias else None)
               for op in self.head() if op.type == "linear"]

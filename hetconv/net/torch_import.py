@@ -17,7 +17,7 @@ from hetconv.net.spec import (INPUT_NAME, Activation, Add, BatchNorm, ChannelLay
                               Flatten, GlobalPool, LayerError, Linear, NetSpec, Pool, ReLU, Scale)
 
 TORCH_INSTALL = "pip install 'hetconv[torch]' (in a checkout: pip install -e '.[torch]')"
-SUPPORTED = ("Conv2d (groups 1, dilation 1, padding_mode 'zeros'), BatchNorm2d (track_running_stats), ReLU, GELU, "
+SUPPORTED = ("Conv2d (any groups and dilation, padding_mode 'zeros'), BatchNorm2d (track_running_stats), ReLU, GELU, "
              "SiLU, LeakyReLU, ELU, CELU, Tanh, Sigmoid, Hardswish, Identity, MaxPool2d (dilation 1, ceil_mode False), "
              "AvgPool2d (ceil_mode False, count_include_pad True, no divisor_override), AdaptiveAvgPool2d(1), "
              "AdaptiveMaxPool2d(1), Dropout2d, Flatten (start_dim 1), Linear, Dropout, scale_module_class() (x * factor), "
@@ -60,11 +60,13 @@ def _unsupported(path, module, why):
 
 
 def _same_padding(path, module):
-    """padding='same' as symmetric padding, which exists for odd kernels only (stride 1)."""
-    if any(k % 2 == 0 for k in module.kernel_size):
+    """padding='same' as symmetric padding, which exists where the dilated kernel's span is odd
+    (stride 1)."""
+    spans = [d * (k - 1) for k, d in zip(module.kernel_size, module.dilation)]
+    if any(s % 2 for s in spans):
         raise _unsupported(path, module, f"padding 'same' with the even kernel {tuple(module.kernel_size)} "
-                                         f"pads unevenly; give the padding as numbers")
-    return tuple((k - 1) // 2 for k in module.kernel_size)
+                                         f"(dilation {tuple(module.dilation)}) pads unevenly; give the padding as numbers")
+    return tuple(s // 2 for s in spans)
 
 
 def _layer_of(path, module):
@@ -72,10 +74,6 @@ def _layer_of(path, module):
     nn = import_torch().nn
     kind = type(module)              # exact: a subclass may compute something else in forward
     if kind is nn.Conv2d:
-        if module.groups != 1:
-            raise _unsupported(path, module, f"groups {module.groups}")
-        if tuple(module.dilation) != (1, 1):
-            raise _unsupported(path, module, f"dilation {tuple(module.dilation)}")
         if module.padding_mode != "zeros":
             raise _unsupported(path, module, f"padding_mode {module.padding_mode!r}")
         padding = module.padding
@@ -84,7 +82,7 @@ def _layer_of(path, module):
         elif padding == "same":
             padding = _same_padding(path, module)
         layer = Conv(module.out_channels, tuple(module.kernel_size), tuple(module.stride), tuple(padding),
-                     module.bias is not None)
+                     module.bias is not None, tuple(module.dilation), module.groups)
         return layer, (_numpy(module.weight), _numpy(module.bias))
     if kind is nn.Linear:
         return Linear(module.out_features, module.bias is not None), (_numpy(module.weight), _numpy(module.bias))
@@ -501,7 +499,8 @@ def _module_of(nn, spec, i, shapes):
     source = spec.inputs[i][0]
     in_shape = spec.input_shape if source < 0 else shapes[source]
     if isinstance(layer, Conv):
-        return nn.Conv2d(in_shape[0], layer.out_channels, layer.kernel, layer.stride, layer.padding, bias=layer.bias)
+        return nn.Conv2d(in_shape[0], layer.out_channels, layer.kernel, layer.stride, layer.padding,
+                         dilation=layer.dilation, groups=layer.groups, bias=layer.bias)
     if isinstance(layer, Linear):
         return nn.Linear(in_shape[0], layer.out_features, bias=layer.bias)
     if isinstance(layer, ChannelLayer) and len(in_shape) == 3:
