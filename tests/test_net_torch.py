@@ -377,3 +377,17 @@ def test_an_export_refuses_a_node_named_inside_another_layer():
                    names=("a", "a.b", "flatten", "fc"))
     with pytest.raises(ValueError, match="node a.b: a is a layer of its own, so a.b cannot sit inside it"):
         to_torch(spec, *spec.init_params(np.random.default_rng(0)))
+
+
+def test_the_hard_activations_import_and_export_as_their_own_modules():
+    module = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU6(), nn.Hardtanh(-2.0, 0.5), nn.Hardsigmoid(), nn.Flatten(),
+                           nn.Linear(4 * 14 * 14, 10))
+    spec, conv, fc = from_torch(module, (3, 16, 16))
+    assert [layer.to_json() for layer in spec.layers[1:4]] == [
+        {"type": "relu6"}, {"type": "hardtanh", "min_val": -2.0, "max_val": 0.5}, {"type": "hardsigmoid"}]
+    back = to_torch(spec, conv, fc)
+    assert [type(m) for m in back[1:4]] == [nn.ReLU6, nn.Hardtanh, nn.Hardsigmoid]
+    assert (back[2].min_val, back[2].max_val) == (-2.0, 0.5)
+    x = torch.randn(2, 3, 16, 16) * 4
+    with torch.no_grad():
+        torch.testing.assert_close(back(x), module(x))

@@ -18,14 +18,14 @@ from hetconv.net.spec import (INPUT_NAME, Activation, Add, BatchNorm, ChannelLay
 
 TORCH_INSTALL = "pip install 'hetconv[torch]' (in a checkout: pip install -e '.[torch]')"
 SUPPORTED = ("Conv2d (groups 1, dilation 1, padding_mode 'zeros'), BatchNorm2d (track_running_stats), ReLU, GELU, "
-             "SiLU, LeakyReLU, ELU, CELU, Tanh, Sigmoid, Hardswish, Identity, MaxPool2d (dilation 1, ceil_mode False), "
+             "SiLU, LeakyReLU, ELU, CELU, Tanh, Sigmoid, Hardswish, ReLU6, Hardtanh, Hardsigmoid, Identity, MaxPool2d (dilation 1, ceil_mode False), "
              "AvgPool2d (ceil_mode False, count_include_pad True, no divisor_override), AdaptiveAvgPool2d(1), "
              "AdaptiveMaxPool2d(1), Dropout2d, Flatten (start_dim 1), Linear, Dropout, scale_module_class() (x * factor), "
              "and nested Sequential")
 
 # PyTorch's activation modules without parameters of their own -> hetconv's kind
 _PLAIN_ACTIVATIONS = {"SiLU": "silu", "Tanh": "tanh", "Sigmoid": "sigmoid", "Hardswish": "hardswish",
-                      "Identity": "identity"}
+                      "ReLU6": "relu6", "Hardsigmoid": "hardsigmoid", "Identity": "identity"}
 
 
 def import_torch():
@@ -96,6 +96,8 @@ def _layer_of(path, module):
         return Activation("gelu", approximate=module.approximate), None
     if kind is nn.LeakyReLU:
         return Activation("leaky_relu", negative_slope=float(module.negative_slope)), None
+    if kind is nn.Hardtanh:
+        return Activation("hardtanh", min_val=float(module.min_val), max_val=float(module.max_val)), None
     if kind in (nn.ELU, nn.CELU):
         return Activation(kind.__name__.lower(), alpha=float(module.alpha)), None
     if kind is nn.BatchNorm2d:
@@ -365,7 +367,8 @@ def _op_text(node):
 
 
 _FUNCTION_ACTIVATIONS = {"relu": "relu", "relu_": "relu", "gelu": "gelu", "silu": "silu", "leaky_relu": "leaky_relu",
-                         "elu": "elu", "celu": "celu", "tanh": "tanh", "sigmoid": "sigmoid", "hardswish": "hardswish"}
+                         "elu": "elu", "celu": "celu", "tanh": "tanh", "sigmoid": "sigmoid", "hardswish": "hardswish",
+                         "relu6": "relu6", "hardtanh": "hardtanh", "hardtanh_": "hardtanh", "hardsigmoid": "hardsigmoid"}
 
 
 def _function_layer(node, what):
@@ -399,7 +402,8 @@ def _function_layer(node, what):
             raise refuse(f"a view to {tuple(getattr(a, 'name', a) for a in shape)}; expected (x.size(0), -1) or "
                          f"(-1, features): flattening before the head")
         if name in _FUNCTION_ACTIVATIONS and not args and not kwargs:
-            return (ReLU() if name.startswith("relu") else Activation(_FUNCTION_ACTIVATIONS[name])), None
+            kind = _FUNCTION_ACTIVATIONS[name]
+            return (ReLU() if kind == "relu" else Activation(kind)), None
         raise refuse(f"not supported; supported methods: .relu() .sigmoid() .tanh() .flatten(1) .view(n, -1); "
                      f"{SUPPORTED}")
     from torch.fx.operator_schemas import normalize_function
@@ -408,11 +412,12 @@ def _function_layer(node, what):
     kw.pop("input", None)
     kw.pop("inplace", None)
     if name in _FUNCTION_ACTIVATIONS:
-        if name.startswith("relu"):
+        kind = _FUNCTION_ACTIVATIONS[name]
+        if kind == "relu":
             return ReLU(), None
         params = {"gelu": ("approximate",), "leaky_relu": ("negative_slope",), "elu": ("alpha",),
-                  "celu": ("alpha",)}.get(name, ())
-        return Activation(_FUNCTION_ACTIVATIONS[name], **{k: kw[k] for k in params if k in kw}), None
+                  "celu": ("alpha",), "hardtanh": ("min_val", "max_val")}.get(kind, ())
+        return Activation(kind, **{k: kw[k] for k in params if k in kw}), None
     if node.target in (F.max_pool2d, F.avg_pool2d):
         mode = "max" if node.target is F.max_pool2d else "avg"
         if kw.get("ceil_mode"):
@@ -610,6 +615,8 @@ def _channel_module(nn, layer, channels):
         return nn.GELU(approximate=layer.approximate)
     if kind == "leaky_relu":
         return nn.LeakyReLU(layer.negative_slope)
+    if kind == "hardtanh":
+        return nn.Hardtanh(layer.min_val, layer.max_val)
     if kind in ("elu", "celu"):
         return (nn.ELU if kind == "elu" else nn.CELU)(layer.alpha)
     return getattr(nn, {v: k for k, v in _PLAIN_ACTIVATIONS.items()}[kind])()
