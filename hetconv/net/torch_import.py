@@ -10,6 +10,7 @@ import operator
 import os
 import re
 import sys
+import traceback
 
 import numpy as np
 
@@ -796,6 +797,46 @@ def _check_params(part, params, shapes, optional_bias=False):
             raise ValueError(f"{part} params {i}: bias shape {given} != {b_shape}")
 
 
+# ---- modules given as objects (hetconv.train(net=module)) --------------------------------------------
+
+_GIVEN = {}          # "module:NAME#N" -> the nn.Module, while the run that was given it prepares
+
+
+def given_module_name(module):
+    """A --net text that stands for `module` in this process (until forget_given_module): what
+    hetconv.train(net=module) puts in the run's config, as --net FILE.py:FUNCTION would be."""
+    name = f"module:{type(module).__name__}#{len(_GIVEN) + 1}"
+    while name in _GIVEN:
+        name += "+"
+    _GIVEN[name] = module
+    return name
+
+
+def forget_given_module(name):
+    _GIVEN.pop(name, None)
+
+
+def given_module(text):
+    """The nn.Module a given_module_name stands for; ValueError for a module:... text this
+    process was not given (a config saved by another run)."""
+    if text not in _GIVEN:
+        raise ValueError(f"--net {text}: an nn.Module that hetconv.train(net=...) was given in another process; give "
+                         f"the module again, or a path.py:function that builds it")
+    return _GIVEN[text]
+
+
+def _user_frame(error, path):
+    """' at FILE:LINE: `source`' for the innermost frame of `error`'s traceback in the file at
+    `path` (or the line a SyntaxError names), '' if none."""
+    if isinstance(error, SyntaxError) and error.filename and os.path.abspath(error.filename) == os.path.abspath(path):
+        return f" at {path}:{error.lineno}" + (f": `{error.text.strip()}`" if error.text else "")
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if os.path.abspath(f.filename) == os.path.abspath(path)]
+    if not frames:
+        return ""
+    return f" at {path}:{frames[-1].lineno}" + (f": `{frames[-1].line}`" if frames[-1].line else "")
+
+
 def load_module(text):
     """The nn.Module that `path.py:function` builds: the file is imported by path and the
     function called with no arguments. This runs the file's code, as `python path.py` would."""
@@ -813,14 +854,16 @@ def load_module(text):
         spec.loader.exec_module(user)
     except Exception as e:
         sys.modules.pop(name, None)
-        raise ValueError(f"--net {text}: importing {path} raised {type(e).__name__}: {e}") from e
+        raise ValueError(f"--net {text}: importing {path} raised {type(e).__name__}: {e}{_user_frame(e, path)} "
+                         f"(--verbose shows the traceback)") from e
     build = getattr(user, func_name, None)
     if not callable(build):
         raise ValueError(f"--net {text}: {path} defines no function {func_name!r}")
     try:
         module = build()
     except Exception as e:
-        raise ValueError(f"--net {text}: {func_name}() raised {type(e).__name__}: {e}") from e
+        raise ValueError(f"--net {text}: {func_name}() raised {type(e).__name__}: {e}{_user_frame(e, path)} "
+                         f"(--verbose shows the traceback)") from e
     if not isinstance(module, nn.Module):
         raise ValueError(f"--net {text}: {func_name}() returned {type(module).__name__}, expected an "
                          f"nn.Module")
