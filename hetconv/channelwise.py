@@ -4,7 +4,8 @@ Each layer is a frozen descriptor whose values are checked when it is made (a Va
 the key and what was expected), with to_json() / from_json() (unknown keys refused) and
 output_hw(h, w), the spatial size it leaves (the pools shrink it, the rest keep it). Semantics
 are PyTorch's: nn.ReLU, nn.GELU, nn.SiLU, nn.LeakyReLU, nn.ELU, nn.CELU, nn.Tanh, nn.Sigmoid,
-nn.Hardswish, nn.ReLU6, nn.Hardtanh, nn.Hardsigmoid, nn.MaxPool2d / nn.AvgPool2d (floor mode, count_include_pad=True), nn.AdaptiveAvgPool2d(1) /
+nn.Hardswish, nn.ReLU6, nn.Hardtanh, nn.Hardsigmoid, nn.MaxPool2d / nn.AvgPool2d (floor mode,
+count_include_pad=True), nn.AdaptiveAvgPool2d(1) /
 nn.AdaptiveMaxPool2d(1), nn.BatchNorm2d and nn.Dropout2d.
 
 The devices run these layers on channel slices (devices/base.py: activation, pool, channel_sums,

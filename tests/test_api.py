@@ -316,6 +316,7 @@ def test_a_network_file_that_fails_to_import_shows_the_line_and_with_verbose_the
     err = capsys.readouterr().err
     assert code == 2 and f"importing {bad} raised KeyError: 'width' at {bad}:3: `SIZE = {{}}['width']`" in err, err
     assert "--- traceback ---" not in err
-    coordinator.main(["--net", f"{bad}:build", "--local", "--steps", "1", "--batch-size", "16", "--verbose", *SMALL_FLAGS])
+    coordinator.main(["--net", f"{bad}:build", "--local", "--steps", "1", "--batch-size", "16", "--verbose",
+                      *SMALL_FLAGS])
     err = capsys.readouterr().err
     assert "--- traceback ---" in err and f'File "{bad}", line 3' in err, err

@@ -374,8 +374,9 @@ class _ScaledSum(nn.Module):
 
 
 def test_a_sum_with_alpha_is_refused_naming_the_node():
-    with pytest.raises(ValueError, match=r"torch.add\(...\) in `return self.fc\(torch.flatten\(torch.add\(self.conv\(x\), "
-                                         r"x, alpha=2\), 1\)\)` at .*test_net_torch.py:\d+: a sum with alpha; expected a \+ b"):
+    with pytest.raises(ValueError, match=r"torch.add\(...\) in `return self.fc\(torch.flatten\(torch.add\("
+                                         r"self.conv\(x\), x, alpha=2\), 1\)\)` at .*test_net_torch.py:\d+: "
+                                         r"a sum with alpha; expected a \+ b"):
         from_torch(_ScaledSum(), (3, 16, 16))
 
 

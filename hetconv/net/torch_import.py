@@ -477,8 +477,10 @@ def _squeeze_dims(node):
 
 _FUNCTION_ACTIVATIONS = {"relu": "relu", "relu_": "relu", "gelu": "gelu", "silu": "silu", "leaky_relu": "leaky_relu",
                          "elu": "elu", "celu": "celu", "tanh": "tanh", "sigmoid": "sigmoid", "hardswish": "hardswish",
-                         "relu6": "relu6", "hardtanh": "hardtanh", "hardtanh_": "hardtanh", "hardsigmoid": "hardsigmoid"}
-_FLATTEN_FORMS = "x.flatten(1), torch.flatten(x, 1), x.view(x.size(0), -1), x.reshape(x.shape[0], -1), x.view(-1, features)"
+                         "relu6": "relu6", "hardtanh": "hardtanh", "hardtanh_": "hardtanh",
+                         "hardsigmoid": "hardsigmoid"}
+_FLATTEN_FORMS = ("x.flatten(1), torch.flatten(x, 1), x.view(x.size(0), -1), x.reshape(x.shape[0], -1), "
+                  "x.view(-1, features)")
 
 
 def _function_layer(node, where):

@@ -297,8 +297,8 @@ class Config:
                                      f"(the default) makes; give fewer images per group")
         notes = []
         if self.schedule == "onecycle" and self.optimizer in ADAM_FAMILY and "betas" in given:
-            notes.append(f"note: --schedule onecycle cycles {OPTIMIZER_NAMES[self.optimizer]}'s beta1 from 0.95 to 0.85 and back: --betas "
-                         f"{self.betas} sets only its beta2, {parse_betas(self.betas)[1]:g}")
+            notes.append(f"note: --schedule onecycle cycles {OPTIMIZER_NAMES[self.optimizer]}'s beta1 from 0.95 to "
+                         f"0.85 and back: --betas {self.betas} sets only its beta2, {parse_betas(self.betas)[1]:g}")
         return notes
 
     def check_same_network(self, saved):
