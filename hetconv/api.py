@@ -138,7 +138,9 @@ def train(*, workers=None, **flags):
     """Train as hetconv-coordinator does with these flags, in this process; returns a Run.
 
     Every keyword is a hetconv-coordinator flag, dashes as underscores (batch_size=32 is
-    --batch-size 32; local=True is --local; a list is a comma list: conv=[4, 8]). `workers`, a list
+    --batch-size 32; local=True is --local; a list is a comma list: conv=[4, 8]). net= also takes
+    a PyTorch nn.Module: traced as --net FILE.py:FUNCTION's module is, its current weights the
+    start (the module itself is not changed). `workers`, a list
     of devices such as ["cpu", "cuda:0"], is --spawn; an int is --workers (external workers).
     Bad keywords and values are refused as the flags are (ValueError, the command's line). With
     no metrics= the metrics records are kept in a temporary file, read back as `run.history`.
@@ -152,6 +154,31 @@ def train(*, workers=None, **flags):
         if "spawn" in flags:
             raise FlagError("workers= and spawn= both give the --spawn list: give one")
         flags["workers" if isinstance(workers, int) and not isinstance(workers, bool) else "spawn"] = workers
+    given = _given_module(flags)
+    try:
+        return _train(flags)
+    finally:
+        if given:
+            from hetconv.net.torch_import import forget_given_module
+            forget_given_module(given)
+
+
+def _given_module(flags):
+    """net=: an nn.Module becomes the --net text that stands for it in this process (returned,
+    else None); anything but a text or a path is refused naming it."""
+    net = flags.get("net")
+    if net is None or isinstance(net, (str, os.PathLike)):
+        return None
+    torch = sys.modules.get("torch")           # an nn.Module means torch is imported already
+    if torch is None or not isinstance(net, torch.nn.Module):
+        raise FlagError(f"net= takes a preset name, a .json file, 'path.py:function' or a PyTorch nn.Module; "
+                        f"got {type(net).__name__} {net!r:.100}")
+    from hetconv.net.torch_import import given_module_name
+    flags["net"] = given_module_name(net)
+    return flags["net"]
+
+
+def _train(flags):
     parser = coordinator.build_parser()
     argv = command_line(parser, flags)
     args = parse(parser, argv)

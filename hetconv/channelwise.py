@@ -4,7 +4,8 @@ Each layer is a frozen descriptor whose values are checked when it is made (a Va
 the key and what was expected), with to_json() / from_json() (unknown keys refused) and
 output_hw(h, w), the spatial size it leaves (the pools shrink it, the rest keep it). Semantics
 are PyTorch's: nn.ReLU, nn.GELU, nn.SiLU, nn.LeakyReLU, nn.ELU, nn.CELU, nn.Tanh, nn.Sigmoid,
-nn.Hardswish, nn.MaxPool2d / nn.AvgPool2d (floor mode, count_include_pad=True), nn.AdaptiveAvgPool2d(1) /
+nn.Hardswish, nn.ReLU6, nn.Hardtanh, nn.Hardsigmoid, nn.MaxPool2d / nn.AvgPool2d (floor mode,
+count_include_pad=True), nn.AdaptiveAvgPool2d(1) /
 nn.AdaptiveMaxPool2d(1), nn.BatchNorm2d and nn.Dropout2d.
 
 The devices run these layers on channel slices (devices/base.py: activation, pool, channel_sums,
@@ -50,22 +51,26 @@ def _typed(owner, d, type_name):
 # kind -> the parameters it takes besides approximate (gelu only), with their defaults
 ACTIVATION_PARAMETERS = {
     "relu": (), "gelu": ("approximate",), "silu": (), "leaky_relu": ("negative_slope",), "elu": ("alpha",),
-    "celu": ("alpha",), "tanh": (), "sigmoid": (), "hardswish": (), "identity": (),
+    "celu": ("alpha",), "tanh": (), "sigmoid": (), "hardswish": (), "relu6": (), "hardtanh": ("min_val", "max_val"),
+    "hardsigmoid": (), "identity": (),
 }
 ACTIVATION_KINDS = tuple(ACTIVATION_PARAMETERS)
 GELU_APPROXIMATIONS = ("none", "tanh")
-_ACTIVATION_DEFAULTS = {"negative_slope": 0.01, "alpha": 1.0, "approximate": "none"}
+_ACTIVATION_DEFAULTS = {"negative_slope": 0.01, "alpha": 1.0, "approximate": "none", "min_val": -1.0, "max_val": 1.0}
 
 
 @dataclass(frozen=True)
 class Activation:
     """An elementwise activation. Only the keys a kind uses may differ from their defaults:
     negative_slope for leaky_relu, alpha for elu and celu (celu divides by it: nonzero),
-    approximate ("none": exact erf, or "tanh") for gelu."""
+    approximate ("none": exact erf, or "tanh") for gelu, min_val < max_val for hardtanh (relu6 is
+    hardtanh from 0 to 6, as nn.ReLU6 is)."""
     kind: str
     negative_slope: float = 0.01
     alpha: float = 1.0
     approximate: str = "none"
+    min_val: float = -1.0
+    max_val: float = 1.0
     type = "activation"
 
     def __post_init__(self):
@@ -81,6 +86,11 @@ class Activation:
         object.__setattr__(self, "alpha", _number(f"activation {self.kind}", "alpha", self.alpha,
                                                   (lambda a: a != 0) if self.kind == "celu" else None,
                                                   "a finite nonzero number" if self.kind == "celu" else "a finite number"))
+        for name in ("min_val", "max_val"):
+            object.__setattr__(self, name, _number(f"activation {self.kind}", name, getattr(self, name)))
+        if not self.min_val < self.max_val:
+            raise ValueError(f"activation hardtanh max_val must be greater than min_val, got min_val {self.min_val!r} "
+                             f"and max_val {self.max_val!r}")
         if self.approximate not in GELU_APPROXIMATIONS:
             raise ValueError(f"activation gelu approximate must be one of {GELU_APPROXIMATIONS!r}, "
                              f"got {self.approximate!r}")

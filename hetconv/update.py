@@ -7,17 +7,20 @@ arithmetic (DESIGN.md, "Faults and trust").
 
 The optimizers are PyTorch's, by name and by arithmetic: `sgd` is torch.optim.SGD (dampening 0,
 coupled weight decay, optional Nesterov), `adamw` is torch.optim.AdamW (decoupled weight decay,
-amsgrad off). Parameter groups are PyTorch's usual ones: "weight" (conv and linear weights),
+amsgrad off), `adam` torch.optim.Adam (the same moments, the weight decay coupled: L2 added to the
+gradient). Parameter groups are PyTorch's usual ones: "weight" (conv and linear weights),
 "bias" (every bias, BatchNorm's included) and "norm" (normalisation weights).
 """
 from dataclasses import dataclass, fields
 import math
 
-OPTIMIZERS = ("sgd", "adamw")
+OPTIMIZERS = ("sgd", "adamw", "adam")
+ADAM_FAMILY = ("adamw", "adam")     # beta1 is their momentum; --betas and --eps are theirs
+OPTIMIZER_NAMES = {"sgd": "SGD", "adamw": "AdamW", "adam": "Adam"}     # torch.optim's class names
 GROUPS = ("weight", "bias", "norm")
 
 # The state an optimizer keeps per parameter, named as torch.optim names it in its state_dict.
-SLOTS = {"sgd": ("momentum_buffer",), "adamw": ("exp_avg", "exp_avg_sq")}
+SLOTS = {"sgd": ("momentum_buffer",), "adamw": ("exp_avg", "exp_avg_sq"), "adam": ("exp_avg", "exp_avg_sq")}
 
 
 def slot_name(param, slot):
@@ -39,13 +42,13 @@ def parse_no_decay(text):
 class UpdateRule:
     lr: float
     optimizer: str = "sgd"
-    momentum: float = 0.9           # SGD's momentum; AdamW's beta1 (one-cycle schedules cycle it)
-    beta2: float = 0.999            # AdamW
-    eps: float = 1e-8               # AdamW
-    weight_decay: float = 0.0       # coupled (SGD) or decoupled (AdamW)
+    momentum: float = 0.9           # SGD's momentum; Adam(W)'s beta1 (one-cycle schedules cycle it)
+    beta2: float = 0.999            # Adam(W)
+    eps: float = 1e-8               # Adam(W)
+    weight_decay: float = 0.0       # coupled (SGD, Adam) or decoupled (AdamW)
     nesterov: bool = False          # SGD
     no_decay: tuple = ("bias",)     # parameter groups that take no weight decay
-    step: int = 1                   # the 1-based count of this update (AdamW's bias correction)
+    step: int = 1                   # the 1-based count of this update (Adam(W)'s bias correction)
     max_norm: float = 0.0           # global-norm clipping of every gradient together (0: none)
     grad_scale: float = 1.0         # every gradient times this first (clipping's factor), 1: none
 
@@ -111,8 +114,9 @@ def apply_update(device, param, slots, grad, rule, group):
     if rule.optimizer == "sgd":
         device.sgd_(param, slots["momentum_buffer"], grad, rule.lr, rule.momentum, decay, nesterov=rule.nesterov)
     else:
-        device.adamw_(param, slots["exp_avg"], slots["exp_avg_sq"], grad, rule.lr, rule.momentum, rule.beta2,
-                      rule.eps, decay, rule.step)
+        update = device.adamw_ if rule.optimizer == "adamw" else device.adam_
+        update(param, slots["exp_avg"], slots["exp_avg_sq"], grad, rule.lr, rule.momentum, rule.beta2, rule.eps, decay,
+               rule.step)
 
 
 def clip_factor(total_sum_of_squares, max_norm):

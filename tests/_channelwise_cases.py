@@ -9,6 +9,7 @@ ACTIVATIONS = [
     cw.Activation("relu"), cw.Activation("gelu"), cw.Activation("gelu", approximate="tanh"), cw.Activation("silu"),
     cw.Activation("leaky_relu", negative_slope=0.2), cw.Activation("elu", alpha=0.7), cw.Activation("celu", alpha=1.8),
     cw.Activation("tanh"), cw.Activation("sigmoid"), cw.Activation("hardswish"), cw.Activation("identity"),
+    cw.Activation("relu6"), cw.Activation("hardtanh", min_val=-2.5, max_val=0.5), cw.Activation("hardsigmoid"),
 ]
 
 POOLS = [
@@ -33,7 +34,7 @@ def f32(rng, *shape, scale=1.0, shift=0.0):
 def check_activation(dev, act, shape, seed=0):
     rng = np.random.default_rng(seed)
     x = f32(rng, *shape, scale=3)
-    x.flat[:5] = [0.0, -3.0, 3.0, -30.0, 30.0]     # the kinks and saturation
+    x.flat[:7] = [0.0, -3.0, 3.0, -30.0, 30.0, 6.0, -2.5]     # the kinks and saturation
     dy = f32(rng, *shape)
     y, ctx = dev.activation(x, act)
     assert y.dtype == np.float32 and y.shape == x.shape

@@ -286,3 +286,37 @@ def test_the_package_root_loads_the_api_on_first_use():
             "assert hetconv.train.__module__ == hetconv.load.__module__ == 'hetconv.api'; "
             "import hetconv.training.loop; assert hetconv.train.__module__ == 'hetconv.api'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env={**os.environ, "PYTHONPATH": REPO})
+
+
+def test_train_takes_a_pytorch_module_its_weights_the_start(tmp_path):
+    torch = pytest.importorskip("torch", reason="PyTorch is an optional extra")
+    source = ("import torch\nfrom torch import nn\n\ndef build():\n    torch.manual_seed(3)\n"
+              "    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU6(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), "
+              "nn.Linear(4, 10))\n")
+    (tmp_path / "mynet.py").write_text(source)
+    flags = dict(local=True, steps=2, batch_size=16, **SMALL)
+    from_file = hetconv.train(net=f"{tmp_path / 'mynet.py'}:build", **flags)
+    namespace = {}
+    exec(source, namespace)
+    module = namespace["build"]()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    run = hetconv.train(net=module, **flags)
+    assert run.losses == from_file.losses
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())     # the module is not trained
+    assert run.history[0]["config"]["net"].startswith("module:Sequential#")
+    with pytest.raises(ValueError, match=r"net= takes a preset name, a \.json file, 'path\.py:function' or a PyTorch "
+                                         r"nn\.Module; got list \[1, 2\]"):
+        hetconv.train(net=[1, 2], **flags)
+
+
+def test_a_network_file_that_fails_to_import_shows_the_line_and_with_verbose_the_traceback(tmp_path, capsys):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import torch\n\nSIZE = {}['width']\n\ndef build():\n    pass\n")
+    code = coordinator.main(["--net", f"{bad}:build", "--local", "--steps", "1", "--batch-size", "16", *SMALL_FLAGS])
+    err = capsys.readouterr().err
+    assert code == 2 and f"importing {bad} raised KeyError: 'width' at {bad}:3: `SIZE = {{}}['width']`" in err, err
+    assert "--- traceback ---" not in err
+    coordinator.main(["--net", f"{bad}:build", "--local", "--steps", "1", "--batch-size", "16", "--verbose",
+                      *SMALL_FLAGS])
+    err = capsys.readouterr().err
+    assert "--- traceback ---" in err and f'File "{bad}", line 3' in err, err

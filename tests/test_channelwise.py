@@ -8,7 +8,8 @@ from hetconv import channelwise as cw
 LAYERS = [
     cw.Activation("relu"), cw.Activation("gelu", approximate="tanh"), cw.Activation("gelu"),
     cw.Activation("leaky_relu", negative_slope=0.2), cw.Activation("elu", alpha=0.5), cw.Activation("celu", alpha=2),
-    cw.Activation("hardswish"), cw.Pool("max", 3, stride=2, padding=1), cw.Pool("avg", (2, 3)),
+    cw.Activation("hardswish"), cw.Activation("relu6"), cw.Activation("hardtanh", min_val=-2, max_val=0.5),
+    cw.Activation("hardsigmoid"), cw.Pool("max", 3, stride=2, padding=1), cw.Pool("avg", (2, 3)),
     cw.GlobalPool("avg"), cw.GlobalPool("max"), cw.BatchNorm(), cw.BatchNorm(eps=1e-3, momentum=None, affine=False),
     cw.Dropout2d(0.25), cw.Dropout2d(0),
 ]
@@ -26,6 +27,9 @@ def test_only_the_keys_an_activation_uses_are_stored():
     assert cw.Activation("leaky_relu").to_json() == {"type": "activation", "kind": "leaky_relu", "negative_slope": 0.01}
     assert cw.Activation("gelu").to_json() == {"type": "activation", "kind": "gelu", "approximate": "none"}
     assert cw.Activation("celu", alpha=3).to_json() == {"type": "activation", "kind": "celu", "alpha": 3.0}
+    assert cw.Activation("hardtanh").to_json() == {"type": "activation", "kind": "hardtanh", "min_val": -1.0,
+                                                   "max_val": 1.0}
+    assert cw.Activation("relu6").to_json() == {"type": "activation", "kind": "relu6"}
 
 
 @pytest.mark.parametrize("make,message", [
@@ -37,6 +41,10 @@ def test_only_the_keys_an_activation_uses_are_stored():
     (lambda: cw.Activation("celu", alpha=0), r"activation celu alpha must be a finite nonzero number, got 0"),
     (lambda: cw.Activation("leaky_relu", negative_slope=float("nan")), r"negative_slope must be a finite number, got nan"),
     (lambda: cw.Activation("elu", alpha=True), r"alpha must be a finite number, got True"),
+    (lambda: cw.Activation("relu6", max_val=5.0), r"activation relu6 takes no parameters, not max_val=5.0"),
+    (lambda: cw.Activation("hardtanh", min_val=2, max_val=1),
+     r"hardtanh max_val must be greater than min_val, got min_val 2.0 and max_val 1.0"),
+    (lambda: cw.Activation("hardtanh", max_val=float("inf")), r"hardtanh max_val must be a finite number, got inf"),
     (lambda: cw.Pool("min", 2), r"pool mode must be one of \('max', 'avg'\), got 'min'"),
     (lambda: cw.Pool("max", 0), r"pool kernel must be a positive integer"),
     (lambda: cw.Pool("max", 2, stride=(1, 0)), r"pool stride must be a positive integer"),

@@ -38,16 +38,17 @@ def test_sgd_on_cuda_equals_the_cpu_bit_for_bit(dev, cpu, nesterov, weight_decay
         _equal(dev, p_dev, p, f"param after update {step + 1}")
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "adam"])
 @pytest.mark.parametrize("beta1", [0.9, 0.3])
-def test_adamw_on_cuda_equals_the_cpu_bit_for_bit(dev, cpu, beta1):
+def test_adamw_and_adam_on_cuda_equal_the_cpu_bit_for_bit(dev, cpu, beta1, optimizer):
     rng = np.random.default_rng(2)
     p = random_f32(rng, 7, 11)
     m, v = np.zeros_like(p), np.zeros_like(p)
     p_dev, m_dev, v_dev = dev.upload(p), dev.upload(m), dev.upload(v)
     for step in range(1, 4):
         g = random_f32(rng, 7, 11)
-        cpu.adamw_(p, m, v, g, 1e-2, beta1, 0.999, 1e-8, 0.05, step)
-        dev.adamw_(p_dev, m_dev, v_dev, dev.upload(g), 1e-2, beta1, 0.999, 1e-8, 0.05, step)
+        getattr(cpu, optimizer + "_")(p, m, v, g, 1e-2, beta1, 0.999, 1e-8, 0.05, step)
+        getattr(dev, optimizer + "_")(p_dev, m_dev, v_dev, dev.upload(g), 1e-2, beta1, 0.999, 1e-8, 0.05, step)
         for what, on_device, on_cpu in (("exp_avg", m_dev, m), ("exp_avg_sq", v_dev, v), ("param", p_dev, p)):
             _equal(dev, on_device, on_cpu, f"{what} after update {step}")
 

@@ -108,6 +108,10 @@ def test_torch_export_runs_without_hetconv_and_gives_its_logits(run, reference, 
     exported = exported_logits(exported_torch, x01, tmp_path)
     np.testing.assert_allclose(exported, logits, atol=1e-4, rtol=0)
     assert accuracy(exported, labels) == run[1]["test_accuracy"]
+    meta = {"data.json": "", "network.json": ""}              # the class names travel as the .npz's do
+    torch.export.load(exported_torch, extra_files=meta)
+    assert json.loads(meta["data.json"]) == checkpoint.load_newest_valid(run[0])[0]["data"]
+    assert NetSpec.from_json(meta["network.json"]) == trained_model.load_model(run[0]).spec
 
 
 def test_npz_export_loads_into_a_fresh_sequential(run, reference, tmp_path):

@@ -362,18 +362,25 @@ class _Softmin(nn.Module):
 
 
 @pytest.mark.parametrize("module, what", [
-    (_AddConstant(), "node add (add): adds a constant to a tensor"),
-    (_CatHeight(), "node cat (cat): concatenates along dim 2; expected dim=1"),
+    (_AddConstant(), "x + y in `return self.fc(torch.flatten(self.conv(x) + 1.0, 1))` at {file}:{line}: adds a "
+                     "constant to a tensor"),
+    (_CatHeight(), "torch.cat(...) in `return self.fc(torch.flatten(torch.cat([self.a(x), self.b(x)], dim=2), 1))` at "
+                   "{file}:{line}: concatenates along dim 2; expected dim=1"),
     (_NormAfterSum(), "module bn (BatchNorm2d): reads add, which is not a conv block's output"),
-    (_SumOfShapes(), "node add (add): adds inputs of different shapes: conv 2x16x16, input 3x16x16"),
-    (_Shared(), "node conv_1: module conv is called twice with the same weights"),
-    (_Softmin(), "node softmin (softmin): not supported; supported functions: F.relu"),
+    (_SumOfShapes(), "x + y in `return self.fc(torch.flatten(self.conv(x) + x, 1))` at {file}:{line}: adds inputs of "
+                     "different shapes: conv 2x16x16, input 3x16x16"),
+    (_Shared(), "self.conv(...) (Conv2d) in `return self.fc(torch.flatten(self.conv(self.conv(x)), 1))` at "
+                "{file}:{line}: module conv is called twice with the same weights"),
+    (_Softmin(), "F.softmin(...) in `return self.fc(torch.flatten(torch.nn.functional.softmin(self.conv(x), dim=1), "
+                 "1))` at {file}:{line}: not supported; supported: Conv2d"),
 ], ids=["constant sum", "concatenation of heights", "norm after a sum", "sum of shapes", "shared weights",
         "unsupported function"])
-def test_a_traced_module_with_an_op_hetconv_cannot_run_is_refused_naming_the_node(module, what):
+def test_a_traced_module_with_an_op_hetconv_cannot_run_is_refused_naming_the_users_line(module, what):
+    import inspect
     with pytest.raises(ValueError) as e:
         from_torch(module, (3, 16, 16))
-    assert str(e.value).startswith(what), str(e.value)
+    line = inspect.getsourcelines(type(module).forward)[1] + 1
+    assert str(e.value).startswith(what.format(file=__file__, line=line)), str(e.value)
 
 
 class _ScaledSum(nn.Module):
@@ -387,7 +394,9 @@ class _ScaledSum(nn.Module):
 
 
 def test_a_sum_with_alpha_is_refused_naming_the_node():
-    with pytest.raises(ValueError, match=r"node add \(add\): a sum with alpha; expected a \+ b"):
+    with pytest.raises(ValueError, match=r"torch.add\(...\) in `return self.fc\(torch.flatten\(torch.add\("
+                                         r"self.conv\(x\), x, alpha=2\), 1\)\)` at .*test_net_torch.py:\d+: "
+                                         r"a sum with alpha; expected a \+ b"):
         from_torch(_ScaledSum(), (3, 16, 16))
 
 
@@ -397,3 +406,114 @@ def test_an_export_refuses_a_node_named_inside_another_layer():
                    names=("a", "a.b", "flatten", "fc"))
     with pytest.raises(ValueError, match="node a.b: a is a layer of its own, so a.b cannot sit inside it"):
         to_torch(spec, *spec.init_params(np.random.default_rng(0)))
+
+
+def test_the_hard_activations_import_and_export_as_their_own_modules():
+    module = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU6(), nn.Hardtanh(-2.0, 0.5), nn.Hardsigmoid(), nn.Flatten(),
+                           nn.Linear(4 * 14 * 14, 10))
+    spec, conv, fc = from_torch(module, (3, 16, 16))
+    assert [layer.to_json() for layer in spec.layers[1:4]] == [
+        {"type": "relu6"}, {"type": "hardtanh", "min_val": -2.0, "max_val": 0.5}, {"type": "hardsigmoid"}]
+    back = to_torch(spec, conv, fc)
+    assert [type(m) for m in back[1:4]] == [nn.ReLU6, nn.Hardtanh, nn.Hardsigmoid]
+    assert (back[2].min_val, back[2].max_val) == (-2.0, 0.5)
+    x = torch.randn(2, 3, 16, 16) * 4
+    with torch.no_grad():
+        torch.testing.assert_close(back(x), module(x))
+
+
+class _Head(nn.Module):
+    """A conv, then the global pool and flatten written as `ending` (x is the conv's output)."""
+
+    def __init__(self, ending):
+        super().__init__()
+        self.conv, self.fc, self.ending = nn.Conv2d(3, 4, 3), nn.Linear(4, 10), ending
+
+    def forward(self, x):
+        return self.fc(self.ending(self.conv(x)))
+
+
+POOL_AND_FLATTEN = {
+    "mean": lambda x: x.mean((2, 3)),
+    "mean dim negative": lambda x: x.mean(dim=(-2, -1)),
+    "torch.mean keepdim flatten": lambda x: torch.mean(x, (2, 3), keepdim=True).flatten(1),
+    "mean reshape shape": lambda x: x.mean([2, 3], True).reshape(x.shape[0], -1),
+    "mean reshape size": lambda x: x.mean((2, 3), keepdim=True).reshape(x.size(0), -1),
+    "squeeze": lambda x: x.mean((2, 3), keepdim=True).squeeze(),
+    "squeeze twice": lambda x: x.mean((-2, -1), keepdim=True).squeeze(-1).squeeze(-1),
+    "torch.flatten of a pool": lambda x: torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1),
+    "flat already": lambda x: torch.mean(x, (2, 3)).reshape(x.size(0), -1),
+}
+
+
+@pytest.mark.parametrize("ending", POOL_AND_FLATTEN.values(), ids=POOL_AND_FLATTEN.keys())
+def test_a_mean_over_height_and_width_is_a_global_average_pool_and_flattens_written_any_way(ending):
+    module = _Head(ending)
+    spec, conv, fc = from_torch(module, (3, 8, 8))
+    assert [layer.type for layer in spec.layers] == ["conv", "global_avgpool", "flatten", "linear"]
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(to_torch(spec, conv, fc)(x), module(x))
+
+
+@pytest.mark.parametrize("ending, what", [
+    (lambda x: x.mean((1, 3)), "a mean over dim (1, 3); expected the mean over height and width"),
+    (lambda x: x.squeeze(), "squeezes a 4 x 6 x 6 tensor; expected C x 1 x 1 (after a global pool), or a flatten: "
+                            "x.flatten(1)"),
+    (lambda x: x.mean((2, 3), True).squeeze(-1), "leaves N x C x 1, which self.fc(...) (Linear) in `return self.fc("),
+    (lambda x: x.mean((2, 3), True).squeeze(1), "squeezes dim 1; expected the spatial ones"),
+    (lambda x: x.mean((2, 3), True).view(x.size(1), -1), "a view to a shape other than (batch, -1)"),
+    (lambda x: x.mean((2, 3), True).relu6(), "x.relu6(...) in "),
+], ids=["mean over channels", "squeeze of a map", "one squeeze", "squeeze of channels", "view by channels",
+        "a method torch has not"])
+def test_an_idiom_hetconv_cannot_take_is_refused_showing_the_users_line(ending, what):
+    with pytest.raises(Exception) as e:
+        from_torch(_Head(ending), (3, 8, 8))
+    message = str(e.value)
+    assert what in message and "test_net_torch.py:" in message, message
+    assert "getattr" not in message and "squeeze_1" not in message, message
+
+
+HARD = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class Net(nn.Module):                      # MobileNet's habits: clipped activations, a mean for the pool
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 6, 3, padding=1)
+        self.act = nn.ReLU6()
+        self.conv2 = nn.Conv2d(6, 8, 3, padding=1)
+        self.clip = nn.Hardtanh(-0.5, 0.55)
+        self.gate = nn.Hardsigmoid()
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(self.act(self.conv1(x)), 2)
+        x = F.hardsigmoid(F.hardtanh(F.relu6(self.conv2(x)), 0.1, 0.4))
+        x = self.gate(self.clip(x))
+        x = x.mean((2, 3), keepdim=True)
+        return self.fc(x.reshape(x.shape[0], -1))
+
+
+def build():
+    torch.manual_seed(5)
+    return Net()
+"""
+
+
+def test_a_module_with_the_hard_activations_and_a_mean_pool_trains_as_torch_sgd_does(tmp_path):
+    from _module_runs import local_module_run, torch_run
+    from hetconv.net.torch_import import state_dict
+    cfg, losses, (_, conv, fc) = local_module_run(tmp_path, HARD)
+    spec = load_net(cfg.net, (3, 16, 16), 10).spec
+    assert [layer.type for layer in spec.layers] == [
+        "conv", "relu6", "maxpool", "conv", "relu6", "hardtanh", "hardsigmoid", "hardtanh", "hardsigmoid",
+        "global_avgpool", "flatten", "linear"]
+    torch_losses, state = torch_run(cfg)
+    np.testing.assert_allclose(losses, torch_losses, rtol=1e-4)
+    ours = state_dict(spec, conv, [(layer["w"], layer["b"]) for layer in fc])
+    for key, want in state.items():
+        np.testing.assert_allclose(ours[key], want, rtol=1e-4, atol=1e-5, err_msg=key)

@@ -1,4 +1,4 @@
-"""The optimizer updates of the CPU device (sgd_, adamw_, sum_of_squares, scale_).
+"""The optimizer updates of the CPU device (sgd_, adamw_, adam_, sum_of_squares, scale_).
 
 Bit for bit against a numpy emulation that rounds every float32 operation apart (numpy's ufuncs
 never fuse a multiply and an add), which is what the CUDA device's kernels do too
@@ -36,10 +36,14 @@ def sgd_emulated(p, v, g, lr, momentum, weight_decay, nesterov):
     return p - lr * step, v
 
 
-def adamw_emulated(p, m, v, g, lr, beta1, beta2, eps, weight_decay, step):
-    """torch.optim.AdamW's single-tensor step; scalars in float64 as torch's Python computes
-    them, rounded to float32 where its kernels take them."""
-    p = p * f32(1 - lr * weight_decay)
+def adamw_emulated(p, m, v, g, lr, beta1, beta2, eps, weight_decay, step, coupled=False):
+    """torch.optim.AdamW's single-tensor step, or with `coupled` torch.optim.Adam's (the decay
+    added to the gradient); scalars in float64 as torch's Python computes them, rounded to
+    float32 where its kernels take them."""
+    if coupled:
+        g = g + f32(weight_decay) * p
+    else:
+        p = p * f32(1 - lr * weight_decay)
     weight = 1 - beta1
     if abs(weight) < 0.5:                        # torch's lerp
         m = m + f32(weight) * (g - m)
@@ -76,15 +80,17 @@ def test_sgd_rounds_every_operation_apart(cpu, nesterov, weight_decay):
         np.testing.assert_array_equal(p, ep, err_msg=f"param after update {step + 1}")
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "adam"])
 @pytest.mark.parametrize("beta1", [0.9, 0.3], ids=["lerp-from-exp_avg", "lerp-from-grad"])
-def test_adamw_rounds_every_operation_apart(cpu, beta1):
+def test_adamw_and_adam_round_every_operation_apart(cpu, beta1, optimizer):
     rng = np.random.default_rng(2)
     p, grads = _arrays(rng, (6, 7), 1)[0], _arrays(rng, (6, 7), 5)
     m, v = np.zeros_like(p), np.zeros_like(p)
     ep, em, ev = p.copy(), m.copy(), v.copy()
+    update = getattr(cpu, optimizer + "_")
     for step, g in enumerate(grads, start=1):
-        cpu.adamw_(p, m, v, g, 1e-2, beta1, 0.999, 1e-8, 0.05, step)
-        ep, em, ev = adamw_emulated(ep, em, ev, g, 1e-2, beta1, 0.999, 1e-8, 0.05, step)
+        update(p, m, v, g, 1e-2, beta1, 0.999, 1e-8, 0.05, step)
+        ep, em, ev = adamw_emulated(ep, em, ev, g, 1e-2, beta1, 0.999, 1e-8, 0.05, step, coupled=optimizer == "adam")
         for name, got, expected in (("exp_avg", m, em), ("exp_avg_sq", v, ev), ("param", p, ep)):
             np.testing.assert_array_equal(got, expected, err_msg=f"{name} after update {step}")
 
@@ -183,6 +189,24 @@ def test_adamw_follows_torch_for_20_steps(cpu, beta1):
     for step, (step_grads, lr) in enumerate(zip(grads, lrs), start=1):
         for p, (m, v), g in zip(ours, state, step_grads):
             cpu.adamw_(p, m, v, g, lr, beta1, 0.999, 1e-8, 0.05, step)
+    for got, want in zip(ours, expected):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("beta1", [0.9, 0.3])
+def test_adam_follows_torch_for_20_steps(cpu, beta1):
+    """Adam's weight decay is L2 in the gradient (coupled), unlike AdamW's: a large one, so a
+    decoupled or missing decay shows."""
+    rng = np.random.default_rng(9)
+    params = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
+    grads, lrs = _grads(rng, 20), [1e-2 * (1 - s / 25) for s in range(20)]
+    expected = _torch_run(lambda t: torch.optim.Adam(t, lr=lrs[0], betas=(beta1, 0.999), eps=1e-8,
+                                                     weight_decay=0.5, foreach=False), params, grads, lrs)
+    ours = [p.copy() for p in params]
+    state = [(np.zeros_like(p), np.zeros_like(p)) for p in params]
+    for step, (step_grads, lr) in enumerate(zip(grads, lrs), start=1):
+        for p, (m, v), g in zip(ours, state, step_grads):
+            cpu.adam_(p, m, v, g, lr, beta1, 0.999, 1e-8, 0.5, step)
     for got, want in zip(ours, expected):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 

@@ -1,4 +1,4 @@
-"""The training recipe against PyTorch: SGD (Nesterov, coupled decay) and AdamW (decoupled), each
+"""The training recipe against PyTorch: SGD (Nesterov, coupled decay), AdamW (decoupled) and Adam (coupled), each
 schedule with and without warm-up, parameter groups without decay, label smoothing and global-norm
 clipping, 20 steps with `--local` and with two workers (model and data layers) equal to
 torch.optim, its scheduler and clip_grad_norm_ on the same batches; a run stopped at step 10 and
@@ -45,6 +45,8 @@ RECIPES = {
     "adamw-onecycle-warmup": dict(optimizer="adamw", lr=0.01, betas="0.85,0.99", eps=1e-6, weight_decay=0.05,
                                   schedule="onecycle", warmup_steps=3, no_decay="bias,norm", clip_grad_norm=0.3),
     "adamw-constant": dict(optimizer="adamw", lr=0.003, weight_decay=0.01, no_decay="norm", label_smoothing=0.1),
+    "adam-cosine": dict(optimizer="adam", lr=0.003, betas="0.8,0.99", weight_decay=0.05, schedule="cosine",
+                        no_decay="bias"),
 }
 
 
@@ -88,7 +90,8 @@ def torch_run(cfg):
     if cfg.optimizer == "sgd":
         opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
     else:
-        opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(float(b) for b in cfg.betas.split(",")), eps=cfg.eps)
+        adam = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
+        opt = adam(params, lr=cfg.lr, betas=tuple(float(b) for b in cfg.betas.split(",")), eps=cfg.eps)
     schedule = Schedule(cfg.schedule, cfg.lr, STEPS, warmup_steps=cfg.warmup_steps,
                         milestones=parse_milestones(cfg.milestones), gamma=cfg.gamma, min_lr=cfg.min_lr)
     main = {"constant": lambda: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),

@@ -25,13 +25,17 @@ ACTIVATIONS = [
     (cw.Activation("sigmoid"), torch.sigmoid),
     (cw.Activation("hardswish"), F.hardswish),
     (cw.Activation("identity"), lambda t: t),
+    (cw.Activation("relu6"), F.relu6),
+    (cw.Activation("hardtanh"), F.hardtanh),
+    (cw.Activation("hardtanh", min_val=-2.5, max_val=0.5), lambda t: F.hardtanh(t, -2.5, 0.5)),
+    (cw.Activation("hardsigmoid"), F.hardsigmoid),
 ]
 
 
 def activation_input(rng):
     """Values over the interesting range, with the kinks (0, -3, 3) and large magnitudes hit exactly."""
     x = 3 * rng.standard_normal((2, 3, 5, 4))
-    x.flat[:7] = [0.0, -3.0, 3.0, -40.0, 40.0, 1e-6, -1e-6]
+    x.flat[:11] = [0.0, -3.0, 3.0, -40.0, 40.0, 1e-6, -1e-6, 6.0, -1.0, 1.0, -2.5]
     return x
 
 

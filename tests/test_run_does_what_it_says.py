@@ -104,8 +104,8 @@ def test_the_resume_line_names_the_rate_the_resumed_run_trains_with(tmp_path, ca
 # ---- 2. flags that would change nothing are refused --------------------------------------------
 
 @pytest.mark.parametrize("config,given,message", [
-    (dict(betas="0.9,0.99"), {"betas"}, "--betas 0.9,0.99 applies to --optimizer adamw, not sgd"),
-    (dict(eps=1e-6), {"eps"}, "--eps 1e-06 applies to --optimizer adamw, not sgd"),
+    (dict(betas="0.9,0.99"), {"betas"}, "--betas 0.9,0.99 applies to --optimizer adamw or adam, not sgd"),
+    (dict(eps=1e-6), {"eps"}, "--eps 1e-06 applies to --optimizer adamw or adam, not sgd"),
     (dict(optimizer="adamw", momentum=0.8), {"momentum"},
      "--momentum 0.8 applies to --optimizer sgd, not adamw (AdamW's momentum is the beta1 of --betas)"),
     (dict(schedule="onecycle", momentum=0.9), {"momentum"},
@@ -198,7 +198,7 @@ def test_a_ghost_batch_on_a_network_without_batchnorm_is_refused_before_any_work
 
 
 def test_the_python_api_refuses_a_keyword_as_its_flag():
-    with pytest.raises(ValueError, match=r"^--betas 0.9,0.99 applies to --optimizer adamw, not sgd$"):
+    with pytest.raises(ValueError, match=r"^--betas 0.9,0.99 applies to --optimizer adamw or adam, not sgd$"):
         hetconv.train(local=True, conv=[4, 8], fc=[8], steps=1, betas="0.9,0.99")
 
 

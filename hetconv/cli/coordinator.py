@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 
 from hetconv.coordinator.ray import RayLauncher, check_address, import_ray
 from hetconv.coordinator.remote import RemoteEngine, WorkerError, WorkerLost
@@ -447,6 +448,8 @@ def main(argv=None):
         prepared = prepare(args, argv)
     except CHECK_ERRORS as e:
         print(f"hetconv-coordinator: {e}", file=sys.stderr)
+        if args.verbose and e.__cause__ is not None:       # the user's own code failed: --net FILE.py's traceback
+            print("--- traceback ---\n" + "".join(traceback.format_exception(e.__cause__)).rstrip(), file=sys.stderr)
         return 2
     try:
         summary = run(args, prepared)

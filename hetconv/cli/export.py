@@ -11,6 +11,8 @@ the checkpoint) is inside, as buffers. The .npz holds the nn.Sequential's state_
 "3.bias", ..., float32, PyTorch's layouts) and, as JSON text (numpy str arrays, which load with
 allow_pickle=False), the network ("network") and the data meta ("data": class names, image shape,
 mean, std): NetSpec.from_json(str(z["network"])) and hetconv.net.torch_import.to_torch rebuild it.
+The .pt2 carries the same two JSON texts as extra files, "data.json" and "network.json":
+torch.export.load(path, extra_files={"data.json": ""}) fills the dict with them.
 """
 import io
 import json
@@ -65,7 +67,8 @@ def export_torch(model, out):
     with torch.no_grad():
         program = torch.export.export(module, (_example(model, torch),), dynamic_shapes={"images": {0: batch}})
     buffer = io.BytesIO()              # torch.export.save warns on a file name not ending in .pt2
-    torch.export.save(program, buffer)
+    torch.export.save(program, buffer, extra_files={"data.json": json.dumps(model.data),
+                                                    "network.json": json.dumps(model.spec.to_json())})
     with open(out, "wb") as f:
         f.write(buffer.getbuffer())
 

@@ -16,8 +16,9 @@ where 1 - e^-2a or e^x - 1 would cancel. Relative error stays within a few float
 The GPU compiles the same formulas (its compiler may fuse a multiply and an add where the CPU's
 does not: the two agree to rounding, not bit for bit).
 
-An activation is `code` (one of the CODES below) and one float32 parameter `param`:
-negative_slope for leaky_relu, alpha for elu and celu, unused by the others. The backward of
+An activation is `code` (one of the CODES below) and two float32 parameters `param` and `param2`:
+negative_slope for leaky_relu, alpha for elu and celu, the bounds (min_val, max_val) for hardtanh
+(relu6 is hardtanh from 0 to 6), unused by the others. The backward of
 relu, tanh and sigmoid reads the forward's output (as PyTorch's does), the others its input:
 SAVES_OUTPUT says which.
 """
@@ -28,18 +29,24 @@ import numpy as np
 
 from hetconv.jit import cached_njit
 
-RELU, GELU, GELU_TANH, SILU, LEAKY_RELU, ELU, CELU, TANH, SIGMOID, HARDSWISH, IDENTITY = range(11)
+(RELU, GELU, GELU_TANH, SILU, LEAKY_RELU, ELU, CELU, TANH, SIGMOID, HARDSWISH, HARDTANH, HARDSIGMOID,
+ IDENTITY) = range(13)
 CODES = {"relu": RELU, "gelu": GELU, "silu": SILU, "leaky_relu": LEAKY_RELU, "elu": ELU, "celu": CELU,
-         "tanh": TANH, "sigmoid": SIGMOID, "hardswish": HARDSWISH, "identity": IDENTITY}
+         "tanh": TANH, "sigmoid": SIGMOID, "hardswish": HARDSWISH, "relu6": HARDTANH, "hardtanh": HARDTANH,
+         "hardsigmoid": HARDSIGMOID, "identity": IDENTITY}
 SAVES_OUTPUT = (RELU, TANH, SIGMOID)
 
 
-def code_and_param(act):
-    """(code, param) for a hetconv.channelwise.Activation, as the kernels take them."""
+def code_and_params(act):
+    """(code, param, param2) for a hetconv.channelwise.Activation, as the kernels take them."""
     if act.kind == "gelu":
-        return (GELU_TANH if act.approximate == "tanh" else GELU), np.float32(0)
+        return (GELU_TANH if act.approximate == "tanh" else GELU), np.float32(0), np.float32(0)
+    if act.kind == "relu6":
+        return HARDTANH, np.float32(0), np.float32(6)
+    if act.kind == "hardtanh":
+        return HARDTANH, np.float32(act.min_val), np.float32(act.max_val)
     param = {"leaky_relu": act.negative_slope, "elu": act.alpha, "celu": act.alpha}.get(act.kind, 0.0)
-    return CODES[act.kind], np.float32(param)
+    return CODES[act.kind], np.float32(param), np.float32(0)
 
 
 _ZERO = np.float32(0)
@@ -134,7 +141,8 @@ def sigmoid(v):
 # ---- one forward and one backward per activation: (v, param) and (saved, g, param) ------------------
 # backward: the gradient with respect to the input given g with respect to the output; `saved`
 # is the forward's output for the SAVES_OUTPUT codes, its input otherwise. Kinks as PyTorch's:
-# relu passes nothing at 0, leaky_relu gives param * g there, hardswish 0 at -3 and g at 3.
+# relu passes nothing at 0, leaky_relu gives param * g there, hardswish 0 at -3 and g at 3,
+# hardtanh and hardsigmoid nothing at either bound.
 
 @_scalar
 def relu(v, param):
@@ -245,6 +253,26 @@ def hardswish_backward(v, g, param):
 
 
 @_scalar
+def hardtanh(v, lo, hi):
+    return min(max(v, lo), hi)
+
+
+@_scalar
+def hardtanh_backward(v, g, lo, hi):
+    return g if lo < v < hi else _ZERO
+
+
+@_scalar
+def hardsigmoid(v, param):
+    return min(max(v + _THREE, _ZERO), _SIX) / _SIX
+
+
+@_scalar
+def hardsigmoid_backward(v, g, param):
+    return g / _SIX if -_THREE < v < _THREE else _ZERO
+
+
+@_scalar
 def identity(v, param):
     return v
 
@@ -257,7 +285,7 @@ def identity_backward(v, g, param):
 # by code; the CUDA kernels take it as an argument (the branch is the same for every thread of a
 # launch), the CPU loops as a constant (below)
 @_scalar
-def forward(code, v, param):
+def forward(code, v, param, param2):
     if code == RELU:
         return relu(v, param)
     if code == GELU:
@@ -278,11 +306,15 @@ def forward(code, v, param):
         return sigmoid(v)
     if code == HARDSWISH:
         return hardswish(v, param)
+    if code == HARDTANH:
+        return hardtanh(v, param, param2)
+    if code == HARDSIGMOID:
+        return hardsigmoid(v, param)
     return v
 
 
 @_scalar
-def backward(code, saved, g, param):
+def backward(code, saved, g, param, param2):
     if code == RELU:
         return relu_backward(saved, g, param)
     if code == GELU:
@@ -303,26 +335,30 @@ def backward(code, saved, g, param):
         return sigmoid_backward(saved, g, param)
     if code == HARDSWISH:
         return hardswish_backward(saved, g, param)
+    if code == HARDTANH:
+        return hardtanh_backward(saved, g, param, param2)
+    if code == HARDSIGMOID:
+        return hardsigmoid_backward(saved, g, param)
     return g
 
 
 def _cpu_kernels(code):
     """(forward, backward) parallel loops over flat float32 arrays for the CPU device, made per
     code: `code` is a constant inside each, so the inlined dispatch below folds away and each
-    loop is its activation's own few instructions (relu, leaky_relu, hardswish, identity and
+    loop is its activation's own few instructions (relu, leaky_relu, the hard ones, identity and
     the exp-based ones vectorise). They close over the code alone (an int), which Numba's cache
     keys them by; closing over the functions themselves missed the cache in every process. They
     live in this file because Numba's cache knows only the file of the function it caches: a
     loop cached elsewhere would keep an inlined copy of these functions after they change."""
     @cached_njit(parallel=True, nogil=True)
-    def forward_loop(param, x, y):
+    def forward_loop(param, param2, x, y):
         for i in numba.prange(x.shape[0]):
-            y[i] = forward(code, x[i], param)
+            y[i] = forward(code, x[i], param, param2)
 
     @cached_njit(parallel=True, nogil=True)
-    def backward_loop(param, saved, dy, dx):
+    def backward_loop(param, param2, saved, dy, dx):
         for i in numba.prange(saved.shape[0]):
-            dx[i] = backward(code, saved[i], dy[i], param)
+            dx[i] = backward(code, saved[i], dy[i], param, param2)
 
     return forward_loop, backward_loop
 

@@ -122,12 +122,16 @@ def update_rules(mul, add, div, sqrt, mul64, add64):
         step = add(add(g, decay), mul(momentum, v)) if nesterov else v
         return add(p, -mul(lr, step)), v
 
-    def adamw(p, m, v, g, decay, lerp_weight, lerp_from_grad, beta2, one_minus_beta2, bias_correction2_sqrt,
-              eps, step_size):
-        """torch.optim.AdamW's single-tensor step on one element, operation by operation:
-        returns (param, exp_avg, exp_avg_sq). exp_avg.lerp_(grad, 1 - beta1) is torch's lerp,
-        base + weight*(grad - exp_avg) from exp_avg, or from grad with weight - 1 where the
-        weight is at least 0.5; addcmul multiplies (1 - beta2)*grad first, then by grad."""
+    def adamw(p, m, v, g, decay, grad_decay, lerp_weight, lerp_from_grad, beta2, one_minus_beta2,
+              bias_correction2_sqrt, eps, step_size):
+        """torch.optim.AdamW's single-tensor step on one element, operation by operation, or with
+        decay 1 and grad_decay its weight decay torch.optim.Adam's (the decay added to the
+        gradient, from the parameter before it moves): returns (param, exp_avg, exp_avg_sq).
+        exp_avg.lerp_(grad, 1 - beta1) is torch's lerp, base + weight*(grad - exp_avg) from
+        exp_avg, or from grad with weight - 1 where the weight is at least 0.5; addcmul
+        multiplies (1 - beta2)*grad first, then by grad."""
+        if grad_decay != 0:
+            g = add(g, mul(grad_decay, p))
         p = mul(p, decay)
         m = add(g if lerp_from_grad else m, mul(lerp_weight, add(g, -m)))
         v = add(mul(v, beta2), mul(mul(one_minus_beta2, g), g))
@@ -165,10 +169,11 @@ def sgd_scalars(lr, momentum, weight_decay, nesterov):
     return np.float32(lr), np.float32(momentum), np.float32(weight_decay), bool(nesterov)
 
 
-def adamw_scalars(lr, beta1, beta2, eps, weight_decay, step):
-    """The scalars an AdamW update runs with (update_rules' adamw after its four arrays),
-    derived in float64 on the host as torch does, then rounded to float32 where torch's kernels
-    take them. step counts updates from 1 (torch's state['step'] after its increment)."""
+def adamw_scalars(lr, beta1, beta2, eps, weight_decay, step, coupled=False):
+    """The scalars an AdamW update runs with (update_rules' adamw after its four arrays), or with
+    `coupled` an Adam update's (the weight decay added to the gradient instead), derived in
+    float64 on the host as torch does, then rounded to float32 where torch's kernels take them.
+    step counts updates from 1 (torch's state['step'] after its increment)."""
     lr, eps, weight_decay = _finite("lr", lr), _finite("eps", eps), _finite("weight_decay", weight_decay)
     beta1, beta2 = _finite("beta1", beta1, high=1.0), _finite("beta2", beta2, high=1.0)
     if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
@@ -178,7 +183,8 @@ def adamw_scalars(lr, beta1, beta2, eps, weight_decay, step):
     lerp_from_grad = not abs(lerp_weight) < 0.5
     if lerp_from_grad:    # torch's lerp: grad - (grad - exp_avg)*(1 - weight), exact in float32
         lerp_weight = np.float32(lerp_weight) - np.float32(1.0)
-    return (np.float32(1.0 - lr * weight_decay), np.float32(lerp_weight), lerp_from_grad, np.float32(beta2),
+    decay, grad_decay = (1.0, weight_decay) if coupled else (1.0 - lr * weight_decay, 0.0)
+    return (np.float32(decay), np.float32(grad_decay), np.float32(lerp_weight), lerp_from_grad, np.float32(beta2),
             np.float32(1.0 - beta2), np.float32((1.0 - beta2 ** step) ** 0.5), np.float32(eps),
             np.float32(lr / (1.0 - beta1 ** step)))
 def _channel_f32(name, a, channels):
@@ -255,6 +261,14 @@ class Device:
         step counts this parameter's updates from 1."""
         self._check_update("adamw_", param, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, grad=grad)
         self._adamw_(param, exp_avg, exp_avg_sq, grad, *adamw_scalars(lr, beta1, beta2, eps, weight_decay, step))
+
+    def adam_(self, param, exp_avg, exp_avg_sq, grad, lr, beta1, beta2, eps, weight_decay, step):
+        """In place, torch.optim.Adam (amsgrad and maximize off): adamw_ with the weight decay
+        coupled, grad + weight_decay*param in place of the gradient, and the parameter not
+        shrunk. The same kernel as adamw_ runs it."""
+        self._check_update("adam_", param, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, grad=grad)
+        self._adamw_(param, exp_avg, exp_avg_sq, grad,
+                     *adamw_scalars(lr, beta1, beta2, eps, weight_decay, step, coupled=True))
 
     def sum_of_squares(self, a):
         """sum(a**2) as a Python float, accumulated in float64 in a fixed order (SQUARE_SUM_LANES):

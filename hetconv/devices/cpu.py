@@ -823,11 +823,13 @@ def _sgd_loop(param, velocity, grad, lr, momentum, weight_decay, nesterov):
         param[i], velocity[i] = _sgd_rule(param[i], velocity[i], grad[i], lr, momentum, weight_decay, nesterov)
 
 
-def _adamw_loop(param, exp_avg, exp_avg_sq, grad, decay, lerp_weight, lerp_from_grad, beta2, one_minus_beta2,
+def _adamw_loop(param, exp_avg, exp_avg_sq, grad, decay, grad_decay, lerp_weight, lerp_from_grad, beta2,
+                one_minus_beta2,
                 bias_correction2_sqrt, eps, step_size):
     for i in prange(param.shape[0]):
         param[i], exp_avg[i], exp_avg_sq[i] = _adamw_rule(
-            param[i], exp_avg[i], exp_avg_sq[i], grad[i], decay, lerp_weight, lerp_from_grad, beta2, one_minus_beta2,
+            param[i], exp_avg[i], exp_avg_sq[i], grad[i], decay, grad_decay, lerp_weight, lerp_from_grad, beta2,
+            one_minus_beta2,
             bias_correction2_sqrt, eps, step_size)
 
 

@@ -20,16 +20,16 @@ _jit = cached_njit(parallel=True, nogil=True)
 
 def activation(x, act):
     """(y, saved): y = act(x); saved is what activation_backward needs (x or y, not copied)."""
-    code, param = am.code_and_param(act)
+    code, param, param2 = am.code_and_params(act)
     y = np.empty_like(x)
-    am.CPU_KERNELS[code][0](param, x.reshape(-1), y.reshape(-1))
+    am.CPU_KERNELS[code][0](param, param2, x.reshape(-1), y.reshape(-1))
     return y, (y if code in am.SAVES_OUTPUT else x)
 
 
 def activation_backward(act, saved, dy):
-    code, param = am.code_and_param(act)
+    code, param, param2 = am.code_and_params(act)
     dx = np.empty_like(dy)
-    am.CPU_KERNELS[code][1](param, saved.reshape(-1), dy.reshape(-1), dx.reshape(-1))
+    am.CPU_KERNELS[code][1](param, param2, saved.reshape(-1), dy.reshape(-1), dx.reshape(-1))
     return dx
 
 

@@ -523,12 +523,14 @@ def _sgd(param, velocity, grad, lr, momentum, weight_decay, nesterov):
 sgd_kernel = cuda.jit(_sgd)
 
 
-def _adamw(param, exp_avg, exp_avg_sq, grad, decay, lerp_weight, lerp_from_grad, beta2, one_minus_beta2,
+def _adamw(param, exp_avg, exp_avg_sq, grad, decay, grad_decay, lerp_weight, lerp_from_grad, beta2,
+           one_minus_beta2,
            bias_correction2_sqrt, eps, step_size):
     i = cuda.grid(1)
     if i < param.shape[0]:
         param[i], exp_avg[i], exp_avg_sq[i] = _adamw_rule(
-            param[i], exp_avg[i], exp_avg_sq[i], grad[i], decay, lerp_weight, lerp_from_grad, beta2, one_minus_beta2,
+            param[i], exp_avg[i], exp_avg_sq[i], grad[i], decay, grad_decay, lerp_weight, lerp_from_grad, beta2,
+            one_minus_beta2,
             bias_correction2_sqrt, eps, step_size)
 
 
@@ -593,7 +595,8 @@ PTX_SIGNATURES = [
     (_activation_pool, (_F4, _F4, _W4, POOL_GEOMETRY)),
     (_activation_pool_backward, (_F4, _W4, _F4, _F4, POOL_GEOMETRY)),
     (_sgd, (_F1, _F1, _F1, float32, float32, float32, types.boolean)),
-    (_adamw, (_F1, _F1, _F1, _F1, float32, float32, types.boolean, float32, float32, float32, float32, float32)),
+    (_adamw, (_F1, _F1, _F1, _F1, float32, float32, float32, types.boolean, float32, float32, float32, float32,
+              float32)),
     (_scale, (_F1, float32)),
     (_square_sums, (_F1, float64[::1], int64)),
     (_accumulate, (_F1, _F1)),

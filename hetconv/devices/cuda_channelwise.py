@@ -29,19 +29,19 @@ REDUCE_THREADS = 8 if SIMULATED else 256           # block of the per-channel su
 GRID_YZ_LIMIT = 65535                              # CUDA's grid limit along y and z
 
 
-def _activation_forward(x, y, code, param):
+def _activation_forward(x, y, code, param, param2):
     i = cuda.grid(1)
     if i < x.shape[0]:
-        y[i] = am.forward(code, x[i], param)
+        y[i] = am.forward(code, x[i], param, param2)
 
 
 activation_forward_kernel = cuda.jit(_activation_forward)
 
 
-def _activation_backward(saved, dy, dx, code, param):
+def _activation_backward(saved, dy, dx, code, param, param2):
     i = cuda.grid(1)
     if i < saved.shape[0]:
-        dx[i] = am.backward(code, saved[i], dy[i], param)
+        dx[i] = am.backward(code, saved[i], dy[i], param, param2)
 
 
 activation_backward_kernel = cuda.jit(_activation_backward)
@@ -123,8 +123,8 @@ _F2 = float32[:, ::1]
 _F3 = float32[:, :, ::1]
 _D1 = float64[::1]
 PTX_SIGNATURES = [
-    (_activation_forward, (_F1, _F1, int32, float32)),
-    (_activation_backward, (_F1, _F1, _F1, int32, float32)),
+    (_activation_forward, (_F1, _F1, int32, float32, float32)),
+    (_activation_backward, (_F1, _F1, _F1, int32, float32, float32)),
     (_channel_sums, (_F3, _F3, _F1, _D1, _D1)),
     (_normalize, (_F3, _F1, _F1, _F1, _F3)),
     (_batchnorm_backward, (_F3, _F3, _F1, _F1, _F1, _F1, _F3)),
@@ -154,24 +154,24 @@ def _plane_grid(shape):
 
 def activation(x, act):
     """(y, saved): saved is the GPU's copy of x or y, whichever the backward reads."""
-    code, param = am.code_and_param(act)
+    code, param, param2 = am.code_and_params(act)
     x_dev = cuda.to_device(x)
     y_dev = cuda.device_array_like(x_dev)
     size = x.size
     if size == 0:           # a piece with no images: CUDA launches no empty grid
         return x.copy(), x_dev
     activation_forward_kernel[math.ceil(size / ELEMENTWISE_THREADS), ELEMENTWISE_THREADS](
-        _flat(x_dev), _flat(y_dev), np.int32(code), param)
+        _flat(x_dev), _flat(y_dev), np.int32(code), param, param2)
     return y_dev.copy_to_host(), (y_dev if code in am.SAVES_OUTPUT else x_dev)
 
 
 def activation_backward(act, saved, dy):
-    code, param = am.code_and_param(act)
+    code, param, param2 = am.code_and_params(act)
     if dy.size == 0:
         return dy.copy()
     dx_dev = cuda.device_array(dy.shape, np.float32)
     activation_backward_kernel[math.ceil(dy.size / ELEMENTWISE_THREADS), ELEMENTWISE_THREADS](
-        _flat(saved), _flat(cuda.to_device(dy)), _flat(dx_dev), np.int32(code), param)
+        _flat(saved), _flat(cuda.to_device(dy)), _flat(dx_dev), np.int32(code), param, param2)
     return dx_dev.copy_to_host()
 
 

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 from hetconv.net.spec import (INPUT_NAME, Activation, Add, BatchNorm, Concat, Conv, Dropout, Flatten, GlobalPool,
                               Linear, NetSpec, Pool, ReLU, Scale)
-from hetconv.net.torch_import import from_torch, load_module
+from hetconv.net.torch_import import from_torch, given_module, load_module
 
 DEFAULT_NET = "paper"
 JSON_MAX_BYTES = 1 << 20            # a network's stored form is a few kB; a bigger file is not one
@@ -260,15 +260,17 @@ def load_net(text, input_shape, classes):
     - a preset name, optionally NAME@WIDTH;
     - a path to a .json file (the stored form);
     - path.py:function, a function returning a PyTorch module: an nn.Sequential, or an nn.Module whose
-      forward torch.fx traces into supported layers, sums and concatenations (its weights come along).
+      forward torch.fx traces into supported layers, sums and concatenations (its weights come along);
+    - module:NAME#N, a module hetconv.train(net=module) was given (torch_import.given_module_name).
     Returns LoadedNet(spec, params)."""
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"--net {text!r}: {_accepted()}")
     text = text.strip()
     head, sep, _ = text.rpartition(":")
-    if sep and head.endswith(".py"):
+    if (sep and head.endswith(".py")) or text.startswith("module:"):
         try:
-            spec, conv, fc = from_torch(load_module(text), input_shape)
+            module = given_module(text) if text.startswith("module:") else load_module(text)
+            spec, conv, fc = from_torch(module, input_shape)
         except ImportError as e:            # the torch extra is missing: say so as a --net error
             raise ValueError(f"--net {text}: {e}") from None
         if spec.classes != classes:

@@ -5,7 +5,7 @@ Arrays go in as any float dtype and come out float64; layout NCHW; each backward
 forward took and dy, the gradient with respect to the forward's output, and returns the gradient
 with respect to its input. At the kinks, derivatives are PyTorch's: relu passes nothing at 0,
 leaky_relu gives negative_slope there, elu and celu the exponential side, hardswish 0 at -3 and 1 at 3
-(the outer pieces).
+(the outer pieces), relu6, hardtanh and hardsigmoid 0 at their bounds (the flat pieces).
 """
 import math
 
@@ -27,6 +27,10 @@ def _sigmoid(x):
     # the branch whose exponent is <= 0 never overflows
     e = np.exp(-np.abs(x))
     return np.where(x >= 0, 1 / (1 + e), e / (1 + e))
+
+
+def _bounds(act):
+    return (0.0, 6.0) if act.kind == "relu6" else (act.min_val, act.max_val)
 
 
 def activation(x, act):
@@ -53,6 +57,11 @@ def activation(x, act):
         return _sigmoid(x)
     if kind == "hardswish":
         return x * np.clip(x + 3, 0, 6) / 6
+    if kind in ("relu6", "hardtanh"):
+        lo, hi = _bounds(act)
+        return np.clip(x, lo, hi)
+    if kind == "hardsigmoid":
+        return np.clip(x + 3, 0, 6) / 6
     if kind == "identity":
         return x.copy()
     raise ValueError(f"unknown activation {act!r}")
@@ -85,6 +94,11 @@ def activation_backward(x, dy, act):
         slope = s * (1 - s)
     elif kind == "hardswish":
         slope = np.where(x <= -3, 0.0, np.where(x < 3, x / 3 + 0.5, 1.0))
+    elif kind in ("relu6", "hardtanh"):
+        lo, hi = _bounds(act)
+        slope = ((x > lo) & (x < hi)).astype(np.float64)
+    elif kind == "hardsigmoid":
+        slope = np.where((x > -3) & (x < 3), 1 / 6, 0.0)
     elif kind == "identity":
         slope = np.ones_like(x)
     else:

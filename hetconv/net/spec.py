@@ -22,7 +22,8 @@ depthwise conv, weights (out_channels, in/groups, kh, kw)); both are written onl
 not 1, so a dense conv's stored form is what it was before them, and a file without them means 1.
 Defaults: stride 1, padding 0, dilation 1, groups 1, bias true; a pool's stride is its kernel, its padding 0; an int
 stands for a pair. The conv part is a sequence of blocks: a conv, then any sequence of per-channel
-layers (activations: relu, gelu, silu, leaky_relu, elu, celu, tanh, sigmoid, hardswish, identity;
+layers (activations: relu, gelu, silu, leaky_relu, elu, celu, tanh, sigmoid, hardswish, relu6, hardtanh,
+hardsigmoid, identity;
 maxpool, avgpool, global_avgpool, global_maxpool; batchnorm; dropout2d), in any order. Then
 exactly one flatten, then the FC part (linear, relu, dropout), whose last linear is as wide as
 `classes`, optionally followed by a scale. A violation is a ValueError naming the layer (index and
@@ -229,15 +230,17 @@ class Dropout:
 @dataclass(frozen=True)
 class Activation(ChannelLayer):
     """Every activation but relu (ReLU, kept apart for the head and the fused conv block):
-    "type" is its kind, with the one parameter the kind takes, if any."""
+    "type" is its kind, with the parameters the kind takes, if any."""
     kind: str
     negative_slope: float = 0.01
     alpha: float = 1.0
     approximate: str = "none"
+    min_val: float = -1.0
+    max_val: float = 1.0
 
     def __post_init__(self):
-        op = channelwise.Activation(self.kind, self.negative_slope, self.alpha, self.approximate)
-        for name in ("negative_slope", "alpha"):
+        op = self.channel_op()
+        for name in ("negative_slope", "alpha", "min_val", "max_val"):
             object.__setattr__(self, name, getattr(op, name))
 
     @property
@@ -245,7 +248,8 @@ class Activation(ChannelLayer):
         return self.kind
 
     def channel_op(self):
-        return channelwise.Activation(self.kind, self.negative_slope, self.alpha, self.approximate)
+        return channelwise.Activation(self.kind, self.negative_slope, self.alpha, self.approximate, self.min_val,
+                                      self.max_val)
 
     def to_json(self):
         d = self.channel_op().to_json()

@@ -8,7 +8,9 @@ keeps them; to_torch's module has the layer indices as its state_dict keys ("0.w
 import importlib.util
 import operator
 import os
+import re
 import sys
+import traceback
 
 import numpy as np
 
@@ -18,14 +20,19 @@ from hetconv.net.spec import (INPUT_NAME, Activation, Add, BatchNorm, ChannelLay
 
 TORCH_INSTALL = "pip install 'hetconv[torch]' (in a checkout: pip install -e '.[torch]')"
 SUPPORTED = ("Conv2d (any groups and dilation, padding_mode 'zeros'), BatchNorm2d (track_running_stats), ReLU, GELU, "
-             "SiLU, LeakyReLU, ELU, CELU, Tanh, Sigmoid, Hardswish, Identity, MaxPool2d (dilation 1, ceil_mode False), "
-             "AvgPool2d (ceil_mode False, count_include_pad True, no divisor_override), AdaptiveAvgPool2d(1), "
-             "AdaptiveMaxPool2d(1), Dropout2d, Flatten (start_dim 1), Linear, Dropout, scale_module_class() (x * factor), "
-             "and nested Sequential")
+             "SiLU, LeakyReLU, ELU, CELU, Tanh, Sigmoid, Hardswish, ReLU6, Hardtanh, Hardsigmoid, Identity, "
+             "MaxPool2d (dilation 1, ceil_mode False), AvgPool2d (ceil_mode False, count_include_pad True, no "
+             "divisor_override), AdaptiveAvgPool2d(1), AdaptiveMaxPool2d(1), Dropout2d, Flatten (start_dim 1), Linear, "
+             "Dropout, and nested Sequential; in a forward also F.relu and the other activations (and x.relu(), "
+             "x.sigmoid(), x.tanh()), F.max_pool2d, F.avg_pool2d, F.adaptive_avg_pool2d(x, 1), "
+             "F.adaptive_max_pool2d(x, 1), x.mean((2, 3)) (keepdim or not: a global average pool), F.dropout, "
+             "F.dropout2d, x.flatten(1), torch.flatten(x, 1), x.view(x.size(0), -1), x.reshape(x.shape[0], -1), "
+             "x.view(-1, features), x.squeeze() of an N x C x 1 x 1 tensor, x * c and x / c (c a number), a + b "
+             "(a residual sum), torch.cat([a, b], dim=1)")
 
 # PyTorch's activation modules without parameters of their own -> hetconv's kind
 _PLAIN_ACTIVATIONS = {"SiLU": "silu", "Tanh": "tanh", "Sigmoid": "sigmoid", "Hardswish": "hardswish",
-                      "Identity": "identity"}
+                      "ReLU6": "relu6", "Hardsigmoid": "hardsigmoid", "Identity": "identity"}
 
 
 def import_torch():
@@ -94,6 +101,8 @@ def _layer_of(path, module):
         return Activation("gelu", approximate=module.approximate), None
     if kind is nn.LeakyReLU:
         return Activation("leaky_relu", negative_slope=float(module.negative_slope)), None
+    if kind is nn.Hardtanh:
+        return Activation("hardtanh", min_val=float(module.min_val), max_val=float(module.max_val)), None
     if kind in (nn.ELU, nn.CELU):
         return Activation(kind.__name__.lower(), alpha=float(module.alpha)), None
     if kind is nn.BatchNorm2d:
@@ -162,9 +171,9 @@ def from_torch(module, input_shape):
     if _is_plain_sequential(module):
         flat = _flat_modules(module)
         steps = [(f"module {path} ({type(m).__name__})", m, None, None, None) for path, m in flat]
-        features = {}
+        features, squeezes = {}, {}
     else:
-        steps, features = _traced_steps(module)
+        steps, features, squeezes = _traced_steps(module)
     layers, conv_params, fc_params = [], [], []
     for label, m, layer, _, _ in steps:
         if layer is None:
@@ -188,6 +197,12 @@ def from_torch(module, input_shape):
         spec = NetSpec(input_shape, last.out_features, tuple(layers), inputs, names)
     except LayerError as e:
         raise ValueError(f"{steps[e.index][0]}: {e.problem}") from None
+    for index, label in squeezes.items():                   # a squeeze flattens only what a global pool left
+        source = spec.inputs[index][0]
+        shape = spec.input_shape if source < 0 else spec.output_shapes()[source]
+        if tuple(shape[1:]) != (1, 1):
+            raise ValueError(f"{label}: squeezes a {' x '.join(map(str, shape))} tensor; expected C x 1 x 1 "
+                             f"(after a global pool), or a flatten: {_FLATTEN_FORMS}")
     for index, width in features.items():                    # a view(-1, K) must flatten to K features
         if spec.output_shapes()[index] != (width,):
             raise ValueError(f"{steps[index][0]}: views its input as (-1, {width}), but it has "
@@ -223,16 +238,21 @@ def from_torch(module, input_shape):
 # ---- any nn.Module, by tracing ----------------------------------------------------------------------
 
 def _traced_steps(module):
-    """([(label, module or None, layer or None, name, inputs)], {step: features}) of a module's
-    forward traced by torch.fx, in the trace's order: a module call is (label, the module, None,
-    ...), a function or method (label, None, its layer, ...); `inputs` are the steps whose outputs
-    it reads (-1: the images). A module's first call is named by its path (a module with weights
-    is called once: its path is its state_dict prefix), anything else by its node's name. An nn.Identity, and dropout with
-    training=False, pass their input on. A view(-1, K) must flatten to K features."""
+    """([(label, module or None, layer or None, name, inputs)], {step: features}, {step: label}) of
+    a module's forward traced by torch.fx, in the trace's order: a module call is (label, the
+    module, None, ...), a function or method (label, None, its layer, ...); `inputs` are the steps
+    whose outputs it reads (-1: the images). A module's first call is named by its path (a module
+    with weights is called once: its path is its state_dict prefix), anything else by its node's
+    name. A function's label is the user's own line (fx records it), never fx's node names. An
+    nn.Identity, dropout with training=False, and a flatten of what is flat already pass their
+    input on; x.mean((2, 3)) is a global average pool (and a flatten without keepdim). A view(-1,
+    K) must flatten to K features (the second dict); a squeeze must find C x 1 x 1 (the third)."""
     torch = import_torch()
     own = merge_module_classes() + (scale_module_class(),)
 
     class Tracer(torch.fx.Tracer):
+        record_stack_traces = True                      # each node keeps the user's line, for the refusals
+
         def is_leaf_module(self, m, qualname):          # an exported graph's joins and scales stay one node each
             return type(m) in own or super().is_leaf_module(m, qualname)
     try:
@@ -241,66 +261,94 @@ def _traced_steps(module):
         raise ValueError(f"expected an nn.Sequential, or a module whose forward torch.fx can trace; "
                          f"{type(module).__name__} does not trace ({type(e).__name__}: {str(e)[:200]})") from None
     named = dict(traced.named_modules())
-    steps, features, index, alias, called = [], {}, {}, {}, set()
+    steps, features, squeezes, index, alias, called = [], {}, {}, {}, {}, set()
+    flat = set()                # steps whose output is (N, features) already
+    half_squeezed = {}          # a squeeze of one spatial dim (N x C x 1 left) -> its label: the other must follow
 
     def resolve(n):
         while n in alias:
             n = alias[n]
         return n
 
+    def add_step(label, m, layer, name, inputs):
+        steps.append((label, m, layer, name, inputs))
+        if isinstance(layer, Flatten) or (type(m) is torch.nn.Flatten) or (inputs and all(i in flat for i in inputs)):
+            flat.add(len(steps) - 1)
+
     for node in traced.graph.nodes:
         if node.op == "placeholder":
             if index:
-                raise ValueError(f"node {node.name}: the forward takes more than one input; expected the images only")
+                raise ValueError(f"the forward takes more than one input ({node.name} too); expected the images only")
             index[node] = -1
             continue
-        if _is_size(node):
-            continue                                     # x.size(0): an argument of the view that follows
-        what = _op_text(node)
+        if _is_shape_query(node):
+            continue                                     # x.size(0), x.shape[0]: an argument of the view that follows
+        where = _where(node, named)
         if node.op == "output":
             returned = node.args[0] if node.args else None
+            if isinstance(returned, torch.fx.Node) and resolve(returned) in half_squeezed:
+                raise ValueError(f"{half_squeezed[resolve(returned)]}: leaves N x C x 1; expected both spatial "
+                                 f"dimensions squeezed, e.g. x.squeeze(-1).squeeze(-1) or x.flatten(1)")
             if not isinstance(returned, torch.fx.Node) or index.get(resolve(returned)) != len(steps) - 1:
-                raise ValueError(f"node {node.name}: the forward returns {getattr(returned, 'name', returned)!r:.80}; "
+                raise ValueError(f"the forward returns {getattr(returned, 'name', returned)!r:.80}; "
                                  f"expected one tensor, the last layer's output")
             break
         if node.op == "get_attr":
-            raise ValueError(f"node {node.name} ({what}): a tensor the forward reads from the module itself; "
-                             f"supported: {SUPPORTED}")
-        merge, operands = _merge_of(node, what, named)
+            raise ValueError(f"{where}: a tensor the forward reads from the module itself; supported: {SUPPORTED}")
+        merge, operands = _merge_of(node, where, named)
         if merge is None:
-            operands = [n for n in node.all_input_nodes if not _is_size(n)]
+            operands = [n for n in node.all_input_nodes if not _is_shape_query(n)]
             if len(operands) != 1:
-                raise ValueError(f"node {node.name} ({what}) takes {len(operands)} tensors "
-                                 f"({', '.join(n.name for n in operands)}); expected one, or a sum (+, torch.add) or "
+                raise ValueError(f"{where} takes {len(operands)} tensors; expected one, or a sum (+, torch.add) or "
                                  f"a torch.cat(dim=1) of several")
         operands = [resolve(n) for n in operands]
         unknown = [n.name for n in operands if n not in index]
         if unknown:
-            raise ValueError(f"node {node.name} ({what}) reads {unknown[0]}, which is not a tensor of the network")
+            raise ValueError(f"{where} reads {unknown[0]}, which is not a tensor of the network")
         inputs = tuple(index[n] for n in operands)
+        if merge is None and operands[0] in half_squeezed:
+            if _squeeze_dims(node) in ((-1,), (2,)):     # the second spatial dimension: now (N, C)
+                del half_squeezed[operands[0]]
+                alias[node] = operands[0]
+                continue
+            raise ValueError(f"{half_squeezed[operands[0]]}: leaves N x C x 1, which {where} reads; expected both "
+                             f"spatial dimensions squeezed, e.g. x.squeeze(-1).squeeze(-1) or x.flatten(1)")
         if merge is not None:
-            steps.append((f"node {node.name} ({what})", None, merge,
-                          node.target if node.op == "call_module" else node.name, inputs))
+            add_step(where, None, merge, node.target if node.op == "call_module" else node.name, inputs)
         elif node.op == "call_module":
             m = named[node.target]
-            if type(m) is torch.nn.Identity:
+            if type(m) is torch.nn.Identity or (type(m) is torch.nn.Flatten and inputs[0] in flat):
                 alias[node] = operands[0]
                 continue
             owns = any(True for _ in m.parameters()) or any(True for _ in m.buffers())
             if node.target in called and owns:
-                raise ValueError(f"node {node.name}: module {node.target} is called twice with the same weights; "
+                raise ValueError(f"{where}: module {node.target} is called twice with the same weights; "
                                  f"a layer's weights are its own")
             name = node.target if node.target not in called else node.name
             called.add(node.target)
-            steps.append((f"module {node.target} ({type(m).__name__})", m, None, name, inputs))
+            add_step(f"module {node.target} ({type(m).__name__})", m, None, name, inputs)
         else:
-            layer, width = _function_layer(node, what)
+            layer, width = _function_layer(node, where)
+            if isinstance(layer, Flatten) and inputs[0] in flat:      # flat already: nothing to do
+                if width is not None:
+                    features[inputs[0]] = width
+                alias[node] = operands[0]
+                continue
             if layer is None:
                 alias[node] = operands[0]
                 continue
+            if isinstance(layer, tuple):                 # mean((2, 3)) without keepdim: pool, then flatten
+                add_step(where, None, layer[0], node.name, inputs)
+                inputs, layer = (len(steps) - 1,), layer[1]
+                add_step(where, None, layer, node.name + "_flatten", inputs)
+            else:
+                add_step(where, None, layer, node.name, inputs)
             if width is not None:
-                features[len(steps)] = width
-            steps.append((f"node {node.name} ({what})", None, layer, node.name, inputs))
+                features[len(steps) - 1] = width
+            if _squeeze_dims(node) is not None:
+                squeezes[len(steps) - 1] = where
+                if len(_squeeze_dims(node)) == 1:
+                    half_squeezed[node] = where
         index[node] = len(steps) - 1
     used = set()
     for k, (label, m, layer, name, inputs) in enumerate(steps):
@@ -309,17 +357,49 @@ def _traced_steps(module):
             unique, n = f"{name}_{n}", n + 1
         used.add(unique)
         steps[k] = (label, m, layer, unique, inputs)
-    return steps, features
+    return steps, features, squeezes
 
 
-def _merge_of(node, what, named):
+def _where(node, named):
+    """The node as the user wrote it: the op, and the line of the forward that made it (fx's
+    stack trace, its innermost frame outside torch), e.g. "x.mean(...) in `x = x.mean(1)` at
+    net.py:12"; the op alone where fx recorded no line."""
+    torch = import_torch()
+    target = node.target
+    if node.op == "call_module":
+        what = f"self.{target}(...) ({type(named[target]).__name__})"
+    elif node.op == "call_method":
+        what = f"x.{target}(...)"
+    elif node.op == "get_attr":
+        what = f"self.{target}"
+    elif target in _OPERATORS:
+        what = f"x {_OPERATORS[target]} y"
+    else:
+        name = getattr(target, "__name__", str(target))
+        prefix = "F." if getattr(torch.nn.functional, name, None) is target else \
+            "torch." if getattr(torch, name, None) is target else ""
+        what = f"{prefix}{name}(...)"
+    torch_dir = os.path.dirname(torch.__file__)
+    frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n +([^\n]*)', node.stack_trace or "")
+    frames = [f for f in frames if not os.path.abspath(f[0]).startswith(torch_dir + os.sep)]
+    if not frames:
+        return what
+    path, line, source = frames[-1]
+    return f"{what} in `{source.strip()}` at {path}:{line}"
+
+
+_OPERATORS = {operator.add: "+", operator.iadd: "+=", operator.mul: "*", operator.imul: "*=", operator.truediv: "/",
+              operator.itruediv: "/=", operator.sub: "-", operator.matmul: "@", operator.getitem: "[...]"}
+
+
+def _merge_of(node, where, named):
     """(Add() or Concat(), the tensors it joins in order) for a sum or a concatenation of tensors
     (an exported graph's Sum and Cat modules too), else (None, None); a merge hetconv cannot run
     (a sum with a constant or a scaled operand, a concatenation along another dimension) is a
-    ValueError naming the node."""
+    ValueError naming the user's line."""
     torch = import_torch()
     fx = torch.fx
-    refuse = lambda why: ValueError(f"node {node.name} ({what}): {why}")     # noqa: E731
+    refuse = lambda why: ValueError(f"{where}: {why}")     # noqa: E731
     target = node.target
     if node.op == "call_module" and type(named[target]) in merge_module_classes():
         if len(node.args) < 2 or node.kwargs or not all(isinstance(a, fx.Node) for a in node.args):
@@ -331,7 +411,7 @@ def _merge_of(node, what, named):
         if node.kwargs.get("alpha", 1) != 1 or len(node.args) > 2:
             raise refuse("a sum with alpha; expected a + b")
         operands = list(node.args[:2]) + ([node.kwargs["other"]] if "other" in node.kwargs else [])
-        if len(operands) != 2 or not all(isinstance(a, fx.Node) and not _is_size(a) for a in operands):
+        if len(operands) != 2 or not all(isinstance(a, fx.Node) and not _is_shape_query(a) for a in operands):
             raise refuse("adds a constant to a tensor; supported: the sum of two tensors (a residual connection)")
         return Add(), operands
     is_cat = node.op == "call_function" and target in (torch.cat, getattr(torch, "concat", None),
@@ -350,31 +430,66 @@ def _merge_of(node, what, named):
 
 
 def _is_size(node):
-    return node.op == "call_method" and node.target == "size"
+    return isinstance(node, _fx_node()) and node.op == "call_method" and node.target == "size"
 
 
-def _op_text(node):
-    target = node.target
-    if node.op == "call_function":
-        return getattr(target, "__name__", str(target))
-    if node.op == "call_method":
-        return f".{target}()"
-    return str(target)
+def _is_shape_query(node):
+    """x.size(), x.size(0), x.shape, x.shape[0]: numbers about a tensor, not a tensor."""
+    if not isinstance(node, _fx_node()):
+        return False
+    if _is_size(node):
+        return True
+    if node.op == "call_function" and node.target is getattr:
+        return len(node.args) == 2 and node.args[1] == "shape"
+    return node.op == "call_function" and node.target is operator.getitem and _is_shape_query(node.args[0])
+
+
+def _is_batch_size(a):
+    """A number, x.size(0) or x.shape[0] (x.size()[0]): the batch dimension of a view or reshape."""
+    if isinstance(a, int) and not isinstance(a, bool):
+        return True
+    if _is_size(a):
+        return (a.args[1] if len(a.args) > 1 else a.kwargs.get("dim")) == 0
+    if _is_shape_query(a) and a.target is operator.getitem and a.args[1] == 0:
+        whole = a.args[0]
+        return not _is_size(whole) or (len(whole.args) == 1 and not whole.kwargs)
+    return False
+
+
+def _fx_node():
+    return import_torch().fx.Node
+
+
+def _squeeze_dims(node):
+    """The dims a squeeze (x.squeeze(...), torch.squeeze(x, ...)) names, () for all of them, or
+    None for any other node."""
+    torch = import_torch()
+    if not ((node.op == "call_method" and node.target == "squeeze") or
+            (node.op == "call_function" and node.target is torch.squeeze)):
+        return None
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if dim is None:
+        return ()
+    return tuple(dim) if isinstance(dim, (tuple, list)) else (dim,)
 
 
 _FUNCTION_ACTIVATIONS = {"relu": "relu", "relu_": "relu", "gelu": "gelu", "silu": "silu", "leaky_relu": "leaky_relu",
-                         "elu": "elu", "celu": "celu", "tanh": "tanh", "sigmoid": "sigmoid", "hardswish": "hardswish"}
+                         "elu": "elu", "celu": "celu", "tanh": "tanh", "sigmoid": "sigmoid", "hardswish": "hardswish",
+                         "relu6": "relu6", "hardtanh": "hardtanh", "hardtanh_": "hardtanh",
+                         "hardsigmoid": "hardsigmoid"}
+_FLATTEN_FORMS = ("x.flatten(1), torch.flatten(x, 1), x.view(x.size(0), -1), x.reshape(x.shape[0], -1), "
+                  "x.view(-1, features)")
 
 
-def _function_layer(node, what):
-    """(The layer of a traced function or method call, or None for one that does nothing here:
-    dropout with training=False; the features a view(-1, K) promises, or None), or ValueError
-    naming the node."""
+def _function_layer(node, where):
+    """(The layer of a traced function or method call, None for one that does nothing here
+    (dropout with training=False), or (GlobalPool, Flatten) for a mean over H and W without
+    keepdim; the features a view(-1, K) promises, or None), or ValueError naming the user's line."""
     torch = import_torch()
     F = torch.nn.functional
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
     args, kwargs = list(node.args[1:]), dict(node.kwargs)
-    refuse = lambda why: ValueError(f"node {node.name} ({what}): {why}")     # noqa: E731
+    refuse = lambda why: ValueError(f"{where}: {why}")     # noqa: E731
     if node.op == "call_function" and node.target in (operator.mul, operator.truediv):
         constant = [a for a in node.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
         if len(constant) != 1:
@@ -382,6 +497,14 @@ def _function_layer(node, what):
         if constant[0] == 0 and node.target is operator.truediv:
             raise refuse("division by zero")
         return Scale(constant[0] if node.target is operator.mul else 1.0 / constant[0]), None
+    if (node.op == "call_method" and name == "mean") or (node.op == "call_function" and node.target is torch.mean):
+        return _mean_layer(args, kwargs, refuse), None
+    dims = _squeeze_dims(node)
+    if dims is not None:
+        if dims == () or sorted(d % 4 for d in dims) in ([2], [3], [2, 3]):
+            return Flatten(), None
+        raise refuse(f"squeezes dim {dims if len(dims) != 1 else dims[0]}; expected the spatial ones of an N x C x 1 "
+                     f"x 1 tensor (x.squeeze(), x.squeeze((2, 3)), x.squeeze(-1).squeeze(-1)), or {_FLATTEN_FORMS}")
     if node.op == "call_method":
         if name in ("flatten",):
             start = args[0] if args else kwargs.get("start_dim", 0)
@@ -390,27 +513,28 @@ def _function_layer(node, what):
             return Flatten(), None
         if name in ("view", "reshape"):
             shape = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list)) else args
-            if len(shape) == 2 and shape[1] == -1 and (isinstance(shape[0], int) or _is_size(shape[0])):
+            if len(shape) == 2 and shape[1] == -1 and _is_batch_size(shape[0]):
                 return Flatten(), None
             if len(shape) == 2 and shape[0] == -1 and isinstance(shape[1], int):
                 return Flatten(), shape[1]
-            raise refuse(f"a view to {tuple(getattr(a, 'name', a) for a in shape)}; expected (x.size(0), -1) or "
-                         f"(-1, features): flattening before the head")
-        if name in _FUNCTION_ACTIVATIONS and not args and not kwargs:
-            return (ReLU() if name.startswith("relu") else Activation(_FUNCTION_ACTIVATIONS[name])), None
-        raise refuse(f"not supported; supported methods: .relu() .sigmoid() .tanh() .flatten(1) .view(n, -1); "
-                     f"{SUPPORTED}")
+            raise refuse(f"a {name} to a shape other than (batch, -1) or (-1, features); expected one of "
+                         f"{_FLATTEN_FORMS}: flattening before the head")
+        if name in _FUNCTION_ACTIVATIONS and hasattr(torch.Tensor, name) and not args and not kwargs:
+            kind = _FUNCTION_ACTIVATIONS[name]
+            return (ReLU() if kind == "relu" else Activation(kind)), None
+        raise refuse(f"not supported; supported: {SUPPORTED}")
     from torch.fx.operator_schemas import normalize_function
     found = normalize_function(node.target, tuple(node.args), node.kwargs, normalize_to_only_use_kwargs=True)
     kw = dict(found.kwargs) if found else {}
     kw.pop("input", None)
     kw.pop("inplace", None)
     if name in _FUNCTION_ACTIVATIONS:
-        if name.startswith("relu"):
+        kind = _FUNCTION_ACTIVATIONS[name]
+        if kind == "relu":
             return ReLU(), None
         params = {"gelu": ("approximate",), "leaky_relu": ("negative_slope",), "elu": ("alpha",),
-                  "celu": ("alpha",)}.get(name, ())
-        return Activation(_FUNCTION_ACTIVATIONS[name], **{k: kw[k] for k in params if k in kw}), None
+                  "celu": ("alpha",), "hardtanh": ("min_val", "max_val")}.get(kind, ())
+        return Activation(kind, **{k: kw[k] for k in params if k in kw}), None
     if node.target in (F.max_pool2d, F.avg_pool2d):
         mode = "max" if node.target is F.max_pool2d else "avg"
         if kw.get("ceil_mode"):
@@ -432,9 +556,24 @@ def _function_layer(node, what):
         if not kw.get("training", True):
             return None, None
         return (Dropout if node.target is F.dropout else Dropout2d)(kw.get("p", 0.5)), None
-    raise refuse(f"not supported; supported functions: F.relu and the other activations, F.max_pool2d, "
-                 f"F.avg_pool2d, F.adaptive_avg/max_pool2d(x, 1), F.dropout, F.dropout2d, torch.flatten(x, 1), "
-                 f"x * c, x / c; {SUPPORTED}")
+    raise refuse(f"not supported; supported: {SUPPORTED}")
+
+
+def _mean_layer(args, kwargs, refuse):
+    """x.mean((2, 3)) / torch.mean(x, dim=(-2, -1), keepdim=...): a global average pool, and a
+    flatten after it without keepdim ((GlobalPool, Flatten))."""
+    dim = args[0] if args else kwargs.get("dim")
+    keepdim = args[1] if len(args) > 1 else kwargs.get("keepdim", False)
+    dims = tuple(dim) if isinstance(dim, (tuple, list)) else (dim,)
+    if not all(isinstance(d, int) and not isinstance(d, bool) for d in dims) or sorted(d % 4 for d in dims) != [2, 3] \
+            or len(dims) != 2:
+        raise refuse(f"a mean over dim {dim!r}; expected the mean over height and width of an N x C x H x W tensor: "
+                     f"x.mean((2, 3)) or x.mean(dim=(-2, -1)), with or without keepdim (a global average pool)")
+    if kwargs.get("dtype") is not None or len(args) > 2:
+        raise refuse("a mean with a dtype; expected x.mean((2, 3)) in the tensor's own dtype")
+    if not isinstance(keepdim, bool):
+        raise refuse(f"keepdim {keepdim!r}; expected True or False")
+    return GlobalPool("avg") if keepdim else (GlobalPool("avg"), Flatten())
 
 
 def state_dict(spec, conv_params, fc_params):
@@ -609,6 +748,8 @@ def _channel_module(nn, layer, channels):
         return nn.GELU(approximate=layer.approximate)
     if kind == "leaky_relu":
         return nn.LeakyReLU(layer.negative_slope)
+    if kind == "hardtanh":
+        return nn.Hardtanh(layer.min_val, layer.max_val)
     if kind in ("elu", "celu"):
         return (nn.ELU if kind == "elu" else nn.CELU)(layer.alpha)
     return getattr(nn, {v: k for k, v in _PLAIN_ACTIVATIONS.items()}[kind])()
@@ -657,6 +798,46 @@ def _check_params(part, params, shapes, optional_bias=False):
             raise ValueError(f"{part} params {i}: bias shape {given} != {b_shape}")
 
 
+# ---- modules given as objects (hetconv.train(net=module)) --------------------------------------------
+
+_GIVEN = {}          # "module:NAME#N" -> the nn.Module, while the run that was given it prepares
+
+
+def given_module_name(module):
+    """A --net text that stands for `module` in this process (until forget_given_module): what
+    hetconv.train(net=module) puts in the run's config, as --net FILE.py:FUNCTION would be."""
+    name = f"module:{type(module).__name__}#{len(_GIVEN) + 1}"
+    while name in _GIVEN:
+        name += "+"
+    _GIVEN[name] = module
+    return name
+
+
+def forget_given_module(name):
+    _GIVEN.pop(name, None)
+
+
+def given_module(text):
+    """The nn.Module a given_module_name stands for; ValueError for a module:... text this
+    process was not given (a config saved by another run)."""
+    if text not in _GIVEN:
+        raise ValueError(f"--net {text}: an nn.Module that hetconv.train(net=...) was given in another process; give "
+                         f"the module again, or a path.py:function that builds it")
+    return _GIVEN[text]
+
+
+def _user_frame(error, path):
+    """' at FILE:LINE: `source`' for the innermost frame of `error`'s traceback in the file at
+    `path` (or the line a SyntaxError names), '' if none."""
+    if isinstance(error, SyntaxError) and error.filename and os.path.abspath(error.filename) == os.path.abspath(path):
+        return f" at {path}:{error.lineno}" + (f": `{error.text.strip()}`" if error.text else "")
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if os.path.abspath(f.filename) == os.path.abspath(path)]
+    if not frames:
+        return ""
+    return f" at {path}:{frames[-1].lineno}" + (f": `{frames[-1].line}`" if frames[-1].line else "")
+
+
 def load_module(text):
     """The nn.Module that `path.py:function` builds: the file is imported by path and the
     function called with no arguments. This runs the file's code, as `python path.py` would."""
@@ -674,14 +855,16 @@ def load_module(text):
         spec.loader.exec_module(user)
     except Exception as e:
         sys.modules.pop(name, None)
-        raise ValueError(f"--net {text}: importing {path} raised {type(e).__name__}: {e}") from e
+        raise ValueError(f"--net {text}: importing {path} raised {type(e).__name__}: {e}{_user_frame(e, path)} "
+                         f"(--verbose shows the traceback)") from e
     build = getattr(user, func_name, None)
     if not callable(build):
         raise ValueError(f"--net {text}: {path} defines no function {func_name!r}")
     try:
         module = build()
     except Exception as e:
-        raise ValueError(f"--net {text}: {func_name}() raised {type(e).__name__}: {e}") from e
+        raise ValueError(f"--net {text}: {func_name}() raised {type(e).__name__}: {e}{_user_frame(e, path)} "
+                         f"(--verbose shows the traceback)") from e
     if not isinstance(module, nn.Module):
         raise ValueError(f"--net {text}: {func_name}() returned {type(module).__name__}, expected an "
                          f"nn.Module")

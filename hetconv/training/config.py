@@ -15,7 +15,7 @@ from hetconv.net import LoadedNet, NetSpec, load_net
 from hetconv.training.recipe import parse_betas, parse_milestones
 from hetconv.training.schedule import KINDS
 from hetconv.transport.wire import check_wire_dtype
-from hetconv.update import OPTIMIZERS, parse_no_decay
+from hetconv.update import ADAM_FAMILY, OPTIMIZER_NAMES, OPTIMIZERS, parse_no_decay
 
 # the fields that fix the network's shape: a checkpoint resumes only into the same ones
 NETWORK_FIELDS = ("net", "conv", "fc", "ksize", "padding", "crop", "image_size")
@@ -65,12 +65,13 @@ class Config:
     steps: int = option(0, "stop after this many steps in total (0: run all epochs)")
     batch_size: int = option(128, "images per step")
     lr: float = option(0.01, "learning rate (a schedule's peak)")
-    optimizer: str = option("sgd", "'sgd' (torch.optim.SGD) or 'adamw' (torch.optim.AdamW)")
+    optimizer: str = option("sgd", "'sgd' (torch.optim.SGD), 'adamw' (torch.optim.AdamW) or 'adam' (torch.optim.Adam)")
     momentum: float = option(0.9, "SGD momentum")
     nesterov: bool = option(False, "SGD with Nesterov momentum")
-    betas: str = option("0.9,0.999", "AdamW's beta1,beta2")
-    eps: float = option(1e-8, "AdamW's eps")
-    weight_decay: float = option(5e-4, "weight decay: coupled (L2 in the gradient) for sgd, decoupled for adamw")
+    betas: str = option("0.9,0.999", "Adam(W)'s beta1,beta2")
+    eps: float = option(1e-8, "Adam(W)'s eps")
+    weight_decay: float = option(5e-4, "weight decay: coupled (L2 in the gradient) for sgd and adam, decoupled for "
+                                       "adamw")
     no_decay: str = option("bias", "parameter groups without weight decay: a comma list of bias (every bias, "
                                    "BatchNorm's too) and norm (normalisation weights); '' to decay everything")
     schedule: str = option("constant", "the learning rate over the run's steps, as PyTorch's scheduler of that name: "
@@ -282,8 +283,8 @@ class Config:
                                  ("--clip-grad-norm", self.clip_grad_norm, 0.0), ("--warmup-steps", self.warmup_steps, 0)):
             if value < low:
                 raise ValueError(f"{flag} must be >= {low:g}, got {value}")
-        if self.eps == 0 and self.optimizer == "adamw":
-            raise ValueError("--eps must be > 0 with --optimizer adamw (it keeps the update finite)")
+        if self.eps == 0 and self.optimizer in ADAM_FAMILY:
+            raise ValueError(f"--eps must be > 0 with --optimizer {self.optimizer} (it keeps the update finite)")
         if self.min_lr and self.schedule != "cosine":
             raise ValueError(f"--min-lr {self.min_lr:g} applies to --schedule cosine, not {self.schedule}")
         if self.min_lr > self.lr:
@@ -304,11 +305,11 @@ class Config:
                 shown = f"{value:g}" if isinstance(value, float) else repr(value) if value == "" else value
                 raise ValueError(f"--{name.replace('_', '-')} {shown} {why}")
         if self.optimizer == "sgd":
-            refuse("betas", "applies to --optimizer adamw, not sgd")
-            refuse("eps", "applies to --optimizer adamw, not sgd")
+            refuse("betas", "applies to --optimizer adamw or adam, not sgd")
+            refuse("eps", "applies to --optimizer adamw or adam, not sgd")
         else:
-            refuse("momentum", f"applies to --optimizer sgd, not {self.optimizer} (AdamW's momentum is the "
-                               f"beta1 of --betas)")
+            refuse("momentum", f"applies to --optimizer sgd, not {self.optimizer} ({OPTIMIZER_NAMES[self.optimizer]}'s "
+                               f"momentum is the beta1 of --betas)")
         if self.schedule == "onecycle":
             refuse("momentum", "has no effect with --schedule onecycle: it cycles the momentum from 0.95 to 0.85 "
                                "and back (drop --momentum, or use another --schedule)")
@@ -322,9 +323,9 @@ class Config:
             refuse("bn_ghost_batch", f"is the whole --batch-size {self.batch_size}: one statistics group, as 0 "
                                      f"(the default) makes; give fewer images per group")
         notes = []
-        if self.schedule == "onecycle" and self.optimizer == "adamw" and "betas" in given:
-            notes.append(f"note: --schedule onecycle cycles AdamW's beta1 from 0.95 to 0.85 and back: --betas "
-                         f"{self.betas} sets only its beta2, {parse_betas(self.betas)[1]:g}")
+        if self.schedule == "onecycle" and self.optimizer in ADAM_FAMILY and "betas" in given:
+            notes.append(f"note: --schedule onecycle cycles {OPTIMIZER_NAMES[self.optimizer]}'s beta1 from 0.95 to "
+                         f"0.85 and back: --betas {self.betas} sets only its beta2, {parse_betas(self.betas)[1]:g}")
         return notes
 
     def check_same_network(self, saved):

@@ -28,6 +28,7 @@ from hetconv.training.elastic import Elastic
 from hetconv.training.membership import Finished, Stopped, WorkersJoined, WorkersLost
 from hetconv.training.metrics import MetricsWriter, last_plan_record
 from hetconv.training.recipe import Recipe
+from hetconv.update import ADAM_FAMILY
 
 MAX_REBALANCES = 3
 
@@ -222,7 +223,7 @@ def _resumed_rate_notes(meta, cfg, ds):
         rate.append(f"the learning rate goes from {a}{ended} to {b}")
     if momentum_moved:
         a, b = _two_numbers(then.momentum, now.momentum)
-        rate.append(f"{'beta1' if cfg.optimizer == 'adamw' else 'the momentum'} from {a} to {b}")
+        rate.append(f"{'beta1' if cfg.optimizer in ADAM_FAMILY else 'the momentum'} from {a} to {b}")
     return length, f"where it resumes (step {step}), " + " and ".join(rate)
 
 

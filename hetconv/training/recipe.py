@@ -2,7 +2,7 @@
 config, the learning rate (and, for one-cycle, the momentum) of every step from the schedule, and
 global-norm clipping, turned into the one UpdateRule each step sends to every holder of a weight.
 A pure function of the step, so a resumed or replaying run continues exactly where it was."""
-from hetconv.update import UpdateRule, parse_no_decay
+from hetconv.update import ADAM_FAMILY, UpdateRule, parse_no_decay
 from hetconv.training.schedule import Schedule
 
 
@@ -55,7 +55,7 @@ class Recipe:
         self.cfg = cfg
         self.betas = parse_betas(cfg.betas)
         self.no_decay = parse_no_decay(cfg.no_decay)
-        base_momentum = self.betas[0] if cfg.optimizer == "adamw" else cfg.momentum
+        base_momentum = self.betas[0] if cfg.optimizer in ADAM_FAMILY else cfg.momentum
         self.schedule = Schedule(cfg.schedule, cfg.lr, total_steps, warmup_steps=cfg.warmup_steps,
                                  milestones=parse_milestones(cfg.milestones), gamma=cfg.gamma, min_lr=cfg.min_lr)
         self.base_momentum = base_momentum
