@@ -28,6 +28,7 @@ from hetconv.cli import coordinator
 from hetconv.cli import evaluate as eval_command
 from hetconv.cli import export as export_command
 from hetconv.data import load_dataset as read_dataset
+from hetconv.net.torch_import import forget_given_module, given_module_name
 from hetconv.training import trained_model
 from hetconv.training.trained_model import InProcessModel, ModelError, tta_logits
 
@@ -159,7 +160,6 @@ def train(*, workers=None, **flags):
         return _train(flags)
     finally:
         if given:
-            from hetconv.net.torch_import import forget_given_module
             forget_given_module(given)
 
 
@@ -173,7 +173,6 @@ def _given_module(flags):
     if torch is None or not isinstance(net, torch.nn.Module):
         raise FlagError(f"net= takes a preset name, a .json file, 'path.py:function' or a PyTorch nn.Module; "
                         f"got {type(net).__name__} {net!r:.100}")
-    from hetconv.net.torch_import import given_module_name
     flags["net"] = given_module_name(net)
     return flags["net"]
 

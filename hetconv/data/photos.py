@@ -23,9 +23,11 @@ in the epoch), so a batch is the same whichever process decodes it and whenever.
 from __future__ import annotations
 
 import math
+import multiprocessing
 import os
 import stat
 import warnings
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -193,8 +195,6 @@ def scan_headers(paths) -> list:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if len(paths) < PARALLEL_SCAN or cores < 2:
         return _scan(paths)
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
     chunks = [paths[i:i + SCAN_CHUNK] for i in range(0, len(paths), SCAN_CHUNK)]
     with ProcessPoolExecutor(max_workers=min(cores, 16), mp_context=multiprocessing.get_context("spawn")) as pool:
         return [row for rows in pool.map(_scan, chunks) for row in rows]
