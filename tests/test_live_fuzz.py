@@ -45,7 +45,12 @@ def run(procs, tmp_path, name, fuzz_seed=None):
     sent, threads = {}, []
     # until the run has written `done` (its sockets then close: a fuzzer connecting while libzmq
     # tears them down tests libzmq's shutdown, not this run)
-    ended = lambda: coord.poll() is not None or '"event": "done"' in (metrics.read_text() if metrics.exists() else "")  # noqa: E731
+    def ended():
+        try:
+            written = metrics.read_text()
+        except FileNotFoundError:     # not yet, or the coordinator's check that it can write there removed it
+            written = ""
+        return coord.poll() is not None or '"event": "done"' in written
 
     def fuzz(target, endpoint, seed):
         sent[target] = _fuzz.fuzz(target, endpoint, LIMIT, ["w0-cpu", "w1-cpu"], seed=seed, count=4000,
