@@ -366,7 +366,8 @@ class _Softmin(nn.Module):
                      "constant to a tensor"),
     (_CatHeight(), "torch.cat(...) in `return self.fc(torch.flatten(torch.cat([self.a(x), self.b(x)], dim=2), 1))` at "
                    "{file}:{line}: concatenates along dim 2; expected dim=1"),
-    (_NormAfterSum(), "module bn (BatchNorm2d): reads add, which is not a conv block's output"),
+    (_NormAfterSum(), "module bn (BatchNorm2d) in `return self.fc(torch.flatten(self.bn(self.conv(x) + x), 1))` at "
+                      "{file}:{line}: reads add, which is not a conv block's output"),
     (_SumOfShapes(), "x + y in `return self.fc(torch.flatten(self.conv(x) + x, 1))` at {file}:{line}: adds inputs of "
                      "different shapes: conv 2x16x16, input 3x16x16"),
     (_Shared(), "self.conv(...) (Conv2d) in `return self.fc(torch.flatten(self.conv(self.conv(x)), 1))` at "
