@@ -366,7 +366,8 @@ class _Softmin(nn.Module):
                      "constant to a tensor"),
     (_CatHeight(), "torch.cat(...) in `return self.fc(torch.flatten(torch.cat([self.a(x), self.b(x)], dim=2), 1))` at "
                    "{file}:{line}: concatenates along dim 2; expected dim=1"),
-    (_NormAfterSum(), "module bn (BatchNorm2d): reads add, which is not a conv block's output"),
+    (_NormAfterSum(), "module bn (BatchNorm2d) in `return self.fc(torch.flatten(self.bn(self.conv(x) + x), 1))` at "
+                      "{file}:{line}: reads add, which is not a conv block's output"),
     (_SumOfShapes(), "x + y in `return self.fc(torch.flatten(self.conv(x) + x, 1))` at {file}:{line}: adds inputs of "
                      "different shapes: conv 2x16x16, input 3x16x16"),
     (_Shared(), "self.conv(...) (Conv2d) in `return self.fc(torch.flatten(self.conv(self.conv(x)), 1))` at "
@@ -517,3 +518,91 @@ def test_a_module_with_the_hard_activations_and_a_mean_pool_trains_as_torch_sgd_
     ours = state_dict(spec, conv, [(layer["w"], layer["b"]) for layer in fc])
     for key, want in state.items():
         np.testing.assert_allclose(ours[key], want, rtol=1e-4, atol=1e-5, err_msg=key)
+
+
+# MobileNetV2's inverted residual as torchvision writes it (module names included), small: a 1x1
+# expansion, a depthwise 3x3 and a 1x1 projection, each with a BatchNorm, ReLU6 after the first
+# two, and `x + self.conv(x)` with no activation after the sum; F.adaptive_avg_pool2d(x, (1, 1)),
+# then Dropout before the Linear.
+INVERTED = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class InvertedResidual(nn.Module):          # torchvision's MobileNetV2 block: expand, depthwise, project
+    def __init__(self, cin, cout, stride, expand):
+        super().__init__()
+        hidden = cin * expand
+        self.use_res_connect = stride == 1 and cin == cout
+        self.conv = nn.Sequential(
+            nn.Sequential(nn.Conv2d(cin, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6(inplace=True)),
+            nn.Sequential(nn.Conv2d(hidden, hidden, 3, stride, 1, groups=hidden, bias=False), nn.BatchNorm2d(hidden),
+                          nn.ReLU6(inplace=True)),
+            nn.Conv2d(hidden, cout, 1, bias=False),
+            nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        if self.use_res_connect:
+            return x + self.conv(x)          # no activation after the sum
+        return self.conv(x)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU6(inplace=True)),
+            InvertedResidual(4, 4, 1, 2),
+            InvertedResidual(4, 6, 2, 2),
+            InvertedResidual(6, 6, 1, 2),
+            nn.Sequential(nn.Conv2d(6, 12, 1, bias=False), nn.BatchNorm2d(12), nn.ReLU6(inplace=True)))
+        self.classifier = nn.Sequential(nn.Dropout(0.0), nn.Linear(12, 10))
+
+    def forward(self, x):
+        x = self.features(x)
+        x = F.adaptive_avg_pool2d(x, (1, 1))
+        return self.classifier(torch.flatten(x, 1))
+
+
+def build():
+    torch.manual_seed(6)
+    net = Net()
+    for m in net.modules():
+        if isinstance(m, nn.BatchNorm2d):            # away from 1 and 0, so a wrong gradient shows
+            nn.init.uniform_(m.weight, 0.5, 1.5)
+            nn.init.uniform_(m.bias, -0.5, 0.5)
+    return net
+"""
+
+
+def test_an_inverted_residual_module_trains_as_torch_sgd_does_and_on_two_shards(tmp_path):
+    """--local against PyTorch, then two in-process shards on a fixed plan, every block's kernels
+    split unevenly (the depthwise convs' anywhere): the same losses and state as --local. (Data
+    blocks need the peer exchange between worker processes: tests/test_graph_training.py.)"""
+    from _module_runs import assert_equal_runs, local_module_run, quiet, torch_run
+    from hetconv.devices import open_device
+    from hetconv.engine.local import LocalEngine
+    from hetconv.engine.planner import fixed_plan
+    from hetconv.engine.shard import ConvShard
+    from hetconv.net.torch_import import state_dict
+    from hetconv.training import checkpoint
+    from hetconv.training.config import Config
+    from hetconv.training.loop import train
+    cfg, losses, local = local_module_run(tmp_path, INVERTED)
+    spec = load_net(cfg.net, (3, 16, 16), 10).spec
+    assert [layer.type for layer in spec.layers].count("add") == 2
+    assert [c.groups for c in spec.layers if c.type == "conv"] == [1, 1, 8, 1, 1, 8, 1, 1, 12, 1, 1]
+    torch_losses, state = torch_run(cfg)
+    np.testing.assert_allclose(losses, torch_losses, rtol=1e-4)
+    _, conv, fc = local
+    ours = state_dict(spec, conv, [(layer["w"], layer["b"]) for layer in fc])
+    assert sorted(ours) == sorted(state)
+    for key, want in state.items():
+        np.testing.assert_allclose(ours[key], want, rtol=1e-4, atol=1e-5, err_msg=key)
+    kernels = [c.kernels for c in spec.conv_layers()]
+    engine = LocalEngine({w: ConvShard(open_device("cpu", threads=1)) for w in ("s0", "s1")})
+    engine.fixed_plan = fixed_plan(kernels, {"s0": [k // 3 for k in kernels], "s1": [k - k // 3 for k in kernels]})
+    split = train(Config(**{**cfg.to_json(), "checkpoint_dir": str(tmp_path / "split")}), engine, log=quiet)["losses"]
+    np.testing.assert_allclose(split, losses, rtol=1e-5)
+    assert_equal_runs(checkpoint.load(str(tmp_path / "split")), local)

@@ -776,7 +776,9 @@ class NetSpec:
                 raise LayerError(i, layer, f"reads {self._name(self.inputs[i][0])}, which is not a conv block's "
                                            f"output: a {layer.type} runs where its channels are, in the block of the "
                                            f"conv before it (conv, then per-channel layers, each the only reader of "
-                                           f"the one before)")
+                                           f"the one before); a sum or concatenation may be followed by activations and pools "
+                                           f"(the coordinator runs them), not by a {layer.type}: pre-activation blocks "
+                                           f"(a BatchNorm on a residual sum) are not supported yet")
         return blocks
 
     def graph_steps(self):

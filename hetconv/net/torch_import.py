@@ -171,9 +171,9 @@ def from_torch(module, input_shape):
     if _is_plain_sequential(module):
         flat = _flat_modules(module)
         steps = [(f"module {path} ({type(m).__name__})", m, None, None, None) for path, m in flat]
-        features, squeezes = {}, {}
+        features, squeezes, lines = {}, {}, {}
     else:
-        steps, features, squeezes = _traced_steps(module)
+        steps, features, squeezes, lines = _traced_steps(module)
     layers, conv_params, fc_params = [], [], []
     for label, m, layer, _, _ in steps:
         if layer is None:
@@ -196,7 +196,8 @@ def from_torch(module, input_shape):
     try:
         spec = NetSpec(input_shape, last.out_features, tuple(layers), inputs, names)
     except LayerError as e:
-        raise ValueError(f"{steps[e.index][0]}: {e.problem}") from None
+        line = lines.get(e.index, "")
+        raise ValueError(f"{steps[e.index][0]}{' ' + line if line else ''}: {e.problem}") from None
     for index, label in squeezes.items():                   # a squeeze flattens only what a global pool left
         source = spec.inputs[index][0]
         shape = spec.input_shape if source < 0 else spec.output_shapes()[source]
@@ -246,7 +247,8 @@ def _traced_steps(module):
     name. A function's label is the user's own line (fx records it), never fx's node names. An
     nn.Identity, dropout with training=False, and a flatten of what is flat already pass their
     input on; x.mean((2, 3)) is a global average pool (and a flatten without keepdim). A view(-1,
-    K) must flatten to K features (the second dict); a squeeze must find C x 1 x 1 (the third)."""
+    K) must flatten to K features (the second dict); a squeeze must find C x 1 x 1 (the third); the
+    fourth gives a module call's line in the user's forward ("in `...` at file:n"), for refusals."""
     torch = import_torch()
     own = merge_module_classes() + (scale_module_class(),)
 
@@ -261,7 +263,7 @@ def _traced_steps(module):
         raise ValueError(f"expected an nn.Sequential, or a module whose forward torch.fx can trace; "
                          f"{type(module).__name__} does not trace ({type(e).__name__}: {str(e)[:200]})") from None
     named = dict(traced.named_modules())
-    steps, features, squeezes, index, alias, called = [], {}, {}, {}, {}, set()
+    steps, features, squeezes, index, alias, called, lines = [], {}, {}, {}, {}, set(), {}
     flat = set()                # steps whose output is (N, features) already
     half_squeezed = {}          # a squeeze of one spatial dim (N x C x 1 left) -> its label: the other must follow
 
@@ -327,6 +329,8 @@ def _traced_steps(module):
             name = node.target if node.target not in called else node.name
             called.add(node.target)
             add_step(f"module {node.target} ({type(m).__name__})", m, None, name, inputs)
+            if " in `" in where:
+                lines[len(steps) - 1] = where[where.index(" in `") + 1:]          # "in `line` at file:n"
         else:
             layer, width = _function_layer(node, where)
             if isinstance(layer, Flatten) and inputs[0] in flat:      # flat already: nothing to do
@@ -357,7 +361,7 @@ def _traced_steps(module):
             unique, n = f"{name}_{n}", n + 1
         used.add(unique)
         steps[k] = (label, m, layer, unique, inputs)
-    return steps, features, squeezes
+    return steps, features, squeezes, lines
 
 
 def _where(node, named):

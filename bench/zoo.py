@@ -1,0 +1,186 @@
+"""torchvision's own networks through hetconv, trained as PyTorch trains them: a user file builds
+`torchvision.models.mobilenet_v2(num_classes=10, width_mult=0.25)` with a CIFAR stem (its first
+conv 3x3 stride 1), hetconv imports it by tracing, trains it `--local` (one shard, one thread)
+for a few steps of synthetic 32x32 images, and PyTorch trains the same module on the same batches
+with torch.optim.SGD, in float64 (the exact answer) and in float32; the losses and every
+state_dict entry are compared with the float64 run.
+
+Why float64: in this deep, narrow network PyTorch's own float32 step is not the reference to
+1e-4. Its first step's gradients differ from its float64 step's by ~2e-2 (relative norm) from the
+last block down (torchvision's mobilenet_v2 at width 0.25, batch 16), where hetconv's differ by
+~1e-5: a ReLU6 input within float32 rounding of a kink falls on the other side in one
+implementation, and that element's gradient is not rounding. Over several steps any float32 run
+(PyTorch's or hetconv's) then leaves the float64 one. So the check is one step's gradients (a
+step of SGD at lr 1 without momentum: the weights move by the gradient), each parameter's against
+PyTorch float64's to 1e-4 of its norm, or of a hundredth of the network's largest gradient norm
+where its own is smaller: a gradient that is a nearly cancelling sum (the scale of a BatchNorm
+after a 1x1 expansion: ~1e-4 of its neighbours' norms) or zero (a BatchNorm bias whose every
+reader is a conv then a BatchNorm) keeps the rounding of its terms, not of its value. The losses
+of a few steps are shown beside, PyTorch float32's too.
+
+    python bench/zoo.py --out bench/results/zoo
+    python bench/zoo.py --torchvision-path /tmp/tv   # an unpacked torchvision wheel
+
+The classifier's Dropout(0.2) is set to p=0 in the user file: hetconv and PyTorch draw their
+dropout masks from different generators, so with p>0 the two runs see different networks.
+
+torchvision is not a dependency of hetconv; see bench/torchvision_resnet.py for
+`--torchvision-path` and a wheel built for another torch.
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import _common  # noqa: E402
+
+USER_FILE = '''import sys
+import types
+# torchvision's compiled ops are not needed by these networks; a wheel for another torch build fails to register them
+sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))
+import torch
+from torch import nn
+from torchvision.models import mobilenet_v2
+
+
+def build():
+    torch.manual_seed(0)
+    model = mobilenet_v2(num_classes=10, width_mult={width})
+    stem = model.features[0][0]
+    model.features[0][0] = nn.Conv2d(3, stem.out_channels, 3, stride=1, padding=1, bias=False)   # CIFAR stem
+    model.classifier[0].p = 0.0             # hetconv's dropout masks are not PyTorch's
+    return model
+'''
+
+
+def torch_steps(cfg, module, steps, dtype):
+    """The batches hetconv's loop draws for cfg, through `module` in `dtype` with torch.optim.SGD:
+    the losses and the final state_dict (as float32)."""
+    import numpy as np
+    import torch
+    from hetconv.data import batches, load_dataset
+    module = module.to(dtype)
+    opt = torch.optim.SGD(module.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=0.0)
+    ds = load_dataset("synthetic", seed=cfg.seed, n_train=cfg.synthetic_train, n_test=cfg.synthetic_test)
+    losses = []
+    for step, (x, y) in enumerate(batches(ds, cfg.batch_size, np.random.default_rng([cfg.seed, 0]))):
+        if step == steps:
+            break
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(module(torch.from_numpy(x).to(dtype)), torch.from_numpy(y))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().numpy() for k, v in module.state_dict().items()}
+
+
+def gradient_errors(ours, start, state, floor=1e-2):
+    """{parameter: |our gradient - float64's| / max(|float64's|, floor * the largest of them)}
+    from one SGD step at lr 1 without momentum (the gradient is start - after)."""
+    import numpy as np
+    g64 = {k: w0.astype(np.float64) - state[k] for k, w0 in start.items()}
+    least = floor * max(np.linalg.norm(g) for g in g64.values())
+    return {k: float(np.linalg.norm((w0.astype(np.float64) - ours[k]) - g64[k]) / max(np.linalg.norm(g64[k]), least))
+            for k, w0 in start.items()}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.path.join(HERE, "results", "zoo"))
+    p.add_argument("--name", default="mobilenet_v2")
+    p.add_argument("--torchvision-path", default="", help="a folder holding an unpacked torchvision wheel")
+    p.add_argument("--width", type=float, default=0.25)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=0.01)
+    args = p.parse_args(argv)
+    if args.torchvision_path:
+        sys.path.insert(0, args.torchvision_path)
+    import numpy as np
+    from hetconv.devices import open_device
+    from hetconv.engine.local import LocalEngine
+    from hetconv.engine.shard import ConvShard
+    from hetconv.net import load_net
+    from hetconv.net.torch_import import load_module, state_dict
+    from hetconv.training import checkpoint
+    from hetconv.training.config import Config
+    from hetconv.training.loop import train
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        user = os.path.join(tmp, "mynet.py")
+        with open(user, "w") as f:
+            f.write(USER_FILE.format(width=args.width))
+        target = f"{user}:build"
+        cfg = Config(net=target, batch_size=args.batch_size, synthetic_train=10 * args.batch_size,
+                     synthetic_test=2 * args.batch_size, steps=args.steps, lr=args.lr, momentum=0.9,
+                     weight_decay=0.0, threads=1, rebalance_after=0, eval_batches=1,
+                     checkpoint_dir=os.path.join(tmp, "ck")).validate()
+        spec = load_net(target, (3, 32, 32), 10).spec
+
+        def ours(run):
+            summary = train(run, LocalEngine({"local": ConvShard(open_device("cpu", threads=1))}), log=lambda *_: None)
+            _, conv, fc = checkpoint.load(run.checkpoint_dir)
+            return summary["losses"], state_dict(spec, conv, [(layer["w"], layer["b"]) for layer in fc])
+        import torch
+        one = Config(**{**cfg.to_json(), "steps": 1, "lr": 1.0, "momentum": 0.0,
+                        "checkpoint_dir": os.path.join(tmp, "one")}).validate()
+        start = {k: v.detach().numpy() for k, v in load_module(target).named_parameters()}
+        _, after = ours(one)
+        _, after64 = torch_steps(one, load_module(target), 1, torch.float64)
+        _, after32 = torch_steps(one, load_module(target), 1, torch.float32)
+        grads, grads32 = gradient_errors(after, start, after64), gradient_errors(after32, start, after64)
+        t1 = time.time()
+        mine_losses, mine = ours(cfg)
+        hetconv_s = time.time() - t1
+        t1 = time.time()
+        single, _ = torch_steps(cfg, load_module(target), args.steps, torch.float32)
+        torch_s = time.time() - t1
+        theirs, state = torch_steps(cfg, load_module(target), args.steps, torch.float64)
+        ours = mine_losses
+    loss_rel = float(np.max(np.abs(np.array(ours) - theirs) / np.abs(theirs)))
+    single_rel = float(np.max(np.abs(np.array(single) - theirs) / np.abs(theirs)))
+    worst, worst32 = max((e, k) for k, e in grads.items()), max((e, k) for k, e in grads32.items())
+    types = {}
+    for layer in spec.layers:
+        types[layer.type] = types.get(layer.type, 0) + 1
+    result = {"machine": _common.cpu_model(), "network": f"torchvision mobilenet_v2(width_mult={args.width}), "
+              f"CIFAR stem", "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr,
+              "layers": types, "hetconv_losses": ours, "torch_float64_losses": theirs, "torch_float32_losses": single,
+              "loss_max_relative_difference": loss_rel, "torch_float32_loss_max_relative_difference": single_rel,
+              "gradient_worst_relative_error": worst[0], "gradient_worst_key": worst[1],
+              "gradients_match_1e-4": worst[0] <= 1e-4, "gradients_checked": len(grads),
+              "torch_float32_gradient_worst_relative_error": worst32[0], "torch_float32_gradient_worst_key": worst32[1],
+              "keys_are_torchvision_s": sorted(mine) == sorted(state),
+              "hetconv_train_s": hetconv_s, "torch_train_s": torch_s, "wall_s": time.time() - t0}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, args.name + ".json"), "w") as f:
+        json.dump(result, f, indent=1)
+    command = _common.recorded_command("zoo.py", sys.argv[1:] if argv is None else argv)
+    ok = result["gradients_match_1e-4"] and result["keys_are_torchvision_s"]
+    lines = [f"Machine: {result['machine']} (shared with other work). Command: `{command}` "
+             f"({result['wall_s']:.0f} s).", "",
+             f"{result['network']}: {len(spec.conv_layers())} conv blocks "
+             f"({', '.join(f'{n} {t}' for t, n in sorted(types.items()))}), traced from the module. "
+             f"{args.steps} SGD steps (lr {args.lr}, momentum 0.9) of {args.batch_size} synthetic 32x32 images, "
+             f"hetconv `--local` (float32) against PyTorch on the same batches:", "",
+             "| step | hetconv loss | PyTorch float64 | PyTorch float32 |", "|---|---|---|---|"] + \
+        [f"| {i} | {a:.6f} | {b:.6f} | {c:.6f} |" for i, (a, b, c) in enumerate(zip(ours, theirs, single))] + \
+        ["", f"- one step's gradients against PyTorch float64's, {len(grads)} parameters (each against its norm, at least "
+             f"1e-2 of the largest): hetconv's "
+             f"worst {worst[0]:.2e} of the norm ({worst[1]}; within 1e-4: {result['gradients_match_1e-4']}); "
+             f"PyTorch float32's worst {worst32[0]:.2e} ({worst32[1]})",
+         f"- losses against PyTorch float64: hetconv's largest relative difference {loss_rel:.2e}, PyTorch "
+         f"float32's {single_rel:.2e}",
+         f"- hetconv's state_dict keys are torchvision's: {result['keys_are_torchvision_s']}",
+         f"- training time: hetconv {hetconv_s:.1f} s, PyTorch float32 {torch_s:.1f} s (one thread each; not a benchmark)"]
+    _common.write_text(os.path.join(args.out, args.name + ".md"), "\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
