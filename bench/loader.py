@@ -145,7 +145,8 @@ def open_cases(args, T, torch):
     return ds, cases
 
 
-STAGES = ("open, header, box", "generator", "draft", "decode", "resize", "resize, reducing_gap 2", "to array, slot copy")
+STAGES = ("open, header, box", "generator", "draft", "decode", "resize", "resize, reducing_gap 2",
+          "to array, slot copy")
 
 
 def profile(ds, size, count):
@@ -205,8 +206,9 @@ def run(args):
     import json
     made = os.path.join(args.data, "made.json")
     doc = {**_common.run_facts("loader.py", sys.argv[1:], started, load_start),
-           "blas_note": BLAS_NOTE, "versions": [*_common.torch_info(torch)[:1], f"torchvision {torchvision.__version__}",
-                                                f"Pillow {__import__('PIL').__version__}"],
+           "blas_note": BLAS_NOTE,
+           "versions": [*_common.torch_info(torch)[:1], f"torchvision {torchvision.__version__}",
+                        f"Pillow {__import__('PIL').__version__}"],
            "data": {"train": len(ds.train_y), "classes": len(ds.classes),
                     "made": json.load(open(made)) if os.path.exists(made) else None},
            "image_size": args.image_size, "batch_size": args.batch_size, "workers": args.workers,

@@ -154,7 +154,8 @@ def main():
             doc["rows"].append(row)
             print(f"{root}: peak PSS {row['peak_pss_sum_mb']:.0f} MB, RSS {row['peak_rss_sum_mb']:.0f} MB, "
                   f"{row['wall_s']:.1f} s", flush=True)
-    peak = {root: statistics.median(r["peak_pss_sum_mb"] for r in doc["rows"] if r["root"] == root) for root in args.roots}
+    peak = {root: statistics.median(r["peak_pss_sum_mb"] for r in doc["rows"] if r["root"] == root)
+            for root in args.roots}
     ratio = max(peak.values()) / min(peak.values())
     doc["verdict"] = {"of": "median", "ratio": ratio, "max_gb": max(peak.values()) / 1024,
                       "met": ratio <= TARGET_RATIO and max(peak.values()) / 1024 < TARGET_GB}
