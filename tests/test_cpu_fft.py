@@ -494,3 +494,13 @@ def test_a_reused_fft_choice_keeps_the_fft_budget():
     choice = dev.conv_path_choices()[-1]
     assert choice["path"] == "im2col" and "fft declined: its kernel spectra need" in choice["why"]
     assert not any(e.holds(w) for e in dev._fft._entries)
+
+
+def test_a_large_map_is_declined_from_its_shape_without_building_its_transform():
+    """A 128x128 map's transform matrices grow with the square of its area (~10 GB in float64):
+    the path declines it from the shapes alone, and builds nothing."""
+    dev = open_device("cpu", threads=1)
+    why = dev._fft.declines((32, 3, 128, 128), (32, 3, 5, 5), (2, 2))
+    assert why.startswith("its transform matrices need 9") and "over the 256 MB a layer" in why, why
+    assert not dev._fft._geometries
+    assert dev._fft.declines((32, 3, 32, 32), (32, 3, 5, 5), (2, 2)) == ""

@@ -282,3 +282,24 @@ def test_hetconv_data_describes_a_photo_folder_and_times_its_loader(tmp_path, ca
     assert last.startswith("training loader: 2 batches of 4 in ") and last.endswith(" images/s")
     assert data.main([str(tmp_path / "pets"), "--bench"]) == 2
     assert "--bench on a folder of photos needs --image-size S" in capsys.readouterr().err
+
+
+def test_evaluation_of_a_photo_folder_through_loader_processes_equals_decoding_in_process(tmp_path):
+    """hetconv-eval takes a photo folder's test photos from loader processes (uint8, normalised with
+    the model's statistics, as in-process): the same loss, accuracy and confusion."""
+    from types import SimpleNamespace
+    from hetconv.data.base import normalize
+    from hetconv.data.loader import PhotoLoader
+    from hetconv.training.trained_model import evaluate
+    write_photos(tmp_path / "pets", per_class=(4, 3))
+    ds = load_dataset(tmp_path / "pets", image_size=12)
+    mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)                 # the model's, not the folder's
+    model = SimpleNamespace(classes=ds.classes, normalize=lambda x: normalize(x, mean, std), crop=lambda x: x)
+    w = np.random.default_rng(0).normal(size=(3 * 12 * 12, len(ds.classes))).astype(np.float32)
+    runner = SimpleNamespace(logits=lambda x: x.reshape(len(x), -1) @ w)
+    alone = evaluate(model, runner, ds.test_x, ds.test_y, 4)
+    with PhotoLoader(ds, 4, workers=1) as loader:
+        batches = list(loader.test_batches(raw=True))
+        assert all(x.dtype == np.uint8 for x, _ in batches) and len(batches) > 1
+        ours = evaluate(model, runner, ds.test_x, ds.test_y, 4, batches=iter(batches))
+    assert ours == alone and ours["images"] == len(ds.test_y)

@@ -1,4 +1,5 @@
-"""hetconv-eval: a checkpoint's network on a data set's test split, in this process.
+"""hetconv-eval: a checkpoint's network on a data set's test split, in this process (a photo
+folder's photos decoded in loader processes).
 
     hetconv-eval runs/a                        # the newest valid checkpoint, on the data the run used
     hetconv-eval runs/a --data cifar-10-batches-py --json
@@ -18,6 +19,8 @@ import sys
 
 from tqdm.auto import tqdm
 
+from hetconv.data.loader import PhotoLoader, auto_workers
+from hetconv.data.photos import FileImages
 from hetconv.flags import OneLineParser, add_version
 from hetconv.training.trained_model import TTA, InProcessModel, ModelError, evaluate, load_model, load_test_data
 
@@ -51,6 +54,8 @@ def build_parser():
     p.add_argument("--tta", choices=TTA, default="none",
                    help="test-time augmentation: 'flip' averages the logits of each image and of its left-right "
                         "mirror (twice the work)")
+    p.add_argument("--loader-workers", type=int, default=0,
+                   help="processes that decode a photo folder's photos (0: auto, a quarter of the usable cores)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return add_version(p)
 
@@ -61,14 +66,25 @@ def check_args(args):
         raise ModelError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.threads < 0:
         raise ModelError(f"--threads must be >= 0, got {args.threads}")
+    if args.loader_workers < 0:
+        raise ModelError(f"--loader-workers must be >= 0, got {args.loader_workers}")
 
 
 def evaluation(model, ds, args):
     """hetconv-eval's result (what --json prints) of `model` on the test split of `ds`, read with
-    load_test_data, per the flags `args`; a progress bar on stderr while it runs."""
+    load_test_data, per the flags `args`; a progress bar on stderr while it runs. A photo folder's
+    photos are decoded in loader processes, batches ahead of the forward pass, as a run's are."""
     runner = InProcessModel(model, threads=args.threads or None)
-    with tqdm(total=len(ds.test_y), unit="img", disable=None, file=sys.stderr, leave=False) as bar:
-        result = evaluate(model, runner, ds.test_x, ds.test_y, args.batch_size, bar, tta=args.tta)
+    loader = None
+    if isinstance(ds.test_x, FileImages):
+        loader = PhotoLoader(ds, args.batch_size, workers=getattr(args, "loader_workers", 0) or auto_workers())
+    try:
+        batches = loader.test_batches(raw=True) if loader is not None else None
+        with tqdm(total=len(ds.test_y), unit="img", disable=None, file=sys.stderr, leave=False) as bar:
+            result = evaluate(model, runner, ds.test_x, ds.test_y, args.batch_size, bar, tta=args.tta, batches=batches)
+    finally:
+        if loader is not None:
+            loader.close()
     return {"checkpoint": model.path, "step": model.step, "data": args.data or model.config.get("data")
             or model.data.get("name"), "tta": args.tta, **result}
 

@@ -199,9 +199,9 @@ class PhotoLoader:
             self._wait(tag)
             del self._busy[slot]
 
-    def _batches(self, jobs, epoch, labels_of):
+    def _batches(self, jobs, epoch, labels_of, raw=False):
         """Yield (x float32, y int64) of each job (paths, first position, labels), in order, with
-        up to `slots` jobs decoding ahead."""
+        up to `slots` jobs decoding ahead; `raw`: x as uint8, not normalised."""
         self._drain()
         free = list(range(self.slots))
         pending = []                                    # (tag, slot, labels) in job order
@@ -232,7 +232,8 @@ class PhotoLoader:
             for k, src in taken.items():
                 y[k] = labels[src]
             self.skipped += [(path, why) for _, path, why in failed]
-            x = self.ds.normalize(self.buffers[slot, :len(labels)])     # a copy: the slot is free again
+            x = self.buffers[slot, :len(labels)]
+            x = x.copy() if raw else self.ds.normalize(x)              # a copy: the slot is free again
             free.append(slot)
             fill()
             yield x, y
@@ -252,16 +253,16 @@ class PhotoLoader:
                 yield [self.files[j] for j in idx], i * b, train_y[idx]
         return self._batches(jobs(), epoch, train_y)
 
-    def test_batches(self, batch_size=None):
+    def test_batches(self, batch_size=None, raw=False):
         """Every evaluation photo once, in order, with evaluation's transform; the last batch may
-        be smaller."""
+        be smaller. `raw`: uint8 images, for a caller that normalises with a model's statistics."""
         b = min(batch_size or self.batch_size, self.batch_size)
         files, labels = self.ds.test_x.files, self.ds.test_y
 
         def jobs():
             for s in range(0, len(files), b):
                 yield files[s:s + b], s, labels[s:s + b]
-        return self._batches(jobs(), None, labels)
+        return self._batches(jobs(), None, labels, raw)
 
     def close(self, timeout=5.0):
         """Every loader process told to stop and joined (killed past `timeout`),

@@ -198,6 +198,26 @@ class _Block:
         self.dw_rows = dw_rows                               # (2fb, kh*kw)
 
 
+# A layer's transform matrices (FftGeometry) while built: 48 MB for a 32x32 map and a 5x5 kernel,
+# 680 MB at 64x64 and 10 GB at 128x128, as they grow with the square of the map's area; so does the
+# inverse transform's work per channel, which at 64x64 already exceeds a direct conv's.
+GEOMETRY_BUDGET_BYTES = 256 << 20
+
+
+def kept_count(p_size, q_size):
+    """len(kept_frequencies(p_size, q_size)), without listing them."""
+    def self_conjugate(n):                      # 0, and n/2 where n is even
+        return 2 if n % 2 == 0 else 1
+    return (p_size * q_size + self_conjugate(p_size) * self_conjugate(q_size)) // 2
+
+
+def geometry_bytes(f, ho, wo):
+    """Bytes an FftGeometry of `f` kept frequencies and an ho x wo output holds at its peak while
+    built: float64 planes over every frequency and output position, the six it keeps (grad_planes'
+    four, y_inverse's two) and the angles, cosines and sines they are made from."""
+    return 8 * (4 + 2 + 3) * f * ho * wo
+
+
 def spectra_bytes(geometry, k, c):
     """Bytes of a weight array's cached kernel spectra, with the copy of the weights they came from."""
     return 4 * k * c * (KERNEL_PLANES * geometry.f + geometry.kh * geometry.kw)
@@ -296,12 +316,20 @@ class FftConv:
         return self._geometries[key]
 
     def declines(self, x_shape, w_shape, padding):
-        """'' where this path takes the layer, else why not (its spectra would exceed the budget)."""
-        g = self.geometry(x_shape, w_shape, padding)
-        need = spectra_bytes(g, w_shape[0], w_shape[1])
+        """'' where this path takes the layer, else why not (its transform matrices or its spectra
+        would exceed the budget). Sized from the shapes alone: a geometry is built only for a layer
+        this path takes, as its matrices grow with the square of the map's area (~10 GB at 128x128)."""
+        (h, w), (kh, kw) = x_shape[2:], w_shape[2:]
+        ho, wo = h + 2 * padding[0] - kh + 1, w + 2 * padding[1] - kw + 1
+        f = kept_count(transform_size(h, kh, padding[0], ho), transform_size(w, kw, padding[1], wo))
+        need = 4 * w_shape[0] * w_shape[1] * (KERNEL_PLANES * f + kh * kw)        # spectra_bytes, before a geometry
         if need > self.budget_bytes:
-            return (f"its kernel spectra need {need / 2**20:.0f} MB ({KERNEL_PLANES} planes x {g.f} frequencies x "
+            return (f"its kernel spectra need {need / 2**20:.0f} MB ({KERNEL_PLANES} planes x {f} frequencies x "
                     f"{w_shape[0]}x{w_shape[1]} channel pairs), over the FFT budget of {self.budget_bytes / 2**20:.0f} MB")
+        matrices = geometry_bytes(f, ho, wo)
+        if matrices > GEOMETRY_BUDGET_BYTES:
+            return (f"its transform matrices need {matrices / 2**20:.0f} MB ({f} frequencies x {ho}x{wo} output "
+                    f"positions), over the {GEOMETRY_BUDGET_BYTES >> 20} MB a layer's transform may have")
         return ""
 
     def _block(self, g, n, k, c):

@@ -216,16 +216,19 @@ def load_test_data(model, spec=None):
     return ds
 
 
-def evaluate(model, runner, images, labels, batch_size, progress=None, tta="none"):
+def evaluate(model, runner, images, labels, batch_size, progress=None, tta="none", batches=None):
     """Loss, accuracy, per-class accuracy and the confusion matrix (rows: true class, columns:
     predicted) of `runner` on uint8 images and their labels, under the test-time augmentation
-    `tta` (one of TTA; the mirror is of the network's input, after --crop's centre crop)."""
+    `tta` (one of TTA; the mirror is of the network's input, after --crop's centre crop).
+    `batches`: (uint8 images, labels) pairs to take instead of slicing `images` and `labels` (a
+    photo folder's, decoded in loader processes)."""
     k = len(model.classes)
     confusion = np.zeros((k, k), np.int64)
     loss_sum = 0.0
-    for start in range(0, len(labels), batch_size):
-        x = model.crop(model.normalize(images[start:start + batch_size]))
-        y = labels[start:start + batch_size]
+    if batches is None:
+        batches = ((images[s:s + batch_size], labels[s:s + batch_size]) for s in range(0, len(labels), batch_size))
+    for images_u8, y in batches:
+        x = model.crop(model.normalize(images_u8))
         logits = tta_logits(runner, x, tta)
         loss_sum -= float(log_softmax(logits)[np.arange(len(y)), y].sum())
         np.add.at(confusion, (y, logits.argmax(axis=1)), 1)
