@@ -504,3 +504,9 @@ def test_a_large_map_is_declined_from_its_shape_without_building_its_transform()
     assert why.startswith("its transform matrices need 9") and "over the 256 MB a layer" in why, why
     assert not dev._fft._geometries
     assert dev._fft.declines((32, 3, 32, 32), (32, 3, 5, 5), (2, 2)) == ""
+
+
+@pytest.mark.parametrize("p,q", [(1, 1), (2, 3), (5, 4), (8, 8), (7, 9), (36, 36), (35, 20)])
+def test_the_kept_frequencies_are_counted_without_listing_them(p, q):
+    from hetconv.devices.cpu_fft import kept_count, kept_frequencies
+    assert kept_count(p, q) == len(kept_frequencies(p, q))
