@@ -114,14 +114,28 @@ def _resnet18(width, classes):
     its modules, so the state_dict keys are torchvision's own."""
     g = _Graph()
     x = g.conv_bn_relu("", INPUT_NAME, _scaled(64, width), 3, conv="conv1", bn="bn1")
-    cin = _scaled(64, width)
-    for stage, channels in enumerate((64, 128, 256, 512), start=1):
-        out = _scaled(channels, width)
-        for b in range(2):
+    return _resnet_stages(g, x, _scaled(64, width), width, classes, (2, 2, 2, 2), bottleneck=False)
+
+
+def _resnet_stages(g, x, cin, width, classes, blocks, bottleneck):
+    """torchvision's four ResNet stages on `x` (`cin` channels) of `blocks` basic or bottleneck
+    blocks each at widths 64, 128, 256, 512 (a bottleneck's output 4x that; v1.5: the stride on
+    its 3x3 conv), each stage after the first halving the map, the block's input or its 1x1
+    projection added before the last ReLU; then the global average pool and the classifier."""
+    expansion = 4 if bottleneck else 1
+    for stage, (channels, count) in enumerate(zip((64, 128, 256, 512), blocks), start=1):
+        planes = _scaled(channels, width)
+        out = planes * expansion
+        for b in range(count):
             stride = 2 if stage > 1 and b == 0 else 1
             p = f"layer{stage}.{b}."
-            h = g.conv_bn_relu(p, x, out, 3, stride, conv="conv1", bn="bn1")
-            h = g.conv_bn_relu(p, h, out, 3, relu=False, conv="conv2", bn="bn2")
+            if bottleneck:
+                h = g.conv_bn_relu(p, x, planes, 1, conv="conv1", bn="bn1")
+                h = g.conv_bn_relu(p, h, planes, 3, stride, conv="conv2", bn="bn2")
+                h = g.conv_bn_relu(p, h, out, 1, relu=False, conv="conv3", bn="bn3")
+            else:
+                h = g.conv_bn_relu(p, x, planes, 3, stride, conv="conv1", bn="bn1")
+                h = g.conv_bn_relu(p, h, planes, 3, relu=False, conv="conv2", bn="bn2")
             skip = x
             if stride != 1 or cin != out:
                 skip = g.node(p + "downsample.0", Conv(out, 1, stride, bias=False), x)
@@ -182,41 +196,15 @@ def _inception_small(width, classes):
 
 
 def _imagenet_resnet(width, classes, blocks, bottleneck):
-    """torchvision's ImageNet ResNet (He et al. 2016; v1.5, the stride on the 3x3 conv of a
-    bottleneck): a 7x7 stride-2 stem conv, BatchNorm, ReLU and a 3x3 stride-2 max-pool, then four
-    stages of `blocks` basic or bottleneck blocks at widths 64, 128, 256, 512 (a bottleneck's output
-    4x that), each stage after the first halving the map, a global average pool and the
-    classifier. Nodes are named as torchvision names its modules, so the state_dict keys are
-    torchvision's own (conv1.weight, bn1.running_mean, layer1.0.downsample.0.weight, fc.bias)."""
+    """torchvision's ImageNet ResNet (He et al. 2016; v1.5): a 7x7 stride-2 stem conv, BatchNorm,
+    ReLU and a 3x3 stride-2 max-pool, then _resnet_stages. Nodes are named as torchvision names its
+    modules, so the state_dict keys are torchvision's own (conv1.weight, bn1.running_mean,
+    layer1.0.downsample.0.weight, fc.bias)."""
     g = _Graph()
     stem = _scaled(64, width)
     x = g.conv_bn_relu("", INPUT_NAME, stem, 7, 2, conv="conv1", bn="bn1")
     x = g.node("maxpool", Pool("max", 3, stride=2, padding=1), x)
-    cin = stem
-    expansion = 4 if bottleneck else 1
-    for stage, (channels, count) in enumerate(zip((64, 128, 256, 512), blocks), start=1):
-        planes = _scaled(channels, width)
-        out = planes * expansion
-        for b in range(count):
-            stride = 2 if stage > 1 and b == 0 else 1
-            p = f"layer{stage}.{b}."
-            if bottleneck:
-                h = g.conv_bn_relu(p, x, planes, 1, conv="conv1", bn="bn1")
-                h = g.conv_bn_relu(p, h, planes, 3, stride, conv="conv2", bn="bn2")
-                h = g.conv_bn_relu(p, h, out, 1, relu=False, conv="conv3", bn="bn3")
-            else:
-                h = g.conv_bn_relu(p, x, planes, 3, stride, conv="conv1", bn="bn1")
-                h = g.conv_bn_relu(p, h, planes, 3, relu=False, conv="conv2", bn="bn2")
-            skip = x
-            if stride != 1 or cin != out:
-                skip = g.node(p + "downsample.0", Conv(out, 1, stride, bias=False), x)
-                skip = g.node(p + "downsample.1", BatchNorm(), skip)
-            x = g.node(p + "relu_out", ReLU(), g.node(p + "add", Add(), h, skip))
-            cin = out
-    x = g.node("avgpool", GlobalPool("avg"), x)
-    x = g.node("flatten", Flatten(), x)
-    g.node("fc", Linear(classes), x)
-    return g
+    return _resnet_stages(g, x, stem, width, classes, blocks, bottleneck)
 
 
 def _resnet34(width, classes):
