@@ -303,3 +303,22 @@ def test_evaluation_of_a_photo_folder_through_loader_processes_equals_decoding_i
         assert all(x.dtype == np.uint8 for x, _ in batches) and len(batches) > 1
         ours = evaluate(model, runner, ds.test_x, ds.test_y, 4, batches=iter(batches))
     assert ours == alone and ours["images"] == len(ds.test_y)
+
+
+def test_a_splits_class_directories_are_read_with_a_bound_and_checked(tmp_path, monkeypatch):
+    """One listing for the photo folder and the in-memory folder: no class directory, one that is
+    not a training class, and more than the bound are each refused naming the directory."""
+    from hetconv.data import base
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match=r"empty: no class directories; expected .*/<class>/\*\.jpg"):
+        base.class_directories(tmp_path / "empty", None, "*.jpg")
+    for name in ("cat", "dog", ".hidden"):
+        (tmp_path / "val" / name).mkdir(parents=True)
+    assert base.class_directories(tmp_path / "val", None, "*.jpg") == (("cat", "dog"), ["cat", "dog"])
+    with pytest.raises(DataError, match=r"val/dog: class 'dog' is not among the 2 classes of .*/train"):
+        base.class_directories(tmp_path / "val", ("ant", "cat"), "*.jpg")
+    monkeypatch.setattr(base, "MAX_CLASSES", 1)
+    with pytest.raises(DataError, match="more than 1 class directories: not read"):
+        base.class_directories(tmp_path / "val", None, "*.jpg")
+    with pytest.raises(DataError, match="missing: cannot be listed"):
+        base.class_directories(tmp_path / "missing", None, "*.jpg")

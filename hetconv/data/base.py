@@ -8,6 +8,7 @@ cost 150 MiB, not 600.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -126,3 +127,32 @@ def check_bytes(source: str, size: int, cap: int, what: str) -> None:
 
 def pixel_bytes(shape) -> int:
     return math.prod(int(d) for d in shape)
+
+
+MAX_CLASSES = 100_000          # class directories a folder's split may hold (each a class)
+
+
+def class_directories(split_dir, classes, expected) -> tuple[tuple[str, ...], list[str]]:
+    """(the classes, the class directory names found, sorted) of an image folder's split, read
+    with a bound; `classes` given: an evaluation split, whose class directories must be among the
+    training classes. `expected` says what a class directory holds (for the error of none)."""
+    split_dir = os.fspath(split_dir)
+    found = []
+    try:
+        for entry in os.scandir(split_dir):
+            if entry.is_dir() and not entry.name.startswith("."):
+                found.append(entry.name)
+                if len(found) > MAX_CLASSES:
+                    raise DataError(f"{split_dir}: more than {MAX_CLASSES} class directories: not read")
+    except OSError as e:
+        raise DataError(f"{split_dir}: cannot be listed: {e}") from None
+    found.sort()
+    if not found:
+        raise DataError(f"{split_dir}: no class directories; expected {split_dir}/<class>/{expected}")
+    if classes is None:
+        return tuple(found), found
+    unknown = [c for c in found if c not in classes]
+    if unknown:
+        raise DataError(f"{os.path.join(split_dir, unknown[0])}: class {unknown[0]!r} is not among the "
+                        f"{len(classes)} classes of {os.path.join(os.path.dirname(split_dir), 'train')}")
+    return tuple(classes), found

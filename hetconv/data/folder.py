@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hetconv.data.base import DataError, DataSet
+from hetconv.data.base import DataError, DataSet, class_directories
 
 EXTENSIONS = (".png", ".jpg", ".jpeg")
 GREY_MODES = ("1", "L", "LA")
@@ -37,7 +37,6 @@ COLOUR_MODES = ("RGB", "RGBA", "RGBX", "P", "PA", "CMYK", "YCbCr")   # 8 bits a 
 MAX_FILE_BYTES = 64 << 20                 # one image file
 MAX_TOTAL_BYTES = 8 << 30                 # every decoded image together: the arrays held in memory
 MAX_IMAGES = 2_000_000                    # files listed, both splits: each is a path held in memory
-MAX_CLASSES = 100_000
 
 
 def is_image_folder(path: Path) -> bool:
@@ -57,22 +56,7 @@ def _listing(split_dir: Path, classes: tuple[str, ...] | None,
              budget: int) -> tuple[tuple[str, ...], list[tuple[Path, int]]]:
     """(class names, [(file, label)]) of one split, at most `budget` files; `classes` given: the
     test split, whose class directories must be among the training classes."""
-    found = []
-    for entry in os.scandir(split_dir):
-        if entry.is_dir() and not entry.name.startswith("."):
-            found.append(entry.name)
-            if len(found) > MAX_CLASSES:
-                raise DataError(f"{split_dir}: more than {MAX_CLASSES} class directories: not read")
-    found.sort()
-    if not found:
-        raise DataError(f"{split_dir}: no class directories; expected {split_dir}/<class>/*.png|jpg|jpeg")
-    if classes is None:
-        classes = tuple(found)
-    else:
-        unknown = [c for c in found if c not in classes]
-        if unknown:
-            raise DataError(f"{split_dir / unknown[0]}: class {unknown[0]!r} is not among the "
-                            f"{len(classes)} classes of {split_dir.parent / 'train'}")
+    classes, found = class_directories(split_dir, classes, "*.png|jpg|jpeg")
     index = {c: i for i, c in enumerate(classes)}
     files = []
     for name in found:

@@ -29,12 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
-from hetconv.data.base import DataError, DataSet, check_labels
+from hetconv.data.base import MAX_CLASSES, DataError, DataSet, check_labels
 
 KEYS = ("x_train", "y_train", "x_test", "y_test")
 MAX_ARRAY_BYTES = 4 << 30                  # one array, as its header declares it
 MAX_TOTAL_BYTES = 8 << 30                  # every array read, together
-MAX_CLASSES = 100_000
 MAX_MEMBERS = 1024                         # zip entries: zipfile holds an object for each
 MAX_DIRECTORY_BYTES = 1 << 20              # the zip's central directory, which zipfile parses whole
 # np.savez_compressed shrinks image data a few times; 64x is far past that, and a zip bomb (zeros:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hetconv.data.base import DataError, DataSet
+from hetconv.data.base import DataError, DataSet, class_directories
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
 FORMATS = ("JPEG", "PNG", "WEBP")
@@ -46,7 +46,6 @@ RRC_RATIO = (3 / 4, 4 / 3)
 CROP_PADDING = 4
 MAX_FILE_BYTES = 64 << 20                 # one photo file
 MAX_IMAGES = 20_000_000                   # files listed, every split: each is a path held in memory
-MAX_CLASSES = 100_000
 MAX_IMAGE_SIZE = 2048                     # --image-size
 WIDE_MODES = ("I", "I;16", "I;16B", "I;16L", "I;16N", "F")     # 16- and 32-bit: convert("RGB") would clip
 PARALLEL_SCAN = 4096                      # files from which the headers are checked in processes
@@ -90,21 +89,7 @@ def list_split(split_dir: str, classes: tuple[str, ...] | None, budget: int = MA
     """(class names, [(file, label)], [(path, why)] of what is not a photo) of one split; `classes`
     given: an evaluation split, whose class directories must be among the training classes. A
     class directory with no photo and a file whose name is not a photo's are bad entries."""
-    try:
-        entries = sorted(e.name for e in os.scandir(split_dir) if e.is_dir() and not e.name.startswith("."))
-    except OSError as e:
-        raise DataError(f"{split_dir}: cannot be listed: {e}") from None
-    if len(entries) > MAX_CLASSES:
-        raise DataError(f"{split_dir}: more than {MAX_CLASSES} class directories: not read")
-    if not entries:
-        raise DataError(f"{split_dir}: no class directories; expected {split_dir}/<class>/*.jpg|png|webp")
-    if classes is None:
-        classes = tuple(entries)
-    else:
-        unknown = [c for c in entries if c not in classes]
-        if unknown:
-            raise DataError(f"{os.path.join(split_dir, unknown[0])}: class {unknown[0]!r} is not among the "
-                            f"{len(classes)} classes of {os.path.join(os.path.dirname(split_dir), 'train')}")
+    classes, entries = class_directories(split_dir, classes, "*.jpg|png|webp")
     index = {c: i for i, c in enumerate(classes)}
     files, bad = [], []
     for name in entries:
