@@ -177,36 +177,23 @@ def test_sgd_follows_torch_for_20_steps(cpu, nesterov):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
+# Adam's weight decay is L2 in the gradient (coupled), unlike AdamW's: a large one, so a decoupled or
+# missing decay shows
+@pytest.mark.parametrize("name,torch_class,decay,seed", [("adamw", "AdamW", 0.05, 7), ("adam", "Adam", 0.5, 9)])
 @pytest.mark.parametrize("beta1", [0.9, 0.3])
-def test_adamw_follows_torch_for_20_steps(cpu, beta1):
-    rng = np.random.default_rng(7)
+def test_adam_and_adamw_follow_torch_for_20_steps(cpu, beta1, name, torch_class, decay, seed):
+    rng = np.random.default_rng(seed)
     params = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
     grads, lrs = _grads(rng, 20), [1e-2 * (1 - s / 25) for s in range(20)]
-    expected = _torch_run(lambda t: torch.optim.AdamW(t, lr=lrs[0], betas=(beta1, 0.999), eps=1e-8,
-                                                      weight_decay=0.05, foreach=False), params, grads, lrs)
+    optimizer = getattr(torch.optim, torch_class)
+    expected = _torch_run(lambda t: optimizer(t, lr=lrs[0], betas=(beta1, 0.999), eps=1e-8, weight_decay=decay,
+                                              foreach=False), params, grads, lrs)
+    update = getattr(cpu, f"{name}_")
     ours = [p.copy() for p in params]
     state = [(np.zeros_like(p), np.zeros_like(p)) for p in params]
     for step, (step_grads, lr) in enumerate(zip(grads, lrs), start=1):
         for p, (m, v), g in zip(ours, state, step_grads):
-            cpu.adamw_(p, m, v, g, lr, beta1, 0.999, 1e-8, 0.05, step)
-    for got, want in zip(ours, expected):
-        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize("beta1", [0.9, 0.3])
-def test_adam_follows_torch_for_20_steps(cpu, beta1):
-    """Adam's weight decay is L2 in the gradient (coupled), unlike AdamW's: a large one, so a
-    decoupled or missing decay shows."""
-    rng = np.random.default_rng(9)
-    params = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
-    grads, lrs = _grads(rng, 20), [1e-2 * (1 - s / 25) for s in range(20)]
-    expected = _torch_run(lambda t: torch.optim.Adam(t, lr=lrs[0], betas=(beta1, 0.999), eps=1e-8,
-                                                     weight_decay=0.5, foreach=False), params, grads, lrs)
-    ours = [p.copy() for p in params]
-    state = [(np.zeros_like(p), np.zeros_like(p)) for p in params]
-    for step, (step_grads, lr) in enumerate(zip(grads, lrs), start=1):
-        for p, (m, v), g in zip(ours, state, step_grads):
-            cpu.adam_(p, m, v, g, lr, beta1, 0.999, 1e-8, 0.5, step)
+            update(p, m, v, g, lr, beta1, 0.999, 1e-8, decay, step)
     for got, want in zip(ours, expected):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
