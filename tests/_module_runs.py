@@ -62,3 +62,19 @@ def assert_equal_runs(got, want, rtol=1e-4, atol=1e-5):
         assert sorted(g) == sorted(w)
         for key in w:
             np.testing.assert_allclose(g[key], w[key], rtol=rtol, atol=atol, err_msg=key)
+
+
+def assert_equals_torch(cfg, losses, conv, fc, atol=1e-5):
+    """The run's losses and final state (conv, fc: a checkpoint's) against the same steps in
+    PyTorch, its module's own state_dict keys, running statistics included; -> hetconv's state
+    under those keys."""
+    from hetconv.net import load_net
+    from hetconv.net.torch_import import state_dict
+    torch_losses, state = torch_run(cfg)
+    np.testing.assert_allclose(losses, torch_losses, rtol=1e-4)
+    spec = load_net(cfg.net, (3, 16, 16), 10).spec
+    ours = state_dict(spec, conv, [(layer["w"], layer["b"]) for layer in fc])
+    assert sorted(ours) == sorted(state)
+    for key, want in state.items():
+        np.testing.assert_allclose(ours[key], want, rtol=1e-4, atol=atol, err_msg=key)
+    return ours

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from _faults import kill_worker_on_step
-from _module_runs import BATCH, STEPS, assert_equal_runs, config, local_module_run, quiet, torch_run
+from _module_runs import BATCH, STEPS, assert_equal_runs, assert_equals_torch, config, local_module_run, quiet
 from hetconv.coordinator.remote import RemoteEngine
 from hetconv.data import batches, load_dataset
 from hetconv.devices import open_device
@@ -55,14 +55,7 @@ def local_run(tmp_path_factory):
 
 def test_a_module_with_every_new_layer_trains_as_torch_sgd_does(local_run):
     cfg, losses, (_, conv, fc) = local_run
-    torch_losses, state = torch_run(cfg)
-    np.testing.assert_allclose(losses, torch_losses, rtol=1e-4)
-    spec = load_net(cfg.net, (3, 16, 16), 10).spec
-    from hetconv.net.torch_import import state_dict
-    ours = state_dict(spec, conv, [(layer["w"], layer["b"]) for layer in fc])
-    assert sorted(ours) == sorted(state)                    # running statistics and counts included
-    for key, want in state.items():
-        np.testing.assert_allclose(ours[key], want, rtol=1e-4, atol=1e-5, err_msg=key)
+    ours = assert_equals_torch(cfg, losses, conv, fc)        # running statistics and counts included
     assert int(ours["2.num_batches_tracked"]) == STEPS
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from _faults import kill_worker_on_step
-from _module_runs import STEPS, assert_equal_runs, config, local_module_run, quiet, torch_run
+from _module_runs import STEPS, assert_equal_runs, assert_equals_torch, config, local_module_run, quiet
 from hetconv.coordinator.remote import RemoteEngine
 from hetconv.devices import open_device
 from hetconv.engine.local import LocalEngine
@@ -83,17 +83,6 @@ def build():
             nn.init.uniform_(m.bias, -0.5, 0.5)
     return net
 """
-
-
-def assert_equals_torch(cfg, losses, conv, fc, atol=1e-5):
-    from hetconv.net.torch_import import state_dict
-    torch_losses, state = torch_run(cfg)
-    np.testing.assert_allclose(losses, torch_losses, rtol=1e-4)
-    spec = load_net(cfg.net, (3, 16, 16), 10).spec
-    ours = state_dict(spec, conv, [(layer["w"], layer["b"]) for layer in fc])
-    assert sorted(ours) == sorted(state)                    # the module's own keys, running statistics included
-    for key, want in state.items():
-        np.testing.assert_allclose(ours[key], want, rtol=1e-4, atol=atol, err_msg=key)
 
 
 @pytest.fixture(scope="module")

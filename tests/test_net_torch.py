@@ -506,18 +506,13 @@ def build():
 
 
 def test_a_module_with_the_hard_activations_and_a_mean_pool_trains_as_torch_sgd_does(tmp_path):
-    from _module_runs import local_module_run, torch_run
-    from hetconv.net.torch_import import state_dict
+    from _module_runs import assert_equals_torch, local_module_run
     cfg, losses, (_, conv, fc) = local_module_run(tmp_path, HARD)
     spec = load_net(cfg.net, (3, 16, 16), 10).spec
     assert [layer.type for layer in spec.layers] == [
         "conv", "relu6", "maxpool", "conv", "relu6", "hardtanh", "hardsigmoid", "hardtanh", "hardsigmoid",
         "global_avgpool", "flatten", "linear"]
-    torch_losses, state = torch_run(cfg)
-    np.testing.assert_allclose(losses, torch_losses, rtol=1e-4)
-    ours = state_dict(spec, conv, [(layer["w"], layer["b"]) for layer in fc])
-    for key, want in state.items():
-        np.testing.assert_allclose(ours[key], want, rtol=1e-4, atol=1e-5, err_msg=key)
+    assert_equals_torch(cfg, losses, conv, fc)
 
 
 # MobileNetV2's inverted residual as torchvision writes it (module names included), small: a 1x1
@@ -580,12 +575,11 @@ def test_an_inverted_residual_module_trains_as_torch_sgd_does_and_on_two_shards(
     """--local against PyTorch, then two in-process shards on a fixed plan, every block's kernels
     split unevenly (the depthwise convs' anywhere): the same losses and state as --local. (Data
     blocks need the peer exchange between worker processes: tests/test_graph_training.py.)"""
-    from _module_runs import assert_equal_runs, local_module_run, quiet, torch_run
+    from _module_runs import assert_equal_runs, assert_equals_torch, local_module_run, quiet
     from hetconv.devices import open_device
     from hetconv.engine.local import LocalEngine
     from hetconv.engine.planner import fixed_plan
     from hetconv.engine.shard import ConvShard
-    from hetconv.net.torch_import import state_dict
     from hetconv.training import checkpoint
     from hetconv.training.config import Config
     from hetconv.training.loop import train
@@ -593,13 +587,8 @@ def test_an_inverted_residual_module_trains_as_torch_sgd_does_and_on_two_shards(
     spec = load_net(cfg.net, (3, 16, 16), 10).spec
     assert [layer.type for layer in spec.layers].count("add") == 2
     assert [c.groups for c in spec.layers if c.type == "conv"] == [1, 1, 8, 1, 1, 8, 1, 1, 12, 1, 1]
-    torch_losses, state = torch_run(cfg)
-    np.testing.assert_allclose(losses, torch_losses, rtol=1e-4)
     _, conv, fc = local
-    ours = state_dict(spec, conv, [(layer["w"], layer["b"]) for layer in fc])
-    assert sorted(ours) == sorted(state)
-    for key, want in state.items():
-        np.testing.assert_allclose(ours[key], want, rtol=1e-4, atol=1e-5, err_msg=key)
+    assert_equals_torch(cfg, losses, conv, fc)
     kernels = [c.kernels for c in spec.conv_layers()]
     engine = LocalEngine({w: ConvShard(open_device("cpu", threads=1)) for w in ("s0", "s1")})
     engine.fixed_plan = fixed_plan(kernels, {"s0": [k // 3 for k in kernels], "s1": [k - k // 3 for k in kernels]})
