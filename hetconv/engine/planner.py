@@ -382,8 +382,7 @@ def given_plan(record, layer_kernels, batch, workers, source):
     if not all(isinstance(w, str) and isinstance(why, str) for w, why in plan.left_out.items()):
         raise PlanError(f"{source}: its left-out workers {plan.left_out!r} are not names with reasons")
     # a worker the planner left out (too slow to pay for its share) was part of the run: it idles again
-    planned = sorted(plan.workers) + sorted(w for w in plan.left_out if w not in plan.workers)
-    if sorted(planned) != sorted(workers):
+    if sorted([*plan.workers, *(w for w in plan.left_out if w not in plan.workers)]) != sorted(workers):
         left = f" (left out: {', '.join(plan.left_out)})" if plan.left_out else ""
         raise PlanError(f"{source}: a plan for workers {', '.join(plan.workers)}{left}; this run has "
                         f"{', '.join(workers)} (the same --spawn list, or external workers started with the same --name)")
