@@ -2,10 +2,11 @@
 a cut last line ignored) or a plan JSON, and checked against this run before it replaces
 calibration: its workers, layers, kernels and data layers' batch."""
 import json
+from dataclasses import replace
 
 import pytest
 
-from hetconv.engine.planner import PlanError, fixed_plan, given_plan, make_plan
+from hetconv.engine.planner import PlanError, fixed_plan, given_plan, make_plan, recorded_worker_names
 from hetconv.training import metrics
 from hetconv.training.metrics import last_plan_record
 
@@ -124,8 +125,7 @@ def test_a_plan_that_left_a_worker_out_runs_on_the_same_workers_given_or_resumed
     still this run's; that worker idles again. A worker neither in the plan nor left out is not."""
     from hetconv.training.config import Config
     from hetconv.training.loop import _reproducible
-    alone = fixed_plan([6, 12], {"w0-cpu:1": [6, 12]})
-    alone = type(alone)(alone.policy, alone.workers, alone.layers, {"w1-cpu:1": "adds 0.01 s of fixed work a step"})
+    alone = replace(fixed_plan([6, 12], {"w0-cpu:1": [6, 12]}), left_out={"w1-cpu:1": "adds 0.01 s of fixed work"})
     path = _metrics_file(tmp_path, alone)
     plan = given_plan(last_plan_record(path), [6, 12], 32, ["w1-cpu:1", "w0-cpu:1"], path)
     assert plan.workers == ("w0-cpu:1",) and plan.left_out == alone.left_out
@@ -137,3 +137,9 @@ def test_a_plan_that_left_a_worker_out_runs_on_the_same_workers_given_or_resumed
     said, engine = [], _Engine(["w0-cpu:1", "w1-cpu:1"])
     _reproducible(Config(conv="6,12", batch_size=32), engine, _specs(6, 12), said.append, _resumed(alone, 0))
     assert engine.fixed_plan.workers == ("w0-cpu:1",) and "checkpoint's: running its plan" in said[0]
+
+
+def test_a_recorded_plans_worker_names_are_read_only_from_what_names_them():
+    assert recorded_worker_names({"workers": ["b", "a"], "left_out": {"c": "slow"}}) == ["a", "b", "c"]
+    assert recorded_worker_names({"workers": ["a"], "left_out": ["b"]}) == ["a"]     # not a mapping: no names
+    assert recorded_worker_names({"workers": "ab"}) == [] and recorded_worker_names(None) == []
