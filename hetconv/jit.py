@@ -20,10 +20,17 @@ loaded entry whose signature is not the one asked for is dropped and compiled ag
 index's stamp covers every kernel source file, not only the function's own (a cached kernel
 inlines helpers from other files; Numba alone would keep a stale copy of them). NUMBA_BOUNDSCHECK
 is part of the key, so a checking run on a warm cache compiles checked kernels beside the others.
+
+A process started with HETCONV_NUMBA_CACHE_LAYER=DIR reads the shared cache but writes what it
+compiles only under DIR (one folder per cache folder, each naming the folder it stands for);
+`merge_cache_layer(DIR)` later copies those entries into the shared cache. The test suite gives
+every test such a folder of its own, inherited by the processes it starts: they cannot write into
+one another's cache, and a kernel compiled once is still shared with the tests after it.
 """
 import contextlib
 import hashlib
 import os
+import pickle
 
 import numba
 from numba.core import caching, sigutils
@@ -52,6 +59,11 @@ def _kernel_sources_stamp():
 
 
 _SOURCES_STAMP = _kernel_sources_stamp()
+
+# Read once, at import: a process's layer is fixed by the environment it was started with (a test
+# that sets it for its children does not move the test process's own cache)
+_CACHE_LAYER = os.environ.get("HETCONV_NUMBA_CACHE_LAYER") or None
+_LAYER_TARGET_FILE = "shared-cache-folder"
 
 
 class _KeyNamedIndex(caching.IndexDataCacheFile):
@@ -97,6 +109,84 @@ class _KeyNamedIndex(caching.IndexDataCacheFile):
             return None
 
 
+    def merge_from(self, other):
+        """Copy `other`'s entries (an index of the same function in another folder) into this one:
+        each data file first, under its key's name, then the index entries, under the lock."""
+        found = other._load_index()
+        if not found:
+            return 0
+        os.makedirs(self._cache_path, exist_ok=True)
+        for key, name in found.items():
+            if name == self._name_of(key) and not os.path.exists(self._data_path(name)):
+                with open(other._data_path(name), "rb") as src, self._open_for_write(self._data_path(name)) as dst:
+                    dst.write(src.read())
+        with self._locked():
+            overloads = self._load_index()
+            added = {k: n for k, n in found.items() if n == self._name_of(k) and overloads.get(k) != n}
+            if added:
+                self._save_index({**overloads, **added})
+        return len(added)
+
+
+class _LayeredIndex:
+    """Loads from the process's own layer, then the shared folder; saves to its own layer only."""
+
+    def __init__(self, own, shared):
+        self._own, self._shared = own, shared
+
+    def save(self, key, data):
+        os.makedirs(self._own._cache_path, exist_ok=True)
+        target = os.path.join(self._own._cache_path, _LAYER_TARGET_FILE)
+        if not os.path.exists(target):
+            with self._own._open_for_write(target) as f:
+                f.write(self._shared._cache_path.encode())
+        self._own.save(key, data)
+
+    def load(self, key):
+        found = self._own.load(key)
+        return found if found is not None else self._shared.load(key)
+
+    def flush(self):
+        self._own.flush()
+
+
+def merge_cache_layer(layer):
+    """Copy every entry compiled under the layer folder `layer` into the shared folders its
+    subfolders name. Returns how many index entries were added. A subfolder that names no folder,
+    or an index from another numba or source version, is left where it is."""
+    added = 0
+    if not os.path.isdir(layer):
+        return 0
+    for sub in sorted(os.listdir(layer)):
+        folder = os.path.join(layer, sub)
+        try:
+            with open(os.path.join(folder, _LAYER_TARGET_FILE), "rb") as f:
+                shared_folder = f.read().decode()
+        except (OSError, UnicodeDecodeError):
+            continue
+        for index_name in sorted(os.listdir(folder)):
+            if not index_name.endswith(".nbi"):
+                continue
+            base = index_name[:-len(".nbi")]
+            own = _KeyNamedIndex(folder, base, _stamp_of(os.path.join(folder, index_name)))
+            if own._source_stamp is None:
+                continue
+            added += _KeyNamedIndex(shared_folder, base, own._source_stamp).merge_from(own)
+    return added
+
+
+def _stamp_of(index_path):
+    """The source stamp an index file was written with, or None where it is not this numba's."""
+    try:
+        with open(index_path, "rb") as f:
+            if pickle.load(f) != numba.__version__:
+                return None
+            stamp, _ = pickle.loads(f.read())
+    except Exception:       # a half-written or foreign file: not merged
+        return None
+    return stamp
+
+
 class _VerifiedCache(caching.FunctionCache):
     """numba's FunctionCache over a _KeyNamedIndex; a loaded overload must be the signature asked
     for, else it is compiled again."""
@@ -104,7 +194,12 @@ class _VerifiedCache(caching.FunctionCache):
     def __init__(self, py_func):
         super().__init__(py_func)
         stamp = (self._impl.locator.get_source_stamp(), _SOURCES_STAMP)
-        self._cache_file = _KeyNamedIndex(self._cache_path, self._impl.filename_base, stamp)
+        shared = _KeyNamedIndex(self._cache_path, self._impl.filename_base, stamp)
+        if _CACHE_LAYER:
+            own_folder = os.path.join(_CACHE_LAYER, hashlib.sha1(self._cache_path.encode()).hexdigest()[:20])
+            self._cache_file = _LayeredIndex(_KeyNamedIndex(own_folder, self._impl.filename_base, stamp), shared)
+        else:
+            self._cache_file = shared
 
     def _index_key(self, sig, codegen):
         # NUMBA_BOUNDSCHECK changes the machine code but not Numba's key: a warm cache would hand

@@ -14,6 +14,9 @@ if os.environ.get("HETCONV_TEST_REAL_GPU") != "1":
 
 import pytest  # noqa: E402
 
+# Imported before any test sets HETCONV_NUMBA_CACHE_LAYER: this process keeps the shared cache
+from hetconv.jit import merge_cache_layer  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -35,6 +38,30 @@ def conv_path_wisdom(tmp_path_factory, monkeypatch):
     folder = tmp_path_factory.mktemp("hetconv-cache")
     monkeypatch.setenv("HETCONV_CACHE", str(folder))
     return folder
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _numba_cache_layer_outside_tests(tmp_path_factory):
+    """The processes module- and session-scoped fixtures start write their kernels to a folder of
+    the session's; each test's teardown merges it into the shared cache."""
+    layer = tmp_path_factory.mktemp("numba-layer-shared")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HETCONV_NUMBA_CACHE_LAYER", str(layer))
+        yield layer
+    merge_cache_layer(str(layer))
+
+
+@pytest.fixture(autouse=True)
+def numba_cache_layer(tmp_path_factory, monkeypatch, _numba_cache_layer_outside_tests):
+    """Every test its own Numba cache folder for the processes it starts (hetconv.jit's cache layer,
+    HETCONV_NUMBA_CACHE_LAYER, inherited): they read the shared cache and write only there, so no two
+    tests' processes write one cache. What they compiled goes into the shared cache when the test
+    ends, so the next test loads it instead of compiling again."""
+    layer = tmp_path_factory.mktemp("numba-layer")
+    monkeypatch.setenv("HETCONV_NUMBA_CACHE_LAYER", str(layer))
+    yield layer
+    merge_cache_layer(str(layer))
+    merge_cache_layer(str(_numba_cache_layer_outside_tests))
 
 
 @pytest.fixture

@@ -92,6 +92,7 @@ def test_processes_compiling_four_signatures_at_once_each_run_their_own_code(tmp
     (tmp_path / "kern.py").write_text(KERNEL)
     (tmp_path / "call.py").write_text(CALL)
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=os.getcwd())
+    env.pop("HETCONV_NUMBA_CACHE_LAYER", None)          # the processes share one cache folder here
     run = [sys.executable, str(tmp_path / "call.py"), str(tmp_path)]
     at_once = [subprocess.Popen(run + [dtype], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                for dtype in DTYPES]
@@ -116,3 +117,43 @@ def test_boundscheck_is_part_of_the_key(tmp_path, monkeypatch):
     checked = cached_njit(nogil=True)(poke)
     with __import__("pytest").raises(IndexError):      # not the unchecked code from the warm cache
         checked(np.zeros(4), 9)
+
+
+HITS = textwrap.dedent("""
+    import sys
+    import numpy as np
+    sys.path.insert(0, sys.argv[1])
+    import kern
+    kern.fill(np.zeros(8), 7)
+    print(sum(kern.fill.stats.cache_hits.values()), flush=True)
+""")
+
+
+def _nbc_files(folder):
+    return sorted(p.name for p in folder.rglob("*.nbc")) if folder.exists() else []
+
+
+def test_a_process_with_a_layer_reads_the_shared_cache_writes_only_its_layer_and_the_layer_merges(tmp_path):
+    from hetconv.jit import merge_cache_layer
+    (tmp_path / "kern.py").write_text(KERNEL)
+    (tmp_path / "hits.py").write_text(HITS)
+    shared = tmp_path / "shared"
+
+    def run(layer):
+        env = dict(os.environ, NUMBA_CACHE_DIR=str(shared), HETCONV_NUMBA_CACHE_LAYER=str(layer),
+                   PYTHONPATH=os.getcwd())
+        done = subprocess.run([sys.executable, str(tmp_path / "hits.py"), str(tmp_path)], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return int(done.stdout.split()[-1])
+
+    first = tmp_path / "layer-1"
+    assert run(first) == 0                                  # compiled: the shared cache is empty
+    assert _nbc_files(shared) == [] and len(_nbc_files(first)) == 1
+    assert merge_cache_layer(str(first)) == 1
+    assert _nbc_files(shared) == _nbc_files(first)
+    assert merge_cache_layer(str(first)) == 0               # merging again adds nothing
+    second = tmp_path / "layer-2"
+    assert run(second) == 1                                 # loaded from the shared cache
+    assert _nbc_files(second) == []
+    assert merge_cache_layer(str(tmp_path / "no-such-layer")) == 0
