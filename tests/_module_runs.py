@@ -18,8 +18,8 @@ def quiet(*_):
     pass
 
 
-def config(target, tmp_path, lr=0.05, **kw):
-    return Config(net=target, crop=16, batch_size=BATCH, synthetic_train=160, synthetic_test=32, steps=STEPS,
+def config(target, tmp_path, lr=0.05, steps=STEPS, **kw):
+    return Config(net=target, crop=16, batch_size=BATCH, synthetic_train=160, synthetic_test=32, steps=steps,
                   lr=lr, momentum=0.9, weight_decay=0.0, threads=1, rebalance_after=0, eval_batches=1,
                   checkpoint_dir=str(tmp_path / "ck"), **kw).validate()
 
@@ -43,7 +43,7 @@ def torch_run(cfg, module=None):
     ds = load_dataset("synthetic", seed=cfg.seed, n_train=160, n_test=32)
     losses = []
     for step, (x, y) in enumerate(batches(ds, BATCH, np.random.default_rng([cfg.seed, 0]))):
-        if step == STEPS:
+        if step == cfg.steps:
             break
         x = x[:, :, 8:24, 8:24]                              # --crop 16
         opt.zero_grad()
