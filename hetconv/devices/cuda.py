@@ -768,18 +768,7 @@ class CudaDevice(Device):
                                      need_dx)
         return (dx.copy_to_host() if need_dx else None), dw.copy_to_host(), db.copy_to_host()
 
-    def declines_block(self, block):
-        """The implicit-GEMM kernels gather a dense kernel's taps from every input channel: no
-        dilation, no groups (yet)."""
-        if block.dense:
-            return ""
-        return (f"the {self.name} device's conv kernels run dense convs only (dilation 1, groups 1), not dilation "
-                f"{block.dilation} groups {block.groups}: run the layer on a CPU worker")
-
     def _conv_block(self, x, w, b, block):
-        declined = self.declines_block(block)
-        if declined:
-            raise DeviceError(declined)
         w_shape = tuple(w.shape)
         w_dev = self._resident("w", w, w_shape)
         b_dev = self._resident("b", np.zeros(w_shape[0], np.float32) if b is None else b, (w_shape[0],))
