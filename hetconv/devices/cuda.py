@@ -214,7 +214,7 @@ def _covering_output(pos, pad, offset, stride, size):
 # forward: A = w viewed as (K, CG*kh*kw), B = im2col(x), C = y (+ bias)
 @cuda.jit(device=True)
 def _forward_a(w2, g, group, kernel, tap):
-    kg = g[16]
+    n, c, h, w, k, kh, kw, ho, wo, ph, pw, sh, sw, dh, dw, cg, kg = g
     return w2[group * kg + kernel, tap]
 
 
@@ -278,7 +278,7 @@ def _weight_grad_b(x, g, group, pixel, tap):
 
 @cuda.jit(device=True)
 def _weight_grad_store(partial, bias, g, group, kernel, tap, split, value):
-    kg = g[16]
+    n, c, h, w, k, kh, kw, ho, wo, ph, pw, sh, sw, dh, dw, cg, kg = g
     partial[split, group * kg + kernel, tap] = value
 
 
