@@ -15,19 +15,20 @@ covers it. With stride s, that GEMM walks s*s times the reduction it needs (the 
 zeros it skips loading but still multiplies).
 
 A conv of G groups (weights (K, C/G, kh, kw), as PyTorch's) is G of these GEMMs side by side, one
-per blockIdx.z: in group q, kernels q*K/G .. (q+1)*K/G - 1 read input channels q*C/G ..
-(q+1)*C/G - 1, and k and c above count within the group. Groups and dilation are values of the
-geometry, not branches: a dense conv runs the same kernels as group 0 of 1 at dilation 1, for a
-few integer multiply-adds per element gathered. A depthwise conv (K/G = 1 kernel a group) fills
-one row of each 64-row output tile: correct, at 1/64 of the tile's arithmetic.
+per blockIdx.z (times the weight gradient's splits): in group q, kernels q*K/G .. (q+1)*K/G - 1
+read input channels q*C/G .. (q+1)*C/G - 1, and k and c above count within the group. Groups and
+dilation are values of the geometry, not branches: a dense conv runs the same kernels as group 0
+of 1 at dilation 1, for a few integer multiply-adds per element gathered. A depthwise conv
+(K/G = 1 kernel a group) fills one row of each 64-row output tile: correct, at 1/64 of the
+tile's arithmetic.
 
 A block of 16x16 threads computes a 64x64 output tile, each thread a 4x4 register tile, walking
 the reduction in steps of 16 through two shared-memory tiles (16x64 each, one column of padding
 against bank conflicts). Each operand is loaded so that consecutive threads read consecutive
 addresses: along the output pixels for x and dy, along the reduction for w and for the
 weight-gradient operands. The weight gradient reduces over N*Ho*Wo while its output is small,
-so it is split along the reduction (split-K, blockIdx.z with the group) into per-split partial
-sums, then added in a fixed order: deterministic, no atomics. The bias joins in the forward epilogue; the
+so it is split along the reduction (split-K, blockIdx.z) into per-split partial sums, then
+added in a fixed order: deterministic, no atomics. The bias joins in the forward epilogue; the
 activation and the pool run in a second kernel; the pre-activation y makes one round trip through
 global memory for it. The paper's block (stride 1, ReLU, 2x2 stride-2 max-pool) has its own pool
 kernel that records which element of each window won (int8, -1 when ReLU cut it). Any other
