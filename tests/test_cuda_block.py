@@ -1,5 +1,6 @@
 """The CUDA device's generalized conv block against the numpy reference: strided and rectangular convolutions,
-ReLU or no activation, max, average or no pool with any kernel, stride and padding.
+grouped (depthwise included) and dilated ones, ReLU or no activation, max, average or no pool with any
+kernel, stride and padding.
 
 Runs on Numba's CUDA simulator where there is no GPU (tests/conftest.py), so shapes are tiny and
 the cases few; the paper's block (stride 1, ReLU, 2x2 stride-2 max-pool) is covered by
@@ -15,6 +16,7 @@ import pytest  # noqa: E402
 from _cuda_sim import assert_close as _close, dev, random_f32 as _random, short_thread_switches  # noqa: E402,F401,F811
 from hetconv.net import reference  # noqa: E402
 from hetconv.devices.base import ConvBlock  # noqa: E402
+import hetconv.devices.cuda as cudadev  # noqa: E402
 
 
 # ---- the plain contract with stride and rectangular kernels ------------------------------------
@@ -39,6 +41,55 @@ def test_strided_rectangular_conv2d_and_backward(dev, case):
     _close(dx, rdx, "dx")
     _close(dw, rdw, "dw")
     _close(db, rdb, "db")
+
+
+# ---- groups and dilation ------------------------------------------------------------------------
+# (N, C, H, W, K, kh, kw, stride, padding, dilation, groups); the plain contract runs these
+# through the block (activation and pool none), so _conv_block and its backward run them too
+GROUPED_CASES = {
+    "depthwise": (2, 4, 6, 7, 4, 3, 3, (1, 1), (1, 1), (1, 1), 4),
+    "groups2": (1, 4, 6, 5, 36, 3, 3, (1, 1), (1, 1), (1, 1), 2),        # 18 kernels a group: two M tiles each
+    "groups4": (1, 8, 5, 6, 8, 3, 2, (1, 1), (1, 0), (1, 1), 4),         # C/G = K/G = 2
+    "dilation2": (2, 3, 7, 8, 5, 3, 3, (1, 1), (2, 1), (2, 2), 1),
+    "groups2-dilation2-stride2": (2, 4, 9, 8, 6, 3, 3, (2, 2), (2, 1), (2, 2), 2),
+}
+
+
+@pytest.mark.parametrize("name", GROUPED_CASES)
+def test_grouped_and_dilated_conv2d_and_backward(dev, name, monkeypatch):
+    n, c, h, w, k, kh, kw, stride, padding, dilation, groups = GROUPED_CASES[name]
+    if "stride2" in name:       # several weight-gradient splits in each group: blockIdx.z = group * splits + split
+        monkeypatch.setattr(cudadev, "WGRAD_MIN_R_PER_SPLIT", 8)
+    rng = np.random.default_rng(0)
+    x, wt, b = _random(rng, n, c, h, w), _random(rng, k, c // groups, kh, kw), _random(rng, k)
+    y = dev.conv2d(x, wt, b, stride=stride, padding=padding, dilation=dilation, groups=groups)
+    _close(y, reference.conv2d(x, wt, b, stride, padding, dilation, groups), "y")
+    dy = _random(rng, *y.shape)
+    dx, dw, db = dev.conv2d_backward(x, wt, dy, stride=stride, padding=padding, dilation=dilation, groups=groups)
+    rdx, rdw, rdb = reference.conv2d_backward(x, wt, dy, stride, padding, True, dilation, groups)
+    _close(dx, rdx, "dx")
+    _close(dw, rdw, "dw")
+    _close(db, rdb, "db")
+
+
+def test_grouped_dilated_block_with_relu_and_max_pool(dev):
+    """A grouped, dilated conv through the fused block: ReLU and a 3x3 stride-2 max-pool, weights
+    resident, dW into a given buffer."""
+    block = ConvBlock(padding=(2, 2), dilation=(2, 2), groups=2, pool="max", pool_kernel=(3, 3), pool_stride=(2, 2),
+                      pool_padding=(1, 1))
+    rng = np.random.default_rng(4)
+    x, w, b = _random(rng, 2, 4, 7, 6), _random(rng, 6, 2, 3, 3), _random(rng, 6)
+    w_dev, b_dev = dev.upload(w), dev.upload(b)
+    out, ctx = dev.conv_block(x, w_dev, b_dev, block)
+    _close(out, reference.conv_block(x, w, b, block), "out")
+    dout = _random(rng, *out.shape)
+    buffer = dev.zeros_like(w)
+    dx, dw, db = dev.conv_block_backward(ctx, w_dev, dout, need_dx=True, dw_out=buffer)
+    assert dw is buffer
+    rdx, rdw, rdb = reference.conv_block_backward(x, w, b, block, dout)
+    _close(dx, rdx, "dx")
+    _close(dev.download(dw), rdw, "dw")
+    _close(dev.download(db), rdb, "db")
 
 
 # ---- the block, forward and backward -------------------------------------------------------------

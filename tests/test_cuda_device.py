@@ -222,18 +222,15 @@ def test_sgd_checks_shapes(dev):
                  dev.upload(np.zeros(5, np.float32)), 0.1, 0.9, 0.0)
 
 
-def test_a_dilated_or_grouped_layer_is_refused_naming_it_before_any_step(dev):
-    """The kernels run dense convs only: a shard on this device refuses such a layer when the
-    plan is loaded or calibrated, naming the layer, never mid-step."""
-    from hetconv.engine.shard import ConvShard, ShardError
+def test_a_dilated_or_grouped_layer_loads_on_a_shard(dev):
+    """The kernels run grouped and dilated convs (tests/test_cuda_block.py checks them): a shard on
+    this device takes such a layer."""
+    from hetconv.engine.shard import ConvShard
     from hetconv.geometry import ConvBlock, ConvSpec
     depthwise = ConvSpec(4, 4, 3, 3, ConvBlock(groups=4, activation="none", pool="none"))
-    dilated = ConvSpec(4, 4, 3, 3, ConvBlock(dilation=2, activation="none", pool="none"))
+    dilated = ConvSpec(4, 4, 3, 3, ConvBlock(dilation=2, pool="none"))
     shard = ConvShard(dev)
-    with pytest.raises(ShardError, match=r"conv layer 2 \(conv 4 3x3/1 pad 0 groups 4\): the .* device's conv kernels "
-                                         r"run dense convs only \(dilation 1, groups 1\), not dilation \(1, 1\) groups 4"):
-        shard.load(1, depthwise, 0, 4, depthwise.initial_state(np.zeros(depthwise.weight_shape, np.float32)))
-    with pytest.raises(ShardError, match=r"conv layer 2 \(conv 4 3x3/1 pad 0 dilation 2\): .* not dilation \(2, 2\)"):
-        shard.calibrate([ConvSpec(3, 4, 3, 3, ConvBlock(pool="none")), dilated], [(2, 3, 8, 8), (2, 4, 6, 6)], [4, 4])
-    with pytest.raises(DeviceError, match=r"dense convs only"):
-        dev.conv2d(np.zeros((1, 4, 5, 5), np.float32), np.zeros((4, 1, 3, 3), np.float32), None, groups=4)
+    for layer, spec in enumerate((depthwise, dilated)):
+        assert dev.declines_block(spec.block) == ""
+        shard.load(layer, spec, 0, 4, spec.initial_state(np.zeros(spec.weight_shape, np.float32)))
+    assert sorted(shard.layers) == [0, 1]

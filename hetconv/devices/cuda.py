@@ -5,13 +5,22 @@ operand straight from the NCHW tensor while filling shared memory, so im2col nev
 global memory. One tiled GEMM kernel body serves all three products:
 
     forward     y[k, (n,i,j)]     = sum over (c,u,v) of w[k, (c,u,v)] * im2col(x)[(c,u,v), (n,i,j)]
-    input grad  dx[c, (n,h,w)]    = sum over (k,u,v) of w[k,c,u,v] * dy[n, k, (h+ph-u)/sh, (w+pw-v)/sw]
+    input grad  dx[c, (n,h,w)]    = sum over (k,u,v) of w[k,c,u,v] * dy[n, k, (h+ph-u*dh)/sh, (w+pw-v*dw)/sw]
     weight grad dw[k, (c,u,v)]    = sum over (n,i,j) of dy[n,k,i,j] * im2col(x)[(c,u,v), (n,i,j)]
 
-where im2col(x)[(c,u,v), (n,i,j)] = x[n, c, i*sh+u-ph, j*sw+v-pw] (zero outside x), and the input
-gradient's term exists only where (h+ph-u)/sh and (w+pw-v)/sw are whole and inside dy: each input
-pixel gathers from the outputs whose window covers it. With stride s, that GEMM walks s*s times
-the reduction it needs (the other terms are zeros it skips loading but still multiplies).
+where im2col(x)[(c,u,v), (n,i,j)] = x[n, c, i*sh+u*dh-ph, j*sw+v*dw-pw] (zero outside x), with
+dilation (dh, dw), and the input gradient's term exists only where (h+ph-u*dh)/sh and
+(w+pw-v*dw)/sw are whole and inside dy: each input pixel gathers from the outputs whose window
+covers it. With stride s, that GEMM walks s*s times the reduction it needs (the other terms are
+zeros it skips loading but still multiplies).
+
+A conv of G groups (weights (K, C/G, kh, kw), as PyTorch's) is G of these GEMMs side by side, one
+per blockIdx.z (times the weight gradient's splits): in group q, kernels q*K/G .. (q+1)*K/G - 1
+read input channels q*C/G .. (q+1)*C/G - 1, and k and c above count within the group. Groups and
+dilation are values of the geometry, not branches: a dense conv runs the same kernels as group 0
+of 1 at dilation 1, for a few integer multiply-adds per element gathered. A depthwise conv
+(K/G = 1 kernel a group) fills one row of each 64-row output tile: correct, at 1/64 of the
+tile's arithmetic.
 
 A block of 16x16 threads computes a 64x64 output tile, each thread a 4x4 register tile, walking
 the reduction in steps of 16 through two shared-memory tiles (16x64 each, one column of padding
@@ -83,44 +92,52 @@ _ZERO = np.float32(0)
 _ONE = np.float32(1)
 
 # geometry, one int32 tuple passed to every conv kernel:
-# (N, C, H, W, K, KH, KW, HO, WO, PH, PW, SH, SW): padding (PH, PW), stride (SH, SW).
+# (N, C, H, W, K, KH, KW, HO, WO, PH, PW, SH, SW, DH, DW, CG, KG): padding (PH, PW), stride
+# (SH, SW), dilation (DH, DW), and per group CG = C/groups input channels and KG = K/groups
+# kernels (a dense conv: dilation 1, CG = C, KG = K).
 # Index math is 32-bit: a 64-bit integer division is a ~70-instruction software routine on the
 # GPU, and the gathers divide by kh*kw and Ho*Wo for every element they load.
-GEOMETRY = types.UniTuple(int32, 13)
+GEOMETRY = types.UniTuple(int32, 17)
 INDEX_LIMIT = 2**31 - 1
 
 
-def _geometry(x_shape, w_shape, stride, padding):
-    """The conv kernels' int32 geometry; stride and padding are (h, w) pairs, already checked."""
-    (sh, sw), (ph, pw) = stride, padding
+def _geometry(x_shape, w_shape, stride, padding, dilation=(1, 1), groups=1):
+    """The conv kernels' int32 geometry; stride, padding and dilation are (h, w) pairs, and
+    groups divides C and K, all already checked."""
+    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
     n, c, h, w = x_shape
-    k, _, kh, kw = w_shape
-    _, _, ho, wo = conv_output_shape(x_shape, w_shape, stride=(sh, sw), padding=(ph, pw))
-    g = tuple(int(v) for v in (n, c, h, w, k, kh, kw, ho, wo, ph, pw, sh, sw))
+    k, cg, kh, kw = w_shape
+    _, _, ho, wo = conv_output_shape(x_shape, w_shape, stride=(sh, sw), padding=(ph, pw), dilation=(dh, dw),
+                                     groups=groups)
+    g = tuple(int(v) for v in (n, c, h, w, k, kh, kw, ho, wo, ph, pw, sh, sw, dh, dw, cg, k // groups))
     # every flat index the kernels form is below one of these: tensor sizes, GEMM extents, and
     # the padded input's extent that the input gradient's index math reaches
-    largest = max(n * c * h * w, n * k * ho * wo, k * c * kh * kw, h + ph, w + pw,
+    largest = max(n * c * h * w, n * k * ho * wo, k * cg * kh * kw, h + ph, w + pw,
                   *_forward_dims(g), *_input_grad_dims(g), *_weight_grad_dims(g))
     if largest > INDEX_LIMIT:
         raise DeviceError(f"conv too large for 32-bit indices: {largest} elements > {INDEX_LIMIT} "
                           f"(x {tuple(x_shape)!r}, w {tuple(w_shape)!r}); split the batch")
+    if groups > cuda_channelwise.GRID_YZ_LIMIT:     # one group per blockIdx.z
+        raise DeviceError(f"a conv on {cuda_channelwise.GRID_YZ_LIMIT} groups at most runs on the GPU, got {groups}")
     return tuple(np.int32(v) for v in g)
 
 
-# ---- GEMM sizes (M rows, N columns, R reduction), host and device ---------------------------
+# ---- GEMM sizes (M rows, N columns, R reduction) of one group, host and device ---------------
+# A grouped conv is `groups` independent GEMMs of these sizes, one per blockIdx.z (times the
+# weight gradient's splits); a dense conv is one.
 def _forward_dims(g):
-    n, c, h, w, k, kh, kw, ho, wo, ph, pw, sh, sw = g
-    return k, n * ho * wo, c * kh * kw
+    n, c, h, w, k, kh, kw, ho, wo, ph, pw, sh, sw, dh, dw, cg, kg = g
+    return kg, n * ho * wo, cg * kh * kw
 
 
 def _input_grad_dims(g):
-    n, c, h, w, k, kh, kw, ho, wo, ph, pw, sh, sw = g
-    return c, n * h * w, k * kh * kw
+    n, c, h, w, k, kh, kw, ho, wo, ph, pw, sh, sw, dh, dw, cg, kg = g
+    return cg, n * h * w, kg * kh * kw
 
 
 def _weight_grad_dims(g):
-    n, c, h, w, k, kh, kw, ho, wo, ph, pw, sh, sw = g
-    return k, c * kh * kw + 1, n * ho * wo      # the extra column is db
+    n, c, h, w, k, kh, kw, ho, wo, ph, pw, sh, sw, dh, dw, cg, kg = g
+    return kg, cg * kh * kw + 1, n * ho * wo      # the extra column is db
 
 
 _forward_dims_dev = cuda.jit(device=True)(_forward_dims)
@@ -162,22 +179,23 @@ def _split3(flat, mid, last):
 
 
 @cuda.jit(device=True)
-def _im2col(x, g, tap, pixel):
-    """im2col(x)[(c,u,v), (n,i,j)] = x padded at [n, c, i*sh+u, j*sw+v]; zero in the padding."""
-    n, c, h, w, k, kh, kw, ho, wo, ph, pw, sh, sw = g
+def _im2col(x, g, group, tap, pixel):
+    """im2col(x)[(c,u,v), (n,i,j)] of a group = x padded at [n, group*CG + c, i*sh + u*dh, j*sw + v*dw];
+    zero in the padding."""
+    n, c, h, w, k, kh, kw, ho, wo, ph, pw, sh, sw, dh, dw, cg, kg = g
     ci, u, v = _split3(tap, kh, kw)
     ni, i, j = _split3(pixel, ho, wo)
-    row, col = i * sh + u - ph, j * sw + v - pw
+    row, col = i * sh + u * dh - ph, j * sw + v * dw - pw
     if 0 <= row < h and 0 <= col < w:
-        return x[ni, ci, row, col]
+        return x[ni, group * cg + ci, row, col]
     return _ZERO
 
 
 @cuda.jit(device=True)
-def _covering_output(pos, pad, tap, stride, size):
-    """The output index o whose window puts kernel tap `tap` on input position `pos`
-    (o*stride + tap - pad == pos), or -1 where there is none."""
-    t = pos + pad - tap
+def _covering_output(pos, pad, offset, stride, size):
+    """The output index o whose window puts the kernel tap at `offset` (tap times dilation) on
+    input position `pos` (o*stride + offset - pad == pos), or -1 where there is none."""
+    t = pos + pad - offset
     if t < 0:
         return -1
     o = t
@@ -190,80 +208,88 @@ def _covering_output(pos, pad, tap, stride, size):
     return o
 
 
-# forward: A = w viewed as (K, C*kh*kw), B = im2col(x), C = y (+ bias)
+# Every operand below is a group's: `group` offsets the kernel index by group*KG and the
+# channel index by group*CG (0 for a dense conv: one multiply-add per element loaded, next to
+# the two divisions each gather already pays).
+
+# forward: A = w viewed as (K, CG*kh*kw), B = im2col(x), C = y (+ bias)
 @cuda.jit(device=True)
-def _forward_a(w2, g, kernel, tap):
-    return w2[kernel, tap]
+def _forward_a(w2, g, group, kernel, tap):
+    n, c, h, w, k, kh, kw, ho, wo, ph, pw, sh, sw, dh, dw, cg, kg = g
+    return w2[group * kg + kernel, tap]
 
 
 @cuda.jit(device=True)
-def _forward_b(x, g, tap, pixel):
-    return _im2col(x, g, tap, pixel)
+def _forward_b(x, g, group, tap, pixel):
+    return _im2col(x, g, group, tap, pixel)
 
 
 @cuda.jit(device=True)
-def _forward_store(y, bias, g, kernel, pixel, split, value):
-    n, c, h, w, k, kh, kw, ho, wo, ph, pw, sh, sw = g
+def _forward_store(y, bias, g, group, kernel, pixel, split, value):
+    n, c, h, w, k, kh, kw, ho, wo, ph, pw, sh, sw, dh, dw, cg, kg = g
     ni, i, j = _split3(pixel, ho, wo)
-    y[ni, kernel, i, j] = value + bias[kernel]
+    ki = group * kg + kernel
+    y[ni, ki, i, j] = value + bias[ki]
 
 
-# input grad: A[c, (k,u,v)] = w[k,c,u,v], B[(k,u,v), (n,h,w)] = dy[n, k, (h+ph-u)/sh, (w+pw-v)/sw]
+# input grad: A[c, (k,u,v)] = w[k,c,u,v], B[(k,u,v), (n,h,w)] = dy[n, k, (h+ph-u*dh)/sh, (w+pw-v*dw)/sw]
 # where both quotients are whole and inside dy, else zero
 @cuda.jit(device=True)
-def _input_grad_a(w, g, channel, tap):
-    n, c, h, wd, k, kh, kw, ho, wo, ph, pw, sh, sw = g
+def _input_grad_a(w, g, group, channel, tap):
+    n, c, h, wd, k, kh, kw, ho, wo, ph, pw, sh, sw, dh, dw, cg, kg = g
     ki, u, v = _split3(tap, kh, kw)
-    return w[ki, channel, u, v]
+    return w[group * kg + ki, channel, u, v]
 
 
 @cuda.jit(device=True)
-def _input_grad_b(dy, g, tap, pixel):
-    n, c, h, w, k, kh, kw, ho, wo, ph, pw, sh, sw = g
+def _input_grad_b(dy, g, group, tap, pixel):
+    n, c, h, w, k, kh, kw, ho, wo, ph, pw, sh, sw, dh, dw, cg, kg = g
     ki, u, v = _split3(tap, kh, kw)
     ni, row, col = _split3(pixel, h, w)
-    i = _covering_output(row, ph, u, sh, ho)
-    j = _covering_output(col, pw, v, sw, wo)
+    i = _covering_output(row, ph, u * dh, sh, ho)
+    j = _covering_output(col, pw, v * dw, sw, wo)
     if i >= 0 and j >= 0:
-        return dy[ni, ki, i, j]
+        return dy[ni, group * kg + ki, i, j]
     return _ZERO
 
 
 @cuda.jit(device=True)
-def _input_grad_store(dx, bias, g, channel, pixel, split, value):
-    n, c, h, w, k, kh, kw, ho, wo, ph, pw, sh, sw = g
+def _input_grad_store(dx, bias, g, group, channel, pixel, split, value):
+    n, c, h, w, k, kh, kw, ho, wo, ph, pw, sh, sw, dh, dw, cg, kg = g
     ni, row, col = _split3(pixel, h, w)
-    dx[ni, channel, row, col] = value
+    dx[ni, group * cg + channel, row, col] = value
 
 
 # weight grad: A[k, (n,i,j)] = dy[n,k,i,j], B[(n,i,j), (c,u,v)] = im2col(x)[(c,u,v), (n,i,j)],
-# and B's last column, tap = C*kh*kw, is all ones: that output column is db
+# and B's last column, tap = CG*kh*kw, is all ones: that output column is db
 @cuda.jit(device=True)
-def _weight_grad_a(dy, g, kernel, pixel):
-    n, c, h, w, k, kh, kw, ho, wo, ph, pw, sh, sw = g
+def _weight_grad_a(dy, g, group, kernel, pixel):
+    n, c, h, w, k, kh, kw, ho, wo, ph, pw, sh, sw, dh, dw, cg, kg = g
     ni, i, j = _split3(pixel, ho, wo)
-    return dy[ni, kernel, i, j]
+    return dy[ni, group * kg + kernel, i, j]
 
 
 @cuda.jit(device=True)
-def _weight_grad_b(x, g, pixel, tap):
-    n, c, h, w, k, kh, kw, ho, wo, ph, pw, sh, sw = g
-    if tap == c * kh * kw:
+def _weight_grad_b(x, g, group, pixel, tap):
+    n, c, h, w, k, kh, kw, ho, wo, ph, pw, sh, sw, dh, dw, cg, kg = g
+    if tap == cg * kh * kw:
         return _ONE
-    return _im2col(x, g, tap, pixel)
+    return _im2col(x, g, group, tap, pixel)
 
 
 @cuda.jit(device=True)
-def _weight_grad_store(partial, bias, g, kernel, tap, split, value):
-    partial[split, kernel, tap] = value
+def _weight_grad_store(partial, bias, g, group, kernel, tap, split, value):
+    n, c, h, w, k, kh, kw, ho, wo, ph, pw, sh, sw, dh, dw, cg, kg = g
+    partial[split, group * kg + kernel, tap] = value
 
 
 def _implicit_gemm(gemm_dims, load_a, load_b, store, a_along_r, b_along_r):
-    """A tiled GEMM kernel out = A @ B whose operands are gathered by load_a(a_src, g, m, r) and
-    load_b(b_src, g, r, n) and whose result goes through store(out, bias, g, m, n, split, value).
+    """A tiled GEMM kernel out = A @ B whose operands are gathered by load_a(a_src, g, group, m, r)
+    and load_b(b_src, g, group, r, n) and whose result goes through
+    store(out, bias, g, group, m, n, split, value), m, n and r counted within the group.
     a_along_r / b_along_r: the operand is contiguous along the reduction, so consecutive threads
-    load consecutive r (otherwise consecutive m or n). blockIdx.z picks a slice of the reduction
-    of r_per_split terms (split-K)."""
+    load consecutive r (otherwise consecutive m or n). blockIdx.z is group * splits + split: the
+    group's GEMM, and the slice of its reduction of r_per_split terms (split-K)."""
 
     def kernel(a_src, b_src, out, bias, g, r_per_split):
         m_size, n_size, r_size = gemm_dims(g)
@@ -276,7 +302,8 @@ def _implicit_gemm(gemm_dims, load_a, load_b, store, a_along_r, b_along_r):
         tid = ty * THREADS_X + tx
         m0 = cuda.blockIdx.y * TILE_M
         n0 = cuda.blockIdx.x * TILE_N
-        split = cuda.blockIdx.z
+        # one 32-bit division per block; a launch without split-K has r_per_split = r_size
+        group, split = _divmod32(cuda.blockIdx.z, _udiv32(r_size + r_per_split - 1, r_per_split))
         r_begin = split * r_per_split
         r_end = min(r_begin + r_per_split, r_size)
         for a in range(MICRO_M):
@@ -291,7 +318,7 @@ def _implicit_gemm(gemm_dims, load_a, load_b, store, a_along_r, b_along_r):
                 else:
                     rr, mm = e // TILE_M, e % TILE_M
                 if m0 + mm < m_size and r0 + rr < r_end:
-                    a_tile[rr, mm] = load_a(a_src, g, m0 + mm, r0 + rr)
+                    a_tile[rr, mm] = load_a(a_src, g, group, m0 + mm, r0 + rr)
                 else:
                     a_tile[rr, mm] = 0
             for t in range(B_LOADS):
@@ -301,7 +328,7 @@ def _implicit_gemm(gemm_dims, load_a, load_b, store, a_along_r, b_along_r):
                 else:
                     rr, nn = e // TILE_N, e % TILE_N
                 if n0 + nn < n_size and r0 + rr < r_end:
-                    b_tile[rr, nn] = load_b(b_src, g, r0 + rr, n0 + nn)
+                    b_tile[rr, nn] = load_b(b_src, g, group, r0 + rr, n0 + nn)
                 else:
                     b_tile[rr, nn] = 0
             cuda.syncthreads()
@@ -320,7 +347,7 @@ def _implicit_gemm(gemm_dims, load_a, load_b, store, a_along_r, b_along_r):
             for b in range(MICRO_N):
                 n = n0 + tx + b * THREADS_X
                 if m < m_size and n < n_size:
-                    store(out, bias, g, m, n, split, acc[a, b])
+                    store(out, bias, g, group, m, n, split, acc[a, b])
 
     return kernel
 
@@ -338,7 +365,7 @@ conv_weight_grad_kernel = cuda.jit(_conv_weight_grad_py)
 
 def _weight_grad_finish(partial, dw, db):
     """Adds the split-K partial sums in order s = 0, 1, ... (deterministic) and separates the
-    GEMM's columns: dw[k, tap] for the C*kh*kw taps, db[k] from the last column."""
+    GEMM's columns: dw[k, tap] for the C/groups*kh*kw taps, db[k] from the last column."""
     tap, kernel = cuda.grid(2)
     splits, k, columns = partial.shape
     if kernel < k and tap < columns:
@@ -676,13 +703,14 @@ class CudaDevice(Device):
         return cuda.to_device(a)
 
     # ---- kernel launches --------------------------------------------------------------------
-    def _forward(self, x_dev, w_dev, b_dev, stride, padding):
+    def _forward(self, x_dev, w_dev, b_dev, stride, padding, dilation=(1, 1), groups=1):
         """y = conv2d(x, w) + b on the device, (N, K, Ho, Wo)."""
-        g = _geometry(x_dev.shape, w_dev.shape, stride, padding)
-        m, n, r = _forward_dims(g)
-        y = cuda.device_array((int(g[0]), int(g[4]), int(g[7]), int(g[8])), np.float32)
-        grid = (math.ceil(n / TILE_N), math.ceil(m / TILE_M), 1)
-        conv_forward_kernel[grid, (THREADS_X, THREADS_Y)](w_dev.reshape(m, r), x_dev, y, b_dev, g, np.int32(r))
+        g = _geometry(x_dev.shape, w_dev.shape, stride, padding, dilation, groups)
+        m, n, r = _forward_dims(g)      # one group's
+        k = int(g[4])
+        y = cuda.device_array((int(g[0]), k, int(g[7]), int(g[8])), np.float32)
+        grid = (math.ceil(n / TILE_N), math.ceil(m / TILE_M), groups)
+        conv_forward_kernel[grid, (THREADS_X, THREADS_Y)](w_dev.reshape(k, r), x_dev, y, b_dev, g, np.int32(r))
         return y
 
     def _relu_pool(self, y):
@@ -702,18 +730,20 @@ class CudaDevice(Device):
         activation_pool_kernel[grid, BLOCK_2D](y, pooled, self._no_winner if winner is None else winner, pg)
         return pooled, winner
 
-    def _gradients(self, x_dev, w_dev, dy_dev, stride, padding, need_dx):
+    def _gradients(self, x_dev, w_dev, dy_dev, stride, padding, need_dx, dilation=(1, 1), groups=1):
         """(dx device or None, dw device, db device) from the pre-activation gradient dy."""
-        g = _geometry(x_dev.shape, w_dev.shape, stride, padding)
-        k, columns, r = _weight_grad_dims(g)
+        g = _geometry(x_dev.shape, w_dev.shape, stride, padding, dilation, groups)
+        kg, columns, r = _weight_grad_dims(g)       # one group's
+        k = int(g[4])
 
         # dw and db: split-K over N*Ho*Wo so that a small dw still fills the GPU
-        blocks = math.ceil(columns / TILE_N) * math.ceil(k / TILE_M)
-        splits = max(1, min(math.ceil(WGRAD_TARGET_BLOCKS / blocks), r // WGRAD_MIN_R_PER_SPLIT))
+        blocks = math.ceil(columns / TILE_N) * math.ceil(kg / TILE_M) * groups
+        splits = max(1, min(math.ceil(WGRAD_TARGET_BLOCKS / blocks), r // WGRAD_MIN_R_PER_SPLIT,
+                            cuda_channelwise.GRID_YZ_LIMIT // groups))      # groups * splits blocks along z
         r_per_split = math.ceil(math.ceil(r / splits) / TILE_R) * TILE_R
         splits = math.ceil(r / r_per_split)
         partial = cuda.device_array((splits, k, columns), np.float32)
-        grid = (math.ceil(columns / TILE_N), math.ceil(k / TILE_M), splits)
+        grid = (math.ceil(columns / TILE_N), math.ceil(kg / TILE_M), groups * splits)
         conv_weight_grad_kernel[grid, (THREADS_X, THREADS_Y)](dy_dev, x_dev, partial, self._no_bias, g,
                                                               np.int32(r_per_split))
         dw = cuda.device_array(w_dev.shape, np.float32)
@@ -723,9 +753,9 @@ class CudaDevice(Device):
 
         dx = None
         if need_dx:
-            c, pixels, r = _input_grad_dims(g)
+            cg, pixels, r = _input_grad_dims(g)
             dx = cuda.device_array(x_dev.shape, np.float32)
-            grid = (math.ceil(pixels / TILE_N), math.ceil(c / TILE_M), 1)
+            grid = (math.ceil(pixels / TILE_N), math.ceil(cg / TILE_M), groups)
             conv_input_grad_kernel[grid, (THREADS_X, THREADS_Y)](w_dev, dy_dev, dx, self._no_bias, g, np.int32(r))
         return dx, dw, db
 
@@ -739,23 +769,12 @@ class CudaDevice(Device):
                                      need_dx)
         return (dx.copy_to_host() if need_dx else None), dw.copy_to_host(), db.copy_to_host()
 
-    def declines_block(self, block):
-        """The implicit-GEMM kernels gather a dense kernel's taps from every input channel: no
-        dilation, no groups (yet)."""
-        if block.dense:
-            return ""
-        return (f"the {self.name} device's conv kernels run dense convs only (dilation 1, groups 1), not dilation "
-                f"{block.dilation} groups {block.groups}: run the layer on a CPU worker")
-
     def _conv_block(self, x, w, b, block):
-        declined = self.declines_block(block)
-        if declined:
-            raise DeviceError(declined)
         w_shape = tuple(w.shape)
         w_dev = self._resident("w", w, w_shape)
         b_dev = self._resident("b", np.zeros(w_shape[0], np.float32) if b is None else b, (w_shape[0],))
         x_dev = cuda.to_device(x)
-        y = self._forward(x_dev, w_dev, b_dev, block.stride, block.padding)
+        y = self._forward(x_dev, w_dev, b_dev, block.stride, block.padding, block.dilation, block.groups)
         out_shape = tuple(block_output_shape(x.shape, w_shape, block))
         if block.is_paper:          # the fused 2x2 kernels with int8 winners
             pooled, winner = self._relu_pool(y)
@@ -779,7 +798,9 @@ class CudaDevice(Device):
             activation_pool_backward_kernel[grid, BLOCK_2D](
                 self._no_y if ctx.y is None else ctx.y, self._no_winner if ctx.winner is None else ctx.winner,
                 cuda.to_device(dout), dy, ctx.pool_geometry)
-        dx, dw, db = self._gradients(ctx.x, w_dev, dy, ctx.block.stride, ctx.block.padding, need_dx)
+        block = ctx.block
+        dx, dw, db = self._gradients(ctx.x, w_dev, dy, block.stride, block.padding, need_dx, block.dilation,
+                                     block.groups)
         return (dx.copy_to_host() if need_dx else None), self._dw_into(dw_out, accumulate, dw), db
 
     def _on_device(self, op, verb="updates", **arrays):
