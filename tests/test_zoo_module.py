@@ -122,3 +122,21 @@ def test_the_zoo_modules_exported_program_gives_pytorchs_eval_logits(zoo_local, 
     with torch.no_grad():
         want = module(torch.from_numpy((images - mean) / std)).numpy()
     np.testing.assert_allclose(theirs, want, rtol=1e-4, atol=1e-5)
+
+
+def test_hetconv_plan_prints_a_grouped_convs_split_at_whole_groups_as_the_run_loads_it(tmp_path, capsys):
+    import json
+    from test_parallel_plan import cpu_profile
+    from hetconv.cli import plan
+    from hetconv.geometry import IMAGE_SHAPE, ConvSpec
+    (tmp_path / "zoo.py").write_text(ZOO)
+    net = f"{tmp_path / 'zoo.py'}:build"
+    specs = [ConvSpec.from_layer(b) for b in load_net(net, IMAGE_SHAPE, 10).spec.conv_layers()]
+    for name, flops in (("fast", 5e8), ("slow", 1e8)):     # 12 kernels at 5:1 is 10 and 2 (compute-bound)
+        (tmp_path / f"{name}.json").write_text(json.dumps(cpu_profile(name, specs, IMAGE_SHAPE, flops=flops).to_json()))
+    assert plan.main(["--net", net, "--devices", f"@{tmp_path / 'fast.json'},@{tmp_path / 'slow.json'}",
+                      "--link", "10gbit", "--parallel", "model", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["rows"][-1]
+    grouped = next(i for i, s in enumerate(specs) if s.groups == 4)
+    counts = [row["counts"][w][grouped] for w in sorted(row["counts"])]
+    assert sum(counts) == 12 and all(c % 3 == 0 for c in counts), counts

@@ -21,7 +21,8 @@ from hetconv.engine.costmodel import Link, dominant_term, parse_bandwidth, predi
 from hetconv.engine.graph import graph_pass
 from hetconv.engine.measure import calibrate_rounds, load_profiles, measure_coordinator_s, measure_loopback
 from hetconv.engine.microbatch import cheapest_micro_batches, micro_batch_count
-from hetconv.engine.planner import CoresTogether, PlanError, check_profiles, choose_modes, forced_modes, make_plan
+from hetconv.engine.planner import (CoresTogether, PlanError, check_profiles, choose_modes, forced_modes, make_plan,
+                                    whole_groups)
 from hetconv.flags import HelpFormatter, add_version, check_output_file, show_progress, still_working, usable_cores
 from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES, ConvSpec, layer_input_shapes
 from hetconv.training.config import Config, add_config_flags
@@ -230,7 +231,9 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
             choice = choose_modes(specs, image, cfg.batch_size, subset_profiles, link,
                                   "model" if cfg.exchange == "star" else cfg.parallel, micro, value_bytes(wire),
                                   graph=graph)
-            plan = make_plan([s.kernels for s in specs], speeds, cfg.split, modes=choice.modes, batch=cfg.batch_size)
+            # a grouped conv's shares at whole groups, as the run loads them
+            plan = whole_groups(make_plan([s.kernels for s in specs], speeds, cfg.split, modes=choice.modes,
+                                          batch=cfg.batch_size), specs)
         except PlanError as e:
             print(f"hetconv-plan: {n} device(s): {e}", file=sys.stderr)
             return 2
