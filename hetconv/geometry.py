@@ -226,15 +226,8 @@ class ConvSpec:
         arrays = [StateArray("w", self.weight_shape, group="weight", on_device=True),
                   StateArray("b", (k,), group="bias", on_device=True)]
         for i, bn in self.batchnorms:
-            if bn.affine:
-                arrays += [StateArray(f"bn{i}.weight", (k,), group="norm"), StateArray(f"bn{i}.bias", (k,), group="bias")]
-            arrays += [StateArray(f"bn{i}.running_mean", (k,), kind="buffer"),
-                       StateArray(f"bn{i}.running_var", (k,), kind="buffer"),
-                       StateArray(f"bn{i}.num_batches_tracked", (), "int64", "buffer")]
-        if optimizer:
-            arrays += [StateArray(slot_name(a.name, slot), a.shape, a.dtype, "slot", a.group, a.on_device)
-                       for a in self.trained(arrays) for slot in SLOTS[optimizer]]
-        return arrays
+            arrays += batchnorm_arrays(f"bn{i}.", k, bn)
+        return arrays + _slots(self.trained(arrays), optimizer)
 
     def trained(self, arrays=None):
         """The params the optimizer moves: all but a bias the layer does not have."""
@@ -248,9 +241,7 @@ class ConvSpec:
         k = len(w)
         state = {"w": np.asarray(w, np.float32), "b": np.zeros(k, np.float32) if b is None
                  else np.asarray(b, np.float32)}
-        for a in self.state_layout()[2:]:
-            fill = 1 if a.name.endswith((".weight", ".running_var")) else 0
-            state[a.name] = np.full((k,) + a.shape[1:] if a.per_kernel else a.shape, fill, a.dtype)
+        state.update(_initial(self.state_layout()[2:], k))
         return state
 
     def conv_hw(self, h, w):
@@ -282,6 +273,56 @@ class ConvSpec:
                 + (f" groups {b.groups}" if b.groups != 1 else "")
                 + (", relu" if b.activation == "relu" else "") + pool
                 + "".join(f", {_op_text(op)}" for op in self.tail))
+
+
+def batchnorm_arrays(prefix, channels, bn):
+    """A BatchNorm's state over `channels`, its names under `prefix`: weight and bias (where
+    affine), running mean and variance, and the count of batches tracked, as BatchNorm2d's
+    state_dict has them."""
+    arrays = []
+    if bn.affine:
+        arrays += [StateArray(f"{prefix}weight", (channels,), group="norm"),
+                   StateArray(f"{prefix}bias", (channels,), group="bias")]
+    return arrays + [StateArray(f"{prefix}running_mean", (channels,), kind="buffer"),
+                     StateArray(f"{prefix}running_var", (channels,), kind="buffer"),
+                     StateArray(f"{prefix}num_batches_tracked", (), "int64", "buffer")]
+
+
+def _slots(trained, optimizer):
+    """The optimizer's slot arrays of every parameter that trains (none without an optimizer)."""
+    if not optimizer:
+        return []
+    return [StateArray(slot_name(a.name, slot), a.shape, a.dtype, "slot", a.group, a.on_device)
+            for a in trained for slot in SLOTS[optimizer]]
+
+
+def _initial(arrays, rows=None):
+    """BatchNorm's PyTorch start for these arrays: weights and running variances 1, the rest 0;
+    per-channel arrays with `rows` rows where given."""
+    return {a.name: np.full((rows,) + a.shape[1:] if rows is not None and a.per_kernel else a.shape,
+                            1 if a.name.endswith((".weight", ".running_var")) or a.name in ("weight", "running_var")
+                            else 0, a.dtype)
+            for a in arrays}
+
+
+@dataclass(frozen=True)
+class NormSpec:
+    """A BatchNorm between conv blocks (on a residual sum, a concatenation, or a per-channel layer
+    after one): the graph runs it where the tensor is whole, and its state lives there, named as
+    BatchNorm2d's state_dict names it ("weight", "running_mean", ...)."""
+    channels: int
+    op: channelwise.BatchNorm
+
+    def state_layout(self, optimizer=None):
+        arrays = batchnorm_arrays("", self.channels, self.op)
+        return arrays + _slots(self.trained(arrays), optimizer)
+
+    def trained(self, arrays=None):
+        return [a for a in (arrays if arrays is not None else self.state_layout()) if a.kind == "param"]
+
+    def initial_state(self):
+        """BatchNorm2d's start: weight 1, bias 0, running mean 0 and variance 1, no batches tracked."""
+        return _initial(self.state_layout())
 
 
 def layer_state(spec, state):

@@ -1020,8 +1020,8 @@ def _describe_call(key):
 
 
 class _ChannelKernels:
-    """The activation and pool kernels of the CPU device, which the coordinator's host arrays
-    use too (a graph's nodes between blocks)."""
+    """The activation, pool and BatchNorm kernels of the CPU device, which the coordinator's host
+    arrays use too (a graph's nodes between blocks)."""
 
     def _activation(self, x, act):
         return cpu_channelwise.activation(x, act)
@@ -1034,6 +1034,18 @@ class _ChannelKernels:
 
     def _pool_backward(self, pool, saved, in_shape, dy):
         return cpu_channelwise.pool_backward(pool, saved, in_shape, dy)
+
+    def _plane_sums(self, a, b, shift):
+        return cpu_channelwise.plane_sums(a, b, shift)
+
+    def _normalize(self, x, mean, scale, shift):
+        return cpu_channelwise.normalize(x, mean, scale, shift), x
+
+    def _batchnorm_grad_sums(self, saved, dy, mean):
+        return cpu_channelwise.plane_sums(dy, saved, mean)
+
+    def _batchnorm_backward(self, saved, dy, mean, mean_dy, k, a):
+        return cpu_channelwise.batchnorm_backward(saved, dy, mean, mean_dy, k, a)
 
 
 class CpuDevice(Device):
@@ -2023,18 +2035,10 @@ class CpuDevice(Device):
     _activation_backward = _ChannelKernels._activation_backward
     _pool = _ChannelKernels._pool
     _pool_backward = _ChannelKernels._pool_backward
-
-    def _plane_sums(self, a, b, shift):
-        return cpu_channelwise.plane_sums(a, b, shift)
-
-    def _normalize(self, x, mean, scale, shift):
-        return cpu_channelwise.normalize(x, mean, scale, shift), x
-
-    def _batchnorm_grad_sums(self, saved, dy, mean):
-        return cpu_channelwise.plane_sums(dy, saved, mean)
-
-    def _batchnorm_backward(self, saved, dy, mean, mean_dy, k, a):
-        return cpu_channelwise.batchnorm_backward(saved, dy, mean, mean_dy, k, a)
+    _plane_sums = _ChannelKernels._plane_sums
+    _normalize = _ChannelKernels._normalize
+    _batchnorm_grad_sums = _ChannelKernels._batchnorm_grad_sums
+    _batchnorm_backward = _ChannelKernels._batchnorm_backward
 
     def _channel_scale(self, x, mask):
         return cpu_channelwise.channel_scale(x, mask)

@@ -52,7 +52,7 @@ def ghost_groups(batch, ghost):
     return -(-batch // ghost) if ghost else 1
 
 
-def _segments(rows, batch, ghost):
+def statistics_segments(rows, batch, ghost):
     """The pieces of a micro-batch (its rows `rows`, a slice of the step's batch) by statistics
     group: [(group, first local row, end local row)]."""
     size = ghost or batch
@@ -65,7 +65,7 @@ def _segments(rows, batch, ghost):
     return out
 
 
-def _group_sums(per_segment, held, segments, groups, channels):
+def group_sums(per_segment, held, segments, groups, channels):
     """((groups, 2, C) float64 sums of per_segment(m, a, b) over every piece of each group, added in
     micro-batch and row order, zeros where this shard holds none of a group; and each group's count
     of values per channel here)."""
@@ -124,7 +124,7 @@ class LayerChain:
             y, ctx = dev.conv_block(sl.conv_input(x), sl.w, sl.b, sl.block)
             ctxs = [ctx] + [None] * len(tail)
             rows[m] = slice(row0, row0 + len(x))
-            segments[m] = _segments(rows[m], batch, ghost)
+            segments[m] = statistics_segments(rows[m], batch, ghost)
             y = self._ops(0, first, y, ctxs, train, dropout, rows[m])
             if train:
                 sl.ctx[m] = ctxs
@@ -134,7 +134,7 @@ class LayerChain:
                 done(m, y)
         for b, index in enumerate(barriers):
             bn = tail[index]
-            sums, counts = _group_sums(lambda m, a, b: dev.channel_sums(held[m][a:b]), held, segments, groups,
+            sums, counts = group_sums(lambda m, a, b: dev.channel_sums(held[m][a:b]), held, segments, groups,
                                        sl.stop - sl.start)
             if reduce is not None:
                 sums, counts = reduce(("bn_forward", index), sums, counts)
@@ -230,7 +230,7 @@ class LayerChain:
             ctxs = {m: sl.ctx[m] for m in held}
             segments = {m: [(group, a, c) for group, a, c, _ in ctxs[m][1 + index]] for m in held}
             piece_ctx = {(m, a): ctx for m in held for _, a, _, ctx in ctxs[m][1 + index]}
-            sums, counts = _group_sums(lambda m, a, c: dev.batchnorm_grad_sums(piece_ctx[m, a], held[m][a:c]), held,
+            sums, counts = group_sums(lambda m, a, c: dev.batchnorm_grad_sums(piece_ctx[m, a], held[m][a:c]), held,
                                        segments, sl.groups, sl.stop - sl.start)
             if reduce is not None:
                 sums, counts = reduce(("bn_backward", index), sums, counts)
