@@ -421,14 +421,14 @@ def _with(change):
     (lambda n: n[2].update(stride=2), "layer 4 (add): adds inputs of different shapes: a_bn 4x4x4, stem_relu 4x8x8"),
     (lambda n: n[7].update(inputs=["b", "stem"]) or n[6].update(stride=2),
      "layer 7 (concat): joins maps of different heights and widths: b 2x4x4, stem 4x8x8"),
-    (lambda n: n[5].update(type="batchnorm"), "layer 5 (batchnorm): reads sum, which is not a conv block's output"),
+    (lambda n: n[5].update(type="dropout2d"), "layer 5 (dropout2d): reads sum, which is not a conv block's output"),
     (lambda n: n[4].update(inputs=["a_bn"]), "layer 4 (add): add takes two or more inputs, got 1"),
     (lambda n: n[1].update(name="input"), "node 1: name 'input': expected 1 to 200 letters"),
     (lambda n: n[6].update(name="a"), "node 6: two nodes are named 'a'"),
     (lambda n: n.insert(6, _node("spare", ["out"], type="relu")), "layer 6 (relu): its output is used by no node"),
     (lambda n: n.insert(10, _node("drop", ["flatten"], type="dropout")),
      "layer 11 (linear): after flatten the layers form a chain"),
-], ids=["unknown input", "later input", "sum of shapes", "concatenation of sizes", "norm after a sum",
+], ids=["unknown input", "later input", "sum of shapes", "concatenation of sizes", "channel dropout after a sum",
         "sum of one", "reserved name", "two names", "unused node", "head not a chain"])
 def test_a_graph_that_cannot_run_is_refused_naming_the_node(change, message):
     with pytest.raises(ValueError) as e:

@@ -320,15 +320,15 @@ class _CatHeight(nn.Module):
         return self.fc(torch.flatten(torch.cat([self.a(x), self.b(x)], dim=2), 1))
 
 
-class _NormAfterSum(nn.Module):
+class _DropoutAfterSum(nn.Module):
     def __init__(self):
         super().__init__()
         self.conv = nn.Conv2d(3, 3, 3, padding=1)
-        self.bn = nn.BatchNorm2d(3)
+        self.drop = nn.Dropout2d(0.1)
         self.fc = nn.Linear(3 * 16 * 16, 10)
 
     def forward(self, x):
-        return self.fc(torch.flatten(self.bn(self.conv(x) + x), 1))
+        return self.fc(torch.flatten(self.drop(self.conv(x) + x), 1))
 
 
 class _SumOfShapes(nn.Module):
@@ -366,15 +366,15 @@ class _Softmin(nn.Module):
                      "constant to a tensor"),
     (_CatHeight(), "torch.cat(...) in `return self.fc(torch.flatten(torch.cat([self.a(x), self.b(x)], dim=2), 1))` at "
                    "{file}:{line}: concatenates along dim 2; expected dim=1"),
-    (_NormAfterSum(), "module bn (BatchNorm2d) in `return self.fc(torch.flatten(self.bn(self.conv(x) + x), 1))` at "
-                      "{file}:{line}: reads add, which is not a conv block's output"),
+    (_DropoutAfterSum(), "module drop (Dropout2d) in `return self.fc(torch.flatten(self.drop(self.conv(x) + x), 1))` "
+                         "at {file}:{line}: reads add, which is not a conv block's output"),
     (_SumOfShapes(), "x + y in `return self.fc(torch.flatten(self.conv(x) + x, 1))` at {file}:{line}: adds inputs of "
                      "different shapes: conv 2x16x16, input 3x16x16"),
     (_Shared(), "self.conv(...) (Conv2d) in `return self.fc(torch.flatten(self.conv(self.conv(x)), 1))` at "
                 "{file}:{line}: module conv is called twice with the same weights"),
     (_Softmin(), "F.softmin(...) in `return self.fc(torch.flatten(torch.nn.functional.softmin(self.conv(x), dim=1), "
                  "1))` at {file}:{line}: not supported; supported: Conv2d"),
-], ids=["constant sum", "concatenation of heights", "norm after a sum", "sum of shapes", "shared weights",
+], ids=["constant sum", "concatenation of heights", "channel dropout after a sum", "sum of shapes", "shared weights",
         "unsupported function"])
 def test_a_traced_module_with_an_op_hetconv_cannot_run_is_refused_naming_the_users_line(module, what):
     import inspect

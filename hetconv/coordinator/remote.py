@@ -31,6 +31,7 @@ from hetconv.engine.contract import (ShardEngine, WorkerError, WorkerLost,  # no
                                      concat_channels)
 from hetconv.engine.conv_precision import checked_choices as _conv_path_choices
 from hetconv.engine.costmodel import Link, parse_bandwidth, predict_any, profiles_from_calibration
+from hetconv.engine.graph import peer_refusal
 from hetconv.engine.measure import calibrate_local, measure_loopback
 from hetconv.engine.microbatch import cheapest_micro_batches, micro_batch_count, priced_text
 from hetconv.engine.planner import (PlanError, choose_modes, cost_lines, cpu_groups, forced_modes, image_ranges,
@@ -848,6 +849,9 @@ class RemoteEngine(ShardEngine):
         return dataclasses.replace(plan, left_out=dict(model_plan.left_out) if model_plan else {})
 
     def load(self, plan, specs, params):
+        refusal = peer_refusal(self.graph.spec) if self.graph is not None and self.exchange == "peer" else None
+        if refusal:
+            raise PlanError(refusal)
         super().load(plan, specs, params)
         if self.exchange == "peer":
             self._connect_peers()

@@ -228,12 +228,16 @@ class ShardEngine:
         """params: per layer its whole state, {name: full array} as ConvSpec.state_layout names it
         (optimizer slots may be missing: they start at zero), or the old (w, b, vw, vb); each
         worker gets its kernels' rows of every per-kernel array (a data layer's range is every
-        kernel, so each of its workers gets the whole layer) and every scalar whole."""
+        kernel, so each of its workers gets the whole layer) and every scalar whole. A graph's
+        BatchNorm nodes between blocks (NetSpec.norm_nodes) have their states after the blocks', in
+        order: the graph keeps them."""
         if self.exchange != "peer" and len(plan.workers) > 1 and "data" in plan.modes():
             raise PlanError(f"--exchange {self.exchange} sends every layer through the coordinator and splits only "
                             f"kernels: data-parallel layers ({plan.modes()}) need --exchange peer")
         plan = whole_groups(plan, specs)       # a grouped conv's shards hold whole groups
         self.plan, self.specs = plan, list(specs)
+        if self.graph is not None:             # the BatchNorm nodes' states follow the blocks'
+            self.graph.load_norms(params[len(specs):], self.optimizer)
         for lp, spec, state in zip(plan.layers, specs, params):
             state = layer_state(spec, state)
             layout = [a for a in spec.state_layout(self.optimizer) if a.name in state]
@@ -348,10 +352,13 @@ class ShardEngine:
                 grads = self.backward_layer(layer, grads, need_dx=layer > 0)
         factor = 1.0
         if update is not None and update.max_norm > 0:
-            factor = clip_factor(self.sum_of_squares() + head_sum_of_squares(), update.max_norm)
+            norms = self.graph.norm_sum_of_squares() if self.graph is not None else 0.0
+            factor = clip_factor(self.sum_of_squares() + norms + head_sum_of_squares(), update.max_norm)
             update = update.scaled(factor)
         if update is not None:
             self.update_layers(update)
+            if self.graph is not None:
+                self.graph.update_norms(update)
         self.measured_steps += 1
         return factor
 
@@ -366,7 +373,7 @@ class ShardEngine:
     def gather(self):
         """Per layer its whole state {name: array}: a model layer's slices concatenated in plan
         order (scalars from the plan's first worker); a data layer's one copy (every worker holds
-        the same state), from the plan's first worker."""
+        the same state), from the plan's first worker. Then a graph's BatchNorm nodes' states."""
         out, asked = [], set()
         for lp in self.plan.layers:
             holders = self.plan.workers[:1] if lp.mode == "data" else self.plan.workers
@@ -402,6 +409,8 @@ class ShardEngine:
                                  "gathering the conv path records")
             for name in rest:
                 self._keep_conv_path_record(name, replies[name][1])
+        if self.graph is not None:             # the BatchNorm nodes' states after the blocks', as load takes them
+            out += self.graph.norm_states()
         return out
 
     def _keep_conv_path_record(self, name, fields):

@@ -9,6 +9,16 @@ residual sum, a pool on a concatenation or on the network's input). Their cost i
 the tensors they touch, small beside the convs around them (resnet18 at batch 256: its largest
 add is 64x32x32 per image, 67 MB, against the 1.2 GFLOP per image of the convs that feed it).
 
+A BatchNorm between blocks (a pre-activation block's, on the previous block's sum) runs here on
+the whole tensor too, exactly as in a block: in training its statistics are the step's whole batch
+(every micro-batch's channel sums added in micro-batch order before any is normalised, and in
+backward the sums of dy and dy*x_hat likewise: chain.group_sums, the code a block's BatchNorm
+sums with), in evaluation the running ones. Its state (weight, bias, running statistics and the
+optimizer's slots) lives in this pass, follows the blocks' in the conv part's state (load, gather)
+and takes the step's update here with the host's update kernels, as the head's does. What it
+costs: a barrier (every micro-batch's sum before the first is normalised) and one more pass over
+the tensor each way.
+
 Backward walks the steps in reverse. A tensor read by several steps (a residual block's input:
 the block and its skip path) gets the sum of their gradients, added in the reverse order of the
 steps that read it, so one network and batch always give the same sums whatever the split.
@@ -17,15 +27,32 @@ import math
 
 import numpy as np
 
-from hetconv.channelwise import Activation, GlobalPool, Pool
+from hetconv.channelwise import (Activation, GlobalPool, Pool, batch_statistics, batchnorm_parameter_grads,
+                                 eval_statistics, update_running_statistics)
+from hetconv.engine.chain import ghost_groups, group_sums, statistics_segments
 from hetconv.engine.costmodel import GraphShape
 from hetconv.net.spec import Add, Concat
+from hetconv.update import apply_update, slot_name
 
 
 def graph_pass(spec, host):
     """What an engine runs `spec`'s conv part with (its `graph`): a GraphPass where the network is
     not a chain, None for a chain (the engine's own layer-by-layer step)."""
     return None if spec.is_chain() else GraphPass(spec, host)
+
+
+def peer_refusal(spec):
+    """Why the peer exchange cannot run `spec` (a NetSpec), or None: its workers run the graph's
+    joins each on its own copy of the whole tensors, and nothing there yet holds, updates or
+    gathers a BatchNorm node's state (it lives in the GraphPass of the process that runs the
+    joins: the coordinator with --local and --exchange star)."""
+    nodes = spec.norm_nodes()
+    if not nodes:
+        return None
+    names = ", ".join(spec.names[i] for i in nodes[:4]) + (" ..." if len(nodes) > 4 else "")
+    return (f"BatchNorm between conv blocks ({names}: a pre-activation block's, on a sum or a concatenation) runs "
+            f"with --local or --exchange star (the coordinator holds the whole tensor and the BatchNorm's state); "
+            f"--exchange peer does not run it yet")
 
 
 class GraphPass:
@@ -38,11 +65,15 @@ class GraphPass:
         self.steps = spec.graph_steps()
         self.feature = spec.feature_node()
         self.host = host
-        # which tensors a gradient must reach: a block's output and what is made from one (the
-        # network's input and what is made from it alone need none)
+        self.norms = dict(zip(spec.norm_nodes(), spec.norm_specs()))     # node -> NormSpec, in order
+        self.norm_state = {node: norm.initial_state() for node, norm in self.norms.items()}
+        self.norm_grads = {}                # node -> {"weight": dweight, "bias": dbias} of the step
+        # which tensors a gradient must reach: a block's output, a BatchNorm node's (its weight
+        # and bias train), and what is made from one (the network's input and what is made from
+        # it alone need none)
         requires = {-1: False}
         for st in self.steps:
-            requires[st.output] = st.kind == "block" or any(requires[j] for j in st.inputs)
+            requires[st.output] = st.kind == "block" or st.output in self.norms or any(requires[j] for j in st.inputs)
         self.requires = requires
         # after which step each tensor is read no more (its forward copy can go)
         last_read = {}
@@ -51,6 +82,44 @@ class GraphPass:
                 last_read[j] = n
         self.last_read = last_read
         self._saved = {}
+
+    # ---- the BatchNorm nodes' state ----------------------------------------------------------------
+    def load_norms(self, states, optimizer):
+        """Each BatchNorm node's state {name: array} in NetSpec.norm_nodes() order (copied; the
+        optimizer's slots may be missing: they start at zero)."""
+        if len(states) != len(self.norms):
+            raise ValueError(f"the network has {len(self.norms)} BatchNorm nodes between its blocks, "
+                             f"{len(states)} states were given")
+        for (node, norm), state in zip(self.norms.items(), states):
+            held = {}
+            for a in norm.state_layout(optimizer):
+                if a.name not in state and a.kind != "slot":
+                    raise ValueError(f"BatchNorm node {self.spec.names[node]}: no {a.name} in its state")
+                v = np.array(state[a.name], a.dtype, copy=True) if a.name in state else np.zeros(a.shape, a.dtype)
+                if v.shape != tuple(a.shape):
+                    raise ValueError(f"BatchNorm node {self.spec.names[node]}: {a.name} has shape {v.shape}, "
+                                     f"expected {tuple(a.shape)}")
+                held[a.name] = v
+            self.norm_state[node] = held
+        self.norm_grads = {}
+
+    def norm_states(self):
+        """Copies of each BatchNorm node's state, in NetSpec.norm_nodes() order."""
+        return [{name: np.array(a, copy=True) for name, a in self.norm_state[node].items()} for node in self.norms]
+
+    def norm_sum_of_squares(self):
+        """The squared norm of the BatchNorm nodes' gradients of the step (float64)."""
+        return sum(self.host.sum_of_squares(g) for grads in self.norm_grads.values() for g in grads.values())
+
+    def update_norms(self, rule):
+        """The step's one update of each BatchNorm node's weight and bias (`rule`, an UpdateRule)."""
+        for node, grads in self.norm_grads.items():
+            state = self.norm_state[node]
+            for a in self.norms[node].trained():
+                slots = {slot: state.setdefault(slot_name(a.name, slot), np.zeros(a.shape, a.dtype))
+                         for slot in rule.slots}
+                apply_update(self.host, state[a.name], slots, grads[a.name], rule, a.group)
+        self.norm_grads = {}
 
     def shape(self):
         """What the cost model prices a graph's blocks with (costmodel.GraphShape)."""
@@ -66,6 +135,10 @@ class GraphPass:
         for n, st in enumerate(self.steps):
             if st.kind == "block":
                 out = engine.forward_layer(st.block, tensors[st.inputs[0]], train, step)
+            elif st.output in self.norms:
+                out, ctxs = self._norm_forward(st.output, tensors[st.inputs[0]], train, engine.bn_ghost_batch)
+                if train:
+                    self._saved[st.output] = ctxs
             else:
                 out, ctxs = [], []
                 for m in range(len(xs)):
@@ -79,6 +152,53 @@ class GraphPass:
                 if self.last_read[j] == n and j != self.feature:
                     del tensors[j]
         return tensors[self.feature]
+
+    def _norm_forward(self, node, xs, train, ghost):
+        """BatchNorm node `node` over every micro-batch xs: in training with the statistics of
+        each group of the step's batch (the whole batch, or `ghost` images each), its running
+        statistics moving once per group, as a block's BatchNorm does -> (outputs, per micro-batch
+        [(group, first row, end row, context)])."""
+        op, state, host = self.norms[node].op, self.norm_state[node], self.host
+        weight, bias = (state["weight"], state["bias"]) if op.affine else (None, None)
+        if not train:
+            mean, invstd = eval_statistics(op, state["running_mean"], state["running_var"])
+            return [host.batchnorm_apply(x, mean, invstd, weight, bias)[0] for x in xs], None
+        batch = sum(len(x) for x in xs)
+        groups, starts = ghost_groups(batch, ghost), np.cumsum([0] + [len(x) for x in xs])
+        held = dict(enumerate(xs))
+        segments = {m: statistics_segments(slice(int(starts[m]), int(starts[m + 1])), batch, ghost) for m in held}
+        sums, counts = group_sums(lambda m, a, b: host.channel_sums(held[m][a:b]), held, segments, groups,
+                                  self.norms[node].channels)
+        stats = [batch_statistics(op, s[0], s[1], int(n)) for s, n in zip(sums, counts)]
+        for group in stats:                 # one BatchNorm call per group, in order
+            mean, var, tracked = update_running_statistics(op, state["running_mean"], state["running_var"],
+                                                           int(state["num_batches_tracked"]), group)
+            state["running_mean"][...], state["running_var"][...] = mean, var
+            state["num_batches_tracked"][...] = tracked
+        out, ctxs = [], []
+        for m in held:
+            ys = [host.batchnorm_apply(held[m][a:c], stats[g].mean32, stats[g].invstd32, weight, bias)
+                  for g, a, c in segments[m]]
+            out.append(_join([y for y, _ in ys]))
+            ctxs.append([(g, a, c, ctx) for (g, a, c), (_, ctx) in zip(segments[m], ys)])
+        return out, (ctxs, groups)
+
+    def _norm_backward(self, node, saved, dys):
+        """Back through BatchNorm node `node`: the sums of dy and dy*x_hat of each statistics
+        group over every micro-batch, in micro-batch order, then each micro-batch's dx; the
+        weight's and bias's gradients (every group's, in order) kept for the step's update."""
+        op, host = self.norms[node].op, self.host
+        ctxs, groups = saved
+        held = dict(enumerate(dys))
+        segments = {m: [(g, a, c) for g, a, c, _ in ctxs[m]] for m in held}
+        piece_ctx = {(m, a): ctx for m in held for _, a, _, ctx in ctxs[m]}
+        sums, counts = group_sums(lambda m, a, c: host.batchnorm_grad_sums(piece_ctx[m, a], held[m][a:c]), held,
+                                  segments, groups, self.norms[node].channels)
+        if op.affine:
+            dweight, dbias = batchnorm_parameter_grads(sums[:, 0].sum(axis=0), sums[:, 1].sum(axis=0))
+            self.norm_grads[node] = {"weight": dweight, "bias": dbias}
+        return [_join([host.batchnorm_backward(piece_ctx[m, a], held[m][a:c], sums[g, 0], sums[g, 1], int(counts[g]))
+                       for g, a, c in segments[m]]) for m in held]
 
     def _node_forward(self, layer, inputs):
         if isinstance(layer, Add):
@@ -111,7 +231,10 @@ class GraphPass:
                     self._accumulate(pending, source, dx)
                 continue
             ctxs = self._saved.pop(st.output)
-            parts = [self._node_backward(st.layer, ctx, g) for ctx, g in zip(ctxs, dy)]
+            if st.output in self.norms:
+                parts = [[g] for g in self._norm_backward(st.output, ctxs, dy)]
+            else:
+                parts = [self._node_backward(st.layer, ctx, g) for ctx, g in zip(ctxs, dy)]
             for k, j in enumerate(st.inputs):
                 if self.requires[j]:
                     self._accumulate(pending, j, [p[k] for p in parts])
@@ -144,3 +267,7 @@ class GraphPass:
 
     def predict(self, engine, x):
         return self.forward(engine, [x], False)[0]
+
+
+def _join(pieces):
+    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=0)

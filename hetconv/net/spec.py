@@ -36,7 +36,7 @@ import math
 import numpy as np
 
 from hetconv import channelwise
-from hetconv.geometry import ConvBlock
+from hetconv.geometry import ConvBlock, NormSpec
 from hetconv.params import default_init
 
 # ---- checked values ---------------------------------------------------------------------------
@@ -772,14 +772,27 @@ class NetSpec:
                                     layer_indices=tuple(rest), source=source, node=members[-1]))
         for i in range(flatten_at):
             layer = self.layers[i]
-            if i not in owned and isinstance(layer, (BatchNorm, Dropout2d)):
+            if i not in owned and isinstance(layer, Dropout2d):
                 raise LayerError(i, layer, f"reads {self._name(self.inputs[i][0])}, which is not a conv block's "
                                            f"output: a {layer.type} runs where its channels are, in the block of the "
                                            f"conv before it (conv, then per-channel layers, each the only reader of "
-                                           f"the one before); a sum or concatenation may be followed by activations and pools "
-                                           f"(the coordinator runs them), not by a {layer.type}: pre-activation blocks "
-                                           f"(a BatchNorm on a residual sum) are not supported yet")
+                                           f"the one before); a sum or concatenation may be followed by activations, "
+                                           f"pools and BatchNorm (the graph runs them on the whole tensor), not by a "
+                                           f"{layer.type}")
         return blocks
+
+    def norm_nodes(self):
+        """The positions of the BatchNorms outside every conv block (on a residual sum, a
+        concatenation, or a per-channel layer after one: a pre-activation block's), in order. The
+        graph runs them; their state follows the blocks' in the conv part's state."""
+        if self.is_chain():
+            return []
+        owned = {i for b in self.conv_layers() for i in (b.index,) + b.layer_indices}
+        return [i for i in range(self._flatten_index()) if i not in owned and isinstance(self.layers[i], BatchNorm)]
+
+    def norm_specs(self):
+        """A NormSpec (channels, op) per norm_nodes() entry."""
+        return [NormSpec(self._shapes[i][0], self.layers[i].channel_op()) for i in self.norm_nodes()]
 
     def graph_steps(self):
         """The conv part as GraphSteps in order: each block where its conv is, each node the
@@ -848,6 +861,7 @@ class NetSpec:
         conv, fc = self.parameter_shapes()
         norms = sum(2 * layer.kernels for layer in self.conv_layers() for op in layer.tail
                     if op.type == "batchnorm" and op.affine)
+        norms += sum(2 * norm.channels for norm in self.norm_specs() if norm.op.affine)
         return sum(int(np.prod(w)) + (int(np.prod(b)) if b else 0) for w, b in conv + fc) + norms
 
     # ---- stored form and logs -------------------------------------------------------------------

@@ -167,7 +167,8 @@ def from_torch(module, input_shape):
     chain of supported modules and functions (F.relu, torch.flatten, x.view(x.size(0), -1), ...);
     the class count is the last Linear's out_features. A conv layer's state is {name: array} as
     ConvSpec.state_layout names it: its weights and bias, and its tail's BatchNorm weights, biases
-    and running statistics."""
+    and running statistics; after the conv layers', each BatchNorm between blocks (NetSpec.norm_nodes)
+    has its state as NormSpec.state_layout names it."""
     if _is_plain_sequential(module):
         flat = _flat_modules(module)
         steps = [(f"module {path} ({type(m).__name__})", m, None, None, None) for path, m in flat]
@@ -226,6 +227,12 @@ def from_torch(module, input_shape):
                                      f"{conv.kernels} channels")
                 state.update({f"bn{t}.{name}": a for name, a in _batchnorm_state(m).items()})
         states.append(state)
+    for index, norm in zip(spec.norm_nodes(), spec.norm_specs()):     # BatchNorms between blocks, after the blocks
+        path, m = by_index[index]
+        if m.num_features != norm.channels:
+            raise ValueError(f"module {path} (BatchNorm2d): num_features {m.num_features}, but its input has "
+                             f"{norm.channels} channels")
+        states.append(_batchnorm_state(m))
     conv_params = states
     for op in spec.head():
         if op.type == "linear":
@@ -585,10 +592,13 @@ def state_dict(spec, conv_params, fc_params):
     "NAME.weight", "NAME.bias", "NAME.running_mean", "NAME.num_batches_tracked" by the layer's
     name, which is its position ("0.weight", as nn.Sequential names them) unless the network
     names its nodes (a traced module's own paths: "layer1.0.conv1.weight"). conv_params: per conv layer its state
-    {name: array}, or (w, b) with its BatchNorms at PyTorch's start; fc_params: per linear (w, b)."""
+    {name: array}, or (w, b) with its BatchNorms at PyTorch's start, then per BatchNorm between blocks
+    (NetSpec.norm_nodes) its state (at PyTorch's start where not given); fc_params: per linear (w, b)."""
     conv_shapes, fc_shapes = spec.parameter_shapes()
+    blocks = len(conv_shapes)
+    norm_params = list(conv_params[blocks:]) or [norm.initial_state() for norm in spec.norm_specs()]
     conv_params = [p if isinstance(p, dict) else ConvSpec.from_layer(layer).initial_state(*p)   # BatchNorm at its start
-                   for p, layer in zip(conv_params, spec.conv_layers())]
+                   for p, layer in zip(conv_params[:blocks], spec.conv_layers())]
     _check_params("conv", [(p["w"], p.get("b")) for p in conv_params], conv_shapes, optional_bias=True)
     _check_params("fc", fc_params, fc_shapes, optional_bias=True)
     out = {}
@@ -606,6 +616,14 @@ def state_dict(spec, conv_params, fc_params):
                     raise ValueError(f"conv layer {layer.index}: no {key} for its BatchNorm (layer {index})")
                 out[f"{spec.names[index]}.{name}"] = np.asarray(state[key], np.int64 if name == "num_batches_tracked" else
                                                     np.float32)
+    if len(norm_params) != len(spec.norm_nodes()):
+        raise ValueError(f"the network has {len(spec.norm_nodes())} BatchNorms between its blocks, {len(norm_params)} "
+                         f"states were given after its {blocks} conv layers'")
+    for index, norm, state in zip(spec.norm_nodes(), spec.norm_specs(), norm_params):
+        for a in norm.state_layout():
+            if a.name not in state:
+                raise ValueError(f"BatchNorm node {spec.names[index]}: no {a.name} in its state")
+            out[f"{spec.names[index]}.{a.name}"] = np.asarray(state[a.name], a.dtype)
     linears = [op for op in spec.head() if op.type == "linear"]
     for op, (w, b) in zip(linears, fc_params):
         out[f"{spec.names[op.index]}.weight"] = np.asarray(w, np.float32)

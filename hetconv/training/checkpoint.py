@@ -80,7 +80,9 @@ def expected_arrays(spec, optimizer="sgd", form=FORMAT):
     """{name: Expected} every checkpoint of the network `spec` (a NetSpec) trained with
     `optimizer` holds: per conv layer i, `convI.` and each name of its ConvSpec.state_layout (the
     conv's w and b, its tail's BatchNorm weights, biases and running statistics, and the
-    optimizer's slots of every parameter that trains); per linear layer i, `fcI.` w, b and the
+    optimizer's slots of every parameter that trains), then per BatchNorm between blocks (a graph's
+    NetSpec.norm_nodes, numbered on after the conv layers) its NormSpec.state_layout's names; per
+    linear layer i, `fcI.` w, b and the
     slots of w (and of b where the layer has one). A bias a layer does not have is zero. Format 2
     held only w, b and SGD's momentum vw, vb. The one place this set is written down: every reader
     (resume, eval, classify, export) checks against it."""
@@ -98,6 +100,9 @@ def expected_arrays(spec, optimizer="sgd", form=FORMAT):
         conv = ConvSpec.from_layer(layer)
         for a in conv.state_layout(optimizer):
             table[f"conv{i}.{a.name}"] = Expected(np.dtype(a.dtype), tuple(a.shape), zero=a.name == "b" and not conv.bias)
+    for i, norm in enumerate(spec.norm_specs(), start=len(conv_shapes)):
+        for a in norm.state_layout(optimizer):
+            table[f"conv{i}.{a.name}"] = Expected(np.dtype(a.dtype), tuple(a.shape))
     for i, (w_shape, b_shape) in enumerate(fc_shapes):
         table[f"fc{i}.w"] = Expected(f32, tuple(w_shape))
         table[f"fc{i}.b"] = Expected(f32, (w_shape[0],), zero=b_shape is None)
@@ -474,9 +479,10 @@ def _read(path):
         meta = _read_meta(zf)
         spec = network_of(meta)
         conv_shapes, fc_shapes = spec.parameter_shapes()
-        if (meta["conv_layers"], meta["fc_layers"]) != (len(conv_shapes), len(fc_shapes)):
+        conv_states = len(conv_shapes) + len(spec.norm_nodes())     # BatchNorms between blocks after the convs
+        if (meta["conv_layers"], meta["fc_layers"]) != (conv_states, len(fc_shapes)):
             raise CheckpointError(f"its meta says {meta['conv_layers']} conv and {meta['fc_layers']} linear "
-                                  f"layers, its network has {len(conv_shapes)} and {len(fc_shapes)}")
+                                  f"layers, its network has {conv_states} and {len(fc_shapes)}")
         try:
             config = Config.from_json(meta["config"]).validate()
         except (KeyError, TypeError, ValueError, AttributeError) as e:

@@ -765,14 +765,15 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
     rng = np.random.default_rng(cfg.seed)
     head = [op.layer.to_json() for op in network.head() if op.type != "flatten"]
     engine.optimizer, engine.bn_ghost_batch = cfg.optimizer, cfg.bn_ghost_batch
+    norms = network.norm_specs()                  # BatchNorms between blocks: their states follow the blocks'
     if loaded.params is not None:                 # a PyTorch module's own weights are the starting weights
         conv_given, fc_given = loaded.params
         conv_params = [given if isinstance(given, dict) else spec.initial_state(*given)
-                       for spec, given in zip(specs, conv_given)]
+                       for spec, given in zip(specs, conv_given)] + list(conv_given[len(specs):])
         net = Network(specs, head, engine, rng, feature_shape, fc_params=fc_given, seed=cfg.seed,
                       optimizer=cfg.optimizer, host=HostArrays())
     else:
-        conv_params = init_conv_params(specs, rng)
+        conv_params = init_conv_params(specs, rng) + [norm.initial_state() for norm in norms]
         net = Network(specs, head, engine, rng, feature_shape, seed=cfg.seed, optimizer=cfg.optimizer,
                       host=HostArrays())
     start_step = 0
@@ -781,7 +782,7 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
         for name, reason in skipped:
             log(f"skipped {name}: {reason}")
         _compatible(meta, cfg, network)
-        conv_params = [_run_state(spec, state, cfg.optimizer, log) for spec, state in zip(specs, conv_params)]
+        conv_params = [_run_state(spec, state, cfg.optimizer, log) for spec, state in zip(specs + norms, conv_params)]
         net.load_fc_state(fc_state)
         start_step = meta["step"]
         log(f"resumed from {meta['path']} at step {start_step}")

@@ -40,12 +40,13 @@ class Model:
     config: dict
     notes: list = field(default_factory=list)
     conv_buffers: list = field(default_factory=list)   # per conv layer: its tail's BatchNorm state by name
+    norms: list = field(default_factory=list)          # per BatchNorm between blocks (NetSpec.norm_nodes): its state
 
     def conv_states(self):
         """Per conv layer {name: array}: its weights (a zero bias where it has none) and its tail's
-        BatchNorm state."""
+        BatchNorm state; then each BatchNorm's between blocks."""
         return [{"w": w, "b": np.zeros(len(w), np.float32) if b is None else b, **extra}
-                for (w, b), extra in zip(self.conv, self.conv_buffers or [{} for _ in self.conv])]
+                for (w, b), extra in zip(self.conv, self.conv_buffers or [{} for _ in self.conv])] + list(self.norms)
 
     @property
     def classes(self):
@@ -137,7 +138,9 @@ def load_model(path):
     # what evaluation needs besides the conv weights: each tail's BatchNorm weights and statistics
     buffers = [{a.name: state[a.name] for a in ConvSpec.from_layer(layer).state_layout()[2:]}
                for layer, state in zip(spec.conv_layers(), conv_state)]
-    return Model(where, int(meta["step"]), spec, conv, fc, data, meta.get("config") or {}, notes, buffers)
+    norms = [{a.name: state[a.name] for a in norm.state_layout()}
+             for norm, state in zip(spec.norm_specs(), conv_state[len(conv_shapes):])]
+    return Model(where, int(meta["step"]), spec, conv, fc, data, meta.get("config") or {}, notes, buffers, norms)
 
 
 class InProcessModel:
@@ -152,9 +155,9 @@ class InProcessModel:
         # the paths this machine timed before (devices.wisdom), as the run's own devices took them
         device = open_device("cpu", wisdom=machine_wisdom(), **({"threads": threads} if threads else {}))
         engine = LocalEngine({"local": ConvShard(device)})
+        engine.graph = graph_pass(spec, HostArrays())       # before load: it keeps the BatchNorm nodes' states
         engine.load(fixed_plan(kernels, {"local": kernels}), specs, model.conv_states())
         head = [op.layer.to_json() for op in spec.head() if op.type != "flatten"]
-        engine.graph = graph_pass(spec, HostArrays())
         self.net = Network(specs, head, engine, np.random.default_rng(0), spec.feature_shape(), fc_params=model.fc)
 
     def logits(self, x):

@@ -34,7 +34,7 @@ import zmq
 
 from hetconv.devices.cpu import HostArrays
 from hetconv.engine.chain import DropoutDraw
-from hetconv.engine.graph import GraphPass
+from hetconv.engine.graph import GraphPass, peer_refusal
 from hetconv.engine.contract import sum_in_order
 from hetconv.engine.planner import MODES, LayerPlan, image_ranges
 from hetconv.net.spec import NetSpec
@@ -160,6 +160,9 @@ class PeerLinks:
         if len(blocks) != len(self.ranges) or any(b.kernels != lp.kernels for b, lp in zip(blocks, self.layer_plans)):
             raise ValueError(f"PEERS graph has conv blocks of {[b.kernels for b in blocks]} kernels, the plan's layers "
                              f"{[lp.kernels for lp in self.layer_plans]}")
+        refusal = peer_refusal(spec)
+        if refusal:
+            raise ValueError(f"PEERS graph: {refusal}")
         return GraphPass(spec, HostArrays())
 
     @staticmethod
