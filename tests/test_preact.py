@@ -1,0 +1,120 @@
+"""Pre-activation blocks (PreAct-ResNet's: BatchNorm and ReLU before each conv, the first BatchNorm
+of a block reading the previous block's sum, one more after the last sum): the BatchNorms between
+conv blocks run on the graph's whole tensors, with the whole batch's statistics in training and
+the running ones in evaluation, and their state travels with the blocks' (import, checkpoint,
+export). A traced module trains through `--net FILE.py:build` as torch.optim.SGD moves it; two
+in-process shards with two micro-batches and two worker processes through the coordinator give
+what --local gives; evaluation and the export give PyTorch's logits in eval mode; the peer
+exchange refuses the network by the BatchNorm's name."""
+import numpy as np
+import pytest
+
+from _module_runs import assert_equal_runs, assert_equals_torch, local_module_run, quiet
+from hetconv.devices import open_device
+from hetconv.engine.local import LocalEngine
+from hetconv.engine.planner import fixed_plan
+from hetconv.engine.shard import ConvShard
+from hetconv.net import load_net
+from hetconv.training import checkpoint
+from hetconv.training.config import Config
+from hetconv.training.loop import train
+
+torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install 'hetconv[torch]')")
+
+# kuangliu's PreActBlock (module names included) at a small width: a stem conv, a block with an
+# identity shortcut (its bn1 reads the stem's output, which the sum reads too), a block with a 1x1
+# projection shortcut on relu(bn1(x)) (its bn1 reads the first block's sum), BatchNorm and ReLU
+# after the last sum, a mean pool and a Linear. 16x16 inputs (--crop 16).
+PREACT = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class PreActBlock(nn.Module):
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        self.bn1 = nn.BatchNorm2d(cin)
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.shortcut = nn.Conv2d(cin, cout, 1, stride, bias=False) if stride != 1 or cin != cout else None
+
+    def forward(self, x):
+        out = F.relu(self.bn1(x))
+        shortcut = self.shortcut(out) if self.shortcut is not None else x
+        out = self.conv1(out)
+        out = self.conv2(F.relu(self.bn2(out)))
+        return out + shortcut
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.layer1 = PreActBlock(8, 8, 1)
+        self.layer2 = PreActBlock(8, 16, 2)
+        self.bn = nn.BatchNorm2d(16, momentum=None)
+        self.linear = nn.Linear(16, 10)
+
+    def forward(self, x):
+        out = self.layer2(self.layer1(self.conv1(x)))
+        out = F.relu(self.bn(out))
+        return self.linear(out.mean((2, 3)))
+
+
+def build():
+    torch.manual_seed(7)
+    net = Net()
+    for m in net.modules():
+        if isinstance(m, nn.BatchNorm2d):            # away from 1 and 0, so a wrong gradient shows
+            nn.init.uniform_(m.weight, 0.5, 1.5)
+            nn.init.uniform_(m.bias, -0.5, 0.5)
+    return net
+"""
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory):
+    """The module's --local run: its config, losses and final checkpoint."""
+    return local_module_run(tmp_path_factory.mktemp("preact"), PREACT)
+
+
+def test_a_preactivation_module_trains_as_torch_sgd_does_and_on_two_shards_with_micro_batches(local_run, tmp_path):
+    """--local against PyTorch (losses, parameters, running statistics, under the module's own
+    keys), then two in-process shards, every block's kernels split unevenly, with two
+    micro-batches: the BatchNorms between blocks sum both micro-batches before normalising either,
+    so the run is --local's."""
+    cfg, losses, local = local_run
+    spec = load_net(cfg.net, (3, 16, 16), 10).spec
+    assert [spec.names[i] for i in spec.norm_nodes()] == ["layer1.bn1", "layer2.bn1", "bn"]
+    assert [spec.names[spec.inputs[i][0]] for i in spec.norm_nodes()] == ["conv1", "add", "add_1"]
+    _, conv, fc = local
+    ours = assert_equals_torch(cfg, losses, conv, fc)
+    assert ours["bn.num_batches_tracked"] == 5 and "layer2.bn1.running_var" in ours
+    kernels = [c.kernels for c in spec.conv_layers()]
+    engine = LocalEngine({w: ConvShard(open_device("cpu", threads=1)) for w in ("s0", "s1")})
+    engine.fixed_plan = fixed_plan(kernels, {"s0": [k // 3 for k in kernels], "s1": [k - k // 3 for k in kernels]})
+    split = train(Config(**{**cfg.to_json(), "micro_batches": 2, "checkpoint_dir": str(tmp_path / "split")}), engine,
+                  log=quiet)["losses"]
+    np.testing.assert_allclose(split, losses, rtol=1e-5)
+    assert_equal_runs(checkpoint.load(str(tmp_path / "split")), local)
+
+
+def test_the_trained_model_and_its_export_give_pytorchs_eval_logits(local_run):
+    """The checkpoint evaluated in process (hetconv-eval's forward: running statistics) and
+    exported as a PyTorch module give the logits of the user's own module holding the exported
+    state_dict, in eval mode."""
+    from hetconv.net.torch_import import load_module, state_dict, to_torch
+    from hetconv.training.trained_model import InProcessModel, load_model
+    cfg, _, (_, conv, fc) = local_run
+    model = load_model(str(cfg.checkpoint_dir))
+    x = np.random.default_rng(1).standard_normal((6, 3, 16, 16)).astype(np.float32)
+    module = load_module(cfg.net)
+    module.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in
+                            state_dict(model.spec, conv, [(layer["w"], layer["b"]) for layer in fc]).items()})
+    with torch.no_grad():
+        want = module.eval()(torch.from_numpy(x)).numpy()
+        exported = to_torch(model.spec, model.conv_states(), model.fc).eval()(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(InProcessModel(model, threads=1).logits(x), want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(exported, want, rtol=1e-4, atol=1e-5)
