@@ -118,3 +118,31 @@ def test_the_trained_model_and_its_export_give_pytorchs_eval_logits(local_run):
         exported = to_torch(model.spec, model.conv_states(), model.fc).eval()(torch.from_numpy(x)).numpy()
     np.testing.assert_allclose(InProcessModel(model, threads=1).logits(x), want, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(exported, want, rtol=1e-4, atol=1e-5)
+
+
+def test_two_worker_processes_through_the_coordinator_equal_local_and_the_peer_exchange_refuses_by_name(
+        local_run, tmp_path):
+    """Two workers through the coordinator (--exchange star: each block's kernels split, the
+    coordinator joining the blocks and running the BatchNorms between them): the losses and the
+    state of --local. The peer exchange, whose workers hold no BatchNorm node's state yet, refuses
+    the network before any step, naming its BatchNorms."""
+    from hetconv.coordinator.remote import RemoteEngine
+    from hetconv.engine.planner import PlanError
+    cfg, losses, local = local_run
+    kernels = [b.kernels for b in load_net(cfg.net, (3, 16, 16), 10).spec.conv_layers()]
+    for exchange in ("star", "peer"):
+        engine = RemoteEngine("tcp://127.0.0.1:0", 0, ["cpu"] * 2, threads=1, connect_timeout=60, log=quiet,
+                              exchange=exchange)
+        engine.fixed_plan = fixed_plan(kernels, {"w0-cpu": [k // 3 for k in kernels],
+                                                 "w1-cpu": [k - k // 3 for k in kernels]})
+        run = Config(**{**cfg.to_json(), "checkpoint_dir": str(tmp_path / exchange), "exchange": exchange,
+                        "use_all": True})
+        try:
+            if exchange == "star":
+                np.testing.assert_allclose(train(run, engine, log=quiet)["losses"], losses, rtol=1e-5)
+                assert_equal_runs(checkpoint.load(str(tmp_path / "star")), local)
+            else:
+                with pytest.raises(PlanError, match="layer1.bn1, layer2.bn1, bn: a pre-activation block's"):
+                    train(run, engine, log=quiet)
+        finally:
+            engine.close()
