@@ -10,7 +10,7 @@ from hetconv.net import PRESETS, load_net, preset  # noqa: E402
 from hetconv.net.torch_import import from_torch, load_module, to_torch  # noqa: E402
 
 WIDTH = {"paper": 0.02, "lenet5": 1.0, "cifar10-quick": 0.25, "vgg-small": 0.125, "vgg-small-bn": 0.125,
-         "airbench94": 0.125, "resnet9": 0.0625, "resnet18": 0.0625, "inception-small": 0.25,
+         "airbench94": 0.125, "resnet9": 0.0625, "resnet18": 0.0625, "preact-resnet18": 0.0625, "inception-small": 0.25,
          "resnet34": 0.0625, "resnet50": 0.0625}
 
 

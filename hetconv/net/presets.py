@@ -148,6 +148,38 @@ def _resnet_stages(g, x, cin, width, classes, blocks, bottleneck):
     return g
 
 
+def _preact_resnet18(width, classes):
+    """PreAct-ResNet-18 (He et al. 2016, "Identity Mappings in Deep Residual Networks") as the CIFAR
+    recipes write it (kuangliu's pytorch-cifar PreActBlock): a 3x3 stem conv alone, then four
+    stages of two pre-activation blocks (BatchNorm, ReLU, conv, BatchNorm, ReLU, conv, plus the
+    block's input, or a 1x1 projection of its first ReLU where the stage halves the map) at widths
+    64, 128, 256, 512; BatchNorm and ReLU after the last sum (the paper's; that code leaves them
+    out), a global average pool and the classifier. Nodes are named as that code names its
+    modules. Each block's first BatchNorm reads a sum, so it runs where the joins run: --local or
+    --exchange star."""
+    g = _Graph()
+    cin = _scaled(64, width)
+    x = g.node("conv1", Conv(cin, 3, 1, 1, bias=False), INPUT_NAME)
+    for stage, channels in enumerate((64, 128, 256, 512), start=1):
+        planes = _scaled(channels, width)
+        for b in range(2):
+            stride = 2 if stage > 1 and b == 0 else 1
+            p = f"layer{stage}.{b}."
+            pre = g.node(p + "relu1", ReLU(), g.node(p + "bn1", BatchNorm(), x))
+            skip = x
+            if stride != 1 or cin != planes:
+                skip = g.node(p + "shortcut.0", Conv(planes, 1, stride, bias=False), pre)
+            h = g.node(p + "conv1", Conv(planes, 3, stride, 1, bias=False), pre)
+            h = g.node(p + "relu2", ReLU(), g.node(p + "bn2", BatchNorm(), h))
+            x = g.node(p + "add", Add(), g.node(p + "conv2", Conv(planes, 3, 1, 1, bias=False), h), skip)
+            cin = planes
+    x = g.node("relu", ReLU(), g.node("bn", BatchNorm(), x))
+    x = g.node("avgpool", GlobalPool("avg"), x)
+    x = g.node("flatten", Flatten(), x)
+    g.node("linear", Linear(classes), x)
+    return g
+
+
 def _resnet9(width, classes):
     """David Page's ResNet-9 (the DAWNBench CIFAR-10 record, 94% in 26 s on a V100): a conv at 64,
     then conv-BatchNorm-ReLU-max-pool stages at 128, 256 and 512, the first and last followed by a
@@ -217,7 +249,7 @@ def _resnet50(width, classes):
 
 PRESETS = {"paper": _paper, "lenet5": _lenet5, "cifar10-quick": _cifar10_quick, "vgg-small": _vgg_small,
            "vgg-small-bn": _vgg_small_bn, "airbench94": _airbench94, "resnet9": _resnet9, "resnet18": _resnet18,
-           "inception-small": _inception_small, "resnet34": _resnet34, "resnet50": _resnet50}
+           "preact-resnet18": _preact_resnet18, "inception-small": _inception_small, "resnet34": _resnet34, "resnet50": _resnet50}
 
 
 def preset(name, input_shape, classes, width=1.0):
