@@ -4,8 +4,9 @@ conv blocks run on the graph's whole tensors, with the whole batch's statistics 
 the running ones in evaluation, and their state travels with the blocks' (import, checkpoint,
 export). A traced module trains through `--net FILE.py:build` as torch.optim.SGD moves it; two
 in-process shards with two micro-batches and two worker processes through the coordinator give
-what --local gives; evaluation and the export give PyTorch's logits in eval mode; the peer
-exchange refuses the network by the BatchNorm's name."""
+what --local gives, as do two worker processes with data-parallel blocks (the peer exchange) and
+with model-parallel ones (through the coordinator); evaluation and the export give PyTorch's
+logits in eval mode."""
 import numpy as np
 import pytest
 
@@ -120,32 +121,30 @@ def test_the_trained_model_and_its_export_give_pytorchs_eval_logits(local_run):
     np.testing.assert_allclose(exported, want, rtol=1e-4, atol=1e-5)
 
 
-def test_two_worker_processes_through_the_coordinator_equal_local_and_the_peer_exchange_refuses_by_name(
-        local_run, tmp_path):
-    """Two workers through the coordinator (--exchange star: each block's kernels split, the
-    coordinator joining the blocks and running the BatchNorms between them): the losses and the
-    state of --local. The peer exchange, whose workers hold no BatchNorm node's state yet, refuses
-    the network before any step, naming its BatchNorms."""
+def test_two_worker_processes_equal_local_with_data_and_with_model_parallel_blocks(local_run, tmp_path):
+    """Two worker processes over the peer exchange, every block data-parallel (uneven images, two
+    micro-batches: each BatchNorm between blocks sums both micro-batches on every worker, which
+    each hold its state), then every block model-parallel (kernels split unevenly), then the same
+    through the coordinator (--exchange star: the coordinator runs the joins and holds that
+    state): the losses and the final state (gathered from the workers) of --local."""
     from hetconv.coordinator.remote import RemoteEngine
-    from hetconv.engine.planner import PlanError
     cfg, losses, local = local_run
     kernels = [b.kernels for b in load_net(cfg.net, (3, 16, 16), 10).spec.conv_layers()]
-    for exchange in ("star", "peer"):
+    names = ("w0-cpu", "w1-cpu")
+    counts = {names[0]: [k // 3 for k in kernels], names[1]: [k - k // 3 for k in kernels]}
+    runs = [("peer", "data", 2), ("peer", "model", 1), ("star", "model", 1)]
+    for n, (exchange, mode, micro) in enumerate(runs):
         engine = RemoteEngine("tcp://127.0.0.1:0", 0, ["cpu"] * 2, threads=1, connect_timeout=60, log=quiet,
                               exchange=exchange)
-        engine.fixed_plan = fixed_plan(kernels, {"w0-cpu": [k // 3 for k in kernels],
-                                                 "w1-cpu": [k - k // 3 for k in kernels]})
-        run = Config(**{**cfg.to_json(), "checkpoint_dir": str(tmp_path / exchange), "exchange": exchange,
-                        "use_all": True})
+        engine.fixed_plan = fixed_plan(kernels, counts, modes=[mode] * len(kernels),
+                                       images=dict(zip(names, (5, 11))) if mode == "data" else None)
+        run = Config(**{**cfg.to_json(), "checkpoint_dir": str(tmp_path / f"run{n}"), "exchange": exchange,
+                        "micro_batches": micro, "use_all": True})
         try:
-            if exchange == "star":
-                np.testing.assert_allclose(train(run, engine, log=quiet)["losses"], losses, rtol=1e-5)
-                assert_equal_runs(checkpoint.load(str(tmp_path / "star")), local)
-            else:
-                with pytest.raises(PlanError, match="layer1.bn1, layer2.bn1, bn: a pre-activation block's"):
-                    train(run, engine, log=quiet)
+            np.testing.assert_allclose(train(run, engine, log=quiet)["losses"], losses, rtol=1e-5, err_msg=str(runs[n]))
         finally:
             engine.close()
+        assert_equal_runs(checkpoint.load(str(tmp_path / f"run{n}")), local)
 
 
 def test_the_preact_resnet18_preset_has_the_parameters_and_keys_of_a_preact_resnet18_built_in_torch():

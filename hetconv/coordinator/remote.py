@@ -31,7 +31,7 @@ from hetconv.engine.contract import (ShardEngine, WorkerError, WorkerLost,  # no
                                      concat_channels)
 from hetconv.engine.conv_precision import checked_choices as _conv_path_choices
 from hetconv.engine.costmodel import Link, parse_bandwidth, predict_any, profiles_from_calibration
-from hetconv.engine.graph import peer_refusal
+from hetconv.engine.graph import norm_states_from
 from hetconv.engine.measure import calibrate_local, measure_loopback
 from hetconv.engine.microbatch import cheapest_micro_batches, micro_batch_count, priced_text
 from hetconv.engine.planner import (PlanError, choose_modes, cost_lines, cpu_groups, forced_modes, image_ranges,
@@ -849,9 +849,6 @@ class RemoteEngine(ShardEngine):
         return dataclasses.replace(plan, left_out=dict(model_plan.left_out) if model_plan else {})
 
     def load(self, plan, specs, params):
-        refusal = peer_refusal(self.graph.spec) if self.graph is not None and self.exchange == "peer" else None
-        if refusal:
-            raise PlanError(refusal)
         super().load(plan, specs, params)
         if self.exchange == "peer":
             self._connect_peers()
@@ -874,12 +871,32 @@ class RemoteEngine(ShardEngine):
         # that connects before its inbox knows it is refused, and libzmq does not retry a CURVE
         # handshake that ZAP denied: its slices would never arrive. One more round trip per plan.
         graph = None if self.graph is None else self.graph.spec.to_json()
+        # a graph's BatchNorm nodes: every worker runs them on its whole tensors, so each holds their state
+        states = self.graph.norm_states() if self.graph is not None else []
+        norms = ({"norms": [list(s) for s in states], "optimizer": self.optimizer,
+                  "bn_ghost_batch": self.bn_ghost_batch} if states else {})
+        arrays = [a for s in states for a in s.values()]
         for connect in (False, True):
-            self._call({name: ("PEERS", [], {"peers": peers, "ranges": ranges, "modes": modes, "images": images,
-                                             "graph": graph,
-                                             "you": name, "timeout": self.op_timeout, "connect": connect,
-                                             **self.step_bounds})
+            self._call({name: ("PEERS", arrays, {"peers": peers, "ranges": ranges, "modes": modes, "images": images,
+                                                 "graph": graph, **norms,
+                                                 "you": name, "timeout": self.op_timeout, "connect": connect,
+                                                 **self.step_bounds})
                         for name in self.plan.workers}, "connecting workers to each other")
+
+    def gather(self):
+        """ShardEngine.gather; in the peer exchange a graph's BatchNorm nodes' states from the plan's
+        first worker (every worker holds the same), which this process's copy then follows."""
+        out = super().gather()
+        if self.exchange != "peer" or self.graph is None or not self.graph.norms:
+            return out
+        first = self.plan.workers[0]
+        doing = "gathering the BatchNorm nodes' state"
+        arrays, fields = self._call({first: ("FETCH", [], {"layer": -1, "norms": True})}, doing)[first]
+        try:
+            self.graph.load_norms(norm_states_from(fields.get("norms"), list(arrays)), self.optimizer)
+        except ValueError as e:
+            raise WorkerError(first, doing, "ShapeError", str(e)) from None
+        return out[:len(self.specs)] + self.graph.norm_states()
 
     def conv_step(self, xs, head, update, step=(0, 0), head_sum_of_squares=None):
         if self.exchange == "star":

@@ -15,9 +15,11 @@ the whole tensor too, exactly as in a block: in training its statistics are the 
 backward the sums of dy and dy*x_hat likewise: chain.group_sums, the code a block's BatchNorm
 sums with), in evaluation the running ones. Its state (weight, bias, running statistics and the
 optimizer's slots) lives in this pass, follows the blocks' in the conv part's state (load, gather)
-and takes the step's update here with the host's update kernels, as the head's does. What it
+and takes the step's update here with the host's update kernels, as the head's does. In the peer
+exchange every worker runs this pass on the same whole tensors, so every worker holds a copy of
+that state and moves it by the same arithmetic (as a data-parallel layer's copies). What it
 costs: a barrier (every micro-batch's sum before the first is normalised) and one more pass over
-the tensor each way.
+the tensor each way, on every worker that runs the joins.
 
 Backward walks the steps in reverse. A tensor read by several steps (a residual block's input:
 the block and its skip path) gets the sum of their gradients, added in the reverse order of the
@@ -41,18 +43,19 @@ def graph_pass(spec, host):
     return None if spec.is_chain() else GraphPass(spec, host)
 
 
-def peer_refusal(spec):
-    """Why the peer exchange cannot run `spec` (a NetSpec), or None: its workers run the graph's
-    joins each on its own copy of the whole tensors, and nothing there yet holds, updates or
-    gathers a BatchNorm node's state (it lives in the GraphPass of the process that runs the
-    joins: the coordinator with --local and --exchange star)."""
-    nodes = spec.norm_nodes()
-    if not nodes:
-        return None
-    names = ", ".join(spec.names[i] for i in nodes[:4]) + (" ..." if len(nodes) > 4 else "")
-    return (f"BatchNorm between conv blocks ({names}: a pre-activation block's, on a sum or a concatenation) runs "
-            f"with --local or --exchange star (the coordinator holds the whole tensor and the BatchNorm's state); "
-            f"--exchange peer does not run it yet")
+def norm_states_from(names, arrays):
+    """BatchNorm node states from a message: `names`, per node the names of its arrays, which
+    follow one after the other in `arrays` -> [{name: array}] (GraphPass.load_norms then checks
+    each against its node's layout). ValueError where they do not pair up."""
+    if not isinstance(names, list) or not all(isinstance(n, list) and all(isinstance(k, str) for k in n)
+                                              for n in names) or sum(map(len, names)) != len(arrays):
+        raise ValueError(f"norms {str(names)[:200]}: expected per BatchNorm node the names of its arrays, "
+                         f"{len(arrays)} in all")
+    states, at = [], 0
+    for node in names:
+        states.append(dict(zip(node, arrays[at:at + len(node)])))
+        at += len(node)
+    return states
 
 
 class GraphPass:

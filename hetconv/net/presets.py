@@ -155,8 +155,8 @@ def _preact_resnet18(width, classes):
     block's input, or a 1x1 projection of its first ReLU where the stage halves the map) at widths
     64, 128, 256, 512; BatchNorm and ReLU after the last sum (the paper's; that code leaves them
     out), a global average pool and the classifier. Nodes are named as that code names its
-    modules. Each block's first BatchNorm reads a sum, so it runs where the joins run: --local or
-    --exchange star."""
+    modules. Each block's first BatchNorm reads the sum before it, so it runs where the joins run
+    (engine.graph), on the whole tensor."""
     g = _Graph()
     cin = _scaled(64, width)
     x = g.node("conv1", Conv(cin, 3, 1, 1, bias=False), INPUT_NAME)

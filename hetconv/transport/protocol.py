@@ -56,7 +56,7 @@ FIELDS = {
 
 # Fields a request may carry beside those, each checked for its type where present.
 OPTIONAL_FIELDS = {
-    "FETCH": {"conv_paths": bool, "conv_path_choices": bool},
+    "FETCH": {"conv_paths": bool, "conv_path_choices": bool, "norms": bool},
 }
 
 

@@ -55,6 +55,7 @@ class PeerBlocks:
         self.offsets = [int(v) for v in np.cumsum([0] + self.sizes)[:-1]]
         self.dropout, self.compute = dropout, compute
         self.me, self.order = links.name, links.order
+        self.bn_ghost_batch = links.norm_ghost_batch       # what the graph's BatchNorm nodes group by, as the blocks'
 
     def _reduce(self, layer):
         lp = self.links.layer_plans[layer]

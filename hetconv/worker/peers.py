@@ -34,7 +34,7 @@ import zmq
 
 from hetconv.devices.cpu import HostArrays
 from hetconv.engine.chain import DropoutDraw
-from hetconv.engine.graph import GraphPass, peer_refusal
+from hetconv.engine.graph import GraphPass, norm_states_from
 from hetconv.engine.contract import sum_in_order
 from hetconv.engine.planner import MODES, LayerPlan, image_ranges
 from hetconv.net.spec import NetSpec
@@ -89,6 +89,7 @@ class PeerLinks:
         self.order, self.ranges = [name], []
         self.layer_plans = []                    # per layer: its mode, kernel ranges and (data) images
         self.graph = None                        # engine.graph.GraphPass where the network is a graph
+        self.norm_ghost_batch = 0                # images per statistics group of its BatchNorm nodes (PEERS)
         self.step, self.micros = None, 0         # the step last started under this plan, its micro-batches
         self.held = {}                           # (step, phase, layer, micro, sender) -> array, arrived early
         self.early_micros = MAX_EARLY_MICRO      # the most micro-batches a step of the plan has (PEERS)
@@ -100,8 +101,10 @@ class PeerLinks:
         self.wait_s = 0.0                        # this step's, waiting for peers' slices
         self.timeout = 600.0
 
-    def connect(self, fields):
-        """PEERS: the plan's workers in order, their endpoints, and the kernel ranges per layer."""
+    def connect(self, fields, arrays=()):
+        """PEERS: the plan's workers in order, their endpoints, and the kernel ranges per layer;
+        for a graph with BatchNorms between its blocks, their states (`arrays`, as `norms` names
+        them)."""
         self.close()
         me = host_key()
         self.name = str(fields["you"])            # the coordinator's name for this worker in its plan
@@ -111,6 +114,10 @@ class PeerLinks:
         self.ranges = [{w: tuple(r) for w, r in layer.items()} for layer in fields["ranges"]]
         self.layer_plans = self._layer_plans(fields)
         self.graph = self._graph(fields.get("graph"))
+        self.norm_ghost_batch = 0                # images per statistics group of the graph's BatchNorm nodes
+        if self.graph is not None and self.graph.norms:
+            self.graph.load_norms(self._norm_states(fields, arrays), fields.get("optimizer"))
+            self.norm_ghost_batch = fields.get("bn_ghost_batch")
         self.timeout = float(fields.get("timeout", 600.0))
         self.early_micros, self.early_bytes = self._early_bounds(fields)
         self.step, self.micros, self.held = None, 0, {}    # a new plan: its first step's id comes with its STEP
@@ -160,10 +167,27 @@ class PeerLinks:
         if len(blocks) != len(self.ranges) or any(b.kernels != lp.kernels for b, lp in zip(blocks, self.layer_plans)):
             raise ValueError(f"PEERS graph has conv blocks of {[b.kernels for b in blocks]} kernels, the plan's layers "
                              f"{[lp.kernels for lp in self.layer_plans]}")
-        refusal = peer_refusal(spec)
-        if refusal:
-            raise ValueError(f"PEERS graph: {refusal}")
         return GraphPass(spec, HostArrays())
+
+    @staticmethod
+    def _norm_states(fields, arrays):
+        """PEERS' BatchNorm node states (`norms` naming `arrays`), its `optimizer` and
+        `bn_ghost_batch` checked."""
+        if not isinstance(fields.get("optimizer"), str):
+            raise ValueError(f"PEERS optimizer {fields.get('optimizer')!r}: expected the run's optimizer by name")
+        ghost = fields.get("bn_ghost_batch")
+        if isinstance(ghost, bool) or not isinstance(ghost, int) or ghost < 0 or ghost == 1:
+            raise ValueError(f"PEERS bn_ghost_batch {ghost!r}: expected 0 (the whole batch) or at least 2")
+        try:
+            return norm_states_from(fields.get("norms"), list(arrays))
+        except ValueError as e:
+            raise ValueError(f"PEERS {e}") from None
+
+    def norm_states_reply(self):
+        """FETCH with `norms`: each BatchNorm node's state, every array after the other, and their names."""
+        states = self.graph.norm_states() if self.graph is not None else []
+        return "SHARD", [a for state in states for a in state.values()], {"layer": -1, "names": [],
+                                                                          "norms": [list(s) for s in states]}
 
     @staticmethod
     def _early_bounds(fields):
@@ -668,7 +692,8 @@ class PeerLinks:
 
     def finish_updates(self, step, rule, layers, compute):
         """Every layer's part of the step's update once backward is done (a graph's blocks end
-        their backward in no fixed layer order): _after_backward for each, then _apply_updates."""
+        their backward in no fixed layer order): _after_backward for each, then _apply_updates;
+        a graph's BatchNorm nodes, whose gradients every worker computed alike, move here too."""
         clip = rule.max_norm > 0
         deferred, updates = [], []
         for layer in layers:
@@ -678,7 +703,9 @@ class PeerLinks:
     def _apply_updates(self, step, rule, deferred, updates, compute):
         """The data layers' weight gradients summed over every worker in plan order and applied;
         where the update clips, the global norm (the coordinator's part from its last GRAD) and
-        the deferred model layers' updates scaled by it. -> STEP_DONE's extra fields."""
+        the deferred model layers' updates scaled by it; then a graph's BatchNorm nodes' update,
+        the same arithmetic on every worker's copy. -> STEP_DONE's extra fields."""
+        norms = self.graph is not None and bool(self.graph.norms)
         others = [w for w in self.order if w != self.name]
         summed = []
         for layer, flat, w_shape, b_shape in updates:
@@ -697,6 +724,7 @@ class PeerLinks:
             local = sum(self.shard.sum_of_squares(layer) for layer in deferred)
             if self.name == self.order[0]:
                 local += sum(self.shard.sum_of_squares(layer, given=(dw, db)) for layer, dw, db in summed)
+                local += self.graph.norm_sum_of_squares() if norms else 0.0
             workers = self._all_reduce(step, "gradnorm", -1, 0, np.array([local], np.float64))[0]
             total = self._head_sum_of_squares(step) + workers
             done["sum_of_squares"] = float(total)
@@ -711,4 +739,6 @@ class PeerLinks:
             self.shard.apply_update(layer, dw, db, rule)
             self.shard.device.synchronize()
             compute[layer] += time.perf_counter() - t0
+        if norms:
+            self.graph.update_norms(rule)
         return done

@@ -101,7 +101,9 @@ def _serve_compute(ctx, endpoint, requests, device_spec, threads, identity, name
                 if msg.op == "STEP":
                     op, arrays, fields = peers.run_step(seq, msg.fields)
                 elif msg.op == "PEERS":
-                    op, arrays, fields = ("PEERS_OK", [], peers.connect(msg.fields))
+                    op, arrays, fields = ("PEERS_OK", [], peers.connect(msg.fields, msg.arrays))
+                elif msg.op == "FETCH" and msg.fields.get("norms") is True:
+                    op, arrays, fields = peers.norm_states_reply()
                 elif msg.op == "WELCOME":        # a resumed run's conv paths, before any work
                     device.preload_conv_paths(msg.fields.get("conv_paths"))
                     continue
