@@ -24,18 +24,19 @@ def config(target, tmp_path, lr=0.05, steps=STEPS, **kw):
                   checkpoint_dir=str(tmp_path / "ck"), **kw).validate()
 
 
-def local_module_run(folder, module_source):
+def local_module_run(folder, module_source, **kw):
     """`module_source` written to folder/mynet.py and trained with --local (one 1-thread shard) on
-    config()'s recipe -> (its config, losses, final checkpoint (meta, conv, fc))."""
+    config()'s recipe (`kw`: its other settings) -> (its config, losses, final checkpoint (meta,
+    conv, fc))."""
     (folder / "mynet.py").write_text(module_source)
-    cfg = config(f"{folder / 'mynet.py'}:build", folder)
+    cfg = config(f"{folder / 'mynet.py'}:build", folder, **kw)
     summary = train(cfg, LocalEngine({"local": ConvShard(open_device("cpu", threads=1))}), log=quiet)
     return cfg, summary["losses"], checkpoint.load(str(folder / "ck"))
 
 
 def torch_run(cfg, module=None):
-    """The module (default: the one cfg.net builds), batches and recipe in PyTorch: the losses and
-    the final state_dict."""
+    """The module (default: the one cfg.net builds), batches and recipe in PyTorch (gradients
+    clipped to cfg.clip_grad_norm where it is set): the losses and the final state_dict."""
     import torch
     from hetconv.net.torch_import import load_module
     module = module if module is not None else load_module(cfg.net)
@@ -50,6 +51,8 @@ def torch_run(cfg, module=None):
         loss = torch.nn.functional.cross_entropy(module(torch.from_numpy(np.ascontiguousarray(x))),
                                                  torch.from_numpy(y))
         loss.backward()
+        if cfg.clip_grad_norm:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.clip_grad_norm)
         opt.step()
         losses.append(loss.item())
     return losses, {k: v.detach().numpy() for k, v in module.state_dict().items()}
