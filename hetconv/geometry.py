@@ -300,8 +300,7 @@ def _initial(arrays, rows=None):
     """BatchNorm's PyTorch start for these arrays: weights and running variances 1, the rest 0;
     per-channel arrays with `rows` rows where given."""
     return {a.name: np.full((rows,) + a.shape[1:] if rows is not None and a.per_kernel else a.shape,
-                            1 if a.name.endswith((".weight", ".running_var")) or a.name in ("weight", "running_var")
-                            else 0, a.dtype)
+                            1 if a.name.rsplit(".", 1)[-1] in ("weight", "running_var") else 0, a.dtype)
             for a in arrays}
 
 

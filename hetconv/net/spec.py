@@ -473,7 +473,8 @@ class HeadOp:
 class GraphStep:
     """One step of the conv part in order: a conv block (`block`: its position in conv_layers(),
     run by the shards), or a node the coordinator computes itself (`node`: an add, a concat, or a
-    per-channel layer that follows one or reads the network's input). `inputs` are node positions
+    per-channel layer outside every block: after a join, on the network's input, or a BatchNorm on
+    a block's output that another node reads too). `inputs` are node positions
     (-1: the network's input); `output` is the node whose tensor the step makes."""
     kind: str                   # "block" or "node"
     output: int
