@@ -10,7 +10,7 @@ logits in eval mode."""
 import numpy as np
 import pytest
 
-from _module_runs import assert_equal_runs, assert_equals_torch, local_module_run, quiet
+from _module_runs import STEPS, assert_equal_runs, assert_equals_torch, config, local_module_run, quiet
 from hetconv.devices import open_device
 from hetconv.engine.local import LocalEngine
 from hetconv.engine.planner import fixed_plan
@@ -101,6 +101,26 @@ def test_a_preactivation_module_trains_as_torch_sgd_does_and_on_two_shards_with_
                   log=quiet)["losses"]
     np.testing.assert_allclose(split, losses, rtol=1e-5)
     assert_equal_runs(checkpoint.load(str(tmp_path / "split")), local)
+
+
+def test_ghost_batches_group_a_batchnorm_nodes_statistics_across_micro_batches(tmp_path):
+    """--bn-ghost-batch 6 on 16 images: three statistics groups a step, the second across the two
+    micro-batches' boundary; a BatchNorm between blocks moves its running statistics once per
+    group, and two in-process shards with two micro-batches give the one-shard, one-piece run."""
+    runs = []
+    for n, (shards, micro) in enumerate(((1, 1), (2, 2))):
+        folder = tmp_path / f"run{n}"
+        folder.mkdir()
+        (folder / "mynet.py").write_text(PREACT)
+        cfg = config(f"{folder / 'mynet.py'}:build", folder, bn_ghost_batch=6, micro_batches=micro)
+        engine = LocalEngine({f"s{i}": ConvShard(open_device("cpu", threads=1)) for i in range(shards)})
+        runs.append((train(cfg, engine, log=quiet)["losses"], checkpoint.load(str(folder / "ck"))))
+    (losses, got), (split, want) = runs
+    np.testing.assert_allclose(split, losses, rtol=1e-5)
+    assert_equal_runs(got, want)
+    spec = load_net(cfg.net, (3, 16, 16), 10).spec
+    norms = got[1][len(spec.conv_layers()):]
+    assert [int(state["num_batches_tracked"]) for state in norms] == [3 * STEPS] * 3
 
 
 def test_the_trained_model_and_its_export_give_pytorchs_eval_logits(local_run):
