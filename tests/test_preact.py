@@ -103,6 +103,21 @@ def test_a_preactivation_module_trains_as_torch_sgd_does_and_on_two_shards_with_
     assert_equal_runs(checkpoint.load(str(tmp_path / "split")), local)
 
 
+def test_a_run_stopped_and_resumed_from_its_checkpoint_equals_one_run(local_run, tmp_path):
+    """Three steps, then a resume from that checkpoint to the fifth: the BatchNorm nodes' state
+    (running statistics, momentum) comes back with the blocks', so the run is --local's."""
+    cfg, losses, local = local_run
+    first = Config(**{**cfg.to_json(), "checkpoint_dir": str(tmp_path), "steps": 3})
+
+    def engine():
+        return LocalEngine({"s": ConvShard(open_device("cpu", threads=1))})
+
+    got = train(first, engine(), log=quiet)["losses"]
+    got += train(Config(**{**first.to_json(), "steps": STEPS}), engine(), log=quiet, resume=str(tmp_path))["losses"]
+    np.testing.assert_allclose(got, losses, rtol=1e-5)
+    assert_equal_runs(checkpoint.load(str(tmp_path)), local)
+
+
 def test_ghost_batches_group_a_batchnorm_nodes_statistics_across_micro_batches(tmp_path):
     """--bn-ghost-batch 6 on 16 images: three statistics groups a step, the second across the two
     micro-batches' boundary; a BatchNorm between blocks moves its running statistics once per
