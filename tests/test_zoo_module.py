@@ -1,6 +1,6 @@
 """The model zoo's pieces in one traceable module, as a user would write it: a MobileNetV2 inverted
-residual (depthwise conv, ReLU6, a residual sum), a grouped conv, a dilated conv, Hardtanh, and the
-idioms people write (`x.mean((2, 3))`, `x.flatten(1)`). It trains six steps as PyTorch's SGD does
+residual (depthwise conv, ReLU6, a residual sum), a pre-activation BatchNorm and ReLU on that sum, a
+grouped conv, a dilated conv, Hardtanh, and the idioms people write (`x.mean((2, 3))`, `x.flatten(1)`). It trains six steps as PyTorch's SGD does
 with --local, on two worker processes planned by --parallel auto, and on two model-parallel
 workers; its exported program gives PyTorch's own eval logits, computed without hetconv."""
 import numpy as np
@@ -43,13 +43,14 @@ class Zoo(nn.Module):
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU6())
         self.inverted = InvertedResidual(8, 2)
+        self.pre_bn = nn.BatchNorm2d(8)
         self.grouped = nn.Conv2d(8, 12, 3, stride=2, padding=1, groups=4)
         self.dilated = nn.Conv2d(12, 12, 3, padding=2, dilation=2, bias=False)
         self.bn = nn.BatchNorm2d(12)
         self.fc = nn.Linear(12, 10)
 
     def forward(self, x):
-        x = self.inverted(self.stem(x))
+        x = F.relu(self.pre_bn(self.inverted(self.stem(x))))      # BatchNorm on a residual sum
         x = F.hardtanh(self.grouped(x), -2.0, 2.0)
         x = F.relu(self.bn(self.dilated(x)))
         return self.fc(x.mean((2, 3)).flatten(1))
@@ -82,7 +83,7 @@ def test_the_zoo_module_trains_six_steps_as_torch_sgd_does(zoo_local):
     spec = load_net(cfg.net, (3, 16, 16), 10).spec
     assert sorted({(c.groups, c.dilation) for c in spec.layers if c.type == "conv"}) == [(1, (1, 1)), (1, (2, 2)),
                                                                                        (4, (1, 1)), (16, (1, 1))]
-    assert len(losses) == STEPS
+    assert len(losses) == STEPS and len(spec.norm_nodes()) == 1
     assert_equals_torch(cfg, losses, conv, fc)
 
 
