@@ -197,6 +197,14 @@ def profile(ds, size, count):
     return {"photos": len(files), "drafted": drafted, "ms_per_image": ms}
 
 
+def jpeg_decoder():
+    """Which decoder hetconv's loader processes give JPEGs to (hetconv.data.photos.simplejpeg)."""
+    from hetconv.data.photos import simplejpeg
+    module = simplejpeg()
+    return (f"hetconv's JPEGs: simplejpeg {module.__version__}" if module is not None else
+            "hetconv's JPEGs: Pillow (simplejpeg not installed)")
+
+
 def run(args):
     started, load_start = time.time(), _common.load_average()
     import torch
@@ -208,7 +216,7 @@ def run(args):
     doc = {**_common.run_facts("loader.py", sys.argv[1:], started, load_start),
            "blas_note": BLAS_NOTE,
            "versions": [*_common.torch_info(torch)[:1], f"torchvision {torchvision.__version__}",
-                        f"Pillow {__import__('PIL').__version__}"],
+                        f"Pillow {__import__('PIL').__version__}", jpeg_decoder()],
            "data": {"train": len(ds.train_y), "classes": len(ds.classes),
                     "made": json.load(open(made)) if os.path.exists(made) else None},
            "image_size": args.image_size, "batch_size": args.batch_size, "workers": args.workers,

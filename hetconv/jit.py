@@ -41,7 +41,7 @@ except ImportError:         # no advisory locks: the key-named data files still 
     fcntl = None
 
 # The files whose kernels the cached functions compile in (theirs and the helpers they inline).
-_KERNEL_SOURCES = (("devices",), ("transport", "wire.py"), ("jit.py",))
+_KERNEL_SOURCES = (("devices",), ("transport", "wire.py"), ("data", "resample.py"), ("jit.py",))
 
 
 def _kernel_sources_stamp():

@@ -131,6 +131,47 @@ def test_each_graph_preset_trains_as_torch_sgd_does_on_two_shards_with_micro_bat
     assert_equals_torch(cfg, losses, conv, fc, atol=3e-4)
 
 
+# resnet50 as hetconv's preset makes it, each residual branch's last BatchNorm scaled down to 0.2:
+# at its own start (scale 1), 16 bottlenecks at a width of 4 to 128 channels explode the gradient
+# (the stem's gradient norm 400-900 against a weight norm of 1.1, on 32-64 px images), and
+# float32 rounding alone then moves one step's gradients by up to 2% between any two conv paths,
+# --local against itself included; at 0.2 the stem's gradient norm is about 20.
+RESNET50_MODULE = """
+import numpy as np
+from hetconv.net import preset
+from hetconv.net.torch_import import to_torch
+
+def build():
+    spec = preset("resnet50", (3, 32, 32), 10, 0.0625)
+    net = to_torch(spec, *spec.init_params(np.random.default_rng(3)))
+    for name, m in net.named_modules():
+        if name.endswith("bn3"):
+            m.weight.data.fill_(0.2)
+    return net
+"""
+
+
+def test_resnet50s_bottlenecks_train_on_two_shards_as_on_one(tmp_path):
+    """resnet50@0.0625 (53 convs: the 7x7 stride-2 stem and its max-pool, 1x1 convs around a strided
+    3x3, projections with stride 1 and 2) on 32x32 images: two in-process shards holding a third
+    and two thirds of every conv's kernels (the stem's 4: 1 and 3), with two micro-batches, give
+    --local's losses and final state."""
+    (tmp_path / "resnet50.py").write_text(RESNET50_MODULE)
+    cfg = Config(net=f"{tmp_path / 'resnet50.py'}:build", batch_size=16, synthetic_train=48, synthetic_test=16, steps=3,
+                 lr=0.05, momentum=0.9, weight_decay=0.0, threads=1, rebalance_after=0, eval_batches=1,
+                 checkpoint_dir=str(tmp_path / "local")).validate()
+    local = train(cfg, LocalEngine({"local": ConvShard(open_device("cpu", threads=1))}), log=quiet)["losses"]
+    kernels = [b.kernels for b in load_net(cfg.net, (3, 32, 32), 10).spec.conv_layers()]
+    assert len(kernels) == 53 and kernels[:4] == [4, 4, 4, 16]
+    engine = LocalEngine({w: ConvShard(open_device("cpu", threads=1)) for w in ("s0", "s1")})
+    engine.fixed_plan = fixed_plan(kernels, {"s0": [k // 3 for k in kernels], "s1": [k - k // 3 for k in kernels]})
+    split = train(Config(**{**cfg.to_json(), "checkpoint_dir": str(tmp_path / "split"), "micro_batches": 2}), engine,
+                  log=quiet)["losses"]
+    np.testing.assert_allclose(split, local, rtol=1e-5)
+    assert_equal_runs(checkpoint.load(str(tmp_path / "split")), checkpoint.load(str(tmp_path / "local")),
+                      atol=1e-4)
+
+
 def distributed(cfg, tmp_path, workers, micro, counts=None, fault=None, resume=None, steps=None, modes=None,
                 images=None, exchange="peer"):
     spec = load_net(cfg.net, (3, 16, 16), 10).spec

@@ -21,14 +21,16 @@ FLOORS = {
     "api": 7,
 }
 # Loaded inside a function on purpose: optional extras, and the worker's serve loop after pinning.
-DEFERRED_OK = ("torch", "ray", "PIL", "matplotlib", "onnx", "onnxruntime", "onnxscript", "numba.cuda",
+DEFERRED_OK = ("torch", "ray", "PIL", "simplejpeg", "matplotlib", "onnx", "onnxruntime", "onnxscript", "numba.cuda",
                "hetconv.devices.cuda")
 # The package root hands out the Python API (hetconv.train, hetconv.load, ...) on first use, from a
 # module __getattr__: an import at its top would load the commands, the coordinator and Numba into
 # every process that imports any hetconv module, a worker's included. The only import that goes
 # up, and only from inside a function.
 LAZY_UP = {("__init__.py", "hetconv.api")}
-DEFERRED_PLACES = {("cli/worker.py", "hetconv.worker.serve"), *LAZY_UP}
+# The photo decoder's compiled resize loads Numba in the processes that decode photos only, not in
+# those that list a folder or check its headers.
+DEFERRED_PLACES = {("cli/worker.py", "hetconv.worker.serve"), ("data/photos.py", "hetconv.data.resample"), *LAZY_UP}
 
 
 def modules():

@@ -74,8 +74,9 @@ def test_a_photo_folder_lists_as_image_folder_and_evaluates_as_torchvision(tmp_p
     assert ds.mean == photos.IMAGENET_MEAN and ds.meta()["photos"] == {"image_size": 16, "eval_resize": 18}
     x = ds.test_x[0:6]                                       # decoded now, with evaluation's transform
     assert x.shape == (6, 3, 16, 16) and x.dtype == np.uint8
-    # one resize of the crop's box is a resize then a crop, to a rounding step (1 of 255); a JPEG
-    # too small for a reduced-scale decode as well
+    # one resize of the crop's box is a resize then a crop, to a rounding step (1 of 255); the JPEG
+    # decoded whole, as torchvision does (its reduced-scale decode: the test after the next)
+    monkeypatch.setattr(photos, "_draft_scale", lambda box, size: 1)
     for i in range(4):                                       # JPEG, PNG grey, WebP, PNG palette
         diff = ds.train_x[i].astype(int) - reference_eval(ds.train_x.files[i], 16)
         assert np.abs(diff).max() <= 1 and np.abs(diff).mean() < 0.5, ds.train_x.files[i]
@@ -108,7 +109,7 @@ def test_training_batches_depend_only_on_seed_epoch_and_position(tmp_path):
     np.testing.assert_array_equal(a[2:], b)
     assert not np.array_equal(a, train_batch(files[:4], 12, augment, seed=1, epoch=3, first=8))
     plain = train_batch(files[:1], 12, (), seed=0, epoch=0, first=0)      # Resize(12), CenterCrop(12)
-    big = photos.decode(files[0], 12, lambda w, h: resize_box(w, h, 12, 12), draft=False)
+    big = photos.decode(files[0], 12, lambda w, h: resize_box(w, h, 12, 12))
     np.testing.assert_array_equal(plain[0], big)
 
 
@@ -120,6 +121,62 @@ def test_a_large_jpeg_is_decoded_at_reduced_scale_close_to_a_full_decode(tmp_pat
     fast = photos.decode(str(tmp_path / "big.jpg"), 64, box_of).astype(int)
     full = photos.decode(str(tmp_path / "big.jpg"), 64, box_of, draft=False).astype(int)
     assert np.abs(fast - full).mean() < 4
+
+
+@pytest.mark.parametrize("decoder", ["pillow", "simplejpeg"])
+def test_a_jpeg_with_odd_sides_is_decoded_at_reduced_scale_by_either_decoder_to_the_same_pixels(tmp_path, monkeypatch,
+                                                                                               decoder):
+    """Pillow's draft divides each side by the size asked for and rounds down, so the sides asked
+    for are rounded down: a 641x481 photo is decoded at 1/2 and 1/4 (321x241, 161x121), not whole.
+    simplejpeg, where installed, decodes the same pixels (the same libjpeg-turbo and settings);
+    a grey JPEG too, and a CMYK one is left to Pillow."""
+    if decoder == "simplejpeg":
+        pytest.importorskip("simplejpeg", reason="the fast-jpeg extra is not installed (pip install 'hetconv[fast-jpeg]')")
+    else:
+        monkeypatch.setattr(photos, "_simplejpeg", [None])
+    rng = np.random.default_rng(2)
+    smooth = np.kron(rng.integers(0, 256, (31, 41, 3), dtype=np.uint8), np.ones((16, 16, 1), np.uint8))[:481, :641]
+    Image.fromarray(smooth).save(tmp_path / "odd.jpg", quality=90)
+    Image.fromarray(smooth).convert("L").save(tmp_path / "grey.jpg", quality=90)
+    Image.fromarray(smooth).convert("CMYK").save(tmp_path / "cmyk.jpg", quality=90)
+    for name, size, scale in (("odd", 64, 4), ("odd", 150, 2), ("grey", 64, 4), ("cmyk", 64, 4), ("odd", 300, 1)):
+        box = (10.5, 20.0, 600.25, 470.0)
+        with Image.open(tmp_path / f"{name}.jpg") as im:
+            im.draft("RGB", (641 // scale, 481 // scale))
+            assert im.size == (math.ceil(641 / scale), math.ceil(481 / scale))
+            f = im.size[0] / 641, im.size[1] / 481
+            want = np.asarray(im.convert("RGB").resize((size, size), Image.BILINEAR,
+                                                       box=(box[0] * f[0], box[1] * f[1], box[2] * f[0], box[3] * f[1])))
+        got = photos.decode(str(tmp_path / f"{name}.jpg"), size, lambda w, h: box)
+        np.testing.assert_array_equal(got, want.transpose(2, 0, 1), err_msg=f"{name} at {size}")
+
+
+def test_the_compiled_resize_is_pillows_horizontal_pass_then_its_vertical_pass():
+    """hetconv.data.resample on random images, sizes and boxes (down and up, boxes of whole pixels
+    the output's size among them): bit for bit Pillow's horizontal pass then its vertical pass,
+    each a resize along one axis; within 1 of Pillow's one call, which in Pillow 13.0 runs the
+    vertical pass first for some shapes."""
+    from hetconv.data.resample import resize_box as compiled
+    rng = np.random.default_rng(7)
+    for trial in range(80):
+        h, w = (int(v) for v in rng.integers(5, 300, 2))
+        pixels = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        size = int(rng.integers(1, 90))
+        if trial % 8 == 0 and size <= min(h, w):
+            x0, y0 = int(rng.integers(0, w - size + 1)), int(rng.integers(0, h - size + 1))
+            box = (x0, y0, x0 + size, y0 + size)
+        else:
+            x0, y0 = rng.uniform(0, w - 1), rng.uniform(0, h - 1)
+            box = (x0, y0, rng.uniform(x0 + 0.5, w), rng.uniform(y0 + 0.5, h))
+        image = Image.fromarray(pixels)
+        across = image.resize((size, h), Image.BILINEAR, box=(box[0], 0, box[2], h))
+        want = np.asarray(across.resize((size, size), Image.BILINEAR, box=(0, box[1], size, box[3])))
+        got = compiled(pixels, box, size)
+        np.testing.assert_array_equal(got, want.transpose(2, 0, 1), err_msg=f"{w}x{h} {box} to {size}")
+        one_call = np.asarray(image.resize((size, size), Image.BILINEAR, box=box)).transpose(2, 0, 1)
+        assert np.abs(got.astype(int) - one_call).max() <= 1
+    with pytest.raises(ValueError, match="not inside the 20x10 image"):
+        compiled(np.zeros((10, 20, 3), np.uint8), (0, 0, 21, 10), 4)
 
 
 def test_flags_bound_crop_by_the_image_size_and_photo_only_options(tmp_path):
