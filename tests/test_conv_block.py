@@ -387,7 +387,8 @@ def test_dw_out_of_the_wrong_shape_is_named():
 # ---- dilation and groups on each CPU path that takes them ------------------------------------------
 # (N, C, H, W, K, kh, kw, stride, padding, dilation, groups, pool): a grouped 3x3 (ResNeXt), a
 # depthwise 3x3 and a strided one (MobileNet), a dilated dense conv and a dilated depthwise one
-# (dilated ResNets), uneven pairs; each through a pool, or none
+# (dilated ResNets), uneven pairs, a depthwise 5x5 with two kernels a channel (K = 2C) and a
+# strided 3x2 one with three; each through a pool, or none
 GROUPED = [
     (2, 4, 9, 8, 6, 3, 3, (1, 1), (1, 1), (1, 1), 2, ("max", 2, 2, 0)),
     (2, 4, 8, 8, 4, 3, 3, (1, 1), (1, 1), (1, 1), 4, ("none", 2, 2, 0)),
@@ -395,13 +396,15 @@ GROUPED = [
     (2, 3, 11, 10, 4, 3, 3, (1, 1), (2, 2), (2, 2), 1, ("max", 3, 2, 1)),
     (1, 4, 12, 11, 8, 3, 3, (1, 2), (2, 1), (2, 1), 4, ("none", 2, 2, 0)),
     (2, 6, 10, 10, 3, 3, 2, (2, 1), (3, 0), (3, 2), 3, ("avg", 2, 2, 0)),
+    (2, 3, 9, 10, 6, 5, 5, (1, 1), (2, 2), (1, 1), 3, ("max", 2, 2, 0)),
+    (1, 2, 9, 8, 6, 3, 2, (2, 1), (1, 0), (1, 2), 2, ("none", 2, 2, 0)),
 ]
 # the paths that run them (oneDNN's where installed), and the forced ones that do not, which take im2col
 GROUPED_PATHS = {"im2col": {"threads": 1}, "im2col-chunked": {"threads": 2, "conv_path": "im2col",
                                                               "im2col_budget_bytes": 3000,
                                                               "saved_cols_budget_bytes": 0},
                  "im2col-dnnl": {"threads": 1}, "direct-dnnl": {"threads": 1}, "shifted": {"threads": 1},
-                 "fft": {"threads": 1}}
+                 "fft": {"threads": 1}, "depthwise": {"threads": 2}}
 
 
 @pytest.fixture(scope="module", params=list(GROUPED_PATHS))
@@ -445,5 +448,49 @@ def test_dilated_and_grouped_blocks_match_the_reference_on_every_cpu_path(groupe
     if name in ("shifted", "fft"):      # refused in the path choice: im2col runs them, and says why
         assert set(runs) == {"im2col"}, runs
         assert all("runs dense convs only" in why for why in runs.values()), runs
+    elif name == "depthwise":           # the depthwise convs; the others im2col, saying why
+        assert runs == {"depthwise": "forced", "im2col": "forced path depthwise runs depthwise convs only "
+                                                         "(groups equal to the input channels)"}, runs
     else:
         assert set(runs) == {name.split("-chunked")[0]}, runs
+
+
+DEPTHWISE = [case for case in GROUPED if case[10] == case[1]]
+
+
+@pytest.mark.parametrize("case", DEPTHWISE, ids=ids(DEPTHWISE))
+def test_the_depthwise_bf16_kernels_compute_the_reference_on_bf16_operands_in_the_same_bits_on_1_and_2_threads(case):
+    """depthwise-bf16 (and float32, the same kernels) against the reference given x, w and dY
+    rounded to bf16; every sum in an order fixed by the shapes, so a thread count changes no bit."""
+    import numba
+
+    from hetconv.devices.cpu_depthwise import DepthwiseConvs
+    from hetconv.devices.dnnl import round_to_bf16
+    n, c, h, wd, k, kh, kw, stride, padding, dilation, groups, _ = case
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((n, c, h, wd)).astype(np.float32)
+    w = rng.standard_normal((k, 1, kh, kw)).astype(np.float32)
+    y_shape = conv_output_shape(x.shape, w.shape, stride, padding, dilation, groups)
+    dy = rng.standard_normal(y_shape).astype(np.float32)
+    bits = {}
+    for bf16 in (False, True):
+        convs = DepthwiseConvs(bf16)
+        for threads in (1, min(2, numba.config.NUMBA_NUM_THREADS)):
+            before = numba.get_num_threads()
+            numba.set_num_threads(threads)
+            try:
+                y, dw = np.empty(y_shape, np.float32), np.empty(w.shape, np.float32)
+                convs.forward(x, w, stride, padding, y, dilation=dilation, groups=groups)
+                dx = convs.backward(x, w, dy, stride, padding, True, dw, dilation=dilation, groups=groups)
+            finally:
+                numba.set_num_threads(before)
+            bits.setdefault(bf16, (y, dx, dw))
+            for got, first in zip((y, dx, dw), bits[bf16]):
+                np.testing.assert_array_equal(got, first)
+        xr, wr, dyr = (round_to_bf16(a) for a in (x, w, dy)) if bf16 else (x, w, dy)
+        zero = np.zeros(k, np.float32)
+        close(y, R.conv2d(xr, wr, zero, stride, padding, dilation, groups))
+        exp_dx, exp_dw, _ = R.conv2d_backward(xr, wr, dyr, stride, padding, True, dilation, groups)
+        close(dx, exp_dx)
+        close(dw, exp_dw)
+    assert not np.array_equal(bits[False][0], bits[True][0])        # bf16 rounded something

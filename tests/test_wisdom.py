@@ -5,6 +5,7 @@ with fake timers on small layers: a few seconds in all."""
 import json
 import os
 import threading
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -257,6 +258,48 @@ def test_deterministic_bf16_runs_im2col_bf16():
     dev = device(never, precision="bf16", deterministic=True)
     dev.conv2d(X, WEIGHTS, None)
     assert choice(dev) == ("im2col-bf16", "rule (deterministic)")
+
+
+class Seconds:
+    """A fake auto_timer from {path: seconds}; records which paths it was asked to time."""
+
+    def __init__(self, seconds):
+        self.seconds, self.timed = seconds, set()
+
+    def __call__(self, path, run):
+        self.timed.add(path)
+        return self.seconds.get(path, 2.0)
+
+
+DEPTHWISE_X = RNG.standard_normal((2, 4, 8, 8)).astype(np.float32)
+DEPTHWISE_W = RNG.standard_normal((8, 1, 3, 3)).astype(np.float32)          # two kernels a channel
+DEPTHWISE = ConvBlock(padding=1, groups=4, activation="none", pool="none")
+
+
+@pytest.mark.parametrize("precision, rule", [("fp32", "depthwise"), ("bf16", "depthwise-bf16")])
+def test_a_depthwise_conv_takes_the_depthwise_path_by_rule_untimed_and_deterministic(precision, rule):
+    if precision == "bf16" and CpuDevice(threads=1).bf16_missing:
+        pytest.skip(f"no bf16 path here: {CpuDevice(threads=1).bf16_missing}")
+    untimed = CpuDevice(threads=1, precision=precision)                  # under the timed size
+    untimed.conv_block(DEPTHWISE_X, DEPTHWISE_W, None, DEPTHWISE)
+    assert choice(untimed)[0] == rule and choice(untimed)[1].startswith("rule: ")
+    dev = device(never, precision=precision, deterministic=True)
+    dev.conv_block(DEPTHWISE_X, DEPTHWISE_W, None, DEPTHWISE)
+    assert choice(dev) == (rule, "rule (deterministic)")
+    grouped = device(never, precision=precision, deterministic=True)   # two channels a group: not depthwise
+    grouped.conv_block(DEPTHWISE_X, DEPTHWISE_W[:, :1].repeat(2, axis=1), None, replace(DEPTHWISE, groups=2))
+    assert choice(grouped)[0].startswith("im2col")
+
+
+def test_a_depthwise_conv_times_the_depthwise_path_among_the_grouped_paths():
+    timer = Seconds({"depthwise": 1.0})
+    dev = device(timer)
+    dev.conv_block(DEPTHWISE_X, DEPTHWISE_W, None, DEPTHWISE)
+    assert choice(dev) == ("depthwise", "timed")
+    assert "depthwise" in timer.timed and "im2col" in timer.timed and "depthwise-bf16" not in timer.timed
+    slower = device(Seconds({"depthwise": 3.0, "im2col": 1.0}))        # the timing rules, not the rule
+    slower.conv_block(DEPTHWISE_X, DEPTHWISE_W, None, DEPTHWISE)
+    assert choice(slower) == ("im2col", "timed")
 
 
 # ---- a run's record, and --resume ---------------------------------------------------------------------

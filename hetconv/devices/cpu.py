@@ -26,6 +26,10 @@ Design, and what it costs:
   threads choosing its own paths with oneDNN installed times no OpenBLAS direct path at all (see
   OPENBLAS_PATHS): their spinning threads slow the layers after them.
   "im2col-dnnl" can be forced (`conv_path`); the others are reached by timing only.
+- A depthwise conv (groups == input channels, devices/cpu_depthwise.py) has its own paths,
+  "depthwise" and under `precision="bf16"` "depthwise-bf16": Numba kernels over (image, channel)
+  planes, no GEMM. The rule gives them such a conv; the timing takes them among the grouped
+  conv's candidates. `conv_path="depthwise"` forces it (other convs then run im2col).
 - im2col: one GEMM per chunk of images, Y (K, P) = W (K, C*kh*kw) @ cols.T, cols (P, C*kh*kw)
   the im2col of the chunk (P = images * Ho * Wo); backward writes dcols and folds it with col2im.
 - shifted: the input is expanded along the kernel's width only (kw copies, not kh*kw), rows
@@ -75,6 +79,7 @@ from threadpoolctl import ThreadpoolController, threadpool_info, threadpool_limi
 from hetconv.devices import cpu_channelwise, dnnl
 from hetconv.devices.base import Device, DeviceError, update_rules
 from hetconv.devices.blas import accumulating_sgemm
+from hetconv.devices.cpu_depthwise import DepthwiseConvs
 from hetconv.devices.cpu_gemms import BlasGemms, Bf16Gemms, DnnlGemms, scratch16
 from hetconv.devices.cpu_fft import FftConv, swap_leading
 from hetconv.devices.cpu_shifted_gemms import ShiftedBf16Gemms, ShiftedBlasGemms, ShiftedDnnlGemms
@@ -119,7 +124,7 @@ KERNEL_ROW_MULTIPLE = 16
 # bytes for 5x5 kernels on 14x14 inputs (the whole conv2: 900 MB + a 75 MB copy of the weights);
 # a layer whose spectra would not fit this budget runs the direct path instead.
 DEFAULT_FFT_BUDGET_BYTES = 1 << 30
-CONV_PATHS = ("auto", "im2col", "shifted", "fft", "im2col-dnnl", "direct-dnnl")
+CONV_PATHS = ("auto", "im2col", "shifted", "fft", "im2col-dnnl", "direct-dnnl", "depthwise")
 # A CPU device's GEMM precision (`--precision`): "fp32"; "bf16", every conv on a bf16 path
 # (bf16 operands, float32 sums, everything else float32): im2col-bf16 (devices/cpu_gemms.py), or
 # at stride 1 shifted-bf16 (devices/cpu_shifted_gemms.py) where the timing below finds it faster;
@@ -136,7 +141,7 @@ AUTO_BF16_MARGIN = 0.04
 # other tenants' work (airbench94's 2x2 first layer at batch 32: 36 ms forward and backward
 # against 2-4 on oneDNN, under either OpenBLAS kernel), where oneDNN's OpenMP threads sleep.
 DNNL_PATHS = ("im2col-dnnl", "im2col-bf16", "shifted-dnnl", "shifted-bf16", "direct-dnnl", "direct-bf16")
-BF16_PATHS = ("im2col-bf16", "shifted-bf16", "direct-bf16")
+BF16_PATHS = ("im2col-bf16", "shifted-bf16", "direct-bf16", "depthwise-bf16")
 # ... and oneDNN's own convolutions (devices/dnnl_conv.py), float32 and bf16, at any stride: no
 # expansion of the input at all, for a reorder into a channel-blocked layout and back (one pass
 # over x, dY, Y and dX each). Timed among the others where oneDNN is installed.
@@ -967,6 +972,7 @@ class _DirectBlockContext:
 
 
 DETERMINISTIC = wisdom_keys.DETERMINISTIC      # the `why` of a choice made by `deterministic`'s rule
+_NOT_DEPTHWISE = "forced path depthwise runs depthwise convs only (groups equal to the input channels)"
 
 
 def _time_one_run(path, run):
@@ -1058,8 +1064,9 @@ class CpuDevice(Device):
         it keeps what it times (None: none; the command lines give the machine's file,
         wisdom.machine_wisdom(), so a device made here touches no file unless told). `retime`:
         time every call shape again and store the result over the wisdom's. `deterministic`:
-        choose by a fixed rule, never timing and never reading or writing the wisdom: under
-        precision bf16 im2col-bf16; else the untimed rule (shifted where C*kw is long enough
+        choose by a fixed rule, never timing and never reading or writing the wisdom: a depthwise
+        conv its depthwise path (depthwise-bf16 under precision bf16); else under precision bf16
+        im2col-bf16; else the untimed rule (shifted where C*kw is long enough
         and the kernels few enough, see SHIFTED_MIN_REDUCTION, else im2col), on oneDNN's sgemm
         (shifted-dnnl, im2col-dnnl) where oneDNN is loaded; a forced `conv_path` still rules.
         Slower than the timed choice where another path is faster, and the same bits every
@@ -1112,6 +1119,8 @@ class CpuDevice(Device):
         self._path_gemms = {"im2col": BlasGemms(self)}     # im2col path -> its GEMMs (cpu_gemms)
         self._shifted_gemms = {"shifted": ShiftedBlasGemms(self)}    # shifted path -> its GEMMs
         self._direct = {}               # direct path -> its oneDNN convolutions (dnnl_conv)
+        # depthwise path -> its Numba convolutions (cpu_depthwise), called as the direct ones are
+        self._depthwise = {"depthwise": DepthwiseConvs(bf16=False), "depthwise-bf16": DepthwiseConvs(bf16=True)}
         # onednn: None, its paths where it is installed; False, OpenBLAS's only (as without it)
         self._dnnl, self.bf16_missing = self._open_dnnl(conv_path, precision, onednn)
         # the direct paths' GEMMs all on oneDNN's OpenMP threads, OpenBLAS on one (see OPENBLAS_PATHS)
@@ -1236,7 +1245,7 @@ class CpuDevice(Device):
 
     def _machine_key(self):
         if self._machine is None:
-            paths = {*self._path_gemms, *self._shifted_gemms, *self._direct, "fft"}
+            paths = {*self._path_gemms, *self._shifted_gemms, *self._direct, *self._depthwise, "fft"}
             key = wisdom_keys.machine_key(self.threads, self.precision, self.conv_path,
                                           None if self._dnnl is None else self._dnnl.version, paths)
             self._machine = (key, wisdom_keys.canonical(key))
@@ -1328,6 +1337,8 @@ class CpuDevice(Device):
         if self.conv_path == "direct-dnnl":
             return self._forced_direct("direct-dnnl", x, w, stride, padding, block)
         rule = "shifted" if self._shifted(w.shape, stride) else "im2col"
+        if self.conv_path == "depthwise":
+            return _PathChoice(rule, _NOT_DEPTHWISE)
         if self.conv_path in ("im2col", "shifted"):
             return _PathChoice(rule, "forced" if rule == self.conv_path else "forced path takes stride 1 only")
         declined = self._fft_declines(x.shape, w.shape, stride, padding)
@@ -1360,29 +1371,38 @@ class CpuDevice(Device):
 
     def _choose_dilated_or_grouped(self, x, w, stride, padding, block, flops, untimed):
         """The path of a dilated or grouped conv: an im2col path (its GEMMs one per group, its
-        im2col taps dilation apart) or oneDNN's direct one (which takes both), never the shifted
-        path (its GEMMs read each kernel row's dense taps as one block of rows) nor FFT (dense
-        kernel spectra): a forced one of those runs im2col, and says why."""
+        im2col taps dilation apart), oneDNN's direct one (which takes both) or, for a depthwise
+        conv, the depthwise path (the rule's there); never the shifted path (its GEMMs read each
+        kernel row's dense taps as one block of rows) nor FFT (dense kernel spectra): a forced one
+        of those runs im2col, and says why."""
         bf16 = self.precision == "bf16"
+        depthwise = not self._depthwise["depthwise"].declines(x.shape, w.shape, stride, padding, **_conv_shape(block))
         if self.conv_path == "direct-dnnl":
             return self._forced_direct("direct-bf16" if bf16 else "direct-dnnl", x, w, stride, padding, block)
         if self.conv_path == "im2col-dnnl":
             return _PathChoice("im2col-dnnl", "forced")
+        if self.conv_path == "depthwise":
+            return _PathChoice("depthwise", "forced") if depthwise else _PathChoice("im2col", _NOT_DEPTHWISE)
         if self.conv_path in ("im2col", "shifted", "fft"):
             return _PathChoice("im2col", "forced" if self.conv_path == "im2col"
                                else f"forced path {self.conv_path} runs dense convs only (no dilation, one group)")
-        by_rule = ("im2col-bf16" if bf16 else "im2col-dnnl" if "im2col-dnnl" in self._path_gemms else "im2col")
+        if depthwise:
+            by_rule = "depthwise-bf16" if bf16 else "depthwise"
+        else:
+            by_rule = ("im2col-bf16" if bf16 else "im2col-dnnl" if "im2col-dnnl" in self._path_gemms else "im2col")
         if self.deterministic:
             return _PathChoice(by_rule, DETERMINISTIC)
         if bf16:
-            candidates = ["im2col-bf16", "direct-bf16"]
+            candidates = ["im2col-bf16", "direct-bf16"] + (["depthwise-bf16"] if depthwise else [])
         else:
-            candidates = ["im2col", "im2col-dnnl", "direct-dnnl"] + (["im2col-bf16", "direct-bf16"]
-                                                                    if self.precision == "auto" else [])
+            # not depthwise-bf16 under precision auto: the float32 kernel and a rounding pass, it
+            # cannot beat the float32 path by AUTO_BF16_MARGIN
+            candidates = (["im2col", "im2col-dnnl", "direct-dnnl"] + (["depthwise"] if depthwise else [])
+                          + (["im2col-bf16", "direct-bf16"] if self.precision == "auto" else []))
         if self.openmp_gemms_only:
             candidates = [p for p in candidates if p not in OPENBLAS_PATHS]
-        candidates = [p for p in candidates if p in self._path_gemms or self._direct_runs(p, x, w, stride, padding,
-                                                                                           block)]
+        candidates = [p for p in candidates if p in self._path_gemms or p in self._depthwise
+                      or self._direct_runs(p, x, w, stride, padding, block)]
         if flops < self.auto_timed_min_flops:
             return (self._preloaded_choice(candidates, x, w, stride, padding, block)
                     or _PathChoice(by_rule, untimed))
@@ -1615,6 +1635,8 @@ class CpuDevice(Device):
             return self._fft_block(x, w, b, block)
         if path in self._direct:
             return self._direct_block(x, w, b, block, self._direct[path])
+        if path in self._depthwise:
+            return self._direct_block(x, w, b, block, self._depthwise[path])
         gemms, shifted = self._path_gemms.get(path), self._shifted_gemms.get(path)
         if _is_max2(block):
             return self._paper_block(x, w, b, block.padding, shifted, gemms, block.activation == "relu")
@@ -1979,7 +2001,7 @@ class CpuDevice(Device):
         argmax = np.empty(out.shape if pool.is_max else (0, 0, 0, 0), np.int8 if max2 else np.int32)
         mask = np.empty((n, k, ho, wo) if relu and not pool.is_max else (0, 0, 0, 0), np.uint8)
         nbytes = convs.src_nbytes(x.shape, w.shape, stride, padding, **shape)
-        saved = self._take_saved_cols(-(-nbytes // 4)) if nbytes <= self.saved_cols_budget_bytes else None
+        saved = self._take_saved_cols(-(-nbytes // 4)) if 0 < nbytes <= self.saved_cols_budget_bytes else None
         saved_src = None if saved is None else saved.view(np.uint8)[:nbytes]
         y = self._scratch("direct_y", (n, k, ho, wo))
         convs.forward(x, w, stride, padding, y, saved_src, **shape)

@@ -93,7 +93,8 @@ class Config:
     threads: int = option(0, "threads per CPU device (0: every core this process may use)")
     cpu_conv_path: str = option("auto", "a CPU device's conv path: 'auto' (per layer and share, the fastest by timing on "
                                         "first use), or forced: 'im2col', 'shifted' or 'fft' (stride-1 layers), or "
-                                        "'im2col-dnnl' (oneDNN's sgemm), 'direct-dnnl' (oneDNN's own convolutions)")
+                                        "'im2col-dnnl' (oneDNN's sgemm), 'direct-dnnl' (oneDNN's own convolutions), "
+                                        "'depthwise' (Numba kernels for depthwise convs; other convs im2col)")
     precision: str = option("fp32", "a CPU device's conv GEMMs: fp32; bf16 (operands rounded to bf16, sums and "
                                     "everything else in fp32, as PyTorch's autocast; needs oneDNN: pip install "
                                     "'hetconv[onednn]'); auto (bf16 where the device's timing finds it faster, per "
