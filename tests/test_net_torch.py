@@ -11,7 +11,7 @@ from hetconv.net.torch_import import from_torch, load_module, to_torch  # noqa: 
 
 WIDTH = {"paper": 0.02, "lenet5": 1.0, "cifar10-quick": 0.25, "vgg-small": 0.125, "vgg-small-bn": 0.125,
          "airbench94": 0.125, "resnet9": 0.0625, "resnet18": 0.0625, "preact-resnet18": 0.0625, "inception-small": 0.25,
-         "resnet34": 0.0625, "resnet50": 0.0625}
+         "resnet34": 0.0625, "resnet50": 0.0625, "mobilenet_v2": 0.25, "resnext29": 0.25}
 
 
 def same_params(a, b):
@@ -595,3 +595,147 @@ def test_an_inverted_residual_module_trains_as_torch_sgd_does_and_on_two_shards(
     split = train(Config(**{**cfg.to_json(), "checkpoint_dir": str(tmp_path / "split")}), engine, log=quiet)["losses"]
     np.testing.assert_allclose(split, losses, rtol=1e-5)
     assert_equal_runs(checkpoint.load(str(tmp_path / "split")), local)
+
+
+# ---- mobilenet_v2 and resnext29 against PyTorch modules written here --------------------------------
+class _MobileNetV2(nn.Module):
+    """torchvision's MobileNetV2 (module names, _make_divisible widths, Conv-BN-ReLU6 triples), with
+    the CIFAR strides: stem and the 24-channel stage at stride 1."""
+
+    def __init__(self, width, classes):
+        super().__init__()
+
+        def divisible(v):
+            rounded = max(8, int(v + 4) // 8 * 8)
+            return rounded + 8 if rounded < 0.9 * v else rounded
+
+        def cbr(cin, cout, kernel, stride=1, groups=1):
+            return nn.Sequential(nn.Conv2d(cin, cout, kernel, stride, kernel // 2, groups=groups, bias=False),
+                                 nn.BatchNorm2d(cout), nn.ReLU6())
+
+        cin = divisible(32 * width)
+        features = [cbr(3, cin, 3)]
+        for t, c, n, s in ((1, 16, 1, 1), (6, 24, 2, 1), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1),
+                           (6, 160, 3, 2), (6, 320, 1, 1)):
+            for b in range(n):
+                block, out, hidden = nn.Module(), divisible(c * width), cin * t
+                block.residual = (s if b == 0 else 1) == 1 and cin == out
+                block.conv = nn.Sequential(*([cbr(cin, hidden, 1)] if t != 1 else []),
+                                           cbr(hidden, hidden, 3, s if b == 0 else 1, hidden),
+                                           nn.Conv2d(hidden, out, 1, bias=False), nn.BatchNorm2d(out))
+                features.append(block)
+                cin = out
+        features.append(cbr(cin, divisible(1280 * max(1.0, width)), 1))
+        self.features = nn.Sequential(*features)
+        self.classifier = nn.Sequential(nn.Dropout(0.2), nn.Linear(divisible(1280 * max(1.0, width)), classes))
+
+    def forward(self, x):
+        for f in self.features:
+            x = x + f.conv(x) if getattr(f, "residual", False) else (f.conv(x) if hasattr(f, "conv") else f(x))
+        return self.classifier(torch.flatten(torch.nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+
+class _ResNeXtBlock(nn.Module):
+    def __init__(self, cin, group_width, stride):
+        super().__init__()
+        out = 2 * group_width
+        self.conv1, self.bn1 = nn.Conv2d(cin, group_width, 1, bias=False), nn.BatchNorm2d(group_width)
+        self.conv2 = nn.Conv2d(group_width, group_width, 3, stride, 1, groups=8, bias=False)
+        self.bn2 = nn.BatchNorm2d(group_width)
+        self.conv3, self.bn3 = nn.Conv2d(group_width, out, 1, bias=False), nn.BatchNorm2d(out)
+        self.downsample = None
+        if stride != 1 or cin != out:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, out, 1, stride, bias=False), nn.BatchNorm2d(out))
+
+    def forward(self, x):
+        h = torch.relu(self.bn1(self.conv1(x)))
+        h = self.bn3(self.conv3(torch.relu(self.bn2(self.conv2(h)))))
+        return torch.relu(h + (x if self.downsample is None else self.downsample(x)))
+
+
+class _ResNeXt29(nn.Module):
+    """ResNeXt-29 8x4d for CIFAR at `width` (stem 64, groups' widths 32, 64, 128, outputs twice those)."""
+
+    def __init__(self, width, classes):
+        super().__init__()
+        cin = max(1, int(round(64 * width)))
+        self.conv1, self.bn1 = nn.Conv2d(3, cin, 3, 1, 1, bias=False), nn.BatchNorm2d(cin)
+        for stage in range(3):
+            group_width = 8 * max(1, int(round(4 * width))) * 2 ** stage
+            blocks = []
+            for b in range(3):
+                blocks.append(_ResNeXtBlock(cin, group_width, 2 if stage > 0 and b == 0 else 1))
+                cin = 2 * group_width
+            setattr(self, f"layer{stage + 1}", nn.Sequential(*blocks))
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x):
+        x = torch.relu(self.bn1(self.conv1(x)))
+        x = self.layer3(self.layer2(self.layer1(x)))
+        return self.fc(torch.flatten(torch.nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+
+@pytest.mark.parametrize("name, reference, width, params", [
+    ("mobilenet_v2", _MobileNetV2, 1.0, 2_236_682), ("mobilenet_v2", _MobileNetV2, 0.25, 250_922),
+    ("resnext29", _ResNeXt29, 1.0, 361_674), ("resnext29", _ResNeXt29, 0.25, None)])
+def test_the_cifar_mobilenet_and_resnext_presets_are_the_torch_modules_key_for_key(name, reference, width, params):
+    """Their state_dict keys, shapes and parameter counts are those of the module written above, and
+    that module given their weights computes their logits (evaluation mode: strides, groups, sums)."""
+    from hetconv.net.torch_import import state_dict
+    spec = preset(name, (3, 32, 32), 10, width)
+    conv, fc = spec.init_params(np.random.default_rng(4))
+    ours = state_dict(spec, conv, fc)
+    torch.manual_seed(0)
+    module = reference(width, 10).eval()
+    theirs = module.state_dict()
+    assert list(ours) == list(theirs)
+    assert all(ours[k].shape == tuple(v.shape) for k, v in theirs.items())
+    count = sum(p.numel() for p in module.parameters())
+    assert sum(v.size for k, v in ours.items() if k.endswith(("weight", "bias"))) == count
+    assert params is None or count == params
+    module.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in ours.items()})
+    exported = to_torch(spec, conv, fc).eval()
+    x = torch.from_numpy(np.random.default_rng(5).standard_normal((2, 3, 32, 32)).astype(np.float32))
+    with torch.no_grad():
+        np.testing.assert_allclose(exported(x).numpy(), module(x).numpy(), rtol=1e-4, atol=1e-5)
+    if name == "mobilenet_v2":          # the CIFAR strides: 32x32 reaches the last stage at 4x4
+        assert spec.output_shapes()[spec.names.index("features.18.2")][1:] == (4, 4)
+
+
+def test_mobilenet_v2_has_torchvisions_parameters():
+    """Only where torchvision imports (it is no dependency): the same count as its mobilenet_v2 at
+    each width, whose strides (which the CIFAR preset changes) hold no parameters."""
+    try:
+        import torchvision.models
+    except Exception as e:          # noqa: BLE001  (absent, or a wheel built for another torch)
+        pytest.skip(f"torchvision (not a dependency of hetconv) does not import here: {type(e).__name__}: {e}")
+    from hetconv.net.torch_import import state_dict
+    for width in (1.0, 0.5):
+        spec = preset("mobilenet_v2", (3, 32, 32), 10, width)
+        ours = state_dict(spec, *spec.init_params(np.random.default_rng(0)))
+        theirs = torchvision.models.mobilenet_v2(num_classes=10, width_mult=width).state_dict()
+        assert sorted(ours) == sorted(theirs)
+        assert all(ours[k].shape == tuple(v.shape) for k, v in theirs.items())
+
+
+@pytest.mark.parametrize("name, width", [("mobilenet_v2", 0.25), ("resnext29", 0.5)])
+def test_the_cifar_mobilenet_and_resnext_presets_train_a_step_locally(tmp_path, name, width):
+    """One --local step on 16x16 crops: a finite loss, the depthwise convs on the depthwise path by
+    the rule, the grouped ones (two channels a group: at a quarter width resnext29's are one, so
+    depthwise) on an im2col path."""
+    from _module_runs import quiet
+    from hetconv.devices import open_device
+    from hetconv.engine.local import LocalEngine
+    from hetconv.engine.shard import ConvShard
+    from hetconv.training.config import Config
+    from hetconv.training.loop import train
+    cfg = Config(net=f"{name}@{width}", crop=16, batch_size=4, synthetic_train=16, synthetic_test=4, steps=1, lr=0.01,
+                 threads=1, rebalance_after=0, eval_batches=1, checkpoint_dir=str(tmp_path / "ck")).validate()
+    device = open_device("cpu", threads=1)
+    losses = train(cfg, LocalEngine({"local": ConvShard(device)}), log=quiet)["losses"]
+    assert len(losses) == 1 and np.isfinite(losses[0])
+    grouped = {c["path"] for c in device.conv_path_choices() if (c["key"]["block"] or {}).get("groups", 1) > 1}
+    if name == "mobilenet_v2":
+        assert grouped == {"depthwise"}
+    else:
+        assert grouped and all(path.startswith("im2col") for path in grouped), grouped

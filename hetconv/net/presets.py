@@ -2,7 +2,8 @@
 
 A preset is defined without an input: the data set gives the input shape and the class count.
 `width` multiplies every conv and hidden FC width (at least 1 channel each), so tests and quick
-runs use the same shapes at a fraction of the cost.
+runs use the same shapes at a fraction of the cost; mobilenet_v2 rounds its widths to multiples of
+8 as torchvision's width_mult does, resnext29 its groups' widths to whole channels a group.
 """
 import math
 import os
@@ -247,9 +248,94 @@ def _resnet50(width, classes):
     return _imagenet_resnet(width, classes, (3, 4, 6, 3), bottleneck=True)
 
 
+def _divisible(v, divisor=8):
+    """torchvision's _make_divisible: v rounded to the nearest multiple of `divisor` (at least
+    that), rounded up once more where that lost over 10% of v."""
+    rounded = max(divisor, int(v + divisor / 2) // divisor * divisor)
+    return rounded + divisor if rounded < 0.9 * v else rounded
+
+
+def _mobilenet_v2(width, classes):
+    """torchvision's mobilenet_v2 (Sandler et al. 2018) as the CIFAR ports run it: its stem conv at
+    stride 1, and its second stage (24 channels) at stride 1 too, so a 32x32 image reaches the last
+    stage at 4x4, not 1x1. Inverted residual blocks: a 1x1 expansion (six times, not in the first
+    block), a 3x3 depthwise conv (the stride), each followed by BatchNorm and ReLU6, then a 1x1
+    projection and BatchNorm, plus the block's input where the stride is 1 and the channels stay.
+    `width` is torchvision's width_mult (every width a multiple of 8, the last conv's 1280 never
+    narrower). Nodes are named as torchvision names its modules, so the state_dict keys are
+    torchvision's own (features.1.conv.0.0.weight, features.18.1.running_var, classifier.1.bias)."""
+    g = _Graph()
+    relu6 = Activation("relu6")
+
+    def conv_bn_relu6(prefix, x, out, kernel, stride=1, groups=1):
+        x = g.node(prefix + "0", Conv(out, kernel, stride, kernel // 2, bias=False, groups=groups), x)
+        return g.node(prefix + "2", relu6, g.node(prefix + "1", BatchNorm(), x))
+
+    cin = _divisible(32 * width)
+    x = conv_bn_relu6("features.0.", INPUT_NAME, cin, 3)
+    index = 1
+    # (expansion, channels, blocks, stride of the first): torchvision's, the 24-channel stage at stride 1
+    for t, c, n, s in ((1, 16, 1, 1), (6, 24, 2, 1), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1), (6, 160, 3, 2),
+                       (6, 320, 1, 1)):
+        out = _divisible(c * width)
+        for b in range(n):
+            stride = s if b == 0 else 1
+            p = f"features.{index}."
+            hidden = int(round(cin * t))
+            h, part = x, 0
+            if t != 1:
+                h, part = conv_bn_relu6(f"{p}conv.0.", h, hidden, 1), 1
+            h = conv_bn_relu6(f"{p}conv.{part}.", h, hidden, 3, stride, groups=hidden)
+            h = g.node(f"{p}conv.{part + 1}", Conv(out, 1, bias=False), h)
+            h = g.node(f"{p}conv.{part + 2}", BatchNorm(), h)
+            x = g.node(p + "add", Add(), x, h) if stride == 1 and cin == out else h
+            cin, index = out, index + 1
+    x = conv_bn_relu6(f"features.{index}.", x, _divisible(1280 * max(1.0, width)), 1)
+    x = g.node("avgpool", GlobalPool("avg"), x)
+    x = g.node("flatten", Flatten(), x)
+    x = g.node("classifier.0", Dropout(0.2), x)
+    g.node("classifier.1", Linear(classes), x)
+    return g
+
+
+def _resnext29(width, classes):
+    """A small ResNeXt-29 (Xie et al. 2017) for CIFAR: a 3x3 stem of 64, then three stages of three
+    bottleneck blocks (1x1 conv, a 3x3 conv of 8 groups with the stage's stride, 1x1 conv, each
+    followed by BatchNorm, ReLU after the first two), cardinality 8 and 4 channels a group in the
+    first stage (8x4d; the paper's 8x64d has 34M parameters), the groups' width doubling and the
+    map halving at each later stage, the output twice the groups' width (64, 128, 256); the
+    block's input or its 1x1 projection added before the last ReLU; a global average pool and the
+    classifier. Nodes are named as torchvision names its ResNets' modules."""
+    g = _Graph()
+    cin = _scaled(64, width)
+    x = g.conv_bn_relu("", INPUT_NAME, cin, 3, conv="conv1", bn="bn1")
+    cardinality = 8
+    for stage in range(3):
+        group_width = cardinality * max(1, int(round(4 * width))) * 2 ** stage
+        out = 2 * group_width
+        for b in range(3):
+            stride = 2 if stage > 0 and b == 0 else 1
+            p = f"layer{stage + 1}.{b}."
+            h = g.conv_bn_relu(p, x, group_width, 1, conv="conv1", bn="bn1")
+            h = g.node(p + "conv2", Conv(group_width, 3, stride, 1, bias=False, groups=cardinality), h)
+            h = g.node(p + "relu2", ReLU(), g.node(p + "bn2", BatchNorm(), h))
+            h = g.conv_bn_relu(p, h, out, 1, relu=False, conv="conv3", bn="bn3")
+            skip = x
+            if stride != 1 or cin != out:
+                skip = g.node(p + "downsample.0", Conv(out, 1, stride, bias=False), x)
+                skip = g.node(p + "downsample.1", BatchNorm(), skip)
+            x = g.node(p + "relu_out", ReLU(), g.node(p + "add", Add(), h, skip))
+            cin = out
+    x = g.node("avgpool", GlobalPool("avg"), x)
+    x = g.node("flatten", Flatten(), x)
+    g.node("fc", Linear(classes), x)
+    return g
+
+
 PRESETS = {"paper": _paper, "lenet5": _lenet5, "cifar10-quick": _cifar10_quick, "vgg-small": _vgg_small,
            "vgg-small-bn": _vgg_small_bn, "airbench94": _airbench94, "resnet9": _resnet9, "resnet18": _resnet18,
-           "preact-resnet18": _preact_resnet18, "inception-small": _inception_small, "resnet34": _resnet34, "resnet50": _resnet50}
+           "preact-resnet18": _preact_resnet18, "inception-small": _inception_small, "resnet34": _resnet34,
+           "resnet50": _resnet50, "mobilenet_v2": _mobilenet_v2, "resnext29": _resnext29}
 
 
 def preset(name, input_shape, classes, width=1.0):

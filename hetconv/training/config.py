@@ -51,7 +51,8 @@ class Config:
     synthetic_test: int = option(1000, "images in the built-in test set")
     crop: int = option(0, "center-crop images to crop x crop, at most their size (0: the data set's whole images)")
     net: str = option("", "the network: a preset (paper, lenet5, cifar10-quick, vgg-small, vgg-small-bn, airbench94, "
-                          "resnet9, resnet18, preact-resnet18, inception-small, and ImageNet's resnet34, resnet50; NAME@WIDTH scales its widths), a .json file of layers "
+                          "resnet9, resnet18, preact-resnet18, inception-small, mobilenet_v2, resnext29, and ImageNet's "
+                          "resnet34, resnet50; NAME@WIDTH scales its widths), a .json file of layers "
                           "or nodes, or FILE.py:FUNCTION returning a PyTorch module, sequential or traceable with "
                           "residual sums and concatenations (its weights are the starting weights); '': the paper "
                           "family that --conv, --fc, --ksize and --padding describe")
