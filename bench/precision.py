@@ -92,6 +92,8 @@ def parse_args(argv):
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--warmup", type=int, default=2, help="steps not timed (hetconv's first times its conv paths)")
     p.add_argument("--steps", type=int, default=4, help="timed steps per row")
+    p.add_argument("--stem", default=STEM, help="the results' file names: STEM.json and STEM.md in --out")
+    p.add_argument("--no-gemm", action="store_true", help="leave out conv2's GEMM alone (the paper network's)")
     p.add_argument("--render", default="", metavar="JSON", help="rewrite the .md beside a saved JSON, run nothing")
     p.add_argument("--torch-row", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     p.add_argument("--gemm-row", metavar="OUT", help=argparse.SUPPRESS)
@@ -284,8 +286,9 @@ def run(args, argv, env_line):
            "config_env": {name: what["env"] for name, what in configs if what.get("env")},
            "rows": []}
     print(f"machine: {doc['machine']}; isa {doc['isa']}; {doc['gemm']}; {load_start}", flush=True)
-    doc["gemm_alone"] = gemm_tables()
-    print(f"conv2's GEMM, one thread, GFLOP/s: {doc['gemm_alone']}", flush=True)
+    if not args.no_gemm:
+        doc["gemm_alone"] = gemm_tables()
+        print(f"conv2's GEMM, one thread, GFLOP/s: {doc['gemm_alone']}", flush=True)
     with tempfile.TemporaryDirectory(prefix="hetconv-precision-") as work:
         try:
             for rnd in range(args.rounds):
@@ -303,11 +306,11 @@ def run(args, argv, env_line):
                         doc["rows"].append(row)
                         print(f"    -> {row_text(row)}; foreign load {load.cores:.2f} cores", flush=True)
                 # after every round: a stopped run keeps its rounds
-                _common.save_run(args.out, STEM, doc, started, markdown)
+                _common.save_run(args.out, args.stem, doc, started, markdown)
         except KeyboardInterrupt:
             print("interrupted: writing the rows measured so far", file=sys.stderr)
         finally:
-            _common.save_run(args.out, STEM, doc, started, markdown)
+            _common.save_run(args.out, args.stem, doc, started, markdown)
     return 0 if doc["rows"] and all(r.get("ok") for r in doc["rows"]) else 1
 
 
@@ -425,7 +428,7 @@ def main(argv=None):
         _common.write_text(args.gemm_row, json.dumps(gemm_rows()))
         return 0
     if args.render:
-        print(f"wrote {_common.render_saved(args.render, STEM, markdown)}")
+        print(f"wrote {_common.render_saved(args.render, args.stem, markdown)}")
         return 0
     env_line = _common.reexec_without_blas_overrides()     # before numpy loads: it may re-execute
     return run(args, argv, env_line)

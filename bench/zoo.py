@@ -26,6 +26,13 @@ of a few steps are shown beside, PyTorch float32's too.
 
     python bench/zoo.py --out bench/results/zoo
     python bench/zoo.py --torchvision-path /tmp/tv   # an unpacked torchvision wheel
+    python bench/zoo.py --timing --rounds 3          # step times: bench/results/zoo/mobilenet_v2_steps.md
+
+`--timing` times training steps instead (no torchvision needed): the mobilenet_v2 preset (the same
+network with the CIFAR ports' 24-channel stage at stride 1 too), width 1.0 and batch 32 unless
+--width and --batch-size say otherwise, hetconv --local on one device of 2 threads in fp32, bf16 and
+auto, against PyTorch (2 threads) in float32 and under bf16 autocast, each in NCHW and channels_last
+(compared by the faster), in rounds of alternating order: bench/precision.py's rows and table.
 
 The classifier's Dropout(0.2) is set to p=0 in the user file: hetconv and PyTorch draw their
 dropout masks from different generators, so with p>0 the two runs see different networks.
@@ -153,16 +160,37 @@ def gradient_errors(ours, start, state, floor=1e-2):
             for k, w0 in start.items()}
 
 
+TIMING_CONFIGS = ("hetconv local fp32", "hetconv local bf16", "hetconv local auto", "torch fp32", "torch bf16 autocast")
+
+
+def step_timing(args):
+    """--timing: bench/precision.py's rows for the mobilenet_v2 preset, its results beside ours."""
+    import precision
+    width = 1.0 if args.width is None else args.width
+    batch = 32 if args.batch_size is None else args.batch_size
+    return precision.main(["--nets", f"mobilenet_v2@{width:g}:{batch}", "--batch-size", str(batch),
+                           "--configs", ",".join(TIMING_CONFIGS), "--rounds", str(args.rounds),
+                           "--steps", str(args.timed_steps), "--no-gemm", "--out", args.out,
+                           "--stem", f"{args.name}_steps"])
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(HERE, "results", "zoo"))
     p.add_argument("--name", default="mobilenet_v2")
     p.add_argument("--torchvision-path", default="", help="a folder holding an unpacked torchvision wheel")
-    p.add_argument("--width", type=float, default=0.25)
+    p.add_argument("--width", type=float, default=None, help="width_mult (default 0.25; with --timing 1.0)")
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=None, help="default 16; with --timing 32")
     p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--timing", action="store_true", help="time training steps against PyTorch instead (see above)")
+    p.add_argument("--rounds", type=int, default=3, help="--timing's rounds")
+    p.add_argument("--timed-steps", type=int, default=4, help="--timing's timed steps per row, after 2 warm-up steps")
     args = p.parse_args(argv)
+    if args.timing:
+        return step_timing(args)
+    args.width = 0.25 if args.width is None else args.width
+    args.batch_size = 16 if args.batch_size is None else args.batch_size
     if args.torchvision_path:
         sys.path.insert(0, args.torchvision_path)
     import numpy as np
