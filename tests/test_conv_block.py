@@ -387,8 +387,9 @@ def test_dw_out_of_the_wrong_shape_is_named():
 # ---- dilation and groups on each CPU path that takes them ------------------------------------------
 # (N, C, H, W, K, kh, kw, stride, padding, dilation, groups, pool): a grouped 3x3 (ResNeXt), a
 # depthwise 3x3 and a strided one (MobileNet), a dilated dense conv and a dilated depthwise one
-# (dilated ResNets), uneven pairs, a depthwise 5x5 with two kernels a channel (K = 2C) and a
-# strided 3x2 one with three; each through a pool, or none
+# (dilated ResNets), uneven pairs, a depthwise 5x5 with two kernels a channel (K = 2C), a strided
+# 3x2 one with three and a dilated one at stride 1 (the depthwise path's other loops); each
+# through a pool, or none
 GROUPED = [
     (2, 4, 9, 8, 6, 3, 3, (1, 1), (1, 1), (1, 1), 2, ("max", 2, 2, 0)),
     (2, 4, 8, 8, 4, 3, 3, (1, 1), (1, 1), (1, 1), 4, ("none", 2, 2, 0)),
@@ -398,6 +399,7 @@ GROUPED = [
     (2, 6, 10, 10, 3, 3, 2, (2, 1), (3, 0), (3, 2), 3, ("avg", 2, 2, 0)),
     (2, 3, 9, 10, 6, 5, 5, (1, 1), (2, 2), (1, 1), 3, ("max", 2, 2, 0)),
     (1, 2, 9, 8, 6, 3, 2, (2, 1), (1, 0), (1, 2), 2, ("none", 2, 2, 0)),
+    (2, 4, 10, 9, 4, 3, 3, (1, 1), (2, 1), (2, 3), 4, ("avg", 2, 2, 0)),
 ]
 # the paths that run them (oneDNN's where installed), and the forced ones that do not, which take im2col
 GROUPED_PATHS = {"im2col": {"threads": 1}, "im2col-chunked": {"threads": 2, "conv_path": "im2col",
