@@ -276,13 +276,17 @@ DEPTHWISE_W = RNG.standard_normal((8, 1, 3, 3)).astype(np.float32)          # tw
 DEPTHWISE = ConvBlock(padding=1, groups=4, activation="none", pool="none")
 
 
-@pytest.mark.parametrize("precision, rule", [("fp32", "depthwise"), ("bf16", "depthwise-bf16")])
-def test_a_depthwise_conv_takes_the_depthwise_path_by_rule_untimed_and_deterministic(precision, rule):
+@pytest.mark.parametrize("precision, rule, direct", [("fp32", "depthwise", "direct-dnnl"),
+                                                     ("bf16", "depthwise-bf16", "direct-bf16")])
+def test_a_depthwise_conv_takes_onednns_direct_path_untimed_and_the_depthwise_path_deterministic(precision, rule,
+                                                                                                 direct):
     if precision == "bf16" and CpuDevice(threads=1).bf16_missing:
         pytest.skip(f"no bf16 path here: {CpuDevice(threads=1).bf16_missing}")
     untimed = CpuDevice(threads=1, precision=precision)                  # under the timed size
     untimed.conv_block(DEPTHWISE_X, DEPTHWISE_W, None, DEPTHWISE)
-    assert choice(untimed)[0] == rule and choice(untimed)[1].startswith("rule: ")
+    # oneDNN's depthwise kernels where oneDNN is installed and runs the call; the depthwise path else
+    want = direct if untimed._direct_runs(direct, DEPTHWISE_X, DEPTHWISE_W, (1, 1), (1, 1), DEPTHWISE) else rule
+    assert choice(untimed)[0] == want and choice(untimed)[1].startswith("rule: ")
     dev = device(never, precision=precision, deterministic=True)
     dev.conv_block(DEPTHWISE_X, DEPTHWISE_W, None, DEPTHWISE)
     assert choice(dev) == (rule, "rule (deterministic)")
