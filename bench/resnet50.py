@@ -9,7 +9,8 @@ hetconv trains `--net resnet50` (torchvision's ImageNet ResNet-50: 7x7 stride-2 
 bottlenecks) on a photo folder (`--data DIR --image-size 224`; one loader process, default transforms:
 resize and center crop), SGD with momentum; a row's number is the median `step_s` of its run's
 steps after the first two (the first times the conv paths, once per machine: the wisdom is kept
-for the later rounds), with the loader's wait beside it. PyTorch trains the module hetconv exports
+for the later rounds), with the loader's wait beside it. The workers' rounds run the plan their
+first run calibrated (`--plan` its metrics), as a user repeating a run would. PyTorch trains the module hetconv exports
 for the same preset (`to_torch`, the same layers and state_dict keys as torchvision's resnet50) on a
 fixed batch of 32 random images in memory (no loader: its number is the step alone), 2 threads,
 torch.optim.SGD with momentum, in NCHW and in channels_last, and is compared by the faster.
@@ -74,7 +75,7 @@ def hetconv_row(args, flags, work, cache, steps):
     records = [json.loads(line) for line in open(metrics)]
     steps = [r for r in records if r["event"] == "step"]
     return {"step_s": [r["step_s"] for r in steps], "data_wait_s": [r.get("data_wait_s", 0.0) for r in steps],
-            "loss": steps[-1]["loss"]}
+            "loss": steps[-1]["loss"], "metrics": metrics}
 
 
 def torch_row(args, layout, work):
@@ -112,13 +113,16 @@ def main(argv=None):
             make_photos.main([args.photos, "--train", str(args.batch_size * (args.steps + 2) * 2), "--val", "32",
                               *sum((["--source", s] for s in args.source), [])])
         cache = os.path.join(work, "wisdom")
+        flags_of = dict(HETCONV)
         for name, flags in HETCONV.items():     # the conv paths timed once, as a second run on a machine finds them
-            hetconv_row(args, flags, work, cache, 1)
+            first = hetconv_row(args, flags, work, cache, 1)
+            if "--spawn" in flags:              # the rounds run this plan (--plan): calibrated once, not each round
+                flags_of[name] = [*flags, "--plan", first["metrics"]]
         for rnd in range(args.rounds):
             order = list(rows) if rnd % 2 == 0 else list(rows)[::-1]
             for name in order:
                 if name in HETCONV:
-                    got = hetconv_row(args, HETCONV[name], work, cache, args.steps + 2)
+                    got = hetconv_row(args, flags_of[name], work, cache, args.steps + 2)
                 else:
                     got = torch_row(args, T.layout_of(name)[1], work)
                 timed = got["step_s"][2:]
