@@ -162,7 +162,8 @@ def test_auto_path_takes_shifted_gemms_only_for_long_rows():
 
 
 def test_unknown_conv_path_is_refused():
-    with pytest.raises(DeviceError, match=r"conv_path must be one of \('auto', 'im2col', 'shifted', 'fft', 'im2col-dnnl', 'direct-dnnl'\), got 'direct'"):
+    with pytest.raises(DeviceError, match=r"conv_path must be one of \('auto', 'im2col', 'shifted', 'fft', 'im2col-dnnl', 'direct-dnnl', 'depthwise'\), "
+                                           r"got 'direct'"):
         open_device("cpu", conv_path="direct")
 
 
