@@ -113,7 +113,7 @@ def external_worker(procs, address, name, keys="", *extra):
 LONG_FILES = ("test_distributed.py", "test_no_lost_work.py", "test_data_parallel.py", "test_ray_launcher.py",
               "test_cpu_channelwise.py", "test_cli_checks.py", "test_networks.py", "test_graph_training.py",
               "test_costmodel.py", "test_cuda_device.py", "test_run_readable.py", "test_net_torch.py",
-              "test_deterministic.py", "test_train.py")
+              "test_deterministic.py", "test_zoo_module.py", "test_train.py", "test_preact.py")
 
 
 def pytest_collection_modifyitems(config, items):
