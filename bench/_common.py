@@ -244,3 +244,43 @@ def run_header(doc):
     if load:
         lines += [f"Whole run: {load['start']} at start, {load['end']} at end; foreign load below is per row.", ""]
     return lines
+
+
+def train_on_spawned_workers(cfg, spawn, worker_args=(), **train_kwargs):
+    """`cfg` trained on the workers `spawn` names (a --spawn text, started as the CLI starts them),
+    its metrics at cfg.metrics -> (train()'s summary, wall seconds, the run's eval records, its
+    first plan record, its step records)."""
+    from hetconv.coordinator.remote import RemoteEngine
+    from hetconv.devices import parse_device_list
+    from hetconv.training.loop import train
+    labels = [e.label for e in parse_device_list("--spawn", spawn) for _ in range(e.count)]
+    lines = []
+    engine = RemoteEngine("tcp://127.0.0.1:0", 0, labels, threads=cfg.threads, log=lines.append,
+                          exchange=cfg.exchange, wire=cfg.wire_dtype,
+                          worker_args=["--cpu-conv-path", cfg.cpu_conv_path, *worker_args])
+    t0 = time.perf_counter()
+    try:
+        summary = train(cfg, engine, log=lines.append, **train_kwargs)
+    finally:
+        engine.close()
+    wall = time.perf_counter() - t0
+    with open(cfg.metrics) as f:
+        records = [json.loads(line) for line in f]
+    return (summary, wall, [r for r in records if r["event"] == "eval"],
+            next(r for r in records if r["event"] == "plan"), [r for r in records if r["event"] == "step"])
+
+
+class PhotoFiles:
+    """Files and labels as a map-style data set, each opened as torchvision's ImageFolder does."""
+
+    def __init__(self, files, labels, transform):
+        self.files, self.labels, self.transform = files, labels, transform
+
+    def __len__(self):
+        return len(self.files)
+
+    def __getitem__(self, i):
+        from PIL import Image
+        with open(self.files[i], "rb") as f:
+            image = Image.open(f).convert("RGB")
+        return self.transform(image), int(self.labels[i])

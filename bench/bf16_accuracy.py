@@ -50,28 +50,9 @@ def make_config(args, seed, precision, metrics=""):
 
 def run_hetconv(args, seed, precision, scratch):
     """One training run with --spawn's workers at `precision`; -> a row."""
-    import json
-    from hetconv.coordinator.remote import RemoteEngine
-    from hetconv.devices import parse_device_list
-    from hetconv.training.loop import train
     metrics = os.path.join(scratch, f"seed{seed}-{precision}.jsonl")
     cfg = make_config(args, seed, precision, metrics)
-    spawn = [e.label for e in parse_device_list("--spawn", args.spawn) for _ in range(e.count)]   # as the CLI's
-    lines = []
-    engine = RemoteEngine("tcp://127.0.0.1:0", 0, spawn, threads=cfg.threads, log=lines.append,
-                          exchange=cfg.exchange, wire=cfg.wire_dtype,
-                          worker_args=["--cpu-conv-path", cfg.cpu_conv_path, "--precision", cfg.precision])
-    t0 = time.perf_counter()
-    try:
-        summary = train(cfg, engine, log=lines.append)
-    finally:
-        engine.close()
-    wall = time.perf_counter() - t0
-    with open(metrics) as f:
-        records = [json.loads(line) for line in f]
-    evals = [r for r in records if r["event"] == "eval"]
-    plan = next(r for r in records if r["event"] == "plan")
-    steps = [r for r in records if r["event"] == "step"]
+    summary, wall, evals, plan, steps = _common.train_on_spawned_workers(cfg, args.spawn, ["--precision", cfg.precision])
     return {"precision": precision, "seed": seed, "test_accuracy": summary["test_accuracy"],
             "test_loss": summary["test_loss"], "test_images": summary["test_images"],
             "final_loss": summary["final_loss"], "steps": summary["step"],

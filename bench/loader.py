@@ -73,22 +73,6 @@ def busy_s():
     return (sum(v[:8]) - v[3] - v[4]) / TICK
 
 
-class TorchPhotos:
-    """The training files as a map-style data set, each opened as ImageFolder's pil_loader does."""
-
-    def __init__(self, files, labels, transform):
-        self.files, self.labels, self.transform = files, labels, transform
-
-    def __len__(self):
-        return len(self.files)
-
-    def __getitem__(self, i):
-        from PIL import Image
-        with open(self.files[i], "rb") as f:
-            image = Image.open(f).convert("RGB")
-        return self.transform(image), int(self.labels[i])
-
-
 def endless(make_epoch):
     epoch = 0
     while True:
@@ -132,7 +116,7 @@ def open_cases(args, T, torch):
         "torch uint8": T.Compose([T.RandomResizedCrop(args.image_size), T.RandomHorizontalFlip(), T.PILToTensor()]),
     }
     for name, transform in pipelines.items():
-        dl = torch.utils.data.DataLoader(TorchPhotos(files, labels, transform), batch_size=args.batch_size,
+        dl = torch.utils.data.DataLoader(_common.PhotoFiles(files, labels, transform), batch_size=args.batch_size,
                                          shuffle=True, num_workers=args.workers, drop_last=True,
                                          persistent_workers=True)
         state = {}

@@ -102,49 +102,15 @@ def run_hetconv(args, photos, seed, ds, loaded, scratch, plan=""):
     """hetconv's training with --spawn's workers and its photo loader, from `loaded`'s weights; -> a
     row. `plan`: an earlier run's metrics file whose plan it runs (--plan), instead of calibrating
     one (about 50 s on the shared 2 cores); the plan decides where work runs, not what it computes."""
-    from hetconv.coordinator.remote import RemoteEngine
-    from hetconv.devices import parse_device_list
-    from hetconv.training.loop import train
     metrics = os.path.join(scratch, f"hetconv-seed{seed}.jsonl")
     cfg = make_config(args, photos, seed, metrics, plan)
-    spawn = [e.label for e in parse_device_list("--spawn", args.spawn) for _ in range(e.count)]   # as the CLI's
-    lines = []
-    engine = RemoteEngine("tcp://127.0.0.1:0", 0, spawn, threads=cfg.threads, log=lines.append,
-                          exchange=cfg.exchange, wire=cfg.wire_dtype,
-                          worker_args=["--cpu-conv-path", cfg.cpu_conv_path])
-    t0 = time.perf_counter()
-    try:
-        summary = train(cfg, engine, log=lines.append, dataset=ds, network=loaded)
-    finally:
-        engine.close()
-    wall = time.perf_counter() - t0
-    with open(metrics) as f:
-        records = [json.loads(line) for line in f]
-    evals = [r for r in records if r["event"] == "eval"]
-    plan = next(r for r in records if r["event"] == "plan")
-    steps = [r for r in records if r["event"] == "step"]
+    summary, wall, evals, plan, steps = _common.train_on_spawned_workers(cfg, args.spawn, dataset=ds, network=loaded)
     return {"framework": "hetconv", "seed": seed, "top1": summary["test_accuracy"], "test_loss": summary["test_loss"],
             "val_images": summary["test_images"], "final_loss": summary["final_loss"], "steps": summary["step"],
             "epoch_top1": [r["test_accuracy"] for r in evals],
             "modes": [layer["mode"] for layer in plan["layers"]], "workers": plan["workers"],
             "plan_from": "an earlier seed's run" if cfg.plan else "calibrated",
             "median_step_s": statistics.median(r["step_s"] for r in steps), "wall_s": wall}
-
-
-class PhotoFiles:
-    """Files and labels as a map-style data set, each opened as torchvision's ImageFolder does."""
-
-    def __init__(self, files, labels, transform):
-        self.files, self.labels, self.transform = files, labels, transform
-
-    def __len__(self):
-        return len(self.files)
-
-    def __getitem__(self, i):
-        from PIL import Image
-        with open(self.files[i], "rb") as f:
-            image = Image.open(f).convert("RGB")
-        return self.transform(image), int(self.labels[i])
 
 
 def run_torch(args, photos, seed, ds, module, torch, T):
@@ -158,10 +124,10 @@ def run_torch(args, photos, seed, ds, module, torch, T):
     eval_tf = T.Compose([T.Resize(eval_resize(size)), T.CenterCrop(size), T.ToTensor(),
                          T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
     workers = args.loader_workers
-    train_dl = torch.utils.data.DataLoader(PhotoFiles(ds.train_x.files, ds.train_y, train_tf), batch_size=cfg.batch_size,
+    train_dl = torch.utils.data.DataLoader(_common.PhotoFiles(ds.train_x.files, ds.train_y, train_tf), batch_size=cfg.batch_size,
                                            shuffle=True, drop_last=True, num_workers=workers,
                                            persistent_workers=workers > 0)
-    val_dl = torch.utils.data.DataLoader(PhotoFiles(ds.test_x.files, ds.test_y, eval_tf), batch_size=cfg.batch_size,
+    val_dl = torch.utils.data.DataLoader(_common.PhotoFiles(ds.test_x.files, ds.test_y, eval_tf), batch_size=cfg.batch_size,
                                          num_workers=workers, persistent_workers=workers > 0)
     opt = _torch_twin.sgd(torch, module, cfg)
     steps_per_epoch = len(ds.train_y) // cfg.batch_size
