@@ -81,3 +81,20 @@ def assert_equals_torch(cfg, losses, conv, fc, atol=1e-5):
     for key, want in state.items():
         np.testing.assert_allclose(ours[key], want, rtol=1e-4, atol=atol, err_msg=key)
     return ours
+
+
+def build_with_batchnorm_away_from_one(net_class, seed):
+    """A user file's `build()` for a module written above it: `net_class()` made under
+    torch.manual_seed(seed), each BatchNorm's weight drawn from 0.5-1.5 and bias from -0.5-0.5, away
+    from 1 and 0, so that a wrong gradient shows."""
+    return f"""
+
+def build():
+    torch.manual_seed({seed})
+    net = {net_class}()
+    for m in net.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            nn.init.uniform_(m.weight, 0.5, 1.5)
+            nn.init.uniform_(m.bias, -0.5, 0.5)
+    return net
+"""

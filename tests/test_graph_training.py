@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from _faults import kill_worker_on_step
-from _module_runs import STEPS, assert_equal_runs, assert_equals_torch, config, local_module_run, quiet
+from _module_runs import (STEPS, assert_equal_runs, assert_equals_torch, build_with_batchnorm_away_from_one, config,
+                          local_module_run, quiet)
 from hetconv.coordinator.remote import RemoteEngine
 from hetconv.devices import open_device
 from hetconv.engine.local import LocalEngine
@@ -73,16 +74,7 @@ class Net(nn.Module):
         x = torch.cat([self.a(x), F.gelu(self.b(F.max_pool2d(x, 3, 1, 1))), x], dim=1)
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
-
-def build():
-    torch.manual_seed(5)
-    net = Net()
-    for m in net.modules():
-        if isinstance(m, nn.BatchNorm2d):            # away from 1 and 0, so a wrong gradient shows
-            nn.init.uniform_(m.weight, 0.5, 1.5)
-            nn.init.uniform_(m.bias, -0.5, 0.5)
-    return net
-"""
+""" + build_with_batchnorm_away_from_one("Net", 5)
 
 
 @pytest.fixture(scope="module")

@@ -515,6 +515,8 @@ def test_a_module_with_the_hard_activations_and_a_mean_pool_trains_as_torch_sgd_
     assert_equals_torch(cfg, losses, conv, fc)
 
 
+from _module_runs import build_with_batchnorm_away_from_one  # noqa: E402
+
 # MobileNetV2's inverted residual as torchvision writes it (module names included), small: a 1x1
 # expansion, a depthwise 3x3 and a 1x1 projection, each with a BatchNorm, ReLU6 after the first
 # two, and `x + self.conv(x)` with no activation after the sum; F.adaptive_avg_pool2d(x, (1, 1)),
@@ -559,16 +561,7 @@ class Net(nn.Module):
         x = F.adaptive_avg_pool2d(x, (1, 1))
         return self.classifier(torch.flatten(x, 1))
 
-
-def build():
-    torch.manual_seed(6)
-    net = Net()
-    for m in net.modules():
-        if isinstance(m, nn.BatchNorm2d):            # away from 1 and 0, so a wrong gradient shows
-            nn.init.uniform_(m.weight, 0.5, 1.5)
-            nn.init.uniform_(m.bias, -0.5, 0.5)
-    return net
-"""
+""" + build_with_batchnorm_away_from_one("Net", 6)
 
 
 def test_an_inverted_residual_module_trains_as_torch_sgd_does_and_on_two_shards(tmp_path):

@@ -10,7 +10,8 @@ logits in eval mode."""
 import numpy as np
 import pytest
 
-from _module_runs import STEPS, assert_equal_runs, assert_equals_torch, config, local_module_run, quiet
+from _module_runs import (STEPS, assert_equal_runs, assert_equals_torch, build_with_batchnorm_away_from_one, config,
+                          local_module_run, quiet)
 from hetconv.devices import open_device
 from hetconv.engine.local import LocalEngine
 from hetconv.engine.planner import fixed_plan
@@ -63,16 +64,7 @@ class Net(nn.Module):
         out = F.relu(self.bn(out))
         return self.linear(out.mean((2, 3)))
 
-
-def build():
-    torch.manual_seed(7)
-    net = Net()
-    for m in net.modules():
-        if isinstance(m, nn.BatchNorm2d):            # away from 1 and 0, so a wrong gradient shows
-            nn.init.uniform_(m.weight, 0.5, 1.5)
-            nn.init.uniform_(m.bias, -0.5, 0.5)
-    return net
-"""
+""" + build_with_batchnorm_away_from_one("Net", 7)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ workers; its exported program gives PyTorch's own eval logits, computed without 
 import numpy as np
 import pytest
 
-from _module_runs import assert_equal_runs, assert_equals_torch, config, quiet
+from _module_runs import assert_equal_runs, assert_equals_torch, build_with_batchnorm_away_from_one, config, quiet
 from hetconv.coordinator.remote import RemoteEngine
 from hetconv.devices import open_device
 from hetconv.engine.local import LocalEngine
@@ -55,16 +55,7 @@ class Zoo(nn.Module):
         x = F.relu(self.bn(self.dilated(x)))
         return self.fc(x.mean((2, 3)).flatten(1))
 
-
-def build():
-    torch.manual_seed(11)
-    net = Zoo()
-    for m in net.modules():
-        if isinstance(m, nn.BatchNorm2d):            # away from 1 and 0, so a wrong gradient shows
-            nn.init.uniform_(m.weight, 0.5, 1.5)
-            nn.init.uniform_(m.bias, -0.5, 0.5)
-    return net
-"""
+""" + build_with_batchnorm_away_from_one("Zoo", 11)
 
 STEPS = 6
 
