@@ -157,3 +157,16 @@ def test_a_process_with_a_layer_reads_the_shared_cache_writes_only_its_layer_and
     assert run(second) == 1                                 # loaded from the shared cache
     assert _nbc_files(second) == []
     assert merge_cache_layer(str(tmp_path / "no-such-layer")) == 0
+
+
+def test_a_layer_folder_naming_no_shared_folder_or_holding_a_foreign_index_is_left_where_it_is(tmp_path):
+    from hetconv.jit import _LAYER_TARGET_FILE, merge_cache_layer
+    unnamed = tmp_path / "layer" / "unnamed"                # no file naming its shared folder
+    unnamed.mkdir(parents=True)
+    (unnamed / "mod.f-1.py311.nbi").write_bytes(b"anything")
+    foreign = tmp_path / "layer" / "foreign"                 # names one, but its index is not this numba's
+    foreign.mkdir()
+    (foreign / _LAYER_TARGET_FILE).write_text(str(tmp_path / "shared"))
+    (foreign / "mod.f-1.py311.nbi").write_bytes(b"half an index")
+    assert merge_cache_layer(str(tmp_path / "layer")) == 0
+    assert not (tmp_path / "shared").exists()
