@@ -56,11 +56,14 @@ class FakeDevice:
         self.calls.append((k, len(x)))
         return np.zeros((len(x), k, 1, 1), np.float32), (k, len(x))
 
-    def conv_block_backward(self, ctx, w, dy, need_dx, dw_out=None, accumulate=False):
+    def conv_block_backward(self, ctx, w, dy, need_dx, dw_out=None, accumulate=False, on_dx=None):
         k, n = ctx
         self.clock.now += self.backward(k) * n
         self.dw_given.append(dw_out)
-        return None, np.zeros_like(w) if dw_out is None else dw_out, np.zeros(k, np.float32)
+        dx = np.zeros((n, 1, 1, 1), np.float32) if need_dx else None
+        if on_dx is not None and need_dx:
+            on_dx(dx)
+        return dx, np.zeros_like(w) if dw_out is None else dw_out, np.zeros(k, np.float32)
 
 
 def calibrate(device, clock, kernels=64, batch=16, repeats=3):

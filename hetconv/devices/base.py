@@ -333,18 +333,32 @@ class Device:
         assert out.shape == out_shape, (out.shape, out_shape)
         return out, ctx
 
-    def conv_block_backward(self, ctx, w, dout, need_dx=True, dw_out=None, accumulate=False):
+    def conv_block_backward(self, ctx, w, dout, need_dx=True, dw_out=None, accumulate=False, on_dx=None):
         """Returns (dx numpy or None, dw, db) with dw, db in the device's array type.
 
         dw_out: an array of w's shape in the device's type (an earlier call's dw): dW is written
         into it, or added to what it holds with `accumulate`, and it is returned as dw. A step's
         micro-batches sum their gradients so with no fresh dW each: on the paper's conv2 a fresh
-        dW is 40 MB, mapped, page-faulted and zeroed anew on every call. Without it, dw is fresh."""
+        dW is 40 MB, mapped, page-faulted and zeroed anew on every call. Without it, dw is fresh.
+
+        on_dx (with need_dx): called with dx as soon as dx is final. A path that computes dX
+        apart from dW calls it before dW's work (_conv_block_backward_dx_first), so a worker's
+        partial dX is on the wire while its dW computes; elsewhere it is called at the end. dx is
+        returned as well. The arithmetic is the same either way: only the order of the work moves."""
         dout = self._check_block_gradient("dout", "the block's output", ctx, dout)
         if dw_out is not None and tuple(self._shape(dw_out)) != tuple(self._shape(w)):
             raise ValueError(f"dw_out shape must match the weights, {tuple(self._shape(dw_out))!r} != "
                              f"{tuple(self._shape(w))!r}")
+        if on_dx is not None and need_dx:
+            return self._conv_block_backward_dx_first(ctx, w, dout, dw_out, bool(accumulate), on_dx)
         return self._conv_block_backward(ctx, w, dout, bool(need_dx), dw_out, bool(accumulate))
+
+    def _conv_block_backward_dx_first(self, ctx, w, dout, dw_out, accumulate, on_dx):
+        """conv_block_backward with on_dx: here no path computes dX apart, so on_dx comes after the
+        whole backward. A device whose paths can hand dX over first overrides this."""
+        dx, dw, db = self._conv_block_backward(ctx, w, dout, True, dw_out, accumulate)
+        on_dx(dx)
+        return dx, dw, db
 
     def conv_relu_pool(self, x, w, b, padding=0):
         """The paper's block: returns (pooled (N,K,H'//2,W'//2) numpy float32, ctx for the backward)."""

@@ -1779,13 +1779,30 @@ class CpuDevice(Device):
 
         return self._backward_chunks(x, w, stride, padding, need_dx, from_nchw, gemms=self._path_gemms[path])
 
-    def _conv_block_backward(self, ctx, w, dout, need_dx, dw_out=None, accumulate=False):
+    @staticmethod
+    def _backward_weights(ctx, w, dw_out):
+        """w as backward reads it, after checking it and dw_out against the forward's context."""
         w = np.ascontiguousarray(w, np.float32)
         if tuple(w.shape) != tuple(ctx.w_shape):
             raise ValueError(f"weights changed shape since forward, {w.shape!r} != {ctx.w_shape!r}")
         if dw_out is not None and not (isinstance(dw_out, np.ndarray) and dw_out.dtype == np.float32
                                        and dw_out.flags.c_contiguous):
             raise TypeError(f"dw_out must be a C-contiguous float32 numpy array, got {type(dw_out).__name__}")
+        return w
+
+    def _conv_block_backward_dx_first(self, ctx, w, dout, dw_out, accumulate, on_dx):
+        """The FFT and direct paths compute dX apart from dW: dX first, handed to on_dx, then dW
+        (the GEMM paths interleave both per chunk of images: on_dx at the end, as the base does)."""
+        if isinstance(ctx, _FftBlockContext):
+            return self._fft_block_backward(ctx, self._backward_weights(ctx, w, dw_out), dout, True, dw_out,
+                                            accumulate, on_dx)
+        if isinstance(ctx, _DirectBlockContext):
+            return self._direct_block_backward(ctx, self._backward_weights(ctx, w, dw_out), dout, True, dw_out,
+                                               accumulate, on_dx)
+        return super()._conv_block_backward_dx_first(ctx, w, dout, dw_out, accumulate, on_dx)
+
+    def _conv_block_backward(self, ctx, w, dout, need_dx, dw_out=None, accumulate=False):
+        w = self._backward_weights(ctx, w, dw_out)
         x = ctx.x
         if isinstance(ctx, _FftBlockContext):
             return self._fft_block_backward(ctx, w, dout, need_dx, dw_out, accumulate)
@@ -1946,13 +1963,14 @@ class CpuDevice(Device):
         return y, self._fft.forward(x, w, padding, y, x_spectra)
 
     def _fft_backward(self, x, w, dy_kn, padding, need_dx, spectra=None, x_spectra=None, dw_out=None,
-                      accumulate=False):
-        """(dx, dw, db) from dY (K, N, Ho, Wo), C-contiguous; dW into dw_out where given."""
+                      accumulate=False, on_dx=None):
+        """(dx, dw, db) from dY (K, N, Ho, Wo), C-contiguous; dW into dw_out where given; dx to
+        on_dx, where given, before dW's work."""
         k, n = dy_kn.shape[0], dy_kn.shape[1]
         db = np.zeros(k, np.float64)
         _add_row_sums(dy_kn.reshape(k, -1), db)
         dx, dw = self._fft.backward(x, w, dy_kn.reshape(k * n, -1), padding, need_dx, spectra, x_spectra,
-                                    dw_out, accumulate)
+                                    dw_out, accumulate, on_dx)
         return dx, dw, db.astype(np.float32)
 
     def _fft_block(self, x, w, b, block):
@@ -1974,7 +1992,7 @@ class CpuDevice(Device):
         _act_pool(planes, b, 0, relu, pool.is_max, *pool.args, out, argmax, mask)
         return out, _FftBlockContext(x, w, block, (ho, wo), pool, argmax, mask, out.shape, spectra, x_spectra)
 
-    def _fft_block_backward(self, ctx, w, dout, need_dx, dw_out, accumulate):
+    def _fft_block_backward(self, ctx, w, dout, need_dx, dw_out, accumulate, on_dx=None):
         (ho, wo), pool = ctx.conv_hw, ctx.pool
         n, k = ctx.x.shape[0], w.shape[0]
         dy = self._scratch("fft_dy_kn", (k, n, ho * wo))
@@ -1985,7 +2003,8 @@ class CpuDevice(Device):
         # argmax came from them), else the cache's, checked against w
         spectra = ctx.spectra if w is ctx.forward_weights else None
         x_spectra, ctx.spectra, ctx.x_spectra = ctx.x_spectra, None, None     # a second backward recomputes
-        grads = self._fft_backward(ctx.x, w, dy, ctx.block.padding, need_dx, spectra, x_spectra, dw_out, accumulate)
+        grads = self._fft_backward(ctx.x, w, dy, ctx.block.padding, need_dx, spectra, x_spectra, dw_out, accumulate,
+                                   on_dx)
         if x_spectra is not None:
             self._give_back_saved_cols(x_spectra.base if x_spectra.base is not None else x_spectra)
         return grads
@@ -2018,7 +2037,7 @@ class CpuDevice(Device):
             _act_pool(y, b, 0, relu, pool.is_max, *pool.args, out, argmax, mask)
         return out, _DirectBlockContext(x, w, block, (ho, wo), pool, argmax, mask, out.shape, convs, saved, saved_src)
 
-    def _direct_block_backward(self, ctx, w, dout, need_dx, dw_out, accumulate):
+    def _direct_block_backward(self, ctx, w, dout, need_dx, dw_out, accumulate, on_dx=None):
         (ho, wo), pool, x, block = ctx.conv_hw, ctx.pool, ctx.x, ctx.block
         relu = block.activation == "relu"
         dy = self._scratch("direct_dy", (x.shape[0], w.shape[0], ho, wo))
@@ -2034,7 +2053,7 @@ class CpuDevice(Device):
         ctx.saved = ctx.saved_src = None        # the buffer goes back to the pool: a second backward reorders x
         into = dw_out if dw_out is not None and not accumulate else np.empty(w.shape, np.float32)
         dx = ctx.convs.backward(x, w, dy, block.stride, block.padding, need_dx, into, saved_src,
-                                dilation=block.dilation, groups=block.groups)
+                                dilation=block.dilation, groups=block.groups, on_dx=on_dx)
         if saved is not None:
             self._give_back_saved_cols(saved)
         return dx, (into if into is dw_out else self._dw_into(dw_out, accumulate, into)), _bias_grad(sums)

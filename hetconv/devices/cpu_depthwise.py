@@ -296,9 +296,11 @@ class DepthwiseConvs:
                  _planes_per_task(x.shape), y)
         return y
 
-    def backward(self, x, w, dy, stride, padding, need_dx, dw, saved_src=None, dilation=(1, 1), groups=1):
+    def backward(self, x, w, dy, stride, padding, need_dx, dw, saved_src=None, dilation=(1, 1), groups=1,
+                 on_dx=None):
         """dx (N, C, H, W) or None where not asked; dW into dw (K, 1, kh, kw) float32
-        C-contiguous. The bias's gradient is the caller's (from the float32 dY)."""
+        C-contiguous. The bias's gradient is the caller's (from the float32 dY). dX and dW come
+        from one pass here: on_dx (where given) gets dx at the end."""
         x, w = np.ascontiguousarray(x, np.float32), np.ascontiguousarray(w, np.float32)
         dy = np.ascontiguousarray(dy, np.float32)
         k, _, kh, kw = w.shape
@@ -307,4 +309,6 @@ class DepthwiseConvs:
         _backward(x, x.view(np.uint32), w, w.view(np.uint32), dy, dy.view(np.uint32), *stride, *padding, *dilation,
                   self.bf16, bool(need_dx), _planes_per_task(x.shape), dx, partial)
         _image_sums(partial, dw.reshape(k, kh * kw))
+        if need_dx and on_dx is not None:
+            on_dx(dx)
         return dx if need_dx else None

@@ -476,73 +476,133 @@ class FftConv:
         return spectra
 
     # ---- backward --------------------------------------------------------------------------------
-    def backward(self, x, w, dy, padding, need_dx, spectra=None, x_spectra=None, dw_out=None, accumulate=False):
+    def backward(self, x, w, dy, padding, need_dx, spectra=None, x_spectra=None, dw_out=None, accumulate=False,
+                 on_dx=None):
         """(dx (N, C, H, W) or None, dw (K, C, kh, kw)) of sum(dy * conv2d(x, w)); dy (K*N, Ho*Wo)
         C-contiguous, kernel-major as forward's y. `spectra`: the forward's kernel spectra of this
         same w (else looked up). `x_spectra`: what a forward on this same x left there (else x
         is transformed again). `dw_out` (C-contiguous, w's shape): dW is written there, or added
-        to it with `accumulate`, by the inverse GEMM's beta (no extra pass), and returned."""
+        to it with `accumulate`, by the inverse GEMM's beta (no extra pass), and returned.
+        `on_dx` (with need_dx): dX is computed first, over every frequency, and handed to it
+        before dW's products start (see _backward_dx_first); the values are the same."""
         with self._one_blas_thread():
+            if need_dx and on_dx is not None:
+                return self._backward_dx_first(x, w, dy, padding, spectra, x_spectra, dw_out, accumulate, on_dx)
             return self._backward(x, w, dy, padding, need_dx, spectra, x_spectra, dw_out, accumulate)
 
-    def _backward(self, x, w, dy, padding, need_dx, spectra, x_spectra, dw_out, accumulate):
+    def _backward_start(self, x, w, padding, need_dx, spectra, x_spectra, dw_out):
+        """What both orders of backward start from: the geometry, the kernel spectra (for dX), the
+        input's row spectra (where the forward left none), dW's buffer and dX's two inverse stages."""
         n, c, h, wd = x.shape
         k, _, kh, kw = w.shape
         g = self.geometry(x.shape, w.shape, padding)
         if need_dx and spectra is None:
             spectra = self.kernel_spectra(w, g)
         z = self._row_spectra(x, g) if x_spectra is None else None
-        dyt = dy.T                                          # (Ho*Wo, K*N)
         # returned, so never a scratch buffer; written in its own layout by the inverse GEMM (as
         # fast as writing it taps-first, and no transpose after: ~70 ms on the whole conv2)
         dw = np.empty((k * c, kh * kw), np.float32) if dw_out is None else dw_out.reshape(k * c, kh * kw)
         # dX by rows of the plane, then channel-major (C*N, H*W): the inverse's two stages, below
         dx_rows = self._scratch("fft_dx_rows", (g.qk, 2 * h, c * n)) if need_dx else None
         dx_cn = self._scratch("fft_dx_cn", (c * n, h * wd)) if need_dx else None
+        return g, spectra, z, dw, dx_rows, dx_cn
+
+    def _grad_spectra(self, blk, dyt, gs):
+        """dY's spectra over the block's frequencies into gs (GRAD_PLANES*fb, K*N), returned."""
+        self._split_gemm(blk.grad_rows, dyt, gs, 0.0)
+        return gs
+
+    def _dw_block(self, g, blk, z, x_spectra, gs, n, k, c, dw, beta):
+        """The block's dW products, added into dw by the inverse GEMM (beta)."""
+        fb = blk.f1 - blk.f0
         gemm = self._gemm
+        xs = self._input_spectra(g, blk, z, n * c, x_spectra).reshape(fb, INPUT_PLANES, n, c)
+        gs = gs.reshape(GRAD_PLANES, fb, k, n)
+        dws = self._scratch("fft_dw", (2 * fb, k * c))
+        dws4 = dws.reshape(2, fb, k, c)
+
+        def dw_products(k0, k1):
+            for j in range(fb):
+                # -dW = -conj(dY)^T X: -re = dYr^T (-(Xr+Xi)) + (dYr - dYi)^T Xi; -im = same T1 + (dYr + dYi)^T Xr
+                re, im = dws4[0, j, k0:k1], dws4[1, j, k0:k1]
+                gemm(gs[0, j, k0:k1], xs[j, 3], re, 0.0)
+                np.copyto(im, re)
+                gemm(gs[3, j, k0:k1], xs[j, 1], re, 1.0)
+                gemm(gs[2, j, k0:k1], xs[j, 0], im, 1.0)
+
+        self._in_parallel(dw_products, k)
+        self._split_gemm(dws.T, blk.dw_rows, dw, beta)  # (K*C, 2fb) @ (2fb, kh*kw)
+
+    def _dx_block(self, g, blk, spectra, gs, n, c, dx_rows):
+        """The block's dX products, added into dx_rows by the inverse's first stage."""
+        f0, fb = blk.f0, blk.f1 - blk.f0
+        gemm = self._gemm
+        gs = gs.reshape(GRAD_PLANES, fb, -1, n)
+        dxs = self._scratch("fft_dx", (2 * fb, c * n))      # (re, im) of each frequency together
+        dxs4 = dxs.reshape(fb, 2, c, n)
+
+        def dx_products(c0, c1):
+            for j in range(fb):
+                ar, d, ns = (spectra[p, f0 + j, :, c0:c1] for p in range(KERNEL_PLANES))
+                # dX^T = W^T dY^T: T1 = Wr^T (dYr + dYi); re = T1 - (Wr + Wi)^T dYi; im = T1 + (Wi - Wr)^T dYr
+                re, im = dxs4[j, 0, c0:c1], dxs4[j, 1, c0:c1]
+                gemm(ar.T, gs[2, j], re, 0.0)
+                np.copyto(im, re)
+                gemm(ns.T, gs[1, j], re, 1.0)
+                gemm(d.T, gs[0, j], im, 1.0)
+
+        self._in_parallel(dx_products, c)
+        self._dx_to_rows(g, blk, dxs, dx_rows)
+
+    def _dx_of(self, g, x_shape, dx_rows, dx_cn):
+        """dX (N, C, H, W), fresh, from the first stage's rows."""
+        n, c, h, wd = x_shape
+        self._dx_rows_to_plane(g, dx_rows, dx_cn)
+        dx = np.empty(x_shape, np.float32)
+        swap_leading(dx_cn.reshape(c, n, h * wd), dx.reshape(n, c, h * wd))
+        return dx
+
+    def _backward(self, x, w, dy, padding, need_dx, spectra, x_spectra, dw_out, accumulate):
+        """Frequency block by block, dW's products and dX's of each block together."""
+        n, c = x.shape[:2]
+        k = w.shape[0]
+        g, spectra, z, dw, dx_rows, dx_cn = self._backward_start(x, w, padding, need_dx, spectra, x_spectra, dw_out)
+        dyt = dy.T                                          # (Ho*Wo, K*N)
         for bi, blk in enumerate(g.blocks(self._block(g, n, k, c))):
-            f0, fb = blk.f0, blk.f1 - blk.f0
-            beta = 0.0 if bi == 0 and not accumulate else 1.0
-            xs = self._input_spectra(g, blk, z, n * c, x_spectra)
-            xs = xs.reshape(fb, INPUT_PLANES, n, c)
-            gs = self._scratch("fft_dy", (GRAD_PLANES * fb, k * n))
-            self._split_gemm(blk.grad_rows, dyt, gs, 0.0)
-            gs = gs.reshape(GRAD_PLANES, fb, k, n)
-            dws = self._scratch("fft_dw", (2 * fb, k * c))
-            dws4 = dws.reshape(2, fb, k, c)
-
-            def dw_products(k0, k1):
-                for j in range(fb):
-                    # -dW = -conj(dY)^T X: -re = dYr^T (-(Xr+Xi)) + (dYr - dYi)^T Xi; -im = same T1 + (dYr + dYi)^T Xr
-                    re, im = dws4[0, j, k0:k1], dws4[1, j, k0:k1]
-                    gemm(gs[0, j, k0:k1], xs[j, 3], re, 0.0)
-                    np.copyto(im, re)
-                    gemm(gs[3, j, k0:k1], xs[j, 1], re, 1.0)
-                    gemm(gs[2, j, k0:k1], xs[j, 0], im, 1.0)
-
-            self._in_parallel(dw_products, k)
-            self._split_gemm(dws.T, blk.dw_rows, dw, beta)  # (K*C, 2fb) @ (2fb, kh*kw)
+            gs = self._grad_spectra(blk, dyt, self._scratch("fft_dy", (GRAD_PLANES * (blk.f1 - blk.f0), k * n)))
+            self._dw_block(g, blk, z, x_spectra, gs, n, k, c, dw, 0.0 if bi == 0 and not accumulate else 1.0)
             if need_dx:
-                dxs = self._scratch("fft_dx", (2 * fb, c * n))      # (re, im) of each frequency together
-                dxs4 = dxs.reshape(fb, 2, c, n)
+                self._dx_block(g, blk, spectra, gs, n, c, dx_rows)
+        dx = self._dx_of(g, x.shape, dx_rows, dx_cn) if need_dx else None
+        return dx, (dw.reshape(w.shape) if dw_out is None else dw_out)
 
-                def dx_products(c0, c1):
-                    for j in range(fb):
-                        ar, d, ns = (spectra[p, f0 + j, :, c0:c1] for p in range(KERNEL_PLANES))
-                        # dX^T = W^T dY^T: T1 = Wr^T (dYr + dYi); re = T1 - (Wr + Wi)^T dYi; im = T1 + (Wi - Wr)^T dYr
-                        re, im = dxs4[j, 0, c0:c1], dxs4[j, 1, c0:c1]
-                        gemm(ar.T, gs[2, j], re, 0.0)
-                        np.copyto(im, re)
-                        gemm(ns.T, gs[1, j], re, 1.0)
-                        gemm(d.T, gs[0, j], im, 1.0)
-
-                self._in_parallel(dx_products, c)
-                self._dx_to_rows(g, blk, dxs, dx_rows)
-        dx = None
-        if need_dx:
-            self._dx_rows_to_plane(g, dx_rows, dx_cn)
-            dx = np.empty(x.shape, np.float32)
-            swap_leading(dx_cn.reshape(c, n, h * wd), dx.reshape(n, c, h * wd))
+    def _backward_dx_first(self, x, w, dy, padding, spectra, x_spectra, dw_out, accumulate, on_dx):
+        """dX over every frequency block, handed to on_dx, then dW's blocks: the caller sends dX
+        while dW computes. dY's spectra are kept from the first pass for the second where the
+        whole of them (GRAD_PLANES*F*K*N floats: 38 MB for half of conv2 at N=32) fits the
+        block budget, else transformed again per block (one GEMM of ~Ho*Wo taps a frequency)."""
+        n, c = x.shape[:2]
+        k = w.shape[0]
+        g, spectra, z, dw, dx_rows, dx_cn = self._backward_start(x, w, padding, True, spectra, x_spectra, dw_out)
+        dyt = dy.T
+        blocks = g.blocks(self._block(g, n, k, c))
+        keep = 4 * GRAD_PLANES * g.f * k * n <= self.block_budget_bytes
+        kept = self._scratch("fft_dy_kept", (GRAD_PLANES * g.f, k * n)) if keep else None
+        grads = []
+        for blk in blocks:
+            rows = GRAD_PLANES * (blk.f1 - blk.f0)
+            buf = (kept[GRAD_PLANES * blk.f0:GRAD_PLANES * blk.f0 + rows] if keep
+                   else self._scratch("fft_dy", (rows, k * n)))
+            gs = self._grad_spectra(blk, dyt, buf)
+            grads.append(gs if keep else None)
+            self._dx_block(g, blk, spectra, gs, n, c, dx_rows)
+        dx = self._dx_of(g, x.shape, dx_rows, dx_cn)
+        on_dx(dx)
+        for bi, blk in enumerate(blocks):
+            gs = grads[bi]
+            if gs is None:
+                gs = self._grad_spectra(blk, dyt, self._scratch("fft_dy", (GRAD_PLANES * (blk.f1 - blk.f0), k * n)))
+            self._dw_block(g, blk, z, x_spectra, gs, n, k, c, dw, 0.0 if bi == 0 and not accumulate else 1.0)
         return dx, (dw.reshape(w.shape) if dw_out is None else dw_out)
 
     def _dx_to_rows(self, g, blk, dxs, dx_rows):

@@ -387,13 +387,31 @@ class DirectConvs:
         """The bytes of the input in the forward primitive's layout (what forward can save)."""
         return self._plan(x_shape, w_shape, stride, padding, dilation, groups).src.nbytes
 
-    def backward(self, x, w, dy, stride, padding, need_dx, dw, saved_src=None, dilation=(1, 1), groups=1):
+    def backward(self, x, w, dy, stride, padding, need_dx, dw, saved_src=None, dilation=(1, 1), groups=1,
+                 on_dx=None):
         """dx (N, C, H, W) or None where not asked; dW of this call into dw (K, C, kh, kw) float32
         C-contiguous. `saved_src`: forward's, for these x. The bias's gradient is the caller's
-        (from the float32 dY, as the other paths: a bf16 primitive would sum the rounded one)."""
+        (from the float32 dY, as the other paths: a bf16 primitive would sum the rounded one).
+        dX's primitive runs first, and dx goes to on_dx (where given) before dW's runs: the two
+        are independent, so a worker's dX can travel while its dW computes."""
         plan = self._plan(x.shape, w.shape, stride, padding, dilation, groups)
         self._lib.dnnl.set_threads(self.threads)
         diff_dst = plan.operand("diff_dst", "y", plan.bw_diff_dst, dy)
+        dx = None
+        if need_dx:
+            if plan.bd_diff_dst.same_layout(plan.bw_diff_dst):
+                bd_dy = diff_dst
+            else:
+                bd_dy = plan.operand("bd_diff_dst", "y", plan.bd_diff_dst, dy)
+            weights = plan.operand("bd_weights", "w", plan.bd_weights, w)
+            dx = np.empty(x.shape, np.float32)
+            diff_src = plan.result("diff_src", plan.bd_diff_src, "x", dx)
+            plan.backward_data.run([(ARG_DIFF_DST, plan.bd_diff_dst.at(bd_dy)),
+                                    (ARG_WEIGHTS, plan.bd_weights.at(weights)),
+                                    (ARG_DIFF_SRC, plan.bd_diff_src.at(diff_src))])
+            plan.deliver(plan.bd_diff_src, "x", diff_src, dx)
+            if on_dx is not None:
+                on_dx(dx)
         if saved_src is not None and plan.bw_src.same_layout(plan.src):
             src = saved_src
         else:
@@ -402,18 +420,6 @@ class DirectConvs:
         plan.backward_weights.run([(ARG_SRC, plan.bw_src.at(src)), (ARG_DIFF_DST, plan.bw_diff_dst.at(diff_dst)),
                                    (ARG_DIFF_WEIGHTS, plan.bw_diff_weights.at(diff_weights))])
         plan.deliver(plan.bw_diff_weights, "w", diff_weights, dw)
-        if not need_dx:
-            return None
-        if plan.bd_diff_dst.same_layout(plan.bw_diff_dst):
-            bd_dy = diff_dst
-        else:
-            bd_dy = plan.operand("bd_diff_dst", "y", plan.bd_diff_dst, dy)
-        weights = plan.operand("bd_weights", "w", plan.bd_weights, w)
-        dx = np.empty(x.shape, np.float32)
-        diff_src = plan.result("diff_src", plan.bd_diff_src, "x", dx)
-        plan.backward_data.run([(ARG_DIFF_DST, plan.bd_diff_dst.at(bd_dy)), (ARG_WEIGHTS, plan.bd_weights.at(weights)),
-                                (ARG_DIFF_SRC, plan.bd_diff_src.at(diff_src))])
-        plan.deliver(plan.bd_diff_src, "x", diff_src, dx)
         return dx
 
 

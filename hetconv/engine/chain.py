@@ -268,14 +268,16 @@ class LayerChain:
         sl = self.sl
         ctxs = sl.ctx.pop(m)               # frees the saved input: the largest buffer a slice holds
         first = sl.dw is None
+        # an emitted dX leaves as soon as the device has it, on a path that computes it before dW
+        on_dx = None if emit is None or not need_dx else (lambda dx: emit(m, sl.whole_dx(dx)))
         dx, dw, db = self.device.conv_block_backward(ctxs[0], sl.w, g, need_dx,
-                                                     dw_out=sl.dw_kept if first else sl.dw, accumulate=not first)
+                                                     dw_out=sl.dw_kept if first else sl.dw, accumulate=not first,
+                                                     on_dx=on_dx)
         if first:
             sl.dw, sl.db, sl.dw_kept = dw, db, None
         else:
             self.device.accumulate_(sl.db, db)
-        dx = sl.whole_dx(dx)
         if emit is None:
-            out[m] = dx
-        else:
-            emit(m, dx)
+            out[m] = sl.whole_dx(dx)
+        elif on_dx is None:
+            emit(m, sl.whole_dx(dx))

@@ -51,6 +51,14 @@ class LayerCost:
     accumulate_per_kernel_s: float = 0.0    # a micro-batch's dW added into the step's sum
     forward_call_per_kernel_s: float = 0.0
     backward_call_per_kernel_s: float = 0.0
+    # the part of a backward call that comes before its dX is handed over: 1 where dX comes
+    # with dW at the end (the GEMM paths), less where the path computes dX first (FFT, oneDNN's
+    # direct convolutions) and dX travels while dW computes
+    backward_dx_share: float = 1.0
+
+    def backward_dx_s(self, kernels, batch):
+        """Seconds of a backward call until its dX is handed over."""
+        return self.backward_dx_share * self.backward_s(kernels, batch)
 
     def update_s(self, kernels):
         return self.update_per_kernel_s * kernels
@@ -118,7 +126,17 @@ class LayerCost:
                            f"{phase}_call_s": call[0], f"{phase}_call_per_kernel_s": call[1]})
         k_update = max(1, int(timing.get("update_kernels", 1)))
         return cls(**fitted, update_per_kernel_s=timing.get("update_s", 0.0) / k_update,
-                   accumulate_per_kernel_s=timing.get("accumulate_s", 0.0) / k_update)
+                   accumulate_per_kernel_s=timing.get("accumulate_s", 0.0) / k_update,
+                   backward_dx_share=_dx_share(timing))
+
+
+def _dx_share(timing):
+    """The mean over the full batch's points of backward's time until dX was handed over, as a
+    fraction of the whole backward (1 where calibration did not time it: a layer with no dX, a
+    record from before)."""
+    shares = [min(1.0, max(0.0, dx / total)) for dx, total in zip(timing.get("backward_dx_s") or (),
+                                                                  timing["backward_s"]) if total > 0]
+    return sum(shares) / len(shares) if shares else 1.0
 
 
 def _fit_line(ks, ts):
@@ -481,9 +499,14 @@ def predict_peer_step(specs, image_shape, batch, counts, profiles, link, coordin
                 for w in names:
                     have_grad[(li, m, w)] = whole[w]
         for m, b in enumerate(sizes):
-            done = {w: device(w, li, profiles[w].layers[li].backward_in_step_s(kernels_of(w, li), rows_of(w, li, b), m,
-                                                                           len(sizes)),
-                              have_grad[(li, m, w)]) for w in names}
+            done, dx_ready = {}, {}
+            for w in names:
+                cost, k, r = profiles[w].layers[li], kernels_of(w, li), rows_of(w, li, b)
+                total = cost.backward_in_step_s(k, r, m, len(sizes))
+                done[w] = device(w, li, total, have_grad[(li, m, w)])
+                # dX leaves when the device hands it over: before dW where the path computes it
+                # first, and before the step's update (which follows the last dX) in any case
+                dx_ready[w] = done[w] - total + cost.backward_dx_s(k, r) + (cost.accumulate_s(k) if m > 0 else 0.0)
             if here == "data" and m == len(sizes) - 1:
                 for src in names:
                     for dst in names:
@@ -502,7 +525,7 @@ def predict_peer_step(specs, image_shape, batch, counts, profiles, link, coordin
                         nbytes = rows_of(src, li, b) * counts[dst][li - 1] * h * wd * value_bytes
                     else:
                         nbytes = 0
-                    arrival = done[src] if dst == src or nbytes == 0 else t.send(src, dst, nbytes, done[src], link)
+                    arrival = done[src] if dst == src or nbytes == 0 else t.send(src, dst, nbytes, dx_ready[src], link)
                     have_grad[key] = max(have_grad.get(key, 0.0), arrival)
     step = max(t.free.values())
     workers = {}

@@ -287,10 +287,12 @@ class ConvShard:
                 # the smaller count first: the path a CPU device times for it is kept for the larger
                 timers += [self._call_timer(sl, half, need_dx) for sl in reversed(slices)]
             means = self._mean_times(timers, repeats)
-            fwd = [f for f, _ in means[:len(counts)]]
-            bwd = [b for _, b in means[:len(counts)]]
+            fwd = [f for f, _, _ in means[:len(counts)]]
+            bwd = [b_dx + b_rest for _, b_dx, b_rest in means[:len(counts)]]
             speeds.append(counts[0] / (fwd[0] + bwd[0]))
             timing = {"batch": int(shape[0]), "kernels": counts, "forward_s": fwd, "backward_s": bwd}
+            if need_dx:             # how much of backward came before dX was handed over
+                timing["backward_dx_s"] = [b_dx for _, b_dx, _ in means[:len(counts)]]
             if half is not None:
                 timing["half_batch"] = self._half_batch_timing(half, counts, means[len(counts):][::-1])
             timing.update(self._time_update(slices[0].w, repeats))
@@ -351,8 +353,8 @@ class ConvShard:
         full-batch times they separate what each call costs whatever its batch (weights
         reordered, dW written, kernel spectra streamed) from the per-image cost. The cost model
         charges it once per micro-batch."""
-        return {"batch": int(x.shape[0]), "kernels": list(counts), "forward_s": [f for f, _ in means],
-                "backward_s": [b for _, b in means]}
+        return {"batch": int(x.shape[0]), "kernels": list(counts), "forward_s": [f for f, _, _ in means],
+                "backward_s": [b_dx + b_rest for _, b_dx, b_rest in means]}
 
     def _calibration_slice(self, spec, k, rng):
         """A slice of `k` kernels of the layer with fresh weights, as a step would hold it."""
@@ -368,16 +370,26 @@ class ConvShard:
         dropout = DropoutDraw(0, 0, len(x))
 
         def time_once():
-            """(forward seconds, backward seconds) of one call of the whole layer: the conv's fused
-            block and the tail, dW written into the last call's, as a step's backward does."""
+            """(forward seconds, backward seconds until dX was handed over, the rest of backward)
+            of one call of the whole layer: the conv's fused block and the tail, dW written into
+            the last call's, dX handed over as a step's backward hands it to the wire (the whole
+            backward is before it where the path computes dX with dW, or no dX is asked)."""
             t0 = self.clock()
             y = chain.forward([(0, x, 0)], True, dropout=dropout)[0]
             self.device.synchronize()
             t1 = self.clock()
-            chain.backward([(0, np.ones_like(y))], need_dx)
+            handed = []
+
+            def emit(m, dx):
+                self.device.synchronize()
+                handed.append(self.clock())
+
+            chain.backward([(0, np.ones_like(y))], need_dx, emit=emit)
             self.device.synchronize()
             sl.dw_kept, sl.dw, sl.db, sl.host_grads = sl.dw, None, None, {}
-            return t1 - t0, self.clock() - t1
+            t2 = self.clock()
+            t_dx = handed[0] if handed else t2
+            return t1 - t0, t_dx - t1, t2 - t_dx
 
         return time_once
 
