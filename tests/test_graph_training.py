@@ -4,6 +4,7 @@ and a 1x1 projection), a concatenation of branches and a pooled branch trains th
 statistics); the resnet9, resnet18 and inception-small presets' graphs do too; a distributed run
 equals `--local` with even and uneven shares, micro-batches, a worker lost mid-run and a resume
 onto another plan; the export gives back the module's own state_dict keys and hetconv's logits."""
+import dataclasses
 import json
 
 import numpy as np
@@ -209,6 +210,44 @@ def test_two_workers_equal_local_and_three_uneven_ones_survive_a_lost_worker_and
     assert_equal_runs(got, local)
 
 
+def test_an_all_data_graph_keeps_each_workers_rows_and_moves_only_batchnorm_sums_and_weight_gradients(local_run,
+                                                                                                    tmp_path):
+    """Every block data-parallel with one uneven split of the images, two micro-batches: each
+    worker keeps its rows of every tensor (the joins between blocks run on rows), the step
+    equals --local's, and what moves among the workers is each BatchNorm's sums and each
+    block's weight gradients: the bytes the cost model prices (its payload; the measured count
+    adds each message's header)."""
+    from hetconv.engine.costmodel import (DeviceProfile, LayerCost, Link, batchnorm_sum_bytes,
+                                          predict_graph_rows_step, weight_floats)
+    from hetconv.engine.graph import GraphPass
+    from hetconv.devices.cpu import HostArrays
+    from hetconv.geometry import ConvSpec
+    cfg, losses, local = local_run
+    cfg = Config(**{**cfg.to_json(), "metrics": str(tmp_path / "rows.jsonl")})
+    images = {"w0-cpu": 6, "w1-cpu": 10}
+    summary, got = distributed(cfg, tmp_path, 2, 2, modes="D" * 8, images=images)
+    np.testing.assert_allclose(summary["losses"], losses, rtol=1e-5)
+    assert_equal_runs(got, local)
+
+    spec = load_net(cfg.net, (3, 16, 16), 10).spec
+    specs = [ConvSpec.from_layer(layer) for layer in spec.conv_layers()]
+    graph = GraphPass(spec, HostArrays()).shape()
+    assert graph.rows_when_data
+    flat = DeviceProfile("d", "cpu", "", (LayerCost(0.0, 1e-6, 0.0, 1e-6),) * len(specs))
+    priced = predict_graph_rows_step(specs, (3, 16, 16), cfg.batch_size, images, {w: flat for w in images},
+                                     Link(1e9), 0.0, graph, micro_batches=2)
+    payload = sum(weight_floats(s) * 4 + 2 * len(s.batchnorms) * batchnorm_sum_bytes(s) for s in specs)
+    assert payload > 0 and all(priced.workers[w]["sent"] == payload for w in images)
+    assert priced.bytes_by_kind["weight gradients"] == 2 * sum(weight_floats(s) * 4 for s in specs)
+    messages = sum(1 + 2 * len(s.batchnorms) for s in specs)       # a dW each, a sum per BatchNorm each way
+    steps = [r for r in map(json.loads, open(tmp_path / "rows.jsonl")) if r["event"] == "step"]
+    assert len(steps) == STEPS
+    for record in steps:
+        for w in images:
+            sent = record["workers"][w]["peer_bytes_sent"]
+            assert payload <= sent <= payload + 400 * messages, (w, sent, payload)
+
+
 @pytest.mark.parametrize("name,width,workers,modes", [("resnet9", 0.0625, 2, "DDMMDMDM"),
                                                       ("inception-small", 0.25, 3, "DMDDDMDMMDMDM")])
 def test_graph_presets_train_as_torch_sgd_does_on_workers_with_model_and_data_blocks(tmp_path, name, width, workers,
@@ -325,11 +364,19 @@ def test_the_cost_model_prices_each_graph_block_as_the_graph_step_moves_it():
     assert shape.needs_dx == (False,) + (True,) * (len(specs) - 1) and shape.feature_floats == 512
     profiles = {w: cpu_profile(w, specs, spec.input_shape) for w in ("a", "b")}
     link, batch = parse_bandwidth("1gbit"), 128
-    choice = choose_modes(specs, spec.input_shape, batch, profiles, link, "auto", graph=shape)
+    # all-data keeps rows (priced apart, below): here every tensor whole, as a BatchNorm between
+    # blocks would make it
+    whole = dataclasses.replace(shape, rows_when_data=False)
+    choice = choose_modes(specs, spec.input_shape, batch, profiles, link, "auto", graph=whole)
     node = choice.costs.node
     assert choice.modes == [min(("model", "data"), key=lambda m: (node[li][m], m == "data")) for li in range(len(specs))]
     assert set(choice.modes) == {"model", "data"}        # early wide maps data, late heavy weights model
     assert choice.chosen_s == pytest.approx(sum(node[li][m] for li, m in enumerate(choice.modes)))
+
+    # with rows kept, all-data moves only weight gradients and BatchNorm sums: at 1 Gbit/s that
+    # is the cheapest plan here, and auto says why
+    rows = choose_modes(specs, spec.input_shape, batch, profiles, link, "auto", graph=shape)
+    assert rows.modes == ["data"] * len(specs) and rows.chosen_s < choice.chosen_s and "rows" in rows.reason
 
     counts = {w: [s.kernels // 2 for s in specs] for w in profiles}
     pred = predict_graph_step(specs, spec.input_shape, batch, counts, profiles, link, 0.0, shape)

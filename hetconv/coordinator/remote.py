@@ -34,6 +34,7 @@ from hetconv.engine.costmodel import Link, parse_bandwidth, predict_any, profile
 from hetconv.engine.graph import norm_states_from
 from hetconv.engine.measure import calibrate_local, measure_loopback
 from hetconv.engine.microbatch import cheapest_micro_batches, micro_batch_count, priced_text
+from hetconv.engine.layouts import data_rows
 from hetconv.engine.planner import (PlanError, choose_modes, cost_lines, cpu_groups, forced_modes, image_ranges,
                                     make_plan, plan_from_lines, price_cores_together, price_plan)
 from hetconv.flags import usable_cores
@@ -1033,9 +1034,15 @@ class RemoteEngine(ShardEngine):
         shape = self.graph.feature_shape
         sent_at = time.perf_counter()
         pending = self._start_step(step, xs, train, update, train_step, doing)
+        rows = self._graph_rows([len(x) for x in xs])
         for m, x in enumerate(xs):
-            for name, piece in zip(names, np.array_split(np.ascontiguousarray(x, np.float32), len(names))):
+            x = np.ascontiguousarray(x, np.float32)
+            pieces = (np.array_split(x, len(names)) if rows is None else
+                      [x[rows[name][m][0]:rows[name][m][1]] for name in names])
+            for name, piece in zip(names, pieces):
                 self._send(self.peers[name], "INPUT", [piece], doing=doing, step=step, micro=m)
+        if rows is not None:
+            return self._graph_rows_replies(pending, rows, xs, head, update, doing, step, head_sum_of_squares)
         features, next_micro, norms = [None] * micros, 0, {}
         clip = train and update is not None and update.max_norm > 0
         for peer, msg in self._incoming(pending, doing):
@@ -1059,6 +1066,58 @@ class RemoteEngine(ShardEngine):
                 else:
                     features[m] = h
                 next_micro += 1
+            elif msg.op == "STEP_DONE" and pending.get(msg.seq) == peer.name:
+                del pending[msg.seq]
+                self._record(peer.name, None, msg.fields, roundtrip_s=time.perf_counter() - sent_at)
+                norms[peer.name] = msg.fields.get("sum_of_squares")
+        return self._step_result(features, next_micro, norms, doing, update if clip else None)
+
+    def _graph_rows(self, sizes):
+        """{worker: [(r0, r1) per micro-batch]} where the graph's step keeps each worker's rows of
+        every tensor (worker.graph_step.rows_of_step), else None."""
+        if len(self.plan.workers) < 2 or self.graph.norms:
+            return None
+        return data_rows(self.plan.layers, sizes)
+
+    def _graph_rows_replies(self, pending, rows, xs, head, update, doing, step, head_sum_of_squares):
+        """The rest of a graph step that keeps rows: every worker's rows of each micro-batch's
+        features, joined in plan order; with a head, the FC work here on micro-batch m while the
+        workers compute m+1, and each worker its rows of the gradient."""
+        names, micros = self.plan.workers, len(xs)
+        shape = self.graph.feature_shape
+        train = head is not None
+        sent_at = time.perf_counter()
+        parts = [dict() for _ in range(micros)]
+        features, next_micro, norms = [None] * micros, 0, {}
+        clip = train and update is not None and update.max_norm > 0
+        for peer, msg in self._incoming(pending, doing):
+            if msg.fields.get("step") != step:
+                continue                                       # from an abandoned step
+            if msg.op == "FEATURES":
+                m = msg.fields.get("micro")
+                known = isinstance(m, int) and not isinstance(m, bool) and 0 <= m < micros and peer.name in rows
+                got = tuple(msg.arrays[0].shape) if msg.arrays else ()
+                want = (rows[peer.name][m][1] - rows[peer.name][m][0],) + tuple(shape) if known else None
+                if not known or got != want or msg.arrays[0].dtype != np.float32 or peer.name in parts[m]:
+                    raise WorkerError(peer.label(), doing, "ShapeError",
+                                      f"FEATURES for micro-batch {m!r}: {msg.arrays[0].dtype if msg.arrays else 'no'} "
+                                      f"{got}; the plan expects float32 {want or 'its rows'} once per micro-batch "
+                                      f"0..{micros - 1}", "")
+                parts[m][peer.name] = msg.arrays[0]
+                while next_micro < micros and len(parts[next_micro]) == len(names):
+                    h = np.concatenate([parts[next_micro][n] for n in names], axis=0)
+                    parts[next_micro] = None
+                    if train:
+                        grad = np.ascontiguousarray(head(next_micro, h), np.float32)
+                        norm = ({"head_sum_of_squares": float(head_sum_of_squares())}
+                                if clip and next_micro == micros - 1 else {})
+                        for name in names:
+                            r0, r1 = rows[name][next_micro]
+                            self._send(self.peers[name], "GRAD", [np.ascontiguousarray(grad[r0:r1])], doing=doing,
+                                       step=step, micro=next_micro, **norm)
+                    else:
+                        features[next_micro] = h
+                    next_micro += 1
             elif msg.op == "STEP_DONE" and pending.get(msg.seq) == peer.name:
                 del pending[msg.seq]
                 self._record(peer.name, None, msg.fields, roundtrip_s=time.perf_counter() - sent_at)

@@ -545,6 +545,11 @@ def predict_any(exchange, specs, image_shape, batch, counts, profiles, link, coo
     """predict_peer_step (predict_graph_step where `graph`, a GraphShape, says the network is a
     graph) or, for --exchange star, predict_step once per micro-batch (the star overlaps nothing,
     so micro-batches only add round trips; it has model layers only)."""
+    if (exchange == "peer" and graph is not None and graph.rows_when_data and len(counts) > 1 and modes is not None
+            and all(m == "data" for m in modes) and images
+            and all(len(set(images[w])) == 1 for w in counts)):
+        return predict_graph_rows_step(specs, image_shape, batch, {w: images[w][0] for w in counts}, profiles, link,
+                                       coordinator_s, graph, micro_batches)
     if exchange == "peer" and graph is not None:
         return predict_graph_step(specs, image_shape, batch, counts, profiles, link, coordinator_s, graph,
                                   micro_batches, value_bytes, modes, images)
@@ -776,9 +781,64 @@ def graph_mode_costs(specs, image_shape, batch, counts, images, profiles, link, 
 class GraphShape:
     """What the cost model needs of a network that is a graph beyond its conv blocks' specs:
     whether each block's input needs a gradient (not where it is made from the images alone),
-    and the floats per image of the features the head reads."""
+    the floats per image of the features the head reads, and whether an all-data plan keeps
+    each worker's rows of every tensor (no BatchNorm between blocks: predict_graph_rows_step)."""
     needs_dx: tuple
     feature_floats: int
+    rows_when_data: bool = True
+
+
+def predict_graph_rows_step(specs, image_shape, batch, images, profiles, link, coordinator_s, graph, micro_batches=1):
+    """Predicted seconds of one peer step of a graph whose blocks are all data-parallel with one
+    split `images` ({worker: images of the batch}), which keeps each worker's rows of every
+    tensor (worker.graph_step.RowBlocks): the coordinator sends each worker its rows of the
+    images and takes its rows of the features back (float32, over the coordinator's link);
+    among the workers move only each BatchNorm's sums (a barrier in forward and in backward)
+    and each block's weight gradients, sent to every peer as soon as the block's backward ends,
+    under the backward of the blocks below; the update follows the last sum. The joins between
+    blocks are left out (a pass over a tensor each, as in predict_graph_step)."""
+    names = list(images)
+    p = len(names)
+    sizes = split_sizes(batch, micro_batches)
+    rows = {w: [b * images[w] / batch for b in sizes] for w in names}
+    image_bytes = batch * math.prod(image_shape) * FLOAT_BYTES
+    feature_bytes = batch * graph.feature_floats * FLOAT_BYTES
+    sums = [2 * len(spec.batchnorms) * batchnorm_sum_bytes(spec) * (p - 1) for spec in specs]     # forward, backward
+    dws = [weight_floats(spec) * FLOAT_BYTES * (p - 1) for spec in specs]
+    barrier = [len(spec.batchnorms) * (link.latency_s + batchnorm_sum_bytes(spec) * (p - 1) / link.bytes_per_s)
+               for spec in specs]
+    compute, ends = {}, {}
+    features_in = image_bytes / link.bytes_per_s + link.latency_s
+    forward_end = {}
+    for w in names:
+        fwd = sum(profiles[w].layers[li].forward_s(spec.kernels, r) for li, spec in enumerate(specs) for r in rows[w])
+        compute[w] = fwd
+        forward_end[w] = features_in + fwd + sum(barrier)
+    # every worker's rows of the features over the coordinator's link, the head, the gradient back
+    grads_at = (max(forward_end.values()) + feature_bytes / link.bytes_per_s + coordinator_s
+                + feature_bytes / link.bytes_per_s + 2 * link.latency_s)
+    for w in names:
+        t, link_free = grads_at, 0.0
+        for li in reversed(range(len(specs))):
+            cost = profiles[w].layers[li]
+            bwd = sum(cost.backward_in_step_s(specs[li].kernels, r, m, len(sizes)) - cost.update_s(specs[li].kernels)
+                      for m, r in enumerate(rows[w]))
+            compute[w] += bwd
+            t += bwd + barrier[li]
+            if p > 1:       # the block's dW to every peer, queued on this worker's link
+                link_free = max(link_free, t) + dws[li] / link.bytes_per_s + link.latency_s
+        update = sum(profiles[w].layers[li].update_s(spec.kernels) for li, spec in enumerate(specs))
+        compute[w] += update
+        ends[w] = max(t, link_free) + update
+    step = max(ends.values())
+    workers = {w: {"compute_s": compute[w], "wire_s": (sum(dws) + sum(sums)) / link.bytes_per_s,
+                   "wait_s": max(0.0, step - compute[w]), "sent": sum(dws) + sum(sums),
+                   "recv": sum(dws) + sum(sums), "layer_compute_s": []} for w in names}
+    pred = Prediction(step, coordinator_s, workers, [("step", -1, step)])
+    pred.bytes_by_kind = {"images and features (coordinator)": image_bytes + 2 * feature_bytes,
+                          "weight gradients": p * sum(dws), "BatchNorm sums": p * sum(sums)}
+    pred.busy = {**compute, "coordinator": coordinator_s}
+    return pred
 
 
 def predict_graph_step(specs, image_shape, batch, counts, profiles, link, coordinator_s, graph, micro_batches=1,

@@ -127,7 +127,8 @@ class GraphPass:
     def shape(self):
         """What the cost model prices a graph's blocks with (costmodel.GraphShape)."""
         needs = {st.block: self.requires[st.inputs[0]] for st in self.steps if st.kind == "block"}
-        return GraphShape(tuple(needs[b] for b in sorted(needs)), math.prod(self.feature_shape))
+        return GraphShape(tuple(needs[b] for b in sorted(needs)), math.prod(self.feature_shape),
+                          rows_when_data=not self.norms)
 
     # ---- forward ---------------------------------------------------------------------------------
     def forward(self, engine, xs, train, step=None):

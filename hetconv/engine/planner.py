@@ -15,7 +15,7 @@ A plan is data: per layer, a mode and what each worker does in it.
 from dataclasses import dataclass, field, fields, replace
 import math
 
-from hetconv.engine.costmodel import FLOAT_BYTES, graph_mode_costs, mode_costs, predict_any
+from hetconv.engine.costmodel import FLOAT_BYTES, graph_mode_costs, mode_costs, predict_any, predict_graph_rows_step
 from hetconv.engine.microbatch import cheapest_micro_batches, micro_batch_count
 
 POLICIES = ("proportional", "equal")
@@ -681,6 +681,20 @@ def mode_shares(specs, batch, profiles, micro_batches=1):
     return counts, images
 
 
+def one_image_split(specs, batch, profiles, micro_batches=1):
+    """{worker: images of the batch}: one split for every block of an all-data graph, the
+    workers' per-image lines over the whole network (each block's image_line added up) finishing
+    together, as data parallelism splits a batch."""
+    names = list(profiles)
+    lines = []
+    for w in names:
+        parts = [profiles[w].layers[li].image_line(spec.kernels, micro_batches) for li, spec in enumerate(specs)]
+        lines.append((sum(f for f, _ in parts), sum(p for _, p in parts)))
+    if batch < len(names):
+        return {w: int(i < batch) for i, w in enumerate(names)}
+    return dict(zip(names, _integer_shares(batch, affine_shares(batch, lines))))
+
+
 def choose_modes(specs, image_shape, batch, profiles, link, parallel="auto", micro_batches=1, value_bytes=FLOAT_BYTES,
                  min_gain=0.02, graph=None):
     """Model or data per conv layer, from the cost model: every layer priced in both modes at
@@ -714,15 +728,25 @@ def choose_modes(specs, image_shape, batch, profiles, link, parallel="auto", mic
     model_s = costs.chain_s(["model"] * layers)
     if len(names) == 1:
         return ModeChoice(["model"] * layers, costs, model_s, model_s, "one worker: the two modes are the same")
+    # an all-data graph keeps each worker's rows of every tensor: priced as that step runs it
+    rows_s = inf
+    if graph is not None and graph.rows_when_data and batch >= len(names):
+        rows_s = predict_graph_rows_step(specs, image_shape, batch, one_image_split(specs, batch, profiles, micro_batches),
+                                         profiles, link, 0.0, graph, micro_batches).step_s
     forced = forced_modes(parallel, layers)
     if forced is not None:
-        seconds = costs.chain_s(forced)
+        seconds = costs.chain_s(forced) if rows_s == inf or "model" in forced else rows_s
         if seconds == inf:
             what = (f"a batch of {batch} image(s)" if "data" in forced and batch < len(names)
                     else f"a conv layer of {min(s.kernels for s, m in zip(specs, forced) if m == 'model')} kernel(s)")
             raise PlanError(f"--parallel {parallel}: {len(names)} workers cannot split {what}")
         return ModeChoice(forced, costs, seconds, model_s, f"--parallel {parallel}")
     modes, seconds = cheapest_modes(costs.node, costs.edge)
+    if rows_s < (1 - min_gain) * min(seconds, model_s):
+        return ModeChoice(["data"] * layers, costs, rows_s, model_s,
+                          f"every block data-parallel, each worker keeping its rows of every tensor: {rows_s:.3g} s "
+                          f"against {model_s:.3g} s with every layer in model mode and {seconds:.3g} s for the "
+                          f"cheapest chain of whole tensors")
     if "data" in modes and model_s < inf and seconds > (1 - min_gain) * model_s:
         return ModeChoice(["model"] * layers, costs, model_s, model_s,
                           f"the cheapest chain ({seconds:.3g} s) gains less than {100 * min_gain:g}% over "

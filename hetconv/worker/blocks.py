@@ -36,3 +36,4 @@ def within(block, outer):
 
 def block_shape(block):
     return (block[1] - block[0], block[3] - block[2])
+

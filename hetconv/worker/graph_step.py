@@ -34,6 +34,7 @@ import numpy as np
 
 from hetconv.engine.chain import DropoutDraw
 from hetconv.engine.contract import sum_in_order
+from hetconv.engine.layouts import data_rows
 from hetconv.engine.planner import image_ranges
 from hetconv.transport import protocol
 from hetconv.transport.wire import decode, encode
@@ -165,12 +166,111 @@ class PeerBlocks:
             (n, channels) + hw), self.wire) for w in self.order])
 
 
+class RowBlocks:
+    """GraphPass's engine on a worker where every block is data-parallel with one split of the
+    images (blocks.data_rows): every tensor is this worker's rows of it, so nothing moves between
+    blocks; a block's BatchNorm sums are added among the workers, and (with `rule`) each block's
+    weight gradients leave for their sum as soon as its backward ends, while the blocks below
+    compute (PeerLinks._after_backward). Rounding points are the whole-tensor step's: a block's
+    input, output, gradient and dX are rounded to the wire where they enter or leave it."""
+
+    def __init__(self, links, step, rows, wire, dropout, compute, rule):
+        self.links, self.step, self.rows, self.wire = links, step, rows, wire
+        self.dropout, self.compute, self.rule = dropout, compute, rule
+        self.bn_ghost_batch = links.norm_ghost_batch
+        self.deferred, self.updates = [], []    # for PeerLinks._apply_updates once backward is done
+        self.starts = [0] * len(rows)           # each micro-batch's first row in the step's batch
+        self.batch = 0
+
+    def _reduce(self, layer):
+        return self.links._bn_reduce(self.step, layer) if len(self.links.order) > 1 else None
+
+    def forward_layer(self, layer, xs, train, step=None):
+        shard, mine, waited = self.links.shard, {}, [0.0]
+
+        def inputs():
+            for m, x in enumerate(xs):
+                yield m, _rounded(x, self.wire), self.starts[m] + self.rows[m][0]
+
+        def emit(m, y):
+            t0 = time.perf_counter()
+            shard.device.synchronize()
+            mine[m] = _rounded(y, self.wire)
+            waited[0] += time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        shard.forward_layer(layer, inputs(), train, self._reduce(layer), emit, self.dropout, batch=self.batch)
+        self.compute[layer] += time.perf_counter() - t0 - waited[0]
+        return [mine[m] for m in range(len(xs))]
+
+    def backward_layer(self, layer, grads, need_dx):
+        shard, dx_own, waited = self.links.shard, {}, [0.0]
+
+        def emit(m, dx):
+            if need_dx:
+                t0 = time.perf_counter()
+                shard.device.synchronize()
+                dx_own[m] = _rounded(dx, self.wire)
+                waited[0] += time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        shard.backward_layer(layer, ((m, _rounded(g, self.wire)) for m, g in enumerate(grads)), need_dx,
+                             self._reduce(layer), emit)
+        shard.device.synchronize()
+        self.compute[layer] += time.perf_counter() - t0 - waited[0]
+        if self.rule is not None:
+            self.links._after_backward(self.step, layer, self.rule, self.rule.max_norm > 0, self.deferred,
+                                       self.updates, self.compute)
+        return [dx_own[m] for m in range(len(grads))] if need_dx else [None] * len(grads)
+
+
+def _run_rows_step(links, seq, fields, step, micros, train, rule, sizes, rows):
+    """run_graph_step where every block is data-parallel with one split (blocks.data_rows): this
+    worker's rows of the images from the coordinator, the graph over them, its rows of the
+    features back and, training, its rows of their gradient; the weight gradients summed among
+    the workers as each block's backward ends."""
+    graph = links.graph
+    compute = [0.0] * len(links.layer_plans)
+    channels_hw = tuple(graph.spec.input_shape)
+    xs = []
+    for m in range(micros):
+        key = (step, "INPUT", -1, m, "coordinator")
+        r0, r1 = rows[m]
+        xs.append(decode(links._check(f"step {step}: images of micro-batch {m}", "the coordinator",
+                                      links._await({key}, step)[key], (r1 - r0,) + channels_hw), "float32"))
+    dropout = DropoutDraw(fields["seed"], fields["train_step"], sum(sizes)) if train else None
+    engine = RowBlocks(links, step, rows, links.shard.wire, dropout, compute, rule if train else None)
+    engine.starts = [int(v) for v in np.cumsum([0] + list(sizes))[:-1]]
+    engine.batch = sum(sizes)
+    features = graph.forward(engine, xs, train)
+    for m, h in enumerate(features):
+        links.send_to_coordinator(protocol.pack("FEATURES", seq, [np.ascontiguousarray(h, np.float32)], step=step,
+                                                micro=m))
+    done = {"step": step}
+    if train:
+        grads = []
+        for m, h in enumerate(features):
+            key = (step, "GRAD", -1, m, "coordinator")
+            grads.append(decode(links._check(f"step {step}: gradient of micro-batch {m}", "the coordinator",
+                                             links._await({key}, step)[key], h.shape), "float32"))
+        graph.backward(engine, grads)
+        if rule is not None:
+            done.update(links._apply_updates(step, rule, engine.deferred, engine.updates, compute))
+    return {**done, "layer_compute_s": compute, "compute_s": sum(compute), "peer_wait_s": links.wait_s,
+            "peer_bytes_sent": links.bytes_sent}
+
+
 def run_graph_step(links, seq, fields, step, micros, train, rule, sizes):
     """STEP for a graph: the images all-gathered, the graph forward over every micro-batch, the
     features to the coordinator (the plan's first worker sends them), and when training the
     gradient from it and the graph backward, then the step's updates (PeerLinks.finish_updates).
+    Where every block is data-parallel with one split of the images and no BatchNorm runs between
+    blocks, each worker keeps its rows of every tensor instead (_run_rows_step).
     -> STEP_DONE's fields."""
     graph, wire = links.graph, links.shard.wire
+    rows = rows_of_step(links, sizes)
+    if rows is not None:
+        return _run_rows_step(links, seq, fields, step, micros, train, rule, sizes, rows)
     others = [w for w in links.order if w != links.name]
     compute = [0.0] * len(links.layer_plans)
     xs, n = links._first_inputs(step, micros, sizes, "float32", others, whole=True)
@@ -194,3 +294,13 @@ def run_graph_step(links, seq, fields, step, micros, train, rule, sizes):
             done.update(links.finish_updates(step, rule, range(len(links.layer_plans)), compute))
     return {**done, "layer_compute_s": compute, "compute_s": sum(compute), "peer_wait_s": links.wait_s,
             "peer_bytes_sent": links.bytes_sent}
+
+
+def rows_of_step(links, sizes):
+    """This worker's rows of each micro-batch where a step of the graph keeps rows (every block
+    data-parallel with one split, two or more workers, no BatchNorm between blocks: its
+    statistics would need the whole batch), else None."""
+    if sizes is None or len(links.order) < 2 or links.graph.norms:
+        return None
+    rows = data_rows(links.layer_plans, sizes)
+    return None if rows is None else rows[links.name]
