@@ -34,7 +34,7 @@ from hetconv.engine.costmodel import Link, parse_bandwidth, predict_any, profile
 from hetconv.engine.graph import norm_states_from
 from hetconv.engine.measure import calibrate_local, measure_loopback
 from hetconv.engine.microbatch import cheapest_micro_batches, micro_batch_count, priced_text
-from hetconv.engine.layouts import data_rows
+from hetconv.engine.layouts import ROWS, layout_rows, tensor_layouts
 from hetconv.engine.planner import (PlanError, choose_modes, cost_lines, cpu_groups, forced_modes, image_ranges,
                                     make_plan, plan_from_lines, price_cores_together, price_plan)
 from hetconv.flags import usable_cores
@@ -1041,7 +1041,7 @@ class RemoteEngine(ShardEngine):
                       [x[rows[name][m][0]:rows[name][m][1]] for name in names])
             for name, piece in zip(names, pieces):
                 self._send(self.peers[name], "INPUT", [piece], doing=doing, step=step, micro=m)
-        if rows is not None:
+        if rows is not None and self._graph_feature_layout() == ROWS:
             return self._graph_rows_replies(pending, rows, xs, head, update, doing, step, head_sum_of_squares)
         features, next_micro, norms = [None] * micros, 0, {}
         clip = train and update is not None and update.max_norm > 0
@@ -1073,11 +1073,16 @@ class RemoteEngine(ShardEngine):
         return self._step_result(features, next_micro, norms, doing, update if clip else None)
 
     def _graph_rows(self, sizes):
-        """{worker: [(r0, r1) per micro-batch]} where the graph's step keeps each worker's rows of
-        every tensor (worker.graph_step.rows_of_step), else None."""
-        if len(self.plan.workers) < 2 or self.graph.norms:
+        """{worker: [(r0, r1) per micro-batch]} where the graph's step holds its tensors in layouts
+        (worker.graph_step.rows_of_step): each worker gets its rows of the images; else None."""
+        if len(self.plan.workers) < 2 or not any(lp.mode == "data" for lp in self.plan.layers):
             return None
-        return data_rows(self.plan.layers, sizes)
+        return layout_rows(self.plan.layers, sizes)
+
+    def _graph_feature_layout(self):
+        """Whether the workers hold rows of the features (each sends its own) or the whole (the
+        plan's first worker sends it), in a step with layouts."""
+        return tensor_layouts(self.graph.steps, self.plan.modes(), self.graph.norms)[self.graph.feature]
 
     def _graph_rows_replies(self, pending, rows, xs, head, update, doing, step, head_sum_of_squares):
         """The rest of a graph step that keeps rows: every worker's rows of each micro-batch's

@@ -791,7 +791,7 @@ class GraphShape:
 def predict_graph_rows_step(specs, image_shape, batch, images, profiles, link, coordinator_s, graph, micro_batches=1):
     """Predicted seconds of one peer step of a graph whose blocks are all data-parallel with one
     split `images` ({worker: images of the batch}), which keeps each worker's rows of every
-    tensor (worker.graph_step.RowBlocks): the coordinator sends each worker its rows of the
+    tensor (worker.graph_step.LayoutBlocks): the coordinator sends each worker its rows of the
     images and takes its rows of the features back (float32, over the coordinator's link);
     among the workers move only each BatchNorm's sums (a barrier in forward and in backward)
     and each block's weight gradients, sent to every peer as soon as the block's backward ends,

@@ -130,23 +130,51 @@ class GraphPass:
         return GraphShape(tuple(needs[b] for b in sorted(needs)), math.prod(self.feature_shape),
                           rows_when_data=not self.norms)
 
+    def conversion_key(self, node, k=0):
+        """A step's unique number for converting a tensor between layouts: in forward, the tensor's
+        node (converted once per layout); in backward, the reading node and which of its inputs
+        (a tensor may be read by several nodes, or twice by one). In range(conversion_keys())."""
+        return (node + 1) * self._inputs_most + k
+
+    def conversion_keys(self):
+        return (len(self.spec.layers) + 1) * self._inputs_most
+
+    @property
+    def _inputs_most(self):
+        return max([len(st.inputs) for st in self.steps] + [1])
+
     # ---- forward ---------------------------------------------------------------------------------
     def forward(self, engine, xs, train, step=None):
         """The feature maps per micro-batch (the flatten's input). Training keeps each node's
-        contexts for backward; the blocks keep theirs on the shards."""
+        contexts for backward; the blocks keep theirs on the shards. Where the engine holds
+        tensors in layouts (`engine.layouts`, engine/layouts.py: a worker's rows or the whole),
+        each step reads its inputs in its own layout, converted by the engine where they differ
+        (once per tensor and layout), and the tensors given and returned are in their layouts."""
+        layouts = getattr(engine, "layouts", None)
         tensors = {-1: list(xs)}
+        views = {}                          # (tensor, layout) -> the tensor converted to that layout
         self._saved = {}
+
+        def read(j, want):
+            if layouts is None or layouts[j] == want:
+                return tensors[j]
+            if (j, want) not in views:
+                views[(j, want)] = engine.convert(tensors[j], layouts[j], want, "forward", self.conversion_key(j))
+            return views[(j, want)]
+
         for n, st in enumerate(self.steps):
+            want = engine.step_layout(st) if layouts is not None else None
             if st.kind == "block":
-                out = engine.forward_layer(st.block, tensors[st.inputs[0]], train, step)
+                out = engine.forward_layer(st.block, read(st.inputs[0], want), train, step)
             elif st.output in self.norms:
-                out, ctxs = self._norm_forward(st.output, tensors[st.inputs[0]], train, engine.bn_ghost_batch)
+                out, ctxs = self._norm_forward(st.output, read(st.inputs[0], want), train, engine.bn_ghost_batch)
                 if train:
                     self._saved[st.output] = ctxs
             else:
+                ins = [read(j, want) for j in st.inputs]
                 out, ctxs = [], []
                 for m in range(len(xs)):
-                    y, ctx = self._node_forward(st.layer, [tensors[j][m] for j in st.inputs])
+                    y, ctx = self._node_forward(st.layer, [x[m] for x in ins])
                     out.append(y)
                     ctxs.append(ctx)
                 if train:
@@ -155,6 +183,8 @@ class GraphPass:
             for j in st.inputs:
                 if self.last_read[j] == n and j != self.feature:
                     del tensors[j]
+                    views.pop((j, "rows"), None)
+                    views.pop((j, "whole"), None)
         return tensors[self.feature]
 
     def _norm_forward(self, node, xs, train, ghost):
@@ -223,16 +253,26 @@ class GraphPass:
     def backward(self, engine, grads):
         """grads: dL/d(features) per micro-batch; every block's backward runs, its parameters'
         gradients adding up on the shards."""
+        layouts = getattr(engine, "layouts", None)
         pending = {self.feature: list(grads)}
+
+        def give(j, dx, have, reader, k=0):
+            """Add the gradient of tensor j that its reader's input k gives (in the layout the
+            reader read j in) to j's, in j's layout."""
+            if layouts is not None and layouts[j] != have:
+                dx = engine.convert(dx, have, layouts[j], "backward", self.conversion_key(reader, k))
+            self._accumulate(pending, j, dx)
+
         for st in reversed(self.steps):
             dy = pending.pop(st.output, None)
             if dy is None:
                 raise RuntimeError(f"node {st.output} has no gradient: every node before flatten leads to it")
+            have = engine.step_layout(st) if layouts is not None else None
             if st.kind == "block":
                 source = st.inputs[0]
                 dx = engine.backward_layer(st.block, dy, need_dx=self.requires[source])
                 if self.requires[source]:
-                    self._accumulate(pending, source, dx)
+                    give(source, dx, have, st.output)
                 continue
             ctxs = self._saved.pop(st.output)
             if st.output in self.norms:
@@ -241,7 +281,7 @@ class GraphPass:
                 parts = [self._node_backward(st.layer, ctx, g) for ctx, g in zip(ctxs, dy)]
             for k, j in enumerate(st.inputs):
                 if self.requires[j]:
-                    self._accumulate(pending, j, [p[k] for p in parts])
+                    give(j, [p[k] for p in parts], have, st.output, k)
 
     @staticmethod
     def _accumulate(pending, j, grads):

@@ -1,22 +1,54 @@
-"""Where a step's tensors live among the workers, beyond one layer's blocks (worker/blocks.py)."""
+"""Where a graph step's tensors live among the workers: each worker's rows of a tensor, or the
+whole tensor on every worker (worker/blocks.py says which block of one layer each worker holds).
+
+A data block reads and writes rows; a model block reads its input whole and its output is made
+whole (its channel blocks all-gathered); a BatchNorm between blocks reads the whole tensor (its
+statistics are the whole batch's); a join (a sum, a concatenation, an activation or a pool) of
+rows gives rows, of whole tensors a whole one, and where its operands differ reads the rows of the
+whole ones. Between layouts: rows to whole is an all-gather, whole to rows takes one's own rows
+and moves nothing. So an all-data graph moves no feature maps at all between its blocks, and a
+graph whose late blocks are model-parallel gathers once where it turns from data to model.
+Gradients take their tensor's layout: one read whole by a model block and held in rows takes its
+rows of the summed gradient; one held whole and read in rows gathers its readers' rows.
+"""
 from hetconv.engine.planner import image_ranges
 
+ROWS, WHOLE = "rows", "whole"
 
-def data_rows(layer_plans, sizes):
-    """Where every conv block of a graph is data-parallel and splits each micro-batch of `sizes`
-    images the same way in every block: per worker, its rows [r0, r1) of each micro-batch, which
-    it then holds of every tensor of the graph (a block reads and writes its own rows; a sum, a
-    concatenation, an activation or a pool of rows is the rows of the result). Else None: some
-    block needs a tensor whole. Such a step moves what data parallelism must: the BatchNorm sums
-    and the weight gradients among the workers, the images and features to and from the
-    coordinator."""
-    if not layer_plans or any(lp.mode != "data" for lp in layer_plans):
-        return None
-    rows = {w: [] for w in layer_plans[0].images}
+
+def layout_rows(layer_plans, sizes):
+    """Per worker, its rows [r0, r1) of each micro-batch of `sizes` images: the data blocks'
+    split where they all split each micro-batch alike, an even split where there is no data
+    block (as the coordinator sends the images); None where two data blocks split differently
+    (a graph step then holds every tensor whole)."""
+    data = [lp for lp in layer_plans if lp.mode == "data"]
+    workers = list(layer_plans[0].ranges) if layer_plans else []
+    rows = {w: [] for w in workers}
     for n in sizes:
-        first = image_ranges(layer_plans[0], n)
-        if any(image_ranges(lp, n) != first for lp in layer_plans[1:]):
-            return None
-        for w, r in first.items():
-            rows[w].append(r)
+        if data:
+            first = image_ranges(data[0], n)
+            if any(image_ranges(lp, n) != first for lp in data[1:]):
+                return None
+        else:
+            bounds = [n * i // len(workers) for i in range(len(workers) + 1)]
+            first = {w: (bounds[i], bounds[i + 1]) for i, w in enumerate(workers)}
+        for w in workers:
+            rows[w].append(first[w])
     return rows
+
+
+def step_layout(step, modes, norms, layouts):
+    """The layout `step` (an engine/graph GraphStep) reads its inputs in and makes its output in."""
+    if step.kind == "block":
+        return ROWS if modes[step.block] == "data" else WHOLE
+    if step.output in norms:
+        return WHOLE
+    return WHOLE if all(layouts[j] == WHOLE for j in step.inputs) else ROWS
+
+
+def tensor_layouts(steps, modes, norms):
+    """{tensor: ROWS or WHOLE} of every tensor the steps make, -1 (the images) held in rows."""
+    layouts = {-1: ROWS}
+    for st in steps:
+        layouts[st.output] = step_layout(st, modes, norms, layouts)
+    return layouts

@@ -34,7 +34,7 @@ import numpy as np
 
 from hetconv.engine.chain import DropoutDraw
 from hetconv.engine.contract import sum_in_order
-from hetconv.engine.layouts import data_rows
+from hetconv.engine.layouts import ROWS, layout_rows, step_layout, tensor_layouts
 from hetconv.engine.planner import image_ranges
 from hetconv.transport import protocol
 from hetconv.transport.wire import decode, encode
@@ -166,31 +166,44 @@ class PeerBlocks:
             (n, channels) + hw), self.wire) for w in self.order])
 
 
-class RowBlocks:
-    """GraphPass's engine on a worker where every block is data-parallel with one split of the
-    images (blocks.data_rows): every tensor is this worker's rows of it, so nothing moves between
-    blocks; a block's BatchNorm sums are added among the workers, and (with `rule`) each block's
-    weight gradients leave for their sum as soon as its backward ends, while the blocks below
-    compute (PeerLinks._after_backward). Rounding points are the whole-tensor step's: a block's
-    input, output, gradient and dX are rounded to the wire where they enter or leave it."""
+class LayoutBlocks:
+    """GraphPass's engine on a worker where each tensor of the step has a layout (engine/layouts.py:
+    this worker's rows of it, or the whole), which every data block's one split of the images
+    makes possible. A data block computes its rows from rows: nothing moves; its BatchNorm sums
+    are added among the workers, and (with `rule`) its weight gradients leave for their sum as
+    soon as its backward ends, while the blocks below compute (PeerLinks._after_backward). A
+    model block reads whole tensors and makes its output whole, as the whole-tensor step
+    (PeerBlocks) does. `convert` moves a tensor or a gradient between layouts: rows to whole is an
+    all-gather (float32: a join's output is not a value the wire carries), whole to rows takes
+    this worker's rows. Rounding points are the whole-tensor step's: a block's input, output,
+    gradient and dX are rounded to the wire where they enter or leave it."""
 
-    def __init__(self, links, step, rows, wire, dropout, compute, rule):
-        self.links, self.step, self.rows, self.wire = links, step, rows, wire
+    def __init__(self, links, step, sizes, rows, layouts, wire, dropout, compute, rule):
+        self.links, self.step, self.wire = links, step, wire
+        self.rows, self.mine = rows, rows[links.name]        # {worker: [(r0, r1) per micro-batch]}
+        self.layouts, self.modes = layouts, [lp.mode for lp in links.layer_plans]
         self.dropout, self.compute, self.rule = dropout, compute, rule
         self.bn_ghost_batch = links.norm_ghost_batch
+        self.sizes = list(sizes)
+        self.starts = [int(v) for v in np.cumsum([0] + self.sizes)[:-1]]   # each micro-batch's first row
+        self.batch = sum(self.sizes)
+        self.whole = PeerBlocks(links, step, sizes, wire, dropout, compute)
         self.deferred, self.updates = [], []    # for PeerLinks._apply_updates once backward is done
-        self.starts = [0] * len(rows)           # each micro-batch's first row in the step's batch
-        self.batch = 0
+
+    def step_layout(self, st):
+        return step_layout(st, self.modes, self.links.graph.norms, self.layouts)
 
     def _reduce(self, layer):
         return self.links._bn_reduce(self.step, layer) if len(self.links.order) > 1 else None
 
     def forward_layer(self, layer, xs, train, step=None):
+        if self.modes[layer] != "data":
+            return self.whole.forward_layer(layer, xs, train, step)
         shard, mine, waited = self.links.shard, {}, [0.0]
 
         def inputs():
             for m, x in enumerate(xs):
-                yield m, _rounded(x, self.wire), self.starts[m] + self.rows[m][0]
+                yield m, _rounded(x, self.wire), self.starts[m] + self.mine[m][0]
 
         def emit(m, y):
             t0 = time.perf_counter()
@@ -204,6 +217,10 @@ class RowBlocks:
         return [mine[m] for m in range(len(xs))]
 
     def backward_layer(self, layer, grads, need_dx):
+        if self.modes[layer] != "data":
+            dx = self.whole.backward_layer(layer, grads, need_dx)
+            self._after_backward(layer)
+            return dx
         shard, dx_own, waited = self.links.shard, {}, [0.0]
 
         def emit(m, dx):
@@ -218,34 +235,67 @@ class RowBlocks:
                              self._reduce(layer), emit)
         shard.device.synchronize()
         self.compute[layer] += time.perf_counter() - t0 - waited[0]
+        self._after_backward(layer)
+        return [dx_own[m] for m in range(len(grads))] if need_dx else [None] * len(grads)
+
+    def _after_backward(self, layer):
         if self.rule is not None:
             self.links._after_backward(self.step, layer, self.rule, self.rule.max_norm > 0, self.deferred,
                                        self.updates, self.compute)
-        return [dx_own[m] for m in range(len(grads))] if need_dx else [None] * len(grads)
+
+    def convert(self, arrays, have, want, direction, key):
+        """Per micro-batch, `arrays` (in layout `have`) in layout `want`: this worker's rows of a
+        whole tensor, or the whole of a tensor each worker holds rows of (sent to every other
+        worker under `key`, phase "gather" in forward, "gather_grad" in backward)."""
+        if want == ROWS:
+            return [np.ascontiguousarray(a[r0:r1]) for a, (r0, r1) in zip(arrays, self.mine)]
+        links, step, phase = self.links, self.step, "gather" if direction == "forward" else "gather_grad"
+        out = []
+        for m, a in enumerate(arrays):
+            a = np.ascontiguousarray(a, np.float32)
+            if len(a):
+                for peer in links.order:
+                    if peer != links.name:
+                        links._send_peer(peer, step, phase, key, m, a)
+            senders = [w for w in links.order if w != links.name and self.rows[w][m][1] > self.rows[w][m][0]]
+            got = links._await({(step, phase, key, m, w) for w in senders}, step)
+            whole = np.empty((self.sizes[m],) + a.shape[1:], np.float32)
+            for w in links.order:
+                r0, r1 = self.rows[w][m]
+                if r1 > r0:
+                    whole[r0:r1] = a if w == links.name else links._check(
+                        f"step {step}: {phase} {key} of micro-batch {m}", w, got[(step, phase, key, m, w)],
+                        (r1 - r0,) + a.shape[1:])
+            out.append(whole)
+        return out
 
 
-def _run_rows_step(links, seq, fields, step, micros, train, rule, sizes, rows):
-    """run_graph_step where every block is data-parallel with one split (blocks.data_rows): this
-    worker's rows of the images from the coordinator, the graph over them, its rows of the
-    features back and, training, its rows of their gradient; the weight gradients summed among
-    the workers as each block's backward ends."""
+def _run_layout_step(links, seq, fields, step, micros, train, rule, sizes, rows):
+    """run_graph_step where each tensor has a layout (engine/layouts.py): this worker's rows of
+    the images from the coordinator, the graph over LayoutBlocks, the features back (its rows of
+    them, or the whole from the plan's first worker where they are whole) and, training, their
+    gradient the same way; each data block's weight gradients summed among the workers as its
+    backward ends."""
     graph = links.graph
     compute = [0.0] * len(links.layer_plans)
     channels_hw = tuple(graph.spec.input_shape)
+    layouts = tensor_layouts(graph.steps, [lp.mode for lp in links.layer_plans], graph.norms)
+    mine = rows[links.name]
     xs = []
     for m in range(micros):
         key = (step, "INPUT", -1, m, "coordinator")
-        r0, r1 = rows[m]
+        r0, r1 = mine[m]
         xs.append(decode(links._check(f"step {step}: images of micro-batch {m}", "the coordinator",
                                       links._await({key}, step)[key], (r1 - r0,) + channels_hw), "float32"))
     dropout = DropoutDraw(fields["seed"], fields["train_step"], sum(sizes)) if train else None
-    engine = RowBlocks(links, step, rows, links.shard.wire, dropout, compute, rule if train else None)
-    engine.starts = [int(v) for v in np.cumsum([0] + list(sizes))[:-1]]
-    engine.batch = sum(sizes)
+    engine = LayoutBlocks(links, step, sizes, rows, layouts, links.shard.wire, dropout, compute,
+                          rule if train else None)
     features = graph.forward(engine, xs, train)
-    for m, h in enumerate(features):
-        links.send_to_coordinator(protocol.pack("FEATURES", seq, [np.ascontiguousarray(h, np.float32)], step=step,
-                                                micro=m))
+    in_rows = layouts[graph.feature] == ROWS
+    if in_rows or links.name == links.order[0]:
+        for m, h in enumerate(features):
+            links.send_to_coordinator(protocol.pack("FEATURES", seq, [np.ascontiguousarray(h, np.float32)],
+                                                    step=step, micro=m))
     done = {"step": step}
     if train:
         grads = []
@@ -264,13 +314,13 @@ def run_graph_step(links, seq, fields, step, micros, train, rule, sizes):
     """STEP for a graph: the images all-gathered, the graph forward over every micro-batch, the
     features to the coordinator (the plan's first worker sends them), and when training the
     gradient from it and the graph backward, then the step's updates (PeerLinks.finish_updates).
-    Where every block is data-parallel with one split of the images and no BatchNorm runs between
-    blocks, each worker keeps its rows of every tensor instead (_run_rows_step).
+    Where the data blocks split the images alike, each tensor is held in a layout instead, a
+    worker's rows or the whole (_run_layout_step).
     -> STEP_DONE's fields."""
     graph, wire = links.graph, links.shard.wire
     rows = rows_of_step(links, sizes)
     if rows is not None:
-        return _run_rows_step(links, seq, fields, step, micros, train, rule, sizes, rows)
+        return _run_layout_step(links, seq, fields, step, micros, train, rule, sizes, rows)
     others = [w for w in links.order if w != links.name]
     compute = [0.0] * len(links.layer_plans)
     xs, n = links._first_inputs(step, micros, sizes, "float32", others, whole=True)
@@ -297,10 +347,9 @@ def run_graph_step(links, seq, fields, step, micros, train, rule, sizes):
 
 
 def rows_of_step(links, sizes):
-    """This worker's rows of each micro-batch where a step of the graph keeps rows (every block
-    data-parallel with one split, two or more workers, no BatchNorm between blocks: its
-    statistics would need the whole batch), else None."""
-    if sizes is None or len(links.order) < 2 or links.graph.norms:
+    """{worker: its rows of each micro-batch} where a step of the graph holds its tensors in
+    layouts (two or more workers, every data block splitting the images alike, at least one data
+    block; engine/layouts.layout_rows), else None: every tensor whole (PeerBlocks)."""
+    if sizes is None or len(links.order) < 2 or not any(lp.mode == "data" for lp in links.layer_plans):
         return None
-    rows = data_rows(links.layer_plans, sizes)
-    return None if rows is None else rows[links.name]
+    return layout_rows(links.layer_plans, sizes)

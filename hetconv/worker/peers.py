@@ -54,7 +54,8 @@ class StepAbandoned(RuntimeError):
 # A SLICE's phase: feature maps and gradients between layers; a data-parallel layer's weight
 # gradients, and its BatchNorms' sums (forward and backward; `micro` is then the op's index in the
 # layer's tail); the workers' parts of a global gradient norm (clipping).
-PHASES = ("images", "forward", "backward", "dweights", "bn_forward", "bn_backward", "gradnorm")
+PHASES = ("images", "forward", "backward", "dweights", "bn_forward", "bn_backward", "gradnorm", "gather",
+          "gather_grad")
 
 
 STEP_OPS = ("SLICE", "INPUT", "GRAD")        # what a step reads from its queue; any other op ends it
@@ -371,15 +372,21 @@ class PeerLinks:
         data_layers = [lp.layer for lp in self.layer_plans if lp.mode == "data"]
         # a graph's every block output is all-gathered, and any block's dX may be wanted
         whole = self.graph is not None
+        # a graph's tensors moved between layouts (engine/layouts.py), by GraphPass.conversion_key
+        conversions = range(self.graph.conversion_keys()) if whole else range(0)
         allowed = {"images": range(-1, -1 if first_data else 0), "forward": range(0, layers if whole else layers - 1),
                    "backward": range(0 if whole else 1, layers), "dweights": data_layers, "bn_forward": data_layers,
-                   "bn_backward": data_layers, "gradnorm": [-1]}
+                   "bn_backward": data_layers, "gradnorm": [-1], "gather": conversions, "gather_grad": conversions}
         if not isinstance(phase, str) or phase not in PHASES:
             return self._drop(msg, "phase", f"phase {phase!r:.40} is not one of {', '.join(PHASES)}")
         # What can precede this worker's own start of a step: a peer's images; and where the first
         # layer is data-parallel (no images to gather), a peer that began first computes alone up to
         # its first exchange, so its forward slices too. Backward needs every worker's features first.
-        if early and phase not in (("images", "forward", "bn_forward") if first_data else ("images",)):
+        # A graph with data blocks holds its tensors in layouts (graph_step.LayoutBlocks): a peer
+        # computes its own rows up to its first exchange, a BatchNorm's sums or a gather.
+        layouts = whole and bool(data_layers)
+        if early and phase not in (("images", "forward", "bn_forward") if first_data else
+                                   ("images", "bn_forward", "gather") if layouts else ("images",)):
             return self._drop(msg, "early", f"{phase!r} for step {step} before that step began")
         if not _is_int(layer) or layer not in allowed[phase]:
             return self._drop(msg, "layer", f"{phase} layer {layer!r:.40} is outside the plan's {layers} layers"
