@@ -232,7 +232,6 @@ def test_an_all_data_graph_keeps_each_workers_rows_and_moves_only_batchnorm_sums
     spec = load_net(cfg.net, (3, 16, 16), 10).spec
     specs = [ConvSpec.from_layer(layer) for layer in spec.conv_layers()]
     graph = GraphPass(spec, HostArrays()).shape()
-    assert graph.rows_when_data
     flat = DeviceProfile("d", "cpu", "", (LayerCost(0.0, 1e-6, 0.0, 1e-6),) * len(specs))
     priced = predict_graph_rows_step(specs, (3, 16, 16), cfg.batch_size, images, {w: flat for w in images},
                                      Link(1e9), 0.0, graph, micro_batches=2)
@@ -364,9 +363,9 @@ def test_the_cost_model_prices_each_graph_block_as_the_graph_step_moves_it():
     assert shape.needs_dx == (False,) + (True,) * (len(specs) - 1) and shape.feature_floats == 512
     profiles = {w: cpu_profile(w, specs, spec.input_shape) for w in ("a", "b")}
     link, batch = parse_bandwidth("1gbit"), 128
-    # all-data keeps rows (priced apart, below): here every tensor whole, as a BatchNorm between
-    # blocks would make it
-    whole = dataclasses.replace(shape, rows_when_data=False)
+    # a plan with data blocks holds its tensors in layouts (priced apart, below): here every
+    # tensor whole, as a plan whose data blocks split the images differently runs it
+    whole = dataclasses.replace(shape, steps=())
     choice = choose_modes(specs, spec.input_shape, batch, profiles, link, "auto", graph=whole)
     node = choice.costs.node
     assert choice.modes == [min(("model", "data"), key=lambda m: (node[li][m], m == "data")) for li in range(len(specs))]

@@ -233,7 +233,7 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
                                   graph=graph)
             # a grouped conv's shares at whole groups, as the run loads them
             plan = whole_groups(make_plan([s.kernels for s in specs], speeds, cfg.split, modes=choice.modes,
-                                          batch=cfg.batch_size), specs)
+                                          batch=cfg.batch_size, one_split=graph is not None), specs)
         except PlanError as e:
             print(f"hetconv-plan: {n} device(s): {e}", file=sys.stderr)
             return 2

@@ -816,7 +816,8 @@ class RemoteEngine(ShardEngine):
         data_only = forced is not None and "model" not in forced and len(speeds) > 1
         if cfg.split != "proportional":
             return make_plan(kernels, speeds, cfg.split, batch=cfg.batch_size,
-                             modes=forced if forced is not None and "data" in forced and len(speeds) > 1 else None)
+                             modes=forced if forced is not None and "data" in forced and len(speeds) > 1 else None,
+                             one_split=self.graph is not None)
         profiles = profiles_from_calibration({n: self.calibration[n] for n in speeds})
         lines, image_lines = cost_lines(profiles, kernels, cfg.batch_size)
         if data_only and any(k < len(speeds) for k in kernels):
@@ -842,11 +843,12 @@ class RemoteEngine(ShardEngine):
             return model_plan
         try:
             plan = plan_from_lines(kernels, {w: lines[w] for w in kept}, use_all=True, modes=self.mode_choice.modes,
-                                   batch=cfg.batch_size, image_lines={w: image_lines[w] for w in kept})
+                                   batch=cfg.batch_size, image_lines={w: image_lines[w] for w in kept},
+                                   one_split=self.graph is not None)
         except PlanError as e:
             self.log(f"splitting by measured speed, not by cost lines: {e}")
             plan = make_plan(kernels, {w: speeds[w] for w in kept}, "proportional", modes=self.mode_choice.modes,
-                             batch=cfg.batch_size)
+                             batch=cfg.batch_size, one_split=self.graph is not None)
         return dataclasses.replace(plan, left_out=dict(model_plan.left_out) if model_plan else {})
 
     def load(self, plan, specs, params):

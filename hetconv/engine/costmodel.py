@@ -545,11 +545,12 @@ def predict_any(exchange, specs, image_shape, batch, counts, profiles, link, coo
     """predict_peer_step (predict_graph_step where `graph`, a GraphShape, says the network is a
     graph) or, for --exchange star, predict_step once per micro-batch (the star overlaps nothing,
     so micro-batches only add round trips; it has model layers only)."""
-    if (exchange == "peer" and graph is not None and graph.rows_when_data and len(counts) > 1 and modes is not None
-            and all(m == "data" for m in modes) and images
-            and all(len(set(images[w])) == 1 for w in counts)):
-        return predict_graph_rows_step(specs, image_shape, batch, {w: images[w][0] for w in counts}, profiles, link,
-                                       coordinator_s, graph, micro_batches)
+    if exchange == "peer" and graph is not None and graph.steps and len(counts) > 1 and modes is not None:
+        data = [li for li, m in enumerate(modes) if m == "data"]
+        if data and images and all(len({images[w][li] for li in data}) == 1 for w in counts):
+            return predict_graph_layout_step(specs, image_shape, batch, counts,
+                                             {w: images[w][data[0]] for w in counts}, profiles, link, coordinator_s,
+                                             graph, modes, micro_batches, value_bytes)
     if exchange == "peer" and graph is not None:
         return predict_graph_step(specs, image_shape, batch, counts, profiles, link, coordinator_s, graph,
                                   micro_batches, value_bytes, modes, images)
@@ -781,64 +782,152 @@ def graph_mode_costs(specs, image_shape, batch, counts, images, profiles, link, 
 class GraphShape:
     """What the cost model needs of a network that is a graph beyond its conv blocks' specs:
     whether each block's input needs a gradient (not where it is made from the images alone),
-    the floats per image of the features the head reads, and whether an all-data plan keeps
-    each worker's rows of every tensor (no BatchNorm between blocks: predict_graph_rows_step)."""
+    and the floats per image of the features the head reads."""
     needs_dx: tuple
     feature_floats: int
-    rows_when_data: bool = True
+    # the steps as engine/layouts.py reads them, (kind, block, inputs, output) in order, with the
+    # floats per image of every tensor they make (-1: the images) and the BatchNorm nodes between
+    # blocks: what prices a step that holds its tensors in layouts (predict_graph_layout_step)
+    steps: tuple = ()
+    floats: tuple = ()                  # ((node, floats per image), ...)
+    norms: tuple = ()
+    feature: int = -1
 
 
-def predict_graph_rows_step(specs, image_shape, batch, images, profiles, link, coordinator_s, graph, micro_batches=1):
-    """Predicted seconds of one peer step of a graph whose blocks are all data-parallel with one
-    split `images` ({worker: images of the batch}), which keeps each worker's rows of every
-    tensor (worker.graph_step.LayoutBlocks): the coordinator sends each worker its rows of the
-    images and takes its rows of the features back (float32, over the coordinator's link);
-    among the workers move only each BatchNorm's sums (a barrier in forward and in backward)
-    and each block's weight gradients, sent to every peer as soon as the block's backward ends,
-    under the backward of the blocks below; the update follows the last sum. The joins between
-    blocks are left out (a pass over a tensor each, as in predict_graph_step)."""
+def predict_graph_layout_step(specs, image_shape, batch, counts, images, profiles, link, coordinator_s, graph, modes,
+                              micro_batches=1, value_bytes=FLOAT_BYTES):
+    """Predicted seconds of one peer step of a graph whose data blocks split the images alike
+    (`images`: {worker: images of the batch}), which holds each tensor in a layout, a worker's
+    rows or the whole (engine/layouts.py, worker.graph_step.LayoutBlocks): the coordinator sends
+    each worker its rows of the images and takes the features back (each worker's rows, or the
+    whole from the first worker); a data block computes its rows and moves nothing but its
+    BatchNorm sums (a barrier each way) and its weight gradients, which leave as its backward
+    ends and travel under the backward of the blocks below; a model block reads a whole input
+    and all-gathers its output, and its partial dX goes whole to every other worker; rows become
+    whole by an all-gather (float32) where a model block or a BatchNorm between blocks reads
+    them, in forward, and a whole tensor's readers in rows all-gather their gradients in
+    backward. Blocks run one after another, each exchange between them waited for; the joins
+    are left out (a pass over a tensor each). counts: {worker: [kernels per layer]} (model
+    blocks)."""
+    from hetconv.engine.layouts import WHOLE, step_layout, tensor_layouts
     names = list(images)
     p = len(names)
     sizes = split_sizes(batch, micro_batches)
-    rows = {w: [b * images[w] / batch for b in sizes] for w in names}
+    frac = {w: images[w] / batch for w in names}
+    rows = {w: [b * frac[w] for b in sizes] for w in names}
+    floats = dict(graph.floats)
+    steps = [_Step(*st) for st in graph.steps]
+    layouts = tensor_layouts(steps, modes, graph.norms)
+    geometry = layer_geometry(specs, image_shape, batch)
+    sent = {w: 0.0 for w in names}
+    kinds = {}
+
+    def exchange(kind, out_bytes, in_bytes=None):
+        """Seconds of one collective: out_bytes {worker: bytes it sends in all}, in_bytes what it
+        receives (default: what the others send)."""
+        if p < 2:
+            return 0.0
+        total = sum(out_bytes.values())
+        in_bytes = in_bytes or {w: total - out_bytes[w] for w in names}
+        for w in names:
+            sent[w] += out_bytes[w]
+        kinds[kind] = kinds.get(kind, 0.0) + total
+        return _links_s([out_bytes[w] for w in names], [in_bytes[w] for w in names], link) + link.latency_s
+
+    def gather(j, kind):
+        """All-gather of tensor j's rows (float32)."""
+        whole = batch * floats[j] * FLOAT_BYTES
+        return exchange(kind, {w: whole * frac[w] * (p - 1) for w in names})
+
+    compute = {w: 0.0 for w in names}
     image_bytes = batch * math.prod(image_shape) * FLOAT_BYTES
+    t = image_bytes / link.bytes_per_s + link.latency_s
+    gathered = set()
+    for st in steps:
+        want = step_layout(st, modes, graph.norms, layouts)
+        for j in st.inputs:
+            if want == WHOLE and layouts[j] != WHOLE and j not in gathered:
+                gathered.add(j)
+                t += gather(j, "layout gathers")
+        if st.kind != "block":
+            continue
+        li, spec = st.block, specs[st.block]
+        _, (_, hp, wp) = geometry[li]
+        if modes[li] == "data":
+            fwd = {w: sum(profiles[w].layers[li].forward_s(spec.kernels, r) for r in rows[w]) for w in names}
+            t += max(fwd.values())
+            for _ in spec.batchnorms:
+                t += exchange("BatchNorm sums", {w: batchnorm_sum_bytes(spec) * (p - 1) for w in names})
+        else:
+            fwd = {w: sum(profiles[w].layers[li].forward_s(counts[w][li], b) for b in sizes) for w in names}
+            t += max(fwd.values())
+            out = batch * spec.kernels * hp * wp * value_bytes
+            t += exchange("block outputs", {w: out * counts[w][li] / spec.kernels * (p - 1) for w in names})
+        for w in names:
+            compute[w] += fwd[w]
     feature_bytes = batch * graph.feature_floats * FLOAT_BYTES
-    sums = [2 * len(spec.batchnorms) * batchnorm_sum_bytes(spec) * (p - 1) for spec in specs]     # forward, backward
-    dws = [weight_floats(spec) * FLOAT_BYTES * (p - 1) for spec in specs]
-    barrier = [len(spec.batchnorms) * (link.latency_s + batchnorm_sum_bytes(spec) * (p - 1) / link.bytes_per_s)
-               for spec in specs]
-    compute, ends = {}, {}
-    features_in = image_bytes / link.bytes_per_s + link.latency_s
-    forward_end = {}
+    in_rows = layouts[graph.feature] != WHOLE
+    t += feature_bytes / link.bytes_per_s + coordinator_s + feature_bytes * (1 if in_rows else p) / link.bytes_per_s
+    t += 2 * link.latency_s
+    link_free, dws = 0.0, 0.0
+    for st in reversed(steps):
+        have = step_layout(st, modes, graph.norms, layouts)
+        if st.kind == "block":
+            li, spec = st.block, specs[st.block]
+            (n, c, h, wd), _ = geometry[li]
+            k = {w: spec.kernels if modes[li] == "data" else counts[w][li] for w in names}
+            r = {w: rows[w] if modes[li] == "data" else sizes for w in names}
+            bwd = {w: sum(profiles[w].layers[li].backward_in_step_s(k[w], b, m, len(sizes))
+                          - profiles[w].layers[li].update_s(k[w]) for m, b in enumerate(r[w])) for w in names}
+            t += max(bwd.values())
+            for w in names:
+                compute[w] += bwd[w]
+            if modes[li] == "data":
+                for _ in spec.batchnorms:
+                    t += exchange("BatchNorm sums", {w: batchnorm_sum_bytes(spec) * (p - 1) for w in names})
+                if p > 1:       # its dW to every peer, queued on the links under the blocks below
+                    dw = weight_floats(spec) * FLOAT_BYTES * (p - 1)
+                    kinds["weight gradients"] = kinds.get("weight gradients", 0.0) + dw * p
+                    for w in names:
+                        sent[w] += dw
+                    dws += dw
+                    link_free = max(link_free, t) + dw / link.bytes_per_s + link.latency_s
+            elif graph.needs_dx[li]:
+                whole_in = n * c * h * wd * value_bytes
+                t += exchange("partial input gradients", {w: whole_in * (p - 1) for w in names})
+        if st.kind == "block" and not graph.needs_dx[st.block]:
+            continue
+        for j in st.inputs:
+            if j >= 0 and layouts[j] == WHOLE and have != WHOLE:
+                t += gather(j, "layout gathers")
+    update = {w: sum(profiles[w].layers[li].update_s(spec.kernels if modes[li] == "data" else counts[w][li])
+                     for li, spec in enumerate(specs)) for w in names}
     for w in names:
-        fwd = sum(profiles[w].layers[li].forward_s(spec.kernels, r) for li, spec in enumerate(specs) for r in rows[w])
-        compute[w] = fwd
-        forward_end[w] = features_in + fwd + sum(barrier)
-    # every worker's rows of the features over the coordinator's link, the head, the gradient back
-    grads_at = (max(forward_end.values()) + feature_bytes / link.bytes_per_s + coordinator_s
-                + feature_bytes / link.bytes_per_s + 2 * link.latency_s)
-    for w in names:
-        t, link_free = grads_at, 0.0
-        for li in reversed(range(len(specs))):
-            cost = profiles[w].layers[li]
-            bwd = sum(cost.backward_in_step_s(specs[li].kernels, r, m, len(sizes)) - cost.update_s(specs[li].kernels)
-                      for m, r in enumerate(rows[w]))
-            compute[w] += bwd
-            t += bwd + barrier[li]
-            if p > 1:       # the block's dW to every peer, queued on this worker's link
-                link_free = max(link_free, t) + dws[li] / link.bytes_per_s + link.latency_s
-        update = sum(profiles[w].layers[li].update_s(spec.kernels) for li, spec in enumerate(specs))
-        compute[w] += update
-        ends[w] = max(t, link_free) + update
-    step = max(ends.values())
-    workers = {w: {"compute_s": compute[w], "wire_s": (sum(dws) + sum(sums)) / link.bytes_per_s,
-                   "wait_s": max(0.0, step - compute[w]), "sent": sum(dws) + sum(sums),
-                   "recv": sum(dws) + sum(sums), "layer_compute_s": []} for w in names}
+        compute[w] += update[w]
+    step = max(t, link_free) + max(update.values())
+    workers = {w: {"compute_s": compute[w], "wire_s": 0.0, "wait_s": max(0.0, step - compute[w]), "sent": sent[w],
+                   "recv": sum(sent.values()) - sent[w], "layer_compute_s": []} for w in names}
     pred = Prediction(step, coordinator_s, workers, [("step", -1, step)])
-    pred.bytes_by_kind = {"images and features (coordinator)": image_bytes + 2 * feature_bytes,
-                          "weight gradients": p * sum(dws), "BatchNorm sums": p * sum(sums)}
+    pred.bytes_by_kind = {"images and features (coordinator)": image_bytes + feature_bytes * (2 if in_rows else 1 + p),
+                          **kinds}
     pred.busy = {**compute, "coordinator": coordinator_s}
     return pred
+
+
+@dataclass(frozen=True)
+class _Step:
+    """A graph step as GraphShape.steps holds it (engine/layouts reads kind, block, inputs, output)."""
+    kind: str
+    block: int
+    inputs: tuple
+    output: int
+
+
+def predict_graph_rows_step(specs, image_shape, batch, images, profiles, link, coordinator_s, graph, micro_batches=1):
+    """predict_graph_layout_step with every block data-parallel."""
+    names = list(images)
+    return predict_graph_layout_step(specs, image_shape, batch, {w: [0] * len(specs) for w in names}, images,
+                                     profiles, link, coordinator_s, graph, ["data"] * len(specs), micro_batches)
 
 
 def predict_graph_step(specs, image_shape, batch, counts, profiles, link, coordinator_s, graph, micro_batches=1,

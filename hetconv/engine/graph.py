@@ -127,8 +127,12 @@ class GraphPass:
     def shape(self):
         """What the cost model prices a graph's blocks with (costmodel.GraphShape)."""
         needs = {st.block: self.requires[st.inputs[0]] for st in self.steps if st.kind == "block"}
+        shapes = self.spec.output_shapes()
+        floats = {-1: math.prod(self.spec.input_shape)}
+        floats.update({st.output: math.prod(shapes[st.output]) for st in self.steps})
         return GraphShape(tuple(needs[b] for b in sorted(needs)), math.prod(self.feature_shape),
-                          rows_when_data=not self.norms)
+                          steps=tuple((st.kind, st.block, tuple(st.inputs), st.output) for st in self.steps),
+                          floats=tuple(sorted(floats.items())), norms=tuple(self.norms), feature=self.feature)
 
     def conversion_key(self, node, k=0):
         """A step's unique number for converting a tensor between layouts: in forward, the tensor's

@@ -15,7 +15,8 @@ A plan is data: per layer, a mode and what each worker does in it.
 from dataclasses import dataclass, field, fields, replace
 import math
 
-from hetconv.engine.costmodel import FLOAT_BYTES, graph_mode_costs, mode_costs, predict_any, predict_graph_rows_step
+from hetconv.engine.costmodel import (FLOAT_BYTES, graph_mode_costs, mode_costs, predict_any,
+                                     predict_graph_layout_step)
 from hetconv.engine.microbatch import cheapest_micro_batches, micro_batch_count
 
 POLICIES = ("proportional", "equal")
@@ -272,12 +273,13 @@ def largest_remainder(total, weights, minimum=1):
     return shares
 
 
-def make_plan(layer_kernels, speeds, policy="proportional", modes=None, batch=None):
+def make_plan(layer_kernels, speeds, policy="proportional", modes=None, batch=None, one_split=False):
     """layer_kernels: kernels per conv layer, e.g. [500, 1500].
     speeds: {worker: [kernels/s for each layer]} in the order workers should hold the ranges
     (ignored by the `equal` policy except for its worker names).
     modes: "model" or "data" per layer (None: all "model"); a data layer splits the `batch`
-    images in proportion to the same speeds, at least one image per worker."""
+    images in proportion to the same speeds, at least one image per worker, once per run of
+    consecutive data layers (with `one_split`, once for all: plan_from_lines says why)."""
     if policy not in POLICIES:
         raise PlanError(f"unknown split policy {policy!r}: expected one of {', '.join(POLICIES)}")
     workers = tuple(speeds)
@@ -296,7 +298,8 @@ def make_plan(layer_kernels, speeds, policy="proportional", modes=None, batch=No
                 weights.append(float(per_layer[li]))
         layer_speeds = {w: float(speeds[w][li]) for w in workers if speeds[w] is not None and len(speeds[w]) > li}
         if modes[li] == "data":
-            run = next(r for r in data_runs(modes) if li in r)
+            run = ([lj for lj, m in enumerate(modes) if m == "data"] if one_split
+                   else next(r for r in data_runs(modes) if li in r))
             if policy != "equal":
                 # a worker's images pass through the whole run: its time an image is the sum of
                 # kernels / (kernels/s) over the run's layers
@@ -446,8 +449,10 @@ def replan(plan, lines, measured, min_gain=0.05, image_lines=None):
     # a data layer's kernel line (read only for its kernels/s): the whole layer at the batch
     kernel_lines = {name: [(0.0, (f + p * batch) / lp.kernels) if lp.mode == "data" else (f, p)
                            for lp, (f, p) in zip(plan.layers, scaled[name])] for name in plan.workers}
+    data = [lp for lp in plan.layers if lp.mode == "data"]
+    one_split = len(data) > 1 and all(lp.images == data[0].images for lp in data)   # a graph's layouts keep it
     proposal = plan_from_lines([lp.kernels for lp in plan.layers], kernel_lines, use_all=True, modes=modes,
-                               batch=batch, image_lines=scaled)
+                               batch=batch, image_lines=scaled, one_split=one_split)
     then = {name: sum(fixed[name][lp.layer] + _units(lp, name) * per_unit[name][lp.layer] for lp in proposal.layers)
             for name in proposal.workers}
     if max(then.values()) > (1 - min_gain) * max(now.values()):
@@ -522,7 +527,7 @@ def predicted_compute_s(layer_kernels, lines, workers):
     return total
 
 
-def plan_from_lines(layer_kernels, lines, use_all=False, modes=None, batch=None, image_lines=None):
+def plan_from_lines(layer_kernels, lines, use_all=False, modes=None, batch=None, image_lines=None, one_split=False):
     """The proportional plan from calibrated cost lines {worker: [(fixed_s, per_kernel_s) per
     layer]} (seconds a step at the step's batch), choosing the devices: a device whose part in
     the plan makes the predicted step slower (its fixed work outweighs its share, or its share
@@ -531,7 +536,9 @@ def plan_from_lines(layer_kernels, lines, use_all=False, modes=None, batch=None,
     modes: "model" or "data" per layer (None: all model). A data layer splits the `batch`
     images so the devices finish together, by image_lines {worker: [(fixed_s, per_image_s) per
     layer]} (LayerCost.image_line) or, without them, by image_line_from_kernel_line. Choosing
-    the devices reads the kernel lines of every layer, whatever its mode."""
+    the devices reads the kernel lines of every layer, whatever its mode. A run of consecutive
+    data layers splits the images once; with `one_split` (a graph, whose tensors keep a layout
+    only where every data block splits the images alike: engine/layouts.py) all of them do."""
     modes = check_modes(modes, len(layer_kernels))
     _check_batch(modes, batch, 1)
     check_lines(lines)
@@ -561,7 +568,8 @@ def plan_from_lines(layer_kernels, lines, use_all=False, modes=None, batch=None,
     layers = []
     for li, total in enumerate(layer_kernels):
         if modes[li] == "data":
-            run = next(r for r in data_runs(modes) if li in r)
+            run = ([lj for lj, m in enumerate(modes) if m == "data"] if one_split
+                   else next(r for r in data_runs(modes) if li in r))
             per_image = [[image_lines[w][lj] if image_lines is not None
                           else image_line_from_kernel_line(lines[w][lj], int(layer_kernels[lj]), batch) for lj in run]
                          for w in workers]
@@ -728,25 +736,41 @@ def choose_modes(specs, image_shape, batch, profiles, link, parallel="auto", mic
     model_s = costs.chain_s(["model"] * layers)
     if len(names) == 1:
         return ModeChoice(["model"] * layers, costs, model_s, model_s, "one worker: the two modes are the same")
-    # an all-data graph keeps each worker's rows of every tensor: priced as that step runs it
-    rows_s = inf
-    if graph is not None and graph.rows_when_data and batch >= len(names):
-        rows_s = predict_graph_rows_step(specs, image_shape, batch, one_image_split(specs, batch, profiles, micro_batches),
-                                         profiles, link, 0.0, graph, micro_batches).step_s
+    # a graph's plan with data blocks splits the images once and holds its tensors in layouts
+    # (engine/layouts.py): such plans are priced as that step runs them
+    def layout_s(modes):
+        if graph is None or not graph.steps or "data" not in modes or batch < len(names):
+            return None
+        if any(m == "model" and costs.node[li]["model"] == inf for li, m in enumerate(modes)):
+            return inf
+        return predict_graph_layout_step(specs, image_shape, batch, counts, split, profiles, link, 0.0, graph,
+                                         list(modes), micro_batches, value_bytes).step_s
+
+    split = (one_image_split(specs, batch, profiles, micro_batches)
+             if graph is not None and graph.steps and batch >= len(names) else None)
     forced = forced_modes(parallel, layers)
     if forced is not None:
-        seconds = costs.chain_s(forced) if rows_s == inf or "model" in forced else rows_s
+        priced = layout_s(forced)
+        seconds = costs.chain_s(forced) if priced is None else priced
         if seconds == inf:
             what = (f"a batch of {batch} image(s)" if "data" in forced and batch < len(names)
                     else f"a conv layer of {min(s.kernels for s, m in zip(specs, forced) if m == 'model')} kernel(s)")
             raise PlanError(f"--parallel {parallel}: {len(names)} workers cannot split {what}")
         return ModeChoice(forced, costs, seconds, model_s, f"--parallel {parallel}")
     modes, seconds = cheapest_modes(costs.node, costs.edge)
-    if rows_s < (1 - min_gain) * min(seconds, model_s):
-        return ModeChoice(["data"] * layers, costs, rows_s, model_s,
-                          f"every block data-parallel, each worker keeping its rows of every tensor: {rows_s:.3g} s "
-                          f"against {model_s:.3g} s with every layer in model mode and {seconds:.3g} s for the "
-                          f"cheapest chain of whole tensors")
+    if split is not None:
+        # the blocks' cheapest modes, all data, and every run of data blocks before model ones
+        candidates = {tuple(modes)} | {("data",) * k + ("model",) * (layers - k) for k in range(1, layers + 1)}
+        priced = {c: layout_s(c) for c in candidates if "data" in c}
+        best = min(priced, key=lambda c: (priced[c], c.count("model"))) if priced else None
+        if best is not None and priced[best] < (1 - min_gain) * model_s:
+            how = ("every block data-parallel" if "model" not in best else
+                   f"{best.count('data')} blocks data-parallel, {best.count('model')} model-parallel")
+            return ModeChoice(list(best), costs, priced[best], model_s,
+                              f"{how}, the tensors in each worker's rows or whole between them: {priced[best]:.3g} s "
+                              f"against {model_s:.3g} s with every layer in model mode")
+        return ModeChoice(["model"] * layers, costs, model_s, model_s,
+                          f"no plan with data blocks gains {100 * min_gain:g}% over all-model ({model_s:.3g} s)")
     if "data" in modes and model_s < inf and seconds > (1 - min_gain) * model_s:
         return ModeChoice(["model"] * layers, costs, model_s, model_s,
                           f"the cheapest chain ({seconds:.3g} s) gains less than {100 * min_gain:g}% over "
@@ -805,7 +829,8 @@ def plan_profiles(specs, image_shape, batch, profiles, link, exchange="peer", pa
                               micro_batch_count(micro_batches, batch, exchange, len(kept)), value_bytes, graph=graph)
         if "data" in choice.modes:
             plan = replace(plan_from_lines(kernels, {w: lines[w] for w in kept}, use_all=True, modes=choice.modes,
-                                           batch=batch, image_lines={w: image_lines[w] for w in kept}),
+                                           batch=batch, image_lines={w: image_lines[w] for w in kept},
+                                           one_split=graph is not None),
                            left_out=dict(plan.left_out))
 
     def price(m):
