@@ -189,9 +189,9 @@ def _coordinator(monkeypatch, together_per_kernel, calibration_s=1.0, hosts=("he
                        "layers": [{"forward": [[1, 1, 1.0]], "backward": [[1, 1, 1.0]]}]} for w in peers}
     monkeypatch.setattr(remote, "profiles_from_calibration", lambda cal: {w: one for w in cal})
     chosen = choose_plan(PAPER, IMAGE, BATCH, {"w0": one, "w1": one}, LINK)
-    plan, micro = chosen.plan, chosen.micro_batches
+    plan = chosen.plan
     engine = types.SimpleNamespace(peers=peers, calibration=calibration, calibration_s=calibration_s,
-                                   micro_choice={"micro_batches": micro}, exchange="peer", wire="float32",
+                                   plan_choice=chosen, exchange="peer", wire="float32",
                                    log=logged.append, _graph_shape=lambda: None)
     cfg = Config(net="paper", batch_size=BATCH, link="1gbit").validate()
     shapes = [(BATCH,) + IMAGE, (BATCH, 500, 14, 14)]

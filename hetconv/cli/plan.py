@@ -22,16 +22,17 @@ from hetconv.engine.costmodel import Link, dominant_term, parse_bandwidth, predi
 from hetconv.engine.graph import graph_pass
 from hetconv.engine.measure import calibrate_rounds, load_profiles, measure_coordinator_s, measure_loopback
 from hetconv.engine.microbatch import micro_batch_count
-from hetconv.engine.planner import PlanError, check_profiles, choose_modes, forced_modes
-from hetconv.engine.policy import PlanFlags, choose_plan, price_cores_together
+from hetconv.engine.planner import PlanError, check_profiles, choose_modes
+from hetconv.engine.policy import PlanFlags, check_exchange, choose_plan, price_cores_together
 from hetconv.flags import HelpFormatter, add_version, check_output_file, show_progress, still_working, usable_cores
 from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES, ConvSpec, layer_input_shapes
 from hetconv.training.config import Config, add_config_flags
 from hetconv.transport.wire import value_bytes, wire_for
 
 # the flags this command shares with the coordinator: their defaults and help come from Config
-NETWORK_FLAGS = ("net", "conv", "fc", "ksize", "padding", "batch_size", "calibration_batch", "split", "use_all", "exchange",
-                 "micro_batches", "wire_dtype", "parallel", "cpu_conv_path", "precision", "retime", "deterministic")
+NETWORK_FLAGS = ("net", "conv", "fc", "ksize", "padding", "batch_size", "calibration_batch", "split", "use_all",
+                 "exchange", "micro_batches", "wire_dtype", "parallel", "cpu_conv_path", "precision", "retime",
+                 "deterministic")
 
 
 def _conv_path_options(cfg):
@@ -99,10 +100,7 @@ def main(argv=None):
         if not 0 <= args.wire_cpu_ns < 1e6:
             raise ValueError(f"--wire-cpu-ns {args.wire_cpu_ns}: expected nanoseconds per byte, 0 or more "
                              f"(about 1 on a current x86 core over TCP)")
-        forced = forced_modes(cfg.parallel, len(specs))
-        if cfg.exchange == "star" and forced is not None and "data" in forced:
-            raise ValueError(f"--parallel {cfg.parallel} needs --exchange peer: the star moves every layer through the "
-                             f"coordinator, by kernels")
+        check_exchange(PlanFlags.of(cfg), len(specs))
         if args.link != "loopback":
             try:
                 link = parse_bandwidth(args.link)
@@ -244,8 +242,8 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
                      "dominant": {"term": what, "seconds": seconds, "share": share},
                      "speedup": stronger["step_s"] / pred.step_s, "efficiency": stronger["step_s"] / pred.step_s / n,
                      "wire_mb": sum(v["sent"] + v["recv"] for v in pred.workers.values()) / 1e6,
-                     "counts": counts, "modes": plan.modes(), "plan": plan.to_json(), "mode_costs": modes_priced.to_json(),
-                     "left_out": dict(plan.left_out),
+                     "counts": counts, "modes": plan.modes(), "plan": plan.to_json(),
+                     "mode_costs": modes_priced.to_json(), "left_out": dict(plan.left_out),
                      "blocks": [network.names[b.index] for b in network.conv_layers()] if graph else None,
                      "prediction": pred.to_json()})
     note, plan = "", chosen.plan
@@ -293,7 +291,7 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
     print(mode_table(rows[-1]))
     by_kind = rows[-1]["prediction"].get("bytes_by_kind")
     if by_kind:
-        print(f"a step's bytes with {len(rows[-1]['devices'])} device(s), by what they carry: "
+        print(f"a step's bytes with {len(rows[-1]['plan']['workers'])} device(s), by what they carry: "
               + ", ".join(f"{kind} {moved / 1e6:.1f} MB" for kind, moved in by_kind.items()))
     return 0
 
@@ -321,12 +319,12 @@ def _modes_priced(chosen, cfg, specs, image, profiles, link, wire, graph):
 
 
 def mode_table(row):
-    """Per conv layer, the price of each mode with the devices of `row` (seconds a step: compute,
-    the layer's own wire, the coordinator's at the ends), the transition into it from the layer
-    before in the chosen chain, and the chosen mode."""
+    """Per conv layer, the price of each mode with the devices `row`'s plan keeps (seconds a step:
+    compute, the layer's own wire, the coordinator's at the ends), the transition into it from
+    the layer before in the chosen chain, and the chosen mode."""
     costs = row["mode_costs"]
     modes = costs["modes"]
-    lines = [f"per conv layer with {len(row['devices'])} device(s), seconds a step in each mode (* chosen): "
+    lines = [f"per conv layer with {len(row['plan']['workers'])} device(s), seconds a step in each mode (* chosen): "
              f"{costs['reason']}",
              f"{'layer':<8} {'model s':>10} {'data s':>10} {'into it s':>10}  chosen"]
     for li, layer in enumerate(costs["layers"]):

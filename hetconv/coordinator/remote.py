@@ -34,8 +34,8 @@ from hetconv.engine.costmodel import Link, parse_bandwidth, profiles_from_calibr
 from hetconv.engine.graph import norm_states_from
 from hetconv.engine.measure import calibrate_local, measure_loopback
 from hetconv.engine.microbatch import micro_batch_count, priced_text
-from hetconv.engine.planner import PlanError, forced_modes, image_ranges, price_plan
-from hetconv.engine.policy import PlanFlags, choose_plan, cpu_groups, price_cores_together
+from hetconv.engine.planner import PlanError, forced_modes, image_ranges
+from hetconv.engine.policy import PlanFlags, check_exchange, choose_plan, cpu_groups, price_cores_together
 from hetconv.flags import usable_cores
 from hetconv.geometry import largest_array_bytes
 from hetconv.transport import keys
@@ -152,6 +152,7 @@ class RemoteEngine(ShardEngine):
         if exchange not in EXCHANGES:
             raise ValueError(f"--exchange must be one of {', '.join(EXCHANGES)}, got {exchange!r}")
         self.exchange, self.wire = exchange, check_wire_dtype(wire)     # auto: decided with each plan
+        self.plan_choice = None     # policy.PlanChoice of the last plan made from calibration
         self.step_id = 0
         self.zmq = zmq
         self.log = log
@@ -673,10 +674,8 @@ class RemoteEngine(ShardEngine):
     def plan_for(self, specs, input_shapes, cfg):
         self._note_step_bounds(specs, input_shapes, cfg)
         kernels = [s.kernels for s in specs]
+        check_exchange(PlanFlags.of(cfg, self.exchange), len(specs))
         forced = forced_modes(cfg.parallel, len(specs))
-        if forced is not None and "data" in forced and self.exchange == "star":
-            raise PlanError(f"--parallel {cfg.parallel} needs --exchange peer: --exchange star sends every layer through "
-                            f"the coordinator and splits only kernels")
         if self.fixed_plan is not None:             # checked when it was made: its data layers need no kernel each
             self.decide_wire(cfg)
             return self.fixed_plan
@@ -722,14 +721,8 @@ class RemoteEngine(ShardEngine):
         record = {"device": f"cpu:{threads}", "threads": threads, "workers": list(group)}
         profiles = profiles_from_calibration({w: self.calibration[w] for w in plan.workers})
         image_shape = tuple(input_shapes[0][1:])
-        micro = (self.micro_choice["micro_batches"] if self.micro_choice else
-                 micro_batch_count(cfg.micro_batches, cfg.batch_size, self.exchange, len(plan.workers)))
+        micro, step_s = self.plan_choice.micro_batches, self.plan_choice.step_s      # the policy's, for `plan`
         link = parse_bandwidth(cfg.link)
-        try:
-            step_s = price_plan(specs, image_shape, cfg.batch_size, plan, profiles, link, self.exchange, micro,
-                                value_bytes(self.wire), self._graph_shape())
-        except (PlanError, ValueError) as e:
-            return dataclasses.replace(plan, cores_together={**record, "not_priced": f"this plan: {e}"})
         if self.calibration_s > CORES_TOGETHER_MAX_STEPS * step_s:
             return dataclasses.replace(plan, cores_together={
                 **record, "not_priced": f"its calibration, about the workers' {self.calibration_s:.1f} s, would cost more "
@@ -781,7 +774,7 @@ class RemoteEngine(ShardEngine):
         if before is not None and before != self.wire:
             self.log(f"feature maps and gradients between layers: {self.wire} from this plan on, was {before} "
                      f"({self.wire_choice['reason']})")
-        self.mode_choice, self.micro_choice = choice.mode_choice, choice.micro_choice
+        self.plan_choice, self.mode_choice, self.micro_choice = choice, choice.mode_choice, choice.micro_choice
         if self.micro_choice is not None and self.micro_choice["micro_batches"] < max(self.micro_choice["predicted_s"]):
             self.log(f"micro-batches: {self.micro_choice['micro_batches']}, the cheapest predicted step "
                      f"({priced_text(self.micro_choice['predicted_s'])})")

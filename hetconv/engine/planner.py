@@ -133,7 +133,7 @@ class Plan:
     layers: tuple
     left_out: dict = field(default_factory=dict)     # worker -> why it takes no part
     # one device with the cores of several of its CPU workers of one host, priced against it
-    # (CoresTogether.to_json), or {} where none was
+    # (policy.CoresTogether.to_json), or {} where none was
     cores_together: dict = field(default_factory=dict)
 
     def modes(self):

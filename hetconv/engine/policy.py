@@ -49,6 +49,15 @@ class PlanChoice:
     notes: tuple = ()           # lines for the caller to log: a fallback taken
 
 
+def check_exchange(flags, layers):
+    """PlanError where flags.parallel forces data layers over --exchange star, which sends every
+    layer through the coordinator and splits only kernels: said before anything is calibrated."""
+    forced = forced_modes(flags.parallel, layers)
+    if forced is not None and "data" in forced and flags.exchange == "star":
+        raise PlanError(f"--parallel {flags.parallel} needs --exchange peer: --exchange star sends every layer through "
+                        f"the coordinator and splits only kernels")
+
+
 def profile_speeds(profiles):
     """{worker: [kernels/s per layer]} from calibrated profiles: one kernel on one image, forward
     and backward, its call costs included. What a worker without measured speeds splits by
