@@ -365,15 +365,15 @@ def test_a_peer_that_began_the_step_first_is_heard_where_the_first_layer_is_data
 def test_a_calibration_too_noisy_for_cost_lines_splits_by_measured_speed(monkeypatch, parallel):
     """A calibration whose cost lines cannot be split by (noise: a share no slower than its half)
     must not end the run: the plan falls back to the measured speeds, and says so."""
-    from hetconv.coordinator import remote as remote_module
+    from hetconv.engine import policy
     from hetconv.engine.planner import PlanError as PlanningError
     from hetconv.geometry import ConvSpec
 
     def unusable(*args, **kwargs):
         raise PlanningError("no device has a usable cost line (per-kernel cost must be > 0)")
 
-    monkeypatch.setattr(remote_module, "plan_from_lines", unusable)
-    monkeypatch.setattr(remote_module, "choose_modes", lambda *a, **k: type("Choice", (), {"modes": ["data", "data"]})())
+    monkeypatch.setattr(policy, "plan_from_lines", unusable)
+    monkeypatch.setattr(policy, "choose_modes", lambda *a, **k: type("Choice", (), {"modes": ["data", "data"]})())
     engine = RemoteEngine.__new__(RemoteEngine)
     engine.exchange, engine.wire, engine.mode_choice = "peer", "float32", None
     said = []

@@ -41,6 +41,7 @@ def engine_with(layer_timing):
     engine = RemoteEngine.__new__(RemoteEngine)
     engine.exchange, engine.wire, engine.micro_choice = "peer", "float32", None
     engine.peers = {"a": None, "b": None}
+    engine.log = lambda line: None
     engine.calibration = {w: {"device": "cpu", "description": "", "speeds": [1.0, 1.0],
                               "layers": [layer_timing, layer_timing]} for w in ("a", "b")}
     return engine
@@ -52,21 +53,23 @@ def engine_with(layer_timing):
 ])
 def test_the_coordinator_picks_the_count_its_cost_model_prices_fastest(call_per_kernel, link, expected):
     engine = engine_with(timing(call_per_kernel, 2e-5))
-    cfg = Config(conv="8,16", batch_size=32, link=link).validate()
-    plan = make_plan([8, 16], {"a": [1.0, 1.0], "b": [1.0, 1.0]})
-    choice = engine._choose_micro_batches(plan, SPECS, SHAPES, cfg)
+    cfg = Config(conv="8,16", batch_size=32, link=link, parallel="model").validate()
+    speeds = {"a": [1.0, 1.0], "b": [1.0, 1.0]}
+    plan = engine._plan_from_calibration(SPECS, SHAPES, speeds, cfg)
+    assert plan.counts() == make_plan([8, 16], speeds).counts()       # identical workers: an even split
+    choice = engine.micro_choice
     assert micro_batch_count(0, 32, "peer", 2) == 2
     assert choice["micro_batches"] == expected and set(choice["predicted_s"]) == {1, 2}
     assert choice["predicted_s"][expected] == min(choice["predicted_s"].values())
     # the run follows it, never above the rule for the workers there are now
-    engine.micro_choice = choice
     assert resolve_micro_batches(cfg, engine) == expected
     engine.peers = {"a": None}
     assert resolve_micro_batches(cfg, engine) == 1
     # a count set by hand is never second-guessed
     engine.peers = {"a": None, "b": None}
-    assert engine._choose_micro_batches(plan, SPECS, SHAPES, Config(conv="8,16", batch_size=32, link=link,
-                                                                     micro_batches=2).validate()) is None
+    engine._plan_from_calibration(SPECS, SHAPES, speeds, Config(conv="8,16", batch_size=32, link=link,
+                                                                parallel="model", micro_batches=2).validate())
+    assert engine.micro_choice is None
     assert resolve_micro_batches(Config(conv="8,16", batch_size=32, micro_batches=3).validate(), engine) == 3
 
 

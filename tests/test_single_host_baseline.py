@@ -8,8 +8,8 @@ import numba
 import pytest
 
 from hetconv.engine.costmodel import DeviceProfile, LayerCost, Link
-from hetconv.engine.planner import (CoresTogether, Plan, PlanError, cpu_groups, make_plan, plan_profiles,
-                                    price_cores_together, price_plan)
+from hetconv.engine.planner import Plan, PlanError, make_plan, price_plan
+from hetconv.engine.policy import CoresTogether, choose_plan, cpu_groups, price_cores_together
 from hetconv.geometry import conv_specs
 
 PAPER = conv_specs([500, 1500])
@@ -27,8 +27,8 @@ def _profile(name, per_kernel, call_s=0.0):
 
 def _two_workers():
     profiles = {"w0": _profile("cpu:1", 1e-6, 0.05), "w1": _profile("cpu:1", 1e-6, 0.05)}
-    plan, micro, step_s = plan_profiles(PAPER, IMAGE, BATCH, profiles, LINK)
-    return plan, profiles, micro, step_s
+    chosen = choose_plan(PAPER, IMAGE, BATCH, profiles, LINK)
+    return chosen.plan, profiles, chosen.micro_batches, chosen.step_s
 
 
 # ---- the planner -------------------------------------------------------------------------------
@@ -74,7 +74,8 @@ def test_no_note_where_one_device_is_priced_no_faster():
 def test_workers_elsewhere_stay_in_the_plan_with_one_device_in_the_place_of_a_hosts_cpus():
     profiles = {"w0": _profile("cpu:1", 1e-6, 0.05), "w1": _profile("cpu:1", 1e-6, 0.05),
                 "far": _profile("cpu", 1e-6, 0.05)}
-    plan, micro, _ = plan_profiles(PAPER, IMAGE, BATCH, profiles, LINK)
+    chosen = choose_plan(PAPER, IMAGE, BATCH, profiles, LINK)
+    plan, micro = chosen.plan, chosen.micro_batches
     priced = price_cores_together(PAPER, IMAGE, BATCH, plan, profiles, _profile("cpu:2", 0.3e-6, 0.05), 2,
                                   ["w0", "w1"], LINK, plan_micro_batches=micro, host="box")
     assert not priced.alone and priced.faster()
@@ -187,9 +188,10 @@ def _coordinator(monkeypatch, together_per_kernel, calibration_s=1.0, hosts=("he
     calibration = {w: {"device": "cpu", "description": "", "speeds": [1.0, 1.0],
                        "layers": [{"forward": [[1, 1, 1.0]], "backward": [[1, 1, 1.0]]}]} for w in peers}
     monkeypatch.setattr(remote, "profiles_from_calibration", lambda cal: {w: one for w in cal})
-    plan, micro, _ = plan_profiles(PAPER, IMAGE, BATCH, {"w0": one, "w1": one}, LINK)
+    chosen = choose_plan(PAPER, IMAGE, BATCH, {"w0": one, "w1": one}, LINK)
+    plan = chosen.plan
     engine = types.SimpleNamespace(peers=peers, calibration=calibration, calibration_s=calibration_s,
-                                   micro_choice={"micro_batches": micro}, exchange="peer", wire="float32",
+                                   plan_choice=chosen, exchange="peer", wire="float32",
                                    log=logged.append, _graph_shape=lambda: None)
     cfg = Config(net="paper", batch_size=BATCH, link="1gbit").validate()
     shapes = [(BATCH,) + IMAGE, (BATCH, 500, 14, 14)]

@@ -6,8 +6,9 @@ and print the cost model's step time, speedup and wire bytes for one to all of t
 
 What it measures comes from engine.measure (calibration in this process, loopback bandwidth, the
 coordinator's own share of a step); the model itself is engine.costmodel.
-Each conv layer is priced in both modes (model: kernels split; data: images split) and the
-cheapest chain is chosen (hetconv.engine.planner.choose_modes), unless --parallel forces one.
+The plan of each set of devices is the one hetconv-coordinator would train with on workers of
+those profiles, the same link and the same flags: both call hetconv.engine.policy.choose_plan
+(devices that slow the step left out, each conv layer's mode, the shares, the micro-batches).
 """
 import argparse
 from dataclasses import asdict, replace
@@ -20,17 +21,18 @@ from hetconv.devices.wisdom import machine_wisdom
 from hetconv.engine.costmodel import Link, dominant_term, parse_bandwidth, predict_any, predict_local
 from hetconv.engine.graph import graph_pass
 from hetconv.engine.measure import calibrate_rounds, load_profiles, measure_coordinator_s, measure_loopback
-from hetconv.engine.microbatch import cheapest_micro_batches, micro_batch_count
-from hetconv.engine.planner import (CoresTogether, PlanError, check_profiles, choose_modes, forced_modes, make_plan,
-                                    whole_groups)
+from hetconv.engine.microbatch import micro_batch_count
+from hetconv.engine.planner import PlanError, check_profiles, choose_modes
+from hetconv.engine.policy import PlanFlags, check_exchange, choose_plan, price_cores_together
 from hetconv.flags import HelpFormatter, add_version, check_output_file, show_progress, still_working, usable_cores
 from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES, ConvSpec, layer_input_shapes
 from hetconv.training.config import Config, add_config_flags
 from hetconv.transport.wire import value_bytes, wire_for
 
 # the flags this command shares with the coordinator: their defaults and help come from Config
-NETWORK_FLAGS = ("net", "conv", "fc", "ksize", "padding", "batch_size", "calibration_batch", "split", "exchange", "micro_batches",
-                 "wire_dtype", "parallel", "cpu_conv_path", "precision", "retime", "deterministic")
+NETWORK_FLAGS = ("net", "conv", "fc", "ksize", "padding", "batch_size", "calibration_batch", "split", "use_all",
+                 "exchange", "micro_batches", "wire_dtype", "parallel", "cpu_conv_path", "precision", "retime",
+                 "deterministic")
 
 
 def _conv_path_options(cfg):
@@ -98,10 +100,7 @@ def main(argv=None):
         if not 0 <= args.wire_cpu_ns < 1e6:
             raise ValueError(f"--wire-cpu-ns {args.wire_cpu_ns}: expected nanoseconds per byte, 0 or more "
                              f"(about 1 on a current x86 core over TCP)")
-        forced = forced_modes(cfg.parallel, len(specs))
-        if cfg.exchange == "star" and forced is not None and "data" in forced:
-            raise ValueError(f"--parallel {cfg.parallel} needs --exchange peer: the star moves every layer through the "
-                             f"coordinator, by kernels")
+        check_exchange(PlanFlags.of(cfg), len(specs))
         if args.link != "loopback":
             try:
                 link = parse_bandwidth(args.link)
@@ -217,48 +216,48 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
                                  f"the whole layers" + ("" if first.profile else f" in the same rounds as {first.label}"),
                           "description": together_profile.description})
     stronger = min(baselines, key=lambda b: b["step_s"])
-    rows = []
+    flags = PlanFlags.of(cfg)
+    rows, chosen = [], None
     for n in range(1, len(names) + 1):
-        subset = names[:n]
-        speeds = {w: [1.0 / (by_name[w].layers[li].forward_s(1, 1) + by_name[w].layers[li].backward_s(1, 1))
-                      for li in range(len(specs))] for w in subset}
-        # micro-batches as training picks them (auto: at most 2-4 with two or more peer workers, fewer
-        # where the cost model prices fewer faster)
-        micro = micro_batch_count(cfg.micro_batches, cfg.batch_size, cfg.exchange, n)
-        subset_profiles = {w: baseline if n == 1 else by_name[w] for w in subset}
-        # the star has model layers only
+        # one device alone is the baseline's profile: calibrated on the whole layers where it could be
+        subset_profiles = {w: baseline if n == 1 else by_name[w] for w in names[:n]}
+        # the plan a run with these devices, this link and these flags trains with (the
+        # coordinator calls the same policy on its workers' calibration)
         try:
-            choice = choose_modes(specs, image, cfg.batch_size, subset_profiles, link,
-                                  "model" if cfg.exchange == "star" else cfg.parallel, micro, value_bytes(wire),
-                                  graph=graph)
-            # a grouped conv's shares at whole groups, as the run loads them
-            plan = whole_groups(make_plan([s.kernels for s in specs], speeds, cfg.split, modes=choice.modes,
-                                          batch=cfg.batch_size, one_split=graph is not None), specs)
+            chosen = choose_plan(specs, image, cfg.batch_size, subset_profiles, link, flags, value_bytes(wire), graph)
+            modes_priced = _modes_priced(chosen, cfg, specs, image, subset_profiles, link, wire, graph)
         except PlanError as e:
             print(f"hetconv-plan: {n} device(s): {e}", file=sys.stderr)
             return 2
+        plan = chosen.plan
+        for note in chosen.notes:
+            print(f"hetconv-plan: {n} device(s): {note}", file=sys.stderr)
         counts, images = plan.counts(), plan.images()
-        row_profiles = {**by_name, names[0]: baseline} if n == 1 else by_name
-
-        def predict(m):
-            return predict_any(cfg.exchange, specs, image, cfg.batch_size, counts, row_profiles, link, coordinator_s[n],
-                               m, value_bytes(wire), modes=choice.modes, images=images, graph=graph)
-        picked = cheapest_micro_batches(cfg.micro_batches, cfg.split, micro, lambda m: predict(m).step_s)
-        micro = micro if picked is None else picked[0]                     # as training picks it
-        pred = predict(micro)
+        # the coordinator's own part (FC layers, loss, joining the blocks) with the workers the plan keeps
+        pred = predict_any(cfg.exchange, specs, image, cfg.batch_size, counts,
+                           {w: subset_profiles[w] for w in plan.workers}, link, coordinator_s[len(plan.workers)],
+                           chosen.micro_batches, value_bytes(wire), modes=plan.modes(), images=images, graph=graph)
         what, seconds, share = dominant_term(pred)
-        rows.append({"devices": order[:n], "step_s": pred.step_s, "micro_batches": micro,
+        rows.append({"devices": order[:n], "step_s": pred.step_s, "micro_batches": chosen.micro_batches,
                      "dominant": {"term": what, "seconds": seconds, "share": share},
                      "speedup": stronger["step_s"] / pred.step_s, "efficiency": stronger["step_s"] / pred.step_s / n,
                      "wire_mb": sum(v["sent"] + v["recv"] for v in pred.workers.values()) / 1e6,
-                     "counts": counts, "modes": choice.modes, "plan": plan.to_json(), "mode_costs": choice.to_json(),
+                     "counts": counts, "modes": plan.modes(), "plan": plan.to_json(),
+                     "mode_costs": modes_priced.to_json(), "left_out": dict(plan.left_out),
                      "blocks": [network.names[b.index] for b in network.conv_layers()] if graph else None,
                      "prediction": pred.to_json()})
-    note, last = "", rows[-1]
-    if together_profile is not None and len(last["devices"]) > 1:
-        # the line the coordinator logs where its plan is priced slower than one such worker
-        cpus = tuple(e.label for e in entries if e.device == "cpu" and not e.profile for _ in range(e.count))
-        note = CoresTogether(together_label, together, cpus, baselines[-1]["step_s"], last["step_s"], alone=True).note()
+    note, plan = "", chosen.plan
+    # the CPU devices calibrated here that the last plan keeps: one device with their cores is
+    # priced in their place as the coordinator prices it (and logs the same line)
+    here = {e.label for e in entries if e.device == "cpu" and not e.profile}
+    group = [w for w, key in zip(names, order) if key in here and w in plan.workers]
+    if together_profile is not None and len(group) > 1:
+        try:
+            note = price_cores_together(specs, image, cfg.batch_size, plan, by_name, together_profile, together, group,
+                                        link, flags, value_bytes(wire), chosen.micro_batches, graph=graph).note()
+        except PlanError as e:
+            print(f"hetconv-plan: {together_label} in the place of {', '.join(group)} not priced: {e}",
+                  file=sys.stderr)
     if args.json:
         print(json.dumps({"link": asdict(link), "wire": wire, "local_step_s": local_s, "baseline": baseline_note,
                           "baselines": baselines, "speedup_against": stronger["device"], "note": note, "rows": rows},
@@ -286,21 +285,46 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
     print("modes: a letter per conv layer, M model-parallel (kernels split), D data-parallel (images split)")
     if note:
         print(note)
+    for r in rows:
+        for w, why in r["left_out"].items():
+            print(f"{len(r['devices'])} device(s): {w} left out, {why}")
     print(mode_table(rows[-1]))
     by_kind = rows[-1]["prediction"].get("bytes_by_kind")
     if by_kind:
-        print(f"a step's bytes with {len(rows[-1]['devices'])} device(s), by what they carry: "
+        print(f"a step's bytes with {len(rows[-1]['plan']['workers'])} device(s), by what they carry: "
               + ", ".join(f"{kind} {moved / 1e6:.1f} MB" for kind, moved in by_kind.items()))
     return 0
 
 
+def _modes_priced(chosen, cfg, specs, image, profiles, link, wire, graph):
+    """The mode choice of `chosen` (a policy.PlanChoice) for the table, and where the policy made
+    none (one device, the modes forced or fixed by --exchange star or --split equal) the plan's
+    modes priced the same way, with why they were not chosen."""
+    if chosen.mode_choice is not None:
+        return chosen.mode_choice
+    plan = chosen.plan
+    letters = "".join(m[0].upper() for m in plan.modes())
+    micro = micro_batch_count(cfg.micro_batches, cfg.batch_size, cfg.exchange, len(plan.workers))
+    priced = choose_modes(specs, image, cfg.batch_size, {w: profiles[w] for w in plan.workers}, link, letters, micro,
+                          value_bytes(wire), graph=graph)
+    if len(plan.workers) == 1:
+        return priced                  # its reason: one worker, the two modes are the same
+    if cfg.exchange == "star":
+        why = "--exchange star: every layer model-parallel"
+    elif cfg.split != "proportional":
+        why = f"--split {cfg.split}: the modes --parallel {cfg.parallel} forces, else model"
+    else:
+        why = f"--parallel {cfg.parallel}"
+    return replace(priced, reason=why)
+
+
 def mode_table(row):
-    """Per conv layer, the price of each mode with the devices of `row` (seconds a step: compute,
-    the layer's own wire, the coordinator's at the ends), the transition into it from the layer
-    before in the chosen chain, and the chosen mode."""
+    """Per conv layer, the price of each mode with the devices `row`'s plan keeps (seconds a step:
+    compute, the layer's own wire, the coordinator's at the ends), the transition into it from
+    the layer before in the chosen chain, and the chosen mode."""
     costs = row["mode_costs"]
     modes = costs["modes"]
-    lines = [f"per conv layer with {len(row['devices'])} device(s), seconds a step in each mode (* chosen): "
+    lines = [f"per conv layer with {len(row['plan']['workers'])} device(s), seconds a step in each mode (* chosen): "
              f"{costs['reason']}",
              f"{'layer':<8} {'model s':>10} {'data s':>10} {'into it s':>10}  chosen"]
     for li, layer in enumerate(costs["layers"]):

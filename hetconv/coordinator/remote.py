@@ -30,20 +30,20 @@ from hetconv.devices.wisdom import DETERMINISTIC, machine_wisdom
 from hetconv.engine.contract import (ShardEngine, WorkerError, WorkerLost,  # noqa: F401  (raised here, caught by callers)
                                      concat_channels)
 from hetconv.engine.conv_precision import checked_choices as _conv_path_choices
-from hetconv.engine.costmodel import Link, parse_bandwidth, predict_any, profiles_from_calibration
+from hetconv.engine.costmodel import Link, parse_bandwidth, profiles_from_calibration
 from hetconv.engine.graph import norm_states_from
 from hetconv.engine.measure import calibrate_local, measure_loopback
-from hetconv.engine.microbatch import cheapest_micro_batches, micro_batch_count, priced_text
 from hetconv.engine.layouts import ROWS, layout_rows, tensor_layouts
-from hetconv.engine.planner import (PlanError, choose_modes, cost_lines, cpu_groups, forced_modes, image_ranges,
-                                    make_plan, plan_from_lines, price_cores_together, price_plan)
+from hetconv.engine.microbatch import micro_batch_count, priced_text
+from hetconv.engine.planner import PlanError, forced_modes, image_ranges
+from hetconv.engine.policy import PlanFlags, check_exchange, choose_plan, cpu_groups, price_cores_together
 from hetconv.flags import usable_cores
 from hetconv.geometry import largest_array_bytes
 from hetconv.transport import keys
 from hetconv.transport import protocol as P
 from hetconv.transport.keys import authenticated_key, handshake_refusal, read_key_folder
 from hetconv.transport.sockets import host_key
-from hetconv.transport.wire import check_wire_dtype, decode, encode, value_bytes
+from hetconv.transport.wire import check_wire_dtype, decode, encode, value_bytes, wire_for
 from hetconv.transport.worker_argv import command as worker_command
 from hetconv.update import clip_factor
 
@@ -153,6 +153,7 @@ class RemoteEngine(ShardEngine):
         if exchange not in EXCHANGES:
             raise ValueError(f"--exchange must be one of {', '.join(EXCHANGES)}, got {exchange!r}")
         self.exchange, self.wire = exchange, check_wire_dtype(wire)     # auto: decided with each plan
+        self.plan_choice = None     # policy.PlanChoice of the last plan made from calibration
         self.step_id = 0
         self.zmq = zmq
         self.log = log
@@ -674,10 +675,8 @@ class RemoteEngine(ShardEngine):
     def plan_for(self, specs, input_shapes, cfg):
         self._note_step_bounds(specs, input_shapes, cfg)
         kernels = [s.kernels for s in specs]
+        check_exchange(PlanFlags.of(cfg, self.exchange), len(specs))
         forced = forced_modes(cfg.parallel, len(specs))
-        if forced is not None and "data" in forced and self.exchange == "star":
-            raise PlanError(f"--parallel {cfg.parallel} needs --exchange peer: --exchange star sends every layer through "
-                            f"the coordinator and splits only kernels")
         if self.fixed_plan is not None:             # checked when it was made: its data layers need no kernel each
             self.decide_wire(cfg)
             return self.fixed_plan
@@ -709,7 +708,7 @@ class RemoteEngine(ShardEngine):
 
     def _price_cores_together(self, plan, specs, input_shapes, cfg):
         """`plan`, and where two or more of its CPU workers run on this host, one device with their
-        cores together priced in their place as a plan like any other (planner.price_cores_together),
+        cores together priced in their place as a plan like any other (policy.price_cores_together),
         in the plan's `cores_together` (its metrics record); its note logged where it is faster.
         That device is calibrated here, in this process, while the workers wait: this process can
         open a device on those cores, a worker pinned to its own cannot. Workers together on another
@@ -723,14 +722,8 @@ class RemoteEngine(ShardEngine):
         record = {"device": f"cpu:{threads}", "threads": threads, "workers": list(group)}
         profiles = profiles_from_calibration({w: self.calibration[w] for w in plan.workers})
         image_shape = tuple(input_shapes[0][1:])
-        micro = (self.micro_choice["micro_batches"] if self.micro_choice else
-                 micro_batch_count(cfg.micro_batches, cfg.batch_size, self.exchange, len(plan.workers)))
+        micro, step_s = self.plan_choice.micro_batches, self.plan_choice.step_s      # the policy's, for `plan`
         link = parse_bandwidth(cfg.link)
-        try:
-            step_s = price_plan(specs, image_shape, cfg.batch_size, plan, profiles, link, self.exchange, micro,
-                                value_bytes(self.wire), self._graph_shape())
-        except (PlanError, ValueError) as e:
-            return dataclasses.replace(plan, cores_together={**record, "not_priced": f"this plan: {e}"})
         if self.calibration_s > CORES_TOGETHER_MAX_STEPS * step_s:
             return dataclasses.replace(plan, cores_together={
                 **record, "not_priced": f"its calibration, about the workers' {self.calibration_s:.1f} s, would cost more "
@@ -747,8 +740,8 @@ class RemoteEngine(ShardEngine):
                                        conv_path=cfg.cpu_conv_path, precision=cfg.precision,
                                        wisdom=machine_wisdom(), retime=cfg.retime, deterministic=cfg.deterministic)
             priced = price_cores_together(specs, image_shape, cfg.batch_size, plan, profiles, together, threads, group,
-                                          link, self.exchange, cfg.parallel, cfg.micro_batches, value_bytes(self.wire),
-                                          micro, self.peers[group[0]].host, self._graph_shape())
+                                          link, PlanFlags.of(cfg, self.exchange), value_bytes(self.wire), micro,
+                                          self.peers[group[0]].host, self._graph_shape())
         except Exception as e:          # a price the run does not need: whatever fails, the run goes on
             why = f"{type(e).__name__}: {e}"
             self.log(f"one worker with the cores of {', '.join(group)} together not priced: {why}")
@@ -758,19 +751,31 @@ class RemoteEngine(ShardEngine):
                                                          "description": together.description})
 
     def _plan_from_calibration(self, specs, input_shapes, speeds, cfg):
-        """_split_from_calibration's plan, with the micro-batch count the cost model picks for it
-        (`micro_choice`), and the wire the workers' calibrated precision gives (`decide_wire`):
-        first over every worker, which the modes are priced with, then over the plan's own
-        where it left one out."""
+        """The plan policy.choose_plan makes from the workers' calibration (`speeds`: {worker:
+        measured kernels/s per layer}, in worker order: what the split falls back to where the
+        cost lines are too noisy), with its mode choice in `mode_choice` and its micro-batch
+        choice in `micro_choice`, and the wire the workers' calibrated precision gives
+        (`decide_wire`): the modes are priced with every worker's wire, the micro-batches and the
+        run with the plan's own where it left one out."""
         before = self.wire_choice["dtype"] if self.wire_choice else None
-        self._decide_wire_from_calibration(cfg, list(speeds))
-        plan = self._split_from_calibration(specs, input_shapes, speeds, cfg)
-        if list(plan.workers) != list(speeds):
-            self._decide_wire_from_calibration(cfg, plan.workers)
+        computed = {name: (self.calibration[name].get("device", "?"), self.calibration[name].get("precision", "fp32"))
+                    for name in speeds}
+        asked = self.asked_wire(cfg)
+
+        def wire_bytes(names):
+            return value_bytes(wire_for(asked, cfg.precision, {name: computed[name] for name in names})[0])
+
+        profiles = profiles_from_calibration({name: self.calibration[name] for name in speeds})
+        choice = choose_plan(specs, tuple(input_shapes[0][1:]), cfg.batch_size, profiles, parse_bandwidth(cfg.link),
+                             PlanFlags.of(cfg, self.exchange), wire_bytes, self._graph_shape(), speeds)
+        for note in choice.notes:
+            self.log(note)
+        plan = choice.plan
+        self.decide_wire(cfg, {name: computed[name] for name in plan.workers}, plan.workers)
         if before is not None and before != self.wire:
             self.log(f"feature maps and gradients between layers: {self.wire} from this plan on, was {before} "
                      f"({self.wire_choice['reason']})")
-        self.micro_choice = self._choose_micro_batches(plan, specs, input_shapes, cfg)
+        self.plan_choice, self.mode_choice, self.micro_choice = choice, choice.mode_choice, choice.micro_choice
         if self.micro_choice is not None and self.micro_choice["micro_batches"] < max(self.micro_choice["predicted_s"]):
             self.log(f"micro-batches: {self.micro_choice['micro_batches']}, the cheapest predicted step "
                      f"({priced_text(self.micro_choice['predicted_s'])})")
@@ -779,77 +784,6 @@ class RemoteEngine(ShardEngine):
     def _graph_shape(self):
         """What the cost model prices this network's blocks with where it is a graph, else None."""
         return None if self.graph is None else self.graph.shape()
-
-    def _decide_wire_from_calibration(self, cfg, names):
-        computed = {name: (self.calibration[name].get("device", "?"), self.calibration[name].get("precision", "fp32"))
-                    for name in names}
-        return self.decide_wire(cfg, computed, names)
-
-    def _choose_micro_batches(self, plan, specs, input_shapes, cfg):
-        """{micro_batches, predicted_s: {count: seconds}} for auto micro-batches over the peer
-        exchange (engine.microbatch.cheapest_micro_batches on this plan, its calibration and
-        --link), or None where the rule's count stands. The coordinator's FC work is left out of
-        the prices: it is the same whatever the count, and the ranking is all that is read."""
-        if not all(w in self.calibration for w in plan.workers):
-            return None
-        profiles = profiles_from_calibration({w: self.calibration[w] for w in plan.workers})
-        counts, images, modes = plan.counts(), plan.images(), plan.modes()
-        link, image_shape = parse_bandwidth(cfg.link), tuple(input_shapes[0][1:])
-        picked = cheapest_micro_batches(
-            cfg.micro_batches, cfg.split,
-            micro_batch_count(cfg.micro_batches, cfg.batch_size, self.exchange, len(plan.workers)),
-            lambda m: predict_any("peer", specs, image_shape, cfg.batch_size, counts, profiles, link, 0.0, m,
-                                  value_bytes(self.wire), modes=modes, images=images, graph=self._graph_shape()).step_s)
-        return None if picked is None else {"micro_batches": picked[0], "predicted_s": picked[1]}
-
-    def _split_from_calibration(self, specs, input_shapes, speeds, cfg):
-        """`proportional`: the devices are chosen on the all-model plan, split by each worker's
-        calibrated cost line (fixed + per kernel) at the step's batch, leaving out a worker that
-        would slow the step (unless --use-all); then each layer's mode (--parallel: 'auto' asks
-        the cost model, choose_modes, over the kept workers and --link) and, where a layer is
-        data, the plan over those workers with its images split by their per-image lines.
-        `equal`: the naive baseline, every layer model unless --parallel forces data layers.
-        The choice of modes is kept in `mode_choice` (None where there was none to make)."""
-        kernels = [s.kernels for s in specs]
-        self.mode_choice = None
-        forced = forced_modes(cfg.parallel, len(specs))
-        data_only = forced is not None and "model" not in forced and len(speeds) > 1
-        if cfg.split != "proportional":
-            return make_plan(kernels, speeds, cfg.split, batch=cfg.batch_size,
-                             modes=forced if forced is not None and "data" in forced and len(speeds) > 1 else None,
-                             one_split=self.graph is not None)
-        profiles = profiles_from_calibration({n: self.calibration[n] for n in speeds})
-        lines, image_lines = cost_lines(profiles, kernels, cfg.batch_size)
-        if data_only and any(k < len(speeds) for k in kernels):
-            model_plan = None                                # too few kernels to split: every worker takes part
-            kept = list(speeds)
-        else:
-            try:
-                model_plan = plan_from_lines(kernels, lines, use_all=cfg.use_all)
-            except PlanError as e:
-                # a calibration too noisy to fit (a share's time not above its half's) must not end
-                # the run: split in proportion to the measured speeds instead, keeping every worker
-                self.log(f"splitting by measured speed, not by cost lines: {e}")
-                model_plan = make_plan(kernels, speeds, "proportional")
-            kept = list(model_plan.workers)
-            if forced is not None and "data" not in forced or self.exchange == "star" or len(kept) < 2:
-                return model_plan
-        micro = micro_batch_count(cfg.micro_batches, cfg.batch_size, self.exchange, len(kept))
-        self.mode_choice = choose_modes(specs, tuple(input_shapes[0][1:]), cfg.batch_size,
-                                        {w: profiles[w] for w in kept}, parse_bandwidth(cfg.link), cfg.parallel,
-                                        micro_batches=micro, value_bytes=value_bytes(self.wire),
-                                        graph=self._graph_shape())
-        if "data" not in self.mode_choice.modes:
-            return model_plan
-        try:
-            plan = plan_from_lines(kernels, {w: lines[w] for w in kept}, use_all=True, modes=self.mode_choice.modes,
-                                   batch=cfg.batch_size, image_lines={w: image_lines[w] for w in kept},
-                                   one_split=self.graph is not None)
-        except PlanError as e:
-            self.log(f"splitting by measured speed, not by cost lines: {e}")
-            plan = make_plan(kernels, {w: speeds[w] for w in kept}, "proportional", modes=self.mode_choice.modes,
-                             batch=cfg.batch_size, one_split=self.graph is not None)
-        return dataclasses.replace(plan, left_out=dict(model_plan.left_out) if model_plan else {})
 
     def load(self, plan, specs, params):
         super().load(plan, specs, params)

@@ -210,15 +210,19 @@ class ShardEngine:
         from calibration, or None). Kept in `wire_choice` for the log and the plan record, with
         each worker's side of it (`names`: the workers, default every one): what it computes in
         (without a calibration, the --precision asked) and what the wire carries to it."""
-        if self.wire_asked is None:
-            self.wire_asked = self.wire
-        asked = self.wire_asked if self.wire_asked != "auto" else cfg.wire_dtype
-        self.wire, reason = wire_for(asked, cfg.precision, computed)
+        self.wire, reason = wire_for(self.asked_wire(cfg), cfg.precision, computed)
         names = list(self.workers if names is None else names)
         self.wire_choice = {"dtype": self.wire, "reason": reason, "workers": {
             name: {"computed": computed[name][1] if computed else cfg.precision, "carried": self.wire}
             for name in names}}
         return self.wire
+
+    def asked_wire(self, cfg):
+        """The wire asked for: the engine's own where it was made with a dtype, else --wire-dtype
+        (a dtype, or auto: wire_for decides it from what the workers compute in)."""
+        if self.wire_asked is None:
+            self.wire_asked = self.wire
+        return self.wire_asked if self.wire_asked != "auto" else cfg.wire_dtype
 
     def close(self):
         pass

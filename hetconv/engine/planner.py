@@ -17,7 +17,6 @@ import math
 
 from hetconv.engine.costmodel import (FLOAT_BYTES, graph_mode_costs, mode_costs, predict_any,
                                      predict_graph_layout_step)
-from hetconv.engine.microbatch import cheapest_micro_batches, micro_batch_count
 
 POLICIES = ("proportional", "equal")
 MODES = ("model", "data")
@@ -135,7 +134,7 @@ class Plan:
     layers: tuple
     left_out: dict = field(default_factory=dict)     # worker -> why it takes no part
     # one device with the cores of several of its CPU workers of one host, priced against it
-    # (CoresTogether.to_json), or {} where none was
+    # (policy.CoresTogether.to_json), or {} where none was
     cores_together: dict = field(default_factory=dict)
 
     def modes(self):
@@ -780,28 +779,6 @@ def choose_modes(specs, image_shape, batch, profiles, link, parallel="auto", mic
     return ModeChoice(modes, costs, seconds, model_s, why)
 
 
-# ---- one device with the cores of several CPU workers of a host ----------------------------------
-#
-# On one host, two one-thread workers trade feature maps and partial dX over ipc and pay a call
-# each per layer, where one device with both cores runs the same GEMMs on two threads and moves
-# nothing (the paper network at batch 128 on 2 cores: 2.1 s a step --local --threads 2, 2.5 s
-# --spawn cpu,cpu). Which is faster depends on the layers and the cores, so that device is priced
-# as a plan like any other, from its own calibration: the device to beat is never one core.
-
-CORES_TOGETHER_MIN_GAIN = 0.02      # the cost model's error is a few percent: a closer price is no news
-
-
-def cpu_groups(workers):
-    """The CPU workers that share a host: {host_key: [names in plan order]} for each host with two
-    or more of them. workers: {name: (host_key, device)}; a device is a CPU one where it is "cpu"
-    or "cpu:THREADS"; an empty host key (not reported) groups nothing."""
-    groups = {}
-    for name, (host, device) in workers.items():
-        if host and (device == "cpu" or str(device).startswith("cpu:")):
-            groups.setdefault(host, []).append(name)
-    return {host: names for host, names in groups.items() if len(names) > 1}
-
-
 def price_plan(specs, image_shape, batch, plan, profiles, link, exchange="peer", micro_batches=1,
                value_bytes=FLOAT_BYTES, graph=None):
     """The cost model's seconds of one step of `plan` ({worker: DeviceProfile} for its workers;
@@ -810,104 +787,3 @@ def price_plan(specs, image_shape, batch, plan, profiles, link, exchange="peer",
     return predict_any(exchange, specs, image_shape, batch, plan.counts(), {w: profiles[w] for w in plan.workers},
                        link, 0.0, micro_batches, value_bytes, modes=plan.modes(), images=plan.images(),
                        graph=graph).step_s
-
-
-def plan_profiles(specs, image_shape, batch, profiles, link, exchange="peer", parallel="auto", micro_batches=0,
-                  value_bytes=FLOAT_BYTES, graph=None):
-    """The proportional plan of calibrated profiles {worker: DeviceProfile} (in plan order), made
-    as the coordinator makes one from its workers' calibration: the devices chosen on their
-    all-model cost lines, each layer's mode by choose_modes (peer exchange), the micro-batches
-    (`micro_batches`, 0: auto) the cheapest the rule allows. -> (plan, micro-batches, priced
-    step seconds as price_plan gives them). PlanError where no plan fits."""
-    kernels = [s.kernels for s in specs]
-    lines, image_lines = cost_lines(profiles, kernels, batch)
-    forced = forced_modes(parallel, len(specs))
-    plan = plan_from_lines(kernels, lines)
-    kept = list(plan.workers)
-    if len(kept) > 1 and exchange == "peer" and (forced is None or "data" in forced):
-        choice = choose_modes(specs, image_shape, batch, {w: profiles[w] for w in kept}, link, parallel,
-                              micro_batch_count(micro_batches, batch, exchange, len(kept)), value_bytes, graph=graph)
-        if "data" in choice.modes:
-            plan = replace(plan_from_lines(kernels, {w: lines[w] for w in kept}, use_all=True, modes=choice.modes,
-                                           batch=batch, image_lines={w: image_lines[w] for w in kept},
-                                           one_split=graph is not None),
-                           left_out=dict(plan.left_out))
-
-    def price(m):
-        return price_plan(specs, image_shape, batch, plan, profiles, link, exchange, m, value_bytes, graph)
-
-    most = micro_batch_count(micro_batches, batch, exchange, len(plan.workers))
-    picked = cheapest_micro_batches(micro_batches, "proportional", most, price)
-    micro = most if picked is None else picked[0]
-    return plan, micro, price(micro)
-
-
-@dataclass(frozen=True)
-class CoresTogether:
-    """One CPU device with the cores of several CPU workers of one host, in their place, priced
-    against the plan that has them apart (both by the cost model, the coordinator's FC work left
-    out of both)."""
-    device: str                 # the one device, e.g. "cpu:2"
-    threads: int                # its threads: the cores of `workers` together
-    workers: tuple              # the plan's workers whose cores it has
-    step_s: float               # the priced step with it in their place
-    plan_step_s: float          # ... and of the plan
-    alone: bool                 # whether it is the whole plan (no other worker stays)
-    host: str = ""              # where they run, in words
-
-    @property
-    def ratio(self):
-        return self.step_s / self.plan_step_s
-
-    def faster(self, min_gain=CORES_TOGETHER_MIN_GAIN):
-        return self.step_s < (1.0 - min_gain) * self.plan_step_s
-
-    def note(self):
-        """One line where the device is priced faster than the plan, else ''."""
-        if not self.faster():
-            return ""
-        priced = (f"is priced {self.ratio:.2f}x this plan's step ({self.step_s:.3g} s against "
-                  f"{self.plan_step_s:.3g} s)")
-        if self.alone:
-            return (f"note: one worker with the {self.threads} cores of {', '.join(self.workers)} together "
-                    f"({self.device}) {priced}: --spawn {self.device} or --local --threads {self.threads}")
-        return (f"note: one worker with the {self.threads} cores of {', '.join(self.workers)} together "
-                f"({self.device}{' on ' + self.host if self.host else ''}) in their place {priced}: run one "
-                f"hetconv-worker --device {self.device} there instead")
-
-    def line(self):
-        """The note where the device is priced faster, else one line saying the plan stands."""
-        return self.note() or (f"one worker with the {self.threads} cores of {', '.join(self.workers)} together "
-                               f"({self.device}) is priced {self.ratio:.2f}x this plan's step ({self.step_s:.3g} s "
-                               f"against {self.plan_step_s:.3g} s): the plan stands")
-
-    def to_json(self):
-        d = {"device": self.device, "threads": self.threads, "workers": list(self.workers), "step_s": self.step_s,
-             "plan_step_s": self.plan_step_s, "ratio": self.ratio}
-        note = self.note()
-        if note:
-            d["note"] = note
-        return d
-
-
-def price_cores_together(specs, image_shape, batch, plan, profiles, together, threads, workers, link, exchange="peer",
-                         parallel="auto", micro_batches=0, value_bytes=FLOAT_BYTES, plan_micro_batches=1, host="",
-                         graph=None):
-    """`plan` ({worker: DeviceProfile} for its workers, priced at `plan_micro_batches`) against the
-    plan with one CPU device of `threads` threads, `together` (its DeviceProfile, from its own
-    calibration), in the place of `workers` (CPU workers of one host in the plan), made by
-    plan_profiles like any other plan. -> CoresTogether."""
-    workers = [w for w in plan.workers if w in set(workers)]
-    if len(workers) < 2:
-        raise PlanError(f"one device with the cores of several workers needs two or more of the plan's, got {workers!r}")
-    check_profiles({together.name: together})
-    plan_step_s = price_plan(specs, image_shape, batch, plan, profiles, link, exchange, plan_micro_batches, value_bytes,
-                             graph)
-    device = f"cpu:{int(threads)}"
-    name = f"{device} (together)"
-    others = [w for w in plan.workers if w not in workers]
-    order = [name if w == workers[0] else w for w in plan.workers if w not in workers[1:]]
-    alternative = {w: together if w == name else profiles[w] for w in order}
-    _, _, step_s = plan_profiles(specs, image_shape, batch, alternative, link, exchange, parallel, micro_batches,
-                                 value_bytes, graph)
-    return CoresTogether(device, int(threads), tuple(workers), step_s, plan_step_s, not others, host)

@@ -1,0 +1,126 @@
+"""hetconv-plan prints the plan the coordinator trains with: for the same calibrated devices, link
+and flags, the same workers (and the same left out, with the same reason), modes, kernel and
+image shares, micro-batches and predicted step. Both sides from fake calibration records: no
+processes, nothing timed."""
+import json
+
+import pytest
+
+from hetconv.cli import plan as plan_cli
+from hetconv.coordinator.remote import RemoteEngine
+from hetconv.engine.costmodel import LayerCost, profiles_from_calibration
+from hetconv.engine.microbatch import micro_batch_count
+from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES, ConvSpec, layer_input_shapes
+from hetconv.training.config import Config
+from test_parallel_plan import cpu_profile
+
+
+def calibration_record(device, costs, kernels, batch):
+    """What a worker's CALIBRATED reply leaves in RemoteEngine.calibration for a device whose
+    layers cost `costs` (LayerCost per layer): its times at two kernel counts on the batch and
+    on half of it, and its update and gradient-sum times, as LayerCost.fit reads them."""
+    layers, speeds = [], []
+    for cost, k in zip(costs, kernels):
+        ks = [max(2, k // 2), max(1, k // 4)]
+
+        def point(n):
+            return {"batch": n, "kernels": ks, "forward_s": [cost.forward_s(kk, n) for kk in ks],
+                    "backward_s": [cost.backward_s(kk, n) for kk in ks]}
+        layers.append({**point(batch), "half_batch": point(batch // 2), "update_kernels": ks[0],
+                       "update_s": cost.update_s(ks[0]), "accumulate_s": cost.accumulate_s(ks[0])})
+        speeds.append(ks[0] / (cost.forward_s(ks[0], batch) + cost.backward_s(ks[0], batch)))
+    return {"device": device, "description": f"{device}, faked", "speeds": speeds, "layers": layers,
+            "conv_paths": [], "precision": "fp32"}
+
+
+def network(args):
+    cfg = Config(**args).validate()
+    spec = cfg.network(IMAGE_SHAPE, NUM_CLASSES).spec
+    specs = [ConvSpec.from_layer(layer) for layer in spec.conv_layers()]
+    return cfg, specs, layer_input_shapes(specs, cfg.batch_size, IMAGE_SHAPE)[0]
+
+
+def coordinator_plan(cfg, specs, input_shapes, calibration):
+    """The plan RemoteEngine makes from its workers' calibration when it re-plans (a worker lost
+    or joined), with the log it wrote: a RemoteEngine with no sockets, holding `calibration`."""
+    engine = RemoteEngine.__new__(RemoteEngine)
+    engine.exchange, engine.wire, engine.mode_choice, engine.micro_choice = cfg.exchange, "float32", None, None
+    engine.peers = dict.fromkeys(calibration)
+    engine.calibration = dict(calibration)
+    said = []
+    engine.log = said.append
+    return engine.replan(specs, input_shapes, cfg), engine, said
+
+
+def hetconv_plan_row(monkeypatch, capsys, tmp_path, calibration, flags):
+    """hetconv-plan's JSON row for every device, each a saved profile of what `calibration` fits
+    to (the coordinator's own fit), the coordinator's part of a step priced at 0 so its step is
+    the policy's. The devices' names in the row are the workers' names in `calibration`."""
+    paths = []
+    for name, profile in profiles_from_calibration(calibration).items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps([profile.to_json()]))
+        paths.append(f"@{path}")
+    monkeypatch.setattr(plan_cli, "measure_coordinator_s", lambda *a, **kw: 0.0)
+    assert plan_cli.main(["--devices", ",".join(paths), *flags, "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["rows"][-1]
+    # hetconv-plan names device i "d{i}-@PATH": back to the workers' names
+    names = dict(zip([f"d{i}-{p}" for i, p in enumerate(paths)], calibration))
+    return row, names
+
+
+def renamed(value, names):
+    """`value` (JSON data) with hetconv-plan's device names replaced by the workers'."""
+    text = json.dumps(value)
+    for device, worker in names.items():
+        text = text.replace(json.dumps(device), json.dumps(worker))
+    return json.loads(text)
+
+
+def assert_same_plan(row, names, plan, engine, cfg):
+    assert renamed(row["plan"], names) == plan.to_json()        # workers, left out, modes, ranges, images, speeds
+    assert row["modes"] == plan.modes()
+    micro = (engine.micro_choice["micro_batches"] if engine.micro_choice else
+             micro_batch_count(cfg.micro_batches, cfg.batch_size, cfg.exchange, len(plan.workers)))
+    assert row["micro_batches"] == micro
+    if engine.micro_choice:
+        assert row["step_s"] == pytest.approx(engine.micro_choice["predicted_s"][micro], rel=1e-12)
+    if engine.mode_choice is not None:
+        assert row["mode_costs"]["modes"] == engine.mode_choice.modes
+        assert row["mode_costs"]["reason"] == engine.mode_choice.reason
+
+
+def test_a_device_too_slow_for_its_share_is_left_out_by_both(monkeypatch, capsys, tmp_path):
+    args = {"conv": "32,64", "fc": "16", "batch_size": 64, "link": "10gbit", "parallel": "model"}
+    cfg, specs, input_shapes = network(args)
+    fast = LayerCost(2e-6, 4e-7, 4e-6, 8e-7, 1e-3, 2e-3)
+    slow = LayerCost(2e-5, 4e-6, 4e-5, 8e-6, 0.05, 0.1)         # ten times slower, and 0.15 s a call
+    kernels = [s.kernels for s in specs]
+    calibration = {name: calibration_record("cpu", [cost] * len(specs), kernels, cfg.batch_size)
+                   for name, cost in (("fast0", fast), ("slow", slow), ("fast1", fast))}
+    plan, engine, said = coordinator_plan(cfg, specs, input_shapes, calibration)
+    assert plan.workers == ("fast0", "fast1") and list(plan.left_out) == ["slow"]
+    assert not any("splitting by measured speed" in line for line in said)
+    row, names = hetconv_plan_row(monkeypatch, capsys, tmp_path, calibration,
+                                  ["--conv", "32,64", "--fc", "16", "--batch-size", "64", "--link", "10gbit",
+                                   "--parallel", "model"])
+    assert_same_plan(row, names, plan, engine, cfg)
+    assert renamed(row["left_out"], names) == plan.left_out
+
+
+def test_parallel_auto_puts_some_layers_in_data_mode_in_both(monkeypatch, capsys, tmp_path):
+    flags = ["--conv", "16,64,2048", "--ksize", "3", "--padding", "1", "--fc", "16", "--batch-size", "128",
+             "--link", "100mbit", "--parallel", "auto"]
+    cfg, specs, input_shapes = network({"conv": "16,64,2048", "ksize": 3, "padding": 1, "fc": "16", "batch_size": 128,
+                                        "link": "100mbit", "parallel": "auto"})
+    kernels = [s.kernels for s in specs]
+    calibration = {name: calibration_record("cpu", cpu_profile(name, specs, IMAGE_SHAPE, flops=flops).layers, kernels,
+                                            cfg.batch_size)
+                   for name, flops in (("big", 80e9), ("small", 40e9))}
+    plan, engine, _ = coordinator_plan(cfg, specs, input_shapes, calibration)
+    # the early layers (big maps, few weights) data, the wide last one model
+    assert plan.modes() == ["data", "data", "model"] and engine.mode_choice.modes == plan.modes()
+    assert plan.layers[0].images["big"] > plan.layers[0].images["small"]
+    assert engine.micro_choice is not None
+    row, names = hetconv_plan_row(monkeypatch, capsys, tmp_path, calibration, flags)
+    assert_same_plan(row, names, plan, engine, cfg)
