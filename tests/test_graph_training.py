@@ -210,22 +210,22 @@ def test_two_workers_equal_local_and_three_uneven_ones_survive_a_lost_worker_and
     assert_equal_runs(got, local)
 
 
-def test_an_all_data_graph_keeps_each_workers_rows_and_moves_only_batchnorm_sums_and_weight_gradients(local_run,
-                                                                                                    tmp_path):
-    """Every block data-parallel with one uneven split of the images, two micro-batches: each
-    worker keeps its rows of every tensor (the joins between blocks run on rows), the step
-    equals --local's, and what moves among the workers is each BatchNorm's sums and each
-    block's weight gradients: the bytes the cost model prices (its payload; the measured count
-    adds each message's header)."""
-    from hetconv.engine.costmodel import (DeviceProfile, LayerCost, Link, batchnorm_sum_bytes,
-                                          predict_graph_rows_step, weight_floats)
+@pytest.mark.parametrize("modes", ["DDDDDDDD", "DDDDDMMM"])
+def test_a_graph_holds_rows_where_its_blocks_are_data_and_moves_what_the_cost_model_prices(local_run, tmp_path, modes):
+    """Data blocks with one uneven split of the images, two micro-batches: each worker holds its
+    rows of what data blocks read and write (the joins run on rows), model blocks gather what
+    they read. The step equals --local's; what moves among the workers is what the cost model
+    prices, per worker (its payload; the measured count adds each message's header). All data,
+    that is each BatchNorm's sums and each block's weight gradients, as data parallelism moves."""
+    from hetconv.engine.costmodel import (DeviceProfile, LayerCost, Link, batchnorm_sum_bytes, predict_any,
+                                          weight_floats)
     from hetconv.engine.graph import GraphPass
     from hetconv.devices.cpu import HostArrays
     from hetconv.geometry import ConvSpec
     cfg, losses, local = local_run
-    cfg = Config(**{**cfg.to_json(), "metrics": str(tmp_path / "rows.jsonl")})
+    cfg = Config(**{**cfg.to_json(), "metrics": str(tmp_path / "layouts.jsonl")})
     images = {"w0-cpu": 6, "w1-cpu": 10}
-    summary, got = distributed(cfg, tmp_path, 2, 2, modes="D" * 8, images=images)
+    summary, got = distributed(cfg, tmp_path, 2, 2, modes=modes, images=images)
     np.testing.assert_allclose(summary["losses"], losses, rtol=1e-5)
     assert_equal_runs(got, local)
 
@@ -233,18 +233,23 @@ def test_an_all_data_graph_keeps_each_workers_rows_and_moves_only_batchnorm_sums
     specs = [ConvSpec.from_layer(layer) for layer in spec.conv_layers()]
     graph = GraphPass(spec, HostArrays()).shape()
     flat = DeviceProfile("d", "cpu", "", (LayerCost(0.0, 1e-6, 0.0, 1e-6),) * len(specs))
-    priced = predict_graph_rows_step(specs, (3, 16, 16), cfg.batch_size, images, {w: flat for w in images},
-                                     Link(1e9), 0.0, graph, micro_batches=2)
-    payload = sum(weight_floats(s) * 4 + 2 * len(s.batchnorms) * batchnorm_sum_bytes(s) for s in specs)
-    assert payload > 0 and all(priced.workers[w]["sent"] == payload for w in images)
-    assert priced.bytes_by_kind["weight gradients"] == 2 * sum(weight_floats(s) * 4 for s in specs)
-    messages = sum(1 + 2 * len(s.batchnorms) for s in specs)       # a dW each, a sum per BatchNorm each way
-    steps = [r for r in map(json.loads, open(tmp_path / "rows.jsonl")) if r["event"] == "step"]
+    mode_names = [{"M": "model", "D": "data"}[m] for m in modes]
+    counts = {w: [s.kernels // 2 + (1 if i == 0 else 0) * (s.kernels % 2) for s in specs] for i, w in enumerate(images)}
+    priced = predict_any("peer", specs, (3, 16, 16), cfg.batch_size, counts, {w: flat for w in images}, Link(1e9), 0.0,
+                         2, modes=mode_names, images={w: [n] * len(specs) for w, n in images.items()}, graph=graph)
+    if "model" not in mode_names:
+        payload = sum(weight_floats(s) * 4 + 2 * len(s.batchnorms) * batchnorm_sum_bytes(s) for s in specs)
+        assert all(priced.workers[w]["sent"] == payload for w in images)
+        assert set(priced.bytes_by_kind) == {"images and features (coordinator)", "weight gradients", "BatchNorm sums"}
+    else:
+        assert {"layout gathers", "block outputs"} <= set(priced.bytes_by_kind)
+    steps = [r for r in map(json.loads, open(tmp_path / "layouts.jsonl")) if r["event"] == "step"]
     assert len(steps) == STEPS
     for record in steps:
         for w in images:
-            sent = record["workers"][w]["peer_bytes_sent"]
-            assert payload <= sent <= payload + 400 * messages, (w, sent, payload)
+            sent, want = record["workers"][w]["peer_bytes_sent"], priced.workers[w]
+            # a message's header is ~100 bytes
+            assert want["sent"] <= sent <= want["sent"] + 128 * want["messages"], (w, sent, want["sent"])
 
 
 @pytest.mark.parametrize("name,width,workers,modes", [("resnet9", 0.0625, 2, "DDMMDMDM"),

@@ -822,17 +822,19 @@ def predict_graph_layout_step(specs, image_shape, batch, counts, images, profile
     sent = {w: 0.0 for w in names}
     kinds = {}
 
-    def exchange(kind, out_bytes, in_bytes=None):
-        """Seconds of one collective: out_bytes {worker: bytes it sends in all}, in_bytes what it
-        receives (default: what the others send)."""
+    messages = {w: 0 for w in names}
+
+    def exchange(kind, out_bytes, per_micro=True):
+        """Seconds of one collective: out_bytes {worker: bytes it sends in all}, to every other
+        worker, in a message each per micro-batch (`per_micro`) or one."""
         if p < 2:
             return 0.0
         total = sum(out_bytes.values())
-        in_bytes = in_bytes or {w: total - out_bytes[w] for w in names}
         for w in names:
             sent[w] += out_bytes[w]
+            messages[w] += (p - 1) * (len(sizes) if per_micro else 1)
         kinds[kind] = kinds.get(kind, 0.0) + total
-        return _links_s([out_bytes[w] for w in names], [in_bytes[w] for w in names], link) + link.latency_s
+        return _links_s([out_bytes[w] for w in names], [total - out_bytes[w] for w in names], link) + link.latency_s
 
     def gather(j, kind):
         """All-gather of tensor j's rows (float32)."""
@@ -857,7 +859,7 @@ def predict_graph_layout_step(specs, image_shape, batch, counts, images, profile
             fwd = {w: sum(profiles[w].layers[li].forward_s(spec.kernels, r) for r in rows[w]) for w in names}
             t += max(fwd.values())
             for _ in spec.batchnorms:
-                t += exchange("BatchNorm sums", {w: batchnorm_sum_bytes(spec) * (p - 1) for w in names})
+                t += exchange("BatchNorm sums", {w: batchnorm_sum_bytes(spec) * (p - 1) for w in names}, False)
         else:
             fwd = {w: sum(profiles[w].layers[li].forward_s(counts[w][li], b) for b in sizes) for w in names}
             t += max(fwd.values())
@@ -869,7 +871,7 @@ def predict_graph_layout_step(specs, image_shape, batch, counts, images, profile
     in_rows = layouts[graph.feature] != WHOLE
     t += feature_bytes / link.bytes_per_s + coordinator_s + feature_bytes * (1 if in_rows else p) / link.bytes_per_s
     t += 2 * link.latency_s
-    link_free, dws = 0.0, 0.0
+    link_free = 0.0
     for st in reversed(steps):
         have = step_layout(st, modes, graph.norms, layouts)
         if st.kind == "block":
@@ -884,13 +886,13 @@ def predict_graph_layout_step(specs, image_shape, batch, counts, images, profile
                 compute[w] += bwd[w]
             if modes[li] == "data":
                 for _ in spec.batchnorms:
-                    t += exchange("BatchNorm sums", {w: batchnorm_sum_bytes(spec) * (p - 1) for w in names})
+                    t += exchange("BatchNorm sums", {w: batchnorm_sum_bytes(spec) * (p - 1) for w in names}, False)
                 if p > 1:       # its dW to every peer, queued on the links under the blocks below
                     dw = weight_floats(spec) * FLOAT_BYTES * (p - 1)
                     kinds["weight gradients"] = kinds.get("weight gradients", 0.0) + dw * p
                     for w in names:
                         sent[w] += dw
-                    dws += dw
+                        messages[w] += p - 1
                     link_free = max(link_free, t) + dw / link.bytes_per_s + link.latency_s
             elif graph.needs_dx[li]:
                 whole_in = n * c * h * wd * value_bytes
@@ -906,7 +908,8 @@ def predict_graph_layout_step(specs, image_shape, batch, counts, images, profile
         compute[w] += update[w]
     step = max(t, link_free) + max(update.values())
     workers = {w: {"compute_s": compute[w], "wire_s": 0.0, "wait_s": max(0.0, step - compute[w]), "sent": sent[w],
-                   "recv": sum(sent.values()) - sent[w], "layer_compute_s": []} for w in names}
+                   "recv": sum(sent.values()) - sent[w], "layer_compute_s": [], "messages": messages[w]}
+               for w in names}
     pred = Prediction(step, coordinator_s, workers, [("step", -1, step)])
     pred.bytes_by_kind = {"images and features (coordinator)": image_bytes + feature_bytes * (2 if in_rows else 1 + p),
                           **kinds}
