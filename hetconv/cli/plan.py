@@ -87,7 +87,8 @@ def main(argv=None):
             blocks = ", ".join(f"conv{n + 1} = {network.names[b.index]}" for n, b in enumerate(network.conv_layers()))
             how = ("its blocks' outputs meeting at the coordinator, which joins them (--exchange star)"
                    if cfg.exchange == "star" else
-                   "each block's output all-gathered among the workers, which each run the joins (--exchange peer)")
+                   "each worker holding its rows of what data blocks read and write and the whole of what model "
+                   "blocks read, gathered where rows meet a model block, and running the joins (--exchange peer)")
             print(f"the network is a graph: priced as it runs, {how}; its blocks: {blocks}", file=sys.stderr)
         check_output_file("--save-profiles", args.save_profiles)
         # saved profiles are read before anything is calibrated: a bad file costs nothing
@@ -333,8 +334,13 @@ def mode_table(row):
         block = f" ({row['blocks'][li]})" if row.get("blocks") else ""
         lines.append(f"{'conv' + str(li + 1):<8} {layer['mode_s']['model']:9.4f}{mark['model']} "
                      f"{layer['mode_s']['data']:9.4f}{mark['data']} {into:10.4f}  {modes[li]}{block}")
-    lines.append(f"chosen chain {costs['chosen_s']:.4f} s, every layer in model mode {costs['model_s']:.4f} s "
-                 f"(compute and wire added up; the step time above overlaps them)")
+    if row.get("blocks") and "data" in modes:
+        lines.append(f"chosen plan {costs['chosen_s']:.4f} s, every layer in model mode {costs['model_s']:.4f} s "
+                     f"(the columns price each block with every tensor whole; the chosen plan holds rows where its "
+                     f"blocks are data, and is priced as it runs)")
+    else:
+        lines.append(f"chosen chain {costs['chosen_s']:.4f} s, every layer in model mode {costs['model_s']:.4f} s "
+                     f"(compute and wire added up; the step time above overlaps them)")
     return "\n".join(lines)
 
 
