@@ -4,6 +4,10 @@
     sudo python bench/bandwidth.py --rates 1gbit --rows peer-auto,ddp
     sudo python bench/bandwidth.py --net vgg-small --rates 1gbit --rows model,data,auto,ddp --rounds 3 \
         --out bench/results/parallel      # per-layer modes: hetconv-coordinator --parallel, beside DDP
+    sudo python bench/bandwidth.py --net resnet18 --rates 1gbit,10gbit --rows data,auto,ddp --rounds 2 \
+        --out bench/results/graph --name resnet18_layouts      # a graph's rows and layouts beside DDP
+    sudo python bench/bandwidth.py --net resnet18 --rates 10gbit --rows auto,ddp --busy-last-worker ...
+        # a heterogeneous pair: a busy process shares the last worker's core in every networked row
     python bench/bandwidth.py --render bench/results/bandwidth.json   # rewrite the .md (and .png) only
 
 Set-up (made here, removed in a finally, on Ctrl-C and SIGTERM too): one network namespace per
@@ -41,6 +45,7 @@ Writes OUT/bandwidth.json (the command, machine, load and wall time with the row
 bandwidth.md and bandwidth.png rendered from it.
 """
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -412,6 +417,9 @@ def main(argv=None):
     p.add_argument("--micro-batches", type=int, default=0,
                    help="--micro-batches of the hetconv-coordinator rows (0: automatic, as training picks)")
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--busy-last-worker", action="store_true",
+                   help="a heterogeneous pair: a busy process shares the last worker's core (its DDP rank's too) "
+                        "during every networked row; the --local baseline runs without it")
     p.add_argument("--runs-dir", default="", help="keep each run's metrics JSON lines here (default: a temp dir)")
     p.add_argument("--no-wire-cpu", dest="wire_cpu", action="store_false",
                    help="do not measure the wire's CPU on the workers' cores (the model then charges none)")
@@ -458,7 +466,9 @@ def main(argv=None):
               "split": "proportional", "conv": args.conv, "fc": args.fc}
     result = {"command": command, "machine": C.machine(), "load_before": _common.load_average(),
               "workers": args.workers, "conv": args.conv, "fc": args.fc, "net": args.net, "rounds": args.rounds,
-              "micro_batches": args.micro_batches, "rows": []}
+              "micro_batches": args.micro_batches, "rows": [],
+              "busy_core": (sorted(os.sched_getaffinity(0))[(args.workers - 1) % len(os.sched_getaffinity(0))]
+                            if args.busy_last_worker else None)}
     rows = result["rows"]
     t_all = time.perf_counter()
     switch = Switch(1 + args.workers)
@@ -499,12 +509,15 @@ def main(argv=None):
                 switch.shape(rate)
                 for kind in (kinds if rnd % 2 == 0 else kinds[::-1]):
                     print(f"[round {rnd + 1}/{args.rounds}] [{rate}] {kind}, {args.workers} workers ...", flush=True)
-                    if kind == "ddp":
-                        row = run_ddp(switch, rate, args, common)
-                    elif parallel_kind(kind):
-                        row = run_parallel(switch, kind, rate, args, common, coordinator_cache)
-                    else:
-                        row = run_hetconv(switch, kind, rate, args, common)
+                    busy = (C.CoRunner(result["busy_core"]) if result["busy_core"] is not None
+                            else contextlib.nullcontext())
+                    with busy:
+                        if kind == "ddp":
+                            row = run_ddp(switch, rate, args, common)
+                        elif parallel_kind(kind):
+                            row = run_parallel(switch, kind, rate, args, common, coordinator_cache)
+                        else:
+                            row = run_hetconv(switch, kind, rate, args, common)
                     row["round"] = rnd
                     rows.append(row)
                     print(f"    -> {fmt(row)}", flush=True)
@@ -625,6 +638,10 @@ def write_parallel(out_dir, result, stem):
              f"carry TCP payload at 1448/1514 of the tbf rate"
              + (f"; moving a byte costs the workers' cores {wire['host_cpu_s_per_byte'] * 1e9:.2f} ns, measured "
                 f"unshaped in this run)." if wire else "; no wire CPU charged).")
+             + (f" A heterogeneous pair: during every networked row a busy process (a pure-Python loop) shares core "
+                f"{result['busy_core']} with the last worker (its PyTorch DDP rank too), so that worker computes at "
+                f"about half speed; the --local baseline runs without it." if result.get("busy_core") is not None
+                else "")
              + " Foreign load: cores' worth of CPU other processes used during the row (the machine is shared).", "",
              "| link (each host) | row | modes | s/step (median of rounds) | predicted s | model error | x faster than "
              "model (same round) | x faster than --local (same round) | foreign load |",
