@@ -840,7 +840,7 @@ class RemoteEngine(ShardEngine):
             return super().conv_step(xs, head, update, step, head_sum_of_squares)
         self.batch = sum(len(x) for x in xs)
         _, factor = self._peer_step(xs, head, update, step, head_sum_of_squares)
-        self.measured_steps += 1
+        self.close_measured_step()
         return factor
 
     def predict(self, x):

@@ -363,7 +363,7 @@ class ShardEngine:
             self.update_layers(update)
             if self.graph is not None:
                 self.graph.update_norms(update)
-        self.measured_steps += 1
+        self.close_measured_step()
         return factor
 
     def predict(self, x):
@@ -489,6 +489,33 @@ class ShardEngine:
     def reset_layer_timings(self):
         self.layer_compute = {}          # worker -> {layer: compute seconds since the reset}
         self.measured_steps = 0          # training steps since the reset
+        self.step_compute = {}           # worker -> [its compute seconds in each of those steps]
+        self._booked_before = {}
+
+    def close_measured_step(self):
+        """One training step more since the reset: each worker's compute in it, from what its
+        replies booked, kept as a sample of how much a step's time varies (propose_rebalance)."""
+        self.measured_steps += 1
+        booked = getattr(self, "_booked_before", {})
+        for name, per_layer in self.layer_compute.items():
+            total = sum(per_layer.values())
+            self.step_compute.setdefault(name, []).append(total - booked.get(name, 0.0))
+            booked[name] = total
+        self._booked_before = booked
+
+    def rebalance_gate(self, min_gain):
+        """The gain a re-split must promise: `min_gain`, or twice the relative standard error of the
+        noisiest worker's mean step compute where there are 3 or more steps to see it by (a gain
+        inside the noise moves kernels for nothing, and the next re-split moves them back); twice
+        that again for a re-split that would move some worker's share back the way the last one
+        came."""
+        noise = 0.0
+        for samples in getattr(self, "step_compute", {}).values():
+            if len(samples) >= 3 and sum(samples) > 0:
+                mean = sum(samples) / len(samples)
+                var = sum((x - mean) ** 2 for x in samples) / (len(samples) - 1)
+                noise = max(noise, math.sqrt(var / len(samples)) / mean)
+        return max(min_gain, 2.0 * noise)
 
     def propose_rebalance(self, specs, min_gain=0.05):
         """A re-split of the kernels from what training measured since reset_layer_timings() (see
@@ -508,4 +535,30 @@ class ShardEngine:
                 return None
             measured[name] = [compute[lp.layer] / steps for lp in self.plan.layers]
             lines.setdefault(name, None)
-        return replan(self.plan, lines, measured, min_gain, image_lines=image_lines if "data" in self.plan.modes() else None)
+        gate = self.rebalance_gate(min_gain)
+        image_lines = image_lines if "data" in self.plan.modes() else None
+        proposal = replan(self.plan, lines, measured, gate, image_lines=image_lines)
+        last = getattr(self, "_last_moves", {})
+        if proposal is not None and _reverses(share_moves(self.plan, proposal), last):
+            proposal = replan(self.plan, lines, measured, 2.0 * gate, image_lines=image_lines)
+        if proposal is not None:
+            self._last_moves = share_moves(self.plan, proposal)
+        return proposal
+
+
+def share_moves(plan, proposal):
+    """{(worker, layer): +1 or -1}: which way each worker's share (kernels, or images of a data
+    layer) of each layer moves from `plan` to `proposal`."""
+    moves = {}
+    for old, new in zip(plan.layers, proposal.layers):
+        for name in proposal.workers:
+            before = old.images.get(name, 0) if old.mode == "data" else old.count(name) if name in old.ranges else 0
+            after = new.images.get(name, 0) if new.mode == "data" else new.count(name)
+            if after != before:
+                moves[(name, new.layer)] = 1 if after > before else -1
+    return moves
+
+
+def _reverses(moves, last):
+    """Whether some share would move back the way the last re-split moved it."""
+    return any(last.get(key) == -sign for key, sign in moves.items())
