@@ -33,9 +33,9 @@ from hetconv.engine.conv_precision import checked_choices as _conv_path_choices
 from hetconv.engine.costmodel import Link, parse_bandwidth, profiles_from_calibration
 from hetconv.engine.graph import norm_states_from
 from hetconv.engine.measure import calibrate_local, measure_loopback
-from hetconv.engine.layouts import ROWS, layout_rows, tensor_layouts
+from hetconv.engine.layouts import ROWS, tensor_layouts
 from hetconv.engine.microbatch import micro_batch_count, priced_text
-from hetconv.engine.planner import PlanError, forced_modes, image_ranges
+from hetconv.engine.planner import PlanError, forced_modes, image_ranges, layout_rows
 from hetconv.engine.policy import PlanFlags, check_exchange, choose_plan, cpu_groups, price_cores_together
 from hetconv.flags import usable_cores
 from hetconv.geometry import largest_array_bytes

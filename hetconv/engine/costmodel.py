@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 import math
 import re
 
+from hetconv.engine.layouts import WHOLE, step_layout, tensor_layouts
 from hetconv.geometry import layer_input_shapes
 
 FLOAT_BYTES = 4
@@ -809,7 +810,6 @@ def predict_graph_layout_step(specs, image_shape, batch, counts, images, profile
     backward. Blocks run one after another, each exchange between them waited for; the joins
     are left out (a pass over a tensor each). counts: {worker: [kernels per layer]} (model
     blocks)."""
-    from hetconv.engine.layouts import WHOLE, step_layout, tensor_layouts
     names = list(images)
     p = len(names)
     sizes = split_sizes(batch, micro_batches)

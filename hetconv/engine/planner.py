@@ -69,6 +69,27 @@ def image_ranges(lp, n):
     return ranges
 
 
+def layout_rows(layer_plans, sizes):
+    """Per worker, its rows [r0, r1) of each micro-batch of `sizes` images: the data blocks'
+    split where they all split each micro-batch alike, an even split where there is no data
+    block (as the coordinator sends the images); None where two data blocks split differently
+    (a graph step then holds every tensor whole)."""
+    data = [lp for lp in layer_plans if lp.mode == "data"]
+    workers = list(layer_plans[0].ranges) if layer_plans else []
+    rows = {w: [] for w in workers}
+    for n in sizes:
+        if data:
+            first = image_ranges(data[0], n)
+            if any(image_ranges(lp, n) != first for lp in data[1:]):
+                return None
+        else:
+            bounds = [n * i // len(workers) for i in range(len(workers) + 1)]
+            first = {w: (bounds[i], bounds[i + 1]) for i, w in enumerate(workers)}
+        for w in workers:
+            rows[w].append(first[w])
+    return rows
+
+
 def whole_groups(plan, specs):
     """`plan` with each model layer's kernel ranges moved to whole groups where its conv is
     grouped (ConvSpec.kernel_group kernels each): every boundary between two workers goes to the

@@ -34,8 +34,8 @@ import numpy as np
 
 from hetconv.engine.chain import DropoutDraw
 from hetconv.engine.contract import sum_in_order
-from hetconv.engine.layouts import ROWS, layout_rows, step_layout, tensor_layouts
-from hetconv.engine.planner import image_ranges
+from hetconv.engine.layouts import ROWS, step_layout, tensor_layouts
+from hetconv.engine.planner import image_ranges, layout_rows
 from hetconv.transport import protocol
 from hetconv.transport.wire import decode, encode
 from hetconv.worker.blocks import block_shape, held_blocks, within
@@ -349,7 +349,7 @@ def run_graph_step(links, seq, fields, step, micros, train, rule, sizes):
 def rows_of_step(links, sizes):
     """{worker: its rows of each micro-batch} where a step of the graph holds its tensors in
     layouts (two or more workers, every data block splitting the images alike, at least one data
-    block; engine/layouts.layout_rows), else None: every tensor whole (PeerBlocks)."""
+    block; planner.layout_rows), else None: every tensor whole (PeerBlocks)."""
     if sizes is None or len(links.order) < 2 or not any(lp.mode == "data" for lp in links.layer_plans):
         return None
     return layout_rows(links.layer_plans, sizes)
