@@ -65,7 +65,6 @@ Design, and what it costs:
 - Kernels release the GIL (nogil) so a worker's heartbeat thread keeps running during compute.
 """
 import logging
-import operator
 import os
 import sys
 import time
@@ -76,7 +75,7 @@ from numba import prange
 from threadpoolctl import ThreadpoolController, threadpool_info, threadpool_limits
 
 from hetconv.devices import cpu_channelwise, dnnl
-from hetconv.devices.base import Device, DeviceError, update_rules
+from hetconv.devices.base import Device, DeviceError
 from hetconv.devices.blas import accumulating_sgemm
 from hetconv.devices.cpu_depthwise import DepthwiseConvs
 from hetconv.devices.cpu_gemms import BlasGemms, Bf16Gemms, DnnlGemms, scratch16
@@ -87,6 +86,7 @@ from hetconv.devices.cpu_tails import (
     _add_column_sums, _add_row_sums, _bias_act_columns, _bias_act_max2, _bias_act_max2_planes, _bias_act_max2_rows,
     _bias_act_planes, _bias_act_rows, _bias_grad, _channel_totals, _flat_planes, _is_max2, _plane_totals,
     _planes_of_columns, _planes_of_rows, _unpool, _unpool_planes, _unpool_rows)
+from hetconv.devices.cpu_updates import _adamw_update, _scale_flat, _sgd_update, _square_sums_flat
 from hetconv.devices.dnnl_conv import DirectConvs
 from hetconv.devices import wisdom as wisdom_keys
 from hetconv.geometry import dilated_size, window_output_size
@@ -391,73 +391,6 @@ def _group_views(groups, a, b, c, kernel_rows=(0, 2)):
                 cut.append(arr[:, g * width:(g + 1) * width])
         views.append(tuple(cut))
     return views
-
-
-# ---- optimizer updates -----------------------------------------------------------------------
-# update_rules' arithmetic with Numba's own operators: without fastmath, LLVM rounds each multiply
-# and each add apart (it fuses only what a fast-math flag allows), as the CUDA device's libdevice
-# *_rn calls do. The loops are cached (the cache's stamp covers base.py, where the rules live):
-# compiled, they cost ~2 s once per process at its first update, on a worker's compute thread.
-_sgd_rule, _adamw_rule, _scale_rule, _square_add = (
-    numba.njit(nogil=True)(rule) for rule in update_rules(operator.mul, operator.add, operator.truediv, np.sqrt,
-                                                         operator.mul, operator.add))
-_update_jit = cached_njit(parallel=True, nogil=True)
-# sum_of_squares' lanes per parallel task: 64 float32 side by side, one cache line per row
-SQUARE_SUM_LANE_BLOCK = 64
-
-
-def _sgd_loop(param, velocity, grad, lr, momentum, weight_decay, nesterov):
-    for i in prange(param.shape[0]):
-        param[i], velocity[i] = _sgd_rule(param[i], velocity[i], grad[i], lr, momentum, weight_decay, nesterov)
-
-
-def _adamw_loop(param, exp_avg, exp_avg_sq, grad, decay, grad_decay, lerp_weight, lerp_from_grad, beta2,
-                one_minus_beta2,
-                bias_correction2_sqrt, eps, step_size):
-    for i in prange(param.shape[0]):
-        param[i], exp_avg[i], exp_avg_sq[i] = _adamw_rule(
-            param[i], exp_avg[i], exp_avg_sq[i], grad[i], decay, grad_decay, lerp_weight, lerp_from_grad, beta2,
-            one_minus_beta2,
-            bias_correction2_sqrt, eps, step_size)
-
-
-# Each update as a parallel kernel, and the same on the calling thread alone (prange runs as range)
-# for arrays under SERIAL_UPDATE_SIZE: waking the other threads costs ~50 us a call, more than a
-# bias or a small layer's weights take (vgg-small's 20 updates a step: 1.5 ms, ~0.6 of it waking).
-SERIAL_UPDATE_SIZE = 1 << 15
-_sgd_flat, _adamw_flat = _update_jit(_sgd_loop), _update_jit(_adamw_loop)
-_sgd_serial, _adamw_serial = numba.njit(nogil=True)(_sgd_loop), numba.njit(nogil=True)(_adamw_loop)
-
-
-def _sgd_update(param, velocity, grad, *scalars):
-    sgd = _sgd_serial if param.size < SERIAL_UPDATE_SIZE else _sgd_flat
-    sgd(param.reshape(-1), velocity.reshape(-1), grad.reshape(-1), *scalars)
-
-
-def _adamw_update(param, exp_avg, exp_avg_sq, grad, *scalars):
-    adamw = _adamw_serial if param.size < SERIAL_UPDATE_SIZE else _adamw_flat
-    adamw(param.reshape(-1), exp_avg.reshape(-1), exp_avg_sq.reshape(-1), grad.reshape(-1), *scalars)
-
-
-@_update_jit
-def _scale_flat(a, factor):
-    for i in prange(a.shape[0]):
-        a[i] = _scale_rule(a[i], factor)
-
-
-@_update_jit
-def _square_sums_flat(a, lanes):
-    """lanes[j] = sum of a[i]**2 over i = j (mod len(lanes)), i ascending, in float64: parallel
-    over blocks of lanes, each walking the rows of a (len(lanes) wide) in order."""
-    n, width = a.shape[0], lanes.shape[0]
-    for block in prange((width + SQUARE_SUM_LANE_BLOCK - 1) // SQUARE_SUM_LANE_BLOCK):
-        lo = block * SQUARE_SUM_LANE_BLOCK
-        hi = min(lo + SQUARE_SUM_LANE_BLOCK, width)
-        for j in range(lo, hi):
-            lanes[j] = 0.0
-        for row in range(0, n, width):
-            for j in range(lo, min(hi, n - row)):
-                lanes[j] = _square_add(lanes[j], np.float64(a[row + j]))
 
 
 class _BlockContext:
