@@ -118,9 +118,9 @@ class _Counter:
 
     def __init__(self):
         import numpy as np
-        from hetconv.devices import cpu, cpu_channelwise, cpu_gemms, cpu_tails, dnnl
+        from hetconv.devices import cpu, cpu_channelwise, cpu_gemm_paths, cpu_gemms, cpu_tails, dnnl
         self.seconds, self.active = {}, False
-        modules = {"cpu": (cpu, cpu_tails), "cpu_channelwise": (cpu_channelwise,), "dnnl": (dnnl,)}
+        modules = {"cpu": (cpu, cpu_gemm_paths, cpu_tails), "cpu_channelwise": (cpu_channelwise,), "dnnl": (dnnl,)}
         for mod_name, names in _COUNTED.items():
             for name, kind in names.items():
                 for mod in modules[mod_name]:
