@@ -68,8 +68,9 @@ from hetconv.devices.cpu_gemms import BlasGemms, Bf16Gemms, DnnlGemms
 from hetconv.devices.cpu_path_choice import AUTO_TIMED_MIN_FLOPS, ConvPathChoice, _time_one_run
 from hetconv.devices.cpu_shifted_gemms import ShiftedBf16Gemms, ShiftedBlasGemms, ShiftedDnnlGemms
 from hetconv.devices.cpu_tails import (
-    _PoolGeometry, _act_backward_planes, _act_pool, _act_pool_backward, _add_row_sums, _bias_act_max2_planes,
-    _bias_act_planes, _bias_grad, _channel_totals, _flat_planes, _is_max2, _plane_totals, _unpool_planes)
+    _BlockContext, _PoolGeometry, _act_backward_planes, _act_pool, _act_pool_backward, _add_row_sums,
+    _bias_act_max2_planes, _bias_act_planes, _bias_grad, _channel_totals, _flat_planes, _is_max2, _plane_totals,
+    _unpool_planes)
 from hetconv.devices.cpu_updates import _adamw_update, _scale_flat, _sgd_update, _square_sums_flat
 from hetconv.devices.dnnl_conv import DirectConvs
 from hetconv.jit import cached_njit
@@ -118,34 +119,25 @@ def _add_into(dst, src):
             dst[r, c] += src[r, c]
 
 
-class _FftBlockContext:
+class _FftBlockContext(_BlockContext):
     """What a block's backward needs on the FFT path: as _BlockContext, with the forward's kernel
     spectra (a view of the cache's buffer: reused by backward when given the same weights) and,
     when they fit the saved-cols budget, the input's spectra (flat; None otherwise)."""
 
     def __init__(self, x, w, block, conv_hw, pool, argmax, mask, pooled_shape, spectra, x_spectra=None):
-        self.x = x
-        self.w_shape = w.shape
-        self.forward_weights = w
-        self.block = block
-        self.conv_hw = conv_hw
-        self.pool = pool
-        self.argmax = argmax
-        self.mask = mask
-        self.pooled_shape = pooled_shape
+        super().__init__(x, w, block, conv_hw, pool, argmax, mask, pooled_shape)
         self.spectra = spectra
         self.x_spectra = x_spectra
 
 
-class _DirectBlockContext:
+class _DirectBlockContext(_BlockContext):
     """What a block's backward needs on a direct (oneDNN convolution) path: as _BlockContext, with
     the input in the forward primitive's layout where it fit the saved-cols budget (`saved`, a
     flat float32 buffer of that pool; `saved_src`, its bytes oneDNN's layout takes; both None
     otherwise)."""
 
     def __init__(self, x, w, block, conv_hw, pool, argmax, mask, pooled_shape, convs, saved, saved_src):
-        self.x, self.w_shape, self.block, self.conv_hw = x, w.shape, block, conv_hw
-        self.pool, self.argmax, self.mask, self.pooled_shape = pool, argmax, mask, pooled_shape
+        super().__init__(x, w, block, conv_hw, pool, argmax, mask, pooled_shape)
         self.convs, self.saved, self.saved_src = convs, saved, saved_src
 
 

@@ -20,9 +20,9 @@ from numba import prange
 
 from hetconv.devices.cpu_gemms import scratch16
 from hetconv.devices.cpu_tails import (
-    _PoolGeometry, _act_backward_columns, _act_backward_rows, _act_pool, _act_pool_backward, _add_column_sums,
-    _add_row_sums, _bias_act_columns, _bias_act_max2, _bias_act_max2_rows, _bias_act_rows, _flat_planes, _is_max2,
-    _planes_of_columns, _planes_of_rows, _unpool, _unpool_rows)
+    _BlockContext, _PoolGeometry, _act_backward_columns, _act_backward_rows, _act_pool, _act_pool_backward,
+    _add_column_sums, _add_row_sums, _bias_act_columns, _bias_act_max2, _bias_act_max2_rows, _bias_act_rows,
+    _flat_planes, _is_max2, _planes_of_columns, _planes_of_rows, _unpool, _unpool_rows)
 from hetconv.geometry import dilated_size, window_output_size
 from hetconv.jit import cached_njit
 
@@ -217,48 +217,32 @@ def _group_views(groups, a, b, c, kernel_rows=(0, 2)):
     return views
 
 
-class _BlockContext:
-    """What a generic block's backward needs: the layer input, the block, its conv output size and
-    pool, the argmax (max-pool) or ReLU mask (other pools) and, as _PoolContext, the path that
-    ran, the kept im2col or expansion and the forward's kernel rows."""
+class _GemmBlockContext(_BlockContext):
+    """What a block's backward needs on an im2col or shifted path: as _BlockContext, with the path
+    that ran (its GEMMs: `gemms` on an im2col path, `shifted_gemms` on a shifted one), the kept
+    im2col or expansion and the forward's kernel rows."""
 
     def __init__(self, x, w, block, shifted, conv_hw, pool, argmax, mask, pooled_shape, cols, kernel_rows, gemms=None):
-        self.x = x
+        super().__init__(x, w, block, conv_hw, pool, argmax, mask, pooled_shape)
         self.gemms = gemms              # the im2col path's GEMMs (cpu_gemms), which backward runs too
-        self.w_shape = w.shape
-        self.forward_weights = w
-        self.block = block
         self.shifted = bool(shifted)
         self.shifted_gemms = shifted or None   # the shifted path's GEMMs (cpu_shifted_gemms), which backward runs too
-        self.conv_hw = conv_hw
-        self.pool = pool
-        self.argmax = argmax
-        self.mask = mask
-        self.pooled_shape = pooled_shape
         self.cols = cols
         self.kernel_rows = kernel_rows
 
 
-class _PoolContext:
+class _PoolContext(_GemmBlockContext):
     """What the fused backward needs: the layer input, the pooling argmax (int8), which path ran
     and, when it fit the budget, the forward's im2col or width expansion of the whole batch (flat;
     None otherwise). On the shifted path also the forward's kernel rows of w (~19 MB for a
     quarter of conv2): the backward given that same array skips their ~5 ms rebuild. Its
     result is defined for the forward's weights only (the argmax came from them), so an array
-    changed in place in between is already a caller's error."""
+    changed in place in between is already a caller's error. No block (the paper's: a dense conv
+    at stride 1, whose 2x2 pool the argmax routes whole), its padding instead."""
 
     def __init__(self, x, argmax, padding, w, shifted, cols=None, kernel_rows=None, gemms=None):
-        self.x = x
-        self.gemms = gemms
-        self.argmax = argmax
+        super().__init__(x, w, None, shifted, None, None, argmax, None, argmax.shape, cols, kernel_rows, gemms)
         self.padding = padding
-        self.w_shape = w.shape
-        self.shifted = bool(shifted)
-        self.shifted_gemms = shifted or None   # the shifted path's GEMMs (cpu_shifted_gemms), which backward runs too
-        self.pooled_shape = argmax.shape
-        self.cols = cols
-        self.forward_weights = w
-        self.kernel_rows = kernel_rows
 
 
 class GemmPaths:
@@ -384,8 +368,8 @@ class GemmPaths:
             consume_rows = lambda n0, n1, yt: consume(n0, _planes_of_rows(yt, n1 - n0, ho, wo))  # noqa: E731
         shifted, saved_cols, kernel_rows = self._fused_forward(x, w, stride, padding, shifted, consume_columns,
                                                                consume_rows, gemms, block.dilation, block.groups)
-        ctx = _BlockContext(x, w, block, shifted, (ho, wo), pool, argmax, mask, out.shape, saved_cols, kernel_rows,
-                            gemms)
+        ctx = _GemmBlockContext(x, w, block, shifted, (ho, wo), pool, argmax, mask, out.shape, saved_cols,
+                                kernel_rows, gemms)
         return out, ctx
 
     # ---- backward ----------------------------------------------------------------------------
@@ -470,7 +454,7 @@ class GemmPaths:
                                                 wu=kernel_rows, gemms=ctx.shifted_gemms)
             grads = dx, self._dw_into(dw_out, accumulate, dw), db
         else:
-            block = getattr(ctx, "block", None)         # a paper block's context has none: a dense conv
+            block = ctx.block                           # a paper block's context has none: a dense conv
             grads = self._backward_chunks(ctx.x, w, stride, padding, need_dx, fill_columns, saved_cols=saved_cols,
                                           dw_out=dw_out, accumulate=accumulate, gemms=ctx.gemms,
                                           **({} if block is None else dict(dilation=block.dilation, groups=block.groups)))

@@ -457,3 +457,21 @@ class _PoolGeometry:
     def output_hw(self, ho, wo):
         return (window_output_size(ho, self.kernel[0], self.stride[0], self.padding[0]),
                 window_output_size(wo, self.kernel[1], self.stride[1], self.padding[1]))
+
+
+class _BlockContext:
+    """What a block's backward needs on every path: the layer input, the forward's weights (their
+    shape, and the array itself: a path reuses what its forward kept only for these very weights),
+    the block, its conv output size and pool, the argmax (max-pool) or ReLU mask (other pools) and
+    the block's output shape. Each path's context adds what that path kept."""
+
+    def __init__(self, x, w, block, conv_hw, pool, argmax, mask, pooled_shape):
+        self.x = x
+        self.w_shape = w.shape
+        self.forward_weights = w
+        self.block = block
+        self.conv_hw = conv_hw
+        self.pool = pool
+        self.argmax = argmax
+        self.mask = mask
+        self.pooled_shape = pooled_shape
