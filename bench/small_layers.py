@@ -62,7 +62,8 @@ STEP_ROWS = ("hetconv step fp32", "hetconv step bf16",
              *(T.layout_config(f"torch step {m}", lay) for m in TORCH_MODES for lay in T.LAYOUTS))
 # hetconv's rows compared with PyTorch's mode of the same precision (its faster layout)
 PEERS = {"fp32": "torch fp32", "bf16": "torch bf16 autocast"}
-# the kinds of kernel a call's time is counted in: module -> {function name: kind}
+# the kinds of kernel a call's time is counted in: module -> {function name: kind}; "cpu" is the
+# CPU device's modules, each of which calls a kernel by the name it imported it under
 KINDS = ("gemm", "expand", "fold", "layout", "act/pool", "bias sums", "bf16 round", "tail", "other")
 _COUNTED = {
     "cpu": {**dict.fromkeys(("_im2col", "_vexpand"), "expand"), **dict.fromkeys(("_col2im", "_vfold"), "fold"),
@@ -117,13 +118,14 @@ class _Counter:
 
     def __init__(self):
         import numpy as np
-        from hetconv.devices import cpu, cpu_channelwise, cpu_gemms, dnnl
+        from hetconv.devices import cpu, cpu_channelwise, cpu_gemm_paths, cpu_gemms, cpu_tails, dnnl
         self.seconds, self.active = {}, False
-        modules = {"cpu": cpu, "cpu_channelwise": cpu_channelwise, "dnnl": dnnl}
+        modules = {"cpu": (cpu, cpu_gemm_paths, cpu_tails), "cpu_channelwise": (cpu_channelwise,), "dnnl": (dnnl,)}
         for mod_name, names in _COUNTED.items():
             for name, kind in names.items():
-                if hasattr(modules[mod_name], name):
-                    setattr(modules[mod_name], name, self.wrap(getattr(modules[mod_name], name), kind))
+                for mod in modules[mod_name]:
+                    if hasattr(mod, name):
+                        setattr(mod, name, self.wrap(getattr(mod, name), kind))
         counter = self
 
         # numpy, with matmul counted as a GEMM: a module object, which Numba's kernels in the same

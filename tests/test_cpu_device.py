@@ -147,7 +147,7 @@ def test_sums_of_gemms_agree_with_and_without_blas_beta(path, shape):
 def test_auto_path_takes_shifted_gemms_only_for_long_rows():
     """The per-layer rule: conv1 (C*kw = 3*5) on im2col, conv2 (500*5) and anything with C*kw >= 64
     on shifted GEMMs; the fused context records which ran, and both agree with the reference."""
-    from hetconv.devices.cpu import SHIFTED_MIN_REDUCTION
+    from hetconv.devices.cpu_path_choice import SHIFTED_MIN_REDUCTION
     dev = open_device("cpu", threads=1)
     assert not dev._shifted((500, 3, 5, 5)) and dev._shifted((750, 500, 5, 5))
     assert not dev._shifted((1500, 500, 5, 5))      # the whole layer on one device: im2col is faster

@@ -292,7 +292,7 @@ def auto_device(seconds, **options):
 def test_auto_runs_the_path_its_timer_finds_fastest(fastest):
     """Whichever path the timer calls fastest is the one the call runs (the others slower by 10%
     and 50%), with correct results; every candidate is timed in each round."""
-    from hetconv.devices.cpu import AUTO_TIMED_ROUNDS
+    from hetconv.devices.cpu_path_choice import AUTO_TIMED_ROUNDS
     seconds = {p: 1.5 for p in ("im2col", "shifted", "fft")}
     seconds[fastest] = 1.0
     seconds[{"im2col": "shifted", "shifted": "fft", "fft": "im2col"}[fastest]] = 1.1
@@ -314,7 +314,7 @@ def test_auto_runs_the_path_its_timer_finds_fastest(fastest):
 
 def test_auto_times_a_path_far_behind_only_once():
     """After the first round, a path over AUTO_DROP_FACTOR times the fastest is not timed again."""
-    from hetconv.devices.cpu import AUTO_DROP_FACTOR, AUTO_TIMED_ROUNDS
+    from hetconv.devices.cpu_path_choice import AUTO_DROP_FACTOR, AUTO_TIMED_ROUNDS
     dev, timer = auto_device({"im2col": 1.0, "shifted": 1.0 * AUTO_DROP_FACTOR, "fft": 1.01 * AUTO_DROP_FACTOR})
     x, w, b, rng = tensors(2, 3, 9, 8, 4, 3, 3, seed=27)
     dev.conv2d(x, w, b, padding=1)
@@ -325,7 +325,7 @@ def test_auto_times_a_path_far_behind_only_once():
 def test_short_calls_are_timed_in_more_rounds():
     """Runs that add up to less than AUTO_TIMED_MIN_SECONDS get more rounds, at most
     AUTO_TIMED_MAX_ROUNDS; the fastest minimum still wins."""
-    from hetconv.devices.cpu import AUTO_TIMED_MAX_ROUNDS, AUTO_TIMED_MIN_SECONDS, AUTO_TIMED_ROUNDS
+    from hetconv.devices.cpu_path_choice import AUTO_TIMED_MAX_ROUNDS, AUTO_TIMED_MIN_SECONDS, AUTO_TIMED_ROUNDS
     for im2col_s, rounds in ((AUTO_TIMED_MIN_SECONDS, AUTO_TIMED_ROUNDS), (1e-6, AUTO_TIMED_MAX_ROUNDS)):
         dev, timer = auto_device({"im2col": im2col_s, "shifted": 1.2 * im2col_s, "fft": 1.4 * im2col_s})
         x, w, b, rng = tensors(2, 3, 9, 8, 4, 3, 3, seed=28)
@@ -338,7 +338,7 @@ def test_auto_choice_is_kept_per_call_shape():
     """One timing per (input shape, weights shape, stride, padding, form): the same call again
     times nothing; another padding or the block form each time once, and so does another batch
     size whose work is more than AUTO_REUSE_FACTOR from the timed call's."""
-    from hetconv.devices.cpu import AUTO_REUSE_FACTOR
+    from hetconv.devices.cpu_path_choice import AUTO_REUSE_FACTOR
     dev, timer = auto_device({"im2col": 2.0, "shifted": 3.0, "fft": 1.0})
     x, w, b, rng = tensors(5, 3, 9, 8, 4, 3, 3, seed=22)
     dev.conv2d(x, w, b, padding=1)
@@ -359,7 +359,7 @@ def test_a_layer_timed_once_keeps_its_choice_for_calls_of_similar_work():
     timed call's (calibration's half share; a training share) run its path untimed and say where
     it was timed, even where the timer now favours another path; another batch size is timed
     again (the FFT path's kernel spectra are paid once a call, whatever the images)."""
-    from hetconv.devices.cpu import AUTO_REUSE_FACTOR
+    from hetconv.devices.cpu_path_choice import AUTO_REUSE_FACTOR
     dev, timer = auto_device({"im2col": 2.0, "shifted": 3.0, "fft": 1.0})
     x, w, b, rng = tensors(4, 3, 9, 8, 8, 3, 3, seed=29)
     dev.conv2d(x, w, b, padding=1)
@@ -387,7 +387,7 @@ def test_a_layer_timed_once_keeps_its_choice_for_calls_of_similar_work():
 def test_auto_takes_the_median_of_its_rounds_and_fft_only_by_a_margin():
     """A path's one lucky run does not choose it (the median of its rounds does), and the FFT
     path must beat the fastest direct path by AUTO_FFT_MARGIN; a direct path by any amount."""
-    from hetconv.devices.cpu import AUTO_FFT_MARGIN, AUTO_TIMED_ROUNDS
+    from hetconv.devices.cpu_path_choice import AUTO_FFT_MARGIN, AUTO_TIMED_ROUNDS
     x, w, b, rng = tensors(2, 3, 9, 8, 4, 3, 3, seed=31)
     lucky = {"im2col": [1.0] * 9, "shifted": [1.2] * 9, "fft": [0.8] + [1.3] * 8}     # fft the fastest minimum
 

@@ -6,8 +6,7 @@ slower."""
 import numpy as np
 import pytest
 
-from hetconv.devices import DeviceError, dnnl, open_device
-from hetconv.devices import cpu as cpu_module
+from hetconv.devices import DeviceError, cpu_path_choice, dnnl, open_device
 from hetconv.devices.base import ConvBlock
 from hetconv.net import reference as R
 
@@ -299,7 +298,7 @@ def test_fp32_never_times_bf16_and_small_calls_stay_float32():
 
 def test_the_choice_among_timed_paths():
     """_fastest, the rule auto follows, on every side of each margin."""
-    fastest = cpu_module._fastest
+    fastest = cpu_path_choice._fastest
     assert fastest({"im2col": 1.0, "im2col-bf16": 1.1}) == "im2col"
     assert fastest({"im2col": 1.0, "im2col-bf16": 0.97}) == "im2col"
     assert fastest({"im2col": 1.0, "im2col-bf16": 0.9}) == "im2col-bf16"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hetconv.devices.base as base
-import hetconv.devices.cpu as cpudev
+import hetconv.devices.cpu_updates as cpu_updates
 from hetconv.devices import open_device
 
 f32 = np.float32
@@ -100,14 +100,14 @@ def test_the_cpu_update_kernels_hold_no_fused_multiply_add(cpu):
     round once where the emulation and the GPU round twice (the test above would see it only on
     a CPU with FMA)."""
     rng = np.random.default_rng(3)
-    for size in (10, cpudev.SERIAL_UPDATE_SIZE):        # the serial kernels, then the parallel ones
+    for size in (10, cpu_updates.SERIAL_UPDATE_SIZE):        # the serial kernels, then the parallel ones
         p, v, g = _arrays(rng, (size,), 3)
         cpu.sgd_(p, v, g, 0.1, 0.9, 1e-4, nesterov=True)
         cpu.adamw_(p, v.copy(), np.abs(v), g, 1e-3, 0.9, 0.999, 1e-8, 0.01, 1)
     cpu.scale_(g, 0.5)
     cpu.sum_of_squares(g)
-    kernels = [cpudev._sgd_flat, cpudev._adamw_flat, cpudev._sgd_serial, cpudev._adamw_serial, cpudev._scale_flat,
-               cpudev._square_sums_flat]
+    kernels = [cpu_updates._sgd_flat, cpu_updates._adamw_flat, cpu_updates._sgd_serial, cpu_updates._adamw_serial, cpu_updates._scale_flat,
+               cpu_updates._square_sums_flat]
     fused = re.compile(r"\bv?f(?:n)?m(?:add|sub)\w*\b")
     for kernel in kernels:
         assert kernel.signatures, kernel

@@ -4,8 +4,7 @@ which of them the device's timing may choose, for which calls."""
 import numpy as np
 import pytest
 
-from hetconv.devices import cpu as cpu_module
-from hetconv.devices import open_device
+from hetconv.devices import cpu_path_choice, open_device
 from hetconv.devices.base import ConvBlock
 from hetconv.net import reference as R
 from test_cpu_precision import (BF16_MISSING, BLOCKS, CONFIGS, CONVS, MISSING, bf16, bf16_close,
@@ -161,11 +160,11 @@ def test_auto_times_the_shifted_onednn_paths_at_stride_1():
 
 
 def test_with_only_bf16_paths_timed_the_fastest_is_taken():
-    assert cpu_module._fastest({"im2col-bf16": 1.0, "shifted-bf16": 0.99}) == "shifted-bf16"
-    assert cpu_module._fastest({"im2col-bf16": 0.7, "shifted-bf16": 0.99}) == "im2col-bf16"
+    assert cpu_path_choice._fastest({"im2col-bf16": 1.0, "shifted-bf16": 0.99}) == "shifted-bf16"
+    assert cpu_path_choice._fastest({"im2col-bf16": 0.7, "shifted-bf16": 0.99}) == "im2col-bf16"
     # against float32, either bf16 path needs its margin
-    assert cpu_module._fastest({"im2col-dnnl": 1.0, "shifted-bf16": 0.97}) == "im2col-dnnl"
-    assert cpu_module._fastest({"im2col-dnnl": 1.0, "shifted-dnnl": 0.9, "shifted-bf16": 0.8}) == "shifted-bf16"
+    assert cpu_path_choice._fastest({"im2col-dnnl": 1.0, "shifted-bf16": 0.97}) == "im2col-dnnl"
+    assert cpu_path_choice._fastest({"im2col-dnnl": 1.0, "shifted-dnnl": 0.9, "shifted-bf16": 0.8}) == "shifted-bf16"
 
 
 @pytest.mark.skipif(bool(MISSING), reason=f"oneDNN is an optional extra: {MISSING}")

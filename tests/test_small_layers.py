@@ -76,7 +76,7 @@ def test_bias_sums_match_numpy_whatever_the_thread_count(shape):
     float64 whatever their order, and the same bits on 1 and 2 threads."""
     import numba
 
-    from hetconv.devices.cpu import _add_column_sums, _add_row_sums
+    from hetconv.devices.cpu_tails import _add_column_sums, _add_row_sums
     a = np.random.default_rng(4).standard_normal(shape).astype(np.float32)
     got = {}
     for threads in (1, min(2, numba.config.NUMBA_NUM_THREADS)):

@@ -1,5 +1,5 @@
-"""The GEMMs of the CPU device's shifted path (CpuDevice._shifted_forward), by library and
-precision: one object per path, as devices/cpu_gemms.py is for the im2col path.
+"""The GEMMs of the CPU device's shifted path (cpu_gemm_paths.GemmPaths._shifted_forward), by
+library and precision: one object per path, as devices/cpu_gemms.py is for the im2col path.
 
 Every GEMM of the path is `out = a @ b + beta * out`, beta 0 or 1, on row-major blocks of the
 width expansion xv and dY and on transposed views of the kernel rows:
