@@ -80,6 +80,7 @@ class _Api:
             "dnnl_memory_destroy": [p],
             "dnnl_engine_destroy": [p],
             "dnnl_stream_destroy": [p],
+            "dnnl_stream_wait": [p],
         }
         for name, argtypes in signatures.items():
             f = getattr(cdll, name)
@@ -199,6 +200,9 @@ class _Primitive:
         pairs = (_ExecArg * len(args))(*[_ExecArg(arg, memory) for arg, memory in args])
         _check(self._lib.api.primitive_execute(self._primitive.value, self._lib.stream.value, len(args), pairs),
                f"running {self.what}")
+        # a SYCL build's stream runs the primitive asynchronously: its output (and the memory
+        # objects' data pointers, reset for the next call) are ours again only once it is done
+        _check(self._lib.api.stream_wait(self._lib.stream.value), f"waiting for {self.what}")
 
 
 class _Reorder(_Primitive):
