@@ -378,3 +378,22 @@ def test_what_onednn_has_no_kernel_for_is_named_and_a_wrong_array_never_reaches_
         with pytest.raises(ValueError, match="^oneDNN's layout takes a C-contiguous array of 1152 bytes, got"):
             convs.forward(x, w, (1, 1), (1, 1), y)      # too small, then the right size but strided
     assert not convs.declines((2, 3, 6, 6), (4, 3, 5, 5), (1, 1), (2, 2))
+
+
+@needs_bf16
+def test_a_library_without_a_cpu_engine_declines_the_direct_paths_and_keeps_its_gemms(monkeypatch):
+    """A SYCL build of oneDNN has no CPU engine where no SYCL CPU device is installed: the device
+    still opens, its im2col/shifted bf16 paths run, and a forced direct path says why it cannot."""
+    from hetconv.devices import dnnl_conv
+
+    def no_engine(lib):
+        raise DeviceError("oneDNN failed creating a CPU engine (status 2)")
+    monkeypatch.setattr(dnnl_conv, "_Library", no_engine)
+    monkeypatch.setattr(dnnl_conv, "_libraries", {})
+    x, w, b, _ = tensors((2, 4, 9, 9, 3, 3, 3), 7)
+    dev = open_device("cpu", conv_path="auto", precision="bf16", threads=1)
+    assert dev.conv2d(x, w, b).shape == (2, 3, 7, 7)
+    assert set(dev.conv_paths().values()) <= {"im2col-bf16", "shifted-bf16"}
+    forced = open_device("cpu", conv_path="direct-dnnl", threads=1)
+    with pytest.raises(DeviceError, match=r"^conv path direct-dnnl cannot run .*: oneDNN failed creating a CPU engine"):
+        forced.conv2d(x, w, b)

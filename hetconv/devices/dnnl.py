@@ -10,7 +10,11 @@ the library comes from the `onednn` extra: the `onednn-cpu-gomp` wheel, 39 MB wi
 packages, whose libdnnl.so.3 lands in the environment's lib/ and uses the system's GNU OpenMP,
 the very runtime Numba's threads run on (one pool of threads in the process, no second runtime
 spinning on the same cores). The TBB-threaded `onednn` wheel works too where its libraries load
-(it needs Intel's SYCL and compiler runtimes, ~2 GB): name it with HETCONV_DNNL_LIBRARY.
+(it needs Intel's SYCL and compiler runtimes, ~2 GB): name it with HETCONV_DNNL_LIBRARY, its lib/
+on LD_LIBRARY_PATH. Its convolutions (dnnl_conv) run on a SYCL CPU device: Intel's OpenCL CPU
+runtime (OCL_ICD_FILENAMES=.../lib/libintelocl.so) and the Unified Runtime's OpenCL adapter, which
+the 2026 runtime wheels leave out (2025.3's ship it); without them the direct paths decline and
+its GEMMs still run (bench/results/onednn/).
 
 Threads: the GNU OpenMP build runs a GEMM on omp_get_max_threads() threads, an OpenMP setting
 of the calling thread (a worker computes on a thread of its own), so every call here sets it to
@@ -18,7 +22,8 @@ the caller's `threads` first (one ctypes call, ~1 us); tests/test_dnnl.py checks
 of each thread that one thread means one. The `onednn` wheel (oneDNN 3.13, SYCL runtime over
 TBB) follows the process's CPU affinity instead, and no C call caps it: measured the same way,
 a process on 2 cores ran its GEMMs on 2 threads when asked for 1, and on 1 once pinned to one
-core, which is what a pinned worker gives it.
+core, which is what a pinned worker gives it; its convolutions likewise, on TBB's threads while
+the calling thread waits.
 
 bf16 travels as np.uint16 holding the upper half of a float32 (numpy has no bfloat16 dtype).
 Rounding is to nearest, ties to even, as PyTorch's (NaN becomes 0x7FC0); widening is exact.

@@ -80,6 +80,7 @@ class _Api:
             "dnnl_memory_destroy": [p],
             "dnnl_engine_destroy": [p],
             "dnnl_stream_destroy": [p],
+            "dnnl_stream_wait": [p],
         }
         for name, argtypes in signatures.items():
             f = getattr(cdll, name)
@@ -199,6 +200,9 @@ class _Primitive:
         pairs = (_ExecArg * len(args))(*[_ExecArg(arg, memory) for arg, memory in args])
         _check(self._lib.api.primitive_execute(self._primitive.value, self._lib.stream.value, len(args), pairs),
                f"running {self.what}")
+        # a SYCL build's stream runs the primitive asynchronously: its output (and the memory
+        # objects' data pointers, reset for the next call) are ours again only once it is done
+        _check(self._lib.api.stream_wait(self._lib.stream.value), f"waiting for {self.what}")
 
 
 class _Reorder(_Primitive):
@@ -328,7 +332,8 @@ class DirectConvs:
     bf16 operands (`bf16`), on `threads` threads."""
 
     def __init__(self, dnnl, threads, bf16):
-        self._lib = _library(dnnl)
+        self._dnnl = dnnl
+        self._lib = None                # the engine and stream, made on first use (_engine)
         self.threads, self.bf16 = int(threads), bool(bf16)
         self._plans = OrderedDict()
         self._unsupported = {}
@@ -343,6 +348,7 @@ class DirectConvs:
         if plan is not None:
             self._plans.move_to_end(key)
             return plan
+        self._engine()
         self._lib.dnnl.set_threads(self.threads)
         try:
             plan = ConvPlan(self._lib, x_shape, w_shape, stride, padding, self.bf16, tuple(dilation), int(groups))
@@ -354,6 +360,15 @@ class DirectConvs:
         if len(self._plans) > MAX_PLANS:
             self._plans.popitem(last=False)
         return plan
+
+    def _engine(self):
+        """The library's engine and stream, or DeviceError saying why there is none."""
+        if self._lib is None:
+            lib = _library(self._dnnl)
+            if isinstance(lib, str):
+                raise DeviceError(lib)
+            self._lib = lib
+        return self._lib
 
     def declines(self, x_shape, w_shape, stride, padding, dilation=(1, 1), groups=1):
         """'' where oneDNN has this convolution (its primitives created, kept), else why not."""
@@ -427,6 +442,16 @@ _libraries = {}
 
 
 def _library(dnnl):
+    """The library's engine and stream, or why it has none: a SYCL build's CPU engine is a SYCL
+    CPU device, which only Intel's OpenCL CPU runtime and the Unified Runtime's OpenCL adapter
+    provide (its GEMMs need neither)."""
     if dnnl.path not in _libraries:
-        _libraries[dnnl.path] = _Library(dnnl)
+        try:
+            _libraries[dnnl.path] = _Library(dnnl)
+        except DeviceError as e:
+            why = f"oneDNN {dnnl.version} at {dnnl.path}: {e}"
+            if dnnl.runtime == "SYCL":
+                why += (" (a SYCL build's convolutions run on a SYCL CPU device: Intel's OpenCL CPU runtime, "
+                        "named by OCL_ICD_FILENAMES, with the Unified Runtime's OpenCL adapter)")
+            _libraries[dnnl.path] = why
     return _libraries[dnnl.path]
