@@ -87,6 +87,10 @@ class PeerLinks:
         self.send_to_coordinator = send_to_coordinator
         self.log = log or (lambda line: print(f"hetconv-worker: {line}", file=sys.stderr, flush=True))
         self.outboxes = {}                       # peer name -> PUSH socket
+        # peer name -> a second PUSH socket, its own TCP connection, for weight gradients: sent
+        # under the blocks below's backward, megabytes of them would otherwise sit ahead of those
+        # blocks' small BatchNorm sums on one connection and stall each barrier for the transfer
+        self.bulk_outboxes = {}
         self.order, self.ranges = [name], []
         self.layer_plans = []                    # per layer: its mode, kernel ranges and (data) images
         self.graph = None                        # engine.graph.GraphPass where the network is a graph
@@ -144,13 +148,14 @@ class PeerLinks:
             if endpoint and not ipc_reachable(endpoint, peer.get("ipc_token")):
                 endpoint = None                  # its path is not this worker's /tmp, or unproved: tcp
             endpoint = endpoint or next(e for e in endpoints if e.startswith("tcp://"))
-            push = self.ctx.socket(zmq.PUSH)
-            push.linger = 0
-            push.sndtimeo = max(1, int(self.timeout * 1000))   # a gone peer fails the step, never blocks it
-            if self.keydir:
-                connect_peer(push, self.keydir, str(peer["public_key"]))
-            push.connect(endpoint)
-            self.outboxes[peer["name"]] = push
+            for outboxes in (self.outboxes, self.bulk_outboxes):
+                push = self.ctx.socket(zmq.PUSH)
+                push.linger = 0
+                push.sndtimeo = max(1, int(self.timeout * 1000))   # a gone peer fails the step, never blocks it
+                if self.keydir:
+                    connect_peer(push, self.keydir, str(peer["public_key"]))
+                push.connect(endpoint)
+                outboxes[peer["name"]] = push
             routes[peer["name"]] = endpoint
         return {"routes": routes}
 
@@ -241,16 +246,17 @@ class PeerLinks:
         return plans
 
     def close(self):
-        for sock in self.outboxes.values():
+        for sock in [*self.outboxes.values(), *self.bulk_outboxes.values()]:
             sock.close(linger=0)
-        self.outboxes = {}
+        self.outboxes, self.bulk_outboxes = {}, {}
 
     # ---- messages ------------------------------------------------------------------------------
-    def _send_peer(self, peer, step, phase, layer, micro, array):
+    def _send_peer(self, peer, step, phase, layer, micro, array, bulk=False):
+        """One SLICE to `peer`; `bulk` (weight gradients) on the connection of their own."""
         frames = protocol.pack("SLICE", 0, [array], step=step, phase=phase, layer=layer, micro=micro, sender=self.name)
         self.bytes_sent += sum(len(f) for f in frames)
         try:
-            self.outboxes[peer].send_multipart(frames, copy=False)
+            (self.bulk_outboxes if bulk else self.outboxes)[peer].send_multipart(frames, copy=False)
         except zmq.Again:
             raise TimeoutError(f"step {step}: peer {peer} took no message for {self.timeout:.0f}s: "
                                f"it is gone or stalled") from None
@@ -694,7 +700,7 @@ class PeerLinks:
         flat = np.concatenate([dw.ravel(), db.ravel()])
         for peer in self.order:
             if peer != self.name:
-                self._send_peer(peer, step, "dweights", layer, 0, flat)
+                self._send_peer(peer, step, "dweights", layer, 0, flat, bulk=True)
         updates.append((layer, flat, dw.shape, db.shape))
 
     def finish_updates(self, step, rule, layers, compute):
