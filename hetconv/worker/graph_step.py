@@ -292,22 +292,9 @@ def _run_layout_step(links, seq, fields, step, micros, train, rule, sizes, rows)
                           rule if train else None)
     features = graph.forward(engine, xs, train)
     in_rows = layouts[graph.feature] == ROWS
-    if in_rows or links.name == links.order[0]:
-        for m, h in enumerate(features):
-            links.send_to_coordinator(protocol.pack("FEATURES", seq, [np.ascontiguousarray(h, np.float32)],
-                                                    step=step, micro=m))
-    done = {"step": step}
-    if train:
-        grads = []
-        for m, h in enumerate(features):
-            key = (step, "GRAD", -1, m, "coordinator")
-            grads.append(decode(links._check(f"step {step}: gradient of micro-batch {m}", "the coordinator",
-                                             links._await({key}, step)[key], h.shape), "float32"))
-        graph.backward(engine, grads)
-        if rule is not None:
-            done.update(links._apply_updates(step, rule, engine.deferred, engine.updates, compute))
-    return {**done, "layer_compute_s": compute, "compute_s": sum(compute), "peer_wait_s": links.wait_s,
-            "peer_bytes_sent": links.bytes_sent}
+    return _features_back(links, seq, step, features, in_rows or links.name == links.order[0], train, engine, compute,
+                          lambda: links._apply_updates(step, rule, engine.deferred, engine.updates, compute)
+                          if rule is not None else {})
 
 
 def run_graph_step(links, seq, fields, step, micros, train, rule, sizes):
@@ -327,11 +314,19 @@ def run_graph_step(links, seq, fields, step, micros, train, rule, sizes):
     dropout = DropoutDraw(fields["seed"], fields["train_step"], sum(n)) if train else None
     engine = PeerBlocks(links, step, n, wire, dropout, compute)
     features = graph.forward(engine, [xs[m] for m in range(micros)], train)
-    first = links.name == links.order[0]
-    if first:
+    return _features_back(links, seq, step, features, links.name == links.order[0], train, engine, compute,
+                          lambda: links.finish_updates(step, rule, range(len(links.layer_plans)), compute)
+                          if rule is not None else {})
+
+
+def _features_back(links, seq, step, features, send, train, engine, compute, updates):
+    """The end of a graph step on a worker: its features to the coordinator where it `send`s them
+    (float32), and when training their gradient back, the graph's backward over `engine`, then
+    `updates()` (the step's updates -> STEP_DONE's extra fields). -> STEP_DONE's fields."""
+    if send:
         for m, h in enumerate(features):
-            links.send_to_coordinator(protocol.pack("FEATURES", seq, [np.ascontiguousarray(h, np.float32)], step=step,
-                                                    micro=m))
+            links.send_to_coordinator(protocol.pack("FEATURES", seq, [np.ascontiguousarray(h, np.float32)],
+                                                    step=step, micro=m))
     done = {"step": step}
     if train:
         grads = []
@@ -339,9 +334,8 @@ def run_graph_step(links, seq, fields, step, micros, train, rule, sizes):
             key = (step, "GRAD", -1, m, "coordinator")
             grads.append(decode(links._check(f"step {step}: gradient of micro-batch {m}", "the coordinator",
                                              links._await({key}, step)[key], h.shape), "float32"))
-        graph.backward(engine, grads)
-        if rule is not None:
-            done.update(links.finish_updates(step, rule, range(len(links.layer_plans)), compute))
+        links.graph.backward(engine, grads)
+        done.update(updates())
     return {**done, "layer_compute_s": compute, "compute_s": sum(compute), "peer_wait_s": links.wait_s,
             "peer_bytes_sent": links.bytes_sent}
 
