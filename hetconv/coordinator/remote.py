@@ -959,10 +959,12 @@ class RemoteEngine(ShardEngine):
 
     def _graph_peer_step(self, xs, head, update, train_step=(0, 0), head_sum_of_squares=None):
         """_peer_step for a graph (worker.graph_step): each worker 1/P of every micro-batch's
-        images, which they all-gather; the features, whole, from the plan's first worker; with a
-        head, the FC work here on micro-batch m while the workers compute m+1, and the whole
-        gradient back to every worker. Both ways float32: the joins next to them run in float32
-        on the workers as on this process in the star exchange."""
+        images (its rows where the step holds its tensors in layouts), which they all-gather where
+        they need them whole; the features, whole, from the plan's first worker, or each worker's
+        rows of them, joined in plan order; with a head, the FC work here on micro-batch m while
+        the workers compute m+1, and the gradient back: whole to every worker, or each its rows.
+        Both ways float32: the joins next to them run in float32 on the workers as on this process
+        in the star exchange."""
         self.step_id += 1
         step, names, micros = self.step_id, self.plan.workers, len(xs)
         train = head is not None
@@ -977,8 +979,13 @@ class RemoteEngine(ShardEngine):
                       [x[rows[name][m][0]:rows[name][m][1]] for name in names])
             for name, piece in zip(names, pieces):
                 self._send(self.peers[name], "INPUT", [piece], doing=doing, step=step, micro=m)
+        sizes = [len(x) for x in xs]
         if rows is not None and self._graph_feature_layout() == ROWS:
-            return self._graph_rows_replies(pending, rows, xs, head, update, doing, step, head_sum_of_squares)
+            senders, grads = rows, rows            # each worker its rows of the features, and of their gradient
+        else:                                      # the whole features from the first worker, their gradient to all
+            senders = {names[0]: [(0, n) for n in sizes]}
+            grads = {name: [(0, n) for n in sizes] for name in names}
+        parts = [dict() for _ in range(micros)]
         features, next_micro, norms = [None] * micros, 0, {}
         clip = train and update is not None and update.max_norm > 0
         for peer, msg in self._incoming(pending, doing):
@@ -986,22 +993,31 @@ class RemoteEngine(ShardEngine):
                 continue                                       # from an abandoned step
             if msg.op == "FEATURES":
                 m = msg.fields.get("micro")
+                known = isinstance(m, int) and not isinstance(m, bool) and 0 <= m < micros and peer.name in senders
                 got = tuple(msg.arrays[0].shape) if msg.arrays else ()
-                if peer.name != names[0] or m != next_micro or got != (len(xs[next_micro]),) + tuple(shape) \
-                        or msg.arrays[0].dtype != np.float32:
+                want = (senders[peer.name][m][1] - senders[peer.name][m][0],) + tuple(shape) if known else None
+                if not known or got != want or msg.arrays[0].dtype != np.float32 or peer.name in parts[m]:
                     raise WorkerError(peer.label(), doing, "ShapeError",
                                       f"FEATURES for micro-batch {m!r}: {msg.arrays[0].dtype if msg.arrays else 'no'} "
-                                      f"{got}; the plan expects float32 {(len(xs[next_micro]),) + tuple(shape)} for "
-                                      f"micro-batch {next_micro}, from {names[0]} alone", "")
-                h = msg.arrays[0]
-                if train:
-                    grad = np.ascontiguousarray(head(m, h), np.float32)
-                    norm = ({"head_sum_of_squares": float(head_sum_of_squares())} if clip and m == micros - 1 else {})
-                    for name in names:
-                        self._send(self.peers[name], "GRAD", [grad], doing=doing, step=step, micro=m, **norm)
-                else:
-                    features[m] = h
-                next_micro += 1
+                                      f"{got}; the plan expects float32 {want or 'its part'} once per micro-batch "
+                                      f"0..{micros - 1}, from {', '.join(senders)}", "")
+                parts[m][peer.name] = msg.arrays[0]
+                # in micro-batch order, so the FC gradients add up in the same order as anywhere else
+                while next_micro < micros and len(parts[next_micro]) == len(senders):
+                    h = (np.concatenate([parts[next_micro][n] for n in senders], axis=0) if len(senders) > 1
+                         else parts[next_micro][names[0]])
+                    parts[next_micro] = None
+                    if train:
+                        grad = np.ascontiguousarray(head(next_micro, h), np.float32)
+                        norm = ({"head_sum_of_squares": float(head_sum_of_squares())}
+                                if clip and next_micro == micros - 1 else {})
+                        for name in names:
+                            r0, r1 = grads[name][next_micro]
+                            self._send(self.peers[name], "GRAD", [np.ascontiguousarray(grad[r0:r1])], doing=doing,
+                                       step=step, micro=next_micro, **norm)
+                    else:
+                        features[next_micro] = h
+                    next_micro += 1
             elif msg.op == "STEP_DONE" and pending.get(msg.seq) == peer.name:
                 del pending[msg.seq]
                 self._record(peer.name, None, msg.fields, roundtrip_s=time.perf_counter() - sent_at)
@@ -1019,51 +1035,6 @@ class RemoteEngine(ShardEngine):
         """Whether the workers hold rows of the features (each sends its own) or the whole (the
         plan's first worker sends it), in a step with layouts."""
         return tensor_layouts(self.graph.steps, self.plan.modes(), self.graph.norms)[self.graph.feature]
-
-    def _graph_rows_replies(self, pending, rows, xs, head, update, doing, step, head_sum_of_squares):
-        """The rest of a graph step that keeps rows: every worker's rows of each micro-batch's
-        features, joined in plan order; with a head, the FC work here on micro-batch m while the
-        workers compute m+1, and each worker its rows of the gradient."""
-        names, micros = self.plan.workers, len(xs)
-        shape = self.graph.feature_shape
-        train = head is not None
-        sent_at = time.perf_counter()
-        parts = [dict() for _ in range(micros)]
-        features, next_micro, norms = [None] * micros, 0, {}
-        clip = train and update is not None and update.max_norm > 0
-        for peer, msg in self._incoming(pending, doing):
-            if msg.fields.get("step") != step:
-                continue                                       # from an abandoned step
-            if msg.op == "FEATURES":
-                m = msg.fields.get("micro")
-                known = isinstance(m, int) and not isinstance(m, bool) and 0 <= m < micros and peer.name in rows
-                got = tuple(msg.arrays[0].shape) if msg.arrays else ()
-                want = (rows[peer.name][m][1] - rows[peer.name][m][0],) + tuple(shape) if known else None
-                if not known or got != want or msg.arrays[0].dtype != np.float32 or peer.name in parts[m]:
-                    raise WorkerError(peer.label(), doing, "ShapeError",
-                                      f"FEATURES for micro-batch {m!r}: {msg.arrays[0].dtype if msg.arrays else 'no'} "
-                                      f"{got}; the plan expects float32 {want or 'its rows'} once per micro-batch "
-                                      f"0..{micros - 1}", "")
-                parts[m][peer.name] = msg.arrays[0]
-                while next_micro < micros and len(parts[next_micro]) == len(names):
-                    h = np.concatenate([parts[next_micro][n] for n in names], axis=0)
-                    parts[next_micro] = None
-                    if train:
-                        grad = np.ascontiguousarray(head(next_micro, h), np.float32)
-                        norm = ({"head_sum_of_squares": float(head_sum_of_squares())}
-                                if clip and next_micro == micros - 1 else {})
-                        for name in names:
-                            r0, r1 = rows[name][next_micro]
-                            self._send(self.peers[name], "GRAD", [np.ascontiguousarray(grad[r0:r1])], doing=doing,
-                                       step=step, micro=next_micro, **norm)
-                    else:
-                        features[next_micro] = h
-                    next_micro += 1
-            elif msg.op == "STEP_DONE" and pending.get(msg.seq) == peer.name:
-                del pending[msg.seq]
-                self._record(peer.name, None, msg.fields, roundtrip_s=time.perf_counter() - sent_at)
-                norms[peer.name] = msg.fields.get("sum_of_squares")
-        return self._step_result(features, next_micro, norms, doing, update if clip else None)
 
     def close(self):
         """Shut every worker down; on every exit path, spawned processes end."""

@@ -926,13 +926,6 @@ class _Step:
     output: int
 
 
-def predict_graph_rows_step(specs, image_shape, batch, images, profiles, link, coordinator_s, graph, micro_batches=1):
-    """predict_graph_layout_step with every block data-parallel."""
-    names = list(images)
-    return predict_graph_layout_step(specs, image_shape, batch, {w: [0] * len(specs) for w in names}, images,
-                                     profiles, link, coordinator_s, graph, ["data"] * len(specs), micro_batches)
-
-
 def predict_graph_step(specs, image_shape, batch, counts, profiles, link, coordinator_s, graph, micro_batches=1,
                        value_bytes=FLOAT_BYTES, modes=None, images=None):
     """Predicted seconds of one peer step of a graph (graph_mode_costs: the blocks one after

@@ -84,6 +84,7 @@ class GraphPass:
             for j in st.inputs:
                 last_read[j] = n
         self.last_read = last_read
+        self._inputs_most = max([len(st.inputs) for st in self.steps] + [1])    # conversion_key's stride
         self._saved = {}
 
     # ---- the BatchNorm nodes' state ----------------------------------------------------------------
@@ -142,10 +143,6 @@ class GraphPass:
 
     def conversion_keys(self):
         return (len(self.spec.layers) + 1) * self._inputs_most
-
-    @property
-    def _inputs_most(self):
-        return max([len(st.inputs) for st in self.steps] + [1])
 
     # ---- forward ---------------------------------------------------------------------------------
     def forward(self, engine, xs, train, step=None):
