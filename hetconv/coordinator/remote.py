@@ -999,8 +999,9 @@ class RemoteEngine(ShardEngine):
                 if not known or got != want or msg.arrays[0].dtype != np.float32 or peer.name in parts[m]:
                     raise WorkerError(peer.label(), doing, "ShapeError",
                                       f"FEATURES for micro-batch {m!r}: {msg.arrays[0].dtype if msg.arrays else 'no'} "
-                                      f"{got}; the plan expects float32 {want or 'its part'} once per micro-batch "
-                                      f"0..{micros - 1}, from {', '.join(senders)}", "")
+                                      f"{got}; the plan expects float32 {want or 'its part'} for micro-batch "
+                                      f"{m if known else f'0..{micros - 1}'}, from {', '.join(senders)}"
+                                      + (" (once)" if known and peer.name in parts[m] else ""), "")
                 parts[m][peer.name] = msg.arrays[0]
                 # in micro-batch order, so the FC gradients add up in the same order as anywhere else
                 while next_micro < micros and len(parts[next_micro]) == len(senders):
