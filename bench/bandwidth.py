@@ -546,7 +546,8 @@ def repredict(path, wire_cpu_ns=None):
     except (OSError, ValueError) as e:
         print(f"--repredict {path}: cannot read it as JSON: {e}", file=sys.stderr)
         return 2
-    rows = [r for r in saved.get("rows", []) if r.get("ok") and r.get("profiles") and "prediction" in r] \
+    rows = [r for r in saved.get("rows", []) if r.get("ok") and (r.get("profiles") or r.get("calibration"))
+            and "prediction" in r] \
         if isinstance(saved, dict) else []
     if not rows:
         print(f"--repredict {path}: no rows with saved profiles and predictions (not a bandwidth.json of this "
@@ -562,7 +563,13 @@ def repredict(path, wire_cpu_ns=None):
     specs = conv_specs([int(k) for k in saved.get("conv", "500,1500").split(",")])   # recorded since it was a flag
     for r in rows:
         coordinator_s = r["prediction"]["coordinator_s"]
-        if r.get("kind") == "local":
+        if "plan" in r and "calibration" in r:       # a hetconv-coordinator --parallel row (any --net)
+            args = argparse.Namespace(net=saved.get("net"), conv=saved.get("conv"), fc=saved.get("fc"))
+            new = predict_parallel(args, r["batch_size"], r["plan"], r["calibration"],
+                                   r["rate"] if r["rate"] != "unshaped" else "10gbit", wire_cpu_ns * 1e-9,
+                                   r["micro_batches"], {(r["batch_size"], len(r["plan"]["workers"])): coordinator_s}
+                                   )["step_s"]
+        elif r.get("kind") == "local":
             profile = cm.DeviceProfile.from_json(r["profiles"]["local"])
             new = cm.predict_local(specs, r["batch_size"], profile, coordinator_s)
         else:

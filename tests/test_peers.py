@@ -104,3 +104,43 @@ def test_peers_bounds_of_the_wrong_kind_are_refused(field, value):
     links = PeerLinks(None, "w1", None, queue.Queue(), None)
     with pytest.raises(ValueError, match=f"PEERS {field}"):
         links.connect({**plan_fields(), field: value})
+
+
+def test_a_batchnorm_barrier_is_counted_as_waiting_not_as_the_blocks_compute():
+    """A data block's BatchNorm sums wait for the slowest worker. That wait is not this worker's
+    compute: counted as compute, a fast worker would look as slow as the peer it waits for, and a
+    re-split from measured steps could not see which is slower."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from hetconv.worker.graph_step import LayoutBlocks
+    links = PeerLinks(None, "w1", None, queue.Queue(), None)
+    fields = plan_fields(workers=("w0", "w1"), layers=1)
+    links.connect({**fields, "ranges": [{"w0": [0, 2], "w1": [0, 2]}], "modes": ["data"],
+                   "images": [{"w0": 2, "w1": 2}]})
+    links._send_peer = lambda *args, **kwargs: None          # no sockets: the peer's sums come from a thread
+    delay = 0.3
+
+    class OneBatchNorm:
+        device = SimpleNamespace(synchronize=lambda: None)
+        layers = {0: SimpleNamespace(spec=SimpleNamespace(tail=["batchnorm"]))}
+
+        def forward_layer(self, layer, inputs, train, reduce, emit, dropout, batch):
+            for m, x, _ in inputs:
+                sums, counts = reduce(("bn_forward", 0), np.ones((2, 3)), np.array([2]))
+                emit(m, x + sums[0, 0])
+
+    links.shard = OneBatchNorm()
+    links.start_step(5, 1)
+    peer = P.unpack(P.pack("SLICE", 0, [np.array([1.0] * 6 + [2.0])], step=5, phase="bn_forward", layer=0, micro=0,
+                           sender="w0"))
+    threading.Timer(delay, links.requests.put, (peer,)).start()
+    compute = [0.0]
+    blocks = LayoutBlocks(links, 5, [4], {"w0": [(0, 2)], "w1": [(2, 4)]}, {}, "float32", None, compute, None)
+    t0 = time.perf_counter()
+    out = blocks.forward_layer(0, [np.zeros((2, 3, 1, 1), np.float32)], True)
+    took = time.perf_counter() - t0
+    np.testing.assert_array_equal(out[0], 2.0)                 # both workers' sums: 1 + 1
+    assert took >= delay and compute[0] < delay / 3, (took, compute)
+    assert links.wait_s >= delay

@@ -804,7 +804,8 @@ def predict_graph_layout_step(specs, image_shape, batch, counts, images, profile
     whole from the first worker); a data block computes its rows and moves nothing but its
     BatchNorm sums (a barrier each way) and its weight gradients, which leave as its backward
     ends and travel under the backward of the blocks below; a model block reads a whole input
-    and all-gathers its output, and its partial dX goes whole to every other worker; rows become
+    and all-gathers its output, and its partial dX goes whole to every other worker (or, where
+    its input is held in rows, each worker's rows to that worker: a reduce-scatter); rows become
     whole by an all-gather (float32) where a model block or a BatchNorm between blocks reads
     them, in forward, and a whole tensor's readers in rows all-gather their gradients in
     backward. Blocks run one after another, each exchange between them waited for; the joins
@@ -881,7 +882,7 @@ def predict_graph_layout_step(specs, image_shape, batch, counts, images, profile
             r = {w: rows[w] if modes[li] == "data" else sizes for w in names}
             bwd = {w: sum(profiles[w].layers[li].backward_in_step_s(k[w], b, m, len(sizes))
                           - profiles[w].layers[li].update_s(k[w]) for m, b in enumerate(r[w])) for w in names}
-            t += max(bwd.values())
+            started, t = t, t + max(bwd.values())
             for w in names:
                 compute[w] += bwd[w]
             if modes[li] == "data":
@@ -894,9 +895,17 @@ def predict_graph_layout_step(specs, image_shape, batch, counts, images, profile
                         sent[w] += dw
                         messages[w] += p - 1
                     link_free = max(link_free, t) + dw / link.bytes_per_s + link.latency_s
+                    # moving them (out and in: dw each way) takes the cores the blocks below run on
+                    t += dw * link.host_cpu_s_per_byte
             elif graph.needs_dx[li]:
                 whole_in = n * c * h * wd * value_bytes
-                t += exchange("partial input gradients", {w: whole_in * (p - 1) for w in names})
+                if layouts[st.inputs[0]] == WHOLE:      # an all-reduce: every worker's partial to every other
+                    out = {w: whole_in * (p - 1) for w in names}
+                else:                                   # a reduce-scatter into the rows that hold the input
+                    out = {w: whole_in * (1 - frac[w]) for w in names}
+                # it leaves as the device hands dX over (before dW, on the FFT and oneDNN direct paths)
+                dx_ready = started + max(bwd[w] * profiles[w].layers[li].backward_dx_share for w in names)
+                t = max(t, dx_ready + exchange("partial input gradients", out))
         if st.kind == "block" and not graph.needs_dx[st.block]:
             continue
         for j in st.inputs:

@@ -33,6 +33,7 @@ from hetconv.channelwise import (Activation, GlobalPool, Pool, batch_statistics,
                                  eval_statistics, update_running_statistics)
 from hetconv.engine.chain import ghost_groups, group_sums, statistics_segments
 from hetconv.engine.costmodel import GraphShape
+from hetconv.engine.layouts import ROWS, WHOLE
 from hetconv.net.spec import Add, Concat
 from hetconv.update import apply_update, slot_name
 
@@ -271,7 +272,13 @@ class GraphPass:
             have = engine.step_layout(st) if layouts is not None else None
             if st.kind == "block":
                 source = st.inputs[0]
-                dx = engine.backward_layer(st.block, dy, need_dx=self.requires[source])
+                if layouts is not None and have == WHOLE and layouts[source] == ROWS:
+                    # a model block whose input is held in rows: its partial dX is summed straight
+                    # into each worker's rows (a reduce-scatter), not made whole and then cut
+                    dx = engine.backward_layer_into_rows(st.block, dy, need_dx=self.requires[source])
+                    have = ROWS
+                else:
+                    dx = engine.backward_layer(st.block, dy, need_dx=self.requires[source])
                 if self.requires[source]:
                     give(source, dx, have, st.output)
                 continue

@@ -19,7 +19,8 @@ What it costs against a chain's step: a tensor that only per-channel work reads 
 the same (in ResNets and Inception every join's output feeds a conv, which needs it whole anyway),
 and a partial dX moves whole to every peer: P - 1 times its size out of each worker, where a
 chain's reduce-scatter moves (P - 1) / P, P times less (resnet18 at batch 32 on two workers: 170
-MB of partial dX a step where a reduce-scatter would move 85). The coordinator
+MB of partial dX a step where a reduce-scatter would move 85). `LayoutBlocks` below holds a
+tensor in rows where data blocks make it, and there reduce-scatters the partial dX. The coordinator
 sends the images (each worker 1/P of them, all-gathered) and gets the features from the plan's
 first worker; both ways the arrays are float32, so the joins around them compute on what
 --local's coordinator computes on.
@@ -58,9 +59,9 @@ class PeerBlocks:
         self.me, self.order = links.name, links.order
         self.bn_ghost_batch = links.norm_ghost_batch       # what the graph's BatchNorm nodes group by, as the blocks'
 
-    def _reduce(self, layer):
+    def _reduce(self, layer, waited):
         lp = self.links.layer_plans[layer]
-        return self.links._bn_reduce(self.step, layer) if lp.mode == "data" and len(self.order) > 1 else None
+        return self.links._bn_reduce(self.step, layer, waited) if lp.mode == "data" and len(self.order) > 1 else None
 
     def _all_gather(self, phase, layer, parts, shapes, channels):
         """Per micro-batch m, the whole (n, channels, H, W) array of which each worker holds the
@@ -122,11 +123,15 @@ class PeerBlocks:
             waited[0] += time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        shard.forward_layer(layer, inputs(), train, self._reduce(layer), emit, self.dropout, batch=sum(self.sizes))
+        shard.forward_layer(layer, inputs(), train, self._reduce(layer, waited), emit, self.dropout, batch=sum(self.sizes))
         self.compute[layer] += time.perf_counter() - t0 - waited[0]
         return self._all_gather("forward", layer, mine, [shapes[m] for m in range(len(xs))], lp.kernels)
 
-    def backward_layer(self, layer, grads, need_dx):
+    def backward_layer(self, layer, grads, need_dx, rows=None):
+        """The block's dX, whole; with `rows` ({worker: [(r0, r1) per micro-batch]}, a model
+        block), each worker's rows of it: every worker sends each other only that worker's rows of
+        its partial dX, and sums the partials of its own rows (a reduce-scatter, 1/P of the
+        all-reduce's bytes, the same sums)."""
         lp = self.links.layer_plans[layer]
         shard = self.links.shard
         dx_own, waited = {}, [0.0]
@@ -141,11 +146,12 @@ class PeerBlocks:
                 return
             t0 = time.perf_counter()
             shard.device.synchronize()
-            dx_own[m] = self._send_all("backward", layer, m, dx)
+            dx_own[m] = self._send_all("backward", layer, m, dx) if rows is None else \
+                self._send_rows("backward", layer, m, dx, rows)
             waited[0] += time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        shard.backward_layer(layer, pieces(), need_dx, self._reduce(layer), emit)
+        shard.backward_layer(layer, pieces(), need_dx, self._reduce(layer, waited), emit)
         shard.device.synchronize()
         self.compute[layer] += time.perf_counter() - t0 - waited[0]
         if not need_dx:
@@ -154,12 +160,26 @@ class PeerBlocks:
         shapes = [tuple(dx_own[m].shape[2:]) for m in range(len(grads))]
         if lp.mode == "data":
             return self._all_gather("backward", layer, dx_own, shapes, channels)
-        return [self._sum_partials(layer, m, n, dx_own[m], channels, shapes[m]) for m, n in enumerate(self.sizes)]
+        mine = [(0, n) for n in self.sizes] if rows is None else rows[self.me]
+        return [self._sum_partials(layer, m, r1 - r0, dx_own[m], channels, shapes[m])
+                for m, (r0, r1) in enumerate(mine)]
+
+    def _send_rows(self, phase, layer, m, array, rows):
+        """Each other worker's rows (`rows`) of micro-batch m's `array`, as the wire carries it;
+        returns this worker's rows of it, rounded, as they would arrive."""
+        sent = encode(np.ascontiguousarray(array, np.float32), self.wire)
+        for peer in self.order:
+            r0, r1 = rows[peer][m]
+            if peer != self.me and r1 > r0:
+                self.links._send_peer(peer, self.step, phase, layer, m, np.ascontiguousarray(sent[r0:r1]))
+        r0, r1 = rows[self.me][m]
+        return decode(np.ascontiguousarray(sent[r0:r1]), self.wire)
 
     def _sum_partials(self, layer, m, n, own, channels, hw):
-        """A model block's dX of micro-batch m: every worker's partial, summed in plan order."""
+        """A model block's dX of micro-batch m (or this worker's `n` rows of it): every worker's
+        partial, summed in plan order."""
         links, step = self.links, self.step
-        others = [w for w in self.order if w != self.me]
+        others = [w for w in self.order if w != self.me] if n else []
         got = links._await({(step, "backward", layer, m, w) for w in others}, step)
         return sum_in_order([own if w == self.me else decode(links._check(
             f"step {step}: conv{layer + 1} partial dX of micro-batch {m}", w, got[(step, "backward", layer, m, w)],
@@ -193,8 +213,8 @@ class LayoutBlocks:
     def step_layout(self, st):
         return step_layout(st, self.modes, self.links.graph.norms, self.layouts)
 
-    def _reduce(self, layer):
-        return self.links._bn_reduce(self.step, layer) if len(self.links.order) > 1 else None
+    def _reduce(self, layer, waited):
+        return self.links._bn_reduce(self.step, layer, waited) if len(self.links.order) > 1 else None
 
     def forward_layer(self, layer, xs, train, step=None):
         if self.modes[layer] != "data":
@@ -212,7 +232,7 @@ class LayoutBlocks:
             waited[0] += time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        shard.forward_layer(layer, inputs(), train, self._reduce(layer), emit, self.dropout, batch=self.batch)
+        shard.forward_layer(layer, inputs(), train, self._reduce(layer, waited), emit, self.dropout, batch=self.batch)
         self.compute[layer] += time.perf_counter() - t0 - waited[0]
         return [mine[m] for m in range(len(xs))]
 
@@ -232,11 +252,18 @@ class LayoutBlocks:
 
         t0 = time.perf_counter()
         shard.backward_layer(layer, ((m, _rounded(g, self.wire)) for m, g in enumerate(grads)), need_dx,
-                             self._reduce(layer), emit)
+                             self._reduce(layer, waited), emit)
         shard.device.synchronize()
         self.compute[layer] += time.perf_counter() - t0 - waited[0]
         self._after_backward(layer)
         return [dx_own[m] for m in range(len(grads))] if need_dx else [None] * len(grads)
+
+    def backward_layer_into_rows(self, layer, grads, need_dx):
+        """A model block's backward whose input is held in rows: its dX in this worker's rows
+        (PeerBlocks.backward_layer's reduce-scatter)."""
+        dx = self.whole.backward_layer(layer, grads, need_dx, rows=self.rows)
+        self._after_backward(layer)
+        return dx
 
     def _after_backward(self, layer):
         if self.rule is not None:

@@ -70,6 +70,14 @@ STEP_OPS = ("SLICE", "INPUT", "GRAD")        # what a step reads from its queue;
 MAX_EARLY_MICRO = 256
 DEFAULT_EARLY_BYTES = 256 << 20
 
+# The weight gradients' connection's kernel send buffer (SO_SNDBUF; the kernel doubles it for its
+# own overhead). Left to autotuning it grows to megabytes, all of it in flight in the link's queue
+# (a NIC's or a switch port's, one FIFO for both connections), and every BatchNorm barrier of the
+# blocks below waits behind it: ~30 ms each at 1 Gbit/s, twenty barriers a ResNet-18 backward.
+# 256 KiB keeps that wait near 2 ms at 1 Gbit/s and still covers a datacenter link's
+# bandwidth-delay product (10 Gbit/s x 100 us = 125 KB).
+BULK_SEND_BUFFER = 256 << 10
+
 
 def _is_int(value):
     return isinstance(value, int) and not isinstance(value, bool)
@@ -89,7 +97,9 @@ class PeerLinks:
         self.outboxes = {}                       # peer name -> PUSH socket
         # peer name -> a second PUSH socket, its own TCP connection, for weight gradients: sent
         # under the blocks below's backward, megabytes of them would otherwise sit ahead of those
-        # blocks' small BatchNorm sums on one connection and stall each barrier for the transfer
+        # blocks' small BatchNorm sums on one connection and stall each barrier for the transfer.
+        # Its kernel send buffer is kept small (BULK_SEND_BUFFER): what a TCP connection has in
+        # flight sits in the link's one queue, ahead of the small connection's barrier messages
         self.bulk_outboxes = {}
         self.order, self.ranges = [name], []
         self.layer_plans = []                    # per layer: its mode, kernel ranges and (data) images
@@ -152,6 +162,8 @@ class PeerLinks:
                 push = self.ctx.socket(zmq.PUSH)
                 push.linger = 0
                 push.sndtimeo = max(1, int(self.timeout * 1000))   # a gone peer fails the step, never blocks it
+                if outboxes is self.bulk_outboxes:
+                    push.sndbuf = BULK_SEND_BUFFER
                 if self.keydir:
                     connect_peer(push, self.keydir, str(peer["public_key"]))
                 push.connect(endpoint)
@@ -576,12 +588,16 @@ class PeerLinks:
             total += part
         return total
 
-    def _bn_reduce(self, step, layer):
+    def _bn_reduce(self, step, layer, waited):
         """A data-parallel layer's BatchNorm sums per statistics group, and the groups' counts: each
-        worker's (over its images) added among all."""
+        worker's (over its images) added among all. The seconds it takes are added to `waited[0]`
+        (a barrier: waiting for the slowest worker is not this worker's compute, and counted as
+        compute it would hide from the re-split which worker is slower)."""
         def reduce(key, sums, counts):
             phase, index = key
+            t0 = time.perf_counter()
             flat = self._all_reduce(step, phase, layer, index, np.append(sums.ravel(), counts.astype(np.float64)))
+            waited[0] += time.perf_counter() - t0
             return flat[:sums.size].reshape(sums.shape), np.rint(flat[sums.size:]).astype(np.int64)
         return reduce
 
@@ -634,7 +650,7 @@ class PeerLinks:
                 waited[0] += time.perf_counter() - t0
 
             t0 = time.perf_counter()
-            reduce = self._bn_reduce(step, layer) if lp.mode == "data" and len(self.order) > 1 else None
+            reduce = self._bn_reduce(step, layer, waited) if lp.mode == "data" and len(self.order) > 1 else None
             self.shard.forward_layer(layer, layer_inputs(), train, reduce, emit, dropout, batch=sum(n))
             compute[layer] += time.perf_counter() - t0 - waited[0]
 
@@ -672,7 +688,7 @@ class PeerLinks:
                 waited[0] += time.perf_counter() - t0
 
             t0 = time.perf_counter()
-            reduce = self._bn_reduce(step, layer) if lp.mode == "data" and len(self.order) > 1 else None
+            reduce = self._bn_reduce(step, layer, waited) if lp.mode == "data" and len(self.order) > 1 else None
             self.shard.backward_layer(layer, layer_grads(), layer > 0, reduce, emit)
             self.shard.device.synchronize()
             compute[layer] += time.perf_counter() - t0 - waited[0]
