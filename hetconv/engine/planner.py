@@ -616,6 +616,12 @@ PARALLEL = ("auto", "model", "data")
 
 
 MODE_LETTERS = {"M": "model", "D": "data"}
+# A graph's plans priced within this fraction of the cheapest count as alike, and of those the
+# one moving the fewest bytes is taken. The cost model is within a few percent on compute but
+# under-prices traffic where hosts have no core to spare for their network (resnet18, two
+# one-thread workers on two cores at 1 Gbit/s: all-data priced 3% under a plan with model-parallel
+# layer4 that moves half the bytes, measured 38% slower).
+TRAFFIC_TIE = 0.05
 
 
 def check_parallel(value):
@@ -734,7 +740,9 @@ def choose_modes(specs, image_shape, batch, profiles, link, parallel="auto", mic
     one worker the two modes are the same: every layer is "model". A layer with fewer kernels
     than workers can only be data; a batch with fewer images than workers only model.
     `graph`: a costmodel.GraphShape where the network is a graph, whose blocks are priced as its
-    step runs them (graph_mode_costs). Returns a ModeChoice."""
+    step runs them (graph_mode_costs; with data blocks, predict_graph_layout_step), and of its
+    plans priced within TRAFFIC_TIE of the cheapest the one that moves the fewest bytes is taken.
+    Returns a ModeChoice."""
     check_parallel(parallel)
     check_profiles(profiles)
     names = list(profiles)
@@ -758,13 +766,17 @@ def choose_modes(specs, image_shape, batch, profiles, link, parallel="auto", mic
         return ModeChoice(["model"] * layers, costs, model_s, model_s, "one worker: the two modes are the same")
     # a graph's plan with data blocks splits the images once and holds its tensors in layouts
     # (engine/layouts.py): such plans are priced as that step runs them
+    moved = {}                                  # modes -> bytes a layout step of them sends among the workers
+
     def layout_s(modes):
         if graph is None or not graph.steps or "data" not in modes or batch < len(names):
             return None
         if any(m == "model" and costs.node[li]["model"] == inf for li, m in enumerate(modes)):
             return inf
-        return predict_graph_layout_step(specs, image_shape, batch, counts, split, profiles, link, 0.0, graph,
-                                         list(modes), micro_batches, value_bytes).step_s
+        pred = predict_graph_layout_step(specs, image_shape, batch, counts, split, profiles, link, 0.0, graph,
+                                         list(modes), micro_batches, value_bytes)
+        moved[tuple(modes)] = sum(v["sent"] for v in pred.workers.values())
+        return pred.step_s
 
     split = (one_image_split(specs, batch, profiles, micro_batches)
              if graph is not None and graph.steps and batch >= len(names) else None)
@@ -783,12 +795,21 @@ def choose_modes(specs, image_shape, batch, profiles, link, parallel="auto", mic
         candidates = {tuple(modes)} | {("data",) * k + ("model",) * (layers - k) for k in range(1, layers + 1)}
         priced = {c: layout_s(c) for c in candidates if "data" in c}
         best = min(priced, key=lambda c: (priced[c], c.count("model"))) if priced else None
+        if best is not None and priced[best] < inf:
+            # of plans priced about alike, the one that moves the fewest bytes: what the model
+            # knows least is traffic (the link's queue, the CPU moving it takes from compute)
+            cheapest = best
+            near = [c for c in priced if priced[c] <= (1 + TRAFFIC_TIE) * priced[cheapest]]
+            best = min(near, key=lambda c: (moved[c], priced[c], c.count("model")))
         if best is not None and priced[best] < (1 - min_gain) * model_s:
             how = ("every block data-parallel" if "model" not in best else
                    f"{best.count('data')} blocks data-parallel, {best.count('model')} model-parallel")
+            fewer = ("" if best == cheapest else
+                     f"; it moves {moved[best] / 1e6:.3g} MB a step among the workers where the cheapest-priced plan "
+                     f"({priced[cheapest]:.3g} s, within {100 * TRAFFIC_TIE:g}%) moves {moved[cheapest] / 1e6:.3g}")
             return ModeChoice(list(best), costs, priced[best], model_s,
                               f"{how}, the tensors in each worker's rows or whole between them: {priced[best]:.3g} s "
-                              f"against {model_s:.3g} s with every layer in model mode")
+                              f"against {model_s:.3g} s with every layer in model mode{fewer}")
         return ModeChoice(["model"] * layers, costs, model_s, model_s,
                           f"no plan with data blocks gains {100 * min_gain:g}% over all-model ({model_s:.3g} s)")
     if "data" in modes and model_s < inf and seconds > (1 - min_gain) * model_s:
