@@ -2,6 +2,7 @@
 and flags, the same workers (and the same left out, with the same reason), modes, kernel and
 image shares, micro-batches and predicted step. Both sides from fake calibration records: no
 processes, nothing timed."""
+import dataclasses
 import json
 
 import pytest
@@ -124,3 +125,17 @@ def test_parallel_auto_puts_some_layers_in_data_mode_in_both(monkeypatch, capsys
     assert engine.micro_choice is not None
     row, names = hetconv_plan_row(monkeypatch, capsys, tmp_path, calibration, flags)
     assert_same_plan(row, names, plan, engine, cfg)
+
+
+def test_moving_bytes_costs_compute_where_a_hosts_workers_use_every_core():
+    """Workers that take every core of their host leave none for the network stack: the cost model
+    then charges each byte moved to their compute; with a core free, or a cost given, the link is
+    priced as it is."""
+    from hetconv.engine.costmodel import parse_bandwidth
+    from hetconv.engine.policy import SHARED_CORES_WIRE_CPU_S_PER_BYTE, link_for_cores
+    link = parse_bandwidth("1gbit")
+    assert link_for_cores(link, [1, 1], 2).host_cpu_s_per_byte == SHARED_CORES_WIRE_CPU_S_PER_BYTE
+    assert link_for_cores(link, [0], 8).host_cpu_s_per_byte == SHARED_CORES_WIRE_CPU_S_PER_BYTE   # 0: every core
+    assert link_for_cores(link, [1, 1], 4) == link and link_for_cores(link, [], 2) == link
+    given = dataclasses.replace(link, host_cpu_s_per_byte=3e-9)
+    assert link_for_cores(given, [1, 1], 2) == given

@@ -23,7 +23,8 @@ from hetconv.engine.graph import graph_pass
 from hetconv.engine.measure import calibrate_rounds, load_profiles, measure_coordinator_s, measure_loopback
 from hetconv.engine.microbatch import micro_batch_count
 from hetconv.engine.planner import PlanError, check_profiles, choose_modes
-from hetconv.engine.policy import PlanFlags, check_exchange, choose_plan, price_cores_together
+from hetconv.engine.policy import (SHARED_CORES_WIRE_CPU_S_PER_BYTE, PlanFlags, check_exchange, choose_plan,
+                                   link_for_cores, price_cores_together)
 from hetconv.flags import HelpFormatter, add_version, check_output_file, show_progress, still_working, usable_cores
 from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES, ConvSpec, layer_input_shapes
 from hetconv.training.config import Config, add_config_flags
@@ -60,10 +61,12 @@ def build_parser():
                    help="each host's link, as hetconv-coordinator --link: 100mbit, 1gbit, 10gbit, ... (Ethernet line "
                         "rate: TCP payload is 1448 of every 1538 bytes on it), 500MB (payload bytes/s), or 'loopback' "
                         "(measured here); --bandwidth is another name for it")
-    p.add_argument("--wire-cpu-ns", type=float, default=0.0, metavar="NS",
+    p.add_argument("--wire-cpu-ns", type=float, default=None, metavar="NS",
                    help="nanoseconds of a host's compute cores that moving one byte costs (sender and receiver "
                         "together): 0 where hosts have a core to spare for their network; where they have none "
-                        "(every core computes), bench/_wire_cpu.py measures it")
+                        "(every core computes), bench/_wire_cpu.py measures it. Default: as hetconv-coordinator "
+                        "prices it, 0 unless the CPU devices calibrated here use every core of this host, then "
+                        f"{SHARED_CORES_WIRE_CPU_S_PER_BYTE * 1e9:g}")
     p.add_argument("--save-profiles", default="", help="write the calibrated device profiles to this JSON file")
     p.add_argument("--json", action="store_true", help="print the prediction as JSON")
     add_config_flags(p, NETWORK_FLAGS, title="network and batch (as hetconv-coordinator)")
@@ -98,7 +101,7 @@ def main(argv=None):
                 check_profiles({p.name: p for p in found})
             except PlanError as e:
                 raise ValueError(f"{path}: {e}") from None
-        if not 0 <= args.wire_cpu_ns < 1e6:
+        if args.wire_cpu_ns is not None and not 0 <= args.wire_cpu_ns < 1e6:
             raise ValueError(f"--wire-cpu-ns {args.wire_cpu_ns}: expected nanoseconds per byte, 0 or more "
                              f"(about 1 on a current x86 core over TCP)")
         check_exchange(PlanFlags.of(cfg), len(specs))
@@ -113,7 +116,11 @@ def main(argv=None):
             open_device(device)
         if args.link == "loopback":
             link = Link(measure_loopback(), name="loopback (measured)")
-        link = replace(link, host_cpu_s_per_byte=args.wire_cpu_ns * 1e-9)
+        if args.wire_cpu_ns is None:
+            link = link_for_cores(link, [e.threads for e in entries if not e.profile and e.device == "cpu"
+                                         for _ in range(e.count)], usable_cores())
+        else:
+            link = replace(link, host_cpu_s_per_byte=args.wire_cpu_ns * 1e-9)
     except (ValueError, DeviceError) as e:
         print(f"hetconv-plan: {e}", file=sys.stderr)
         return 2
@@ -265,7 +272,7 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
                          indent=1))
         return 0
     print(f"link: {link.name} = {link.bytes_per_s / 1e6:,.0f} MB/s of payload"
-          f"{f', {args.wire_cpu_ns:g} ns of CPU a byte' if args.wire_cpu_ns else ''}; batch {cfg.batch_size}; {('network ' + cfg.net) if cfg.net else 'conv ' + cfg.conv}; "
+          f"{f', {link.host_cpu_s_per_byte * 1e9:g} ns of CPU a byte' if link.host_cpu_s_per_byte else ''}; batch {cfg.batch_size}; {('network ' + cfg.net) if cfg.net else 'conv ' + cfg.conv}; "
           f"split {cfg.split}; --exchange {cfg.exchange}, wire {wire} ({wire_reason}); --parallel {cfg.parallel}")
     for b in baselines:
         print(f"single-device baseline {b['device']}: {b['step_s']:.3f} s/step ({b['how']})"

@@ -36,7 +36,8 @@ from hetconv.engine.measure import calibrate_local, measure_loopback
 from hetconv.engine.layouts import ROWS, tensor_layouts
 from hetconv.engine.microbatch import micro_batch_count, priced_text
 from hetconv.engine.planner import PlanError, forced_modes, image_ranges, layout_rows
-from hetconv.engine.policy import PlanFlags, check_exchange, choose_plan, cpu_groups, price_cores_together
+from hetconv.engine.policy import (PlanFlags, check_exchange, choose_plan, cpu_groups, link_for_cores,
+                                   price_cores_together)
 from hetconv.flags import usable_cores
 from hetconv.geometry import largest_array_bytes
 from hetconv.transport import keys
@@ -118,6 +119,16 @@ def _checked_calibration(label, fields, layers):
     except ValueError as e:
         raise WorkerError(label, "calibration", "CalibrationError", f"a malformed calibration: {e}") from None
     return list(speeds), list(timings)
+
+
+def priced_link(cfg, peers, names):
+    """--link as the cost model prices it for workers `names` (of `peers`, {name: _Peer}): where
+    this host's CPU workers among them use every core, moving a byte costs them compute
+    (policy.link_for_cores)."""
+    here = host_key()
+    found = [peers.get(n) for n in names]
+    local = [p.threads for p in found if p is not None and p.host_key == here and str(p.device).startswith("cpu")]
+    return link_for_cores(parse_bandwidth(cfg.link), local, usable_cores())
 
 
 class _Peer:
@@ -723,7 +734,7 @@ class RemoteEngine(ShardEngine):
         profiles = profiles_from_calibration({w: self.calibration[w] for w in plan.workers})
         image_shape = tuple(input_shapes[0][1:])
         micro, step_s = self.plan_choice.micro_batches, self.plan_choice.step_s      # the policy's, for `plan`
-        link = parse_bandwidth(cfg.link)
+        link = priced_link(cfg, getattr(self, "peers", {}), plan.workers)
         if self.calibration_s > CORES_TOGETHER_MAX_STEPS * step_s:
             return dataclasses.replace(plan, cores_together={
                 **record, "not_priced": f"its calibration, about the workers' {self.calibration_s:.1f} s, would cost more "
@@ -766,7 +777,8 @@ class RemoteEngine(ShardEngine):
             return value_bytes(wire_for(asked, cfg.precision, {name: computed[name] for name in names})[0])
 
         profiles = profiles_from_calibration({name: self.calibration[name] for name in speeds})
-        choice = choose_plan(specs, tuple(input_shapes[0][1:]), cfg.batch_size, profiles, parse_bandwidth(cfg.link),
+        link = priced_link(cfg, getattr(self, "peers", {}), speeds)
+        choice = choose_plan(specs, tuple(input_shapes[0][1:]), cfg.batch_size, profiles, link,
                              PlanFlags.of(cfg, self.exchange), wire_bytes, self._graph_shape(), speeds)
         for note in choice.notes:
             self.log(note)

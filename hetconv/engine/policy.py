@@ -156,6 +156,22 @@ def choose_plan(specs, image_shape, batch, profiles, link, flags=PlanFlags(), va
 
 CORES_TOGETHER_MIN_GAIN = 0.02      # the cost model's error is a few percent: a closer price is no news
 
+# What moving a byte costs the compute cores of hosts with none to spare for their network (the
+# kernel's TCP stack, ZeroMQ's I/O thread, the receive thread's copies; sender and receiver
+# together): bench/_wire_cpu.py measures 0.8-1.1 ns unshaped and 1.4 ns on a 1 Gbit/s tbf link,
+# AMD EPYC Zen 4, two workers on two cores. Where a host's CPU workers leave a core free the
+# network runs there and costs the compute nothing.
+SHARED_CORES_WIRE_CPU_S_PER_BYTE = 1.0e-9
+
+
+def link_for_cores(link, threads, cores):
+    """`link` as the cost model should price it where CPU workers of `threads` (their threads, 0:
+    every core) share a host of `cores` cores: with SHARED_CORES_WIRE_CPU_S_PER_BYTE of compute a
+    byte where they use every core, and the link as given where one is free or it already says."""
+    if link.host_cpu_s_per_byte or not threads or sum(t or cores for t in threads) < cores:
+        return link
+    return replace(link, host_cpu_s_per_byte=SHARED_CORES_WIRE_CPU_S_PER_BYTE)
+
 
 def cpu_groups(workers):
     """The CPU workers that share a host: {host_key: [names in plan order]} for each host with two

@@ -123,7 +123,8 @@ class PeerBlocks:
             waited[0] += time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        shard.forward_layer(layer, inputs(), train, self._reduce(layer, waited), emit, self.dropout, batch=sum(self.sizes))
+        shard.forward_layer(layer, inputs(), train, self._reduce(layer, waited), emit, self.dropout,
+                            batch=sum(self.sizes))
         self.compute[layer] += time.perf_counter() - t0 - waited[0]
         return self._all_gather("forward", layer, mine, [shapes[m] for m in range(len(xs))], lp.kernels)
 
