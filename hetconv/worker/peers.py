@@ -70,14 +70,6 @@ STEP_OPS = ("SLICE", "INPUT", "GRAD")        # what a step reads from its queue;
 MAX_EARLY_MICRO = 256
 DEFAULT_EARLY_BYTES = 256 << 20
 
-# The weight gradients' connection's kernel send buffer (SO_SNDBUF; the kernel doubles it for its
-# own overhead). Left to autotuning it grows to megabytes, all of it in flight in the link's queue
-# (a NIC's or a switch port's, one FIFO for both connections), and every BatchNorm barrier of the
-# blocks below waits behind it: ~30 ms each at 1 Gbit/s, twenty barriers a ResNet-18 backward.
-# 256 KiB keeps that wait near 2 ms at 1 Gbit/s and still covers a datacenter link's
-# bandwidth-delay product (10 Gbit/s x 100 us = 125 KB).
-BULK_SEND_BUFFER = 256 << 10
-
 
 def _is_int(value):
     return isinstance(value, int) and not isinstance(value, bool)
@@ -97,9 +89,7 @@ class PeerLinks:
         self.outboxes = {}                       # peer name -> PUSH socket
         # peer name -> a second PUSH socket, its own TCP connection, for weight gradients: sent
         # under the blocks below's backward, megabytes of them would otherwise sit ahead of those
-        # blocks' small BatchNorm sums on one connection and stall each barrier for the transfer.
-        # Its kernel send buffer is kept small (BULK_SEND_BUFFER): what a TCP connection has in
-        # flight sits in the link's one queue, ahead of the small connection's barrier messages
+        # blocks' small BatchNorm sums on one connection and stall each barrier for the transfer
         self.bulk_outboxes = {}
         self.order, self.ranges = [name], []
         self.layer_plans = []                    # per layer: its mode, kernel ranges and (data) images
@@ -162,8 +152,6 @@ class PeerLinks:
                 push = self.ctx.socket(zmq.PUSH)
                 push.linger = 0
                 push.sndtimeo = max(1, int(self.timeout * 1000))   # a gone peer fails the step, never blocks it
-                if outboxes is self.bulk_outboxes:
-                    push.sndbuf = BULK_SEND_BUFFER
                 if self.keydir:
                     connect_peer(push, self.keydir, str(peer["public_key"]))
                 push.connect(endpoint)
