@@ -335,6 +335,20 @@ def test_peer_checks_follow_the_plans_modes():
     assert model_first._admit(slice_msg(1, "dweights", 0), running=True) is None
 
 
+def test_a_graph_worker_admits_layout_gathers_only_under_its_graphs_conversion_keys():
+    """A graph's step moves tensors between layouts under GraphPass.conversion_key numbers: a
+    `gather` or `gather_grad` under any other number is refused, not held."""
+    from types import SimpleNamespace
+    links = peer_links(["data", "model", "data"])
+    links.graph = SimpleNamespace(conversion_keys=lambda: 6)
+    links.start_step(1, 2)
+    for phase in ("gather", "gather_grad"):
+        assert links._admit(slice_msg(1, phase, 5, micro=1), running=True) == (1, phase, 5, 1, "w0")
+        for key in (6, -1, "2", 2.0):
+            assert links._admit(slice_msg(1, phase, key), running=True) is None
+    assert links.dropped == 8
+
+
 @pytest.mark.parametrize("modes,images,why", [
     (["data", "fast"], None, "PEERS modes"),
     (["data", "model"], [{"w0": 3}, {}], "PEERS images of data layer 0"),

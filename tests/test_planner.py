@@ -176,3 +176,13 @@ def test_a_grouped_convs_ranges_move_to_whole_groups_and_a_depthwise_one_splits_
     with pytest.raises(PlanError, match=r"conv layer 1 \(conv 4 3x3/1 pad 0 groups 2, .*\): its 2 groups cannot be "
                                         r"split among 3 workers in model mode"):
         whole_groups(make_plan([4], {"a": None, "b": None, "c": None}, "equal"), [few])
+
+
+def test_of_plans_priced_alike_auto_takes_the_one_moving_fewest_bytes_but_never_loses_to_all_model():
+    from hetconv.engine.planner import TRAFFIC_TIE, fewest_bytes_of_alike
+    all_data, late_model, mixed = ("data",) * 3, ("data", "data", "model"), ("data", "model", "data")
+    priced = {all_data: 1.00, late_model: 1.00 + TRAFFIC_TIE / 2, mixed: 1.00 + 2 * TRAFFIC_TIE}
+    moved = {all_data: 90e6, late_model: 40e6, mixed: 10e6}
+    assert fewest_bytes_of_alike(priced, moved, beat=2.0) == late_model     # mixed is not priced alike
+    assert fewest_bytes_of_alike(priced, moved, beat=1.01) == all_data      # late_model would not beat all-model
+    assert fewest_bytes_of_alike(priced, moved, beat=0.5) == all_data       # none beats it: the cheapest

@@ -249,7 +249,9 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
         rows.append({"devices": order[:n], "step_s": pred.step_s, "micro_batches": chosen.micro_batches,
                      "dominant": {"term": what, "seconds": seconds, "share": share},
                      "speedup": stronger["step_s"] / pred.step_s, "efficiency": stronger["step_s"] / pred.step_s / n,
-                     "wire_mb": sum(v["sent"] + v["recv"] for v in pred.workers.values()) / 1e6,
+                     # a graph's step says what crosses the links, each byte once; else workers' in and out
+                     "wire_mb": (sum(pred.bytes_by_kind.values()) if getattr(pred, "bytes_by_kind", None) else
+                                 sum(v["sent"] + v["recv"] for v in pred.workers.values())) / 1e6,
                      "counts": counts, "modes": plan.modes(), "plan": plan.to_json(),
                      "mode_costs": modes_priced.to_json(), "left_out": dict(plan.left_out),
                      "blocks": [network.names[b.index] for b in network.conv_layers()] if graph else None,

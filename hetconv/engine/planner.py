@@ -729,6 +729,18 @@ def one_image_split(specs, batch, profiles, micro_batches=1):
     return dict(zip(names, _integer_shares(batch, affine_shares(batch, lines))))
 
 
+def fewest_bytes_of_alike(priced, moved, beat):
+    """Of plans `priced` ({modes: seconds}) within TRAFFIC_TIE of the cheapest, the one that moves
+    the fewest bytes (`moved`, {modes: bytes}): what the cost model knows least is traffic (the
+    link's queue, the CPU moving it takes from compute). Only plans priced under `beat` (what
+    all-model costs less the gain a plan with data blocks must show) count, so the tie never
+    loses that test; where none is, the cheapest."""
+    cheapest = min(priced, key=lambda c: (priced[c], c.count("model")))
+    bound = min((1 + TRAFFIC_TIE) * priced[cheapest], beat)
+    near = [c for c in priced if priced[c] <= bound] or [cheapest]
+    return min(near, key=lambda c: (moved[c], priced[c], c.count("model")))
+
+
 def choose_modes(specs, image_shape, batch, profiles, link, parallel="auto", micro_batches=1, value_bytes=FLOAT_BYTES,
                  min_gain=0.02, graph=None):
     """Model or data per conv layer, from the cost model: every layer priced in both modes at
@@ -795,12 +807,9 @@ def choose_modes(specs, image_shape, batch, profiles, link, parallel="auto", mic
         candidates = {tuple(modes)} | {("data",) * k + ("model",) * (layers - k) for k in range(1, layers + 1)}
         priced = {c: layout_s(c) for c in candidates if "data" in c}
         best = min(priced, key=lambda c: (priced[c], c.count("model"))) if priced else None
+        cheapest = best
         if best is not None and priced[best] < inf:
-            # of plans priced about alike, the one that moves the fewest bytes: what the model
-            # knows least is traffic (the link's queue, the CPU moving it takes from compute)
-            cheapest = best
-            near = [c for c in priced if priced[c] <= (1 + TRAFFIC_TIE) * priced[cheapest]]
-            best = min(near, key=lambda c: (moved[c], priced[c], c.count("model")))
+            best = fewest_bytes_of_alike(priced, moved, (1 - min_gain) * model_s)
         if best is not None and priced[best] < (1 - min_gain) * model_s:
             how = ("every block data-parallel" if "model" not in best else
                    f"{best.count('data')} blocks data-parallel, {best.count('model')} model-parallel")
