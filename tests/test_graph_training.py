@@ -210,13 +210,15 @@ def test_two_workers_equal_local_and_three_uneven_ones_survive_a_lost_worker_and
     assert_equal_runs(got, local)
 
 
-@pytest.mark.parametrize("modes", ["DDDDDDDD", "DDDDDMMM"])
-def test_a_graph_holds_rows_where_its_blocks_are_data_and_moves_what_the_cost_model_prices(local_run, tmp_path, modes):
+@pytest.mark.parametrize("modes,workers", [("DDDDDDDD", 2), ("DDDDDMMM", 2), ("DDDDDMMM", 3)])
+def test_a_graph_holds_rows_where_its_blocks_are_data_and_moves_what_the_cost_model_prices(local_run, tmp_path, modes,
+                                                                                          workers):
     """Data blocks with one uneven split of the images, two micro-batches: each worker holds its
     rows of what data blocks read and write (the joins run on rows), model blocks gather what
     they read. The step equals --local's; what moves among the workers is what the cost model
     prices, per worker (its payload; the measured count adds each message's header). All data,
-    that is each BatchNorm's sums and each block's weight gradients, as data parallelism moves."""
+    that is each BatchNorm's sums and each block's weight gradients, as data parallelism moves.
+    Three workers sum the weight gradients by chunks (a reduce-scatter, then an all-gather)."""
     from hetconv.engine.costmodel import (DeviceProfile, LayerCost, Link, batchnorm_sum_bytes, predict_any,
                                           weight_floats)
     from hetconv.engine.graph import GraphPass
@@ -224,8 +226,8 @@ def test_a_graph_holds_rows_where_its_blocks_are_data_and_moves_what_the_cost_mo
     from hetconv.geometry import ConvSpec
     cfg, losses, local = local_run
     cfg = Config(**{**cfg.to_json(), "metrics": str(tmp_path / "layouts.jsonl")})
-    images = {"w0-cpu": 6, "w1-cpu": 10}
-    summary, got = distributed(cfg, tmp_path, 2, 2, modes=modes, images=images)
+    images = {"w0-cpu": 6, "w1-cpu": 10} if workers == 2 else {"w0-cpu": 4, "w1-cpu": 7, "w2-cpu": 5}
+    summary, got = distributed(cfg, tmp_path, workers, 2, modes=modes, images=images)
     np.testing.assert_allclose(summary["losses"], losses, rtol=1e-5)
     assert_equal_runs(got, local)
 
@@ -234,11 +236,13 @@ def test_a_graph_holds_rows_where_its_blocks_are_data_and_moves_what_the_cost_mo
     graph = GraphPass(spec, HostArrays()).shape()
     flat = DeviceProfile("d", "cpu", "", (LayerCost(0.0, 1e-6, 0.0, 1e-6),) * len(specs))
     mode_names = [{"M": "model", "D": "data"}[m] for m in modes]
-    counts = {w: [s.kernels // 2 + (1 if i == 0 else 0) * (s.kernels % 2) for s in specs] for i, w in enumerate(images)}
+    counts = {w: [s.kernels // workers + (1 if i < s.kernels % workers else 0) for s in specs]
+              for i, w in enumerate(images)}
     priced = predict_any("peer", specs, (3, 16, 16), cfg.batch_size, counts, {w: flat for w in images}, Link(1e9), 0.0,
                          2, modes=mode_names, images={w: [n] * len(specs) for w, n in images.items()}, graph=graph)
     if "model" not in mode_names:
-        payload = sum(weight_floats(s) * 4 + 2 * len(s.batchnorms) * batchnorm_sum_bytes(s) for s in specs)
+        payload = sum(weight_floats(s) * 4 * (workers - 1) * (1 if workers == 2 else 2 / workers)
+                      + 2 * len(s.batchnorms) * batchnorm_sum_bytes(s) * (workers - 1) for s in specs)
         assert all(priced.workers[w]["sent"] == payload for w in images)
         assert set(priced.bytes_by_kind) == {"images and features (coordinator)", "weight gradients", "BatchNorm sums"}
     else:

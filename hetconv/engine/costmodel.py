@@ -330,6 +330,18 @@ def predict_step(specs, image_shape, batch, counts, profiles, link, coordinator_
     return Prediction(total, coordinator_s, workers, timeline)
 
 
+def largest_remainder_shares(n, weights):
+    """n images cut in proportion to `weights` (positive total), whole images by largest remainder:
+    what each rounding down left, biggest first, ties to the earlier one (planner.image_ranges)."""
+    total = sum(weights)
+    exact = [n * w / total for w in weights]
+    shares = [int(e) for e in exact]
+    order = sorted(range(len(weights)), key=lambda i: (-(exact[i] - shares[i]), i))
+    for i in order[:n - sum(shares)]:
+        shares[i] += 1
+    return shares
+
+
 def split_sizes(total, parts):
     """The sizes numpy.array_split gives: the first total % parts pieces one larger."""
     base, extra = divmod(total, parts)
@@ -512,7 +524,9 @@ def predict_peer_step(specs, image_shape, batch, counts, profiles, link, coordin
                 for src in names:
                     for dst in names:
                         if dst != src:
-                            t.send(src, dst, weight_floats(specs[li]) * FLOAT_BYTES, done[src], link)
+                            # each peer its chunk and, summed, the chunk back (a whole dW where p is 2)
+                            t.send(src, dst, sum(weight_gradient_bytes(specs[li], len(names))) / (len(names) - 1), done[src],
+                                   link)
             if li == 0:
                 continue
             for src in names:
@@ -619,6 +633,15 @@ def weight_floats(spec):
     return math.prod(spec.weight_shape) + (spec.kernels if spec.bias else 0)     # a grouped conv's (K, C/g, kh, kw)
 
 
+def weight_gradient_bytes(spec, p):
+    """What each of `p` workers sends for a data layer's dW and db sum (worker.peers.weight_chunks):
+    (bytes while the blocks below compute backward, bytes once backward is done). Two workers send
+    each other the whole; more reduce-scatter it in P chunks under the backward and all-gather the
+    summed chunks after it."""
+    size = weight_floats(spec) * FLOAT_BYTES
+    return (size * (p - 1), 0.0) if p <= 2 else (size * (p - 1) / p, size * (p - 1) / p)
+
+
 def _links_s(out_bytes, in_bytes, link):
     """Seconds of a collective on a switched network: each host's uplink and downlink run at
     once, so the busiest direction of the busiest host sets the time."""
@@ -695,7 +718,7 @@ def mode_costs(specs, image_shape, batch, counts, images, profiles, link, micro_
         total = spec.kernels
         compute = {"model": max(_compute_s(profiles[w].layers[li], counts[w][li], batch, sizes, batch) for w in names),
                    "data": max(_compute_s(profiles[w].layers[li], total, images[w][li], sizes, batch) for w in names)}
-        dw = weight_floats(spec) * FLOAT_BYTES * (p - 1)        # to each peer, and from each
+        dw = sum(weight_gradient_bytes(spec, p))                # to the peers, and from them
         wire = {"model": 0.0, "data": (dw / link.bytes_per_s + (p - 1) * link.latency_s) if p > 1 else 0.0}
         coordinator = {"model": 0.0, "data": 0.0}
         if li == 0:
@@ -758,7 +781,7 @@ def graph_mode_costs(specs, image_shape, batch, counts, images, profiles, link, 
                     traffic.append(("input gradients", [in_bytes * r * (p - 1) for r in fractions],
                                     [in_bytes * (1 - r) for r in fractions]))
                 if mode == "data":
-                    dw = weight_floats(spec) * FLOAT_BYTES * (p - 1)
+                    dw = sum(weight_gradient_bytes(spec, p))
                     traffic.append(("weight gradients", [dw] * p, [dw] * p))
                 for kind, sent, recv in traffic:
                     wire[mode] += _links_s(sent, recv, link) + messages
@@ -814,8 +837,10 @@ def predict_graph_layout_step(specs, image_shape, batch, counts, images, profile
     names = list(images)
     p = len(names)
     sizes = split_sizes(batch, micro_batches)
-    frac = {w: images[w] / batch for w in names}
-    rows = {w: [b * frac[w] for b in sizes] for w in names}
+    # each micro-batch's whole rows, as the workers cut them (planner.image_ranges)
+    cut = [largest_remainder_shares(b, [images[w] for w in names]) for b in sizes]
+    rows = {w: [c[i] for c in cut] for i, w in enumerate(names)}
+    frac = {w: sum(rows[w]) / batch for w in names}
     floats = dict(graph.floats)
     steps = [_Step(*st) for st in graph.steps]
     layouts = tensor_layouts(steps, modes, graph.norms)
@@ -872,7 +897,7 @@ def predict_graph_layout_step(specs, image_shape, batch, counts, images, profile
     in_rows = layouts[graph.feature] != WHOLE
     t += feature_bytes / link.bytes_per_s + coordinator_s + feature_bytes * (1 if in_rows else p) / link.bytes_per_s
     t += 2 * link.latency_s
-    link_free = 0.0
+    link_free, gathered_after = 0.0, 0.0
     for st in reversed(steps):
         have = step_layout(st, modes, graph.norms, layouts)
         if st.kind == "block":
@@ -889,12 +914,13 @@ def predict_graph_layout_step(specs, image_shape, batch, counts, images, profile
                 for _ in spec.batchnorms:
                     t += exchange("BatchNorm sums", {w: batchnorm_sum_bytes(spec) * (p - 1) for w in names}, False)
                 if p > 1:       # its dW to every peer, queued on the links under the blocks below
-                    dw = weight_floats(spec) * FLOAT_BYTES * (p - 1)
-                    kinds["weight gradients"] = kinds.get("weight gradients", 0.0) + dw * p
+                    dw, after = weight_gradient_bytes(spec, p)
+                    kinds["weight gradients"] = kinds.get("weight gradients", 0.0) + (dw + after) * p
                     for w in names:
-                        sent[w] += dw
-                        messages[w] += p - 1
+                        sent[w] += dw + after
+                        messages[w] += (p - 1) * (2 if after else 1)
                     link_free = max(link_free, t) + dw / link.bytes_per_s + link.latency_s
+                    gathered_after += after
                     # moving them (out and in: dw each way) takes the cores the blocks below run on
                     t += dw * link.host_cpu_s_per_byte
             elif graph.needs_dx[li]:
@@ -915,7 +941,10 @@ def predict_graph_layout_step(specs, image_shape, batch, counts, images, profile
                      for li, spec in enumerate(specs)) for w in names}
     for w in names:
         compute[w] += update[w]
-    step = max(t, link_free) + max(update.values())
+    # the summed chunks' all-gather (more than two workers) once every chunk is summed
+    after_s = (gathered_after / link.bytes_per_s + gathered_after * link.host_cpu_s_per_byte + link.latency_s
+               if gathered_after else 0.0)
+    step = max(t, link_free) + after_s + max(update.values())
     workers = {w: {"compute_s": compute[w], "wire_s": 0.0, "wait_s": max(0.0, step - compute[w]), "sent": sent[w],
                    "recv": sum(sent.values()) - sent[w], "layer_compute_s": [], "messages": messages[w]}
                for w in names}

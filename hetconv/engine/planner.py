@@ -15,8 +15,8 @@ A plan is data: per layer, a mode and what each worker does in it.
 from dataclasses import dataclass, field, fields, replace
 import math
 
-from hetconv.engine.costmodel import (FLOAT_BYTES, graph_mode_costs, mode_costs, predict_any,
-                                     predict_graph_layout_step)
+from hetconv.engine.costmodel import (FLOAT_BYTES, graph_mode_costs, largest_remainder_shares, mode_costs,
+                                     predict_any, predict_graph_layout_step)
 
 POLICIES = ("proportional", "equal")
 MODES = ("model", "data")
@@ -56,12 +56,7 @@ def image_ranges(lp, n):
     total = sum(weights)
     if total <= 0:
         raise PlanError(f"layer {lp.layer}: data layer with no images to split by, got {lp.images!r}")
-    exact = [n * w / total for w in weights]
-    shares = [int(e) for e in exact]
-    # what rounding down left, biggest remainder first; ties go to the earlier worker
-    order = sorted(range(len(workers)), key=lambda i: (-(exact[i] - shares[i]), i))
-    for i in order[:n - sum(shares)]:
-        shares[i] += 1
+    shares = largest_remainder_shares(n, weights)
     ranges, start = {}, 0
     for w, sh in zip(workers, shares):
         ranges[w] = (start, start + sh)

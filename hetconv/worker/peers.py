@@ -54,8 +54,8 @@ class StepAbandoned(RuntimeError):
 # A SLICE's phase: feature maps and gradients between layers; a data-parallel layer's weight
 # gradients, and its BatchNorms' sums (forward and backward; `micro` is then the op's index in the
 # layer's tail); the workers' parts of a global gradient norm (clipping).
-PHASES = ("images", "forward", "backward", "dweights", "bn_forward", "bn_backward", "gradnorm", "gather",
-          "gather_grad")
+PHASES = ("images", "forward", "backward", "dweights", "dweights_sum", "bn_forward", "bn_backward", "gradnorm",
+          "gather", "gather_grad")
 
 
 STEP_OPS = ("SLICE", "INPUT", "GRAD")        # what a step reads from its queue; any other op ends it
@@ -69,6 +69,15 @@ STEP_OPS = ("SLICE", "INPUT", "GRAD")        # what a step reads from its queue;
 # array. Without them (a plan set by hand in a test), these defaults.
 MAX_EARLY_MICRO = 256
 DEFAULT_EARLY_BYTES = 256 << 20
+
+
+def weight_chunks(flat, workers):
+    """A data layer's flattened dW and db cut for their sum among `workers`: with two, whole (each
+    sends all of it to the other, 1x its size); with more, one chunk per worker in plan order
+    (numpy.array_split), each summed by its worker and then all-gathered: 2 (P - 1) / P of its
+    size out of each worker where sending it whole to every peer would be P - 1. The sums are the
+    same floats either way: each element is added over the workers in plan order."""
+    return [flat] * workers if workers <= 2 else np.array_split(flat, workers)
 
 
 def _is_int(value):
@@ -365,7 +374,7 @@ class PeerLinks:
         if msg.op == "SLICE" and phase in ("bn_forward", "bn_backward") and _is_int(layer) \
                 and 0 <= layer < len(self.layer_plans):
             micros = len(self.shard.layers[layer].spec.tail) if layer in self.shard.layers else 0
-        elif msg.op == "SLICE" and phase in ("dweights", "gradnorm"):
+        elif msg.op == "SLICE" and phase in ("dweights", "dweights_sum", "gradnorm"):
             micros = 1
         if not _is_int(micro) or not 0 <= micro < micros:
             return self._drop(msg, "micro", f"micro-batch {micro!r} out of range(0, {micros})")
@@ -381,7 +390,8 @@ class PeerLinks:
         # a graph's tensors moved between layouts (engine/layouts.py), by GraphPass.conversion_key
         conversions = range(self.graph.conversion_keys()) if whole else range(0)
         allowed = {"images": range(-1, -1 if first_data else 0), "forward": range(0, layers if whole else layers - 1),
-                   "backward": range(0 if whole else 1, layers), "dweights": data_layers, "bn_forward": data_layers,
+                   "backward": range(0 if whole else 1, layers), "dweights": data_layers,
+                   "dweights_sum": data_layers if len(self.order) > 2 else [], "bn_forward": data_layers,
                    "bn_backward": data_layers, "gradnorm": [-1], "gather": conversions, "gather_grad": conversions}
         if not isinstance(phase, str) or phase not in PHASES:
             return self._drop(msg, "phase", f"phase {phase!r:.40} is not one of {', '.join(PHASES)}")
@@ -702,9 +712,10 @@ class PeerLinks:
             return
         dw, db = self.shard.take_gradients(layer)
         flat = np.concatenate([dw.ravel(), db.ravel()])
-        for peer in self.order:
+        chunks = weight_chunks(flat, len(self.order))
+        for i, peer in enumerate(self.order):
             if peer != self.name:
-                self._send_peer(peer, step, "dweights", layer, 0, flat, bulk=True)
+                self._send_peer(peer, step, "dweights", layer, 0, np.ascontiguousarray(chunks[i]), bulk=True)
         updates.append((layer, flat, dw.shape, db.shape))
 
     def finish_updates(self, step, rule, layers, compute):
@@ -724,14 +735,28 @@ class PeerLinks:
         the same arithmetic on every worker's copy. -> STEP_DONE's extra fields."""
         norms = self.graph is not None and bool(self.graph.norms)
         others = [w for w in self.order if w != self.name]
-        summed = []
+        summed, me = [], self.order.index(self.name)
+        own = {}                                  # layer -> this worker's chunk of the sum
         for layer, flat, w_shape, b_shape in updates:
+            chunk = weight_chunks(flat, len(self.order))[me]
             keys = {(step, "dweights", layer, 0, w) for w in others}
             parts = self._await(keys, step)
-            total = sum_in_order([flat if w == self.name else
-                                  decode(self._check(f"step {step}: layer {layer} weight gradients", w,
-                                                     parts[(step, "dweights", layer, 0, w)], flat.shape), "float32")
-                                  for w in self.order])
+            own[layer] = sum_in_order([chunk if w == self.name else
+                                       decode(self._check(f"step {step}: layer {layer} weight gradients", w,
+                                                          parts[(step, "dweights", layer, 0, w)], chunk.shape),
+                                              "float32")
+                                       for w in self.order])
+            if len(self.order) > 2:               # the summed chunk to every other worker (an all-gather)
+                for peer in others:
+                    self._send_peer(peer, step, "dweights_sum", layer, 0, own[layer], bulk=True)
+        for layer, flat, w_shape, b_shape in updates:
+            total = own[layer]
+            if len(self.order) > 2:
+                chunks = weight_chunks(flat, len(self.order))
+                parts = self._await({(step, "dweights_sum", layer, 0, w) for w in others}, step)
+                total = np.concatenate([own[layer] if w == self.name else decode(self._check(
+                    f"step {step}: layer {layer} summed weight gradients", w, parts[(step, "dweights_sum", layer, 0, w)],
+                    chunks[i].shape), "float32") for i, w in enumerate(self.order)])
             size = int(np.prod(w_shape))
             summed.append((layer, total[:size].reshape(w_shape), total[size:]))
         done = {}
