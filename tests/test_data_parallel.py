@@ -298,16 +298,18 @@ def test_a_bad_image_split_is_rebalanced_and_a_data_checkpoint_resumes_onto_a_mo
                         tmp_path / "ck2")
 
 
-def peer_links(modes, images=None, you="w1"):
-    """A PeerLinks told a plan of two workers over len(modes) layers of 4 kernels, no sockets."""
+def peer_links(modes, images=None, you="w1", workers=2):
+    """A PeerLinks told a plan of `workers` workers over len(modes) layers of 4 kernels, no sockets."""
     from hetconv.worker.peers import PeerLinks
     links = PeerLinks(None, you, None, queue.Queue(), None)
-    workers = ["w0", "w1"]
-    ranges = [{"w0": [0, 4], "w1": [0, 4]} if m == "data" else {"w0": [0, 1], "w1": [1, 4]} for m in modes]
-    links.connect({"you": you, "peers": [{"name": w, "endpoints": [], "host_key": ""} for w in workers],
+    names = [f"w{i}" for i in range(workers)]
+    cuts = [0, 1, 4] if workers == 2 else [0, 1, 2, 4]
+    ranges = [{w: [0, 4] for w in names} if m == "data" else {w: [cuts[i], cuts[i + 1]] for i, w in enumerate(names)}
+              for m in modes]
+    links.connect({"you": you, "peers": [{"name": w, "endpoints": [], "host_key": ""} for w in names],
                    "ranges": ranges, "modes": modes, "timeout": 2.0, "connect": False,
                    "images": images if images is not None else
-                   [{"w0": 3, "w1": 5} if m == "data" else {} for m in modes]})
+                   [{w: 3 + 2 * i for i, w in enumerate(names)} if m == "data" else {} for m in modes]})
     return links
 
 
@@ -333,6 +335,21 @@ def test_peer_checks_follow_the_plans_modes():
     model_first.start_step(1, 1)
     assert model_first._admit(slice_msg(1, "images", -1), running=True) == (1, "images", -1, 0, "w0")
     assert model_first._admit(slice_msg(1, "dweights", 0), running=True) is None
+
+
+def test_summed_weight_gradient_chunks_are_admitted_only_where_more_than_two_workers_sum_by_chunks():
+    """Two workers send each other whole weight gradients; from three on each sums its chunk and
+    all-gathers it (`dweights_sum`), for a data layer, once a step."""
+    pair = peer_links(["data", "model"])
+    pair.start_step(1, 1)
+    assert pair._admit(slice_msg(1, "dweights_sum", 0), running=True) is None
+    three = peer_links(["data", "model", "data"], workers=3)
+    three.start_step(1, 2)
+    assert three._admit(slice_msg(1, "dweights_sum", 2), running=True) == (1, "dweights_sum", 2, 0, "w0")
+    assert three._admit(slice_msg(1, "dweights_sum", 1), running=True) is None         # a model layer
+    assert three._admit(slice_msg(1, "dweights_sum", 0, micro=1), running=True) is None
+    assert three._admit(slice_msg(2, "dweights_sum", 0), running=False) is None       # never before its step
+    assert (pair.dropped, three.dropped) == (1, 3)
 
 
 def test_a_graph_worker_admits_layout_gathers_only_under_its_graphs_conversion_keys():
@@ -391,7 +408,7 @@ def test_a_calibration_too_noisy_for_cost_lines_splits_by_measured_speed(monkeyp
     monkeypatch.setattr(policy, "plan_from_lines", unusable)
     monkeypatch.setattr(policy, "choose_modes", lambda *a, **k: type("Choice", (), {"modes": ["data", "data"]})())
     engine = RemoteEngine.__new__(RemoteEngine)
-    engine.exchange, engine.wire, engine.mode_choice = "peer", "float32", None
+    engine.exchange, engine.wire, engine.mode_choice, engine.peers = "peer", "float32", None, {}
     said = []
     engine.log = said.append
     timing = {"batch": 4, "kernels": [4, 2], "forward_s": [0.01, 0.005], "backward_s": [0.02, 0.01]}

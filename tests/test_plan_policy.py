@@ -139,3 +139,21 @@ def test_moving_bytes_costs_compute_where_a_hosts_workers_use_every_core():
     assert link_for_cores(link, [1, 1], 4) == link and link_for_cores(link, [], 2) == link
     given = dataclasses.replace(link, host_cpu_s_per_byte=3e-9)
     assert link_for_cores(given, [1, 1], 2) == given
+
+
+def test_the_coordinator_charges_the_wire_cpu_for_its_own_hosts_cpu_workers_only():
+    """priced_link counts the threads of the CPU workers on the coordinator's host: a GPU worker
+    there, or CPU workers on another host, leave this host's cores to its network."""
+    from types import SimpleNamespace
+
+    from hetconv.coordinator.remote import priced_link
+    from hetconv.flags import usable_cores
+    from hetconv.transport.sockets import host_key
+    here, cores = host_key(), usable_cores()
+    peers = {"a": SimpleNamespace(host_key=here, device="cpu", threads=cores),
+             "b": SimpleNamespace(host_key=here, device="cuda:0", threads=0),
+             "c": SimpleNamespace(host_key="elsewhere", device="cpu", threads=0)}
+    cfg = Config(link="1gbit")
+    assert priced_link(cfg, peers, ["a"]).host_cpu_s_per_byte > 0
+    assert priced_link(cfg, peers, ["b", "c"]).host_cpu_s_per_byte == 0
+    assert priced_link(cfg, peers, ["missing"]).host_cpu_s_per_byte == 0

@@ -734,7 +734,7 @@ class RemoteEngine(ShardEngine):
         profiles = profiles_from_calibration({w: self.calibration[w] for w in plan.workers})
         image_shape = tuple(input_shapes[0][1:])
         micro, step_s = self.plan_choice.micro_batches, self.plan_choice.step_s      # the policy's, for `plan`
-        link = priced_link(cfg, getattr(self, "peers", {}), plan.workers)
+        link = priced_link(cfg, self.peers, plan.workers)
         if self.calibration_s > CORES_TOGETHER_MAX_STEPS * step_s:
             return dataclasses.replace(plan, cores_together={
                 **record, "not_priced": f"its calibration, about the workers' {self.calibration_s:.1f} s, would cost more "
@@ -777,7 +777,7 @@ class RemoteEngine(ShardEngine):
             return value_bytes(wire_for(asked, cfg.precision, {name: computed[name] for name in names})[0])
 
         profiles = profiles_from_calibration({name: self.calibration[name] for name in speeds})
-        link = priced_link(cfg, getattr(self, "peers", {}), speeds)
+        link = priced_link(cfg, self.peers, speeds)
         choice = choose_plan(specs, tuple(input_shapes[0][1:]), cfg.batch_size, profiles, link,
                              PlanFlags.of(cfg, self.exchange), wire_bytes, self._graph_shape(), speeds)
         for note in choice.notes:

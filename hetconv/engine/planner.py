@@ -801,10 +801,9 @@ def choose_modes(specs, image_shape, batch, profiles, link, parallel="auto", mic
         # the blocks' cheapest modes, all data, and every run of data blocks before model ones
         candidates = {tuple(modes)} | {("data",) * k + ("model",) * (layers - k) for k in range(1, layers + 1)}
         priced = {c: layout_s(c) for c in candidates if "data" in c}
-        best = min(priced, key=lambda c: (priced[c], c.count("model"))) if priced else None
-        cheapest = best
-        if best is not None and priced[best] < inf:
-            best = fewest_bytes_of_alike(priced, moved, (1 - min_gain) * model_s)
+        cheapest = min(priced, key=lambda c: (priced[c], c.count("model"))) if priced else None
+        best = (fewest_bytes_of_alike(priced, moved, (1 - min_gain) * model_s)
+                if cheapest is not None and priced[cheapest] < inf else cheapest)
         if best is not None and priced[best] < (1 - min_gain) * model_s:
             how = ("every block data-parallel" if "model" not in best else
                    f"{best.count('data')} blocks data-parallel, {best.count('model')} model-parallel")

@@ -166,15 +166,14 @@ class PeerBlocks:
                 for m, (r0, r1) in enumerate(mine)]
 
     def _send_rows(self, phase, layer, m, array, rows):
-        """Each other worker's rows (`rows`) of micro-batch m's `array`, as the wire carries it;
-        returns this worker's rows of it, rounded, as they would arrive."""
-        sent = encode(np.ascontiguousarray(array, np.float32), self.wire)
-        for peer in self.order:
-            r0, r1 = rows[peer][m]
-            if peer != self.me and r1 > r0:
-                self.links._send_peer(peer, self.step, phase, layer, m, np.ascontiguousarray(sent[r0:r1]))
+        """Each other worker's rows (`rows`) of micro-batch m's `array`, as the wire carries it
+        (PeerLinks._send_blocks); returns this worker's rows of it, rounded, as they would arrive."""
+        n, channels = array.shape[:2]
+        receivers = {w: tuple(rows[w][m]) + (0, channels) for w in self.order}
+        seen = self.links._send_blocks(self.step, phase, layer, m, np.ascontiguousarray(array, np.float32),
+                                       (0, n, 0, channels), receivers, self.wire)
         r0, r1 = rows[self.me][m]
-        return decode(np.ascontiguousarray(sent[r0:r1]), self.wire)
+        return np.ascontiguousarray(seen[r0:r1])
 
     def _sum_partials(self, layer, m, n, own, channels, hw):
         """A model block's dX of micro-batch m (or this worker's `n` rows of it): every worker's

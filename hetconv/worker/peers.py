@@ -735,10 +735,11 @@ class PeerLinks:
         the same arithmetic on every worker's copy. -> STEP_DONE's extra fields."""
         norms = self.graph is not None and bool(self.graph.norms)
         others = [w for w in self.order if w != self.name]
-        summed, me = [], self.order.index(self.name)
-        own = {}                                  # layer -> this worker's chunk of the sum
+        summed, me, chunked = [], self.order.index(self.name), len(self.order) > 2
+        own, chunks = {}, {}                      # layer -> this worker's chunk of the sum; its chunks
         for layer, flat, w_shape, b_shape in updates:
-            chunk = weight_chunks(flat, len(self.order))[me]
+            chunks[layer] = weight_chunks(flat, len(self.order))
+            chunk = chunks[layer][me]
             keys = {(step, "dweights", layer, 0, w) for w in others}
             parts = self._await(keys, step)
             own[layer] = sum_in_order([chunk if w == self.name else
@@ -746,17 +747,16 @@ class PeerLinks:
                                                           parts[(step, "dweights", layer, 0, w)], chunk.shape),
                                               "float32")
                                        for w in self.order])
-            if len(self.order) > 2:               # the summed chunk to every other worker (an all-gather)
+            if chunked:                           # the summed chunk to every other worker (an all-gather)
                 for peer in others:
                     self._send_peer(peer, step, "dweights_sum", layer, 0, own[layer], bulk=True)
         for layer, flat, w_shape, b_shape in updates:
             total = own[layer]
-            if len(self.order) > 2:
-                chunks = weight_chunks(flat, len(self.order))
+            if chunked:
                 parts = self._await({(step, "dweights_sum", layer, 0, w) for w in others}, step)
                 total = np.concatenate([own[layer] if w == self.name else decode(self._check(
                     f"step {step}: layer {layer} summed weight gradients", w, parts[(step, "dweights_sum", layer, 0, w)],
-                    chunks[i].shape), "float32") for i, w in enumerate(self.order)])
+                    chunks[layer][i].shape), "float32") for i, w in enumerate(self.order)])
             size = int(np.prod(w_shape))
             summed.append((layer, total[:size].reshape(w_shape), total[size:]))
         done = {}
