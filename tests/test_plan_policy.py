@@ -157,3 +157,16 @@ def test_the_coordinator_charges_the_wire_cpu_for_its_own_hosts_cpu_workers_only
     assert priced_link(cfg, peers, ["a"]).host_cpu_s_per_byte > 0
     assert priced_link(cfg, peers, ["b", "c"]).host_cpu_s_per_byte == 0
     assert priced_link(cfg, peers, ["missing"]).host_cpu_s_per_byte == 0
+
+
+def test_hetconv_plan_prices_the_wire_cpu_from_the_cpu_devices_it_calibrates_here():
+    """hetconv-plan applies the coordinator's rule to the CPU devices it calibrates on this host
+    (each once per count); a GPU and a saved profile take none of this host's cores."""
+    from hetconv.cli.plan import local_cpu_threads
+    from hetconv.engine.costmodel import parse_bandwidth
+    from hetconv.engine.policy import link_for_cores
+    from hetconv.devices import parse_device_list
+    entries = parse_device_list("--devices", "cpu:1x2,cpu,cuda:0", allow_profiles=True)
+    assert local_cpu_threads(entries) == [1, 1, None]                   # None: every core
+    assert link_for_cores(parse_bandwidth("1gbit"), local_cpu_threads(entries), 2).host_cpu_s_per_byte > 0
+    assert local_cpu_threads(parse_device_list("--devices", "cuda:0x2", allow_profiles=True)) == []

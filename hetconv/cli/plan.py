@@ -117,8 +117,7 @@ def main(argv=None):
         if args.link == "loopback":
             link = Link(measure_loopback(), name="loopback (measured)")
         if args.wire_cpu_ns is None:
-            link = link_for_cores(link, [e.threads for e in entries if not e.profile and e.device == "cpu"
-                                         for _ in range(e.count)], usable_cores())
+            link = link_for_cores(link, local_cpu_threads(entries), usable_cores())
         else:
             link = replace(link, host_cpu_s_per_byte=args.wire_cpu_ns * 1e-9)
     except (ValueError, DeviceError) as e:
@@ -131,13 +130,18 @@ def main(argv=None):
         logging.getLogger("hetconv.devices").removeHandler(progress)
 
 
+def local_cpu_threads(entries):
+    """Each CPU device of `entries` calibrated here (not a saved profile), once per count: its
+    threads (None or 0: all this process's cores)."""
+    return [e.threads for e in entries if not e.profile and e.device == "cpu" for _ in range(e.count)]
+
+
 def cores_together(entries):
     """Threads of one CPU device with every core the CPU devices of `entries` (calibrated here, not
     saved profiles) would use together: their threads added up (cpu: all this process's cores),
     at most this process's cores. 0 where there is no such device."""
     cores = usable_cores()
-    wanted = sum((e.threads or cores) * e.count for e in entries if not e.profile and e.device == "cpu")
-    return min(cores, wanted)
+    return min(cores, sum(t or cores for t in local_cpu_threads(entries)))
 
 
 def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shapes, link, network=None):
