@@ -210,15 +210,18 @@ def test_two_workers_equal_local_and_three_uneven_ones_survive_a_lost_worker_and
     assert_equal_runs(got, local)
 
 
-@pytest.mark.parametrize("modes,workers", [("DDDDDDDD", 2), ("DDDDDMMM", 2), ("DDDDDMMM", 3)])
+@pytest.mark.parametrize("modes,workers", [("DDDDDDDD", 2), ("DDDDDMMM", 2), ("DDDDDMMM", 3), ("DMMDDMMD", 3)])
 def test_a_graph_holds_rows_where_its_blocks_are_data_and_moves_what_the_cost_model_prices(local_run, tmp_path, modes,
                                                                                           workers):
     """Data blocks with one uneven split of the images, two micro-batches: each worker holds its
     rows of what data blocks read and write (the joins run on rows), model blocks gather what
-    they read. The step equals --local's; what moves among the workers is what the cost model
-    prices, per worker (its payload; the measured count adds each message's header). All data,
-    that is each BatchNorm's sums and each block's weight gradients, as data parallelism moves.
-    Three workers sum the weight gradients by chunks (a reduce-scatter, then an all-gather)."""
+    they read and leave their output in their channels (gathered for a model block, sent
+    all-to-all for a data block or a join on rows, their partial dX summed into the channels or
+    rows their input is held in). The step equals --local's; what moves among the workers is
+    what the cost model prices, per worker (its payload; the measured count adds each message's
+    header). All data, that is each BatchNorm's sums and each block's weight gradients, as data
+    parallelism moves. Three workers sum the weight gradients by chunks (a reduce-scatter, then
+    an all-gather)."""
     from hetconv.engine.costmodel import (DeviceProfile, LayerCost, Link, batchnorm_sum_bytes, predict_any,
                                           weight_floats)
     from hetconv.engine.graph import GraphPass

@@ -143,7 +143,10 @@ def test_a_batchnorm_barrier_is_counted_as_waiting_not_as_the_blocks_compute():
     links.start_step(5, 1)
     threading.Thread(target=slow_peer, daemon=True).start()
     compute = [0.0]
-    blocks = LayoutBlocks(links, 5, [4], {"w0": [(0, 2)], "w1": [(2, 4)]}, {}, "float32", None, compute, None)
+    links.graph = SimpleNamespace(steps=[SimpleNamespace(kind="block", block=0, inputs=(-1,), output=0)], norms={},
+                                  conversion_key=lambda node, k=0: node + 1, conversion_keys=lambda: 2)   # one data block
+    blocks = LayoutBlocks(links, 5, [4], {"w0": [(0, 2)], "w1": [(2, 4)]}, {-1: "rows", 0: "rows"}, "float32", None,
+                          compute, None)
     out = blocks.forward_layer(0, [np.zeros((2, 3, 1, 1), np.float32)], True)
     np.testing.assert_array_equal(out[0], 2.0)                 # both workers' sums: 1 + 1
     assert compute[0] < delay / 2, compute                     # the block itself computes next to nothing

@@ -33,7 +33,7 @@ from hetconv.engine.conv_precision import checked_choices as _conv_path_choices
 from hetconv.engine.costmodel import Link, parse_bandwidth, profiles_from_calibration
 from hetconv.engine.graph import norm_states_from
 from hetconv.engine.measure import calibrate_local, measure_loopback
-from hetconv.engine.layouts import ROWS, tensor_layouts
+from hetconv.engine.layouts import ROWS, WHOLE, is_channels, tensor_layouts
 from hetconv.engine.microbatch import micro_batch_count, priced_text
 from hetconv.engine.planner import PlanError, forced_modes, image_ranges, layout_rows
 from hetconv.engine.policy import (PlanFlags, check_exchange, choose_plan, cpu_groups, link_for_cores,
@@ -991,12 +991,7 @@ class RemoteEngine(ShardEngine):
                       [x[rows[name][m][0]:rows[name][m][1]] for name in names])
             for name, piece in zip(names, pieces):
                 self._send(self.peers[name], "INPUT", [piece], doing=doing, step=step, micro=m)
-        sizes = [len(x) for x in xs]
-        if rows is not None and self._graph_feature_layout() == ROWS:
-            senders, grads = rows, rows            # each worker its rows of the features, and of their gradient
-        else:                                      # the whole features from the first worker, their gradient to all
-            senders = {names[0]: [(0, n) for n in sizes]}
-            grads = {name: [(0, n) for n in sizes] for name in names}
+        senders, grads = self._graph_feature_blocks([len(x) for x in xs], rows)
         parts = [dict() for _ in range(micros)]
         features, next_micro, norms = [None] * micros, 0, {}
         clip = train and update is not None and update.max_norm > 0
@@ -1007,7 +1002,10 @@ class RemoteEngine(ShardEngine):
                 m = msg.fields.get("micro")
                 known = isinstance(m, int) and not isinstance(m, bool) and 0 <= m < micros and peer.name in senders
                 got = tuple(msg.arrays[0].shape) if msg.arrays else ()
-                want = (senders[peer.name][m][1] - senders[peer.name][m][0],) + tuple(shape) if known else None
+                want = None
+                if known:
+                    r0, r1, c0, c1 = senders[peer.name][m]
+                    want = (r1 - r0, c1 - c0) + tuple(shape[1:])
                 if not known or got != want or msg.arrays[0].dtype != np.float32 or peer.name in parts[m]:
                     raise WorkerError(peer.label(), doing, "ShapeError",
                                       f"FEATURES for micro-batch {m!r}: {msg.arrays[0].dtype if msg.arrays else 'no'} "
@@ -1017,17 +1015,21 @@ class RemoteEngine(ShardEngine):
                 parts[m][peer.name] = msg.arrays[0]
                 # in micro-batch order, so the FC gradients add up in the same order as anywhere else
                 while next_micro < micros and len(parts[next_micro]) == len(senders):
-                    h = (np.concatenate([parts[next_micro][n] for n in senders], axis=0) if len(senders) > 1
-                         else parts[next_micro][names[0]])
+                    if len(senders) == 1:
+                        h = parts[next_micro][names[0]]
+                    else:
+                        h = np.empty((len(xs[next_micro]),) + tuple(shape), np.float32)
+                        for name, (r0, r1, c0, c1) in ((n, senders[n][next_micro]) for n in senders):
+                            h[r0:r1, c0:c1] = parts[next_micro][name]
                     parts[next_micro] = None
                     if train:
                         grad = np.ascontiguousarray(head(next_micro, h), np.float32)
                         norm = ({"head_sum_of_squares": float(head_sum_of_squares())}
                                 if clip and next_micro == micros - 1 else {})
                         for name in names:
-                            r0, r1 = grads[name][next_micro]
-                            self._send(self.peers[name], "GRAD", [np.ascontiguousarray(grad[r0:r1])], doing=doing,
-                                       step=step, micro=next_micro, **norm)
+                            r0, r1, c0, c1 = grads[name][next_micro]
+                            self._send(self.peers[name], "GRAD", [np.ascontiguousarray(grad[r0:r1, c0:c1])],
+                                       doing=doing, step=step, micro=next_micro, **norm)
                     else:
                         features[next_micro] = h
                     next_micro += 1
@@ -1044,10 +1046,23 @@ class RemoteEngine(ShardEngine):
             return None
         return layout_rows(self.plan.layers, sizes)
 
-    def _graph_feature_layout(self):
-        """Whether the workers hold rows of the features (each sends its own) or the whole (the
-        plan's first worker sends it), in a step with layouts."""
-        return tensor_layouts(self.graph.steps, self.plan.modes(), self.graph.norms)[self.graph.feature]
+    def _graph_feature_blocks(self, sizes, rows):
+        """({worker: [its block (r0, r1, c0, c1) of each micro-batch's features]} for the workers
+        that send them, the same for the blocks of their gradient each worker gets): where the
+        step holds its tensors in layouts and the features in rows or channels, each worker its
+        own part both ways; else the whole from the plan's first worker, their gradient to all."""
+        names, channels = self.plan.workers, self.graph.feature_shape[0]
+        layout = (tensor_layouts(self.graph.steps, self.plan.modes(), self.graph.norms)[self.graph.feature]
+                  if rows is not None else WHOLE)
+        if layout == ROWS:
+            parts = {w: [tuple(r) + (0, channels) for r in rows[w]] for w in names}
+        elif is_channels(layout):
+            lp = self.plan.layers[layout[1]]
+            parts = {w: [(0, n) + tuple(lp.ranges[w]) for n in sizes] for w in names}
+        else:
+            whole = [(0, n, 0, channels) for n in sizes]
+            return {names[0]: whole}, {w: whole for w in names}
+        return parts, parts
 
     def close(self):
         """Shut every worker down; on every exit path, spawned processes end."""

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 import math
 import re
 
-from hetconv.engine.layouts import WHOLE, step_layout, tensor_layouts
+from hetconv.engine.layouts import ROWS, WHOLE, conversion_source, is_channels, read_in, step_reads, tensor_layouts
 from hetconv.geometry import layer_input_shapes
 
 FLOAT_BYTES = 4
@@ -822,18 +822,19 @@ def predict_graph_layout_step(specs, image_shape, batch, counts, images, profile
                               micro_batches=1, value_bytes=FLOAT_BYTES):
     """Predicted seconds of one peer step of a graph whose data blocks split the images alike
     (`images`: {worker: images of the batch}), which holds each tensor in a layout, a worker's
-    rows or the whole (engine/layouts.py, worker.graph_step.LayoutBlocks): the coordinator sends
-    each worker its rows of the images and takes the features back (each worker's rows, or the
-    whole from the first worker); a data block computes its rows and moves nothing but its
-    BatchNorm sums (a barrier each way) and its weight gradients, which leave as its backward
-    ends and travel under the backward of the blocks below; a model block reads a whole input
-    and all-gathers its output, and its partial dX goes whole to every other worker (or, where
-    its input is held in rows, each worker's rows to that worker: a reduce-scatter); rows become
-    whole by an all-gather (float32) where a model block or a BatchNorm between blocks reads
-    them, in forward, and a whole tensor's readers in rows all-gather their gradients in
-    backward. Blocks run one after another, each exchange between them waited for; the joins
-    are left out (a pass over a tensor each). counts: {worker: [kernels per layer]} (model
-    blocks)."""
+    rows, its channels or the whole (engine/layouts.py, worker.graph_step.LayoutBlocks): the
+    coordinator sends each worker its rows of the images and takes the features back (each
+    worker's part, or the whole from the first worker); a data block computes its rows and moves
+    nothing but its BatchNorm sums (a barrier each way) and its weight gradients, which leave as
+    its backward ends and travel under the backward of the blocks below; a model block reads a
+    whole input and leaves its output in its channels, and its partial dX is summed into the
+    layout its input is held in (each worker's part to that worker: a reduce-scatter; an
+    all-reduce where the input is whole); a tensor, or a complete gradient, moves where it is
+    read in another layout than its own (each worker sent what it lacks of its part: an
+    all-gather to whole, an all-to-all between rows and channels), block outputs and dX in the
+    wire's dtype and a join's tensors in float32. Blocks run one after another, each exchange
+    between them waited for; the joins are left out (a pass over a tensor each). counts:
+    {worker: [kernels per layer]} (model blocks)."""
     names = list(images)
     p = len(names)
     sizes = split_sizes(batch, micro_batches)
@@ -862,25 +863,53 @@ def predict_graph_layout_step(specs, image_shape, batch, counts, images, profile
         kinds[kind] = kinds.get(kind, 0.0) + total
         return _links_s([out_bytes[w] for w in names], [total - out_bytes[w] for w in names], link) + link.latency_s
 
-    def gather(j, kind):
-        """All-gather of tensor j's rows (float32)."""
-        whole = batch * floats[j] * FLOAT_BYTES
-        return exchange(kind, {w: whole * frac[w] * (p - 1) for w in names})
+    # each worker's fraction of a tensor in a layout: rows of every channel, or a model block's channels
+    def part(layout, w):
+        if layout == WHOLE:
+            return 1.0
+        if layout == ROWS:
+            return frac[w]
+        return counts[w][layout[1]] / specs[layout[1]].kernels
 
+    def convert(j, have, want, exact):
+        """Tensor j (or its gradient) from layout `have` to `want`: each worker sends each other
+        what it holds of that one's part, where that one lacks it (engine/layouts.py); block
+        outputs and dX in the wire's dtype, a join's tensors in float32."""
+        if have == WHOLE or have == want:
+            return 0.0
+        whole = batch * floats[j] * (value_bytes if exact else FLOAT_BYTES)
+        if want == WHOLE:
+            out = {w: whole * part(have, w) * (p - 1) for w in names}
+        else:           # rows from channels or channels from rows: an all-to-all
+            out = {w: whole * part(have, w) * (1 - part(want, w)) for w in names}
+        kind = "block outputs" if exact and is_channels(have) and direction[0] == "forward" else "layout gathers"
+        return exchange(kind, out)
+
+    direction = ["forward"]
+    requires = {-1: False}          # which tensors a gradient reaches (engine.graph.GraphPass.requires)
+    for st in steps:
+        requires[st.output] = st.kind == "block" or st.output in graph.norms or any(requires[j] for j in st.inputs)
     compute = {w: 0.0 for w in names}
     image_bytes = batch * math.prod(image_shape) * FLOAT_BYTES
     t = image_bytes / link.bytes_per_s + link.latency_s
-    gathered = set()
+    block_outputs = {st.output for st in steps if st.kind == "block"}
+    converted = set()
+
+    def reads(st):
+        return step_reads(st, modes, graph.norms, layouts)
+
+    wanted = read_in(steps, reads, layouts)
     for st in steps:
-        want = step_layout(st, modes, graph.norms, layouts)
+        want = reads(st)
         for j in st.inputs:
-            if want == WHOLE and layouts[j] != WHOLE and j not in gathered:
-                gathered.add(j)
-                t += gather(j, "layout gathers")
+            source = conversion_source(j, want, layouts, wanted)
+            for have, to in ((layouts[j], source), (source, want)):
+                if have != to and (j, to) not in converted:
+                    converted.add((j, to))
+                    t += convert(j, have, to, j in block_outputs)
         if st.kind != "block":
             continue
         li, spec = st.block, specs[st.block]
-        _, (_, hp, wp) = geometry[li]
         if modes[li] == "data":
             fwd = {w: sum(profiles[w].layers[li].forward_s(spec.kernels, r) for r in rows[w]) for w in names}
             t += max(fwd.values())
@@ -889,17 +918,16 @@ def predict_graph_layout_step(specs, image_shape, batch, counts, images, profile
         else:
             fwd = {w: sum(profiles[w].layers[li].forward_s(counts[w][li], b) for b in sizes) for w in names}
             t += max(fwd.values())
-            out = batch * spec.kernels * hp * wp * value_bytes
-            t += exchange("block outputs", {w: out * counts[w][li] / spec.kernels * (p - 1) for w in names})
         for w in names:
             compute[w] += fwd[w]
+    direction[0] = "backward"
     feature_bytes = batch * graph.feature_floats * FLOAT_BYTES
-    in_rows = layouts[graph.feature] != WHOLE
-    t += feature_bytes / link.bytes_per_s + coordinator_s + feature_bytes * (1 if in_rows else p) / link.bytes_per_s
+    in_parts = layouts[graph.feature] != WHOLE
+    t += feature_bytes / link.bytes_per_s + coordinator_s + feature_bytes * (1 if in_parts else p) / link.bytes_per_s
     t += 2 * link.latency_s
     link_free, gathered_after = 0.0, 0.0
     for st in reversed(steps):
-        have = step_layout(st, modes, graph.norms, layouts)
+        have = step_reads(st, modes, graph.norms, layouts)
         if st.kind == "block":
             li, spec = st.block, specs[st.block]
             (n, c, h, wd), _ = geometry[li]
@@ -924,19 +952,20 @@ def predict_graph_layout_step(specs, image_shape, batch, counts, images, profile
                     # moving them (out and in: dw each way) takes the cores the blocks below run on
                     t += dw * link.host_cpu_s_per_byte
             elif graph.needs_dx[li]:
+                # summed into the layout its input is held in: each worker's partial of every other
+                # worker's part to that worker (an all-reduce where the input is whole)
                 whole_in = n * c * h * wd * value_bytes
-                if layouts[st.inputs[0]] == WHOLE:      # an all-reduce: every worker's partial to every other
-                    out = {w: whole_in * (p - 1) for w in names}
-                else:                                   # a reduce-scatter into the rows that hold the input
-                    out = {w: whole_in * (1 - frac[w]) for w in names}
+                into = layouts[st.inputs[0]]
+                out = {w: whole_in * (p - 1) if into == WHOLE else whole_in * (1 - part(into, w)) for w in names}
                 # it leaves as the device hands dX over (before dW, on the FFT and oneDNN direct paths)
                 dx_ready = started + max(bwd[w] * profiles[w].layers[li].backward_dx_share for w in names)
                 t = max(t, dx_ready + exchange("partial input gradients", out))
+                continue
         if st.kind == "block" and not graph.needs_dx[st.block]:
             continue
         for j in st.inputs:
-            if j >= 0 and layouts[j] == WHOLE and have != WHOLE:
-                t += gather(j, "layout gathers")
+            if requires[j] and layouts[j] != have:
+                t += convert(j, have, layouts[j], st.kind == "block")
     update = {w: sum(profiles[w].layers[li].update_s(spec.kernels if modes[li] == "data" else counts[w][li])
                      for li, spec in enumerate(specs)) for w in names}
     for w in names:
@@ -949,7 +978,7 @@ def predict_graph_layout_step(specs, image_shape, batch, counts, images, profile
                    "recv": sum(sent.values()) - sent[w], "layer_compute_s": [], "messages": messages[w]}
                for w in names}
     pred = Prediction(step, coordinator_s, workers, [("step", -1, step)])
-    pred.bytes_by_kind = {"images and features (coordinator)": image_bytes + feature_bytes * (2 if in_rows else 1 + p),
+    pred.bytes_by_kind = {"images and features (coordinator)": image_bytes + feature_bytes * (2 if in_parts else 1 + p),
                           **kinds}
     pred.busy = {**compute, "coordinator": coordinator_s}
     return pred

@@ -33,7 +33,7 @@ from hetconv.channelwise import (Activation, GlobalPool, Pool, batch_statistics,
                                  eval_statistics, update_running_statistics)
 from hetconv.engine.chain import ghost_groups, group_sums, statistics_segments
 from hetconv.engine.costmodel import GraphShape
-from hetconv.engine.layouts import ROWS, WHOLE
+from hetconv.engine.layouts import conversion_source, read_in
 from hetconv.net.spec import Add, Concat
 from hetconv.update import apply_update, slot_name
 
@@ -79,6 +79,7 @@ class GraphPass:
         for st in self.steps:
             requires[st.output] = st.kind == "block" or st.output in self.norms or any(requires[j] for j in st.inputs)
         self.requires = requires
+        self.block_outputs = {st.output for st in self.steps if st.kind == "block"}
         # after which step each tensor is read no more (its forward copy can go)
         last_read = {}
         for n, st in enumerate(self.steps):
@@ -133,7 +134,8 @@ class GraphPass:
         floats = {-1: math.prod(self.spec.input_shape)}
         floats.update({st.output: math.prod(shapes[st.output]) for st in self.steps})
         return GraphShape(tuple(needs[b] for b in sorted(needs)), math.prod(self.feature_shape),
-                          steps=tuple((st.kind, st.block, tuple(st.inputs), st.output) for st in self.steps),
+                          steps=tuple(("concat" if isinstance(st.layer, Concat) else st.kind, st.block,
+                                       tuple(st.inputs), st.output) for st in self.steps),
                           floats=tuple(sorted(floats.items())), norms=tuple(self.norms), feature=self.feature)
 
     def conversion_key(self, node, k=0):
@@ -149,23 +151,29 @@ class GraphPass:
     def forward(self, engine, xs, train, step=None):
         """The feature maps per micro-batch (the flatten's input). Training keeps each node's
         contexts for backward; the blocks keep theirs on the shards. Where the engine holds
-        tensors in layouts (`engine.layouts`, engine/layouts.py: a worker's rows or the whole),
-        each step reads its inputs in its own layout, converted by the engine where they differ
-        (once per tensor and layout), and the tensors given and returned are in their layouts."""
+        tensors in layouts (`engine.layouts`, engine/layouts.py: a worker's rows, its channels or
+        the whole), each step reads its inputs in its own layout, converted by the engine where
+        they differ (once per tensor and layout), and the tensors given and returned are in their
+        layouts. A block's output is a value the wire carries (each block rounds it there), so it
+        moves in the wire's dtype; a join's, in float32."""
         layouts = getattr(engine, "layouts", None)
         tensors = {-1: list(xs)}
         views = {}                          # (tensor, layout) -> the tensor converted to that layout
         self._saved = {}
 
+        wanted = read_in(self.steps, engine.step_reads, layouts) if layouts is not None else {}
+
         def read(j, want):
             if layouts is None or layouts[j] == want:
                 return tensors[j]
             if (j, want) not in views:
-                views[(j, want)] = engine.convert(tensors[j], layouts[j], want, "forward", self.conversion_key(j))
+                source = conversion_source(j, want, layouts, wanted)
+                views[(j, want)] = engine.convert(tensors[j] if source == layouts[j] else read(j, source), source,
+                                                  want, "forward", self.conversion_key(j), exact=j in self.block_outputs)
             return views[(j, want)]
 
         for n, st in enumerate(self.steps):
-            want = engine.step_layout(st) if layouts is not None else None
+            want = engine.step_reads(st) if layouts is not None else None
             if st.kind == "block":
                 out = engine.forward_layer(st.block, read(st.inputs[0], want), train, step)
             elif st.output in self.norms:
@@ -185,8 +193,8 @@ class GraphPass:
             for j in st.inputs:
                 if self.last_read[j] == n and j != self.feature:
                     del tensors[j]
-                    views.pop((j, "rows"), None)
-                    views.pop((j, "whole"), None)
+                    for key in [key for key in views if key[0] == j]:
+                        del views[key]
         return tensors[self.feature]
 
     def _norm_forward(self, node, xs, train, ghost):
@@ -258,29 +266,28 @@ class GraphPass:
         layouts = getattr(engine, "layouts", None)
         pending = {self.feature: list(grads)}
 
-        def give(j, dx, have, reader, k=0):
-            """Add the gradient of tensor j that its reader's input k gives (in the layout the
-            reader read j in) to j's, in j's layout."""
+        def give(j, dx, have, reader, k=0, exact=False):
+            """Add the gradient of tensor j that its reader's input k gives (in the layout `have`,
+            a block's dX in the wire's values where `exact`) to j's, in j's layout."""
             if layouts is not None and layouts[j] != have:
-                dx = engine.convert(dx, have, layouts[j], "backward", self.conversion_key(reader, k))
+                dx = engine.convert(dx, have, layouts[j], "backward", self.conversion_key(reader, k), exact=exact)
             self._accumulate(pending, j, dx)
 
         for st in reversed(self.steps):
             dy = pending.pop(st.output, None)
             if dy is None:
                 raise RuntimeError(f"node {st.output} has no gradient: every node before flatten leads to it")
-            have = engine.step_layout(st) if layouts is not None else None
+            have = engine.step_reads(st) if layouts is not None else None
             if st.kind == "block":
                 source = st.inputs[0]
-                if layouts is not None and have == WHOLE and layouts[source] == ROWS:
-                    # a model block whose input is held in rows: its partial dX is summed straight
-                    # into each worker's rows (a reduce-scatter), not made whole and then cut
-                    dx = engine.backward_layer_into_rows(st.block, dy, need_dx=self.requires[source])
-                    have = ROWS
+                if layouts is not None:
+                    # a model block's partial dX is summed straight into its input's layout (a
+                    # reduce-scatter into rows or channels), not made whole and then cut
+                    dx, have = engine.backward_block(st.block, dy, self.requires[source], layouts[source])
                 else:
                     dx = engine.backward_layer(st.block, dy, need_dx=self.requires[source])
                 if self.requires[source]:
-                    give(source, dx, have, st.output)
+                    give(source, dx, have, st.output, exact=True)
                 continue
             ctxs = self._saved.pop(st.output)
             if st.output in self.norms:

@@ -1,29 +1,20 @@
 """The worker side of the peer-exchange step for a network that is a graph.
 
 Every worker runs the graph's steps itself (engine.graph.GraphPass, the code the coordinator runs
-in the star exchange), over `PeerBlocks`, an engine whose blocks are this worker's shard of each
-conv block and whose tensors are made whole among the workers:
-- forward: a block's input is whole here; a model block computes this worker's channels of every
-  image, a data block every channel of this worker's images (its BatchNorms' sums added among the
-  block's workers, as in a chain); each worker sends its block of the output to every other and
-  builds the whole output from its own and theirs (an all-gather). The joins (a residual sum, a
-  concatenation, the ReLU and pools between blocks) then run on every worker alike, on whole
-  tensors, with no traffic: one pass over each tensor, repeated on each worker, where the
-  alternative is a round of messages per join.
-- backward: the gradient of a block's output is whole here (every reader's part summed in the
-  same fixed order on every worker); the block takes its part of it. A model block's partial dX
-  (every image, every input channel, this worker's kernels' share) goes to every other worker and
-  each sums all of them in plan order (an all-reduce: the same float sum as the star's and
-  --local's); a data block's dX (its images, whole) is all-gathered.
-What it costs against a chain's step: a tensor that only per-channel work reads is gathered all
-the same (in ResNets and Inception every join's output feeds a conv, which needs it whole anyway),
-and a partial dX moves whole to every peer: P - 1 times its size out of each worker, where a
-chain's reduce-scatter moves (P - 1) / P, P times less (resnet18 at batch 32 on two workers: 170
-MB of partial dX a step where a reduce-scatter would move 85). `LayoutBlocks` below holds a
-tensor in rows where data blocks make it, and there reduce-scatters the partial dX. The coordinator
-sends the images (each worker 1/P of them, all-gathered) and gets the features from the plan's
-first worker; both ways the arrays are float32, so the joins around them compute on what
---local's coordinator computes on.
+in the star exchange), over an engine whose blocks are this worker's shard of each conv block.
+Where the plan has data blocks (they split the images alike) that engine is `LayoutBlocks`: each
+tensor lives in a layout (engine/layouts.py), a worker's rows, its channels or the whole, and
+moves only where a reader takes it in another (an all-gather, or an all-to-all between rows and
+channels); a model block's partial dX is summed into the layout its input is held in (a
+reduce-scatter into rows or channels). An all-data graph so moves only weight gradients and
+BatchNorm sums, and a model block's output leaves for its readers micro-batch by micro-batch,
+under the next one's compute. The joins (a residual sum, a concatenation, the ReLU and pools
+between blocks) run on every worker on its part of their operands, with no traffic.
+Where every block is model-parallel, `PeerBlocks` makes every tensor whole among the workers
+instead: a block's output is all-gathered, its partial dX all-reduced (each worker's whole to
+every other, summed in plan order), the images all-gathered from the coordinator's 1/P each, and
+the plan's first worker sends the features. Both ways the coordinator's arrays are float32, so
+the joins around them compute on what --local's coordinator computes on.
 
 Rounding points are those of the star exchange, where each block's input, output, gradient and
 partial dX cross the wire once: a worker rounds each to the wire where it enters or leaves a
@@ -35,11 +26,11 @@ import numpy as np
 
 from hetconv.engine.chain import DropoutDraw
 from hetconv.engine.contract import sum_in_order
-from hetconv.engine.layouts import ROWS, step_layout, tensor_layouts
+from hetconv.engine.layouts import ROWS, WHOLE, is_channels, read_in, step_reads, tensor_layouts
 from hetconv.engine.planner import image_ranges, layout_rows
 from hetconv.transport import protocol
 from hetconv.transport.wire import decode, encode
-from hetconv.worker.blocks import block_shape, held_blocks, within
+from hetconv.worker.blocks import block_shape, held_blocks, intersect, within
 
 
 def _rounded(x, wire):
@@ -128,11 +119,8 @@ class PeerBlocks:
         self.compute[layer] += time.perf_counter() - t0 - waited[0]
         return self._all_gather("forward", layer, mine, [shapes[m] for m in range(len(xs))], lp.kernels)
 
-    def backward_layer(self, layer, grads, need_dx, rows=None):
-        """The block's dX, whole; with `rows` ({worker: [(r0, r1) per micro-batch]}, a model
-        block), each worker's rows of it: every worker sends each other only that worker's rows of
-        its partial dX, and sums the partials of its own rows (a reduce-scatter, 1/P of the
-        all-reduce's bytes, the same sums)."""
+    def backward_layer(self, layer, grads, need_dx):
+        """The block's dX, whole: a model block's partials all-reduced, a data block's all-gathered."""
         lp = self.links.layer_plans[layer]
         shard = self.links.shard
         dx_own, waited = {}, [0.0]
@@ -147,8 +135,7 @@ class PeerBlocks:
                 return
             t0 = time.perf_counter()
             shard.device.synchronize()
-            dx_own[m] = self._send_all("backward", layer, m, dx) if rows is None else \
-                self._send_rows("backward", layer, m, dx, rows)
+            dx_own[m] = self._send_all("backward", layer, m, dx)
             waited[0] += time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -161,146 +148,217 @@ class PeerBlocks:
         shapes = [tuple(dx_own[m].shape[2:]) for m in range(len(grads))]
         if lp.mode == "data":
             return self._all_gather("backward", layer, dx_own, shapes, channels)
-        mine = [(0, n) for n in self.sizes] if rows is None else rows[self.me]
-        return [self._sum_partials(layer, m, r1 - r0, dx_own[m], channels, shapes[m])
-                for m, (r0, r1) in enumerate(mine)]
-
-    def _send_rows(self, phase, layer, m, array, rows):
-        """Each other worker's rows (`rows`) of micro-batch m's `array`, as the wire carries it
-        (PeerLinks._send_blocks); returns this worker's rows of it, rounded, as they would arrive."""
-        n, channels = array.shape[:2]
-        receivers = {w: tuple(rows[w][m]) + (0, channels) for w in self.order}
-        seen = self.links._send_blocks(self.step, phase, layer, m, np.ascontiguousarray(array, np.float32),
-                                       (0, n, 0, channels), receivers, self.wire)
-        r0, r1 = rows[self.me][m]
-        return np.ascontiguousarray(seen[r0:r1])
+        return [self._sum_partials(layer, m, n, dx_own[m], channels, shapes[m]) for m, n in enumerate(self.sizes)]
 
     def _sum_partials(self, layer, m, n, own, channels, hw):
-        """A model block's dX of micro-batch m (or this worker's `n` rows of it): every worker's
-        partial, summed in plan order."""
+        """A model block's dX of micro-batch m: every worker's partial, summed in plan order."""
         links, step = self.links, self.step
-        others = [w for w in self.order if w != self.me] if n else []
+        others = [w for w in self.order if w != self.me]
         got = links._await({(step, "backward", layer, m, w) for w in others}, step)
         return sum_in_order([own if w == self.me else decode(links._check(
             f"step {step}: conv{layer + 1} partial dX of micro-batch {m}", w, got[(step, "backward", layer, m, w)],
             (n, channels) + hw), self.wire) for w in self.order])
 
 
+def _contains(outer, inner):
+    """Whether block `inner` lies in block `outer` (an empty one lies anywhere)."""
+    if inner[0] >= inner[1] or inner[2] >= inner[3]:
+        return True
+    return outer[0] <= inner[0] and inner[1] <= outer[1] and outer[2] <= inner[2] and inner[3] <= outer[3]
+
+
 class LayoutBlocks:
     """GraphPass's engine on a worker where each tensor of the step has a layout (engine/layouts.py:
-    this worker's rows of it, or the whole), which every data block's one split of the images
-    makes possible. A data block computes its rows from rows: nothing moves; its BatchNorm sums
-    are added among the workers, and (with `rule`) its weight gradients leave for their sum as
-    soon as its backward ends, while the blocks below compute (PeerLinks._after_backward). A
-    model block reads whole tensors and makes its output whole, as the whole-tensor step
-    (PeerBlocks) does. `convert` moves a tensor or a gradient between layouts: rows to whole is an
-    all-gather (float32: a join's output is not a value the wire carries), whole to rows takes
-    this worker's rows. Rounding points are the whole-tensor step's: a block's input, output,
-    gradient and dX are rounded to the wire where they enter or leave it."""
+    this worker's rows of it, its channels, or the whole), which every data block's one split of
+    the images makes possible. A data block computes its rows from rows: nothing moves; its
+    BatchNorm sums are added among the workers, and (with `rule`) its weight gradients leave for
+    their sum as soon as its backward ends, while the blocks below compute
+    (PeerLinks._after_backward). A model block reads a whole input and leaves its output in its
+    channels; as each micro-batch's output is made, the part each reader's layout wants of it
+    leaves for that reader (an all-gather where a model block reads it next, an all-to-all where a
+    data block does), under the next micro-batch's compute. In backward its partial dX is summed
+    into the layout its input is held in: each worker sends each other that worker's part of its
+    partial, and sums the partials of its own part in plan order (a reduce-scatter into rows or
+    channels, an all-reduce into a whole tensor). `convert` moves any other tensor or complete
+    gradient between layouts: each worker is sent what it lacks of its part, by the worker that
+    holds it. Block outputs and dX travel in the wire's dtype (a block rounds them there); a
+    join's tensors in float32. Rounding points are those of the star exchange: a block's input,
+    output, gradient and dX are rounded to the wire where they enter or leave it."""
 
     def __init__(self, links, step, sizes, rows, layouts, wire, dropout, compute, rule):
         self.links, self.step, self.wire = links, step, wire
+        self.me, self.order = links.name, links.order
         self.rows, self.mine = rows, rows[links.name]        # {worker: [(r0, r1) per micro-batch]}
+        self.plans = links.layer_plans
         self.layouts, self.modes = layouts, [lp.mode for lp in links.layer_plans]
         self.dropout, self.compute, self.rule = dropout, compute, rule
         self.bn_ghost_batch = links.norm_ghost_batch
         self.sizes = list(sizes)
         self.starts = [int(v) for v in np.cumsum([0] + self.sizes)[:-1]]   # each micro-batch's first row
         self.batch = sum(self.sizes)
-        self.whole = PeerBlocks(links, step, sizes, wire, dropout, compute)
         self.deferred, self.updates = [], []    # for PeerLinks._apply_updates once backward is done
+        graph = links.graph
+        # each block output's readers' layouts other than its own: the parts they want leave as
+        # each micro-batch is made (_send_part), under the conversion key convert() reads them by
+        self.block_output = {st.block: st.output for st in graph.steps if st.kind == "block"}
+        wanted = read_in(graph.steps, self.step_reads, layouts)
+        self.read_as = {j: [WHOLE] if WHOLE in w else w for j, w in wanted.items()}
+        self.sent_ahead = set()                 # (conversion key, layout) whose parts left as they were made
 
-    def step_layout(self, st):
-        return step_layout(st, self.modes, self.links.graph.norms, self.layouts)
+    def step_reads(self, st):
+        return step_reads(st, self.modes, self.links.graph.norms, self.layouts)
+
+    def _blocks(self, layout, m, channels):
+        """{worker: (r0, r1, c0, c1)}: its part of micro-batch m of a tensor of `channels` held in `layout`."""
+        n = self.sizes[m]
+        if layout == WHOLE:
+            return {w: (0, n, 0, channels) for w in self.order}
+        if layout == ROWS:
+            return {w: tuple(self.rows[w][m]) + (0, channels) for w in self.order}
+        return held_blocks(self.plans[layout[1]], n)
 
     def _reduce(self, layer, waited):
-        return self.links._bn_reduce(self.step, layer, waited) if len(self.links.order) > 1 else None
+        if self.modes[layer] != "data" or len(self.order) < 2:
+            return None
+        return self.links._bn_reduce(self.step, layer, waited)
 
+    # ---- moving a tensor between layouts -----------------------------------------------------------
+    def _send_part(self, phase, key, m, own, have, want, wire):
+        """To each worker that lacks part of its block of `want`, what this worker holds of it
+        (`own`, its block of `have`, as the wire carries it)."""
+        channels = self._channels_of(own, have, m)
+        hb, wb = self._blocks(have, m, channels), self._blocks(want, m, channels)
+        sent = None
+        for peer in self.order:
+            if peer == self.me or _contains(hb[peer], wb[peer]):
+                continue
+            part = intersect(hb[self.me], wb[peer])
+            if part is not None:
+                sent = encode(np.ascontiguousarray(own, np.float32), wire) if sent is None else sent
+                self.links._send_peer(peer, self.step, phase, key, m, np.ascontiguousarray(sent[within(part,
+                                                                                                         hb[self.me])]))
+
+    def _channels_of(self, own, have, m):
+        """The whole tensor's channel count, from this worker's block `own` of it in `have`."""
+        if is_channels(have):
+            return self.plans[have[1]].kernels
+        return own.shape[1]
+
+    def _receive_part(self, phase, key, m, own, have, want, wire, channels):
+        """This worker's block of `want` of micro-batch m: from its own block `own` of `have` where
+        that covers it, else assembled from what each holder sent (_send_part)."""
+        hb, wb = self._blocks(have, m, channels), self._blocks(want, m, channels)
+        need, hw = wb[self.me], tuple(own.shape[2:])
+        if _contains(hb[self.me], need):
+            return np.ascontiguousarray(own[within(need, hb[self.me])], np.float32)
+        links = self.links
+        senders = [w for w in self.order if w != self.me and intersect(hb[w], need) is not None]
+        got = links._await({(self.step, phase, key, m, w) for w in senders}, self.step)
+        out = np.empty(block_shape(need) + hw, np.float32)
+        for w in self.order:
+            part = intersect(hb[w], need)
+            if part is None:
+                continue
+            out[within(part, need)] = own[within(part, hb[self.me])] if w == self.me else decode(links._check(
+                f"step {self.step}: {phase} {key} of micro-batch {m}", w, got[(self.step, phase, key, m, w)],
+                block_shape(part) + hw), wire)
+        return out
+
+    def convert(self, arrays, have, want, direction, key, exact=False):
+        """Per micro-batch, `arrays` (this worker's parts in layout `have`) as its parts in layout
+        `want`, sent under `key` (phase "gather" in forward, "gather_grad" in backward); `exact`:
+        the values are the wire's (a block's output or dX), so they travel in its dtype."""
+        phase = "gather" if direction == "forward" else "gather_grad"
+        wire = self.wire if exact else "float32"
+        if (key, want) not in self.sent_ahead:
+            for m, a in enumerate(arrays):
+                self._send_part(phase, key, m, a, have, want, wire)
+        channels = [self._channels_of(a, have, m) for m, a in enumerate(arrays)]
+        return [self._receive_part(phase, key, m, a, have, want, wire, channels[m]) for m, a in enumerate(arrays)]
+
+    # ---- GraphPass's engine ------------------------------------------------------------------------
     def forward_layer(self, layer, xs, train, step=None):
-        if self.modes[layer] != "data":
-            return self.whole.forward_layer(layer, xs, train, step)
-        shard, mine, waited = self.links.shard, {}, [0.0]
+        model = self.modes[layer] != "data"
+        shard, out, waited = self.links.shard, {}, [0.0]
+        node = self.block_output[layer]
+        key = self.links.graph.conversion_key(node)
+        ahead = self.read_as.get(node, [])
 
         def inputs():
             for m, x in enumerate(xs):
-                yield m, _rounded(x, self.wire), self.starts[m] + self.mine[m][0]
+                yield m, _rounded(x, self.wire), self.starts[m] + (0 if model else self.mine[m][0])
 
         def emit(m, y):
             t0 = time.perf_counter()
             shard.device.synchronize()
-            mine[m] = _rounded(y, self.wire)
+            sent = encode(np.ascontiguousarray(y, np.float32), self.wire)
+            out[m] = decode(sent, self.wire)
+            for want in ahead:
+                self._send_part("gather", key, m, out[m], self.layouts[node], want, self.wire)
             waited[0] += time.perf_counter() - t0
 
         t0 = time.perf_counter()
         shard.forward_layer(layer, inputs(), train, self._reduce(layer, waited), emit, self.dropout, batch=self.batch)
         self.compute[layer] += time.perf_counter() - t0 - waited[0]
-        return [mine[m] for m in range(len(xs))]
+        self.sent_ahead.update((key, want) for want in ahead)
+        return [out[m] for m in range(len(xs))]
 
-    def backward_layer(self, layer, grads, need_dx):
-        if self.modes[layer] != "data":
-            dx = self.whole.backward_layer(layer, grads, need_dx)
-            self._after_backward(layer)
-            return dx
+    def backward_block(self, layer, grads, need_dx, into):
+        """Block `layer`'s backward from its output's gradient (in its layout) -> (its dX, the
+        layout it is in): a data block's in its rows, a model block's partial summed into `into`
+        (the layout its input is held in)."""
+        model = self.modes[layer] != "data"
         shard, dx_own, waited = self.links.shard, {}, [0.0]
+        channels = shard.layers[layer].spec.in_channels
 
         def emit(m, dx):
-            if need_dx:
-                t0 = time.perf_counter()
-                shard.device.synchronize()
+            if not need_dx:
+                return
+            t0 = time.perf_counter()
+            shard.device.synchronize()
+            if model:
+                n = self.sizes[m]
+                dx_own[m] = self.links._send_blocks(self.step, "backward", layer, m,
+                                                    np.ascontiguousarray(dx, np.float32), (0, n, 0, channels),
+                                                    self._blocks(into, m, channels), self.wire)
+            else:
                 dx_own[m] = _rounded(dx, self.wire)
-                waited[0] += time.perf_counter() - t0
+            waited[0] += time.perf_counter() - t0
 
         t0 = time.perf_counter()
         shard.backward_layer(layer, ((m, _rounded(g, self.wire)) for m, g in enumerate(grads)), need_dx,
                              self._reduce(layer, waited), emit)
         shard.device.synchronize()
         self.compute[layer] += time.perf_counter() - t0 - waited[0]
-        self._after_backward(layer)
-        return [dx_own[m] for m in range(len(grads))] if need_dx else [None] * len(grads)
-
-    def backward_layer_into_rows(self, layer, grads, need_dx):
-        """A model block's backward whose input is held in rows: its dX in this worker's rows
-        (PeerBlocks.backward_layer's reduce-scatter)."""
-        dx = self.whole.backward_layer(layer, grads, need_dx, rows=self.rows)
-        self._after_backward(layer)
-        return dx
-
-    def _after_backward(self, layer):
         if self.rule is not None:
             self.links._after_backward(self.step, layer, self.rule, self.rule.max_norm > 0, self.deferred,
                                        self.updates, self.compute)
+        if not need_dx:
+            return [None] * len(grads), into if model else ROWS
+        if not model:
+            return [dx_own[m] for m in range(len(grads))], ROWS
+        return [self._sum_partials(layer, m, dx_own[m], into, channels) for m in range(len(grads))], into
 
-    def convert(self, arrays, have, want, direction, key):
-        """Per micro-batch, `arrays` (in layout `have`) in layout `want`: this worker's rows of a
-        whole tensor, or the whole of a tensor each worker holds rows of (sent to every other
-        worker under `key`, phase "gather" in forward, "gather_grad" in backward)."""
-        if want == ROWS:
-            return [np.ascontiguousarray(a[r0:r1]) for a, (r0, r1) in zip(arrays, self.mine)]
-        links, step, phase = self.links, self.step, "gather" if direction == "forward" else "gather_grad"
-        out = []
-        for m, a in enumerate(arrays):
-            a = np.ascontiguousarray(a, np.float32)
-            if len(a):
-                for peer in links.order:
-                    if peer != links.name:
-                        links._send_peer(peer, step, phase, key, m, a)
-            senders = [w for w in links.order if w != links.name and self.rows[w][m][1] > self.rows[w][m][0]]
-            got = links._await({(step, phase, key, m, w) for w in senders}, step)
-            whole = np.empty((self.sizes[m],) + a.shape[1:], np.float32)
-            for w in links.order:
-                r0, r1 = self.rows[w][m]
-                if r1 > r0:
-                    whole[r0:r1] = a if w == links.name else links._check(
-                        f"step {step}: {phase} {key} of micro-batch {m}", w, got[(step, phase, key, m, w)],
-                        (r1 - r0,) + a.shape[1:])
-            out.append(whole)
-        return out
+    def _sum_partials(self, layer, m, whole, into, channels):
+        """A model block's dX of micro-batch m in this worker's part of layout `into`: every
+        worker's partial of that part (`whole`: this worker's, rounded), summed in plan order."""
+        links, step = self.links, self.step
+        blocks = self._blocks(into, m, channels)
+        mine, hw = blocks[self.me], tuple(whole.shape[2:])
+        own = np.ascontiguousarray(whole[within(mine, (0, self.sizes[m], 0, channels))])
+        if not block_shape(mine)[0] * block_shape(mine)[1]:
+            return own
+        others = [w for w in self.order if w != self.me]
+        got = links._await({(step, "backward", layer, m, w) for w in others}, step)
+        return sum_in_order([own if w == self.me else decode(links._check(
+            f"step {step}: conv{layer + 1} partial dX of micro-batch {m}", w, got[(step, "backward", layer, m, w)],
+            block_shape(mine) + hw), self.wire) for w in self.order])
 
 
 def _run_layout_step(links, seq, fields, step, micros, train, rule, sizes, rows):
     """run_graph_step where each tensor has a layout (engine/layouts.py): this worker's rows of
-    the images from the coordinator, the graph over LayoutBlocks, the features back (its rows of
-    them, or the whole from the plan's first worker where they are whole) and, training, their
+    the images from the coordinator, the graph over LayoutBlocks, the features back (its rows or
+    channels of them, or the whole from the plan's first worker where they are whole) and, training, their
     gradient the same way; each data block's weight gradients summed among the workers as its
     backward ends."""
     graph = links.graph
@@ -318,8 +376,8 @@ def _run_layout_step(links, seq, fields, step, micros, train, rule, sizes, rows)
     engine = LayoutBlocks(links, step, sizes, rows, layouts, links.shard.wire, dropout, compute,
                           rule if train else None)
     features = graph.forward(engine, xs, train)
-    in_rows = layouts[graph.feature] == ROWS
-    return _features_back(links, seq, step, features, in_rows or links.name == links.order[0], train, engine, compute,
+    in_parts = layouts[graph.feature] != WHOLE        # each worker its rows or channels of them
+    return _features_back(links, seq, step, features, in_parts or links.name == links.order[0], train, engine, compute,
                           lambda: links._apply_updates(step, rule, engine.deferred, engine.updates, compute)
                           if rule is not None else {})
 
