@@ -361,12 +361,13 @@ def test_hetconv_plan_prices_a_graphs_blocks_in_the_modes_asked_naming_them(tmp_
 
 
 def test_the_cost_model_prices_each_graph_block_as_the_graph_step_moves_it():
-    """Every tensor is whole between a graph's blocks, so each block is priced on its own: the
-    chosen modes are each block's cheaper one, a block fed by the images alone pays no dX, a
-    model block's partial dX goes whole to every other worker, and the prediction's bytes are
-    the blocks' own."""
+    """Priced with every tensor whole between the blocks (what chooses each block's cheaper mode),
+    each block is priced on its own: a block fed by the images alone pays no dX, a model block's
+    partial dX goes whole to every other worker. The plans are priced as the step runs them,
+    each tensor in its layout: all-data moves the fewest bytes, a plan priced alike that moves
+    fewer is taken, and all-model sums each partial dX into its input's channels."""
     from test_parallel_plan import cpu_profile
-    from hetconv.engine.costmodel import GraphShape, parse_bandwidth, predict_graph_layout_step, predict_graph_step
+    from hetconv.engine.costmodel import GraphShape, parse_bandwidth, predict_any, predict_graph_layout_step
     from hetconv.engine.graph import graph_pass
     from hetconv.engine.planner import TRAFFIC_TIE, choose_modes, mode_shares, one_image_split
     from hetconv.geometry import ConvSpec
@@ -403,18 +404,22 @@ def test_the_cost_model_prices_each_graph_block_as_the_graph_step_moves_it():
     assert sum(v["sent"] for v in chosen.workers.values()) < sum(v["sent"] for v in all_data.workers.values())
     assert rows.chosen_s < choice.chosen_s and "rows" in rows.reason
 
-    counts = {w: [s.kernels // 2 for s in specs] for w in profiles}
-    pred = predict_graph_step(specs, spec.input_shape, batch, counts, profiles, link, 0.0, shape)
     detail = choice.costs.detail
     for li, ((n, c, h, w), (_, hp, wp)) in enumerate(layer_geometry_of(specs, spec.input_shape, batch)):
         out_half, whole_in = n * specs[li].kernels * hp * wp * 4 / 2, n * c * h * w * 4
         assert detail[li]["model"]["sent_bytes"][0] == pytest.approx(out_half + (whole_in if li else 0))
-    assert pred.workers["a"]["sent"] == pytest.approx(sum(detail[li]["model"]["sent_bytes"][0]
-                                                          for li in range(len(specs))))
+    # all-model runs the layout step too: each block's output gathered from its channels, the
+    # images from their rows, each partial dX summed into its input's layout (the channels of the
+    # block before it: a reduce-scatter, half the all-reduce's bytes on two workers)
+    counts = {w: [s.kernels // 2 for s in specs] for w in profiles}
+    pred = predict_any("peer", specs, spec.input_shape, batch, counts, profiles, link, 0.0, graph=shape)
     among = {k: v for k, v in pred.bytes_by_kind.items() if "coordinator" not in k}
-    assert sorted(among) == ["block outputs", "images (among the workers)", "partial input gradients"]
-    assert sum(among.values()) == pytest.approx(sum(w["sent"] for w in pred.workers.values())
-                                                + batch * 3 * 32 * 32 * 4)
+    assert sorted(among) == ["block outputs", "layout gathers", "partial input gradients"]
+    assert sum(among.values()) == pytest.approx(sum(w["sent"] for w in pred.workers.values()))
+    assert among["layout gathers"] >= batch * 3 * 32 * 32 * 4 / 2                   # the images, at least
+    whole_dx = sum(2 * n * c * h * w * 4 for li, ((n, c, h, w), _) in
+                   enumerate(layer_geometry_of(specs, spec.input_shape, batch)) if li)
+    assert among["partial input gradients"] < whole_dx
     no_dx = choose_modes(specs, spec.input_shape, batch, profiles, link, "model",
                          graph=GraphShape((True,) * len(specs), 512)).costs.detail
     assert no_dx[0]["model"]["wire_s"] > detail[0]["model"]["wire_s"]

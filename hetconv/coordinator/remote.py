@@ -33,7 +33,7 @@ from hetconv.engine.conv_precision import checked_choices as _conv_path_choices
 from hetconv.engine.costmodel import Link, parse_bandwidth, profiles_from_calibration
 from hetconv.engine.graph import norm_states_from
 from hetconv.engine.measure import calibrate_local, measure_loopback
-from hetconv.engine.layouts import ROWS, WHOLE, is_channels, tensor_layouts
+from hetconv.engine.layouts import ROWS, is_channels, tensor_layouts
 from hetconv.engine.microbatch import micro_batch_count, priced_text
 from hetconv.engine.planner import PlanError, forced_modes, image_ranges, layout_rows
 from hetconv.engine.policy import (PlanFlags, check_exchange, choose_plan, cpu_groups, link_for_cores,
@@ -970,11 +970,11 @@ class RemoteEngine(ShardEngine):
         return features, clip_factor(total, clipping.max_norm)
 
     def _graph_peer_step(self, xs, head, update, train_step=(0, 0), head_sum_of_squares=None):
-        """_peer_step for a graph (worker.graph_step): each worker 1/P of every micro-batch's
-        images (its rows where the step holds its tensors in layouts), which they all-gather where
-        they need them whole; the features, whole, from the plan's first worker, or each worker's
-        rows of them, joined in plan order; with a head, the FC work here on micro-batch m while
-        the workers compute m+1, and the gradient back: whole to every worker, or each its rows.
+        """_peer_step for a graph (worker.graph_step): each worker its rows of every micro-batch's
+        images (the layout the step holds them in), which they gather where they need them whole;
+        the features, whole, from the plan's first worker, or each worker's rows or channels of
+        them, placed together; with a head, the FC work here on micro-batch m while the workers
+        compute m+1, and the gradient back: whole to every worker, or each its part.
         Both ways float32: the joins next to them run in float32 on the workers as on this process
         in the star exchange."""
         self.step_id += 1
@@ -987,8 +987,7 @@ class RemoteEngine(ShardEngine):
         rows = self._graph_rows([len(x) for x in xs])
         for m, x in enumerate(xs):
             x = np.ascontiguousarray(x, np.float32)
-            pieces = (np.array_split(x, len(names)) if rows is None else
-                      [x[rows[name][m][0]:rows[name][m][1]] for name in names])
+            pieces = [x[rows[name][m][0]:rows[name][m][1]] for name in names]
             for name, piece in zip(names, pieces):
                 self._send(self.peers[name], "INPUT", [piece], doing=doing, step=step, micro=m)
         senders, grads = self._graph_feature_blocks([len(x) for x in xs], rows)
@@ -1040,11 +1039,13 @@ class RemoteEngine(ShardEngine):
         return self._step_result(features, next_micro, norms, doing, update if clip else None)
 
     def _graph_rows(self, sizes):
-        """{worker: [(r0, r1) per micro-batch]} where the graph's step holds its tensors in layouts
-        (worker.graph_step.rows_of_step): each worker gets its rows of the images; else None."""
-        if len(self.plan.workers) < 2 or not any(lp.mode == "data" for lp in self.plan.layers):
-            return None
-        return layout_rows(self.plan.layers, sizes)
+        """{worker: [(r0, r1) per micro-batch]}: each worker's rows of the images, the layout a
+        graph's step holds them in (worker.graph_step.rows_of_step)."""
+        rows = layout_rows(self.plan.layers, sizes)
+        if rows is None:
+            raise PlanError("the plan's data blocks split the images differently; a graph's data blocks split "
+                            "them alike (planner.plan_from_lines with one_split)")
+        return rows
 
     def _graph_feature_blocks(self, sizes, rows):
         """({worker: [its block (r0, r1, c0, c1) of each micro-batch's features]} for the workers
@@ -1052,8 +1053,7 @@ class RemoteEngine(ShardEngine):
         step holds its tensors in layouts and the features in rows or channels, each worker its
         own part both ways; else the whole from the plan's first worker, their gradient to all."""
         names, channels = self.plan.workers, self.graph.feature_shape[0]
-        layout = (tensor_layouts(self.graph.steps, self.plan.modes(), self.graph.norms)[self.graph.feature]
-                  if rows is not None else WHOLE)
+        layout = tensor_layouts(self.graph.steps, self.plan.modes(), self.graph.norms)[self.graph.feature]
         if layout == ROWS:
             parts = {w: [tuple(r) + (0, channels) for r in rows[w]] for w in names}
         elif is_channels(layout):

@@ -557,18 +557,18 @@ def predict_peer_step(specs, image_shape, batch, counts, profiles, link, coordin
 
 def predict_any(exchange, specs, image_shape, batch, counts, profiles, link, coordinator_s, micro_batches=1,
                 value_bytes=FLOAT_BYTES, modes=None, images=None, graph=None):
-    """predict_peer_step (predict_graph_step where `graph`, a GraphShape, says the network is a
-    graph) or, for --exchange star, predict_step once per micro-batch (the star overlaps nothing,
+    """predict_peer_step (predict_graph_layout_step where `graph`, a GraphShape, says the network
+    is a graph) or, for --exchange star, predict_step once per micro-batch (the star overlaps nothing,
     so micro-batches only add round trips; it has model layers only)."""
-    if exchange == "peer" and graph is not None and graph.steps and len(counts) > 1 and modes is not None:
-        data = [li for li, m in enumerate(modes) if m == "data"]
-        if data and images and all(len({images[w][li] for li in data}) == 1 for w in counts):
-            return predict_graph_layout_step(specs, image_shape, batch, counts,
-                                             {w: images[w][data[0]] for w in counts}, profiles, link, coordinator_s,
-                                             graph, modes, micro_batches, value_bytes)
     if exchange == "peer" and graph is not None:
-        return predict_graph_step(specs, image_shape, batch, counts, profiles, link, coordinator_s, graph,
-                                  micro_batches, value_bytes, modes, images)
+        modes = list(modes) if modes is not None else ["model"] * len(specs)
+        data = [li for li, m in enumerate(modes) if m == "data"]
+        if data and not (images and all(len({images[w][li] for li in data}) == 1 for w in counts)):
+            raise ValueError("a graph's data blocks split the images alike: each worker the same images in every one")
+        # the images' rows: the data blocks' split, or an even one (weights alike)
+        rows = {w: images[w][data[0]] for w in counts} if data else {w: 1 for w in counts}
+        return predict_graph_layout_step(specs, image_shape, batch, counts, rows, profiles, link, coordinator_s,
+                                         graph, modes, micro_batches, value_bytes)
     if exchange == "peer":
         return predict_peer_step(specs, image_shape, batch, counts, profiles, link, coordinator_s,
                                  micro_batches, value_bytes, modes, images)
@@ -991,42 +991,3 @@ class _Step:
     block: int
     inputs: tuple
     output: int
-
-
-def predict_graph_step(specs, image_shape, batch, counts, profiles, link, coordinator_s, graph, micro_batches=1,
-                       value_bytes=FLOAT_BYTES, modes=None, images=None):
-    """Predicted seconds of one peer step of a graph (graph_mode_costs: the blocks one after
-    another, each in its mode, nothing overlapped) with the coordinator's FC work on top.
-    counts, images: as the plan gives them (Plan.counts(), Plan.images())."""
-    names = list(counts)
-    modes = list(modes) if modes is not None else ["model"] * len(specs)
-    images = images or {w: [0] * len(specs) for w in names}
-    # a model block's images and a data block's kernels are not what the plan holds: fill them in
-    # as the other mode's shares (they are not read for the block's own mode)
-    share = {w: [images[w][li] if m == "data" else batch // len(names) for li, m in enumerate(modes)] for w in names}
-    costs = graph_mode_costs(specs, image_shape, batch, counts, share, profiles, link, graph.needs_dx, micro_batches,
-                             value_bytes, graph.feature_floats * batch)
-    step_s = costs.chain_s(modes) + coordinator_s
-    workers = {}
-    for w in names:
-        sizes = split_sizes(batch, micro_batches)
-        k = names.index(w)
-        layer_compute = [_compute_s(profiles[w].layers[li], counts[w][li] if m == "model" else specs[li].kernels,
-                                    batch if m == "model" else images[w][li], sizes, batch) for li, m in enumerate(modes)]
-        workers[w] = {"compute_s": sum(layer_compute), "layer_compute_s": layer_compute,
-                      "wire_s": sum(costs.detail[li][m]["wire_s"] for li, m in enumerate(modes)),
-                      "wait_s": 0.0, "sent": sum(costs.detail[li][m]["sent_bytes"][k] for li, m in enumerate(modes)),
-                      "recv": sum(costs.detail[li][m]["recv_bytes"][k] for li, m in enumerate(modes))}
-    pred = Prediction(step_s, coordinator_s, workers,
-                      [("block", li, costs.node[li][m]) for li, m in enumerate(modes)])
-    image_bytes, feature_bytes = batch * math.prod(image_shape) * FLOAT_BYTES, batch * graph.feature_floats * FLOAT_BYTES
-    by_kind = {"images and features (coordinator)": image_bytes + feature_bytes * (1 + len(names)),
-               "images (among the workers)": image_bytes * (len(names) - 1)}
-    for li, m in enumerate(modes):
-        for kind, moved in costs.detail[li][m]["bytes_by_kind"].items():
-            by_kind[kind] = by_kind.get(kind, 0.0) + moved
-    pred.bytes_by_kind = by_kind
-    pred.busy = {**{w: v["compute_s"] for w, v in workers.items()},
-                 "peer links": sum(costs.detail[li][m]["wire_s"] for li, m in enumerate(modes)),
-                 "coordinator": coordinator_s}
-    return pred

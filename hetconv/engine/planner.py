@@ -67,8 +67,7 @@ def image_ranges(lp, n):
 def layout_rows(layer_plans, sizes):
     """Per worker, its rows [r0, r1) of each micro-batch of `sizes` images: the data blocks'
     split where they all split each micro-batch alike, an even split where there is no data
-    block (as the coordinator sends the images); None where two data blocks split differently
-    (a graph step then holds every tensor whole)."""
+    block; None where two data blocks split differently (a graph's step refuses that plan)."""
     data = [lp for lp in layer_plans if lp.mode == "data"]
     workers = list(layer_plans[0].ranges) if layer_plans else []
     rows = {w: [] for w in workers}
@@ -77,9 +76,10 @@ def layout_rows(layer_plans, sizes):
             first = image_ranges(data[0], n)
             if any(image_ranges(lp, n) != first for lp in data[1:]):
                 return None
-        else:
-            bounds = [n * i // len(workers) for i in range(len(workers) + 1)]
-            first = {w: (bounds[i], bounds[i + 1]) for i, w in enumerate(workers)}
+        else:                   # even, whole images by largest remainder (as the cost model cuts them)
+            first, start = {}, 0
+            for w, share in zip(workers, largest_remainder_shares(n, [1] * len(workers))):
+                first[w], start = (start, start + share), start + share
         for w in workers:
             rows[w].append(first[w])
     return rows
@@ -769,6 +769,9 @@ def choose_modes(specs, image_shape, batch, profiles, link, parallel="auto", mic
         if batch < len(names):
             costs.node[li]["data"] = inf
     model_s = costs.chain_s(["model"] * layers)
+    if graph is not None and graph.steps and len(names) > 1 and model_s < inf:
+        model_s = predict_graph_layout_step(specs, image_shape, batch, counts, {w: 1 for w in names}, profiles, link,
+                                            0.0, graph, ["model"] * layers, micro_batches, value_bytes).step_s
     if len(names) == 1:
         return ModeChoice(["model"] * layers, costs, model_s, model_s, "one worker: the two modes are the same")
     # a graph's plan with data blocks splits the images once and holds its tensors in layouts
@@ -776,7 +779,9 @@ def choose_modes(specs, image_shape, batch, profiles, link, parallel="auto", mic
     moved = {}                                  # modes -> bytes a layout step of them sends among the workers
 
     def layout_s(modes):
-        if graph is None or not graph.steps or "data" not in modes or batch < len(names):
+        if graph is not None and graph.steps and "data" not in modes:
+            return model_s
+        if graph is None or not graph.steps or batch < len(names):
             return None
         if any(m == "model" and costs.node[li]["model"] == inf for li, m in enumerate(modes)):
             return inf

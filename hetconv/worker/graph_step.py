@@ -27,7 +27,7 @@ import numpy as np
 from hetconv.engine.chain import DropoutDraw
 from hetconv.engine.contract import sum_in_order
 from hetconv.engine.layouts import ROWS, WHOLE, is_channels, read_in, step_reads, tensor_layouts
-from hetconv.engine.planner import image_ranges, layout_rows
+from hetconv.engine.planner import layout_rows
 from hetconv.transport import protocol
 from hetconv.transport.wire import decode, encode
 from hetconv.worker.blocks import block_shape, held_blocks, intersect, within
@@ -36,128 +36,6 @@ from hetconv.worker.blocks import block_shape, held_blocks, intersect, within
 def _rounded(x, wire):
     """x as it would arrive over the wire (x itself for float32)."""
     return decode(encode(np.ascontiguousarray(x, np.float32), wire), wire)
-
-
-class PeerBlocks:
-    """GraphPass's engine on a worker: forward_layer / backward_layer of conv block `layer` with
-    whole tensors in and out, over `links` (worker.peers.PeerLinks) in step `step` of `sizes`
-    images per micro-batch. Seconds spent computing are added to `compute[layer]`."""
-
-    def __init__(self, links, step, sizes, wire, dropout, compute):
-        self.links, self.step, self.sizes, self.wire = links, step, list(sizes), wire
-        self.offsets = [int(v) for v in np.cumsum([0] + self.sizes)[:-1]]
-        self.dropout, self.compute = dropout, compute
-        self.me, self.order = links.name, links.order
-        self.bn_ghost_batch = links.norm_ghost_batch       # what the graph's BatchNorm nodes group by, as the blocks'
-
-    def _reduce(self, layer, waited):
-        lp = self.links.layer_plans[layer]
-        return self.links._bn_reduce(self.step, layer, waited) if lp.mode == "data" and len(self.order) > 1 else None
-
-    def _all_gather(self, phase, layer, parts, shapes, channels):
-        """Per micro-batch m, the whole (n, channels, H, W) array of which each worker holds the
-        block held_blocks gives it (`parts[m]`: this worker's, already rounded): the others'
-        blocks from them, checked against the plan."""
-        lp, links, step = self.links.layer_plans[layer], self.links, self.step
-        out = []
-        for m, n in enumerate(self.sizes):
-            blocks = self._blocks(lp, n, channels, phase)
-            senders = [w for w in self.order if w != self.me and block_shape(blocks[w])[0] * block_shape(blocks[w])[1]]
-            got = links._await({(step, phase, layer, m, w) for w in senders}, step)
-            hw = shapes[m]
-            whole = np.empty((n, channels) + hw, np.float32)
-            for w in self.order:
-                b = blocks[w]
-                if not block_shape(b)[0] * block_shape(b)[1]:
-                    continue
-                piece = parts[m] if w == self.me else decode(links._check(
-                    f"step {step}: conv{layer + 1} {phase} block of micro-batch {m}", w,
-                    got[(step, phase, layer, m, w)], block_shape(b) + hw), self.wire)
-                whole[within(b, (0, n, 0, channels))] = piece
-            out.append(whole)
-        return out
-
-    @staticmethod
-    def _blocks(lp, n, channels, phase):
-        """Each worker's block of the tensor an all-gather makes whole: a block's output (forward)
-        as held_blocks has it; a data block's dX (backward), its images x every input channel."""
-        if phase == "forward":
-            return held_blocks(lp, n)
-        return {w: (r0, r1, 0, channels) for w, (r0, r1) in image_ranges(lp, n).items()}
-
-    def _send_all(self, phase, layer, m, array):
-        """This worker's block of a tensor to every other worker, as the wire carries it; returns
-        it rounded, as they see it."""
-        sent = encode(np.ascontiguousarray(array, np.float32), self.wire)
-        if len(array):
-            for peer in self.order:
-                if peer != self.me:
-                    self.links._send_peer(peer, self.step, phase, layer, m, sent)
-        return decode(sent, self.wire)
-
-    # ---- GraphPass's engine ------------------------------------------------------------------------
-    def forward_layer(self, layer, xs, train, step=None):
-        lp = self.links.layer_plans[layer]
-        shard = self.links.shard
-        mine, waited, shapes = {}, [0.0], {}
-
-        def inputs():
-            for m, x in enumerate(xs):
-                r0, r1 = held_blocks(lp, len(x))[self.me][:2] if lp.mode == "data" else (0, len(x))
-                yield m, _rounded(x[r0:r1], self.wire), self.offsets[m] + r0
-
-        def emit(m, y):
-            t0 = time.perf_counter()
-            shard.device.synchronize()
-            shapes[m] = tuple(y.shape[2:])
-            mine[m] = self._send_all("forward", layer, m, y)
-            waited[0] += time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        shard.forward_layer(layer, inputs(), train, self._reduce(layer, waited), emit, self.dropout,
-                            batch=sum(self.sizes))
-        self.compute[layer] += time.perf_counter() - t0 - waited[0]
-        return self._all_gather("forward", layer, mine, [shapes[m] for m in range(len(xs))], lp.kernels)
-
-    def backward_layer(self, layer, grads, need_dx):
-        """The block's dX, whole: a model block's partials all-reduced, a data block's all-gathered."""
-        lp = self.links.layer_plans[layer]
-        shard = self.links.shard
-        dx_own, waited = {}, [0.0]
-
-        def pieces():
-            for m, g in enumerate(grads):
-                r0, r1, c0, c1 = held_blocks(lp, len(g))[self.me]
-                yield m, _rounded(g[r0:r1, c0:c1], self.wire)
-
-        def emit(m, dx):
-            if not need_dx:
-                return
-            t0 = time.perf_counter()
-            shard.device.synchronize()
-            dx_own[m] = self._send_all("backward", layer, m, dx)
-            waited[0] += time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        shard.backward_layer(layer, pieces(), need_dx, self._reduce(layer, waited), emit)
-        shard.device.synchronize()
-        self.compute[layer] += time.perf_counter() - t0 - waited[0]
-        if not need_dx:
-            return [None] * len(grads)
-        channels = shard.layers[layer].spec.in_channels
-        shapes = [tuple(dx_own[m].shape[2:]) for m in range(len(grads))]
-        if lp.mode == "data":
-            return self._all_gather("backward", layer, dx_own, shapes, channels)
-        return [self._sum_partials(layer, m, n, dx_own[m], channels, shapes[m]) for m, n in enumerate(self.sizes)]
-
-    def _sum_partials(self, layer, m, n, own, channels, hw):
-        """A model block's dX of micro-batch m: every worker's partial, summed in plan order."""
-        links, step = self.links, self.step
-        others = [w for w in self.order if w != self.me]
-        got = links._await({(step, "backward", layer, m, w) for w in others}, step)
-        return sum_in_order([own if w == self.me else decode(links._check(
-            f"step {step}: conv{layer + 1} partial dX of micro-batch {m}", w, got[(step, "backward", layer, m, w)],
-            (n, channels) + hw), self.wire) for w in self.order])
 
 
 def _contains(outer, inner):
@@ -383,25 +261,9 @@ def _run_layout_step(links, seq, fields, step, micros, train, rule, sizes, rows)
 
 
 def run_graph_step(links, seq, fields, step, micros, train, rule, sizes):
-    """STEP for a graph: the images all-gathered, the graph forward over every micro-batch, the
-    features to the coordinator (the plan's first worker sends them), and when training the
-    gradient from it and the graph backward, then the step's updates (PeerLinks.finish_updates).
-    Where the data blocks split the images alike, each tensor is held in a layout instead, a
-    worker's rows or the whole (_run_layout_step).
-    -> STEP_DONE's fields."""
-    graph, wire = links.graph, links.shard.wire
-    rows = rows_of_step(links, sizes)
-    if rows is not None:
-        return _run_layout_step(links, seq, fields, step, micros, train, rule, sizes, rows)
-    others = [w for w in links.order if w != links.name]
-    compute = [0.0] * len(links.layer_plans)
-    xs, n = links._first_inputs(step, micros, sizes, "float32", others, whole=True)
-    dropout = DropoutDraw(fields["seed"], fields["train_step"], sum(n)) if train else None
-    engine = PeerBlocks(links, step, n, wire, dropout, compute)
-    features = graph.forward(engine, [xs[m] for m in range(micros)], train)
-    return _features_back(links, seq, step, features, links.name == links.order[0], train, engine, compute,
-                          lambda: links.finish_updates(step, rule, range(len(links.layer_plans)), compute)
-                          if rule is not None else {})
+    """STEP for a graph: each tensor held in a layout (engine/layouts.py) among the workers,
+    _run_layout_step. -> STEP_DONE's fields."""
+    return _run_layout_step(links, seq, fields, step, micros, train, rule, sizes, rows_of_step(links, step, sizes))
 
 
 def _features_back(links, seq, step, features, send, train, engine, compute, updates):
@@ -425,10 +287,13 @@ def _features_back(links, seq, step, features, send, train, engine, compute, upd
             "peer_bytes_sent": links.bytes_sent}
 
 
-def rows_of_step(links, sizes):
-    """{worker: its rows of each micro-batch} where a step of the graph holds its tensors in
-    layouts (two or more workers, every data block splitting the images alike, at least one data
-    block; planner.layout_rows), else None: every tensor whole (PeerBlocks)."""
-    if sizes is None or len(links.order) < 2 or not any(lp.mode == "data" for lp in links.layer_plans):
-        return None
-    return layout_rows(links.layer_plans, sizes)
+def rows_of_step(links, step, sizes):
+    """{worker: its rows of each micro-batch}: the images' layout (planner.layout_rows, the data
+    blocks' one split, or an even one where every block is model-parallel)."""
+    if sizes is None:
+        raise ValueError(f"step {step}: STEP without 'sizes': a graph's step needs each micro-batch's image count")
+    rows = layout_rows(links.layer_plans, sizes)
+    if rows is None:
+        raise ValueError(f"step {step}: the plan's data blocks split the images differently; a graph's data blocks "
+                         f"split them alike (each tensor held in one worker's rows between them)")
+    return rows

@@ -385,12 +385,12 @@ class PeerLinks:
         layers = len(self.ranges)
         first_data = bool(self.layer_plans) and self.layer_plans[0].mode == "data" and self.graph is None
         data_layers = [lp.layer for lp in self.layer_plans if lp.mode == "data"]
-        # a graph's every block output is all-gathered, and any block's dX may be wanted
-        whole = self.graph is not None
-        # a graph's tensors moved between layouts (engine/layouts.py), by GraphPass.conversion_key
-        conversions = range(self.graph.conversion_keys()) if whole else range(0)
-        allowed = {"images": range(-1, -1 if first_data else 0), "forward": range(0, layers if whole else layers - 1),
-                   "backward": range(0 if whole else 1, layers), "dweights": data_layers,
+        # a graph's tensors move between layouts (engine/layouts.py) by GraphPass.conversion_key,
+        # and any model block's partial dX may be summed (graph_step.LayoutBlocks)
+        graph = self.graph is not None
+        conversions = range(self.graph.conversion_keys()) if graph else range(0)
+        allowed = {"images": range(-1, -1 if first_data or graph else 0), "forward": range(0 if graph else layers - 1),
+                   "backward": range(0 if graph else 1, layers), "dweights": data_layers,
                    "dweights_sum": data_layers if len(self.order) > 2 else [], "bn_forward": data_layers,
                    "bn_backward": data_layers, "gradnorm": [-1], "gather": conversions, "gather_grad": conversions}
         if not isinstance(phase, str) or phase not in PHASES:
@@ -398,11 +398,10 @@ class PeerLinks:
         # What can precede this worker's own start of a step: a peer's images; and where the first
         # layer is data-parallel (no images to gather), a peer that began first computes alone up to
         # its first exchange, so its forward slices too. Backward needs every worker's features first.
-        # A graph with data blocks holds its tensors in layouts (graph_step.LayoutBlocks): a peer
-        # computes its own rows up to its first exchange, a BatchNorm's sums or a gather.
-        layouts = whole and bool(data_layers)
+        # A graph holds its tensors in layouts (graph_step.LayoutBlocks): a peer computes its own
+        # part up to its first exchange, a BatchNorm's sums or a gather.
         if early and phase not in (("images", "forward", "bn_forward") if first_data else
-                                   ("images", "bn_forward", "gather") if layouts else ("images",)):
+                                   ("bn_forward", "gather") if graph else ("images",)):
             return self._drop(msg, "early", f"{phase!r} for step {step} before that step began")
         if not _is_int(layer) or layer not in allowed[phase]:
             return self._drop(msg, "layer", f"{phase} layer {layer!r:.40} is outside the plan's {layers} layers"
@@ -467,19 +466,19 @@ class PeerLinks:
             raise ValueError(f"step {step}: STEP field 'sizes' must list {micros} image counts >= 1, got {sizes!r:.80}")
         return sizes
 
-    def _first_inputs(self, step, micros, sizes, wire, others, whole=False):
+    def _first_inputs(self, step, micros, sizes, wire, others):
         """-> ({micro-batch: this worker's input block of layer 0}, images per micro-batch). A data
-        first layer takes its own rows from the coordinator; a model one, and a graph (`whole`),
-        all-gathers the rows (each worker got 1/P of every micro-batch)."""
+        first layer takes its own rows from the coordinator; a model one all-gathers the rows (each
+        worker got 1/P of every micro-batch)."""
         lp = self.layer_plans[0]
-        channels = self.graph.spec.input_shape[0] if whole else self.shard.layers[0].spec.in_channels
+        channels = self.shard.layers[0].spec.in_channels
         got = self._await({(step, "INPUT", -1, m, "coordinator") for m in range(micros)}, step)
         mine = [got[(step, "INPUT", -1, m, "coordinator")] for m in range(micros)]
         for m, piece in enumerate(mine):
             if piece.ndim != 4 or piece.shape[1] != channels:
                 raise ValueError(f"step {step}: images of micro-batch {m} have shape {piece.shape}, expected "
                                  f"(N, {channels}, H, W)")
-        if lp.mode == "data" and not whole:
+        if lp.mode == "data":
             if sizes is None:
                 raise ValueError(f"step {step}: STEP without 'sizes': the first layer is data-parallel, so this "
                                  f"worker needs each micro-batch's image count")
