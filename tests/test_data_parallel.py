@@ -319,21 +319,27 @@ def slice_msg(step, phase, layer, micro=0, sender="w0"):
 
 
 def test_peer_checks_follow_the_plans_modes():
-    """Weight gradients are admitted only for a data layer, once a step (micro 0); the images'
-    all-gather only where the first layer is model."""
+    """Weight gradients are admitted only for a data layer, once a step (micro 0); a partial dX
+    only for a model layer whose input takes a gradient (not one reading the images); tensors
+    between layouts only under the step's conversion keys (a chain's: one per layer). The chain
+    step's old phases (images, forward) are no protocol's any more."""
     links = peer_links(["data", "model", "data"])
     links.start_step(1, 2)
     assert links._admit(slice_msg(1, "dweights", 0), running=True) == (1, "dweights", 0, 0, "w0")
     assert links._admit(slice_msg(1, "dweights", 2), running=True) == (1, "dweights", 2, 0, "w0")
     assert links._admit(slice_msg(1, "dweights", 1), running=True) is None       # a model layer
     assert links._admit(slice_msg(1, "dweights", 0, micro=1), running=True) is None
-    assert links._admit(slice_msg(1, "images", -1), running=True) is None        # a data first layer: no images
-    for phase in ("gather", "gather_grad"):     # a chain moves no tensor between layouts (a graph's step does)
-        assert links._admit(slice_msg(1, phase, 0), running=True) is None
-    assert links.dropped == 5
+    assert links._admit(slice_msg(1, "backward", 1), running=True) == (1, "backward", 1, 0, "w0")
+    assert links._admit(slice_msg(1, "backward", 0), running=True) is None       # a data layer sums no partials
+    for phase in ("gather", "gather_grad"):
+        assert links._admit(slice_msg(1, phase, 0), running=True) == (1, phase, 0, 0, "w0")
+        assert links._admit(slice_msg(1, phase, links.graph.conversion_keys()), running=True) is None
+    for phase, layer in (("images", -1), ("forward", 0)):
+        assert links._admit(slice_msg(1, phase, layer), running=True) is None
+    assert links.dropped == 7
     model_first = peer_links(["model", "data"])
     model_first.start_step(1, 1)
-    assert model_first._admit(slice_msg(1, "images", -1), running=True) == (1, "images", -1, 0, "w0")
+    assert model_first._admit(slice_msg(1, "backward", 0), running=True) is None  # it reads the images: no dX
     assert model_first._admit(slice_msg(1, "dweights", 0), running=True) is None
 
 
@@ -353,15 +359,14 @@ def test_summed_weight_gradient_chunks_are_admitted_only_where_more_than_two_wor
 
 
 def test_a_graph_worker_admits_layout_gathers_only_under_its_graphs_conversion_keys():
-    """A graph's step moves tensors between layouts under GraphPass.conversion_key numbers: a
-    `gather` or `gather_grad` under any other number is refused, not held."""
-    from types import SimpleNamespace
+    """A step moves tensors between layouts under GraphPass.conversion_key numbers (a chain's
+    pass: one per layer): a `gather` or `gather_grad` under any other number is refused, not held."""
     links = peer_links(["data", "model", "data"])
-    links.graph = SimpleNamespace(conversion_keys=lambda: 6)
+    keys = links.graph.conversion_keys()
     links.start_step(1, 2)
     for phase in ("gather", "gather_grad"):
-        assert links._admit(slice_msg(1, phase, 5, micro=1), running=True) == (1, phase, 5, 1, "w0")
-        for key in (6, -1, "2", 2.0):
+        assert links._admit(slice_msg(1, phase, keys - 1, micro=1), running=True) == (1, phase, keys - 1, 1, "w0")
+        for key in (keys, -1, "2", 2.0):
             assert links._admit(slice_msg(1, phase, key), running=True) is None
     assert links.dropped == 8
 
@@ -377,21 +382,24 @@ def test_a_plan_with_bad_modes_or_images_is_refused_when_it_arrives(modes, image
         peer_links(modes, images if images is not None else [{}] * len(modes))
 
 
-def test_a_peer_that_began_the_step_first_is_heard_where_the_first_layer_is_data():
-    """With a data first layer a worker computes alone up to its first exchange, so a faster peer's
-    forward slices can arrive before this worker's STEP: they are held for the step, not dropped
-    (dropping them left the step waiting for pieces that had come and gone). Where the first layer
-    is model, only images can come first; backward and weight gradients never can."""
-    links = peer_links(["data", "model", "data"])
-    links.start_step(1, 2)
-    links.hold_early(slice_msg(2, "forward", 0))
-    assert (2, "forward", 0, 0, "w0") in links.held
-    assert links._admit(slice_msg(2, "backward", 1), running=False) is None
-    assert links._admit(slice_msg(2, "dweights", 0), running=False) is None
-    model_first = peer_links(["model", "data"])
-    model_first.start_step(1, 1)
-    assert model_first._admit(slice_msg(2, "forward", 0), running=False) is None
-    assert model_first._admit(slice_msg(2, "images", -1), running=False) == (2, "images", -1, 0, "w0")
+def test_a_peer_that_began_the_step_first_is_heard_up_to_its_first_exchange():
+    """A worker computes alone up to its first exchange, so a faster peer's gather or BatchNorm
+    sums can arrive before this worker's STEP: they are held for the step, not dropped (dropping
+    them left the step waiting for pieces that had come and gone). Backward and weight gradients
+    never can."""
+    for modes in (["data", "model", "data"], ["model", "data"]):
+        links = peer_links(modes)
+        links.start_step(1, 2)
+        links.hold_early(slice_msg(2, "gather", 0))
+        assert (2, "gather", 0, 0, "w0") in links.held
+        assert links._admit(slice_msg(2, "backward", 1), running=False) is None
+        assert links._admit(slice_msg(2, "dweights", 0), running=False) is None
+        assert links._admit(slice_msg(2, "gather_grad", 0), running=False) is None
+
+
+def test_a_plan_whose_data_layers_split_the_images_differently_is_refused_when_it_arrives():
+    with pytest.raises(ValueError, match="split the images differently"):
+        peer_links(["data", "model", "data"], [{"w0": 3, "w1": 5}, {}, {"w0": 4, "w1": 4}])
 
 
 @pytest.mark.parametrize("parallel", ["model", "data"])

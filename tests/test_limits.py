@@ -131,8 +131,8 @@ def test_peer_features_of_the_wrong_shape_are_named(procs):
         w, b = rng.standard_normal((4, 3, 3, 3)).astype(np.float32), np.zeros(4, np.float32)
         engine.load(fixed_plan([4], {"liar": [4]}), [spec], [(w, b, None, None)])
         x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
-        with pytest.raises(WorkerError, match=r"liar.*ShapeError: FEATURES for micro-batch 0 with shape \(2, 4, 2, 3\): "
-                                              r"the plan expects \(2, 4, 3, 3\)"):
+        with pytest.raises(WorkerError, match=r"liar.*ShapeError: FEATURES for micro-batch 0: float32 \(2, 4, 2, 3\); "
+                                              r"the plan expects float32 \(2, 4, 3, 3\)"):
             engine.predict(x)
     finally:
         engine.close()

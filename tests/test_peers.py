@@ -9,7 +9,7 @@ from hetconv.transport import protocol as P
 from hetconv.worker.peers import PeerLinks
 
 
-def slice_msg(step, phase="images", layer=-1, micro=0, sender="w0", value=1.0):
+def slice_msg(step, phase="gather", layer=0, micro=0, sender="w0", value=1.0):
     return P.unpack(P.pack("SLICE", 0, [np.full((2, 3, 4, 4), value, np.float32)], step=step, phase=phase,
                            layer=layer, micro=micro, sender=sender))
 
@@ -30,30 +30,31 @@ def links():
 
 
 def test_a_peers_slice_that_overtakes_the_step_message_is_kept_for_that_step(links):
-    """A faster peer already in step 7 sends its images before this worker has read STEP 7 (they
-    come over different connections): the compute loop holds it, and step 7 finds it."""
+    """A faster peer already in step 7 sends its part of the images' gather before this worker has
+    read STEP 7 (they come over different connections): the compute loop holds it, and step 7
+    finds it."""
     links.hold_early(slice_msg(7, value=3.0))
     links.start_step(7, 1)
-    got = links._await({(7, "images", -1, 0, "w0")}, 7)
-    np.testing.assert_array_equal(got[(7, "images", -1, 0, "w0")], 3.0)
+    got = links._await({(7, "gather", 0, 0, "w0")}, 7)
+    np.testing.assert_array_equal(got[(7, "gather", 0, 0, "w0")], 3.0)
 
 
 def test_what_was_held_for_another_step_is_dropped_when_a_step_starts(links):
     links.hold_early(slice_msg(3))                           # an abandoned step's
     links.hold_early(slice_msg(7, sender="w2"))
     links.start_step(7, 1)
-    assert list(links.held) == [(7, "images", -1, 0, "w2")]
-    with pytest.raises(TimeoutError, match=r"step 7: waited 2s for \[\(7, 'images', -1, 0, 'w0'\)\]"):
-        links._await({(7, "images", -1, 0, "w0")}, 7)
+    assert list(links.held) == [(7, "gather", 0, 0, "w2")]
+    with pytest.raises(TimeoutError, match=r"step 7: waited 2s for \[\(7, 'gather', 0, 0, 'w0'\)\]"):
+        links._await({(7, "gather", 0, 0, "w0")}, 7)
 
 
 def test_messages_arriving_during_a_step_are_matched_or_held(links):
     links.start_step(4, 1)
-    links.requests.put(slice_msg(4, phase="forward", layer=0, value=2.0))
+    links.requests.put(slice_msg(4, phase="gather", layer=1, value=2.0))
     links.requests.put(slice_msg(4, value=1.0))
-    got = links._await({(4, "images", -1, 0, "w0")}, 4)
-    np.testing.assert_array_equal(got[(4, "images", -1, 0, "w0")], 1.0)
-    assert list(links.held) == [(4, "forward", 0, 0, "w0")]   # the later phase's, waiting for its turn
+    got = links._await({(4, "gather", 0, 0, "w0")}, 4)
+    np.testing.assert_array_equal(got[(4, "gather", 0, 0, "w0")], 1.0)
+    assert list(links.held) == [(4, "gather", 1, 0, "w0")]    # a later tensor's, waiting for its turn
 
 
 def test_between_steps_only_each_senders_newest_steps_slices_are_held(links):
@@ -67,12 +68,12 @@ def test_between_steps_only_each_senders_newest_steps_slices_are_held(links):
     links.hold_early(slice_msg(150, sender="w0"))                # overtaken: an older step's
     links.hold_early(slice_msg(150, sender="w3"))                # w3's newest: kept until a step starts
     links.hold_early(slice_msg("7", sender="w2"))                # not a step number
-    assert sorted(links.held) == [(150, "images", -1, 0, "w3"), (199, "images", -1, 0, "w0"),
-                                  (199, "images", -1, 0, "w2")]
+    assert sorted(links.held) == [(150, "gather", 0, 0, "w3"), (199, "gather", 0, 0, "w0"),
+                                  (199, "gather", 0, 0, "w2")]
     links.start_step(199, 1)
-    assert sorted(links.held) == [(199, "images", -1, 0, "w0"), (199, "images", -1, 0, "w2")]
-    got = links._await({(199, "images", -1, 0, "w2")}, 199)
-    np.testing.assert_array_equal(got[(199, "images", -1, 0, "w2")], 5.0)
+    assert sorted(links.held) == [(199, "gather", 0, 0, "w0"), (199, "gather", 0, 0, "w2")]
+    got = links._await({(199, "gather", 0, 0, "w2")}, 199)
+    np.testing.assert_array_equal(got[(199, "gather", 0, 0, "w2")], 5.0)
 
 
 def test_what_a_peer_sends_ahead_is_bounded_by_the_plans_micro_batches_and_a_byte_budget():
@@ -87,13 +88,13 @@ def test_what_a_peer_sends_ahead_is_bounded_by_the_plans_micro_batches_and_a_byt
         links.hold_early(slice_msg(9, micro=m, sender="w0"))
     links.hold_early(slice_msg(9, micro=0, sender="w2"))
     assert sorted(k[3] for k in links.held if k[4] == "w0") == [0, 1, 2]      # 4 and up: no such micro-batch;
-    assert (9, "images", -1, 0, "w2") in links.held                             # 3: over w0's budget
+    assert (9, "gather", 0, 0, "w2") in links.held                             # 3: over w0's budget
     # during step 9, the same bounds for step 10's
     links.start_step(9, 4)
     for m in range(6):
         links.requests.put(slice_msg(10, micro=m, sender="w2"))
     links.requests.put(slice_msg(9, micro=1, sender="w2"))
-    links._await({(9, "images", -1, 1, "w2")}, 9)
+    links._await({(9, "gather", 0, 1, "w2")}, 9)
     assert sorted(k[3] for k in links.held if k[0] == 10) == [0, 1, 2]
     assert links.dropped == 8
 
@@ -143,8 +144,6 @@ def test_a_batchnorm_barrier_is_counted_as_waiting_not_as_the_blocks_compute():
     links.start_step(5, 1)
     threading.Thread(target=slow_peer, daemon=True).start()
     compute = [0.0]
-    links.graph = SimpleNamespace(steps=[SimpleNamespace(kind="block", block=0, inputs=(-1,), output=0)], norms={},
-                                  conversion_key=lambda node, k=0: node + 1, conversion_keys=lambda: 2)   # one data block
     blocks = LayoutBlocks(links, 5, [4], {"w0": [(0, 2)], "w1": [(2, 4)]}, {-1: "rows", 0: "rows"}, "float32", None,
                           compute, None)
     out = blocks.forward_layer(0, [np.zeros((2, 3, 1, 1), np.float32)], True)

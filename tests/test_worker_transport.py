@@ -30,7 +30,7 @@ def plan_fields(workers=WORKERS, layers=2, you="w1", **extra):
             "timeout": 2.0, "connect": False}
 
 
-def slice_msg(step, phase="images", layer=-1, micro=0, sender="w0", value=1.0, peer_key=None, arrays=1):
+def slice_msg(step, phase="gather", layer=0, micro=0, sender="w0", value=1.0, peer_key=None, arrays=1):
     msg = P.unpack(P.pack("SLICE", 0, [np.full((2, 3, 4, 4), value, np.float32)] * arrays, step=step, phase=phase,
                           layer=layer, micro=micro, sender=sender))
     if peer_key is not None:
@@ -53,7 +53,7 @@ def links():
 def test_an_unhashable_layer_is_dropped_not_raised(links, layer):
     links.hold_early(slice_msg(7, layer=layer, sender="w0"))
     links.hold_early(slice_msg(7, sender="w2"))
-    assert list(links.held) == [(7, "images", -1, 0, "w2")]
+    assert list(links.held) == [(7, "gather", 0, 0, "w2")]
 
 
 def test_a_far_future_step_does_not_evict_the_next_steps_early_slice(links):
@@ -61,25 +61,25 @@ def test_a_far_future_step_does_not_evict_the_next_steps_early_slice(links):
     must not make another sender's real early slice look overtaken."""
     links.hold_early(slice_msg(10**9, sender="w0"))
     links.hold_early(slice_msg(8, sender="w2", value=4.0))
-    assert (8, "images", -1, 0, "w2") in links.held
+    assert (8, "gather", 0, 0, "w2") in links.held
 
 
-def test_once_a_step_has_run_only_the_next_steps_images_are_held_between_steps(links):
+def test_once_a_step_has_run_only_the_next_steps_first_gathers_are_held_between_steps(links):
     links.start_step(7, 1)
     links.hold_early(slice_msg(10**9, sender="w0"))
     links.hold_early(slice_msg(6, sender="w0"))
-    links.hold_early(slice_msg(8, phase="forward", layer=0, sender="w0"))   # cannot precede our images
+    links.hold_early(slice_msg(8, phase="backward", layer=1, sender="w0"))  # cannot precede our first gather
     links.hold_early(slice_msg(8, sender="w2", value=4.0))
-    assert list(links.held) == [(8, "images", -1, 0, "w2")]
+    assert list(links.held) == [(8, "gather", 0, 0, "w2")]
     links.start_step(8, 1)
-    got = links._await({(8, "images", -1, 0, "w2")}, 8)
-    np.testing.assert_array_equal(got[(8, "images", -1, 0, "w2")], 4.0)
+    got = links._await({(8, "gather", 0, 0, "w2")}, 8)
+    np.testing.assert_array_equal(got[(8, "gather", 0, 0, "w2")], 4.0)
 
 
 @pytest.mark.parametrize("fields", [
-    dict(micro=1), dict(micro=-1), dict(micro="0"), dict(layer=0), dict(phase="forward", layer=1),
+    dict(micro=1), dict(micro=-1), dict(micro="0"), dict(layer=3), dict(phase="forward", layer=1),
     dict(phase="backward", layer=0), dict(phase="backward", layer=2), dict(phase="sideways"),
-    dict(sender="w1"), dict(sender="w9"), dict(sender=["w0"]), dict(step=3), dict(step=5, phase="forward", layer=0),
+    dict(sender="w1"), dict(sender="w9"), dict(sender=["w0"]), dict(step=3), dict(step=5, phase="backward", layer=1),
     dict(step=True), dict(arrays=2)])
 def test_a_slice_outside_the_plan_is_dropped_not_held(links, fields):
     """During step 4 of one micro-batch over two layers: a micro-batch, layer or phase the plan
@@ -88,20 +88,20 @@ def test_a_slice_outside_the_plan_is_dropped_not_held(links, fields):
     links.start_step(4, 1)
     links.requests.put(slice_msg(**{"step": 4, **fields}))
     links.requests.put(slice_msg(4, sender="w0", value=2.0))
-    got = links._await({(4, "images", -1, 0, "w0")}, 4)
-    np.testing.assert_array_equal(got[(4, "images", -1, 0, "w0")], 2.0)
+    got = links._await({(4, "gather", 0, 0, "w0")}, 4)
+    np.testing.assert_array_equal(got[(4, "gather", 0, 0, "w0")], 2.0)
     assert links.held == {}
 
 
 def test_each_key_is_held_once_and_each_kind_of_refusal_logged_once(links):
     links.start_step(4, 2)
     for value in range(50):
-        links.requests.put(slice_msg(4, phase="forward", layer=0, sender="w2", value=value))
+        links.requests.put(slice_msg(4, phase="gather_grad", layer=1, sender="w2", value=value))
         links.requests.put(slice_msg(4, micro=7 + value, sender="w2"))
     links.requests.put(slice_msg(4, sender="w0"))
-    links._await({(4, "images", -1, 0, "w0")}, 4)
-    assert list(links.held) == [(4, "forward", 0, 0, "w2")]
-    np.testing.assert_array_equal(links.held[(4, "forward", 0, 0, "w2")], 0.0)      # the first one kept
+    links._await({(4, "gather", 0, 0, "w0")}, 4)
+    assert list(links.held) == [(4, "gather_grad", 1, 0, "w2")]
+    np.testing.assert_array_equal(links.held[(4, "gather_grad", 1, 0, "w2")], 0.0)  # the first one kept
     assert len(links.logged) == 2, links.logged                                     # duplicate, micro
     assert links.dropped == 99
 
@@ -127,8 +127,8 @@ def test_with_keys_a_sender_must_hold_the_key_its_connection_authenticated():
     links.hold_early(slice_msg(8, sender="w2", peer_key=b))
     links.hold_early(slice_msg(8, sender="w3", micro=1, peer_key=b))
     links.hold_early(slice_msg(8, sender="w0", micro=1, peer_key=a))
-    assert sorted(links.held) == [(8, "images", -1, 0, "w2"), (8, "images", -1, 1, "w0"),
-                                  (8, "images", -1, 1, "w3")]
+    assert sorted(links.held) == [(8, "gather", 0, 0, "w2"), (8, "gather", 0, 1, "w0"),
+                                  (8, "gather", 0, 1, "w3")]
 
 
 def test_a_peer_that_takes_no_slice_fails_the_step_instead_of_blocking_it():
@@ -145,7 +145,7 @@ def test_a_peer_that_takes_no_slice_fails_the_step_instead_of_blocking_it():
     def flood():
         try:
             for _ in range(5000):
-                links._send_peer("w0", 1, "images", -1, 0, np.zeros(1, np.float32))
+                links._send_peer("w0", 1, "gather", 0, 0, np.zeros(1, np.float32))
         except TimeoutError as e:
             raised.append(e)
 

@@ -27,15 +27,14 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from hetconv.devices.wisdom import DETERMINISTIC, machine_wisdom
-from hetconv.engine.contract import (ShardEngine, WorkerError, WorkerLost,  # noqa: F401  (raised here, caught by callers)
-                                     concat_channels)
+from hetconv.engine.contract import ShardEngine, WorkerError, WorkerLost  # noqa: F401  (raised here, caught by callers)
 from hetconv.engine.conv_precision import checked_choices as _conv_path_choices
 from hetconv.engine.costmodel import Link, parse_bandwidth, profiles_from_calibration
-from hetconv.engine.graph import norm_states_from
+from hetconv.engine.graph import GraphPass, norm_states_from
 from hetconv.engine.measure import calibrate_local, measure_loopback
 from hetconv.engine.layouts import ROWS, is_channels, tensor_layouts
 from hetconv.engine.microbatch import micro_batch_count, priced_text
-from hetconv.engine.planner import PlanError, forced_modes, image_ranges, layout_rows
+from hetconv.engine.planner import PlanError, forced_modes, layout_rows
 from hetconv.engine.policy import (PlanFlags, check_exchange, choose_plan, cpu_groups, link_for_cores,
                                    price_cores_together)
 from hetconv.flags import usable_cores
@@ -860,88 +859,6 @@ class RemoteEngine(ShardEngine):
             return super().predict(x)
         return self._peer_step([x], None, None)[0][0]
 
-    def _peer_step(self, xs, head, update, train_step=(0, 0), head_sum_of_squares=None):
-        """One STEP through the workers: images out (each worker 1/P of every micro-batch, or its
-        rows when the first layer is data-parallel), the last layer's blocks in, per micro-batch
-        (channel slices of a model layer, rows of a data layer); with a head (training), FC work
-        here on micro-batch m while the workers compute m+1, and the gradient's matching blocks
-        back out. Where the update clips (max_norm), the last GRAD carries the head's part of the
-        global norm (`head_sum_of_squares()`), and the workers, having summed theirs among
-        themselves, report the whole. Returns (the last layer's features per micro-batch
-        when there is no head, the clipping factor)."""
-        if self.graph is not None:
-            return self._graph_peer_step(xs, head, update, train_step, head_sum_of_squares)
-        self.step_id += 1
-        step, names, micros = self.step_id, self.plan.workers, len(xs)
-        train = head is not None
-        doing = f"{'training' if train else 'inference'} step {step}"
-        first, last = self.plan.layers[0], self.plan.layers[-1]
-        hw = tuple(xs[0].shape[2:])                            # each layer's pooled output, from the specs
-        for layer in range(len(self.specs)):
-            hw = self.pooled_output_hw(layer, hw)
-        sent_at = time.perf_counter()
-        pending = self._start_step(step, xs, train, update, train_step, doing)
-        for m, x in enumerate(xs):
-            x = np.ascontiguousarray(x)
-            if first.mode == "data":                           # each its own rows: nothing is all-gathered
-                rows = [x[r0:r1] for r0, r1 in (image_ranges(first, len(x))[name] for name in names)]
-            else:
-                rows = np.array_split(x, len(names))
-            for name, piece in zip(names, rows):
-                self._send(self.peers[name], "INPUT", [encode(piece, self.wire)], doing=doing, step=step, micro=m)
-        # the last layer's block of each worker: its kernels of every row (model), or its rows of
-        # every kernel (data); the features are their concatenation by channels or by rows
-        blocks = [image_ranges(last, len(x)) if last.mode == "data" else None for x in xs]
-        slices = [dict() for _ in range(micros)]
-        features, next_micro, norms = [None] * micros, 0, {}
-        clip = train and update is not None and update.max_norm > 0
-        for peer, msg in self._incoming(pending, doing):
-            if msg.fields.get("step") != step:
-                continue                                       # from an abandoned step
-            if msg.op == "FEATURES":
-                m = msg.fields.get("micro")
-                got = tuple(msg.arrays[0].shape) if msg.arrays else ()
-                known = isinstance(m, int) and not isinstance(m, bool) and 0 <= m < micros and peer.name in last.ranges
-                if known and last.mode == "data":
-                    r0, r1 = blocks[m][peer.name]
-                    expected = (r1 - r0, last.kernels) + hw
-                elif known:
-                    expected = (len(xs[m]), last.count(peer.name)) + hw
-                if not known or got != expected:
-                    raise WorkerError(peer.label(), doing, "ShapeError",
-                                      f"FEATURES for micro-batch {m!r} with shape {got}: the plan expects "
-                                      f"{expected if known else 'its block'} for micro-batches 0..{micros - 1}", "")
-                if slices[m] is None or peer.name in slices[m]:
-                    continue                                   # a duplicate: the first one counted
-                slices[m][peer.name] = decode(msg.arrays[0], self.wire)
-                # in micro-batch order, so the FC gradients add up in the same order as anywhere else
-                while next_micro < micros and len(slices[next_micro]) == len(names):
-                    parts = [slices[next_micro][n] for n in names]
-                    h = (parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)) if last.mode == "data" \
-                        else concat_channels(parts)
-                    slices[next_micro] = None
-                    if train:
-                        grad = head(next_micro, h)
-                        norm = ({"head_sum_of_squares": float(head_sum_of_squares())}
-                                if clip and next_micro == micros - 1 else {})
-                        for name in names:
-                            if last.mode == "data":
-                                r0, r1 = blocks[next_micro][name]
-                                block = grad[r0:r1]
-                            else:
-                                s, e = last.ranges[name]
-                                block = grad[:, s:e]
-                            self._send(self.peers[name], "GRAD", [encode(np.ascontiguousarray(block), self.wire)],
-                                       doing=doing, step=step, micro=next_micro, **norm)
-                    else:
-                        features[next_micro] = h
-                    next_micro += 1
-            elif msg.op == "STEP_DONE" and pending.get(msg.seq) == peer.name:
-                del pending[msg.seq]
-                self._record(peer.name, None, msg.fields, roundtrip_s=time.perf_counter() - sent_at)
-                norms[peer.name] = msg.fields.get("sum_of_squares")
-        return self._step_result(features, next_micro, norms, doing, update if clip else None)
-
     def _start_step(self, step, xs, train, update, train_step, doing):
         """STEP to every worker of the plan -> {seq: worker}, the replies the step waits for."""
         pending = {}
@@ -969,19 +886,29 @@ class RemoteEngine(ShardEngine):
                                                              f"norms: {dict((n, norms.get(n)) for n in names)}")
         return features, clip_factor(total, clipping.max_norm)
 
-    def _graph_peer_step(self, xs, head, update, train_step=(0, 0), head_sum_of_squares=None):
-        """_peer_step for a graph (worker.graph_step): each worker its rows of every micro-batch's
-        images (the layout the step holds them in), which they gather where they need them whole;
-        the features, whole, from the plan's first worker, or each worker's rows or channels of
-        them, placed together; with a head, the FC work here on micro-batch m while the workers
-        compute m+1, and the gradient back: whole to every worker, or each its part.
-        Both ways float32: the joins next to them run in float32 on the workers as on this process
-        in the star exchange."""
+    def _peer_step(self, xs, head, update, train_step=(0, 0), head_sum_of_squares=None):
+        """One STEP through the workers (worker.graph_step; a chain is the graph whose blocks each
+        read the one before): each worker its rows of every micro-batch's images (the layout the
+        step holds them in), which they gather where they need them whole; the features, whole,
+        from the plan's first worker, or each worker's rows or channels of them, placed together;
+        with a head (training), the FC work here on micro-batch m while the workers compute m+1,
+        and the gradient back: whole to every worker, or each its part. The images travel in the
+        wire's dtype where only blocks read them, the features and their gradient where a block
+        makes them (the blocks round them there anyway), else in float32: a join next to them
+        runs on the workers on what it would run on here in the star exchange. Where the update
+        clips (max_norm), the last GRAD carries the head's part of the global norm
+        (`head_sum_of_squares()`), and the workers, having summed theirs among themselves, report
+        the whole. Returns (the features per micro-batch when there is no head, the clipping
+        factor)."""
         self.step_id += 1
         step, names, micros = self.step_id, self.plan.workers, len(xs)
         train = head is not None
         doing = f"{'training' if train else 'inference'} step {step}"
-        shape = self.graph.feature_shape
+        graph = self._step_graph(tuple(xs[0].shape[2:]))
+        shape = graph.feature_shape
+        images_wire = self.wire if graph.images_exact else "float32"
+        features_wire = self.wire if graph.features_exact else "float32"
+        features_dtype = encode(np.zeros(1, np.float32), features_wire).dtype
         sent_at = time.perf_counter()
         pending = self._start_step(step, xs, train, update, train_step, doing)
         rows = self._graph_rows([len(x) for x in xs])
@@ -989,8 +916,8 @@ class RemoteEngine(ShardEngine):
             x = np.ascontiguousarray(x, np.float32)
             pieces = [x[rows[name][m][0]:rows[name][m][1]] for name in names]
             for name, piece in zip(names, pieces):
-                self._send(self.peers[name], "INPUT", [piece], doing=doing, step=step, micro=m)
-        senders, grads = self._graph_feature_blocks([len(x) for x in xs], rows)
+                self._send(self.peers[name], "INPUT", [encode(piece, images_wire)], doing=doing, step=step, micro=m)
+        senders, grads = self._graph_feature_blocks(graph, [len(x) for x in xs], rows)
         parts = [dict() for _ in range(micros)]
         features, next_micro, norms = [None] * micros, 0, {}
         clip = train and update is not None and update.max_norm > 0
@@ -1005,13 +932,13 @@ class RemoteEngine(ShardEngine):
                 if known:
                     r0, r1, c0, c1 = senders[peer.name][m]
                     want = (r1 - r0, c1 - c0) + tuple(shape[1:])
-                if not known or got != want or msg.arrays[0].dtype != np.float32 or peer.name in parts[m]:
+                if not known or got != want or msg.arrays[0].dtype != features_dtype or peer.name in parts[m]:
                     raise WorkerError(peer.label(), doing, "ShapeError",
                                       f"FEATURES for micro-batch {m!r}: {msg.arrays[0].dtype if msg.arrays else 'no'} "
-                                      f"{got}; the plan expects float32 {want or 'its part'} for micro-batch "
+                                      f"{got}; the plan expects {features_dtype} {want or 'its part'} for micro-batch "
                                       f"{m if known else f'0..{micros - 1}'}, from {', '.join(senders)}"
                                       + (" (once)" if known and peer.name in parts[m] else ""), "")
-                parts[m][peer.name] = msg.arrays[0]
+                parts[m][peer.name] = decode(msg.arrays[0], features_wire)
                 # in micro-batch order, so the FC gradients add up in the same order as anywhere else
                 while next_micro < micros and len(parts[next_micro]) == len(senders):
                     if len(senders) == 1:
@@ -1027,7 +954,8 @@ class RemoteEngine(ShardEngine):
                                 if clip and next_micro == micros - 1 else {})
                         for name in names:
                             r0, r1, c0, c1 = grads[name][next_micro]
-                            self._send(self.peers[name], "GRAD", [np.ascontiguousarray(grad[r0:r1, c0:c1])],
+                            self._send(self.peers[name], "GRAD",
+                                       [encode(np.ascontiguousarray(grad[r0:r1, c0:c1]), features_wire)],
                                        doing=doing, step=step, micro=next_micro, **norm)
                     else:
                         features[next_micro] = h
@@ -1047,13 +975,26 @@ class RemoteEngine(ShardEngine):
                             "them alike (planner.plan_from_lines with one_split)")
         return rows
 
-    def _graph_feature_blocks(self, sizes, rows):
+    def _step_graph(self, image_hw):
+        """The GraphPass the peer step runs: the network's graph, or a chain's (GraphPass.chain,
+        its features the last layer's pooled output for images of `image_hw`)."""
+        if self.graph is not None:
+            return self.graph
+        hw = image_hw
+        for layer in range(len(self.specs)):
+            hw = self.pooled_output_hw(layer, hw)
+        key = (len(self.specs), self.specs[-1].kernels) + tuple(hw)
+        if getattr(self, "_chain_pass", (None, None))[0] != key:
+            self._chain_pass = (key, GraphPass.chain(len(self.specs), (self.specs[-1].kernels,) + tuple(hw)))
+        return self._chain_pass[1]
+
+    def _graph_feature_blocks(self, graph, sizes, rows):
         """({worker: [its block (r0, r1, c0, c1) of each micro-batch's features]} for the workers
         that send them, the same for the blocks of their gradient each worker gets): where the
         step holds its tensors in layouts and the features in rows or channels, each worker its
         own part both ways; else the whole from the plan's first worker, their gradient to all."""
-        names, channels = self.plan.workers, self.graph.feature_shape[0]
-        layout = tensor_layouts(self.graph.steps, self.plan.modes(), self.graph.norms)[self.graph.feature]
+        names, channels = self.plan.workers, graph.feature_shape[0]
+        layout = tensor_layouts(graph.steps, self.plan.modes(), graph.norms)[graph.feature]
         if layout == ROWS:
             parts = {w: [tuple(r) + (0, channels) for r in rows[w]] for w in names}
         elif is_channels(layout):

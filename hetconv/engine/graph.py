@@ -34,7 +34,7 @@ from hetconv.channelwise import (Activation, GlobalPool, Pool, batch_statistics,
 from hetconv.engine.chain import ghost_groups, group_sums, statistics_segments
 from hetconv.engine.costmodel import GraphShape
 from hetconv.engine.layouts import conversion_source, read_in
-from hetconv.net.spec import Add, Concat
+from hetconv.net.spec import Add, Concat, GraphStep
 from hetconv.update import apply_update, slot_name
 
 
@@ -72,6 +72,25 @@ class GraphPass:
         self.norms = dict(zip(spec.norm_nodes(), spec.norm_specs()))     # node -> NormSpec, in order
         self.norm_state = {node: norm.initial_state() for node, norm in self.norms.items()}
         self.norm_grads = {}                # node -> {"weight": dweight, "bias": dbias} of the step
+        self._index()
+
+    @classmethod
+    def chain(cls, blocks, feature_shape=None, host=None):
+        """A chain's pass: `blocks` conv blocks, each reading the one before (the first, the
+        images), no joins and no BatchNorm between them: what the peer step runs a chain as (it
+        needs no NetSpec: tensor l is block l's output)."""
+        self = cls.__new__(cls)
+        self.spec, self.host = None, host
+        self.feature_shape = None if feature_shape is None else tuple(feature_shape)
+        self.steps = [GraphStep("block", l, (l - 1,), block=l) for l in range(int(blocks))]
+        self.feature = int(blocks) - 1
+        self.norms, self.norm_state, self.norm_grads = {}, {}, {}
+        self._index()
+        return self
+
+    def _index(self):
+        """What the steps imply: which tensors need a gradient, when each is last read, which
+        are blocks' outputs, and conversion_key's stride."""
         # which tensors a gradient must reach: a block's output, a BatchNorm node's (its weight
         # and bias train), and what is made from one (the network's input and what is made from
         # it alone need none)
@@ -80,6 +99,10 @@ class GraphPass:
             requires[st.output] = st.kind == "block" or st.output in self.norms or any(requires[j] for j in st.inputs)
         self.requires = requires
         self.block_outputs = {st.output for st in self.steps if st.kind == "block"}
+        # the images and the features travel in the wire's dtype where only blocks read the one
+        # and a block makes the other (the blocks round them there anyway), else in float32
+        self.images_exact = all(st.kind == "block" for st in self.steps if -1 in st.inputs)
+        self.features_exact = self.feature in self.block_outputs
         # after which step each tensor is read no more (its forward copy can go)
         last_read = {}
         for n, st in enumerate(self.steps):
@@ -145,7 +168,7 @@ class GraphPass:
         return (node + 1) * self._inputs_most + k
 
     def conversion_keys(self):
-        return (len(self.spec.layers) + 1) * self._inputs_most
+        return (max([st.output for st in self.steps] + [-1]) + 2) * self._inputs_most
 
     # ---- forward ---------------------------------------------------------------------------------
     def forward(self, engine, xs, train, step=None):

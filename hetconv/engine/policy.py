@@ -97,7 +97,7 @@ def choose_plan(specs, image_shape, batch, profiles, link, flags=PlanFlags(), va
     if flags.split != "proportional":
         plan = make_plan(kernels, speeds, flags.split, batch=batch,
                          modes=forced if forced is not None and "data" in forced and len(names) > 1 else None,
-                         one_split=graph is not None)
+                         one_split=True)
     else:
         lines, image_lines = cost_lines(profiles, kernels, batch)
         data_only = forced is not None and "model" not in forced and len(names) > 1
@@ -122,14 +122,14 @@ def choose_plan(specs, image_shape, batch, profiles, link, flags=PlanFlags(), va
                 plan = model_plan
             else:
                 try:
-                    # a graph's data blocks split the images once: its tensors then keep layouts
+                    # the data layers split the images once: the step keeps each tensor in its layout between them
                     plan = plan_from_lines(kernels, {w: lines[w] for w in kept}, use_all=True, modes=mode_choice.modes,
                                            batch=batch, image_lines={w: image_lines[w] for w in kept},
-                                           one_split=graph is not None)
+                                           one_split=True)
                 except PlanError as e:
                     notes.append(f"{SPEED_FALLBACK}: {e}")
                     plan = make_plan(kernels, {w: speeds[w] for w in kept}, "proportional", modes=mode_choice.modes,
-                                     batch=batch, one_split=graph is not None)
+                                     batch=batch, one_split=True)
                 plan = replace(plan, left_out=dict(model_plan.left_out) if model_plan else {})
     plan = whole_groups(plan, specs)
 

@@ -81,7 +81,7 @@ class LayoutBlocks:
         self.block_output = {st.block: st.output for st in graph.steps if st.kind == "block"}
         wanted = read_in(graph.steps, self.step_reads, layouts)
         self.read_as = {j: [WHOLE] if WHOLE in w else w for j, w in wanted.items()}
-        self.sent_ahead = set()                 # (conversion key, layout) whose parts left as they were made
+        self.sent_ahead = set()                 # (phase, conversion key, layout) whose parts left as they were made
 
     def step_reads(self, st):
         return step_reads(st, self.modes, self.links.graph.norms, self.layouts)
@@ -148,7 +148,7 @@ class LayoutBlocks:
         the values are the wire's (a block's output or dX), so they travel in its dtype."""
         phase = "gather" if direction == "forward" else "gather_grad"
         wire = self.wire if exact else "float32"
-        if (key, want) not in self.sent_ahead:
+        if (phase, key, want) not in self.sent_ahead:
             for m, a in enumerate(arrays):
                 self._send_part(phase, key, m, a, have, want, wire)
         channels = [self._channels_of(a, have, m) for m, a in enumerate(arrays)]
@@ -178,7 +178,7 @@ class LayoutBlocks:
         t0 = time.perf_counter()
         shard.forward_layer(layer, inputs(), train, self._reduce(layer, waited), emit, self.dropout, batch=self.batch)
         self.compute[layer] += time.perf_counter() - t0 - waited[0]
-        self.sent_ahead.update((key, want) for want in ahead)
+        self.sent_ahead.update(("gather", key, want) for want in ahead)
         return [out[m] for m in range(len(xs))]
 
     def backward_block(self, layer, grads, need_dx, into):
@@ -188,6 +188,10 @@ class LayoutBlocks:
         model = self.modes[layer] != "data"
         shard, dx_own, waited = self.links.shard, {}, [0.0]
         channels = shard.layers[layer].spec.in_channels
+        # a data block's dX, complete for its rows, leaves for the layout its input is held in as
+        # each micro-batch's is made (GraphPass.backward's conversion, under the same key)
+        key = self.links.graph.conversion_key(self.block_output[layer])
+        ahead = not model and need_dx and into != ROWS
 
         def emit(m, dx):
             if not need_dx:
@@ -200,7 +204,10 @@ class LayoutBlocks:
                                                     np.ascontiguousarray(dx, np.float32), (0, n, 0, channels),
                                                     self._blocks(into, m, channels), self.wire)
             else:
-                dx_own[m] = _rounded(dx, self.wire)
+                sent = encode(np.ascontiguousarray(dx, np.float32), self.wire)
+                dx_own[m] = decode(sent, self.wire)
+                if ahead:
+                    self._send_part("gather_grad", key, m, dx_own[m], ROWS, into, self.wire)
             waited[0] += time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -214,6 +221,8 @@ class LayoutBlocks:
         if not need_dx:
             return [None] * len(grads), into if model else ROWS
         if not model:
+            if ahead:
+                self.sent_ahead.add(("gather_grad", key, into))
             return [dx_own[m] for m in range(len(grads))], ROWS
         return [self._sum_partials(layer, m, dx_own[m], into, channels) for m in range(len(grads))], into
 
@@ -233,58 +242,54 @@ class LayoutBlocks:
             block_shape(mine) + hw), self.wire) for w in self.order])
 
 
-def _run_layout_step(links, seq, fields, step, micros, train, rule, sizes, rows):
-    """run_graph_step where each tensor has a layout (engine/layouts.py): this worker's rows of
-    the images from the coordinator, the graph over LayoutBlocks, the features back (its rows or
-    channels of them, or the whole from the plan's first worker where they are whole) and, training, their
-    gradient the same way; each data block's weight gradients summed among the workers as its
-    backward ends."""
-    graph = links.graph
+def run_graph_step(links, seq, fields, step, micros, train, rule, sizes):
+    """STEP (a chain's too, as GraphPass.chain): each tensor held in a layout (engine/layouts.py)
+    among the workers: this worker's rows of the images from the coordinator, the graph over
+    LayoutBlocks, the features back (its rows or channels of them, or the whole from the plan's
+    first worker where they are whole) and, training, their gradient the same way; each data
+    block's weight gradients summed among the workers as its backward ends, then the step's
+    updates. -> STEP_DONE's fields."""
+    graph, wire = links.graph, links.shard.wire
+    rows = rows_of_step(links, step, sizes)
     compute = [0.0] * len(links.layer_plans)
-    channels_hw = tuple(graph.spec.input_shape)
     layouts = tensor_layouts(graph.steps, [lp.mode for lp in links.layer_plans], graph.norms)
-    mine = rows[links.name]
+    images_wire = wire if graph.images_exact else "float32"
     xs = []
     for m in range(micros):
         key = (step, "INPUT", -1, m, "coordinator")
-        r0, r1 = mine[m]
-        xs.append(decode(links._check(f"step {step}: images of micro-batch {m}", "the coordinator",
-                                      links._await({key}, step)[key], (r1 - r0,) + channels_hw), "float32"))
+        r0, r1 = rows[links.name][m]
+        got = links._await({key}, step)[key]
+        xs.append(decode(links._check(f"step {step}: images of micro-batch {m}", "the coordinator", got,
+                                      (r1 - r0,) + _image_shape(links, got)), images_wire))
     dropout = DropoutDraw(fields["seed"], fields["train_step"], sum(sizes)) if train else None
-    engine = LayoutBlocks(links, step, sizes, rows, layouts, links.shard.wire, dropout, compute,
-                          rule if train else None)
+    engine = LayoutBlocks(links, step, sizes, rows, layouts, wire, dropout, compute, rule if train else None)
     features = graph.forward(engine, xs, train)
     in_parts = layouts[graph.feature] != WHOLE        # each worker its rows or channels of them
-    return _features_back(links, seq, step, features, in_parts or links.name == links.order[0], train, engine, compute,
-                          lambda: links._apply_updates(step, rule, engine.deferred, engine.updates, compute)
-                          if rule is not None else {})
-
-
-def run_graph_step(links, seq, fields, step, micros, train, rule, sizes):
-    """STEP for a graph: each tensor held in a layout (engine/layouts.py) among the workers,
-    _run_layout_step. -> STEP_DONE's fields."""
-    return _run_layout_step(links, seq, fields, step, micros, train, rule, sizes, rows_of_step(links, step, sizes))
-
-
-def _features_back(links, seq, step, features, send, train, engine, compute, updates):
-    """The end of a graph step on a worker: its features to the coordinator where it `send`s them
-    (float32), and when training their gradient back, the graph's backward over `engine`, then
-    `updates()` (the step's updates -> STEP_DONE's extra fields). -> STEP_DONE's fields."""
-    if send:
+    features_wire = wire if graph.features_exact else "float32"
+    if in_parts or links.name == links.order[0]:
         for m, h in enumerate(features):
-            links.send_to_coordinator(protocol.pack("FEATURES", seq, [np.ascontiguousarray(h, np.float32)],
-                                                    step=step, micro=m))
+            links.send_to_coordinator(protocol.pack("FEATURES", seq, [encode(np.ascontiguousarray(h, np.float32),
+                                                                             features_wire)], step=step, micro=m))
     done = {"step": step}
     if train:
         grads = []
         for m, h in enumerate(features):
             key = (step, "GRAD", -1, m, "coordinator")
             grads.append(decode(links._check(f"step {step}: gradient of micro-batch {m}", "the coordinator",
-                                             links._await({key}, step)[key], h.shape), "float32"))
-        links.graph.backward(engine, grads)
-        done.update(updates())
+                                             links._await({key}, step)[key], h.shape), features_wire))
+        graph.backward(engine, grads)
+        if rule is not None:
+            done.update(links._apply_updates(step, rule, engine.deferred, engine.updates, compute))
     return {**done, "layer_compute_s": compute, "compute_s": sum(compute), "peer_wait_s": links.wait_s,
             "peer_bytes_sent": links.bytes_sent}
+
+
+def _image_shape(links, got):
+    """(C, H, W) of the images the plan expects: the graph's input shape, or for a chain (whose
+    pass knows no image size) its first block's channels and the H and W that came."""
+    if links.graph.spec is not None:
+        return tuple(links.graph.spec.input_shape)
+    return (links.shard.layers[0].spec.in_channels,) + tuple(got.shape[2:] if got.ndim == 4 else (-1, -1))
 
 
 def rows_of_step(links, step, sizes):

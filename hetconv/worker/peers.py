@@ -1,25 +1,17 @@
-"""The worker side of the peer-exchange step: conv layers back to back with no coordinator in
-between (DESIGN.md, "One training step").
+"""The worker side of the peer exchange: the plan's links to the other workers, what may arrive
+on them, and the exchanges every step shares (DESIGN.md, "One training step").
 
 Each layer of the plan is "model" (kernels split: a worker computes its channels of every image)
-or "data" (images split: it computes every channel of its own images). Every layer's output is
-held in one block per worker (all rows x its channels, or its rows x all channels) and every
-layer's input needed in one block per worker (all rows, or its rows; all channels); between
-layers a worker sends each peer what it holds of what the peer needs (held_blocks,
-needed_blocks, intersect). For a step over M micro-batches, a worker
-- forward: gets its rows of each micro-batch's images from the coordinator (1/P of them,
-  all-gathered among the workers when the first layer is model; exactly its own when it is
-  data); computes its block of layer l for every micro-batch, sending each peer its part as soon
-  as it is done (the wire runs while the next micro-batch computes), and builds its input block
-  of layer l+1 from its own part and the peers'; the last layer's blocks go to the coordinator
-  (FEATURES);
-- backward: gets its block of dL/dY of the last layer from the coordinator (GRAD); every
-  layer's dX (full size and partial in a model layer, whole for its rows in a data layer) is cut
-  by the blocks of the layer below and each part sent to its holder; each worker sums the parts
-  for its block in plan order, so the result does not depend on arrival order and equals the
-  star's sum; a model layer's last micro-batch applies the step's one SGD update; a data layer's
-  summed dW and db go to every peer, and each worker applies the same sum of all of them, in plan
-  order, once backward is done, so every copy of the layer stays the same.
+or "data" (images split: it computes every channel of its own images). The step itself, for a
+chain as for a graph, is worker.graph_step's: each tensor held in a layout among the workers and
+moved only where a reader takes it in another (a chain is the graph whose blocks each read the
+one before: GraphPass.chain). PeerLinks holds what that step runs on: the PUSH sockets to each
+peer (a second connection for weight gradients), the plan's layers (`layer_plans`), the wait for
+messages by key (`_await`, which holds what arrives early), the admission of every message
+(`_admit`), a block of a tensor sent by parts (`_send_blocks`), the BatchNorm sums and other
+all-reduces in plan order (`_bn_reduce`, `_all_reduce`), and the step's updates: a model layer's
+as its backward ends, a data layer's dW and db summed over every worker in plan order (by chunks
+with more than two) once backward is done, so every copy of the layer stays the same.
 Peers on the same host and network namespace talk over ipc:// where the peer's socket path is
 proved reachable (its token file reads back), others over tcp.
 
@@ -33,17 +25,16 @@ import numpy as np
 import zmq
 
 from hetconv.devices.cpu import HostArrays
-from hetconv.engine.chain import DropoutDraw
 from hetconv.engine.graph import GraphPass, norm_states_from
 from hetconv.engine.contract import sum_in_order
-from hetconv.engine.planner import MODES, LayerPlan, image_ranges
+from hetconv.engine.planner import MODES, LayerPlan
 from hetconv.net.spec import NetSpec
 from hetconv.update import UpdateRule, clip_factor
 from hetconv.transport import protocol
 from hetconv.transport.keys import connect_peer
 from hetconv.transport.sockets import host_key, ipc_reachable
-from hetconv.transport.wire import decode, encode, round_in_place
-from hetconv.worker.blocks import block_shape, held_blocks, intersect, needed_blocks, within
+from hetconv.transport.wire import decode, encode
+from hetconv.worker.blocks import intersect, within
 from hetconv.worker.graph_step import run_graph_step
 
 
@@ -54,8 +45,7 @@ class StepAbandoned(RuntimeError):
 # A SLICE's phase: feature maps and gradients between layers; a data-parallel layer's weight
 # gradients, and its BatchNorms' sums (forward and backward; `micro` is then the op's index in the
 # layer's tail); the workers' parts of a global gradient norm (clipping).
-PHASES = ("images", "forward", "backward", "dweights", "dweights_sum", "bn_forward", "bn_backward", "gradnorm",
-          "gather", "gather_grad")
+PHASES = ("backward", "dweights", "dweights_sum", "bn_forward", "bn_backward", "gradnorm", "gather", "gather_grad")
 
 
 STEP_OPS = ("SLICE", "INPUT", "GRAD")        # what a step reads from its queue; any other op ends it
@@ -64,8 +54,8 @@ STEP_OPS = ("SLICE", "INPUT", "GRAD")        # what a step reads from its queue;
 # A step's micro-batch count is known once its STEP is read; a peer's slices that arrive before it
 # (a faster peer already in that step) are checked against the most micro-batches a step of the
 # plan has, as PEERS says (`micro_batches`), and what is held of one peer's next step against a
-# byte budget (`early_bytes`): a peer sends ahead at most its rows of the step's images and, where
-# the first layer is data-parallel, its rows of one layer's output, each at most the run's largest
+# byte budget (`early_bytes`): a peer sends ahead at most its part of the first tensor gathered
+# (the images, or a data block's output) and a BatchNorm's sums, each at most the run's largest
 # array. Without them (a plan set by hand in a test), these defaults.
 MAX_EARLY_MICRO = 256
 DEFAULT_EARLY_BYTES = 256 << 20
@@ -102,7 +92,7 @@ class PeerLinks:
         self.bulk_outboxes = {}
         self.order, self.ranges = [name], []
         self.layer_plans = []                    # per layer: its mode, kernel ranges and (data) images
-        self.graph = None                        # engine.graph.GraphPass where the network is a graph
+        self.graph = None                        # engine.graph.GraphPass the plan's steps run (a chain's too)
         self.norm_ghost_batch = 0                # images per statistics group of its BatchNorm nodes (PEERS)
         self.step, self.micros = None, 0         # the step last started under this plan, its micro-batches
         self.held = {}                           # (step, phase, layer, micro, sender) -> array, arrived early
@@ -170,9 +160,10 @@ class PeerLinks:
 
     def _graph(self, stored):
         """PEERS' `graph`: the network's stored form where it is a graph (None for a chain) ->
-        the GraphPass this worker runs its steps with, checked against the plan's layers."""
+        the GraphPass this worker runs its steps with (a chain's: GraphPass.chain), checked
+        against the plan's layers."""
         if stored is None:
-            return None
+            return GraphPass.chain(len(self.ranges))
         if not isinstance(stored, dict):
             raise ValueError(f"PEERS graph is {type(stored).__name__}: expected the network's stored form")
         spec = NetSpec.from_json(stored)
@@ -252,6 +243,10 @@ class PeerLinks:
                                      f"ranges from 0 in the plan's worker order {self.order}")
                 counts = {}
             plans.append(LayerPlan(li, kernels, ranges, {}, mode, counts))
+        data = [lp for lp in plans if lp.mode == "data"]
+        if any(lp.images != data[0].images for lp in data[1:]):
+            raise ValueError(f"PEERS images {images!r:.120}: the data layers split the images differently; the step "
+                             f"holds a tensor in one split of rows between them, so every data layer takes the same")
         return plans
 
     def close(self):
@@ -383,25 +378,22 @@ class PeerLinks:
                 return self._drop(msg, "early", f"{phase!r} for step {step} before that step began")
             return (step, phase, layer, micro, sender)
         layers = len(self.ranges)
-        first_data = bool(self.layer_plans) and self.layer_plans[0].mode == "data" and self.graph is None
         data_layers = [lp.layer for lp in self.layer_plans if lp.mode == "data"]
-        # a graph's tensors move between layouts (engine/layouts.py) by GraphPass.conversion_key,
-        # and any model block's partial dX may be summed (graph_step.LayoutBlocks)
-        graph = self.graph is not None
-        conversions = range(self.graph.conversion_keys()) if graph else range(0)
-        allowed = {"images": range(-1, -1 if first_data or graph else 0), "forward": range(0 if graph else layers - 1),
-                   "backward": range(0 if graph else 1, layers), "dweights": data_layers,
+        # tensors move between layouts (engine/layouts.py) by GraphPass.conversion_key, and a
+        # model block's partial dX is summed into its input's (graph_step.LayoutBlocks)
+        conversions = range(self.graph.conversion_keys()) if self.graph is not None else range(0)
+        graph = self.graph
+        summed = [st.block for st in graph.steps if st.kind == "block" and graph.requires[st.inputs[0]]
+                  and self.layer_plans[st.block].mode == "model"] if graph is not None else []
+        allowed = {"backward": summed, "dweights": data_layers,
                    "dweights_sum": data_layers if len(self.order) > 2 else [], "bn_forward": data_layers,
                    "bn_backward": data_layers, "gradnorm": [-1], "gather": conversions, "gather_grad": conversions}
         if not isinstance(phase, str) or phase not in PHASES:
             return self._drop(msg, "phase", f"phase {phase!r:.40} is not one of {', '.join(PHASES)}")
-        # What can precede this worker's own start of a step: a peer's images; and where the first
-        # layer is data-parallel (no images to gather), a peer that began first computes alone up to
-        # its first exchange, so its forward slices too. Backward needs every worker's features first.
-        # A graph holds its tensors in layouts (graph_step.LayoutBlocks): a peer computes its own
-        # part up to its first exchange, a BatchNorm's sums or a gather.
-        if early and phase not in (("images", "forward", "bn_forward") if first_data else
-                                   ("bn_forward", "gather") if graph else ("images",)):
+        # What can precede this worker's own start of a step: a peer that began it first computes
+        # alone up to its first exchange, which sends a gather or a BatchNorm's sums. Backward
+        # needs every worker's features first.
+        if early and phase not in ("bn_forward", "gather"):
             return self._drop(msg, "early", f"{phase!r} for step {step} before that step began")
         if not _is_int(layer) or layer not in allowed[phase]:
             return self._drop(msg, "layer", f"{phase} layer {layer!r:.40} is outside the plan's {layers} layers"
@@ -466,97 +458,6 @@ class PeerLinks:
             raise ValueError(f"step {step}: STEP field 'sizes' must list {micros} image counts >= 1, got {sizes!r:.80}")
         return sizes
 
-    def _first_inputs(self, step, micros, sizes, wire, others):
-        """-> ({micro-batch: this worker's input block of layer 0}, images per micro-batch). A data
-        first layer takes its own rows from the coordinator; a model one all-gathers the rows (each
-        worker got 1/P of every micro-batch)."""
-        lp = self.layer_plans[0]
-        channels = self.shard.layers[0].spec.in_channels
-        got = self._await({(step, "INPUT", -1, m, "coordinator") for m in range(micros)}, step)
-        mine = [got[(step, "INPUT", -1, m, "coordinator")] for m in range(micros)]
-        for m, piece in enumerate(mine):
-            if piece.ndim != 4 or piece.shape[1] != channels:
-                raise ValueError(f"step {step}: images of micro-batch {m} have shape {piece.shape}, expected "
-                                 f"(N, {channels}, H, W)")
-        if lp.mode == "data":
-            if sizes is None:
-                raise ValueError(f"step {step}: STEP without 'sizes': the first layer is data-parallel, so this "
-                                 f"worker needs each micro-batch's image count")
-            inputs = {}
-            for m, piece in enumerate(mine):
-                r0, r1 = image_ranges(lp, sizes[m])[self.name]
-                inputs[m] = decode(self._check(f"step {step}: images of micro-batch {m}", "the coordinator", piece,
-                                               (r1 - r0,) + piece.shape[1:]), wire)
-            return inputs, list(sizes)
-        for m, piece in enumerate(mine):
-            for peer in others:
-                self._send_peer(peer, step, "images", -1, m, piece)
-        inputs = {}
-        for m in range(micros):
-            parts = self._await({(step, "images", -1, m, w) for w in others}, step)
-            own = mine[m]
-            rows = [own if w == self.name else
-                    self._check(f"step {step}: images of micro-batch {m}", w, parts[(step, "images", -1, m, w)],
-                                (parts[(step, "images", -1, m, w)].shape[0],) + own.shape[1:])
-                    for w in self.order]
-            inputs[m] = decode(np.concatenate(rows, axis=0) if len(rows) > 1 else rows[0], wire)
-        counts = [len(inputs[m]) for m in range(micros)]
-        if sizes is not None and sizes != counts:
-            raise ValueError(f"step {step}: the micro-batches have {counts} images, STEP's 'sizes' says {sizes}")
-        return inputs, counts
-
-    def _gather_input(self, step, layer, m, n, own_prev, wire):
-        """This worker's input block of `layer` for micro-batch m: what it holds of the layer
-        below's output, and from each peer the part of that peer's block it needs (model ->
-        model: an all-gather of channels; data -> data: nothing moves; data -> model: rows;
-        model -> data: an all-to-all)."""
-        below = held_blocks(self.layer_plans[layer - 1], n)
-        need = needed_blocks(self.layer_plans[layer], self.layer_plans[layer - 1].kernels, n)[self.name]
-        if below[self.name] == need:
-            return own_prev                      # this worker holds all it needs
-        senders = [w for w in self.order if w != self.name and intersect(below[w], need)]
-        parts = self._await({(step, "forward", layer - 1, m, w) for w in senders}, step)
-        hw = own_prev.shape[2:]
-        x = np.empty(block_shape(need) + hw, np.float32)
-        for w in self.order:
-            part = intersect(below[w], need)
-            if part is None:
-                continue
-            if w == self.name:
-                piece = own_prev[within(part, below[w])]
-            else:
-                piece = decode(self._check(f"step {step}: layer {layer - 1} output of micro-batch {m}", w,
-                                           parts[(step, "forward", layer - 1, m, w)], block_shape(part) + hw), wire)
-            x[within(part, need)] = piece
-        return x
-
-    def _gather_grad(self, step, layer, m, n, own_dx, wire, hw):
-        """This worker's block of dL/d(layer `layer`'s output) for micro-batch m: every worker's dX
-        of layer+1 over that block, summed in plan order (a model layer's partial dX: a
-        reduce-scatter; a data layer's dX is whole for its rows: it goes to their holders), and
-        a sum of several parts rounded to the wire's dtype as the coordinator's sum is before it
-        goes down and --local's one part is: every gradient a layer takes is a value the wire
-        carries, whatever the split (one more pass over the block, on a 16-bit wire only)."""
-        mine = held_blocks(self.layer_plans[layer], n)[self.name]
-        dx_blocks = needed_blocks(self.layer_plans[layer + 1], self.layer_plans[layer].kernels, n)
-        senders = [w for w in self.order if w != self.name and intersect(dx_blocks[w], mine)]
-        parts = self._await({(step, "backward", layer + 1, m, w) for w in senders}, step)
-        grad = np.zeros(block_shape(mine) + hw, np.float32)
-        summed = 0
-        for w in self.order:
-            part = intersect(dx_blocks[w], mine)
-            if part is None:
-                continue
-            summed += 1
-            if w == self.name:
-                piece = own_dx[within(part, dx_blocks[w])]
-            else:
-                piece = decode(self._check(f"step {step}: layer {layer + 1} partial dX of micro-batch {m}", w,
-                                           parts[(step, "backward", layer + 1, m, w)], block_shape(part) + hw), wire)
-            grad[within(part, mine)] += piece    # 0 + a is a: one contributor is copied exactly
-        overlapped = summed > 1 and self.layer_plans[layer + 1].mode == "model"   # a data layer's rows meet no other
-        return round_in_place(grad, wire) if overlapped else grad
-
     def _send_blocks(self, step, phase, layer, m, array, block, receivers, wire):
         """Send each peer the part of `array` (this worker's `block` of a tensor) that lies in the
         peer's block of `receivers`; returns the array as the peers see it (rounded by the wire)."""
@@ -599,101 +500,15 @@ class PeerLinks:
         return reduce
 
     def run_step(self, seq, fields):
-        """STEP: run every layer forward (and backward when training) over the micro-batches."""
+        """STEP: every block forward (and backward when training) over the micro-batches, each
+        tensor held in a layout among the workers (worker.graph_step: a chain is the graph whose
+        blocks each read the one before)."""
         protocol.check_fields("STEP", fields)
         step, micros, train = int(fields["step"]), int(fields["micro_batches"]), bool(fields["train"])
-        wire = self.shard.wire                  # fixed for the plan by its LOADs
         rule = None if fields["update"] is None else UpdateRule.from_json(fields["update"])
-        clip = rule is not None and rule.max_norm > 0
         sizes = self._sizes(fields, step, micros)
-        if self.graph is not None:
-            self.start_step(step, micros)
-            return "STEP_DONE", [], run_graph_step(self, seq, fields, step, micros, train, rule, sizes)
-        plans = self.layer_plans
-        layers = len(plans)
         self.start_step(step, micros)
-        compute = [0.0] * layers
-        others = [w for w in self.order if w != self.name]
-        in_hw, out_hw = [None] * layers, [None] * layers
-
-        # forward: layer by layer, each micro-batch's output block sent on as soon as it is final
-        inputs, n = self._first_inputs(step, micros, sizes, wire, others)
-        offsets = [int(v) for v in np.cumsum([0] + n)[:-1]]       # each micro-batch's first row in the batch
-        dropout = DropoutDraw(fields["seed"], fields["train_step"], sum(n)) if train else None
-        held_prev = {}                           # micro-batch -> this worker's block of the last layer's output
-        for layer in range(layers):
-            lp, last = plans[layer], layer == layers - 1
-            waited = [0.0]                       # gathering inputs and sending outputs: not compute
-
-            def layer_inputs(layer=layer):
-                for m in range(micros):
-                    t0 = time.perf_counter()
-                    x = inputs.pop(m) if layer == 0 else self._gather_input(step, layer, m, n[m], held_prev.pop(m),
-                                                                            wire)
-                    in_hw[layer] = tuple(x.shape[2:])
-                    waited[0] += time.perf_counter() - t0
-                    yield m, x, offsets[m] + held_blocks(plans[layer], n[m])[self.name][0]
-
-            def emit(m, y, layer=layer, lp=lp, last=last):
-                t0 = time.perf_counter()
-                self.shard.device.synchronize()
-                out_hw[layer] = tuple(y.shape[2:])
-                mine = held_blocks(lp, n[m])[self.name]
-                if last:
-                    self.send_to_coordinator(protocol.pack("FEATURES", seq, [encode(y, wire)], step=step, micro=m))
-                else:
-                    receivers = needed_blocks(plans[layer + 1], lp.kernels, n[m])
-                    held_prev[m] = self._send_blocks(step, "forward", layer, m, y, mine, receivers, wire)
-                waited[0] += time.perf_counter() - t0
-
-            t0 = time.perf_counter()
-            reduce = self._bn_reduce(step, layer, waited) if lp.mode == "data" and len(self.order) > 1 else None
-            self.shard.forward_layer(layer, layer_inputs(), train, reduce, emit, dropout, batch=sum(n))
-            compute[layer] += time.perf_counter() - t0 - waited[0]
-
-        # backward: the last layer's gradient block from the coordinator, the rest from the peers
-        if not train:
-            return "STEP_DONE", [], {"step": step, "layer_compute_s": compute, "compute_s": sum(compute),
-                                     "peer_wait_s": self.wait_s, "peer_bytes_sent": self.bytes_sent}
-        dx_above, updates, deferred = {}, [], []
-        for layer in reversed(range(layers)):
-            lp = plans[layer]
-            waited = [0.0]
-
-            def layer_grads(layer=layer, lp=lp):
-                for m in range(micros):
-                    t0 = time.perf_counter()
-                    mine = held_blocks(lp, n[m])[self.name]
-                    if layer == layers - 1:
-                        key = (step, "GRAD", -1, m, "coordinator")
-                        grad = decode(self._check(f"step {step}: gradient of micro-batch {m}", "the coordinator",
-                                                  self._await({key}, step)[key], block_shape(mine) + out_hw[layer]),
-                                      wire)
-                    else:
-                        grad = self._gather_grad(step, layer, m, n[m], dx_above.pop(m), wire, out_hw[layer])
-                    waited[0] += time.perf_counter() - t0
-                    yield m, grad
-
-            def emit(m, dx, layer=layer, lp=lp):
-                if layer == 0:
-                    return
-                t0 = time.perf_counter()
-                self.shard.device.synchronize()
-                block = needed_blocks(lp, plans[layer - 1].kernels, n[m])[self.name]
-                dx_above[m] = self._send_blocks(step, "backward", layer, m, dx, block,
-                                                held_blocks(plans[layer - 1], n[m]), wire)
-                waited[0] += time.perf_counter() - t0
-
-            t0 = time.perf_counter()
-            reduce = self._bn_reduce(step, layer, waited) if lp.mode == "data" and len(self.order) > 1 else None
-            self.shard.backward_layer(layer, layer_grads(), layer > 0, reduce, emit)
-            self.shard.device.synchronize()
-            compute[layer] += time.perf_counter() - t0 - waited[0]
-            if rule is not None:
-                self._after_backward(step, layer, rule, clip, deferred, updates, compute)
-        done = self._apply_updates(step, rule, deferred, updates, compute) if rule is not None else {}
-        return "STEP_DONE", [], {"step": step, **done, "layer_compute_s": compute, "compute_s": sum(compute),
-                                 "peer_wait_s": self.wait_s, "peer_bytes_sent": self.bytes_sent}
+        return "STEP_DONE", [], run_graph_step(self, seq, fields, step, micros, train, rule, sizes)
 
     def _after_backward(self, step, layer, rule, clip, deferred, updates, compute):
         """What follows a layer's last backward: a model layer's update (after its last dX has
@@ -716,16 +531,6 @@ class PeerLinks:
             if peer != self.name:
                 self._send_peer(peer, step, "dweights", layer, 0, np.ascontiguousarray(chunks[i]), bulk=True)
         updates.append((layer, flat, dw.shape, db.shape))
-
-    def finish_updates(self, step, rule, layers, compute):
-        """Every layer's part of the step's update once backward is done (a graph's blocks end
-        their backward in no fixed layer order): _after_backward for each, then _apply_updates;
-        a graph's BatchNorm nodes, whose gradients every worker computed alike, move here too."""
-        clip = rule.max_norm > 0
-        deferred, updates = [], []
-        for layer in layers:
-            self._after_backward(step, layer, rule, clip, deferred, updates, compute)
-        return self._apply_updates(step, rule, deferred, updates, compute)
 
     def _apply_updates(self, step, rule, deferred, updates, compute):
         """The data layers' weight gradients summed over every worker in plan order and applied;

@@ -124,6 +124,9 @@ def _serve_compute(ctx, endpoint, requests, device_spec, threads, identity, name
             msg = None                           # drop the received frames before blocking again
     finally:
         peers.close()
+        # closed here, not left to garbage collection: run()'s ctx.term() waits for every socket,
+        # and a reference cycle through the step's objects would keep this one open
+        pair.close(linger=0)
 
 
 def run(args):
