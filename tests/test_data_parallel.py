@@ -84,11 +84,19 @@ IMAGES3 = {"w0-cpu": 2, "w1-cpu": 5, "w2-cpu": 3}
         "2w-model-data-data-m4"])
 def test_data_parallel_plans_train_like_local(local_run, tmp_path, counts, images, modes, micro):
     """Uneven image shares (with 4 micro-batches of 2-3 images some workers get none of one):
-    losses, weights and momenta as --local's, so every worker's data layer took the same update."""
+    losses, weights and momenta as --local's, so every worker's data layer took the same update.
+    The chain runs through the one peer step (each tensor in its layout between the workers), and
+    what each worker sends among them is what the layout step's cost model prices for the chain
+    taken as a graph: the payload, and a header of at most 128 bytes a message."""
+    from hetconv.engine.costmodel import DeviceProfile, LayerCost, Link, predict_any
+    from hetconv.engine.graph import chain_shape
+    from hetconv.geometry import ConvSpec
+    from hetconv.net.spec import NetSpec
     engine = remote(len(counts))
+    metrics = tmp_path / "m.jsonl"
     try:
         engine.fixed_plan = fixed_plan(KERNELS, counts, modes=modes, images=images)
-        summary = train(config(tmp_path, "ck", micro_batches=micro), engine, log=quiet)
+        summary = train(config(tmp_path, "ck", micro_batches=micro, metrics=str(metrics)), engine, log=quiet)
         assert engine.plan.modes() == modes
         for lp in engine.plan.layers:                # every worker holds a data layer's same weights
             if lp.mode == "data":
@@ -100,6 +108,18 @@ def test_data_parallel_plans_train_like_local(local_run, tmp_path, counts, image
     finally:
         engine.close()
     assert_equals_local(local_run, summary["losses"], tmp_path / "ck")
+    spec = NetSpec.from_json(NET)
+    specs = [ConvSpec.from_layer(layer) for layer in spec.conv_layers()]
+    flat = DeviceProfile("d", "cpu", "", (LayerCost(0.0, 1e-6, 0.0, 1e-6),) * len(specs))
+    priced = predict_any("peer", specs, (3, 12, 12), BATCH, counts, {w: flat for w in counts}, Link(1e9), 0.0, micro,
+                         modes=modes, images={w: [n] * len(specs) for w, n in images.items()},
+                         graph=chain_shape(specs, (3, 12, 12)))
+    steps = [r for r in map(json.loads, open(metrics)) if r["event"] == "step"]
+    assert len(steps) == 3
+    for record in steps:
+        for w in counts:
+            sent, want = record["workers"][w]["peer_bytes_sent"], priced.workers[w]
+            assert want["sent"] <= sent <= want["sent"] + 128 * want["messages"], (w, sent, want)
 
 
 def test_star_refuses_data_layers_in_one_line(procs, tmp_path):
