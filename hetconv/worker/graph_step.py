@@ -1,24 +1,21 @@
-"""The worker side of the peer-exchange step for a network that is a graph.
+"""The worker side of the peer-exchange step, for every network: a chain is the graph whose blocks
+each read the one before (engine.graph.GraphPass.chain).
 
 Every worker runs the graph's steps itself (engine.graph.GraphPass, the code the coordinator runs
-in the star exchange), over an engine whose blocks are this worker's shard of each conv block.
-Where the plan has data blocks (they split the images alike) that engine is `LayoutBlocks`: each
-tensor lives in a layout (engine/layouts.py), a worker's rows, its channels or the whole, and
-moves only where a reader takes it in another (an all-gather, or an all-to-all between rows and
-channels); a model block's partial dX is summed into the layout its input is held in (a
-reduce-scatter into rows or channels). An all-data graph so moves only weight gradients and
-BatchNorm sums, and a model block's output leaves for its readers micro-batch by micro-batch,
-under the next one's compute. The joins (a residual sum, a concatenation, the ReLU and pools
-between blocks) run on every worker on its part of their operands, with no traffic.
-Where every block is model-parallel, `PeerBlocks` makes every tensor whole among the workers
-instead: a block's output is all-gathered, its partial dX all-reduced (each worker's whole to
-every other, summed in plan order), the images all-gathered from the coordinator's 1/P each, and
-the plan's first worker sends the features. Both ways the coordinator's arrays are float32, so
-the joins around them compute on what --local's coordinator computes on.
+in the star exchange), over `LayoutBlocks`, an engine whose blocks are this worker's shard of each
+conv block and whose tensors each live in a layout (engine/layouts.py): a worker's rows, its
+channels or the whole. A tensor moves only where a reader takes it in another layout (an
+all-gather, or an all-to-all between rows and channels); a model block's partial dX is summed
+into the layout its input is held in (a reduce-scatter into rows or channels, an all-reduce into
+a whole tensor). An all-data network so moves only weight gradients and BatchNorm sums; a block's
+output leaves for its readers micro-batch by micro-batch, under the next one's compute. The joins
+(a residual sum, a concatenation, the ReLU and pools between blocks) run on every worker on its
+part of their operands, with no traffic. The images come from the coordinator in rows, and the
+features go back in their layout.
 
 Rounding points are those of the star exchange, where each block's input, output, gradient and
 partial dX cross the wire once: a worker rounds each to the wire where it enters or leaves a
-block, and nowhere else.
+block, and nowhere else; what a block makes travels in the wire's dtype, a join's in float32.
 """
 import time
 
@@ -127,6 +124,8 @@ class LayoutBlocks:
         that covers it, else assembled from what each holder sent (_send_part)."""
         hb, wb = self._blocks(have, m, channels), self._blocks(want, m, channels)
         need, hw = wb[self.me], tuple(own.shape[2:])
+        if not block_shape(need)[0] * block_shape(need)[1]:
+            return np.empty(tuple(max(0, v) for v in block_shape(need)) + hw, np.float32)   # no rows here
         if _contains(hb[self.me], need):
             return np.ascontiguousarray(own[within(need, hb[self.me])], np.float32)
         links = self.links
