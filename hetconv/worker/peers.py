@@ -93,6 +93,7 @@ class PeerLinks:
         self.order, self.ranges = [name], []
         self.layer_plans = []                    # per layer: its mode, kernel ranges and (data) images
         self.graph = None                        # engine.graph.GraphPass the plan's steps run (a chain's too)
+        self.summed_layers = frozenset()         # (connect) the model layers whose partial dX is summed
         self.norm_ghost_batch = 0                # images per statistics group of its BatchNorm nodes (PEERS)
         self.step, self.micros = None, 0         # the step last started under this plan, its micro-batches
         self.held = {}                           # (step, phase, layer, micro, sender) -> array, arrived early
@@ -118,6 +119,9 @@ class PeerLinks:
         self.ranges = [{w: tuple(r) for w, r in layer.items()} for layer in fields["ranges"]]
         self.layer_plans = self._layer_plans(fields)
         self.graph = self._graph(fields.get("graph"))
+        # the model layers whose partial dX the workers sum (their input takes a gradient)
+        self.summed_layers = frozenset(st.block for st in self.graph.steps if st.kind == "block"
+                                       and self.graph.requires[st.inputs[0]] and self.layer_plans[st.block].mode == "model")
         self.norm_ghost_batch = 0                # images per statistics group of the graph's BatchNorm nodes
         if self.graph is not None and self.graph.norms:
             self.graph.load_norms(self._norm_states(fields, arrays), fields.get("optimizer"))
@@ -382,10 +386,7 @@ class PeerLinks:
         # tensors move between layouts (engine/layouts.py) by GraphPass.conversion_key, and a
         # model block's partial dX is summed into its input's (graph_step.LayoutBlocks)
         conversions = range(self.graph.conversion_keys()) if self.graph is not None else range(0)
-        graph = self.graph
-        summed = [st.block for st in graph.steps if st.kind == "block" and graph.requires[st.inputs[0]]
-                  and self.layer_plans[st.block].mode == "model"] if graph is not None else []
-        allowed = {"backward": summed, "dweights": data_layers,
+        allowed = {"backward": self.summed_layers, "dweights": data_layers,
                    "dweights_sum": data_layers if len(self.order) > 2 else [], "bn_forward": data_layers,
                    "bn_backward": data_layers, "gradnorm": [-1], "gather": conversions, "gather_grad": conversions}
         if not isinstance(phase, str) or phase not in PHASES:
