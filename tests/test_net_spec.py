@@ -408,6 +408,24 @@ def test_a_graph_reads_its_nodes_infers_shapes_and_splits_into_blocks_and_joins(
     assert "sum = add (a_bn, stem_relu)" in spec.describe()
 
 
+def test_a_graph_whose_conv_takes_a_relu_and_a_pool_runs_them_in_its_block():
+    """conv -> ReLU -> max pool, then two branches: the block fuses the ReLU and the pool, and no
+    step reads the fused ReLU's output on its own (a step that did read the conv's bare output,
+    which no step makes, and the graph could not be built)."""
+    from hetconv.engine.graph import GraphPass
+    spec = NetSpec.from_json({"input_shape": [3, 8, 8], "classes": 2, "nodes": [
+        _node("stem", ["input"], type="conv", out_channels=4, kernel=3, padding=1),
+        _node("r", ["stem"], type="relu"), _node("p", ["r"], type="maxpool", kernel=2),
+        _node("a", ["p"], type="conv", out_channels=4, kernel=1), _node("b", ["p"], type="conv", out_channels=4, kernel=1),
+        _node("sum", ["a", "b"], type="add"), _node("flatten", ["sum"], type="flatten"),
+        _node("fc", ["flatten"], type="linear", out_features=2)]})
+    stem = spec.conv_layers()[0]
+    assert (stem.block.activation, stem.block.pool, stem.node, stem.members) == ("relu", "max", 2, (0, 1, 2))
+    assert [(st.kind, spec.names[st.output], st.inputs) for st in spec.graph_steps()] == [
+        ("block", "p", (-1,)), ("block", "a", (2,)), ("block", "b", (2,)), ("node", "sum", (3, 4))]
+    assert GraphPass(spec, None).requires[2] and spec.norm_nodes() == []
+
+
 def _with(change):
     data = json.loads(json.dumps(RESIDUAL))
     change(data["nodes"])

@@ -454,6 +454,7 @@ class ConvLayer:
     layer_indices: tuple = ()   # NetSpec.layers positions of the block's per-channel layers, in order
     source: int = -1            # the node whose output the conv reads (-1: the network's input)
     node: int = -1              # the node whose output the block gives (its last layer's position)
+    members: tuple = ()         # every NetSpec.layers position the block runs: conv, fused activation and pool, tail
 
 
 @dataclass(frozen=True)
@@ -770,7 +771,8 @@ class NetSpec:
                                     kernel=conv.kernel, bias=conv.bias, block=block, input_shape=in_shape,
                                     conv_shape=self._shapes[i], output_shape=self._shapes[members[-1]],
                                     tail=tuple(self.layers[j].channel_op() for j in rest),
-                                    layer_indices=tuple(rest), source=source, node=members[-1]))
+                                    layer_indices=tuple(rest), source=source, node=members[-1],
+                                    members=tuple(members)))
         for i in range(flatten_at):
             layer = self.layers[i]
             if i not in owned and isinstance(layer, Dropout2d):
@@ -788,7 +790,7 @@ class NetSpec:
         graph runs them; their state follows the blocks' in the conv part's state."""
         if self.is_chain():
             return []
-        owned = {i for b in self.conv_layers() for i in (b.index,) + b.layer_indices}
+        owned = {i for b in self.conv_layers() for i in b.members}
         return [i for i in range(self._flatten_index()) if i not in owned and isinstance(self.layers[i], BatchNorm)]
 
     def norm_specs(self):
@@ -801,7 +803,7 @@ class NetSpec:
         chain: its blocks alone, each reading the one before."""
         blocks = self.conv_layers()
         by_conv = {b.index: n for n, b in enumerate(blocks)}
-        owned = {i for b in blocks for i in (b.index,) + b.layer_indices} | {b.node for b in blocks}
+        owned = {i for b in blocks for i in b.members}       # a fused activation and pool too
         steps = []
         for i in range(self._flatten_index()):
             if i in by_conv:
