@@ -418,8 +418,23 @@ def test_a_peer_that_began_the_step_first_is_heard_up_to_its_first_exchange():
 
 
 def test_a_plan_whose_data_layers_split_the_images_differently_is_refused_when_it_arrives():
+    """PEERS refuses it, the cost model will not price it, and a STEP without its image counts
+    names what is missing."""
+    from hetconv.engine.costmodel import DeviceProfile, LayerCost, Link, predict_any
+    from hetconv.engine.graph import chain_shape
+    from hetconv.geometry import ConvSpec
+    from hetconv.net.spec import NetSpec
+    from hetconv.worker.graph_step import rows_of_step
     with pytest.raises(ValueError, match="split the images differently"):
         peer_links(["data", "model", "data"], [{"w0": 3, "w1": 5}, {}, {"w0": 4, "w1": 4}])
+    specs = [ConvSpec.from_layer(layer) for layer in NetSpec.from_json(NET).conv_layers()]
+    flat = DeviceProfile("d", "cpu", "", (LayerCost(0.0, 1e-6, 0.0, 1e-6),) * len(specs))
+    with pytest.raises(ValueError, match="split the images alike"):
+        predict_any("peer", specs, (3, 12, 12), BATCH, TWO, {w: flat for w in TWO}, Link(1e9), 0.0,
+                    modes=["data", "model", "data"], images={"w0-cpu": [3, 0, 4], "w1-cpu": [7, 0, 6]},
+                    graph=chain_shape(specs, (3, 12, 12)))
+    with pytest.raises(ValueError, match="STEP without 'sizes'"):
+        rows_of_step(peer_links(["data", "model", "data"]), 3, None)
 
 
 @pytest.mark.parametrize("parallel", ["model", "data"])

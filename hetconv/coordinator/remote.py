@@ -182,6 +182,7 @@ class RemoteEngine(ShardEngine):
         self.processes = []                                 # (label, Popen or a launcher's look-alike)
         self.launcher = launcher                            # None: spawned here; else e.g. launch_ray.RayLauncher
         self.peers = {}                                     # name -> _Peer, in plan order
+        self._chain_pass = (None, None)                     # (its key, the GraphPass a chain's peer step runs)
         self.by_identity = {}
         self.seq = 0
         self.calibration_s = 0.0
@@ -984,7 +985,7 @@ class RemoteEngine(ShardEngine):
         for layer in range(len(self.specs)):
             hw = self.pooled_output_hw(layer, hw)
         key = (len(self.specs), self.specs[-1].kernels) + tuple(hw)
-        if getattr(self, "_chain_pass", (None, None))[0] != key:
+        if self._chain_pass[0] != key:
             self._chain_pass = (key, GraphPass.chain(len(self.specs), (self.specs[-1].kernels,) + tuple(hw)))
         return self._chain_pass[1]
 

@@ -871,7 +871,7 @@ def predict_graph_layout_step(specs, image_shape, batch, counts, images, profile
             return frac[w]
         return counts[w][layout[1]] / specs[layout[1]].kernels
 
-    def convert(j, have, want, exact):
+    def convert(j, have, want, exact, kind="layout gathers"):
         """Tensor j (or its gradient) from layout `have` to `want`: each worker sends each other
         what it holds of that one's part, where that one lacks it (engine/layouts.py); block
         outputs and dX in the wire's dtype, a join's tensors in float32."""
@@ -882,10 +882,8 @@ def predict_graph_layout_step(specs, image_shape, batch, counts, images, profile
             out = {w: whole * part(have, w) * (p - 1) for w in names}
         else:           # rows from channels or channels from rows: an all-to-all
             out = {w: whole * part(have, w) * (1 - part(want, w)) for w in names}
-        kind = "block outputs" if exact and is_channels(have) and direction[0] == "forward" else "layout gathers"
         return exchange(kind, out)
 
-    direction = ["forward"]
     requires = {-1: False}          # which tensors a gradient reaches (engine.graph.GraphPass.requires)
     for st in steps:
         requires[st.output] = st.kind == "block" or st.output in graph.norms or any(requires[j] for j in st.inputs)
@@ -906,7 +904,8 @@ def predict_graph_layout_step(specs, image_shape, batch, counts, images, profile
             for have, to in ((layouts[j], source), (source, want)):
                 if have != to and (j, to) not in converted:
                     converted.add((j, to))
-                    t += convert(j, have, to, j in block_outputs)
+                    exact = j in block_outputs        # a model block's output made whole or cut: "block outputs"
+                    t += convert(j, have, to, exact, "block outputs" if exact and is_channels(have) else "layout gathers")
         if st.kind != "block":
             continue
         li, spec = st.block, specs[st.block]
@@ -920,7 +919,6 @@ def predict_graph_layout_step(specs, image_shape, batch, counts, images, profile
             t += max(fwd.values())
         for w in names:
             compute[w] += fwd[w]
-    direction[0] = "backward"
     feature_bytes = batch * graph.feature_floats * FLOAT_BYTES
     in_parts = layouts[graph.feature] != WHOLE
     t += feature_bytes / link.bytes_per_s + coordinator_s + feature_bytes * (1 if in_parts else p) / link.bytes_per_s

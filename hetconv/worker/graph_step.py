@@ -98,20 +98,13 @@ class LayoutBlocks:
         return self.links._bn_reduce(self.step, layer, waited)
 
     # ---- moving a tensor between layouts -----------------------------------------------------------
-    def _send_part(self, phase, key, m, own, have, want, wire):
+    def _send_part(self, phase, key, m, sent, have, want):
         """To each worker that lacks part of its block of `want`, what this worker holds of it
-        (`own`, its block of `have`, as the wire carries it)."""
-        channels = self._channels_of(own, have, m)
+        (`sent`: its block of `have`, already in the wire's dtype)."""
+        channels = self._channels_of(sent, have, m)
         hb, wb = self._blocks(have, m, channels), self._blocks(want, m, channels)
-        sent = None
-        for peer in self.order:
-            if peer == self.me or _contains(hb[peer], wb[peer]):
-                continue
-            part = intersect(hb[self.me], wb[peer])
-            if part is not None:
-                sent = encode(np.ascontiguousarray(own, np.float32), wire) if sent is None else sent
-                self.links._send_peer(peer, self.step, phase, key, m, np.ascontiguousarray(sent[within(part,
-                                                                                                         hb[self.me])]))
+        lacking = {w: wb[w] for w in self.order if not _contains(hb[w], wb[w])}
+        self.links._send_encoded(self.step, phase, key, m, sent, hb[self.me], lacking)
 
     def _channels_of(self, own, have, m):
         """The whole tensor's channel count, from this worker's block `own` of it in `have`."""
@@ -147,11 +140,11 @@ class LayoutBlocks:
         the values are the wire's (a block's output or dX), so they travel in its dtype."""
         phase = "gather" if direction == "forward" else "gather_grad"
         wire = self.wire if exact else "float32"
-        if (phase, key, want) not in self.sent_ahead:
+        if have != WHOLE and (phase, key, want) not in self.sent_ahead:     # from whole, nothing moves
             for m, a in enumerate(arrays):
-                self._send_part(phase, key, m, a, have, want, wire)
-        channels = [self._channels_of(a, have, m) for m, a in enumerate(arrays)]
-        return [self._receive_part(phase, key, m, a, have, want, wire, channels[m]) for m, a in enumerate(arrays)]
+                self._send_part(phase, key, m, encode(np.ascontiguousarray(a, np.float32), wire), have, want)
+        return [self._receive_part(phase, key, m, a, have, want, wire, self._channels_of(a, have, m))
+                for m, a in enumerate(arrays)]
 
     # ---- GraphPass's engine ------------------------------------------------------------------------
     def forward_layer(self, layer, xs, train, step=None):
@@ -171,7 +164,7 @@ class LayoutBlocks:
             sent = encode(np.ascontiguousarray(y, np.float32), self.wire)
             out[m] = decode(sent, self.wire)
             for want in ahead:
-                self._send_part("gather", key, m, out[m], self.layouts[node], want, self.wire)
+                self._send_part("gather", key, m, sent, self.layouts[node], want)
             waited[0] += time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -206,7 +199,7 @@ class LayoutBlocks:
                 sent = encode(np.ascontiguousarray(dx, np.float32), self.wire)
                 dx_own[m] = decode(sent, self.wire)
                 if ahead:
-                    self._send_part("gather_grad", key, m, dx_own[m], ROWS, into, self.wire)
+                    self._send_part("gather_grad", key, m, sent, ROWS, into)
             waited[0] += time.perf_counter() - t0
 
         t0 = time.perf_counter()

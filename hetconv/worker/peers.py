@@ -463,13 +463,18 @@ class PeerLinks:
         """Send each peer the part of `array` (this worker's `block` of a tensor) that lies in the
         peer's block of `receivers`; returns the array as the peers see it (rounded by the wire)."""
         sent = encode(array, wire)
+        self._send_encoded(step, phase, layer, m, sent, block, receivers)
+        return decode(sent, wire)
+
+    def _send_encoded(self, step, phase, layer, m, sent, block, receivers):
+        """_send_blocks of an array already in the wire's dtype (`sent`); a peer missing from
+        `receivers` is sent nothing."""
         for peer in self.order:
-            if peer == self.name:
+            if peer == self.name or peer not in receivers:
                 continue
             part = intersect(block, receivers[peer])
             if part is not None:
                 self._send_peer(peer, step, phase, layer, m, np.ascontiguousarray(sent[within(part, block)]))
-        return decode(sent, wire)
 
     def _all_reduce(self, step, phase, layer, index, local):
         """Every worker's float64 `local` (the same shape everywhere), summed in plan order: the same
