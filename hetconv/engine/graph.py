@@ -192,7 +192,7 @@ class GraphPass:
         layouts. A block's output is a value the wire carries (each block rounds it there), so it
         moves in the wire's dtype; a join's, in float32."""
         layouts = getattr(engine, "layouts", None)
-        tensors = {-1: list(xs)}
+        tensors = {-1: xs}
         views = {}                          # (tensor, layout) -> the tensor converted to that layout
         self._saved = {}
 
@@ -299,7 +299,7 @@ class GraphPass:
         """grads: dL/d(features) per micro-batch; every block's backward runs, its parameters'
         gradients adding up on the shards."""
         layouts = getattr(engine, "layouts", None)
-        pending = {self.feature: list(grads)}
+        pending = {self.feature: grads}
 
         def give(j, dx, have, reader, k=0, exact=False):
             """Add the gradient of tensor j that its reader's input k gives (in the layout `have`,
@@ -336,7 +336,7 @@ class GraphPass:
     @staticmethod
     def _accumulate(pending, j, grads):
         if j not in pending:
-            pending[j] = list(grads)
+            pending[j] = grads
         else:
             pending[j] = [a + b for a, b in zip(pending[j], grads)]   # new arrays: a gradient may be shared
 

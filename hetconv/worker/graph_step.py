@@ -42,6 +42,30 @@ def _contains(outer, inner):
     return outer[0] <= inner[0] and inner[1] <= outer[1] and outer[2] <= inner[2] and inner[3] <= outer[3]
 
 
+class ArrivingParts:
+    """A tensor's parts per micro-batch, each received (`fetch(m)`) when it is first read, so its
+    reader computes micro-batch m while m + 1 is still on the wire. Seconds spent receiving add
+    to `clock[0]` (a block's compute time leaves them out)."""
+
+    def __init__(self, count, fetch, clock):
+        self._count, self._fetch, self._clock, self._got = count, fetch, clock, {}
+
+    def __len__(self):
+        return self._count
+
+    def __getitem__(self, m):
+        if not 0 <= m < self._count:
+            raise IndexError(f"micro-batch {m} of {self._count}")
+        if m not in self._got:
+            t0 = time.perf_counter()
+            self._got[m] = self._fetch(m)
+            self._clock[0] += time.perf_counter() - t0
+        return self._got[m]
+
+    def __iter__(self):
+        return (self[m] for m in range(self._count))
+
+
 class LayoutBlocks:
     """GraphPass's engine on a worker where each tensor of the step has a layout (engine/layouts.py:
     this worker's rows of it, its channels, or the whole), which every data block's one split of
@@ -60,8 +84,10 @@ class LayoutBlocks:
     join's tensors in float32. Rounding points are those of the star exchange: a block's input,
     output, gradient and dX are rounded to the wire where they enter or leave it."""
 
-    def __init__(self, links, step, sizes, rows, layouts, wire, dropout, compute, rule):
+    def __init__(self, links, step, sizes, rows, layouts, wire, dropout, compute, rule, on_features=None):
         self.links, self.step, self.wire = links, step, wire
+        self.on_features = on_features         # (m, this worker's part in the wire's dtype), as each is made
+        self.receiving = [0.0]                 # seconds spent receiving parts a step read as they came
         self.me, self.order = links.name, links.order
         self.rows, self.mine = rows, rows[links.name]        # {worker: [(r0, r1) per micro-batch]}
         self.plans = links.layer_plans
@@ -143,8 +169,8 @@ class LayoutBlocks:
         if have != WHOLE and (phase, key, want) not in self.sent_ahead:     # from whole, nothing moves
             for m, a in enumerate(arrays):
                 self._send_part(phase, key, m, encode(np.ascontiguousarray(a, np.float32), wire), have, want)
-        return [self._receive_part(phase, key, m, a, have, want, wire, self._channels_of(a, have, m))
-                for m, a in enumerate(arrays)]
+        return ArrivingParts(len(arrays), lambda m: self._receive_part(
+            phase, key, m, arrays[m], have, want, wire, self._channels_of(arrays[m], have, m)), self.receiving)
 
     # ---- GraphPass's engine ------------------------------------------------------------------------
     def forward_layer(self, layer, xs, train, step=None):
@@ -165,11 +191,14 @@ class LayoutBlocks:
             out[m] = decode(sent, self.wire)
             for want in ahead:
                 self._send_part("gather", key, m, sent, self.layouts[node], want)
+            if features:
+                self.on_features(m, sent)
             waited[0] += time.perf_counter() - t0
 
-        t0 = time.perf_counter()
+        features = self.on_features is not None and node == self.links.graph.feature
+        t0, received = time.perf_counter(), self.receiving[0]
         shard.forward_layer(layer, inputs(), train, self._reduce(layer, waited), emit, self.dropout, batch=self.batch)
-        self.compute[layer] += time.perf_counter() - t0 - waited[0]
+        self.compute[layer] += time.perf_counter() - t0 - waited[0] - (self.receiving[0] - received)
         self.sent_ahead.update(("gather", key, want) for want in ahead)
         return [out[m] for m in range(len(xs))]
 
@@ -202,11 +231,11 @@ class LayoutBlocks:
                     self._send_part("gather_grad", key, m, sent, ROWS, into)
             waited[0] += time.perf_counter() - t0
 
-        t0 = time.perf_counter()
+        t0, received = time.perf_counter(), self.receiving[0]
         shard.backward_layer(layer, ((m, _rounded(g, self.wire)) for m, g in enumerate(grads)), need_dx,
                              self._reduce(layer, waited), emit)
         shard.device.synchronize()
-        self.compute[layer] += time.perf_counter() - t0 - waited[0]
+        self.compute[layer] += time.perf_counter() - t0 - waited[0] - (self.receiving[0] - received)
         if self.rule is not None:
             self.links._after_backward(self.step, layer, self.rule, self.rule.max_norm > 0, self.deferred,
                                        self.updates, self.compute)
@@ -216,7 +245,8 @@ class LayoutBlocks:
             if ahead:
                 self.sent_ahead.add(("gather_grad", key, into))
             return [dx_own[m] for m in range(len(grads))], ROWS
-        return [self._sum_partials(layer, m, dx_own[m], into, channels) for m in range(len(grads))], into
+        return ArrivingParts(len(grads), lambda m: self._sum_partials(layer, m, dx_own[m], into, channels),
+                             self.receiving), into
 
     def _sum_partials(self, layer, m, whole, into, channels):
         """A model block's dX of micro-batch m in this worker's part of layout `into`: every
@@ -246,29 +276,36 @@ def run_graph_step(links, seq, fields, step, micros, train, rule, sizes):
     compute = [0.0] * len(links.layer_plans)
     layouts = tensor_layouts(graph.steps, [lp.mode for lp in links.layer_plans], graph.norms)
     images_wire = wire if graph.images_exact else "float32"
-    xs = []
-    for m in range(micros):
+    features_wire = wire if graph.features_exact else "float32"
+
+    def images(m):
         key = (step, "INPUT", -1, m, "coordinator")
         r0, r1 = rows[links.name][m]
         got = links._await({key}, step)[key]
-        xs.append(decode(links._check(f"step {step}: images of micro-batch {m}", "the coordinator", got,
-                                      (r1 - r0,) + _image_shape(links, got)), images_wire))
+        return decode(links._check(f"step {step}: images of micro-batch {m}", "the coordinator", got,
+                                   (r1 - r0,) + _image_shape(links, got)), images_wire)
+
+    def send_features(m, encoded):
+        links.send_to_coordinator(protocol.pack("FEATURES", seq, [encoded], step=step, micro=m))
+
     dropout = DropoutDraw(fields["seed"], fields["train_step"], sum(sizes)) if train else None
-    engine = LayoutBlocks(links, step, sizes, rows, layouts, wire, dropout, compute, rule if train else None)
-    features = graph.forward(engine, xs, train)
+    # a block that makes the features sends each micro-batch's part as it is made, so the head
+    # runs on micro-batch m while the block computes m + 1
+    engine = LayoutBlocks(links, step, sizes, rows, layouts, wire, dropout, compute, rule if train else None,
+                          on_features=send_features if graph.features_exact else None)
+    features = graph.forward(engine, ArrivingParts(micros, images, engine.receiving), train)
     in_parts = layouts[graph.feature] != WHOLE        # each worker its rows or channels of them
-    features_wire = wire if graph.features_exact else "float32"
-    if in_parts or links.name == links.order[0]:
+    if not graph.features_exact and (in_parts or links.name == links.order[0]):
         for m, h in enumerate(features):
-            links.send_to_coordinator(protocol.pack("FEATURES", seq, [encode(np.ascontiguousarray(h, np.float32),
-                                                                             features_wire)], step=step, micro=m))
+            send_features(m, encode(np.ascontiguousarray(h, np.float32), features_wire))
     done = {"step": step}
     if train:
-        grads = []
-        for m, h in enumerate(features):
+        def gradient(m):
             key = (step, "GRAD", -1, m, "coordinator")
-            grads.append(decode(links._check(f"step {step}: gradient of micro-batch {m}", "the coordinator",
-                                             links._await({key}, step)[key], h.shape), features_wire))
+            return decode(links._check(f"step {step}: gradient of micro-batch {m}", "the coordinator",
+                                       links._await({key}, step)[key], features[m].shape), features_wire)
+
+        grads = ArrivingParts(len(features), gradient, engine.receiving)
         graph.backward(engine, grads)
         if rule is not None:
             done.update(links._apply_updates(step, rule, engine.deferred, engine.updates, compute))
