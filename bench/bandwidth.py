@@ -307,9 +307,11 @@ def run_local_cli(args, common):
     return row
 
 
-def predict_parallel(args, batch, plan, calibration, rate, wire_cpu_s_per_byte, micro, coordinator_cache):
+def predict_parallel(args, batch, plan, calibration, rate, wire_cpu_s_per_byte, micro, coordinator_cache,
+                     value_bytes=4):
     """The cost model's step for the plan a run trained with (its modes, kernels and images per
-    worker), from the run's own calibration record: predict_any, as hetconv-plan does."""
+    worker), from the run's own calibration record: predict_any, as hetconv-plan does;
+    `value_bytes`: a feature-map value's bytes on the run's wire."""
     from threadpoolctl import threadpool_limits
 
     from hetconv.engine import costmodel as cm
@@ -334,7 +336,7 @@ def predict_parallel(args, batch, plan, calibration, rate, wire_cpu_s_per_byte, 
     link = C.model_link(rate, "tbf", wire_cpu_s_per_byte)
     graph = None if net.is_chain() else graph_pass(net, None).shape()
     pred = cm.predict_any("peer", specs, net.input_shape, batch, counts, profiles, link, coordinator_cache[key],
-                          micro, 4, modes=modes, images=images, graph=graph)
+                          micro, value_bytes, modes=modes, images=images, graph=graph)
     out = pred.to_json()
     out["dominant"] = list(cm.dominant_term(pred))
     return out
@@ -567,8 +569,8 @@ def repredict(path, wire_cpu_ns=None):
             args = argparse.Namespace(net=saved.get("net"), conv=saved.get("conv"), fc=saved.get("fc"))
             new = predict_parallel(args, r["batch_size"], r["plan"], r["calibration"],
                                    r["rate"] if r["rate"] != "unshaped" else "10gbit", wire_cpu_ns * 1e-9,
-                                   r["micro_batches"], {(r["batch_size"], len(r["plan"]["workers"])): coordinator_s}
-                                   )["step_s"]
+                                   r["micro_batches"], {(r["batch_size"], len(r["plan"]["workers"])): coordinator_s},
+                                   value_bytes(r.get("wire") or "float32"))["step_s"]
         elif r.get("kind") == "local":
             profile = cm.DeviceProfile.from_json(r["profiles"]["local"])
             new = cm.predict_local(specs, r["batch_size"], profile, coordinator_s)

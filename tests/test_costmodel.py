@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from hetconv.engine.costmodel import (
-    DeviceProfile, LayerCost, Link, parse_bandwidth, predict_local, predict_step, profiles_from_calibration,
+    DeviceProfile, LayerCost, Link, chain_shape, parse_bandwidth, predict_local, predict_step, profiles_from_calibration,
     wire_bytes)
 from hetconv.geometry import conv_specs
 
@@ -85,7 +85,7 @@ def test_fit_separates_a_calls_per_kernel_cost_from_its_images():
 
 
 def test_updates_once_per_step_and_gradient_sums_per_extra_micro_batch():
-    from hetconv.engine.costmodel import predict_peer_step
+    from hetconv.engine.costmodel import predict_any
     cost = LayerCost.fit({"batch": 4, "kernels": [10, 5], "forward_s": [1.0, 0.5], "backward_s": [2.0, 1.0],
                           "update_kernels": 10, "update_s": 0.3, "accumulate_s": 0.1})
     assert cost.update_s(20) == pytest.approx(0.6) and cost.accumulate_s(20) == pytest.approx(0.2)
@@ -93,8 +93,8 @@ def test_updates_once_per_step_and_gradient_sums_per_extra_micro_batch():
     stepped = LayerCost(0.0, 1e-4, 0.0, 1e-4, update_per_kernel_s=1e-5, accumulate_per_kernel_s=2e-6)
     fast, counts = Link(1e15, 0.0), {"w0": [500, 1500]}
     for m in (1, 4):
-        a, b = (predict_peer_step(PAPER, IMAGE, 32, counts, {"w0": DeviceProfile("a", "cpu", "", (c,) * 2)}, fast, 0.0,
-                                  micro_batches=m) for c in (stepped, plain))
+        a, b = (predict_any("peer", PAPER, IMAGE, 32, counts, {"w0": DeviceProfile("a", "cpu", "", (c,) * 2)}, fast,
+                            0.0, micro_batches=m) for c in (stepped, plain))
         assert a.step_s - b.step_s == pytest.approx(2000 * (1e-5 + (m - 1) * 2e-6), rel=1e-6)
     assert predict_local(PAPER, 32, DeviceProfile("a", "cpu", "", (stepped,) * 2), 0.0) == pytest.approx(
         predict_local(PAPER, 32, DeviceProfile("a", "cpu", "", (plain,) * 2), 0.0) + 2000 * 1e-5)
@@ -114,14 +114,14 @@ def test_calibration_times_calls_updates_and_sums():
 
 
 def test_micro_batches_pay_one_call_each_in_the_peer_model():
-    from hetconv.engine.costmodel import predict_peer_step
+    from hetconv.engine.costmodel import predict_any
     with_calls = DeviceProfile("a", "cpu", "", (LayerCost(0.0, 1e-4, 0.0, 1e-4, 0.02, 0.03),) * 2)
     without = DeviceProfile("a", "cpu", "", (LayerCost(0.0, 1e-4, 0.0, 1e-4),) * 2)
     fast = Link(1e15, 0.0)
     counts = {"w0": [500, 1500]}
     for m in (1, 4):
-        a = predict_peer_step(PAPER, IMAGE, 32, counts, {"w0": with_calls}, fast, 0.0, micro_batches=m)
-        b = predict_peer_step(PAPER, IMAGE, 32, counts, {"w0": without}, fast, 0.0, micro_batches=m)
+        a = predict_any("peer", PAPER, IMAGE, 32, counts, {"w0": with_calls}, fast, 0.0, micro_batches=m)
+        b = predict_any("peer", PAPER, IMAGE, 32, counts, {"w0": without}, fast, 0.0, micro_batches=m)
         assert a.step_s - b.step_s == pytest.approx(m * 2 * (0.02 + 0.03), rel=1e-6)
 
 
@@ -235,15 +235,15 @@ def test_peer_model_keeps_the_coordinators_bytes_flat_and_beats_the_star_on_a_sh
 
 
 def test_peer_model_with_a_free_link_is_the_compute_and_micro_batches_hide_the_coordinator():
-    from hetconv.engine.costmodel import predict_peer_step
+    from hetconv.engine.costmodel import predict_any
     counts = _even_counts(2)
     profiles = {w: flat_profile(w, 1e-4) for w in counts}
     free = Link(1e15, 0.0)
     compute = sum(profiles["w0"].layers[i].forward_s(counts["w0"][i], 32)
                   + profiles["w0"].layers[i].backward_s(counts["w0"][i], 32) for i in range(2))
-    one = predict_peer_step(PAPER, IMAGE, 32, counts, profiles, free, 0.5, micro_batches=1)
+    one = predict_any("peer", PAPER, IMAGE, 32, counts, profiles, free, 0.5, micro_batches=1)
     assert one.step_s == pytest.approx(compute + 0.5)              # nothing to overlap the FC work with
-    four = predict_peer_step(PAPER, IMAGE, 32, counts, profiles, free, 0.5, micro_batches=4)
+    four = predict_any("peer", PAPER, IMAGE, 32, counts, profiles, free, 0.5, micro_batches=4)
     assert four.step_s < one.step_s - 0.2                           # FC on piece m while conv runs m+1
 
 
@@ -259,7 +259,7 @@ def test_dominant_term_names_the_bottleneck():
 
 
 def test_the_cost_model_agrees_with_the_device_set_the_planner_picks():
-    from hetconv.engine.costmodel import predict_peer_step
+    from hetconv.engine.costmodel import predict_any
     from hetconv.engine.planner import plan_from_lines
     batch = 32
     gpu = DeviceProfile("gpu", "cuda:0", "", (LayerCost(0.0002, 0.000006, 0.0002, 0.000006),) * 2)
@@ -270,10 +270,10 @@ def test_the_cost_model_agrees_with_the_device_set_the_planner_picks():
     plan = plan_from_lines([500, 1500], lines)
     assert plan.workers == ("gpu",)
     fast = Link(1e15, 0.0)
-    alone = predict_peer_step(PAPER, IMAGE, batch, {"gpu": [500, 1500]}, profiles, fast, 0.0)
+    alone = predict_any("peer", PAPER, IMAGE, batch, {"gpu": [500, 1500]}, profiles, fast, 0.0)
     forced = plan_from_lines([500, 1500], lines, use_all=True)
-    both = predict_peer_step(PAPER, IMAGE, batch, {w: [lp.count(w) for lp in forced.layers] for w in forced.workers},
-                             profiles, fast, 0.0)
+    both = predict_any("peer", PAPER, IMAGE, batch, {w: [lp.count(w) for lp in forced.layers] for w in forced.workers},
+                       profiles, fast, 0.0)
     assert alone.step_s < both.step_s
 
 
@@ -339,14 +339,14 @@ def test_wire_cpu_hides_in_the_wait_without_overlap_and_slows_compute_with_it():
     what the busiest host was charged."""
     from dataclasses import replace
 
-    from hetconv.engine.costmodel import predict_peer_step
+    from hetconv.engine.costmodel import predict_any
     counts = _even_counts(2)
     profiles = {w: flat_profile(w, 1e-4) for w in counts}
     slow = Link(12.5e6, 0.0)                          # 100 Mbit/s: 80 ns a byte on the wire
     for m in (1, 2):
-        free = predict_peer_step(PAPER, IMAGE, 32, counts, profiles, slow, 0.05, micro_batches=m)
-        cheap = predict_peer_step(PAPER, IMAGE, 32, counts, profiles, replace(slow, host_cpu_s_per_byte=1e-9), 0.05,
-                                  micro_batches=m)
+        free = predict_any("peer", PAPER, IMAGE, 32, counts, profiles, slow, 0.05, micro_batches=m)
+        cheap = predict_any("peer", PAPER, IMAGE, 32, counts, profiles, replace(slow, host_cpu_s_per_byte=1e-9), 0.05,
+                            micro_batches=m)
         assert cheap.step_s >= free.step_s
         if m == 1:
             # every transfer's 0.5 ns a byte at each end ends long before its 80 ns a byte on the wire
@@ -354,9 +354,9 @@ def test_wire_cpu_hides_in_the_wait_without_overlap_and_slows_compute_with_it():
     fast = Link(1e15, 0.0)
     cpu = 6e-9
     for m in (2, 4):
-        free = predict_peer_step(PAPER, IMAGE, 32, counts, profiles, fast, 0.05, micro_batches=m)
-        paid = predict_peer_step(PAPER, IMAGE, 32, counts, profiles, replace(fast, host_cpu_s_per_byte=cpu), 0.05,
-                                 micro_batches=m)
+        free = predict_any("peer", PAPER, IMAGE, 32, counts, profiles, fast, 0.05, micro_batches=m)
+        paid = predict_any("peer", PAPER, IMAGE, 32, counts, profiles, replace(fast, host_cpu_s_per_byte=cpu), 0.05,
+                           micro_batches=m)
         # each host pays half the CPU of every byte it sends or receives; the step grows by more
         # than half a worker's share (it overlapped compute) and by no more than all of it together
         charged = {w: 0.5 * cpu * (v["sent"] + v["recv"]) for w, v in paid.workers.items()}
@@ -469,15 +469,53 @@ def test_a_batchnorm_layer_is_priced_as_a_barrier_and_a_data_layers_sums_as_byte
     worker also sends its per-channel sums to every peer, forward and backward."""
     import dataclasses
     from hetconv.channelwise import BatchNorm
-    from hetconv.engine.costmodel import batchnorm_sum_bytes, predict_peer_step
+    from hetconv.engine.costmodel import batchnorm_sum_bytes, predict_any
     with_bn = [dataclasses.replace(s, tail=(BatchNorm(),)) for s in PAPER]
     profiles = {"a": flat_profile("a", 1e-4), "b": flat_profile("b", 1e-4)}
     link = parse_bandwidth("1gbit")
     counts = {"a": [250, 750], "b": [250, 750]}
     for modes, images in ((["model", "model"], None), (["data", "model"], {"a": [16, 16], "b": [16, 16]})):
-        plain = predict_peer_step(PAPER, IMAGE, 32, counts, profiles, link, 0.0, 4, modes=modes, images=images)
-        barrier = predict_peer_step(with_bn, IMAGE, 32, counts, profiles, link, 0.0, 4, modes=modes, images=images)
+        plain = predict_any("peer", PAPER, IMAGE, 32, counts, profiles, link, 0.0, 4, modes=modes, images=images)
+        barrier = predict_any("peer", with_bn, IMAGE, 32, counts, profiles, link, 0.0, 4, modes=modes, images=images)
         assert barrier.step_s > plain.step_s
         extra = barrier.workers["a"]["recv"] - plain.workers["a"]["recv"]      # what a's link carried besides
         assert extra == (2 * batchnorm_sum_bytes(with_bn[0]) if modes[0] == "data" else 0)
     assert batchnorm_sum_bytes(with_bn[0]) == (2 * 500 + 1) * 8
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_a_network_is_priced_the_same_however_it_was_written(micro_batches):
+    """One cost model: the paper network given as a chain of conv specs (graph None) and as the
+    graph of its NetSpec (whose nodes are numbered otherwise) are the same step, seconds and
+    bytes, all-model and with a data first layer."""
+    from hetconv.engine.costmodel import predict_any
+    from hetconv.engine.graph import GraphPass
+    from hetconv.geometry import ConvSpec
+    from hetconv.net import preset
+    spec = preset("paper", IMAGE, 10)
+    specs = [ConvSpec.from_layer(b) for b in spec.conv_layers()]
+    graph = GraphPass(spec, None).shape()
+    assert graph.steps != chain_shape(specs, IMAGE).steps
+    profiles = {"a": flat_profile("a", 1e-4), "b": flat_profile("b", 2e-4)}
+    counts = {"a": [300, 900], "b": [200, 600]}
+    link = parse_bandwidth("1gbit")
+    for modes in (["model", "model"], ["data", "model"]):
+        images = {"a": [20, 20], "b": [12, 12]}
+        chain, net = (predict_any("peer", specs, IMAGE, 32, counts, profiles, link, 0.05, micro_batches,
+                                  modes=modes, images=images, graph=g) for g in (None, graph))
+        assert chain.step_s == pytest.approx(net.step_s, rel=1e-12)
+        assert chain.bytes_by_kind == net.bytes_by_kind and chain.workers == net.workers
+
+
+def test_the_peer_model_overlaps_a_micro_batchs_wire_with_the_next_ones_compute():
+    """Micro-batch by micro-batch: on a link whose every transfer is shorter than a micro-batch's
+    compute, two micro-batches hide the gathers and the head's round trip that one pays in full."""
+    from hetconv.engine.costmodel import predict_any
+    counts = _even_counts(2)
+    profiles = {w: flat_profile(w, 1e-4) for w in counts}
+    link = parse_bandwidth("1gbit")
+    one, two = (predict_any("peer", PAPER, IMAGE, 32, counts, profiles, link, 0.02, m) for m in (1, 2))
+    assert one.bytes_by_kind == two.bytes_by_kind
+    compute = max(v["compute_s"] for v in one.workers.values())
+    assert two.workers["w0"]["compute_s"] == pytest.approx(compute)       # no call terms here
+    assert one.step_s - compute > 2 * (two.step_s - compute) > 0

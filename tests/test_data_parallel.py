@@ -89,7 +89,7 @@ def test_data_parallel_plans_train_like_local(local_run, tmp_path, counts, image
     what each worker sends among them is what the layout step's cost model prices for the chain
     taken as a graph: the payload, and a header of at most 128 bytes a message."""
     from hetconv.engine.costmodel import DeviceProfile, LayerCost, Link, predict_any
-    from hetconv.engine.graph import chain_shape
+    from hetconv.engine.costmodel import chain_shape
     from hetconv.geometry import ConvSpec
     from hetconv.net.spec import NetSpec
     engine = remote(len(counts))
@@ -421,7 +421,7 @@ def test_a_plan_whose_data_layers_split_the_images_differently_is_refused_when_i
     """PEERS refuses it, the cost model will not price it, and a STEP without its image counts
     names what is missing."""
     from hetconv.engine.costmodel import DeviceProfile, LayerCost, Link, predict_any
-    from hetconv.engine.graph import chain_shape
+    from hetconv.engine.costmodel import chain_shape
     from hetconv.geometry import ConvSpec
     from hetconv.net.spec import NetSpec
     from hetconv.worker.graph_step import rows_of_step

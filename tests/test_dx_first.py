@@ -8,7 +8,7 @@ import pytest
 
 from hetconv.devices import dnnl, open_device
 from hetconv.devices.base import ConvBlock
-from hetconv.engine.costmodel import LayerCost, predict_peer_step, DeviceProfile, Link
+from hetconv.engine.costmodel import LayerCost, predict_any, DeviceProfile, Link
 from hetconv.engine.shard import ConvShard
 from hetconv.geometry import ConvSpec
 
@@ -100,7 +100,7 @@ def test_the_cost_model_sends_dx_when_it_is_ready():
     def step(cost):
         profiles = {w: DeviceProfile(w, "cpu", "", (cost, cost)) for w in ("a", "b")}
         counts = {"a": [32, 32], "b": [32, 32]}
-        return predict_peer_step(specs, (3, 16, 16), 8, counts, profiles, link, 0.0).step_s
+        return predict_any("peer", specs, (3, 16, 16), 8, counts, profiles, link, 0.0).step_s
 
     backward_s = late.backward_s(32, 8)
     assert step(early) < step(late)

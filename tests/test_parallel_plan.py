@@ -277,26 +277,26 @@ def test_a_data_layers_compute_and_wire():
 
 
 def test_the_step_timeline_with_data_layers_agrees_with_the_choice():
-    from hetconv.engine.costmodel import parse_bandwidth, predict_any, predict_peer_step
+    from hetconv.engine.costmodel import parse_bandwidth, predict_any
     from hetconv.engine.planner import mode_shares
     link = parse_bandwidth("1gbit")
     specs, image = _preset_specs("vgg-small")
     profiles = {w: cpu_profile(w, specs, image) for w in ("cpu0", "cpu1")}
     counts, images = mode_shares(specs, 64, profiles, 2)
-    model = predict_peer_step(specs, image, 64, counts, profiles, link, 0.01, 2)
+    model = predict_any("peer", specs, image, 64, counts, profiles, link, 0.01, 2)
     # all-model modes given explicitly: the very same prediction
-    same = predict_peer_step(specs, image, 64, counts, profiles, link, 0.01, 2, modes=["model"] * 8, images=images)
+    same = predict_any("peer", specs, image, 64, counts, profiles, link, 0.01, 2, modes=["model"] * 8, images=images)
     assert same.step_s == model.step_s and same.workers == model.workers
-    data = predict_peer_step(specs, image, 64, counts, profiles, link, 0.01, 2, modes=["data"] * 8, images=images)
-    mixed = predict_peer_step(specs, image, 64, counts, profiles, link, 0.01, 2, modes=["data"] * 4 + ["model"] * 4,
-                              images=images)
+    data = predict_any("peer", specs, image, 64, counts, profiles, link, 0.01, 2, modes=["data"] * 8, images=images)
+    mixed = predict_any("peer", specs, image, 64, counts, profiles, link, 0.01, 2, modes=["data"] * 4 + ["model"] * 4,
+                      images=images)
     assert data.step_s < model.step_s and mixed.step_s < model.step_s
     # the coordinator's link carries the images once, the last layer's features and their gradient, in any mode
     assert data.coordinator_bytes == mixed.coordinator_bytes == model.coordinator_bytes
     # all-data moves no feature maps among the workers: each sends only its dW, once a step
     from hetconv.engine.costmodel import weight_floats
     sent = sum(weight_floats(s) * 4 for s in specs)
-    assert data.workers["cpu0"]["recv"] == pytest.approx(sent + 32 * 256 * 2 * 2 * 4)   # + its features
+    assert data.workers["cpu0"]["recv"] == pytest.approx(sent)
     with pytest.raises(ValueError, match="--exchange star .* model-parallel only"):
         predict_any("star", specs, image, 64, counts, profiles, link, 0.01, modes=["data"] * 8, images=images)
 
@@ -387,11 +387,11 @@ def test_cost_lines_give_plan_from_lines_what_a_data_layer_splits_by():
 
 
 def test_the_step_timeline_names_missing_images_or_bad_modes():
-    from hetconv.engine.costmodel import DeviceProfile, LayerCost, Link, predict_peer_step
+    from hetconv.engine.costmodel import DeviceProfile, LayerCost, Link, predict_any
     from hetconv.geometry import conv_specs
     flat = DeviceProfile("d", "cpu", "", (LayerCost(0.0, 1e-4, 0.0, 1e-4),) * 2)
     args = (conv_specs([4, 8]), (3, 32, 32), 8, {"a": [2, 4], "b": [2, 4]}, {"a": flat, "b": flat}, Link(1e9), 0.0)
     with pytest.raises(ValueError, match="data layers need images"):
-        predict_peer_step(*args, modes=["data", "model"])
+        predict_any("peer", *args, modes=["data", "model"])
     with pytest.raises(ValueError, match="expected one of model, data for each of the 2 conv layers"):
-        predict_peer_step(*args, modes=["data"], images={"a": [4], "b": [4]})
+        predict_any("peer", *args, modes=["data"], images={"a": [4], "b": [4]})

@@ -14,9 +14,15 @@ The model of one step, phase by phase (each conv layer's forward, then each one'
   what each pays for half the kernels on every image. Once per step each device also
   pays the SGD update of the kernels it holds, and per micro-batch after the first the add of its
   dW into the step's sum; both are timed in calibration.
-- Wire: all traffic goes through the coordinator's one link. Requests leave one after another
-  (the layer input is sent to every worker: a broadcast costs n sends); a worker starts when its
-  request has arrived; replies come back over the same link in the order they are ready.
+- Wire, --exchange star (predict_step): all traffic goes through the coordinator's one link.
+  Requests leave one after another (the layer input is sent to every worker: a broadcast costs n
+  sends); a worker starts when its request has arrived; replies come back over the same link in
+  the order they are ready.
+- Wire, --exchange peer (predict_peer_step): every host its own link to a switch; a timeline of
+  each worker's compute thread, each link's two directions and the coordinator, micro-batch by
+  micro-batch, following worker.graph_step. Any network: a chain is priced as the graph whose
+  blocks each read the one before (chain_shape), so one network is priced the same however it
+  was written.
 - Wire CPU (peer exchange): where hosts have no core to spare for their network, moving a byte
   costs `Link.host_cpu_s_per_byte` of the compute cores at both ends; micro-batches overlap the
   wire with compute, so there it is paid as slower compute (the star overlaps nothing: its wire
@@ -366,19 +372,22 @@ class _Timeline:
             self.busy[r] = self.busy.get(r, 0.0) + seconds
         return end
 
-    def send(self, src, dst, nbytes, ready, link):
+    def send(self, src, dst, nbytes, ready, link, lane=""):
         """A message from host src to host dst: one host's uplink and the other's downlink
-        (a switched network: each host has its own full-duplex link)."""
+        (a switched network: each host has its own full-duplex link). `lane`: a connection of
+        its own whose messages queue apart from the others' ("bulk": the weight gradients, which
+        other messages pass; their sharing of the link's bandwidth is left out)."""
         if src == dst or nbytes == 0:
             return ready
-        for r in (f"{src} out", f"{dst} in"):
+        lane = f" {lane}" if lane else ""
+        for r in (f"{src}{lane} out", f"{dst}{lane} in"):
             self.bytes[r] = self.bytes.get(r, 0) + nbytes
         if link.host_cpu_s_per_byte:
             # the CPU work of moving it, half at each end, on the same resource as that host's
             # compute: free while the device waits for the wire, a delay when it overlaps compute
             for host in (src, dst):
                 self.run((host,), ready, 0.5 * nbytes * link.host_cpu_s_per_byte)
-        return self.run((f"{src} out", f"{dst} in"), ready, nbytes / link.bytes_per_s + link.latency_s)
+        return self.run((f"{src}{lane} out", f"{dst}{lane} in"), ready, nbytes / link.bytes_per_s + link.latency_s)
 
 
 def batchnorm_sum_bytes(spec):
@@ -387,191 +396,29 @@ def batchnorm_sum_bytes(spec):
     return (2 * spec.kernels + 1) * 8
 
 
-def predict_peer_step(specs, image_shape, batch, counts, profiles, link, coordinator_s, micro_batches=1,
-                      value_bytes=FLOAT_BYTES, modes=None, images=None):
-    """Predicted seconds for one training step with --exchange peer: every worker and the
-    coordinator on a host of its own, each with its own `link` to a switch; M micro-batches;
-    `value_bytes` per feature-map value on the wire (4, or 2 for a 16-bit wire). Follows
-    hetconv.peers: images 1/P from the coordinator, all-gathered; every layer's output
-    all-gathered, micro-batch by micro-batch, layer by layer; the last layer's slices to the
-    coordinator, FC there per micro-batch, gradient slices back; partial dX reduce-scattered.
-    modes: "model" or "data" per layer (None: all model); images: {worker: [images of the batch
-    per layer]} for the data layers (counts' entries of a data layer are not read). A data layer
-    computes every kernel on its worker's rows of each micro-batch (in proportion to its images,
-    as fractions), takes its images from the coordinator when it is the first, and sends its dW
-    to every peer after the step's last micro-batch; transitions as in transition_s."""
-    names = list(counts)
-    geometry = layer_geometry(specs, image_shape, batch)
-    layers = len(specs)
-    sizes = split_sizes(batch, micro_batches)
-    modes = list(modes) if modes is not None else ["model"] * layers
-    if len(modes) != layers or any(m not in MODES for m in modes):
-        raise ValueError(f"modes {modes!r}: expected one of {', '.join(MODES)} for each of the {layers} conv layers")
-    if "data" in modes and not (images and all(len(images.get(w, ())) == layers for w in names)):
-        raise ValueError(f"data layers need images: {{worker: [images of the batch per layer]}} for each of {names}, "
-                         f"got {images!r}")
-    t = _Timeline()
-    c = "coordinator"
-    compute = {w: 0.0 for w in names}
-    layer_compute = {w: [0.0] * layers for w in names}
-
-    def device(w, li, seconds, ready):
-        compute[w] += seconds
-        layer_compute[w][li] += seconds
-        return t.run((w,), ready, seconds)
-
-    def share(w, li):
-        """Worker w's fraction of a micro-batch's images in data layer li."""
-        return images[w][li] / sum(images[v][li] for v in names)
-
-    def kernels_of(w, li):
-        return specs[li].kernels if modes[li] == "data" else counts[w][li]
-
-    def rows_of(w, li, b):
-        """Images of a micro-batch of b that worker w computes in layer li."""
-        return b * share(w, li) if modes[li] == "data" else b
-
-    # images: 1/P of each micro-batch to each worker, then each worker's rows to every other
-    # (a data first layer: each worker its own rows, and nothing among the workers)
-    have_input = {}
-    for m, b in enumerate(sizes):
-        (_, ch, h, wd), _ = geometry[0]
-        if modes[0] == "data":
-            for w in names:
-                have_input[(0, m, w)] = t.send(c, w, b * share(w, 0) * ch * h * wd * value_bytes, 0.0, link)
-            continue
-        rows = split_sizes(b, len(names))
-        arrived = {w: t.send(c, w, r * ch * h * wd * value_bytes, 0.0, link) for w, r in zip(names, rows)}
-        gathered = {w: arrived[w] for w in names}
-        for src, r in zip(names, rows):
-            for dst in names:
-                if dst != src:
-                    gathered[dst] = max(gathered[dst], t.send(src, dst, r * ch * h * wd * value_bytes, arrived[src], link))
-        for w in names:
-            have_input[(0, m, w)] = gathered[w]
-    def batchnorm_sums(li, ready):
-        """A data layer's BatchNorm barriers: every worker's per-channel sums to every peer, one
-        exchange per BatchNorm. -> when each worker holds the totals."""
-        held = dict(ready)
-        for _ in specs[li].batchnorms:
-            sent = {w: held[w] for w in names}
-            for src in names:
-                for dst in names:
-                    if dst != src:
-                        held[dst] = max(held[dst], t.send(src, dst, batchnorm_sum_bytes(specs[li]), sent[src], link))
-        return held
-
-    # forward, layer by layer, micro-batch by micro-batch; a layer with BatchNorm sends nothing
-    # before its every micro-batch is done (the whole batch's statistics come first)
-    features_in = {}
-    for li in range(layers):
-        _, (_, hp, wp) = geometry[li]
-        here, after = modes[li], modes[li + 1] if li + 1 < layers else None
-        dones = [{w: device(w, li, profiles[w].layers[li].forward_s(kernels_of(w, li), rows_of(w, li, b)),
-                            have_input[(li, m, w)]) for w in names} for m, b in enumerate(sizes)]
-        if specs[li].batchnorms:
-            whole = {w: max(d[w] for d in dones) for w in names}
-            if here == "data" and len(names) > 1:
-                whole = batchnorm_sums(li, whole)
-            dones = [whole] * len(sizes)
-        for m, b in enumerate(sizes):
-            done = dones[m]
-            for src in names:
-                # what src holds: its kernels of every image (model), every kernel of its rows (data)
-                nbytes = rows_of(src, li, b) * kernels_of(src, li) * hp * wp * value_bytes
-                if li == layers - 1:
-                    features_in[m] = max(features_in.get(m, 0.0), t.send(src, c, nbytes, done[src], link))
-                    continue
-                for dst in names:
-                    key = (li + 1, m, dst)
-                    if here == "data" and after == "data" or dst == src:
-                        arrival = done[src]
-                    elif here == "model" and after == "data":     # all-to-all: dst's rows of src's channels
-                        arrival = t.send(src, dst, nbytes * share(dst, li + 1), done[src], link)
-                    else:
-                        arrival = t.send(src, dst, nbytes, done[src], link)
-                    have_input[key] = max(have_input.get(key, 0.0), arrival)
-    # the coordinator's FC work per micro-batch, then the gradient slices back
-    have_grad = {}
-    _, (_, hp, wp) = geometry[-1]
-    for m, b in enumerate(sizes):
-        head_done = t.run((c,), features_in[m], coordinator_s * b / batch)
-        for w in names:
-            have_grad[(layers - 1, m, w)] = t.send(c, w, rows_of(w, layers - 1, b) * kernels_of(w, layers - 1) * hp * wp
-                                                   * value_bytes, head_done, link)
-    # backward, with the partial dX reduce-scattered by the layer below's ranges (model) or rows
-    # (data); a data layer's dW to every peer after the last micro-batch
-    for li in reversed(range(layers)):
-        (_, ch, h, wd), _ = geometry[li]
-        here, below = modes[li], modes[li - 1] if li else None
-        if specs[li].batchnorms:            # backward waits for every micro-batch's gradient, and the sums
-            whole = {w: max(have_grad[(li, m, w)] for m in range(len(sizes))) for w in names}
-            if here == "data" and len(names) > 1:
-                whole = batchnorm_sums(li, whole)
-            for m in range(len(sizes)):
-                for w in names:
-                    have_grad[(li, m, w)] = whole[w]
-        for m, b in enumerate(sizes):
-            done, dx_ready = {}, {}
-            for w in names:
-                cost, k, r = profiles[w].layers[li], kernels_of(w, li), rows_of(w, li, b)
-                total = cost.backward_in_step_s(k, r, m, len(sizes))
-                done[w] = device(w, li, total, have_grad[(li, m, w)])
-                # dX leaves when the device hands it over: before dW where the path computes it
-                # first, and before the step's update (which follows the last dX) in any case
-                dx_ready[w] = done[w] - total + cost.backward_dx_s(k, r) + (cost.accumulate_s(k) if m > 0 else 0.0)
-            if here == "data" and m == len(sizes) - 1:
-                for src in names:
-                    for dst in names:
-                        if dst != src:
-                            # each peer its chunk and, summed, the chunk back (a whole dW where p is 2)
-                            t.send(src, dst, sum(weight_gradient_bytes(specs[li], len(names))) / (len(names) - 1), done[src],
-                                   link)
-            if li == 0:
-                continue
-            for src in names:
-                for dst in names:
-                    key = (li - 1, m, dst)
-                    if here == "model" and below == "model":
-                        nbytes = b * counts[dst][li - 1] * h * wd * value_bytes
-                    elif here == "model":           # partial dX of every image, dst's rows of it
-                        nbytes = b * share(dst, li - 1) * ch * h * wd * value_bytes
-                    elif below == "model":          # src's rows, dst's channels
-                        nbytes = rows_of(src, li, b) * counts[dst][li - 1] * h * wd * value_bytes
-                    else:
-                        nbytes = 0
-                    arrival = done[src] if dst == src or nbytes == 0 else t.send(src, dst, nbytes, dx_ready[src], link)
-                    have_grad[key] = max(have_grad.get(key, 0.0), arrival)
-    step = max(t.free.values())
-    workers = {}
-    for w in names:
-        wire = t.busy.get(f"{w} out", 0.0) + t.busy.get(f"{w} in", 0.0)
-        workers[w] = {"compute_s": compute[w], "wire_s": wire, "wait_s": max(0.0, step - compute[w]),
-                      "sent": t.bytes.get(f"{w} in", 0), "recv": t.bytes.get(f"{w} out", 0),
-                      "layer_compute_s": layer_compute[w]}
-    pred = Prediction(step, coordinator_s, workers, [("step", -1, step)])
-    pred.busy = dict(t.busy)
-    pred.coordinator_bytes = t.bytes.get(f"{c} in", 0) + t.bytes.get(f"{c} out", 0)
-    return pred
-
-
 def predict_any(exchange, specs, image_shape, batch, counts, profiles, link, coordinator_s, micro_batches=1,
                 value_bytes=FLOAT_BYTES, modes=None, images=None, graph=None):
-    """predict_peer_step (predict_graph_layout_step where `graph`, a GraphShape, says the network
-    is a graph) or, for --exchange star, predict_step once per micro-batch (the star overlaps nothing,
-    so micro-batches only add round trips; it has model layers only)."""
-    if exchange == "peer" and graph is not None:
-        modes = list(modes) if modes is not None else ["model"] * len(specs)
-        data = [li for li, m in enumerate(modes) if m == "data"]
-        if data and not (images and all(len({images[w][li] for li in data}) == 1 for w in counts)):
-            raise ValueError("a graph's data blocks split the images alike: each worker the same images in every one")
-        # the images' rows: the data blocks' split, or an even one (weights alike)
-        rows = {w: images[w][data[0]] for w in counts} if data else {w: 1 for w in counts}
-        return predict_graph_layout_step(specs, image_shape, batch, counts, rows, profiles, link, coordinator_s,
-                                         graph, modes, micro_batches, value_bytes)
+    """predict_peer_step for any network (a chain, `graph` None, priced as the graph whose blocks
+    each read the one before: chain_shape) or, for --exchange star, predict_step once per
+    micro-batch (the star overlaps nothing, so micro-batches only add round trips; it has model
+    layers only). images: {worker: [images of the batch per layer]}, read for the data layers,
+    which split the images alike."""
     if exchange == "peer":
-        return predict_peer_step(specs, image_shape, batch, counts, profiles, link, coordinator_s,
-                                 micro_batches, value_bytes, modes, images)
+        modes = list(modes) if modes is not None else ["model"] * len(specs)
+        if len(modes) != len(specs) or any(m not in MODES for m in modes):
+            raise ValueError(f"modes {modes!r}: expected one of {', '.join(MODES)} for each of the {len(specs)} "
+                             f"conv layers")
+        data = [li for li, m in enumerate(modes) if m == "data"]
+        if data and not (images and all(len(images.get(w, ())) == len(specs) for w in counts)):
+            raise ValueError(f"data layers need images: {{worker: [images of the batch per layer]}} for each of "
+                             f"{list(counts)}, got {images!r}")
+        if data and not all(len({images[w][li] for li in data}) == 1 for w in counts):
+            raise ValueError("the data layers split the images alike: each worker the same images in every one")
+        # the images' rows: the data layers' split, or an even one (weights alike)
+        rows = {w: images[w][data[0]] for w in counts} if data else {w: 1 for w in counts}
+        return predict_peer_step(specs, image_shape, batch, counts, rows, profiles, link, coordinator_s,
+                                 graph if graph is not None else chain_shape(specs, image_shape), modes,
+                                 micro_batches, value_bytes)
     if exchange != "star":
         raise ValueError(f"exchange must be 'peer' or 'star', got {exchange!r}")
     if modes is not None and "data" in modes:
@@ -622,8 +469,8 @@ def predict_local(specs, batch, profile, coordinator_s):
 # the cheapest (planner.choose_modes). The price of a layer is the slowest worker's compute plus
 # the busiest host link's seconds for what the layer itself moves; a boundary between two layers
 # adds what its transition moves. Compute and wire are added, not overlapped: micro-batches hide
-# some of the wire in a real step, so these prices rank chains, and predict_peer_step (all-model)
-# stays the estimate of a step.
+# some of the wire in a real step, so these prices rank chains, and predict_peer_step stays the
+# estimate of a step.
 
 MODES = ("model", "data")
 
@@ -811,174 +658,339 @@ class GraphShape:
     feature_floats: int
     # the steps as engine/layouts.py reads them, (kind, block, inputs, output) in order, with the
     # floats per image of every tensor they make (-1: the images) and the BatchNorm nodes between
-    # blocks: what prices a step that holds its tensors in layouts (predict_graph_layout_step)
+    # blocks: what prices a step that holds its tensors in layouts (predict_peer_step)
     steps: tuple = ()
     floats: tuple = ()                  # ((node, floats per image), ...)
     norms: tuple = ()
     feature: int = -1
 
 
-def predict_graph_layout_step(specs, image_shape, batch, counts, images, profiles, link, coordinator_s, graph, modes,
-                              micro_batches=1, value_bytes=FLOAT_BYTES):
-    """Predicted seconds of one peer step of a graph whose data blocks split the images alike
-    (`images`: {worker: images of the batch}), which holds each tensor in a layout, a worker's
-    rows, its channels or the whole (engine/layouts.py, worker.graph_step.LayoutBlocks): the
-    coordinator sends each worker its rows of the images and takes the features back (each
-    worker's part, or the whole from the first worker); a data block computes its rows and moves
-    nothing but its BatchNorm sums (a barrier each way) and its weight gradients, which leave as
-    its backward ends and travel under the backward of the blocks below; a model block reads a
-    whole input and leaves its output in its channels, and its partial dX is summed into the
-    layout its input is held in (each worker's part to that worker: a reduce-scatter; an
-    all-reduce where the input is whole); a tensor, or a complete gradient, moves where it is
-    read in another layout than its own (each worker sent what it lacks of its part: an
-    all-gather to whole, an all-to-all between rows and channels), block outputs and dX in the
-    wire's dtype and a join's tensors in float32. Blocks run one after another, each exchange
-    between them waited for; the joins are left out (a pass over a tensor each). counts:
-    {worker: [kernels per layer]} (model blocks)."""
+def chain_shape(specs, image_shape):
+    """The GraphShape of a chain of conv blocks (ConvSpecs) on images of `image_shape` (C, H, W):
+    the graph whose blocks each read the one before, which the peer step runs a chain as
+    (engine.graph.GraphPass.chain) and the cost model prices it as."""
+    hw, floats, steps = tuple(image_shape[1:]), [(-1, math.prod(image_shape))], []
+    for block, spec in enumerate(specs):
+        hw = spec.output_hw(*hw)
+        floats.append((block, spec.kernels * math.prod(hw)))
+        steps.append(("block", block, (block - 1,), block))
+    return GraphShape((False,) + (True,) * (len(specs) - 1), floats[-1][1], steps=tuple(steps), floats=tuple(floats),
+                      norms=(), feature=len(specs) - 1)
+
+
+def predict_peer_step(specs, image_shape, batch, counts, images, profiles, link, coordinator_s, graph, modes,
+                      micro_batches=1, value_bytes=FLOAT_BYTES):
+    """Predicted seconds of one peer step of any network (a chain as the graph whose blocks each
+    read the one before: engine.graph.chain_shape), as worker.graph_step runs it: a timeline of
+    every worker's compute thread, every host's link (each direction) and the coordinator.
+    `images`: {worker: images of the batch} (the data blocks' one split; any equal weights where
+    every block is model-parallel); counts: {worker: [kernels per layer]} (model blocks).
+
+    What it follows, per micro-batch:
+    - the coordinator sends each worker its rows of the images; every tensor is held in a layout
+      (engine/layouts.py: a worker's rows, a model block's channels, or the whole) and moves only
+      where a step reads it in another (each worker sent what it lacks of its part by the worker
+      that holds it); a block's output leaves for the layouts its readers want as each
+      micro-batch of it is made, any other conversion when the reading step is reached; a step
+      reads micro-batch m as soon as it has arrived, while m + 1 is still on the wire;
+    - a block computes its micro-batches one after another on its worker's one compute thread
+      (a BatchNorm in it waits for all of them, and a data block's adds its sums among the
+      workers); the joins cost nothing here (a pass over a tensor each) and a BatchNorm node
+      between blocks waits for its every micro-batch;
+    - the features go to the coordinator as the block that makes them emits each micro-batch
+      (after the forward where a join makes them); the head runs there per micro-batch and the
+      gradient goes back;
+    - backward in reverse: a model block's partial dX is sent, each worker its part of the
+      layout its input is held in, as the device hands it over (before dW on the FFT and oneDNN
+      direct paths), and summed when the step below reads it; a data block's dX leaves for its
+      input's layout the same way, and its weight gradients leave for their sum when its
+      backward ends, under the blocks below (in two rounds beyond two workers: chunks summed,
+      then the sums all-gathered);
+    - the updates at the end, once every sum a worker needs has arrived.
+    Block outputs and dX travel in the wire's dtype (`value_bytes`), a join's tensors in float32;
+    the images and the features in the wire's dtype where only blocks read or make them."""
     names = list(images)
-    p = len(names)
+    p, layers = len(names), len(specs)
+    modes = list(modes)
+    if len(modes) != layers or any(m not in MODES for m in modes):
+        raise ValueError(f"modes {modes!r}: expected one of {', '.join(MODES)} for each of the {layers} conv layers")
     sizes = split_sizes(batch, micro_batches)
-    # each micro-batch's whole rows, as the workers cut them (planner.image_ranges)
+    M = len(sizes)
+    # each micro-batch's rows per worker, as the workers cut them (planner.layout_rows)
     cut = [largest_remainder_shares(b, [images[w] for w in names]) for b in sizes]
-    rows = {w: [c[i] for c in cut] for i, w in enumerate(names)}
-    frac = {w: sum(rows[w]) / batch for w in names}
+    row_start = [dict(zip(names, [sum(c[:i]) for i in range(p)])) for c in cut]
     floats = dict(graph.floats)
     steps = [_Step(*st) for st in graph.steps]
     layouts = tensor_layouts(steps, modes, graph.norms)
     geometry = layer_geometry(specs, image_shape, batch)
-    sent = {w: 0.0 for w in names}
-    kinds = {}
-
+    block_outputs = {st.output: st.block for st in steps if st.kind == "block"}
+    t, c = _Timeline(), "coordinator"
+    sent = {w: 0 for w in names}
+    recv = {w: 0 for w in names}
     messages = {w: 0 for w in names}
+    kinds = {}
+    compute = {w: 0.0 for w in names}
+    layer_compute = {w: [0.0] * layers for w in names}
+    pc = {w: 0.0 for w in names}            # when each worker's compute thread gets to what is priced next
 
-    def exchange(kind, out_bytes, per_micro=True):
-        """Seconds of one collective: out_bytes {worker: bytes it sends in all}, to every other
-        worker, in a message each per micro-batch (`per_micro`) or one."""
-        if p < 2:
-            return 0.0
-        total = sum(out_bytes.values())
-        for w in names:
-            sent[w] += out_bytes[w]
-            messages[w] += (p - 1) * (len(sizes) if per_micro else 1)
-        kinds[kind] = kinds.get(kind, 0.0) + total
-        return _links_s([out_bytes[w] for w in names], [total - out_bytes[w] for w in names], link) + link.latency_s
+    def kernels_of(w, li):
+        return specs[li].kernels if modes[li] == "data" else counts[w][li]
 
-    # each worker's fraction of a tensor in a layout: rows of every channel, or a model block's channels
-    def part(layout, w):
+    def rows_of(w, li, m):
+        return cut[m][names.index(w)] if modes[li] == "data" else sizes[m]
+
+    def channel_range(li, w):
+        first = sum(counts[v][li] for v in names[:names.index(w)])
+        return first / specs[li].kernels, (first + counts[w][li]) / specs[li].kernels
+
+    def part(layout, w, m):
+        """(rows [r0, r1) of micro-batch m, channels [c0, c1) as fractions) that w holds in `layout`."""
         if layout == WHOLE:
-            return 1.0
+            return (0, sizes[m]), (0.0, 1.0)
         if layout == ROWS:
-            return frac[w]
-        return counts[w][layout[1]] / specs[layout[1]].kernels
+            r0 = row_start[m][w]
+            return (r0, r0 + cut[m][names.index(w)]), (0.0, 1.0)
+        return (0, sizes[m]), channel_range(layout[1], w)
 
-    def convert(j, have, want, exact, kind="layout gathers"):
-        """Tensor j (or its gradient) from layout `have` to `want`: each worker sends each other
-        what it holds of that one's part, where that one lacks it (engine/layouts.py); block
-        outputs and dX in the wire's dtype, a join's tensors in float32."""
-        if have == WHOLE or have == want:
-            return 0.0
-        whole = batch * floats[j] * (value_bytes if exact else FLOAT_BYTES)
-        if want == WHOLE:
-            out = {w: whole * part(have, w) * (p - 1) for w in names}
-        else:           # rows from channels or channels from rows: an all-to-all
-            out = {w: whole * part(have, w) * (1 - part(want, w)) for w in names}
-        return exchange(kind, out)
+    def overlap(a, b):
+        return max(0, min(a[0][1], b[0][1]) - max(a[0][0], b[0][0])) * max(0.0, min(a[1][1], b[1][1]) - max(a[1][0], b[1][0]))
 
-    requires = {-1: False}          # which tensors a gradient reaches (engine.graph.GraphPass.requires)
+    def contains(a, b):
+        empty = b[0][0] >= b[0][1] or b[1][0] >= b[1][1]
+        return empty or (a[0][0] <= b[0][0] and b[0][1] <= a[0][1] and a[1][0] <= b[1][0] and b[1][1] <= a[1][1])
+
+    def send(src, dst, nbytes, ready, kind):
+        if src == dst or nbytes <= 0:
+            return ready
+        sent[src] += nbytes
+        recv[dst] += nbytes
+        messages[src] += 1
+        kinds[kind] = kinds.get(kind, 0.0) + nbytes
+        # the weight gradients go on a connection of their own (worker.peers: bulk), which the
+        # step's other messages do not queue behind
+        return t.send(src, dst, nbytes, ready, link, "bulk" if kind == "weight gradients" else "")
+
+    def run(w, li, ready, seconds):
+        compute[w] += seconds
+        layer_compute[w][li] += seconds
+        pc[w] = t.run((w,), max(ready, pc[w]), seconds)
+        return pc[w]
+
+    def convert(j, held, have, want, issued, per_value, kind):
+        """Tensor j (or its gradient), held per micro-batch at `held` [{w: time}] in layout `have`,
+        to `want`: [{w: when its part has arrived}]. Each holder sends at `issued(m, w)`."""
+        if have == want or have == WHOLE:
+            return held
+        out = []
+        for m, b in enumerate(sizes):
+            whole = b * floats[j] * per_value
+            arrived = {}
+            for v in names:
+                need = part(want, v, m)
+                arrived[v] = held[m][v]
+                if contains(part(have, v, m), need):
+                    continue
+                for w in names:
+                    share = overlap(part(have, w, m), need) / b if w != v else 0.0
+                    if share > 0:
+                        arrived[v] = max(arrived[v], send(w, v, whole * share, issued(m, w), kind))
+            out.append(arrived)
+        return out
+
+    # ---- forward -------------------------------------------------------------------------------
+    # the images and the features in the wire's dtype where only blocks read the one and a block
+    # makes the other (engine.graph.GraphPass: images_exact, features_exact)
+    images_value = value_bytes if all(st.kind == "block" for st in steps if -1 in st.inputs) else FLOAT_BYTES
+    image_floats = math.prod(image_shape)
+    held = {(-1, ROWS): [{w: t.send(c, w, cut[m][names.index(w)] * image_floats * images_value, 0.0, link)
+                          for w in names} for m in range(M)]}
+    wanted = read_in(steps, lambda st: step_reads(st, modes, graph.norms, layouts), layouts)
+    ahead = {j: [WHOLE] if WHOLE in wanted.get(j, ()) else wanted.get(j, []) for j in block_outputs}
+
+    def read(j, want):
+        if (j, want) not in held:
+            source = conversion_source(j, want, layouts, wanted)
+            if source != layouts[j]:
+                read(j, source)
+            have = held[(j, source)] if source != layouts[j] else held[(j, layouts[j])]
+            exact = j in block_outputs
+            early = exact and source == layouts[j] and want in ahead[j]
+            issued = (lambda m, w: have[m][w]) if early else (lambda m, w: max(pc[w], have[m][w]))
+            kind = "block outputs" if exact and is_channels(source) else "layout gathers"
+            held[(j, want)] = convert(j, have, source, want, issued, value_bytes if exact else FLOAT_BYTES, kind)
+        return held[(j, want)]
+
+    def barrier(ready):
+        """Every micro-batch's times -> each worker's time once it holds all of them."""
+        return {w: max(r[w] for r in ready) for w in names}
+
+    def batchnorm_sums(li, at):
+        """A data block's BatchNorm barriers: each worker's sums to every peer, one exchange per
+        BatchNorm -> when each worker holds the totals."""
+        for _ in specs[li].batchnorms:
+            start = dict(at)
+            for src in names:
+                for dst in names:
+                    if dst != src:
+                        at[dst] = max(at[dst], send(src, dst, batchnorm_sum_bytes(specs[li]), start[src],
+                                                    "BatchNorm sums"))
+        for w in names:
+            pc[w] = max(pc[w], at[w])
+        return at
+
+    feature_value = value_bytes if graph.feature in block_outputs else FLOAT_BYTES
+    for st in steps:
+        want = step_reads(st, modes, graph.norms, layouts)
+        ins = [read(j, want) for j in st.inputs]
+        if st.kind == "block":
+            li = st.block
+            done = []
+            for m in range(M):
+                done.append({w: run(w, li, ins[0][m][w], profiles[w].layers[li].forward_s(kernels_of(w, li),
+                                                                                            rows_of(w, li, m)))
+                             for w in names})
+            if specs[li].batchnorms:
+                whole = barrier(done)
+                if modes[li] == "data" and p > 1:
+                    whole = batchnorm_sums(li, whole)
+                done = [dict(whole) for _ in range(M)]
+        elif st.output in graph.norms:
+            whole = barrier([{w: max(pc[w], r[w]) for w in names} for r in ins[0]])
+            pc.update(whole)
+            done = [dict(whole) for _ in range(M)]
+        else:                   # a join: micro-batch by micro-batch as its inputs come
+            done = []
+            for m in range(M):
+                for w in names:
+                    pc[w] = max([pc[w]] + [r[m][w] for r in ins])
+                done.append(dict(pc))
+        held[(st.output, layouts[st.output])] = done
+    feature = graph.feature
+    in_parts = layouts[feature] != WHOLE
+    made = held[(feature, layouts[feature])]
+    features_in, coordinator_bytes = [], 0
+    for m, b in enumerate(sizes):
+        whole = b * graph.feature_floats * feature_value
+        arrived = 0.0
+        for w in (names if in_parts else names[:1]):
+            share = overlap(part(layouts[feature], w, m), part(WHOLE, w, m)) / b if in_parts else 1.0
+            ready = made[m][w] if feature in block_outputs else max(pc[w], made[m][w])
+            arrived = max(arrived, t.send(w, c, whole * share, ready, link))
+            coordinator_bytes += whole * share
+        features_in.append(arrived)
+    grad = []
+    for m, b in enumerate(sizes):
+        head_done = t.run((c,), features_in[m], coordinator_s * b / batch)
+        whole = b * graph.feature_floats * feature_value
+        shares = {w: (overlap(part(layouts[feature], w, m), part(WHOLE, w, m)) / b if in_parts else 1.0)
+                  for w in names}
+        grad.append({w: t.send(c, w, whole * shares[w], head_done, link) for w in names})
+        coordinator_bytes += sum(whole * s for s in shares.values())
+    coordinator_bytes += sum(cut[m][names.index(w)] * image_floats * images_value for m in range(M) for w in names)
+
+    # ---- backward ------------------------------------------------------------------------------
+    requires = {-1: False}
     for st in steps:
         requires[st.output] = st.kind == "block" or st.output in graph.norms or any(requires[j] for j in st.inputs)
-    compute = {w: 0.0 for w in names}
-    image_bytes = batch * math.prod(image_shape) * FLOAT_BYTES
-    t = image_bytes / link.bytes_per_s + link.latency_s
-    block_outputs = {st.output for st in steps if st.kind == "block"}
-    converted = set()
+    pending = {feature: grad}
+    summed_in = {w: 0.0 for w in names}     # when each worker holds every weight gradient sum it needs
+    after_sums = []                         # (layer, bytes each worker sends once its chunk is summed)
 
-    def reads(st):
-        return step_reads(st, modes, graph.norms, layouts)
-
-    wanted = read_in(steps, reads, layouts)
-    for st in steps:
-        want = reads(st)
-        for j in st.inputs:
-            source = conversion_source(j, want, layouts, wanted)
-            for have, to in ((layouts[j], source), (source, want)):
-                if have != to and (j, to) not in converted:
-                    converted.add((j, to))
-                    exact = j in block_outputs        # a model block's output made whole or cut: "block outputs"
-                    t += convert(j, have, to, exact, "block outputs" if exact and is_channels(have) else "layout gathers")
-        if st.kind != "block":
-            continue
-        li, spec = st.block, specs[st.block]
-        if modes[li] == "data":
-            fwd = {w: sum(profiles[w].layers[li].forward_s(spec.kernels, r) for r in rows[w]) for w in names}
-            t += max(fwd.values())
-            for _ in spec.batchnorms:
-                t += exchange("BatchNorm sums", {w: batchnorm_sum_bytes(spec) * (p - 1) for w in names}, False)
+    def give(j, ready):
+        if j in pending:
+            pending[j] = [{w: max(a[w], b[w]) for w in names} for a, b in zip(pending[j], ready)]
         else:
-            fwd = {w: sum(profiles[w].layers[li].forward_s(counts[w][li], b) for b in sizes) for w in names}
-            t += max(fwd.values())
-        for w in names:
-            compute[w] += fwd[w]
-    feature_bytes = batch * graph.feature_floats * FLOAT_BYTES
-    in_parts = layouts[graph.feature] != WHOLE
-    t += feature_bytes / link.bytes_per_s + coordinator_s + feature_bytes * (1 if in_parts else p) / link.bytes_per_s
-    t += 2 * link.latency_s
-    link_free, gathered_after = 0.0, 0.0
+            pending[j] = ready
+
     for st in reversed(steps):
+        dy = pending.pop(st.output)
         have = step_reads(st, modes, graph.norms, layouts)
         if st.kind == "block":
             li, spec = st.block, specs[st.block]
-            (n, c, h, wd), _ = geometry[li]
-            k = {w: spec.kernels if modes[li] == "data" else counts[w][li] for w in names}
-            r = {w: rows[w] if modes[li] == "data" else sizes for w in names}
-            bwd = {w: sum(profiles[w].layers[li].backward_in_step_s(k[w], b, m, len(sizes))
-                          - profiles[w].layers[li].update_s(k[w]) for m, b in enumerate(r[w])) for w in names}
-            started, t = t, t + max(bwd.values())
-            for w in names:
-                compute[w] += bwd[w]
-            if modes[li] == "data":
-                for _ in spec.batchnorms:
-                    t += exchange("BatchNorm sums", {w: batchnorm_sum_bytes(spec) * (p - 1) for w in names}, False)
-                if p > 1:       # its dW to every peer, queued on the links under the blocks below
-                    dw, after = weight_gradient_bytes(spec, p)
-                    kinds["weight gradients"] = kinds.get("weight gradients", 0.0) + (dw + after) * p
-                    for w in names:
-                        sent[w] += dw + after
-                        messages[w] += (p - 1) * (2 if after else 1)
-                    link_free = max(link_free, t) + dw / link.bytes_per_s + link.latency_s
-                    gathered_after += after
-                    # moving them (out and in: dw each way) takes the cores the blocks below run on
-                    t += dw * link.host_cpu_s_per_byte
-            elif graph.needs_dx[li]:
-                # summed into the layout its input is held in: each worker's partial of every other
-                # worker's part to that worker (an all-reduce where the input is whole)
-                whole_in = n * c * h * wd * value_bytes
-                into = layouts[st.inputs[0]]
-                out = {w: whole_in * (p - 1) if into == WHOLE else whole_in * (1 - part(into, w)) for w in names}
-                # it leaves as the device hands dX over (before dW, on the FFT and oneDNN direct paths)
-                dx_ready = started + max(bwd[w] * profiles[w].layers[li].backward_dx_share for w in names)
-                t = max(t, dx_ready + exchange("partial input gradients", out))
+            (_, ch, h, wd), _ = geometry[li]
+            source = st.inputs[0]
+            need_dx = requires[source]
+            if spec.batchnorms:
+                whole = barrier([{w: max(pc[w], r[w]) for w in names} for r in dy])
+                if modes[li] == "data" and p > 1:
+                    whole = batchnorm_sums(li, whole)
+                dy = [dict(whole) for _ in range(M)]
+            dx_ready = []
+            for m in range(M):
+                ready = {}
+                for w in names:
+                    cost, k, r = profiles[w].layers[li], kernels_of(w, li), rows_of(w, li, m)
+                    seconds = cost.backward_s(k, r) + (cost.accumulate_s(k) if m > 0 else 0.0)
+                    end = run(w, li, dy[m][w], seconds)
+                    # dX leaves when the device hands it over: before dW where the path computes it first
+                    ready[w] = end - seconds + cost.backward_dx_s(k, r) + (cost.accumulate_s(k) if m > 0 else 0.0)
+                dx_ready.append(ready)
+            if modes[li] == "data" and p > 1:
+                dw, after = weight_gradient_bytes(spec, p)
+                for src in names:
+                    for dst in names:
+                        if dst != src:
+                            summed_in[dst] = max(summed_in[dst], send(src, dst, dw / (p - 1), pc[src],
+                                                                      "weight gradients"))
+                if after:
+                    after_sums.append((li, after))
+            if not need_dx:
                 continue
-        if st.kind == "block" and not graph.needs_dx[st.block]:
+            into = layouts[source]
+            if modes[li] == "data":
+                give(source, convert(source, dx_ready, ROWS, into, lambda m, w: dx_ready[m][w], value_bytes,
+                                     "layout gathers"))
+                continue
+            arrived = []
+            for m, b in enumerate(sizes):
+                whole = b * ch * h * wd * value_bytes
+                got = {}
+                for v in names:
+                    got[v] = dx_ready[m][v]
+                    mine = part(into, v, m)
+                    share = overlap(mine, part(WHOLE, v, m)) / b if into != WHOLE else 1.0
+                    for w in names:
+                        if w != v and share > 0:
+                            got[v] = max(got[v], send(w, v, whole * share, dx_ready[m][w], "partial input gradients"))
+                arrived.append(got)
+            give(source, arrived)
             continue
+        if st.output in graph.norms:
+            whole = barrier([{w: max(pc[w], r[w]) for w in names} for r in dy])
+            pc.update(whole)
+            ready = [dict(whole) for _ in range(M)]
+        else:
+            whole = barrier([{w: max(pc[w], r[w]) for w in names} for r in dy])
+            pc.update(whole)
+            ready = [dict(whole) for _ in range(M)]
         for j in st.inputs:
-            if requires[j] and layouts[j] != have:
-                t += convert(j, have, layouts[j], st.kind == "block")
-    update = {w: sum(profiles[w].layers[li].update_s(spec.kernels if modes[li] == "data" else counts[w][li])
-                     for li, spec in enumerate(specs)) for w in names}
+            if requires[j]:
+                give(j, convert(j, ready, have, layouts[j], lambda m, w: max(pc[w], ready[m][w]), FLOAT_BYTES,
+                                "layout gathers"))
+    # beyond two workers, each summed chunk to every peer once its sums are in
+    for li, after in after_sums:
+        start = {w: max(pc[w], summed_in[w]) for w in names}
+        for src in names:
+            for dst in names:
+                if dst != src:
+                    summed_in[dst] = max(summed_in[dst], send(src, dst, after / (p - 1), start[src],
+                                                              "weight gradients"))
+    update = {w: [profiles[w].layers[li].update_s(kernels_of(w, li)) for li in range(layers)] for w in names}
+    ends = {}
     for w in names:
+        layer_compute[w] = [a + b for a, b in zip(layer_compute[w], update[w])]
+        update[w] = sum(update[w])
         compute[w] += update[w]
-    # the summed chunks' all-gather (more than two workers) once every chunk is summed
-    after_s = (gathered_after / link.bytes_per_s + gathered_after * link.host_cpu_s_per_byte + link.latency_s
-               if gathered_after else 0.0)
-    step = max(t, link_free) + after_s + max(update.values())
-    workers = {w: {"compute_s": compute[w], "wire_s": 0.0, "wait_s": max(0.0, step - compute[w]), "sent": sent[w],
-                   "recv": sum(sent.values()) - sent[w], "layer_compute_s": [], "messages": messages[w]}
+        ends[w] = t.run((w,), max(pc[w], summed_in[w]), update[w])
+    step = max(list(ends.values()) + [t.free.get((c,), 0.0)])
+    workers = {w: {"compute_s": compute[w], "wire_s": sum(v for r, v in t.busy.items() if r.startswith(f"{w} ")),
+                   "wait_s": max(0.0, step - compute[w]), "sent": sent[w], "recv": recv[w],
+                   "layer_compute_s": layer_compute[w], "messages": messages[w]}
                for w in names}
     pred = Prediction(step, coordinator_s, workers, [("step", -1, step)])
-    pred.bytes_by_kind = {"images and features (coordinator)": image_bytes + feature_bytes * (2 if in_parts else 1 + p),
-                          **kinds}
-    pred.busy = {**compute, "coordinator": coordinator_s}
+    pred.bytes_by_kind = {"images and features (coordinator)": coordinator_bytes, **kinds}
+    pred.coordinator_bytes = coordinator_bytes
+    pred.busy = dict(t.busy)
     return pred
 
 

@@ -44,18 +44,6 @@ def graph_pass(spec, host):
     return None if spec.is_chain() else GraphPass(spec, host)
 
 
-def chain_shape(specs, image_shape):
-    """The GraphShape of a chain of conv blocks (ConvSpecs) on images of `image_shape` (C, H, W):
-    what prices a chain as the graph the peer step runs it as (GraphPass.chain)."""
-    hw, floats, steps = tuple(image_shape[1:]), [(-1, math.prod(image_shape))], []
-    for block, spec in enumerate(specs):
-        hw = spec.output_hw(*hw)
-        floats.append((block, spec.kernels * math.prod(hw)))
-        steps.append(("block", block, (block - 1,), block))
-    return GraphShape((False,) + (True,) * (len(specs) - 1), floats[-1][1], steps=tuple(steps), floats=tuple(floats),
-                      norms=(), feature=len(specs) - 1)
-
-
 def norm_states_from(names, arrays):
     """BatchNorm node states from a message: `names`, per node the names of its arrays, which
     follow one after the other in `arrays` -> [{name: array}] (GraphPass.load_norms then checks

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields, replace
 import math
 
 from hetconv.engine.costmodel import (FLOAT_BYTES, graph_mode_costs, largest_remainder_shares, mode_costs,
-                                     predict_any, predict_graph_layout_step)
+                                     predict_any, predict_peer_step)
 
 POLICIES = ("proportional", "equal")
 MODES = ("model", "data")
@@ -747,7 +747,7 @@ def choose_modes(specs, image_shape, batch, profiles, link, parallel="auto", mic
     one worker the two modes are the same: every layer is "model". A layer with fewer kernels
     than workers can only be data; a batch with fewer images than workers only model.
     `graph`: a costmodel.GraphShape where the network is a graph, whose blocks are priced as its
-    step runs them (graph_mode_costs; with data blocks, predict_graph_layout_step), and of its
+    step runs them (graph_mode_costs; with data blocks, predict_peer_step), and of its
     plans priced within TRAFFIC_TIE of the cheapest the one that moves the fewest bytes is taken.
     Returns a ModeChoice."""
     check_parallel(parallel)
@@ -770,7 +770,7 @@ def choose_modes(specs, image_shape, batch, profiles, link, parallel="auto", mic
             costs.node[li]["data"] = inf
     model_s = costs.chain_s(["model"] * layers)
     if graph is not None and graph.steps and len(names) > 1 and model_s < inf:
-        model_s = predict_graph_layout_step(specs, image_shape, batch, counts, {w: 1 for w in names}, profiles, link,
+        model_s = predict_peer_step(specs, image_shape, batch, counts, {w: 1 for w in names}, profiles, link,
                                             0.0, graph, ["model"] * layers, micro_batches, value_bytes).step_s
     if len(names) == 1:
         return ModeChoice(["model"] * layers, costs, model_s, model_s, "one worker: the two modes are the same")
@@ -785,7 +785,7 @@ def choose_modes(specs, image_shape, batch, profiles, link, parallel="auto", mic
             return None
         if any(m == "model" and costs.node[li]["model"] == inf for li, m in enumerate(modes)):
             return inf
-        pred = predict_graph_layout_step(specs, image_shape, batch, counts, split, profiles, link, 0.0, graph,
+        pred = predict_peer_step(specs, image_shape, batch, counts, split, profiles, link, 0.0, graph,
                                          list(modes), micro_batches, value_bytes)
         moved[tuple(modes)] = sum(v["sent"] for v in pred.workers.values())
         return pred.step_s
