@@ -812,7 +812,7 @@ def predict_peer_step(specs, image_shape, batch, counts, images, profiles, link,
             source = conversion_source(j, want, layouts, wanted)
             if source != layouts[j]:
                 read(j, source)
-            have = held[(j, source)] if source != layouts[j] else held[(j, layouts[j])]
+            have = held[(j, source)]
             exact = j in block_outputs
             early = exact and source == layouts[j] and want in ahead[j]
             issued = (lambda m, w: have[m][w]) if early else (lambda m, w: max(pc[w], have[m][w]))
@@ -955,14 +955,10 @@ def predict_peer_step(specs, image_shape, batch, counts, images, profiles, link,
                 arrived.append(got)
             give(source, arrived)
             continue
-        if st.output in graph.norms:
-            whole = barrier([{w: max(pc[w], r[w]) for w in names} for r in dy])
-            pc.update(whole)
-            ready = [dict(whole) for _ in range(M)]
-        else:
-            whole = barrier([{w: max(pc[w], r[w]) for w in names} for r in dy])
-            pc.update(whole)
-            ready = [dict(whole) for _ in range(M)]
+        # a BatchNorm node or a join: its backward takes every micro-batch's gradient first
+        whole = barrier([{w: max(pc[w], r[w]) for w in names} for r in dy])
+        pc.update(whole)
+        ready = [dict(whole) for _ in range(M)]
         for j in st.inputs:
             if requires[j]:
                 give(j, convert(j, ready, have, layouts[j], lambda m, w: max(pc[w], ready[m][w]), FLOAT_BYTES,
