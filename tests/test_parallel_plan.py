@@ -182,6 +182,17 @@ def _preset_specs(name):
     return [ConvSpec.from_layer(layer) for layer in preset(name, IMAGE_SHAPE, 10).conv_layers()], IMAGE_SHAPE
 
 
+def _step_s(specs, image, batch, profiles, link, modes, micro_batches=1):
+    """What the one step of these modes costs (costmodel.predict_peer_step of the chain, its data
+    layers splitting the images once): how a chain's plans are priced, as a graph's are."""
+    from hetconv.engine.costmodel import chain_shape, predict_peer_step
+    from hetconv.engine.planner import mode_shares, one_image_split
+    counts, _ = mode_shares(specs, batch, profiles, micro_batches)
+    split = one_image_split(specs, batch, profiles, micro_batches)
+    return predict_peer_step(specs, image, batch, counts, split, profiles, link, 0.0, chain_shape(specs, image),
+                             list(modes), micro_batches).step_s
+
+
 def test_vgg_small_on_1gbit_puts_its_early_layers_in_data_mode_and_the_paper_network_stays_model():
     from hetconv.engine.costmodel import parse_bandwidth
     from hetconv.engine.planner import choose_modes
@@ -192,7 +203,9 @@ def test_vgg_small_on_1gbit_puts_its_early_layers_in_data_mode_and_the_paper_net
     # 32 and 64 channels of 32x32 and 16x16 maps, a few thousand weights: moving the maps costs
     # far more than summing dW
     assert vgg.modes[:4] == ["data"] * 4
-    assert vgg.chosen_s < 0.98 * vgg.model_s and vgg.chosen_s == pytest.approx(vgg.costs.chain_s(vgg.modes))
+    assert vgg.chosen_s < 0.98 * vgg.model_s
+    assert vgg.chosen_s == pytest.approx(_step_s(specs, image, 128, profiles, link, vgg.modes, 2))
+    assert vgg.model_s == pytest.approx(_step_s(specs, image, 128, profiles, link, ["model"] * 8, 2))
     early = vgg.costs.detail[1]
     assert early["data"]["wire_s"] < 1e-3 < vgg.costs.edge[1][("model", "model")]
     specs, image = _preset_specs("paper")
@@ -233,7 +246,7 @@ def test_a_chain_of_letters_forces_each_layers_mode():
     for chain in ("DDDDDDMM", "MDMDMDMD", "MMMMMMMD"):
         modes = [{"M": "model", "D": "data"}[c] for c in chain]
         choice = choose_modes(specs, image, 32, two, link, parallel=chain)
-        assert choice.modes == modes and choice.chosen_s == pytest.approx(choice.costs.chain_s(modes))
+        assert choice.modes == modes and choice.chosen_s == pytest.approx(_step_s(specs, image, 32, two, link, modes))
         assert f"--parallel {chain}" in choice.reason
     assert forced_modes("auto", 8) is None and forced_modes("data", 3) == ["data"] * 3
     with pytest.raises(PlanError, match="--parallel DDM: 3 letter\\(s\\) for a network of 8 conv layer\\(s\\)"):

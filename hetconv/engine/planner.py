@@ -15,8 +15,8 @@ A plan is data: per layer, a mode and what each worker does in it.
 from dataclasses import dataclass, field, fields, replace
 import math
 
-from hetconv.engine.costmodel import (FLOAT_BYTES, graph_mode_costs, largest_remainder_shares, mode_costs,
-                                     predict_any, predict_peer_step)
+from hetconv.engine.costmodel import (FLOAT_BYTES, chain_shape, graph_mode_costs, largest_remainder_shares,
+                                     mode_costs, predict_any, predict_peer_step)
 
 POLICIES = ("proportional", "equal")
 MODES = ("model", "data")
@@ -747,8 +747,9 @@ def choose_modes(specs, image_shape, batch, profiles, link, parallel="auto", mic
     one worker the two modes are the same: every layer is "model". A layer with fewer kernels
     than workers can only be data; a batch with fewer images than workers only model.
     `graph`: a costmodel.GraphShape where the network is a graph, whose blocks are priced as its
-    step runs them (graph_mode_costs; with data blocks, predict_peer_step), and of its
-    plans priced within TRAFFIC_TIE of the cheapest the one that moves the fewest bytes is taken.
+    step runs them (graph_mode_costs). A chain's layers are priced by mode_costs, and its plans,
+    as a graph's, by the one step's timeline (predict_peer_step of chain_shape): of the plans
+    priced within TRAFFIC_TIE of the cheapest the one that moves the fewest bytes is taken.
     Returns a ModeChoice."""
     check_parallel(parallel)
     check_profiles(profiles)
@@ -759,6 +760,9 @@ def choose_modes(specs, image_shape, batch, profiles, link, parallel="auto", mic
     counts, images = mode_shares(specs, batch, profiles, micro_batches)
     if graph is None:
         costs = mode_costs(specs, image_shape, batch, counts, images, profiles, link, micro_batches, value_bytes)
+        # its candidate plans priced as the one step runs a chain: the graph whose blocks each
+        # read the one before
+        graph = chain_shape(specs, image_shape)
     else:
         costs = graph_mode_costs(specs, image_shape, batch, counts, images, profiles, link, graph.needs_dx,
                                  micro_batches, value_bytes, graph.feature_floats * batch)
