@@ -170,3 +170,29 @@ def test_hetconv_plan_prices_the_wire_cpu_from_the_cpu_devices_it_calibrates_her
     assert local_cpu_threads(entries) == [1, 1, None]                   # None: every core
     assert link_for_cores(parse_bandwidth("1gbit"), local_cpu_threads(entries), 2).host_cpu_s_per_byte > 0
     assert local_cpu_threads(parse_device_list("--devices", "cuda:0x2", allow_profiles=True)) == []
+
+
+def test_the_modes_are_chosen_with_the_micro_batches_the_step_runs():
+    """A heterogeneous pair on resnet18: at the rule's two micro-batches, overlap makes every
+    block model-parallel look as cheap as anything, but the step runs one micro-batch, where data
+    blocks price lower. The modes chosen for each count are priced at their own cheapest count,
+    and the cheapest pair of modes and count is the plan."""
+    from hetconv.engine.costmodel import parse_bandwidth
+    from hetconv.engine.graph import GraphPass
+    from hetconv.engine.planner import choose_modes
+    from hetconv.engine.policy import PlanFlags, choose_plan
+    from hetconv.net import preset
+    spec = preset("resnet18", IMAGE_SHAPE, NUM_CLASSES)
+    specs = [ConvSpec.from_layer(b) for b in spec.conv_layers()]
+    graph = GraphPass(spec, None).shape()
+    profiles = {"fast": cpu_profile("fast", specs, IMAGE_SHAPE),
+                "slow": cpu_profile("slow", specs, IMAGE_SHAPE, flops=15e9, bytes_per_s=3e9)}
+    link, batch = parse_bandwidth("10gbit"), 64
+    assert micro_batch_count(0, batch, "peer", 2) == 4
+    at_rule = choose_modes(specs, IMAGE_SHAPE, batch, profiles, link, "auto", micro_batches=4, graph=graph)
+    assert "data" not in at_rule.modes
+    chosen = choose_plan(specs, IMAGE_SHAPE, batch, profiles, link, PlanFlags(parallel="auto"), graph=graph)
+    assert "data" in chosen.plan.modes() and chosen.micro_batches == 1
+    all_model = choose_plan(specs, IMAGE_SHAPE, batch, profiles, link, PlanFlags(parallel="model"), graph=graph)
+    assert "data" not in all_model.plan.modes()           # priced at its own cheapest count
+    assert chosen.step_s < 0.98 * all_model.step_s

@@ -13,7 +13,7 @@ taken) comes back in `notes`, for it to log.
 from dataclasses import dataclass, replace
 
 from hetconv.engine.costmodel import FLOAT_BYTES
-from hetconv.engine.microbatch import cheapest_micro_batches, micro_batch_count
+from hetconv.engine.microbatch import FEWER_MICRO_MARGIN, cheapest_micro_batches, micro_batch_count
 from hetconv.engine.planner import (PlanError, check_profiles, choose_modes, cost_lines, forced_modes, make_plan,
                                     plan_from_lines, price_plan, whole_groups)
 
@@ -80,7 +80,8 @@ def choose_plan(specs, image_shape, batch, profiles, link, flags=PlanFlags(), va
     note says so. equal: the naive baseline, every layer model unless flags.parallel forces
     data layers. A grouped conv's kernel shares are then moved to whole groups, as the workers
     load them. Last, auto micro-batches (flags.micro_batches 0) take the count whose step the
-    cost model prices cheapest (engine.microbatch.cheapest_micro_batches).
+    cost model prices cheapest (engine.microbatch.cheapest_micro_batches); the modes are chosen
+    for the rule's count and for each fewer, and the modes and count priced cheapest run.
 
     value_bytes: bytes of a feature-map value on the wire, or a function of the workers taking
     part -> that (--wire-dtype auto follows what they compute in: the modes are priced with every
@@ -93,7 +94,7 @@ def choose_plan(specs, image_shape, batch, profiles, link, flags=PlanFlags(), va
     kernels = [s.kernels for s in specs]
     forced = forced_modes(flags.parallel, len(specs))
     speeds = profile_speeds(profiles) if speeds is None else {w: list(speeds[w]) for w in names}
-    notes, mode_choice = [], None
+    notes, mode_choice, modes_at = [], None, None
     if flags.split != "proportional":
         plan = make_plan(kernels, speeds, flags.split, batch=batch,
                          modes=forced if forced is not None and "data" in forced and len(names) > 1 else None,
@@ -115,33 +116,52 @@ def choose_plan(specs, image_shape, batch, profiles, link, flags=PlanFlags(), va
                                        or len(kept) < 2):
             plan = model_plan
         else:
-            micro = micro_batch_count(flags.micro_batches, batch, flags.exchange, len(kept))
-            mode_choice = choose_modes(specs, image_shape, batch, {w: profiles[w] for w in kept}, link, flags.parallel,
-                                       micro_batches=micro, value_bytes=bytes_of(names), graph=graph)
-            if "data" not in mode_choice.modes:
-                plan = model_plan
-            else:
+            def choose_at(micro):
+                """The plan whose modes the cost model picks for a step of `micro` micro-batches
+                -> (plan, ModeChoice, notes)."""
+                said = []
+                choice = choose_modes(specs, image_shape, batch, {w: profiles[w] for w in kept}, link, flags.parallel,
+                                      micro_batches=micro, value_bytes=bytes_of(names), graph=graph)
+                if "data" not in choice.modes:
+                    return model_plan, choice, said
                 try:
                     # the data layers split the images once: the step keeps each tensor in its layout between them
-                    plan = plan_from_lines(kernels, {w: lines[w] for w in kept}, use_all=True, modes=mode_choice.modes,
-                                           batch=batch, image_lines={w: image_lines[w] for w in kept},
-                                           one_split=True)
+                    built = plan_from_lines(kernels, {w: lines[w] for w in kept}, use_all=True, modes=choice.modes,
+                                            batch=batch, image_lines={w: image_lines[w] for w in kept},
+                                            one_split=True)
                 except PlanError as e:
-                    notes.append(f"{SPEED_FALLBACK}: {e}")
-                    plan = make_plan(kernels, {w: speeds[w] for w in kept}, "proportional", modes=mode_choice.modes,
-                                     batch=batch, one_split=True)
-                plan = replace(plan, left_out=dict(model_plan.left_out) if model_plan else {})
+                    said.append(f"{SPEED_FALLBACK}: {e}")
+                    built = make_plan(kernels, {w: speeds[w] for w in kept}, "proportional", modes=choice.modes,
+                                      batch=batch, one_split=True)
+                return replace(built, left_out=dict(model_plan.left_out) if model_plan else {}), choice, said
+
+            modes_at = choose_at
+            plan, mode_choice, said = choose_at(micro_batch_count(flags.micro_batches, batch, flags.exchange,
+                                                                  len(kept)))
+            notes += said
     plan = whole_groups(plan, specs)
 
-    def price(m):
+    def price(plan, m):
         return price_plan(specs, image_shape, batch, plan, profiles, link, flags.exchange, m, bytes_of(plan.workers),
                           graph)
 
     most = micro_batch_count(flags.micro_batches, batch, flags.exchange, len(plan.workers))
-    picked = cheapest_micro_batches(flags.micro_batches, flags.split, most, price)
+    picked = cheapest_micro_batches(flags.micro_batches, flags.split, most, lambda m: price(plan, m))
     if picked is None:
-        return PlanChoice(plan, mode_choice, most, None, price(most), tuple(notes))
+        return PlanChoice(plan, mode_choice, most, None, price(plan, most), tuple(notes))
     micro, predicted = picked
+    if modes_at is not None:
+        # the modes were chosen for the rule's count of micro-batches; the modes chosen for fewer
+        # (each plan at its own cheapest count) run where they are priced lower by more than the
+        # noise: overlap favours model blocks, one call a layer favours data ones
+        for fewer in range(1, most):
+            other, other_choice, said = modes_at(fewer)
+            other = whole_groups(other, specs)
+            if other.modes() == plan.modes():
+                continue
+            got = cheapest_micro_batches(flags.micro_batches, flags.split, most, lambda m: price(other, m))
+            if got is not None and got[1][got[0]] < (1.0 - FEWER_MICRO_MARGIN) * predicted[micro]:
+                plan, mode_choice, (micro, predicted), notes = other, other_choice, got, notes + said
     return PlanChoice(plan, mode_choice, micro, {"micro_batches": micro, "predicted_s": predicted}, predicted[micro],
                       tuple(notes))
 
