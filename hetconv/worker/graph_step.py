@@ -8,10 +8,12 @@ channels or the whole. A tensor moves only where a reader takes it in another la
 all-gather, or an all-to-all between rows and channels); a model block's partial dX is summed
 into the layout its input is held in (a reduce-scatter into rows or channels, an all-reduce into
 a whole tensor). An all-data network so moves only weight gradients and BatchNorm sums; a block's
-output leaves for its readers micro-batch by micro-batch, under the next one's compute. The joins
-(a residual sum, a concatenation, the ReLU and pools between blocks) run on every worker on its
-part of their operands, with no traffic. The images come from the coordinator in rows, and the
-features go back in their layout.
+output leaves for its readers micro-batch by micro-batch, under the next one's compute, and a
+reader takes each micro-batch as it arrives (ArrivingParts), the images, the head's gradient and
+the partial dX sums too. The joins (a residual sum, a concatenation, the ReLU and pools between
+blocks) run on every worker on its part of their operands, with no traffic. The images come from
+the coordinator in rows, and the features go back in their layout, micro-batch by micro-batch as
+the block that makes them emits them.
 
 Rounding points are those of the star exchange, where each block's input, output, gradient and
 partial dX cross the wire once: a worker rounds each to the wire where it enters or leaves a
