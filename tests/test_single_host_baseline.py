@@ -15,7 +15,9 @@ from hetconv.geometry import conv_specs
 PAPER = conv_specs([500, 1500])
 IMAGE = (3, 32, 32)
 BATCH = 128
-LINK = Link(1e9)
+# 4 Gbit/s of payload: slow enough that what the split moves shows in its step (at 8, all-data
+# hides its weight gradients under compute and the split ties with one device of both cores)
+LINK = Link(5e8)
 
 
 def _profile(name, per_kernel, call_s=0.0):
