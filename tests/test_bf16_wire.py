@@ -207,6 +207,25 @@ def weights_close(got_dir, want, rtol):
             np.testing.assert_allclose(got_layer[key], want_layer[key], rtol=rtol, atol=rtol * 1e-2, err_msg=key)
 
 
+def assert_bytes_as_priced(metrics, modes):
+    """What each worker sent among the workers each step is what the cost model prices on the
+    bf16 wire: a model first layer's images gathered in it (they came in it), the data layers'
+    weight gradients in float32; the payload, and a header of at most 128 bytes a message."""
+    from hetconv.engine.costmodel import DeviceProfile, LayerCost, Link, chain_shape, predict_any
+    from hetconv.net.spec import NetSpec
+    specs = [ConvSpec.from_layer(layer) for layer in NetSpec.from_json(NET).conv_layers()]
+    flat = DeviceProfile("d", "cpu", "", (LayerCost(0.0, 1e-6, 0.0, 1e-6),) * len(specs))
+    priced = predict_any("peer", specs, (3, 12, 12), 10, COUNTS, {w: flat for w in COUNTS}, Link(1e9), 0.0, 2,
+                         value_bytes("bfloat16"), modes=modes, images={w: [n] * len(specs) for w, n in IMAGES.items()},
+                         graph=chain_shape(specs, (3, 12, 12)))
+    steps = [r for r in map(json.loads, open(metrics)) if r["event"] == "step"]
+    assert steps
+    for record in steps:
+        for w in COUNTS:
+            sent, want = record["workers"][w]["peer_bytes_sent"], priced.workers[w]
+            assert want["sent"] <= sent <= want["sent"] + 128 * want["messages"], (w, sent, want)
+
+
 @needs_bf16
 def test_a_distributed_bf16_step_rounds_where_locals_does(tmp_path):
     """Two bf16 workers and --local at bf16, both with the bf16 wire auto gives them: images, every
@@ -223,10 +242,12 @@ def test_a_distributed_bf16_step_rounds_where_locals_does(tmp_path):
         for modes in (["data", "data", "data"], ["model", "data", "data"]):
             name = "-".join(m[0] for m in modes)
             engine.fixed_plan = fixed_plan(KERNELS, COUNTS, modes=modes, images=IMAGES)
-            summary = train(bf16_config(tmp_path, name), engine, log=quiet)
+            metrics = tmp_path / f"{name}.jsonl"
+            summary = train(bf16_config(tmp_path, name, metrics=str(metrics)), engine, log=quiet)
             assert engine.wire == "bfloat16" and engine.plan.modes() == modes
             np.testing.assert_allclose(summary["losses"], local_losses, rtol=1e-5, err_msg=name)
             weights_close(tmp_path / name, local_ckpt, 1e-4)
+            assert_bytes_as_priced(metrics, modes)
         engine.fixed_plan = fixed_plan(KERNELS, COUNTS)
         summary = train(bf16_config(tmp_path, "mmm"), engine, log=quiet)
     finally:

@@ -817,7 +817,8 @@ def predict_peer_step(specs, image_shape, batch, counts, images, profiles, link,
             early = exact and source == layouts[j] and want in ahead[j]
             issued = (lambda m, w: have[m][w]) if early else (lambda m, w: max(pc[w], have[m][w]))
             kind = "block outputs" if exact and is_channels(source) else "layout gathers"
-            held[(j, want)] = convert(j, have, source, want, issued, value_bytes if exact else FLOAT_BYTES, kind)
+            per_value = value_bytes if exact else images_value if j == -1 else FLOAT_BYTES
+            held[(j, want)] = convert(j, have, source, want, issued, per_value, kind)
         return held[(j, want)]
 
     def barrier(ready):
