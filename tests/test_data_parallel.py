@@ -21,7 +21,8 @@ from hetconv.training import checkpoint
 from hetconv.training.config import Config
 from hetconv.training.loop import train
 from hetconv.transport import protocol as P
-from hetconv.worker.blocks import held_blocks, intersect, needed_blocks
+from hetconv.engine.layouts import intersect
+from hetconv.worker.blocks import held_blocks, needed_blocks
 
 # 12x12 images through three conv layers of 4, 6 and 8 kernels: 12 -> 6 -> 3 -> 3
 NET = {"input_shape": [3, 12, 12], "classes": 10, "layers": [

@@ -150,3 +150,28 @@ def test_a_batchnorm_barrier_is_counted_as_waiting_not_as_the_blocks_compute():
     np.testing.assert_array_equal(out[0], 2.0)                 # both workers' sums: 1 + 1
     assert compute[0] < delay / 2, compute                     # the block itself computes next to nothing
     assert links.wait_s >= delay
+
+
+def test_a_step_receives_each_micro_batch_once_when_its_reader_first_takes_it():
+    """worker.graph_step.ArrivingParts: nothing is received before it is read, each micro-batch
+    once (in the order readers take them), the time spent receiving goes on the clock a block's
+    compute leaves out, and a micro-batch the step does not have is an IndexError."""
+    import time
+
+    from hetconv.worker.graph_step import ArrivingParts
+    fetched, clock = [], [0.0]
+
+    def fetch(m):
+        fetched.append(m)
+        time.sleep(0.01)
+        return m * 10
+
+    parts = ArrivingParts(3, fetch, clock)
+    assert len(parts) == 3 and fetched == [] and clock[0] == 0.0
+    assert parts[1] == 10 and fetched == [1]
+    assert list(parts) == [0, 10, 20] and fetched == [1, 0, 2]
+    assert parts[1] == 10 and fetched == [1, 0, 2]
+    assert clock[0] >= 0.03
+    for m in (3, -1):
+        with pytest.raises(IndexError, match="of 3"):
+            parts[m]

@@ -35,7 +35,8 @@ from dataclasses import asdict, dataclass
 import math
 import re
 
-from hetconv.engine.layouts import ROWS, WHOLE, conversion_source, is_channels, read_in, step_reads, tensor_layouts
+from hetconv.engine.layouts import (ROWS, WHOLE, contains, conversion_source, intersect, is_channels, read_in,
+                                    step_reads, tensor_layouts)
 from hetconv.geometry import layer_input_shapes
 
 FLOAT_BYTES = 4
@@ -396,6 +397,15 @@ def batchnorm_sum_bytes(spec):
     return (2 * spec.kernels + 1) * 8
 
 
+def check_modes(modes, layers):
+    """`modes` as a list, "model" or "data" for each of `layers` conv layers; ValueError naming
+    them where they are not."""
+    modes = list(modes)
+    if len(modes) != layers or any(m not in MODES for m in modes):
+        raise ValueError(f"modes {modes!r}: expected one of {', '.join(MODES)} for each of the {layers} conv layers")
+    return modes
+
+
 def predict_any(exchange, specs, image_shape, batch, counts, profiles, link, coordinator_s, micro_batches=1,
                 value_bytes=FLOAT_BYTES, modes=None, images=None, graph=None):
     """predict_peer_step for any network (a chain, `graph` None, priced as the graph whose blocks
@@ -404,10 +414,7 @@ def predict_any(exchange, specs, image_shape, batch, counts, profiles, link, coo
     layers only). images: {worker: [images of the batch per layer]}, read for the data layers,
     which split the images alike."""
     if exchange == "peer":
-        modes = list(modes) if modes is not None else ["model"] * len(specs)
-        if len(modes) != len(specs) or any(m not in MODES for m in modes):
-            raise ValueError(f"modes {modes!r}: expected one of {', '.join(MODES)} for each of the {len(specs)} "
-                             f"conv layers")
+        modes = check_modes(modes if modes is not None else ["model"] * len(specs), len(specs))
         data = [li for li, m in enumerate(modes) if m == "data"]
         if data and not (images and all(len(images.get(w, ())) == len(specs) for w in counts)):
             raise ValueError(f"data layers need images: {{worker: [images of the batch per layer]}} for each of "
@@ -711,14 +718,16 @@ def predict_peer_step(specs, image_shape, batch, counts, images, profiles, link,
     the images and the features in the wire's dtype where only blocks read or make them."""
     names = list(images)
     p, layers = len(names), len(specs)
-    modes = list(modes)
-    if len(modes) != layers or any(m not in MODES for m in modes):
-        raise ValueError(f"modes {modes!r}: expected one of {', '.join(MODES)} for each of the {layers} conv layers")
+    modes = check_modes(modes, layers)
     sizes = split_sizes(batch, micro_batches)
     M = len(sizes)
-    # each micro-batch's rows per worker, as the workers cut them (planner.layout_rows)
+    # each worker's rows of each micro-batch, as the workers cut them (planner.layout_rows), and
+    # its kernels of each model block as fractions of the block's channels: the blocks it holds
     cut = [largest_remainder_shares(b, [images[w] for w in names]) for b in sizes]
-    row_start = [dict(zip(names, [sum(c[:i]) for i in range(p)])) for c in cut]
+    rows = {w: [(sum(c[:i]), sum(c[:i + 1])) for c in cut] for i, w in enumerate(names)}
+    kernel_ranges = [{w: (sum(counts[v][li] for v in names[:i]) / spec.kernels,
+                          sum(counts[v][li] for v in names[:i + 1]) / spec.kernels) for i, w in enumerate(names)}
+                     for li, spec in enumerate(specs)]
     floats = dict(graph.floats)
     steps = [_Step(*st) for st in graph.steps]
     layouts = tensor_layouts(steps, modes, graph.norms)
@@ -737,27 +746,26 @@ def predict_peer_step(specs, image_shape, batch, counts, images, profiles, link,
         return specs[li].kernels if modes[li] == "data" else counts[w][li]
 
     def rows_of(w, li, m):
-        return cut[m][names.index(w)] if modes[li] == "data" else sizes[m]
-
-    def channel_range(li, w):
-        first = sum(counts[v][li] for v in names[:names.index(w)])
-        return first / specs[li].kernels, (first + counts[w][li]) / specs[li].kernels
+        r0, r1 = rows[w][m]
+        return r1 - r0 if modes[li] == "data" else sizes[m]
 
     def part(layout, w, m):
-        """(rows [r0, r1) of micro-batch m, channels [c0, c1) as fractions) that w holds in `layout`."""
+        """The block (r0, r1, c0, c1) of micro-batch m that w holds in `layout`: rows of the
+        micro-batch, channels as fractions of the tensor's."""
         if layout == WHOLE:
-            return (0, sizes[m]), (0.0, 1.0)
+            return (0, sizes[m], 0.0, 1.0)
         if layout == ROWS:
-            r0 = row_start[m][w]
-            return (r0, r0 + cut[m][names.index(w)]), (0.0, 1.0)
-        return (0, sizes[m]), channel_range(layout[1], w)
+            return rows[w][m] + (0.0, 1.0)
+        return (0, sizes[m]) + kernel_ranges[layout[1]][w]
 
-    def overlap(a, b):
-        return max(0, min(a[0][1], b[0][1]) - max(a[0][0], b[0][0])) * max(0.0, min(a[1][1], b[1][1]) - max(a[1][0], b[1][0]))
+    def share(a, b, m):
+        """The fraction of micro-batch m's tensor that blocks a and b hold both."""
+        both = intersect(a, b)
+        return 0.0 if both is None else (both[1] - both[0]) * (both[3] - both[2]) / sizes[m]
 
-    def contains(a, b):
-        empty = b[0][0] >= b[0][1] or b[1][0] >= b[1][1]
-        return empty or (a[0][0] <= b[0][0] and b[0][1] <= a[0][1] and a[1][0] <= b[1][0] and b[1][1] <= a[1][1])
+    def fraction(layout, w, m):
+        """The fraction of micro-batch m's tensor that w holds in `layout`."""
+        return share(part(layout, w, m), part(WHOLE, w, m), m)
 
     def send(src, dst, nbytes, ready, kind):
         if src == dst or nbytes <= 0:
@@ -791,9 +799,9 @@ def predict_peer_step(specs, image_shape, batch, counts, images, profiles, link,
                 if contains(part(have, v, m), need):
                     continue
                 for w in names:
-                    share = overlap(part(have, w, m), need) / b if w != v else 0.0
-                    if share > 0:
-                        arrived[v] = max(arrived[v], send(w, v, whole * share, issued(m, w), kind))
+                    piece = share(part(have, w, m), need, m) if w != v else 0.0
+                    if piece > 0:
+                        arrived[v] = max(arrived[v], send(w, v, whole * piece, issued(m, w), kind))
             out.append(arrived)
         return out
 
@@ -802,8 +810,8 @@ def predict_peer_step(specs, image_shape, batch, counts, images, profiles, link,
     # makes the other (engine.graph.GraphPass: images_exact, features_exact)
     images_value = value_bytes if all(st.kind == "block" for st in steps if -1 in st.inputs) else FLOAT_BYTES
     image_floats = math.prod(image_shape)
-    held = {(-1, ROWS): [{w: t.send(c, w, cut[m][names.index(w)] * image_floats * images_value, 0.0, link)
-                          for w in names} for m in range(M)]}
+    image_bytes = [{w: fraction(ROWS, w, m) * sizes[m] * image_floats * images_value for w in names} for m in range(M)]
+    held = {(-1, ROWS): [{w: t.send(c, w, image_bytes[m][w], 0.0, link) for w in names} for m in range(M)]}
     wanted = read_in(steps, lambda st: step_reads(st, modes, graph.norms, layouts), layouts)
     ahead = {j: [WHOLE] if WHOLE in wanted.get(j, ()) else wanted.get(j, []) for j in block_outputs}
 
@@ -866,28 +874,21 @@ def predict_peer_step(specs, image_shape, batch, counts, images, profiles, link,
                     pc[w] = max([pc[w]] + [r[m][w] for r in ins])
                 done.append(dict(pc))
         held[(st.output, layouts[st.output])] = done
+    # the features: each worker's part, or the whole from the first; their gradient back, each
+    # worker its part (the whole to every worker where they are whole)
     feature = graph.feature
-    in_parts = layouts[feature] != WHOLE
     made = held[(feature, layouts[feature])]
-    features_in, coordinator_bytes = [], 0
-    for m, b in enumerate(sizes):
-        whole = b * graph.feature_floats * feature_value
-        arrived = 0.0
-        for w in (names if in_parts else names[:1]):
-            share = overlap(part(layouts[feature], w, m), part(WHOLE, w, m)) / b if in_parts else 1.0
-            ready = made[m][w] if feature in block_outputs else max(pc[w], made[m][w])
-            arrived = max(arrived, t.send(w, c, whole * share, ready, link))
-            coordinator_bytes += whole * share
-        features_in.append(arrived)
+    feature_bytes = [{w: fraction(layouts[feature], w, m) * sizes[m] * graph.feature_floats * feature_value
+                      for w in names} for m in range(M)]
+    senders = names if layouts[feature] != WHOLE else names[:1]
+    coordinator_bytes = sum(sum(b.values()) for b in image_bytes + feature_bytes)
+    coordinator_bytes += sum(feature_bytes[m][w] for m in range(M) for w in senders)
     grad = []
     for m, b in enumerate(sizes):
-        head_done = t.run((c,), features_in[m], coordinator_s * b / batch)
-        whole = b * graph.feature_floats * feature_value
-        shares = {w: (overlap(part(layouts[feature], w, m), part(WHOLE, w, m)) / b if in_parts else 1.0)
-                  for w in names}
-        grad.append({w: t.send(c, w, whole * shares[w], head_done, link) for w in names})
-        coordinator_bytes += sum(whole * s for s in shares.values())
-    coordinator_bytes += sum(cut[m][names.index(w)] * image_floats * images_value for m in range(M) for w in names)
+        arrived = max(t.send(w, c, feature_bytes[m][w], made[m][w] if feature in block_outputs
+                             else max(pc[w], made[m][w]), link) for w in senders)
+        head_done = t.run((c,), arrived, coordinator_s * b / batch)
+        grad.append({w: t.send(c, w, feature_bytes[m][w], head_done, link) for w in names})
 
     # ---- backward ------------------------------------------------------------------------------
     requires = {-1: False}
@@ -948,11 +949,10 @@ def predict_peer_step(specs, image_shape, batch, counts, images, profiles, link,
                 got = {}
                 for v in names:
                     got[v] = dx_ready[m][v]
-                    mine = part(into, v, m)
-                    share = overlap(mine, part(WHOLE, v, m)) / b if into != WHOLE else 1.0
+                    piece = fraction(into, v, m)
                     for w in names:
-                        if w != v and share > 0:
-                            got[v] = max(got[v], send(w, v, whole * share, dx_ready[m][w], "partial input gradients"))
+                        if w != v and piece > 0:
+                            got[v] = max(got[v], send(w, v, whole * piece, dx_ready[m][w], "partial input gradients"))
                 arrived.append(got)
             give(source, arrived)
             continue

@@ -192,7 +192,7 @@ class GraphPass:
             if (j, want) not in views:
                 source = conversion_source(j, want, layouts, wanted)
                 # the images too, where they came in the wire's dtype (only blocks read them)
-                exact = j in self.block_outputs or j == -1 and self.images_exact
+                exact = j in self.block_outputs or (j == -1 and self.images_exact)
                 views[(j, want)] = engine.convert(tensors[j] if source == layouts[j] else read(j, source), source,
                                                   want, "forward", self.conversion_key(j), exact=exact)
             return views[(j, want)]

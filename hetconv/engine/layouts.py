@@ -24,6 +24,20 @@ from hetconv.net.spec import Concat
 ROWS, WHOLE = "rows", "whole"
 
 
+def intersect(a, b):
+    """The block (r0, r1, c0, c1) two blocks share, or None when they share no element (rows and
+    channels in any unit: a worker's images and kernels, or fractions of them)."""
+    r0, r1, c0, c1 = max(a[0], b[0]), min(a[1], b[1]), max(a[2], b[2]), min(a[3], b[3])
+    return (r0, r1, c0, c1) if r0 < r1 and c0 < c1 else None
+
+
+def contains(outer, inner):
+    """Whether block `inner` lies in block `outer` (an empty one lies anywhere)."""
+    if inner[0] >= inner[1] or inner[2] >= inner[3]:
+        return True
+    return outer[0] <= inner[0] and inner[1] <= outer[1] and outer[2] <= inner[2] and inner[3] <= outer[3]
+
+
 def channels(block):
     """The layout of model block `block`'s output: each worker its kernels' channels of every image."""
     return ("channels", int(block))

@@ -774,9 +774,9 @@ def choose_modes(specs, image_shape, batch, profiles, link, parallel="auto", mic
         if batch < len(names):
             costs.node[li]["data"] = inf
     model_s = costs.chain_s(["model"] * layers)
-    if graph is not None and graph.steps and len(names) > 1 and model_s < inf:
-        model_s = predict_peer_step(specs, image_shape, batch, counts, {w: 1 for w in names}, profiles, link,
-                                            0.0, graph, ["model"] * layers, micro_batches, value_bytes).step_s
+    if graph.steps and len(names) > 1 and model_s < inf:
+        model_s = predict_peer_step(specs, image_shape, batch, counts, {w: 1 for w in names}, profiles, link, 0.0,
+                                    graph, ["model"] * layers, micro_batches, value_bytes).step_s
     if len(names) == 1:
         return ModeChoice(["model"] * layers, costs, model_s, model_s, "one worker: the two modes are the same")
     # a graph's plan with data blocks splits the images once and holds its tensors in layouts
@@ -784,19 +784,18 @@ def choose_modes(specs, image_shape, batch, profiles, link, parallel="auto", mic
     moved = {}                                  # modes -> bytes a layout step of them sends among the workers
 
     def layout_s(modes):
-        if graph is not None and graph.steps and "data" not in modes:
+        if graph.steps and "data" not in modes:
             return model_s
-        if graph is None or not graph.steps or batch < len(names):
+        if not graph.steps or batch < len(names):
             return None
         if any(m == "model" and costs.node[li]["model"] == inf for li, m in enumerate(modes)):
             return inf
-        pred = predict_peer_step(specs, image_shape, batch, counts, split, profiles, link, 0.0, graph,
-                                         list(modes), micro_batches, value_bytes)
+        pred = predict_peer_step(specs, image_shape, batch, counts, split, profiles, link, 0.0, graph, list(modes),
+                                 micro_batches, value_bytes)
         moved[tuple(modes)] = sum(v["sent"] for v in pred.workers.values())
         return pred.step_s
 
-    split = (one_image_split(specs, batch, profiles, micro_batches)
-             if graph is not None and graph.steps and batch >= len(names) else None)
+    split = one_image_split(specs, batch, profiles, micro_batches) if graph.steps and batch >= len(names) else None
     forced = forced_modes(parallel, layers)
     if forced is not None:
         priced = layout_s(forced)

@@ -150,7 +150,7 @@ def choose_plan(specs, image_shape, batch, profiles, link, flags=PlanFlags(), va
     if picked is None:
         return PlanChoice(plan, mode_choice, most, None, price(plan, most), tuple(notes))
     micro, predicted = picked
-    if modes_at is not None:
+    if modes_at is not None and forced is None:
         # the modes were chosen for the rule's count of micro-batches; the modes chosen for fewer
         # (each plan at its own cheapest count) run where they are priced lower by more than the
         # noise: overlap favours model blocks, one call a layer favours data ones

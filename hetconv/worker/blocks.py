@@ -23,12 +23,6 @@ def needed_blocks(lp, channels, n):
     return {w: (0, n, 0, channels) for w in lp.ranges}
 
 
-def intersect(a, b):
-    """The block two blocks share, or None when they share no element."""
-    r0, r1, c0, c1 = max(a[0], b[0]), min(a[1], b[1]), max(a[2], b[2]), min(a[3], b[3])
-    return (r0, r1, c0, c1) if r0 < r1 and c0 < c1 else None
-
-
 def within(block, outer):
     """Index of `block` inside an array that holds block `outer` (block lies in outer)."""
     return (slice(block[0] - outer[0], block[1] - outer[0]), slice(block[2] - outer[2], block[3] - outer[2]))

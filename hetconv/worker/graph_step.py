@@ -25,23 +25,17 @@ import numpy as np
 
 from hetconv.engine.chain import DropoutDraw
 from hetconv.engine.contract import sum_in_order
-from hetconv.engine.layouts import ROWS, WHOLE, is_channels, read_in, step_reads, tensor_layouts
+from hetconv.engine.layouts import (ROWS, WHOLE, contains, intersect, is_channels, read_in, step_reads,
+                                    tensor_layouts)
 from hetconv.engine.planner import layout_rows
 from hetconv.transport import protocol
 from hetconv.transport.wire import decode, encode
-from hetconv.worker.blocks import block_shape, held_blocks, intersect, within
+from hetconv.worker.blocks import block_shape, held_blocks, within
 
 
 def _rounded(x, wire):
     """x as it would arrive over the wire (x itself for float32)."""
     return decode(encode(np.ascontiguousarray(x, np.float32), wire), wire)
-
-
-def _contains(outer, inner):
-    """Whether block `inner` lies in block `outer` (an empty one lies anywhere)."""
-    if inner[0] >= inner[1] or inner[2] >= inner[3]:
-        return True
-    return outer[0] <= inner[0] and inner[1] <= outer[1] and outer[2] <= inner[2] and inner[3] <= outer[3]
 
 
 class ArrivingParts:
@@ -89,7 +83,9 @@ class LayoutBlocks:
     def __init__(self, links, step, sizes, rows, layouts, wire, dropout, compute, rule, on_features=None):
         self.links, self.step, self.wire = links, step, wire
         self.on_features = on_features         # (m, this worker's part in the wire's dtype), as each is made
-        self.receiving = [0.0]                 # seconds spent receiving parts a step read as they came
+        # seconds the compute thread spent not computing (sending, receiving, the BatchNorm sums'
+        # exchange): a block's compute time leaves out what it added during the block
+        self.waiting = [0.0]
         self.me, self.order = links.name, links.order
         self.rows, self.mine = rows, rows[links.name]        # {worker: [(r0, r1) per micro-batch]}
         self.plans = links.layer_plans
@@ -120,10 +116,10 @@ class LayoutBlocks:
             return {w: tuple(self.rows[w][m]) + (0, channels) for w in self.order}
         return held_blocks(self.plans[layout[1]], n)
 
-    def _reduce(self, layer, waited):
+    def _reduce(self, layer):
         if self.modes[layer] != "data" or len(self.order) < 2:
             return None
-        return self.links._bn_reduce(self.step, layer, waited)
+        return self.links._bn_reduce(self.step, layer, self.waiting)
 
     # ---- moving a tensor between layouts -----------------------------------------------------------
     def _send_part(self, phase, key, m, sent, have, want):
@@ -131,7 +127,7 @@ class LayoutBlocks:
         (`sent`: its block of `have`, already in the wire's dtype)."""
         channels = self._channels_of(sent, have, m)
         hb, wb = self._blocks(have, m, channels), self._blocks(want, m, channels)
-        lacking = {w: wb[w] for w in self.order if not _contains(hb[w], wb[w])}
+        lacking = {w: wb[w] for w in self.order if not contains(hb[w], wb[w])}
         self.links._send_encoded(self.step, phase, key, m, sent, hb[self.me], lacking)
 
     def _channels_of(self, own, have, m):
@@ -147,7 +143,7 @@ class LayoutBlocks:
         need, hw = wb[self.me], tuple(own.shape[2:])
         if not block_shape(need)[0] * block_shape(need)[1]:
             return np.empty(tuple(max(0, v) for v in block_shape(need)) + hw, np.float32)   # no rows here
-        if _contains(hb[self.me], need):
+        if contains(hb[self.me], need):
             return np.ascontiguousarray(own[within(need, hb[self.me])], np.float32)
         links = self.links
         senders = [w for w in self.order if w != self.me and intersect(hb[w], need) is not None]
@@ -172,12 +168,12 @@ class LayoutBlocks:
             for m, a in enumerate(arrays):
                 self._send_part(phase, key, m, encode(np.ascontiguousarray(a, np.float32), wire), have, want)
         return ArrivingParts(len(arrays), lambda m: self._receive_part(
-            phase, key, m, arrays[m], have, want, wire, self._channels_of(arrays[m], have, m)), self.receiving)
+            phase, key, m, arrays[m], have, want, wire, self._channels_of(arrays[m], have, m)), self.waiting)
 
     # ---- GraphPass's engine ------------------------------------------------------------------------
     def forward_layer(self, layer, xs, train, step=None):
         model = self.modes[layer] != "data"
-        shard, out, waited = self.links.shard, {}, [0.0]
+        shard, out = self.links.shard, {}
         node = self.block_output[layer]
         key = self.links.graph.conversion_key(node)
         ahead = self.read_as.get(node, [])
@@ -195,12 +191,12 @@ class LayoutBlocks:
                 self._send_part("gather", key, m, sent, self.layouts[node], want)
             if features:
                 self.on_features(m, sent)
-            waited[0] += time.perf_counter() - t0
+            self.waiting[0] += time.perf_counter() - t0
 
         features = self.on_features is not None and node == self.links.graph.feature
-        t0, received = time.perf_counter(), self.receiving[0]
-        shard.forward_layer(layer, inputs(), train, self._reduce(layer, waited), emit, self.dropout, batch=self.batch)
-        self.compute[layer] += time.perf_counter() - t0 - waited[0] - (self.receiving[0] - received)
+        t0, waited = time.perf_counter(), self.waiting[0]
+        shard.forward_layer(layer, inputs(), train, self._reduce(layer), emit, self.dropout, batch=self.batch)
+        self.compute[layer] += time.perf_counter() - t0 - (self.waiting[0] - waited)
         self.sent_ahead.update(("gather", key, want) for want in ahead)
         return [out[m] for m in range(len(xs))]
 
@@ -209,7 +205,7 @@ class LayoutBlocks:
         layout it is in): a data block's in its rows, a model block's partial summed into `into`
         (the layout its input is held in)."""
         model = self.modes[layer] != "data"
-        shard, dx_own, waited = self.links.shard, {}, [0.0]
+        shard, dx_own = self.links.shard, {}
         channels = shard.layers[layer].spec.in_channels
         # a data block's dX, complete for its rows, leaves for the layout its input is held in as
         # each micro-batch's is made (GraphPass.backward's conversion, under the same key)
@@ -231,13 +227,13 @@ class LayoutBlocks:
                 dx_own[m] = decode(sent, self.wire)
                 if ahead:
                     self._send_part("gather_grad", key, m, sent, ROWS, into)
-            waited[0] += time.perf_counter() - t0
+            self.waiting[0] += time.perf_counter() - t0
 
-        t0, received = time.perf_counter(), self.receiving[0]
+        t0, waited = time.perf_counter(), self.waiting[0]
         shard.backward_layer(layer, ((m, _rounded(g, self.wire)) for m, g in enumerate(grads)), need_dx,
-                             self._reduce(layer, waited), emit)
+                             self._reduce(layer), emit)
         shard.device.synchronize()
-        self.compute[layer] += time.perf_counter() - t0 - waited[0] - (self.receiving[0] - received)
+        self.compute[layer] += time.perf_counter() - t0 - (self.waiting[0] - waited)
         if self.rule is not None:
             self.links._after_backward(self.step, layer, self.rule, self.rule.max_norm > 0, self.deferred,
                                        self.updates, self.compute)
@@ -248,7 +244,7 @@ class LayoutBlocks:
                 self.sent_ahead.add(("gather_grad", key, into))
             return [dx_own[m] for m in range(len(grads))], ROWS
         return ArrivingParts(len(grads), lambda m: self._sum_partials(layer, m, dx_own[m], into, channels),
-                             self.receiving), into
+                             self.waiting), into
 
     def _sum_partials(self, layer, m, whole, into, channels):
         """A model block's dX of micro-batch m in this worker's part of layout `into`: every
@@ -295,7 +291,7 @@ def run_graph_step(links, seq, fields, step, micros, train, rule, sizes):
     # runs on micro-batch m while the block computes m + 1
     engine = LayoutBlocks(links, step, sizes, rows, layouts, wire, dropout, compute, rule if train else None,
                           on_features=send_features if graph.features_exact else None)
-    features = graph.forward(engine, ArrivingParts(micros, images, engine.receiving), train)
+    features = graph.forward(engine, ArrivingParts(micros, images, engine.waiting), train)
     in_parts = layouts[graph.feature] != WHOLE        # each worker its rows or channels of them
     if not graph.features_exact and (in_parts or links.name == links.order[0]):
         for m, h in enumerate(features):
@@ -307,7 +303,7 @@ def run_graph_step(links, seq, fields, step, micros, train, rule, sizes):
             return decode(links._check(f"step {step}: gradient of micro-batch {m}", "the coordinator",
                                        links._await({key}, step)[key], features[m].shape), features_wire)
 
-        grads = ArrivingParts(len(features), gradient, engine.receiving)
+        grads = ArrivingParts(len(features), gradient, engine.waiting)
         graph.backward(engine, grads)
         if rule is not None:
             done.update(links._apply_updates(step, rule, engine.deferred, engine.updates, compute))

@@ -27,6 +27,7 @@ import zmq
 from hetconv.devices.cpu import HostArrays
 from hetconv.engine.graph import GraphPass, norm_states_from
 from hetconv.engine.contract import sum_in_order
+from hetconv.engine.layouts import intersect
 from hetconv.engine.planner import MODES, LayerPlan
 from hetconv.net.spec import NetSpec
 from hetconv.update import UpdateRule, clip_factor
@@ -34,7 +35,7 @@ from hetconv.transport import protocol
 from hetconv.transport.keys import connect_peer
 from hetconv.transport.sockets import host_key, ipc_reachable
 from hetconv.transport.wire import decode, encode
-from hetconv.worker.blocks import intersect, within
+from hetconv.worker.blocks import within
 from hetconv.worker.graph_step import run_graph_step
 
 
