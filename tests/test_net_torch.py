@@ -423,6 +423,22 @@ def test_the_hard_activations_import_and_export_as_their_own_modules():
         torch.testing.assert_close(back(x), module(x))
 
 
+class _TorchFunctions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(3, 4, 3), nn.Linear(4 * 14 * 14, 10)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(torch.sigmoid(torch.tanh(self.conv(x))), 1))
+
+
+def test_torch_tanh_and_sigmoid_import_though_their_signatures_match_numbers_too():
+    """torch.tanh(x) matches its tensor signature and its int, float and complex ones alike, which
+    torch.fx's argument matching refuses as ambiguous: given the tensor alone, it is the activation."""
+    spec, conv, fc = from_torch(_TorchFunctions(), (3, 16, 16))
+    assert [layer.to_json() for layer in spec.layers[1:3]] == [{"type": "tanh"}, {"type": "sigmoid"}]
+
+
 class _Head(nn.Module):
     """A conv, then the global pool and flatten written as `ending` (x is the conv's output)."""
 

@@ -535,7 +535,14 @@ def _function_layer(node, where):
             return (ReLU() if kind == "relu" else Activation(kind)), None
         raise refuse(f"not supported; supported: {SUPPORTED}")
     from torch.fx.operator_schemas import normalize_function
-    found = normalize_function(node.target, tuple(node.args), node.kwargs, normalize_to_only_use_kwargs=True)
+    try:
+        found = normalize_function(node.target, tuple(node.args), node.kwargs, normalize_to_only_use_kwargs=True)
+    except RuntimeError:
+        # torch.tanh, torch.sigmoid and the like are overloaded for numbers too, and a tensor
+        # matches their signatures ambiguously; given the tensor alone there is nothing to name
+        if len(node.args) != 1 or node.kwargs:
+            raise refuse("arguments that match more than one of its signatures") from None
+        found = None
     kw = dict(found.kwargs) if found else {}
     kw.pop("input", None)
     kw.pop("inplace", None)
