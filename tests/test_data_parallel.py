@@ -8,7 +8,7 @@ import queue
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from _faults import join_during_step, kill_worker_on_step
@@ -21,8 +21,9 @@ from hetconv.training import checkpoint
 from hetconv.training.config import Config
 from hetconv.training.loop import train
 from hetconv.transport import protocol as P
-from hetconv.engine.layouts import intersect
-from hetconv.worker.blocks import held_blocks, needed_blocks
+from hetconv.engine.layouts import (ROWS, WHOLE, concatenated, contains, covered, index_in, meeting, pieces,
+                                    pieces_shape)
+from hetconv.engine.planner import image_ranges
 
 # 12x12 images through three conv layers of 4, 6 and 8 kernels: 12 -> 6 -> 3 -> 3
 NET = {"input_shape": [3, 12, 12], "classes": 10, "layers": [
@@ -158,27 +159,52 @@ def layer_plans(draw):
     return workers, plans, n
 
 
-@settings(max_examples=200, deadline=None)
-@given(layer_plans())
-def test_each_worker_gets_exactly_its_needed_block_from_the_holders(case):
-    """Between two layers, whatever their modes: the parts every holder sends a receiver cover the
-    receiver's needed block exactly once, and each lies in what the sender holds."""
-    workers, (below, above), n = case
-    held = held_blocks(below, n)
-    needed = needed_blocks(above, below.kernels, n)
+LAYOUT_KINDS = ("whole", "rows", "channels")
+
+
+@settings(max_examples=300, deadline=None)
+@given(layer_plans(), st.sampled_from(LAYOUT_KINDS), st.sampled_from(LAYOUT_KINDS), st.booleans())
+def test_each_worker_gets_exactly_its_blocks_of_a_layout_from_the_holders(case, have, want, joined):
+    """A tensor between any two layouts (a worker's rows, its channel ranges of one model block or
+    of two concatenated, the whole): the parts every holder sends a receiver lie in what the
+    sender holds and cover the receiver's blocks exactly once, each addressed inside both arrays;
+    a receiver whose blocks its own cover is sent nothing it lacks."""
+    workers, plans, n = case
+    model = [b for b, lp in enumerate(plans) if lp.mode != "data"]
+    data = [lp for lp in plans if lp.mode == "data"]
+    assume(model or "channels" not in (have, want))
+    blocks = (tuple(model) + tuple(model[:1]) if joined else tuple(model[:1])) if model else ()
+    channels = sum(plans[b].kernels for b in blocks) if blocks else plans[0].kernels
+    in_ranges = (concatenated(blocks) if len(blocks) > 1 else ("channels", blocks[0])) if blocks else None
+    rows = image_ranges(data[0], n) if data else {w: (0, n) if i == 0 else (n, n) for i, w in enumerate(workers)}
+
+    def held(kind):
+        layout = {"whole": WHOLE, "rows": ROWS, "channels": in_ranges}[kind]
+        return {w: pieces(layout, n, channels, rows[w], lambda b: plans[b].ranges[w], lambda b: plans[b].kernels)
+                for w in workers}
+
+    hb, wb = held(have), held(want)
     for receiver in workers:
-        r0, r1, c0, c1 = needed[receiver]
-        cover = np.zeros((r1 - r0, c1 - c0), int)
+        need = wb[receiver]
+        if have == "whole":
+            assert covered(hb[receiver], need)          # its own copy: nothing moves
+            continue
+        cover = np.zeros((n, channels), int)
         for sender in workers:
-            part = intersect(held[sender], needed[receiver])
-            if part is None:
-                continue
-            h = held[sender]
-            assert h[0] <= part[0] < part[1] <= h[1] and h[2] <= part[2] < part[3] <= h[3]
-            cover[part[0] - r0:part[1] - r0, part[2] - c0:part[3] - c0] += 1
-        assert (cover == 1).all()
-    if above.mode == below.mode == "data" and above.images == below.images:
-        assert all(intersect(held[s], needed[r]) is None for s in workers for r in workers if s != r)
+            parts = meeting(hb[sender], need)
+            if covered(hb[receiver], need) and sender != receiver:
+                assert not parts
+            for part, i, k in parts:
+                for blocks_held, j in ((hb[sender], i), (need, k)):
+                    assert contains(blocks_held[j], part)
+                    rs, cs = index_in(part, blocks_held, j)
+                    rows_held, channels_held = pieces_shape(blocks_held)
+                    assert 0 <= rs.start < rs.stop <= rows_held and 0 <= cs.start < cs.stop <= channels_held
+                    assert (rs.stop - rs.start, cs.stop - cs.start) == (part[1] - part[0], part[3] - part[2])
+                cover[part[0]:part[1], part[2]:part[3]] += 1
+        for r0, r1, c0, c1 in need:
+            assert (cover[r0:r1, c0:c1] == 1).all()
+        assert cover.sum() == sum((r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in need)
 
 
 def test_a_data_plan_is_refused_by_the_star_engine():

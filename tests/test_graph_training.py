@@ -449,3 +449,84 @@ def test_a_worker_refuses_a_graph_that_is_not_its_plans():
             LayerPlan(7, 33, {"a": (0, 33)}, {})]), spec.to_json())
     with pytest.raises(ValueError, match="PEERS graph is list"):
         PeerLinks._graph(links, [1, 2])
+
+
+# Two concatenations of conv branches (an Inception module's shape): the first pooled and read by
+# one conv, the second pooled into the features.
+CONCAT_MODULE = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 6, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(6)
+        self.a = nn.Conv2d(6, 5, 1)
+        self.b = nn.Conv2d(6, 7, 3, padding=1)
+        self.c = nn.Conv2d(12, 8, 3, padding=1)
+        self.d = nn.Conv2d(8, 4, 1)
+        self.e = nn.Conv2d(8, 6, 3, padding=1)
+        self.fc = nn.Linear(10, 10)
+
+    def forward(self, x):
+        x = F.relu(self.bn(self.stem(x)))
+        x = F.max_pool2d(torch.cat([self.a(x), F.relu(self.b(x))], 1), 2)
+        x = F.relu(self.c(x))
+        x = torch.cat([self.d(x), torch.tanh(self.e(x))], 1)
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+""" + build_with_batchnorm_away_from_one("Net", 7)
+
+
+@pytest.fixture(scope="module")
+def concat_run(tmp_path_factory):
+    return local_module_run(tmp_path_factory.mktemp("concat"), CONCAT_MODULE)
+
+
+@pytest.mark.parametrize("modes,workers", [("DMMDMM", 2), ("DMMMDD", 3)])
+def test_a_concatenation_of_channel_ranges_is_a_renumbering(concat_run, tmp_path, modes, workers):
+    """Model branches concatenated: each worker keeps its kernels' channels of every branch, side
+    by side, through the concatenation and the pool after it, with nothing moved; a data block
+    reading the result takes its rows by an all-to-all, a model block gathers it, and where it is
+    the features each worker sends the coordinator its ranges of them. The step equals --local's
+    (which equals PyTorch's), and what moves among the workers is what the cost model prices."""
+    from hetconv.engine.costmodel import DeviceProfile, LayerCost, Link, predict_any
+    from hetconv.engine.graph import GraphPass
+    from hetconv.engine.layouts import ROWS, concatenated, tensor_layouts
+    from hetconv.devices.cpu import HostArrays
+    from hetconv.geometry import ConvSpec
+    from hetconv.net.spec import Concat
+    cfg, losses, local = concat_run
+    if workers == 2:
+        assert_equals_torch(cfg, losses, local[1], local[2])
+    spec = load_net(cfg.net, (3, 16, 16), 10).spec
+    specs = [ConvSpec.from_layer(layer) for layer in spec.conv_layers()]
+    graph_pass = GraphPass(spec, HostArrays())
+    graph = graph_pass.shape()
+    mode_names = [{"M": "model", "D": "data"}[m] for m in modes]
+    layouts = tensor_layouts(graph_pass.steps, mode_names, graph_pass.norms)
+    concats = [st.output for st in graph_pass.steps if isinstance(st.layer, Concat)]
+    assert len(concats) == 2 and layouts[concats[0]] == concatenated((1, 2))
+    assert layouts[concats[1]] == (concatenated((4, 5)) if modes == "DMMDMM" else ROWS)
+    assert layouts[graph.feature] == layouts[concats[1]]
+
+    cfg = Config(**{**cfg.to_json(), "metrics": str(tmp_path / "concat.jsonl")})
+    images = {"w0-cpu": 6, "w1-cpu": 10} if workers == 2 else {"w0-cpu": 4, "w1-cpu": 7, "w2-cpu": 5}
+    counts = {w: [s.kernels // workers + (1 if i < s.kernels % workers else 0) for s in specs]
+              for i, w in enumerate(images)}
+    summary, got = distributed(cfg, tmp_path, workers, 2, counts=counts, modes=modes, images=images)
+    np.testing.assert_allclose(summary["losses"], losses, rtol=1e-5)
+    assert_equal_runs(got, local)
+
+    flat = DeviceProfile("d", "cpu", "", (LayerCost(0.0, 1e-6, 0.0, 1e-6),) * len(specs))
+    priced = predict_any("peer", specs, (3, 16, 16), cfg.batch_size, counts, {w: flat for w in images}, Link(1e9), 0.0,
+                         2, modes=mode_names, images={w: [n] * len(specs) for w, n in images.items()}, graph=graph)
+    steps = [r for r in map(json.loads, open(tmp_path / "concat.jsonl")) if r["event"] == "step"]
+    assert len(steps) == STEPS
+    for record in steps:
+        for w in images:
+            sent, want = record["workers"][w]["peer_bytes_sent"], priced.workers[w]
+            assert want["sent"] <= sent <= want["sent"] + 128 * want["messages"], (w, sent, want["sent"])

@@ -32,7 +32,7 @@ from hetconv.engine.conv_precision import checked_choices as _conv_path_choices
 from hetconv.engine.costmodel import Link, parse_bandwidth, profiles_from_calibration
 from hetconv.engine.graph import GraphPass, norm_states_from
 from hetconv.engine.measure import calibrate_local, measure_loopback
-from hetconv.engine.layouts import ROWS, is_channels, tensor_layouts
+from hetconv.engine.layouts import WHOLE, index_in, pieces, pieces_shape, tensor_layouts
 from hetconv.engine.microbatch import micro_batch_count, priced_text
 from hetconv.engine.planner import PlanError, forced_modes, layout_rows
 from hetconv.engine.policy import (PlanFlags, check_exchange, choose_plan, cpu_groups, link_for_cores,
@@ -931,8 +931,7 @@ class RemoteEngine(ShardEngine):
                 got = tuple(msg.arrays[0].shape) if msg.arrays else ()
                 want = None
                 if known:
-                    r0, r1, c0, c1 = senders[peer.name][m]
-                    want = (r1 - r0, c1 - c0) + tuple(shape[1:])
+                    want = pieces_shape(senders[peer.name][m]) + tuple(shape[1:])
                 if not known or got != want or msg.arrays[0].dtype != features_dtype or peer.name in parts[m]:
                     raise WorkerError(peer.label(), doing, "ShapeError",
                                       f"FEATURES for micro-batch {m!r}: {msg.arrays[0].dtype if msg.arrays else 'no'} "
@@ -946,17 +945,19 @@ class RemoteEngine(ShardEngine):
                         h = parts[next_micro][names[0]]
                     else:
                         h = np.empty((len(xs[next_micro]),) + tuple(shape), np.float32)
-                        for name, (r0, r1, c0, c1) in ((n, senders[n][next_micro]) for n in senders):
-                            h[r0:r1, c0:c1] = parts[next_micro][name]
+                        for name in senders:
+                            held = senders[name][next_micro]
+                            for i, (r0, r1, c0, c1) in enumerate(held):
+                                h[r0:r1, c0:c1] = parts[next_micro][name][index_in(held[i], held, i)]
                     parts[next_micro] = None
                     if train:
                         grad = np.ascontiguousarray(head(next_micro, h), np.float32)
                         norm = ({"head_sum_of_squares": float(head_sum_of_squares())}
                                 if clip and next_micro == micros - 1 else {})
                         for name in names:
-                            r0, r1, c0, c1 = grads[name][next_micro]
-                            self._send(self.peers[name], "GRAD",
-                                       [encode(np.ascontiguousarray(grad[r0:r1, c0:c1]), features_wire)],
+                            got = [grad[r0:r1, c0:c1] for r0, r1, c0, c1 in grads[name][next_micro]]
+                            self._send(self.peers[name], "GRAD", [encode(np.ascontiguousarray(
+                                got[0] if len(got) == 1 else np.concatenate(got, axis=1)), features_wire)],
                                        doing=doing, step=step, micro=next_micro, **norm)
                     else:
                         features[next_micro] = h
@@ -990,20 +991,18 @@ class RemoteEngine(ShardEngine):
         return self._chain_pass[1]
 
     def _graph_feature_blocks(self, graph, sizes, rows):
-        """({worker: [its block (r0, r1, c0, c1) of each micro-batch's features]} for the workers
-        that send them, the same for the blocks of their gradient each worker gets): where the
-        step holds its tensors in layouts and the features in rows or channels, each worker its
-        own part both ways; else the whole from the plan's first worker, their gradient to all."""
-        names, channels = self.plan.workers, graph.feature_shape[0]
+        """({worker: [its blocks (r0, r1, c0, c1) of each micro-batch's features, side by side in
+        what it sends]} for the workers that send them, the same for the blocks of their gradient
+        each worker gets): where the step holds its tensors in layouts and the features in rows or
+        channel ranges, each worker its own part both ways (engine/layouts.pieces); else the whole
+        from the plan's first worker, their gradient to all."""
+        names, channels, layers = self.plan.workers, graph.feature_shape[0], self.plan.layers
         layout = tensor_layouts(graph.steps, self.plan.modes(), graph.norms)[graph.feature]
-        if layout == ROWS:
-            parts = {w: [tuple(r) + (0, channels) for r in rows[w]] for w in names}
-        elif is_channels(layout):
-            lp = self.plan.layers[layout[1]]
-            parts = {w: [(0, n) + tuple(lp.ranges[w]) for n in sizes] for w in names}
-        else:
-            whole = [(0, n, 0, channels) for n in sizes]
+        if layout == WHOLE:
+            whole = [[(0, n, 0, channels)] for n in sizes]
             return {names[0]: whole}, {w: whole for w in names}
+        parts = {w: [pieces(layout, n, channels, rows[w][m], lambda b: layers[b].ranges[w], lambda b: layers[b].kernels)
+                     for m, n in enumerate(sizes)] for w in names}
         return parts, parts
 
     def close(self):

@@ -35,8 +35,8 @@ from dataclasses import asdict, dataclass
 import math
 import re
 
-from hetconv.engine.layouts import (ROWS, WHOLE, contains, conversion_source, intersect, is_channels, read_in,
-                                    step_reads, tensor_layouts)
+from hetconv.engine.layouts import (ROWS, WHOLE, channel_blocks, conversion_source, covered, input_layout,
+                                    is_channels, meeting, pieces, read_in, step_reads, tensor_layouts)
 from hetconv.geometry import layer_input_shapes
 
 FLOAT_BYTES = 4
@@ -750,18 +750,17 @@ def predict_peer_step(specs, image_shape, batch, counts, images, profiles, link,
         return r1 - r0 if modes[li] == "data" else sizes[m]
 
     def part(layout, w, m):
-        """The block (r0, r1, c0, c1) of micro-batch m that w holds in `layout`: rows of the
-        micro-batch, channels as fractions of the tensor's."""
-        if layout == WHOLE:
-            return (0, sizes[m], 0.0, 1.0)
-        if layout == ROWS:
-            return rows[w][m] + (0.0, 1.0)
-        return (0, sizes[m]) + kernel_ranges[layout[1]][w]
+        """The blocks (r0, r1, c0, c1) of micro-batch m that w holds in `layout` (layouts.pieces):
+        rows of the micro-batch, channels as fractions of the tensor's."""
+        blocks = channel_blocks(layout)
+        channels = sum(specs[b].kernels for b in blocks) if blocks else 1.0
+        return [(r0, r1, c0 / channels, c1 / channels) for r0, r1, c0, c1 in pieces(
+            layout, sizes[m], channels, rows[w][m],
+            lambda b: tuple(v * specs[b].kernels for v in kernel_ranges[b][w]), lambda b: specs[b].kernels)]
 
     def share(a, b, m):
-        """The fraction of micro-batch m's tensor that blocks a and b hold both."""
-        both = intersect(a, b)
-        return 0.0 if both is None else (both[1] - both[0]) * (both[3] - both[2]) / sizes[m]
+        """The fraction of micro-batch m's tensor that blocks a and blocks b hold both."""
+        return sum((p[1] - p[0]) * (p[3] - p[2]) for p, _, _ in meeting(a, b)) / sizes[m]
 
     def fraction(layout, w, m):
         """The fraction of micro-batch m's tensor that w holds in `layout`."""
@@ -796,7 +795,7 @@ def predict_peer_step(specs, image_shape, batch, counts, images, profiles, link,
             for v in names:
                 need = part(want, v, m)
                 arrived[v] = held[m][v]
-                if contains(part(have, v, m), need):
+                if covered(part(have, v, m), need):
                     continue
                 for w in names:
                     piece = share(part(have, w, m), need, m) if w != v else 0.0
@@ -850,7 +849,7 @@ def predict_peer_step(specs, image_shape, batch, counts, images, profiles, link,
     feature_value = value_bytes if graph.feature in block_outputs else FLOAT_BYTES
     for st in steps:
         want = step_reads(st, modes, graph.norms, layouts)
-        ins = [read(j, want) for j in st.inputs]
+        ins = [read(j, input_layout(st, k, want, layouts)) for k, j in enumerate(st.inputs)]
         if st.kind == "block":
             li = st.block
             done = []
@@ -960,10 +959,10 @@ def predict_peer_step(specs, image_shape, batch, counts, images, profiles, link,
         whole = barrier([{w: max(pc[w], r[w]) for w in names} for r in dy])
         pc.update(whole)
         ready = [dict(whole) for _ in range(M)]
-        for j in st.inputs:
+        for k, j in enumerate(st.inputs):
             if requires[j]:
-                give(j, convert(j, ready, have, layouts[j], lambda m, w: max(pc[w], ready[m][w]), FLOAT_BYTES,
-                                "layout gathers"))
+                give(j, convert(j, ready, input_layout(st, k, have, layouts), layouts[j],
+                                lambda m, w: max(pc[w], ready[m][w]), FLOAT_BYTES, "layout gathers"))
     # beyond two workers, each summed chunk to every peer once its sums are in
     for li, after in after_sums:
         start = {w: max(pc[w], summed_in[w]) for w in names}

@@ -33,7 +33,7 @@ from hetconv.channelwise import (Activation, GlobalPool, Pool, batch_statistics,
                                  eval_statistics, update_running_statistics)
 from hetconv.engine.chain import ghost_groups, group_sums, statistics_segments
 from hetconv.engine.costmodel import GraphShape
-from hetconv.engine.layouts import conversion_source, read_in
+from hetconv.engine.layouts import conversion_source, input_layout, read_in
 from hetconv.net.spec import Add, Concat, GraphStep
 from hetconv.update import apply_update, slot_name
 
@@ -206,7 +206,8 @@ class GraphPass:
                 if train:
                     self._saved[st.output] = ctxs
             else:
-                ins = [read(j, want) for j in st.inputs]
+                ins = [read(j, input_layout(st, k, want, layouts) if layouts is not None else None)
+                       for k, j in enumerate(st.inputs)]
                 out, ctxs = [], []
                 for m in range(len(xs)):
                     y, ctx = self._node_forward(st.layer, [x[m] for x in ins])
@@ -321,7 +322,8 @@ class GraphPass:
                 parts = [self._node_backward(st.layer, ctx, g) for ctx, g in zip(ctxs, dy)]
             for k, j in enumerate(st.inputs):
                 if self.requires[j]:
-                    give(j, [p[k] for p in parts], have, st.output, k)
+                    give(j, [p[k] for p in parts], input_layout(st, k, have, layouts) if layouts is not None else None,
+                         st.output, k)
 
     @staticmethod
     def _accumulate(pending, j, grads):

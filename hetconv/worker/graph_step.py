@@ -25,12 +25,11 @@ import numpy as np
 
 from hetconv.engine.chain import DropoutDraw
 from hetconv.engine.contract import sum_in_order
-from hetconv.engine.layouts import (ROWS, WHOLE, contains, intersect, is_channels, read_in, step_reads,
-                                    tensor_layouts)
+from hetconv.engine.layouts import (ROWS, WHOLE, channel_blocks, covered, index_in, meeting, pieces, pieces_shape,
+                                    read_in, step_reads, tensor_layouts)
 from hetconv.engine.planner import layout_rows
 from hetconv.transport import protocol
 from hetconv.transport.wire import decode, encode
-from hetconv.worker.blocks import block_shape, held_blocks, within
 
 
 def _rounded(x, wire):
@@ -108,13 +107,11 @@ class LayoutBlocks:
         return step_reads(st, self.modes, self.links.graph.norms, self.layouts)
 
     def _blocks(self, layout, m, channels):
-        """{worker: (r0, r1, c0, c1)}: its part of micro-batch m of a tensor of `channels` held in `layout`."""
-        n = self.sizes[m]
-        if layout == WHOLE:
-            return {w: (0, n, 0, channels) for w in self.order}
-        if layout == ROWS:
-            return {w: tuple(self.rows[w][m]) + (0, channels) for w in self.order}
-        return held_blocks(self.plans[layout[1]], n)
+        """{worker: [its blocks (r0, r1, c0, c1)]} of micro-batch m of a tensor of `channels` held
+        in `layout` (engine/layouts.pieces: one, or one per operand of a renumbered concatenation)."""
+        n, plans = self.sizes[m], self.plans
+        return {w: pieces(layout, n, channels, self.rows[w][m], lambda b: plans[b].ranges[w],
+                          lambda b: plans[b].kernels) for w in self.order}
 
     def _reduce(self, layer):
         if self.modes[layer] != "data" or len(self.order) < 2:
@@ -123,39 +120,52 @@ class LayoutBlocks:
 
     # ---- moving a tensor between layouts -----------------------------------------------------------
     def _send_part(self, phase, key, m, sent, have, want):
-        """To each worker that lacks part of its block of `want`, what this worker holds of it
-        (`sent`: its block of `have`, already in the wire's dtype)."""
-        channels = self._channels_of(sent, have, m)
+        """To each worker that lacks part of its blocks of `want`, what this worker holds of them
+        (`sent`: its blocks of `have`, already in the wire's dtype)."""
+        channels = self._channels_of(sent, have)
         hb, wb = self._blocks(have, m, channels), self._blocks(want, m, channels)
-        lacking = {w: wb[w] for w in self.order if not contains(hb[w], wb[w])}
+        lacking = {w: wb[w] for w in self.order if not covered(hb[w], wb[w])}
         self.links._send_encoded(self.step, phase, key, m, sent, hb[self.me], lacking)
 
-    def _channels_of(self, own, have, m):
-        """The whole tensor's channel count, from this worker's block `own` of it in `have`."""
-        if is_channels(have):
-            return self.plans[have[1]].kernels
+    def _channels_of(self, own, have):
+        """The whole tensor's channel count, from this worker's array `own` of it in `have`."""
+        blocks = channel_blocks(have)
+        if blocks:
+            return sum(self.plans[b].kernels for b in blocks)
         return own.shape[1]
 
     def _receive_part(self, phase, key, m, own, have, want, wire, channels):
-        """This worker's block of `want` of micro-batch m: from its own block `own` of `have` where
-        that covers it, else assembled from what each holder sent (_send_part)."""
+        """This worker's blocks of `want` of micro-batch m: from its own blocks `own` of `have`
+        where they cover them, else assembled from what each holder sent (_send_part)."""
         hb, wb = self._blocks(have, m, channels), self._blocks(want, m, channels)
         need, hw = wb[self.me], tuple(own.shape[2:])
-        if not block_shape(need)[0] * block_shape(need)[1]:
-            return np.empty(tuple(max(0, v) for v in block_shape(need)) + hw, np.float32)   # no rows here
-        if contains(hb[self.me], need):
-            return np.ascontiguousarray(own[within(need, hb[self.me])], np.float32)
+        out = np.empty(pieces_shape(need) + hw, np.float32)
+        if not out.size:
+            return out                                   # no rows or no channels here
+        mine = hb[self.me]
+        if covered(mine, need):
+            for part, i, k in meeting(mine, need):
+                out[index_in(part, need, k)] = own[index_in(part, mine, i)]
+            return out
         links = self.links
-        senders = [w for w in self.order if w != self.me and intersect(hb[w], need) is not None]
+        senders = [w for w in self.order if w != self.me and meeting(hb[w], need)]
         got = links._await({(self.step, phase, key, m, w) for w in senders}, self.step)
-        out = np.empty(block_shape(need) + hw, np.float32)
         for w in self.order:
-            part = intersect(hb[w], need)
-            if part is None:
+            parts = meeting(hb[w], need)
+            if not parts:
                 continue
-            out[within(part, need)] = own[within(part, hb[self.me])] if w == self.me else decode(links._check(
-                f"step {self.step}: {phase} {key} of micro-batch {m}", w, got[(self.step, phase, key, m, w)],
-                block_shape(part) + hw), wire)
+            if w == self.me:
+                for part, i, k in parts:
+                    out[index_in(part, need, k)] = own[index_in(part, mine, i)]
+                continue
+            rows = parts[0][0][1] - parts[0][0][0]
+            sent = decode(links._check(f"step {self.step}: {phase} {key} of micro-batch {m}", w,
+                                       got[(self.step, phase, key, m, w)],
+                                       (rows, sum(p[3] - p[2] for p, _, _ in parts)) + hw), wire)
+            c = 0
+            for part, _, k in parts:
+                out[index_in(part, need, k)] = sent[:, c:c + part[3] - part[2]]
+                c += part[3] - part[2]
         return out
 
     def convert(self, arrays, have, want, direction, key, exact=False):
@@ -168,7 +178,7 @@ class LayoutBlocks:
             for m, a in enumerate(arrays):
                 self._send_part(phase, key, m, encode(np.ascontiguousarray(a, np.float32), wire), have, want)
         return ArrivingParts(len(arrays), lambda m: self._receive_part(
-            phase, key, m, arrays[m], have, want, wire, self._channels_of(arrays[m], have, m)), self.waiting)
+            phase, key, m, arrays[m], have, want, wire, self._channels_of(arrays[m], have)), self.waiting)
 
     # ---- GraphPass's engine ------------------------------------------------------------------------
     def forward_layer(self, layer, xs, train, step=None):
@@ -220,7 +230,7 @@ class LayoutBlocks:
             if model:
                 n = self.sizes[m]
                 dx_own[m] = self.links._send_blocks(self.step, "backward", layer, m,
-                                                    np.ascontiguousarray(dx, np.float32), (0, n, 0, channels),
+                                                    np.ascontiguousarray(dx, np.float32), [(0, n, 0, channels)],
                                                     self._blocks(into, m, channels), self.wire)
             else:
                 sent = encode(np.ascontiguousarray(dx, np.float32), self.wire)
@@ -250,16 +260,18 @@ class LayoutBlocks:
         """A model block's dX of micro-batch m in this worker's part of layout `into`: every
         worker's partial of that part (`whole`: this worker's, rounded), summed in plan order."""
         links, step = self.links, self.step
-        blocks = self._blocks(into, m, channels)
-        mine, hw = blocks[self.me], tuple(whole.shape[2:])
-        own = np.ascontiguousarray(whole[within(mine, (0, self.sizes[m], 0, channels))])
-        if not block_shape(mine)[0] * block_shape(mine)[1]:
+        mine, hw = self._blocks(into, m, channels)[self.me], tuple(whole.shape[2:])
+        full = [(0, self.sizes[m], 0, channels)]
+        own = np.empty(pieces_shape(mine) + hw, np.float32)
+        for part, i, k in meeting(full, mine):
+            own[index_in(part, mine, k)] = whole[index_in(part, full, i)]
+        if not own.size:
             return own
         others = [w for w in self.order if w != self.me]
         got = links._await({(step, "backward", layer, m, w) for w in others}, step)
         return sum_in_order([own if w == self.me else decode(links._check(
             f"step {step}: conv{layer + 1} partial dX of micro-batch {m}", w, got[(step, "backward", layer, m, w)],
-            block_shape(mine) + hw), self.wire) for w in self.order])
+            own.shape), self.wire) for w in self.order])
 
 
 def run_graph_step(links, seq, fields, step, micros, train, rule, sizes):

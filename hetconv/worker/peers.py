@@ -27,7 +27,7 @@ import zmq
 from hetconv.devices.cpu import HostArrays
 from hetconv.engine.graph import GraphPass, norm_states_from
 from hetconv.engine.contract import sum_in_order
-from hetconv.engine.layouts import intersect
+from hetconv.engine.layouts import index_in, meeting
 from hetconv.engine.planner import MODES, LayerPlan
 from hetconv.net.spec import NetSpec
 from hetconv.update import UpdateRule, clip_factor
@@ -35,7 +35,6 @@ from hetconv.transport import protocol
 from hetconv.transport.keys import connect_peer
 from hetconv.transport.sockets import host_key, ipc_reachable
 from hetconv.transport.wire import decode, encode
-from hetconv.worker.blocks import within
 from hetconv.worker.graph_step import run_graph_step
 
 
@@ -460,22 +459,26 @@ class PeerLinks:
             raise ValueError(f"step {step}: STEP field 'sizes' must list {micros} image counts >= 1, got {sizes!r:.80}")
         return sizes
 
-    def _send_blocks(self, step, phase, layer, m, array, block, receivers, wire):
-        """Send each peer the part of `array` (this worker's `block` of a tensor) that lies in the
-        peer's block of `receivers`; returns the array as the peers see it (rounded by the wire)."""
+    def _send_blocks(self, step, phase, layer, m, array, held, receivers, wire):
+        """Send each peer the parts of `array` (this worker's blocks `held` of a tensor, side by
+        side: engine/layouts.pieces) that lie in the peer's blocks in `receivers`; returns the
+        array as the peers see it (rounded by the wire)."""
         sent = encode(array, wire)
-        self._send_encoded(step, phase, layer, m, sent, block, receivers)
+        self._send_encoded(step, phase, layer, m, sent, held, receivers)
         return decode(sent, wire)
 
-    def _send_encoded(self, step, phase, layer, m, sent, block, receivers):
-        """_send_blocks of an array already in the wire's dtype (`sent`); a peer missing from
-        `receivers` is sent nothing."""
+    def _send_encoded(self, step, phase, layer, m, sent, held, receivers):
+        """_send_blocks of an array already in the wire's dtype (`sent`): to each peer in
+        `receivers` ({peer: the blocks it needs}) one message, every part where `held` meets its
+        blocks side by side along the channels (layouts.meeting's order); a peer missing from
+        `receivers`, or whose blocks meet none of `held`, is sent nothing."""
         for peer in self.order:
             if peer == self.name or peer not in receivers:
                 continue
-            part = intersect(block, receivers[peer])
-            if part is not None:
-                self._send_peer(peer, step, phase, layer, m, np.ascontiguousarray(sent[within(part, block)]))
+            parts = [sent[index_in(part, held, i)] for part, i, _ in meeting(held, receivers[peer])]
+            if parts:
+                self._send_peer(peer, step, phase, layer, m, np.ascontiguousarray(
+                    parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)))
 
     def _all_reduce(self, step, phase, layer, index, local):
         """Every worker's float64 `local` (the same shape everywhere), summed in plan order: the same
