@@ -30,7 +30,8 @@ def _cost_prediction(specs, fc, image, batch, counts, profiles, link, n_workers,
     from hetconv.engine.measure import measure_coordinator_s
     from hetconv.transport.wire import value_bytes
     if coordinator_s is None:
-        coordinator_s = measure_coordinator_s(specs, fc, image, batch, n_workers)
+        coordinator_s = measure_coordinator_s(specs, fc, image, batch, n_workers,
+                                              exchange=exchange if local_profile is None else "star")
     if local_profile is not None:
         return {"step_s": cm.predict_local(specs, batch, local_profile, coordinator_s),
                 "coordinator_s": coordinator_s, "workers": {}}

@@ -324,11 +324,11 @@ def predict_parallel(args, batch, plan, calibration, rate, wire_cpu_s_per_byte, 
     specs = [ConvSpec.from_layer(layer) for layer in net.conv_layers()]
     workers = plan["workers"]
     key = (batch, len(workers))
-    if key not in coordinator_cache:      # the coordinator's FC, loss, concat and sums, at its 1 thread
+    if key not in coordinator_cache:      # the coordinator's FC and loss (the peer step's), at its 1 thread
         fc = [op.layer.to_json() for op in net.head() if op.type != "flatten"]
         with threadpool_limits(1):
             coordinator_cache[key] = measure_coordinator_s(specs, fc, net.input_shape, batch, len(workers),
-                                                           network=net)
+                                                           network=net, exchange="peer")
     profiles = cm.profiles_from_calibration({w: calibration[w] for w in workers})
     counts = {w: [layer["kernels"][w] for layer in plan["layers"]] for w in workers}
     images = {w: [layer.get("images", {}).get(w, 0) for layer in plan["layers"]] for w in workers}

@@ -337,6 +337,34 @@ def test_planning_prices_a_graphs_blocks_on_their_own_shapes_and_times_its_joins
     assert measure_coordinator_s(specs, fc, spec.input_shape, 4, 2, repeats=1, network=spec) > 0
 
 
+def test_in_the_peer_exchange_the_coordinators_share_is_the_head_alone(monkeypatch):
+    """The peer step's workers join the blocks among themselves: timing the coordinator's share
+    for it runs the head on features of the network's shape and nothing of the star's (the
+    workers' blocks concatenated, their dX summed, the graph's joins); --local (one device) and
+    the star exchange run those too."""
+    from hetconv.engine import measure
+    from hetconv.geometry import ConvSpec
+    from hetconv.net import preset
+    spec = preset("resnet18", (3, 16, 16), 10, 0.0625)
+    specs = [ConvSpec.from_layer(b) for b in spec.conv_layers()]
+    fc = [op.layer.to_json() for op in spec.head() if op.type != "flatten"]
+    star_engines, heads = [], []
+    timing_engine, conv_step = measure._timing_engine, measure._HeadOnlyEngine.conv_step
+    monkeypatch.setattr(measure, "_timing_engine", lambda *a: star_engines.append(a) or timing_engine(*a))
+
+    def counted(self, xs, head, *rest):
+        heads.append([(len(x),) + self.feature_shape for x in xs])
+        return conv_step(self, xs, head, *rest)
+    monkeypatch.setattr(measure._HeadOnlyEngine, "conv_step", counted)
+    assert measure.measure_coordinator_s(specs, fc, spec.input_shape, 4, 2, repeats=1, network=spec,
+                                         exchange="peer") > 0
+    assert not star_engines and heads == [[(4,) + tuple(spec.feature_shape())]] * 2
+    for workers, exchange in ((2, "star"), (1, "peer")):
+        measure.measure_coordinator_s(specs, fc, spec.input_shape, 4, workers, repeats=1, network=spec,
+                                      exchange=exchange)
+    assert len(star_engines) == 2 and len(heads) == 2
+
+
 def test_hetconv_plan_prices_a_graphs_blocks_in_the_modes_asked_naming_them(tmp_path, capsys):
     from test_parallel_plan import cpu_profile
     from hetconv.cli import plan

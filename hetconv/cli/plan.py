@@ -215,9 +215,10 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
     baseline, baseline_note = by_name[names[0]], "its share's cost line, extrapolated"
     if whole_profile is not None:
         baseline, baseline_note = whole_profile, "calibrated on the whole layers, alternating with the share"
-    print(f"timing this host's part of a step (FC layers, loss, joining the workers' blocks) for 1 to {len(names)} "
-          f"device(s) ...", file=sys.stderr, flush=True)
-    coordinator_s = {n: measure_coordinator_s(specs, fc, image, cfg.batch_size, n, network=network)
+    print(f"timing this host's part of a step (FC layers, loss{', joining the workers blocks' if cfg.exchange == 'star' else ''}) "
+          f"for 1 to {len(names)} device(s) ...", file=sys.stderr, flush=True)
+    coordinator_s = {n: measure_coordinator_s(specs, fc, image, cfg.batch_size, n, network=network,
+                                              exchange=cfg.exchange)
                      for n in range(1, len(names) + 1)}
     local_s = predict_local(specs, cfg.batch_size, baseline, coordinator_s[1])
     baselines = [{"device": order[0], "step_s": local_s, "how": baseline_note}]
@@ -245,7 +246,8 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
         for note in chosen.notes:
             print(f"hetconv-plan: {n} device(s): {note}", file=sys.stderr)
         counts, images = plan.counts(), plan.images()
-        # the coordinator's own part (FC layers, loss, joining the blocks) with the workers the plan keeps
+        # the coordinator's own part (FC layers, loss; in the star exchange joining the blocks too)
+        # with the workers the plan keeps
         pred = predict_any(cfg.exchange, specs, image, cfg.batch_size, counts,
                            {w: subset_profiles[w] for w in plan.workers}, link, coordinator_s[len(plan.workers)],
                            chosen.micro_batches, value_bytes(wire), modes=plan.modes(), images=images, graph=graph)

@@ -27,8 +27,10 @@ The model of one step, phase by phase (each conv layer's forward, then each one'
   costs `Link.host_cpu_s_per_byte` of the compute cores at both ends; micro-batches overlap the
   wire with compute, so there it is paid as slower compute (the star overlaps nothing: its wire
   CPU falls in time the devices wait anyway, and is not charged).
-- Coordinator: FC layers, loss, concatenating channel slices and summing partial dX, measured
-  on this host and added once per step (the workers are idle meanwhile: a step is synchronous).
+- Coordinator: FC layers and loss, and in the star exchange concatenating channel slices and
+  summing partial dX, measured on this host (engine/measure.measure_coordinator_s): in the star,
+  added once per step (the workers are idle meanwhile); in the peer step, the head per micro-batch
+  on the timeline (the workers join the blocks themselves, a pass over a tensor each, not priced).
 Everything here is pure: no clocks, no sockets, no devices (those are in hetconv/cli/plan.py).
 """
 from dataclasses import asdict, dataclass

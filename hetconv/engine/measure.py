@@ -55,18 +55,37 @@ def _timing_engine(specs, image_shape, batch, n, rng):
     return TimingEngine()
 
 
-def measure_coordinator_s(specs, head, image_shape, batch, n_workers, repeats=3, network=None):
-    """Seconds of coordinator work per step (FC, loss, concatenation, dX sum, and a graph's joins
-    between its blocks) on this host. `head`: the network's layers after flatten (JSON form), or
-    the paper family's hidden FC widths; `network`: the NetSpec, where it may be a graph."""
+class _HeadOnlyEngine:
+    """Stands in for the peer step's workers: the features arrive ready-made, and the coordinator
+    runs the head on them (what it does in that step: the joins run on the workers)."""
+
+    def __init__(self, feature_shape):
+        self.feature_shape = tuple(feature_shape)
+
+    def conv_step(self, xs, head, update, step=(0, 0), head_sum_of_squares=None):
+        for m, x in enumerate(xs):
+            head(m, np.zeros((len(x),) + self.feature_shape, np.float32))
+        return 1.0
+
+
+def measure_coordinator_s(specs, head, image_shape, batch, n_workers, repeats=3, network=None, exchange="star"):
+    """Seconds of coordinator work per step on this host: the FC layers and the loss, and in the
+    star exchange (and --local, n_workers 1) also the concatenation of the workers' blocks, the dX
+    sums and a graph's joins between its blocks, which the peer exchange's workers do instead.
+    `head`: the network's layers after flatten (JSON form), or the paper family's hidden FC
+    widths; `network`: the NetSpec, where it may be a graph."""
     rng = np.random.default_rng(0)
-    engine = _timing_engine(specs, image_shape, batch, n_workers, rng)
     if all(isinstance(layer, int) for layer in head):
         head = paper_head(head, NUM_CLASSES)
     _, feature_shape = layer_input_shapes(specs, 1, image_shape)
     if network is not None:
-        engine.graph = graph_pass(network, HostArrays())
         feature_shape = network.feature_shape()
+    if exchange == "peer" and n_workers > 1:
+        engine = _HeadOnlyEngine(feature_shape)
+    else:
+        engine = _timing_engine(specs, image_shape, batch, n_workers, rng)
+        if network is not None:
+            engine.graph = graph_pass(network, HostArrays())
     net = Network(specs, head, engine, rng, feature_shape, host=HostArrays())
     x = np.zeros((batch,) + tuple(image_shape), np.float32)
     labels = rng.integers(0, 10, batch)
