@@ -316,7 +316,7 @@ def predict_parallel(args, batch, plan, calibration, rate, wire_cpu_s_per_byte, 
 
     from hetconv.engine import costmodel as cm
     from hetconv.engine.graph import graph_pass
-    from hetconv.engine.measure import measure_coordinator_s
+    from hetconv.engine.measure import measure_coordinator_s, measure_join_s
     from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES, ConvSpec
     from hetconv.training.config import Config
     net = Config(net=args.net, conv=args.conv if not args.net else Config.conv,
@@ -329,6 +329,8 @@ def predict_parallel(args, batch, plan, calibration, rate, wire_cpu_s_per_byte, 
         with threadpool_limits(1):
             coordinator_cache[key] = measure_coordinator_s(specs, fc, net.input_shape, batch, len(workers),
                                                            network=net, exchange="peer")
+    if ("joins", batch) not in coordinator_cache:     # the graph's joins, which each worker runs on its part
+        coordinator_cache[("joins", batch)] = measure_join_s(net, batch)
     profiles = cm.profiles_from_calibration({w: calibration[w] for w in workers})
     counts = {w: [layer["kernels"][w] for layer in plan["layers"]] for w in workers}
     images = {w: [layer.get("images", {}).get(w, 0) for layer in plan["layers"]] for w in workers}
@@ -336,7 +338,8 @@ def predict_parallel(args, batch, plan, calibration, rate, wire_cpu_s_per_byte, 
     link = C.model_link(rate, "tbf", wire_cpu_s_per_byte)
     graph = None if net.is_chain() else graph_pass(net, None).shape()
     pred = cm.predict_any("peer", specs, net.input_shape, batch, counts, profiles, link, coordinator_cache[key],
-                          micro, value_bytes, modes=modes, images=images, graph=graph)
+                          micro, value_bytes, modes=modes, images=images, graph=graph,
+                          join_s=coordinator_cache[("joins", batch)])
     out = pred.to_json()
     out["dominant"] = list(cm.dominant_term(pred))
     return out

@@ -133,8 +133,8 @@ def test_wire_bytes_of_the_paper_network():
     assert [p[:2] for p in phases] == [("forward", 0), ("forward", 1), ("backward", 1), ("backward", 0)]
 
 
-def flat_profile(name, per_kernel):
-    return DeviceProfile(name, "cpu", "", (LayerCost(0.0, per_kernel, 0.0, per_kernel),) * 2)
+def flat_profile(name, per_kernel, layers=2):
+    return DeviceProfile(name, "cpu", "", (LayerCost(0.0, per_kernel, 0.0, per_kernel),) * layers)
 
 
 def test_prediction_scales_with_devices_and_bandwidth():
@@ -519,3 +519,41 @@ def test_the_peer_model_overlaps_a_micro_batchs_wire_with_the_next_ones_compute(
     compute = max(v["compute_s"] for v in one.workers.values())
     assert two.workers["w0"]["compute_s"] == pytest.approx(compute)       # no call terms here
     assert one.step_s - compute > 2 * (two.step_s - compute) > 0
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_each_worker_pays_for_the_joins_on_its_part_of_the_tensor(micro_batches):
+    """A graph's joins run on the workers (the peer step's coordinator runs the head alone): each
+    pays a join's whole-batch seconds times the fraction of the tensor it holds, forward and
+    backward: all-data, its rows (20 and 12 of 32 images); all-model, the whole tensor on every
+    worker, except where a join keeps a model block's channels (its kernels' fraction)."""
+    from hetconv.engine.costmodel import predict_any
+    from hetconv.engine.graph import GraphPass
+    from hetconv.engine.layouts import WHOLE, is_channels, tensor_layouts
+    from hetconv.geometry import ConvSpec
+    from hetconv.net import preset
+    spec = preset("resnet9", IMAGE, 10, 0.25)
+    specs = [ConvSpec.from_layer(b) for b in spec.conv_layers()]
+    graph_pass = GraphPass(spec, None)
+    graph = graph_pass.shape()
+    joins = {st.output: (0.003 + st.output * 1e-4, 0.005) for st in graph_pass.steps if st.kind != "block"}
+    assert len(joins) >= 3
+    profiles = {"a": flat_profile("a", 1e-4, len(specs)), "b": flat_profile("b", 2e-4, len(specs))}
+    counts = {"a": [s.kernels // 4 for s in specs], "b": [s.kernels - s.kernels // 4 for s in specs]}
+    images = {"a": [20] * len(specs), "b": [12] * len(specs)}
+    link = parse_bandwidth("1gbit")
+    for modes in (["data"] * len(specs), ["model"] * len(specs)):
+        without, priced = (predict_any("peer", specs, IMAGE, 32, counts, profiles, link, 0.01, micro_batches,
+                                       modes=modes, images=images, graph=graph, join_s=j) for j in (None, joins))
+        layouts = tensor_layouts(graph_pass.steps, modes, graph_pass.norms)
+        for w, rows in (("a", 20), ("b", 12)):
+            def held(node):
+                if layouts[node] == WHOLE:
+                    return 1.0
+                if is_channels(layouts[node]):
+                    return counts[w][layouts[node][1]] / specs[layouts[node][1]].kernels
+                return rows / 32
+            extra = sum(sum(seconds) * held(node) for node, seconds in joins.items())
+            assert priced.workers[w]["compute_s"] - without.workers[w]["compute_s"] == pytest.approx(extra)
+        assert priced.step_s > without.step_s
+        assert priced.bytes_by_kind == without.bytes_by_kind

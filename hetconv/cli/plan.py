@@ -20,7 +20,8 @@ from hetconv.devices import DeviceError, open_device, parse_device_list
 from hetconv.devices.wisdom import machine_wisdom
 from hetconv.engine.costmodel import Link, dominant_term, parse_bandwidth, predict_any, predict_local
 from hetconv.engine.graph import graph_pass
-from hetconv.engine.measure import calibrate_rounds, load_profiles, measure_coordinator_s, measure_loopback
+from hetconv.engine.measure import (calibrate_rounds, load_profiles, measure_coordinator_s, measure_join_s,
+                                   measure_loopback)
 from hetconv.engine.microbatch import micro_batch_count
 from hetconv.engine.planner import PlanError, check_profiles, choose_modes
 from hetconv.engine.policy import (SHARED_CORES_WIRE_CPU_S_PER_BYTE, PlanFlags, check_exchange, choose_plan,
@@ -220,6 +221,8 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
     coordinator_s = {n: measure_coordinator_s(specs, fc, image, cfg.batch_size, n, network=network,
                                               exchange=cfg.exchange)
                      for n in range(1, len(names) + 1)}
+    # a graph's joins, which the peer step's workers run each on its part of the tensor
+    join_s = measure_join_s(network, cfg.batch_size) if cfg.exchange == "peer" else None
     local_s = predict_local(specs, cfg.batch_size, baseline, coordinator_s[1])
     baselines = [{"device": order[0], "step_s": local_s, "how": baseline_note}]
     if together_profile is not None:
@@ -250,7 +253,8 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
         # with the workers the plan keeps
         pred = predict_any(cfg.exchange, specs, image, cfg.batch_size, counts,
                            {w: subset_profiles[w] for w in plan.workers}, link, coordinator_s[len(plan.workers)],
-                           chosen.micro_batches, value_bytes(wire), modes=plan.modes(), images=images, graph=graph)
+                           chosen.micro_batches, value_bytes(wire), modes=plan.modes(), images=images, graph=graph,
+                           join_s=join_s)
         what, seconds, share = dominant_term(pred)
         rows.append({"devices": order[:n], "step_s": pred.step_s, "micro_batches": chosen.micro_batches,
                      "dominant": {"term": what, "seconds": seconds, "share": share},

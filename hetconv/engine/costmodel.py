@@ -409,12 +409,13 @@ def check_modes(modes, layers):
 
 
 def predict_any(exchange, specs, image_shape, batch, counts, profiles, link, coordinator_s, micro_batches=1,
-                value_bytes=FLOAT_BYTES, modes=None, images=None, graph=None):
+                value_bytes=FLOAT_BYTES, modes=None, images=None, graph=None, join_s=None):
     """predict_peer_step for any network (a chain, `graph` None, priced as the graph whose blocks
     each read the one before: chain_shape) or, for --exchange star, predict_step once per
     micro-batch (the star overlaps nothing, so micro-batches only add round trips; it has model
     layers only). images: {worker: [images of the batch per layer]}, read for the data layers,
-    which split the images alike."""
+    which split the images alike. join_s: the peer step's, see predict_peer_step (the star's
+    joins are in `coordinator_s`)."""
     if exchange == "peer":
         modes = check_modes(modes if modes is not None else ["model"] * len(specs), len(specs))
         data = [li for li, m in enumerate(modes) if m == "data"]
@@ -427,7 +428,7 @@ def predict_any(exchange, specs, image_shape, batch, counts, profiles, link, coo
         rows = {w: images[w][data[0]] for w in counts} if data else {w: 1 for w in counts}
         return predict_peer_step(specs, image_shape, batch, counts, rows, profiles, link, coordinator_s,
                                  graph if graph is not None else chain_shape(specs, image_shape), modes,
-                                 micro_batches, value_bytes)
+                                 micro_batches, value_bytes, join_s)
     if exchange != "star":
         raise ValueError(f"exchange must be 'peer' or 'star', got {exchange!r}")
     if modes is not None and "data" in modes:
@@ -688,7 +689,7 @@ def chain_shape(specs, image_shape):
 
 
 def predict_peer_step(specs, image_shape, batch, counts, images, profiles, link, coordinator_s, graph, modes,
-                      micro_batches=1, value_bytes=FLOAT_BYTES):
+                      micro_batches=1, value_bytes=FLOAT_BYTES, join_s=None):
     """Predicted seconds of one peer step of any network (a chain as the graph whose blocks each
     read the one before: engine.graph.chain_shape), as worker.graph_step runs it: a timeline of
     every worker's compute thread, every host's link (each direction) and the coordinator.
@@ -704,8 +705,10 @@ def predict_peer_step(specs, image_shape, batch, counts, images, profiles, link,
       reads micro-batch m as soon as it has arrived, while m + 1 is still on the wire;
     - a block computes its micro-batches one after another on its worker's one compute thread
       (a BatchNorm in it waits for all of them, and a data block's adds its sums among the
-      workers); the joins cost nothing here (a pass over a tensor each) and a BatchNorm node
-      between blocks waits for its every micro-batch;
+      workers); a join (and a BatchNorm node between blocks, which waits for its every
+      micro-batch) runs on each worker's compute thread on its part of the tensor: `join_s`
+      {node: (forward s, backward s) on the whole batch} (engine/measure.measure_join_s) times
+      the fraction of it the worker holds (none: they cost nothing here);
     - the features go to the coordinator as the block that makes them emits each micro-batch
       (after the forward where a join makes them); the head runs there per micro-batch and the
       gradient goes back;
@@ -830,6 +833,16 @@ def predict_peer_step(specs, image_shape, batch, counts, images, profiles, link,
             held[(j, want)] = convert(j, have, source, want, issued, per_value, kind)
         return held[(j, want)]
 
+    def join(node, direction, m):
+        """A join's (or BatchNorm node's) forward (direction 0) or backward (1) on micro-batch m,
+        each worker on its part of the tensor, on its compute thread."""
+        seconds = (join_s or {}).get(node, (0.0, 0.0))[direction] * sizes[m] / batch
+        if seconds > 0:
+            for w in names:
+                part = seconds * fraction(layouts[node], w, m)
+                compute[w] += part
+                pc[w] = t.run((w,), pc[w], part)
+
     def barrier(ready):
         """Every micro-batch's times -> each worker's time once it holds all of them."""
         return {w: max(r[w] for r in ready) for w in names}
@@ -867,12 +880,15 @@ def predict_peer_step(specs, image_shape, batch, counts, images, profiles, link,
         elif st.output in graph.norms:
             whole = barrier([{w: max(pc[w], r[w]) for w in names} for r in ins[0]])
             pc.update(whole)
-            done = [dict(whole) for _ in range(M)]
+            for m in range(M):
+                join(st.output, 0, m)
+            done = [dict(pc) for _ in range(M)]
         else:                   # a join: micro-batch by micro-batch as its inputs come
             done = []
             for m in range(M):
                 for w in names:
                     pc[w] = max([pc[w]] + [r[m][w] for r in ins])
+                join(st.output, 0, m)
                 done.append(dict(pc))
         held[(st.output, layouts[st.output])] = done
     # the features: each worker's part, or the whole from the first; their gradient back, each
@@ -960,7 +976,9 @@ def predict_peer_step(specs, image_shape, batch, counts, images, profiles, link,
         # a BatchNorm node or a join: its backward takes every micro-batch's gradient first
         whole = barrier([{w: max(pc[w], r[w]) for w in names} for r in dy])
         pc.update(whole)
-        ready = [dict(whole) for _ in range(M)]
+        for m in range(M):
+            join(st.output, 1, m)
+        ready = [dict(pc) for _ in range(M)]
         for k, j in enumerate(st.inputs):
             if requires[j]:
                 give(j, convert(j, ready, input_layout(st, k, have, layouts), layouts[j],

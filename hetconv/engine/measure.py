@@ -98,6 +98,46 @@ def measure_coordinator_s(specs, head, image_shape, batch, n_workers, repeats=3,
     return best
 
 
+def measure_join_s(network, batch, repeats=2):
+    """{node: (forward s, backward s)} of each of a graph's steps between its blocks (a sum, a
+    concatenation, an activation or pool outside a block, a BatchNorm node) on the whole batch, on
+    this host's one thread: what the peer step's workers run themselves, each on its part of the
+    tensor (the cost model charges a worker that fraction of it). {} for a chain."""
+    if network is None or network.is_chain():
+        return {}
+    rng = np.random.default_rng(0)
+    graph = graph_pass(network, HostArrays())
+    shapes = {-1: tuple(network.input_shape)}
+    shapes.update({node: tuple(shape) for node, shape in enumerate(network.output_shapes())})
+    out = {}
+    numba_threads = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        with threadpool_limits(limits=1, user_api="blas"):
+            for st in graph.steps:
+                if st.kind == "block":
+                    continue
+                xs = [rng.standard_normal((batch,) + shapes[j], dtype=np.float32) for j in st.inputs]
+                best = [float("inf"), float("inf")]
+                for rep in range(repeats + 1):
+                    t0 = time.perf_counter()
+                    if st.output in graph.norms:
+                        ys, saved = graph._norm_forward(st.output, xs[:1], True, None)
+                        t1 = time.perf_counter()
+                        graph._norm_backward(st.output, saved, [np.ones_like(ys[0])])
+                    else:
+                        y, ctx = graph._node_forward(st.layer, xs)
+                        t1 = time.perf_counter()
+                        graph._node_backward(st.layer, ctx, np.ones_like(y))
+                    t2 = time.perf_counter()
+                    if rep:
+                        best = [min(best[0], t1 - t0), min(best[1], t2 - t1)]
+                out[st.output] = tuple(best)
+    finally:
+        numba.set_num_threads(numba_threads)
+    return out
+
+
 def measure_loopback(megabytes=64, repeats=3):
     """Bytes/s of one large ZeroMQ message over TCP on 127.0.0.1, one way, as hetconv sends them."""
 
