@@ -557,3 +557,21 @@ def test_each_worker_pays_for_the_joins_on_its_part_of_the_tensor(micro_batches)
             assert priced.workers[w]["compute_s"] - without.workers[w]["compute_s"] == pytest.approx(extra)
         assert priced.step_s > without.step_s
         assert priced.bytes_by_kind == without.bytes_by_kind
+
+
+def test_the_weight_gradients_take_the_link_time_the_other_messages_leave():
+    """On their own connection the weight gradients never hold up the step's other messages, and
+    they move only in the time those leave on both hosts' directions: the link carries one
+    thing at a time whichever connection it is on."""
+    from hetconv.engine.costmodel import _Timeline
+    link = Link(1000.0, 0.0)
+    t = _Timeline()
+    assert t.send("a", "b", 1000, 0.0, link) == pytest.approx(1.0)         # a out, b in: [0, 1]
+    assert t.send("c", "b", 1000, 2.0, link) == pytest.approx(3.0)         # b in: [2, 3]
+    # 2 s of gradients from a to b, issued at 0: in [1, 2] and [3, 4]
+    assert t.send_behind("a", "b", 2000, 0.0, link) == pytest.approx(4.0)
+    # the next on that connection queues behind it; one between other hosts moves at once
+    assert t.send_behind("a", "b", 500, 0.0, link) == pytest.approx(4.5)
+    assert t.send_behind("c", "d", 500, 0.0, link) == pytest.approx(0.5)
+    # and a later message of the step's own is not held up by them
+    assert t.send("a", "b", 1000, 3.0, link) == pytest.approx(4.0)

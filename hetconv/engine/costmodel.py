@@ -366,6 +366,7 @@ class _Timeline:
         self.free = {}
         self.busy = {}
         self.bytes = {}
+        self.sent = {}          # {a host's direction: [(start, end) of each send()]}
 
     def run(self, resources, ready, seconds):
         start = max([ready] + [self.free.get(r, 0.0) for r in resources])
@@ -375,22 +376,54 @@ class _Timeline:
             self.busy[r] = self.busy.get(r, 0.0) + seconds
         return end
 
-    def send(self, src, dst, nbytes, ready, link, lane=""):
+    def send(self, src, dst, nbytes, ready, link):
         """A message from host src to host dst: one host's uplink and the other's downlink
-        (a switched network: each host has its own full-duplex link). `lane`: a connection of
-        its own whose messages queue apart from the others' ("bulk": the weight gradients, which
-        other messages pass; their sharing of the link's bandwidth is left out)."""
+        (a switched network: each host has its own full-duplex link)."""
         if src == dst or nbytes == 0:
             return ready
-        lane = f" {lane}" if lane else ""
-        for r in (f"{src}{lane} out", f"{dst}{lane} in"):
+        self.wire_cpu(src, dst, nbytes, ready, link)
+        wires = (f"{src} out", f"{dst} in")
+        for r in wires:
             self.bytes[r] = self.bytes.get(r, 0) + nbytes
+        end = self.run(wires, ready, nbytes / link.bytes_per_s + link.latency_s)
+        for r in wires:
+            self.sent.setdefault(r, []).append((end - nbytes / link.bytes_per_s - link.latency_s, end))
+        return end
+
+    def wire_cpu(self, src, dst, nbytes, ready, link):
+        """The CPU work of moving a message, half at each end, on the same resource as that
+        host's compute: free while the device waits for the wire, a delay when it overlaps compute."""
         if link.host_cpu_s_per_byte:
-            # the CPU work of moving it, half at each end, on the same resource as that host's
-            # compute: free while the device waits for the wire, a delay when it overlaps compute
             for host in (src, dst):
                 self.run((host,), ready, 0.5 * nbytes * link.host_cpu_s_per_byte)
-        return self.run((f"{src}{lane} out", f"{dst}{lane} in"), ready, nbytes / link.bytes_per_s + link.latency_s)
+
+    def send_behind(self, src, dst, nbytes, ready, link):
+        """A message on a connection of its own that takes only the link time the messages
+        send() carried leave (both hosts' directions free), in the order these are issued: the
+        weight gradients, on their own connection (worker.peers: bulk), which the step's other
+        messages, small and waited for, pass. Call it once every send() of the step is made (its
+        wire CPU at issue: wire_cpu)."""
+        if src == dst or nbytes == 0:
+            return ready
+        lanes = (f"{src} bulk out", f"{dst} bulk in")
+        for r in lanes:
+            self.bytes[r] = self.bytes.get(r, 0) + nbytes
+        at = max([ready] + [self.free.get(r, 0.0) for r in lanes])
+        left = nbytes / link.bytes_per_s + link.latency_s
+        taken = sorted(self.sent.get(f"{src} out", []) + self.sent.get(f"{dst} in", []))
+        for start, end in taken:
+            if end <= at:
+                continue
+            if start > at:
+                if start - at >= left:
+                    break
+                left -= start - at
+            at = max(at, end)
+        end = at + left
+        for r in lanes:
+            self.free[r] = end
+            self.busy[r] = self.busy.get(r, 0.0) + nbytes / link.bytes_per_s + link.latency_s
+        return end
 
 
 def batchnorm_sum_bytes(spec):
@@ -778,9 +811,13 @@ def predict_peer_step(specs, image_shape, batch, counts, images, profiles, link,
         recv[dst] += nbytes
         messages[src] += 1
         kinds[kind] = kinds.get(kind, 0.0) + nbytes
-        # the weight gradients go on a connection of their own (worker.peers: bulk), which the
-        # step's other messages do not queue behind
-        return t.send(src, dst, nbytes, ready, link, "bulk" if kind == "weight gradients" else "")
+        if kind == "weight gradients":
+            # on a connection of their own (worker.peers: bulk), in the link time the step's other
+            # messages leave: placed once they are all placed (send_behind), their CPU now
+            t.wire_cpu(src, dst, nbytes, ready, link)
+            behind.append((src, dst, nbytes, ready))
+            return None
+        return t.send(src, dst, nbytes, ready, link)
 
     def run(w, li, ready, seconds):
         compute[w] += seconds
@@ -913,6 +950,7 @@ def predict_peer_step(specs, image_shape, batch, counts, images, profiles, link,
         requires[st.output] = st.kind == "block" or st.output in graph.norms or any(requires[j] for j in st.inputs)
     pending = {feature: grad}
     summed_in = {w: 0.0 for w in names}     # when each worker holds every weight gradient sum it needs
+    behind = []                             # the weight gradients' messages: (src, dst, bytes, issued)
     after_sums = []                         # (layer, bytes each worker sends once its chunk is summed)
 
     def give(j, ready):
@@ -949,8 +987,7 @@ def predict_peer_step(specs, image_shape, batch, counts, images, profiles, link,
                 for src in names:
                     for dst in names:
                         if dst != src:
-                            summed_in[dst] = max(summed_in[dst], send(src, dst, dw / (p - 1), pc[src],
-                                                                      "weight gradients"))
+                            send(src, dst, dw / (p - 1), pc[src], "weight gradients")
                 if after:
                     after_sums.append((li, after))
             if not need_dx:
@@ -983,14 +1020,21 @@ def predict_peer_step(specs, image_shape, batch, counts, images, profiles, link,
             if requires[j]:
                 give(j, convert(j, ready, input_layout(st, k, have, layouts), layouts[j],
                                 lambda m, w: max(pc[w], ready[m][w]), FLOAT_BYTES, "layout gathers"))
+    # the weight gradients, in the link time every other message left them, in the order issued
+    def place_behind():
+        for src, dst, nbytes, issued in behind:
+            summed_in[dst] = max(summed_in[dst], t.send_behind(src, dst, nbytes, issued, link))
+        behind.clear()
+
+    place_behind()
     # beyond two workers, each summed chunk to every peer once its sums are in
     for li, after in after_sums:
         start = {w: max(pc[w], summed_in[w]) for w in names}
         for src in names:
             for dst in names:
                 if dst != src:
-                    summed_in[dst] = max(summed_in[dst], send(src, dst, after / (p - 1), start[src],
-                                                              "weight gradients"))
+                    send(src, dst, after / (p - 1), start[src], "weight gradients")
+        place_behind()
     update = {w: [profiles[w].layers[li].update_s(kernels_of(w, li)) for li in range(layers)] for w in names}
     ends = {}
     for w in names:
