@@ -159,6 +159,31 @@ def test_the_coordinator_charges_the_wire_cpu_for_its_own_hosts_cpu_workers_only
     assert priced_link(cfg, peers, ["missing"]).host_cpu_s_per_byte == 0
 
 
+def test_the_coordinator_charges_the_wire_cpu_where_another_hosts_cpu_workers_fill_its_cores():
+    """A worker says how many cores it may run on (HELLO's `cores`): where the CPU workers of any
+    one host fill them (a one-thread worker pinned to one core, as the bench's emulated hosts run
+    them; two workers of one host each on its own core), moving a byte costs them compute; a host
+    with a core to spare, or that says nothing of its cores, leaves the link as given."""
+    from types import SimpleNamespace
+
+    from hetconv.coordinator.remote import _Peer, priced_link
+    from hetconv.engine.policy import SHARED_CORES_WIRE_CPU_S_PER_BYTE
+
+    def peer(key, threads, cores, device="cpu"):
+        return SimpleNamespace(host_key=key, device=device, threads=threads, cores=cores)
+    peers = {"pinned": peer("h1", 1, 1), "spare": peer("h2", 1, 4), "all": peer("h3", 0, 8),
+             "x": peer("h4", 2, 4), "y": peer("h4", 2, 4), "gpu": peer("h5", 1, 1, "cuda:0"),
+             "silent": peer("h6", 1, 0)}
+    cfg = Config(link="1gbit")
+    for names, charged in ((["pinned"], True), (["spare"], False), (["all"], True), (["x", "y"], True),
+                           (["x"], False), (["gpu", "spare"], False), (["silent"], False), (["spare", "pinned"], True)):
+        got = priced_link(cfg, peers, names).host_cpu_s_per_byte
+        assert got == (SHARED_CORES_WIRE_CPU_S_PER_BYTE if charged else 0.0), names
+    # HELLO's field, checked: what is not a positive count says nothing
+    for said, kept in ((3, 3), (0, 0), (-2, 0), (True, 0), ("8", 0), (2.5, 0), (1 << 40, 0)):
+        assert _Peer(b"w", {"cores": said}).cores == kept
+
+
 def test_hetconv_plan_prices_the_wire_cpu_from_the_cpu_devices_it_calibrates_here():
     """hetconv-plan applies the coordinator's rule to the CPU devices it calibrates on this host
     (each once per count); a GPU and a saved profile take none of this host's cores."""

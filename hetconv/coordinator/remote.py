@@ -122,12 +122,22 @@ def _checked_calibration(label, fields, layers):
 
 def priced_link(cfg, peers, names):
     """--link as the cost model prices it for workers `names` (of `peers`, {name: _Peer}): where
-    this host's CPU workers among them use every core, moving a byte costs them compute
-    (policy.link_for_cores)."""
-    here = host_key()
-    found = [peers.get(n) for n in names]
-    local = [p.threads for p in found if p is not None and p.host_key == here and str(p.device).startswith("cpu")]
-    return link_for_cores(parse_bandwidth(cfg.link), local, usable_cores())
+    the CPU workers among them on any one host use every core they may run on (this host's
+    cores; on another host, the most any of them says it may run on), moving a byte costs them
+    compute (policy.link_for_cores); a host that says nothing of its cores is taken to have one
+    to spare."""
+    here, link = host_key(), parse_bandwidth(cfg.link)
+    hosts = {}
+    for p in (peers.get(n) for n in names):
+        if p is not None and str(p.device).startswith("cpu"):
+            hosts.setdefault(p.host_key, []).append(p)
+    for key, group in hosts.items():
+        cores = usable_cores() if key == here else max(getattr(p, "cores", 0) for p in group)
+        if key and cores:
+            priced = link_for_cores(link, [p.threads for p in group], cores)
+            if priced is not link:
+                return priced
+    return link
 
 
 class _Peer:
@@ -143,6 +153,8 @@ class _Peer:
         self.host_key = hello.get("host_key", "")
         threads = hello.get("threads", 0)              # 0: all the cores it may run on
         self.threads = threads if isinstance(threads, int) and not isinstance(threads, bool) and threads > 0 else 0
+        cores = hello.get("cores", 0)                  # the cores it may run on (0: not said)
+        self.cores = cores if isinstance(cores, int) and not isinstance(cores, bool) and 0 < cores < 1 << 20 else 0
         self.ipc_token = hello.get("ipc_token", "")         # proves its ipc path is readable from a peer's host
         self.process = process
         self.last_seen = time.monotonic()

@@ -23,7 +23,7 @@ from hetconv import __version__
 from hetconv.devices import DeviceError, open_device, parse_device_list
 from hetconv.devices.wisdom import machine_wisdom
 from hetconv.engine.shard import ConvShard, ShardServer
-from hetconv.flags import check_endpoint, check_range, threads_note
+from hetconv.flags import check_endpoint, check_range, threads_note, usable_cores
 from hetconv.transport import protocol as P
 from hetconv.transport.keys import authenticated_key, connect_curve, set_message_limit, worker_keys
 from hetconv.transport.sockets import bind_inbox, host_key, remove_ipc_files, route_address, write_ipc_token
@@ -188,7 +188,7 @@ def run(args):
         dealer.send_multipart(P.pack("HELLO", 0, name=label, identity=identity, device=args.device, host=host,
                                      pid=os.getpid(), version=__version__, threads=args.threads,
                                      description=first.fields["description"], peer_endpoints=peer_endpoints,
-                                     host_key=host_key(), ipc_token=ipc_token))
+                                     host_key=host_key(), ipc_token=ipc_token, cores=usable_cores()))
         welcome = _await_welcome(dealer, args)
         if welcome is not None and welcome.fields.get("conv_paths"):
             requests.put(welcome)                   # the compute thread's device takes them first
