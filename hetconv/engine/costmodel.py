@@ -34,6 +34,8 @@ The model of one step, phase by phase (each conv layer's forward, then each one'
 Everything here is pure: no clocks, no sockets, no devices (those are in hetconv/cli/plan.py).
 """
 from dataclasses import asdict, dataclass
+import bisect
+import heapq
 import math
 import re
 
@@ -366,7 +368,8 @@ class _Timeline:
         self.free = {}
         self.busy = {}
         self.bytes = {}
-        self.sent = {}          # {a host's direction: [(start, end) of each send()]}
+        self.sent = {}          # {a host's direction: [(start, end) of each send()], in time order}
+        self.sent_ends = {}     # {a host's direction: [end of each send()]}
 
     def run(self, resources, ready, seconds):
         start = max([ready] + [self.free.get(r, 0.0) for r in resources])
@@ -388,6 +391,7 @@ class _Timeline:
         end = self.run(wires, ready, nbytes / link.bytes_per_s + link.latency_s)
         for r in wires:
             self.sent.setdefault(r, []).append((end - nbytes / link.bytes_per_s - link.latency_s, end))
+            self.sent_ends.setdefault(r, []).append(end)
         return end
 
     def wire_cpu(self, src, dst, nbytes, ready, link):
@@ -410,8 +414,13 @@ class _Timeline:
             self.bytes[r] = self.bytes.get(r, 0) + nbytes
         at = max([ready] + [self.free.get(r, 0.0) for r in lanes])
         left = nbytes / link.bytes_per_s + link.latency_s
-        taken = sorted(self.sent.get(f"{src} out", []) + self.sent.get(f"{dst} in", []))
-        for start, end in taken:
+        # each direction's sends lie in time order (a resource's tasks never overlap): from the
+        # first that ends after `at`, the two merged
+        later = []
+        for r in (f"{src} out", f"{dst} in"):
+            sends = self.sent.get(r, [])
+            later.append(sends[bisect.bisect_right(self.sent_ends.get(r, []), at):])
+        for start, end in heapq.merge(*later):
             if end <= at:
                 continue
             if start > at:
@@ -787,14 +796,19 @@ def predict_peer_step(specs, image_shape, batch, counts, images, profiles, link,
         r0, r1 = rows[w][m]
         return r1 - r0 if modes[li] == "data" else sizes[m]
 
+    parts = {}
+
     def part(layout, w, m):
         """The blocks (r0, r1, c0, c1) of micro-batch m that w holds in `layout` (layouts.pieces):
         rows of the micro-batch, channels as fractions of the tensor's."""
-        blocks = channel_blocks(layout)
-        channels = sum(specs[b].kernels for b in blocks) if blocks else 1.0
-        return [(r0, r1, c0 / channels, c1 / channels) for r0, r1, c0, c1 in pieces(
-            layout, sizes[m], channels, rows[w][m],
-            lambda b: tuple(v * specs[b].kernels for v in kernel_ranges[b][w]), lambda b: specs[b].kernels)]
+        key = (layout, w, m)
+        if key not in parts:
+            blocks = channel_blocks(layout)
+            channels = sum(specs[b].kernels for b in blocks) if blocks else 1.0
+            parts[key] = [(r0, r1, c0 / channels, c1 / channels) for r0, r1, c0, c1 in pieces(
+                layout, sizes[m], channels, rows[w][m],
+                lambda b: tuple(v * specs[b].kernels for v in kernel_ranges[b][w]), lambda b: specs[b].kernels)]
+        return parts[key]
 
     def share(a, b, m):
         """The fraction of micro-batch m's tensor that blocks a and blocks b hold both."""
