@@ -175,7 +175,8 @@ class GraphPass:
         """The feature maps per micro-batch (the flatten's input). Training keeps each node's
         contexts for backward; the blocks keep theirs on the shards. Where the engine holds
         tensors in layouts (`engine.layouts`, engine/layouts.py: a worker's rows, its channels or
-        the whole), each step reads its inputs in its own layout, converted by the engine where
+        the whole), each step reads its inputs in its own layout (a concatenation of channel
+        ranges each operand as it is held: layouts.input_layout), converted by the engine where
         they differ (once per tensor and layout), and the tensors given and returned are in their
         layouts. A block's output is a value the wire carries (each block rounds it there), so it
         moves in the wire's dtype; a join's, in float32."""

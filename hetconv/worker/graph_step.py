@@ -4,7 +4,8 @@ each read the one before (engine.graph.GraphPass.chain).
 Every worker runs the graph's steps itself (engine.graph.GraphPass, the code the coordinator runs
 in the star exchange), over `LayoutBlocks`, an engine whose blocks are this worker's shard of each
 conv block and whose tensors each live in a layout (engine/layouts.py): a worker's rows, its
-channels or the whole. A tensor moves only where a reader takes it in another layout (an
+channels (of one model block, or of each operand of a concatenation of them) or the whole. A
+tensor moves only where a reader takes it in another layout (an
 all-gather, or an all-to-all between rows and channels); a model block's partial dX is summed
 into the layout its input is held in (a reduce-scatter into rows or channels, an all-reduce into
 a whole tensor). An all-data network so moves only weight gradients and BatchNorm sums; a block's
@@ -63,11 +64,11 @@ class ArrivingParts:
 
 class LayoutBlocks:
     """GraphPass's engine on a worker where each tensor of the step has a layout (engine/layouts.py:
-    this worker's rows of it, its channels, or the whole), which every data block's one split of
-    the images makes possible. A data block computes its rows from rows: nothing moves; its
-    BatchNorm sums are added among the workers, and (with `rule`) its weight gradients leave for
-    their sum as soon as its backward ends, while the blocks below compute
-    (PeerLinks._after_backward). A model block reads a whole input and leaves its output in its
+    this worker's rows of it, its channels (its blocks: layouts.pieces), or the whole), which
+    every data block's one split of the images makes possible. A data block computes its rows
+    from rows: nothing moves; its BatchNorm sums are added among the workers, and (with `rule`)
+    its weight gradients leave for their sum as soon as its backward ends, while the blocks
+    below compute (PeerLinks._after_backward). A model block reads a whole input and leaves its output in its
     channels; as each micro-batch's output is made, the part each reader's layout wants of it
     leaves for that reader (an all-gather where a model block reads it next, an all-to-all where a
     data block does), under the next micro-batch's compute. In backward its partial dX is summed
