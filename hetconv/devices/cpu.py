@@ -186,10 +186,11 @@ class CpuDevice(ConvPathChoice, GemmPaths, Device):
         wisdom.machine_wisdom(), so a device made here touches no file unless told). `retime`:
         time every call shape again and store the result over the wisdom's. `deterministic`:
         choose by a fixed rule, never timing and never reading or writing the wisdom: a depthwise
-        conv its depthwise path (depthwise-bf16 under precision bf16); else under precision bf16
-        im2col-bf16; else the untimed rule (shifted where C*kw is long enough and the kernels
-        few enough, see cpu_path_choice.SHIFTED_MIN_REDUCTION, else im2col), on oneDNN's sgemm
-        (shifted-dnnl, im2col-dnnl) where oneDNN is loaded; a forced `conv_path` still rules.
+        conv its depthwise path (depthwise-bf16 under precision bf16); else the untimed rule
+        (shifted where C*kw is long enough and the kernels few enough, see
+        cpu_path_choice.SHIFTED_MIN_REDUCTION, else im2col): under precision bf16 on bf16
+        operands (shifted-bf16, im2col-bf16), else on oneDNN's sgemm (shifted-dnnl, im2col-dnnl)
+        where oneDNN is loaded; a forced `conv_path` still rules.
         Slower than the timed choice where another path is faster, and the same bits every
         run. Choices a checkpoint recorded (preload_conv_paths) come before the wisdom and
         timing, after the forced path and `deterministic`."""

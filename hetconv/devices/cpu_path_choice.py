@@ -278,7 +278,10 @@ class ConvPathChoice:
             if self.conv_path == "direct-dnnl":
                 return self._forced_direct("direct-bf16", x, w, stride, padding, block)
             if self.deterministic:
-                return _PathChoice("im2col-bf16", DETERMINISTIC)
+                # the float32 rule's layout, on bf16 operands: im2col's col2im is the dearer
+                # backward where shifted takes the layer (resnet18's 3x3 stride-1 layers)
+                return _PathChoice("shifted-bf16" if self._shifted(w.shape, stride) else "im2col-bf16",
+                                   DETERMINISTIC)
             if flops < self.auto_timed_min_flops and not self._preloaded:
                 return _PathChoice("im2col-bf16", untimed)
             candidates = (["im2col-bf16"] + (["shifted-bf16"] if stride == (1, 1) else [])
