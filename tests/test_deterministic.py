@@ -6,8 +6,10 @@ import json
 import sys
 
 import numpy as np
+import pytest
 
 from conftest import python_cmd
+from hetconv.devices.cpu import CpuDevice
 from hetconv.training import checkpoint
 
 FLAGS = ("--conv", "6,12", "--fc", "16", "--batch-size", "32", "--synthetic-train", "256", "--synthetic-test", "32",
@@ -70,3 +72,18 @@ def test_a_calibrated_plan_given_again_or_resumed_runs_and_repeats_bit_for_bit(p
     resumed = [json.loads(line) for line in open(tmp_path / "resumed.jsonl")]
     assert plan(resumed) == plan(first) and not any(r["event"] == "calibration" for r in resumed)
 
+
+
+def test_the_same_bf16_command_twice_gives_the_same_bits_on_the_shifted_path(procs, tmp_path):
+    """Under --precision bf16 the rule puts conv2 (16 channels of 5x5 in, 12 kernels) on
+    shifted-bf16, as it puts it on shifted in float32: the same bits, one run beside a busy
+    process."""
+    missing = CpuDevice(threads=1).bf16_missing
+    if missing:
+        pytest.skip(f"no bf16 path here: {missing}")
+    # what the rule takes for conv2's shape, as the runs' devices take it (no record: no clock chose)
+    device = CpuDevice(threads=1, precision="bf16", deterministic=True)
+    device.conv2d(np.ones((2, 16, 14, 14), np.float32), np.ones((12, 16, 5, 5), np.float32), None)
+    assert [c["path"] for c in device.conv_path_choices()] == ["shifted-bf16"]
+    flags = ("--local", "--deterministic", "--precision", "bf16", "--conv", "16,12")
+    _assert_same_bits(_run(procs, tmp_path, "a", *flags), _run(procs, tmp_path, "b", *flags, busy=True))
