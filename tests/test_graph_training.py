@@ -165,12 +165,44 @@ def test_resnet50s_bottlenecks_train_on_two_shards_as_on_one(tmp_path):
                       atol=1e-4)
 
 
+def even_counts(kernels, names):
+    """{worker: [its kernels of each layer]}: each layer's kernels as evenly as they go, the first
+    workers one more."""
+    return {w: [k // len(names) + (1 if i < k % len(names) else 0) for k in kernels] for i, w in enumerate(names)}
+
+
+def assert_each_worker_sent_what_is_priced(metrics, cfg, workers_images, modes):
+    """Every step's bytes each worker sent among the workers (the run's metrics) are what the
+    cost model prices for the run's plan (even counts, `workers_images` {worker: images}, modes
+    a "MD" text): its payload, the measured count adding each message's ~100-byte header.
+    Returns the prediction."""
+    from hetconv.engine.costmodel import DeviceProfile, LayerCost, Link, predict_any
+    from hetconv.engine.graph import GraphPass
+    from hetconv.devices.cpu import HostArrays
+    from hetconv.geometry import ConvSpec
+    spec = load_net(cfg.net, (3, 16, 16), 10).spec
+    specs = [ConvSpec.from_layer(layer) for layer in spec.conv_layers()]
+    flat = DeviceProfile("d", "cpu", "", (LayerCost(0.0, 1e-6, 0.0, 1e-6),) * len(specs))
+    priced = predict_any("peer", specs, (3, 16, 16), cfg.batch_size, even_counts([s.kernels for s in specs],
+                                                                                 list(workers_images)),
+                         {w: flat for w in workers_images}, Link(1e9), 0.0, 2,
+                         modes=[{"M": "model", "D": "data"}[m] for m in modes],
+                         images={w: [n] * len(specs) for w, n in workers_images.items()},
+                         graph=GraphPass(spec, HostArrays()).shape())
+    steps = [r for r in map(json.loads, open(metrics)) if r["event"] == "step"]
+    assert len(steps) == STEPS
+    for record in steps:
+        for w in workers_images:
+            sent, want = record["workers"][w]["peer_bytes_sent"], priced.workers[w]
+            assert want["sent"] <= sent <= want["sent"] + 128 * want["messages"], (w, sent, want["sent"])
+    return priced
+
+
 def distributed(cfg, tmp_path, workers, micro, counts=None, fault=None, resume=None, steps=None, modes=None,
                 images=None, exchange="peer"):
     spec = load_net(cfg.net, (3, 16, 16), 10).spec
     kernels = [b.kernels for b in spec.conv_layers()]
-    names = [f"w{i}-cpu" for i in range(workers)]
-    counts = counts or {w: [k // workers + (1 if i < k % workers else 0) for k in kernels] for i, w in enumerate(names)}
+    counts = counts or even_counts(kernels, [f"w{i}-cpu" for i in range(workers)])
     modes = [{"M": "model", "D": "data"}[m] for m in modes] if modes else None
     engine = RemoteEngine("tcp://127.0.0.1:0", 0, ["cpu"] * workers, threads=1, connect_timeout=60, log=quiet,
                           exchange=exchange)
@@ -222,10 +254,7 @@ def test_a_graph_holds_rows_where_its_blocks_are_data_and_moves_what_the_cost_mo
     header). All data, that is each BatchNorm's sums and each block's weight gradients, as data
     parallelism moves. Three workers sum the weight gradients by chunks (a reduce-scatter, then
     an all-gather)."""
-    from hetconv.engine.costmodel import (DeviceProfile, LayerCost, Link, batchnorm_sum_bytes, predict_any,
-                                          weight_floats)
-    from hetconv.engine.graph import GraphPass
-    from hetconv.devices.cpu import HostArrays
+    from hetconv.engine.costmodel import batchnorm_sum_bytes, weight_floats
     from hetconv.geometry import ConvSpec
     cfg, losses, local = local_run
     cfg = Config(**{**cfg.to_json(), "metrics": str(tmp_path / "layouts.jsonl")})
@@ -234,29 +263,15 @@ def test_a_graph_holds_rows_where_its_blocks_are_data_and_moves_what_the_cost_mo
     np.testing.assert_allclose(summary["losses"], losses, rtol=1e-5)
     assert_equal_runs(got, local)
 
-    spec = load_net(cfg.net, (3, 16, 16), 10).spec
-    specs = [ConvSpec.from_layer(layer) for layer in spec.conv_layers()]
-    graph = GraphPass(spec, HostArrays()).shape()
-    flat = DeviceProfile("d", "cpu", "", (LayerCost(0.0, 1e-6, 0.0, 1e-6),) * len(specs))
-    mode_names = [{"M": "model", "D": "data"}[m] for m in modes]
-    counts = {w: [s.kernels // workers + (1 if i < s.kernels % workers else 0) for s in specs]
-              for i, w in enumerate(images)}
-    priced = predict_any("peer", specs, (3, 16, 16), cfg.batch_size, counts, {w: flat for w in images}, Link(1e9), 0.0,
-                         2, modes=mode_names, images={w: [n] * len(specs) for w, n in images.items()}, graph=graph)
-    if "model" not in mode_names:
+    priced = assert_each_worker_sent_what_is_priced(tmp_path / "layouts.jsonl", cfg, images, modes)
+    specs = [ConvSpec.from_layer(layer) for layer in load_net(cfg.net, (3, 16, 16), 10).spec.conv_layers()]
+    if "M" not in modes:
         payload = sum(weight_floats(s) * 4 * (workers - 1) * (1 if workers == 2 else 2 / workers)
                       + 2 * len(s.batchnorms) * batchnorm_sum_bytes(s) * (workers - 1) for s in specs)
         assert all(priced.workers[w]["sent"] == payload for w in images)
         assert set(priced.bytes_by_kind) == {"images and features (coordinator)", "weight gradients", "BatchNorm sums"}
     else:
         assert {"layout gathers", "block outputs"} <= set(priced.bytes_by_kind)
-    steps = [r for r in map(json.loads, open(tmp_path / "layouts.jsonl")) if r["event"] == "step"]
-    assert len(steps) == STEPS
-    for record in steps:
-        for w in images:
-            sent, want = record["workers"][w]["peer_bytes_sent"], priced.workers[w]
-            # a message's header is ~100 bytes
-            assert want["sent"] <= sent <= want["sent"] + 128 * want["messages"], (w, sent, want["sent"])
 
 
 @pytest.mark.parametrize("name,width,workers,modes", [("resnet9", 0.0625, 2, "DDMMDMDM"),
@@ -335,6 +350,20 @@ def test_planning_prices_a_graphs_blocks_on_their_own_shapes_and_times_its_joins
                                                           for b in blocks]
     fc = [op.layer.to_json() for op in spec.head() if op.type != "flatten"]
     assert measure_coordinator_s(specs, fc, spec.input_shape, 4, 2, repeats=1, network=spec) > 0
+
+
+def test_the_joins_are_timed_one_by_one_and_a_chain_has_none():
+    """measure_join_s: a forward and a backward time for each step between a graph's blocks (its
+    sums, the ReLUs after them, its pools), none for its blocks; {} for a chain or no network."""
+    from hetconv.engine.graph import GraphPass
+    from hetconv.engine.measure import measure_join_s
+    from hetconv.net import preset
+    spec = preset("resnet9", (3, 16, 16), 10, 0.0625)
+    joins = measure_join_s(spec, 4, repeats=1)
+    between = {st.output for st in GraphPass(spec, None).steps if st.kind != "block"}
+    assert set(joins) == between and len(between) >= 3
+    assert all(forward > 0 and backward > 0 for forward, backward in joins.values())
+    assert measure_join_s(preset("paper", (3, 32, 32), 10), 4) == {} and measure_join_s(None, 4) == {}
 
 
 def test_in_the_peer_exchange_the_coordinators_share_is_the_head_alone(monkeypatch):
@@ -521,40 +550,24 @@ def test_a_concatenation_of_channel_ranges_is_a_renumbering(concat_run, tmp_path
     reading the result takes its rows by an all-to-all, a model block gathers it, and where it is
     the features each worker sends the coordinator its ranges of them. The step equals --local's
     (which equals PyTorch's), and what moves among the workers is what the cost model prices."""
-    from hetconv.engine.costmodel import DeviceProfile, LayerCost, Link, predict_any
     from hetconv.engine.graph import GraphPass
     from hetconv.engine.layouts import ROWS, concatenated, tensor_layouts
     from hetconv.devices.cpu import HostArrays
-    from hetconv.geometry import ConvSpec
     from hetconv.net.spec import Concat
     cfg, losses, local = concat_run
     if workers == 2:
         assert_equals_torch(cfg, losses, local[1], local[2])
-    spec = load_net(cfg.net, (3, 16, 16), 10).spec
-    specs = [ConvSpec.from_layer(layer) for layer in spec.conv_layers()]
-    graph_pass = GraphPass(spec, HostArrays())
-    graph = graph_pass.shape()
+    graph_pass = GraphPass(load_net(cfg.net, (3, 16, 16), 10).spec, HostArrays())
     mode_names = [{"M": "model", "D": "data"}[m] for m in modes]
     layouts = tensor_layouts(graph_pass.steps, mode_names, graph_pass.norms)
     concats = [st.output for st in graph_pass.steps if isinstance(st.layer, Concat)]
     assert len(concats) == 2 and layouts[concats[0]] == concatenated((1, 2))
     assert layouts[concats[1]] == (concatenated((4, 5)) if modes == "DMMDMM" else ROWS)
-    assert layouts[graph.feature] == layouts[concats[1]]
+    assert layouts[graph_pass.feature] == layouts[concats[1]]
 
     cfg = Config(**{**cfg.to_json(), "metrics": str(tmp_path / "concat.jsonl")})
     images = {"w0-cpu": 6, "w1-cpu": 10} if workers == 2 else {"w0-cpu": 4, "w1-cpu": 7, "w2-cpu": 5}
-    counts = {w: [s.kernels // workers + (1 if i < s.kernels % workers else 0) for s in specs]
-              for i, w in enumerate(images)}
-    summary, got = distributed(cfg, tmp_path, workers, 2, counts=counts, modes=modes, images=images)
+    summary, got = distributed(cfg, tmp_path, workers, 2, modes=modes, images=images)
     np.testing.assert_allclose(summary["losses"], losses, rtol=1e-5)
     assert_equal_runs(got, local)
-
-    flat = DeviceProfile("d", "cpu", "", (LayerCost(0.0, 1e-6, 0.0, 1e-6),) * len(specs))
-    priced = predict_any("peer", specs, (3, 16, 16), cfg.batch_size, counts, {w: flat for w in images}, Link(1e9), 0.0,
-                         2, modes=mode_names, images={w: [n] * len(specs) for w, n in images.items()}, graph=graph)
-    steps = [r for r in map(json.loads, open(tmp_path / "concat.jsonl")) if r["event"] == "step"]
-    assert len(steps) == STEPS
-    for record in steps:
-        for w in images:
-            sent, want = record["workers"][w]["peer_bytes_sent"], priced.workers[w]
-            assert want["sent"] <= sent <= want["sent"] + 128 * want["messages"], (w, sent, want["sent"])
+    assert_each_worker_sent_what_is_priced(tmp_path / "concat.jsonl", cfg, images, modes)

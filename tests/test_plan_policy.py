@@ -150,9 +150,9 @@ def test_the_coordinator_charges_the_wire_cpu_for_its_own_hosts_cpu_workers_only
     from hetconv.flags import usable_cores
     from hetconv.transport.sockets import host_key
     here, cores = host_key(), usable_cores()
-    peers = {"a": SimpleNamespace(host_key=here, device="cpu", threads=cores),
-             "b": SimpleNamespace(host_key=here, device="cuda:0", threads=0),
-             "c": SimpleNamespace(host_key="elsewhere", device="cpu", threads=0)}
+    peers = {"a": SimpleNamespace(host_key=here, device="cpu", threads=cores, cores=cores),
+             "b": SimpleNamespace(host_key=here, device="cuda:0", threads=0, cores=cores),
+             "c": SimpleNamespace(host_key="elsewhere", device="cpu", threads=0, cores=0)}
     cfg = Config(link="1gbit")
     assert priced_link(cfg, peers, ["a"]).host_cpu_s_per_byte > 0
     assert priced_link(cfg, peers, ["b", "c"]).host_cpu_s_per_byte == 0

@@ -132,7 +132,7 @@ def priced_link(cfg, peers, names):
         if p is not None and str(p.device).startswith("cpu"):
             hosts.setdefault(p.host_key, []).append(p)
     for key, group in hosts.items():
-        cores = usable_cores() if key == here else max(getattr(p, "cores", 0) for p in group)
+        cores = usable_cores() if key == here else max(p.cores for p in group)
         if key and cores:
             priced = link_for_cores(link, [p.threads for p in group], cores)
             if priced is not link:

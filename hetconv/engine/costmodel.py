@@ -369,7 +369,6 @@ class _Timeline:
         self.busy = {}
         self.bytes = {}
         self.sent = {}          # {a host's direction: [(start, end) of each send()], in time order}
-        self.sent_ends = {}     # {a host's direction: [end of each send()]}
 
     def run(self, resources, ready, seconds):
         start = max([ready] + [self.free.get(r, 0.0) for r in resources])
@@ -388,10 +387,10 @@ class _Timeline:
         wires = (f"{src} out", f"{dst} in")
         for r in wires:
             self.bytes[r] = self.bytes.get(r, 0) + nbytes
-        end = self.run(wires, ready, nbytes / link.bytes_per_s + link.latency_s)
+        seconds = nbytes / link.bytes_per_s + link.latency_s
+        end = self.run(wires, ready, seconds)
         for r in wires:
-            self.sent.setdefault(r, []).append((end - nbytes / link.bytes_per_s - link.latency_s, end))
-            self.sent_ends.setdefault(r, []).append(end)
+            self.sent.setdefault(r, []).append((end - seconds, end))
         return end
 
     def wire_cpu(self, src, dst, nbytes, ready, link):
@@ -419,7 +418,7 @@ class _Timeline:
         later = []
         for r in (f"{src} out", f"{dst} in"):
             sends = self.sent.get(r, [])
-            later.append(sends[bisect.bisect_right(self.sent_ends.get(r, []), at):])
+            later.append(sends[bisect.bisect_right(sends, at, key=lambda s: s[1]):])
         for start, end in heapq.merge(*later):
             if end <= at:
                 continue
@@ -769,12 +768,11 @@ def predict_peer_step(specs, image_shape, batch, counts, images, profiles, link,
     sizes = split_sizes(batch, micro_batches)
     M = len(sizes)
     # each worker's rows of each micro-batch, as the workers cut them (planner.layout_rows), and
-    # its kernels of each model block as fractions of the block's channels: the blocks it holds
+    # its kernels of each model block: the blocks it holds
     cut = [largest_remainder_shares(b, [images[w] for w in names]) for b in sizes]
     rows = {w: [(sum(c[:i]), sum(c[:i + 1])) for c in cut] for i, w in enumerate(names)}
-    kernel_ranges = [{w: (sum(counts[v][li] for v in names[:i]) / spec.kernels,
-                          sum(counts[v][li] for v in names[:i + 1]) / spec.kernels) for i, w in enumerate(names)}
-                     for li, spec in enumerate(specs)]
+    kernel_ranges = [{w: (sum(counts[v][li] for v in names[:i]), sum(counts[v][li] for v in names[:i + 1]))
+                      for i, w in enumerate(names)} for li in range(layers)]
     floats = dict(graph.floats)
     steps = [_Step(*st) for st in graph.steps]
     layouts = tensor_layouts(steps, modes, graph.norms)
@@ -806,8 +804,7 @@ def predict_peer_step(specs, image_shape, batch, counts, images, profiles, link,
             blocks = channel_blocks(layout)
             channels = sum(specs[b].kernels for b in blocks) if blocks else 1.0
             parts[key] = [(r0, r1, c0 / channels, c1 / channels) for r0, r1, c0, c1 in pieces(
-                layout, sizes[m], channels, rows[w][m],
-                lambda b: tuple(v * specs[b].kernels for v in kernel_ranges[b][w]), lambda b: specs[b].kernels)]
+                layout, sizes[m], channels, rows[w][m], lambda b: kernel_ranges[b][w], lambda b: specs[b].kernels)]
         return parts[key]
 
     def share(a, b, m):
@@ -818,20 +815,25 @@ def predict_peer_step(specs, image_shape, batch, counts, images, profiles, link,
         """The fraction of micro-batch m's tensor that w holds in `layout`."""
         return share(part(layout, w, m), part(WHOLE, w, m), m)
 
-    def send(src, dst, nbytes, ready, kind):
-        if src == dst or nbytes <= 0:
-            return ready
+    def count(src, dst, nbytes, kind):
         sent[src] += nbytes
         recv[dst] += nbytes
         messages[src] += 1
         kinds[kind] = kinds.get(kind, 0.0) + nbytes
-        if kind == "weight gradients":
-            # on a connection of their own (worker.peers: bulk), in the link time the step's other
-            # messages leave: placed once they are all placed (send_behind), their CPU now
-            t.wire_cpu(src, dst, nbytes, ready, link)
-            behind.append((src, dst, nbytes, ready))
-            return None
+
+    def send(src, dst, nbytes, ready, kind):
+        if src == dst or nbytes <= 0:
+            return ready
+        count(src, dst, nbytes, kind)
         return t.send(src, dst, nbytes, ready, link)
+
+    def send_gradients(src, dst, nbytes, ready):
+        """Weight gradients, on a connection of their own (worker.peers: bulk), in the link time
+        the step's other messages leave: placed once those are all placed (place_behind), their
+        CPU now."""
+        count(src, dst, nbytes, "weight gradients")
+        t.wire_cpu(src, dst, nbytes, ready, link)
+        behind.append((src, dst, nbytes, ready))
 
     def run(w, li, ready, seconds):
         compute[w] += seconds
@@ -1001,7 +1003,7 @@ def predict_peer_step(specs, image_shape, batch, counts, images, profiles, link,
                 for src in names:
                     for dst in names:
                         if dst != src:
-                            send(src, dst, dw / (p - 1), pc[src], "weight gradients")
+                            send_gradients(src, dst, dw / (p - 1), pc[src])
                 if after:
                     after_sums.append((li, after))
             if not need_dx:
@@ -1047,7 +1049,7 @@ def predict_peer_step(specs, image_shape, batch, counts, images, profiles, link,
         for src in names:
             for dst in names:
                 if dst != src:
-                    send(src, dst, after / (p - 1), start[src], "weight gradients")
+                    send_gradients(src, dst, after / (p - 1), start[src])
         place_behind()
     update = {w: [profiles[w].layers[li].update_s(kernels_of(w, li)) for li in range(layers)] for w in names}
     ends = {}

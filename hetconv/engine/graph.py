@@ -207,8 +207,7 @@ class GraphPass:
                 if train:
                     self._saved[st.output] = ctxs
             else:
-                ins = [read(j, input_layout(st, k, want, layouts) if layouts is not None else None)
-                       for k, j in enumerate(st.inputs)]
+                ins = [read(j, input_layout(st, k, want, layouts)) for k, j in enumerate(st.inputs)]
                 out, ctxs = [], []
                 for m in range(len(xs)):
                     y, ctx = self._node_forward(st.layer, [x[m] for x in ins])
@@ -323,8 +322,7 @@ class GraphPass:
                 parts = [self._node_backward(st.layer, ctx, g) for ctx, g in zip(ctxs, dy)]
             for k, j in enumerate(st.inputs):
                 if self.requires[j]:
-                    give(j, [p[k] for p in parts], input_layout(st, k, have, layouts) if layouts is not None else None,
-                         st.output, k)
+                    give(j, [p[k] for p in parts], input_layout(st, k, have, layouts), st.output, k)
 
     @staticmethod
     def _accumulate(pending, j, grads):

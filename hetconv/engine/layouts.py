@@ -89,7 +89,7 @@ def pieces(layout, n, channels, rows, kernel_range, kernels):
 
 def pieces_shape(held):
     """(rows, channels) of the array that holds blocks `held` side by side."""
-    return (held[0][1] - held[0][0], sum(c1 - c0 for _, _, c0, c1 in held)) if held else (0, 0)
+    return held[0][1] - held[0][0], sum(c1 - c0 for _, _, c0, c1 in held)
 
 
 def covered(held, needed):
@@ -143,7 +143,8 @@ def step_reads(step, modes, norms, layouts):
 
 def input_layout(step, k, want, layouts):
     """The layout `step`, reading in `want` (step_reads), reads its k-th input in: a renumbering
-    concatenation each operand as it is held, any other step `want`."""
+    concatenation each operand as it is held, any other step `want` (None where nothing is held
+    in layouts: GraphPass in one process)."""
     if is_concatenated(want) and _is_concat(step):
         return layouts[step.inputs[k]]
     return want

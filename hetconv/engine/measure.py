@@ -110,31 +110,27 @@ def measure_join_s(network, batch, repeats=2):
     shapes = {-1: tuple(network.input_shape)}
     shapes.update({node: tuple(shape) for node, shape in enumerate(network.output_shapes())})
     out = {}
-    numba_threads = numba.get_num_threads()
-    try:
+    with _threads_kept(), threadpool_limits(limits=1, user_api="blas"):
         numba.set_num_threads(1)
-        with threadpool_limits(limits=1, user_api="blas"):
-            for st in graph.steps:
-                if st.kind == "block":
-                    continue
-                xs = [rng.standard_normal((batch,) + shapes[j], dtype=np.float32) for j in st.inputs]
-                best = [float("inf"), float("inf")]
-                for rep in range(repeats + 1):
-                    t0 = time.perf_counter()
-                    if st.output in graph.norms:
-                        ys, saved = graph._norm_forward(st.output, xs[:1], True, None)
-                        t1 = time.perf_counter()
-                        graph._norm_backward(st.output, saved, [np.ones_like(ys[0])])
-                    else:
-                        y, ctx = graph._node_forward(st.layer, xs)
-                        t1 = time.perf_counter()
-                        graph._node_backward(st.layer, ctx, np.ones_like(y))
-                    t2 = time.perf_counter()
-                    if rep:
-                        best = [min(best[0], t1 - t0), min(best[1], t2 - t1)]
-                out[st.output] = tuple(best)
-    finally:
-        numba.set_num_threads(numba_threads)
+        for st in graph.steps:
+            if st.kind == "block":
+                continue
+            xs = [rng.standard_normal((batch,) + shapes[j], dtype=np.float32) for j in st.inputs]
+            best = [float("inf"), float("inf")]
+            for rep in range(repeats + 1):
+                t0 = time.perf_counter()
+                if st.output in graph.norms:
+                    ys, saved = graph._norm_forward(st.output, xs[:1], True, None)
+                    t1 = time.perf_counter()
+                    graph._norm_backward(st.output, saved, [np.ones_like(ys[0])])
+                else:
+                    y, ctx = graph._node_forward(st.layer, xs)
+                    t1 = time.perf_counter()
+                    graph._node_backward(st.layer, ctx, np.ones_like(y))
+                t2 = time.perf_counter()
+                if rep:
+                    best = [min(best[0], t1 - t0), min(best[1], t2 - t1)]
+            out[st.output] = tuple(best)
     return out
 
 

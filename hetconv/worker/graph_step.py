@@ -149,10 +149,9 @@ class LayoutBlocks:
                 out[index_in(part, need, k)] = own[index_in(part, mine, i)]
             return out
         links = self.links
-        senders = [w for w in self.order if w != self.me and meeting(hb[w], need)]
-        got = links._await({(self.step, phase, key, m, w) for w in senders}, self.step)
-        for w in self.order:
-            parts = meeting(hb[w], need)
+        meets = {w: meeting(hb[w], need) for w in self.order}
+        got = links._await({(self.step, phase, key, m, w) for w in self.order if w != self.me and meets[w]}, self.step)
+        for w, parts in meets.items():
             if not parts:
                 continue
             if w == self.me:
