@@ -27,7 +27,7 @@ def test_the_workers_flag_names_every_path_the_device_has():
 @pytest.mark.parametrize("bad", ["direct", "FFT", ""])
 def test_an_unknown_path_is_refused_naming_the_flag(bad):
     with pytest.raises(ValueError, match="^--cpu-conv-path must be one of auto, im2col, shifted, fft, im2col-dnnl, "
-                                         f"direct-dnnl, depthwise, got {bad!r}$"):
+                                         f"direct-dnnl, depthwise, winograd, got {bad!r}$"):
         Config(cpu_conv_path=bad).validate()
 
 

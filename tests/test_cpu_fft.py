@@ -248,7 +248,7 @@ def test_strided_layers_take_the_direct_path(fft):
 
 
 def test_unknown_conv_path_names_the_choices():
-    with pytest.raises(DeviceError, match=r"conv_path must be one of \('auto', 'im2col', 'shifted', 'fft', 'im2col-dnnl', 'direct-dnnl', 'depthwise'\), "
+    with pytest.raises(DeviceError, match=r"conv_path must be one of \('auto', 'im2col', 'shifted', 'fft', 'im2col-dnnl', 'direct-dnnl', 'depthwise', 'winograd'\), "
                                            r"got 'fftw'"):
         open_device("cpu", conv_path="fftw")
 

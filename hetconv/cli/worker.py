@@ -7,7 +7,7 @@ import threading
 
 from hetconv.flags import HelpFormatter, add_version
 # the names only: hetconv.devices.cpu itself would start numba before --cores pins this process
-CPU_CONV_PATHS = ("auto", "im2col", "shifted", "fft", "im2col-dnnl", "direct-dnnl", "depthwise")
+CPU_CONV_PATHS = ("auto", "im2col", "shifted", "fft", "im2col-dnnl", "direct-dnnl", "depthwise", "winograd")
 PRECISIONS = ("fp32", "bf16", "auto")
 from hetconv.transport.worker_argv import COORDINATOR_ENV
 from hetconv.worker import Terminated, WorkerExit, on_sigterm
@@ -47,7 +47,8 @@ def build_parser():
     p.add_argument("--cpu-conv-path", default="auto", choices=CPU_CONV_PATHS,
                    help="a cpu device's conv path: auto (per layer and share, the fastest by timing on first use), "
                         "or forced: im2col, shifted, fft (stride-1 layers), im2col-dnnl (oneDNN's sgemm), "
-                        "direct-dnnl (oneDNN's convolutions), depthwise (depthwise convs; others im2col)")
+                        "direct-dnnl (oneDNN's convolutions), depthwise (depthwise convs; others im2col), winograd "
+                        "(F(4x4,3x3) on 3x3 stride-1 convs; others by the rule)")
     p.add_argument("--precision", default="fp32", choices=PRECISIONS,
                    help="a cpu device's conv GEMMs: fp32; bf16 (bf16 operands, fp32 sums; needs oneDNN); auto (bf16 "
                         "where its timing finds it faster, per layer and share). A GPU runs fp32")

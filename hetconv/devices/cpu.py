@@ -71,6 +71,7 @@ from hetconv.devices.cpu_tails import (
     _BlockContext, _PoolGeometry, _act_backward_planes, _act_pool, _act_pool_backward, _add_row_sums,
     _bias_act_max2_planes, _bias_act_planes, _bias_grad, _channel_totals, _flat_planes, _is_max2, _plane_totals,
     _unpool_planes)
+from hetconv.devices.cpu_winograd import WinogradConvs
 from hetconv.devices.cpu_updates import _adamw_update, _scale_flat, _sgd_update, _square_sums_flat
 from hetconv.devices.dnnl_conv import DirectConvs
 from hetconv.jit import cached_njit
@@ -98,7 +99,7 @@ DEFAULT_SAVED_COLS_BUDGET_BYTES = 256 << 20
 # bytes for 5x5 kernels on 14x14 inputs (the whole conv2: 900 MB + a 75 MB copy of the weights);
 # a layer whose spectra would not fit this budget runs the direct path instead.
 DEFAULT_FFT_BUDGET_BYTES = 1 << 30
-CONV_PATHS = ("auto", "im2col", "shifted", "fft", "im2col-dnnl", "direct-dnnl", "depthwise")
+CONV_PATHS = ("auto", "im2col", "shifted", "fft", "im2col-dnnl", "direct-dnnl", "depthwise", "winograd")
 # A CPU device's GEMM precision (`--precision`): "fp32"; "bf16", every conv on a bf16 path
 # (bf16 operands, float32 sums, everything else float32): im2col-bf16 (devices/cpu_gemms.py), or
 # at stride 1 shifted-bf16 (devices/cpu_shifted_gemms.py) where the timing finds it faster;
@@ -238,6 +239,10 @@ class CpuDevice(ConvPathChoice, GemmPaths, Device):
         # Held for the device's lifetime: BLAS threads beyond our share only oversubscribe cores
         # that another worker on this host was given.
         self._blas_limit = threadpool_limits(limits=1 if self.openmp_gemms_only else self.threads, user_api="blas")
+        # Winograd F(4x4, 3x3) (cpu_winograd.py): float32 3x3 stride-1 convs as 36 GEMMs on the
+        # transformed tiles, called as the direct paths are; its GEMMs on oneDNN's sgemm where
+        # installed (OpenMP threads that sleep between calls), else OpenBLAS's.
+        self._direct["winograd"] = WinogradConvs(self._winograd_gemm, self._scratch, self.im2col_budget_bytes)
         if self._dnnl is not None:
             self._path_gemms["im2col-dnnl"] = DnnlGemms(self, self._dnnl)
             self._shifted_gemms["shifted-dnnl"] = ShiftedDnnlGemms(self, self._dnnl)
@@ -327,6 +332,13 @@ class CpuDevice(ConvPathChoice, GemmPaths, Device):
         else:
             out += a @ b
 
+
+    def _winograd_gemm(self, a, b, out, beta):
+        """out = a @ b + beta * out on the device's threads: oneDNN's sgemm where installed."""
+        if self._dnnl is not None:
+            self._dnnl.sgemm(a, b, out, beta, self.threads)
+        else:
+            self._fft_gemm(a, b, out, beta)
 
     # ---- the conv contract: each call on its path ------------------------------------------------
     def _conv2d(self, x, w, b, stride, padding):

@@ -90,6 +90,15 @@ AUTO_DROP_FACTOR = 1.5
 # only where it is faster than the best direct path by AUTO_FFT_MARGIN: it also holds its kernel
 # spectra (12x the weights) for as long as the layer runs.
 AUTO_FFT_MARGIN = 0.04
+# ... and Winograd F(4x4, 3x3) (devices/cpu_winograd.py) by the same margin: its sums carry about
+# 10x a direct sum's float32 rounding (relative error ~1e-5 where a direct conv's is ~1e-6), which
+# is taken only for a real gain. Timed on 3x3 stride-1 dense calls, float32 only.
+AUTO_WINOGRAD_MARGIN = 0.04
+# ... and only where the layer has at least this many input channels and kernels (its share of
+# them on a worker): its GEMMs are (K, C) @ (C, tiles), and with fewer the memory-bound transforms
+# outweigh what they save (resnet18's 64-channel 32x32 layer at batch 16 on one Zen 4 core: 1.05x
+# oneDNN's direct convolution; its 128- and 256-channel layers 1.35x and 1.22x).
+WINOGRAD_MIN_CHANNELS = 32
 # A layer timed once keeps its choice for calls of the same layer with the same images and
 # kernels within this factor of the timed call's: calibration's two kernel counts (the share and
 # half of it) and a training call on that batch then cost one timing instead of three (~24 s each
@@ -140,11 +149,11 @@ def _fastest(seconds):
     """The path to run from {path: seconds}: the fastest direct float32 path, or FFT or a bf16
     path where it beats that by its margin (the fastest of those that do); where every path is
     bf16 (precision bf16), the fastest."""
-    direct = [p for p in seconds if p != "fft" and p not in BF16_PATHS]
+    direct = [p for p in seconds if p not in ("fft", "winograd") and p not in BF16_PATHS]
     if not direct:
         return min(seconds, key=seconds.get)
     direct = min(direct, key=seconds.get)
-    margins = {"fft": AUTO_FFT_MARGIN, **dict.fromkeys(BF16_PATHS, AUTO_BF16_MARGIN)}
+    margins = {"fft": AUTO_FFT_MARGIN, "winograd": AUTO_WINOGRAD_MARGIN, **dict.fromkeys(BF16_PATHS, AUTO_BF16_MARGIN)}
     better = [p for p, m in margins.items() if p in seconds and seconds[p] < (1.0 - m) * seconds[direct]]
     return min(better, key=seconds.get) if better else direct
 
@@ -250,7 +259,7 @@ class ConvPathChoice:
         return [f"{_describe_call(key)}: {self._describe_choice(key, choice)}" for key, choice in self._choices.items()]
 
     def _describe_choice(self, key, choice):
-        if choice.path not in self._direct:
+        if choice.path not in self._direct or choice.path == "winograd":
             return choice.describe()
         kernels = ", ".join(f"{d} {name}" for d, name in self._direct_kernels(key, choice).items())
         return f"{choice.describe()}; oneDNN {kernels}"
@@ -297,10 +306,16 @@ class ConvPathChoice:
         if self.conv_path == "direct-dnnl":
             return self._forced_direct("direct-dnnl", x, w, stride, padding, block)
         rule = "shifted" if self._shifted(w.shape, stride) else "im2col"
+        have = {**self._path_gemms, **self._shifted_gemms, **self._direct}
+        by_rule = f"{rule}-dnnl" if f"{rule}-dnnl" in have else rule
         if self.conv_path == "depthwise":
             return _PathChoice(rule, _NOT_DEPTHWISE)
         if self.conv_path in ("im2col", "shifted"):
             return _PathChoice(rule, "forced" if rule == self.conv_path else "forced path takes stride 1 only")
+        if self.conv_path == "winograd":
+            declined = self._direct["winograd"].declines(x.shape, w.shape, stride, padding)
+            return _PathChoice(by_rule if declined else "winograd", f"winograd declined: {declined}" if declined
+                               else "forced")
         declined = self._fft_declines(x.shape, w.shape, stride, padding)
         if self.conv_path == "fft":
             if not declined:
@@ -311,13 +326,13 @@ class ConvPathChoice:
                       f"not FFT: {declined}", file=sys.stderr, flush=True)
             self._fft_declined.add(layer)
             return _PathChoice(rule, f"fft declined: {declined}")
-        have = {**self._path_gemms, **self._shifted_gemms, **self._direct}
-        by_rule = f"{rule}-dnnl" if f"{rule}-dnnl" in have else rule
         if self.deterministic:
             return _PathChoice(by_rule, DETERMINISTIC)
         if flops < self.auto_timed_min_flops and not self._preloaded:
             return _PathChoice(by_rule, untimed)
         candidates = (["im2col"] + (["shifted"] if stride == (1, 1) else []) + ([] if declined else ["fft"])
+                      + (["winograd"] if min(w.shape[:2]) >= WINOGRAD_MIN_CHANNELS
+                         and self._direct_runs("winograd", x, w, stride, padding, block) else [])
                       + [p for p in DNNL_PATHS if p in have and (stride == (1, 1) or p not in self._shifted_gemms)
                          and (p not in BF16_PATHS or self.precision == "auto")
                          and (p not in self._direct or self._direct_runs(p, x, w, stride, padding, block))])
@@ -505,7 +520,7 @@ class ConvPathChoice:
         blocks of rows its GEMMs read)."""
         if stride != (1, 1):
             return False
-        if self.conv_path in ("auto", "fft"):        # fft: where the FFT path declines
+        if self.conv_path in ("auto", "fft", "winograd"):     # fft, winograd: where the path declines
             reduction = w_shape[1] * w_shape[3]
             return reduction >= SHIFTED_MIN_REDUCTION and w_shape[0] < SHIFTED_MAX_KERNELS_PER_REDUCTION * reduction
         return self.conv_path == "shifted"

@@ -95,7 +95,8 @@ class Config:
     cpu_conv_path: str = option("auto", "a CPU device's conv path: 'auto' (per layer and share, the fastest by timing on "
                                         "first use), or forced: 'im2col', 'shifted' or 'fft' (stride-1 layers), or "
                                         "'im2col-dnnl' (oneDNN's sgemm), 'direct-dnnl' (oneDNN's own convolutions), "
-                                        "'depthwise' (Numba kernels for depthwise convs; other convs im2col)")
+                                        "'depthwise' (Numba kernels for depthwise convs; other convs im2col), 'winograd' "
+                                        "(F(4x4,3x3) on 3x3 stride-1 convs; others by the rule)")
     precision: str = option("fp32", "a CPU device's conv GEMMs: fp32; bf16 (operands rounded to bf16, sums and "
                                     "everything else in fp32, as PyTorch's autocast; needs oneDNN: pip install "
                                     "'hetconv[onednn]'); auto (bf16 where the device's timing finds it faster, per "

@@ -1,0 +1,480 @@
+"""The CPU device's Winograd convolutions: a dense 3x3 conv at stride 1 (any padding up to 2) as
+F(4x4, 3x3) (Lavin and Gray 2016), its 36 products per 4x4 output tile batched into 36 GEMMs, in
+float32, called as devices/dnnl_conv.py's DirectConvs are (a block's tail adds the bias, applies
+the activation and the pool, and sums dB).
+
+Why: oneDNN's direct convolutions already run one core at its FMA peak (resnet18's 3x3 layers
+about 105 GFLOP/s on a Zen 4 core), so a faster 3x3 layer has to do fewer multiplications. A 4x4
+output tile costs 36 products per (kernel, channel) pair here against 144 directly. Measured on
+one Zen 4 core at batch 16, the three GEMMs of forward and backward come to 15, 12 and 13 ms on
+resnet18's 64-, 128- and 256-channel layers, where oneDNN's direct forward and backward take
+38, 32 and 31 ms; the transforms are memory-bound passes over x, Y, dY and dX.
+
+The three directions are one linear map and its two transposes, in the transformed domain:
+  forward   M[f] (K, T) = U[f] (K, C) @ V[f] (C, T),  U = G w G^T, V = B^T x_tile B;
+            y_tile = A^T M A  (T: the 4x4 output tiles of the batch, f: the 36 frequencies)
+  dX        dV[f] (C, T) = U[f]^T @ Z[f],   Z = A dy_tile A^T;  dx += B dV B^T per tile (tiles
+            overlap by 2: one (image, channel) plane is one task, its tiles added in order)
+  dW        dU[f] (K, C) = Z[f] @ V[f]^T,   dw = G^T dU G
+so backward is the exact gradient of what forward computes. Against a direct convolution the sums
+differ in rounding: the interpolation points 0, +-1, +-2 and infinity grow float32's error by
+about 10x over a direct sum's (relative error ~1e-6 of the output's scale at 576-long sums: the
+tests bound it against a float64 reference), as cuDNN's and NNPACK's F(4x4, 3x3) do.
+
+What it costs beyond the GEMMs: V, (C, T) per frequency, is 2.25x the input (36 values per 16
+outputs), kept from forward for dW within the saved-cols budget and recomputed otherwise; M, Z and
+dV are as big for K and C; the batch is cut into chunks of images so that a chunk's V, M and Z stay
+under the device's im2col budget. Every sum has an order fixed by the shapes and the chunking (a
+GEMM's own blocking aside): a share of the kernels computes its rows of M as the whole layer does.
+"""
+import numba
+import numpy as np
+from numba import prange
+
+from hetconv.jit import cached_njit
+
+_jit = cached_njit(parallel=True, nogil=True)
+_inline = cached_njit(inline="always", nogil=True)
+
+TILE = 4                    # output tile side: F(4x4, 3x3)
+ALPHA = TILE + 2            # input tile side
+FREQUENCIES = ALPHA * ALPHA
+MAX_PADDING = 2             # a tile reads at most 2 rows and columns beyond the output's
+
+
+@_inline
+def _bt(d0, d1, d2, d3, d4, d5):
+    """B^T d: the input transform of one line of 6."""
+    return (4.0 * d0 - 5.0 * d2 + d4,
+            -4.0 * d1 - 4.0 * d2 + d3 + d4,
+            4.0 * d1 - 4.0 * d2 - d3 + d4,
+            -2.0 * d1 - d2 + 2.0 * d3 + d4,
+            2.0 * d1 - d2 - 2.0 * d3 + d4,
+            4.0 * d1 - 5.0 * d3 + d5)
+
+
+@_inline
+def _b(v0, v1, v2, v3, v4, v5):
+    """B v: the transpose of _bt (dX's transform)."""
+    return (4.0 * v0,
+            -4.0 * v1 + 4.0 * v2 - 2.0 * v3 + 2.0 * v4 + 4.0 * v5,
+            -5.0 * v0 - 4.0 * v1 - 4.0 * v2 - v3 - v4,
+            v1 - v2 + 2.0 * v3 - 2.0 * v4 - 5.0 * v5,
+            v0 + v1 + v2 + v3 + v4,
+            v5)
+
+
+@_inline
+def _at(m0, m1, m2, m3, m4, m5):
+    """A^T m: the output transform of one line of 6 into 4."""
+    a, b = m1 + m2, m1 - m2
+    c, d = m3 + m4, m3 - m4
+    return m0 + a + c, b + 2.0 * d, a + 4.0 * c, b + 8.0 * d + m5
+
+
+@_inline
+def _a(y0, y1, y2, y3):
+    """A y: the transpose of _at (dY's transform), 4 into 6."""
+    even, odd = y0 + y2, y1 + y3
+    even4, odd2 = y0 + 4.0 * y2, 2.0 * y1 + 8.0 * y3
+    return y0, even + odd, even - odd, even4 + odd2, even4 - odd2, y3
+
+
+_SIXTH, _TWELFTH, _TWENTYFOURTH = 1.0 / 6.0, 1.0 / 12.0, 1.0 / 24.0
+
+
+@_inline
+def _g(g0, g1, g2):
+    """G g: the weights' transform of one line of 3 into 6."""
+    even, odd = (g0 + g2) * _SIXTH, g1 * _SIXTH
+    quarter = g0 * _TWENTYFOURTH + g2 * _SIXTH
+    return 0.25 * g0, -even - odd, odd - even, quarter + 0.5 * odd, quarter - 0.5 * odd, g2
+
+
+@_inline
+def _gt(u0, u1, u2, u3, u4, u5):
+    """G^T u: the transpose of _g (dW's transform), 6 into 3."""
+    low, high = (u1 + u2) * _SIXTH, u3 + u4
+    return (0.25 * u0 - low + high * _TWENTYFOURTH,
+            (u2 - u1) * _SIXTH + (u3 - u4) * _TWELFTH,
+            high * _SIXTH - low + u5)
+
+
+@_jit
+def _weights_forward(w, u, fs, ld):
+    """u (36, K, C) = G w[k, c] G^T for every pair, in float64 then rounded."""
+    kk, cc = w.shape[0], w.shape[1]
+    for k in prange(kk):
+        t = np.empty((ALPHA, 3))
+        for c in range(cc):
+            for s in range(3):
+                col = _g(np.float64(w[k, c, 0, s]), np.float64(w[k, c, 1, s]), np.float64(w[k, c, 2, s]))
+                t[0, s] = col[0]
+                t[1, s] = col[1]
+                t[2, s] = col[2]
+                t[3, s] = col[3]
+                t[4, s] = col[4]
+                t[5, s] = col[5]
+            for r in range(ALPHA):
+                row = _g(t[r, 0], t[r, 1], t[r, 2])
+                u[(r * ALPHA + 0) * fs + k * ld + c] = row[0]
+                u[(r * ALPHA + 1) * fs + k * ld + c] = row[1]
+                u[(r * ALPHA + 2) * fs + k * ld + c] = row[2]
+                u[(r * ALPHA + 3) * fs + k * ld + c] = row[3]
+                u[(r * ALPHA + 4) * fs + k * ld + c] = row[4]
+                u[(r * ALPHA + 5) * fs + k * ld + c] = row[5]
+
+
+@_jit
+def _weights_backward(du, fs, ld, dw):
+    """dw (K, C, 3, 3) = G^T du[:, k, c] G for every pair, in float64 then rounded; du flat,
+    frequency f's (K, C) matrix at f * fs with rows ld apart (as every frequency-major buffer here)."""
+    kk, cc = dw.shape[0], dw.shape[1]
+    for k in prange(kk):
+        t = np.empty((ALPHA, 3))
+        for c in range(cc):
+            for r in range(ALPHA):
+                b = r * ALPHA
+                row = _gt(np.float64(du[(b) * fs + k * ld + c]), np.float64(du[(b + 1) * fs + k * ld + c]), np.float64(du[(b + 2) * fs + k * ld + c]),
+                          np.float64(du[(b + 3) * fs + k * ld + c]), np.float64(du[(b + 4) * fs + k * ld + c]), np.float64(du[(b + 5) * fs + k * ld + c]))
+                t[r, 0] = row[0]
+                t[r, 1] = row[1]
+                t[r, 2] = row[2]
+            for s in range(3):
+                col = _gt(t[0, s], t[1, s], t[2, s], t[3, s], t[4, s], t[5, s])
+                dw[k, c, 0, s] = col[0]
+                dw[k, c, 1, s] = col[1]
+                dw[k, c, 2, s] = col[2]
+
+
+# The tile kernels run over (image, channel) planes in tasks of `per_task` planes (about eight
+# tasks a thread: work buffers are allocated once a task, not once a plane). A plane's columns are
+# held de-interleaved, column 4*jj + q at [q, jj], so that every pass along a row of tiles reads and
+# writes each tile's values side by side in memory (SIMD across the tiles of a row).
+
+
+@_jit
+def _input_tiles(x, n0, n1, ph, pw, th, tw, per_task, v, fs, ld):
+    """v (36, C, T) = B^T d B for each 6x6 input tile d of images n0..n1 (zero outside the
+    input), tile t = ((n - n0) * th + i) * tw + j."""
+    cc, h, wd = x.shape[1], x.shape[2], x.shape[3]
+    hp, jp = th * TILE + 2, tw + 1
+    planes = (n1 - n0) * cc
+    for task in prange((planes + per_task - 1) // per_task):
+        xp = np.empty((hp, TILE, jp))
+        t = np.empty((ALPHA, TILE, jp))
+        for p in range(task * per_task, min(planes, (task + 1) * per_task)):
+            n, c = n0 + p // cc, p % cc
+            xp[:] = 0.0
+            for r in range(max(0, ph), min(hp, h + ph)):
+                for xs in range(max(0, -pw), min(wd, jp * TILE - pw)):
+                    s = xs + pw
+                    xp[r, s % TILE, s // TILE] = x[n, c, r - ph, xs]
+            for i in range(th):
+                r0 = i * TILE
+                for q in range(TILE):
+                    for jj in range(jp):
+                        col = _bt(xp[r0, q, jj], xp[r0 + 1, q, jj], xp[r0 + 2, q, jj], xp[r0 + 3, q, jj],
+                                  xp[r0 + 4, q, jj], xp[r0 + 5, q, jj])
+                        t[0, q, jj] = col[0]
+                        t[1, q, jj] = col[1]
+                        t[2, q, jj] = col[2]
+                        t[3, q, jj] = col[3]
+                        t[4, q, jj] = col[4]
+                        t[5, q, jj] = col[5]
+                base = ((n - n0) * th + i) * tw
+                for r in range(ALPHA):
+                    for j in range(tw):
+                        row = _bt(t[r, 0, j], t[r, 1, j], t[r, 2, j], t[r, 3, j], t[r, 0, j + 1], t[r, 1, j + 1])
+                        v[(r * ALPHA + 0) * fs + c * ld + base + j] = row[0]
+                        v[(r * ALPHA + 1) * fs + c * ld + base + j] = row[1]
+                        v[(r * ALPHA + 2) * fs + c * ld + base + j] = row[2]
+                        v[(r * ALPHA + 3) * fs + c * ld + base + j] = row[3]
+                        v[(r * ALPHA + 4) * fs + c * ld + base + j] = row[4]
+                        v[(r * ALPHA + 5) * fs + c * ld + base + j] = row[5]
+
+
+@_jit
+def _output_tiles(m, fs, ld, n0, n1, th, tw, per_task, y):
+    """y[n0..n1] = A^T M A per tile, cut at the output's edge."""
+    kk, ho, wo = y.shape[1], y.shape[2], y.shape[3]
+    planes = (n1 - n0) * kk
+    for task in prange((planes + per_task - 1) // per_task):
+        t = np.empty((TILE, ALPHA, tw))
+        out = np.empty((TILE, tw))
+        for p in range(task * per_task, min(planes, (task + 1) * per_task)):
+            n, k = n0 + p // kk, p % kk
+            for i in range(th):
+                base = ((n - n0) * th + i) * tw
+                for s in range(ALPHA):
+                    for j in range(tw):
+                        col = _at(np.float64(m[(s) * fs + k * ld + base + j]), np.float64(m[(ALPHA + s) * fs + k * ld + base + j]),
+                                  np.float64(m[(2 * ALPHA + s) * fs + k * ld + base + j]),
+                                  np.float64(m[(3 * ALPHA + s) * fs + k * ld + base + j]),
+                                  np.float64(m[(4 * ALPHA + s) * fs + k * ld + base + j]),
+                                  np.float64(m[(5 * ALPHA + s) * fs + k * ld + base + j]))
+                        t[0, s, j] = col[0]
+                        t[1, s, j] = col[1]
+                        t[2, s, j] = col[2]
+                        t[3, s, j] = col[3]
+                for r in range(min(TILE, ho - i * TILE)):
+                    for j in range(tw):
+                        row = _at(t[r, 0, j], t[r, 1, j], t[r, 2, j], t[r, 3, j], t[r, 4, j], t[r, 5, j])
+                        out[0, j] = row[0]
+                        out[1, j] = row[1]
+                        out[2, j] = row[2]
+                        out[3, j] = row[3]
+                    yr = i * TILE + r
+                    for ys in range(wo):
+                        y[n, k, yr, ys] = out[ys % TILE, ys // TILE]
+
+
+@_jit
+def _grad_tiles(dy, n0, n1, th, tw, per_task, z, fs, ld):
+    """z (36, K, T) = A g A^T for each 4x4 tile g of dY (zero beyond its edge)."""
+    kk, ho, wo = dy.shape[1], dy.shape[2], dy.shape[3]
+    hp = th * TILE
+    planes = (n1 - n0) * kk
+    for task in prange((planes + per_task - 1) // per_task):
+        g = np.empty((hp, TILE, tw))
+        t = np.empty((ALPHA, TILE, tw))
+        for p in range(task * per_task, min(planes, (task + 1) * per_task)):
+            n, k = n0 + p // kk, p % kk
+            g[:] = 0.0
+            for r in range(ho):
+                for s in range(wo):
+                    g[r, s % TILE, s // TILE] = dy[n, k, r, s]
+            for i in range(th):
+                r0 = i * TILE
+                for q in range(TILE):
+                    for j in range(tw):
+                        col = _a(g[r0, q, j], g[r0 + 1, q, j], g[r0 + 2, q, j], g[r0 + 3, q, j])
+                        t[0, q, j] = col[0]
+                        t[1, q, j] = col[1]
+                        t[2, q, j] = col[2]
+                        t[3, q, j] = col[3]
+                        t[4, q, j] = col[4]
+                        t[5, q, j] = col[5]
+                base = ((n - n0) * th + i) * tw
+                for r in range(ALPHA):
+                    for j in range(tw):
+                        row = _a(t[r, 0, j], t[r, 1, j], t[r, 2, j], t[r, 3, j])
+                        z[(r * ALPHA + 0) * fs + k * ld + base + j] = row[0]
+                        z[(r * ALPHA + 1) * fs + k * ld + base + j] = row[1]
+                        z[(r * ALPHA + 2) * fs + k * ld + base + j] = row[2]
+                        z[(r * ALPHA + 3) * fs + k * ld + base + j] = row[3]
+                        z[(r * ALPHA + 4) * fs + k * ld + base + j] = row[4]
+                        z[(r * ALPHA + 5) * fs + k * ld + base + j] = row[5]
+
+
+@_jit
+def _input_grad_tiles(dv, fs, ld, n0, n1, ph, pw, th, tw, per_task, dx):
+    """dx[n0..n1] = the sum over tiles of B dV B^T, each added where its tile read the input."""
+    cc, h, wd = dx.shape[1], dx.shape[2], dx.shape[3]
+    hp, jp = th * TILE + 2, tw + 1
+    planes = (n1 - n0) * cc
+    for task in prange((planes + per_task - 1) // per_task):
+        acc = np.empty((hp, TILE, jp))
+        t = np.empty((ALPHA, ALPHA, tw))
+        rows = np.empty((ALPHA, tw))
+        for p in range(task * per_task, min(planes, (task + 1) * per_task)):
+            n, c = n0 + p // cc, p % cc
+            acc[:] = 0.0
+            for i in range(th):
+                base = ((n - n0) * th + i) * tw
+                for s in range(ALPHA):
+                    for j in range(tw):
+                        col = _b(np.float64(dv[(s) * fs + c * ld + base + j]), np.float64(dv[(ALPHA + s) * fs + c * ld + base + j]),
+                                 np.float64(dv[(2 * ALPHA + s) * fs + c * ld + base + j]),
+                                 np.float64(dv[(3 * ALPHA + s) * fs + c * ld + base + j]),
+                                 np.float64(dv[(4 * ALPHA + s) * fs + c * ld + base + j]),
+                                 np.float64(dv[(5 * ALPHA + s) * fs + c * ld + base + j]))
+                        t[0, s, j] = col[0]
+                        t[1, s, j] = col[1]
+                        t[2, s, j] = col[2]
+                        t[3, s, j] = col[3]
+                        t[4, s, j] = col[4]
+                        t[5, s, j] = col[5]
+                for r in range(ALPHA):
+                    for j in range(tw):
+                        row = _b(t[r, 0, j], t[r, 1, j], t[r, 2, j], t[r, 3, j], t[r, 4, j], t[r, 5, j])
+                        rows[0, j] = row[0]
+                        rows[1, j] = row[1]
+                        rows[2, j] = row[2]
+                        rows[3, j] = row[3]
+                        rows[4, j] = row[4]
+                        rows[5, j] = row[5]
+                    ar = i * TILE + r
+                    for q in range(TILE):          # a tile's columns 0..3: its own group
+                        for j in range(tw):
+                            acc[ar, q, j] += rows[q, j]
+                    for q in range(2):             # its columns 4 and 5: the next group's first two
+                        for j in range(tw):
+                            acc[ar, q, j + 1] += rows[TILE + q, j]
+            for r in range(h):
+                for xs in range(wd):
+                    s = xs + pw
+                    dx[n, c, r, xs] = acc[r + ph, s % TILE, s // TILE]
+
+
+def frequency_stride(rows, cols):
+    """Floats from one frequency's (rows, cols) matrix to the next's in a work buffer: the matrix
+    rounded up so that the 36 start 64 bytes apart modulo 4 KB. Packed (a multiple of 4 KB apart
+    for most layers), the 36 streams a tile kernel writes side by side fell into the same L1 sets:
+    the weights' transform of a 256x256 layer took 8.3 ms where it takes 0.8."""
+    size = rows * cols
+    return -(-(size - 16) // 1024) * 1024 + 16 if size > 16 else 16
+
+
+class FrequencyPlanes:
+    """36 (rows, cols) float32 matrices in one flat buffer, frequency_stride apart: `f[i]` is
+    frequency i's matrix (a view the GEMMs take), `flat`, `fs` and `ld` what the kernels index."""
+
+    def __init__(self, flat, rows, cols):
+        self.fs, self.ld = frequency_stride(rows, cols), cols
+        if flat.size < FREQUENCIES * self.fs:
+            raise ValueError(f"a buffer of {flat.size} floats cannot hold 36 frequencies of {rows}x{cols}")
+        self.flat = flat[:FREQUENCIES * self.fs]
+        self.f = np.lib.stride_tricks.as_strided(self.flat, (FREQUENCIES, rows, cols), (self.fs * 4, cols * 4, 4))
+
+    @property
+    def args(self):
+        return self.flat, self.fs, self.ld
+
+
+def _planes_per_task(planes):
+    """(image, channel) planes a task of the tile kernels takes: about eight tasks a thread."""
+    return max(1, planes // (8 * numba.get_num_threads()))
+
+
+def tiles(x_shape, padding):
+    """(output height, width, tile rows, tile columns) of a 3x3 stride-1 conv."""
+    ho, wo = x_shape[2] + 2 * padding[0] - 2, x_shape[3] + 2 * padding[1] - 2
+    return ho, wo, -(-ho // TILE), -(-wo // TILE)
+
+
+class WinogradConvs:
+    """A CPU device's F(4x4, 3x3) convolutions. `gemm(a, b, c, beta)`: c = a @ b + beta * c on
+    float32 views (the device's: oneDNN's sgemm on its threads where installed); `scratch(name,
+    shape)`: the device's kept float32 work buffers; a chunk's V, M and Z within `budget_bytes`."""
+
+    path = "winograd"
+
+    def __init__(self, gemm, scratch, budget_bytes):
+        self._gemm, self._scratch, self.budget_bytes = gemm, scratch, int(budget_bytes)
+
+    @staticmethod
+    def declines(x_shape, w_shape, stride, padding, dilation=(1, 1), groups=1):
+        """'' where this path takes the conv (3x3, stride 1, no dilation, one group, padding at
+        most 2, an output at least one pixel), else why not."""
+        if tuple(w_shape[2:]) != (3, 3) or tuple(stride) != (1, 1) or tuple(dilation) != (1, 1) or groups != 1:
+            return (f"Winograd F(4x4, 3x3) takes dense 3x3 convs at stride 1, got {w_shape[2]}x{w_shape[3]} "
+                    f"kernels, stride {tuple(stride)}, dilation {tuple(dilation)}, {groups} groups")
+        if max(padding) > MAX_PADDING or min(padding) < 0:
+            return f"Winograd F(4x4, 3x3) takes padding 0 to {MAX_PADDING}, got {tuple(padding)}"
+        ho, wo, _, _ = tiles(x_shape, padding)
+        if ho < 1 or wo < 1:
+            return f"no output: input {tuple(x_shape[2:])} with padding {tuple(padding)}"
+        return ""
+
+    @staticmethod
+    def implementations(x_shape, w_shape, stride, padding, dilation=(1, 1), groups=1):
+        return {"forward": "F(4x4,3x3)", "backward-data": "F(4x4,3x3)", "backward-weights": "F(4x4,3x3)"}
+
+    def _images_per_chunk(self, x_shape, w_shape, padding):
+        """Images a chunk takes: its V, M (or Z) and dV within the budget, at least one."""
+        _, _, th, tw = tiles(x_shape, padding)
+        per_image = FREQUENCIES * th * tw * (2 * x_shape[1] + w_shape[0]) * 4
+        return max(1, min(x_shape[0], self.budget_bytes // per_image))
+
+    def src_nbytes(self, x_shape, w_shape, stride, padding, dilation=(1, 1), groups=1):
+        """The bytes of V for the whole batch: what forward can keep for dW."""
+        return sum(FREQUENCIES * frequency_stride(x_shape[1], count) * 4
+                   for count in self._chunk_tiles(x_shape, w_shape, padding))
+
+    def _chunk_tiles(self, x_shape, w_shape, padding):
+        _, _, th, tw = tiles(x_shape, padding)
+        return [(n1 - n0) * th * tw for n0, n1 in self._chunks(x_shape, w_shape, padding)]
+
+    def _chunks(self, x_shape, w_shape, padding):
+        step = self._images_per_chunk(x_shape, w_shape, padding)
+        return [(n0, min(n0 + step, x_shape[0])) for n0 in range(0, x_shape[0], step)]
+
+    def _saved_v(self, saved_src, x_shape, w_shape, padding, n0):
+        """The chunk's V inside the kept buffer: chunk after chunk, each (36, C, its tiles)."""
+        start = 0
+        for (c0, _), count in zip(self._chunks(x_shape, w_shape, padding), self._chunk_tiles(x_shape, w_shape, padding)):
+            if c0 == n0:
+                return FrequencyPlanes(saved_src.view(np.float32)[start:], x_shape[1], count)
+            start += FREQUENCIES * frequency_stride(x_shape[1], count)
+        raise ValueError(f"no chunk starts at image {n0}")
+
+    def _planes(self, name, rows, cols):
+        return FrequencyPlanes(self._scratch(name, (FREQUENCIES * frequency_stride(rows, cols),)), rows, cols)
+
+    def _v(self, x, w_shape, n0, n1, padding, th, tw, saved_src):
+        count = (n1 - n0) * th * tw
+        v = (self._planes("winograd_v", x.shape[1], count) if saved_src is None
+             else self._saved_v(saved_src, x.shape, w_shape, padding, n0))
+        _input_tiles(x, n0, n1, padding[0], padding[1], th, tw, _planes_per_task((n1 - n0) * x.shape[1]), *v.args)
+        return v
+
+    def _u(self, w):
+        u = self._planes("winograd_u", w.shape[0], w.shape[1])
+        _weights_forward(w, *u.args)
+        return u
+
+    def forward(self, x, w, stride, padding, y, saved_src=None, dilation=(1, 1), groups=1):
+        """y (N, K, Ho, Wo), float32 C-contiguous = conv(x, w), no bias. With `saved_src` (a uint8
+        buffer of src_nbytes()) V is left there for backward."""
+        x, w = np.ascontiguousarray(x, np.float32), np.ascontiguousarray(w, np.float32)
+        _, _, th, tw = tiles(x.shape, padding)
+        k = w.shape[0]
+        u = self._u(w)
+        for n0, n1 in self._chunks(x.shape, w.shape, padding):
+            v = self._v(x, w.shape, n0, n1, padding, th, tw, saved_src)
+            m = self._planes("winograd_m", k, v.ld)
+            for f in range(FREQUENCIES):
+                self._gemm(u.f[f], v.f[f], m.f[f], 0.0)
+            _output_tiles(*m.args, n0, n1, th, tw, _planes_per_task((n1 - n0) * k), y)
+        return y
+
+    def backward(self, x, w, dy, stride, padding, need_dx, dw, saved_src=None, dilation=(1, 1), groups=1,
+                 on_dx=None):
+        """dx (N, C, H, W) or None where not asked; dW into dw (K, C, 3, 3) float32
+        C-contiguous. The bias's gradient is the caller's. dX's GEMMs run first, chunk by chunk,
+        and dx goes to on_dx (where given) before dW's run."""
+        x, w = np.ascontiguousarray(x, np.float32), np.ascontiguousarray(w, np.float32)
+        dy = np.ascontiguousarray(dy, np.float32)
+        _, _, th, tw = tiles(x.shape, padding)
+        k, c = w.shape[0], w.shape[1]
+        chunks = self._chunks(x.shape, w.shape, padding)
+        z = None
+        dx = None
+        if need_dx:
+            u = self._u(w)
+            dx = np.empty(x.shape, np.float32)
+            for n0, n1 in chunks:
+                z = self._z(dy, n0, n1, th, tw)
+                dv = self._planes("winograd_dv", c, z.ld)
+                for f in range(FREQUENCIES):
+                    self._gemm(u.f[f].T, z.f[f], dv.f[f], 0.0)
+                _input_grad_tiles(*dv.args, n0, n1, padding[0], padding[1], th, tw, _planes_per_task((n1 - n0) * c),
+                                  dx)
+            if on_dx is not None:
+                on_dx(dx)
+        du = self._planes("winograd_du", k, c)
+        for i, (n0, n1) in enumerate(chunks):
+            if z is None or len(chunks) > 1:
+                z = self._z(dy, n0, n1, th, tw)
+            v = (self._saved_v(saved_src, x.shape, w.shape, padding, n0) if saved_src is not None
+                 else self._v(x, w.shape, n0, n1, padding, th, tw, None))
+            for f in range(FREQUENCIES):
+                self._gemm(z.f[f], v.f[f].T, du.f[f], 0.0 if i == 0 else 1.0)
+        _weights_backward(*du.args, dw)
+        return dx
+
+    def _z(self, dy, n0, n1, th, tw):
+        z = self._planes("winograd_z", dy.shape[1], (n1 - n0) * th * tw)
+        _grad_tiles(dy, n0, n1, th, tw, _planes_per_task((n1 - n0) * dy.shape[1]), *z.args)
+        return z
