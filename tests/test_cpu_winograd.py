@@ -174,3 +174,30 @@ def test_auto_takes_winograd_only_by_its_margin_and_only_on_layers_wide_enough(w
     narrow = _faked({**TIMES, "winograd": 0.01})    # fewer kernels than the minimum: not a candidate
     narrow.conv_block(x, w[:c - 1], np.zeros(c - 1, np.float32), ConvBlock(padding=1, pool="none"))
     assert "winograd" not in narrow.conv_path_choices()[0]["seconds"]
+
+
+def test_where_winograd_is_a_candidate_each_kernel_count_is_timed_for_itself():
+    """A choice timed with a worker's share of the kernels is not reused for the layer's call with
+    all of them (a data-parallel block's) where Winograd is a candidate: its fixed cost per call
+    ranks it differently. Without Winograd among the candidates (a 5x5 layer) the choice carries
+    over, as before."""
+    timed = []
+
+    def timer(path, run):
+        timed.append(path)
+        return {"winograd": 0.5}.get(path, 1.0)
+
+    cpu = open_device("cpu", threads=1, auto_timed_min_flops=0, auto_timer=timer)
+    c = cpu_path_choice.WINOGRAD_MIN_CHANNELS
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, c, 6, 6)).astype(np.float32)
+    block = ConvBlock(padding=1, pool="none")
+    for kernels in (2 * c, 4 * c):
+        w = rng.standard_normal((kernels, c, 3, 3)).astype(np.float32) / c
+        cpu.conv_block(x, w, np.zeros(kernels, np.float32), block)
+    whys = [choice["why"] for choice in cpu.conv_path_choices()]
+    assert whys == ["timed", "timed"] and timed.count("winograd") >= 4
+    for kernels in (2 * c, 4 * c):
+        w = rng.standard_normal((kernels, c, 5, 5)).astype(np.float32) / c
+        cpu.conv_block(x, w, np.zeros(kernels, np.float32), ConvBlock(padding=2, pool="none"))
+    assert cpu.conv_path_choices()[3]["why"].startswith("as timed for")

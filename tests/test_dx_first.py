@@ -1,5 +1,5 @@
-"""A block's dX handed over before its dW computes (conv_block_backward's on_dx): the FFT and
-oneDNN direct paths compute dX first, so a worker's partial dX is on the wire while its dW
+"""A block's dX handed over before its dW computes (conv_block_backward's on_dx): the FFT,
+oneDNN direct and Winograd paths compute dX first, so a worker's partial dX is on the wire while its dW
 computes; the GEMM paths, which interleave both per chunk of images, hand it over at the end.
 Either way the gradients are bit for bit those of a backward without on_dx. And calibration
 times when dX is ready, which the cost model prices."""
@@ -21,8 +21,9 @@ DEVICES = {
     "fft-blocked": dict(conv_path="fft", threads=2, im2col_budget_bytes=4000, saved_cols_budget_bytes=0),
     "direct-dnnl": dict(conv_path="direct-dnnl", threads=1),
     "im2col": dict(conv_path="im2col", threads=1),
+    "winograd": dict(conv_path="winograd", threads=2, im2col_budget_bytes=4000, saved_cols_budget_bytes=0),
 }
-DX_FIRST = {"fft", "fft-blocked", "direct-dnnl"}
+DX_FIRST = {"fft", "fft-blocked", "direct-dnnl", "winograd"}
 
 
 def _device(name):

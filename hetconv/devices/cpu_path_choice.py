@@ -108,6 +108,10 @@ WINOGRAD_MIN_CHANNELS = 32
 # images only widen its lead, and fewer images with more kernels narrow it (vgg-small's last
 # layer: even with the shifted path at 16 images x 128 kernels, 1.5x slower at 8 x 256).
 AUTO_REUSE_FACTOR = 2.0
+# ... but not across kernel counts where Winograd is a candidate: its input transform is a cost per
+# call that the kernels do not share out, so its rank flips with them. resnet18's 64-channel 32x32
+# layer at 16 images on one Zen 4 core: 22.1 ms against the direct path's 20.1 with a worker's 32
+# kernels (calibration's share), 31 against 37 with all 64 (the data-parallel block's call).
 
 # Timing the paths of a big layer takes seconds to tens of seconds (the paper's conv2 on one
 # thread: ~24 s): said here at INFO before it starts, for a command line that shows progress
@@ -452,6 +456,7 @@ class ConvPathChoice:
         layer = (tuple(x.shape[1:]), tuple(w.shape[1:]), stride, padding, block)
         for timed_layer, timed_n, timed_k, timed_key, timed in self._timed:
             if (timed_layer == layer and max(k / timed_k, timed_k / k) <= AUTO_REUSE_FACTOR
+                    and (k == timed_k or "winograd" not in candidates)
                     and (n == timed_n or n > timed_n and timed.path == "fft")):
                 if timed.path in candidates:
                     return _PathChoice(timed.path, f"as timed for {_describe_call(timed_key)}", measured=True)
