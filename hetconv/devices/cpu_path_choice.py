@@ -204,7 +204,7 @@ class ConvPathChoice:
         Device.conv_path_choices); `key`: the call as devices.wisdom.call_key writes it."""
         return [{"call": _describe_call(key), "key": wisdom_keys.call_key(*key), "path": choice.path, "why": choice.why,
                  "seconds": {p: float(s) for p, s in choice.seconds.items()}, "calls": choice.calls,
-                 **({"kernels": self._direct_kernels(key, choice)} if choice.path in self._direct else {})}
+                 **({"kernels": self._direct_kernels(key, choice)} if choice.path in DIRECT_PATHS else {})}
                 for key, choice in self._choices.items()]
 
     def machine_key(self):
