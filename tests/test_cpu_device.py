@@ -162,7 +162,7 @@ def test_auto_path_takes_shifted_gemms_only_for_long_rows():
 
 
 def test_unknown_conv_path_is_refused():
-    with pytest.raises(DeviceError, match=r"conv_path must be one of \('auto', 'im2col', 'shifted', 'fft', 'im2col-dnnl', 'direct-dnnl', 'depthwise'\), "
+    with pytest.raises(DeviceError, match=r"conv_path must be one of \('auto', 'im2col', 'shifted', 'fft', 'im2col-dnnl', 'direct-dnnl', 'depthwise', 'winograd'\), "
                                            r"got 'direct'"):
         open_device("cpu", conv_path="direct")
 

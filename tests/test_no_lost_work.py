@@ -48,6 +48,12 @@ def records(path):
     return [json.loads(line) for line in open(path)]
 
 
+def written_records(path):
+    """The records of a metrics file a running coordinator is still writing: whole lines only
+    (a reader can catch the last one half written, since each record is flushed as it goes)."""
+    return [json.loads(line) for line in open(path) if line.endswith("\n")]
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """The --local run every test here must end equal to: 6 steps, checkpoint at the end."""
@@ -310,7 +316,7 @@ def _wait_for_step(metrics, step, seconds=120):
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if metrics.exists() and any(r["event"] == "step" and r["step"] >= step
-                                    for r in records(metrics) if metrics.stat().st_size):
+                                    for r in written_records(metrics) if metrics.stat().st_size):
             return
         time.sleep(0.1)
     raise AssertionError(f"no step {step} within {seconds}s")
