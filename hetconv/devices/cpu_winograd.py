@@ -7,8 +7,9 @@ Why: oneDNN's direct convolutions already run one core at its FMA peak (resnet18
 about 105 GFLOP/s on a Zen 4 core), so a faster 3x3 layer has to do fewer multiplications. A 4x4
 output tile costs 36 products per (kernel, channel) pair here against 144 directly. Measured on
 one Zen 4 core at batch 16, the three GEMMs of forward and backward come to 15, 12 and 13 ms on
-resnet18's 64-, 128- and 256-channel layers, where oneDNN's direct forward and backward take
-38, 32 and 31 ms; the transforms are memory-bound passes over x, Y, dY and dX.
+resnet18's 64-, 128- and 256-channel layers, and the whole path to 30, 28 and 29 ms, where oneDNN's
+direct forward and backward take 37, 33 and 32 (bench/winograd.py); the rest is the transforms,
+memory-bound passes over x, Y, dY and dX and the 2.25x larger V, M, Z and dV.
 
 The three directions are one linear map and its two transposes, in the transformed domain:
   forward   M[f] (K, T) = U[f] (K, C) @ V[f] (C, T),  U = G w G^T, V = B^T x_tile B;
@@ -17,9 +18,9 @@ The three directions are one linear map and its two transposes, in the transform
             overlap by 2: one (image, channel) plane is one task, its tiles added in order)
   dW        dU[f] (K, C) = Z[f] @ V[f]^T,   dw = G^T dU G
 so backward is the exact gradient of what forward computes. Against a direct convolution the sums
-differ in rounding: the interpolation points 0, +-1, +-2 and infinity grow float32's error by
-about 10x over a direct sum's (relative error ~1e-6 of the output's scale at 576-long sums: the
-tests bound it against a float64 reference), as cuDNN's and NNPACK's F(4x4, 3x3) do.
+differ in rounding: the interpolation points 0, +-1, +-2 and infinity grow float32's error about
+10x over a direct sum's (0.8-1.4e-5 of the largest value on resnet18's layers against a float64
+reference, where a direct sum's is ~1e-6; the tests bound it), as cuDNN's and NNPACK's F(4x4, 3x3).
 
 What it costs beyond the GEMMs: V, (C, T) per frequency, is 2.25x the input (36 values per 16
 outputs), kept from forward for dW within the saved-cols budget and recomputed otherwise; M, Z and
@@ -150,8 +151,8 @@ def _weights_backward(du, fs, ld, dw):
 # The tile kernels run over (image, channel) planes in tasks of `per_task` planes (about eight
 # tasks a thread: work buffers are allocated once a task, not once a plane). Within a plane each
 # pass is a loop over all its tiles at once (a frequency's tiles of one plane lie side by side in
-# V, M, Z and dV), in float32: long contiguous loops SIMD takes whole. The first version looped
-# over one row of tiles at a time in float64 (8 tiles on a 32x32 input): 5x slower.
+# V, M, Z and dV), in float32: long contiguous loops SIMD takes whole. One row of tiles at a time
+# in float64 (8 tiles on a 32x32 input) ran the output transform 5x slower.
 _F2, _F4, _F5, _F8 = np.float32(2.0), np.float32(4.0), np.float32(5.0), np.float32(8.0)
 
 
