@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from hetconv.cli import worker as worker_cli
@@ -69,3 +70,29 @@ def test_a_workers_malformed_conv_path_report_is_dropped_not_trusted():
                                                           "x" * 99: "y" * 99, "four": "a", "five": "b"}}
     kernels = remote_module._conv_path_choices([direct])[0]["kernels"]
     assert kernels == {"forward": "jit_bf16:avx512_core_bf16", "x" * 20: "y" * 60}    # strings, 3 entries, cut
+
+
+def test_spawned_workers_on_the_winograd_path_train_as_the_local_run_does(tmp_path):
+    """--cpu-conv-path winograd end to end: two spawned workers each run their share of 3x3
+    layers on it (said in the calibration record) and train as --local on the same path does: the
+    conv weights after four steps (which moved from their start) equal, to Winograd's rounding."""
+    from hetconv.training import checkpoint
+    flags = ["--cpu-conv-path", "winograd", "--threads", "1", "--conv", "6,8", "--ksize", "3", "--padding", "1",
+             "--fc", "8", "--batch-size", "8", "--synthetic-train", "32", "--synthetic-test", "8", "--steps", "4",
+             "--eval-batches", "1", "--seed", "3", "--lr", "0.5"]
+    convs = {}
+    for mode in (["--spawn", "cpu,cpu"], ["--local"], ["--local", "--lr", "1e-12"]):     # the last: (all but) the start
+        name = "-".join(m.strip("-") for m in mode)
+        metrics, ck = tmp_path / f"{name}.jsonl", tmp_path / name
+        r = subprocess.run([sys.executable, "-m", "hetconv.cli.coordinator", *flags, *mode, "--metrics", str(metrics),
+                            "--checkpoint-dir", str(ck)], capture_output=True, text=True, timeout=180)
+        assert r.returncode == 0, r.stdout + r.stderr
+        convs[mode[0] if len(mode) < 3 else "start"] = checkpoint.load(str(ck))[1]
+        if mode[0] == "--spawn":
+            records = [json.loads(line) for line in open(metrics)]
+            calibration = next(rec for rec in records if rec["event"] == "calibration")
+            chosen = [c for worker in calibration["workers"].values() for c in worker["conv_paths"]]
+            assert chosen and all(c["path"] == "winograd" and c["why"] == "forced" for c in chosen)
+    for spawned, local, start in zip(convs["--spawn"], convs["--local"], convs["start"]):
+        assert np.abs(local["w"] - start["w"]).max() > 1e-3          # the conv layers learned
+        np.testing.assert_allclose(spawned["w"], local["w"], rtol=1e-4, atol=1e-6)

@@ -155,7 +155,7 @@ def test_help_explains_the_modes():
         assert flag in result.stdout
 
 
-@pytest.mark.parametrize("path", ["im2col", "shifted", "fft"])
+@pytest.mark.parametrize("path", ["im2col", "shifted", "fft", "winograd"])
 def test_shard_steps_over_micro_batches_follow_the_reference_sgd(path):
     """Three steps of two micro-batches each on one shard: each step's dW is the micro-batches'
     sum, written into the buffer the last step's update used, and the one update per step is
