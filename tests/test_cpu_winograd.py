@@ -2,6 +2,8 @@
 reference: its kernels alone (every padding it takes, outputs that end inside a tile, chunks of
 images, V kept from forward or recomputed, 1 and 2 threads), the device's blocks forced onto it,
 what it declines and why, and when the timed choice takes it."""
+import re
+
 import numpy as np
 import pytest
 
@@ -107,7 +109,6 @@ def test_the_36_frequencies_start_apart_in_the_cache():
     (((1, 3, 2, 8), (4, 3, 3, 3), (1, 1), (0, 0)), "no output"),
 ])
 def test_what_it_declines_is_named(call, why):
-    import re
     assert re.search(why, WinogradConvs.declines(*call))
 
 

@@ -263,7 +263,7 @@ class ConvPathChoice:
         return [f"{_describe_call(key)}: {self._describe_choice(key, choice)}" for key, choice in self._choices.items()]
 
     def _describe_choice(self, key, choice):
-        if choice.path not in self._direct or choice.path == "winograd":
+        if choice.path not in DIRECT_PATHS:
             return choice.describe()
         kernels = ", ".join(f"{d} {name}" for d, name in self._direct_kernels(key, choice).items())
         return f"{choice.describe()}; oneDNN {kernels}"

@@ -43,42 +43,69 @@ FREQUENCIES = ALPHA * ALPHA
 MAX_PADDING = 2             # a tile reads at most 2 rows and columns beyond the output's
 
 
-@_inline
-def _bt(d0, d1, d2, d3, d4, d5):
-    """B^T d: the input transform of one line of 6."""
-    return (4.0 * d0 - 5.0 * d2 + d4,
-            -4.0 * d1 - 4.0 * d2 + d3 + d4,
-            4.0 * d1 - 4.0 * d2 - d3 + d4,
-            -2.0 * d1 - d2 + 2.0 * d3 + d4,
-            2.0 * d1 - d2 - 2.0 * d3 + d4,
-            4.0 * d1 - 5.0 * d3 + d5)
+# The four tile transforms, each applied elementwise along lines of a plane's tiles (one tile an
+# element, SIMD across them); every tile kernel runs one of them down the columns and then along
+# the rows of its tiles. Constants are float32 so that the lines stay float32.
+_F2, _F4, _F5, _F8 = np.float32(2.0), np.float32(4.0), np.float32(5.0), np.float32(8.0)
 
 
 @_inline
-def _b(v0, v1, v2, v3, v4, v5):
-    """B v: the transpose of _bt (dX's transform)."""
-    return (4.0 * v0,
-            -4.0 * v1 + 4.0 * v2 - 2.0 * v3 + 2.0 * v4 + 4.0 * v5,
-            -5.0 * v0 - 4.0 * v1 - 4.0 * v2 - v3 - v4,
-            v1 - v2 + 2.0 * v3 - 2.0 * v4 - 5.0 * v5,
-            v0 + v1 + v2 + v3 + v4,
-            v5)
+def _bt_lines(d0, d1, d2, d3, d4, d5, o0, o1, o2, o3, o4, o5):
+    """o = B^T d: the input transform, 6 lines into 6."""
+    for e in range(o0.shape[0]):
+        o0[e] = _F4 * d0[e] - _F5 * d2[e] + d4[e]
+        o1[e] = d3[e] + d4[e] - _F4 * (d1[e] + d2[e])
+        o2[e] = _F4 * (d1[e] - d2[e]) + d4[e] - d3[e]
+        o3[e] = _F2 * (d3[e] - d1[e]) + d4[e] - d2[e]
+        o4[e] = _F2 * (d1[e] - d3[e]) + d4[e] - d2[e]
+        o5[e] = _F4 * d1[e] - _F5 * d3[e] + d5[e]
 
 
 @_inline
-def _at(m0, m1, m2, m3, m4, m5):
-    """A^T m: the output transform of one line of 6 into 4."""
-    a, b = m1 + m2, m1 - m2
-    c, d = m3 + m4, m3 - m4
-    return m0 + a + c, b + 2.0 * d, a + 4.0 * c, b + 8.0 * d + m5
+def _b_lines(v0, v1, v2, v3, v4, v5, o0, o1, o2, o3, o4, o5):
+    """o = B v: the transpose of _bt_lines (dX's transform), 6 lines into 6."""
+    for e in range(o0.shape[0]):
+        o0[e] = _F4 * v0[e]
+        o1[e] = _F4 * (v2[e] - v1[e] + v5[e]) + _F2 * (v4[e] - v3[e])
+        o2[e] = -_F5 * v0[e] - _F4 * (v1[e] + v2[e]) - v3[e] - v4[e]
+        o3[e] = v1[e] - v2[e] + _F2 * (v3[e] - v4[e]) - _F5 * v5[e]
+        o4[e] = v0[e] + v1[e] + v2[e] + v3[e] + v4[e]
+        o5[e] = v5[e]
 
 
 @_inline
-def _a(y0, y1, y2, y3):
-    """A y: the transpose of _at (dY's transform), 4 into 6."""
-    even, odd = y0 + y2, y1 + y3
-    even4, odd2 = y0 + 4.0 * y2, 2.0 * y1 + 8.0 * y3
-    return y0, even + odd, even - odd, even4 + odd2, even4 - odd2, y3
+def _at_lines(m0, m1, m2, m3, m4, m5, o0, o1, o2, o3):
+    """o = A^T m: the output transform, 6 lines into 4."""
+    for e in range(o0.shape[0]):
+        a, b = m1[e] + m2[e], m1[e] - m2[e]
+        c, d = m3[e] + m4[e], m3[e] - m4[e]
+        o0[e] = m0[e] + a + c
+        o1[e] = b + _F2 * d
+        o2[e] = a + _F4 * c
+        o3[e] = b + _F8 * d + m5[e]
+
+
+@_inline
+def _a_lines(g0, g1, g2, g3, o0, o1, o2, o3, o4, o5):
+    """o = A g: the transpose of _at_lines (dY's transform), 4 lines into 6."""
+    for e in range(o0.shape[0]):
+        even, odd = g0[e] + g2[e], g1[e] + g3[e]
+        even4, odd2 = g0[e] + _F4 * g2[e], _F2 * g1[e] + _F8 * g3[e]
+        o0[e] = g0[e]
+        o1[e] = even + odd
+        o2[e] = even - odd
+        o3[e] = even4 + odd2
+        o4[e] = even4 - odd2
+        o5[e] = g3[e]
+
+
+@_inline
+def _six_runs(a, start, step, nt):
+    """Six runs of `nt` values of flat `a`, `step` apart from `start`: one plane's tiles of six
+    frequencies in a frequency-major buffer."""
+    return (a[start:start + nt], a[start + step:start + step + nt], a[start + 2 * step:start + 2 * step + nt],
+            a[start + 3 * step:start + 3 * step + nt], a[start + 4 * step:start + 4 * step + nt],
+            a[start + 5 * step:start + 5 * step + nt])
 
 
 _SIXTH, _TWELFTH, _TWENTYFOURTH = 1.0 / 6.0, 1.0 / 12.0, 1.0 / 24.0
@@ -118,12 +145,13 @@ def _weights_forward(w, u, fs, ld):
                 t[5, s] = col[5]
             for r in range(ALPHA):
                 row = _g(t[r, 0], t[r, 1], t[r, 2])
-                u[(r * ALPHA + 0) * fs + k * ld + c] = row[0]
-                u[(r * ALPHA + 1) * fs + k * ld + c] = row[1]
-                u[(r * ALPHA + 2) * fs + k * ld + c] = row[2]
-                u[(r * ALPHA + 3) * fs + k * ld + c] = row[3]
-                u[(r * ALPHA + 4) * fs + k * ld + c] = row[4]
-                u[(r * ALPHA + 5) * fs + k * ld + c] = row[5]
+                at = r * ALPHA * fs + k * ld + c     # frequency (r, 0)'s (k, c); (r, s) is s * fs on
+                u[at] = row[0]
+                u[at + fs] = row[1]
+                u[at + 2 * fs] = row[2]
+                u[at + 3 * fs] = row[3]
+                u[at + 4 * fs] = row[4]
+                u[at + 5 * fs] = row[5]
 
 
 @_jit
@@ -135,9 +163,9 @@ def _weights_backward(du, fs, ld, dw):
         t = np.empty((ALPHA, 3))
         for c in range(cc):
             for r in range(ALPHA):
-                b = r * ALPHA
-                row = _gt(np.float64(du[(b) * fs + k * ld + c]), np.float64(du[(b + 1) * fs + k * ld + c]), np.float64(du[(b + 2) * fs + k * ld + c]),
-                          np.float64(du[(b + 3) * fs + k * ld + c]), np.float64(du[(b + 4) * fs + k * ld + c]), np.float64(du[(b + 5) * fs + k * ld + c]))
+                at = r * ALPHA * fs + k * ld + c
+                row = _gt(np.float64(du[at]), np.float64(du[at + fs]), np.float64(du[at + 2 * fs]),
+                          np.float64(du[at + 3 * fs]), np.float64(du[at + 4 * fs]), np.float64(du[at + 5 * fs]))
                 t[r, 0] = row[0]
                 t[r, 1] = row[1]
                 t[r, 2] = row[2]
@@ -150,12 +178,10 @@ def _weights_backward(du, fs, ld, dw):
 
 # The tile kernels run over (image, channel) planes in tasks of `per_task` planes (about eight
 # tasks a thread: work buffers are allocated once a task, not once a plane). Within a plane each
-# pass is a loop over all its tiles at once (a frequency's tiles of one plane lie side by side in
-# V, M, Z and dV), in float32: long contiguous loops SIMD takes whole. One row of tiles at a time
-# in float64 (8 tiles on a 32x32 input) ran the output transform 5x slower.
-_F2, _F4, _F5, _F8 = np.float32(2.0), np.float32(4.0), np.float32(5.0), np.float32(8.0)
-
-
+# pass is one of the *_lines transforms over all its tiles at once (a frequency's tiles of one
+# plane lie side by side in V, M, Z and dV), in float32: long contiguous loops SIMD takes whole.
+# One row of tiles at a time in float64 (8 tiles on a 32x32 input) ran the output transform 5x
+# slower.
 @_jit
 def _input_tiles(x, n0, n1, ph, pw, th, tw, per_task, v, fs, ld):
     """v (36, C, T) = B^T d B for each 6x6 input tile d of images n0..n1 (zero outside the
@@ -181,28 +207,12 @@ def _input_tiles(x, n0, n1, ph, pw, th, tw, per_task, v, fs, ld):
                         for j in range(tw):
                             out[j] = row[j * TILE + b]
             for b in range(ALPHA):                   # B^T down each column of the tiles
-                d0, d1, d2, d3, d4, d5 = d[0, b], d[1, b], d[2, b], d[3, b], d[4, b], d[5, b]
-                t0, t1, t2, t3, t4, t5 = t[0, b], t[1, b], t[2, b], t[3, b], t[4, b], t[5, b]
-                for e in range(nt):
-                    t0[e] = _F4 * d0[e] - _F5 * d2[e] + d4[e]
-                    t1[e] = d3[e] + d4[e] - _F4 * (d1[e] + d2[e])
-                    t2[e] = _F4 * (d1[e] - d2[e]) + d4[e] - d3[e]
-                    t3[e] = _F2 * (d3[e] - d1[e]) + d4[e] - d2[e]
-                    t4[e] = _F2 * (d1[e] - d3[e]) + d4[e] - d2[e]
-                    t5[e] = _F4 * d1[e] - _F5 * d3[e] + d5[e]
+                _bt_lines(d[0, b], d[1, b], d[2, b], d[3, b], d[4, b], d[5, b],
+                          t[0, b], t[1, b], t[2, b], t[3, b], t[4, b], t[5, b])
             base = c * ld + (n - n0) * nt
             for r in range(ALPHA):                   # ... then along each row, into V
-                u0, u1, u2, u3, u4, u5 = t[r, 0], t[r, 1], t[r, 2], t[r, 3], t[r, 4], t[r, 5]
-                f = r * ALPHA * fs + base
-                v0, v1, v2 = v[f:f + nt], v[f + fs:f + fs + nt], v[f + 2 * fs:f + 2 * fs + nt]
-                v3, v4, v5 = v[f + 3 * fs:f + 3 * fs + nt], v[f + 4 * fs:f + 4 * fs + nt], v[f + 5 * fs:f + 5 * fs + nt]
-                for e in range(nt):
-                    v0[e] = _F4 * u0[e] - _F5 * u2[e] + u4[e]
-                    v1[e] = u3[e] + u4[e] - _F4 * (u1[e] + u2[e])
-                    v2[e] = _F4 * (u1[e] - u2[e]) + u4[e] - u3[e]
-                    v3[e] = _F2 * (u3[e] - u1[e]) + u4[e] - u2[e]
-                    v4[e] = _F2 * (u1[e] - u3[e]) + u4[e] - u2[e]
-                    v5[e] = _F4 * u1[e] - _F5 * u3[e] + u5[e]
+                v0, v1, v2, v3, v4, v5 = _six_runs(v, r * ALPHA * fs + base, fs, nt)
+                _bt_lines(t[r, 0], t[r, 1], t[r, 2], t[r, 3], t[r, 4], t[r, 5], v0, v1, v2, v3, v4, v5)
 
 
 @_jit
@@ -218,28 +228,10 @@ def _output_tiles(m, fs, ld, n0, n1, th, tw, per_task, y):
             n, k = n0 + p // kk, p % kk
             base = k * ld + (n - n0) * nt
             for s in range(ALPHA):                   # A^T down each column of the frequencies
-                f = s * fs + base
-                m0, m1, m2 = m[f:f + nt], m[f + ALPHA * fs:f + ALPHA * fs + nt], m[f + 2 * ALPHA * fs:f + 2 * ALPHA * fs + nt]
-                m3, m4 = m[f + 3 * ALPHA * fs:f + 3 * ALPHA * fs + nt], m[f + 4 * ALPHA * fs:f + 4 * ALPHA * fs + nt]
-                m5 = m[f + 5 * ALPHA * fs:f + 5 * ALPHA * fs + nt]
-                t0, t1, t2, t3 = t[0, s], t[1, s], t[2, s], t[3, s]
-                for e in range(nt):
-                    a, b = m1[e] + m2[e], m1[e] - m2[e]
-                    c, d = m3[e] + m4[e], m3[e] - m4[e]
-                    t0[e] = m0[e] + a + c
-                    t1[e] = b + _F2 * d
-                    t2[e] = a + _F4 * c
-                    t3[e] = b + _F8 * d + m5[e]
+                m0, m1, m2, m3, m4, m5 = _six_runs(m, s * fs + base, ALPHA * fs, nt)
+                _at_lines(m0, m1, m2, m3, m4, m5, t[0, s], t[1, s], t[2, s], t[3, s])
             for r in range(TILE):                    # ... then along each row
-                u0, u1, u2, u3, u4, u5 = t[r, 0], t[r, 1], t[r, 2], t[r, 3], t[r, 4], t[r, 5]
-                o0, o1, o2, o3 = o[r, 0], o[r, 1], o[r, 2], o[r, 3]
-                for e in range(nt):
-                    a, b = u1[e] + u2[e], u1[e] - u2[e]
-                    c, d = u3[e] + u4[e], u3[e] - u4[e]
-                    o0[e] = u0[e] + a + c
-                    o1[e] = b + _F2 * d
-                    o2[e] = a + _F4 * c
-                    o3[e] = b + _F8 * d + u5[e]
+                _at_lines(t[r, 0], t[r, 1], t[r, 2], t[r, 3], t[r, 4], t[r, 5], o[r, 0], o[r, 1], o[r, 2], o[r, 3])
             for yr in range(ho):
                 i, r = yr // TILE, yr % TILE
                 for ys in range(wo):
@@ -262,32 +254,11 @@ def _grad_tiles(dy, n0, n1, th, tw, per_task, z, fs, ld):
                 for ys in range(wo):
                     g[r, ys % TILE, i * tw + ys // TILE] = dy[n, k, yr, ys]
             for q in range(TILE):                    # A down each column
-                g0, g1, g2, g3 = g[0, q], g[1, q], g[2, q], g[3, q]
-                t0, t1, t2, t3, t4, t5 = t[0, q], t[1, q], t[2, q], t[3, q], t[4, q], t[5, q]
-                for e in range(nt):
-                    even, odd = g0[e] + g2[e], g1[e] + g3[e]
-                    even4, odd2 = g0[e] + _F4 * g2[e], _F2 * g1[e] + _F8 * g3[e]
-                    t0[e] = g0[e]
-                    t1[e] = even + odd
-                    t2[e] = even - odd
-                    t3[e] = even4 + odd2
-                    t4[e] = even4 - odd2
-                    t5[e] = g3[e]
+                _a_lines(g[0, q], g[1, q], g[2, q], g[3, q], t[0, q], t[1, q], t[2, q], t[3, q], t[4, q], t[5, q])
             base = k * ld + (n - n0) * nt
             for r in range(ALPHA):                   # ... then along each row, into Z
-                u0, u1, u2, u3 = t[r, 0], t[r, 1], t[r, 2], t[r, 3]
-                f = r * ALPHA * fs + base
-                z0, z1, z2 = z[f:f + nt], z[f + fs:f + fs + nt], z[f + 2 * fs:f + 2 * fs + nt]
-                z3, z4, z5 = z[f + 3 * fs:f + 3 * fs + nt], z[f + 4 * fs:f + 4 * fs + nt], z[f + 5 * fs:f + 5 * fs + nt]
-                for e in range(nt):
-                    even, odd = u0[e] + u2[e], u1[e] + u3[e]
-                    even4, odd2 = u0[e] + _F4 * u2[e], _F2 * u1[e] + _F8 * u3[e]
-                    z0[e] = u0[e]
-                    z1[e] = even + odd
-                    z2[e] = even - odd
-                    z3[e] = even4 + odd2
-                    z4[e] = even4 - odd2
-                    z5[e] = u3[e]
+                z0, z1, z2, z3, z4, z5 = _six_runs(z, r * ALPHA * fs + base, fs, nt)
+                _a_lines(t[r, 0], t[r, 1], t[r, 2], t[r, 3], z0, z1, z2, z3, z4, z5)
 
 
 @_jit
@@ -305,28 +276,11 @@ def _input_grad_tiles(dv, fs, ld, n0, n1, ph, pw, th, tw, per_task, dx):
             n, c = n0 + p // cc, p % cc
             base = c * ld + (n - n0) * nt
             for s in range(ALPHA):                   # B down each column of the frequencies
-                f = s * fs + base
-                v0, v1, v2 = dv[f:f + nt], dv[f + ALPHA * fs:f + ALPHA * fs + nt], dv[f + 2 * ALPHA * fs:f + 2 * ALPHA * fs + nt]
-                v3, v4 = dv[f + 3 * ALPHA * fs:f + 3 * ALPHA * fs + nt], dv[f + 4 * ALPHA * fs:f + 4 * ALPHA * fs + nt]
-                v5 = dv[f + 5 * ALPHA * fs:f + 5 * ALPHA * fs + nt]
-                t0, t1, t2, t3, t4, t5 = t[0, s], t[1, s], t[2, s], t[3, s], t[4, s], t[5, s]
-                for e in range(nt):
-                    t0[e] = _F4 * v0[e]
-                    t1[e] = _F4 * (v2[e] - v1[e] + v5[e]) + _F2 * (v4[e] - v3[e])
-                    t2[e] = -_F5 * v0[e] - _F4 * (v1[e] + v2[e]) - v3[e] - v4[e]
-                    t3[e] = v1[e] - v2[e] + _F2 * (v3[e] - v4[e]) - _F5 * v5[e]
-                    t4[e] = v0[e] + v1[e] + v2[e] + v3[e] + v4[e]
-                    t5[e] = v5[e]
+                v0, v1, v2, v3, v4, v5 = _six_runs(dv, s * fs + base, ALPHA * fs, nt)
+                _b_lines(v0, v1, v2, v3, v4, v5, t[0, s], t[1, s], t[2, s], t[3, s], t[4, s], t[5, s])
             for r in range(ALPHA):                   # ... then along each row
-                u0, u1, u2, u3, u4, u5 = t[r, 0], t[r, 1], t[r, 2], t[r, 3], t[r, 4], t[r, 5]
-                o0, o1, o2, o3, o4, o5 = o[r, 0], o[r, 1], o[r, 2], o[r, 3], o[r, 4], o[r, 5]
-                for e in range(nt):
-                    o0[e] = _F4 * u0[e]
-                    o1[e] = _F4 * (u2[e] - u1[e] + u5[e]) + _F2 * (u4[e] - u3[e])
-                    o2[e] = -_F5 * u0[e] - _F4 * (u1[e] + u2[e]) - u3[e] - u4[e]
-                    o3[e] = u1[e] - u2[e] + _F2 * (u3[e] - u4[e]) - _F5 * u5[e]
-                    o4[e] = u0[e] + u1[e] + u2[e] + u3[e] + u4[e]
-                    o5[e] = u5[e]
+                _b_lines(t[r, 0], t[r, 1], t[r, 2], t[r, 3], t[r, 4], t[r, 5],
+                         o[r, 0], o[r, 1], o[r, 2], o[r, 3], o[r, 4], o[r, 5])
             acc[:] = 0.0                             # tiles overlap by 2: added in tile order
             for i in range(th):
                 for r in range(ALPHA):
@@ -399,10 +353,6 @@ class WinogradConvs:
         if ho < 1 or wo < 1:
             return f"no output: input {tuple(x_shape[2:])} with padding {tuple(padding)}"
         return ""
-
-    @staticmethod
-    def implementations(x_shape, w_shape, stride, padding, dilation=(1, 1), groups=1):
-        return {"forward": "F(4x4,3x3)", "backward-data": "F(4x4,3x3)", "backward-weights": "F(4x4,3x3)"}
 
     def _images_per_chunk(self, x_shape, w_shape, padding):
         """Images a chunk takes: its V, M (or Z) and dV within the budget, at least one."""
