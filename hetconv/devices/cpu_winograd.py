@@ -28,7 +28,6 @@ dV are as big for K and C; the batch is cut into chunks of images so that a chun
 under the device's im2col budget. Every sum has an order fixed by the shapes and the chunking (a
 GEMM's own blocking aside): a share of the kernels computes its rows of M as the whole layer does.
 """
-import numba
 import numpy as np
 from numba import prange
 
@@ -176,43 +175,61 @@ def _weights_backward(du, fs, ld, dw):
                 dw[k, c, 2, s] = col[2]
 
 
-# The tile kernels run over (image, channel) planes in tasks of `per_task` planes (about eight
-# tasks a thread: work buffers are allocated once a task, not once a plane). Within a plane each
-# pass is one of the *_lines transforms over all its tiles at once (a frequency's tiles of one
-# plane lie side by side in V, M, Z and dV), in float32: long contiguous loops SIMD takes whole.
-# One row of tiles at a time in float64 (8 tiles on a 32x32 input) ran the output transform 5x
-# slower.
+# The tile kernels run over tasks of (channel, run of consecutive images): a channel's tiles of
+# consecutive images lie side by side in V, M, Z and dV, so a task's lines run over all its
+# images' tiles (about LINE_TILES) and each of the 36 frequency streams is written front to back.
+# Each pass is one of the *_lines transforms over a task's lines at once, in float32: long
+# contiguous loops SIMD takes whole. Rows move between the tensors and the work buffers by slice
+# assignment (a copy Numba vectorises), and tiles are gathered and scattered a tile row at a time,
+# the six (or four) values of a column each. Against tasks of one (image, channel) plane, which
+# gave resnet18's 8x8 and 4x4 layers lines of 4 and 1 tiles and wrote the streams 4 KB apart from
+# task to task, measured on one Zen 4 core at batch 16: the input transform 3.7 -> 2.5 ms (64
+# channels, 32x32), 4.2 -> 1.4 (128, 16x16), 2.6 -> 0.95 (256, 8x8); the whole forward and
+# backward 1.12x, 1.34x and 1.12x faster. Lines of 256 tiles beat 64 and 128 by 5-20% though a
+# task's work buffers then outgrow L1.
+LINE_TILES = 256
+
+
+def _images_per_task(tiles_per_image, images):
+    """Images a tile kernel's task takes: its lines about LINE_TILES tiles long."""
+    return max(1, min(images, -(-LINE_TILES // tiles_per_image)))
+
+
 @_jit
 def _input_tiles(x, n0, n1, ph, pw, th, tw, per_task, v, fs, ld):
     """v (36, C, T) = B^T d B for each 6x6 input tile d of images n0..n1 (zero outside the
-    input), tile t = ((n - n0) * th + i) * tw + j."""
+    input), tile t = ((n - n0) * th + i) * tw + j; `per_task` images a task."""
     cc, h, wd = x.shape[1], x.shape[2], x.shape[3]
     nt = th * tw
-    planes = (n1 - n0) * cc
-    for task in prange((planes + per_task - 1) // per_task):
-        xp = np.zeros((th * TILE + 2, tw * TILE + 2), np.float32)
-        d = np.empty((ALPHA, ALPHA, nt), np.float32)
-        t = np.empty((ALPHA, ALPHA, nt), np.float32)
-        for p in range(task * per_task, min(planes, (task + 1) * per_task)):
-            n, c = n0 + p // cc, p % cc
-            # the plane zero-padded (its border and beyond the last tile stay zero), then each
-            # tile's (a, b) value side by side
-            for r in range(max(0, -ph), min(h, xp.shape[0] - ph)):
-                for xs in range(max(0, -pw), min(wd, xp.shape[1] - pw)):
-                    xp[r + ph, xs + pw] = x[n, c, r, xs]
-            for a in range(ALPHA):
-                for b in range(ALPHA):
-                    for i in range(th):
-                        row, out = xp[i * TILE + a], d[a, b, i * tw:(i + 1) * tw]
-                        for j in range(tw):
-                            out[j] = row[j * TILE + b]
-            for b in range(ALPHA):                   # B^T down each column of the tiles
-                _bt_lines(d[0, b], d[1, b], d[2, b], d[3, b], d[4, b], d[5, b],
-                          t[0, b], t[1, b], t[2, b], t[3, b], t[4, b], t[5, b])
-            base = c * ld + (n - n0) * nt
-            for r in range(ALPHA):                   # ... then along each row, into V
-                v0, v1, v2, v3, v4, v5 = _six_runs(v, r * ALPHA * fs + base, fs, nt)
-                _bt_lines(t[r, 0], t[r, 1], t[r, 2], t[r, 3], t[r, 4], t[r, 5], v0, v1, v2, v3, v4, v5)
+    runs = (n1 - n0 + per_task - 1) // per_task
+    for task in prange(cc * runs):
+        c, na = task // runs, n0 + (task % runs) * per_task
+        nb = min(n1, na + per_task)
+        ln = (nb - na) * nt
+        xp = np.zeros((th * TILE + 2, tw * TILE + 2), np.float32)   # border and beyond stay 0
+        d = np.empty((ALPHA, ALPHA, ln), np.float32)
+        t = np.empty((ALPHA, ALPHA, ln), np.float32)
+        for n in range(na, nb):
+            for r in range(h):
+                xp[r + ph, pw:pw + wd] = x[n, c, r]
+            for i in range(th):                      # each tile's (a, b) value, side by side
+                at = (n - na) * nt + i * tw
+                for a in range(ALPHA):
+                    row = xp[i * TILE + a]
+                    for j in range(tw):
+                        d[a, 0, at + j] = row[TILE * j]
+                        d[a, 1, at + j] = row[TILE * j + 1]
+                        d[a, 2, at + j] = row[TILE * j + 2]
+                        d[a, 3, at + j] = row[TILE * j + 3]
+                        d[a, 4, at + j] = row[TILE * j + 4]
+                        d[a, 5, at + j] = row[TILE * j + 5]
+        for b in range(ALPHA):                       # B^T down each column of the tiles
+            _bt_lines(d[0, b], d[1, b], d[2, b], d[3, b], d[4, b], d[5, b],
+                      t[0, b], t[1, b], t[2, b], t[3, b], t[4, b], t[5, b])
+        base = c * ld + (na - n0) * nt
+        for r in range(ALPHA):                       # ... then along each row, into V
+            v0, v1, v2, v3, v4, v5 = _six_runs(v, r * ALPHA * fs + base, fs, ln)
+            _bt_lines(t[r, 0], t[r, 1], t[r, 2], t[r, 3], t[r, 4], t[r, 5], v0, v1, v2, v3, v4, v5)
 
 
 @_jit
@@ -220,22 +237,30 @@ def _output_tiles(m, fs, ld, n0, n1, th, tw, per_task, y):
     """y[n0..n1] = A^T M A per tile, cut at the output's edge."""
     kk, ho, wo = y.shape[1], y.shape[2], y.shape[3]
     nt = th * tw
-    planes = (n1 - n0) * kk
-    for task in prange((planes + per_task - 1) // per_task):
-        t = np.empty((TILE, ALPHA, nt), np.float32)
-        o = np.empty((TILE, TILE, nt), np.float32)
-        for p in range(task * per_task, min(planes, (task + 1) * per_task)):
-            n, k = n0 + p // kk, p % kk
-            base = k * ld + (n - n0) * nt
-            for s in range(ALPHA):                   # A^T down each column of the frequencies
-                m0, m1, m2, m3, m4, m5 = _six_runs(m, s * fs + base, ALPHA * fs, nt)
-                _at_lines(m0, m1, m2, m3, m4, m5, t[0, s], t[1, s], t[2, s], t[3, s])
-            for r in range(TILE):                    # ... then along each row
-                _at_lines(t[r, 0], t[r, 1], t[r, 2], t[r, 3], t[r, 4], t[r, 5], o[r, 0], o[r, 1], o[r, 2], o[r, 3])
+    runs = (n1 - n0 + per_task - 1) // per_task
+    for task in prange(kk * runs):
+        k, na = task // runs, n0 + (task % runs) * per_task
+        nb = min(n1, na + per_task)
+        ln = (nb - na) * nt
+        t = np.empty((TILE, ALPHA, ln), np.float32)
+        o = np.empty((TILE, TILE, ln), np.float32)
+        line = np.empty(TILE * tw, np.float32)
+        base = k * ld + (na - n0) * nt
+        for s in range(ALPHA):                       # A^T down each column of the frequencies
+            m0, m1, m2, m3, m4, m5 = _six_runs(m, s * fs + base, ALPHA * fs, ln)
+            _at_lines(m0, m1, m2, m3, m4, m5, t[0, s], t[1, s], t[2, s], t[3, s])
+        for r in range(TILE):                        # ... then along each row
+            _at_lines(t[r, 0], t[r, 1], t[r, 2], t[r, 3], t[r, 4], t[r, 5], o[r, 0], o[r, 1], o[r, 2], o[r, 3])
+        for n in range(na, nb):
             for yr in range(ho):
                 i, r = yr // TILE, yr % TILE
-                for ys in range(wo):
-                    y[n, k, yr, ys] = o[r, ys % TILE, i * tw + ys // TILE]
+                at = (n - na) * nt + i * tw
+                for j in range(tw):
+                    line[TILE * j] = o[r, 0, at + j]
+                    line[TILE * j + 1] = o[r, 1, at + j]
+                    line[TILE * j + 2] = o[r, 2, at + j]
+                    line[TILE * j + 3] = o[r, 3, at + j]
+                y[n, k, yr] = line[:wo]
 
 
 @_jit
@@ -243,22 +268,30 @@ def _grad_tiles(dy, n0, n1, th, tw, per_task, z, fs, ld):
     """z (36, K, T) = A g A^T for each 4x4 tile g of dY (zero beyond its edge)."""
     kk, ho, wo = dy.shape[1], dy.shape[2], dy.shape[3]
     nt = th * tw
-    planes = (n1 - n0) * kk
-    for task in prange((planes + per_task - 1) // per_task):
-        g = np.zeros((TILE, TILE, nt), np.float32)
-        t = np.empty((ALPHA, TILE, nt), np.float32)
-        for p in range(task * per_task, min(planes, (task + 1) * per_task)):
-            n, k = n0 + p // kk, p % kk
+    runs = (n1 - n0 + per_task - 1) // per_task
+    for task in prange(kk * runs):
+        k, na = task // runs, n0 + (task % runs) * per_task
+        nb = min(n1, na + per_task)
+        ln = (nb - na) * nt
+        g = np.zeros((TILE, TILE, ln), np.float32)   # rows beyond the output's edge stay 0
+        t = np.empty((ALPHA, TILE, ln), np.float32)
+        line = np.zeros(TILE * tw, np.float32)       # ... and columns
+        for n in range(na, nb):
             for yr in range(ho):                     # each tile's (r, q) value, side by side
                 i, r = yr // TILE, yr % TILE
-                for ys in range(wo):
-                    g[r, ys % TILE, i * tw + ys // TILE] = dy[n, k, yr, ys]
-            for q in range(TILE):                    # A down each column
-                _a_lines(g[0, q], g[1, q], g[2, q], g[3, q], t[0, q], t[1, q], t[2, q], t[3, q], t[4, q], t[5, q])
-            base = k * ld + (n - n0) * nt
-            for r in range(ALPHA):                   # ... then along each row, into Z
-                z0, z1, z2, z3, z4, z5 = _six_runs(z, r * ALPHA * fs + base, fs, nt)
-                _a_lines(t[r, 0], t[r, 1], t[r, 2], t[r, 3], z0, z1, z2, z3, z4, z5)
+                at = (n - na) * nt + i * tw
+                line[:wo] = dy[n, k, yr]
+                for j in range(tw):
+                    g[r, 0, at + j] = line[TILE * j]
+                    g[r, 1, at + j] = line[TILE * j + 1]
+                    g[r, 2, at + j] = line[TILE * j + 2]
+                    g[r, 3, at + j] = line[TILE * j + 3]
+        for q in range(TILE):                        # A down each column
+            _a_lines(g[0, q], g[1, q], g[2, q], g[3, q], t[0, q], t[1, q], t[2, q], t[3, q], t[4, q], t[5, q])
+        base = k * ld + (na - n0) * nt
+        for r in range(ALPHA):                       # ... then along each row, into Z
+            z0, z1, z2, z3, z4, z5 = _six_runs(z, r * ALPHA * fs + base, fs, ln)
+            _a_lines(t[r, 0], t[r, 1], t[r, 2], t[r, 3], z0, z1, z2, z3, z4, z5)
 
 
 @_jit
@@ -266,32 +299,47 @@ def _input_grad_tiles(dv, fs, ld, n0, n1, ph, pw, th, tw, per_task, dx):
     """dx[n0..n1] = the sum over tiles of B dV B^T, each added where its tile read the input."""
     cc, h, wd = dx.shape[1], dx.shape[2], dx.shape[3]
     nt = th * tw
-    hp, wp = th * TILE + 2, tw * TILE + 2
-    planes = (n1 - n0) * cc
-    for task in prange((planes + per_task - 1) // per_task):
-        t = np.empty((ALPHA, ALPHA, nt), np.float32)
-        o = np.empty((ALPHA, ALPHA, nt), np.float32)
-        acc = np.empty((hp, wp), np.float32)
-        for p in range(task * per_task, min(planes, (task + 1) * per_task)):
-            n, c = n0 + p // cc, p % cc
-            base = c * ld + (n - n0) * nt
-            for s in range(ALPHA):                   # B down each column of the frequencies
-                v0, v1, v2, v3, v4, v5 = _six_runs(dv, s * fs + base, ALPHA * fs, nt)
-                _b_lines(v0, v1, v2, v3, v4, v5, t[0, s], t[1, s], t[2, s], t[3, s], t[4, s], t[5, s])
-            for r in range(ALPHA):                   # ... then along each row
-                _b_lines(t[r, 0], t[r, 1], t[r, 2], t[r, 3], t[r, 4], t[r, 5],
-                         o[r, 0], o[r, 1], o[r, 2], o[r, 3], o[r, 4], o[r, 5])
+    runs = (n1 - n0 + per_task - 1) // per_task
+    for task in prange(cc * runs):
+        c, na = task // runs, n0 + (task % runs) * per_task
+        nb = min(n1, na + per_task)
+        ln = (nb - na) * nt
+        t = np.empty((ALPHA, ALPHA, ln), np.float32)
+        o = np.empty((ALPHA, ALPHA, ln), np.float32)
+        acc = np.empty((th * TILE + 2, tw * TILE + 2), np.float32)
+        base = c * ld + (na - n0) * nt
+        for s in range(ALPHA):                       # B down each column of the frequencies
+            v0, v1, v2, v3, v4, v5 = _six_runs(dv, s * fs + base, ALPHA * fs, ln)
+            _b_lines(v0, v1, v2, v3, v4, v5, t[0, s], t[1, s], t[2, s], t[3, s], t[4, s], t[5, s])
+        for r in range(ALPHA):                       # ... then along each row
+            _b_lines(t[r, 0], t[r, 1], t[r, 2], t[r, 3], t[r, 4], t[r, 5],
+                     o[r, 0], o[r, 1], o[r, 2], o[r, 3], o[r, 4], o[r, 5])
+        for n in range(na, nb):
             acc[:] = 0.0                             # tiles overlap by 2: added in tile order
             for i in range(th):
+                at = (n - na) * nt + i * tw
                 for r in range(ALPHA):
-                    row = acc[i * TILE + r]
-                    for j in range(tw):
-                        e = i * tw + j
-                        for s in range(ALPHA):
-                            row[j * TILE + s] += o[r, s, e]
+                    # a tile's columns 4 and 5 are the next tile's 0 and 1, added before them,
+                    # so that no iteration reads what the one before it wrote (in the order of
+                    # one add a column after another: the same sums)
+                    row, add0, add1, add2, add3 = acc[i * TILE + r], o[r, 0], o[r, 1], o[r, 2], o[r, 3]
+                    add4, add5 = o[r, 4], o[r, 5]
+                    row[0] += add0[at]
+                    row[1] += add1[at]
+                    row[2] += add2[at]
+                    row[3] += add3[at]
+                    for j in range(1, tw):
+                        row[TILE * j] = (row[TILE * j] + add4[at + j - 1]) + add0[at + j]
+                        row[TILE * j + 1] = (row[TILE * j + 1] + add5[at + j - 1]) + add1[at + j]
+                        row[TILE * j + 2] += add2[at + j]
+                        row[TILE * j + 3] += add3[at + j]
+                    # the last tile's columns 4 and 5 through acc itself: Numba 0.68's parallel
+                    # lowering lost these adds when written through `row` (column 4 tw of dX
+                    # wrong on every shape, right with parallel=False)
+                    acc[i * TILE + r, TILE * tw] += add4[at + tw - 1]
+                    acc[i * TILE + r, TILE * tw + 1] += add5[at + tw - 1]
             for r in range(h):
-                for xs in range(wd):
-                    dx[n, c, r, xs] = acc[r + ph, xs + pw]
+                dx[n, c, r] = acc[r + ph, pw:pw + wd]
 
 
 def frequency_stride(rows, cols):
@@ -317,11 +365,6 @@ class FrequencyPlanes:
     @property
     def args(self):
         return self.flat, self.fs, self.ld
-
-
-def _planes_per_task(planes):
-    """(image, channel) planes a task of the tile kernels takes: about eight tasks a thread."""
-    return max(1, planes // (8 * numba.get_num_threads()))
 
 
 def tiles(x_shape, padding):
@@ -389,7 +432,7 @@ class WinogradConvs:
         count = (n1 - n0) * th * tw
         v = (self._planes("winograd_v", x.shape[1], count) if saved_src is None
              else self._saved_v(saved_src, x.shape, w_shape, padding, n0))
-        _input_tiles(x, n0, n1, padding[0], padding[1], th, tw, _planes_per_task((n1 - n0) * x.shape[1]), *v.args)
+        _input_tiles(x, n0, n1, padding[0], padding[1], th, tw, _images_per_task(th * tw, n1 - n0), *v.args)
         return v
 
     def _u(self, w):
@@ -409,7 +452,7 @@ class WinogradConvs:
             m = self._planes("winograd_m", k, v.ld)
             for f in range(FREQUENCIES):
                 self._gemm(u.f[f], v.f[f], m.f[f], 0.0)
-            _output_tiles(*m.args, n0, n1, th, tw, _planes_per_task((n1 - n0) * k), y)
+            _output_tiles(*m.args, n0, n1, th, tw, _images_per_task(th * tw, n1 - n0), y)
         return y
 
     def backward(self, x, w, dy, stride, padding, need_dx, dw, saved_src=None, dilation=(1, 1), groups=1,
@@ -432,7 +475,7 @@ class WinogradConvs:
                 dv = self._planes("winograd_dv", c, z.ld)
                 for f in range(FREQUENCIES):
                     self._gemm(u.f[f].T, z.f[f], dv.f[f], 0.0)
-                _input_grad_tiles(*dv.args, n0, n1, padding[0], padding[1], th, tw, _planes_per_task((n1 - n0) * c),
+                _input_grad_tiles(*dv.args, n0, n1, padding[0], padding[1], th, tw, _images_per_task(th * tw, n1 - n0),
                                   dx)
             if on_dx is not None:
                 on_dx(dx)
@@ -449,5 +492,5 @@ class WinogradConvs:
 
     def _z(self, dy, n0, n1, th, tw):
         z = self._planes("winograd_z", dy.shape[1], (n1 - n0) * th * tw)
-        _grad_tiles(dy, n0, n1, th, tw, _planes_per_task((n1 - n0) * dy.shape[1]), *z.args)
+        _grad_tiles(dy, n0, n1, th, tw, _images_per_task(th * tw, n1 - n0), *z.args)
         return z
