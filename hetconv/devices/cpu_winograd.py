@@ -5,11 +5,12 @@ the activation and the pool, and sums dB).
 
 Why: oneDNN's direct convolutions already run one core at its FMA peak (resnet18's 3x3 layers
 about 105 GFLOP/s on a Zen 4 core), so a faster 3x3 layer has to do fewer multiplications. A 4x4
-output tile costs 36 products per (kernel, channel) pair here against 144 directly. Measured on
-one Zen 4 core at batch 16, the three GEMMs of forward and backward come to 15, 12 and 13 ms on
-resnet18's 64-, 128- and 256-channel layers, and the whole path to 30, 28 and 29 ms, where oneDNN's
-direct forward and backward take 37, 33 and 32 (bench/winograd.py); the rest is the transforms,
-memory-bound passes over x, Y, dY and dX and the 2.25x larger V, M, Z and dV.
+output tile costs 36 products per (kernel, channel) pair here against 144 directly. Forward and
+backward with dX at batch 16 on one core, against oneDNN's direct convolution (bench/winograd.py):
+resnet18's 64-, 128- and 256-channel layers 1.8x, 2.1x and 1.9x faster on a Zen 3 core (AVX2); on
+a Zen 4 core (AVX-512) 1.25x, 1.17x and 1.10x with the tile kernels of one plane a task (below),
+where the GEMMs took 15, 12 and 13 ms of 30, 28 and 29. The rest is the transforms, memory-bound
+passes over x, Y, dY and dX and the 2.25x larger V, M, Z and dV.
 
 The three directions are one linear map and its two transposes, in the transformed domain:
   forward   M[f] (K, T) = U[f] (K, C) @ V[f] (C, T),  U = G w G^T, V = B^T x_tile B;

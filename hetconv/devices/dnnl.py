@@ -178,6 +178,7 @@ class Dnnl:
         """c = a @ b + beta * c, a and b bf16 bits (np.uint16) as sgemm takes them, products
         summed in float32 into c."""
         if self.bf16_error:
+            gemm_operands("gemm_bf16", a, b, c, beta, np.uint16)   # a bad operand is named first
             raise DeviceError(self.bf16_error)
         return self._call("gemm_bf16", self._bf16, a, b, c, beta, threads, np.uint16)
 
