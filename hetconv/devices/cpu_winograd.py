@@ -184,7 +184,7 @@ def _weights_backward(du, fs, ld, dw):
 # assignment (a copy Numba vectorises), and tiles are gathered and scattered a tile row at a time,
 # the six (or four) values of a column each. Against tasks of one (image, channel) plane, which
 # gave resnet18's 8x8 and 4x4 layers lines of 4 and 1 tiles and wrote the streams 4 KB apart from
-# task to task, measured on one Zen 4 core at batch 16: the input transform 3.7 -> 2.5 ms (64
+# task to task, measured on one Zen 3 core at batch 16: the input transform 3.7 -> 2.5 ms (64
 # channels, 32x32), 4.2 -> 1.4 (128, 16x16), 2.6 -> 0.95 (256, 8x8); the whole forward and
 # backward 1.12x, 1.34x and 1.12x faster. Lines of 256 tiles beat 64 and 128 by 5-20% though a
 # task's work buffers then outgrow L1.
