@@ -7,6 +7,7 @@ never fuse a multiply and an add), which is what the CUDA device's kernels do to
 import math
 import re
 
+import numba
 import numpy as np
 import pytest
 import torch
@@ -111,8 +112,13 @@ def test_the_cpu_update_kernels_hold_no_fused_multiply_add(cpu):
     fused = re.compile(r"\bv?f(?:n)?m(?:add|sub)\w*\b")
     for kernel in kernels:
         assert kernel.signatures, kernel
+        # compiled afresh with the kernel's options: for code loaded from the on-disk cache Numba
+        # lists no machine code (a warning and an empty listing, which would pass anything)
+        fresh = numba.njit(**kernel.targetoptions)(kernel.py_func)
         for sig in kernel.signatures:
-            asm = kernel.inspect_asm(sig)
+            fresh.compile(sig)
+            asm = fresh.inspect_asm(sig)
+            assert re.search(r"\bret[lq]?\b", asm), f"no machine code listed for {kernel.__name__}{sig}"
             assert not fused.search(asm), f"{kernel.__name__}{sig} holds {fused.search(asm).group(0)}"
 
 
