@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 
-from hetconv.devices import cpu_path_choice, open_device
+from hetconv.devices import cpu_path_choice, cpu_winograd, open_device
 from hetconv.devices.base import ConvBlock
 from hetconv.devices.cpu_winograd import FREQUENCIES, WinogradConvs, frequency_stride
 from hetconv.net import reference as R
@@ -68,6 +68,32 @@ def test_the_kernels_compute_the_reference(shape, budget, keep_v):
     dw2 = np.empty_like(dw)
     assert convs.backward(x, w, dy, (1, 1), padding, False, dw2, saved) is None
     np.testing.assert_array_equal(dw2, dw)
+
+
+@pytest.mark.parametrize("line_tiles", [1, 20], ids=("an-image-a-task", "two-images-a-task"))
+def test_tasks_of_a_few_images_give_the_same_bits_as_one_task_a_channel(monkeypatch, line_tiles):
+    """The tile kernels cut a channel's images into runs of about LINE_TILES tiles: with runs of
+    one image, or of two with a shorter last one (5 images of 12 tiles, two chunks), every value
+    is the one a task of the whole chunk computes; at the default every chunk is one run here."""
+    n, c, h, wd, k, padding = 5, 4, 10, 14, 3, (1, 1)
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((n, c, h, wd)).astype(np.float32)
+    w = rng.standard_normal((k, c, 3, 3)).astype(np.float32)
+    dy = rng.standard_normal((n, k, h, wd)).astype(np.float32)
+
+    def run():
+        convs = numpy_convs(budget_bytes=3 * FREQUENCIES * 12 * (2 * c + k) * 4)     # chunks of 3 and 2 images
+        assert [n1 - n0 for n0, n1 in convs._chunks(x.shape, w.shape, padding)] == [3, 2]
+        y, dw = np.empty((n, k, h, wd), np.float32), np.empty(w.shape, np.float32)
+        convs.forward(x, w, (1, 1), padding, y)
+        return y, convs.backward(x, w, dy, (1, 1), padding, True, dw), dw
+
+    whole = run()
+    monkeypatch.setattr(cpu_winograd, "LINE_TILES", line_tiles)
+    assert cpu_winograd._images_per_task(12, 3) == (1 if line_tiles == 1 else 2)
+    for got, want in zip(run(), whole):
+        np.testing.assert_array_equal(got, want)
+    close(whole[0], R.conv2d(x, w, np.zeros(k, np.float32), 1, padding))
 
 
 def test_the_error_is_winograds_and_not_more():

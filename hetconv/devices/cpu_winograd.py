@@ -196,17 +196,30 @@ def _images_per_task(tiles_per_image, images):
     return max(1, min(images, -(-LINE_TILES // tiles_per_image)))
 
 
+@_inline
+def _runs(n0, n1, per_task):
+    """Runs of `per_task` consecutive images in n0..n1, the last one shorter where they do not divide."""
+    return (n1 - n0 + per_task - 1) // per_task
+
+
+@_inline
+def _task(task, runs, n0, n1, per_task, nt, ld):
+    """A tile kernel's task `task` of `runs` per plane: (its channel or kernel, its first image, one
+    past its last, its tiles, where its lines start in a frequency's matrix)."""
+    plane, na = task // runs, n0 + (task % runs) * per_task
+    nb = min(n1, na + per_task)
+    return plane, na, nb, (nb - na) * nt, plane * ld + (na - n0) * nt
+
+
 @_jit
 def _input_tiles(x, n0, n1, ph, pw, th, tw, per_task, v, fs, ld):
     """v (36, C, T) = B^T d B for each 6x6 input tile d of images n0..n1 (zero outside the
     input), tile t = ((n - n0) * th + i) * tw + j; `per_task` images a task."""
     cc, h, wd = x.shape[1], x.shape[2], x.shape[3]
     nt = th * tw
-    runs = (n1 - n0 + per_task - 1) // per_task
+    runs = _runs(n0, n1, per_task)
     for task in prange(cc * runs):
-        c, na = task // runs, n0 + (task % runs) * per_task
-        nb = min(n1, na + per_task)
-        ln = (nb - na) * nt
+        c, na, nb, ln, base = _task(task, runs, n0, n1, per_task, nt, ld)
         xp = np.zeros((th * TILE + 2, tw * TILE + 2), np.float32)   # border and beyond stay 0
         d = np.empty((ALPHA, ALPHA, ln), np.float32)
         t = np.empty((ALPHA, ALPHA, ln), np.float32)
@@ -227,7 +240,6 @@ def _input_tiles(x, n0, n1, ph, pw, th, tw, per_task, v, fs, ld):
         for b in range(ALPHA):                       # B^T down each column of the tiles
             _bt_lines(d[0, b], d[1, b], d[2, b], d[3, b], d[4, b], d[5, b],
                       t[0, b], t[1, b], t[2, b], t[3, b], t[4, b], t[5, b])
-        base = c * ld + (na - n0) * nt
         for r in range(ALPHA):                       # ... then along each row, into V
             v0, v1, v2, v3, v4, v5 = _six_runs(v, r * ALPHA * fs + base, fs, ln)
             _bt_lines(t[r, 0], t[r, 1], t[r, 2], t[r, 3], t[r, 4], t[r, 5], v0, v1, v2, v3, v4, v5)
@@ -238,15 +250,12 @@ def _output_tiles(m, fs, ld, n0, n1, th, tw, per_task, y):
     """y[n0..n1] = A^T M A per tile, cut at the output's edge."""
     kk, ho, wo = y.shape[1], y.shape[2], y.shape[3]
     nt = th * tw
-    runs = (n1 - n0 + per_task - 1) // per_task
+    runs = _runs(n0, n1, per_task)
     for task in prange(kk * runs):
-        k, na = task // runs, n0 + (task % runs) * per_task
-        nb = min(n1, na + per_task)
-        ln = (nb - na) * nt
+        k, na, nb, ln, base = _task(task, runs, n0, n1, per_task, nt, ld)
         t = np.empty((TILE, ALPHA, ln), np.float32)
         o = np.empty((TILE, TILE, ln), np.float32)
         line = np.empty(TILE * tw, np.float32)
-        base = k * ld + (na - n0) * nt
         for s in range(ALPHA):                       # A^T down each column of the frequencies
             m0, m1, m2, m3, m4, m5 = _six_runs(m, s * fs + base, ALPHA * fs, ln)
             _at_lines(m0, m1, m2, m3, m4, m5, t[0, s], t[1, s], t[2, s], t[3, s])
@@ -269,11 +278,9 @@ def _grad_tiles(dy, n0, n1, th, tw, per_task, z, fs, ld):
     """z (36, K, T) = A g A^T for each 4x4 tile g of dY (zero beyond its edge)."""
     kk, ho, wo = dy.shape[1], dy.shape[2], dy.shape[3]
     nt = th * tw
-    runs = (n1 - n0 + per_task - 1) // per_task
+    runs = _runs(n0, n1, per_task)
     for task in prange(kk * runs):
-        k, na = task // runs, n0 + (task % runs) * per_task
-        nb = min(n1, na + per_task)
-        ln = (nb - na) * nt
+        k, na, nb, ln, base = _task(task, runs, n0, n1, per_task, nt, ld)
         g = np.zeros((TILE, TILE, ln), np.float32)   # rows beyond the output's edge stay 0
         t = np.empty((ALPHA, TILE, ln), np.float32)
         line = np.zeros(TILE * tw, np.float32)       # ... and columns
@@ -289,7 +296,6 @@ def _grad_tiles(dy, n0, n1, th, tw, per_task, z, fs, ld):
                     g[r, 3, at + j] = line[TILE * j + 3]
         for q in range(TILE):                        # A down each column
             _a_lines(g[0, q], g[1, q], g[2, q], g[3, q], t[0, q], t[1, q], t[2, q], t[3, q], t[4, q], t[5, q])
-        base = k * ld + (na - n0) * nt
         for r in range(ALPHA):                       # ... then along each row, into Z
             z0, z1, z2, z3, z4, z5 = _six_runs(z, r * ALPHA * fs + base, fs, ln)
             _a_lines(t[r, 0], t[r, 1], t[r, 2], t[r, 3], z0, z1, z2, z3, z4, z5)
@@ -300,15 +306,12 @@ def _input_grad_tiles(dv, fs, ld, n0, n1, ph, pw, th, tw, per_task, dx):
     """dx[n0..n1] = the sum over tiles of B dV B^T, each added where its tile read the input."""
     cc, h, wd = dx.shape[1], dx.shape[2], dx.shape[3]
     nt = th * tw
-    runs = (n1 - n0 + per_task - 1) // per_task
+    runs = _runs(n0, n1, per_task)
     for task in prange(cc * runs):
-        c, na = task // runs, n0 + (task % runs) * per_task
-        nb = min(n1, na + per_task)
-        ln = (nb - na) * nt
+        c, na, nb, ln, base = _task(task, runs, n0, n1, per_task, nt, ld)
         t = np.empty((ALPHA, ALPHA, ln), np.float32)
         o = np.empty((ALPHA, ALPHA, ln), np.float32)
         acc = np.empty((th * TILE + 2, tw * TILE + 2), np.float32)
-        base = c * ld + (na - n0) * nt
         for s in range(ALPHA):                       # B down each column of the frequencies
             v0, v1, v2, v3, v4, v5 = _six_runs(dv, s * fs + base, ALPHA * fs, ln)
             _b_lines(v0, v1, v2, v3, v4, v5, t[0, s], t[1, s], t[2, s], t[3, s], t[4, s], t[5, s])
