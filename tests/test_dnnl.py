@@ -115,6 +115,56 @@ def test_windows_of_wider_buffers_as_operands_and_output(lib):
     assert not out[:5].any() and not out[:, :10].any() and not out[:, 30:].any()
 
 
+def _planes(count, rows, cols, stride, rng):
+    """`count` (rows, cols) matrices `stride` floats apart in one flat buffer (as the Winograd
+    path's frequency planes are), filled with normal values, and the buffer."""
+    flat = rng.standard_normal(count * stride).astype(np.float32)
+    return np.lib.stride_tricks.as_strided(flat, (count, rows, cols), (stride * 4, cols * 4, 4)), flat
+
+
+@pytest.mark.parametrize("trans_a", [False, True])
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+@pytest.mark.parametrize("count", [36, 3], ids=["36-matrices", "3-matrices-cut-in-column-blocks"])
+def test_sgemm_each_matches_numpy_on_every_layout(lib, trans_a, trans_b, beta, count):
+    """Every matrix of the batch, in one parallel region of one-thread GEMMs (and with fewer
+    matrices than tasks, each cut into column blocks): the product numpy gives, nothing written
+    between the matrices; with runs_each off (the TBB build), the one-by-one loop's same values."""
+    import numba
+    rng = np.random.default_rng(count)
+    m, k, n = 13, 21, 35
+    a, _ = _planes(count, k if trans_a else m, m if trans_a else k, 300, rng)
+    b, _ = _planes(count, n if trans_b else k, k if trans_b else n, 800, rng)
+    a_op, b_op = (a.transpose(0, 2, 1) if trans_a else a), (b.transpose(0, 2, 1) if trans_b else b)
+    c, c_flat = _planes(count, m, n, 500, rng)
+    before = c_flat.copy()
+    want = np.einsum("imk,ikn->imn", a_op.astype(np.float64), b_op) + beta * c
+    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    lib.sgemm_each(a_op, b_op, c, beta, threads=2)
+    np.testing.assert_allclose(c, want, rtol=1e-4, atol=1e-4)
+    gaps = np.ones(c_flat.size, bool)
+    for i in range(count):
+        gaps[i * 500:i * 500 + m * n] = False
+    np.testing.assert_array_equal(c_flat[gaps], before[gaps])
+    looped = before.copy()
+    c2 = np.lib.stride_tricks.as_strided(looped, c.shape, c.strides)
+    runs_each, lib.runs_each = lib.runs_each, False
+    try:
+        lib.sgemm_each(a_op, b_op, c2, beta, threads=2)
+    finally:
+        lib.runs_each = runs_each
+    np.testing.assert_allclose(c2, want, rtol=1e-4, atol=1e-4)
+
+
+def test_sgemm_each_names_a_batch_that_does_not_match(lib):
+    a = np.zeros((3, 4, 5), np.float32)
+    with pytest.raises(ValueError, match=r"sgemm_each: a, b and c must be 3-D views of one count of matrices, "
+                                         r"got shapes \(3, 4, 5\), \(2, 5, 2\), \(3, 4, 2\)"):
+        lib.sgemm_each(a, np.zeros((2, 5, 2), np.float32), np.zeros((3, 4, 2), np.float32))
+    with pytest.raises(ValueError, match=r"sgemm_each shapes do not chain: a \(4, 5\) @ b \(4, 2\)"):
+        lib.sgemm_each(a, np.zeros((3, 4, 2), np.float32), np.zeros((3, 4, 2), np.float32))
+
+
 def test_bad_operands_are_named(lib):
     a = np.zeros((3, 4), np.float32)
     with pytest.raises(ValueError, match=r"sgemm shapes do not chain: a \(3, 4\) @ b \(3, 4\) into c \(3, 4\)"):
@@ -178,6 +228,46 @@ def test_a_gemm_runs_on_as_many_threads_as_the_caller_says():
     (one, one_mine, one_other), (two, two_mine, two_other) = [map(int, line.split()) for line in r.stdout.split("\n")[:2]]
     assert one_other <= max(2, one_mine // 10), r.stdout
     assert two_other >= two_mine // 3, r.stdout
+
+
+_EACH_PROBE = """
+import os, threading, numba, numpy as np
+from hetconv.devices import dnnl
+lib = dnnl.load()
+numba.set_num_threads(2)
+rng = np.random.default_rng(0)
+a = rng.standard_normal((36, 256, 256)).astype(np.float32); c = np.empty_like(a)
+def ticks():
+    out = {}
+    for t in os.listdir("/proc/self/task"):
+        try:
+            out[int(t)] = sum(map(int, open(f"/proc/self/task/{t}/stat").read().rsplit(")", 1)[1].split()[11:13]))
+        except OSError:
+            pass
+    return out
+lib.sgemm_each(a, a, c, threads=2)
+before = ticks()
+for _ in range(30):
+    lib.sgemm_each(a, a, c, threads=2)
+spent = sorted((v - before.get(t, 0) for t, v in ticks().items()), reverse=True)
+print(*spent)
+"""
+
+
+@needs_dnnl
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2
+                    or not os.path.isdir("/proc/self/task"), reason="needs two cores and Linux's /proc")
+def test_sgemm_each_on_two_threads_runs_on_two_threads_not_a_team_inside_each():
+    """Each GEMM inside sgemm_each's parallel region runs on its calling thread: two threads do
+    the work (CPU time per thread), not two plus a team of oneDNN's own inside each."""
+    if dnnl.load().runtime != "OpenMP":
+        pytest.skip(f"a {dnnl.load().runtime} build runs no batch in one region")
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=REPO)
+    r = subprocess.run([sys.executable, "-c", _EACH_PROBE], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    spent = [int(v) for v in r.stdout.split()]
+    assert spent[1] >= spent[0] // 3, r.stdout                  # a second thread shares the work
+    assert sum(spent[2:]) <= max(2, sum(spent) // 10), r.stdout   # and no third one does
 
 
 # ---- a missing or broken library ------------------------------------------------------------------

@@ -242,8 +242,9 @@ class CpuDevice(ConvPathChoice, GemmPaths, Device):
         self._blas_limit = threadpool_limits(limits=1 if self.openmp_gemms_only else self.threads, user_api="blas")
         # Winograd F(4x4, 3x3) (cpu_winograd.py): float32 3x3 stride-1 convs as 36 GEMMs on the
         # transformed tiles, called as the direct paths are; its GEMMs on oneDNN's sgemm where
-        # installed (OpenMP threads that sleep between calls), else OpenBLAS's.
-        self._direct["winograd"] = WinogradConvs(self._winograd_gemm, self._scratch, self.im2col_budget_bytes)
+        # installed, on two or more threads the 36 of a pass in one parallel region
+        # (_winograd_gemm_each), else OpenBLAS's.
+        self._direct["winograd"] = WinogradConvs(self._winograd_gemm_each, self._scratch, self.im2col_budget_bytes)
         if self._dnnl is not None:
             self._path_gemms["im2col-dnnl"] = DnnlGemms(self, self._dnnl)
             self._shifted_gemms["shifted-dnnl"] = ShiftedDnnlGemms(self, self._dnnl)
@@ -344,6 +345,18 @@ class CpuDevice(ConvPathChoice, GemmPaths, Device):
             self._dnnl.sgemm(a, b, out, beta, self.threads)
         else:
             self._fft_gemm(a, b, out, beta)
+
+    def _winograd_gemm_each(self, a, b, out, beta):
+        """out[f] = a[f] @ b[f] + beta * out[f] for the 36 frequencies: on two or more threads in
+        one parallel region of one-thread oneDNN GEMMs where oneDNN's OpenMP build is installed
+        (dnnl.Dnnl.sgemm_each: 36 regions a pass, 108 a layer's step, each waking the sleeping
+        threads, took resnet18's and vgg-small's 3x3 layers on 2 threads to more than their time
+        on one), else one by one (_winograd_gemm)."""
+        if self._dnnl is not None and self.threads > 1 and self._dnnl.runs_each:
+            self._dnnl.sgemm_each(a, b, out, beta, self.threads)
+            return
+        for f in range(len(out)):
+            self._winograd_gemm(a[f], b[f], out[f], beta)
 
     # ---- the conv contract: each call on its path ------------------------------------------------
     def _conv2d(self, x, w, b, stride, padding):
