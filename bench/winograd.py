@@ -5,8 +5,11 @@ the conv alone, as a resnet's conv is followed by its BatchNorm) on hetconv's CP
 path forced, `winograd` and `direct-dnnl`, and PyTorch's conv2d + autograd in NCHW and
 channels_last, in alternating rounds (bench/_common.time_interleaved). The ratios are within the
 run: `direct/winograd` > 1 where Winograd is faster, `torch/winograd` against PyTorch's faster
-layout. Each thread count runs in a process of its own (Numba's and OpenMP's thread counts are
-per process). The error column is Winograd's against a float64 reference on the case's own
+layout. Each thread count runs in processes of its own (Numba's and OpenMP's thread counts are
+per process), hetconv's paths in one and PyTorch's in another: each side's OpenMP threads wait as
+its users' do (hetconv's sleep, OMP_WAIT_POLICY=PASSIVE; PyTorch's spin first, GNU OpenMP's
+default), which a process can set only once, before its OpenMP runtime starts. With PyTorch
+imported first, hetconv's oneDNN GEMMs ran on PyTorch's spinning runtime, as no hetconv run does. The error column is Winograd's against a float64 reference on the case's own
 tensors (max |difference| over max |reference|, forward and dX and dW).
 
     python bench/winograd.py --threads 1,2 --out bench/results/winograd
@@ -26,15 +29,19 @@ LAYERS = {"r18-64x32": (64, 64, 32), "r18-128x16": (128, 128, 16), "r18-256x8": 
           "r18-512x4": (512, 512, 4), "vgg-64x16": (64, 64, 16)}
 
 
-def run_one(threads, batches, budget):
+def run_one(threads, batches, budget, side):
+    """`side` "hetconv": Winograd and the direct path, and Winograd's error; "torch": PyTorch's
+    two layouts, in a process where hetconv's device was never imported."""
     import numpy as np
-    import torch
-    from hetconv.devices import open_device
-    from hetconv.devices.base import ConvBlock
-    from hetconv.net import reference as R
-    torch.set_num_threads(threads)
-    block = ConvBlock(padding=1, activation="none", pool="none")
-    devices = {p: open_device("cpu", threads=threads, conv_path=p) for p in ("winograd", "direct-dnnl")}
+    if side == "hetconv":
+        from hetconv.devices import open_device
+        from hetconv.devices.base import ConvBlock
+        from hetconv.net import reference as R
+        block = ConvBlock(padding=1, activation="none", pool="none")
+        devices = {p: open_device("cpu", threads=threads, conv_path=p) for p in ("winograd", "direct-dnnl")}
+    else:
+        import torch
+        torch.set_num_threads(threads)
     rows = []
     for name, (c, k, hw) in LAYERS.items():
         for n in batches:
@@ -68,20 +75,26 @@ def run_one(threads, batches, budget):
                     return {"fwd": t1 - t0, "fwd+bwd": time.perf_counter() - t0}
                 return step
 
-            cases = {"winograd": hetconv(devices["winograd"]), "direct-dnnl": hetconv(devices["direct-dnnl"]),
-                     "torch NCHW": pytorch("NCHW"), "torch channels_last": pytorch("channels_last")}
+            if side == "hetconv":
+                cases = {"winograd": hetconv(devices["winograd"]), "direct-dnnl": hetconv(devices["direct-dnnl"])}
+            else:
+                cases = {"torch NCHW": pytorch("NCHW"), "torch channels_last": pytorch("channels_last")}
             samples = _common.time_interleaved(cases, min_reps=5, max_reps=60, budget_s=budget)
             med = {case: {phase: _common.summarize(s)["median_ms"] for phase, s in phases.items()}
                    for case, phases in samples.items()}
-            out, ctx = devices["winograd"].conv_block(x, w, b, block)
-            dx, dw, _ = devices["winograd"].conv_block_backward(ctx, w, dout, True)
-            ref = R._conv64(x, w, b, 1, 1)
-            rdx, rdw = R._conv_backward64(x, w, dout, 1, 1, True)[:2]
-            error = max(float(np.abs(a - r).max() / np.abs(r).max()) for a, r in ((out, ref), (dx, rdx), (dw, rdw)))
-            rows.append({"layer": name, "batch": n, "threads": threads, "median_ms": med, "error": error,
-                         "paths": {p: d.conv_path_choices()[-1]["path"] for p, d in devices.items()}})
+            row = {"layer": name, "batch": n, "threads": threads, "median_ms": med}
+            if side == "hetconv":
+                out, ctx = devices["winograd"].conv_block(x, w, b, block)
+                dx, dw, _ = devices["winograd"].conv_block_backward(ctx, w, dout, True)
+                ref = R._conv64(x, w, b, 1, 1)
+                rdx, rdw = R._conv_backward64(x, w, dout, 1, 1, True)[:2]
+                row["error"] = max(float(np.abs(a - r).max() / np.abs(r).max())
+                                   for a, r in ((out, ref), (dx, rdx), (dw, rdw)))
+                row["paths"] = {p: d.conv_path_choices()[-1]["path"] for p, d in devices.items()}
+            rows.append(row)
             print(f"  {threads} thread(s) {name} N={n}: " + ", ".join(
-                f"{case} {m['fwd+bwd']:.1f} ms" for case, m in med.items()) + f"; error {error:.1e}", flush=True)
+                f"{case} {m['fwd+bwd']:.1f} ms" for case, m in med.items())
+                + (f"; error {row['error']:.1e}" if "error" in row else ""), flush=True)
     return rows
 
 
@@ -91,7 +104,13 @@ def markdown(doc):
     lines += [f"BLAS: {doc['blas']}. {doc['torch']}.", "",
               "Forward and backward with dX of one conv (bias, no activation or pool), median ms over "
               "alternating rounds; `direct/winograd` and `torch/winograd` > 1 where Winograd is faster "
-              "(torch: its faster layout, named). Error: Winograd's against float64, forward, dX and dW.", ""]
+              "(torch: its faster layout, named). Error: Winograd's against float64, forward, dX and dW.",
+              "",
+              "hetconv's paths and PyTorch's ran in processes of their own, each with its own OpenMP waiting "
+              "(hetconv's threads sleep, PyTorch's spin first, as each runs for its users)."
+              if doc.get("sides") == "separate" else
+              "hetconv and PyTorch ran in one process with PyTorch imported first: hetconv's oneDNN GEMMs ran "
+              "on PyTorch's spinning OpenMP runtime, not as a hetconv run does.", ""]
     table = []
     for r in doc["rows"]:
         m = r["median_ms"]
@@ -114,27 +133,33 @@ def main(argv=None):
     p.add_argument("--out", default="", help="folder for winograd.json and .md (default: print only)")
     p.add_argument("--render", default="", help="only rewrite the .md beside this saved JSON")
     p.add_argument("--one", type=int, default=0, help=argparse.SUPPRESS)      # a child process's thread count
+    p.add_argument("--side", default="hetconv", help=argparse.SUPPRESS)       # ... and what it times
     args = p.parse_args(argv)
     if args.render:
         print(f"wrote {_common.render_saved(args.render, 'winograd', markdown)}")
         return
     batches = [int(v) for v in args.batches.split(",")]
     if args.one:
-        print(json.dumps(run_one(args.one, batches, args.budget)))
+        print(json.dumps(run_one(args.one, batches, args.budget, args.side)))
         return
     started, load = time.time(), _common.load_average()
     rows = []
     for threads in [int(v) for v in args.threads.split(",")]:
-        print(f"{threads} thread(s) ...", flush=True)
-        done = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", str(threads), "--batches",
-                               args.batches, "--budget", str(args.budget)], capture_output=True, text=True)
-        if done.returncode:
-            sys.exit(f"the {threads}-thread run failed:\n{done.stderr[-2000:]}")
-        print("\n".join(line for line in done.stdout.splitlines() if line.startswith("  ")))
-        rows += json.loads(done.stdout.strip().splitlines()[-1])
+        sides = {}
+        for side in ("hetconv", "torch"):
+            print(f"{threads} thread(s), {side} ...", flush=True)
+            done = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", str(threads), "--side", side,
+                                   "--batches", args.batches, "--budget", str(args.budget)],
+                                  capture_output=True, text=True)
+            if done.returncode:
+                sys.exit(f"the {threads}-thread {side} run failed:\n{done.stderr[-2000:]}")
+            print("\n".join(line for line in done.stdout.splitlines() if line.startswith("  ")))
+            sides[side] = json.loads(done.stdout.strip().splitlines()[-1])
+        for row, theirs in zip(sides["hetconv"], sides["torch"]):
+            rows.append({**row, "median_ms": {**row["median_ms"], **theirs["median_ms"]}})
     import torch
     doc = {**_common.run_facts("winograd.py", sys.argv[1:] if argv is None else argv, started, load),
-           "torch": _common.torch_info(torch), "environment": note, "rows": rows}
+           "torch": _common.torch_info(torch), "environment": note, "sides": "separate", "rows": rows}
     _common.save_or_print(args.out, "winograd", doc, markdown)
 
 
