@@ -218,20 +218,36 @@ def test_a_folder_that_cannot_be_written_is_said_once_and_the_run_goes_on(tmp_pa
     assert err.count("\n") == 1 and "cannot be written" in err and str(path) in err
 
 
+def test_the_previous_generations_timings_are_not_read_and_are_left_as_they_were(monkeypatch, tmp_path):
+    """conv-paths.json holds timings made before Winograd's GEMMs ran in one parallel region, which
+    would keep layers off the path that is now the fastest: a device of a cache folder holding it
+    times its calls again, into the new file, and leaves the old one as it was."""
+    old = tmp_path / "conv-paths.json"
+    device(Timer("im2col"), W.Wisdom(old)).conv2d(X, WEIGHTS, None)
+    before = old.read_bytes()
+    monkeypatch.setenv("HETCONV_CACHE", str(tmp_path))
+    timer = Timer("shifted")
+    dev = device(timer, W.machine_wisdom())
+    dev.conv2d(X, WEIGHTS, None)
+    assert choice(dev) == ("shifted", "timed") and timer.calls > 0
+    assert old.read_bytes() == before
+    assert list(stored(tmp_path / W.FILE_NAME).values()) == ["shifted"]
+
+
 def test_the_cache_folder_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("HETCONV_CACHE", str(tmp_path / "a"))
-    assert W.wisdom_path() == str(tmp_path / "a" / "conv-paths.json")
+    assert W.wisdom_path() == str(tmp_path / "a" / "conv-paths-2.json")
     assert W.machine_wisdom() is W.machine_wisdom()
     monkeypatch.delenv("HETCONV_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert W.wisdom_path() == str(tmp_path / "xdg" / "hetconv" / "conv-paths.json")
+    assert W.wisdom_path() == str(tmp_path / "xdg" / "hetconv" / "conv-paths-2.json")
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert W.wisdom_path() == str(tmp_path / "home" / ".cache" / "hetconv" / "conv-paths.json")
+    assert W.wisdom_path() == str(tmp_path / "home" / ".cache" / "hetconv" / "conv-paths-2.json")
 
 
 def test_the_suite_never_touches_the_users_cache(conv_path_wisdom):
-    assert W.wisdom_path() == os.path.join(str(conv_path_wisdom), "conv-paths.json")
+    assert W.wisdom_path() == os.path.join(str(conv_path_wisdom), "conv-paths-2.json")
 
 
 # ---- deterministic ----------------------------------------------------------------------------------

@@ -103,7 +103,7 @@ class Config:
                                     "layer and share, else fp32; the log and the metrics' precision records say "
                                     "per layer which ran). GPU devices run fp32")
     retime: bool = option(False, "time every CPU device's conv paths again, and store the result over the "
-                                 "machine's wisdom ($HETCONV_CACHE/conv-paths.json, default ~/.cache/hetconv): "
+                                 "machine's wisdom ($HETCONV_CACHE/conv-paths-2.json, default ~/.cache/hetconv): "
                                  "without it a call shape timed before on this machine reuses its path (a resumed "
                                  "run runs its checkpoint's paths either way)")
     deterministic: bool = option(False, "conv paths by a fixed rule, no timing; the plan fixed; the same command "
