@@ -139,8 +139,12 @@ def test_sgemm_each_matches_numpy_on_every_layout(lib, trans_a, trans_b, beta, c
     c, c_flat = _planes(count, m, n, 500, rng)
     before = c_flat.copy()
     want = np.einsum("imk,ikn->imn", a_op.astype(np.float64), b_op) + beta * c
+    threads = numba.get_num_threads()
     numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
-    lib.sgemm_each(a_op, b_op, c, beta, threads=2)
+    try:
+        lib.sgemm_each(a_op, b_op, c, beta, threads=2)
+    finally:
+        numba.set_num_threads(threads)
     np.testing.assert_allclose(c, want, rtol=1e-4, atol=1e-4)
     gaps = np.ones(c_flat.size, bool)
     for i in range(count):
