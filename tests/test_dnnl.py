@@ -167,6 +167,11 @@ def test_sgemm_each_names_a_batch_that_does_not_match(lib):
         lib.sgemm_each(a, np.zeros((2, 5, 2), np.float32), np.zeros((3, 4, 2), np.float32))
     with pytest.raises(ValueError, match=r"sgemm_each shapes do not chain: a \(4, 5\) @ b \(4, 2\)"):
         lib.sgemm_each(a, np.zeros((3, 4, 2), np.float32), np.zeros((3, 4, 2), np.float32))
+    with pytest.raises(ValueError, match=r"sgemm_each: a, b and c must be 3-D views .* got shapes None"):
+        lib.sgemm_each([[[1.0]]], a, a)
+    c = np.ones((3, 2, 2), np.float32)                      # an empty reduction scales every c[i] by beta
+    lib.sgemm_each(np.empty((3, 2, 0), np.float32), np.empty((3, 0, 2), np.float32), c, 0.5)
+    np.testing.assert_array_equal(c, 0.5)
 
 
 def test_bad_operands_are_named(lib):

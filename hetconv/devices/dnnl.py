@@ -73,7 +73,6 @@ def _sgemm_each(sgemm, transa, transb, m, n, k, a, a_step, lda, b, b_step, ldb, 
     return status.max()
 
 
-
 # ---- bf16 -----------------------------------------------------------------------------------------
 @cached_njit(inline="always", nogil=True)
 def _bf16_of_bits(u):
@@ -216,7 +215,8 @@ class Dnnl:
         36 GEMMs of (64, 64) @ (64, 512) took 5.7-6.9 ms one by one against 1.2-1.6 ms here and
         2.4 ms on one thread. Needs the OpenMP build (`runs_each`); a batch of fewer matrices than
         threads has each matrix's columns cut into blocks as well."""
-        if not (a.ndim == b.ndim == c.ndim == 3 and len(a) == len(b) == len(c)):
+        if not (getattr(a, "ndim", 0) == getattr(b, "ndim", 0) == getattr(c, "ndim", 0) == 3
+                and len(a) == len(b) == len(c)):
             raise ValueError(f"sgemm_each: a, b and c must be 3-D views of one count of matrices, got shapes "
                              f"{getattr(a, 'shape', None)!r}, {getattr(b, 'shape', None)!r}, {getattr(c, 'shape', None)!r}")
         count = len(c)
@@ -227,7 +227,7 @@ class Dnnl:
         if count == 0:
             return c
         call = gemm_operands("sgemm_each", a[0], b[0], c[0], beta, np.float32)
-        if call is None:
+        if call is None:            # nothing to multiply: with k = 0, each c[i] is scaled by beta
             for i in range(1, count):
                 gemm_operands("sgemm_each", a[i], b[i], c[i], beta, np.float32)
             return c
