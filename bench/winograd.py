@@ -9,8 +9,9 @@ layout. Each thread count runs in processes of its own (Numba's and OpenMP's thr
 per process), hetconv's paths in one and PyTorch's in another: each side's OpenMP threads wait as
 its users' do (hetconv's sleep, OMP_WAIT_POLICY=PASSIVE; PyTorch's spin first, GNU OpenMP's
 default), which a process can set only once, before its OpenMP runtime starts. With PyTorch
-imported first, hetconv's oneDNN GEMMs ran on PyTorch's spinning runtime, as no hetconv run does. The error column is Winograd's against a float64 reference on the case's own
-tensors (max |difference| over max |reference|, forward and dX and dW).
+imported first, hetconv's oneDNN GEMMs ran on PyTorch's spinning runtime, as no hetconv run does.
+The error column is Winograd's against a float64 reference on the case's own tensors (max
+|difference| over max |reference|, forward and dX and dW).
 
     python bench/winograd.py --threads 1,2 --out bench/results/winograd
 """
@@ -155,8 +156,9 @@ def main(argv=None):
                 sys.exit(f"the {threads}-thread {side} run failed:\n{done.stderr[-2000:]}")
             print("\n".join(line for line in done.stdout.splitlines() if line.startswith("  ")))
             sides[side] = json.loads(done.stdout.strip().splitlines()[-1])
-        for row, theirs in zip(sides["hetconv"], sides["torch"]):
-            rows.append({**row, "median_ms": {**row["median_ms"], **theirs["median_ms"]}})
+        theirs = {(r["layer"], r["batch"]): r["median_ms"] for r in sides["torch"]}
+        rows += [{**row, "median_ms": {**row["median_ms"], **theirs[row["layer"], row["batch"]]}}
+                 for row in sides["hetconv"]]
     import torch
     doc = {**_common.run_facts("winograd.py", sys.argv[1:] if argv is None else argv, started, load),
            "torch": _common.torch_info(torch), "environment": note, "sides": "separate", "rows": rows}

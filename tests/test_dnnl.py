@@ -126,7 +126,7 @@ def _planes(count, rows, cols, stride, rng):
 @pytest.mark.parametrize("trans_b", [False, True])
 @pytest.mark.parametrize("beta", [0.0, 1.0])
 @pytest.mark.parametrize("count", [36, 3], ids=["36-matrices", "3-matrices-cut-in-column-blocks"])
-def test_sgemm_each_matches_numpy_on_every_layout(lib, trans_a, trans_b, beta, count):
+def test_sgemm_each_matches_numpy_on_every_layout(lib, trans_a, trans_b, beta, count, monkeypatch):
     """Every matrix of the batch, in one parallel region of one-thread GEMMs (and with fewer
     matrices than tasks, each cut into column blocks): the product numpy gives, nothing written
     between the matrices; with runs_each off (the TBB build), the one-by-one loop's same values."""
@@ -152,15 +152,12 @@ def test_sgemm_each_matches_numpy_on_every_layout(lib, trans_a, trans_b, beta, c
     np.testing.assert_array_equal(c_flat[gaps], before[gaps])
     looped = before.copy()
     c2 = np.lib.stride_tricks.as_strided(looped, c.shape, c.strides)
-    runs_each, lib.runs_each = lib.runs_each, False
-    try:
-        lib.sgemm_each(a_op, b_op, c2, beta, threads=2)
-    finally:
-        lib.runs_each = runs_each
+    monkeypatch.setattr(lib, "runs_each", False)
+    lib.sgemm_each(a_op, b_op, c2, beta, threads=2)
     np.testing.assert_allclose(c2, want, rtol=1e-4, atol=1e-4)
 
 
-def test_sgemm_each_names_a_batch_that_does_not_match(lib):
+def test_sgemm_each_names_a_batch_that_does_not_match_and_a_failing_gemm(lib, monkeypatch):
     a = np.zeros((3, 4, 5), np.float32)
     with pytest.raises(ValueError, match=r"sgemm_each: a, b and c must be 3-D views of one count of matrices, "
                                          r"got shapes \(3, 4, 5\), \(2, 5, 2\), \(3, 4, 2\)"):
@@ -172,6 +169,10 @@ def test_sgemm_each_names_a_batch_that_does_not_match(lib):
     c = np.ones((3, 2, 2), np.float32)                      # an empty reduction scales every c[i] by beta
     lib.sgemm_each(np.empty((3, 2, 0), np.float32), np.empty((3, 0, 2), np.float32), c, 0.5)
     np.testing.assert_array_equal(c, 0.5)
+    if lib.runs_each:
+        monkeypatch.setattr(dnnl, "_sgemm_each", lambda *args: 2)        # oneDNN's invalid_arguments
+        with pytest.raises(DeviceError, match=r"oneDNN's sgemm failed \(status 2\) in a batch of 3 a \(4, 5\) @ b \(5, 2\)"):
+            lib.sgemm_each(a, np.zeros((3, 5, 2), np.float32), np.zeros((3, 4, 2), np.float32))
 
 
 def test_bad_operands_are_named(lib):
@@ -199,11 +200,11 @@ def test_it_says_what_it_is(lib):
     assert lib.describe().startswith(f"oneDNN {lib.version} (")
 
 
-_THREADS_PROBE = """
-import os, threading, numpy as np
+# CPU time per thread (/proc/self/task), not wall time, so a busy machine cannot make these pass or fail
+_TICKS = """
+import os, threading, numba, numpy as np
 from hetconv.devices import dnnl
 lib = dnnl.load()
-a = np.ones((768, 768), np.float32); c = np.empty_like(a)
 def ticks():
     out = {}
     for t in os.listdir("/proc/self/task"):
@@ -212,6 +213,28 @@ def ticks():
         except OSError:
             pass
     return out
+"""
+needs_two_cores = pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2
+                                     or not os.path.isdir("/proc/self/task"), reason="needs two cores and Linux's /proc")
+
+
+def _probe(script):
+    """stdout of `script` run after _TICKS in a fresh process (its OpenMP threads sleeping, as
+    hetconv's do), where oneDNN is the OpenMP build whose thread counts these probes read."""
+    if dnnl.load().runtime != "OpenMP":
+        pytest.skip(f"a {dnnl.load().runtime} build follows the process's CPU affinity instead")
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=REPO)
+    r = subprocess.run([sys.executable, "-c", _TICKS + script], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+@needs_dnnl
+@needs_two_cores
+def test_a_gemm_runs_on_as_many_threads_as_the_caller_says():
+    """One thread: the caller's thread does all the work; two: another thread shares it."""
+    out = _probe("""
+a = np.ones((768, 768), np.float32); c = np.empty_like(a)
 for threads in (1, 2):
     lib.sgemm(a, a, c, threads=threads)
     before = ticks()
@@ -220,63 +243,29 @@ for threads in (1, 2):
     spent = {t: v - before.get(t, 0) for t, v in ticks().items()}
     mine = spent.pop(threading.get_native_id())
     print(threads, mine, max(spent.values(), default=0))
-"""
+""")
+    (one, one_mine, one_other), (two, two_mine, two_other) = [map(int, line.split()) for line in out.split("\n")[:2]]
+    assert one_other <= max(2, one_mine // 10), out
+    assert two_other >= two_mine // 3, out
 
 
 @needs_dnnl
-@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2
-                    or not os.path.isdir("/proc/self/task"), reason="needs two cores and Linux's /proc")
-def test_a_gemm_runs_on_as_many_threads_as_the_caller_says():
-    """One thread: the caller's thread does all the work; two: another thread shares it. CPU
-    time per thread, not wall time, so a busy machine cannot make it pass or fail."""
-    if dnnl.load().runtime != "OpenMP":
-        pytest.skip(f"a {dnnl.load().runtime} build follows the process's CPU affinity instead")
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=REPO)
-    r = subprocess.run([sys.executable, "-c", _THREADS_PROBE], capture_output=True, text=True, timeout=120, env=env)
-    assert r.returncode == 0, r.stderr
-    (one, one_mine, one_other), (two, two_mine, two_other) = [map(int, line.split()) for line in r.stdout.split("\n")[:2]]
-    assert one_other <= max(2, one_mine // 10), r.stdout
-    assert two_other >= two_mine // 3, r.stdout
-
-
-_EACH_PROBE = """
-import os, threading, numba, numpy as np
-from hetconv.devices import dnnl
-lib = dnnl.load()
+@needs_two_cores
+def test_sgemm_each_on_two_threads_runs_on_two_threads_not_a_team_inside_each():
+    """Each GEMM inside sgemm_each's parallel region runs on its calling thread: two threads do
+    the work, not two plus a team of oneDNN's own inside each."""
+    out = _probe("""
 numba.set_num_threads(2)
-rng = np.random.default_rng(0)
-a = rng.standard_normal((36, 256, 256)).astype(np.float32); c = np.empty_like(a)
-def ticks():
-    out = {}
-    for t in os.listdir("/proc/self/task"):
-        try:
-            out[int(t)] = sum(map(int, open(f"/proc/self/task/{t}/stat").read().rsplit(")", 1)[1].split()[11:13]))
-        except OSError:
-            pass
-    return out
+a = np.random.default_rng(0).standard_normal((36, 256, 256)).astype(np.float32); c = np.empty_like(a)
 lib.sgemm_each(a, a, c, threads=2)
 before = ticks()
 for _ in range(30):
     lib.sgemm_each(a, a, c, threads=2)
-spent = sorted((v - before.get(t, 0) for t, v in ticks().items()), reverse=True)
-print(*spent)
-"""
-
-
-@needs_dnnl
-@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2
-                    or not os.path.isdir("/proc/self/task"), reason="needs two cores and Linux's /proc")
-def test_sgemm_each_on_two_threads_runs_on_two_threads_not_a_team_inside_each():
-    """Each GEMM inside sgemm_each's parallel region runs on its calling thread: two threads do
-    the work (CPU time per thread), not two plus a team of oneDNN's own inside each."""
-    if dnnl.load().runtime != "OpenMP":
-        pytest.skip(f"a {dnnl.load().runtime} build runs no batch in one region")
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=REPO)
-    r = subprocess.run([sys.executable, "-c", _EACH_PROBE], capture_output=True, text=True, timeout=120, env=env)
-    assert r.returncode == 0, r.stderr
-    spent = [int(v) for v in r.stdout.split()]
-    assert spent[1] >= spent[0] // 3, r.stdout                  # a second thread shares the work
-    assert sum(spent[2:]) <= max(2, sum(spent) // 10), r.stdout   # and no third one does
+print(*sorted((v - before.get(t, 0) for t, v in ticks().items()), reverse=True))
+""")
+    spent = [int(v) for v in out.split()]
+    assert spent[1] >= spent[0] // 3, out                   # a second thread shares the work
+    assert sum(spent[2:]) <= max(2, sum(spent) // 10), out   # and no third one does
 
 
 # ---- a missing or broken library ------------------------------------------------------------------

@@ -4,6 +4,7 @@ clock; a run's choices go into its checkpoints and `--resume` runs them again. I
 with fake timers on small layers: a few seconds in all."""
 import json
 import os
+import re
 import threading
 from dataclasses import replace
 
@@ -244,6 +245,20 @@ def test_the_cache_folder_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert W.wisdom_path() == str(tmp_path / "home" / ".cache" / "hetconv" / "conv-paths-2.json")
+
+
+def test_the_readme_and_the_help_name_the_file_the_wisdom_is_in(monkeypatch):
+    """Where the README and `--retime`'s help say the wisdom is, it is: a new generation's file
+    name (wisdom.FILE_NAME) leaves no page naming the old one."""
+    from hetconv.cli import worker
+    monkeypatch.setenv("COLUMNS", "1000")          # argparse would break the name at its hyphens
+    texts = {"README.md": open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                            "README.md")).read(),
+             "hetconv-worker --help": worker.build_parser().format_help(),
+             "hetconv-coordinator --help": coordinator.build_parser().format_help()}
+    for where, text in texts.items():
+        named = set(re.findall(r"conv-paths[\w-]*\.json", text))
+        assert named == {W.FILE_NAME}, where
 
 
 def test_the_suite_never_touches_the_users_cache(conv_path_wisdom):

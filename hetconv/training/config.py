@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from hetconv.data.batches import parse_augment
 from hetconv.data.photos import MAX_IMAGE_SIZE
 from hetconv.devices.cpu import CONV_PATHS as CPU_CONV_PATHS, PRECISIONS
+from hetconv.devices.wisdom import FILE_NAME as WISDOM_FILE
 from hetconv.engine.costmodel import parse_bandwidth
 from hetconv.engine.planner import POLICIES, check_parallel
 from hetconv.flags import check_finite, parse_int_list
@@ -103,7 +104,7 @@ class Config:
                                     "layer and share, else fp32; the log and the metrics' precision records say "
                                     "per layer which ran). GPU devices run fp32")
     retime: bool = option(False, "time every CPU device's conv paths again, and store the result over the "
-                                 "machine's wisdom ($HETCONV_CACHE/conv-paths-2.json, default ~/.cache/hetconv): "
+                                 f"machine's wisdom ($HETCONV_CACHE/{WISDOM_FILE}, default ~/.cache/hetconv): "
                                  "without it a call shape timed before on this machine reuses its path (a resumed "
                                  "run runs its checkpoint's paths either way)")
     deterministic: bool = option(False, "conv paths by a fixed rule, no timing; the plan fixed; the same command "
