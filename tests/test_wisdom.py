@@ -237,14 +237,14 @@ def test_the_previous_generations_timings_are_not_read_and_are_left_as_they_were
 
 def test_the_cache_folder_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("HETCONV_CACHE", str(tmp_path / "a"))
-    assert W.wisdom_path() == str(tmp_path / "a" / "conv-paths-2.json")
+    assert W.wisdom_path() == str(tmp_path / "a" / W.FILE_NAME)
     assert W.machine_wisdom() is W.machine_wisdom()
     monkeypatch.delenv("HETCONV_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert W.wisdom_path() == str(tmp_path / "xdg" / "hetconv" / "conv-paths-2.json")
+    assert W.wisdom_path() == str(tmp_path / "xdg" / "hetconv" / W.FILE_NAME)
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert W.wisdom_path() == str(tmp_path / "home" / ".cache" / "hetconv" / "conv-paths-2.json")
+    assert W.wisdom_path() == str(tmp_path / "home" / ".cache" / "hetconv" / W.FILE_NAME)
 
 
 def test_the_readme_and_the_help_name_the_file_the_wisdom_is_in(monkeypatch):
@@ -262,7 +262,7 @@ def test_the_readme_and_the_help_name_the_file_the_wisdom_is_in(monkeypatch):
 
 
 def test_the_suite_never_touches_the_users_cache(conv_path_wisdom):
-    assert W.wisdom_path() == os.path.join(str(conv_path_wisdom), "conv-paths-2.json")
+    assert W.wisdom_path() == os.path.join(str(conv_path_wisdom), W.FILE_NAME)
 
 
 # ---- deterministic ----------------------------------------------------------------------------------

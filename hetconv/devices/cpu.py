@@ -347,12 +347,12 @@ class CpuDevice(ConvPathChoice, GemmPaths, Device):
             self._fft_gemm(a, b, out, beta)
 
     def _winograd_gemm_each(self, a, b, out, beta):
-        """out[f] = a[f] @ b[f] + beta * out[f] for the 36 frequencies: on two or more threads in
-        one parallel region of one-thread oneDNN GEMMs where oneDNN's OpenMP build is installed
-        (dnnl.Dnnl.sgemm_each: 36 regions a pass, 108 a layer's step, each waking the sleeping
-        threads, took resnet18's and vgg-small's 3x3 layers on 2 threads to more than their time
-        on one), else one by one (_winograd_gemm)."""
-        if self._dnnl is not None and self.threads > 1 and self._dnnl.runs_each:
+        """out[f] = a[f] @ b[f] + beta * out[f] for the 36 frequencies: on two or more threads by
+        dnnl.Dnnl.sgemm_each, in one parallel region of one-thread GEMMs where oneDNN's build can
+        (36 regions a pass, 108 a layer's step, each waking the sleeping threads, took resnet18's
+        and vgg-small's 3x3 layers on 2 threads to more than their time on one), else one by one
+        as _winograd_gemm would; on one thread one by one (_winograd_gemm: OpenBLAS for dW)."""
+        if self._dnnl is not None and self.threads > 1:
             self._dnnl.sgemm_each(a, b, out, beta, self.threads)
             return
         for f in range(len(out)):
