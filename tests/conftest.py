@@ -104,20 +104,3 @@ def external_worker(procs, address, name, keys="", *extra):
                             "--name", name, "--connect-timeout", "60", "--idle-timeout", "120",
                             *(["--curve", keys] if keys else []), *extra),
                  stdout=subprocess.DEVNULL)
-
-
-# Where the suite runs on several processes (pytest-xdist, --dist loadfile: a file's tests stay
-# together, so its module fixtures are made once), the longest files go first, so that no process
-# is left finishing a long file while the others idle: seconds a file takes on 2 cores, from
-# `pytest --durations=0` on a fresh clone (273 s to 30 s), longest first. A file not listed keeps its place after these.
-LONG_FILES = ("test_distributed.py", "test_no_lost_work.py", "test_data_parallel.py", "test_ray_launcher.py",
-              "test_cpu_channelwise.py", "test_cli_checks.py", "test_networks.py", "test_graph_training.py",
-              "test_costmodel.py", "test_cuda_device.py", "test_run_readable.py", "test_net_torch.py",
-              "test_deterministic.py", "test_zoo_module.py", "test_train.py", "test_preact.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    if not hasattr(config, "workerinput"):          # set on pytest-xdist's worker processes, which collect
-        return
-    rank = {name: i for i, name in enumerate(LONG_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))     # stable: within a file as written
