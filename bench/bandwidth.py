@@ -328,7 +328,7 @@ def predict_parallel(args, batch, plan, calibration, rate, wire_cpu_s_per_byte, 
         fc = [op.layer.to_json() for op in net.head() if op.type != "flatten"]
         with threadpool_limits(1):
             coordinator_cache[key] = measure_coordinator_s(specs, fc, net.input_shape, batch, len(workers),
-                                                           network=net, exchange="peer")
+                                                           network=net, exchange="peer", workers_elsewhere=True)
     if ("joins", batch) not in coordinator_cache:     # the graph's joins, which each worker runs on its part
         coordinator_cache[("joins", batch)] = measure_join_s(net, batch)
     profiles = cm.profiles_from_calibration({w: calibration[w] for w in workers})

@@ -103,6 +103,36 @@ def test_distributed_training_equals_local(local_run, tmp_path, workers, counts,
             np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-6)
 
 
+def test_a_coordinator_with_no_cpu_worker_on_its_host_sends_the_gradient_before_its_weight_gemms(
+        local_run, tmp_path, monkeypatch):
+    """Where no CPU worker shares the coordinator's host (this test tells its host apart), each
+    micro-batch's features' gradient leaves before the head's weight GEMMs run (head.settle after
+    the sends), and the run equals local as any other."""
+    import hetconv.coordinator.remote as remote_module
+    from hetconv.net.layers import Linear
+    monkeypatch.setattr(remote_module, "host_key", lambda: "a host of the coordinator's own")
+    computed_late, settle = [], Linear.settle
+
+    def settle_counted(self):
+        computed_late.append(self._weight_grads_due is not None)
+        settle(self)
+    monkeypatch.setattr(Linear, "settle", settle_counted)
+    local_losses, (_, local_conv, local_fc) = local_run
+    engine = remote(3)
+    try:
+        engine.fixed_plan = fixed_plan([6, 12], UNEVEN3)
+        summary = train(Config(**TINY, steps=3, checkpoint_dir=str(tmp_path), micro_batches=4).validate(), engine,
+                        log=quiet)
+    finally:
+        engine.close()
+    assert sum(computed_late) >= 3 * 4, computed_late    # every micro-batch's, on each FC layer that has one due
+    np.testing.assert_allclose(summary["losses"], local_losses, rtol=1e-5)
+    _, conv, fc = checkpoint.load(str(tmp_path))
+    for got, want in zip(conv + fc, local_conv + local_fc):
+        for key in want:
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-6)
+
+
 def test_equal_split_equals_local_too(local_run):
     engine = remote(2)
     try:

@@ -396,6 +396,30 @@ def test_in_the_peer_exchange_the_coordinators_share_is_the_head_alone(monkeypat
     assert len(star_engines) == 2 and len(heads) == 2
 
 
+def test_with_no_worker_on_its_host_the_coordinators_share_leaves_out_the_fc_weight_gradients(monkeypatch):
+    """The peer step computes the FC weights' gradients after the features' gradient has gone where
+    no CPU worker shares the coordinator's host (coordinator.remote), while the workers' backward
+    runs: timing the coordinator's share for such workers leaves them out, and only then."""
+    import time
+    from hetconv.engine import measure
+    from hetconv.geometry import ConvSpec
+    from hetconv.net import preset
+    from hetconv.net.layers import Linear
+    spec = preset("resnet18", (3, 16, 16), 10, 0.0625)
+    specs = [ConvSpec.from_layer(b) for b in spec.conv_layers()]
+    fc = [op.layer.to_json() for op in spec.head() if op.type != "flatten"]
+    weight_grads = Linear._weight_grads
+
+    def slow(self, *due):                      # a weight GEMM far longer than the rest of this small head
+        time.sleep(0.25)
+        weight_grads(self, *due)
+    monkeypatch.setattr(Linear, "_weight_grads", slow)
+    shared, elsewhere = (measure.measure_coordinator_s(specs, fc, spec.input_shape, 4, 2, repeats=1, network=spec,
+                                                       exchange="peer", workers_elsewhere=apart)
+                         for apart in (False, True))
+    assert shared >= 0.25 > elsewhere, (shared, elsewhere)
+
+
 def test_hetconv_plan_prices_a_graphs_blocks_in_the_modes_asked_naming_them(tmp_path, capsys):
     from test_parallel_plan import cpu_profile
     from hetconv.cli import plan

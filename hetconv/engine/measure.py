@@ -57,21 +57,34 @@ def _timing_engine(specs, image_shape, batch, n, rng):
 
 class _HeadOnlyEngine:
     """Stands in for the peer step's workers: the features arrive ready-made, and the coordinator
-    runs the head on them (what it does in that step: the joins run on the workers)."""
+    runs the head on them as that step does (the joins run on the workers). `weights_later`: the
+    FC weights' gradients after the features' gradient has gone (head.settle), timed apart in
+    `settle_s`, as the step runs them where no CPU worker shares the coordinator's host."""
 
-    def __init__(self, feature_shape):
-        self.feature_shape = tuple(feature_shape)
+    def __init__(self, feature_shape, weights_later=False):
+        self.feature_shape, self.weights_later = tuple(feature_shape), weights_later
+        self.settle_s = 0.0
 
     def conv_step(self, xs, head, update, step=(0, 0), head_sum_of_squares=None):
         for m, x in enumerate(xs):
-            head(m, np.zeros((len(x),) + self.feature_shape, np.float32))
+            features = np.zeros((len(x),) + self.feature_shape, np.float32)
+            if not self.weights_later:
+                head(m, features)
+                continue
+            head(m, features, weights_later=True)
+            t0 = time.perf_counter()
+            head.settle()
+            self.settle_s += time.perf_counter() - t0
         return 1.0
 
 
-def measure_coordinator_s(specs, head, image_shape, batch, n_workers, repeats=3, network=None, exchange="star"):
+def measure_coordinator_s(specs, head, image_shape, batch, n_workers, repeats=3, network=None, exchange="star",
+                          workers_elsewhere=False):
     """Seconds of coordinator work per step on this host: the FC layers and the loss, and in the
     star exchange (and --local, n_workers 1) also the concatenation of the workers' blocks, the dX
-    sums and a graph's joins between its blocks, which the peer exchange's workers do instead.
+    sums and a graph's joins between its blocks, which the peer exchange's workers do instead. In
+    the peer exchange with `workers_elsewhere` (no CPU worker on the coordinator's host), less the
+    FC weights' gradients, which the coordinator then computes while the workers' backward runs.
     `head`: the network's layers after flatten (JSON form), or the paper family's hidden FC
     widths; `network`: the NetSpec, where it may be a graph."""
     rng = np.random.default_rng(0)
@@ -81,7 +94,7 @@ def measure_coordinator_s(specs, head, image_shape, batch, n_workers, repeats=3,
     if network is not None:
         feature_shape = network.feature_shape()
     if exchange == "peer" and n_workers > 1:
-        engine = _HeadOnlyEngine(feature_shape)
+        engine = _HeadOnlyEngine(feature_shape, weights_later=workers_elsewhere)
     else:
         engine = _timing_engine(specs, image_shape, batch, n_workers, rng)
         if network is not None:
@@ -91,10 +104,11 @@ def measure_coordinator_s(specs, head, image_shape, batch, n_workers, repeats=3,
     labels = rng.integers(0, 10, batch)
     best = float("inf")
     for rep in range(repeats + 1):
+        settled = getattr(engine, "settle_s", 0.0)
         t0 = time.perf_counter()
         net.train_step(x, labels, UpdateRule(lr=1e-6, momentum=0.0))
         if rep:
-            best = min(best, time.perf_counter() - t0)
+            best = min(best, time.perf_counter() - t0 - (getattr(engine, "settle_s", 0.0) - settled))
     return best
 
 

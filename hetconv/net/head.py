@@ -110,11 +110,11 @@ class Network:
                 saved.append(None)
         return h, saved
 
-    def _head_backward(self, grad, saved, accumulate):
+    def _head_backward(self, grad, saved, accumulate, weights_later=False):
         for i in reversed(range(len(self.ops))):
             kind, arg = self.ops[i]
             if kind == "linear":
-                grad = self.fc[arg].backward(grad, accumulate=accumulate)
+                grad = self.fc[arg].backward(grad, accumulate=accumulate, weights_later=weights_later)
             elif kind == "relu":
                 grad = relu_backward(saved[i], grad)
             elif kind == "scale":
@@ -146,8 +146,10 @@ class Network:
         dropout = any(kind == "dropout" and arg > 0 for kind, arg in self.ops)
         batch_masks = self._masks(step, total) if dropout else {}
 
-        def head(m, features):
-            # head forward, loss, head backward on micro-batch m: all local; its gradients add up
+        def head(m, features, weights_later=False):
+            # head forward, loss, head backward on micro-batch m: all local; its gradients add up.
+            # weights_later: the FC weights' gradients wait for head.settle(), which the caller
+            # runs once the features' gradient is on its way (`features` must stay as they are)
             masks = {i: mask[starts[m]:starts[m + 1]] for i, mask in batch_masks.items()}
             logits, saved = self._head_forward(features.reshape(features.shape[0], -1), masks)
             loss, grad = softmax_cross_entropy(logits, ys[m], label_smoothing)   # mean over this micro-batch
@@ -156,8 +158,13 @@ class Network:
                 grad *= np.float32(share)                              # ... made a mean over the batch
             result.loss += loss * share
             result.correct += int((logits.argmax(axis=1) == ys[m]).sum())
-            grad = self._head_backward(grad, saved, accumulate=m > 0)
+            grad = self._head_backward(grad, saved, accumulate=m > 0, weights_later=weights_later)
             return grad.reshape(features.shape)
+
+        def settle():
+            for fc in self.fc:
+                fc.settle()
+        head.settle = settle
 
         # conv forward, head, conv backward per micro-batch: the engine decides how they overlap;
         # the conv kernels get their one update per step where they live
