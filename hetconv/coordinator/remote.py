@@ -967,9 +967,9 @@ class RemoteEngine(ShardEngine):
                     parts[next_micro] = None
                     if train:
                         # the FC weights' gradients wait until the features' gradient has left
-                        # (head.settle below), so the workers' backward starts a GEMM sooner (the
-                        # paper network's head: 22 ms to its gradient at once, 11 ms so), where
-                        # no CPU worker shares this host: theirs would be the cores that GEMM takes
+                        # (head.settle below), so the workers' backward starts sooner (the paper
+                        # network's head: 11 ms to its gradient instead of 22, bench/head.py);
+                        # only where no CPU worker shares this host, whose cores those GEMMs would take
                         later = hasattr(head, "settle") and not cpu_workers_here
                         grad = np.ascontiguousarray(head(next_micro, h, weights_later=True) if later
                                                     else head(next_micro, h), np.float32)
