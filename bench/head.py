@@ -1,7 +1,8 @@
 """The coordinator's head in the peer step: its time until the features' gradient can leave, with
 the FC weights' gradients computed at once (a coordinator sharing its host with CPU workers)
 against computed after the gradient has gone (head.settle: a coordinator whose workers are
-elsewhere, coordinator/remote.py), alternating in one process on the same features.
+elsewhere, coordinator/remote.py), alternating in one process, each side run by the cost model's
+stand-in for the workers (engine.measure.HeadOnlyEngine).
 
     python bench/head.py                                  # the paper network's head, batch 32
     python bench/head.py --features 512,4,4 --fc 512 --batch 128 --out bench/results/head
@@ -19,32 +20,9 @@ import numba  # noqa: E402
 import numpy as np  # noqa: E402
 
 from hetconv.devices.cpu import HostArrays  # noqa: E402
+from hetconv.engine.measure import HeadOnlyEngine  # noqa: E402
 from hetconv.net.head import Network, paper_head  # noqa: E402
 from hetconv.update import UpdateRule  # noqa: E402
-
-
-class _Features:
-    """The conv side of a step stood in for: features given, the head run as the peer step runs
-    it, the seconds until its gradient and of its settle booked per micro-batch."""
-
-    def __init__(self, shape, weights_later):
-        self.shape, self.weights_later = shape, weights_later
-        self.until_gradient, self.settle = [], []
-
-    def conv_step(self, xs, head, update, step=(0, 0), head_sum_of_squares=None):
-        for m, x in enumerate(xs):
-            h = np.random.default_rng(m).standard_normal((len(x),) + self.shape).astype(np.float32)
-            t0 = time.perf_counter()
-            if self.weights_later:
-                head(m, h, weights_later=True)
-            else:
-                head(m, h)
-            t1 = time.perf_counter()
-            if self.weights_later:
-                head.settle()
-            self.until_gradient.append(t1 - t0)
-            self.settle.append(time.perf_counter() - t1)
-        return 1.0
 
 
 def markdown(doc):
@@ -91,21 +69,26 @@ def main(argv=None):
     started, load_start = time.time(), _common.load_average()
     images = np.zeros((args.batch, 3, 8, 8), np.float32)
     labels = np.random.default_rng(0).integers(0, args.classes, args.batch)
-    sides = {}
+    sides, timed = {}, {}
     for name, later in (("at once", False), ("weights later", True)):
-        engine = _Features(shape, later)
+        engine = HeadOnlyEngine(shape, weights_later=later)
         net = Network([], paper_head(widths, args.classes), engine, np.random.default_rng(0), shape, host=HostArrays())
-        sides[name] = (net, engine)
+        sides[name], timed[name] = (net, engine), {"until_gradient": [], "settle": []}
     for step in range(args.steps + 2):
         for name in (("at once", "weights later") if step % 2 == 0 else ("weights later", "at once")):
-            sides[name][0].train_step(images, labels, UpdateRule(lr=1e-6, momentum=0.0), step=step)
+            net, engine = sides[name]
+            before = (engine.head_s, engine.settle_s)
+            net.train_step(images, labels, UpdateRule(lr=1e-6, momentum=0.0), step=step)
+            if step >= 2:                       # the first two untimed: first-call costs
+                timed[name]["until_gradient"].append(engine.head_s - before[0])
+                timed[name]["settle"].append(engine.settle_s - before[1])
     doc = {**_common.run_facts("head.py", sys.argv[1:] if argv is None else argv, started, load_start),
            "features": list(shape), "fc": widths, "classes": args.classes, "batch": args.batch,
            "steps": args.steps, "threads": numba.get_num_threads(), "sides": {}}
-    for name, (_, engine) in sides.items():
-        timed = engine.until_gradient[2:]
-        doc["sides"][name] = {"until_gradient_ms": 1e3 * statistics.median(timed), "until_gradient_min_ms": 1e3 * min(timed),
-                              "settle_ms": 1e3 * statistics.median(engine.settle[2:])}
+    for name, t in timed.items():
+        doc["sides"][name] = {"until_gradient_ms": 1e3 * statistics.median(t["until_gradient"]),
+                              "until_gradient_min_ms": 1e3 * min(t["until_gradient"]),
+                              "settle_ms": 1e3 * statistics.median(t["settle"])}
     _common.save_or_print(args.out, "head", doc, markdown)
 
 

@@ -123,6 +123,7 @@ def test_a_coordinator_with_no_cpu_worker_on_its_host_sends_the_gradient_before_
         engine.fixed_plan = fixed_plan([6, 12], UNEVEN3)
         summary = train(Config(**TINY, steps=3, checkpoint_dir=str(tmp_path), micro_batches=4).validate(), engine,
                         log=quiet)
+        assert engine.head_weights_later
     finally:
         engine.close()
     assert sum(computed_late) >= 3 * 4, computed_late    # every micro-batch's, on each FC layer that has one due
@@ -138,6 +139,9 @@ def test_equal_split_equals_local_too(local_run):
     try:
         summary = train(Config(**{**TINY, "split": "equal"}, steps=3).validate(), engine, log=quiet)
         assert engine.plan.layers[0].ranges == {"w0-cpu": (0, 3), "w1-cpu": (3, 6)}
+        # its CPU workers share this host: the head's weight GEMMs run before the gradient leaves
+        # (test_a_coordinator_with_no_cpu_worker_on_its_host_... has the other side)
+        assert not engine.head_weights_later
     finally:
         engine.close()
     np.testing.assert_allclose(summary["losses"], local_run[0], rtol=1e-5)

@@ -380,13 +380,13 @@ def test_in_the_peer_exchange_the_coordinators_share_is_the_head_alone(monkeypat
     specs = [ConvSpec.from_layer(b) for b in spec.conv_layers()]
     fc = [op.layer.to_json() for op in spec.head() if op.type != "flatten"]
     star_engines, heads = [], []
-    timing_engine, conv_step = measure._timing_engine, measure._HeadOnlyEngine.conv_step
+    timing_engine, conv_step = measure._timing_engine, measure.HeadOnlyEngine.conv_step
     monkeypatch.setattr(measure, "_timing_engine", lambda *a: star_engines.append(a) or timing_engine(*a))
 
     def counted(self, xs, head, *rest):
         heads.append([(len(x),) + self.feature_shape for x in xs])
         return conv_step(self, xs, head, *rest)
-    monkeypatch.setattr(measure._HeadOnlyEngine, "conv_step", counted)
+    monkeypatch.setattr(measure.HeadOnlyEngine, "conv_step", counted)
     assert measure.measure_coordinator_s(specs, fc, spec.input_shape, 4, 2, repeats=1, network=spec,
                                          exchange="peer") > 0
     assert not star_engines and heads == [[(4,) + tuple(spec.feature_shape())]] * 2

@@ -35,8 +35,8 @@ from hetconv.engine.measure import calibrate_local, measure_loopback
 from hetconv.engine.layouts import WHOLE, index_in, pieces, pieces_shape, tensor_layouts
 from hetconv.engine.microbatch import micro_batch_count, priced_text
 from hetconv.engine.planner import PlanError, forced_modes, layout_rows
-from hetconv.engine.policy import (PlanFlags, check_exchange, choose_plan, cpu_groups, link_for_cores,
-                                   price_cores_together)
+from hetconv.engine.policy import (PlanFlags, check_exchange, choose_plan, cpu_groups, is_cpu_device,
+                                   link_for_cores, price_cores_together)
 from hetconv.flags import usable_cores
 from hetconv.geometry import largest_array_bytes
 from hetconv.transport import keys
@@ -129,7 +129,7 @@ def priced_link(cfg, peers, names):
     here, link = host_key(), parse_bandwidth(cfg.link)
     hosts = {}
     for p in (peers.get(n) for n in names):
-        if p is not None and str(p.device).startswith("cpu"):
+        if p is not None and is_cpu_device(p.device):
             hosts.setdefault(p.host_key, []).append(p)
     for key, group in hosts.items():
         cores = usable_cores() if key == here else max(p.cores for p in group)
@@ -177,6 +177,7 @@ class RemoteEngine(ShardEngine):
         self.exchange, self.wire = exchange, check_wire_dtype(wire)     # auto: decided with each plan
         self.plan_choice = None     # policy.PlanChoice of the last plan made from calibration
         self.step_id = 0
+        self.head_weights_later = False     # load() decides, per plan
         self.zmq = zmq
         self.log = log
         self.verbose = verbose                              # spawned workers' own start-up lines too
@@ -811,6 +812,13 @@ class RemoteEngine(ShardEngine):
 
     def load(self, plan, specs, params):
         super().load(plan, specs, params)
+        # the peer step sends the features' gradient before the FC weight GEMMs (head.settle
+        # after the sends), so the workers' backward starts sooner (the paper network's head: 11
+        # ms to its gradient instead of 22, bench/head.py); only where no CPU worker of the plan
+        # shares this host, whose cores those GEMMs would take while it computes
+        here = host_key()
+        self.head_weights_later = not any(self.peers[n].host_key == here and is_cpu_device(self.peers[n].device)
+                                          for n in plan.workers)
         if self.exchange == "peer":
             self._connect_peers()
 
@@ -931,9 +939,7 @@ class RemoteEngine(ShardEngine):
             for name, piece in zip(names, pieces):
                 self._send(self.peers[name], "INPUT", [encode(piece, images_wire)], doing=doing, step=step, micro=m)
         senders, grads = self._graph_feature_blocks(graph, [len(x) for x in xs], rows)
-        here = host_key()
-        cpu_workers_here = any(self.peers[n].host_key == here and str(self.peers[n].device).startswith("cpu")
-                               for n in names)
+        later = train and self.head_weights_later and hasattr(head, "settle")
         parts = [dict() for _ in range(micros)]
         features, next_micro, norms = [None] * micros, 0, {}
         clip = train and update is not None and update.max_norm > 0
@@ -966,11 +972,6 @@ class RemoteEngine(ShardEngine):
                                 h[r0:r1, c0:c1] = parts[next_micro][name][index_in(held[i], held, i)]
                     parts[next_micro] = None
                     if train:
-                        # the FC weights' gradients wait until the features' gradient has left
-                        # (head.settle below), so the workers' backward starts sooner (the paper
-                        # network's head: 11 ms to its gradient instead of 22, bench/head.py);
-                        # only where no CPU worker shares this host, whose cores those GEMMs would take
-                        later = hasattr(head, "settle") and not cpu_workers_here
                         grad = np.ascontiguousarray(head(next_micro, h, weights_later=True) if later
                                                     else head(next_micro, h), np.float32)
                         norm = ({"head_sum_of_squares": float(head_sum_of_squares())}

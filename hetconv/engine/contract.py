@@ -116,7 +116,10 @@ class Engine(Protocol):
     def conv_step(self, xs, head, update, step=(0, 0), head_sum_of_squares=None):
         """One training step's conv work over micro-batches xs: forward, head(m, features) ->
         dfeatures, backward, gradients summed over micro-batches, one update (an UpdateRule,
-        scaled by global-norm clipping where it has a max_norm). Returns the clipping factor."""
+        scaled by global-norm clipping where it has a max_norm). Returns the clipping factor. A
+        head with a `settle` (net.head.Network's) also takes head(m, features, weights_later=True):
+        its FC weights' gradients then wait for head.settle(), which an engine calls once
+        dfeatures is on its way (`features` left as they are until then)."""
 
     def predict(self, x):
         """-> features of the last conv layer; no state kept."""

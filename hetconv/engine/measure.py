@@ -55,26 +55,30 @@ def _timing_engine(specs, image_shape, batch, n, rng):
     return TimingEngine()
 
 
-class _HeadOnlyEngine:
+class HeadOnlyEngine:
     """Stands in for the peer step's workers: the features arrive ready-made, and the coordinator
     runs the head on them as that step does (the joins run on the workers). `weights_later`: the
-    FC weights' gradients after the features' gradient has gone (head.settle), timed apart in
-    `settle_s`, as the step runs them where no CPU worker shares the coordinator's host."""
+    FC weights' gradients after the features' gradient has gone (head.settle), as the step runs
+    them where no CPU worker shares the coordinator's host. Seconds booked over all steps: the
+    head until its gradient (`head_s`) and the settle after it (`settle_s`)."""
 
     def __init__(self, feature_shape, weights_later=False):
         self.feature_shape, self.weights_later = tuple(feature_shape), weights_later
-        self.settle_s = 0.0
+        self.head_s = self.settle_s = 0.0
 
     def conv_step(self, xs, head, update, step=(0, 0), head_sum_of_squares=None):
         for m, x in enumerate(xs):
             features = np.zeros((len(x),) + self.feature_shape, np.float32)
-            if not self.weights_later:
-                head(m, features)
-                continue
-            head(m, features, weights_later=True)
             t0 = time.perf_counter()
-            head.settle()
-            self.settle_s += time.perf_counter() - t0
+            if self.weights_later:
+                head(m, features, weights_later=True)
+            else:
+                head(m, features)
+            t1 = time.perf_counter()
+            if self.weights_later:
+                head.settle()
+            self.head_s += t1 - t0
+            self.settle_s += time.perf_counter() - t1
         return 1.0
 
 
@@ -94,7 +98,7 @@ def measure_coordinator_s(specs, head, image_shape, batch, n_workers, repeats=3,
     if network is not None:
         feature_shape = network.feature_shape()
     if exchange == "peer" and n_workers > 1:
-        engine = _HeadOnlyEngine(feature_shape, weights_later=workers_elsewhere)
+        engine = HeadOnlyEngine(feature_shape, weights_later=workers_elsewhere)
     else:
         engine = _timing_engine(specs, image_shape, batch, n_workers, rng)
         if network is not None:

@@ -193,13 +193,18 @@ def link_for_cores(link, threads, cores):
     return replace(link, host_cpu_s_per_byte=SHARED_CORES_WIRE_CPU_S_PER_BYTE)
 
 
+def is_cpu_device(device):
+    """A CPU worker's device text: "cpu" or "cpu:THREADS"."""
+    return device == "cpu" or str(device).startswith("cpu:")
+
+
 def cpu_groups(workers):
     """The CPU workers that share a host: {host_key: [names in plan order]} for each host with two
     or more of them. workers: {name: (host_key, device)}; a device is a CPU one where it is "cpu"
     or "cpu:THREADS"; an empty host key (not reported) groups nothing."""
     groups = {}
     for name, (host, device) in workers.items():
-        if host and (device == "cpu" or str(device).startswith("cpu:")):
+        if host and is_cpu_device(device):
             groups.setdefault(host, []).append(name)
     return {host: names for host, names in groups.items() if len(names) > 1}
 
