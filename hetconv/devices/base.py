@@ -40,12 +40,74 @@ class DeviceError(RuntimeError):
     """A device cannot be opened or was asked for something it cannot do."""
 
 
-def _as_f32(name, a, ndim):
+def is_channels_last(a):
+    """Whether the 4-D array `a` (axes N, C, H, W) lies in memory as NHWC: a view whose
+    transpose(0, 2, 3, 1) is C-contiguous, and that is not C-contiguous itself (a map of one
+    channel, or of one pixel, is both, and counts as NCHW)."""
+    return (isinstance(a, np.ndarray) and a.ndim == 4 and not a.flags.c_contiguous
+            and a.transpose(0, 2, 3, 1).flags.c_contiguous)
+
+
+def nhwc(a):
+    """The (N, H, W, C) C-contiguous array under a channels-last `a` (a view, no copy)."""
+    return a.transpose(0, 2, 3, 1)
+
+
+def empty_channels_last(shape, dtype=np.float32):
+    """A new array of logical shape (N, C, H, W) laid out in memory as NHWC."""
+    n, c, h, w = shape
+    return np.empty((n, h, w, c), dtype).transpose(0, 3, 1, 2)
+
+
+def as_channels_last(a):
+    """The 4-D `a` laid out channels-last: itself where it is, else one copy."""
+    if is_channels_last(a):
+        return a
+    out = empty_channels_last(a.shape, a.dtype)
+    out[...] = a
+    return out
+
+
+def in_layout_of(a, like):
+    """`a` laid out as `like` is (channels-last or C-contiguous NCHW): itself where it already
+    is, else one copy. What a kernel reading two maps at the same index needs."""
+    return as_channels_last(a) if is_channels_last(like) else np.ascontiguousarray(a)
+
+
+def concatenate(pieces, axis):
+    """np.concatenate of 4-D maps along `axis` (0: images, 1: channels), channels-last where
+    every piece is (np.concatenate writes NCHW whatever its inputs)."""
+    if len(pieces) == 1:
+        return pieces[0]
+    if not all(is_channels_last(p) for p in pieces):
+        return np.concatenate(pieces, axis=axis)
+    shape = list(pieces[0].shape)
+    shape[axis] = sum(p.shape[axis] for p in pieces)
+    out = empty_channels_last(tuple(shape), pieces[0].dtype)
+    at = 0
+    for p in pieces:
+        index = (slice(None),) * axis + (slice(at, at + p.shape[axis]),)
+        out[index] = p
+        at += p.shape[axis]
+    return out
+
+
+def as_layout_kept(a):
+    """`a` itself where it is C-contiguous or channels-last, else a C-contiguous copy: what may be
+    handed on inside a process without reordering a channels-last map."""
+    return a if a.flags.c_contiguous or is_channels_last(a) else np.ascontiguousarray(a)
+
+
+def _as_f32(name, a, ndim, channels_last=False):
+    """`a` as a float32 array of `ndim` dimensions, C-contiguous; with `channels_last`, a 4-D
+    channels-last array is kept as it is (the device's kernels read its NHWC memory)."""
     a = np.asarray(a)
     if a.dtype != np.float32:
         raise TypeError(f"{name} must be float32, got {a.dtype}")
     if a.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {a.shape!r}")
+    if channels_last and is_channels_last(a):
+        return a
     return np.ascontiguousarray(a)
 
 
@@ -223,12 +285,26 @@ class _BatchNormParams:
     mean: np.ndarray        # (C,) float32, as batchnorm_apply got them
     invstd: np.ndarray
     weight: np.ndarray      # None when not affine
+    scale: np.ndarray = None        # (C,) float32: what x - mean was multiplied by, and shift added
+    shift: np.ndarray = None
+    activation: Activation = None   # the activation applied after it in the same call, or None
+
+
+class _Composed:
+    """A device's own BatchNorm and activation run one after the other, where it has no fused
+    kernel: each one's saved state, and the activation's gradient once the sums computed it."""
+
+    def __init__(self, norm_saved, act_saved):
+        self.norm_saved, self.act_saved, self.grad = norm_saved, act_saved, None
 
 
 class Device:
     """Base class: public, checked methods; backends implement the underscore ones."""
 
     name = "abstract"
+    # whether the per-channel methods and conv_block take channels-last maps as they are (their
+    # kernels read NHWC memory) and may return them; a device without turns each into NCHW first
+    channels_last = False
 
     # ---- parameters that may stay resident on the device -------------------------------------
     def upload(self, a):
@@ -327,7 +403,7 @@ class Device:
     def conv_block(self, x, w, b, block):
         """Returns (out (N, K, Hp, Wp) numpy float32, ctx for the backward): conv + bias, then the
         block's activation and pool. w and b may be device-resident (uploaded) arrays."""
-        x = _as_f32("x", x, 4)
+        x = _as_f32("x", x, 4, self.channels_last)
         out_shape = block_output_shape(x.shape, self._shape(w), block)
         out, ctx = self._conv_block(x, w, b, block)
         assert out.shape == out_shape, (out.shape, out_shape)
@@ -374,7 +450,7 @@ class Device:
         """(y, ctx): act (an Activation) applied to every element of x (N, C, H, W)."""
         if not isinstance(act, Activation):
             raise TypeError(f"act must be an Activation, got {type(act).__name__}")
-        x = _as_f32("x", x, 4)
+        x = _as_f32("x", x, 4, self.channels_last)
         y, saved = self._activation(x, act)
         return y, ChannelContext("activation", act, x.shape, x.shape, saved)
 
@@ -385,7 +461,7 @@ class Device:
 
     def pool(self, x, pool):
         """(y (N, C, H', W'), ctx): a Pool or a GlobalPool (the Pool of the whole map) of x."""
-        x = _as_f32("x", x, 4)
+        x = _as_f32("x", x, 4, self.channels_last)
         n, c, h, w = x.shape
         if isinstance(pool, GlobalPool):
             pool = pool.as_pool(h, w)
@@ -405,39 +481,53 @@ class Device:
         """(s, ss): float64 (C,), the sums of x and of x*x over images, height and width. The
         sums of a batch's pieces add up to the whole batch's (float64 rounding aside) whatever the
         device's thread count."""
-        x = _as_f32("x", x, 4)
+        x = _as_f32("x", x, 4, self.channels_last)
         return self._plane_sums(x, x, np.zeros(x.shape[1], np.float32))
 
-    def batchnorm_apply(self, x, mean, invstd, weight, bias):
+    def batchnorm_apply(self, x, mean, invstd, weight, bias, activation=None):
         """(y, ctx): y = (x - mean) * invstd * weight + bias per channel, each a (C,) float32 (the
         batch's statistics in training, the running ones in evaluation: channelwise's
-        batch_statistics / eval_statistics); weight and bias both None without affine."""
-        x = _as_f32("x", x, 4)
+        batch_statistics / eval_statistics); weight and bias both None without affine. With
+        `activation` (an Activation), y is that activation of it, in the same call: its backward
+        then comes in batchnorm_grad_sums and batchnorm_backward, whose dy is for this y."""
+        x = _as_f32("x", x, 4, self.channels_last)
         c = x.shape[1]
         mean, invstd = _channel_f32("mean", mean, c), _channel_f32("invstd", invstd, c)
         if (weight is None) != (bias is None):
             raise ValueError("weight and bias must both be given (affine) or both be None, got "
                              f"weight {'None' if weight is None else 'an array'} and bias "
                              f"{'None' if bias is None else 'an array'}")
+        if activation is not None and not isinstance(activation, Activation):
+            raise TypeError(f"activation must be an Activation or None, got {type(activation).__name__}")
         if weight is None:
             scale, shift = invstd, np.zeros(c, np.float32)
         else:
             weight, shift = _channel_f32("weight", weight, c), _channel_f32("bias", bias, c)
             scale = (invstd.astype(np.float64) * weight).astype(np.float32)
-        y, saved = self._normalize(x, mean, scale, shift)
-        return y, ChannelContext("batchnorm", _BatchNormParams(mean, invstd, weight), x.shape, x.shape, saved)
+        if activation is None:
+            y, saved = self._normalize(x, mean, scale, shift)
+        else:
+            y, saved = self._normalize_act(x, mean, scale, shift, activation)
+        params = _BatchNormParams(mean, invstd, weight, scale, shift, activation)
+        return y, ChannelContext("batchnorm", params, x.shape, x.shape, saved)
 
     def batchnorm_grad_sums(self, ctx, dy):
         """(sdy, sdyx): float64 (C,), the sums of dy and of dy * xhat (xhat = (x - mean) * invstd)
-        over this piece's images, height and width: add the pieces' up, then batchnorm_backward."""
+        over this piece's images, height and width: add the pieces' up, then batchnorm_backward.
+        Where batchnorm_apply ran an activation, dy is first taken back through it."""
         dy = self._check_channel_gradient("batchnorm", ctx, dy)
-        sdy, sdy_centred = self._batchnorm_grad_sums(ctx.saved, dy, ctx.layer.mean)
-        return sdy, sdy_centred * ctx.layer.invstd.astype(np.float64)
+        p = ctx.layer
+        if p.activation is None:
+            sdy, sdy_centred = self._batchnorm_grad_sums(ctx.saved, dy, p.mean)
+        else:
+            sdy, sdy_centred = self._batchnorm_act_grad_sums(ctx.saved, dy, p.mean, p.scale, p.shift, p.activation)
+        return sdy, sdy_centred * p.invstd.astype(np.float64)
 
     def batchnorm_backward(self, ctx, dy, sdy, sdyx, count):
         """dx in training: (dy - sdy/count - xhat * sdyx/count) * invstd * weight, with sdy and
         sdyx the WHOLE batch's totals and count its values per channel (images x H x W). In
-        evaluation (fixed statistics) pass sdy = sdyx = 0."""
+        evaluation (fixed statistics) pass sdy = sdyx = 0. Where batchnorm_apply ran an
+        activation, dy is for its output and is first taken back through it."""
         dy = self._check_channel_gradient("batchnorm", ctx, dy)
         c = dy.shape[1]
         sdy, sdyx = _channel_f64("sdy", sdy, c), _channel_f64("sdyx", sdyx, c)
@@ -449,12 +539,34 @@ class Device:
         a = invstd if p.weight is None else invstd * p.weight
         # per channel in float64, then float32 for the elementwise pass
         coefficients = [v.astype(np.float32) for v in (sdy / count, sdyx * invstd / count, a)]
-        return self._batchnorm_backward(ctx.saved, dy, p.mean, *coefficients)
+        if p.activation is None:
+            return self._batchnorm_backward(ctx.saved, dy, p.mean, *coefficients)
+        return self._batchnorm_act_backward(ctx.saved, dy, p.mean, p.scale, p.shift, p.activation, *coefficients)
+
+    # BatchNorm with its activation, on a device without a fused kernel: the two run apart
+    def _normalize_act(self, x, mean, scale, shift, act):
+        z, norm_saved = self._normalize(x, mean, scale, shift)
+        y, act_saved = self._activation(z, act)
+        return y, _Composed(norm_saved, act_saved)
+
+    def _composed_grad(self, saved, dy, act):
+        if saved.grad is None:
+            saved.grad = self._activation_backward(act, saved.act_saved, dy)
+        return saved.grad
+
+    def _batchnorm_act_grad_sums(self, saved, dy, mean, scale, shift, act):
+        saved.grad = None                   # this dy's, not an earlier call's
+        return self._batchnorm_grad_sums(saved.norm_saved, self._composed_grad(saved, dy, act), mean)
+
+    def _batchnorm_act_backward(self, saved, dy, mean, scale, shift, act, mean_dy, k, a):
+        g = self._composed_grad(saved, dy, act)
+        saved.grad = None
+        return self._batchnorm_backward(saved.norm_saved, g, mean, mean_dy, k, a)
 
     def channel_scale(self, x, mask):
         """x * mask[:, :, None, None], mask (N, C) float32: Dropout2d's forward, and its backward
         with dy for x."""
-        x = _as_f32("x", x, 4)
+        x = _as_f32("x", x, 4, self.channels_last)
         mask = _as_f32("mask", mask, 2)
         if mask.shape != x.shape[:2]:
             raise ValueError(f"mask must have one value per (image, channel), {mask.shape!r} != {x.shape[:2]!r}")
@@ -464,7 +576,7 @@ class Device:
         if not isinstance(ctx, ChannelContext) or ctx.op != op:
             got = ctx.op if isinstance(ctx, ChannelContext) else type(ctx).__name__
             raise TypeError(f"ctx must be what {op}() returned, got {got!r}")
-        grad = _as_f32("dy", grad, 4)
+        grad = _as_f32("dy", grad, 4, self.channels_last)
         if grad.shape != ctx.out_shape:
             raise ValueError(f"dy shape must match the {op} output, {grad.shape!r} != {ctx.out_shape!r}")
         return grad
@@ -500,7 +612,7 @@ class Device:
         return b
 
     def _check_block_gradient(self, name, what, ctx, grad):
-        grad = _as_f32(name, grad, 4)
+        grad = _as_f32(name, grad, 4, self.channels_last)
         expected = tuple(self._ctx_pooled_shape(ctx))
         if grad.shape != expected:
             raise ValueError(f"{name} shape must match {what}, {grad.shape!r} != {expected!r}")

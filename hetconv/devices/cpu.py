@@ -59,8 +59,10 @@ import numpy as np
 from numba import prange
 from threadpoolctl import ThreadpoolController, threadpool_info, threadpool_limits
 
-from hetconv.devices import cpu_channelwise, dnnl
-from hetconv.devices.base import Device, DeviceError
+from hetconv.devices import activation_math as am
+from hetconv.devices import cpu_channels_last, cpu_channelwise, dnnl
+from hetconv.channelwise import Activation, Pool
+from hetconv.devices.base import Device, DeviceError, as_channels_last, empty_channels_last, in_layout_of, is_channels_last
 from hetconv.devices.blas import accumulating_sgemm
 from hetconv.devices.cpu_depthwise import DepthwiseConvs
 from hetconv.devices.cpu_fft import FftConv, swap_leading
@@ -143,9 +145,16 @@ class _DirectBlockContext(_BlockContext):
         self.convs, self.saved, self.saved_src = convs, saved, saved_src
 
 
+_F0 = np.float32(0)
+
+
 class _ChannelKernels:
     """The activation, pool and BatchNorm kernels of the CPU device, which the coordinator's host
-    arrays use too (a graph's nodes between blocks)."""
+    arrays use too (a graph's nodes between blocks): on NCHW maps (cpu_channelwise.py) or on
+    channels-last ones (cpu_channels_last.py), in the layout the map is in; a second operand is
+    read in the first one's layout. BatchNorm with the activation after it runs fused."""
+
+    channels_last = True
 
     def _activation(self, x, act):
         return cpu_channelwise.activation(x, act)
@@ -154,29 +163,63 @@ class _ChannelKernels:
         return cpu_channelwise.activation_backward(act, saved, dy)
 
     def _pool(self, x, pool, out_shape):
-        return cpu_channelwise.pool(x, pool, out_shape)
+        """(y, (argmax, whether the maps are channels-last)): an average pool keeps no argmax, so
+        the layout its backward writes in is kept apart."""
+        if is_channels_last(x):
+            y, argmax = cpu_channels_last.pool(x, pool, out_shape)
+            return y, (argmax, True)
+        y, argmax = cpu_channelwise.pool(x, pool, out_shape)
+        return y, (argmax, False)
 
     def _pool_backward(self, pool, saved, in_shape, dy):
-        return cpu_channelwise.pool_backward(pool, saved, in_shape, dy)
+        argmax, channels_last = saved
+        if channels_last:
+            return cpu_channels_last.pool_backward(pool, argmax, in_shape, as_channels_last(dy))
+        return cpu_channelwise.pool_backward(pool, argmax, in_shape, np.ascontiguousarray(dy))
 
     def _plane_sums(self, a, b, shift):
-        return cpu_channelwise.plane_sums(a, b, shift)
+        if is_channels_last(a):
+            return cpu_channels_last.rows_sums(a, in_layout_of(b, a), shift)
+        return cpu_channelwise.plane_sums(a, np.ascontiguousarray(b), shift)
 
     def _normalize(self, x, mean, scale, shift):
+        if is_channels_last(x):
+            return cpu_channels_last.norm_act(x, mean, scale, shift, am.IDENTITY, _F0, _F0), x
         return cpu_channelwise.normalize(x, mean, scale, shift), x
 
+    def _normalize_act(self, x, mean, scale, shift, act):
+        return cpu_channels_last.norm_act(x, mean, scale, shift, *am.code_and_params(act)), x
+
     def _batchnorm_grad_sums(self, saved, dy, mean):
-        return cpu_channelwise.plane_sums(dy, saved, mean)
+        return self._plane_sums(in_layout_of(dy, saved), saved, mean)
+
+    def _batchnorm_act_grad_sums(self, saved, dy, mean, scale, shift, act):
+        return cpu_channels_last.grad_sums(saved, in_layout_of(dy, saved), mean, scale, shift,
+                                           *am.code_and_params(act))
 
     def _batchnorm_backward(self, saved, dy, mean, mean_dy, k, a):
-        return cpu_channelwise.batchnorm_backward(saved, dy, mean, mean_dy, k, a)
+        if is_channels_last(saved):
+            # the identity's gradient reads no BatchNorm output: mean stands in for scale and shift
+            return cpu_channels_last.backward(saved, in_layout_of(dy, saved), mean, mean, mean, am.IDENTITY, _F0,
+                                              _F0, mean_dy, k, a)
+        return cpu_channelwise.batchnorm_backward(saved, np.ascontiguousarray(dy), mean, mean_dy, k, a)
+
+    def _batchnorm_act_backward(self, saved, dy, mean, scale, shift, act, mean_dy, k, a):
+        return cpu_channels_last.backward(saved, in_layout_of(dy, saved), mean, scale, shift,
+                                          *am.code_and_params(act), mean_dy, k, a)
 
 
 class CpuDevice(ConvPathChoice, GemmPaths, Device):
     """The device contract (devices/base.py) on the CPU's paths: each conv call goes to the path
     ConvPathChoice (cpu_path_choice.py) chose for its shape, run by GemmPaths (cpu_gemm_paths.py:
     im2col, shifted), FftConv (cpu_fft.py), oneDNN's DirectConvs (dnnl_conv.py) or DepthwiseConvs
-    (cpu_depthwise.py); a block's tail on its output (cpu_tails.py); the work buffers they share."""
+    (cpu_depthwise.py); a block's tail on its output (cpu_tails.py); the work buffers they share.
+    Channels-last maps pass through (`channels_last`): oneDNN's convolutions make them and every
+    per-channel kernel runs on them, so a map stays NHWC from conv to conv where the direct path
+    runs; the other paths read NCHW."""
+
+    channels_last = _ChannelKernels.channels_last
+
 
     def __init__(self, threads=None, im2col_budget_bytes=DEFAULT_IM2COL_BUDGET_BYTES,
                  saved_cols_budget_bytes=DEFAULT_SAVED_COLS_BUDGET_BYTES, conv_path="auto",
@@ -369,8 +412,13 @@ class CpuDevice(ConvPathChoice, GemmPaths, Device):
             y += b[None, :, None, None]
             return y
         if path in self._direct:
+            convs = self._direct[path]
+            if getattr(convs, "channels_last", False):    # the plain contract's y is C-contiguous NCHW
+                y = empty_channels_last((n, k) + _conv_hw(x.shape, w.shape, stride, padding))
+                convs.forward(x, w, stride, padding, y, b=b)
+                return np.ascontiguousarray(y)
             y = np.empty((n, k) + _conv_hw(x.shape, w.shape, stride, padding), np.float32)
-            self._direct[path].forward(np.ascontiguousarray(x, np.float32), w, stride, padding, y)
+            convs.forward(np.ascontiguousarray(x, np.float32), w, stride, padding, y)
             y += b[None, :, None, None]
             return y
         if path in self._shifted_gemms:
@@ -390,9 +438,14 @@ class CpuDevice(ConvPathChoice, GemmPaths, Device):
         return y
 
     def _conv_block(self, x, w, b, block):
+        """The block on its path: oneDNN's convolutions take x in either layout and give a
+        channels-last output; every other path runs on NCHW (a channels-last x reordered first)."""
         w = np.ascontiguousarray(w, np.float32)
         b = self._check_bias(b, w.shape[0])
         path = self._path(x, w, block.stride, block.padding, block)
+        if path in self._direct and getattr(self._direct[path], "channels_last", False):
+            return self._channels_last_block(x, w, b, block, self._direct[path])
+        x = np.ascontiguousarray(x)
         if path == "fft":
             return self._fft_block(x, w, b, block)
         if path in self._direct:
@@ -436,6 +489,48 @@ class CpuDevice(ConvPathChoice, GemmPaths, Device):
                                        and dw_out.flags.c_contiguous):
             raise TypeError(f"dw_out must be a C-contiguous float32 numpy array, got {type(dw_out).__name__}")
         return w
+
+    def _channels_last_block(self, x, w, b, block, convs):
+        """The block on channels-last maps: the conv (bias added by the primitive) straight into
+        the output where the block has no activation and no pool, else into a map the activation
+        (kept for backward, as its own kernel keeps it) and the pool read; the input in the
+        primitive's layout kept for backward within the saved-cols budget where it is not x's."""
+        stride, padding, shape = block.stride, block.padding, dict(dilation=block.dilation, groups=block.groups)
+        ho, wo = _conv_hw(x.shape, w.shape, stride, padding, block.dilation)
+        nbytes = convs.src_nbytes(x.shape, w.shape, stride, padding, **shape, x_channels_last=is_channels_last(x))
+        saved = self._take_saved_cols(-(-nbytes // 4)) if 0 < nbytes <= self.saved_cols_budget_bytes else None
+        saved_src = None if saved is None else saved.view(np.uint8)[:nbytes]
+        y = empty_channels_last((x.shape[0], w.shape[0], ho, wo))
+        convs.forward(x, w, stride, padding, y, saved_src, **shape, b=b)
+        act = pool = None
+        out = y
+        if block.activation != "none":
+            act = Activation(block.activation)
+            out, act_saved = cpu_channelwise.activation(out, act)
+        if block.pool != "none":
+            pool = Pool(block.pool, block.pool_kernel, block.pool_stride, block.pool_padding)
+            out, argmax = cpu_channels_last.pool(out, pool, (out.shape[:2]) + pool.output_hw(ho, wo))
+        ctx = _DirectBlockContext(x, w, block, (ho, wo), pool, argmax if pool else None,
+                                  act_saved if act else None, out.shape, convs, saved, saved_src)
+        ctx.activation = act
+        return out, ctx
+
+    def _channels_last_block_backward(self, ctx, w, dout, need_dx, dw_out, accumulate, on_dx=None):
+        (ho, wo), x = ctx.conv_hw, ctx.x
+        dy = as_channels_last(dout)
+        if ctx.pool is not None:
+            dy = cpu_channels_last.pool_backward(ctx.pool, ctx.argmax, (x.shape[0], w.shape[0], ho, wo), dy)
+        if ctx.activation is not None:
+            dy = cpu_channelwise.activation_backward(ctx.activation, ctx.mask, dy)
+        db = cpu_channels_last.rows_sums(dy, dy, np.zeros(dy.shape[1], np.float32))[0].astype(np.float32)
+        saved, saved_src = ctx.saved, ctx.saved_src
+        ctx.saved = ctx.saved_src = None        # the buffer goes back to the pool: a second backward reorders x
+        into = dw_out if dw_out is not None and not accumulate else np.empty(w.shape, np.float32)
+        dx = ctx.convs.backward(x, w, dy, ctx.block.stride, ctx.block.padding, need_dx, into, saved_src,
+                                dilation=ctx.block.dilation, groups=ctx.block.groups, on_dx=on_dx)
+        if saved is not None:
+            self._give_back_saved_cols(saved)
+        return dx, (into if into is dw_out else self._dw_into(dw_out, accumulate, into)), db
 
     def _conv_block_backward_dx_first(self, ctx, w, dout, dw_out, accumulate, on_dx):
         """The FFT and direct paths compute dX apart from dW: dX first, handed to on_dx, then dW
@@ -543,6 +638,8 @@ class CpuDevice(ConvPathChoice, GemmPaths, Device):
         return out, _DirectBlockContext(x, w, block, (ho, wo), pool, argmax, mask, out.shape, convs, saved, saved_src)
 
     def _direct_block_backward(self, ctx, w, dout, need_dx, dw_out, accumulate, on_dx=None):
+        if getattr(ctx.convs, "channels_last", False):
+            return self._channels_last_block_backward(ctx, w, dout, need_dx, dw_out, accumulate, on_dx)
         (ho, wo), pool, x, block = ctx.conv_hw, ctx.pool, ctx.x, ctx.block
         relu = block.activation == "relu"
         dy = self._scratch("direct_dy", (x.shape[0], w.shape[0], ho, wo))
@@ -588,10 +685,15 @@ class CpuDevice(ConvPathChoice, GemmPaths, Device):
     _pool_backward = _ChannelKernels._pool_backward
     _plane_sums = _ChannelKernels._plane_sums
     _normalize = _ChannelKernels._normalize
+    _normalize_act = _ChannelKernels._normalize_act
     _batchnorm_grad_sums = _ChannelKernels._batchnorm_grad_sums
+    _batchnorm_act_grad_sums = _ChannelKernels._batchnorm_act_grad_sums
     _batchnorm_backward = _ChannelKernels._batchnorm_backward
+    _batchnorm_act_backward = _ChannelKernels._batchnorm_act_backward
 
     def _channel_scale(self, x, mask):
+        if is_channels_last(x):
+            return cpu_channels_last.channel_scale(x, mask)
         return cpu_channelwise.channel_scale(x, mask)
 
 

@@ -13,6 +13,8 @@ import numpy as np
 from numba import prange
 
 from hetconv.devices import activation_math as am
+from hetconv.devices.base import in_layout_of
+from hetconv.devices.cpu_channels_last import flat, like_layout
 from hetconv.jit import cached_njit
 
 _jit = cached_njit(parallel=True, nogil=True)
@@ -24,17 +26,20 @@ _jit_sums = cached_njit(parallel=True, nogil=True, fastmath={"reassoc"})
 
 
 def activation(x, act):
-    """(y, saved): y = act(x); saved is what activation_backward needs (x or y, not copied)."""
+    """(y, saved): y = act(x), in x's layout (NCHW or channels-last: the loop runs over memory);
+    saved is what activation_backward needs (x or y, not copied)."""
     code, param, param2 = am.code_and_params(act)
-    y = np.empty_like(x)
-    am.CPU_KERNELS[code][0](param, param2, x.reshape(-1), y.reshape(-1))
+    y = like_layout(x.shape, x)
+    am.CPU_KERNELS[code][0](param, param2, flat(x), flat(y))
     return y, (y if code in am.SAVES_OUTPUT else x)
 
 
 def activation_backward(act, saved, dy):
+    """dx in saved's layout (dy is read in it)."""
     code, param, param2 = am.code_and_params(act)
-    dx = np.empty_like(dy)
-    am.CPU_KERNELS[code][1](param, param2, saved.reshape(-1), dy.reshape(-1), dx.reshape(-1))
+    dy = in_layout_of(dy, saved)
+    dx = like_layout(dy.shape, saved)
+    am.CPU_KERNELS[code][1](param, param2, flat(saved), flat(dy), flat(dx))
     return dx
 
 

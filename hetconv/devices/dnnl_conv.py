@@ -22,7 +22,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from hetconv.devices.base import DeviceError
+from hetconv.devices.base import DeviceError, as_channels_last, empty_channels_last, is_channels_last, nhwc
 
 # the C API's values (oneapi/dnnl/dnnl_types.h, dnnl_common_types.h: the same in every oneDNN 3.x)
 _F32, _BF16 = 3, 2
@@ -34,7 +34,7 @@ _STREAM_IN_ORDER = 1
 _QUERY_IMPL_INFO_STR = 8
 _QUERY_SRC_MD, _QUERY_DIFF_SRC_MD, _QUERY_WEIGHTS_MD, _QUERY_DIFF_WEIGHTS_MD = 129, 130, 131, 132
 _QUERY_DST_MD, _QUERY_DIFF_DST_MD = 133, 134
-ARG_SRC, ARG_DST, ARG_WEIGHTS = 1, 17, 33
+ARG_SRC, ARG_DST, ARG_WEIGHTS, ARG_BIAS = 1, 17, 33, 41
 ARG_DIFF_SRC, ARG_DIFF_DST, ARG_DIFF_WEIGHTS = 129, 145, 161
 _SUCCESS, _UNIMPLEMENTED = 0, 3
 _MAX_DIMS = 12
@@ -161,16 +161,20 @@ class _Memory:
 
 
 class _PlainDesc(_Handle):
-    """An owned memory descriptor: a C-contiguous float32 array of `shape`, or the `any` layout
-    of `dtype` the primitive chooses."""
+    """An owned memory descriptor: a C-contiguous array of `shape` and `dtype` (with
+    `channels_last`, an (N, C, H, W) one whose memory is NHWC), or the `any` layout of `dtype`
+    the primitive chooses."""
 
-    def __init__(self, api, shape, dtype, any_layout=False):
+    def __init__(self, api, shape, dtype, any_layout=False, channels_last=False):
         super().__init__(api, "memory_desc_destroy")
         if any_layout:
             _check(api.memory_desc_create_with_tag(ctypes.byref(self.value), len(shape), _dims(shape), dtype,
                                                    _FORMAT_ANY), "describing a tensor")
         else:
             strides = np.cumprod((1,) + tuple(shape[:0:-1]))[::-1]
+            if channels_last:
+                n, c, h, w = shape
+                strides = (h * w * c, 1, w * c, c)
             _check(api.memory_desc_create_with_strides(ctypes.byref(self.value), len(shape), _dims(shape), dtype,
                                                        _dims(strides)), "describing a tensor")
 
@@ -232,13 +236,21 @@ class _Library:
 class ConvPlan:
     """The primitives of one call shape: x (N, C, H, W), w (K, C/groups, kh, kw), stride, padding,
     dilation, groups, in float32 or bf16 (for the thread count set when it is made); the reorders
-    between the arrays' plain layouts and the primitives' blocked ones, and the buffers of the
-    blocked ones. oneDNN takes both natively: a grouped conv's weights as (groups, K/groups,
-    C/groups, kh, kw), the same bytes as ours; its dilation counts the taps skipped (ours - 1)."""
+    between the arrays' plain layouts and the primitives' own, and the buffers of the latter.
+    oneDNN takes both natively: a grouped conv's weights as (groups, K/groups, C/groups, kh, kw),
+    the same bytes as ours; its dilation counts the taps skipped (ours - 1).
 
-    def __init__(self, lib, x_shape, w_shape, stride, padding, bf16, dilation=(1, 1), groups=1):
+    Layouts: by default the arrays are NCHW and each primitive chooses its own (a channel-blocked
+    one), reordered to and from. With `channels_last`, the primitives run on NHWC maps (x, y and
+    their gradients; the weights still in the layout each chooses) and y and dy are channels-last
+    arrays: no reorder at all where x is one too (`x_channels_last`), else x and dx are NCHW and
+    reordered. The forward adds the bias itself there (ARG_BIAS)."""
+
+    def __init__(self, lib, x_shape, w_shape, stride, padding, bf16, dilation=(1, 1), groups=1,
+                 channels_last=False, x_channels_last=False):
         api = lib.api
         self._lib = lib
+        self.channels_last = bool(channels_last)
         n, c, h, wd = x_shape
         k, _, kh, kw = w_shape
         spans = ((kh - 1) * dilation[0] + 1, (kw - 1) * dilation[1] + 1)
@@ -247,15 +259,20 @@ class ConvPlan:
         if groups > 1:
             w_shape = (groups, k // groups) + tuple(w_shape[1:])
         operand = _BF16 if bf16 else _F32
-        plain = {name: _PlainDesc(api, shape, _F32) for name, shape in
-                 (("x", x_shape), ("w", w_shape), ("y", y_shape))}
-        chosen = {name: _PlainDesc(api, shape, dtype, any_layout=True) for name, shape, dtype in
+        plain = {"x": _PlainDesc(api, x_shape, _F32, channels_last=x_channels_last and channels_last),
+                 "w": _PlainDesc(api, w_shape, _F32), "y": _PlainDesc(api, y_shape, _F32, channels_last=channels_last)}
+        fixed = not channels_last           # NHWC maps where channels-last, else the primitive's choice
+        chosen = {name: _PlainDesc(api, shape, dtype, any_layout=name in ("w", "dw") or fixed,
+                                   channels_last=channels_last) for name, shape, dtype in
                   (("x", x_shape, operand), ("w", w_shape, operand), ("y", y_shape, _F32),
                    ("dx", x_shape, _F32), ("dw", w_shape, _F32), ("dy", y_shape, operand))}
+        if channels_last:
+            chosen["b"] = _PlainDesc(api, (k,), _F32)
+        bias = chosen["b"].value if channels_last else None
         geometry = (_dims(stride), _dims((dilation[0] - 1, dilation[1] - 1)), _dims(padding), _dims(padding))
         self.forward = _Primitive(lib, lambda out: _check(api.convolution_forward_primitive_desc_create(
             out, lib.engine.value, _FORWARD_TRAINING, _CONVOLUTION_DIRECT, chosen["x"].value, chosen["w"].value,
-            None, chosen["y"].value, *geometry, None), "describing the forward convolution"), "the forward conv")
+            bias, chosen["y"].value, *geometry, None), "describing the forward convolution"), "the forward conv")
         self.backward_data = _Primitive(lib, lambda out: _check(api.convolution_backward_data_primitive_desc_create(
             out, lib.engine.value, _CONVOLUTION_DIRECT, chosen["dx"].value, chosen["w"].value, chosen["dy"].value,
             *geometry, self.forward.desc.value, None), "describing the backward-data convolution"),
@@ -267,6 +284,7 @@ class ConvPlan:
                 "describing the backward-weights convolution"), "the backward-weights conv")
         self._descs = (plain, chosen)          # alive as long as the memory objects made on them
         self.plain = {name: _Memory(lib, d.value) for name, d in plain.items()}
+        self.bias = _Memory(lib, chosen["b"].value) if channels_last else None
         f, bd, bw = self.forward, self.backward_data, self.backward_weights
         self.src = f.memory(_QUERY_SRC_MD)
         self.weights = f.memory(_QUERY_WEIGHTS_MD)
@@ -304,7 +322,10 @@ class ConvPlan:
 
     def operand(self, name, plain, memory, array, into=None):
         """`array` (in the plain layout `plain`, a key of self.plain) as the primitive's `memory`
-        takes it: reordered into `into`, or the plan's buffer `name`."""
+        takes it: the array itself where the layouts agree and no `into` is given, else reordered
+        into `into` or the plan's buffer `name`."""
+        if into is None and memory.same_layout(self.plain[plain]):
+            return array
         buf = self.buffer(name, memory) if into is None else into
         self.reorder(self.plain[plain], memory, array, buf)
         return buf
@@ -329,7 +350,11 @@ class ConvPlan:
 
 class DirectConvs:
     """The oneDNN convolutions of one device: `forward` and `backward` on numpy arrays, float32 or
-    bf16 operands (`bf16`), on `threads` threads."""
+    bf16 operands (`bf16`), on `threads` threads. The maps they give are channels-last (the
+    primitives run on NHWC, ConvPlan's `channels_last`), and they take x in either layout: a
+    channels-last x is read in place, an NCHW one reordered; dx comes back in x's layout."""
+
+    channels_last = True
 
     def __init__(self, dnnl, threads, bf16):
         self._dnnl = dnnl
@@ -339,23 +364,27 @@ class DirectConvs:
         self._unsupported = {}
 
     @staticmethod
-    def _key(x_shape, w_shape, stride, padding, dilation=(1, 1), groups=1):
-        return tuple(x_shape), tuple(w_shape), tuple(stride), tuple(padding), tuple(dilation), int(groups)
+    def _key(x_shape, w_shape, stride, padding, dilation=(1, 1), groups=1, x_channels_last=False):
+        return (tuple(x_shape), tuple(w_shape), tuple(stride), tuple(padding), tuple(dilation), int(groups),
+                bool(x_channels_last))
 
-    def _plan(self, x_shape, w_shape, stride, padding, dilation=(1, 1), groups=1):
-        key = self._key(x_shape, w_shape, stride, padding, dilation, groups)
+    def _plan(self, x_shape, w_shape, stride, padding, dilation=(1, 1), groups=1, x_channels_last=False):
+        key = self._key(x_shape, w_shape, stride, padding, dilation, groups, x_channels_last)
         plan = self._plans.get(key)
         if plan is not None:
             self._plans.move_to_end(key)
             return plan
+        if key[:-1] in self._unsupported:
+            raise DeviceError(self._unsupported[key[:-1]])
         self._engine()
         self._lib.dnnl.set_threads(self.threads)
         try:
-            plan = ConvPlan(self._lib, x_shape, w_shape, stride, padding, self.bf16, tuple(dilation), int(groups))
+            plan = ConvPlan(self._lib, x_shape, w_shape, stride, padding, self.bf16, tuple(dilation), int(groups),
+                            channels_last=True, x_channels_last=x_channels_last)
         except _Unsupported as e:
-            self._unsupported[key] = f"oneDNN {self._lib.dnnl.version} has no {'bf16 ' if self.bf16 else ''}" \
-                                     f"implementation of {e} here"
-            raise DeviceError(self._unsupported[key]) from None
+            self._unsupported[key[:-1]] = f"oneDNN {self._lib.dnnl.version} has no " \
+                                          f"{'bf16 ' if self.bf16 else ''}implementation of {e} here"
+            raise DeviceError(self._unsupported[key[:-1]]) from None
         self._plans[key] = plan
         if len(self._plans) > MAX_PLANS:
             self._plans.popitem(last=False)
@@ -373,44 +402,56 @@ class DirectConvs:
     def declines(self, x_shape, w_shape, stride, padding, dilation=(1, 1), groups=1):
         """'' where oneDNN has this convolution (its primitives created, kept), else why not."""
         key = self._key(x_shape, w_shape, stride, padding, dilation, groups)
-        if key in self._unsupported:
-            return self._unsupported[key]
+        if key[:-1] in self._unsupported:
+            return self._unsupported[key[:-1]]
         try:
-            self._plan(x_shape, w_shape, stride, padding, dilation, groups)
+            self._plan_of_call(x_shape, w_shape, stride, padding, dilation, groups)
         except DeviceError as e:
             return str(e)
         return ""
 
     def implementations(self, x_shape, w_shape, stride, padding, dilation=(1, 1), groups=1):
         """{direction: oneDNN's implementation name} for this call shape."""
-        return self._plan(x_shape, w_shape, stride, padding, dilation, groups).implementations()
+        return self._plan_of_call(x_shape, w_shape, stride, padding, dilation, groups).implementations()
 
-    def forward(self, x, w, stride, padding, y, saved_src=None, dilation=(1, 1), groups=1):
-        """y (N, K, Ho, Wo), float32 C-contiguous = conv(x, w), no bias. With `saved_src` (a uint8
-        buffer of src_nbytes()) the input in the primitive's layout is left there for backward."""
-        plan = self._plan(x.shape, w.shape, stride, padding, dilation, groups)
+    def forward(self, x, w, stride, padding, y, saved_src=None, dilation=(1, 1), groups=1, b=None):
+        """y (N, K, Ho, Wo) float32, channels-last (see empty_channels_last) = conv(x, w) + b (no
+        bias where b is None). With `saved_src` (a uint8 buffer of src_nbytes()) the input in the
+        primitive's layout is left there for backward."""
+        if _subsampled(w.shape, stride, padding, dilation):
+            return self.forward(_subsample(x, stride), w, (1, 1), (0, 0), y, None, dilation, groups, b)
+        x_cl = is_channels_last(x)
+        plan = self._plan(x.shape, w.shape, stride, padding, dilation, groups, x_cl)
         self._lib.dnnl.set_threads(self.threads)
-        src = plan.operand("src", "x", plan.src, x, into=saved_src)
+        src = plan.operand("src", "x", plan.src, _memory_of(x), into=saved_src)
         weights = plan.operand("weights", "w", plan.weights, w)
-        dst = plan.result("dst", plan.dst, "y", y)
+        bias = np.zeros(w.shape[0], np.float32) if b is None else np.ascontiguousarray(b, np.float32)
         plan.forward.run([(ARG_SRC, plan.src.at(src)), (ARG_WEIGHTS, plan.weights.at(weights)),
-                          (ARG_DST, plan.dst.at(dst))])
-        plan.deliver(plan.dst, "y", dst, y)
+                          (ARG_BIAS, plan.bias.at(bias)), (ARG_DST, plan.dst.at(_nhwc_memory(y)))])
         return y
 
-    def src_nbytes(self, x_shape, w_shape, stride, padding, dilation=(1, 1), groups=1):
-        """The bytes of the input in the forward primitive's layout (what forward can save)."""
-        return self._plan(x_shape, w_shape, stride, padding, dilation, groups).src.nbytes
+    def src_nbytes(self, x_shape, w_shape, stride, padding, dilation=(1, 1), groups=1, x_channels_last=False):
+        """The bytes of the input in the forward primitive's layout (what forward can save); 0
+        where that layout is x's own (backward reads x itself)."""
+        if _subsampled(w_shape, stride, padding, dilation):
+            return 0                        # backward subsamples x again
+        plan = self._plan(x_shape, w_shape, stride, padding, dilation, groups, x_channels_last)
+        return 0 if plan.src.same_layout(plan.plain["x"]) else plan.src.nbytes
 
     def backward(self, x, w, dy, stride, padding, need_dx, dw, saved_src=None, dilation=(1, 1), groups=1,
                  on_dx=None):
-        """dx (N, C, H, W) or None where not asked; dW of this call into dw (K, C, kh, kw) float32
-        C-contiguous. `saved_src`: forward's, for these x. The bias's gradient is the caller's
-        (from the float32 dY, as the other paths: a bf16 primitive would sum the rounded one).
-        dX's primitive runs first, and dx goes to on_dx (where given) before dW's runs: the two
-        are independent, so a worker's dX can travel while its dW computes."""
-        plan = self._plan(x.shape, w.shape, stride, padding, dilation, groups)
+        """dx (N, C, H, W) in x's layout, or None where not asked; dW of this call into dw
+        (K, C, kh, kw) float32 C-contiguous. dy is read channels-last (one copy where it is not).
+        `saved_src`: forward's, for these x. The bias's gradient is the caller's (from the float32
+        dY, as the other paths: a bf16 primitive would sum the rounded one). dX's primitive runs
+        first, and dx goes to on_dx (where given) before dW's runs: the two are independent, so a
+        worker's dX can travel while its dW computes."""
+        if _subsampled(w.shape, stride, padding, dilation):
+            return self._subsampled_backward(x, w, dy, stride, need_dx, dw, dilation, groups, on_dx)
+        x_cl = is_channels_last(x)
+        plan = self._plan(x.shape, w.shape, stride, padding, dilation, groups, x_cl)
         self._lib.dnnl.set_threads(self.threads)
+        dy = _nhwc_memory(as_channels_last(dy))
         diff_dst = plan.operand("diff_dst", "y", plan.bw_diff_dst, dy)
         dx = None
         if need_dx:
@@ -419,23 +460,80 @@ class DirectConvs:
             else:
                 bd_dy = plan.operand("bd_diff_dst", "y", plan.bd_diff_dst, dy)
             weights = plan.operand("bd_weights", "w", plan.bd_weights, w)
-            dx = np.empty(x.shape, np.float32)
-            diff_src = plan.result("diff_src", plan.bd_diff_src, "x", dx)
+            dx = empty_channels_last(x.shape) if x_cl else np.empty(x.shape, np.float32)
+            diff_src = plan.result("diff_src", plan.bd_diff_src, "x", _memory_of(dx))
             plan.backward_data.run([(ARG_DIFF_DST, plan.bd_diff_dst.at(bd_dy)),
                                     (ARG_WEIGHTS, plan.bd_weights.at(weights)),
                                     (ARG_DIFF_SRC, plan.bd_diff_src.at(diff_src))])
-            plan.deliver(plan.bd_diff_src, "x", diff_src, dx)
+            plan.deliver(plan.bd_diff_src, "x", diff_src, _memory_of(dx))
             if on_dx is not None:
                 on_dx(dx)
         if saved_src is not None and plan.bw_src.same_layout(plan.src):
             src = saved_src
         else:
-            src = plan.operand("bw_src", "x", plan.bw_src, x)
+            src = plan.operand("bw_src", "x", plan.bw_src, _memory_of(x))
         diff_weights = plan.result("diff_weights", plan.bw_diff_weights, "w", dw)
         plan.backward_weights.run([(ARG_SRC, plan.bw_src.at(src)), (ARG_DIFF_DST, plan.bw_diff_dst.at(diff_dst)),
                                    (ARG_DIFF_WEIGHTS, plan.bw_diff_weights.at(diff_weights))])
         plan.deliver(plan.bw_diff_weights, "w", diff_weights, dw)
         return dx
+
+
+    def _subsampled_backward(self, x, w, dy, stride, need_dx, dw, dilation, groups, on_dx):
+        """backward of a strided 1x1 conv as the unit-stride conv of the subsampled input: its dX
+        is zero but at the pixels the stride reads (see _subsampled)."""
+        whole = {}
+
+        def scatter(dx_read):
+            dx = empty_channels_last(x.shape) if is_channels_last(x) else np.empty(x.shape, np.float32)
+            dx[...] = 0
+            dx[:, :, ::stride[0], ::stride[1]] = dx_read
+            whole["dx"] = dx
+            if on_dx is not None:
+                on_dx(dx)
+        dx_read = self.backward(_subsample(x, stride), w, dy, (1, 1), (0, 0), need_dx, dw, None, dilation, groups,
+                                scatter if need_dx else None)
+        return whole.get("dx") if dx_read is not None else None
+
+    def _plan_of_call(self, x_shape, w_shape, stride, padding, dilation, groups):
+        """The plan a call of this shape runs (a strided 1x1 conv's is its unit-stride one's)."""
+        if _subsampled(w_shape, stride, padding, dilation):
+            n, c, h, w = x_shape
+            x_shape, stride, padding = (n, c, -(-h // stride[0]), -(-w // stride[1])), (1, 1), (0, 0)
+        return self._plan(x_shape, w_shape, stride, padding, dilation, groups)
+
+
+def _subsampled(w_shape, stride, padding, dilation):
+    """Whether a conv is 1x1, strided, unpadded: it reads every stride-th pixel and nothing else,
+    so it runs as the unit-stride conv of those pixels. oneDNN 3.2's own strided 1x1 convolutions
+    on NHWC (jit_avx2_1x1's backward-weights among them, on AVX2) overrun their scratchpad, a
+    heap corruption glibc finds later or at exit (tests/test_channels_last.py runs every conv
+    form under glibc's checking allocator); this takes them off that path for one strided copy
+    of the input, the conv's output size."""
+    return (tuple(w_shape[-2:]) == (1, 1) and tuple(stride) != (1, 1) and tuple(padding) == (0, 0)
+            and tuple(dilation) == (1, 1))
+
+
+def _subsample(x, stride):
+    """The pixels a strided 1x1 conv reads, as a map of their own in x's layout."""
+    picked = x[:, :, ::stride[0], ::stride[1]]
+    return as_channels_last(picked) if is_channels_last(x) else np.ascontiguousarray(picked)
+
+
+def _memory_of(a):
+    """The C-contiguous array whose memory oneDNN reads for `a`: its NHWC view where it is
+    channels-last, else `a` (which _Memory.at checks)."""
+    return nhwc(a) if is_channels_last(a) else a
+
+
+def _nhwc_memory(a):
+    """The NHWC memory under a map the primitives read or write as NHWC (y, dy), or ValueError:
+    a C-contiguous NCHW map of more than one channel and pixel lies otherwise."""
+    m = nhwc(a)
+    if not m.flags.c_contiguous:
+        raise ValueError(f"a channels-last map was expected (see empty_channels_last), got strides {a.strides!r} "
+                         f"for shape {a.shape!r}")
+    return m
 
 
 _libraries = {}

@@ -1,0 +1,288 @@
+"""Channels-last maps on the CPU device: every per-channel layer on NHWC memory against the float64
+reference (the same checks the NCHW kernels pass), BatchNorm fused with the activation after it
+against the two run apart, oneDNN's convolutions on channels-last maps against the reference in
+every block form, and a graph network trained on the direct path, where the maps stay
+channels-last from conv to conv, against PyTorch's SGD."""
+import numpy as np
+import pytest
+
+import _channelwise_cases as cases
+from hetconv import channelwise as cw
+from hetconv.devices import dnnl, open_device
+from hetconv.devices.base import (ConvBlock, as_channels_last, as_layout_kept, concatenate, empty_channels_last,
+                                  is_channels_last)
+from hetconv.net import reference as R
+
+needs_dnnl = pytest.mark.skipif(not dnnl.available(), reason=dnnl.unavailable_reason() or "oneDNN is not installed")
+
+
+def _laid_out(a):
+    """A 4-D float32 map made channels-last; anything else as it is."""
+    if isinstance(a, np.ndarray) and a.ndim == 4 and a.dtype == np.float32:
+        return as_channels_last(a)
+    return a
+
+
+def _assert_kept(out):
+    """Every 4-D map a call returned is channels-last (one of one channel or one pixel lies the
+    same either way)."""
+    for a in out if isinstance(out, tuple) else (out,):
+        if isinstance(a, np.ndarray) and a.ndim == 4 and a.size and a.shape[1] > 1 and a.shape[2] * a.shape[3] > 1:
+            assert is_channels_last(a), f"a {a.shape} map came back NCHW"
+
+
+class ChannelsLastCalls:
+    """A device whose every call gets its 4-D maps channels-last and must give them back so."""
+
+    def __init__(self, dev):
+        self.dev = dev
+
+    def __getattr__(self, name):
+        method = getattr(self.dev, name)
+
+        def call(*args, **kwargs):
+            out = method(*[_laid_out(a) for a in args], **{k: _laid_out(v) for k, v in kwargs.items()})
+            _assert_kept(out)
+            return out
+        return call
+
+
+@pytest.fixture(scope="module")
+def dev():
+    return open_device("cpu", threads=2)
+
+
+@pytest.fixture(scope="module")
+def cl(dev):
+    return ChannelsLastCalls(dev)
+
+
+# ---- the layout's helpers ---------------------------------------------------------------------------
+def test_a_map_is_channels_last_only_where_its_memory_is_nhwc_and_not_also_nchw():
+    x = np.zeros((2, 3, 4, 5), np.float32)
+    assert not is_channels_last(x)
+    assert is_channels_last(as_channels_last(x))
+    assert not is_channels_last(as_channels_last(x)[:, 1:])          # a channel slice is neither
+    assert not is_channels_last(empty_channels_last((2, 1, 4, 5)))   # one channel: NCHW's memory too
+    assert not is_channels_last(empty_channels_last((2, 3, 1, 1)))   # one pixel likewise
+    assert as_layout_kept(as_channels_last(x)).strides == as_channels_last(x).strides
+    assert as_layout_kept(x.transpose(0, 1, 3, 2)).flags.c_contiguous
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_concatenating_channels_last_maps_keeps_the_layout_and_the_values(axis):
+    rng = np.random.default_rng(0)
+    pieces = [cases.f32(rng, 2, 3, 4, 5), cases.f32(rng, 2, 3, 4, 5)]
+    got = concatenate([as_channels_last(p) for p in pieces], axis)
+    assert is_channels_last(got)
+    np.testing.assert_array_equal(got, np.concatenate(pieces, axis))
+    np.testing.assert_array_equal(concatenate(pieces, axis), np.concatenate(pieces, axis))
+
+
+# ---- per-channel layers: the NCHW kernels' reference checks, on NHWC memory ----------------------------
+@pytest.mark.parametrize("shape", [(2, 3, 5, 4), (3, 9, 2, 3)], ids=str)
+@pytest.mark.parametrize("act", cases.ACTIVATIONS, ids=lambda a: str(a.to_json()))
+def test_activation_on_channels_last_matches_reference(cl, act, shape):
+    cases.check_activation(cl, act, shape)
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+@pytest.mark.parametrize("pool", cases.POOLS, ids=lambda p: str(p.to_json()))
+def test_pool_on_channels_last_matches_reference(cl, pool, ties):
+    cases.check_pool(cl, pool, (2, 5, 7, 8), ties)
+
+
+@pytest.mark.parametrize("bn", [cw.BatchNorm(), cw.BatchNorm(eps=1e-3, momentum=None), cw.BatchNorm(affine=False)],
+                         ids=lambda b: str(b.to_json()))
+@pytest.mark.parametrize("cuts", [(), (1, 3)], ids=str)
+def test_batchnorm_on_channels_last_pieces_matches_reference(cl, bn, cuts):
+    x, dy, weight, bias = cases.batchnorm_inputs((4, 6, 5, 3))
+    bounds = (0, *cuts, 4)
+    pieces = [(cl, slice(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
+    cases.check_batchnorm_against_reference(pieces, bn, x, dy, weight, bias)
+
+
+def test_batchnorm_sums_of_a_batch_in_either_layout_agree(dev):
+    x, dy, weight, bias = cases.batchnorm_inputs((3, 7, 6, 5))
+    nchw = cases.batchnorm_step([(dev, x, dy)], cw.BatchNorm(), weight, bias)
+    nhwc = cases.batchnorm_step([(dev, as_channels_last(x), as_channels_last(dy))], cw.BatchNorm(), weight, bias)
+    for a, b in zip(nchw[3], nhwc[3]):
+        np.testing.assert_allclose(a, b, rtol=1e-12)
+    np.testing.assert_array_equal(nchw[0][0], nhwc[0][0])       # the same statistics: the same float32 pass
+    np.testing.assert_allclose(nchw[1][0], nhwc[1][0], rtol=1e-6, atol=1e-6)
+
+
+def test_batchnorm_eval_and_channel_scale_on_channels_last_match_reference(cl):
+    cases.check_batchnorm_eval(cl, cw.BatchNorm(), (3, 4, 5, 6))
+    cases.check_channel_scale(cl, (3, 4, 5, 6))
+
+
+def test_a_channels_last_piece_with_no_images(cl):
+    cases.check_a_piece_with_no_images(cl)
+
+
+# ---- BatchNorm with its activation in one call ----------------------------------------------------------
+FUSED = [cw.Activation("relu"), cw.Activation("relu6"), cw.Activation("silu"), cw.Activation("leaky_relu", 0.1),
+         cw.Activation("hardswish")]
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("act", FUSED, ids=lambda a: a.kind)
+def test_batchnorm_fused_with_its_activation_equals_the_two_run_apart(dev, act, channels_last):
+    x, dy, weight, bias = cases.batchnorm_inputs((3, 6, 5, 4), seed=3)
+    if channels_last:
+        x, dy = as_channels_last(x), as_channels_last(dy)
+    s, ss = dev.channel_sums(x)
+    stats = cw.batch_statistics(cw.BatchNorm(), s, ss, x.shape[0] * x.shape[2] * x.shape[3])
+    count = x.shape[0] * x.shape[2] * x.shape[3]
+    z, bn_ctx = dev.batchnorm_apply(x, stats.mean32, stats.invstd32, weight, bias)
+    y_apart, act_ctx = dev.activation(z, act)
+    g = dev.activation_backward(act_ctx, dy)
+    sums_apart = dev.batchnorm_grad_sums(bn_ctx, g)
+    dx_apart = dev.batchnorm_backward(bn_ctx, g, *sums_apart, count)
+
+    y, ctx = dev.batchnorm_apply(x, stats.mean32, stats.invstd32, weight, bias, activation=act)
+    assert is_channels_last(y) == channels_last
+    np.testing.assert_array_equal(y, y_apart)                  # the same float32 operations, bit for bit
+    sums = dev.batchnorm_grad_sums(ctx, dy)
+    for a, b in zip(sums, sums_apart):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-9)
+    dx = dev.batchnorm_backward(ctx, dy, *sums_apart, count)
+    assert is_channels_last(dx) == channels_last
+    np.testing.assert_array_equal(dx, dx_apart)
+
+
+def test_a_device_without_fused_kernels_runs_them_apart(dev):
+    """The contract's default (what the CUDA device runs): BatchNorm, then the activation, with
+    the activation's gradient computed once and used by both backward calls."""
+    from hetconv.devices.base import Device
+    x, dy, weight, bias = cases.batchnorm_inputs((2, 4, 3, 3), seed=5)
+    act = cw.Activation("relu6")
+    mean, invstd = np.zeros(4, np.float32), np.ones(4, np.float32)
+    fused = dev.batchnorm_apply(x, mean, invstd, weight, bias, activation=act)
+    apart = Device._normalize_act(dev, x, mean, invstd * weight, bias, act)
+    np.testing.assert_array_equal(fused[0], apart[0])
+    sums = Device._batchnorm_act_grad_sums(dev, apart[1], dy, mean, invstd * weight, bias, act)
+    for a, b in zip(sums, dev.batchnorm_grad_sums(fused[1], dy)):
+        np.testing.assert_allclose(a * invstd, b, rtol=1e-9)
+
+
+# ---- oneDNN's convolutions on channels-last maps ----------------------------------------------------
+BLOCKS = [ConvBlock(padding=1, activation="none", pool="none"), ConvBlock(padding=1),
+          ConvBlock(stride=2, padding=1, activation="none", pool="none"),
+          ConvBlock(padding=1, activation="relu", pool="avg", pool_kernel=(3, 3), pool_stride=(2, 2),
+                    pool_padding=(1, 1)),
+          ConvBlock(padding=2, dilation=(2, 2), activation="none", pool="none"),
+          ConvBlock(padding=1, groups=8, activation="relu", pool="none")]
+
+
+@needs_dnnl
+@pytest.mark.parametrize("input_layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("block", BLOCKS, ids=lambda b: f"s{b.stride[0]}d{b.dilation[0]}g{b.groups}-{b.activation}-{b.pool}")
+def test_direct_block_on_channels_last_matches_reference(input_layout, block):
+    dev = open_device("cpu", threads=2, conv_path="direct-dnnl")
+    rng = np.random.default_rng(1)
+    x = cases.f32(rng, 3, 8, 9, 10)
+    w = cases.f32(rng, 16, 8 // block.groups, 3, 3, scale=0.3)
+    b = cases.f32(rng, 16)
+    if input_layout == "nhwc":
+        x = as_channels_last(x)
+    out, ctx = dev.conv_block(x, w, b, block)
+    assert is_channels_last(out)
+    cases.close(out, R.conv_block(np.ascontiguousarray(x), w, b, block), "forward")
+    dout = cases.f32(rng, *out.shape)
+    dx, dw, db = dev.conv_block_backward(ctx, w, dout)
+    assert is_channels_last(dx) == (input_layout == "nhwc")
+    dx_ref, dw_ref, db_ref = R.conv_block_backward(np.ascontiguousarray(x), w, b, block, dout)
+    cases.close(dx, dx_ref, "dx")
+    cases.close(dw, dw_ref, "dw")
+    cases.close(db, db_ref, "db")
+
+
+@needs_dnnl
+def test_the_plain_contract_on_the_direct_path_still_gives_nchw():
+    dev = open_device("cpu", threads=1, conv_path="direct-dnnl")
+    rng = np.random.default_rng(2)
+    x, w, b = cases.f32(rng, 2, 4, 6, 6), cases.f32(rng, 5, 4, 3, 3), cases.f32(rng, 5)
+    y = dev.conv2d(x, w, b, padding=1)
+    assert y.flags.c_contiguous
+    cases.close(y, R.conv2d(x, w, b, padding=1))
+    dx, dw, db = dev.conv2d_backward(x, w, np.ones_like(y), padding=1)
+    assert dx.flags.c_contiguous
+    cases.close(dx, R.conv2d_backward(x, w, np.ones_like(y), padding=1)[0])
+
+
+# ---- a graph network on the direct path, end to end ------------------------------------------------
+@needs_dnnl
+def test_a_graph_trained_on_channels_last_maps_equals_pytorch(tmp_path):
+    """The residual and concatenated module of test_graph_training on oneDNN's direct path: every
+    block's output channels-last, its BatchNorm and ReLU fused, the sums and pools on NHWC; the
+    losses and the final state as torch.optim.SGD's."""
+    pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install 'hetconv[torch]')")
+    from _module_runs import assert_equals_torch, config, quiet
+    from test_graph_training import MODULE
+    from hetconv.engine.local import LocalEngine
+    from hetconv.engine.shard import ConvShard
+    from hetconv.training import checkpoint
+    from hetconv.training.loop import train
+
+    dev = open_device("cpu", threads=1, conv_path="direct-dnnl")
+    seen = []
+    block = dev.conv_block
+
+    def spying(x, w, b, blk):
+        out = block(x, w, b, blk)
+        seen.append((is_channels_last(x), is_channels_last(out[0])))
+        return out
+    dev.conv_block = spying
+    (tmp_path / "mynet.py").write_text(MODULE)
+    cfg = config(f"{tmp_path / 'mynet.py'}:build", tmp_path)
+    summary = train(cfg, LocalEngine({"local": ConvShard(dev)}), log=quiet)
+    _, conv, fc = checkpoint.load(str(tmp_path / "ck"))
+    assert_equals_torch(cfg, summary["losses"], conv, fc)
+    assert all(out for _, out in seen)
+    assert sum(x for x, _ in seen) >= len(seen) // 2      # past the images, blocks read channels-last maps
+
+
+MALLOC_DEBUG = "/lib/x86_64-linux-gnu/libc_malloc_debug.so.0"
+HEAP_CHECK = """
+import gc, sys
+import numpy as np
+from hetconv.devices import dnnl
+from hetconv.devices.base import as_channels_last, empty_channels_last
+from hetconv.devices.dnnl_conv import DirectConvs
+rng = np.random.default_rng(0)
+# (kernel, stride, padding, channels in, out, groups, images, size): every form a torchvision
+# network's convs take, at sizes where oneDNN picks its brgemm kernels
+for k, s, p, cin, cout, g, n, hw in [(1, 2, 0, 3, 8, 1, 16, 16), (1, 2, 0, 6, 8, 1, 16, 16), (1, 1, 0, 6, 8, 1, 16, 16),
+                                     (3, 2, 1, 6, 8, 1, 16, 16), (3, 1, 1, 8, 8, 8, 8, 20), (7, 2, 3, 3, 16, 1, 8, 20)]:
+    for x_channels_last in (True, False):
+        convs = DirectConvs(dnnl.load(), int(sys.argv[1]), bf16=False)
+        x = rng.standard_normal((n, cin, hw, hw), dtype=np.float32)
+        x = as_channels_last(x) if x_channels_last else x
+        w = rng.standard_normal((cout, cin // g, k, k), dtype=np.float32)
+        ho = (hw + 2 * p - k) // s + 1
+        y = empty_channels_last((n, cout, ho, ho))
+        convs.forward(x, w, (s, s), (p, p), y, groups=g)
+        dy = as_channels_last(rng.standard_normal(y.shape, dtype=np.float32))
+        convs.backward(x, w, dy, (s, s), (p, p), True, np.empty_like(w), groups=g)
+        del convs
+        gc.collect()                # the primitives go, and glibc checks the blocks they held
+print("intact")
+"""
+
+
+@needs_dnnl
+@pytest.mark.skipif(not __import__("os").path.exists(MALLOC_DEBUG), reason=f"{MALLOC_DEBUG} is missing (glibc 2.34+)")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_conv_form_on_channels_last_leaves_the_heap_intact(threads):
+    """Under glibc's checking allocator, each form's primitives made, run forward and backward,
+    and destroyed: a primitive that wrote past a block it holds (oneDNN 3.2's strided 1x1
+    convolutions on NHWC did, on AVX2) aborts the process when the block is freed."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, LD_PRELOAD=MALLOC_DEBUG, MALLOC_CHECK_="3")
+    done = subprocess.run([sys.executable, "-c", HEAP_CHECK, str(threads)], env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0 and "intact" in done.stdout, (done.returncode, done.stderr[-2000:])
