@@ -27,6 +27,11 @@ import numpy as np
 
 from hetconv.channelwise import (batch_statistics, batchnorm_parameter_grads, dropout2d_mask, eval_statistics,
                                  update_running_statistics)
+from hetconv.devices.base import concatenate
+
+# the context of an activation run inside the BatchNorm before it (Device.batchnorm_apply's
+# `activation`): its backward is in that BatchNorm's, so the tail's backward skips it
+FUSED = "fused into the BatchNorm before it"
 
 
 class DropoutDraw:
@@ -79,7 +84,7 @@ def group_sums(per_segment, held, segments, groups, channels):
 
 
 def _join(pieces):
-    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=0)
+    return concatenate(pieces, axis=0)
 
 
 class LayerChain:
@@ -143,26 +148,41 @@ class LayerChain:
                 self._update_running(index, bn, group)
             end = barriers[b + 1] if b + 1 < len(barriers) else len(tail)
             weight, bias = self._affine(index, bn)
+            act = self._fusable_activation(index, end)
             for m in sorted(held):
                 pieces, ctx = [], []
                 for group, a, c in segments[m]:
                     y, piece_ctx = dev.batchnorm_apply(held[m][a:c], stats[group].mean32, stats[group].invstd32,
-                                                       weight, bias)
+                                                       weight, bias, activation=act)
                     pieces.append(y)
                     ctx.append((group, a, c, piece_ctx))
                 sl.ctx[m][1 + index] = ctx
-                held[m] = self._ops(index + 1, end, _join(pieces), sl.ctx[m], train, dropout, rows[m])
+                if act is not None:
+                    sl.ctx[m][2 + index] = FUSED
+                held[m] = self._ops(index + 1 + (act is not None), end, _join(pieces), sl.ctx[m], train, dropout,
+                                    rows[m])
         for m in sorted(held):
             done(m, held[m])
         return out
 
+    def _fusable_activation(self, index, end):
+        """The activation right after the BatchNorm at tail[index], where one runs before `end`
+        (the next barrier): the device runs the two in one pass. Else None."""
+        tail = self.sl.spec.tail
+        return tail[index + 1] if index + 1 < end and tail[index + 1].type == "activation" else None
+
     def _ops(self, start, end, y, ctxs, train, dropout, rows):
         """Tail ops [start, end) on one micro-batch; their contexts into ctxs[1 + i]. A BatchNorm
-        met here is in evaluation (training ones are barriers, never inside a run of ops)."""
+        met here is in evaluation (training ones are barriers, never inside a run of ops), and
+        runs the activation after it in the same pass."""
         sl, dev = self.sl, self.device
+        fused = None
         for i in range(start, end):
             op = sl.spec.tail[i]
             kind = op.type
+            if i == fused:
+                ctxs[1 + i] = None
+                continue
             if kind == "activation":
                 y, ctxs[1 + i] = dev.activation(y, op)
             elif kind in ("pool", "global_pool"):
@@ -170,7 +190,9 @@ class LayerChain:
             elif kind == "batchnorm":
                 mean, invstd = eval_statistics(op, sl.host[f"bn{i}.running_mean"], sl.host[f"bn{i}.running_var"])
                 weight, bias = self._affine(i, op)
-                y, _ = dev.batchnorm_apply(y, mean, invstd, weight, bias)
+                act = self._fusable_activation(i, end)
+                fused = i + 1 if act is not None else None
+                y, _ = dev.batchnorm_apply(y, mean, invstd, weight, bias, activation=act)
             elif kind == "dropout2d":
                 if train and op.p > 0:
                     mask = dropout.mask(self.layer, i, op, sl.spec.kernels, rows, slice(sl.start, sl.stop))
@@ -252,6 +274,8 @@ class LayerChain:
         dev = self.device
         for i in reversed(range(start, end)):
             op, ctx = self.sl.spec.tail[i], ctxs[1 + i]
+            if ctx is FUSED:
+                continue
             if op.type == "activation":
                 g = dev.activation_backward(ctx, g)
             elif op.type in ("pool", "global_pool"):

@@ -31,6 +31,7 @@ import numpy as np
 
 from hetconv.channelwise import (Activation, GlobalPool, Pool, batch_statistics, batchnorm_parameter_grads,
                                  eval_statistics, update_running_statistics)
+from hetconv.devices.base import as_channels_last, as_layout_kept, concatenate, is_channels_last
 from hetconv.engine.chain import ghost_groups, group_sums, statistics_segments
 from hetconv.engine.costmodel import GraphShape
 from hetconv.engine.layouts import conversion_source, input_layout, read_in
@@ -274,10 +275,10 @@ class GraphPass:
         if isinstance(layer, Add):
             y = inputs[0]
             for x in inputs[1:]:
-                y = y + x                   # left to right, as PyTorch's a + b + c
-            return np.ascontiguousarray(y, np.float32), len(inputs)
+                y = y + x                   # left to right, as PyTorch's a + b + c; in their layout
+            return as_layout_kept(np.asarray(y, np.float32)), len(inputs)
         if isinstance(layer, Concat):
-            return np.ascontiguousarray(np.concatenate(inputs, axis=1)), [x.shape[1] for x in inputs]
+            return as_layout_kept(concatenate(inputs, axis=1)), [x.shape[1] for x in inputs]
         op = layer.channel_op()
         if isinstance(op, Activation):
             return self.host.activation(inputs[0], op)
@@ -337,7 +338,8 @@ class GraphPass:
             return [dy] * ctx
         if isinstance(layer, Concat):
             bounds = np.cumsum([0] + ctx)
-            return [np.ascontiguousarray(dy[:, a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+            laid = as_channels_last if is_channels_last(dy) else np.ascontiguousarray
+            return [laid(dy[:, a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
         op = layer.channel_op()
         if isinstance(op, Activation):
             return [self.host.activation_backward(ctx, dy)]
@@ -355,4 +357,4 @@ class GraphPass:
 
 
 def _join(pieces):
-    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=0)
+    return concatenate(pieces, axis=0)

@@ -4,6 +4,7 @@ import time
 
 import numpy as np
 
+from hetconv.devices.base import as_layout_kept
 from hetconv.engine.contract import ShardEngine
 from hetconv.engine.shard import ShardServer
 from hetconv.transport.wire import check_wire_dtype, rounded
@@ -33,8 +34,9 @@ class LocalEngine(ShardEngine):
         return "float32"
 
     def _wire_out(self, x):
+        # a channels-last map stays so: the device it goes to reads it in place
         if self.wire == "float32" or any(_whole_of(x, r) for r in self._rounded):
-            return np.ascontiguousarray(x)
+            return as_layout_kept(x)
         return rounded(x, self.wire)
 
     def _wire_in(self, a):
