@@ -54,7 +54,7 @@ def build_parser():
                         "where its timing finds it faster, per layer and share). A GPU runs fp32")
     p.add_argument("--retime", action="store_true",
                    help="time a cpu device's conv paths again and store them over this machine's wisdom "
-                        "($HETCONV_CACHE/conv-paths-2.json, default ~/.cache/hetconv), which otherwise gives a call "
+                        "($HETCONV_CACHE/conv-paths-3.json, default ~/.cache/hetconv), which otherwise gives a call "
                         "shape timed before on this machine its path")
     p.add_argument("--deterministic", action="store_true",
                    help="a cpu device's conv paths by a fixed rule, no timing and no wisdom: the same bits every run "

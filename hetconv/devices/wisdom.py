@@ -5,7 +5,7 @@ Why: the conv paths (im2col, shifted GEMMs, FFT, oneDNN's) round differently, an
 depends on the load of the moment, so two runs of one command that each timed their paths could
 train to different bits. A path measured once and reused is the same path every time.
 
-- Where: `$HETCONV_CACHE/conv-paths-2.json`; HETCONV_CACHE defaults to `$XDG_CACHE_HOME/hetconv`,
+- Where: `$HETCONV_CACHE/conv-paths-3.json`; HETCONV_CACHE defaults to `$XDG_CACHE_HOME/hetconv`,
   else `~/.cache/hetconv` (`wisdom_path`). `machine_wisdom()` is that file, one Wisdom object per
   path and process.
 - Key: the machine (`machine_key`: the CPU's model and the ISA flags that pick BLAS and oneDNN
@@ -14,7 +14,7 @@ train to different bits. A path measured once and reused is the same path every 
   w's shapes, stride, padding, and the fused block or none). A device with other threads or
   another precision is another machine: its timing is its own.
 - Written atomically (a temporary file in the same folder, then os.replace), merged under an
-  advisory lock (fcntl.flock on `conv-paths-2.json.lock`) with what the file holds by then, so two
+  advisory lock (fcntl.flock on `conv-paths-3.json.lock`) with what the file holds by then, so two
   processes storing at once lose nothing. A cache: a file that cannot be read (too big, not JSON,
   a field of the wrong type) is ignored with one line on stderr naming it, and a folder that
   cannot be written is said once; the run goes on either way, timing what it would have reused.
@@ -51,8 +51,9 @@ FORMAT = 1
 # stored timings would keep a slower path names a new file, and every machine times its layers once
 # more (the old file is left as it was, for a version that still reads it). 2: Winograd's GEMMs in
 # one parallel region on two or more threads, which made it the fastest path on layers that
-# conv-paths.json had timed it out of.
-FILE_NAME = "conv-paths-2.json"
+# conv-paths.json had timed it out of. 3: oneDNN's direct convolutions take and give channels-last
+# (NHWC) maps with no reorder, and strided 1x1 convs run on the subsampled input.
+FILE_NAME = "conv-paths-3.json"
 CACHE_ENV = "HETCONV_CACHE"
 # A real file holds a few hundred entries of ~400 bytes: 8 MB is far above any, and bounds what
 # parsing it may cost (JSON: up to ~22x its bytes in objects).
