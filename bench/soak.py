@@ -6,9 +6,12 @@ OUT/soak.json and renders its table into docs/reliability.md's "Soak" section.
     python bench/soak.py --rounds 25 --out docs           # both modes, 25 rounds each (~25 min on 2 cores)
     python bench/soak.py --rounds 2 --out /tmp/soak       # a quick look
     python bench/soak.py --render docs/soak.json          # rewrite the section from the JSON only
+    python bench/soak.py --modes local --out /tmp/a & python bench/soak.py --modes workers --out /tmp/b
+    python bench/soak.py --render /tmp/a/soak.json,/tmp/b/soak.json --out docs   # two soaks side by side
 
-Each round, for each mode (`--local`, and two spawned one-thread workers): a run of the tiny
-network of bench/faults.py with `--deterministic --checkpoint-dir`, a signal (SIGTERM to the
+Each round, for each mode (`--local`, and two spawned one-thread workers): a run of
+`--data synthetic --conv 8,16 --fc 16 --batch-size 32 --threads 1 --seed 9 --eval-every 0 --deterministic`
+with `--checkpoint-dir`, a signal (SIGTERM to the
 coordinator, or SIGINT to its process group, as a terminal's Ctrl-C) once its metrics show a step
 drawn at random, then `--resume` to the last step. The reference is one uninterrupted run per mode
 with the same flags. The allocator: LD_PRELOAD of glibc's libc_malloc_debug.so.0 with
@@ -39,8 +42,8 @@ sys.path.insert(0, REPO)
 from hetconv.training import checkpoint  # noqa: E402
 
 MALLOC_DEBUG = "/lib/x86_64-linux-gnu/libc_malloc_debug.so.0"
-NET = ["--conv", "6,12", "--fc", "16", "--batch-size", "16", "--synthetic-train", "512", "--synthetic-test", "32",
-       "--threads", "1", "--calibration-batch", "4", "--seed", "7", "--epochs", "50", "--deterministic"]
+NET = ["--data", "synthetic", "--conv", "8,16", "--fc", "16", "--batch-size", "32", "--threads", "1", "--seed", "9",
+       "--eval-every", "0", "--deterministic"]
 MODES = {"local": ["--local"], "workers": ["--spawn", "cpu:1,cpu:1"]}
 SIGNALS = {"SIGTERM": (signal.SIGTERM, 143), "Ctrl-C": (signal.SIGINT, 130)}
 # what a process that died of a bad heap, a JIT assertion or a fault leaves on stderr
@@ -129,7 +132,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n".join(__doc__.splitlines()[4:8]))
     p.add_argument("--rounds", type=int, default=10, help="rounds; each stops and resumes one run of every mode")
-    p.add_argument("--steps", type=int, default=60, help="steps of every run (a stop lands at 2..steps-10)")
+    p.add_argument("--steps", type=int, default=40, help="steps of every run (a stop lands at 2..steps-10)")
     p.add_argument("--modes", default="local,workers", help="comma list of: " + ", ".join(MODES))
     p.add_argument("--out", default=os.path.join(REPO, "docs"), help="folder for soak.json; a folder named docs also "
                                                                       "gets its section in reliability.md")
@@ -138,12 +141,17 @@ def main(argv=None):
     p.add_argument("--no-malloc-debug", action="store_true", help="glibc's ordinary allocator")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any one run may take (a hang guard)")
     p.add_argument("--keep", action="store_true", help="keep the runs' folders (logs, metrics, checkpoints)")
-    p.add_argument("--render", default="", metavar="JSON", help="run nothing: render the section from a saved JSON")
+    p.add_argument("--render", default="", metavar="JSON[,JSON...]",
+                   help="run nothing: render the section from saved JSON; several (soaks run side by side, one per "
+                        "mode) are merged into OUT/soak.json first")
     args = p.parse_args(argv)
     if args.render:
-        with open(args.render) as f:
-            doc = json.load(f)
-        print(write_section(doc, os.path.dirname(os.path.abspath(args.render))))
+        parts = args.render.split(",")
+        doc = merged([json.load(open(path)) for path in parts])
+        out_dir = args.out if len(parts) > 1 else os.path.dirname(os.path.abspath(parts[0]))
+        if len(parts) > 1:
+            _common.write_text(os.path.join(out_dir, "soak.json"), json.dumps(doc, indent=1) + "\n")
+        print(write_section(doc, out_dir))
         return 0
     modes = [m for m in args.modes.split(",") if m]
     unknown = [m for m in modes if m not in MODES]
@@ -226,6 +234,22 @@ def main(argv=None):
             print(f"runs kept in {workdir}")
     print(write_section(doc, args.out))
     return 0 if all(row["ok"] for row in doc["rounds"]) else 1
+
+
+def merged(docs):
+    """One document from soaks run side by side (one per mode): their rounds together, the longest
+    wall time, the first start's load and the last end's, every command."""
+    if len(docs) == 1:
+        return docs[0]
+    doc = dict(docs[0])
+    doc["rounds"] = [row for d in docs for row in d["rounds"]]
+    doc["wall_s"] = max(d["wall_s"] for d in docs)
+    doc["command"] = "` and, side by side, `".join(d["command"] for d in docs)
+    doc["load"] = {"start": docs[0]["load"]["start"], "end": docs[-1]["load"]["end"]}
+    for key in ("malloc_debug", "busy", "steps"):
+        if any(d[key] != doc[key] for d in docs):
+            raise SystemExit(f"cannot merge soaks with different {key}: {[d[key] for d in docs]}")
+    return doc
 
 
 def summary(doc):
