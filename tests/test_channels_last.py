@@ -286,3 +286,29 @@ def test_every_conv_form_on_channels_last_leaves_the_heap_intact(threads):
     done = subprocess.run([sys.executable, "-c", HEAP_CHECK, str(threads)], env=env, capture_output=True, text=True,
                           timeout=240)
     assert done.returncode == 0 and "intact" in done.stdout, (done.returncode, done.stderr[-2000:])
+
+
+# ---- calibration prices a layer in the layout the step gives it -------------------------------------
+@needs_dnnl
+def test_calibration_times_a_later_layer_on_the_layout_its_device_keeps():
+    from hetconv.engine.shard import ConvShard
+    from hetconv.geometry import conv_specs, layer_input_shapes
+
+    dev = open_device("cpu", threads=1, conv_path="direct-dnnl")
+    seen = []
+    conv_block = dev.conv_block
+
+    def recording(x, *args, **kwargs):
+        seen.append(is_channels_last(x))
+        return conv_block(x, *args, **kwargs)
+
+    dev.conv_block = recording
+    specs = conv_specs([8, 8], ksize=3, padding=1)
+    shapes, _ = layer_input_shapes(specs, 4)
+    ConvShard(dev).calibrate(specs[:1], shapes[:1], [8], repeats=1)
+    first_layer_alone = list(seen)
+    del seen[:]
+    ConvShard(dev).calibrate(specs, shapes, [8, 8], repeats=1)
+    assert first_layer_alone and not any(first_layer_alone)      # the wire's NCHW images
+    first_nhwc = seen.index(True)                                  # layer 1's calls, then layer 2's
+    assert first_nhwc > 0 and all(seen[first_nhwc:]) and not any(seen[:first_nhwc])

@@ -11,6 +11,7 @@ import numpy as np
 from hetconv.engine.chain import DropoutDraw, LayerChain
 from hetconv.update import UpdateRule, apply_update, slot_name
 from hetconv.geometry import ConvSpec
+from hetconv.devices.base import as_channels_last, as_layout_kept
 from hetconv.devices.cpu import HostArrays
 from hetconv.devices.wisdom import MAX_RECORD_CHOICES
 from hetconv.params import default_init
@@ -278,11 +279,16 @@ class ConvShard:
             self._check_runs(li, spec)
         for li, (spec, shape, k) in enumerate(zip(specs, input_shapes, kernels)):
             x = rng.standard_normal(shape, dtype=np.float32)
+            if li > 0 and getattr(self.device, "channels_last", False):
+                # a layer past the first gets its input in the layout the device's last layer left
+                # it in (channels-last where the device keeps it): its price without a reorder the
+                # step does not pay
+                x = as_channels_last(x)
             counts = sorted({spec.whole_groups(max(1, int(k))), spec.whole_groups(max(1, int(k) // 2))}, reverse=True)
             slices = [self._calibration_slice(spec, count, rng) for count in counts]
             need_dx = li > 0
             timers = [self._call_timer(sl, x, need_dx) for sl in slices]
-            half = np.ascontiguousarray(x[:shape[0] // 2]) if shape[0] >= 2 else None
+            half = as_layout_kept(x[:shape[0] // 2]) if shape[0] >= 2 else None
             if half is not None:
                 # the smaller count first: the path a CPU device times for it is kept for the larger
                 timers += [self._call_timer(sl, half, need_dx) for sl in reversed(slices)]
