@@ -379,3 +379,37 @@ def test_a_splits_class_directories_are_read_with_a_bound_and_checked(tmp_path, 
         base.class_directories(tmp_path / "val", None, "*.jpg")
     with pytest.raises(DataError, match="missing: cannot be listed"):
         base.class_directories(tmp_path / "missing", None, "*.jpg")
+
+
+# ---------------------------------------------------------------------------------------------
+# Links in a folder
+
+@pytest.mark.timeout(30)
+def test_links_are_followed_each_directory_once_and_the_loops_said(tmp_path, capsys):
+    """A class folder holding two links to itself (a tree of 2^40 paths when each is followed)
+    lists each photo once, with one line naming the links not followed; a link to a directory
+    elsewhere is followed, by the photo folder and the in-memory folder alike."""
+    from hetconv.cli import data
+    write_photos(tmp_path / "pets", per_class=(2, 1))
+    elsewhere = tmp_path / "more_cats"
+    elsewhere.mkdir()
+    Image.new("RGB", (30, 20)).save(elsewhere / "far.png")
+    cat = tmp_path / "pets/train/cat"
+    os.symlink(".", cat / "a")
+    os.symlink(".", cat / "b")
+    os.symlink(elsewhere, cat / "more")
+    ds = load_dataset(tmp_path / "pets", image_size=12)
+    files = [os.path.realpath(f) for f in ds.train_x.files]
+    assert len(files) == len(set(files)) == 3 * 2 + 1
+    assert str(cat / "more/far.png") in ds.train_x.files
+    said = [n for n in ds.notes if "skipped" in n]
+    assert said == [f"{tmp_path / 'pets'}: skipped 2 links to a directory already listed (a link loop or a second "
+                    f"way in), so no photo is listed twice: {cat / 'a'}, {cat / 'b'}"]
+    assert data.main([str(tmp_path / "pets")]) == 0
+    out = capsys.readouterr().out
+    assert "skipped 2 links to a directory already listed" in out and "train/: 7 photos" in out
+    for f in ds.train_x.files + ds.test_x.files:                  # the in-memory reader: one size
+        with Image.open(f) as im:
+            im.convert("RGB").resize((8, 8)).save(f, format=im.format)
+    held = load_dataset(tmp_path / "pets")
+    assert len(held.train_y) == 7 and [n for n in held.notes if "skipped" in n] == said

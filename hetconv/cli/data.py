@@ -18,6 +18,7 @@ import time
 from collections import Counter
 
 from hetconv.data import DataError, load_dataset
+from hetconv.data.base import loops_note
 from hetconv.data.loader import open_loader
 from hetconv.data.photos import bad_list, survey
 from hetconv.flags import OneLineParser, add_version
@@ -40,6 +41,8 @@ def describe_photos(root, out):
     """A photo folder's survey as lines on `out`; returns the survey."""
     found = survey(root)
     classes = found.classes
+    if found.loops:
+        out(f"{root}: {loops_note(found.loops)}")
     shown = ", ".join(classes[:10]) + (f", ... ({len(classes) - 10} more)" if len(classes) > 10 else "")
     out(f"{root}: a photo folder of {len(classes)} classes: {shown}")
     for name, files in (("train", found.train), (found.split or "val/test", found.test)):

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hetconv.data.base import DataError, DataSet, class_directories
+from hetconv.data.base import DataError, DataSet, class_directories, loops_note, walk_once
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
 FORMATS = ("JPEG", "PNG", "WEBP")
@@ -85,18 +85,19 @@ def eval_split_dir(root) -> str | None:
 
 # ---- listing ---------------------------------------------------------------------------------
 
-def list_split(split_dir: str, classes: tuple[str, ...] | None, budget: int = MAX_IMAGES):
+def list_split(split_dir: str, classes: tuple[str, ...] | None, budget: int = MAX_IMAGES, loops=None):
     """(class names, [(file, label)], [(path, why)] of what is not a photo) of one split; `classes`
     given: an evaluation split, whose class directories must be among the training classes. A
-    class directory with no photo and a file whose name is not a photo's are bad entries."""
+    class directory with no photo and a file whose name is not a photo's are bad entries. Links
+    are followed, each directory once (walk_once); the links not followed are appended to `loops`."""
     classes, entries = class_directories(split_dir, classes, "*.jpg|png|webp")
     index = {c: i for i, c in enumerate(classes)}
     files, bad = [], []
+    loops = [] if loops is None else loops
     for name in entries:
         found = 0
-        for dirpath, dirnames, filenames in os.walk(os.path.join(split_dir, name), followlinks=True):
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-            for f in sorted(filenames):
+        for dirpath, filenames in walk_once(os.path.join(split_dir, name), loops):
+            for f in filenames:
                 if f.startswith("."):
                     continue
                 path = os.path.join(dirpath, f)
@@ -439,6 +440,7 @@ class Survey:
     test: list
     bad: list                                # [(path, why)]
     headers: dict                            # path -> (width, height, format) of the usable photos
+    loops: list = field(default_factory=list)    # directory links not followed (walk_once)
 
 
 def survey(path, scan=None) -> Survey:
@@ -449,18 +451,19 @@ def survey(path, scan=None) -> Survey:
         raise DataError(f"{root}: a photo folder has train/<class>/ and val/<class>/ (or test/<class>/) directories; "
                         f"no train/")
     pillow(root)
-    classes, train, bad = list_split(os.path.join(root, "train"), None)
+    loops = []
+    classes, train, bad = list_split(os.path.join(root, "train"), None, loops=loops)
     split = eval_split_dir(root)
     test = []
     if split is not None:
-        _, test, bad_test = list_split(os.path.join(root, split), classes, MAX_IMAGES - len(train))
+        _, test, bad_test = list_split(os.path.join(root, split), classes, MAX_IMAGES - len(train), loops)
         bad += bad_test
     checked = (scan or scan_headers)([f for f, _ in train + test])
     headers = {p: h for p, h in checked if not isinstance(h, str)}
     failed = {p: why for p, why in checked if isinstance(why, str)}
     bad += [(p, failed[p]) for p, _ in train + test if p in failed]
     return Survey(root, classes, split, [(p, y) for p, y in train if p in headers],
-                  [(p, y) for p, y in test if p in headers], bad, headers)
+                  [(p, y) for p, y in test if p in headers], bad, headers, loops)
 
 
 def load_photo_folder(path, image_size: int, bad_images: str = "fail", scan=None) -> PhotoSet:
@@ -476,6 +479,8 @@ def load_photo_folder(path, image_size: int, bad_images: str = "fail", scan=None
     train, test, bad, split = found.train, found.test, found.bad, found.split
     notes = [f"{root}: photos resized and cropped to {image_size}x{image_size} (evaluation: the shorter side to "
              f"{eval_resize(image_size)}, then the center); normalised with ImageNet's mean and std"]
+    if found.loops:
+        notes.append(f"{root}: {loops_note(found.loops)}")
     if bad:
         if bad_images == "fail":
             raise DataError(f"{root}: {len(bad)} bad file{'s' if len(bad) > 1 else ''} (--bad-images skip leaves them "
