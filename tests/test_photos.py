@@ -413,3 +413,56 @@ def test_links_are_followed_each_directory_once_and_the_loops_said(tmp_path, cap
             im.convert("RGB").resize((8, 8)).save(f, format=im.format)
     held = load_dataset(tmp_path / "pets")
     assert len(held.train_y) == 7 and [n for n in held.notes if "skipped" in n] == said
+
+
+def test_a_photo_that_never_ends_stops_the_loader_by_its_deadline_naming_it(tmp_path):
+    """A listed photo swapped for a fifo (its read blocks for ever, as on a hung file system):
+    the wait ends at the loader's deadline with one line naming that photo, and close() ends the
+    stuck process."""
+    import time
+    from hetconv.data.loader import PhotoLoader
+    write_photos(tmp_path / "pets", per_class=(2, 1))
+    ds = load_dataset(tmp_path / "pets", image_size=12)
+    stuck = ds.train_x.files[3]
+    os.remove(stuck)
+    os.mkfifo(stuck)
+    with PhotoLoader(ds, 6, (), workers=1, deadline_s=1.0) as loader:
+        started = time.monotonic()
+        with pytest.raises(DataError) as ended:
+            list(loader.epoch(0))
+        waited = time.monotonic() - started
+        processes = list(loader.workers)
+    assert str(ended.value).startswith(f"{stuck}: loader process hetconv-loader-0 has been decoding it for more "
+                                       f"than 1 s (hetconv.data.loader.PHOTO_DEADLINE_S)")
+    assert "\n" not in str(ended.value) and waited < 1.0 + 20           # the process's start, then the deadline
+    _no_leftovers(loader)
+    assert not any(p.is_alive() for p in processes)
+
+
+def test_every_loader_wait_is_bounded_when_the_processes_stop_moving(monkeypatch):
+    """The checks every poll of a wait makes, on recorded progress (no process started): a photo
+    decoding past the deadline is named; processes idle past it while a batch is waited for, or
+    one not started within START_DEADLINE_S, end the wait too; a fresh submit resets the idle clock."""
+    import time
+    from types import SimpleNamespace
+    from hetconv.data import loader as loader_module
+    from hetconv.data.loader import PhotoLoader
+    now = time.monotonic()
+    waiting = object.__new__(PhotoLoader)
+    waiting.workers = [SimpleNamespace(name="hetconv-loader-0", pid=1), SimpleNamespace(name="hetconv-loader-1", pid=2)]
+    waiting.deadline_s, waiting._started, waiting._moved = 5.0, now - 100, now - 100
+    waiting._paths = {7: ["a.jpg", "b.jpg"]}
+    waiting._progress = [[7.0, 1.0, now - 6], [0.0, 0.0, now - 1]]
+    with pytest.raises(DataError, match=r"^b\.jpg: loader process hetconv-loader-0 has been decoding it for more than 5 s"):
+        waiting._check_moving()
+    waiting._progress = [[7.0, 1.0, now - 1], [0.0, 0.0, now - 50]]
+    waiting._check_moving()                                  # one still within its photo's deadline
+    waiting._progress = [[0.0, 0.0, now - 50], [0.0, 0.0, now - 60]]
+    with pytest.raises(DataError, match=r"^photo loader: no loader process took a batch or returned one for 50 s"):
+        waiting._check_moving()
+    waiting._moved = now
+    waiting._check_moving()
+    waiting._progress = [[0.0, 0.0, 0.0], [0.0, 0.0, now]]
+    monkeypatch.setattr(loader_module, "START_DEADLINE_S", 50.0)
+    with pytest.raises(DataError, match=r"process hetconv-loader-0 \(pid 1\) did not start within 50 s"):
+        waiting._check_moving()
