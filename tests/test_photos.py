@@ -466,3 +466,78 @@ def test_every_loader_wait_is_bounded_when_the_processes_stop_moving(monkeypatch
     monkeypatch.setattr(loader_module, "START_DEADLINE_S", 50.0)
     with pytest.raises(DataError, match=r"process hetconv-loader-0 \(pid 1\) did not start within 50 s"):
         waiting._check_moving()
+
+
+# ---------------------------------------------------------------------------------------------
+# Decompression bombs: the pixel budget
+
+def _claiming(path, small, width, height):
+    """Write at `path` the tiny photo `small` (a PNG or JPEG file's bytes) with its header patched
+    to claim width x height: nothing that size is ever written or, checked first, decoded."""
+    import struct
+    import zlib
+    data = bytearray(small)
+    if data.startswith(b"\x89PNG"):
+        data[16:24] = struct.pack(">II", width, height)                     # IHDR's width, height
+        data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))      # its CRC: type and data
+    else:
+        at = data.index(b"\xff\xc0") + 5                                     # SOF0: length, precision, then
+        data[at:at + 4] = struct.pack(">HH", height, width)
+    path.write_bytes(bytes(data))
+
+
+def _small(fmt):
+    import io
+    out = io.BytesIO()
+    Image.new("RGB", (8, 8), (200, 30, 10)).save(out, format=fmt)
+    return out.getvalue()
+
+
+def test_a_photo_past_the_pixel_budget_is_refused_from_its_header_naming_one_limit(tmp_path, monkeypatch):
+    """A 20000x20000 PNG (400 megapixels, 1.6 GB decoded) and JPEG are refused at listing and in
+    decode from their headers, memory untouched; every message names the one limit, pixel_limit:
+    the decode budget over 4 bytes a pixel and the loader processes, at most Pillow's."""
+    import resource
+    from hetconv.data.photos import BadImage, decode, pixel_limit
+    write_photos(tmp_path / "pets", per_class=(2, 1))
+    huge = tmp_path / "pets/train/cat/huge.png"
+    _claiming(huge, _small("PNG"), 20000, 20000)
+    _claiming(tmp_path / "huge.jpg", _small("JPEG"), 20000, 20000)
+    _claiming(tmp_path / "big.png", _small("PNG"), 10000, 10000)           # between Pillow's two limits
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    limit = pixel_limit(photos.loader_processes(0)[0])
+    assert pixel_limit(1) == min(Image.MAX_IMAGE_PIXELS, photos.DECODE_BUDGET_BYTES // 4)
+    with pytest.raises(DataError) as refused:
+        load_dataset(tmp_path / "pets", image_size=12)
+    assert (f"{huge}: a decompression bomb: 400,000,000 pixels, more than the {limit:,} a photo may have (the "
+            f"decode budget hetconv.data.photos.DECODE_BUDGET_BYTES") in str(refused.value)
+    ds = load_dataset(tmp_path / "pets", image_size=12, bad_images="skip")
+    assert str(huge) not in ds.train_x.files and len(ds.train_y) == 6
+    box = lambda w, h: (0, 0, w, h)                                  # noqa: E731
+    for path, pixels in ((huge, "400,000,000"), (tmp_path / "huge.jpg", "400,000,000"),
+                         (tmp_path / "big.png", "10000x10000 = 100,000,000")):
+        for draft in (True, False):                                  # simplejpeg's header, Pillow's
+            with pytest.raises(BadImage, match=rf"^a decompression bomb: (20000x20000 = )?{pixels} pixels, more than "
+                                               rf"the {pixel_limit(1):,} a photo may have"):
+                decode(str(path), 12, box, draft=draft)
+    assert (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024 < 300 << 20
+
+
+def test_the_pixel_limit_shrinks_with_the_loader_processes_at_listing_and_in_the_loader(tmp_path, monkeypatch):
+    from hetconv.data.loader import PhotoLoader
+    write_photos(tmp_path / "pets", per_class=(2, 1), size_range=(18, 30))
+    Image.new("RGB", (60, 60)).save(tmp_path / "pets/train/dog/wide.jpg")           # 3600 pixels
+    monkeypatch.setattr(photos, "DECODE_BUDGET_BYTES", 4 * 2 * 3000)
+    monkeypatch.setattr(photos, "usable_cores", lambda: 8)
+    assert photos.pixel_limit(1) == 6000 and photos.pixel_limit(2) == 3000
+    assert len(load_dataset(tmp_path / "pets", image_size=12, loader_workers=1).train_y) == 7
+    with pytest.raises(DataError, match=r"wide\.jpg: a decompression bomb: 60x60 = 3,600 pixels, more than the "
+                                        r"3,000 a photo may have"):
+        load_dataset(tmp_path / "pets", image_size=12, loader_workers=2)
+    ds = load_dataset(tmp_path / "pets", image_size=12, loader_workers=1)
+    monkeypatch.setattr(photos, "DECODE_BUDGET_BYTES", 4 * 3000)                     # as if 2 processes
+    with PhotoLoader(ds, 7, (), workers=1) as loader:
+        assert loader.pixel_limit == 3000
+        with pytest.raises(DataError, match=r"wide\.jpg: a decompression bomb: 60x60 = 3,600 pixels, more than the "
+                                            r"3,000 a photo may have .*: a loader could not decode it"):
+            list(loader.epoch(0))

@@ -13,8 +13,8 @@ here and nowhere else.
 
 Nothing is decoded before it is bounded: the listing stops at MAX_IMAGES, every file must be a
 regular file (a fifo would block the read, a device never end) of at most MAX_FILE_BYTES, every
-header is read first (size, mode, and Pillow's decompression-bomb limit on pixels, refused rather
-than warned about), and the decoded total is checked against MAX_TOTAL_BYTES before the array that
+header is read first (size, mode, and the photo folder's pixel limit for one process,
+photos.pixel_limit, which names the same limit in every decompression-bomb message), and the decoded total is checked against MAX_TOTAL_BYTES before the array that
 holds it is allocated.
 """
 
@@ -23,13 +23,13 @@ from __future__ import annotations
 import os
 import stat
 import struct
-import warnings
 import zlib
 from pathlib import Path
 
 import numpy as np
 
 from hetconv.data.base import DataError, DataSet, class_directories, loops_note, walk_once
+from hetconv.data.photos import BadImage, open_header, pixel_limit
 
 EXTENSIONS = (".png", ".jpg", ".jpeg")
 GREY_MODES = ("1", "L", "LA")
@@ -85,12 +85,11 @@ def _open(Image, file: Path):
         raise DataError(f"{file}: {st.st_size} bytes, more than the {MAX_FILE_BYTES >> 20} MB an image file may have: "
                         f"not read")
     try:
-        with warnings.catch_warnings():
-            # Pillow only warns between its pixel limit and twice it; here the limit refuses
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            return Image.open(file, formats=("PNG", "JPEG"))
-    except (OSError, ValueError, SyntaxError, EOFError, struct.error, Image.DecompressionBombError,
-            Image.DecompressionBombWarning) as e:
+        # the photo folder's pixel limit for one process, named as it names it
+        return open_header(file, ("PNG", "JPEG"), pixel_limit(1))
+    except BadImage as e:
+        raise DataError(f"{file}: {e}") from None
+    except (OSError, ValueError, SyntaxError, EOFError, struct.error) as e:
         raise DataError(f"{file}: not a readable PNG or JPEG image: {type(e).__name__}: {e}") from None
 
 

@@ -24,7 +24,6 @@ None task, and on its own when the parent process is gone.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import queue
 import signal
 import time
@@ -34,7 +33,8 @@ import numpy as np
 
 from hetconv.data.base import DataError
 from hetconv.data.batches import _check_augment, batches, test_batches
-from hetconv.data.photos import BadImage, FileImages, eval_image, image_rng, train_image
+from hetconv.data.photos import (BadImage, FileImages, auto_workers, eval_image, image_rng, loader_processes,  # noqa: F401
+                                 pixel_limit, train_image, usable_cores)
 
 POLL_S = 0.2                  # how often a wait checks that the loader processes are alive and moving
 # One photo's decode: its file is at most 64 MB and its pixels within the decode budget
@@ -42,29 +42,19 @@ POLL_S = 0.2                  # how often a wait checks that the loader processe
 # file system hangs, and no retry would help.
 PHOTO_DEADLINE_S = 60.0
 START_DEADLINE_S = 120.0      # a loader process's start (a spawn and its imports) on a loaded machine
-MAX_AUTO_WORKERS = 8
-
-
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def auto_workers(cores: int | None = None) -> int:
-    """The loader processes when --loader-workers is 0: a quarter of the usable cores (at most
-    MAX_AUTO_WORKERS, at least 1): the other three quarters are left to the conv and head compute,
-    which a decoded batch is worth nothing without."""
-    return max(1, min(MAX_AUTO_WORKERS, (cores or usable_cores()) // 4))
-
-
 def open_loader(ds, batch_size: int, augment=(), seed: int = 0, workers: int = 0, log=None, prefetch: int = 0):
-    """The loader of data set `ds`: PhotoLoader for a photo folder (its processes started now, `log`
-    told how many), else InMemoryLoader."""
+    """The loader of data set `ds`: PhotoLoader for a photo folder (its processes started now, as
+    photos.loader_processes makes of --loader-workers `workers`; `log` told how many, and why when
+    that is fewer than asked), else InMemoryLoader."""
     if isinstance(ds.train_x, FileImages):
-        chosen = workers or auto_workers()
+        chosen, capped = loader_processes(workers)
         loader = PhotoLoader(ds, batch_size, augment, seed, chosen, prefetch=prefetch)
         if log is not None:
-            why = "--loader-workers" if workers else (f"auto: a quarter of the {usable_cores()} usable cores, the rest left "
-                                                      f"to the compute; --loader-workers sets it")
+            if capped:
+                log(capped)
+            why = ("--loader-workers, capped" if capped else "--loader-workers") if workers else (
+                f"auto: a quarter of the {usable_cores()} usable cores, the rest left to the compute; "
+                f"--loader-workers sets it")
             log(f"photo loader: {chosen} process{'es' if chosen > 1 else ''} ({why}), {loader.slots} batches of "
                 f"{batch_size} ahead in shared memory ({loader.shm.size / 2 ** 20:.1f} MB)")
         return loader
@@ -94,7 +84,7 @@ class InMemoryLoader:
         self.close()
 
 
-def _serve(shm_name, slots_shape, size, augment, seed, skip, tasks, results, progress):
+def _serve(shm_name, slots_shape, size, augment, seed, skip, tasks, results, progress, limit):
     """A loader process: decode each task's photos into its slot of the shared block, then say so.
     `progress` (shared with the parent) is (task tag, position in it, since when): the photo being
     decoded, or tag 0 and the time it went idle, so the parent can name a photo that never ends."""
@@ -124,9 +114,9 @@ def _serve(shm_name, slots_shape, size, augment, seed, skip, tasks, results, pro
                 progress[2], progress[1], progress[0] = time.monotonic(), k, tag
                 try:
                     if epoch is None:
-                        out[k] = eval_image(path, size)
+                        out[k] = eval_image(path, size, limit)
                     else:
-                        out[k] = train_image(path, size, augment, image_rng(seed, epoch, first + k))
+                        out[k] = train_image(path, size, augment, image_rng(seed, epoch, first + k), limit)
                 except BadImage as e:
                     failed.append((k, path, str(e)))
                 except Exception as e:                     # anything else names the photo too
@@ -150,7 +140,9 @@ def _serve(shm_name, slots_shape, size, augment, seed, skip, tasks, results, pro
 class PhotoLoader:
     """`workers` loader processes decoding a photo folder's batches into `slots` shared-memory
     batch buffers; at most `slots` batches are decoded ahead of the one the step takes. Memory is
-    slots x batch x 3 x S x S bytes and the paths, whatever the number of photos."""
+    slots x batch x 3 x S x S bytes and the paths, whatever the number of photos; what the
+    processes decode at once is bounded by photos.DECODE_BUDGET_BYTES (pixel_limit(workers), checked
+    from each photo's header before it is decoded)."""
 
     def __init__(self, ds, batch_size, augment=(), seed=0, workers=1, prefetch=0, skip=None,
                  deadline_s=PHOTO_DEADLINE_S):
@@ -167,6 +159,7 @@ class PhotoLoader:
         self._done = {}                     # tag -> (status, payload) arrived before it was waited for
         self.skipped = []                   # (path, why) of photos replaced mid-run
         self.deadline_s = deadline_s
+        self.pixel_limit = pixel_limit(workers)
         self._paths = {}                    # tag -> the photos of that task, to name one that stalls
         self._progress = []                 # per process: (tag, position, since), see _serve
         self._moved = time.monotonic()      # when a task was last submitted or a result arrived
@@ -180,7 +173,7 @@ class PhotoLoader:
                 progress = ctx.Array("d", 3, lock=False)
                 p = ctx.Process(target=_serve, name=f"hetconv-loader-{i}", daemon=True,
                                 args=(self.shm.name, shape, self.size, self.augment, seed, self.skip,
-                                      self.tasks, self.results, progress))
+                                      self.tasks, self.results, progress, self.pixel_limit))
                 p.start()
                 self.workers.append(p)
                 self._progress.append(progress)

@@ -157,7 +157,7 @@ class Config:
         synthetic = self.data == "synthetic"
         return {"seed": self.seed, "n_train": self.synthetic_train if synthetic else None,
                 "n_test": self.synthetic_test if synthetic else None, "val_split": self.val_split,
-                "image_size": self.image_size, "bad_images": self.bad_images}
+                "image_size": self.image_size, "bad_images": self.bad_images, "loader_workers": self.loader_workers}
 
     def image_shape(self):
         c, h, w = IMAGE_SHAPE
