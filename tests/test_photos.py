@@ -520,6 +520,14 @@ def test_a_photo_past_the_pixel_budget_is_refused_from_its_header_naming_one_lim
             with pytest.raises(BadImage, match=rf"^a decompression bomb: (20000x20000 = )?{pixels} pixels, more than "
                                                rf"the {pixel_limit(1):,} a photo may have"):
                 decode(str(path), 12, box, draft=draft)
+    held = tmp_path / "held"                                          # the in-memory reader names it alike
+    (held / "train/cat").mkdir(parents=True)
+    (held / "test/cat").mkdir(parents=True)
+    _claiming(held / "train/cat/big.png", _small("PNG"), 10000, 10000)
+    (held / "test/cat/small.png").write_bytes(_small("PNG"))
+    with pytest.raises(DataError, match=rf"big\.png: a decompression bomb: 10000x10000 = 100,000,000 pixels, more "
+                                        rf"than the {pixel_limit(1):,} a photo may have"):
+        load_dataset(held)
     assert (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024 < 300 << 20
 
 
