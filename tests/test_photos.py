@@ -314,9 +314,14 @@ def test_bad_photos_are_named_at_listing_and_refused_or_left_out(tmp_path, monke
     monkeypatch.setattr(photos, "BAD_SHOWN", 2)
     with pytest.raises(DataError, match=r"; and 5 more$"):
         load_dataset(tmp_path / "pets", image_size=16)
+    with pytest.raises(DataError, match=rf"^{tmp_path / 'pets/train'}: 1 of the 4 classes left with no usable training "
+                                        rf"photo by --bad-images skip \(fox\): a network would have outputs for "
+                                        rf"classes it never sees"):
+        load_dataset(tmp_path / "pets", image_size=16, bad_images="skip")
+    (train / "fox").rmdir()
     ds = load_dataset(tmp_path / "pets", image_size=16, bad_images="skip")
-    assert ds.classes == CLASSES + ("fox",) and len(ds.train_y) == 6 + 2
-    assert any("--bad-images skip: left out 7 bad files" in note for note in ds.notes)
+    assert ds.classes == CLASSES and len(ds.train_y) == 6 + 2
+    assert any("--bad-images skip: left out 6 bad files" in note for note in ds.notes)
     assert ds.train_x[ds.train_x.files.index(str(train / "dog/cmyk.jpg"))].shape == (3, 16, 16)
 
 
@@ -549,3 +554,14 @@ def test_the_pixel_limit_shrinks_with_the_loader_processes_at_listing_and_in_the
         with pytest.raises(DataError, match=r"wide\.jpg: a decompression bomb: 60x60 = 3,600 pixels, more than the "
                                             r"3,000 a photo may have .*: a loader could not decode it"):
             list(loader.epoch(0))
+
+
+def test_a_class_that_skipping_leaves_empty_is_refused_not_trained_unseen(tmp_path):
+    """Every photo of a class bad: --bad-images skip refuses the folder naming the class, rather
+    than keep an output class no training photo is of."""
+    write_photos(tmp_path / "pets", per_class=(2, 1))
+    for f in (tmp_path / "pets/train/eel").iterdir():
+        f.write_bytes(b"")
+    with pytest.raises(DataError, match=r"train: 1 of the 3 classes left with no usable training photo by --bad-images "
+                                        r"skip \(eel\)"):
+        load_dataset(tmp_path / "pets", image_size=12, bad_images="skip")

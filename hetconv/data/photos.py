@@ -557,6 +557,12 @@ def load_photo_folder(path, image_size: int, bad_images: str = "fail", scan=None
                      f"{bad_list(bad, root)}")
         if not train:
             raise DataError(f"{root}: no usable training photo is left")
+        empty = sorted(set(range(len(found.classes))) - {label for _, label in train})
+        if empty:
+            names = ", ".join(found.classes[i] for i in empty[:BAD_SHOWN]) + (" ..." if len(empty) > BAD_SHOWN else "")
+            raise DataError(f"{os.path.join(root, 'train')}: {len(empty)} of the {len(found.classes)} classes left with no "
+                            f"usable training photo by --bad-images skip ({names}): a network would have outputs for "
+                            f"classes it never sees; add photos to them or remove their directories")
     if split is not None and not test:
         raise DataError(f"{os.path.join(root, split)}: no photos; expected {split}/<class>/*.jpg|png|webp (or no "
                         f"val/ and no test/, with --val-split)")
