@@ -565,3 +565,34 @@ def test_a_class_that_skipping_leaves_empty_is_refused_not_trained_unseen(tmp_pa
     with pytest.raises(DataError, match=r"train: 1 of the 3 classes left with no usable training photo by --bad-images "
                                         r"skip \(eel\)"):
         load_dataset(tmp_path / "pets", image_size=12, bad_images="skip")
+
+
+# ---------------------------------------------------------------------------------------------
+# hetconv-eval on a photo folder
+
+def test_hetconv_eval_reads_the_test_split_alone_and_takes_the_flags_it_advises(tmp_path, monkeypatch, capsys):
+    """A bad file in train/ does not stop an evaluation, which reads val/ alone; the advice its
+    refusals give (--bad-images skip, --image-size S) are flags it takes."""
+    from types import SimpleNamespace
+    from hetconv.cli import evaluate as eval_command
+    write_photos(tmp_path / "pets", per_class=(2, 2))
+    (tmp_path / "pets/train/cat/empty.jpg").write_bytes(b"")
+    model = SimpleNamespace(path="ckpt", step=1, notes=[], classes=CLASSES, config={"data": str(tmp_path / "pets")},
+                            data={"name": "pets", "image_shape": [3, 12, 12], "photos": {"image_size": 12}})
+    monkeypatch.setattr(eval_command, "load_model", lambda path: model)
+    seen = []
+    monkeypatch.setattr(eval_command, "evaluation", lambda model, ds, args: seen.append(ds) or {"images": len(ds.test_y)})
+    assert eval_command.main(["ckpt", "--json"]) == 0, capsys.readouterr().err
+    assert len(seen[-1].test_y) == 6 and len(seen[-1].train_y) == 0
+    (tmp_path / "pets/val/dog/0.jpg").write_bytes(b"")
+    assert eval_command.main(["ckpt", "--json"]) == 2
+    assert "1 bad file (--bad-images skip leaves them out): " in capsys.readouterr().err
+    assert eval_command.main(["ckpt", "--json", "--bad-images", "skip"]) == 0
+    assert len(seen[-1].test_y) == 5
+    del model.data["photos"]                                    # a model of one-size images held in memory
+    (tmp_path / "pets/val/dog/0.jpg").unlink()
+    assert eval_command.main(["ckpt", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert "give --image-size S to resize and crop photos of any size" in err
+    assert eval_command.main(["ckpt", "--json", "--image-size", "12"]) == 0
+    assert len(seen[-1].test_y) == 5

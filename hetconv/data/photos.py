@@ -508,19 +508,24 @@ class Survey:
     loops: list = field(default_factory=list)    # directory links not followed (walk_once)
 
 
-def survey(path, scan=None, loaders: int = 0) -> Survey:
+def survey(path, scan=None, loaders: int = 0, test_only: bool = False) -> Survey:
     """The photo folder at `path` listed and every photo's header checked (`scan`: a function of a
     list of paths and a pixel limit, as scan_headers), photos past the pixel limit of `loaders`
-    processes (--loader-workers: 0 is auto) among the bad. Refuses a folder with no train/ or no
-    class directory."""
+    processes (--loader-workers: 0 is auto) among the bad. `test_only` and a val/ or test/ split:
+    train/ gives its class names only, its photos neither listed nor checked (an evaluation reads
+    the test split alone). Refuses a folder with no train/ or no class directory."""
     root = os.fspath(path)
     if not os.path.isdir(os.path.join(root, "train")):
         raise DataError(f"{root}: a photo folder has train/<class>/ and val/<class>/ (or test/<class>/) directories; "
                         f"no train/")
     pillow(root)
     loops = []
-    classes, train, bad = list_split(os.path.join(root, "train"), None, loops=loops)
     split = eval_split_dir(root)
+    if test_only and split is not None:
+        classes, _ = class_directories(os.path.join(root, "train"), None, "*.jpg|png|webp")
+        train, bad = [], []
+    else:
+        classes, train, bad = list_split(os.path.join(root, "train"), None, loops=loops)
     test = []
     if split is not None:
         _, test, bad_test = list_split(os.path.join(root, split), classes, MAX_IMAGES - len(train), loops)
@@ -533,9 +538,11 @@ def survey(path, scan=None, loaders: int = 0) -> Survey:
                   [(p, y) for p, y in test if p in headers], bad, headers, loops)
 
 
-def load_photo_folder(path, image_size: int, bad_images: str = "fail", scan=None, loaders: int = 0) -> PhotoSet:
+def load_photo_folder(path, image_size: int, bad_images: str = "fail", scan=None, loaders: int = 0,
+                      test_only: bool = False) -> PhotoSet:
     """The photo folder at `path`, every file's header checked (survey; `loaders`: the
-    --loader-workers that will decode it, which set the pixel limit). bad_images "fail": DataError
+    --loader-workers that will decode it, which set the pixel limit; `test_only`: only the test
+    split's, the set then has no training photos, see survey). bad_images "fail": DataError
     naming the bad files (the first ten, then a count); "skip": they are left out and a note says
     how many."""
     root = os.fspath(path)
@@ -543,8 +550,9 @@ def load_photo_folder(path, image_size: int, bad_images: str = "fail", scan=None
         raise ValueError(f"--bad-images must be 'fail' or 'skip', got {bad_images!r}")
     if not 1 <= image_size <= MAX_IMAGE_SIZE:
         raise ValueError(f"--image-size must be 1..{MAX_IMAGE_SIZE}, got {image_size}")
-    found = survey(root, scan, loaders)
+    found = survey(root, scan, loaders, test_only)
     train, test, bad, split = found.train, found.test, found.bad, found.split
+    test_only = test_only and split is not None
     notes = [f"{root}: photos resized and cropped to {image_size}x{image_size} (evaluation: the shorter side to "
              f"{eval_resize(image_size)}, then the center); normalised with ImageNet's mean and std"]
     if found.loops:
@@ -555,9 +563,9 @@ def load_photo_folder(path, image_size: int, bad_images: str = "fail", scan=None
                             f"out): {bad_list(bad, root)}")
         notes.append(f"{root}: --bad-images skip: left out {len(bad)} bad file{'s' if len(bad) > 1 else ''}: "
                      f"{bad_list(bad, root)}")
-        if not train:
+        if not train and not test_only:
             raise DataError(f"{root}: no usable training photo is left")
-        empty = sorted(set(range(len(found.classes))) - {label for _, label in train})
+        empty = [] if test_only else sorted(set(range(len(found.classes))) - {label for _, label in train})
         if empty:
             names = ", ".join(found.classes[i] for i in empty[:BAD_SHOWN]) + (" ..." if len(empty) > BAD_SHOWN else "")
             raise DataError(f"{os.path.join(root, 'train')}: {len(empty)} of the {len(found.classes)} classes left with no "
