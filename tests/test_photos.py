@@ -458,7 +458,8 @@ def test_every_loader_wait_is_bounded_when_the_processes_stop_moving(monkeypatch
     waiting.deadline_s, waiting._started, waiting._moved = 5.0, now - 100, now - 100
     waiting._paths = {7: ["a.jpg", "b.jpg"]}
     waiting._progress = [[7.0, 1.0, now - 6], [0.0, 0.0, now - 1]]
-    with pytest.raises(DataError, match=r"^b\.jpg: loader process hetconv-loader-0 has been decoding it for more than 5 s"):
+    with pytest.raises(DataError, match=r"^b\.jpg: loader process hetconv-loader-0 has been decoding it for more "
+                                        r"than 5 s"):
         waiting._check_moving()
     waiting._progress = [[7.0, 1.0, now - 1], [0.0, 0.0, now - 50]]
     waiting._check_moving()                                  # one still within its photo's deadline
@@ -581,7 +582,7 @@ def test_hetconv_eval_reads_the_test_split_alone_and_takes_the_flags_it_advises(
                             data={"name": "pets", "image_shape": [3, 12, 12], "photos": {"image_size": 12}})
     monkeypatch.setattr(eval_command, "load_model", lambda path: model)
     seen = []
-    monkeypatch.setattr(eval_command, "evaluation", lambda model, ds, args: seen.append(ds) or {"images": len(ds.test_y)})
+    monkeypatch.setattr(eval_command, "evaluation", lambda model, ds, args: seen.append(ds) or {"images": 0})
     assert eval_command.main(["ckpt", "--json"]) == 0, capsys.readouterr().err
     assert len(seen[-1].test_y) == 6 and len(seen[-1].train_y) == 0
     (tmp_path / "pets/val/dog/0.jpg").write_bytes(b"")
@@ -596,3 +597,42 @@ def test_hetconv_eval_reads_the_test_split_alone_and_takes_the_flags_it_advises(
     assert "give --image-size S to resize and crop photos of any size" in err
     assert eval_command.main(["ckpt", "--json", "--image-size", "12"]) == 0
     assert len(seen[-1].test_y) == 5
+
+
+# ---------------------------------------------------------------------------------------------
+# --loader-workers and hetconv-data's help
+
+def test_more_loader_workers_than_usable_cores_are_capped_saying_so(tmp_path, monkeypatch, capsys):
+    from types import SimpleNamespace
+    from hetconv.cli import data
+    from hetconv.cli import evaluate as eval_command
+    from hetconv.data import loader as loader_module
+    write_photos(tmp_path / "pets", per_class=(2, 1))
+    ds = load_dataset(tmp_path / "pets", image_size=12)
+    monkeypatch.setattr(photos, "usable_cores", lambda: 2)
+
+    class Started:                                     # the processes PhotoLoader would start, counted
+        def __init__(self, ds, batch_size, augment=(), seed=0, workers=1, prefetch=0):
+            self.workers, self.slots, self.shm = workers, 2, SimpleNamespace(size=0)
+
+        def test_batches(self, raw=False):
+            return iter(())
+
+        def close(self):
+            pass
+    monkeypatch.setattr(loader_module, "PhotoLoader", Started)
+    lines = []
+    assert loader_module.open_loader(ds, 2, workers=100, log=lines.append).workers == 2
+    assert lines[0] == ("--loader-workers 100 is more than the 2 usable cores (the process's CPU affinity): "
+                        "2 loader processes")
+    assert "photo loader: 2 processes (--loader-workers, capped)" in lines[1]
+    assert loader_module.open_loader(ds, 2, workers=2, log=lines.append).workers == 2 and len(lines) == 3
+    monkeypatch.setattr(eval_command, "PhotoLoader", Started)
+    monkeypatch.setattr(eval_command, "InProcessModel", lambda model, threads=None: None)
+    monkeypatch.setattr(eval_command, "evaluate", lambda *a, **k: {})
+    model = SimpleNamespace(path="ckpt", step=1, config={}, data={})
+    eval_command.evaluation(model, ds, eval_command.build_parser().parse_args(["ckpt", "--loader-workers", "100"]))
+    assert capsys.readouterr().err.strip() == ("hetconv-eval: --loader-workers 100 is more than the 2 usable cores (the "
+                                               "process's CPU affinity): 2 loader processes")
+    helped = " ".join(data.build_parser().format_help().split())
+    assert "--batch-size BATCH_SIZE images per step (default: 128)" in helped

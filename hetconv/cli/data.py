@@ -105,8 +105,11 @@ def build_parser():
     p.add_argument("data", metavar="DATA", help="a data set, as hetconv-coordinator --data takes it")
     p.add_argument("--bench", action="store_true", help="time the training loader with the run's flags; the last "
                                                         "line ends in images/s")
-    p.add_argument("--bench-batches", type=int, default=50, help="batches timed by --bench (0: one epoch)")
-    add_config_flags(p, names=BENCH_FLAGS, title="the run's data flags (for --bench)")
+    p.add_argument("--bench-batches", type=int, default=50, help="batches timed by --bench (0: one epoch; default: "
+                                                                 "%(default)s)")
+    group = add_config_flags(p, names=BENCH_FLAGS, title="the run's data flags (for --bench)")
+    for action in group._group_actions:          # the run's defaults, which --bench times when not given
+        action.help += " (default: %(default)r)" if isinstance(action.default, str) else " (default: %(default)s)"
     return add_version(p)
 
 

@@ -64,7 +64,8 @@ def _listing(split_dir: Path, classes: tuple[str, ...] | None, budget: int,
     for name in found:
         in_class = []
         for dirpath, filenames in walk_once(split_dir / name, loops):
-            in_class += [Path(dirpath) / f for f in filenames if f.lower().endswith(EXTENSIONS) and not f.startswith(".")]
+            in_class += [Path(dirpath) / f for f in filenames
+                         if f.lower().endswith(EXTENSIONS) and not f.startswith(".")]
             if len(files) + len(in_class) > budget:
                 raise DataError(f"{split_dir.parent}: more than {MAX_IMAGES} images: not read")
         if not in_class and split_dir.name == "train":

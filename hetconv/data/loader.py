@@ -33,8 +33,8 @@ import numpy as np
 
 from hetconv.data.base import DataError
 from hetconv.data.batches import _check_augment, batches, test_batches
-from hetconv.data.photos import (BadImage, FileImages, auto_workers, eval_image, image_rng, loader_processes,  # noqa: F401
-                                 pixel_limit, train_image, usable_cores)
+from hetconv.data.photos import (BadImage, FileImages, auto_workers, eval_image, image_rng,  # noqa: F401
+                                 loader_processes, pixel_limit, train_image, usable_cores)
 
 POLL_S = 0.2                  # how often a wait checks that the loader processes are alive and moving
 # One photo's decode: its file is at most 64 MB and its pixels within the decode budget

@@ -352,7 +352,8 @@ def _decode_jpeg_array(path: str, size: int, box_of, limit: int):
     return array, _scaled_box(box, array.shape[1] / width, array.shape[0] / height)
 
 
-def decode(path: str, size: int, box_of, flip: bool = False, draft: bool = True, limit: int | None = None) -> np.ndarray:
+def decode(path: str, size: int, box_of, flip: bool = False, draft: bool = True,
+           limit: int | None = None) -> np.ndarray:
     """uint8 (3, size, size): the photo at `path` converted to RGB, its box `box_of(width,
     height)` resized to size x size (bilinear, in uint8: Pillow's resize, or its arithmetic compiled
     in hetconv.data.resample), mirrored when `flip`. A JPEG whose box is at least twice the size
@@ -568,9 +569,9 @@ def load_photo_folder(path, image_size: int, bad_images: str = "fail", scan=None
         empty = [] if test_only else sorted(set(range(len(found.classes))) - {label for _, label in train})
         if empty:
             names = ", ".join(found.classes[i] for i in empty[:BAD_SHOWN]) + (" ..." if len(empty) > BAD_SHOWN else "")
-            raise DataError(f"{os.path.join(root, 'train')}: {len(empty)} of the {len(found.classes)} classes left with no "
-                            f"usable training photo by --bad-images skip ({names}): a network would have outputs for "
-                            f"classes it never sees; add photos to them or remove their directories")
+            raise DataError(f"{os.path.join(root, 'train')}: {len(empty)} of the {len(found.classes)} classes left "
+                            f"with no usable training photo by --bad-images skip ({names}): a network would have "
+                            f"outputs for classes it never sees; add photos to them or remove their directories")
     if split is not None and not test:
         raise DataError(f"{os.path.join(root, split)}: no photos; expected {split}/<class>/*.jpg|png|webp (or no "
                         f"val/ and no test/, with --val-split)")
