@@ -14,8 +14,8 @@ here and nowhere else.
 Nothing is decoded before it is bounded: the listing stops at MAX_IMAGES, every file must be a
 regular file (a fifo would block the read, a device never end) of at most MAX_FILE_BYTES, every
 header is read first (size, mode, and the photo folder's pixel limit for one process,
-photos.pixel_limit, which names the same limit in every decompression-bomb message), and the decoded total is checked against MAX_TOTAL_BYTES before the array that
-holds it is allocated.
+photos.pixel_limit, named as in every decompression-bomb message), and the decoded total is
+checked against MAX_TOTAL_BYTES before the array that holds it is allocated.
 """
 
 from __future__ import annotations

@@ -42,6 +42,8 @@ POLL_S = 0.2                  # how often a wait checks that the loader processe
 # file system hangs, and no retry would help.
 PHOTO_DEADLINE_S = 60.0
 START_DEADLINE_S = 120.0      # a loader process's start (a spawn and its imports) on a loaded machine
+
+
 def open_loader(ds, batch_size: int, augment=(), seed: int = 0, workers: int = 0, log=None, prefetch: int = 0):
     """The loader of data set `ds`: PhotoLoader for a photo folder (its processes started now, as
     photos.loader_processes makes of --loader-workers `workers`; `log` told how many, and why when
@@ -121,7 +123,7 @@ def _serve(shm_name, slots_shape, size, augment, seed, skip, tasks, results, pro
                     failed.append((k, path, str(e)))
                 except Exception as e:                     # anything else names the photo too
                     failed.append((k, path, f"{type(e).__name__}: {e}"))
-            progress[0], progress[2] = 0, time.monotonic()
+            progress[2], progress[0] = time.monotonic(), 0
             if failed and (not skip or len(failed) == len(paths)):
                 results.put((tag, "error", failed))
                 continue
