@@ -37,9 +37,10 @@ def side_bin(side):
     return f">={SIDE_BINS[-1]}"
 
 
-def describe_photos(root, out):
-    """A photo folder's survey as lines on `out`; returns the survey."""
-    found = survey(root)
+def describe_photos(root, out, loaders=0):
+    """A photo folder's survey as lines on `out` (photos past the pixel limit of `loaders`
+    processes, --loader-workers, among the bad files); returns the survey."""
+    found = survey(root, loaders=loaders)
     classes = found.classes
     if found.loops:
         out(f"{root}: {loops_note(found.loops)}")
@@ -125,7 +126,7 @@ def main(argv=None):
                 raise ValueError("--bench on a folder of photos needs --image-size S (the run's)")
             bench(cfg, args.bench_batches, out)
         elif _is_photo_folder(args.data):
-            describe_photos(args.data, out)
+            describe_photos(args.data, out, cfg.loader_workers)
         else:
             describe_other(args.data, out)
     except (DataError, ValueError, OSError) as e:
