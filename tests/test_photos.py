@@ -314,9 +314,14 @@ def test_bad_photos_are_named_at_listing_and_refused_or_left_out(tmp_path, monke
     monkeypatch.setattr(photos, "BAD_SHOWN", 2)
     with pytest.raises(DataError, match=r"; and 5 more$"):
         load_dataset(tmp_path / "pets", image_size=16)
+    with pytest.raises(DataError, match=rf"^{tmp_path / 'pets/train'}: 1 of the 4 classes left with no usable training "
+                                        rf"photo by --bad-images skip \(fox\): a network would have outputs for "
+                                        rf"classes it never sees"):
+        load_dataset(tmp_path / "pets", image_size=16, bad_images="skip")
+    (train / "fox").rmdir()
     ds = load_dataset(tmp_path / "pets", image_size=16, bad_images="skip")
-    assert ds.classes == CLASSES + ("fox",) and len(ds.train_y) == 6 + 2
-    assert any("--bad-images skip: left out 7 bad files" in note for note in ds.notes)
+    assert ds.classes == CLASSES and len(ds.train_y) == 6 + 2
+    assert any("--bad-images skip: left out 6 bad files" in note for note in ds.notes)
     assert ds.train_x[ds.train_x.files.index(str(train / "dog/cmyk.jpg"))].shape == (3, 16, 16)
 
 
@@ -379,3 +384,255 @@ def test_a_splits_class_directories_are_read_with_a_bound_and_checked(tmp_path, 
         base.class_directories(tmp_path / "val", None, "*.jpg")
     with pytest.raises(DataError, match="missing: cannot be listed"):
         base.class_directories(tmp_path / "missing", None, "*.jpg")
+
+
+# ---------------------------------------------------------------------------------------------
+# Links in a folder
+
+@pytest.mark.timeout(30)
+def test_links_are_followed_each_directory_once_and_the_loops_said(tmp_path, capsys):
+    """A class folder holding two links to itself (a tree of 2^40 paths when each is followed)
+    lists each photo once, with one line naming the links not followed; a link to a directory
+    elsewhere is followed, by the photo folder and the in-memory folder alike."""
+    from hetconv.cli import data
+    write_photos(tmp_path / "pets", per_class=(2, 1))
+    elsewhere = tmp_path / "more_cats"
+    elsewhere.mkdir()
+    Image.new("RGB", (30, 20)).save(elsewhere / "far.png")
+    cat = tmp_path / "pets/train/cat"
+    os.symlink(".", cat / "a")
+    os.symlink(".", cat / "b")
+    os.symlink(elsewhere, cat / "more")
+    ds = load_dataset(tmp_path / "pets", image_size=12)
+    files = [os.path.realpath(f) for f in ds.train_x.files]
+    assert len(files) == len(set(files)) == 3 * 2 + 1
+    assert str(cat / "more/far.png") in ds.train_x.files
+    said = [n for n in ds.notes if "skipped" in n]
+    assert said == [f"{tmp_path / 'pets'}: skipped 2 links to a directory already listed (a link loop or a second "
+                    f"way in), so no photo is listed twice: {cat / 'a'}, {cat / 'b'}"]
+    assert data.main([str(tmp_path / "pets")]) == 0
+    out = capsys.readouterr().out
+    assert "skipped 2 links to a directory already listed" in out and "train/: 7 photos" in out
+    for f in ds.train_x.files + ds.test_x.files:                  # the in-memory reader: one size
+        with Image.open(f) as im:
+            im.convert("RGB").resize((8, 8)).save(f, format=im.format)
+    held = load_dataset(tmp_path / "pets")
+    assert len(held.train_y) == 7 and [n for n in held.notes if "skipped" in n] == said
+
+
+def test_a_photo_that_never_ends_stops_the_loader_by_its_deadline_naming_it(tmp_path):
+    """A listed photo swapped for a fifo (its read blocks for ever, as on a hung file system):
+    the wait ends at the loader's deadline with one line naming that photo, and close() ends the
+    stuck process."""
+    import time
+    from hetconv.data.loader import PhotoLoader
+    write_photos(tmp_path / "pets", per_class=(2, 1))
+    ds = load_dataset(tmp_path / "pets", image_size=12)
+    stuck = ds.train_x.files[3]
+    os.remove(stuck)
+    os.mkfifo(stuck)
+    with PhotoLoader(ds, 6, (), workers=1, deadline_s=1.0) as loader:
+        started = time.monotonic()
+        with pytest.raises(DataError) as ended:
+            list(loader.epoch(0))
+        waited = time.monotonic() - started
+        processes = list(loader.workers)
+    assert str(ended.value).startswith(f"{stuck}: loader process hetconv-loader-0 has been decoding it for more "
+                                       f"than 1 s (hetconv.data.loader.PHOTO_DEADLINE_S)")
+    assert "\n" not in str(ended.value) and waited < 1.0 + 20           # the process's start, then the deadline
+    _no_leftovers(loader)
+    assert not any(p.is_alive() for p in processes)
+
+
+def test_every_loader_wait_is_bounded_when_the_processes_stop_moving(monkeypatch):
+    """The checks every poll of a wait makes, on recorded progress (no process started): a photo
+    decoding past the deadline is named; processes idle past it while a batch is waited for, or
+    one not started within START_DEADLINE_S, end the wait too; a fresh submit resets the idle clock."""
+    import time
+    from types import SimpleNamespace
+    from hetconv.data import loader as loader_module
+    from hetconv.data.loader import PhotoLoader
+    now = time.monotonic()
+    waiting = object.__new__(PhotoLoader)
+    waiting.workers = [SimpleNamespace(name="hetconv-loader-0", pid=1), SimpleNamespace(name="hetconv-loader-1", pid=2)]
+    waiting.deadline_s, waiting._started, waiting._moved = 5.0, now - 100, now - 100
+    waiting._paths = {7: ["a.jpg", "b.jpg"]}
+    waiting._progress = [[7.0, 1.0, now - 6], [0.0, 0.0, now - 1]]
+    with pytest.raises(DataError, match=r"^b\.jpg: loader process hetconv-loader-0 has been decoding it for more "
+                                        r"than 5 s"):
+        waiting._check_moving()
+    waiting._progress = [[7.0, 1.0, now - 1], [0.0, 0.0, now - 50]]
+    waiting._check_moving()                                  # one still within its photo's deadline
+    waiting._progress = [[0.0, 0.0, now - 50], [0.0, 0.0, now - 60]]
+    with pytest.raises(DataError, match=r"^photo loader: no loader process took a batch or returned one for 50 s"):
+        waiting._check_moving()
+    waiting._moved = now
+    waiting._check_moving()
+    waiting._progress = [[0.0, 0.0, 0.0], [0.0, 0.0, now]]
+    monkeypatch.setattr(loader_module, "START_DEADLINE_S", 50.0)
+    with pytest.raises(DataError, match=r"process hetconv-loader-0 \(pid 1\) did not start within 50 s"):
+        waiting._check_moving()
+
+
+# ---------------------------------------------------------------------------------------------
+# Decompression bombs: the pixel budget
+
+def _claiming(path, small, width, height):
+    """Write at `path` the tiny photo `small` (a PNG or JPEG file's bytes) with its header patched
+    to claim width x height: nothing that size is ever written or, checked first, decoded."""
+    import struct
+    import zlib
+    data = bytearray(small)
+    if data.startswith(b"\x89PNG"):
+        data[16:24] = struct.pack(">II", width, height)                     # IHDR's width, height
+        data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))      # its CRC: type and data
+    else:
+        at = data.index(b"\xff\xc0") + 5                                     # SOF0: length, precision, then
+        data[at:at + 4] = struct.pack(">HH", height, width)
+    path.write_bytes(bytes(data))
+
+
+def _small(fmt):
+    import io
+    out = io.BytesIO()
+    Image.new("RGB", (8, 8), (200, 30, 10)).save(out, format=fmt)
+    return out.getvalue()
+
+
+def test_a_photo_past_the_pixel_budget_is_refused_from_its_header_naming_one_limit(tmp_path, monkeypatch):
+    """A 20000x20000 PNG (400 megapixels, 1.6 GB decoded) and JPEG are refused at listing and in
+    decode from their headers, memory untouched; every message names the one limit, pixel_limit:
+    the decode budget over 4 bytes a pixel and the loader processes, at most Pillow's."""
+    import resource
+    from hetconv.data.photos import BadImage, decode, pixel_limit
+    write_photos(tmp_path / "pets", per_class=(2, 1))
+    huge = tmp_path / "pets/train/cat/huge.png"
+    _claiming(huge, _small("PNG"), 20000, 20000)
+    _claiming(tmp_path / "huge.jpg", _small("JPEG"), 20000, 20000)
+    _claiming(tmp_path / "big.png", _small("PNG"), 10000, 10000)           # between Pillow's two limits
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    limit = pixel_limit(photos.loader_processes(0)[0])
+    assert pixel_limit(1) == min(Image.MAX_IMAGE_PIXELS, photos.DECODE_BUDGET_BYTES // 4)
+    with pytest.raises(DataError) as refused:
+        load_dataset(tmp_path / "pets", image_size=12)
+    assert (f"{huge}: a decompression bomb: 400,000,000 pixels, more than the {limit:,} a photo may have (the "
+            f"decode budget hetconv.data.photos.DECODE_BUDGET_BYTES") in str(refused.value)
+    ds = load_dataset(tmp_path / "pets", image_size=12, bad_images="skip")
+    assert str(huge) not in ds.train_x.files and len(ds.train_y) == 6
+    box = lambda w, h: (0, 0, w, h)                                  # noqa: E731
+    for path, pixels in ((huge, "400,000,000"), (tmp_path / "huge.jpg", "400,000,000"),
+                         (tmp_path / "big.png", "10000x10000 = 100,000,000")):
+        for draft in (True, False):                                  # simplejpeg's header, Pillow's
+            with pytest.raises(BadImage, match=rf"^a decompression bomb: (20000x20000 = )?{pixels} pixels, more than "
+                                               rf"the {pixel_limit(1):,} a photo may have"):
+                decode(str(path), 12, box, draft=draft)
+    held = tmp_path / "held"                                          # the in-memory reader names it alike
+    (held / "train/cat").mkdir(parents=True)
+    (held / "test/cat").mkdir(parents=True)
+    _claiming(held / "train/cat/big.png", _small("PNG"), 10000, 10000)
+    (held / "test/cat/small.png").write_bytes(_small("PNG"))
+    with pytest.raises(DataError, match=rf"big\.png: a decompression bomb: 10000x10000 = 100,000,000 pixels, more "
+                                        rf"than the {pixel_limit(1):,} a photo may have"):
+        load_dataset(held)
+    assert (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024 < 300 << 20
+
+
+def test_the_pixel_limit_shrinks_with_the_loader_processes_at_listing_and_in_the_loader(tmp_path, monkeypatch):
+    from hetconv.data.loader import PhotoLoader
+    write_photos(tmp_path / "pets", per_class=(2, 1), size_range=(18, 30))
+    Image.new("RGB", (60, 60)).save(tmp_path / "pets/train/dog/wide.jpg")           # 3600 pixels
+    monkeypatch.setattr(photos, "DECODE_BUDGET_BYTES", 4 * 2 * 3000)
+    monkeypatch.setattr(photos, "usable_cores", lambda: 8)
+    assert photos.pixel_limit(1) == 6000 and photos.pixel_limit(2) == 3000
+    assert len(load_dataset(tmp_path / "pets", image_size=12, loader_workers=1).train_y) == 7
+    with pytest.raises(DataError, match=r"wide\.jpg: a decompression bomb: 60x60 = 3,600 pixels, more than the "
+                                        r"3,000 a photo may have"):
+        load_dataset(tmp_path / "pets", image_size=12, loader_workers=2)
+    ds = load_dataset(tmp_path / "pets", image_size=12, loader_workers=1)
+    monkeypatch.setattr(photos, "DECODE_BUDGET_BYTES", 4 * 3000)                     # as if 2 processes
+    with PhotoLoader(ds, 7, (), workers=1) as loader:
+        assert loader.pixel_limit == 3000
+        with pytest.raises(DataError, match=r"wide\.jpg: a decompression bomb: 60x60 = 3,600 pixels, more than the "
+                                            r"3,000 a photo may have .*: a loader could not decode it"):
+            list(loader.epoch(0))
+
+
+def test_a_class_that_skipping_leaves_empty_is_refused_not_trained_unseen(tmp_path):
+    """Every photo of a class bad: --bad-images skip refuses the folder naming the class, rather
+    than keep an output class no training photo is of."""
+    write_photos(tmp_path / "pets", per_class=(2, 1))
+    for f in (tmp_path / "pets/train/eel").iterdir():
+        f.write_bytes(b"")
+    with pytest.raises(DataError, match=r"train: 1 of the 3 classes left with no usable training photo by --bad-images "
+                                        r"skip \(eel\)"):
+        load_dataset(tmp_path / "pets", image_size=12, bad_images="skip")
+
+
+# ---------------------------------------------------------------------------------------------
+# hetconv-eval on a photo folder
+
+def test_hetconv_eval_reads_the_test_split_alone_and_takes_the_flags_it_advises(tmp_path, monkeypatch, capsys):
+    """A bad file in train/ does not stop an evaluation, which reads val/ alone; the advice its
+    refusals give (--bad-images skip, --image-size S) are flags it takes."""
+    from types import SimpleNamespace
+    from hetconv.cli import evaluate as eval_command
+    write_photos(tmp_path / "pets", per_class=(2, 2))
+    (tmp_path / "pets/train/cat/empty.jpg").write_bytes(b"")
+    model = SimpleNamespace(path="ckpt", step=1, notes=[], classes=CLASSES, config={"data": str(tmp_path / "pets")},
+                            data={"name": "pets", "image_shape": [3, 12, 12], "photos": {"image_size": 12}})
+    monkeypatch.setattr(eval_command, "load_model", lambda path: model)
+    seen = []
+    monkeypatch.setattr(eval_command, "evaluation", lambda model, ds, args: seen.append(ds) or {"images": 0})
+    assert eval_command.main(["ckpt", "--json"]) == 0, capsys.readouterr().err
+    assert len(seen[-1].test_y) == 6 and len(seen[-1].train_y) == 0
+    (tmp_path / "pets/val/dog/0.jpg").write_bytes(b"")
+    assert eval_command.main(["ckpt", "--json"]) == 2
+    assert "1 bad file (--bad-images skip leaves them out): " in capsys.readouterr().err
+    assert eval_command.main(["ckpt", "--json", "--bad-images", "skip"]) == 0
+    assert len(seen[-1].test_y) == 5
+    del model.data["photos"]                                    # a model of one-size images held in memory
+    (tmp_path / "pets/val/dog/0.jpg").unlink()
+    assert eval_command.main(["ckpt", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert "give --image-size S to resize and crop photos of any size" in err
+    assert eval_command.main(["ckpt", "--json", "--image-size", "12"]) == 0
+    assert len(seen[-1].test_y) == 5
+
+
+# ---------------------------------------------------------------------------------------------
+# --loader-workers and hetconv-data's help
+
+def test_more_loader_workers_than_usable_cores_are_capped_saying_so(tmp_path, monkeypatch, capsys):
+    from types import SimpleNamespace
+    from hetconv.cli import data
+    from hetconv.cli import evaluate as eval_command
+    from hetconv.data import loader as loader_module
+    write_photos(tmp_path / "pets", per_class=(2, 1))
+    ds = load_dataset(tmp_path / "pets", image_size=12)
+    monkeypatch.setattr(photos, "usable_cores", lambda: 2)
+
+    class Started:                                     # the processes PhotoLoader would start, counted
+        def __init__(self, ds, batch_size, augment=(), seed=0, workers=1, prefetch=0):
+            self.workers, self.slots, self.shm = workers, 2, SimpleNamespace(size=0)
+
+        def test_batches(self, raw=False):
+            return iter(())
+
+        def close(self):
+            pass
+    monkeypatch.setattr(loader_module, "PhotoLoader", Started)
+    lines = []
+    assert loader_module.open_loader(ds, 2, workers=100, log=lines.append).workers == 2
+    assert lines[0] == ("--loader-workers 100 is more than the 2 usable cores (the process's CPU affinity): "
+                        "2 loader processes")
+    assert "photo loader: 2 processes (--loader-workers, capped)" in lines[1]
+    assert loader_module.open_loader(ds, 2, workers=2, log=lines.append).workers == 2 and len(lines) == 3
+    monkeypatch.setattr(eval_command, "PhotoLoader", Started)
+    monkeypatch.setattr(eval_command, "InProcessModel", lambda model, threads=None: None)
+    monkeypatch.setattr(eval_command, "evaluate", lambda *a, **k: {})
+    model = SimpleNamespace(path="ckpt", step=1, config={}, data={})
+    eval_command.evaluation(model, ds, eval_command.build_parser().parse_args(["ckpt", "--loader-workers", "100"]))
+    assert capsys.readouterr().err.strip() == ("hetconv-eval: --loader-workers 100 is more than the 2 usable cores (the "
+                                               "process's CPU affinity): 2 loader processes")
+    helped = " ".join(data.build_parser().format_help().split())
+    assert "--batch-size BATCH_SIZE images per step (default: 128)" in helped

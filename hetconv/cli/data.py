@@ -18,6 +18,7 @@ import time
 from collections import Counter
 
 from hetconv.data import DataError, load_dataset
+from hetconv.data.base import loops_note
 from hetconv.data.loader import open_loader
 from hetconv.data.photos import bad_list, survey
 from hetconv.flags import OneLineParser, add_version
@@ -36,10 +37,13 @@ def side_bin(side):
     return f">={SIDE_BINS[-1]}"
 
 
-def describe_photos(root, out):
-    """A photo folder's survey as lines on `out`; returns the survey."""
-    found = survey(root)
+def describe_photos(root, out, loaders=0):
+    """A photo folder's survey as lines on `out` (photos past the pixel limit of `loaders`
+    processes, --loader-workers, among the bad files); returns the survey."""
+    found = survey(root, loaders=loaders)
     classes = found.classes
+    if found.loops:
+        out(f"{root}: {loops_note(found.loops)}")
     shown = ", ".join(classes[:10]) + (f", ... ({len(classes) - 10} more)" if len(classes) > 10 else "")
     out(f"{root}: a photo folder of {len(classes)} classes: {shown}")
     for name, files in (("train", found.train), (found.split or "val/test", found.test)):
@@ -102,8 +106,11 @@ def build_parser():
     p.add_argument("data", metavar="DATA", help="a data set, as hetconv-coordinator --data takes it")
     p.add_argument("--bench", action="store_true", help="time the training loader with the run's flags; the last "
                                                         "line ends in images/s")
-    p.add_argument("--bench-batches", type=int, default=50, help="batches timed by --bench (0: one epoch)")
-    add_config_flags(p, names=BENCH_FLAGS, title="the run's data flags (for --bench)")
+    p.add_argument("--bench-batches", type=int, default=50, help="batches timed by --bench (0: one epoch; default: "
+                                                                 "%(default)s)")
+    group = add_config_flags(p, names=BENCH_FLAGS, title="the run's data flags (for --bench)")
+    for action in group._group_actions:          # the run's defaults, which --bench times when not given
+        action.help += " (default: %(default)r)" if isinstance(action.default, str) else " (default: %(default)s)"
     return add_version(p)
 
 
@@ -119,7 +126,7 @@ def main(argv=None):
                 raise ValueError("--bench on a folder of photos needs --image-size S (the run's)")
             bench(cfg, args.bench_batches, out)
         elif _is_photo_folder(args.data):
-            describe_photos(args.data, out)
+            describe_photos(args.data, out, cfg.loader_workers)
         else:
             describe_other(args.data, out)
     except (DataError, ValueError, OSError) as e:

@@ -19,8 +19,8 @@ import sys
 
 from tqdm.auto import tqdm
 
-from hetconv.data.loader import PhotoLoader, auto_workers
-from hetconv.data.photos import FileImages
+from hetconv.data.loader import PhotoLoader
+from hetconv.data.photos import MAX_IMAGE_SIZE, FileImages, loader_processes
 from hetconv.flags import OneLineParser, add_version
 from hetconv.training.trained_model import TTA, InProcessModel, ModelError, evaluate, load_model, load_test_data
 
@@ -55,7 +55,14 @@ def build_parser():
                    help="test-time augmentation: 'flip' averages the logits of each image and of its left-right "
                         "mirror (twice the work)")
     p.add_argument("--loader-workers", type=int, default=0,
-                   help="processes that decode a photo folder's photos (0: auto, a quarter of the usable cores)")
+                   help="processes that decode a photo folder's photos (0: auto, a quarter of the usable cores; "
+                        "more than the usable cores: capped to them)")
+    p.add_argument("--image-size", type=int, default=0,
+                   help="read --data as a folder of photos of any size, resized and cropped to S x S as a run's "
+                        "evaluation does (0: as the run read its data; S must be the model's input size)")
+    p.add_argument("--bad-images", choices=("fail", "skip"), default=None,
+                   help="a photo folder's unreadable test photos: 'fail' refuses naming them, 'skip' leaves them "
+                        "out (default: the run's --bad-images)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return add_version(p)
 
@@ -68,6 +75,8 @@ def check_args(args):
         raise ModelError(f"--threads must be >= 0, got {args.threads}")
     if args.loader_workers < 0:
         raise ModelError(f"--loader-workers must be >= 0, got {args.loader_workers}")
+    if not 0 <= getattr(args, "image_size", 0) <= MAX_IMAGE_SIZE:
+        raise ModelError(f"--image-size must be 0..{MAX_IMAGE_SIZE}, got {args.image_size}")
 
 
 def evaluation(model, ds, args):
@@ -77,7 +86,10 @@ def evaluation(model, ds, args):
     runner = InProcessModel(model, threads=args.threads or None)
     loader = None
     if isinstance(ds.test_x, FileImages):
-        loader = PhotoLoader(ds, args.batch_size, workers=getattr(args, "loader_workers", 0) or auto_workers())
+        workers, capped = loader_processes(getattr(args, "loader_workers", 0))
+        if capped:
+            print(f"hetconv-eval: {capped}", file=sys.stderr)
+        loader = PhotoLoader(ds, args.batch_size, workers=workers)
     try:
         batches = loader.test_batches(raw=True) if loader is not None else None
         with tqdm(total=len(ds.test_y), unit="img", disable=None, file=sys.stderr, leave=False) as bar:
@@ -95,7 +107,7 @@ def main(argv=None):
     try:
         check_args(args)
         model = load_model(args.checkpoint)
-        ds = load_test_data(model, args.data)
+        ds = load_test_data(model, args.data, args.image_size, args.bad_images, args.loader_workers)
     except ModelError as e:
         print(f"hetconv-eval: {e}", file=sys.stderr)
         return 2

@@ -105,7 +105,8 @@ def hold_out(ds: DataSet, fraction: float, seed: int, source: str) -> DataSet:
 
 def load_dataset(spec: str | os.PathLike, seed: int = 0, n_train: int | None = None,
                  n_test: int | None = None, labels: str | None = None, fashion: bool | None = None,
-                 val_split: float = 0.0, image_size: int = 0, bad_images: str = "fail") -> DataSet:
+                 val_split: float = 0.0, image_size: int = 0, bad_images: str = "fail",
+                 loader_workers: int = 0, test_only: bool = False) -> DataSet:
     """"synthetic" -> synthetic(n_train, n_test, seed); anything else a path, its format detected.
 
     labels: CIFAR-100's "fine" (the default) or "coarse". fashion: an IDX directory is
@@ -119,6 +120,10 @@ def load_dataset(spec: str | os.PathLike, seed: int = 0, n_train: int | None = N
     image_size: an image folder is a photo folder (photos.py): photos of any size, streamed and
     transformed to image_size x image_size; bad_images ("fail" or "skip") says what its unreadable
     files do. 0: an image folder is read whole into memory, every image of one size.
+    loader_workers: the --loader-workers that will decode a photo folder (0: auto), which set the
+    most pixels a photo may have (photos.pixel_limit); ignored for any other set.
+    test_only: a photo folder with a val/ or test/ split is read for its test split alone (train/
+    gives the class names; its photos are neither listed nor checked), as an evaluation needs.
     """
     if not 0 <= val_split < 1:
         raise DataError(f"--val-split must be in [0, 1), got {val_split}")
@@ -147,7 +152,7 @@ def load_dataset(spec: str | os.PathLike, seed: int = 0, n_train: int | None = N
     elif kind == "idx":
         ds = load_idx(path, fashion)
     elif kind == "images" and image_size:
-        ds = load_photo_folder(path, image_size, bad_images)
+        ds = load_photo_folder(path, image_size, bad_images, loaders=loader_workers, test_only=test_only)
     elif kind == "images":
         ds = load_image_folder(path)
     else:

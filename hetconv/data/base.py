@@ -156,3 +156,39 @@ def class_directories(split_dir, classes, expected) -> tuple[tuple[str, ...], li
         raise DataError(f"{os.path.join(split_dir, unknown[0])}: class {unknown[0]!r} is not among the "
                         f"{len(classes)} classes of {os.path.join(os.path.dirname(split_dir), 'train')}")
     return tuple(classes), found
+
+
+def walk_once(top, loops: list):
+    """os.walk of `top` following links, each directory visited once by (st_dev, st_ino): a link
+    back into the tree (`ln -s . a`) or a second way to a directory already walked is not entered
+    but appended to `loops`, so a class folder with two links to itself lists its photos once, not
+    once for each of the 2^depth paths. Hidden directories are not entered. Yields (dirpath,
+    sorted filenames)."""
+    try:
+        st = os.stat(top)
+        seen = {(st.st_dev, st.st_ino)}
+    except OSError:
+        seen = set()
+    for dirpath, dirnames, filenames in os.walk(top, followlinks=True):
+        kept = []
+        for name in sorted(d for d in dirnames if not d.startswith(".")):
+            path = os.path.join(dirpath, name)
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue                           # gone since the listing, or a link to nowhere
+            key = (st.st_dev, st.st_ino)
+            if key in seen:
+                loops.append(path)
+                continue
+            seen.add(key)
+            kept.append(name)
+        dirnames[:] = kept
+        yield dirpath, sorted(filenames)
+
+
+def loops_note(loops: list) -> str:
+    """One line saying which directory links were not followed (walk_once), the first few named."""
+    shown = ", ".join(loops[:3]) + (f" and {len(loops) - 3} more" if len(loops) > 3 else "")
+    return (f"skipped {len(loops)} link{'s' if len(loops) > 1 else ''} to a directory already listed (a link loop "
+            f"or a second way in), so no photo is listed twice: {shown}")

@@ -13,9 +13,9 @@ here and nowhere else.
 
 Nothing is decoded before it is bounded: the listing stops at MAX_IMAGES, every file must be a
 regular file (a fifo would block the read, a device never end) of at most MAX_FILE_BYTES, every
-header is read first (size, mode, and Pillow's decompression-bomb limit on pixels, refused rather
-than warned about), and the decoded total is checked against MAX_TOTAL_BYTES before the array that
-holds it is allocated.
+header is read first (size, mode, and the photo folder's pixel limit for one process,
+photos.pixel_limit, named as in every decompression-bomb message), and the decoded total is
+checked against MAX_TOTAL_BYTES before the array that holds it is allocated.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from __future__ import annotations
 import os
 import stat
 import struct
-import warnings
 import zlib
 from pathlib import Path
 
 import numpy as np
 
-from hetconv.data.base import DataError, DataSet, class_directories
+from hetconv.data.base import DataError, DataSet, class_directories, loops_note, walk_once
+from hetconv.data.photos import BadImage, open_header, pixel_limit
 
 EXTENSIONS = (".png", ".jpg", ".jpeg")
 GREY_MODES = ("1", "L", "LA")
@@ -52,18 +52,19 @@ def _pillow(root: Path):
     return Image
 
 
-def _listing(split_dir: Path, classes: tuple[str, ...] | None,
-             budget: int) -> tuple[tuple[str, ...], list[tuple[Path, int]]]:
+def _listing(split_dir: Path, classes: tuple[str, ...] | None, budget: int,
+             loops: list) -> tuple[tuple[str, ...], list[tuple[Path, int]]]:
     """(class names, [(file, label)]) of one split, at most `budget` files; `classes` given: the
-    test split, whose class directories must be among the training classes."""
+    test split, whose class directories must be among the training classes. Links are followed as
+    torchvision's ImageFolder follows them, each directory once (walk_once: the links not followed
+    are appended to `loops`)."""
     classes, found = class_directories(split_dir, classes, "*.png|jpg|jpeg")
     index = {c: i for i, c in enumerate(classes)}
     files = []
     for name in found:
         in_class = []
-        for dirpath, dirnames, filenames in os.walk(split_dir / name):
-            dirnames.sort()
-            in_class += [Path(dirpath) / f for f in sorted(filenames)
+        for dirpath, filenames in walk_once(split_dir / name, loops):
+            in_class += [Path(dirpath) / f for f in filenames
                          if f.lower().endswith(EXTENSIONS) and not f.startswith(".")]
             if len(files) + len(in_class) > budget:
                 raise DataError(f"{split_dir.parent}: more than {MAX_IMAGES} images: not read")
@@ -85,12 +86,11 @@ def _open(Image, file: Path):
         raise DataError(f"{file}: {st.st_size} bytes, more than the {MAX_FILE_BYTES >> 20} MB an image file may have: "
                         f"not read")
     try:
-        with warnings.catch_warnings():
-            # Pillow only warns between its pixel limit and twice it; here the limit refuses
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            return Image.open(file, formats=("PNG", "JPEG"))
-    except (OSError, ValueError, SyntaxError, EOFError, struct.error, Image.DecompressionBombError,
-            Image.DecompressionBombWarning) as e:
+        # the photo folder's pixel limit for one process, named as it names it
+        return open_header(file, ("PNG", "JPEG"), pixel_limit(1))
+    except BadImage as e:
+        raise DataError(f"{file}: {e}") from None
+    except (OSError, ValueError, SyntaxError, EOFError, struct.error) as e:
         raise DataError(f"{file}: not a readable PNG or JPEG image: {type(e).__name__}: {e}") from None
 
 
@@ -136,11 +136,12 @@ def load_image_folder(path: str | os.PathLike) -> DataSet:
         raise DataError(f"{root}: expected an image folder with train/<class>/ (and val/<class>/ or test/<class>/) "
                         f"directories")
     Image = _pillow(root)
-    classes, train_files = _listing(root / "train", None, MAX_IMAGES)
+    loops = []
+    classes, train_files = _listing(root / "train", None, MAX_IMAGES, loops)
     test_files = []
     split = next((s for s in ("val", "test") if (root / s).is_dir()), None)
     if split is not None:
-        _, test_files = _listing(root / split, classes, MAX_IMAGES - len(train_files))
+        _, test_files = _listing(root / split, classes, MAX_IMAGES - len(train_files), loops)
         if not test_files:
             raise DataError(f"{root / split}: no images; expected {split}/<class>/*.png|jpg|jpeg (or neither val/ "
                             f"nor test/, with --val-split)")
@@ -153,4 +154,5 @@ def load_image_folder(path: str | os.PathLike) -> DataSet:
                         f"the {MAX_TOTAL_BYTES >> 30} GB this loader holds: not read")
     train_x, train_y = _decode(Image, train_files, size, mode)
     test_x, test_y = _decode(Image, test_files, size, mode)
-    return DataSet(root.resolve().name or "images", train_x, train_y, test_x, test_y, classes)
+    notes = (f"{root}: {loops_note(loops)}",) if loops else ()
+    return DataSet(root.resolve().name or "images", train_x, train_y, test_x, test_y, classes, notes=notes)

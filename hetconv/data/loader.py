@@ -15,13 +15,15 @@ whichever process decoded them.
 Nothing waits without a deadline: a loader process that dies, or one that fails to decode a
 photo with --bad-images fail, ends the epoch with a DataError naming it; with skip, a photo that
 fails mid-run is replaced in its batch by the batch's next good photo (label and all), and named.
-A loader process exits on a None task, and on its own when the parent process is gone.
+A photo still decoding after PHOTO_DEADLINE_S (a file swapped for a fifo after the listing, a hung
+network file system) ends the run with a DataError naming it, as does a loader process that takes
+no work for that long or does not start within START_DEADLINE_S. A loader process exits on a
+None task, and on its own when the parent process is gone.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import queue
 import signal
 import time
@@ -31,32 +33,30 @@ import numpy as np
 
 from hetconv.data.base import DataError
 from hetconv.data.batches import _check_augment, batches, test_batches
-from hetconv.data.photos import BadImage, FileImages, eval_image, image_rng, train_image
+from hetconv.data.photos import (BadImage, FileImages, auto_workers, eval_image, image_rng,  # noqa: F401
+                                 loader_processes, pixel_limit, train_image, usable_cores)
 
-POLL_S = 0.2                  # how often a wait checks that the loader processes are alive
-MAX_AUTO_WORKERS = 8
-
-
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def auto_workers(cores: int | None = None) -> int:
-    """The loader processes when --loader-workers is 0: a quarter of the usable cores (at most
-    MAX_AUTO_WORKERS, at least 1): the other three quarters are left to the conv and head compute,
-    which a decoded batch is worth nothing without."""
-    return max(1, min(MAX_AUTO_WORKERS, (cores or usable_cores()) // 4))
+POLL_S = 0.2                  # how often a wait checks that the loader processes are alive and moving
+# One photo's decode: its file is at most 64 MB and its pixels within the decode budget
+# (photos.pixel_limit), a second or two on a slow core; past this the file does not end or its
+# file system hangs, and no retry would help.
+PHOTO_DEADLINE_S = 60.0
+START_DEADLINE_S = 120.0      # a loader process's start (a spawn and its imports) on a loaded machine
 
 
 def open_loader(ds, batch_size: int, augment=(), seed: int = 0, workers: int = 0, log=None, prefetch: int = 0):
-    """The loader of data set `ds`: PhotoLoader for a photo folder (its processes started now, `log`
-    told how many), else InMemoryLoader."""
+    """The loader of data set `ds`: PhotoLoader for a photo folder (its processes started now, as
+    photos.loader_processes makes of --loader-workers `workers`; `log` told how many, and why when
+    that is fewer than asked), else InMemoryLoader."""
     if isinstance(ds.train_x, FileImages):
-        chosen = workers or auto_workers()
+        chosen, capped = loader_processes(workers)
         loader = PhotoLoader(ds, batch_size, augment, seed, chosen, prefetch=prefetch)
         if log is not None:
-            why = "--loader-workers" if workers else (f"auto: a quarter of the {usable_cores()} usable cores, the rest left "
-                                                      f"to the compute; --loader-workers sets it")
+            if capped:
+                log(capped)
+            why = ("--loader-workers, capped" if capped else "--loader-workers") if workers else (
+                f"auto: a quarter of the {usable_cores()} usable cores, the rest left to the compute; "
+                f"--loader-workers sets it")
             log(f"photo loader: {chosen} process{'es' if chosen > 1 else ''} ({why}), {loader.slots} batches of "
                 f"{batch_size} ahead in shared memory ({loader.shm.size / 2 ** 20:.1f} MB)")
         return loader
@@ -86,8 +86,10 @@ class InMemoryLoader:
         self.close()
 
 
-def _serve(shm_name, slots_shape, size, augment, seed, skip, tasks, results):
-    """A loader process: decode each task's photos into its slot of the shared block, then say so."""
+def _serve(shm_name, slots_shape, size, augment, seed, skip, tasks, results, progress, limit):
+    """A loader process: decode each task's photos into its slot of the shared block, then say so.
+    `progress` (shared with the parent) is (task tag, position in it, since when): the photo being
+    decoded, or tag 0 and the time it went idle, so the parent can name a photo that never ends."""
     # Ctrl-C and a SIGTERM to the process group are the parent's to handle: it checkpoints, then
     # ends us (close(): a None task, then kill); a parent gone without that is noticed below
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -97,6 +99,7 @@ def _serve(shm_name, slots_shape, size, augment, seed, skip, tasks, results):
     try:
         slots = np.ndarray(slots_shape, np.uint8, block.buf)
         parent = mp.parent_process()
+        progress[2] = time.monotonic()                    # started, idle
         while True:
             try:
                 task = tasks.get(timeout=1.0)
@@ -110,15 +113,17 @@ def _serve(shm_name, slots_shape, size, augment, seed, skip, tasks, results):
             out = slots[slot]
             failed = []
             for k, path in enumerate(paths):
+                progress[2], progress[1], progress[0] = time.monotonic(), k, tag
                 try:
                     if epoch is None:
-                        out[k] = eval_image(path, size)
+                        out[k] = eval_image(path, size, limit)
                     else:
-                        out[k] = train_image(path, size, augment, image_rng(seed, epoch, first + k))
+                        out[k] = train_image(path, size, augment, image_rng(seed, epoch, first + k), limit)
                 except BadImage as e:
                     failed.append((k, path, str(e)))
                 except Exception as e:                     # anything else names the photo too
                     failed.append((k, path, f"{type(e).__name__}: {e}"))
+            progress[2], progress[0] = time.monotonic(), 0
             if failed and (not skip or len(failed) == len(paths)):
                 results.put((tag, "error", failed))
                 continue
@@ -137,9 +142,12 @@ def _serve(shm_name, slots_shape, size, augment, seed, skip, tasks, results):
 class PhotoLoader:
     """`workers` loader processes decoding a photo folder's batches into `slots` shared-memory
     batch buffers; at most `slots` batches are decoded ahead of the one the step takes. Memory is
-    slots x batch x 3 x S x S bytes and the paths, whatever the number of photos."""
+    slots x batch x 3 x S x S bytes and the paths, whatever the number of photos; what the
+    processes decode at once is bounded by photos.DECODE_BUDGET_BYTES (pixel_limit(workers), checked
+    from each photo's header before it is decoded)."""
 
-    def __init__(self, ds, batch_size, augment=(), seed=0, workers=1, prefetch=0, skip=None):
+    def __init__(self, ds, batch_size, augment=(), seed=0, workers=1, prefetch=0, skip=None,
+                 deadline_s=PHOTO_DEADLINE_S):
         self.ds, self.batch_size, self.seed = ds, batch_size, seed
         self.augment = _check_augment(augment, photos=True)
         self.files = ds.train_x.files
@@ -152,6 +160,11 @@ class PhotoLoader:
         self._busy = {}                     # slot -> tag of the task decoding into it
         self._done = {}                     # tag -> (status, payload) arrived before it was waited for
         self.skipped = []                   # (path, why) of photos replaced mid-run
+        self.deadline_s = deadline_s
+        self.pixel_limit = pixel_limit(workers)
+        self._paths = {}                    # tag -> the photos of that task, to name one that stalls
+        self._progress = []                 # per process: (tag, position, since), see _serve
+        self._moved = time.monotonic()      # when a task was last submitted or a result arrived
         shape = (self.slots, batch_size, 3, self.size, self.size)
         self.shm = shared_memory.SharedMemory(create=True, size=max(1, int(np.prod(shape))))
         self.buffers = np.ndarray(shape, np.uint8, self.shm.buf)
@@ -159,11 +172,14 @@ class PhotoLoader:
         self.tasks, self.results = ctx.Queue(), ctx.Queue()
         try:
             for i in range(workers):
+                progress = ctx.Array("d", 3, lock=False)
                 p = ctx.Process(target=_serve, name=f"hetconv-loader-{i}", daemon=True,
                                 args=(self.shm.name, shape, self.size, self.augment, seed, self.skip,
-                                      self.tasks, self.results))
+                                      self.tasks, self.results, progress, self.pixel_limit))
                 p.start()
                 self.workers.append(p)
+                self._progress.append(progress)
+            self._started = time.monotonic()
         except BaseException:
             self.close()
             raise
@@ -172,6 +188,8 @@ class PhotoLoader:
     def _submit(self, slot, paths, epoch, first):
         self._tag += 1
         self._busy[slot] = self._tag
+        self._paths[self._tag] = paths
+        self._moved = time.monotonic()      # idle processes have had no work until now
         self.tasks.put((self._tag, slot, paths, epoch, first))
         return self._tag
 
@@ -181,16 +199,42 @@ class PhotoLoader:
                 raise DataError(f"photo loader process {p.name} (pid {p.pid}) exited with code {p.exitcode} "
                                 f"while decoding batches; the run cannot go on without it")
 
+    def _check_moving(self):
+        """DataError when a process has decoded one photo for longer than the deadline (naming it),
+        when every process has been idle that long with work waiting, or when one has not started."""
+        now = time.monotonic()
+        for p, (tag, k, since) in zip(self.workers, [tuple(r) for r in self._progress]):
+            if tag and now - since > self.deadline_s:
+                paths = self._paths.get(int(tag), ())
+                path = paths[int(k)] if int(k) < len(paths) else f"a photo of batch task {int(tag)}"
+                raise DataError(f"{path}: loader process {p.name} has been decoding it for more than "
+                                f"{self.deadline_s:g} s (hetconv.data.loader.PHOTO_DEADLINE_S): a file that never "
+                                f"ends (a fifo, a device) or a file system that hangs; the run cannot go on")
+            if not since and now - self._started > START_DEADLINE_S:
+                raise DataError(f"photo loader process {p.name} (pid {p.pid}) did not start within "
+                                f"{START_DEADLINE_S:g} s (hetconv.data.loader.START_DEADLINE_S)")
+        records = [tuple(r) for r in self._progress]
+        if records and all(since and not tag for tag, _, since in records):
+            idle = now - max([self._moved] + [since for _, _, since in records])
+            if idle > self.deadline_s:
+                raise DataError(f"photo loader: no loader process took a batch or returned one for {idle:.0f} s "
+                                f"while one was waited for (deadline {self.deadline_s:g} s, "
+                                f"hetconv.data.loader.PHOTO_DEADLINE_S)")
+
     def _wait(self, tag):
-        """The result of task `tag` (others that arrive first are kept for their own wait)."""
+        """The result of task `tag` (others that arrive first are kept for their own wait); every
+        poll checks the processes are alive and moving (_check_moving), so no wait is unbounded."""
         done = self._done
         while tag not in done:
             try:
                 got, status, payload = self.results.get(timeout=POLL_S)
             except queue.Empty:
                 self._check_alive()
+                self._check_moving()
                 continue
             done[got] = (status, payload)
+            self._moved = time.monotonic()
+        self._paths.pop(tag, None)
         return done.pop(tag)
 
     def _drain(self):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+import re
 import stat
 import warnings
 from concurrent.futures import ProcessPoolExecutor
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hetconv.data.base import DataError, DataSet, class_directories
+from hetconv.data.base import DataError, DataSet, class_directories, loops_note, walk_once
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
 FORMATS = ("JPEG", "PNG", "WEBP")
@@ -52,6 +53,12 @@ PARALLEL_SCAN = 4096                      # files from which the headers are che
 SCAN_CHUNK = 512
 BAD_SHOWN = 10                            # bad files named in a message; the rest counted
 _PHOTO_STREAM = 0xF070                    # first word of every training photo's generator seed
+# What the loader processes' decodes may hold at once, together: a photo's pixels x 4 bytes x the
+# loader processes is kept under it, checked from the header before a pixel is decoded
+# (pixel_limit). 2 GiB lets 8 processes each decode a 67-megapixel photo (a 50 MP camera's whole).
+DECODE_BUDGET_BYTES = 2 << 30
+DECODED_BYTES_PER_PIXEL = 4               # Pillow holds RGB, RGBA, CMYK and YCbCr alike in 4 bytes a pixel
+MAX_AUTO_LOADERS = 8
 
 
 class BadImage(DataError):
@@ -66,6 +73,65 @@ def pillow(root=None):
         raise DataError(f"{where}a photo folder is read with Pillow, which is not installed: "
                         f"pip install 'hetconv[images]'") from None
     return Image
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def auto_workers(cores: int | None = None) -> int:
+    """The loader processes when --loader-workers is 0: a quarter of the usable cores (at most
+    MAX_AUTO_LOADERS, at least 1): the other three quarters are left to the conv and head compute,
+    which a decoded batch is worth nothing without."""
+    return max(1, min(MAX_AUTO_LOADERS, (cores or usable_cores()) // 4))
+
+
+def loader_processes(asked: int) -> tuple[int, str | None]:
+    """(the loader processes for --loader-workers `asked`, a line saying why when it is not what
+    was asked): 0 is auto_workers(); more than the usable cores is capped to them, as each process
+    would only wait for a core (and hold its own decode budget and start-up) while slowing the
+    compute."""
+    cores = usable_cores()
+    if not asked:
+        return auto_workers(cores), None
+    if asked > cores:
+        return cores, (f"--loader-workers {asked} is more than the {cores} usable core{'s' if cores > 1 else ''} "
+                       f"(the process's CPU affinity): {cores} loader process{'es' if cores > 1 else ''}")
+    return asked, None
+
+
+def pixel_limit(loaders: int = 1) -> int:
+    """The most pixels a photo may have when `loaders` processes decode at once: the decode budget
+    over 4 bytes a pixel and the processes, at most Pillow's MAX_IMAGE_PIXELS (where it is set).
+    The one limit every decompression-bomb message names."""
+    limit = DECODE_BUDGET_BYTES // (DECODED_BYTES_PER_PIXEL * max(1, loaders))
+    pillows = pillow().MAX_IMAGE_PIXELS
+    return min(limit, pillows) if pillows else limit
+
+
+def too_many_pixels(pixels: str, limit: int) -> str:
+    return (f"a decompression bomb: {pixels} pixels, more than the {limit:,} a photo may have (the decode budget "
+            f"hetconv.data.photos.DECODE_BUDGET_BYTES over 4 bytes a pixel and the loader processes, at most "
+            f"Pillow's MAX_IMAGE_PIXELS)")
+
+
+def open_header(path, formats, limit: int):
+    """The Pillow image at `path` with only its header read; BadImage when it has more than `limit`
+    pixels (too_many_pixels: Pillow's own decompression-bomb warning and error, which name its two
+    limits, are replaced by this one)."""
+    Image = pillow()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)     # the check below names our limit
+        try:
+            image = Image.open(path, formats=formats)
+        except Image.DecompressionBombError as e:                          # past twice Pillow's limit
+            found = re.search(r"\((\d+) pixels\)", str(e))
+            raise BadImage(too_many_pixels(f"{int(found[1]):,}" if found else "more", limit)) from None
+    width, height = image.size
+    if width * height > limit:
+        image.close()
+        raise BadImage(too_many_pixels(f"{width}x{height} = {width * height:,}", limit))
+    return image
 
 
 def eval_resize(size: int) -> int:
@@ -85,18 +151,19 @@ def eval_split_dir(root) -> str | None:
 
 # ---- listing ---------------------------------------------------------------------------------
 
-def list_split(split_dir: str, classes: tuple[str, ...] | None, budget: int = MAX_IMAGES):
+def list_split(split_dir: str, classes: tuple[str, ...] | None, budget: int = MAX_IMAGES, loops=None):
     """(class names, [(file, label)], [(path, why)] of what is not a photo) of one split; `classes`
     given: an evaluation split, whose class directories must be among the training classes. A
-    class directory with no photo and a file whose name is not a photo's are bad entries."""
+    class directory with no photo and a file whose name is not a photo's are bad entries. Links
+    are followed, each directory once (walk_once); the links not followed are appended to `loops`."""
     classes, entries = class_directories(split_dir, classes, "*.jpg|png|webp")
     index = {c: i for i, c in enumerate(classes)}
     files, bad = [], []
+    loops = [] if loops is None else loops
     for name in entries:
         found = 0
-        for dirpath, dirnames, filenames in os.walk(os.path.join(split_dir, name), followlinks=True):
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-            for f in sorted(filenames):
+        for dirpath, filenames in walk_once(os.path.join(split_dir, name), loops):
+            for f in filenames:
                 if f.startswith("."):
                     continue
                 path = os.path.join(dirpath, f)
@@ -120,10 +187,11 @@ def _jpeg_ends(path: str, size: int) -> bool:
         return b"\xff\xd9" in f.read()
 
 
-def check_header(path: str) -> tuple[int, int, str]:
+def check_header(path: str, limit: int | None = None) -> tuple[int, int, str]:
     """(width, height, format) of the photo at `path` from its header alone, after the file is
-    bounded; BadImage saying why not. Pillow's MAX_IMAGE_PIXELS refuses a decompression bomb
-    here rather than warning; a JPEG must end with its end marker, a PNG's chunks must verify."""
+    bounded; BadImage saying why not. A photo of more than `limit` pixels (default pixel_limit())
+    is refused as a decompression bomb; a JPEG must end with its end marker, a PNG's chunks must
+    verify."""
     Image = pillow()
     try:
         st = os.stat(path)
@@ -136,53 +204,43 @@ def check_header(path: str) -> tuple[int, int, str]:
     if st.st_size > MAX_FILE_BYTES:
         raise BadImage(f"{st.st_size} bytes, more than the {MAX_FILE_BYTES >> 20} MB a photo file may have")
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(path, formats=FORMATS) as image:
-                width, height, fmt, mode = image.width, image.height, image.format, image.mode
-                limit = Image.MAX_IMAGE_PIXELS
-                if limit and width * height > limit:
-                    raise BadImage(f"{width}x{height} pixels, more than Pillow's MAX_IMAGE_PIXELS {limit} "
-                                   f"(a decompression bomb?)")
-                if mode in WIDE_MODES:
-                    raise BadImage(f"mode {mode} ({'16' if '16' in mode else '32'}-bit); expected 8 bits a "
-                                   f"channel (convert it to 8 bits first)")
-                if fmt == "PNG":
-                    image.verify()            # every chunk's CRC, to the end: a truncated file fails
+        with open_header(path, FORMATS, limit or pixel_limit()) as image:
+            width, height, fmt, mode = image.width, image.height, image.format, image.mode
+            if mode in WIDE_MODES:
+                raise BadImage(f"mode {mode} ({'16' if '16' in mode else '32'}-bit); expected 8 bits a "
+                               f"channel (convert it to 8 bits first)")
+            if fmt == "PNG":
+                image.verify()            # every chunk's CRC, to the end: a truncated file fails
         if fmt == "JPEG" and not _jpeg_ends(path, st.st_size):
             raise BadImage("a truncated JPEG (no end-of-image marker)")
     except BadImage:
         raise
-    except Image.DecompressionBombError as e:
-        raise BadImage(f"a decompression bomb: {e}") from None
-    except Image.DecompressionBombWarning as e:
-        raise BadImage(f"a decompression bomb: {e}") from None
     except Exception as e:                       # UnidentifiedImageError, SyntaxError, struct.error, ...
         raise BadImage(f"not a readable JPEG, PNG or WebP photo: {type(e).__name__}: {e}") from None
     return width, height, fmt
 
 
-def _scan(paths) -> list:
+def _scan(paths, limit=None) -> list:
     out = []
     for path in paths:
         try:
-            out.append((path, check_header(path)))
+            out.append((path, check_header(path, limit)))
         except BadImage as e:
             out.append((path, str(e)))
     return out
 
 
-def scan_headers(paths) -> list:
-    """[(path, (width, height, format)) or (path, why)] in order: check_header on each; a large
-    folder's in processes, one per usable core (nothing else runs yet: this is before training),
-    as a header costs a file open and a read, and ImageNet has 1.3 million."""
+def scan_headers(paths, limit=None) -> list:
+    """[(path, (width, height, format)) or (path, why)] in order: check_header on each (`limit`:
+    its pixels); a large folder's in processes, one per usable core (nothing else runs yet: this
+    is before training), as a header costs a file open and a read, and ImageNet has 1.3 million."""
     paths = list(paths)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cores()
     if len(paths) < PARALLEL_SCAN or cores < 2:
-        return _scan(paths)
+        return _scan(paths, limit)
     chunks = [paths[i:i + SCAN_CHUNK] for i in range(0, len(paths), SCAN_CHUNK)]
     with ProcessPoolExecutor(max_workers=min(cores, 16), mp_context=multiprocessing.get_context("spawn")) as pool:
-        return [row for rows in pool.map(_scan, chunks) for row in rows]
+        return [row for rows in pool.map(_scan, chunks, [limit] * len(chunks)) for row in rows]
 
 
 def bad_list(bad, root) -> str:
@@ -260,11 +318,12 @@ def simplejpeg():
     return _simplejpeg[0]
 
 
-def _decode_jpeg_array(path: str, size: int, box_of):
+def _decode_jpeg_array(path: str, size: int, box_of, limit: int):
     """(uint8 (H, W, 3) array, box in its pixels) of a JPEG decoded by libjpeg-turbo through
     simplejpeg at the scale decode's draft picks; None where Pillow must do it (not a JPEG, a
-    colour space other than YCbCr and grey such as CMYK, past MAX_IMAGE_PIXELS, or an error,
-    which Pillow then names or, for a warning libjpeg alone is strict about, decodes). The pixels
+    colour space other than YCbCr and grey such as CMYK, or an error, which Pillow then names or,
+    for a warning libjpeg alone is strict about, decodes); BadImage past `limit` pixels, from the
+    header, before a pixel is decoded. The pixels
     are Pillow's own: the same libjpeg-turbo, the same slow integer DCT and fancy upsampling.
     With the compiled resize after it, a training photo of the loader benchmark's folder at 224 px
     costs 1.7 ms against Pillow's 2.2 (one core of a shared 2-core EPYC)."""
@@ -277,8 +336,12 @@ def _decode_jpeg_array(path: str, size: int, box_of):
         return None
     try:
         height, width, colorspace, _ = module.decode_jpeg_header(data)
-        limit = pillow().MAX_IMAGE_PIXELS
-        if colorspace not in ("YCbCr", "Gray") or (limit and width * height > limit):
+    except ValueError:
+        return None
+    if width * height > limit:
+        raise BadImage(too_many_pixels(f"{width}x{height} = {width * height:,}", limit))
+    try:
+        if colorspace not in ("YCbCr", "Gray"):
             return None
         box = box_of(width, height)
         scale = _draft_scale(box, size)
@@ -289,14 +352,17 @@ def _decode_jpeg_array(path: str, size: int, box_of):
     return array, _scaled_box(box, array.shape[1] / width, array.shape[0] / height)
 
 
-def decode(path: str, size: int, box_of, flip: bool = False, draft: bool = True) -> np.ndarray:
+def decode(path: str, size: int, box_of, flip: bool = False, draft: bool = True,
+           limit: int | None = None) -> np.ndarray:
     """uint8 (3, size, size): the photo at `path` converted to RGB, its box `box_of(width,
     height)` resized to size x size (bilinear, in uint8: Pillow's resize, or its arithmetic compiled
     in hetconv.data.resample), mirrored when `flip`. A JPEG whose box is at least twice the size
     asked for is decoded at a reduced scale (draft) that keeps the box at least `size` pixels a
     side; by simplejpeg where it is installed (_decode_jpeg_array: the same pixels). BadImage when
-    it cannot be decoded."""
+    it cannot be decoded, or has more than `limit` pixels (default pixel_limit(): one process), which
+    its header says before anything is decoded."""
     Image = pillow()
+    limit = limit or pixel_limit()
     drawn = {}
 
     def box_once(width, height):            # a random box is drawn once, whichever decoder takes the photo
@@ -304,9 +370,9 @@ def decode(path: str, size: int, box_of, flip: bool = False, draft: bool = True)
             drawn[width, height] = box_of(width, height)
         return drawn[width, height]
     try:
-        decoded = _decode_jpeg_array(path, size, box_once) if draft else None
+        decoded = _decode_jpeg_array(path, size, box_once, limit) if draft else None
         if decoded is None:
-            out = _decode_with_pillow(Image, path, size, box_once, draft).transpose(2, 0, 1)
+            out = _decode_with_pillow(Image, path, size, box_once, draft, limit).transpose(2, 0, 1)
     except BadImage:
         raise
     except Exception as e:          # a truncated or corrupt stream, a file gone: Pillow's errors are many
@@ -320,40 +386,41 @@ def decode(path: str, size: int, box_of, flip: bool = False, draft: bool = True)
     return out[:, :, ::-1] if flip else out
 
 
-def _decode_with_pillow(Image, path, size, box_of, draft):
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", Image.DecompressionBombWarning)
-        with Image.open(path, formats=FORMATS) as image:
-            width, height = image.size
-            box = box_of(width, height)
-            if image.mode in WIDE_MODES:
-                raise BadImage(f"mode {image.mode}; expected 8 bits a channel")
-            scale = _draft_scale(box, size) if draft and image.format == "JPEG" else 1
-            if scale > 1:
-                # Pillow divides each side by the size asked for and rounds down: ask for the sides
-                # rounded down, so an odd side still gets the scale (ceil(999 / 2) = 500 would
-                # give 999 // 500 = 1, a full decode)
-                image.draft("RGB", (width // scale, height // scale))
-                box = _scaled_box(box, image.size[0] / width, image.size[1] / height)
-            if image.mode != "RGB":
-                image = image.convert("RGB")
-            return np.asarray(image.resize((size, size), Image.BILINEAR, box=box))     # (S, S, 3)
+def _decode_with_pillow(Image, path, size, box_of, draft, limit):
+    with open_header(path, FORMATS, limit) as image:
+        width, height = image.size
+        box = box_of(width, height)
+        if image.mode in WIDE_MODES:
+            raise BadImage(f"mode {image.mode}; expected 8 bits a channel")
+        scale = _draft_scale(box, size) if draft and image.format == "JPEG" else 1
+        if scale > 1:
+            # Pillow divides each side by the size asked for and rounds down: ask for the sides
+            # rounded down, so an odd side still gets the scale (ceil(999 / 2) = 500 would
+            # give 999 // 500 = 1, a full decode)
+            image.draft("RGB", (width // scale, height // scale))
+            box = _scaled_box(box, image.size[0] / width, image.size[1] / height)
+        if image.mode != "RGB":
+            image = image.convert("RGB")
+        return np.asarray(image.resize((size, size), Image.BILINEAR, box=box))     # (S, S, 3)
 
 
-def eval_image(path: str, size: int) -> np.ndarray:
-    """Evaluation's transform: Resize(round(size / 0.875)), CenterCrop(size); uint8 (3, S, S)."""
+def eval_image(path: str, size: int, limit: int | None = None) -> np.ndarray:
+    """Evaluation's transform: Resize(round(size / 0.875)), CenterCrop(size); uint8 (3, S, S).
+    `limit`: decode's pixel limit."""
     resize = eval_resize(size)
-    return decode(path, size, lambda w, h: resize_box(w, h, resize, size))
+    return decode(path, size, lambda w, h: resize_box(w, h, resize, size), limit=limit)
 
 
-def train_image(path: str, size: int, augment: tuple[str, ...], rng: np.random.Generator) -> np.ndarray:
+def train_image(path: str, size: int, augment: tuple[str, ...], rng: np.random.Generator,
+                limit: int | None = None) -> np.ndarray:
     """Training's transform of one photo with its own generator: random-resized-crop (else
-    Resize(S) and CenterCrop(S)), then flip, then crop (4 pixels of padding); uint8 (3, S, S)."""
+    Resize(S) and CenterCrop(S)), then flip, then crop (4 pixels of padding); uint8 (3, S, S).
+    `limit`: decode's pixel limit."""
     if "random-resized-crop" in augment:
         box_of = lambda w, h: random_resized_box(w, h, rng)      # noqa: E731 (drawn once the size is known)
     else:
         box_of = lambda w, h: resize_box(w, h, size, size)       # noqa: E731
-    x = decode(path, size, box_of)
+    x = decode(path, size, box_of, limit=limit)
     if "flip" in augment and rng.random() < 0.5:
         x = x[:, :, ::-1]
     if "crop" in augment:
@@ -439,51 +506,72 @@ class Survey:
     test: list
     bad: list                                # [(path, why)]
     headers: dict                            # path -> (width, height, format) of the usable photos
+    loops: list = field(default_factory=list)    # directory links not followed (walk_once)
 
 
-def survey(path, scan=None) -> Survey:
+def survey(path, scan=None, loaders: int = 0, test_only: bool = False) -> Survey:
     """The photo folder at `path` listed and every photo's header checked (`scan`: a function of a
-    list of paths, as scan_headers). Refuses a folder with no train/ or no class directory."""
+    list of paths and a pixel limit, as scan_headers), photos past the pixel limit of `loaders`
+    processes (--loader-workers: 0 is auto) among the bad. `test_only` and a val/ or test/ split:
+    train/ gives its class names only, its photos neither listed nor checked (an evaluation reads
+    the test split alone). Refuses a folder with no train/ or no class directory."""
     root = os.fspath(path)
     if not os.path.isdir(os.path.join(root, "train")):
         raise DataError(f"{root}: a photo folder has train/<class>/ and val/<class>/ (or test/<class>/) directories; "
                         f"no train/")
     pillow(root)
-    classes, train, bad = list_split(os.path.join(root, "train"), None)
+    loops = []
     split = eval_split_dir(root)
+    if test_only and split is not None:
+        classes, _ = class_directories(os.path.join(root, "train"), None, "*.jpg|png|webp")
+        train, bad = [], []
+    else:
+        classes, train, bad = list_split(os.path.join(root, "train"), None, loops=loops)
     test = []
     if split is not None:
-        _, test, bad_test = list_split(os.path.join(root, split), classes, MAX_IMAGES - len(train))
+        _, test, bad_test = list_split(os.path.join(root, split), classes, MAX_IMAGES - len(train), loops)
         bad += bad_test
-    checked = (scan or scan_headers)([f for f, _ in train + test])
+    checked = (scan or scan_headers)([f for f, _ in train + test], pixel_limit(loader_processes(loaders)[0]))
     headers = {p: h for p, h in checked if not isinstance(h, str)}
     failed = {p: why for p, why in checked if isinstance(why, str)}
     bad += [(p, failed[p]) for p, _ in train + test if p in failed]
     return Survey(root, classes, split, [(p, y) for p, y in train if p in headers],
-                  [(p, y) for p, y in test if p in headers], bad, headers)
+                  [(p, y) for p, y in test if p in headers], bad, headers, loops)
 
 
-def load_photo_folder(path, image_size: int, bad_images: str = "fail", scan=None) -> PhotoSet:
-    """The photo folder at `path`, every file's header checked (survey). bad_images "fail":
-    DataError naming the bad files (the first ten, then a count); "skip": they are left out and a
-    note says how many."""
+def load_photo_folder(path, image_size: int, bad_images: str = "fail", scan=None, loaders: int = 0,
+                      test_only: bool = False) -> PhotoSet:
+    """The photo folder at `path`, every file's header checked (survey; `loaders`: the
+    --loader-workers that will decode it, which set the pixel limit; `test_only`: only the test
+    split's, the set then has no training photos, see survey). bad_images "fail": DataError
+    naming the bad files (the first ten, then a count); "skip": they are left out and a note says
+    how many."""
     root = os.fspath(path)
     if bad_images not in ("fail", "skip"):
         raise ValueError(f"--bad-images must be 'fail' or 'skip', got {bad_images!r}")
     if not 1 <= image_size <= MAX_IMAGE_SIZE:
         raise ValueError(f"--image-size must be 1..{MAX_IMAGE_SIZE}, got {image_size}")
-    found = survey(root, scan)
+    found = survey(root, scan, loaders, test_only)
     train, test, bad, split = found.train, found.test, found.bad, found.split
+    test_only = test_only and split is not None
     notes = [f"{root}: photos resized and cropped to {image_size}x{image_size} (evaluation: the shorter side to "
              f"{eval_resize(image_size)}, then the center); normalised with ImageNet's mean and std"]
+    if found.loops:
+        notes.append(f"{root}: {loops_note(found.loops)}")
     if bad:
         if bad_images == "fail":
             raise DataError(f"{root}: {len(bad)} bad file{'s' if len(bad) > 1 else ''} (--bad-images skip leaves them "
                             f"out): {bad_list(bad, root)}")
         notes.append(f"{root}: --bad-images skip: left out {len(bad)} bad file{'s' if len(bad) > 1 else ''}: "
                      f"{bad_list(bad, root)}")
-        if not train:
+        if not train and not test_only:
             raise DataError(f"{root}: no usable training photo is left")
+        empty = [] if test_only else sorted(set(range(len(found.classes))) - {label for _, label in train})
+        if empty:
+            names = ", ".join(found.classes[i] for i in empty[:BAD_SHOWN]) + (" ..." if len(empty) > BAD_SHOWN else "")
+            raise DataError(f"{os.path.join(root, 'train')}: {len(empty)} of the {len(found.classes)} classes left "
+                            f"with no usable training photo by --bad-images skip ({names}): a network would have "
+                            f"outputs for classes it never sees; add photos to them or remove their directories")
     if split is not None and not test:
         raise DataError(f"{os.path.join(root, split)}: no photos; expected {split}/<class>/*.jpg|png|webp (or no "
                         f"val/ and no test/, with --val-split)")

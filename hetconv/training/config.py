@@ -42,9 +42,11 @@ class Config:
                                 "image folder's images all have one size and are held in memory")
     bad_images: str = option("fail", "photos that cannot be read (truncated, corrupt, 16-bit, decompression bombs, "
                                      "files that are not photos, empty class directories): 'fail' refuses the folder "
-                                     "naming them; 'skip' leaves them out and says how many")
+                                     "naming them; 'skip' leaves them out and says how many, and refuses a "
+                                     "training class left with no photo")
     loader_workers: int = option(0, "processes that decode a photo folder's batches (0: auto: the cores the compute "
-                                    "leaves, at least 1; the run says what it chose)")
+                                    "leaves, at least 1; the run says what it chose; more than the usable cores is "
+                                    "capped to them, saying so)")
     val_split: float = option(0.0, "for a data set with no test split (an image folder without test/, a .npz without "
                                    "x_test): hold out this fraction of the training images, per class and picked by "
                                    "--seed, as its test split (0: off; refused for a data set that has a test split)")
@@ -157,7 +159,7 @@ class Config:
         synthetic = self.data == "synthetic"
         return {"seed": self.seed, "n_train": self.synthetic_train if synthetic else None,
                 "n_test": self.synthetic_test if synthetic else None, "val_split": self.val_split,
-                "image_size": self.image_size, "bad_images": self.bad_images}
+                "image_size": self.image_size, "bad_images": self.bad_images, "loader_workers": self.loader_workers}
 
     def image_shape(self):
         c, h, w = IMAGE_SHAPE

@@ -183,15 +183,18 @@ def log_softmax(logits):
     return z - np.log(np.exp(z).sum(axis=1, keepdims=True))
 
 
-def load_test_data(model, spec=None):
+def load_test_data(model, spec=None, image_size=0, bad_images=None, loader_workers=0):
     """The data set to evaluate on: `spec` (as --data), else the one the run trained on, with the
-    run's seed and sizes for the synthetic set. Raises ModelError when its images or classes do
-    not fit the model."""
+    run's seed and sizes for the synthetic set; a photo folder's test split alone where it has one
+    (its training photos are not read). `image_size` and `bad_images` (hetconv-eval's flags)
+    override the run's: a folder of photos of any size read at `image_size`, and what its bad
+    files do; `loader_workers` sets the pixel limit of the processes that will decode it. Raises
+    ModelError when its images or classes do not fit the model."""
     config = model.config
     spec = spec or config.get("data") or model.data.get("name")
     if not spec:
         raise ModelError(f"{model.path}: no data set recorded with the run; give --data")
-    options = {}
+    options = {"test_only": True, "loader_workers": loader_workers}
     if spec == "synthetic":
         options = {"seed": int(config.get("seed", 0)), "n_train": config.get("synthetic_train"),
                    "n_test": config.get("synthetic_test")}
@@ -201,6 +204,10 @@ def load_test_data(model, spec=None):
         # --bad-images policy (a folder it skipped files of is read again the same way)
         options["image_size"] = int(photos.get("image_size") or model.data["image_shape"][1])
         options["bad_images"] = config.get("bad_images", "fail")
+    if image_size:
+        options["image_size"] = image_size
+    if bad_images:
+        options["bad_images"] = bad_images
     try:
         if spec == config.get("data") and config.get("val_split"):
             # the run held out part of its training images as the test split: the same part again
