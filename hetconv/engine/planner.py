@@ -15,16 +15,11 @@ A plan is data: per layer, a mode and what each worker does in it.
 from dataclasses import dataclass, field, fields, replace
 import math
 
-from hetconv.engine.costmodel import (FLOAT_BYTES, chain_shape, graph_mode_costs, largest_remainder_shares,
-                                     mode_costs, predict_any, predict_peer_step)
+# PlanError and check_modes are the planner's words; the cost model, which checks modes too, holds them
+from hetconv.engine.costmodel import (FLOAT_BYTES, MODES, PlanError, chain_shape, check_modes,  # noqa: F401
+                                     graph_mode_costs, largest_remainder, mode_costs, predict_any, predict_peer_step)
 
 POLICIES = ("proportional", "equal")
-MODES = ("model", "data")
-
-
-class PlanError(ValueError):
-    pass
-
 
 @dataclass(frozen=True)
 class LayerPlan:
@@ -56,7 +51,7 @@ def image_ranges(lp, n):
     total = sum(weights)
     if total <= 0:
         raise PlanError(f"layer {lp.layer}: data layer with no images to split by, got {lp.images!r}")
-    shares = largest_remainder_shares(n, weights)
+    shares = largest_remainder(n, weights, 0, "image")
     ranges, start = {}, 0
     for w, sh in zip(workers, shares):
         ranges[w] = (start, start + sh)
@@ -78,7 +73,7 @@ def layout_rows(layer_plans, sizes):
                 return None
         else:                   # even, whole images by largest remainder (as the cost model cuts them)
             first, start = {}, 0
-            for w, share in zip(workers, largest_remainder_shares(n, [1] * len(workers))):
+            for w, share in zip(workers, largest_remainder(n, [1] * len(workers), 0, "image")):
                 first[w], start = (start, start + share), start + share
         for w in workers:
             rows[w].append(first[w])
@@ -113,16 +108,6 @@ def whole_groups(plan, specs):
             start = stop
         layers.append(replace(lp, ranges=ranges))
     return replace(plan, layers=tuple(layers))
-
-
-def check_modes(modes, layers):
-    """`modes` (None: every layer "model") as a list of one mode per layer, or PlanError."""
-    if modes is None:
-        return ["model"] * layers
-    modes = list(modes)
-    if len(modes) != layers or any(m not in MODES for m in modes):
-        raise PlanError(f"modes {modes!r}: expected one of {', '.join(MODES)} for each of the {layers} conv layers")
-    return modes
 
 
 def data_runs(modes):
@@ -261,33 +246,6 @@ def check_profiles(profiles):
                                 f"backward_per_kernel_s are both 0, expected positive seconds (a zero calibration)")
 
 
-def largest_remainder(total, weights, minimum=1):
-    """Integer shares of `total` proportional to `weights`, each >= minimum, summing to total."""
-    n = len(weights)
-    if n == 0:
-        raise PlanError("no workers to split kernels across")
-    if total < minimum * n:
-        raise PlanError(f"cannot give {n} workers at least {minimum} kernel(s) each of a layer with {total} kernels: "
-                        f"use at most {total // max(minimum, 1)} workers or a wider layer")
-    bad = [w for w in weights if not (w > 0) or w != w or w == float("inf")]
-    if bad:
-        raise PlanError(f"speeds must be positive and finite, got {list(weights)!r}")
-    s = float(sum(weights))
-    exact = [total * w / s for w in weights]
-    shares = [int(e) for e in exact]
-    # Hand out what rounding down left, biggest remainder first; ties go to the earlier worker.
-    order = sorted(range(n), key=lambda i: (-(exact[i] - shares[i]), i))
-    for i in order[:total - sum(shares)]:
-        shares[i] += 1
-    # A very slow worker still gets `minimum`, taken from whoever holds the most.
-    for i in range(n):
-        while shares[i] < minimum:
-            donor = max(range(n), key=lambda j: (shares[j], -j))
-            shares[donor] -= 1
-            shares[i] += 1
-    return shares
-
-
 def make_plan(layer_kernels, speeds, policy="proportional", modes=None, batch=None, one_split=False):
     """layer_kernels: kernels per conv layer, e.g. [500, 1500].
     speeds: {worker: [kernels/s for each layer]} in the order workers should hold the ranges
@@ -311,6 +269,9 @@ def make_plan(layer_kernels, speeds, policy="proportional", modes=None, batch=No
                 if len(per_layer) != len(layer_kernels):
                     raise PlanError(f"worker {w!r} reported {len(per_layer)} layer speeds, expected {len(layer_kernels)}")
                 weights.append(float(per_layer[li]))
+            if not all(math.isfinite(v) and v > 0 for v in weights):
+                # a zero speed would get a share of nothing, an infinite one every kernel
+                raise PlanError(f"conv{li + 1}: speeds must be positive and finite, got {weights!r}")
         layer_speeds = {w: float(speeds[w][li]) for w in workers if speeds[w] is not None and len(speeds[w]) > li}
         if modes[li] == "data":
             run = ([lj for lj, m in enumerate(modes) if m == "data"] if one_split
@@ -319,7 +280,8 @@ def make_plan(layer_kernels, speeds, policy="proportional", modes=None, batch=No
                 # a worker's images pass through the whole run: its time an image is the sum of
                 # kernels / (kernels/s) over the run's layers
                 weights = [1.0 / sum(layer_kernels[lj] / float(speeds[w][lj]) for lj in run) for w in workers]
-            layers.append(_data_layer(li, total, workers, largest_remainder(int(batch), weights), layer_speeds))
+            shares = largest_remainder(int(batch), weights, unit="image")
+            layers.append(_data_layer(li, total, workers, shares, layer_speeds))
             continue
         shares = largest_remainder(int(total), weights)
         ranges, start = {}, 0
@@ -516,20 +478,6 @@ def affine_shares(total, lines):
     raise PlanError("no device has a usable cost line (per-kernel cost must be > 0)")
 
 
-def _integer_shares(total, exact):
-    """Floats summing to total -> integers summing to total, each >= 1 (largest remainder)."""
-    shares = [int(e) for e in exact]
-    order = sorted(range(len(exact)), key=lambda i: (-(exact[i] - shares[i]), i))
-    for i in order[:total - sum(shares)]:
-        shares[i] += 1
-    for i in range(len(shares)):
-        while shares[i] < 1:
-            donor = max(range(len(shares)), key=lambda j: (shares[j], -j))
-            shares[donor] -= 1
-            shares[i] += 1
-    return shares
-
-
 def predicted_compute_s(layer_kernels, lines, workers):
     """Seconds of conv compute a step takes with `workers` sharing every layer by affine_shares:
     layers run one after another (each needs the whole previous layer), the slowest device
@@ -537,7 +485,7 @@ def predicted_compute_s(layer_kernels, lines, workers):
     total = 0.0
     for li, kernels in enumerate(layer_kernels):
         layer_lines = [lines[w][li] for w in workers]
-        shares = _integer_shares(kernels, affine_shares(kernels, layer_lines))
+        shares = largest_remainder(kernels, affine_shares(kernels, layer_lines))
         total += max(f + p * k for (f, p), k in zip(layer_lines, shares))
     return total
 
@@ -590,12 +538,12 @@ def plan_from_lines(layer_kernels, lines, use_all=False, modes=None, batch=None,
                          for w in workers]
             # the run's layers one after another on each worker's images: their lines add up
             run_lines = [(sum(f for f, _ in wl), sum(p for _, p in wl)) for wl in per_image]
-            shares = _integer_shares(int(batch), affine_shares(int(batch), run_lines))
+            shares = largest_remainder(int(batch), affine_shares(int(batch), run_lines))
             layers.append(_data_layer(li, total, workers, shares,
                                       {w: 1.0 / lines[w][li][1] for w in workers if lines[w][li][1] > 0}))
             continue
         layer_lines = [lines[w][li] for w in workers]
-        shares = _integer_shares(int(total), affine_shares(int(total), layer_lines))
+        shares = largest_remainder(int(total), affine_shares(int(total), layer_lines))
         ranges, start = {}, 0
         for w, sh in zip(workers, shares):
             ranges[w] = (start, start + sh)
@@ -695,14 +643,14 @@ def mode_shares(specs, batch, profiles, micro_batches=1):
     for li, spec in enumerate(specs):
         if spec.kernels >= len(names):
             lines = [profiles[w].layers[li].step_line(batch, calls) for w in names]
-            for w, k in zip(names, _integer_shares(spec.kernels, affine_shares(spec.kernels, lines))):
+            for w, k in zip(names, largest_remainder(spec.kernels, affine_shares(spec.kernels, lines))):
                 counts[w].append(k)
         else:
             for w in names:
                 counts[w].append(0)
         per_image = [profiles[w].layers[li].image_line(spec.kernels, calls) for w in names]
         if batch >= len(names):
-            shares = _integer_shares(batch, affine_shares(batch, per_image))
+            shares = largest_remainder(batch, affine_shares(batch, per_image))
         else:
             shares = [1 if i < batch else 0 for i in range(len(names))]
         for w, n in zip(names, shares):
@@ -721,7 +669,7 @@ def one_image_split(specs, batch, profiles, micro_batches=1):
         lines.append((sum(f for f, _ in parts), sum(p for _, p in parts)))
     if batch < len(names):
         return {w: int(i < batch) for i, w in enumerate(names)}
-    return dict(zip(names, _integer_shares(batch, affine_shares(batch, lines))))
+    return dict(zip(names, largest_remainder(batch, affine_shares(batch, lines))))
 
 
 def fewest_bytes_of_alike(priced, moved, beat):
