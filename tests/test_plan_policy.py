@@ -144,41 +144,38 @@ def test_moving_bytes_costs_compute_where_a_hosts_workers_use_every_core():
 def test_the_coordinator_charges_the_wire_cpu_for_its_own_hosts_cpu_workers_only():
     """priced_link counts the threads of the CPU workers on the coordinator's host: a GPU worker
     there, or CPU workers on another host, leave this host's cores to its network."""
-    from types import SimpleNamespace
-
-    from hetconv.coordinator.remote import priced_link
-    from hetconv.flags import usable_cores
-    from hetconv.transport.sockets import host_key
-    here, cores = host_key(), usable_cores()
-    peers = {"a": SimpleNamespace(host_key=here, device="cpu", threads=cores, cores=cores),
-             "b": SimpleNamespace(host_key=here, device="cuda:0", threads=0, cores=cores),
-             "c": SimpleNamespace(host_key="elsewhere", device="cpu", threads=0, cores=0)}
-    cfg = Config(link="1gbit")
-    assert priced_link(cfg, peers, ["a"]).host_cpu_s_per_byte > 0
-    assert priced_link(cfg, peers, ["b", "c"]).host_cpu_s_per_byte == 0
-    assert priced_link(cfg, peers, ["missing"]).host_cpu_s_per_byte == 0
+    from hetconv.engine.costmodel import parse_bandwidth
+    from hetconv.engine.policy import Place, priced_link
+    cores = 4
+    places = {"a": Place("here", "cpu", cores, cores), "b": Place("here", "cuda:0", 0, cores),
+              "c": Place("elsewhere", "cpu", 0, 0)}
+    link = parse_bandwidth("1gbit")
+    assert priced_link(link, places, ["a"], "here", cores).host_cpu_s_per_byte > 0
+    assert priced_link(link, places, ["b", "c"], "here", cores).host_cpu_s_per_byte == 0
+    assert priced_link(link, places, ["missing"], "here", cores).host_cpu_s_per_byte == 0
 
 
 def test_the_coordinator_charges_the_wire_cpu_where_another_hosts_cpu_workers_fill_its_cores():
     """A worker says how many cores it may run on (HELLO's `cores`): where the CPU workers of any
     one host fill them (a one-thread worker pinned to one core, as the bench's emulated hosts run
     them; two workers of one host each on its own core), moving a byte costs them compute; a host
-    with a core to spare, or that says nothing of its cores, leaves the link as given."""
-    from types import SimpleNamespace
-
-    from hetconv.coordinator.remote import _Peer, priced_link
-    from hetconv.engine.policy import SHARED_CORES_WIRE_CPU_S_PER_BYTE
+    with a core to spare, or that says nothing of its cores, leaves the link as given. The
+    coordinator's workers are read as places (HELLO's fields, by the same names)."""
+    from hetconv.coordinator.remote import _Peer
+    from hetconv.engine.costmodel import parse_bandwidth
+    from hetconv.engine.policy import SHARED_CORES_WIRE_CPU_S_PER_BYTE, Place, priced_link
 
     def peer(key, threads, cores, device="cpu"):
-        return SimpleNamespace(host_key=key, device=device, threads=threads, cores=cores)
+        return _Peer(b"w", {"host_key": key, "device": device, "threads": threads, "cores": cores})
     peers = {"pinned": peer("h1", 1, 1), "spare": peer("h2", 1, 4), "all": peer("h3", 0, 8),
              "x": peer("h4", 2, 4), "y": peer("h4", 2, 4), "gpu": peer("h5", 1, 1, "cuda:0"),
              "silent": peer("h6", 1, 0)}
-    cfg = Config(link="1gbit")
+    link = parse_bandwidth("1gbit")
     for names, charged in ((["pinned"], True), (["spare"], False), (["all"], True), (["x", "y"], True),
                            (["x"], False), (["gpu", "spare"], False), (["silent"], False), (["spare", "pinned"], True)):
-        got = priced_link(cfg, peers, names).host_cpu_s_per_byte
-        assert got == (SHARED_CORES_WIRE_CPU_S_PER_BYTE if charged else 0.0), names
+        for places in (peers, {n: Place(p.host_key, p.device, p.threads, p.cores) for n, p in peers.items()}):
+            got = priced_link(link, places, names, "here", 2).host_cpu_s_per_byte
+            assert got == (SHARED_CORES_WIRE_CPU_S_PER_BYTE if charged else 0.0), names
     # HELLO's field, checked: what is not a positive count says nothing
     for said, kept in ((3, 3), (0, 0), (-2, 0), (True, 0), ("8", 0), (2.5, 0), (1 << 40, 0)):
         assert _Peer(b"w", {"cores": said}).cores == kept

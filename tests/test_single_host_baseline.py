@@ -9,7 +9,7 @@ import pytest
 
 from hetconv.engine.costmodel import DeviceProfile, LayerCost, Link
 from hetconv.engine.planner import Plan, PlanError, make_plan, price_plan
-from hetconv.engine.policy import CoresTogether, choose_plan, cpu_groups, price_cores_together
+from hetconv.engine.policy import CoresTogether, WorkersPlan, choose_plan, cpu_groups, price_cores_together
 from hetconv.geometry import conv_specs
 
 PAPER = conv_specs([500, 1500])
@@ -192,8 +192,9 @@ def _coordinator(monkeypatch, together_per_kernel, calibration_s=1.0, hosts=("he
     monkeypatch.setattr(remote, "profiles_from_calibration", lambda cal: {w: one for w in cal})
     chosen = choose_plan(PAPER, IMAGE, BATCH, {"w0": one, "w1": one}, LINK)
     plan = chosen.plan
+    planned = WorkersPlan(chosen, LINK, LINK, "float32", "--wire-dtype float32", {w: ("cpu", "fp32") for w in peers})
     engine = types.SimpleNamespace(peers=peers, calibration=calibration, calibration_s=calibration_s,
-                                   plan_choice=chosen, exchange="peer", wire="float32",
+                                   workers_plan=planned, exchange="peer", wire="float32",
                                    log=logged.append, _graph_shape=lambda: None)
     cfg = Config(net="paper", batch_size=BATCH, link="1gbit").validate()
     shapes = [(BATCH,) + IMAGE, (BATCH, 500, 14, 14)]

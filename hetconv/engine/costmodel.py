@@ -201,20 +201,35 @@ class DeviceProfile:
     device: str
     description: str
     layers: tuple                     # LayerCost per conv layer
+    precision: str = "fp32"           # what its conv GEMMs ran in (conv_precision.computed_precision)
+    speeds: tuple = ()                # kernels/s per layer measured at calibration (what a split falls
+                                      # back to where the cost lines cannot split), () where not kept
 
     def to_json(self):
         return {"name": self.name, "device": self.device, "description": self.description,
-                "layers": [asdict(lc) for lc in self.layers]}
+                "layers": [asdict(lc) for lc in self.layers], "precision": self.precision,
+                "speeds": list(self.speeds)}
 
     @classmethod
     def from_json(cls, d):
-        return cls(d["name"], d["device"], d.get("description", ""), tuple(LayerCost(**lc) for lc in d["layers"]))
+        """The inverse of to_json; a profile saved without precision or speeds computes in fp32
+        and has none."""
+        precision, speeds = d.get("precision", "fp32"), d.get("speeds", [])
+        if not isinstance(precision, str):
+            raise TypeError(f"precision {precision!r}, expected text such as fp32 or bf16")
+        if not (isinstance(speeds, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                 and math.isfinite(v) and v > 0 for v in speeds)):
+            raise TypeError(f"speeds {speeds!r:.200}, expected positive kernels/s per layer")
+        return cls(d["name"], d["device"], d.get("description", ""), tuple(LayerCost(**lc) for lc in d["layers"]),
+                   precision, tuple(float(v) for v in speeds))
 
 
 def profiles_from_calibration(calibration):
-    """RemoteEngine.calibration -> {worker: DeviceProfile}."""
+    """RemoteEngine.calibration -> {worker: DeviceProfile}, each with the precision its worker
+    computed in and the speeds it measured."""
     return {name: DeviceProfile(name, c["device"], c.get("description", ""),
-                                tuple(LayerCost.fit(t) for t in c["layers"]))
+                                tuple(LayerCost.fit(t) for t in c["layers"]), c.get("precision", "fp32"),
+                                tuple(c.get("speeds", ())))
             for name, c in calibration.items()}
 
 

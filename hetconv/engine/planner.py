@@ -110,6 +110,16 @@ def whole_groups(plan, specs):
     return replace(plan, layers=tuple(layers))
 
 
+def check_kernels_per_worker(layer_kernels, workers, modes=None):
+    """PlanError where a model layer (`modes`, None: every layer) has fewer kernels than there
+    are `workers`: each worker of a model layer holds at least one of its kernels."""
+    too_few = [k for k, m in zip(layer_kernels, check_modes(modes, len(layer_kernels))) if k < workers and m == "model"]
+    if too_few:
+        raise PlanError(f"{workers} workers but a conv layer has only {min(too_few)} kernels: every worker needs at "
+                        f"least one kernel of every model-parallel layer (use fewer workers, a wider layer, or "
+                        f"--parallel data)")
+
+
 def data_runs(modes):
     """Runs of consecutive data layers, as lists of layer indices: each run shares one split of
     the images."""
@@ -523,10 +533,7 @@ def plan_from_lines(layer_kernels, lines, use_all=False, modes=None, batch=None,
             left_out[best] = (f"adds {fixed:.3g} s of fixed work a step for {100 * share:.1f}% of the kernels "
                               f"(step {now:.3g} s with it, {without:.3g} s without)")
             workers.remove(best)
-    too_few = [k for k, m in zip(layer_kernels, modes) if k < len(workers) and m == "model"]
-    if too_few:
-        raise PlanError(f"{len(workers)} workers but a conv layer has only {min(too_few)} kernels: "
-                        f"every worker needs at least one kernel of every layer")
+    check_kernels_per_worker(layer_kernels, len(workers), modes)
     _check_batch(modes, batch, len(workers))
     layers = []
     for li, total in enumerate(layer_kernels):

@@ -18,6 +18,7 @@ from hetconv.engine.conv_precision import PrecisionReport, precision_line
 from hetconv.engine.microbatch import micro_batch_count, recorded_micro_batches
 from hetconv.engine.graph import graph_pass
 from hetconv.engine.planner import PlanError, given_plan, recorded_worker_names
+from hetconv.engine.policy import MAX_REBALANCES
 from hetconv.flags import say_in_handler
 from hetconv.geometry import ConvSpec
 from hetconv.net import LoadedNet, NetSpec
@@ -29,8 +30,6 @@ from hetconv.training.membership import Finished, Stopped, WorkersJoined, Worker
 from hetconv.training.metrics import MetricsWriter, last_plan_record
 from hetconv.training.recipe import Recipe
 from hetconv.update import ADAM_FAMILY
-
-MAX_REBALANCES = 3
 
 
 class StopNow(BaseException):
