@@ -11,6 +11,7 @@ from hetconv.cli import plan as plan_cli
 from hetconv.coordinator.remote import RemoteEngine
 from hetconv.engine.costmodel import LayerCost, profiles_from_calibration
 from hetconv.engine.microbatch import micro_batch_count
+from hetconv.engine.policy import SHARED_CORES_WIRE_CPU_S_PER_BYTE
 from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES, ConvSpec, layer_input_shapes
 from hetconv.training.config import Config
 from test_parallel_plan import cpu_profile
@@ -181,17 +182,115 @@ def test_the_coordinator_charges_the_wire_cpu_where_another_hosts_cpu_workers_fi
         assert _Peer(b"w", {"cores": said}).cores == kept
 
 
-def test_hetconv_plan_prices_the_wire_cpu_from_the_cpu_devices_it_calibrates_here():
-    """hetconv-plan applies the coordinator's rule to the CPU devices it calibrates on this host
-    (each once per count); a GPU and a saved profile take none of this host's cores."""
-    from hetconv.cli.plan import local_cpu_threads
-    from hetconv.engine.costmodel import parse_bandwidth
-    from hetconv.engine.policy import link_for_cores
-    from hetconv.devices import parse_device_list
-    entries = parse_device_list("--devices", "cpu:1x2,cpu,cuda:0", allow_profiles=True)
-    assert local_cpu_threads(entries) == [1, 1, None]                   # None: every core
-    assert link_for_cores(parse_bandwidth("1gbit"), local_cpu_threads(entries), 2).host_cpu_s_per_byte > 0
-    assert local_cpu_threads(parse_device_list("--devices", "cuda:0x2", allow_profiles=True)) == []
+def fake_here(monkeypatch, module, cores=2):
+    """`module` (hetconv-plan's or the coordinator's) on a host named "here" of `cores` cores, its
+    loopback measured at 20 GB/s."""
+    monkeypatch.setattr(module, "host_key", lambda: "here")
+    monkeypatch.setattr(module, "usable_cores", lambda: cores)
+    monkeypatch.setattr(module, "measure_loopback", lambda: 20e9)
+
+
+def hetconv_plan_here(monkeypatch, capsys, devices, profile_of, flags):
+    """hetconv-plan's JSON for `devices` calibrated here (faked: `profile_of(threads, kernels)` is
+    what a CPU device of `threads` threads calibrates to on `kernels` per layer), this host of two
+    cores, the coordinator's part of a step priced at 0."""
+    fake_here(monkeypatch, plan_cli)
+    monkeypatch.setattr(plan_cli, "calibrate_rounds", lambda runs, specs, shapes, **options: [
+        profile_of(threads, kernels) for _, threads, kernels in runs])
+    monkeypatch.setattr(plan_cli, "measure_coordinator_s", lambda *a, **kw: 0.0)
+    assert plan_cli.main(["--devices", devices, *flags, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_hetconv_plan_prices_the_wire_cpu_for_each_set_of_devices_it_calibrates_here(monkeypatch, capsys):
+    """hetconv-plan applies the coordinator's rule to the CPU devices calibrated on this host
+    that each row prices: one one-thread device of two cores leaves a core to its network, two
+    fill them; a saved profile's host says nothing of its cores and takes none of these."""
+    args = {"conv": "32,64", "fc": "16", "batch_size": 64, "link": "1gbit", "parallel": "model"}
+    cfg, specs, _ = network(args)
+    kernels = [s.kernels for s in specs]
+    cost = LayerCost(2e-6, 4e-7, 4e-6, 8e-7, 1e-3, 2e-3)
+    profile = profiles_from_calibration({"cpu": calibration_record("cpu", [cost] * len(specs), kernels,
+                                                                   cfg.batch_size)})["cpu"]
+    flags = ["--conv", "32,64", "--fc", "16", "--batch-size", "64", "--link", "1gbit", "--parallel", "model"]
+    data = hetconv_plan_here(monkeypatch, capsys, "cpu:1x2", lambda threads, kernels: profile, flags)
+    assert [r["link"]["host_cpu_s_per_byte"] for r in data["rows"]] == [0.0, SHARED_CORES_WIRE_CPU_S_PER_BYTE]
+    assert data["link"] == data["rows"][-1]["link"]
+    given = hetconv_plan_here(monkeypatch, capsys, "cpu:1x2", lambda threads, kernels: profile,
+                              flags + ["--wire-cpu-ns", "0"])
+    assert [r["link"]["host_cpu_s_per_byte"] for r in given["rows"]] == [0.0, 0.0]     # as given
+
+
+@pytest.mark.parametrize("precision, wire", [("auto", "bfloat16"), ("fp32", "float32")])
+def test_hetconv_plan_plans_as_the_coordinator_with_shared_cores_and_precision_auto(monkeypatch, capsys, precision,
+                                                                                     wire):
+    """Two one-thread CPU workers sharing this host's two cores, whose calibration took bf16 on
+    every call shape under --precision auto: hetconv-plan --devices cpu:1x2 and the coordinator's
+    plan_for (its calibration faked, its workers' HELLOs read) give the same plan, priced over the
+    same link (each byte costing the shared cores compute) with the same wire (bfloat16, from what
+    the devices computed in), the same fallback speeds, and the same price of one device with
+    both cores in their place."""
+    from hetconv.coordinator import remote
+    from hetconv.coordinator.remote import _Peer
+    flags = ["--conv", "16,64,512", "--ksize", "3", "--padding", "1", "--fc", "16", "--batch-size", "64",
+             "--link", "1gbit", "--parallel", "auto", "--precision", precision]
+    cfg, specs, input_shapes = network({"conv": "16,64,512", "ksize": 3, "padding": 1, "fc": "16", "batch_size": 64,
+                                        "link": "1gbit", "parallel": "auto", "precision": precision})
+    kernels = [s.kernels for s in specs]
+    computed = "bf16" if precision == "auto" else "fp32"
+    one = {**calibration_record("cpu", cpu_profile("one", specs, IMAGE_SHAPE, flops=40e9).layers, kernels,
+                                cfg.batch_size), "precision": computed}
+    two = calibration_record("cpu", cpu_profile("two", specs, IMAGE_SHAPE, flops=70e9).layers, kernels, cfg.batch_size)
+    profile = {1: profiles_from_calibration({"cpu:1": one})["cpu:1"],
+               2: profiles_from_calibration({"cpu:2": two})["cpu:2"]}
+    data = hetconv_plan_here(monkeypatch, capsys, "cpu:1x2", lambda threads, kernels: profile[threads], flags)
+    names = ["d0-cpu:1", "d1-cpu:1"]                  # the coordinator's workers named as hetconv-plan names them
+
+    fake_here(monkeypatch, remote)
+    monkeypatch.setattr(remote, "calibrate_local", lambda *a, threads=None, **kw: profile[threads])
+    engine = RemoteEngine.__new__(RemoteEngine)
+    engine.exchange, engine.wire, engine.fixed_plan = cfg.exchange, cfg.wire_dtype, None
+    engine.mode_choice = engine.micro_choice = None
+    engine.peers = {n: _Peer(n.encode(), {"name": n, "device": "cpu", "host": "box", "host_key": "here",
+                                          "threads": 1, "cores": 2}) for n in names}
+    engine.calibration, engine.calibration_s = {}, 0.0
+    engine.log = lambda line: None
+
+    def calibrate(specs, input_shapes, cfg):
+        engine.calibration.update({n: dict(one) for n in names})
+        return {n: list(one["speeds"]) for n in names}
+    engine.calibrate = calibrate
+    plan = engine.plan_for(specs, input_shapes, cfg)
+
+    row = data["rows"][-1]
+    assert engine.wire == wire and row["wire"] == wire and data["wire"] == wire
+    assert row["link"] == dataclasses.asdict(engine.workers_plan.link)
+    assert row["link"]["host_cpu_s_per_byte"] == SHARED_CORES_WIRE_CPU_S_PER_BYTE
+    assert plan.cores_together["workers"] == names and "step_s" in plan.cores_together
+    assert_same_plan(row, dict(zip(names, names)), plan, engine, cfg)     # cores_together in the plan too
+    assert data["note"] == plan.cores_together.get("note", "")
+
+
+def test_a_saved_profile_keeps_what_its_device_computed_in_and_the_speeds_it_measured(tmp_path):
+    """--save-profiles writes the precision and speeds a calibration found, which the plan's wire
+    and its fallback split read; a profile saved without them computes in fp32 and splits by its
+    cost lines where it must."""
+    from hetconv.engine.costmodel import DeviceProfile
+    from hetconv.engine.measure import load_profiles
+    from hetconv.engine.policy import profile_speeds
+    cost = LayerCost(2e-6, 4e-7, 4e-6, 8e-7, 1e-3, 2e-3)
+    kept = DeviceProfile("a", "cpu", "", (cost, cost), "bf16 on 1 of 2 call shapes", (300.0, 200.0))
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps([kept.to_json()]))
+    assert load_profiles(str(path), 2) == [kept]
+    assert profile_speeds({"a": kept}) == {"a": [300.0, 200.0]}
+    old = {k: v for k, v in kept.to_json().items() if k not in ("precision", "speeds")}
+    read = DeviceProfile.from_json(old)
+    assert read.precision == "fp32" and read.speeds == ()
+    assert profile_speeds({"a": kept, "b": read})["a"] != [300.0, 200.0]       # never two scales in one split
+    path.write_text(json.dumps([{**old, "speeds": [1.0, -2.0]}]))
+    with pytest.raises(ValueError, match=r"speeds \[1.0, -2.0\], expected positive kernels/s per layer"):
+        load_profiles(str(path), 2)
 
 
 def test_the_modes_are_chosen_with_the_micro_batches_the_step_runs():

@@ -114,6 +114,8 @@ def _run_plan(monkeypatch, capsys, together_per_kernel, *extra):
     monkeypatch.setattr(plan_cli, "calibrate_rounds", fake_rounds)
     monkeypatch.setattr(plan_cli, "measure_coordinator_s", lambda *a, **kw: 0.01)
     monkeypatch.setattr(plan_cli, "usable_cores", lambda: 2)
+    # every device on this host: the one device is priced in their place over loopback, as the coordinator prices it
+    monkeypatch.setattr(plan_cli, "measure_loopback", lambda: 20e9)
     code = plan_cli.main(["--devices", "cpu:1x2", "--net", "paper", "--batch-size", str(BATCH), "--link", "20GB",
                           *extra])
     out, err = capsys.readouterr()
