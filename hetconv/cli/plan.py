@@ -308,9 +308,9 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
                           "baseline": baseline_note, "baselines": baselines, "speedup_against": stronger["device"],
                           "note": note, "rows": rows}, indent=1))
         return 0
-    priced_link = Link(**last["link"])
-    print(f"link: {priced_link.name} = {priced_link.bytes_per_s / 1e6:,.0f} MB/s of payload"
-          f"{f', {priced_link.host_cpu_s_per_byte * 1e9:g} ns of CPU a byte' if priced_link.host_cpu_s_per_byte else ''}; "
+    priced = Link(**last["link"])
+    cpu = f", {priced.host_cpu_s_per_byte * 1e9:g} ns of CPU a byte" if priced.host_cpu_s_per_byte else ""
+    print(f"link: {priced.name} = {priced.bytes_per_s / 1e6:,.0f} MB/s of payload{cpu}; "
           f"batch {cfg.batch_size}; {('network ' + cfg.net) if cfg.net else 'conv ' + cfg.conv}; "
           f"split {cfg.split}; --exchange {cfg.exchange}, wire {last['wire']} ({last['wire_reason']}); "
           f"--parallel {cfg.parallel}")
@@ -326,7 +326,8 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
     return 0
 
 
-def _row(cfg, specs, image, planned, profiles, coordinator_s, join_s, graph, network, devices, modes_priced, baseline_s):
+def _row(cfg, specs, image, planned, profiles, coordinator_s, join_s, graph, network, devices, modes_priced,
+         baseline_s):
     """The JSON row of one set of devices: its plan (`planned`, a policy.WorkersPlan), the step
     the cost model prices for it with the coordinator's own part (FC layers, loss; in the star
     exchange joining the blocks too), its speedup over `baseline_s`, its wire and link."""

@@ -227,7 +227,8 @@ def calibrate_rounds(runs, specs, input_shapes, repeats=3, conv_path="auto", pre
                 with _threads_of(device):
                     rounds[i].append(shard.calibrate(specs, input_shapes, kernels, repeats=1))
         return [_profile(d, [_median_of(layer) for layer in zip(*(t for _, t in r))],
-                         [float(np.median(layer)) for layer in zip(*(s for s, _ in r))]) for d, r in zip(devices, rounds)]
+                         [float(np.median(layer)) for layer in zip(*(s for s, _ in r))])
+                for d, r in zip(devices, rounds)]
 
 
 def _profile(opened, timings, speeds):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields, replace
 import math
 
 # PlanError and check_modes are the planner's words; the cost model, which checks modes too, holds them
-from hetconv.engine.costmodel import (FLOAT_BYTES, MODES, PlanError, chain_shape, check_modes,  # noqa: F401
+from hetconv.engine.costmodel import (FLOAT_BYTES, MODES, PlanError, chain_shape, check_modes,  # noqa: F401  (MODES too)
                                      graph_mode_costs, largest_remainder, mode_costs, predict_any, predict_peer_step)
 
 POLICIES = ("proportional", "equal")
@@ -691,6 +691,52 @@ def fewest_bytes_of_alike(priced, moved, beat):
     return min(near, key=lambda c: (moved[c], priced[c], c.count("model")))
 
 
+def _layer_mode_costs(specs, image_shape, batch, profiles, link, micro_batches, value_bytes, graph):
+    """choose_modes' prices of every layer in each mode at the shares its workers would get
+    (mode_shares): -> (costmodel.ModeCosts, {worker: [kernels per layer]} in model mode, the
+    GraphShape its plans are priced on: `graph`, or a chain's). A mode a layer cannot take costs
+    infinity: model where it has fewer kernels (or groups) than workers, data where the batch has
+    fewer images."""
+    names = list(profiles)
+    counts, images = mode_shares(specs, batch, profiles, micro_batches)
+    if graph is None:
+        costs = mode_costs(specs, image_shape, batch, counts, images, profiles, link, micro_batches, value_bytes)
+        # its candidate plans priced as the one step runs a chain: the graph whose blocks each
+        # read the one before
+        graph = chain_shape(specs, image_shape)
+    else:
+        costs = graph_mode_costs(specs, image_shape, batch, counts, images, profiles, link, graph.needs_dx,
+                                 micro_batches, value_bytes, graph.feature_floats * batch)
+    for li, spec in enumerate(specs):
+        if spec.kernels < len(names) or spec.groups > 1 and spec.groups < len(names):
+            # a worker of a model layer holds a kernel, of a grouped one a group
+            costs.node[li]["model"] = float("inf")
+        if batch < len(names):
+            costs.node[li]["data"] = float("inf")
+    return costs, counts, graph
+
+
+def _best_layout_plan(priced, moved, costs, model_s, min_gain, layers):
+    """choose_modes' pick of the plans with data blocks priced as the layout step runs them
+    (`priced`: {modes: seconds}; `moved`: {modes: bytes among the workers}): the cheapest, or of
+    those within TRAFFIC_TIE the one moving the fewest bytes, where it gains `min_gain` over
+    every layer in model mode (`model_s`); else all-model. -> ModeChoice."""
+    cheapest = min(priced, key=lambda c: (priced[c], c.count("model"))) if priced else None
+    best = (fewest_bytes_of_alike(priced, moved, (1 - min_gain) * model_s)
+            if cheapest is not None and priced[cheapest] < float("inf") else cheapest)
+    if best is not None and priced[best] < (1 - min_gain) * model_s:
+        how = ("every block data-parallel" if "model" not in best else
+               f"{best.count('data')} blocks data-parallel, {best.count('model')} model-parallel")
+        fewer = ("" if best == cheapest else
+                 f"; it moves {moved[best] / 1e6:.3g} MB a step among the workers where the cheapest-priced plan "
+                 f"({priced[cheapest]:.3g} s, within {100 * TRAFFIC_TIE:g}%) moves {moved[cheapest] / 1e6:.3g}")
+        return ModeChoice(list(best), costs, priced[best], model_s,
+                          f"{how}, the tensors in each worker's rows or whole between them: {priced[best]:.3g} s "
+                          f"against {model_s:.3g} s with every layer in model mode{fewer}")
+    return ModeChoice(["model"] * layers, costs, model_s, model_s,
+                      f"no plan with data blocks gains {100 * min_gain:g}% over all-model ({model_s:.3g} s)")
+
+
 def choose_modes(specs, image_shape, batch, profiles, link, parallel="auto", micro_batches=1, value_bytes=FLOAT_BYTES,
                  min_gain=0.02, graph=None):
     """Model or data per conv layer, from the cost model: every layer priced in both modes at
@@ -712,22 +758,10 @@ def choose_modes(specs, image_shape, batch, profiles, link, parallel="auto", mic
     layers = len(specs)
     if not names:
         raise PlanError("no workers to choose modes for")
-    counts, images = mode_shares(specs, batch, profiles, micro_batches)
     chain = graph is None
-    if chain:
-        costs = mode_costs(specs, image_shape, batch, counts, images, profiles, link, micro_batches, value_bytes)
-        # its candidate plans priced as the one step runs a chain: the graph whose blocks each
-        # read the one before
-        graph = chain_shape(specs, image_shape)
-    else:
-        costs = graph_mode_costs(specs, image_shape, batch, counts, images, profiles, link, graph.needs_dx,
-                                 micro_batches, value_bytes, graph.feature_floats * batch)
+    costs, counts, graph = _layer_mode_costs(specs, image_shape, batch, profiles, link, micro_batches, value_bytes,
+                                             graph)
     inf = float("inf")
-    for li, spec in enumerate(specs):
-        if spec.kernels < len(names) or spec.groups > 1 and spec.groups < len(names):
-            costs.node[li]["model"] = inf      # a worker of a model layer holds a kernel, of a grouped one a group
-        if batch < len(names):
-            costs.node[li]["data"] = inf
     model_s = costs.chain_s(["model"] * layers)
     if graph.steps and len(names) > 1 and model_s < inf:
         model_s = predict_peer_step(specs, image_shape, batch, counts, {w: 1 for w in names}, profiles, link, 0.0,
@@ -771,20 +805,7 @@ def choose_modes(specs, image_shape, batch, profiles, link, parallel="auto", mic
         if chain:
             candidates.add(tuple(modes))
         priced = {c: layout_s(c) for c in candidates if "data" in c}
-        cheapest = min(priced, key=lambda c: (priced[c], c.count("model"))) if priced else None
-        best = (fewest_bytes_of_alike(priced, moved, (1 - min_gain) * model_s)
-                if cheapest is not None and priced[cheapest] < inf else cheapest)
-        if best is not None and priced[best] < (1 - min_gain) * model_s:
-            how = ("every block data-parallel" if "model" not in best else
-                   f"{best.count('data')} blocks data-parallel, {best.count('model')} model-parallel")
-            fewer = ("" if best == cheapest else
-                     f"; it moves {moved[best] / 1e6:.3g} MB a step among the workers where the cheapest-priced plan "
-                     f"({priced[cheapest]:.3g} s, within {100 * TRAFFIC_TIE:g}%) moves {moved[cheapest] / 1e6:.3g}")
-            return ModeChoice(list(best), costs, priced[best], model_s,
-                              f"{how}, the tensors in each worker's rows or whole between them: {priced[best]:.3g} s "
-                              f"against {model_s:.3g} s with every layer in model mode{fewer}")
-        return ModeChoice(["model"] * layers, costs, model_s, model_s,
-                          f"no plan with data blocks gains {100 * min_gain:g}% over all-model ({model_s:.3g} s)")
+        return _best_layout_plan(priced, moved, costs, model_s, min_gain, layers)
     if "data" in modes and model_s < inf and seconds > (1 - min_gain) * model_s:
         return ModeChoice(["model"] * layers, costs, model_s, model_s,
                           f"the cheapest chain ({seconds:.3g} s) gains less than {100 * min_gain:g}% over "
