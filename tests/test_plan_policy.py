@@ -317,3 +317,16 @@ def test_the_modes_are_chosen_with_the_micro_batches_the_step_runs():
     all_model = choose_plan(specs, IMAGE_SHAPE, batch, profiles, link, PlanFlags(parallel="model"), graph=graph)
     assert "data" not in all_model.plan.modes()           # priced at its own cheapest count
     assert chosen.step_s < 0.98 * all_model.step_s
+
+
+def test_the_rules_a_run_follows_between_plans_are_the_engines():
+    """How many micro-batches a run cuts its steps into and whether it re-splits from measured
+    steps are engine.policy's rules (the training loop only asks them)."""
+    from hetconv.engine.policy import rebalances, run_micro_batches
+    assert run_micro_batches(0, 64, "peer", 2) == micro_batch_count(0, 64, "peer", 2) == 4
+    assert run_micro_batches(0, 64, "peer", 2, {"micro_batches": 2}) == 2          # priced fewer as faster
+    assert run_micro_batches(0, 64, "peer", 1, {"micro_batches": 4}) == 1          # never above the rule now
+    assert run_micro_batches(3, 64, "peer", 2, {"micro_batches": 2}) == 3          # asked: never second-guessed
+    assert rebalances("proportional", 5, False, 2)
+    assert not rebalances("equal", 5, False, 2) and not rebalances("proportional", 1, False, 2)
+    assert not rebalances("proportional", 5, True, 2) and not rebalances("proportional", 5, False, 1)

@@ -30,6 +30,25 @@ SPEED_FALLBACK = "splitting by measured speed, not by cost lines"
 MAX_REBALANCES = 3
 
 
+def rebalances(split, rebalance_after, fixed_plan, workers):
+    """Whether a run re-splits its plan from measured steps (up to MAX_REBALANCES times, the
+    first after `rebalance_after` steps, which must be two or more: the first step pays for
+    growing buffers): only a proportional split (`equal` is the baseline, kept as it is) of two
+    or more workers that calibration planned (`fixed_plan` False: not one set by hand)."""
+    return rebalance_after >= 2 and split == "proportional" and not fixed_plan and workers > 1
+
+
+def run_micro_batches(requested, batch, exchange, workers, micro_choice=None):
+    """A run's micro-batch count with `workers` workers: `requested` (--micro-batches) where set;
+    else the rule's count (microbatch.micro_batch_count), or fewer where the plan's cost model
+    priced fewer as faster (`micro_choice`, PlanChoice.micro_choice), never more than the rule
+    gives for the workers there are now (a plan made for more workers may still stand)."""
+    most = micro_batch_count(requested, batch, exchange, workers)
+    if requested or not micro_choice:
+        return most
+    return max(1, min(most, int(micro_choice["micro_batches"])))
+
+
 @dataclass(frozen=True)
 class PlanFlags:
     """The run's flags that planning reads (hetconv-coordinator's and hetconv-plan's alike)."""
