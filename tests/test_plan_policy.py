@@ -330,3 +330,25 @@ def test_the_rules_a_run_follows_between_plans_are_the_engines():
     assert rebalances("proportional", 5, False, 2)
     assert not rebalances("equal", 5, False, 2) and not rebalances("proportional", 1, False, 2)
     assert not rebalances("proportional", 5, True, 2) and not rebalances("proportional", 5, False, 1)
+
+
+def test_the_head_sends_its_gradient_first_only_where_no_cpu_worker_shares_the_coordinators_host():
+    from hetconv.engine.policy import Place, head_weights_later
+    places = {"cpu_here": Place("here", "cpu:1"), "gpu_here": Place("here", "cuda:0"),
+              "cpu_there": Place("there", "cpu")}
+    assert head_weights_later(places, ["gpu_here", "cpu_there"], "here")
+    assert not head_weights_later(places, ["cpu_here", "cpu_there"], "here")
+
+
+def test_what_fails_any_plan_is_said_before_calibration():
+    """One rule for a layer too narrow for its workers, before calibration (the coordinator) and
+    after the devices are chosen (plan_from_lines): --parallel data lets a narrow layer pass."""
+    from hetconv.engine.planner import PlanError, plan_from_lines
+    from hetconv.engine.policy import PlanFlags, check_plannable
+    with pytest.raises(PlanError, match="3 workers but a conv layer has only 2 kernels"):
+        check_plannable([2, 8], 3, PlanFlags(parallel="auto"))
+    check_plannable([2, 8], 3, PlanFlags(parallel="DM"))
+    with pytest.raises(PlanError, match="--parallel data needs --exchange peer"):
+        check_plannable([8, 8], 2, PlanFlags(parallel="data", exchange="star"))
+    with pytest.raises(PlanError, match="3 workers but a conv layer has only 2 kernels"):
+        plan_from_lines([2, 8], {w: [(0.0, 1e-3)] * 2 for w in "abc"}, use_all=True)

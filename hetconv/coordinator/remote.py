@@ -107,6 +107,9 @@ def _checked_calibration(label, fields, layers):
 
 
 class _Peer:
+    """A worker as its HELLO describes it; planning reads it as a policy.Place (host_key, device,
+    threads, cores, host)."""
+
     def __init__(self, identity, hello, process=None, public_key=""):
         self.identity = identity                   # bytes: the ROUTER routing id
         self.public_key = public_key               # z85, as ZAP authenticated it ("" without keys)
