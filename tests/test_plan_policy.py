@@ -219,6 +219,7 @@ def test_hetconv_plan_prices_the_wire_cpu_for_each_set_of_devices_it_calibrates_
     given = hetconv_plan_here(monkeypatch, capsys, "cpu:1x2", lambda threads, kernels: profile,
                               flags + ["--wire-cpu-ns", "0"])
     assert [r["link"]["host_cpu_s_per_byte"] for r in given["rows"]] == [0.0, 0.0]     # as given
+    assert given["rows"][-1]["plan"]["cores_together"]["workers"] == ["d0-cpu:1", "d1-cpu:1"]     # priced still
 
 
 @pytest.mark.parametrize("precision, wire", [("auto", "bfloat16"), ("fp32", "float32")])

@@ -249,8 +249,10 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
             json.dump([p.to_json() for p in profiles.values()], f, indent=1)
     names = [f"d{i}-{key}" for i, key in enumerate(order)]
     by_name = {n: profiles[k] for n, k in zip(names, order)}
-    # --wire-cpu-ns given: the link as it says, whatever the devices' cores
-    place_of = {} if args.wire_cpu_ns is not None else {n: places[k] for n, k in zip(names, order)}
+    place_of = {n: places[k] for n, k in zip(names, order)}
+    # --wire-cpu-ns given: the link as it says, whatever the devices' cores (priced_link leaves a
+    # host that says nothing of its cores as it is)
+    link_cores = 0 if args.wire_cpu_ns is not None else usable_cores()
     baseline, baseline_note = by_name[names[0]], "its share's cost line, extrapolated"
     if whole_profile is not None:
         baseline, baseline_note = whole_profile, "calibrated on the whole layers, alternating with the share"
@@ -279,7 +281,7 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
         # coordinator calls the same policy on its workers' calibration)
         try:
             planned = plan_workers(specs, image, cfg.batch_size, subset_profiles, link, place_of, flags,
-                                   cfg.wire_dtype, cfg.precision, graph, host_key(), usable_cores())
+                                   cfg.wire_dtype, cfg.precision, graph, host_key(), link_cores)
             modes_priced = _modes_priced(planned, cfg, specs, image, subset_profiles, graph)
         except PlanError as e:
             print(f"hetconv-plan: {n} device(s): {e}", file=sys.stderr)

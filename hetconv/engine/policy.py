@@ -403,9 +403,10 @@ def plan_workers(specs, image_shape, batch, profiles, link, places, flags=PlanFl
     step of `batch` images of `image_shape` over `link` (--link as asked), as `flags` ask, with
     --wire-dtype `wire` and --precision `precision`: what hetconv-coordinator trains with and
     hetconv-plan prints. The link is priced for the places (priced_link; `here`, `here_cores`:
-    the caller's host key and cores), the modes with every worker's wire and the micro-batches
-    and the run with the plan's (wire_for of what its workers computed in: --wire-dtype auto
-    follows them). `speeds`: what a split falls back to (None: profile_speeds). -> WorkersPlan."""
+    the caller's host key and cores, 0 where they are not to be counted: the link as given for
+    the workers there); the modes with every worker's wire, the micro-batches and the run with
+    the plan's (wire_for of what its workers computed in: --wire-dtype auto follows them).
+    `speeds`: what a split falls back to (None: profile_speeds). -> WorkersPlan."""
     computed = {w: (p.device, p.precision) for w, p in profiles.items()}
 
     def wire_bytes(names):
