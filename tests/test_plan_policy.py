@@ -11,6 +11,7 @@ from hetconv.cli import plan as plan_cli
 from hetconv.coordinator.remote import RemoteEngine
 from hetconv.engine.costmodel import LayerCost, profiles_from_calibration
 from hetconv.engine.microbatch import micro_batch_count
+from hetconv.engine.policy import SHARED_CORES_WIRE_CPU_S_PER_BYTE
 from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES, ConvSpec, layer_input_shapes
 from hetconv.training.config import Config
 from test_parallel_plan import cpu_profile
@@ -144,57 +145,153 @@ def test_moving_bytes_costs_compute_where_a_hosts_workers_use_every_core():
 def test_the_coordinator_charges_the_wire_cpu_for_its_own_hosts_cpu_workers_only():
     """priced_link counts the threads of the CPU workers on the coordinator's host: a GPU worker
     there, or CPU workers on another host, leave this host's cores to its network."""
-    from types import SimpleNamespace
-
-    from hetconv.coordinator.remote import priced_link
-    from hetconv.flags import usable_cores
-    from hetconv.transport.sockets import host_key
-    here, cores = host_key(), usable_cores()
-    peers = {"a": SimpleNamespace(host_key=here, device="cpu", threads=cores, cores=cores),
-             "b": SimpleNamespace(host_key=here, device="cuda:0", threads=0, cores=cores),
-             "c": SimpleNamespace(host_key="elsewhere", device="cpu", threads=0, cores=0)}
-    cfg = Config(link="1gbit")
-    assert priced_link(cfg, peers, ["a"]).host_cpu_s_per_byte > 0
-    assert priced_link(cfg, peers, ["b", "c"]).host_cpu_s_per_byte == 0
-    assert priced_link(cfg, peers, ["missing"]).host_cpu_s_per_byte == 0
+    from hetconv.engine.costmodel import parse_bandwidth
+    from hetconv.engine.policy import Place, priced_link
+    cores = 4
+    places = {"a": Place("here", "cpu", cores, cores), "b": Place("here", "cuda:0", 0, cores),
+              "c": Place("elsewhere", "cpu", 0, 0)}
+    link = parse_bandwidth("1gbit")
+    assert priced_link(link, places, ["a"], "here", cores).host_cpu_s_per_byte > 0
+    assert priced_link(link, places, ["b", "c"], "here", cores).host_cpu_s_per_byte == 0
+    assert priced_link(link, places, ["missing"], "here", cores).host_cpu_s_per_byte == 0
 
 
 def test_the_coordinator_charges_the_wire_cpu_where_another_hosts_cpu_workers_fill_its_cores():
     """A worker says how many cores it may run on (HELLO's `cores`): where the CPU workers of any
     one host fill them (a one-thread worker pinned to one core, as the bench's emulated hosts run
     them; two workers of one host each on its own core), moving a byte costs them compute; a host
-    with a core to spare, or that says nothing of its cores, leaves the link as given."""
-    from types import SimpleNamespace
-
-    from hetconv.coordinator.remote import _Peer, priced_link
-    from hetconv.engine.policy import SHARED_CORES_WIRE_CPU_S_PER_BYTE
+    with a core to spare, or that says nothing of its cores, leaves the link as given. The
+    coordinator's workers are read as places (HELLO's fields, by the same names)."""
+    from hetconv.coordinator.remote import _Peer
+    from hetconv.engine.costmodel import parse_bandwidth
+    from hetconv.engine.policy import SHARED_CORES_WIRE_CPU_S_PER_BYTE, Place, priced_link
 
     def peer(key, threads, cores, device="cpu"):
-        return SimpleNamespace(host_key=key, device=device, threads=threads, cores=cores)
+        return _Peer(b"w", {"host_key": key, "device": device, "threads": threads, "cores": cores})
     peers = {"pinned": peer("h1", 1, 1), "spare": peer("h2", 1, 4), "all": peer("h3", 0, 8),
              "x": peer("h4", 2, 4), "y": peer("h4", 2, 4), "gpu": peer("h5", 1, 1, "cuda:0"),
              "silent": peer("h6", 1, 0)}
-    cfg = Config(link="1gbit")
+    link = parse_bandwidth("1gbit")
     for names, charged in ((["pinned"], True), (["spare"], False), (["all"], True), (["x", "y"], True),
                            (["x"], False), (["gpu", "spare"], False), (["silent"], False), (["spare", "pinned"], True)):
-        got = priced_link(cfg, peers, names).host_cpu_s_per_byte
-        assert got == (SHARED_CORES_WIRE_CPU_S_PER_BYTE if charged else 0.0), names
+        for places in (peers, {n: Place(p.host_key, p.device, p.threads, p.cores) for n, p in peers.items()}):
+            got = priced_link(link, places, names, "here", 2).host_cpu_s_per_byte
+            assert got == (SHARED_CORES_WIRE_CPU_S_PER_BYTE if charged else 0.0), names
     # HELLO's field, checked: what is not a positive count says nothing
     for said, kept in ((3, 3), (0, 0), (-2, 0), (True, 0), ("8", 0), (2.5, 0), (1 << 40, 0)):
         assert _Peer(b"w", {"cores": said}).cores == kept
 
 
-def test_hetconv_plan_prices_the_wire_cpu_from_the_cpu_devices_it_calibrates_here():
-    """hetconv-plan applies the coordinator's rule to the CPU devices it calibrates on this host
-    (each once per count); a GPU and a saved profile take none of this host's cores."""
-    from hetconv.cli.plan import local_cpu_threads
-    from hetconv.engine.costmodel import parse_bandwidth
-    from hetconv.engine.policy import link_for_cores
-    from hetconv.devices import parse_device_list
-    entries = parse_device_list("--devices", "cpu:1x2,cpu,cuda:0", allow_profiles=True)
-    assert local_cpu_threads(entries) == [1, 1, None]                   # None: every core
-    assert link_for_cores(parse_bandwidth("1gbit"), local_cpu_threads(entries), 2).host_cpu_s_per_byte > 0
-    assert local_cpu_threads(parse_device_list("--devices", "cuda:0x2", allow_profiles=True)) == []
+def fake_here(monkeypatch, module, cores=2):
+    """`module` (hetconv-plan's or the coordinator's) on a host named "here" of `cores` cores, its
+    loopback measured at 20 GB/s."""
+    monkeypatch.setattr(module, "host_key", lambda: "here")
+    monkeypatch.setattr(module, "usable_cores", lambda: cores)
+    monkeypatch.setattr(module, "measure_loopback", lambda: 20e9)
+
+
+def hetconv_plan_here(monkeypatch, capsys, devices, profile_of, flags):
+    """hetconv-plan's JSON for `devices` calibrated here (faked: `profile_of(threads, kernels)` is
+    what a CPU device of `threads` threads calibrates to on `kernels` per layer), this host of two
+    cores, the coordinator's part of a step priced at 0."""
+    fake_here(monkeypatch, plan_cli)
+    monkeypatch.setattr(plan_cli, "calibrate_rounds", lambda runs, specs, shapes, **options: [
+        profile_of(threads, kernels) for _, threads, kernels in runs])
+    monkeypatch.setattr(plan_cli, "measure_coordinator_s", lambda *a, **kw: 0.0)
+    assert plan_cli.main(["--devices", devices, *flags, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_hetconv_plan_prices_the_wire_cpu_for_each_set_of_devices_it_calibrates_here(monkeypatch, capsys):
+    """hetconv-plan applies the coordinator's rule to the CPU devices calibrated on this host
+    that each row prices: one one-thread device of two cores leaves a core to its network, two
+    fill them; a saved profile's host says nothing of its cores and takes none of these."""
+    args = {"conv": "32,64", "fc": "16", "batch_size": 64, "link": "1gbit", "parallel": "model"}
+    cfg, specs, _ = network(args)
+    kernels = [s.kernels for s in specs]
+    cost = LayerCost(2e-6, 4e-7, 4e-6, 8e-7, 1e-3, 2e-3)
+    profile = profiles_from_calibration({"cpu": calibration_record("cpu", [cost] * len(specs), kernels,
+                                                                   cfg.batch_size)})["cpu"]
+    flags = ["--conv", "32,64", "--fc", "16", "--batch-size", "64", "--link", "1gbit", "--parallel", "model"]
+    data = hetconv_plan_here(monkeypatch, capsys, "cpu:1x2", lambda threads, kernels: profile, flags)
+    assert [r["link"]["host_cpu_s_per_byte"] for r in data["rows"]] == [0.0, SHARED_CORES_WIRE_CPU_S_PER_BYTE]
+    assert data["link"] == data["rows"][-1]["link"]
+    given = hetconv_plan_here(monkeypatch, capsys, "cpu:1x2", lambda threads, kernels: profile,
+                              flags + ["--wire-cpu-ns", "0"])
+    assert [r["link"]["host_cpu_s_per_byte"] for r in given["rows"]] == [0.0, 0.0]     # as given
+    assert given["rows"][-1]["plan"]["cores_together"]["workers"] == ["d0-cpu:1", "d1-cpu:1"]     # priced still
+
+
+@pytest.mark.parametrize("precision, wire", [("auto", "bfloat16"), ("fp32", "float32")])
+def test_hetconv_plan_plans_as_the_coordinator_with_shared_cores_and_precision_auto(monkeypatch, capsys, precision,
+                                                                                     wire):
+    """Two one-thread CPU workers sharing this host's two cores, whose calibration took bf16 on
+    every call shape under --precision auto: hetconv-plan --devices cpu:1x2 and the coordinator's
+    plan_for (its calibration faked, its workers' HELLOs read) give the same plan, priced over the
+    same link (each byte costing the shared cores compute) with the same wire (bfloat16, from what
+    the devices computed in), the same fallback speeds, and the same price of one device with
+    both cores in their place."""
+    from hetconv.coordinator import remote
+    from hetconv.coordinator.remote import _Peer
+    flags = ["--conv", "16,64,512", "--ksize", "3", "--padding", "1", "--fc", "16", "--batch-size", "64",
+             "--link", "1gbit", "--parallel", "auto", "--precision", precision]
+    cfg, specs, input_shapes = network({"conv": "16,64,512", "ksize": 3, "padding": 1, "fc": "16", "batch_size": 64,
+                                        "link": "1gbit", "parallel": "auto", "precision": precision})
+    kernels = [s.kernels for s in specs]
+    computed = "bf16" if precision == "auto" else "fp32"
+    one = {**calibration_record("cpu", cpu_profile("one", specs, IMAGE_SHAPE, flops=40e9).layers, kernels,
+                                cfg.batch_size), "precision": computed}
+    two = calibration_record("cpu", cpu_profile("two", specs, IMAGE_SHAPE, flops=70e9).layers, kernels, cfg.batch_size)
+    profile = {1: profiles_from_calibration({"cpu:1": one})["cpu:1"],
+               2: profiles_from_calibration({"cpu:2": two})["cpu:2"]}
+    data = hetconv_plan_here(monkeypatch, capsys, "cpu:1x2", lambda threads, kernels: profile[threads], flags)
+    names = ["d0-cpu:1", "d1-cpu:1"]                  # the coordinator's workers named as hetconv-plan names them
+
+    fake_here(monkeypatch, remote)
+    monkeypatch.setattr(remote, "calibrate_local", lambda *a, threads=None, **kw: profile[threads])
+    engine = RemoteEngine.__new__(RemoteEngine)
+    engine.exchange, engine.wire, engine.fixed_plan = cfg.exchange, cfg.wire_dtype, None
+    engine.mode_choice = engine.micro_choice = None
+    engine.peers = {n: _Peer(n.encode(), {"name": n, "device": "cpu", "host": "box", "host_key": "here",
+                                          "threads": 1, "cores": 2}) for n in names}
+    engine.calibration, engine.calibration_s = {}, 0.0
+    engine.log = lambda line: None
+
+    def calibrate(specs, input_shapes, cfg):
+        engine.calibration.update({n: dict(one) for n in names})
+        return {n: list(one["speeds"]) for n in names}
+    engine.calibrate = calibrate
+    plan = engine.plan_for(specs, input_shapes, cfg)
+
+    row = data["rows"][-1]
+    assert engine.wire == wire and row["wire"] == wire and data["wire"] == wire
+    assert row["link"] == dataclasses.asdict(engine.workers_plan.link)
+    assert row["link"]["host_cpu_s_per_byte"] == SHARED_CORES_WIRE_CPU_S_PER_BYTE
+    assert plan.cores_together["workers"] == names and "step_s" in plan.cores_together
+    assert_same_plan(row, dict(zip(names, names)), plan, engine, cfg)     # cores_together in the plan too
+    assert data["note"] == plan.cores_together.get("note", "")
+
+
+def test_a_saved_profile_keeps_what_its_device_computed_in_and_the_speeds_it_measured(tmp_path):
+    """--save-profiles writes the precision and speeds a calibration found, which the plan's wire
+    and its fallback split read; a profile saved without them computes in fp32 and splits by its
+    cost lines where it must."""
+    from hetconv.engine.costmodel import DeviceProfile
+    from hetconv.engine.measure import load_profiles
+    from hetconv.engine.policy import profile_speeds
+    cost = LayerCost(2e-6, 4e-7, 4e-6, 8e-7, 1e-3, 2e-3)
+    kept = DeviceProfile("a", "cpu", "", (cost, cost), "bf16 on 1 of 2 call shapes", (300.0, 200.0))
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps([kept.to_json()]))
+    assert load_profiles(str(path), 2) == [kept]
+    assert profile_speeds({"a": kept}) == {"a": [300.0, 200.0]}
+    old = {k: v for k, v in kept.to_json().items() if k not in ("precision", "speeds")}
+    read = DeviceProfile.from_json(old)
+    assert read.precision == "fp32" and read.speeds == ()
+    assert profile_speeds({"a": kept, "b": read})["a"] != [300.0, 200.0]       # never two scales in one split
+    path.write_text(json.dumps([{**old, "speeds": [1.0, -2.0]}]))
+    with pytest.raises(ValueError, match=r"speeds \[1.0, -2.0\], expected positive kernels/s per layer"):
+        load_profiles(str(path), 2)
 
 
 def test_the_modes_are_chosen_with_the_micro_batches_the_step_runs():
@@ -221,3 +318,38 @@ def test_the_modes_are_chosen_with_the_micro_batches_the_step_runs():
     all_model = choose_plan(specs, IMAGE_SHAPE, batch, profiles, link, PlanFlags(parallel="model"), graph=graph)
     assert "data" not in all_model.plan.modes()           # priced at its own cheapest count
     assert chosen.step_s < 0.98 * all_model.step_s
+
+
+def test_the_rules_a_run_follows_between_plans_are_the_engines():
+    """How many micro-batches a run cuts its steps into and whether it re-splits from measured
+    steps are engine.policy's rules (the training loop only asks them)."""
+    from hetconv.engine.policy import rebalances, run_micro_batches
+    assert run_micro_batches(0, 64, "peer", 2) == micro_batch_count(0, 64, "peer", 2) == 4
+    assert run_micro_batches(0, 64, "peer", 2, {"micro_batches": 2}) == 2          # priced fewer as faster
+    assert run_micro_batches(0, 64, "peer", 1, {"micro_batches": 4}) == 1          # never above the rule now
+    assert run_micro_batches(3, 64, "peer", 2, {"micro_batches": 2}) == 3          # asked: never second-guessed
+    assert rebalances("proportional", 5, False, 2)
+    assert not rebalances("equal", 5, False, 2) and not rebalances("proportional", 1, False, 2)
+    assert not rebalances("proportional", 5, True, 2) and not rebalances("proportional", 5, False, 1)
+
+
+def test_the_head_sends_its_gradient_first_only_where_no_cpu_worker_shares_the_coordinators_host():
+    from hetconv.engine.policy import Place, head_weights_later
+    places = {"cpu_here": Place("here", "cpu:1"), "gpu_here": Place("here", "cuda:0"),
+              "cpu_there": Place("there", "cpu")}
+    assert head_weights_later(places, ["gpu_here", "cpu_there"], "here")
+    assert not head_weights_later(places, ["cpu_here", "cpu_there"], "here")
+
+
+def test_what_fails_any_plan_is_said_before_calibration():
+    """One rule for a layer too narrow for its workers, before calibration (the coordinator) and
+    after the devices are chosen (plan_from_lines): --parallel data lets a narrow layer pass."""
+    from hetconv.engine.planner import PlanError, plan_from_lines
+    from hetconv.engine.policy import PlanFlags, check_plannable
+    with pytest.raises(PlanError, match="3 workers but a conv layer has only 2 kernels"):
+        check_plannable([2, 8], 3, PlanFlags(parallel="auto"))
+    check_plannable([2, 8], 3, PlanFlags(parallel="DM"))
+    with pytest.raises(PlanError, match="--parallel data needs --exchange peer"):
+        check_plannable([8, 8], 2, PlanFlags(parallel="data", exchange="star"))
+    with pytest.raises(PlanError, match="3 workers but a conv layer has only 2 kernels"):
+        plan_from_lines([2, 8], {w: [(0.0, 1e-3)] * 2 for w in "abc"}, use_all=True)

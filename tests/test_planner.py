@@ -186,3 +186,19 @@ def test_of_plans_priced_alike_auto_takes_the_one_moving_fewest_bytes_but_never_
     assert fewest_bytes_of_alike(priced, moved, beat=2.0) == late_model     # mixed is not priced alike
     assert fewest_bytes_of_alike(priced, moved, beat=1.01) == all_data      # late_model would not beat all-model
     assert fewest_bytes_of_alike(priced, moved, beat=0.5) == all_data       # none beats it: the cheapest
+
+
+def test_one_largest_remainder_split_for_kernels_images_and_affine_shares():
+    """Kernels (at least one each), images (none is fine) and the cost lines' float shares are
+    cut by the one function: the cost model's rows and the planner's ranges cannot part."""
+    from hetconv.engine import costmodel, planner
+    assert planner.largest_remainder is costmodel.largest_remainder and planner.check_modes is costmodel.check_modes
+    assert not hasattr(planner, "_integer_shares") and not hasattr(costmodel, "largest_remainder_shares")
+    assert largest_remainder(3, [0, 1, 1], minimum=0) == [0, 2, 1]
+    assert largest_remainder(3, [0, 1, 1]) == [1, 1, 1]                  # a kernel each: taken from the most
+    assert largest_remainder(10, [2.5, 7.5]) == [3, 7]                   # exact shares, rounded (ties earlier)
+    with pytest.raises(PlanError, match=r"finite weights >= 0 with a positive sum, got \[0, 0\]"):
+        largest_remainder(4, [0, 0], minimum=0)
+    assert costmodel.check_modes(None, 2) == ["model", "model"]
+    with pytest.raises(PlanError, match="expected one of model, data for each of the 2 conv layers"):
+        costmodel.check_modes(["data"], 2)

@@ -10,7 +10,7 @@ import pytest
 
 from hetconv.cli import coordinator
 from hetconv.cli import worker as worker_cli
-from hetconv.coordinator.remote import conv_precision
+from hetconv.engine.conv_precision import computed_precision as conv_precision
 from hetconv.devices import dnnl, open_device
 from hetconv.devices.cpu import CONV_PATHS, PRECISIONS
 from hetconv.engine.measure import calibrate_local

@@ -9,7 +9,7 @@ import pytest
 
 from hetconv.engine.costmodel import DeviceProfile, LayerCost, Link
 from hetconv.engine.planner import Plan, PlanError, make_plan, price_plan
-from hetconv.engine.policy import CoresTogether, choose_plan, cpu_groups, price_cores_together
+from hetconv.engine.policy import CoresTogether, WorkersPlan, choose_plan, cpu_groups, price_cores_together
 from hetconv.geometry import conv_specs
 
 PAPER = conv_specs([500, 1500])
@@ -114,6 +114,8 @@ def _run_plan(monkeypatch, capsys, together_per_kernel, *extra):
     monkeypatch.setattr(plan_cli, "calibrate_rounds", fake_rounds)
     monkeypatch.setattr(plan_cli, "measure_coordinator_s", lambda *a, **kw: 0.01)
     monkeypatch.setattr(plan_cli, "usable_cores", lambda: 2)
+    # every device on this host: the one device is priced in their place over loopback, as the coordinator prices it
+    monkeypatch.setattr(plan_cli, "measure_loopback", lambda: 20e9)
     code = plan_cli.main(["--devices", "cpu:1x2", "--net", "paper", "--batch-size", str(BATCH), "--link", "20GB",
                           *extra])
     out, err = capsys.readouterr()
@@ -192,8 +194,9 @@ def _coordinator(monkeypatch, together_per_kernel, calibration_s=1.0, hosts=("he
     monkeypatch.setattr(remote, "profiles_from_calibration", lambda cal: {w: one for w in cal})
     chosen = choose_plan(PAPER, IMAGE, BATCH, {"w0": one, "w1": one}, LINK)
     plan = chosen.plan
+    planned = WorkersPlan(chosen, LINK, LINK, "float32", "--wire-dtype float32", {w: ("cpu", "fp32") for w in peers})
     engine = types.SimpleNamespace(peers=peers, calibration=calibration, calibration_s=calibration_s,
-                                   plan_choice=chosen, exchange="peer", wire="float32",
+                                   workers_plan=planned, exchange="peer", wire="float32",
                                    log=logged.append, _graph_shape=lambda: None)
     cfg = Config(net="paper", batch_size=BATCH, link="1gbit").validate()
     shapes = [(BATCH,) + IMAGE, (BATCH, 500, 14, 14)]

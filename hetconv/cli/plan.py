@@ -7,14 +7,18 @@ and print the cost model's step time, speedup and wire bytes for one to all of t
 What it measures comes from engine.measure (calibration in this process, loopback bandwidth, the
 coordinator's own share of a step); the model itself is engine.costmodel.
 The plan of each set of devices is the one hetconv-coordinator would train with on workers of
-those profiles, the same link and the same flags: both call hetconv.engine.policy.choose_plan
-(devices that slow the step left out, each conv layer's mode, the shares, the micro-batches).
+those profiles, the same link and the same flags: both call hetconv.engine.policy.plan_workers
+(devices that slow the step left out, each conv layer's mode, the shares, the micro-batches; the
+link priced for the devices' hosts, the wire from what each device's conv GEMMs ran in at
+calibration) and policy.cores_together_record. A device calibrated here runs on this host; a
+saved profile on a host of its own that says nothing of its cores (one to spare for its network).
 """
 import argparse
 from dataclasses import asdict, replace
 import json
 import logging
 import sys
+import time
 
 from hetconv.devices import DeviceError, open_device, parse_device_list
 from hetconv.devices.wisdom import machine_wisdom
@@ -24,12 +28,13 @@ from hetconv.engine.measure import (calibrate_rounds, load_profiles, measure_coo
                                    measure_loopback)
 from hetconv.engine.microbatch import micro_batch_count
 from hetconv.engine.planner import PlanError, check_profiles, choose_modes
-from hetconv.engine.policy import (SHARED_CORES_WIRE_CPU_S_PER_BYTE, PlanFlags, check_exchange, choose_plan,
-                                   link_for_cores, price_cores_together)
+from hetconv.engine.policy import (SHARED_CORES_WIRE_CPU_S_PER_BYTE, PlanFlags, Place, check_exchange,
+                                   cores_together_record, plan_workers)
 from hetconv.flags import HelpFormatter, add_version, check_output_file, show_progress, still_working, usable_cores
 from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES, ConvSpec, layer_input_shapes
 from hetconv.training.config import Config, add_config_flags
-from hetconv.transport.wire import value_bytes, wire_for
+from hetconv.transport.sockets import host_key
+from hetconv.transport.wire import value_bytes
 
 # the flags this command shares with the coordinator: their defaults and help come from Config
 NETWORK_FLAGS = ("net", "conv", "fc", "ksize", "padding", "batch_size", "calibration_batch", "split", "use_all",
@@ -66,8 +71,8 @@ def build_parser():
                    help="nanoseconds of a host's compute cores that moving one byte costs (sender and receiver "
                         "together): 0 where hosts have a core to spare for their network; where they have none "
                         "(every core computes), bench/_wire_cpu.py measures it. Default: as hetconv-coordinator "
-                        "prices it, 0 unless the CPU devices calibrated here use every core of this host, then "
-                        f"{SHARED_CORES_WIRE_CPU_S_PER_BYTE * 1e9:g}")
+                        "prices it, for each set of devices 0 unless the CPU devices calibrated here among them use "
+                        f"every core of this host, then {SHARED_CORES_WIRE_CPU_S_PER_BYTE * 1e9:g}")
     p.add_argument("--save-profiles", default="", help="write the calibrated device profiles to this JSON file")
     p.add_argument("--json", action="store_true", help="print the prediction as JSON")
     add_config_flags(p, NETWORK_FLAGS, title="network and batch (as hetconv-coordinator)")
@@ -117,9 +122,7 @@ def main(argv=None):
             open_device(device)
         if args.link == "loopback":
             link = Link(measure_loopback(), name="loopback (measured)")
-        if args.wire_cpu_ns is None:
-            link = link_for_cores(link, local_cpu_threads(entries), usable_cores())
-        else:
+        if args.wire_cpu_ns is not None:             # as given: not priced from the devices' cores
             link = replace(link, host_cpu_s_per_byte=args.wire_cpu_ns * 1e-9)
     except (ValueError, DeviceError) as e:
         print(f"hetconv-plan: {e}", file=sys.stderr)
@@ -145,31 +148,37 @@ def cores_together(entries):
     return min(cores, sum(t or cores for t in local_cpu_threads(entries)))
 
 
-def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shapes, link, network=None):
-    """The devices calibrated (or their saved profiles), then each count of them priced and
-    printed; the exit status."""
-    graph = None if network is None or network.is_chain() else graph_pass(network, None).shape()
+def entry_place(entry, profile=None):
+    """Where a device of `entries` runs, as the coordinator reads a worker's HELLO: one
+    calibrated here on this host (a CPU device its threads, 0: every core, of this process's
+    cores); a saved profile (`profile`) on a host of its own that says nothing of its cores."""
+    if entry.profile:
+        return Place("", profile.device if profile is not None else "?", 0, 0)
+    return Place(host_key(), entry.device, (entry.threads or 0) if entry.device == "cpu" else 0, usable_cores(),
+                 "this host")
+
+
+def _calibrate_devices(cfg, entries, saved, specs, cal_shapes, together):
+    """Each device of `entries` calibrated here, once per label (or its saved profiles), the first
+    also on the whole layers where its share is not them and, with `together` threads, one CPU
+    device of that many on the whole layers, in the same rounds. -> (profiles {key: DeviceProfile},
+    order (a key per device), places {key: Place}, whole_profile, together_profile, calibration_s:
+    the longest one device's own calibration took, what the coordinator's workers, calibrating at
+    once, would take), or an exit status."""
     n_total = sum(e.count * (len(saved[e.profile]) if e.profile else 1) for e in entries)
-    wire, wire_reason = wire_for(cfg.wire_dtype, cfg.precision)       # auto: as --precision asks
-    cal_batch = min(cfg.calibration_batch, cfg.batch_size)
-    cal_shapes = [(cal_batch,) + s[1:] for s in input_shapes]
     share = [-(-s.kernels // n_total) for s in specs]
     whole_kernels = [s.kernels for s in specs]
-    # the second baseline: one device with the cores the list's CPU devices would use together,
-    # where that is more than the first device has
-    first = entries[0]
-    first_threads = (first.threads or usable_cores()) if first.device == "cpu" and not first.profile else 0
-    together = cores_together(entries)
-    together = together if together > first_threads else 0
-    together_label = f"cpu:{together}"
-    profiles, order, whole_profile, together_profile = {}, [], None, None
+    first, options = entries[0], _conv_path_options(cfg)
+    profiles, order, places, whole_profile, together_profile, calibration_s = {}, [], {}, None, None, 0.0
     for entry in entries:
         if entry.profile:
             found = saved[entry.profile]
             keys = [entry.label if len(found) == 1 else f"{entry.label}:{p.name}" for p in found]
             profiles.update(zip(keys, found))
+            places.update({key: entry_place(entry, p) for key, p in zip(keys, found)})
         else:
             keys = [entry.label]
+            places[entry.label] = entry_place(entry)
             if entry.label not in profiles:
                 # the first device also gives the single-device baseline: every kernel, which its
                 # share's line only extrapolates to (a CPU takes another conv path for the whole
@@ -181,30 +190,57 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
                     what = " at its share and on the whole layers"
                 if entry is first and together:
                     runs.append(("cpu", together, whole_kernels))
-                    what += (f"{',' if what else ''} and {together_label} (the {together} cores of the CPU devices "
+                    what += (f"{',' if what else ''} and cpu:{together} (the {together} cores of the CPU devices "
                              f"together) on the whole layers")
                 print(f"calibrating {entry.label}{what} ...", file=sys.stderr, flush=True)
+                t0 = time.perf_counter()
                 try:
                     with still_working(f"calibrating {entry.label}: {len(specs)} conv layers{what}, in rounds"):
                         got = calibrate_rounds(runs, specs, cal_shapes, conv_path=cfg.cpu_conv_path,
-                                               precision=cfg.precision, **_conv_path_options(cfg))
+                                               precision=cfg.precision, **options)
                 except Exception as e:
                     print(f"hetconv-plan: {entry.label}: {e}", file=sys.stderr)
                     return 2
+                calibration_s = max(calibration_s, (time.perf_counter() - t0) / len(runs))
                 profiles[entry.label] = got[0]
                 if entry is first and share != whole_kernels:
                     whole_profile = got[1]
                 if entry is first and together:
                     together_profile = got[-1]
         order += keys * entry.count
+    return profiles, order, places, whole_profile, together_profile, calibration_s
+
+
+def _calibrate_together(cfg, specs, cal_shapes, threads):
+    """One CPU device of `threads` threads calibrated here on the whole layers: its DeviceProfile."""
+    label = f"cpu:{threads}"
+    print(f"calibrating {label} (the {threads} cores of the CPU devices together) on the whole layers ...",
+          file=sys.stderr, flush=True)
+    with still_working(f"calibrating {label}: {len(specs)} conv layers, whole"):
+        return calibrate_rounds([("cpu", threads, [s.kernels for s in specs])], specs, cal_shapes,
+                                conv_path=cfg.cpu_conv_path, precision=cfg.precision, **_conv_path_options(cfg))[0]
+
+
+def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shapes, link, network=None):
+    """The devices calibrated (or their saved profiles), then each count of them priced and
+    printed; the exit status."""
+    graph = None if network is None or network.is_chain() else graph_pass(network, None).shape()
+    cal_batch = min(cfg.calibration_batch, cfg.batch_size)
+    cal_shapes = [(cal_batch,) + s[1:] for s in input_shapes]
+    # the second baseline: one device with the cores the list's CPU devices would use together,
+    # where that is more than the first device has
+    first = entries[0]
+    first_threads = (first.threads or usable_cores()) if first.device == "cpu" and not first.profile else 0
+    together = cores_together(entries)
+    together = together if together > first_threads else 0
+    together_label = f"cpu:{together}"
+    got = _calibrate_devices(cfg, entries, saved, specs, cal_shapes, together)
+    if isinstance(got, int):
+        return got
+    profiles, order, places, whole_profile, together_profile, calibration_s = got
     if together and together_profile is None:         # the first device is a saved profile
-        print(f"calibrating {together_label} (the {together} cores of the CPU devices together) on the whole "
-              f"layers ...", file=sys.stderr, flush=True)
         try:
-            with still_working(f"calibrating {together_label}: {len(specs)} conv layers, whole"):
-                together_profile = calibrate_rounds([("cpu", together, whole_kernels)], specs, cal_shapes,
-                                                    conv_path=cfg.cpu_conv_path, precision=cfg.precision,
-                                                    **_conv_path_options(cfg))[0]
+            together_profile = _calibrate_together(cfg, specs, cal_shapes, together)
         except Exception as e:
             print(f"hetconv-plan: {together_label}: {e}", file=sys.stderr)
             return 2
@@ -213,6 +249,10 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
             json.dump([p.to_json() for p in profiles.values()], f, indent=1)
     names = [f"d{i}-{key}" for i, key in enumerate(order)]
     by_name = {n: profiles[k] for n, k in zip(names, order)}
+    place_of = {n: places[k] for n, k in zip(names, order)}
+    # --wire-cpu-ns given: the link as it says, whatever the devices' cores (priced_link leaves a
+    # host that says nothing of its cores as it is)
+    link_cores = 0 if args.wire_cpu_ns is not None else usable_cores()
     baseline, baseline_note = by_name[names[0]], "its share's cost line, extrapolated"
     if whole_profile is not None:
         baseline, baseline_note = whole_profile, "calibrated on the whole layers, alternating with the share"
@@ -233,59 +273,49 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
                           "description": together_profile.description})
     stronger = min(baselines, key=lambda b: b["step_s"])
     flags = PlanFlags.of(cfg)
-    rows, chosen = [], None
+    rows, planned = [], None
     for n in range(1, len(names) + 1):
         # one device alone is the baseline's profile: calibrated on the whole layers where it could be
         subset_profiles = {w: baseline if n == 1 else by_name[w] for w in names[:n]}
         # the plan a run with these devices, this link and these flags trains with (the
         # coordinator calls the same policy on its workers' calibration)
         try:
-            chosen = choose_plan(specs, image, cfg.batch_size, subset_profiles, link, flags, value_bytes(wire), graph)
-            modes_priced = _modes_priced(chosen, cfg, specs, image, subset_profiles, link, wire, graph)
+            planned = plan_workers(specs, image, cfg.batch_size, subset_profiles, link, place_of, flags,
+                                   cfg.wire_dtype, cfg.precision, graph, host_key(), link_cores)
+            modes_priced = _modes_priced(planned, cfg, specs, image, subset_profiles, graph)
         except PlanError as e:
             print(f"hetconv-plan: {n} device(s): {e}", file=sys.stderr)
             return 2
-        plan = chosen.plan
-        for note in chosen.notes:
+        for note in planned.choice.notes:
             print(f"hetconv-plan: {n} device(s): {note}", file=sys.stderr)
-        counts, images = plan.counts(), plan.images()
-        # the coordinator's own part (FC layers, loss; in the star exchange joining the blocks too)
-        # with the workers the plan keeps
-        pred = predict_any(cfg.exchange, specs, image, cfg.batch_size, counts,
-                           {w: subset_profiles[w] for w in plan.workers}, link, coordinator_s[len(plan.workers)],
-                           chosen.micro_batches, value_bytes(wire), modes=plan.modes(), images=images, graph=graph,
-                           join_s=join_s)
-        what, seconds, share = dominant_term(pred)
-        rows.append({"devices": order[:n], "step_s": pred.step_s, "micro_batches": chosen.micro_batches,
-                     "dominant": {"term": what, "seconds": seconds, "share": share},
-                     "speedup": stronger["step_s"] / pred.step_s, "efficiency": stronger["step_s"] / pred.step_s / n,
-                     # a graph's step says what crosses the links, each byte once; else workers' in and out
-                     "wire_mb": (sum(pred.bytes_by_kind.values()) if getattr(pred, "bytes_by_kind", None) else
-                                 sum(v["sent"] + v["recv"] for v in pred.workers.values())) / 1e6,
-                     "counts": counts, "modes": plan.modes(), "plan": plan.to_json(),
-                     "mode_costs": modes_priced.to_json(), "left_out": dict(plan.left_out),
-                     "blocks": [network.names[b.index] for b in network.conv_layers()] if graph else None,
-                     "prediction": pred.to_json()})
-    note, plan = "", chosen.plan
+        rows.append(_row(cfg, specs, image, planned, subset_profiles, coordinator_s, join_s, graph, network,
+                         order[:n], modes_priced, stronger["step_s"]))
     # the CPU devices calibrated here that the last plan keeps: one device with their cores is
     # priced in their place as the coordinator prices it (and logs the same line)
-    here = {e.label for e in entries if e.device == "cpu" and not e.profile}
-    group = [w for w, key in zip(names, order) if key in here and w in plan.workers]
-    if together_profile is not None and len(group) > 1:
-        try:
-            note = price_cores_together(specs, image, cfg.batch_size, plan, by_name, together_profile, together, group,
-                                        link, flags, value_bytes(wire), chosen.micro_batches, graph=graph).note()
-        except PlanError as e:
-            print(f"hetconv-plan: {together_label} in the place of {', '.join(group)} not priced: {e}",
-                  file=sys.stderr)
+
+    def calibrate_together(threads, workers):
+        return together_profile if threads == together else _calibrate_together(cfg, specs, cal_shapes, threads)
+
+    record = cores_together_record(specs, image, cfg.batch_size, planned, by_name, place_of, flags, calibrate_together,
+                                   calibration_s, lambda: Link(measure_loopback(), name="loopback (measured)"),
+                                   host_key(), usable_cores(), graph, log=lambda line: None)
+    if record:
+        rows[-1]["plan"] = replace(planned.plan, cores_together=record).to_json()
+    if record.get("not_priced"):
+        print(f"hetconv-plan: {record['device']} in the place of {', '.join(record['workers'])} not priced: "
+              f"{record['not_priced']}", file=sys.stderr)
+    note, last = record.get("note", ""), rows[-1]
     if args.json:
-        print(json.dumps({"link": asdict(link), "wire": wire, "local_step_s": local_s, "baseline": baseline_note,
-                          "baselines": baselines, "speedup_against": stronger["device"], "note": note, "rows": rows},
-                         indent=1))
+        print(json.dumps({"link": last["link"], "wire": last["wire"], "local_step_s": local_s,
+                          "baseline": baseline_note, "baselines": baselines, "speedup_against": stronger["device"],
+                          "note": note, "rows": rows}, indent=1))
         return 0
-    print(f"link: {link.name} = {link.bytes_per_s / 1e6:,.0f} MB/s of payload"
-          f"{f', {link.host_cpu_s_per_byte * 1e9:g} ns of CPU a byte' if link.host_cpu_s_per_byte else ''}; batch {cfg.batch_size}; {('network ' + cfg.net) if cfg.net else 'conv ' + cfg.conv}; "
-          f"split {cfg.split}; --exchange {cfg.exchange}, wire {wire} ({wire_reason}); --parallel {cfg.parallel}")
+    priced = Link(**last["link"])
+    cpu = f", {priced.host_cpu_s_per_byte * 1e9:g} ns of CPU a byte" if priced.host_cpu_s_per_byte else ""
+    print(f"link: {priced.name} = {priced.bytes_per_s / 1e6:,.0f} MB/s of payload{cpu}; "
+          f"batch {cfg.batch_size}; {('network ' + cfg.net) if cfg.net else 'conv ' + cfg.conv}; "
+          f"split {cfg.split}; --exchange {cfg.exchange}, wire {last['wire']} ({last['wire_reason']}); "
+          f"--parallel {cfg.parallel}")
     for b in baselines:
         print(f"single-device baseline {b['device']}: {b['step_s']:.3f} s/step ({b['how']})"
               + (" <- speedup and efficiency (speedup / devices) against this one" if len(baselines) > 1 and
@@ -294,6 +324,36 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
         print(f"  {key}: {prof.description}")
     if together_profile is not None:
         print(f"  {together_label}: {together_profile.description}")
+    _print_rows(rows, specs, note)
+    return 0
+
+
+def _row(cfg, specs, image, planned, profiles, coordinator_s, join_s, graph, network, devices, modes_priced,
+         baseline_s):
+    """The JSON row of one set of devices: its plan (`planned`, a policy.WorkersPlan), the step
+    the cost model prices for it with the coordinator's own part (FC layers, loss; in the star
+    exchange joining the blocks too), its speedup over `baseline_s`, its wire and link."""
+    plan, n = planned.plan, len(devices)
+    counts, images = plan.counts(), plan.images()
+    pred = predict_any(cfg.exchange, specs, image, cfg.batch_size, counts, {w: profiles[w] for w in plan.workers},
+                       planned.link, coordinator_s[len(plan.workers)], planned.choice.micro_batches,
+                       value_bytes(planned.wire), modes=plan.modes(), images=images, graph=graph, join_s=join_s)
+    what, seconds, share = dominant_term(pred)
+    return {"devices": devices, "step_s": pred.step_s, "micro_batches": planned.choice.micro_batches,
+            "dominant": {"term": what, "seconds": seconds, "share": share},
+            "speedup": baseline_s / pred.step_s, "efficiency": baseline_s / pred.step_s / n,
+            # a graph's step says what crosses the links, each byte once; else workers' in and out
+            "wire_mb": (sum(pred.bytes_by_kind.values()) if getattr(pred, "bytes_by_kind", None) else
+                        sum(v["sent"] + v["recv"] for v in pred.workers.values())) / 1e6,
+            "counts": counts, "modes": plan.modes(), "plan": plan.to_json(),
+            "mode_costs": modes_priced.to_json(), "left_out": dict(plan.left_out),
+            "wire": planned.wire, "wire_reason": planned.wire_reason, "link": asdict(planned.link),
+            "blocks": [network.names[b.index] for b in network.conv_layers()] if graph else None,
+            "prediction": pred.to_json()}
+
+
+def _print_rows(rows, specs, note):
+    """The table of `rows`, the cores-together note, who was left out, and the last row's modes."""
     width = max(5, len(specs))
     print(f"{'devices':<34} {'step s':>8} {'speedup':>8} {'effic.':>7} {'wire MB/step':>13}  {'modes':<{width}}  "
           f"dominant term")
@@ -313,13 +373,13 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
     if by_kind:
         print(f"a step's bytes with {len(rows[-1]['plan']['workers'])} device(s), by what they carry: "
               + ", ".join(f"{kind} {moved / 1e6:.1f} MB" for kind, moved in by_kind.items()))
-    return 0
 
 
-def _modes_priced(chosen, cfg, specs, image, profiles, link, wire, graph):
-    """The mode choice of `chosen` (a policy.PlanChoice) for the table, and where the policy made
+def _modes_priced(planned, cfg, specs, image, profiles, graph):
+    """The mode choice of `planned` (a policy.WorkersPlan) for the table, and where the policy made
     none (one device, the modes forced or fixed by --exchange star or --split equal) the plan's
-    modes priced the same way, with why they were not chosen."""
+    modes priced the same way, over its link and wire, with why they were not chosen."""
+    chosen, link, wire = planned.choice, planned.link, planned.wire
     if chosen.mode_choice is not None:
         return chosen.mode_choice
     plan = chosen.plan

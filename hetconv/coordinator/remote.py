@@ -28,22 +28,21 @@ from zmq.utils.monitor import recv_monitor_message
 
 from hetconv.devices.wisdom import DETERMINISTIC, machine_wisdom
 from hetconv.engine.contract import ShardEngine, WorkerError, WorkerLost  # noqa: F401  (raised here, caught by callers)
-from hetconv.engine.conv_precision import checked_choices as _conv_path_choices
+from hetconv.engine.conv_precision import checked_choices as _conv_path_choices, computed_precision
 from hetconv.engine.costmodel import Link, parse_bandwidth, profiles_from_calibration
 from hetconv.engine.graph import GraphPass, norm_states_from
 from hetconv.engine.measure import calibrate_local, measure_loopback
 from hetconv.engine.layouts import WHOLE, index_in, pieces, pieces_shape, tensor_layouts
-from hetconv.engine.microbatch import micro_batch_count, priced_text
-from hetconv.engine.planner import PlanError, forced_modes, layout_rows
-from hetconv.engine.policy import (PlanFlags, check_exchange, choose_plan, cpu_groups, is_cpu_device,
-                                   link_for_cores, price_cores_together)
+from hetconv.engine.microbatch import priced_text
+from hetconv.engine.planner import PlanError, layout_rows
+from hetconv.engine.policy import (PlanFlags, check_exchange, check_plannable, cores_together_record,
+                                   head_weights_later, plan_workers, step_bounds)
 from hetconv.flags import usable_cores
-from hetconv.geometry import largest_array_bytes
 from hetconv.transport import keys
 from hetconv.transport import protocol as P
 from hetconv.transport.keys import authenticated_key, handshake_refusal, read_key_folder
 from hetconv.transport.sockets import host_key
-from hetconv.transport.wire import check_wire_dtype, decode, encode, value_bytes, wire_for
+from hetconv.transport.wire import check_wire_dtype, decode, encode
 from hetconv.transport.worker_argv import command as worker_command
 from hetconv.update import clip_factor
 
@@ -53,19 +52,6 @@ MAX_JOINING = 32             # HELLOs kept from workers waiting to join a run, u
 
 
 CALIBRATION_REPEATS = 3          # calls per timed block: each block also lasts at least 0.25 s (engine.shard)
-# One device with the cores of this host's CPU workers is calibrated here, about as long as the
-# workers' own calibration took: only where that is at most this many of the plan's priced steps.
-# On tiny layers calibration's fixed costs (warm-up, 0.25 s blocks) are hundreds of steps.
-CORES_TOGETHER_MAX_STEPS = 50
-
-
-def conv_precision(choices):
-    """What a worker's conv GEMMs run in, from its conv path choices: "fp32", "bf16", or "bf16 on
-    N of M call shapes" (`--precision auto` where its timing took bf16 on some layers only)."""
-    bf16 = sum(c["path"].endswith("-bf16") for c in choices)
-    if bf16 == 0 or bf16 == len(choices):
-        return "bf16" if bf16 else "fp32"
-    return f"bf16 on {bf16} of {len(choices)} call shapes"
 
 
 def _is_seconds(x):
@@ -120,27 +106,10 @@ def _checked_calibration(label, fields, layers):
     return list(speeds), list(timings)
 
 
-def priced_link(cfg, peers, names):
-    """--link as the cost model prices it for workers `names` (of `peers`, {name: _Peer}): where
-    the CPU workers among them on any one host use every core they may run on (this host's
-    cores; on another host, the most any of them says it may run on), moving a byte costs them
-    compute (policy.link_for_cores); a host that says nothing of its cores is taken to have one
-    to spare."""
-    here, link = host_key(), parse_bandwidth(cfg.link)
-    hosts = {}
-    for p in (peers.get(n) for n in names):
-        if p is not None and is_cpu_device(p.device):
-            hosts.setdefault(p.host_key, []).append(p)
-    for key, group in hosts.items():
-        cores = usable_cores() if key == here else max(p.cores for p in group)
-        if key and cores:
-            priced = link_for_cores(link, [p.threads for p in group], cores)
-            if priced is not link:
-                return priced
-    return link
-
-
 class _Peer:
+    """A worker as its HELLO describes it; planning reads it as a policy.Place (host_key, device,
+    threads, cores, host)."""
+
     def __init__(self, identity, hello, process=None, public_key=""):
         self.identity = identity                   # bytes: the ROUTER routing id
         self.public_key = public_key               # z85, as ZAP authenticated it ("" without keys)
@@ -176,6 +145,7 @@ class RemoteEngine(ShardEngine):
             raise ValueError(f"--exchange must be one of {', '.join(EXCHANGES)}, got {exchange!r}")
         self.exchange, self.wire = exchange, check_wire_dtype(wire)     # auto: decided with each plan
         self.plan_choice = None     # policy.PlanChoice of the last plan made from calibration
+        self.workers_plan = None    # policy.WorkersPlan behind it: its wire and priced link too
         self.step_id = 0
         self.head_weights_later = False     # load() decides, per plan
         self.zmq = zmq
@@ -684,30 +654,21 @@ class RemoteEngine(ShardEngine):
                                         "conv_paths": _conv_path_choices(replies[name][1].get("conv_paths"))}
                                  for name, (speeds, timings) in checked.items()})
         for name in checked:
-            self.calibration[name]["precision"] = conv_precision(self.calibration[name]["conv_paths"])
+            self.calibration[name]["precision"] = computed_precision(self.calibration[name]["conv_paths"])
         return {name: list(checked[name][0]) for name in names}
 
     def _note_step_bounds(self, specs, input_shapes, cfg):
-        """What PEERS tells the workers a step of this run can need, so a worker bounds what it
-        holds of a peer's next step before that step starts there: the most micro-batches a step
-        has (the rule's count for two or more workers: more workers never give more pieces), and
-        twice the run's largest array (a peer's rows of the images, and where the first layer is
-        data-parallel its rows of one layer's output)."""
-        self.step_bounds = {"micro_batches": micro_batch_count(cfg.micro_batches, cfg.batch_size, "peer", 2),
-                            "early_bytes": 2 * largest_array_bytes(specs, cfg.batch_size, tuple(input_shapes[0][1:]))}
+        """What PEERS tells the workers a step of this run can need (policy.step_bounds)."""
+        self.step_bounds = step_bounds(cfg.micro_batches, cfg.batch_size, specs, input_shapes[0][1:])
 
     def plan_for(self, specs, input_shapes, cfg):
         self._note_step_bounds(specs, input_shapes, cfg)
-        kernels = [s.kernels for s in specs]
-        check_exchange(PlanFlags.of(cfg, self.exchange), len(specs))
-        forced = forced_modes(cfg.parallel, len(specs))
+        flags = PlanFlags.of(cfg, self.exchange)
+        check_exchange(flags, len(specs))
         if self.fixed_plan is not None:             # checked when it was made: its data layers need no kernel each
             self.decide_wire(cfg)
             return self.fixed_plan
-        too_few = [k for li, k in enumerate(kernels) if k < len(self.peers) and (forced is None or forced[li] == "model")]
-        if too_few:
-            raise PlanError(f"{len(self.peers)} workers but a conv layer has only {min(too_few)} kernels: "
-                            f"every worker needs at least one kernel of every layer (use fewer workers or wider --conv)")
+        check_plannable([s.kernels for s in specs], len(self.peers), flags)
         self.log(f"calibrating {len(self.peers)} worker(s): each times its share of every conv layer on the real "
                  f"shapes, after a warm-up (seconds to a minute) ...")
         speeds = self.calibrate(specs, input_shapes, cfg)
@@ -731,80 +692,56 @@ class RemoteEngine(ShardEngine):
         return self._price_cores_together(plan, specs, input_shapes, cfg)
 
     def _price_cores_together(self, plan, specs, input_shapes, cfg):
-        """`plan`, and where two or more of its CPU workers run on this host, one device with their
-        cores together priced in their place as a plan like any other (policy.price_cores_together),
-        in the plan's `cores_together` (its metrics record); its note logged where it is faster.
-        That device is calibrated here, in this process, while the workers wait: this process can
-        open a device on those cores, a worker pinned to its own cannot. Workers together on another
-        host are not priced so: their cores cannot be calibrated together from here."""
-        here = host_key()
-        group = cpu_groups({w: (self.peers[w].host_key, self.peers[w].device) for w in plan.workers}).get(here)
-        if not group or not all(w in self.calibration for w in plan.workers):
+        """`plan`, with its `cores_together` record (policy.cores_together_record, its line logged):
+        where two or more of its CPU workers run on this host, one device with their cores
+        together priced in their place. That device is calibrated here, in this process, while
+        the workers wait: this process can open a device on those cores, a worker pinned to its
+        own cannot. Workers together on another host are not priced so: their cores cannot be
+        calibrated together from here."""
+        if not all(w in self.calibration for w in plan.workers):
             return plan
-        cores = usable_cores()
-        threads = min(cores, sum(self.peers[w].threads or cores for w in group))
-        record = {"device": f"cpu:{threads}", "threads": threads, "workers": list(group)}
-        profiles = profiles_from_calibration({w: self.calibration[w] for w in plan.workers})
-        image_shape = tuple(input_shapes[0][1:])
-        micro, step_s = self.plan_choice.micro_batches, self.plan_choice.step_s      # the policy's, for `plan`
-        link = priced_link(cfg, self.peers, plan.workers)
-        if self.calibration_s > CORES_TOGETHER_MAX_STEPS * step_s:
-            return dataclasses.replace(plan, cores_together={
-                **record, "not_priced": f"its calibration, about the workers' {self.calibration_s:.1f} s, would cost more "
-                                        f"than {CORES_TOGETHER_MAX_STEPS} of this plan's steps ({step_s:.3g} s each)"})
-        if all(self.peers[w].host_key == here for w in plan.workers):
-            # every worker is on this host: what moves goes over loopback and ipc, not --link
-            link = Link(measure_loopback(), name="loopback (measured)")
-        self.log(f"pricing one worker with the {threads} cores of {', '.join(group)} together: calibrating "
-                 f"cpu:{threads} in this process ...")
         batch = min(cfg.calibration_batch, cfg.batch_size)
-        try:
-            together = calibrate_local("cpu", specs, [(batch,) + tuple(s[1:]) for s in input_shapes],
-                                       [s.kernels for s in specs], threads=threads, repeats=CALIBRATION_REPEATS,
-                                       conv_path=cfg.cpu_conv_path, precision=cfg.precision,
-                                       wisdom=machine_wisdom(), retime=cfg.retime, deterministic=cfg.deterministic)
-            priced = price_cores_together(specs, image_shape, cfg.batch_size, plan, profiles, together, threads, group,
-                                          link, PlanFlags.of(cfg, self.exchange), value_bytes(self.wire), micro,
-                                          self.peers[group[0]].host, self._graph_shape())
-        except Exception as e:          # a price the run does not need: whatever fails, the run goes on
-            why = f"{type(e).__name__}: {e}"
-            self.log(f"one worker with the cores of {', '.join(group)} together not priced: {why}")
-            return dataclasses.replace(plan, cores_together={**record, "not_priced": why})
-        self.log(priced.line())
-        return dataclasses.replace(plan, cores_together={**priced.to_json(), "link": link.name,
-                                                         "description": together.description})
+
+        def calibrate_together(threads, workers):
+            self.log(f"pricing one worker with the {threads} cores of {', '.join(workers)} together: calibrating "
+                     f"cpu:{threads} in this process ...")
+            return calibrate_local("cpu", specs, [(batch,) + tuple(s[1:]) for s in input_shapes],
+                                   [s.kernels for s in specs], threads=threads, repeats=CALIBRATION_REPEATS,
+                                   conv_path=cfg.cpu_conv_path, precision=cfg.precision, wisdom=machine_wisdom(),
+                                   retime=cfg.retime, deterministic=cfg.deterministic)
+
+        record = cores_together_record(
+            specs, tuple(input_shapes[0][1:]), cfg.batch_size, self.workers_plan,
+            profiles_from_calibration({w: self.calibration[w] for w in plan.workers}), self.peers,
+            PlanFlags.of(cfg, self.exchange), calibrate_together, self.calibration_s,
+            lambda: Link(measure_loopback(), name="loopback (measured)"), host_key(), usable_cores(),
+            self._graph_shape(), self.log)
+        return dataclasses.replace(plan, cores_together=record) if record else plan
 
     def _plan_from_calibration(self, specs, input_shapes, speeds, cfg):
-        """The plan policy.choose_plan makes from the workers' calibration (`speeds`: {worker:
+        """The plan policy.plan_workers makes from the workers' calibration (`speeds`: {worker:
         measured kernels/s per layer}, in worker order: what the split falls back to where the
-        cost lines are too noisy), with its mode choice in `mode_choice` and its micro-batch
-        choice in `micro_choice`, and the wire the workers' calibrated precision gives
-        (`decide_wire`): the modes are priced with every worker's wire, the micro-batches and the
-        run with the plan's own where it left one out."""
+        cost lines are too noisy), with its mode choice in `mode_choice`, its micro-batch choice
+        in `micro_choice`, and its wire (`decide_wire`, from what the plan's workers computed in),
+        said where it changed."""
         before = self.wire_choice["dtype"] if self.wire_choice else None
-        computed = {name: (self.calibration[name].get("device", "?"), self.calibration[name].get("precision", "fp32"))
-                    for name in speeds}
-        asked = self.asked_wire(cfg)
-
-        def wire_bytes(names):
-            return value_bytes(wire_for(asked, cfg.precision, {name: computed[name] for name in names})[0])
-
         profiles = profiles_from_calibration({name: self.calibration[name] for name in speeds})
-        link = priced_link(cfg, self.peers, speeds)
-        choice = choose_plan(specs, tuple(input_shapes[0][1:]), cfg.batch_size, profiles, link,
-                             PlanFlags.of(cfg, self.exchange), wire_bytes, self._graph_shape(), speeds)
+        planned = plan_workers(specs, tuple(input_shapes[0][1:]), cfg.batch_size, profiles, parse_bandwidth(cfg.link),
+                               self.peers, PlanFlags.of(cfg, self.exchange), self.asked_wire(cfg), cfg.precision,
+                               self._graph_shape(), host_key(), usable_cores(), speeds)
+        choice = planned.choice
         for note in choice.notes:
             self.log(note)
-        plan = choice.plan
-        self.decide_wire(cfg, {name: computed[name] for name in plan.workers}, plan.workers)
+        self.decide_wire(cfg, planned.computed, choice.plan.workers)
         if before is not None and before != self.wire:
             self.log(f"feature maps and gradients between layers: {self.wire} from this plan on, was {before} "
                      f"({self.wire_choice['reason']})")
+        self.workers_plan = planned
         self.plan_choice, self.mode_choice, self.micro_choice = choice, choice.mode_choice, choice.micro_choice
         if self.micro_choice is not None and self.micro_choice["micro_batches"] < max(self.micro_choice["predicted_s"]):
             self.log(f"micro-batches: {self.micro_choice['micro_batches']}, the cheapest predicted step "
                      f"({priced_text(self.micro_choice['predicted_s'])})")
-        return plan
+        return choice.plan
 
     def _graph_shape(self):
         """What the cost model prices this network's blocks with where it is a graph, else None."""
@@ -812,13 +749,7 @@ class RemoteEngine(ShardEngine):
 
     def load(self, plan, specs, params):
         super().load(plan, specs, params)
-        # the peer step sends the features' gradient before the FC weight GEMMs (head.settle
-        # after the sends), so the workers' backward starts sooner (the paper network's head: 11
-        # ms to its gradient instead of 22, bench/head.py); only where no CPU worker of the plan
-        # shares this host, whose cores those GEMMs would take while it computes
-        here = host_key()
-        self.head_weights_later = not any(self.peers[n].host_key == here and is_cpu_device(self.peers[n].device)
-                                          for n in plan.workers)
+        self.head_weights_later = head_weights_later(self.peers, plan.workers, host_key())
         if self.exchange == "peer":
             self._connect_peers()
 

@@ -56,6 +56,17 @@ def _is_bf16(path):
     return path.endswith("-bf16")
 
 
+def computed_precision(choices):
+    """What a device's conv GEMMs run in, from its conv path choices ([{path, ...}], as a worker
+    reports them at calibration): "fp32", "bf16", or "bf16 on N of M call shapes" (`--precision
+    auto` where its timing took bf16 on some call shapes only). What the wire of a plan follows
+    (transport.wire.wire_for)."""
+    bf16 = sum(_is_bf16(c["path"]) for c in choices)
+    if bf16 == 0 or bf16 == len(choices):
+        return "bf16" if bf16 else "fp32"
+    return f"bf16 on {bf16} of {len(choices)} call shapes"
+
+
 def _precision(paths):
     bf16 = sum(_is_bf16(p) for p in paths)
     return "fp32" if bf16 == 0 else "bf16" if bf16 == len(paths) else "mixed"

@@ -201,20 +201,35 @@ class DeviceProfile:
     device: str
     description: str
     layers: tuple                     # LayerCost per conv layer
+    precision: str = "fp32"           # what its conv GEMMs ran in (conv_precision.computed_precision)
+    speeds: tuple = ()                # kernels/s per layer measured at calibration (what a split falls
+                                      # back to where the cost lines cannot split), () where not kept
 
     def to_json(self):
         return {"name": self.name, "device": self.device, "description": self.description,
-                "layers": [asdict(lc) for lc in self.layers]}
+                "layers": [asdict(lc) for lc in self.layers], "precision": self.precision,
+                "speeds": list(self.speeds)}
 
     @classmethod
     def from_json(cls, d):
-        return cls(d["name"], d["device"], d.get("description", ""), tuple(LayerCost(**lc) for lc in d["layers"]))
+        """The inverse of to_json; a profile saved without precision or speeds computes in fp32
+        and has none."""
+        precision, speeds = d.get("precision", "fp32"), d.get("speeds", [])
+        if not isinstance(precision, str):
+            raise TypeError(f"precision {precision!r}, expected text such as fp32 or bf16")
+        if not (isinstance(speeds, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                 and math.isfinite(v) and v > 0 for v in speeds)):
+            raise TypeError(f"speeds {speeds!r:.200}, expected positive kernels/s per layer")
+        return cls(d["name"], d["device"], d.get("description", ""), tuple(LayerCost(**lc) for lc in d["layers"]),
+                   precision, tuple(float(v) for v in speeds))
 
 
 def profiles_from_calibration(calibration):
-    """RemoteEngine.calibration -> {worker: DeviceProfile}."""
+    """RemoteEngine.calibration -> {worker: DeviceProfile}, each with the precision its worker
+    computed in and the speeds it measured."""
     return {name: DeviceProfile(name, c["device"], c.get("description", ""),
-                                tuple(LayerCost.fit(t) for t in c["layers"]))
+                                tuple(LayerCost.fit(t) for t in c["layers"]), c.get("precision", "fp32"),
+                                tuple(c.get("speeds", ())))
             for name, c in calibration.items()}
 
 
@@ -341,15 +356,38 @@ def predict_step(specs, image_shape, batch, counts, profiles, link, coordinator_
     return Prediction(total, coordinator_s, workers, timeline)
 
 
-def largest_remainder_shares(n, weights):
-    """n images cut in proportion to `weights` (positive total), whole images by largest remainder:
-    what each rounding down left, biggest first, ties to the earlier one (planner.image_ranges)."""
-    total = sum(weights)
-    exact = [n * w / total for w in weights]
+class PlanError(ValueError):
+    """No plan fits what was asked: said before anything runs it (engine.planner raises most of
+    them and is where callers import it from)."""
+
+
+def largest_remainder(total, weights, minimum=1, unit="kernel"):
+    """Integer shares of `total` in proportion to `weights` (finite, >= 0, a positive sum), summing
+    to total: each exact share rounded down, what that left handed out biggest remainder first
+    (ties to the earlier one), then any share under `minimum` raised to it, one at a time from
+    whoever holds the most (a slow worker of a model layer still holds a kernel). Weights that
+    are already the exact shares (affine_shares') come back rounded. PlanError where there is
+    nobody to share among, the weights are not so, or `total` cannot give everyone `minimum`
+    `unit`s."""
+    n = len(weights)
+    if n == 0:
+        raise PlanError(f"no workers to split {unit}s across")
+    if total < minimum * n:
+        raise PlanError(f"cannot give {n} workers at least {minimum} {unit}(s) each of {total} {unit}s: use at most "
+                        f"{total // max(minimum, 1)} workers or a wider layer")
+    if not all(math.isfinite(w) and w >= 0 for w in weights) or not sum(weights) > 0:
+        raise PlanError(f"{unit} shares need finite weights >= 0 with a positive sum, got {list(weights)!r}")
+    s = float(sum(weights))
+    exact = [total * w / s for w in weights]
     shares = [int(e) for e in exact]
-    order = sorted(range(len(weights)), key=lambda i: (-(exact[i] - shares[i]), i))
-    for i in order[:n - sum(shares)]:
+    order = sorted(range(n), key=lambda i: (-(exact[i] - shares[i]), i))
+    for i in order[:total - sum(shares)]:
         shares[i] += 1
+    for i in range(n):
+        while shares[i] < minimum:
+            donor = max(range(n), key=lambda j: (shares[j], -j))
+            shares[donor] -= 1
+            shares[i] += 1
     return shares
 
 
@@ -441,11 +479,13 @@ def batchnorm_sum_bytes(spec):
 
 
 def check_modes(modes, layers):
-    """`modes` as a list, "model" or "data" for each of `layers` conv layers; ValueError naming
-    them where they are not."""
+    """`modes` (None: every layer "model") as a list, one of MODES for each of `layers` conv
+    layers; PlanError (a ValueError) naming them where they are not."""
+    if modes is None:
+        return ["model"] * layers
     modes = list(modes)
     if len(modes) != layers or any(m not in MODES for m in modes):
-        raise ValueError(f"modes {modes!r}: expected one of {', '.join(MODES)} for each of the {layers} conv layers")
+        raise PlanError(f"modes {modes!r}: expected one of {', '.join(MODES)} for each of the {layers} conv layers")
     return modes
 
 
@@ -458,7 +498,7 @@ def predict_any(exchange, specs, image_shape, batch, counts, profiles, link, coo
     which split the images alike. join_s: the peer step's, see predict_peer_step (the star's
     joins are in `coordinator_s`)."""
     if exchange == "peer":
-        modes = check_modes(modes if modes is not None else ["model"] * len(specs), len(specs))
+        modes = check_modes(modes, len(specs))
         data = [li for li, m in enumerate(modes) if m == "data"]
         if data and not (images and all(len(images.get(w, ())) == len(specs) for w in counts)):
             raise ValueError(f"data layers need images: {{worker: [images of the batch per layer]}} for each of "
@@ -769,7 +809,7 @@ def predict_peer_step(specs, image_shape, batch, counts, images, profiles, link,
     M = len(sizes)
     # each worker's rows of each micro-batch, as the workers cut them (planner.layout_rows), and
     # its kernels of each model block: the blocks it holds
-    cut = [largest_remainder_shares(b, [images[w] for w in names]) for b in sizes]
+    cut = [largest_remainder(b, [images[w] for w in names], 0, "image") for b in sizes]
     rows = {w: [(sum(c[:i]), sum(c[:i + 1])) for c in cut] for i, w in enumerate(names)}
     kernel_ranges = [{w: (sum(counts[v][li] for v in names[:i]), sum(counts[v][li] for v in names[:i + 1]))
                       for i, w in enumerate(names)} for li in range(layers)]

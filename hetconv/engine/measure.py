@@ -14,6 +14,7 @@ import zmq
 from hetconv.devices.cpu import HostArrays
 from hetconv.devices import open_device
 from hetconv.engine.contract import ShardEngine
+from hetconv.engine.conv_precision import computed_precision
 from hetconv.engine.costmodel import DeviceProfile, LayerCost, layer_geometry
 from hetconv.engine.planner import make_plan
 from hetconv.engine.graph import graph_pass
@@ -218,20 +219,27 @@ def calibrate_rounds(runs, specs, input_shapes, repeats=3, conv_path="auto", pre
             devices.append(opened[key])
         if len(runs) == 1:
             shard = devices[0][1]
-            return [_profile(devices[0], shard.calibrate(specs, input_shapes, runs[0][2], repeats=repeats)[1])]
+            speeds, timings = shard.calibrate(specs, input_shapes, runs[0][2], repeats=repeats)
+            return [_profile(devices[0], timings, speeds)]
         rounds = [[] for _ in runs]
         for _ in range(repeats):
             for i, ((device, shard, _, _), (_, _, kernels)) in enumerate(zip(devices, runs)):
                 with _threads_of(device):
-                    rounds[i].append(shard.calibrate(specs, input_shapes, kernels, repeats=1)[1])
-        return [_profile(d, [_median_of(layer_rounds) for layer_rounds in zip(*r)]) for d, r in zip(devices, rounds)]
+                    rounds[i].append(shard.calibrate(specs, input_shapes, kernels, repeats=1))
+        return [_profile(d, [_median_of(layer) for layer in zip(*(t for _, t in r))],
+                         [float(np.median(layer)) for layer in zip(*(s for s, _ in r))])
+                for d, r in zip(devices, rounds)]
 
 
-def _profile(opened, timings):
+def _profile(opened, timings, speeds):
+    """The DeviceProfile of a calibration: its cost lines, what its conv GEMMs ran in and the
+    kernels/s it measured, as a worker's calibration gives the coordinator (a device opened for
+    several runs reports the paths of all of them)."""
     device, _, name, device_spec = opened
     paths = sorted(set(device.conv_paths().values()))
     description = device.describe() + (f"; conv paths {', '.join(paths)}" if paths else "")
-    return DeviceProfile(name, device_spec, description, tuple(LayerCost.fit(t) for t in timings))
+    return DeviceProfile(name, device_spec, description, tuple(LayerCost.fit(t) for t in timings),
+                         computed_precision(device.conv_path_choices()), tuple(speeds))
 
 
 @contextlib.contextmanager

@@ -15,16 +15,11 @@ A plan is data: per layer, a mode and what each worker does in it.
 from dataclasses import dataclass, field, fields, replace
 import math
 
-from hetconv.engine.costmodel import (FLOAT_BYTES, chain_shape, graph_mode_costs, largest_remainder_shares,
-                                     mode_costs, predict_any, predict_peer_step)
+# PlanError and check_modes are the planner's words; the cost model, which checks modes too, holds them
+from hetconv.engine.costmodel import (FLOAT_BYTES, MODES, PlanError, chain_shape, check_modes,  # noqa: F401  (MODES too)
+                                     graph_mode_costs, largest_remainder, mode_costs, predict_any, predict_peer_step)
 
 POLICIES = ("proportional", "equal")
-MODES = ("model", "data")
-
-
-class PlanError(ValueError):
-    pass
-
 
 @dataclass(frozen=True)
 class LayerPlan:
@@ -56,7 +51,7 @@ def image_ranges(lp, n):
     total = sum(weights)
     if total <= 0:
         raise PlanError(f"layer {lp.layer}: data layer with no images to split by, got {lp.images!r}")
-    shares = largest_remainder_shares(n, weights)
+    shares = largest_remainder(n, weights, 0, "image")
     ranges, start = {}, 0
     for w, sh in zip(workers, shares):
         ranges[w] = (start, start + sh)
@@ -78,7 +73,7 @@ def layout_rows(layer_plans, sizes):
                 return None
         else:                   # even, whole images by largest remainder (as the cost model cuts them)
             first, start = {}, 0
-            for w, share in zip(workers, largest_remainder_shares(n, [1] * len(workers))):
+            for w, share in zip(workers, largest_remainder(n, [1] * len(workers), 0, "image")):
                 first[w], start = (start, start + share), start + share
         for w in workers:
             rows[w].append(first[w])
@@ -115,14 +110,14 @@ def whole_groups(plan, specs):
     return replace(plan, layers=tuple(layers))
 
 
-def check_modes(modes, layers):
-    """`modes` (None: every layer "model") as a list of one mode per layer, or PlanError."""
-    if modes is None:
-        return ["model"] * layers
-    modes = list(modes)
-    if len(modes) != layers or any(m not in MODES for m in modes):
-        raise PlanError(f"modes {modes!r}: expected one of {', '.join(MODES)} for each of the {layers} conv layers")
-    return modes
+def check_kernels_per_worker(layer_kernels, workers, modes=None):
+    """PlanError where a model layer (`modes`, None: every layer) has fewer kernels than there
+    are `workers`: each worker of a model layer holds at least one of its kernels."""
+    too_few = [k for k, m in zip(layer_kernels, check_modes(modes, len(layer_kernels))) if k < workers and m == "model"]
+    if too_few:
+        raise PlanError(f"{workers} workers but a conv layer has only {min(too_few)} kernels: every worker needs at "
+                        f"least one kernel of every model-parallel layer (use fewer workers, a wider layer, or "
+                        f"--parallel data)")
 
 
 def data_runs(modes):
@@ -261,33 +256,6 @@ def check_profiles(profiles):
                                 f"backward_per_kernel_s are both 0, expected positive seconds (a zero calibration)")
 
 
-def largest_remainder(total, weights, minimum=1):
-    """Integer shares of `total` proportional to `weights`, each >= minimum, summing to total."""
-    n = len(weights)
-    if n == 0:
-        raise PlanError("no workers to split kernels across")
-    if total < minimum * n:
-        raise PlanError(f"cannot give {n} workers at least {minimum} kernel(s) each of a layer with {total} kernels: "
-                        f"use at most {total // max(minimum, 1)} workers or a wider layer")
-    bad = [w for w in weights if not (w > 0) or w != w or w == float("inf")]
-    if bad:
-        raise PlanError(f"speeds must be positive and finite, got {list(weights)!r}")
-    s = float(sum(weights))
-    exact = [total * w / s for w in weights]
-    shares = [int(e) for e in exact]
-    # Hand out what rounding down left, biggest remainder first; ties go to the earlier worker.
-    order = sorted(range(n), key=lambda i: (-(exact[i] - shares[i]), i))
-    for i in order[:total - sum(shares)]:
-        shares[i] += 1
-    # A very slow worker still gets `minimum`, taken from whoever holds the most.
-    for i in range(n):
-        while shares[i] < minimum:
-            donor = max(range(n), key=lambda j: (shares[j], -j))
-            shares[donor] -= 1
-            shares[i] += 1
-    return shares
-
-
 def make_plan(layer_kernels, speeds, policy="proportional", modes=None, batch=None, one_split=False):
     """layer_kernels: kernels per conv layer, e.g. [500, 1500].
     speeds: {worker: [kernels/s for each layer]} in the order workers should hold the ranges
@@ -311,6 +279,9 @@ def make_plan(layer_kernels, speeds, policy="proportional", modes=None, batch=No
                 if len(per_layer) != len(layer_kernels):
                     raise PlanError(f"worker {w!r} reported {len(per_layer)} layer speeds, expected {len(layer_kernels)}")
                 weights.append(float(per_layer[li]))
+            if not all(math.isfinite(v) and v > 0 for v in weights):
+                # a zero speed would get a share of nothing, an infinite one every kernel
+                raise PlanError(f"conv{li + 1}: speeds must be positive and finite, got {weights!r}")
         layer_speeds = {w: float(speeds[w][li]) for w in workers if speeds[w] is not None and len(speeds[w]) > li}
         if modes[li] == "data":
             run = ([lj for lj, m in enumerate(modes) if m == "data"] if one_split
@@ -319,7 +290,8 @@ def make_plan(layer_kernels, speeds, policy="proportional", modes=None, batch=No
                 # a worker's images pass through the whole run: its time an image is the sum of
                 # kernels / (kernels/s) over the run's layers
                 weights = [1.0 / sum(layer_kernels[lj] / float(speeds[w][lj]) for lj in run) for w in workers]
-            layers.append(_data_layer(li, total, workers, largest_remainder(int(batch), weights), layer_speeds))
+            shares = largest_remainder(int(batch), weights, unit="image")
+            layers.append(_data_layer(li, total, workers, shares, layer_speeds))
             continue
         shares = largest_remainder(int(total), weights)
         ranges, start = {}, 0
@@ -516,20 +488,6 @@ def affine_shares(total, lines):
     raise PlanError("no device has a usable cost line (per-kernel cost must be > 0)")
 
 
-def _integer_shares(total, exact):
-    """Floats summing to total -> integers summing to total, each >= 1 (largest remainder)."""
-    shares = [int(e) for e in exact]
-    order = sorted(range(len(exact)), key=lambda i: (-(exact[i] - shares[i]), i))
-    for i in order[:total - sum(shares)]:
-        shares[i] += 1
-    for i in range(len(shares)):
-        while shares[i] < 1:
-            donor = max(range(len(shares)), key=lambda j: (shares[j], -j))
-            shares[donor] -= 1
-            shares[i] += 1
-    return shares
-
-
 def predicted_compute_s(layer_kernels, lines, workers):
     """Seconds of conv compute a step takes with `workers` sharing every layer by affine_shares:
     layers run one after another (each needs the whole previous layer), the slowest device
@@ -537,7 +495,7 @@ def predicted_compute_s(layer_kernels, lines, workers):
     total = 0.0
     for li, kernels in enumerate(layer_kernels):
         layer_lines = [lines[w][li] for w in workers]
-        shares = _integer_shares(kernels, affine_shares(kernels, layer_lines))
+        shares = largest_remainder(kernels, affine_shares(kernels, layer_lines))
         total += max(f + p * k for (f, p), k in zip(layer_lines, shares))
     return total
 
@@ -575,10 +533,7 @@ def plan_from_lines(layer_kernels, lines, use_all=False, modes=None, batch=None,
             left_out[best] = (f"adds {fixed:.3g} s of fixed work a step for {100 * share:.1f}% of the kernels "
                               f"(step {now:.3g} s with it, {without:.3g} s without)")
             workers.remove(best)
-    too_few = [k for k, m in zip(layer_kernels, modes) if k < len(workers) and m == "model"]
-    if too_few:
-        raise PlanError(f"{len(workers)} workers but a conv layer has only {min(too_few)} kernels: "
-                        f"every worker needs at least one kernel of every layer")
+    check_kernels_per_worker(layer_kernels, len(workers), modes)
     _check_batch(modes, batch, len(workers))
     layers = []
     for li, total in enumerate(layer_kernels):
@@ -590,12 +545,12 @@ def plan_from_lines(layer_kernels, lines, use_all=False, modes=None, batch=None,
                          for w in workers]
             # the run's layers one after another on each worker's images: their lines add up
             run_lines = [(sum(f for f, _ in wl), sum(p for _, p in wl)) for wl in per_image]
-            shares = _integer_shares(int(batch), affine_shares(int(batch), run_lines))
+            shares = largest_remainder(int(batch), affine_shares(int(batch), run_lines))
             layers.append(_data_layer(li, total, workers, shares,
                                       {w: 1.0 / lines[w][li][1] for w in workers if lines[w][li][1] > 0}))
             continue
         layer_lines = [lines[w][li] for w in workers]
-        shares = _integer_shares(int(total), affine_shares(int(total), layer_lines))
+        shares = largest_remainder(int(total), affine_shares(int(total), layer_lines))
         ranges, start = {}, 0
         for w, sh in zip(workers, shares):
             ranges[w] = (start, start + sh)
@@ -695,14 +650,14 @@ def mode_shares(specs, batch, profiles, micro_batches=1):
     for li, spec in enumerate(specs):
         if spec.kernels >= len(names):
             lines = [profiles[w].layers[li].step_line(batch, calls) for w in names]
-            for w, k in zip(names, _integer_shares(spec.kernels, affine_shares(spec.kernels, lines))):
+            for w, k in zip(names, largest_remainder(spec.kernels, affine_shares(spec.kernels, lines))):
                 counts[w].append(k)
         else:
             for w in names:
                 counts[w].append(0)
         per_image = [profiles[w].layers[li].image_line(spec.kernels, calls) for w in names]
         if batch >= len(names):
-            shares = _integer_shares(batch, affine_shares(batch, per_image))
+            shares = largest_remainder(batch, affine_shares(batch, per_image))
         else:
             shares = [1 if i < batch else 0 for i in range(len(names))]
         for w, n in zip(names, shares):
@@ -721,7 +676,7 @@ def one_image_split(specs, batch, profiles, micro_batches=1):
         lines.append((sum(f for f, _ in parts), sum(p for _, p in parts)))
     if batch < len(names):
         return {w: int(i < batch) for i, w in enumerate(names)}
-    return dict(zip(names, _integer_shares(batch, affine_shares(batch, lines))))
+    return dict(zip(names, largest_remainder(batch, affine_shares(batch, lines))))
 
 
 def fewest_bytes_of_alike(priced, moved, beat):
@@ -734,6 +689,52 @@ def fewest_bytes_of_alike(priced, moved, beat):
     bound = min((1 + TRAFFIC_TIE) * priced[cheapest], beat)
     near = [c for c in priced if priced[c] <= bound] or [cheapest]
     return min(near, key=lambda c: (moved[c], priced[c], c.count("model")))
+
+
+def _layer_mode_costs(specs, image_shape, batch, profiles, link, micro_batches, value_bytes, graph):
+    """choose_modes' prices of every layer in each mode at the shares its workers would get
+    (mode_shares): -> (costmodel.ModeCosts, {worker: [kernels per layer]} in model mode, the
+    GraphShape its plans are priced on: `graph`, or a chain's). A mode a layer cannot take costs
+    infinity: model where it has fewer kernels (or groups) than workers, data where the batch has
+    fewer images."""
+    names = list(profiles)
+    counts, images = mode_shares(specs, batch, profiles, micro_batches)
+    if graph is None:
+        costs = mode_costs(specs, image_shape, batch, counts, images, profiles, link, micro_batches, value_bytes)
+        # its candidate plans priced as the one step runs a chain: the graph whose blocks each
+        # read the one before
+        graph = chain_shape(specs, image_shape)
+    else:
+        costs = graph_mode_costs(specs, image_shape, batch, counts, images, profiles, link, graph.needs_dx,
+                                 micro_batches, value_bytes, graph.feature_floats * batch)
+    for li, spec in enumerate(specs):
+        if spec.kernels < len(names) or spec.groups > 1 and spec.groups < len(names):
+            # a worker of a model layer holds a kernel, of a grouped one a group
+            costs.node[li]["model"] = float("inf")
+        if batch < len(names):
+            costs.node[li]["data"] = float("inf")
+    return costs, counts, graph
+
+
+def _best_layout_plan(priced, moved, costs, model_s, min_gain, layers):
+    """choose_modes' pick of the plans with data blocks priced as the layout step runs them
+    (`priced`: {modes: seconds}; `moved`: {modes: bytes among the workers}): the cheapest, or of
+    those within TRAFFIC_TIE the one moving the fewest bytes, where it gains `min_gain` over
+    every layer in model mode (`model_s`); else all-model. -> ModeChoice."""
+    cheapest = min(priced, key=lambda c: (priced[c], c.count("model"))) if priced else None
+    best = (fewest_bytes_of_alike(priced, moved, (1 - min_gain) * model_s)
+            if cheapest is not None and priced[cheapest] < float("inf") else cheapest)
+    if best is not None and priced[best] < (1 - min_gain) * model_s:
+        how = ("every block data-parallel" if "model" not in best else
+               f"{best.count('data')} blocks data-parallel, {best.count('model')} model-parallel")
+        fewer = ("" if best == cheapest else
+                 f"; it moves {moved[best] / 1e6:.3g} MB a step among the workers where the cheapest-priced plan "
+                 f"({priced[cheapest]:.3g} s, within {100 * TRAFFIC_TIE:g}%) moves {moved[cheapest] / 1e6:.3g}")
+        return ModeChoice(list(best), costs, priced[best], model_s,
+                          f"{how}, the tensors in each worker's rows or whole between them: {priced[best]:.3g} s "
+                          f"against {model_s:.3g} s with every layer in model mode{fewer}")
+    return ModeChoice(["model"] * layers, costs, model_s, model_s,
+                      f"no plan with data blocks gains {100 * min_gain:g}% over all-model ({model_s:.3g} s)")
 
 
 def choose_modes(specs, image_shape, batch, profiles, link, parallel="auto", micro_batches=1, value_bytes=FLOAT_BYTES,
@@ -757,22 +758,10 @@ def choose_modes(specs, image_shape, batch, profiles, link, parallel="auto", mic
     layers = len(specs)
     if not names:
         raise PlanError("no workers to choose modes for")
-    counts, images = mode_shares(specs, batch, profiles, micro_batches)
     chain = graph is None
-    if chain:
-        costs = mode_costs(specs, image_shape, batch, counts, images, profiles, link, micro_batches, value_bytes)
-        # its candidate plans priced as the one step runs a chain: the graph whose blocks each
-        # read the one before
-        graph = chain_shape(specs, image_shape)
-    else:
-        costs = graph_mode_costs(specs, image_shape, batch, counts, images, profiles, link, graph.needs_dx,
-                                 micro_batches, value_bytes, graph.feature_floats * batch)
+    costs, counts, graph = _layer_mode_costs(specs, image_shape, batch, profiles, link, micro_batches, value_bytes,
+                                             graph)
     inf = float("inf")
-    for li, spec in enumerate(specs):
-        if spec.kernels < len(names) or spec.groups > 1 and spec.groups < len(names):
-            costs.node[li]["model"] = inf      # a worker of a model layer holds a kernel, of a grouped one a group
-        if batch < len(names):
-            costs.node[li]["data"] = inf
     model_s = costs.chain_s(["model"] * layers)
     if graph.steps and len(names) > 1 and model_s < inf:
         model_s = predict_peer_step(specs, image_shape, batch, counts, {w: 1 for w in names}, profiles, link, 0.0,
@@ -816,20 +805,7 @@ def choose_modes(specs, image_shape, batch, profiles, link, parallel="auto", mic
         if chain:
             candidates.add(tuple(modes))
         priced = {c: layout_s(c) for c in candidates if "data" in c}
-        cheapest = min(priced, key=lambda c: (priced[c], c.count("model"))) if priced else None
-        best = (fewest_bytes_of_alike(priced, moved, (1 - min_gain) * model_s)
-                if cheapest is not None and priced[cheapest] < inf else cheapest)
-        if best is not None and priced[best] < (1 - min_gain) * model_s:
-            how = ("every block data-parallel" if "model" not in best else
-                   f"{best.count('data')} blocks data-parallel, {best.count('model')} model-parallel")
-            fewer = ("" if best == cheapest else
-                     f"; it moves {moved[best] / 1e6:.3g} MB a step among the workers where the cheapest-priced plan "
-                     f"({priced[cheapest]:.3g} s, within {100 * TRAFFIC_TIE:g}%) moves {moved[cheapest] / 1e6:.3g}")
-            return ModeChoice(list(best), costs, priced[best], model_s,
-                              f"{how}, the tensors in each worker's rows or whole between them: {priced[best]:.3g} s "
-                              f"against {model_s:.3g} s with every layer in model mode{fewer}")
-        return ModeChoice(["model"] * layers, costs, model_s, model_s,
-                          f"no plan with data blocks gains {100 * min_gain:g}% over all-model ({model_s:.3g} s)")
+        return _best_layout_plan(priced, moved, costs, model_s, min_gain, layers)
     if "data" in modes and model_s < inf and seconds > (1 - min_gain) * model_s:
         return ModeChoice(["model"] * layers, costs, model_s, model_s,
                           f"the cheapest chain ({seconds:.3g} s) gains less than {100 * min_gain:g}% over "

@@ -3,21 +3,50 @@ batch, the link and the run's flags, which workers take part (one that slows the
 out, with the reason), each conv layer's mode, the kernel and image shares, the micro-batch
 count and the step the cost model predicts for it.
 
-The coordinator calls choose_plan for its first plan and for every re-plan after a worker is
-lost or joins; hetconv-plan calls it for each set of devices it prices. The same profiles, link
-and flags give the same plan in both, so hetconv-plan prints the plan a run would train with.
+The coordinator calls plan_workers for its first plan and for every re-plan after a worker is
+lost or joins; hetconv-plan calls it for each set of devices it prices. From the same profiles
+(their calibrated precision and speeds), link, places (which host, how many cores) and flags both
+get the same plan, wire and priced link, so hetconv-plan prints the plan a run would train with.
+The rules around a plan are here too: the cores-together price and when it is worth
+calibrating, the head's weights-later choice, what a step can need (step_bounds) and how many
+times a run re-splits from measured steps.
 
-Pure: no sockets, no clocks, no devices. What the caller should say about a plan (a fallback
-taken) comes back in `notes`, for it to log.
+Pure: no sockets, no clocks, no devices (a caller hands in what measures: calibrate_together,
+local_link). What the caller should say about a plan (a fallback taken) comes back in `notes`,
+for it to log.
 """
 from dataclasses import dataclass, replace
 
 from hetconv.engine.costmodel import FLOAT_BYTES
 from hetconv.engine.microbatch import FEWER_MICRO_MARGIN, cheapest_micro_batches, micro_batch_count
-from hetconv.engine.planner import (PlanError, check_profiles, choose_modes, cost_lines, forced_modes, make_plan,
-                                    plan_from_lines, price_plan, whole_groups)
+from hetconv.engine.planner import (PlanError, check_kernels_per_worker, check_profiles, choose_modes, cost_lines,
+                                    forced_modes, make_plan, plan_from_lines, price_plan, whole_groups)
+from hetconv.geometry import largest_array_bytes
+from hetconv.transport.wire import value_bytes as wire_value_bytes, wire_for
 
 SPEED_FALLBACK = "splitting by measured speed, not by cost lines"
+# Re-splits from measured steps a run makes (training.loop schedules them, each after
+# --rebalance-after steps): each round corrects the last; past three, the steps' noise is what moves.
+MAX_REBALANCES = 3
+
+
+def rebalances(split, rebalance_after, fixed_plan, workers):
+    """Whether a run re-splits its plan from measured steps (up to MAX_REBALANCES times, the
+    first after `rebalance_after` steps, which must be two or more: the first step pays for
+    growing buffers): only a proportional split (`equal` is the baseline, kept as it is) of two
+    or more workers that calibration planned (`fixed_plan` False: not one set by hand)."""
+    return rebalance_after >= 2 and split == "proportional" and not fixed_plan and workers > 1
+
+
+def run_micro_batches(requested, batch, exchange, workers, micro_choice=None):
+    """A run's micro-batch count with `workers` workers: `requested` (--micro-batches) where set;
+    else the rule's count (microbatch.micro_batch_count), or fewer where the plan's cost model
+    priced fewer as faster (`micro_choice`, PlanChoice.micro_choice), never more than the rule
+    gives for the workers there are now (a plan made for more workers may still stand)."""
+    most = micro_batch_count(requested, batch, exchange, workers)
+    if requested or not micro_choice:
+        return most
+    return max(1, min(most, int(micro_choice["micro_batches"])))
 
 
 @dataclass(frozen=True)
@@ -58,10 +87,35 @@ def check_exchange(flags, layers):
                         f"the coordinator and splits only kernels")
 
 
+def check_plannable(layer_kernels, workers, flags):
+    """What fails any plan of `workers` workers, said before anything is calibrated: data layers
+    forced over --exchange star (check_exchange), and a layer that --parallel does not make
+    data-parallel with fewer kernels than there are workers (only the cost model could give it
+    data mode, and it chooses after calibration)."""
+    check_exchange(flags, len(layer_kernels))
+    forced = forced_modes(flags.parallel, len(layer_kernels))
+    check_kernels_per_worker(layer_kernels, workers, forced)
+
+
+def step_bounds(micro_batches, batch, specs, image_shape):
+    """What the workers are told a step of this run can need, so each bounds what it holds of a
+    peer's next step before that step starts there: the most micro-batches a step has (the
+    rule's count for the peer exchange over two workers: more workers never give more pieces,
+    and a re-plan to any count of workers stays under it), and twice the run's largest array (a
+    peer's rows of the images, and where the first layer is data-parallel its rows of one
+    layer's output)."""
+    return {"micro_batches": micro_batch_count(micro_batches, batch, "peer", 2),
+            "early_bytes": 2 * largest_array_bytes(specs, batch, tuple(image_shape))}
+
+
 def profile_speeds(profiles):
-    """{worker: [kernels/s per layer]} from calibrated profiles: one kernel on one image, forward
-    and backward, its call costs included. What a worker without measured speeds splits by
-    where its cost lines cannot be (see choose_plan's `speeds`)."""
+    """{worker: [kernels/s per layer]} a split falls back to where the cost lines cannot split:
+    the speeds each worker measured at calibration (DeviceProfile.speeds) where every profile
+    kept them; else from the cost lines, one kernel on one image forward and backward, its call
+    costs included (profiles saved without speeds: the two are not on one scale, so never
+    mixed)."""
+    if all(len(p.speeds) == len(p.layers) for p in profiles.values()):
+        return {w: list(p.speeds) for w, p in profiles.items()}
     return {w: [1.0 / (c.forward_s(1, 1) + c.backward_s(1, 1)) for c in p.layers] for w, p in profiles.items()}
 
 
@@ -91,54 +145,16 @@ def choose_plan(specs, image_shape, batch, profiles, link, flags=PlanFlags(), va
     if not names:
         raise PlanError("no workers to plan for")
     bytes_of = value_bytes if callable(value_bytes) else (lambda workers: value_bytes)
-    kernels = [s.kernels for s in specs]
     forced = forced_modes(flags.parallel, len(specs))
     speeds = profile_speeds(profiles) if speeds is None else {w: list(speeds[w]) for w in names}
-    notes, mode_choice, modes_at = [], None, None
     if flags.split != "proportional":
-        plan = make_plan(kernels, speeds, flags.split, batch=batch,
+        plan = make_plan([s.kernels for s in specs], speeds, flags.split, batch=batch,
                          modes=forced if forced is not None and "data" in forced and len(names) > 1 else None,
                          one_split=True)
+        mode_choice, modes_at, notes = None, None, []
     else:
-        lines, image_lines = cost_lines(profiles, kernels, batch)
-        data_only = forced is not None and "model" not in forced and len(names) > 1
-        if data_only and any(k < len(names) for k in kernels):
-            model_plan = None                                # too few kernels to split: every worker takes part
-            kept = names
-        else:
-            try:
-                model_plan = plan_from_lines(kernels, lines, use_all=flags.use_all)
-            except PlanError as e:
-                notes.append(f"{SPEED_FALLBACK}: {e}")
-                model_plan = make_plan(kernels, speeds, "proportional")
-            kept = list(model_plan.workers)
-        if model_plan is not None and (forced is not None and "data" not in forced or flags.exchange == "star"
-                                       or len(kept) < 2):
-            plan = model_plan
-        else:
-            def choose_at(micro):
-                """The plan whose modes the cost model picks for a step of `micro` micro-batches
-                -> (plan, ModeChoice, notes)."""
-                said = []
-                choice = choose_modes(specs, image_shape, batch, {w: profiles[w] for w in kept}, link, flags.parallel,
-                                      micro_batches=micro, value_bytes=bytes_of(names), graph=graph)
-                if "data" not in choice.modes:
-                    return model_plan, choice, said
-                try:
-                    # the data layers split the images once: the step keeps each tensor in its layout between them
-                    built = plan_from_lines(kernels, {w: lines[w] for w in kept}, use_all=True, modes=choice.modes,
-                                            batch=batch, image_lines={w: image_lines[w] for w in kept},
-                                            one_split=True)
-                except PlanError as e:
-                    said.append(f"{SPEED_FALLBACK}: {e}")
-                    built = make_plan(kernels, {w: speeds[w] for w in kept}, "proportional", modes=choice.modes,
-                                      batch=batch, one_split=True)
-                return replace(built, left_out=dict(model_plan.left_out) if model_plan else {}), choice, said
-
-            modes_at = choose_at
-            plan, mode_choice, said = choose_at(micro_batch_count(flags.micro_batches, batch, flags.exchange,
-                                                                  len(kept)))
-            notes += said
+        plan, mode_choice, modes_at, notes = _proportional_plan(specs, image_shape, batch, profiles, link, flags,
+                                                                bytes_of, graph, speeds, forced)
     plan = whole_groups(plan, specs)
 
     def price(plan, m):
@@ -164,6 +180,50 @@ def choose_plan(specs, image_shape, batch, profiles, link, flags=PlanFlags(), va
                 plan, mode_choice, (micro, predicted), notes = other, other_choice, got, notes + said
     return PlanChoice(plan, mode_choice, micro, {"micro_batches": micro, "predicted_s": predicted}, predicted[micro],
                       tuple(notes))
+
+
+def _proportional_plan(specs, image_shape, batch, profiles, link, flags, bytes_of, graph, speeds, forced):
+    """choose_plan's --split proportional: the devices kept on the all-model plan of their cost
+    lines, then the modes over them. -> (plan, ModeChoice or None, the modes' plan at a count of
+    micro-batches (a function of it -> (plan, ModeChoice, notes)) or None where the modes are not
+    chosen, notes)."""
+    names, kernels, notes = list(profiles), [s.kernels for s in specs], []
+    lines, image_lines = cost_lines(profiles, kernels, batch)
+    data_only = forced is not None and "model" not in forced and len(names) > 1
+    if data_only and any(k < len(names) for k in kernels):
+        model_plan = None                                # too few kernels to split: every worker takes part
+        kept = names
+    else:
+        try:
+            model_plan = plan_from_lines(kernels, lines, use_all=flags.use_all)
+        except PlanError as e:
+            notes.append(f"{SPEED_FALLBACK}: {e}")
+            model_plan = make_plan(kernels, speeds, "proportional")
+        kept = list(model_plan.workers)
+    if model_plan is not None and (forced is not None and "data" not in forced or flags.exchange == "star"
+                                   or len(kept) < 2):
+        return model_plan, None, None, notes
+
+    def choose_at(micro):
+        """The plan whose modes the cost model picks for a step of `micro` micro-batches
+        -> (plan, ModeChoice, notes)."""
+        said = []
+        choice = choose_modes(specs, image_shape, batch, {w: profiles[w] for w in kept}, link, flags.parallel,
+                              micro_batches=micro, value_bytes=bytes_of(names), graph=graph)
+        if "data" not in choice.modes:
+            return model_plan, choice, said
+        try:
+            # the data layers split the images once: the step keeps each tensor in its layout between them
+            built = plan_from_lines(kernels, {w: lines[w] for w in kept}, use_all=True, modes=choice.modes,
+                                    batch=batch, image_lines={w: image_lines[w] for w in kept}, one_split=True)
+        except PlanError as e:
+            said.append(f"{SPEED_FALLBACK}: {e}")
+            built = make_plan(kernels, {w: speeds[w] for w in kept}, "proportional", modes=choice.modes,
+                              batch=batch, one_split=True)
+        return replace(built, left_out=dict(model_plan.left_out) if model_plan else {}), choice, said
+
+    plan, mode_choice, said = choose_at(micro_batch_count(flags.micro_batches, batch, flags.exchange, len(kept)))
+    return plan, mode_choice, choose_at, notes + said
 
 
 # ---- one device with the cores of several CPU workers of a host ----------------------------------
@@ -277,3 +337,131 @@ def price_cores_together(specs, image_shape, batch, plan, profiles, together, th
     alternative = {w: together if w == name else profiles[w] for w in order}
     step_s = choose_plan(specs, image_shape, batch, alternative, link, flags, value_bytes, graph).step_s
     return CoresTogether(device, int(threads), tuple(workers), step_s, plan_step_s, not others, host)
+
+
+# ---- where the workers run: the link as priced, the head's order, the plan of a run ----------------
+
+@dataclass(frozen=True)
+class Place:
+    """Where a worker runs, as planning reads it (the coordinator's workers say it in HELLO and
+    are read by these attribute names; hetconv-plan says it of the devices it prices)."""
+    host_key: str = ""          # its host, as transport.sockets.host_key gives it ("" not said)
+    device: str = "?"           # its device text: "cpu", "cpu:THREADS", "cuda:N"
+    threads: int = 0            # its threads (0: every core it may run on)
+    cores: int = 0              # the cores it may run on (0: not said)
+    host: str = ""              # its host, in words
+
+
+def priced_link(link, places, names, here="", here_cores=0):
+    """`link` as the cost model prices it for workers `names` (of `places`, {name: Place}): where
+    the CPU workers among them on any one host use every core they may run on (on host `here`,
+    its `here_cores`; on another host, the most any of them says it may run on), moving a byte
+    costs them compute (link_for_cores); a host that says nothing of its cores is taken to have
+    one to spare."""
+    hosts = {}
+    for p in (places.get(n) for n in names):
+        if p is not None and is_cpu_device(p.device):
+            hosts.setdefault(p.host_key, []).append(p)
+    for key, group in hosts.items():
+        cores = here_cores if key == here else max(p.cores for p in group)
+        if key and cores:
+            priced = link_for_cores(link, [p.threads for p in group], cores)
+            if priced is not link:
+                return priced
+    return link
+
+
+def head_weights_later(places, workers, here):
+    """Whether the coordinator's head sends the features' gradient before its FC weight GEMMs
+    (head.settle after the sends), so the workers' backward starts sooner (the paper network's
+    head: 11 ms to its gradient instead of 22, bench/head.py): only where no CPU worker of the
+    plan shares host `here`, whose cores those GEMMs would take while it computes."""
+    return not any(places[n].host_key == here and is_cpu_device(places[n].device) for n in workers)
+
+
+@dataclass(frozen=True)
+class WorkersPlan:
+    """What plan_workers decides for a run: the policy's plan and the wire and link it was priced
+    with."""
+    choice: PlanChoice          # the plan, its modes and micro-batches, and their price
+    link: object                # costmodel.Link as priced for the workers (priced_link)
+    asked_link: object          # ... and as asked (--link)
+    wire: str                   # the plan's wire dtype (transport.wire.wire_for)
+    wire_reason: str            # ... and why, in words
+    computed: dict              # {worker of the plan: (device, what its conv GEMMs ran in)}
+
+    @property
+    def plan(self):
+        return self.choice.plan
+
+
+def plan_workers(specs, image_shape, batch, profiles, link, places, flags=PlanFlags(), wire="auto",
+                 precision="fp32", graph=None, here="", here_cores=0, speeds=None):
+    """The plan of workers with calibrated `profiles` ({worker: DeviceProfile}, in worker order,
+    each with the precision its conv GEMMs ran in and the speeds it measured) at `places`
+    ({worker: Place}; a worker without one is taken to be on a host with a core to spare) for a
+    step of `batch` images of `image_shape` over `link` (--link as asked), as `flags` ask, with
+    --wire-dtype `wire` and --precision `precision`: what hetconv-coordinator trains with and
+    hetconv-plan prints. The link is priced for the places (priced_link; `here`, `here_cores`:
+    the caller's host key and cores, 0 where they are not to be counted: the link as given for
+    the workers there); the modes with every worker's wire, the micro-batches and the run with
+    the plan's (wire_for of what its workers computed in: --wire-dtype auto follows them).
+    `speeds`: what a split falls back to (None: profile_speeds). -> WorkersPlan."""
+    computed = {w: (p.device, p.precision) for w, p in profiles.items()}
+
+    def wire_bytes(names):
+        return wire_value_bytes(wire_for(wire, precision, {n: computed[n] for n in names})[0])
+
+    priced = priced_link(link, places, list(profiles), here, here_cores)
+    choice = choose_plan(specs, image_shape, batch, profiles, priced, flags, wire_bytes, graph, speeds)
+    kept = {n: computed[n] for n in choice.plan.workers}
+    dtype, reason = wire_for(wire, precision, kept)
+    return WorkersPlan(choice, priced, link, dtype, reason, kept)
+
+
+# One device with the cores of this host's CPU workers is calibrated by the coordinator, about as
+# long as the workers' own calibration took: only where that is at most this many of the plan's
+# priced steps. On tiny layers calibration's fixed costs (warm-up, 0.25 s blocks) are hundreds of
+# steps.
+CORES_TOGETHER_MAX_STEPS = 50
+
+
+def cores_together_record(specs, image_shape, batch, planned, profiles, places, flags, calibrate_together,
+                          calibration_s, local_link, here="", here_cores=0, graph=None, log=print):
+    """The `cores_together` record of `planned` (a WorkersPlan of `profiles` at `places`): where
+    two or more of its CPU workers run on host `here`, one CPU device with their cores together
+    priced in their place as a plan like any
+    other (price_cores_together), with its note where it is faster; {} where no such group is.
+    `calibrate_together(threads, workers)` -> that device's DeviceProfile.
+    Not priced (and not calibrated) where that calibration, about the workers' own
+    (`calibration_s`), would cost more than CORES_TOGETHER_MAX_STEPS of the plan's steps, nor
+    where it fails (a price the run does not need: the record says why). Where every worker is
+    on `here` what moves goes over loopback and ipc: priced over `local_link()`, else over the
+    link as priced for the plan's workers. `log`: its one line (the note, or that the plan
+    stands)."""
+    plan = planned.plan
+    group = cpu_groups({w: (places[w].host_key, places[w].device) for w in plan.workers if w in places}).get(here)
+    if not group:
+        return {}
+    threads = min(here_cores, sum(places[w].threads or here_cores for w in group))
+    record = {"device": f"cpu:{threads}", "threads": threads, "workers": list(group)}
+    step_s = planned.choice.step_s
+    if calibration_s > CORES_TOGETHER_MAX_STEPS * step_s:
+        return {**record, "not_priced": f"its calibration, about the workers' {calibration_s:.1f} s, would cost "
+                                        f"more than {CORES_TOGETHER_MAX_STEPS} of this plan's steps ({step_s:.3g} s "
+                                        f"each)"}
+    if all(places[w].host_key == here for w in plan.workers):
+        link = local_link()
+    else:
+        link = priced_link(planned.asked_link, places, plan.workers, here, here_cores)
+    try:
+        together = calibrate_together(threads, group)
+        priced = price_cores_together(specs, image_shape, batch, plan, profiles, together, threads, group, link,
+                                      flags, wire_value_bytes(planned.wire), planned.choice.micro_batches,
+                                      places[group[0]].host, graph)
+    except Exception as e:          # a price the run does not need: whatever fails, the run goes on
+        why = f"{type(e).__name__}: {e}"
+        log(f"one worker with the cores of {', '.join(group)} together not priced: {why}")
+        return {**record, "not_priced": why}
+    log(priced.line())
+    return {**priced.to_json(), "link": link.name, "description": together.description}

@@ -15,9 +15,10 @@ from hetconv.data.photos import bad_list
 from hetconv.devices.cpu import HostArrays
 from hetconv.engine.contract import WorkerLost, micro_choice_record, mode_choice_record, moved_bytes, wire_record
 from hetconv.engine.conv_precision import PrecisionReport, precision_line
-from hetconv.engine.microbatch import micro_batch_count, recorded_micro_batches
+from hetconv.engine.microbatch import recorded_micro_batches
 from hetconv.engine.graph import graph_pass
 from hetconv.engine.planner import PlanError, given_plan, recorded_worker_names
+from hetconv.engine.policy import MAX_REBALANCES, rebalances, run_micro_batches
 from hetconv.flags import say_in_handler
 from hetconv.geometry import ConvSpec
 from hetconv.net import LoadedNet, NetSpec
@@ -29,8 +30,6 @@ from hetconv.training.membership import Finished, Stopped, WorkersJoined, Worker
 from hetconv.training.metrics import MetricsWriter, last_plan_record
 from hetconv.training.recipe import Recipe
 from hetconv.update import ADAM_FAMILY
-
-MAX_REBALANCES = 3
 
 
 class StopNow(BaseException):
@@ -323,14 +322,9 @@ def network_for(cfg, ds, resume=None):
 
 
 def resolve_micro_batches(cfg, engine):
-    """The run's micro-batch count with this engine's workers: engine.microbatch's rule, or fewer
-    where the engine's plan_for priced fewer as faster (`micro_choice`). Never more than the
-    rule gives for the workers there are now (a plan made for more workers may still stand)."""
-    most = micro_batch_count(cfg.micro_batches, cfg.batch_size, engine.exchange, len(engine.workers))
-    choice = getattr(engine, "micro_choice", None)
-    if cfg.micro_batches or not choice:
-        return most
-    return max(1, min(most, int(choice["micro_batches"])))
+    """The run's micro-batch count with this engine's workers and plan (policy.run_micro_batches)."""
+    return run_micro_batches(cfg.micro_batches, cfg.batch_size, engine.exchange, len(engine.workers),
+                             getattr(engine, "micro_choice", None))
 
 
 def center_crop(x, size):
@@ -560,8 +554,7 @@ class _Run:
     def arm_rebalance(self, first=False):
         cfg = self.cfg
         self.rebalances, self.rebalance_at = 0, 0
-        if not (cfg.rebalance_after >= 2 and cfg.split == "proportional" and self.engine.fixed_plan is None
-                and len(self.engine.workers) > 1):
+        if not rebalances(cfg.split, cfg.rebalance_after, self.engine.fixed_plan is not None, len(self.engine.workers)):
             return
         at = self.step + cfg.rebalance_after
         if at < self.total_steps:
