@@ -341,6 +341,8 @@ def prepare(args, argv):
     resumed, changes = None, []
     if args.resume:              # the run the checkpoint holds goes on: its data, recipe and step target
         resumed, cfg, changes = _resume(args.resume, given, cfg)
+        for name, reason in resumed.skipped:        # said before any worker starts: the run is not the newest
+            print(f"resuming {resumed.meta['path']}: skipped the newer {name}: {reason}")
     notes = _check_given(args, cfg, given)
     spawn = [] if args.local or args.workers else _spawn_list(args)
     ds = _load_data(cfg, resumed, given)
