@@ -308,6 +308,7 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
     for r in rows:
         for w, why in r["left_out"].items():
             print(f"{len(r['devices'])} device(s): {w} left out, {why}")
+    print(f"with {len(rows[-1]['devices'])} device(s), the {plan.table()}")       # what the coordinator logs
     print(mode_table(rows[-1]))
     by_kind = rows[-1]["prediction"].get("bytes_by_kind")
     if by_kind:
