@@ -14,22 +14,21 @@ later by glibc or LLVM, or wrong numbers. A test run starts dozens of processes 
 side by side, a coordinator beside the test's own process) on one cache.
 
 Here each data file is named by a hash of its key and the source stamp (so two signatures, or one
-compiled from two versions of the sources, never share a file, and a file is only ever replaced by
-the same code), the data is written before the index entry
-that points at it, the index's read-modify-write holds an exclusive lock (no lost entries), a
-loaded entry whose signature is not the one asked for is dropped and compiled again, and the
-index's stamp covers every kernel source file, not only the function's own (a cached kernel
-inlines helpers from other files; Numba alone would keep a stale copy of them). NUMBA_BOUNDSCHECK
-is part of the key, so a checking run on a warm cache compiles checked kernels beside the others.
+signature compiled from two versions of the sources, never share a file, and a file is only ever
+replaced by the same code), the data is written before the index entry that points at it, the
+index's read-modify-write holds an exclusive lock (no lost entries), a loaded entry whose
+signature is not the one asked for is dropped and compiled again, and the index's stamp covers
+every kernel source file, not only the function's own (a cached kernel inlines helpers from other
+files; Numba alone would keep a stale copy of them). NUMBA_BOUNDSCHECK is part of the key, so a
+checking run on a warm cache compiles checked kernels beside the others.
 
 A process started with HETCONV_NUMBA_CACHE_LAYER=DIR reads the shared cache but writes what it
 compiles only under DIR (one folder per cache folder, each naming the folder it stands for);
-`merge_cache_layer(DIR)` later copies those entries into the shared cache, where they were compiled
-from the kernel sources as they are now (a layer left from before a source edit is stale, and
-merging it would put its stamp over the shared index, which Numba then reads as empty). The test
-suite gives
-every test such a folder of its own, inherited by the processes it starts: they cannot write into
-one another's cache, and a kernel compiled once is still shared with the tests after it.
+`merge_cache_layer(DIR)` later copies those entries into the shared cache where they were compiled
+from the kernel sources as they are now (a layer left from before a source edit is stale: merging
+it would put its stamp over the shared index, which Numba then reads as empty). The test suite
+gives every test such a folder of its own, inherited by the processes it starts: they cannot write
+into one another's cache, and a kernel compiled once is still shared with the tests after it.
 """
 import contextlib
 import hashlib

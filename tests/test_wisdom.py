@@ -174,7 +174,9 @@ def test_two_writers_at_once_lose_nothing(tmp_path):
                                        "this one has format 2)", True),
     (b'{"format": 1, "machines": [{"machine": {"cpu": 3}, "calls": []}]}', "a machine key has the fields", False),
     (None, "more than the 200 a wisdom file may hold", True),
-], ids=["not JSON", "not a map", "another format", "a bad entry", "too big"])
+    (b'{"format": 1, "machines": [{"machine": {}, "calls": []}, {"machine": {}, "calls": []}]}',
+     "2 machine keys, more than 1", False),
+], ids=["not JSON", "not a map", "another format", "a bad entry", "too big", "too many machines"])
 def test_a_file_that_cannot_be_read_is_ignored_in_one_line_and_the_device_times(tmp_path, monkeypatch, capsys,
                                                                                  content, message, kept):
     """A file of this format with bad entries is written over, less them; one that is not a
@@ -185,6 +187,7 @@ def test_a_file_that_cannot_be_read_is_ignored_in_one_line_and_the_device_times(
         monkeypatch.setattr(W, "MAX_FILE_BYTES", 200)
     else:
         path.write_bytes(content)
+    monkeypatch.setattr(W, "MAX_MACHINES", 1)
     before = path.read_bytes()
     timer = Timer("shifted")
     dev = device(timer, W.Wisdom(path))

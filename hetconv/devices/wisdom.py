@@ -418,13 +418,13 @@ def _wisdom_map(raw):
         found = f"format {d['format']!r:.20}" if isinstance(d, dict) and "format" in d else "no format"
         return None, (f"not a wisdom file of format {FORMAT} (a map with its format and a list of machines; this "
                       f"one has {found})")
-    if len(d["machines"]) > MAX_MACHINES:
-        return None, f"{len(d['machines'])} machine keys, more than {MAX_MACHINES}"
     return d, ""
 
 
 def _entries(d):
     """A wisdom map's entries (as parse returns them): a bad entry left out, the first said."""
+    if len(d["machines"]) > MAX_MACHINES:        # of this format still: written over like a bad entry
+        return {}, f"{len(d['machines'])} machine keys, more than {MAX_MACHINES}"
     entries, problem = {}, ""
     for m in d["machines"]:
         if not isinstance(m, dict) or not isinstance(m.get("calls"), list):
