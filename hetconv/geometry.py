@@ -99,16 +99,6 @@ class ConvBlock:
 PAPER_BLOCK = ConvBlock()           # stride 1, no padding, ReLU, 2x2 stride-2 max-pool: today's block
 
 
-def conv_output_hw(h, w, kh, kw, padding):
-    """Spatial size of a stride-1 convolution's output."""
-    return window_output_size(h, kh, 1, padding), window_output_size(w, kw, 1, padding)
-
-
-def pooled_hw(h, w):
-    """Spatial size after a 2x2, stride-2 max-pool (an odd last row or column is dropped)."""
-    return h // 2, w // 2
-
-
 @dataclass(frozen=True)
 class StateArray:
     """One array of a layer's state: a parameter the optimizer moves, a buffer (BatchNorm's running

@@ -13,19 +13,22 @@ dimension counts differ ('C' code reading a strided view, a 2-D wrapper unboxing
 later by glibc or LLVM, or wrong numbers. A test run starts dozens of processes (workers spawned
 side by side, a coordinator beside the test's own process) on one cache.
 
-Here each data file is named by a hash of its key (so two signatures never share a file, and a
-file is only ever replaced by the same key's code), the data is written before the index entry
-that points at it, the index's read-modify-write holds an exclusive lock (no lost entries), a
-loaded entry whose signature is not the one asked for is dropped and compiled again, and the
-index's stamp covers every kernel source file, not only the function's own (a cached kernel
-inlines helpers from other files; Numba alone would keep a stale copy of them). NUMBA_BOUNDSCHECK
-is part of the key, so a checking run on a warm cache compiles checked kernels beside the others.
+Here each data file is named by a hash of its key and the source stamp (so two signatures, or one
+signature compiled from two versions of the sources, never share a file, and a file is only ever
+replaced by the same code), the data is written before the index entry that points at it, the
+index's read-modify-write holds an exclusive lock (no lost entries), a loaded entry whose
+signature is not the one asked for is dropped and compiled again, and the index's stamp covers
+every kernel source file, not only the function's own (a cached kernel inlines helpers from other
+files; Numba alone would keep a stale copy of them). NUMBA_BOUNDSCHECK is part of the key, so a
+checking run on a warm cache compiles checked kernels beside the others.
 
 A process started with HETCONV_NUMBA_CACHE_LAYER=DIR reads the shared cache but writes what it
 compiles only under DIR (one folder per cache folder, each naming the folder it stands for);
-`merge_cache_layer(DIR)` later copies those entries into the shared cache. The test suite gives
-every test such a folder of its own, inherited by the processes it starts: they cannot write into
-one another's cache, and a kernel compiled once is still shared with the tests after it.
+`merge_cache_layer(DIR)` later copies those entries into the shared cache where they were compiled
+from the kernel sources as they are now (a layer left from before a source edit is stale: merging
+it would put its stamp over the shared index, which Numba then reads as empty). The test suite
+gives every test such a folder of its own, inherited by the processes it starts: they cannot write
+into one another's cache, and a kernel compiled once is still shared with the tests after it.
 """
 import contextlib
 import hashlib
@@ -75,7 +78,10 @@ class _KeyNamedIndex(caching.IndexDataCacheFile):
         self._lock_path = self._index_path + ".lock"
 
     def _name_of(self, key):
-        return f"{self._filename_base}.{hashlib.sha256(repr(key).encode()).hexdigest()[:24]}.nbc"
+        # the stamp too: a process compiling from edited sources writes a file of its own, never
+        # one an index of the old stamp points at
+        digest = hashlib.sha256(repr((key, self._source_stamp)).encode()).hexdigest()[:24]
+        return f"{self._filename_base}.{digest}.nbc"
 
     @contextlib.contextmanager
     def _locked(self):
@@ -153,10 +159,13 @@ class _LayeredIndex:
 def merge_cache_layer(layer):
     """Copy every entry compiled under the layer folder `layer` into the shared folders its
     subfolders name. Returns how many index entries were added. A subfolder that names no folder,
-    or an index from another numba or source version, is left where it is."""
+    an index from another numba, or one compiled from kernel sources edited since (stale) is left
+    where it is; so is one whose shared index is of today's sources but another stamp of its own
+    file (which of the two is stale cannot be told here)."""
     added = 0
     if not os.path.isdir(layer):
         return 0
+    sources_now = _kernel_sources_stamp()       # not _SOURCES_STAMP: the sources may have changed since import
     for sub in sorted(os.listdir(layer)):
         folder = os.path.join(layer, sub)
         try:
@@ -168,10 +177,13 @@ def merge_cache_layer(layer):
             if not index_name.endswith(".nbi"):
                 continue
             base = index_name[:-len(".nbi")]
-            own = _KeyNamedIndex(folder, base, _stamp_of(os.path.join(folder, index_name)))
-            if own._source_stamp is None:
+            stamp = _stamp_of(os.path.join(folder, index_name))
+            if stamp is None or stamp[1] != sources_now:
                 continue
-            added += _KeyNamedIndex(shared_folder, base, own._source_stamp).merge_from(own)
+            shared_stamp = _stamp_of(os.path.join(shared_folder, index_name))
+            if shared_stamp is not None and shared_stamp != stamp and shared_stamp[1] == sources_now:
+                continue
+            added += _KeyNamedIndex(shared_folder, base, stamp).merge_from(_KeyNamedIndex(folder, base, stamp))
     return added
 
 

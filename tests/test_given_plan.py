@@ -143,3 +143,34 @@ def test_a_recorded_plans_worker_names_are_read_only_from_what_names_them():
     assert recorded_worker_names({"workers": ["b", "a"], "left_out": {"c": "slow"}}) == ["a", "b", "c"]
     assert recorded_worker_names({"workers": ["a"], "left_out": ["b"]}) == ["a"]     # not a mapping: no names
     assert recorded_worker_names({"workers": "ab"}) == [] and recorded_worker_names(None) == []
+
+
+# ---- refused before any worker starts ----------------------------------------------------------
+
+@pytest.mark.parametrize("flags,said", [
+    (["--spawn", "cpu:1,cpu:1", "--conv", "6,16"], "conv layer 2 has 12 kernels in the plan, 16 here"),
+    (["--spawn", "cpu:1,cpu:1", "--batch-size", "64"], "split batches of [32] images; this run's --batch-size is 64"),
+    (["--spawn", "cpu:1,cpu:1,cpu:1"], "a plan for workers w0-cpu:1, w1-cpu:1; this run has w0-cpu:1, w1-cpu:1, "
+                                       "w2-cpu:1"),
+    (["--workers", "3"], "a plan for 2 workers (w0-cpu:1, w1-cpu:1); this run waits for --workers 3"),
+    (["--local"], "a plan for workers w0-cpu:1, w1-cpu:1; this run has local"),
+], ids=["network", "batch", "spawned workers", "external workers", "local"])
+def test_a_plan_of_another_run_is_refused_before_any_worker_starts(tmp_path, monkeypatch, capsys, flags, said):
+    from hetconv.cli import coordinator
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("a worker or device was started before the plan was checked")
+    monkeypatch.setattr(coordinator, "RemoteEngine", no_workers)
+    monkeypatch.setattr(coordinator, "open_device", no_workers)
+    path = _metrics_file(tmp_path, _plan())
+    argv = ["--conv", "6,12", "--fc", "8", "--batch-size", "32", "--plan", path, *flags]
+    assert coordinator.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"hetconv-coordinator: --plan {path}: " in err and said in err, err
+
+
+def test_a_plan_of_this_run_passes_the_check_before_the_workers_start(tmp_path):
+    from hetconv.cli import coordinator
+    path = _metrics_file(tmp_path, _plan())
+    argv = ["--conv", "6,12", "--fc", "8", "--batch-size", "32", "--plan", path, "--spawn", "cpu:1,cpu:1"]
+    assert coordinator.prepare(coordinator.build_parser().parse_args(argv), argv).cfg.plan == path

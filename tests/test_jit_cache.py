@@ -170,3 +170,54 @@ def test_a_layer_folder_naming_no_shared_folder_or_holding_a_foreign_index_is_le
     (foreign / "mod.f-1.py311.nbi").write_bytes(b"half an index")
     assert merge_cache_layer(str(tmp_path / "layer")) == 0
     assert not (tmp_path / "shared").exists()
+
+
+def test_a_data_files_name_holds_the_source_stamp(tmp_path):
+    """A process compiling from edited sources (another stamp) never writes over a data file an
+    index of the old stamp points at, nor the reverse."""
+    key = (("float32",), "magic", "h")
+    old, new = _index(tmp_path, "stamp 1"), _index(tmp_path, "stamp 2")
+    assert old._name_of(key) != new._name_of(key)
+    old.save(key, "old code")
+    new.save(key, "new code")
+    assert {p.name for p in tmp_path.glob("*.nbc")} == {old._name_of(key), new._name_of(key)}
+    assert _index(tmp_path, "stamp 2").load(key) == "new code"
+
+
+def _layer(tmp_path, shared, stamp, key, code):
+    """A layer folder holding one entry of `stamp`, naming `shared` as its shared folder."""
+    from hetconv.jit import _LAYER_TARGET_FILE
+    folder = tmp_path / "layer" / "sub"
+    folder.mkdir(parents=True)
+    (folder / _LAYER_TARGET_FILE).write_text(str(shared))
+    _KeyNamedIndex(str(folder), "mod.f-1.py311", stamp).save(key, code)
+    return str(tmp_path / "layer")
+
+
+KEY_A, KEY_B = (("float32",), "magic", "h"), (("int32",), "magic", "h")
+
+
+def test_a_layer_compiled_before_a_source_edit_is_not_merged_over_the_shared_index(tmp_path):
+    from hetconv.jit import _kernel_sources_stamp, merge_cache_layer
+    today, before_the_edit = ("f.py", _kernel_sources_stamp()), ("f.py", (("devices/cpu.py", 1, 2),))
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    _KeyNamedIndex(str(shared), "mod.f-1.py311", today).save(KEY_A, "code A")
+    assert merge_cache_layer(_layer(tmp_path, shared, before_the_edit, KEY_B, "stale code B")) == 0
+    fresh = _KeyNamedIndex(str(shared), "mod.f-1.py311", today)
+    assert fresh.load(KEY_A) == "code A" and fresh.load(KEY_B) is None
+
+
+def test_a_layer_of_todays_sources_replaces_a_stale_shared_index_but_not_one_of_another_stamp(tmp_path):
+    """A shared index from before an edit is stale (Numba reads it as empty): today's layer takes
+    its place. One of today's sources with another stamp of the function's own file: which is
+    stale is not known, so it stays."""
+    from hetconv.jit import _kernel_sources_stamp, merge_cache_layer
+    today = ("f.py", _kernel_sources_stamp())
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    _KeyNamedIndex(str(shared), "mod.f-1.py311", ("f.py", (("devices/cpu.py", 1, 2),))).save(KEY_A, "stale A")
+    assert merge_cache_layer(_layer(tmp_path / "1", shared, today, KEY_B, "code B")) == 1
+    assert _KeyNamedIndex(str(shared), "mod.f-1.py311", today).load(KEY_B) == "code B"
+    assert merge_cache_layer(_layer(tmp_path / "2", shared, ("g.py", today[1]), KEY_A, "code A")) == 0
+    assert _KeyNamedIndex(str(shared), "mod.f-1.py311", today).load(KEY_B) == "code B"

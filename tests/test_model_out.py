@@ -146,6 +146,48 @@ def test_onnx_export_gives_hetconv_logits(run, reference, tmp_path):
     assert accuracy(got, labels) == run[1]["test_accuracy"]
 
 
+def test_every_export_carries_the_class_names_and_the_network_under_the_same_names(run, tmp_path):
+    model = trained_model.load_model(run[0])
+    texts = export.export_metadata(model)
+    assert json.loads(texts["data.json"])["classes"] == list(model.classes)
+    assert NetSpec.from_json(json.loads(texts["network.json"])) == model.spec
+    out = tmp_path / "model.npz"
+    assert export.main([run[0], "--format", "npz", "--out", str(out)]) == 0
+    with np.load(out, allow_pickle=False) as z:
+        assert (str(z["data"]), str(z["network"])) == (texts["data.json"], texts["network.json"])
+
+
+def test_the_onnx_exporter_writes_the_metadata_into_the_model(run, tmp_path, monkeypatch):
+    """Where onnx is not installed: the exporter's output read, given the metadata and written
+    back, with torch.onnx and onnx stood in for (the real ones: the test below)."""
+    import types
+    written = {}
+
+    def fake_export(module, args, out, **kwargs):
+        with open(out, "wb") as f:
+            f.write(b"model")
+    proto = types.SimpleNamespace()
+    fake_onnx = types.SimpleNamespace(
+        load=lambda path: proto,
+        helper=types.SimpleNamespace(set_model_props=lambda p, props: written.update(props)),
+        save=lambda p, path: written.update(saved=(p is proto, str(path))))
+    monkeypatch.setitem(sys.modules, "onnx", fake_onnx)
+    monkeypatch.setitem(sys.modules, "onnxscript", types.SimpleNamespace())
+    monkeypatch.setattr(torch.onnx, "export", fake_export)
+    model = trained_model.load_model(run[0])
+    export.export_onnx(model, str(tmp_path / "m.onnx"))
+    assert written == {**export.export_metadata(model), "saved": (True, str(tmp_path / "m.onnx"))}
+
+
+def test_an_onnx_export_carries_the_class_names_in_its_metadata_props(run, tmp_path):
+    onnx = pytest.importorskip("onnx", reason="ONNX export is an optional extra (pip install 'hetconv[onnx]')")
+    pytest.importorskip("onnxscript", reason="ONNX export is an optional extra (pip install 'hetconv[onnx]')")
+    out = tmp_path / "model.onnx"
+    assert export.main([run[0], "--format", "onnx", "--out", str(out)]) == 0
+    props = {p.key: p.value for p in onnx.load(str(out)).metadata_props}
+    assert props == export.export_metadata(trained_model.load_model(run[0]))
+
+
 # ---- hetconv-classify -------------------------------------------------------------------------
 
 def test_classify_png_files_as_the_exported_model_does(run, reference, exported_torch, tmp_path, capsys):

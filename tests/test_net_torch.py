@@ -473,6 +473,36 @@ def test_a_mean_over_height_and_width_is_a_global_average_pool_and_flattens_writ
         torch.testing.assert_close(to_torch(spec, conv, fc)(x), module(x))
 
 
+# a class as a notebook cell or generated code makes it: fx keeps no source line for its forward
+EXEC_DEFINED = """
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(3, 4, 3), nn.Linear(4, 10)
+
+    def forward(self, x):
+        return self.fc(F.relu(self.conv(x)).mean((2, 3)))
+"""
+
+
+def test_a_module_whose_class_was_defined_by_exec_imports_and_computes_as_torch_does():
+    namespace = {"nn": nn, "F": nn.functional}
+    exec(EXEC_DEFINED, namespace)
+    module = namespace["Net"]()
+    spec, conv, fc = from_torch(module, (3, 8, 8))
+    assert [layer.type for layer in spec.layers] == ["conv", "relu", "global_avgpool", "flatten", "linear"]
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(to_torch(spec, conv, fc)(x), module(x))
+
+
+def test_a_refusal_in_a_class_defined_by_exec_names_the_op_without_a_line():
+    namespace = {"nn": nn, "F": nn.functional}
+    exec(EXEC_DEFINED.replace(".mean((2, 3))", ".mean((1, 3))"), namespace)
+    with pytest.raises(ValueError, match=r"^x\.mean\(\.\.\.\): a mean over dim \(1, 3\)"):
+        from_torch(namespace["Net"](), (3, 8, 8))
+
+
 @pytest.mark.parametrize("ending, what", [
     (lambda x: x.mean((1, 3)), "a mean over dim (1, 3); expected the mean over height and width"),
     (lambda x: x.squeeze(), "squeezes a 4 x 6 x 6 tensor; expected C x 1 x 1 (after a global pool), or a flatten: "

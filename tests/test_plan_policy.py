@@ -353,3 +353,18 @@ def test_what_fails_any_plan_is_said_before_calibration():
         check_plannable([8, 8], 2, PlanFlags(parallel="data", exchange="star"))
     with pytest.raises(PlanError, match="3 workers but a conv layer has only 2 kernels"):
         plan_from_lines([2, 8], {w: [(0.0, 1e-3)] * 2 for w in "abc"}, use_all=True)
+
+
+def test_the_text_output_shows_the_split_table_the_json_holds(monkeypatch, capsys, tmp_path):
+    from hetconv.engine.planner import Plan
+    flags = ["--conv", "32,64", "--fc", "16", "--batch-size", "64", "--link", "10gbit", "--parallel", "model"]
+    cfg, specs, _ = network({"conv": "32,64", "fc": "16", "batch_size": 64, "link": "10gbit", "parallel": "model"})
+    fast = LayerCost(2e-6, 4e-7, 4e-6, 8e-7, 1e-3, 2e-3)
+    slow = LayerCost(2e-5, 4e-6, 4e-5, 8e-6, 0.05, 0.1)
+    calibration = {name: calibration_record("cpu", [cost] * len(specs), [s.kernels for s in specs], cfg.batch_size)
+                   for name, cost in (("fast0", fast), ("slow", slow), ("fast1", fast))}
+    row, names = hetconv_plan_row(monkeypatch, capsys, tmp_path, calibration, flags)
+    assert plan_cli.main(["--devices", ",".join(d.split("-", 1)[1] for d in names), *flags]) == 0
+    out = capsys.readouterr().out
+    table = Plan.from_json(row["plan"]).table()
+    assert table in out and "left out" in table

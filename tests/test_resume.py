@@ -136,3 +136,24 @@ def test_a_checkpoints_data_set_that_is_gone_is_named_as_the_checkpoints(tmp_pat
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert f"the data set {checkpoint.latest(str(ck))} was trained on: " in err and str(data) in err
     assert err.strip().endswith("(give --data to resume on another copy of it)")
+
+
+def test_a_truncated_newest_checkpoint_is_named_with_why_before_any_worker_starts(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    code, _, err = coordinator_run(capsys, *TINY, "--data", DIGITS, "--batch-size", "16", "--steps", "2",
+                                   "--checkpoint-every", "1", "--checkpoint-dir", ck)
+    assert code == 0, err
+    newest = ck / "ckpt-step0000002.npz"
+    with open(newest, "r+b") as f:
+        f.truncate(1000)
+    argv = [*TINY, "--resume", str(ck), "--steps", "3"]
+    # prepare reads and checks everything a run needs and starts no worker or device
+    prepared = coordinator.prepare(coordinator.build_parser().parse_args(argv), argv)
+    assert prepared.resumed.meta["step"] == 1
+    out = capsys.readouterr().out
+    assert (f"resuming {ck / 'ckpt-step0000001.npz'}: skipped the newer ckpt-step0000002.npz: truncated or not "
+            f"a zip (BadZipFile") in out
+    code, out, err = coordinator_run(capsys, *argv)
+    assert code == 0, err
+    assert out.count("ckpt-step0000002.npz") == 1            # said once, before the device's line
+    assert out.index("skipped the newer") < out.index("local: cpu")

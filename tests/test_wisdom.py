@@ -128,13 +128,13 @@ def test_a_stored_timing_serves_the_layers_other_shares_as_a_timing_made_here_wo
 def test_a_store_replaces_the_file_whole_or_not_at_all(tmp_path, monkeypatch, capsys):
     path = tmp_path / "conv-paths.json"
     wisdom = W.Wisdom(path)
-    wisdom.store("m", W.canonical(W.call_key((1, 1, 4, 4), (1, 1, 3, 3), (1, 1), (0, 0), None)), "im2col")
+    wisdom.store(_machine(1), W.canonical(W.call_key((1, 1, 4, 4), (1, 1, 3, 3), (1, 1), (0, 0), None)), "im2col")
     before = path.read_bytes()
 
     def fail(src, dst):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(W.os, "replace", fail)
-    wisdom.store("m", W.canonical(W.call_key((2, 1, 4, 4), (1, 1, 3, 3), (1, 1), (0, 0), None)), "shifted")
+    wisdom.store(_machine(1), W.canonical(W.call_key((2, 1, 4, 4), (1, 1, 3, 3), (1, 1), (0, 0), None)), "shifted")
     assert path.read_bytes() == before                      # the old file, whole
     assert sorted(os.listdir(tmp_path)) == ["conv-paths.json", "conv-paths.json.lock"]     # no temporary left
     err = capsys.readouterr().err
@@ -167,28 +167,69 @@ def test_two_writers_at_once_lose_nothing(tmp_path):
     assert {e["path"] for (m, _), e in entries.items() if m == _machine(1)} == {"shifted"}
 
 
-@pytest.mark.parametrize("content, message", [
-    (b"{not json", "not JSON"),
-    (b"[1, 2]", "not a wisdom file"),
-    (b'{"format": 1, "machines": [{"machine": {"cpu": 3}, "calls": []}]}', "a machine key has the fields"),
-    (None, "more than the 200 a wisdom file may hold"),
-])
+@pytest.mark.parametrize("content, message, kept", [
+    (b"{not json", "not JSON", True),
+    (b"[1, 2]", "not a wisdom file of format 1", True),
+    (b'{"format": 2, "machines": []}', "not a wisdom file of format 1 (a map with its format and a list of machines; "
+                                       "this one has format 2)", True),
+    (b'{"format": 1, "machines": [{"machine": {"cpu": 3}, "calls": []}]}', "a machine key has the fields", False),
+    (None, "more than the 200 a wisdom file may hold", True),
+    (b'{"format": 1, "machines": [{"machine": {}, "calls": []}, {"machine": {}, "calls": []}]}',
+     "2 machine keys, more than 1", False),
+], ids=["not JSON", "not a map", "another format", "a bad entry", "too big", "too many machines"])
 def test_a_file_that_cannot_be_read_is_ignored_in_one_line_and_the_device_times(tmp_path, monkeypatch, capsys,
-                                                                                 content, message):
+                                                                                 content, message, kept):
+    """A file of this format with bad entries is written over, less them; one that is not a
+    wisdom file of this format (another version's, not hetconv's) is left as it is."""
     path = tmp_path / "conv-paths.json"
     if content is None:                         # oversized: a real entry, over a cap made small here
         device(Timer("im2col"), W.Wisdom(path)).conv2d(X, WEIGHTS, None)
         monkeypatch.setattr(W, "MAX_FILE_BYTES", 200)
     else:
         path.write_bytes(content)
+    monkeypatch.setattr(W, "MAX_MACHINES", 1)
+    before = path.read_bytes()
     timer = Timer("shifted")
     dev = device(timer, W.Wisdom(path))
     dev.conv2d(X, WEIGHTS, None)
-    assert choice(dev) == ("shifted", "timed") and timer.calls > 0
+    dev.conv2d(X[:1], WEIGHTS, None)            # a second store: not said again
+    assert [c["path"] for c in dev.conv_path_choices()] == ["shifted", "shifted"] and timer.calls > 0
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(path) in err and message in err and "Traceback" not in err
-    monkeypatch.setattr(W, "MAX_FILE_BYTES", 8 << 20)
-    assert list(stored(path).values()) == ["shifted"]       # written over with what this run knows
+    if kept:
+        assert path.read_bytes() == before
+        assert "left as it is" in err and "not kept for the next run (move the file away" in err
+        assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+    else:
+        monkeypatch.setattr(W, "MAX_FILE_BYTES", 8 << 20)
+        assert list(stored(path).values()) == ["shifted", "shifted"]     # written over with what this run knows
+
+
+def test_a_file_of_another_format_written_after_the_first_read_is_not_written_over(tmp_path, capsys):
+    """Another process (a newer version) puts its file in place while this one runs: the store,
+    which reads the file again under the lock, leaves it as it is and says so once."""
+    path = tmp_path / "conv-paths.json"
+    wisdom = W.Wisdom(path)
+    wisdom.store(_machine(1), W.canonical(W.call_key((1, 1, 4, 4), (1, 1, 3, 3), (1, 1), (0, 0), None)), "im2col")
+    path.write_bytes(b'{"format": 2, "machines": [], "more": "of a newer version"}')
+    for n in (2, 3):
+        wisdom.store(_machine(1), W.canonical(W.call_key((n, 1, 4, 4), (1, 1, 3, 3), (1, 1), (0, 0), None)), "shifted")
+    assert path.read_bytes() == b'{"format": 2, "machines": [], "more": "of a newer version"}'
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "this one has format 2" in err and "left as it is" in err
+    assert wisdom.lookup(_machine(1), W.canonical(W.call_key((3, 1, 4, 4), (1, 1, 3, 3), (1, 1), (0, 0), None))) == \
+        {"path": "shifted"}                                 # kept in memory for this run
+
+
+def test_a_store_syncs_the_folder_after_the_rename(tmp_path, monkeypatch):
+    path = tmp_path / "cache" / "conv-paths.json"
+    done = []
+    replace_file, fsync = os.replace, os.fsync
+    monkeypatch.setattr(W.os, "replace", lambda src, dst: (replace_file(src, dst), done.append("rename")))
+    monkeypatch.setattr(W.os, "fsync", lambda fd: (fsync(fd), done.append(
+        "folder" if os.path.samestat(os.fstat(fd), os.stat(path.parent)) else "file")))
+    W.Wisdom(path).store(_machine(1), W.canonical(W.call_key((1, 1, 4, 4), (1, 1, 3, 3), (1, 1), (0, 0), None)), "im2col")
+    assert done == ["file", "rename", "folder"]
 
 
 def test_wrong_typed_entries_are_left_out_and_the_rest_kept(tmp_path, capsys):

@@ -18,12 +18,12 @@ import threading
 import traceback
 
 from hetconv.coordinator.ray import RayLauncher, check_address, import_ray
-from hetconv.coordinator.remote import RemoteEngine, WorkerError, WorkerLost
+from hetconv.coordinator.remote import RemoteEngine, WorkerError, WorkerLost, spawned_worker_names
 from hetconv.data import DataError, load_dataset
 from hetconv.devices import DeviceError, cuda_extra_missing, open_device, parse_device_list
 from hetconv.devices.wisdom import machine_wisdom
 from hetconv.engine.local import LocalEngine
-from hetconv.engine.planner import PlanError, forced_modes
+from hetconv.engine.planner import PlanError, forced_modes, given_plan, recorded_worker_names
 from hetconv.engine.shard import ConvShard
 from hetconv.flags import (HelpFormatter, add_version, check_endpoint, check_output_dir, check_output_file,
                            check_range, say_in_handler, show_progress, threads_note, usable_cores)
@@ -32,6 +32,7 @@ from hetconv.net.presets import PRESETS
 from hetconv.training.checkpoint import CheckpointError, load_newest_valid, recorded_conv_paths
 from hetconv.training.config import Config, add_config_flags, config_from_args
 from hetconv.training.loop import network_for, resume_lines, resumed_config, run_length, train
+from hetconv.training.metrics import last_plan_record
 from hetconv.training.recipe import Recipe
 from hetconv.transport.keys import coordinator_keys, first_worker_dir, refuse_open_bind
 
@@ -325,7 +326,7 @@ class Prepared:
 
 
 # a bad flag value, found before any work starts (exit 2)
-CHECK_ERRORS = (ValueError, DeviceError, DataError, ConnectionError, CheckpointError)
+CHECK_ERRORS = (ValueError, DeviceError, DataError, ConnectionError, CheckpointError, PlanError)
 # a run that started and failed (exit 1)
 RUN_ERRORS = (WorkerError, WorkerLost, PlanError, DeviceError, DataError, CheckpointError, ValueError,
               FloatingPointError, ConnectionError)
@@ -341,6 +342,8 @@ def prepare(args, argv):
     resumed, changes = None, []
     if args.resume:              # the run the checkpoint holds goes on: its data, recipe and step target
         resumed, cfg, changes = _resume(args.resume, given, cfg)
+        for name, reason in resumed.skipped:        # said before any worker starts: the run is not the newest
+            print(f"resuming {resumed.meta['path']}: skipped the newer {name}: {reason}")
     notes = _check_given(args, cfg, given)
     spawn = [] if args.local or args.workers else _spawn_list(args)
     ds = _load_data(cfg, resumed, given)
@@ -352,9 +355,28 @@ def prepare(args, argv):
     network = network_for(cfg, ds, resumed)
     _check_network_flags(cfg, network, given)
     forced_modes(cfg.parallel, len(network.spec.conv_layers()))     # a chain of M/D letters fits the network
+    if cfg.plan:
+        _check_plan_file(cfg, args, network, spawn)
     for note in notes:
         print(note, file=sys.stderr)
     return Prepared(cfg, resumed, spawn, ds, network)
+
+
+def _check_plan_file(cfg, args, network, spawn):
+    """--plan FILE against this run before any worker starts or is calibrated: the network's conv
+    layers and kernels, the batch its data layers split, and the workers, by name where this run
+    knows them before they start (--local, --spawn), else by count (--workers N; their names are
+    checked when they have connected). PlanError naming the file and what differs."""
+    record = last_plan_record(cfg.plan)
+    source = f"--plan {cfg.plan}"
+    names = ["local"] if args.local else spawned_worker_names(spawn) if spawn else None
+    if names is None:
+        names = recorded_worker_names(record)
+        if len(names) != args.workers:
+            raise PlanError(f"{source}: a plan for {len(names)} workers ({', '.join(names)}); this run waits for "
+                            f"--workers {args.workers}")
+    kernels = [ConvSpec.from_layer(layer).kernels for layer in network.spec.conv_layers()]
+    given_plan(record, kernels, cfg.batch_size, names, source)
 
 
 def _resumed_conv_paths(resumed):

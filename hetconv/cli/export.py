@@ -12,7 +12,9 @@ the checkpoint) is inside, as buffers. The .npz holds the nn.Sequential's state_
 allow_pickle=False), the network ("network") and the data meta ("data": class names, image shape,
 mean, std): NetSpec.from_json(str(z["network"])) and hetconv.net.torch_import.to_torch rebuild it.
 The .pt2 carries the same two JSON texts as extra files, "data.json" and "network.json":
-torch.export.load(path, extra_files={"data.json": ""}) fills the dict with them.
+torch.export.load(path, extra_files={"data.json": ""}) fills the dict with them. The ONNX model
+carries them as its metadata_props under the same names (onnxruntime:
+session.get_modelmeta().custom_metadata_map["data.json"]).
 """
 import io
 import json
@@ -60,6 +62,13 @@ def _example(model, torch):
     return torch.rand((2,) + tuple(model.spec.input_shape), generator=torch.Generator().manual_seed(0))
 
 
+def export_metadata(model):
+    """The JSON texts every export carries beside the weights, by name: "data.json" (the class
+    names, image shape, mean and std) and "network.json" (the network): a .pt2's extra files, an
+    ONNX model's metadata_props, and a .npz's "data" and "network" arrays."""
+    return {"data.json": json.dumps(model.data), "network.json": json.dumps(model.spec.to_json())}
+
+
 def export_torch(model, out):
     torch = import_torch()
     module = image_module(model)
@@ -67,8 +76,7 @@ def export_torch(model, out):
     with torch.no_grad():
         program = torch.export.export(module, (_example(model, torch),), dynamic_shapes={"images": {0: batch}})
     buffer = io.BytesIO()              # torch.export.save warns on a file name not ending in .pt2
-    torch.export.save(program, buffer, extra_files={"data.json": json.dumps(model.data),
-                                                    "network.json": json.dumps(model.spec.to_json())})
+    torch.export.save(program, buffer, extra_files=export_metadata(model))
     with open(out, "wb") as f:
         f.write(buffer.getbuffer())
 
@@ -95,6 +103,12 @@ def export_onnx(model, out):
                               dynamo=True, external_data=False, verbose=False)
     finally:
         onnx_log.setLevel(level)
+    # written again with the metadata: the exporter takes none, and the model is small (the
+    # weights are inside it, external_data=False)
+    import onnx
+    proto = onnx.load(out)
+    onnx.helper.set_model_props(proto, export_metadata(model))
+    onnx.save(proto, out)
 
 
 def state_dict(model):
@@ -107,7 +121,8 @@ def state_dict(model):
 def export_npz(model, out):
     state = state_dict(model)
     with open(out, "wb") as f:
-        np.savez(f, **state, network=np.array(json.dumps(model.spec.to_json())), data=np.array(json.dumps(model.data)))
+        texts = export_metadata(model)
+        np.savez(f, **state, network=np.array(texts["network.json"]), data=np.array(texts["data.json"]))
 
 
 EXPORTERS = {"torch": export_torch, "onnx": export_onnx, "npz": export_npz}

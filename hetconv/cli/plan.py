@@ -27,7 +27,7 @@ from hetconv.engine.graph import graph_pass
 from hetconv.engine.measure import (calibrate_rounds, load_profiles, measure_coordinator_s, measure_join_s,
                                    measure_loopback)
 from hetconv.engine.microbatch import micro_batch_count
-from hetconv.engine.planner import PlanError, check_profiles, choose_modes
+from hetconv.engine.planner import Plan, PlanError, check_profiles, choose_modes
 from hetconv.engine.policy import (SHARED_CORES_WIRE_CPU_S_PER_BYTE, PlanFlags, Place, check_exchange,
                                    cores_together_record, plan_workers)
 from hetconv.flags import HelpFormatter, add_version, check_output_file, show_progress, still_working, usable_cores
@@ -368,6 +368,7 @@ def _print_rows(rows, specs, note):
     for r in rows:
         for w, why in r["left_out"].items():
             print(f"{len(r['devices'])} device(s): {w} left out, {why}")
+    print(f"with {len(rows[-1]['devices'])} device(s), the {Plan.from_json(rows[-1]['plan']).table()}")       # what the coordinator logs
     print(mode_table(rows[-1]))
     by_kind = rows[-1]["prediction"].get("bytes_by_kind")
     if by_kind:

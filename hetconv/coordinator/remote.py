@@ -106,6 +106,12 @@ def _checked_calibration(label, fields, layers):
     return list(speeds), list(timings)
 
 
+def spawned_worker_names(devices):
+    """The names the workers of a --spawn list (`devices`, one string each) run under, in order:
+    known before any starts, so a --plan can be checked against them first."""
+    return [f"w{i}-{d}" for i, d in enumerate(devices)]
+
+
 class _Peer:
     """A worker as its HELLO describes it; planning reads it as a policy.Place (host_key, device,
     threads, cores, host)."""
@@ -247,7 +253,7 @@ class RemoteEngine(ShardEngine):
         if not devices:
             return
         if self.launcher is not None:                       # placed elsewhere; pinning is the launcher's
-            self.processes += self.launcher.start([(f"w{i}-{d}", d) for i, d in enumerate(devices)], self.address,
+            self.processes += self.launcher.start(list(zip(spawned_worker_names(devices), devices)), self.address,
                                                   threads, self.connect_timeout, extra_args=self._limit_args(),
                                                   key_files=read_key_folder(self.worker_keydir) if self.worker_keydir
                                                   else None)
@@ -261,8 +267,8 @@ class RemoteEngine(ShardEngine):
                        for i, d in enumerate(devices) if d == "cpu" or d.startswith("cpu:")}
         fits = pin and sum(cpu_threads.values()) <= len(cores)
         first = 0
-        for i, device in enumerate(devices):
-            cmd = worker_command(self.address, f"w{i}-{device}", device, self.connect_timeout, os.getpid(),
+        for i, (name, device) in enumerate(zip(spawned_worker_names(devices), devices)):
+            cmd = worker_command(self.address, name, device, self.connect_timeout, os.getpid(),
                                  threads=per_worker if device == "cpu" else 0, curve=self.worker_keydir,
                                  extra=self._limit_args())
             if i in cpu_threads and fits:
@@ -272,7 +278,7 @@ class RemoteEngine(ShardEngine):
             # A session of its own: Ctrl-C reaches only the coordinator, which finishes the step,
             # checkpoints and then ends its workers itself. Its stdout holds only its start-up line,
             # which the coordinator's own line for it repeats; its errors go to stderr, kept.
-            self.processes.append((f"w{i}-{device}", subprocess.Popen(
+            self.processes.append((name, subprocess.Popen(
                 cmd, start_new_session=True, stdout=None if self.verbose else subprocess.DEVNULL)))
 
     def _await_workers(self, n):

@@ -7,7 +7,6 @@ cost 150 MiB, not 600.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
@@ -123,10 +122,6 @@ def check_bytes(source: str, size: int, cap: int, what: str) -> None:
     """Refuse something of `size` bytes before reading it when it is over `cap`."""
     if size > cap:
         raise DataError(f"{source}: {size} bytes, more than the {cap >> 20} MB {what}: not read")
-
-
-def pixel_bytes(shape) -> int:
-    return math.prod(int(d) for d in shape)
 
 
 MAX_CLASSES = 100_000          # class directories a folder's split may hold (each a class)

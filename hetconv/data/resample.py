@@ -4,9 +4,8 @@ box)`), compiled with Numba, from an (H, W, 3) uint8 array straight into a (3, S
 Why not Pillow's own: simplejpeg decodes a photo into an array, and Pillow's path from there is an
 RGB image built from the array (a copy into its 4-byte pixels), the resize in scalar C, an array
 read back out and a transposing copy to channels first; here the resize's vertical pass runs over
-whole rows (vectorised) and writes channels first. On the loader benchmark's photos at 224 px
-(random-resized-crop boxes) that is 0.9 ms an image against Pillow's 1.6 (one core of a shared
-2-core EPYC).
+whole rows (vectorised) and writes channels first: about half of Pillow's time an image on the
+loader benchmark's photos (bench/loader.py; its runs are in docs/bench-log.md).
 
 The arithmetic is Pillow's (libImaging/Resample.c: precompute_coeffs, normalize_coeffs_8bpc and
 the 8-bit passes): the same coefficients in 22-bit fixed point, rounded the same way, the box's

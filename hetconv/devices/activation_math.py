@@ -219,18 +219,8 @@ def celu_backward(v, g, param):
 
 
 @_scalar
-def tanh_forward(v, param):
-    return tanh(v)
-
-
-@_scalar
 def tanh_backward(y, g, param):
     return g * (_ONE - y * y)
-
-
-@_scalar
-def sigmoid_forward(v, param):
-    return sigmoid(v)
 
 
 @_scalar
@@ -270,16 +260,6 @@ def hardsigmoid(v, param):
 @_scalar
 def hardsigmoid_backward(v, g, param):
     return g / _SIX if -_THREE < v < _THREE else _ZERO
-
-
-@_scalar
-def identity(v, param):
-    return v
-
-
-@_scalar
-def identity_backward(v, g, param):
-    return g
 
 
 # by code; the CUDA kernels take it as an argument (the branch is the same for every thread of a

@@ -1,7 +1,7 @@
 """`--device cpu`: OpenBLAS sgemm on views of the input, with the data-movement kernels in Numba.
 
 Design, and what it costs:
-- Four paths (im2col, shifted GEMMs, FFT in devices/cpu_fft.py, Winograd F(4x4, 3x3) for dense
+- Paths (CONV_PATHS; four need no oneDNN: im2col, shifted GEMMs, FFT in cpu_fft.py, Winograd F(4x4, 3x3) for dense
   3x3 stride-1 convs in devices/cpu_winograd.py), chosen per layer and share
   (`conv_path="auto"`) by devices/cpu_path_choice.py: timed on the first call with a shape big
   enough to matter, by a rule below that; the choice kept per machine and per run (the wisdom, a

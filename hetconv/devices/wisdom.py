@@ -15,9 +15,13 @@ train to different bits. A path measured once and reused is the same path every 
   another precision is another machine: its timing is its own.
 - Written atomically (a temporary file in the same folder, then os.replace), merged under an
   advisory lock (fcntl.flock on `conv-paths-3.json.lock`) with what the file holds by then, so two
-  processes storing at once lose nothing. A cache: a file that cannot be read (too big, not JSON,
-  a field of the wrong type) is ignored with one line on stderr naming it, and a folder that
-  cannot be written is said once; the run goes on either way, timing what it would have reused.
+  processes storing at once lose nothing; the folder is synced after the rename, which a power
+  cut would otherwise undo. A cache: a file that cannot be read is ignored with one line on
+  stderr naming it, and a folder that cannot be written is said once; the run goes on either way,
+  timing what it would have reused. A file that is not, as a whole, a wisdom file of this FORMAT
+  (too big, not JSON, another format: another version's or not hetconv's) is also never written
+  over: this run's choices are then kept in memory only. One of this format with some bad
+  entries is written over, less those entries.
 - Read once per Wisdom object, bounded before parsing (MAX_FILE_BYTES) and after it (MAX_ENTRIES,
   every field checked); a lookup is then one dict lookup.
 
@@ -241,6 +245,11 @@ def _seconds(d):
 
 # ---- the file -----------------------------------------------------------------------------------
 
+class ForeignFile(Exception):
+    """The wisdom file's path holds a file that is not, as a whole, a wisdom file of this FORMAT;
+    the message says what it is instead."""
+
+
 class Wisdom:
     """One wisdom file: `lookup` the entry of a (machine, call) key, `store` one. Both keys are
     canonical() strings of machine_key and call_key dicts. Never raises for what the file holds
@@ -279,34 +288,52 @@ class Wisdom:
                 self._entries = self._read()
             self._entries.pop((machine, call), None)
             self._entries[(machine, call)] = entry
-            if "unwritable" in self._said:
+            if "unwritable" in self._said or "foreign" in self._said:
                 return                  # said once: this run keeps its choices in memory
             try:
                 self._entries = self._merge_and_write({(machine, call): entry})
+            except ForeignFile as e:
+                self._warn_foreign(str(e))
             except OSError as e:
                 self._warn("unwritable", f"cannot be written ({e.strerror or e}); this run's conv path choices are "
                                          f"not kept for the next run")
+
+    def _warn_foreign(self, problem):
+        self._warn("foreign", f"ignored and left as it is: {problem}; this run's conv path choices are not kept "
+                              f"for the next run (move the file away to let hetconv keep them)")
 
     # ---- reading: bounded, every field checked ----
     def _read(self):
         """{(machine, call): entry} of the file: empty where there is none, or it cannot be read
         (said once)."""
         try:
-            with open(self.path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if size > MAX_FILE_BYTES:
-                    self._warn("read", f"ignored: {size} bytes, more than the {MAX_FILE_BYTES} a wisdom file may hold")
-                    return {}
-                raw = f.read(MAX_FILE_BYTES + 1)
-        except (FileNotFoundError, NotADirectoryError):     # none yet (its folder may be what fails)
+            entries, problem = self._read_entries()
+        except ForeignFile as e:
+            self._warn_foreign(str(e))
             return {}
         except OSError as e:
             self._warn("read", f"ignored: cannot be read ({e.strerror or e})")
             return {}
-        entries, problem = parse(raw)
         if problem:
             self._warn("read", f"{'ignored' if not entries else 'some entries ignored'}: {problem}")
         return entries
+
+    def _read_entries(self):
+        """(entries, '' or the first bad entry's problem) of the file as it is now: ({}, '') where
+        there is none yet (its folder may be what is missing). Raises ForeignFile for a file that is
+        not a wisdom file of this format, OSError where it cannot be read."""
+        try:
+            with open(self.path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size > MAX_FILE_BYTES:       # a file of this format is never written this big
+                    raise ForeignFile(f"{size} bytes, more than the {MAX_FILE_BYTES} a wisdom file may hold")
+                raw = f.read(MAX_FILE_BYTES + 1)
+        except (FileNotFoundError, NotADirectoryError):
+            return {}, ""
+        d, problem = _wisdom_map(raw)
+        if problem:
+            raise ForeignFile(problem)
+        return _entries(d)
 
     # ---- writing: merged under the lock, replaced atomically ----
     def _merge_and_write(self, new):
@@ -333,21 +360,29 @@ class Wisdom:
                     if os.path.exists(tmp):
                         os.unlink(tmp)
                     raise
+                _fsync_folder(folder)
             finally:
                 if fcntl is not None:
                     fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
         return merged
 
     def _read_for_merge(self):
-        """The file's entries now (another process may have written since it was first read)."""
+        """The file's entries now (another process may have written since it was first read);
+        ForeignFile where it is no longer, or not yet, a wisdom file of this format."""
+        return self._read_entries()[0]
+
+
+def _fsync_folder(folder):
+    """The rename into `folder` made durable. A folder that cannot be synced (some network file
+    systems refuse) leaves it to the system's next sync: a cache loses at most this entry."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
         try:
-            with open(self.path, "rb") as f:
-                if os.fstat(f.fileno()).st_size > MAX_FILE_BYTES:
-                    return {}               # said when first read: replaced by what this run knows
-                raw = f.read(MAX_FILE_BYTES + 1)
-        except (FileNotFoundError, NotADirectoryError):     # none yet (its folder may be what fails)
-            return {}
-        return parse(raw)[0]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
 
 
 ABOUT = ("hetconv's conv path wisdom: the path each CPU device's timing chose per call shape, reused by later "
@@ -369,17 +404,30 @@ def _file_text(entries):
 def parse(raw):
     """A wisdom file's bytes -> ({(machine, call): {path, seconds?}}, '' or the first problem).
     Never raises: what cannot be read is left out, and said."""
+    d, problem = _wisdom_map(raw)
+    return ({}, problem) if problem else _entries(d)
+
+
+def _wisdom_map(raw):
+    """(the parsed map, '') where `raw` is as a whole a wisdom file of this FORMAT, else (None,
+    what it is instead)."""
     try:
         d = json.loads(raw)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        return {}, f"not JSON ({type(e).__name__})"
+        return None, f"not JSON ({type(e).__name__})"
     if not isinstance(d, dict) or d.get("format") != FORMAT or not isinstance(d.get("machines"), list):
-        return {}, f"not a wisdom file of format {FORMAT} (a map with its format and a list of machines)"
-    machines = d["machines"]
-    if len(machines) > MAX_MACHINES:
-        return {}, f"{len(machines)} machine keys, more than {MAX_MACHINES}"
+        found = f"format {d['format']!r:.20}" if isinstance(d, dict) and "format" in d else "no format"
+        return None, (f"not a wisdom file of format {FORMAT} (a map with its format and a list of machines; this "
+                      f"one has {found})")
+    return d, ""
+
+
+def _entries(d):
+    """A wisdom map's entries (as parse returns them): a bad entry left out, the first said."""
+    if len(d["machines"]) > MAX_MACHINES:        # of this format still: written over like a bad entry
+        return {}, f"{len(d['machines'])} machine keys, more than {MAX_MACHINES}"
     entries, problem = {}, ""
-    for m in machines:
+    for m in d["machines"]:
         if not isinstance(m, dict) or not isinstance(m.get("calls"), list):
             problem = problem or "a machine's entry is not a map with its list of calls"
             continue

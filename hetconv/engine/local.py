@@ -29,7 +29,6 @@ class LocalEngine(ShardEngine):
     # Nothing travels, so the shards take and give float32 and the engine rounds where a wire would:
     # one pass a map (encode then decode made two, and two new arrays), and none for a map that
     # is this engine's own rounded output going back in (a chain's next input, a next dX's dout).
-    # vgg-small --local --precision bf16, batch 32: ~4 ms a step less.
     def _shard_wire(self):
         return "float32"
 

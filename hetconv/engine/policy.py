@@ -230,17 +230,17 @@ def _proportional_plan(specs, image_shape, batch, profiles, link, flags, bytes_o
 #
 # On one host, two one-thread workers trade feature maps and partial dX over ipc and pay a call
 # each per layer, where one device with both cores runs the same GEMMs on two threads and moves
-# nothing (the paper network at batch 128 on 2 cores: 2.1 s a step --local --threads 2, 2.5 s
-# --spawn cpu,cpu). Which is faster depends on the layers and the cores, so that device is priced
-# as a plan like any other, from its own calibration: the device to beat is never one core.
+# nothing, and can be the faster (docs/bench-log.md). Which is faster depends on the layers and the
+# cores, so that device is priced as a plan like any other, from its own calibration: the device
+# to beat is never one core.
 
 CORES_TOGETHER_MIN_GAIN = 0.02      # the cost model's error is a few percent: a closer price is no news
 
 # What moving a byte costs the compute cores of hosts with none to spare for their network (the
 # kernel's TCP stack, ZeroMQ's I/O thread, the receive thread's copies; sender and receiver
-# together): bench/_wire_cpu.py measures 0.8-1.1 ns unshaped and 1.4 ns on a 1 Gbit/s tbf link,
-# AMD EPYC Zen 4, two workers on two cores. Where a host's CPU workers leave a core free the
-# network runs there and costs the compute nothing.
+# together), about what bench/_wire_cpu.py measures with two workers on two cores, shaped link or
+# not (its runs: docs/bench-log.md). Where a host's CPU workers leave a core free the network runs
+# there and costs the compute nothing.
 SHARED_CORES_WIRE_CPU_S_PER_BYTE = 1.0e-9
 
 

@@ -21,17 +21,14 @@ from hetconv.transport.wire import carried_dtype, decode, encode
 # Every calibration point (a kernel count on a batch, or the update) is the mean over timed calls
 # that together measure at least CALIBRATION_FLOOR_S. A core shared with another busy process is
 # shared in scheduler slices of several ms, so a call of a few ms runs either at full speed or
-# stalled for a slice, and the median of a few such calls is one or the other by luck (conv 32,96,
-# two 1-thread workers, one sharing its core with a busy loop: medians of three calls put the
-# larger layer's fast/slow ratio anywhere from 0.63 to 4.65 against ~2). The mean over a window of
-# many slices is what the shared core delivers. What it costs: at most about the floor per point
-# beyond the calls that were timed anyway (four points per layer); a call that already takes
-# longer than the floor is repeated no more than before. On the paper network at the default
-# batch of 16 (two 1-thread workers, AMD EPYC, 2 cores, avx512f; other tenants using 0.6-0.8 of
-# a core meanwhile) calibration took 17.0 s against 8.6 s with medians of three calls
-# (bench/results/calibration_noise.md); conv 32,96 takes 2.0 s against 0.5 s. The cap on calls
-# keeps tiny layers, whose calls are microseconds and whose untimed overhead then outweighs
-# them, to a fraction of a second.
+# stalled for a slice, and the median of a few such calls is one or the other by luck: a layer's
+# fast/slow ratio read from medians of three calls can be off by several times. The mean over a
+# window of many slices is what the shared core delivers. What it costs: at most about the floor
+# per point beyond the calls that were timed anyway (four points per layer); a call that already
+# takes longer than the floor is repeated no more than before, so a calibration takes about twice
+# as long as with medians (bench/calibration_noise.py; its runs are in docs/bench-log.md). The cap
+# on calls keeps tiny layers, whose calls are microseconds and whose untimed overhead then
+# outweighs them, to a fraction of a second.
 CALIBRATION_FLOOR_S = 0.25
 CALIBRATION_MAX_CALLS = 1000
 

@@ -209,7 +209,9 @@ def from_torch(module, input_shape):
         if spec.output_shapes()[index] != (width,):
             raise ValueError(f"{steps[index][0]}: views its input as (-1, {width}), but it has "
                              f"{spec.output_shapes()[index][0]} features on input_shape {tuple(spec.input_shape)}")
-    modules = [(label.split()[1], m) for label, m, _, _, _ in steps]
+    # a module step's label is "module PATH (Type)"; a function's is its op, a single word where fx
+    # kept no source line (a class defined by exec): it has no module to look up
+    modules = [(label.split()[1] if m is not None else label, m) for label, m, _, _, _ in steps]
     # the module fixes every input width; the spec infers them from input_shape: they must agree
     by_index = dict(enumerate(modules))
     states = []

@@ -390,7 +390,8 @@ def train(cfg, engine, log=print, resume=None, metrics_extra=None, dataset=None,
     """Train per `cfg` with conv layers on `engine`. `engine.plan_for(specs, input_shapes, cfg)`
     returns the kernel split; the loop is otherwise transport-agnostic. `dataset`, when given, is
     cfg.data already loaded (the command line loads it before starting workers). `resume`: a
-    checkpoint file or directory, or what checkpoint.load_newest_valid returned for one; `cfg` is
+    checkpoint file or directory (the checkpoints it skips are logged), or what
+    checkpoint.load_newest_valid returned for one (the caller says what it skipped); `cfg` is
     the whole config (hetconv.cli.coordinator takes the checkpoint's with resumed_config). `stop_grace`:
     seconds a SIGTERM or Ctrl-C gives the running step and checkpoint before the last snapshot is
     saved instead. `network`: a hetconv.net LoadedNet, when the caller made it already (else
@@ -728,6 +729,7 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
         ds = load_dataset(cfg.data, **cfg.dataset_options())
     for note in ds.notes:                     # what the loader inferred (classes) or did (a held-out test split)
         log(note)
+    said_skipped = isinstance(resume, checkpoint.Loaded)    # read by the caller, who said what it skipped
     resume = load_resume(resume)
     if resume is not None and not cfg.checkpoint_dir:
         cfg = dataclasses.replace(cfg, checkpoint_dir=checkpoint_dir_for(cfg, resume))
@@ -772,7 +774,7 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
     start_step = 0
     if resume is not None:
         meta, conv_params, fc_state, skipped = resume
-        for name, reason in skipped:
+        for name, reason in [] if said_skipped else skipped:
             log(f"skipped {name}: {reason}")
         _compatible(meta, cfg, network)
         conv_params = [_run_state(spec, state, cfg.optimizer, log) for spec, state in zip(specs + norms, conv_params)]

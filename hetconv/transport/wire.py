@@ -9,9 +9,8 @@ Arrays are encoded by the sender and decoded to float32 by the receiver, whateve
 computes in (a GPU worker's kernels take the decoded float32).
 
 The bfloat16 conversions are Numba kernels, one pass each on the threads Numba runs on (numpy's
-bit arithmetic takes four passes with temporaries: a 32x64x32x32 map 6.7 ms to encode and 5.0 ms
-to decode against 1.9 and 1.4 ms here, 2 threads, AMD EPYC Zen 5); a bf16 step pays them at every
-block's input, output, gradient and partial dX, `--local` included.
+bit arithmetic takes four passes with temporaries, three to four times as long: docs/bench-log.md);
+a bf16 step pays them at every block's input, output, gradient and partial dX, `--local` included.
 
 `--wire-dtype auto` (the default) follows the compute: bfloat16 where every CPU worker's conv
 GEMMs run bf16 (their operands are rounded to bf16 anyway, so the wire halves the bytes and

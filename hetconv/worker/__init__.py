@@ -1,5 +1,5 @@
 """The worker side: the serve loop (serve.py) and the peer step (peers.py; a graph's in graph_step.py,
-both cutting tensors into workers' blocks as blocks.py says). What the command line and the serve
+both cutting tensors into workers' blocks as engine/layouts.py says). What the command line and the serve
 loop share lives here: how a worker ends."""
 import signal
 

@@ -327,10 +327,6 @@ class PeerLinks:
             raise ValueError(f"{what} from {sender} has shape {tuple(got.shape)}, the plan expects {tuple(expected)}")
         return got
 
-    def _width(self, layer, worker):
-        start, stop = self.ranges[layer][worker]
-        return stop - start
-
     def _drop(self, msg, kind, why):
         """Refuse a message: counted, and logged once per kind, so a misbehaving peer cannot
         flood the log. Returns None, what _admit returns for it."""
