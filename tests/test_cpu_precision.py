@@ -365,7 +365,7 @@ def test_a_device_keeps_the_primitives_of_its_latest_call_shapes_only(monkeypatc
 def test_what_onednn_has_no_kernel_for_is_named_and_a_wrong_array_never_reaches_it(monkeypatch):
     from hetconv.devices import dnnl_conv
 
-    def unsupported(*args):
+    def unsupported(*args, **kwargs):
         raise dnnl_conv._Unsupported("the backward-data convolution")
     convs = dnnl_conv.DirectConvs(dnnl.load(), 1, bf16=False)
     with monkeypatch.context() as m:
