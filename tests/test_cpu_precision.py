@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hetconv.devices import DeviceError, cpu_path_choice, dnnl, open_device
-from hetconv.devices.base import ConvBlock
+from hetconv.devices.base import ConvBlock, empty_channels_last
 from hetconv.net import reference as R
 
 MISSING = dnnl.unavailable_reason()
@@ -373,10 +373,15 @@ def test_what_onednn_has_no_kernel_for_is_named_and_a_wrong_array_never_reaches_
         why = convs.declines((2, 3, 6, 6), (4, 3, 3, 3), (1, 1), (1, 1))
     assert why == f"oneDNN {dnnl.load().version} has no implementation of the backward-data convolution here"
     assert convs.declines((2, 3, 6, 6), (4, 3, 3, 3), (1, 1), (1, 1)) == why      # remembered, not tried again
+    with pytest.raises(DeviceError, match="has no implementation of the backward-data convolution"):
+        convs.forward(*tensors((2, 3, 6, 6, 4, 3, 3), 10)[:2], (1, 1), (1, 1), empty_channels_last((2, 4, 6, 6)))
+    convs = dnnl_conv.DirectConvs(dnnl.load(), 1, bf16=False)
     x, w, _, _ = tensors((2, 3, 6, 6, 4, 3, 3), 10)
-    for y in (np.empty((2, 4, 5, 6), np.float32), np.empty((2, 4, 6, 12), np.float32)[..., ::2]):
-        with pytest.raises(ValueError, match="^oneDNN's layout takes a C-contiguous array of 1152 bytes, got"):
-            convs.forward(x, w, (1, 1), (1, 1), y)      # too small, then the right size but strided
+    with pytest.raises(ValueError, match="^oneDNN's layout takes a C-contiguous array of 1152 bytes, got"):
+        convs.forward(x, w, (1, 1), (1, 1), empty_channels_last((2, 4, 5, 6)))       # too small
+    for y in (np.empty((2, 4, 6, 6), np.float32), empty_channels_last((2, 4, 6, 12))[..., ::2]):
+        with pytest.raises(ValueError, match="^a channels-last map was expected"):
+            convs.forward(x, w, (1, 1), (1, 1), y)      # the right size, but NCHW, then strided
     assert not convs.declines((2, 3, 6, 6), (4, 3, 5, 5), (1, 1), (2, 2))
 
 
