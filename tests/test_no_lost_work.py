@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -420,3 +421,35 @@ def test_a_worker_dropped_while_stopped_is_told_to_shut_down(procs, tmp_path):
         assert workers[1].wait(timeout=20) == 0
     finally:
         engine.close()
+
+
+def test_a_spawned_worker_still_starting_at_the_connect_timeout_is_named_with_the_flag_that_waits_longer(
+        monkeypatch):
+    """A process the coordinator started and that still runs is slow, not missing: the line names
+    it and --connect-timeout, not a hetconv-worker command to start by hand; the process is ended."""
+    from hetconv.coordinator import remote
+    started = []
+
+    def slow_worker(*args, **kwargs):
+        return [sys.executable, "-c", "import time; time.sleep(60)"]
+
+    real_popen = subprocess.Popen
+
+    def popen(cmd, **kwargs):
+        p = real_popen(cmd, **kwargs)
+        started.append(p)
+        return p
+
+    monkeypatch.setattr(remote, "worker_command", slow_worker)
+    monkeypatch.setattr(remote.subprocess, "Popen", popen)
+    with pytest.raises(Exception, match=r"only 0 of 1 workers connected .* within 1s: w0-cpu \(pid \d+\) started "
+                                        r"but did not connect yet \(a loaded host\?\): --connect-timeout 120 "
+                                        r"waits longer$"):
+        RemoteEngine("tcp://127.0.0.1:0", 0, ["cpu"], threads=1, log=quiet, connect_timeout=1)
+    assert started
+    for p in started:
+        try:
+            assert p.wait(timeout=10) is not None         # the coordinator ended what it started
+        finally:
+            if p.poll() is None:
+                p.kill()

@@ -288,8 +288,18 @@ class RemoteEngine(ShardEngine):
             left = deadline - time.monotonic()
             if left <= 0:
                 keys = f" --curve {os.path.join(self.curve, 'workers', 'NAME')}" if self.curve and not self._key_tmp else ""
-                hint = ("can the Ray nodes reach this address? (choose one with --bind)" if self.launcher is not None
-                        else f"start more with `hetconv-worker --device cpu --connect {self.address}{keys}`")
+                starting = [f"{label} (pid {proc.pid})" for label, proc in self.processes
+                            if label not in self.peers and proc.poll() is None]
+                if starting:
+                    # a process this coordinator started and that still runs is slow, not missing:
+                    # on a host with more runnable threads than cores, Python, Numba and oneDNN
+                    # can take minutes to load
+                    hint = (f"{', '.join(starting)} started but did not connect yet (a loaded host?): "
+                            f"--connect-timeout {max(120, 2 * self.connect_timeout):.0f} waits longer")
+                elif self.launcher is not None:
+                    hint = "can the Ray nodes reach this address? (choose one with --bind)"
+                else:
+                    hint = f"start more with `hetconv-worker --device cpu --connect {self.address}{keys}`"
                 raise WorkerLost(f"only {len(self.peers)} of {n} workers connected to {self.address} within "
                                  f"{self.connect_timeout:.0f}s: {hint}")
             self._check_processes("starting")
