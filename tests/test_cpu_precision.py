@@ -402,3 +402,16 @@ def test_a_library_without_a_cpu_engine_declines_the_direct_paths_and_keeps_its_
     forced = open_device("cpu", conv_path="direct-dnnl", threads=1)
     with pytest.raises(DeviceError, match=r"^conv path direct-dnnl cannot run .*: oneDNN failed creating a CPU engine"):
         forced.conv2d(x, w, b)
+
+
+@needs_dnnl
+def test_auto_where_bf16_cannot_run_is_fp32s_machine_and_runs_the_paths_fp32_timed(monkeypatch):
+    """--precision auto on a CPU without bf16 has only fp32's candidates: it keys the wisdom as fp32
+    does, so it takes the paths fp32 timed, never ones its own timing at another moment picked."""
+    lib = dnnl.load()
+    monkeypatch.setattr(lib, "bf16_error", "no bf16 GEMM on this CPU")
+    fp32, auto = (open_device("cpu", threads=1, precision=p) for p in ("fp32", "auto"))
+    assert auto.bf16_missing and auto.machine_key() == fp32.machine_key()
+    monkeypatch.setattr(lib, "bf16_error", "")
+    with_bf16 = open_device("cpu", threads=1, precision="auto")
+    assert with_bf16.machine_key() != open_device("cpu", threads=1, precision="fp32").machine_key()

@@ -216,7 +216,10 @@ class ConvPathChoice:
     def _machine_key(self):
         if self._machine is None:
             paths = {*self._path_gemms, *self._shifted_gemms, *self._direct, *self._depthwise, "fft"}
-            key = wisdom_keys.machine_key(self.threads, self.precision, self.conv_path,
+            # --precision auto where bf16 cannot run has fp32's candidates: it is fp32's machine,
+            # so it runs the paths fp32 timed (its own timing, at another moment, could pick others)
+            precision = "fp32" if self.precision == "auto" and self.bf16_missing else self.precision
+            key = wisdom_keys.machine_key(self.threads, precision, self.conv_path,
                                           None if self._dnnl is None else self._dnnl.version, paths)
             self._machine = (key, wisdom_keys.canonical(key))
         return self._machine
