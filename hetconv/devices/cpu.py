@@ -59,6 +59,7 @@ import numpy as np
 from numba import prange
 from threadpoolctl import ThreadpoolController, threadpool_info, threadpool_limits
 
+from hetconv import runtimes
 from hetconv.devices import activation_math as am
 from hetconv.devices import cpu_channels_last, cpu_channelwise, dnnl
 from hetconv.channelwise import Activation, Pool
@@ -229,8 +230,9 @@ class CpuDevice(ConvPathChoice, GemmPaths, Device):
         """`wisdom`: a devices.wisdom.Wisdom whose stored choices this device reuses and where
         it keeps what it times (None: none; the command lines give the machine's file,
         wisdom.machine_wisdom(), so a device made here touches no file unless told). `retime`:
-        time every call shape again and store the result over the wisdom's. `deterministic`:
-        choose by a fixed rule, never timing and never reading or writing the wisdom: a depthwise
+        time every call shape again and store the result over the wisdom's. `threads`: None, every
+        core this process may use, or under `deterministic` runtimes.DETERMINISTIC_THREADS (the
+        sums split by the count). `deterministic`: choose by a fixed rule, never timing and never reading or writing the wisdom: a depthwise
         conv its depthwise path (depthwise-bf16 under precision bf16); else the untimed rule
         (shifted where C*kw is long enough and the kernels few enough, see
         cpu_path_choice.SHIFTED_MIN_REDUCTION, else im2col): under precision bf16 on bf16
@@ -239,11 +241,14 @@ class CpuDevice(ConvPathChoice, GemmPaths, Device):
         Slower than the timed choice where another path is faster, and the same bits every
         run. Choices a checkpoint recorded (preload_conv_paths) come before the wisdom and
         timing, after the forced path and `deterministic`."""
-        available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        if threads is None:
-            threads = available
+        if threads is None:         # under `deterministic` a fixed count, never the affinity mask's
+            threads = runtimes.threads_for(0, deterministic)
         if not isinstance(threads, (int, np.integer)) or threads < 1:
             raise DeviceError(f"threads must be a positive integer, got {threads!r}")
+        if deterministic and threads > numba.config.NUMBA_NUM_THREADS:
+            raise DeviceError(f"threads {threads}: this process runs at most {numba.config.NUMBA_NUM_THREADS} Numba "
+                              f"threads (NUMBA_NUM_THREADS), and deterministic cannot run fewer without changing "
+                              f"the sums")
         if conv_path not in CONV_PATHS:
             raise DeviceError(f"conv_path must be one of {CONV_PATHS!r}, got {conv_path!r}")
         if precision not in PRECISIONS:
