@@ -282,6 +282,10 @@ class CpuDevice(ConvPathChoice, GemmPaths, Device):
         self._depthwise = {"depthwise": DepthwiseConvs(bf16=False), "depthwise-bf16": DepthwiseConvs(bf16=True)}
         # onednn: None, its paths where it is installed; False, OpenBLAS's only (as without it)
         self._dnnl, self.bf16_missing = self._open_dnnl(conv_path, precision, onednn)
+        # precision bf16 where the CPU has no bf16 GEMM: the GEMM paths on its emulation (the same
+        # products, float32 sums; dnnl.Dnnl.emulated_gemm_bf16), for correctness, not speed.
+        # Never under precision auto, which takes exactly the float32 choice there.
+        self.bf16_emulated = bool(self.bf16_missing) and precision == "bf16"
         # the direct paths' GEMMs all on oneDNN's OpenMP threads, OpenBLAS on one (see
         # cpu_path_choice.OPENBLAS_PATHS)
         self.openmp_gemms_only = self._dnnl is not None and self.threads > 1 and conv_path == "auto"
@@ -297,9 +301,10 @@ class CpuDevice(ConvPathChoice, GemmPaths, Device):
             self._path_gemms["im2col-dnnl"] = DnnlGemms(self, self._dnnl)
             self._shifted_gemms["shifted-dnnl"] = ShiftedDnnlGemms(self, self._dnnl)
             self._direct["direct-dnnl"] = DirectConvs(self._dnnl, self.threads, bf16=False)
+            if not self.bf16_missing or self.bf16_emulated:
+                self._path_gemms["im2col-bf16"] = Bf16Gemms(self, self._dnnl, self.bf16_emulated)
+                self._shifted_gemms["shifted-bf16"] = ShiftedBf16Gemms(self, self._dnnl, self.bf16_emulated)
             if not self.bf16_missing:
-                self._path_gemms["im2col-bf16"] = Bf16Gemms(self, self._dnnl)
-                self._shifted_gemms["shifted-bf16"] = ShiftedBf16Gemms(self, self._dnnl)
                 self._direct["direct-bf16"] = DirectConvs(self._dnnl, self.threads, bf16=True)
 
     @staticmethod
@@ -319,8 +324,9 @@ class CpuDevice(ConvPathChoice, GemmPaths, Device):
             lib = dnnl.load()
         except DeviceError as e:
             raise DeviceError(f"{asked} needs oneDNN: {e}") from None
-        if lib.bf16_error and precision == "bf16":
-            raise DeviceError(f"precision bf16 cannot run here: {lib.bf16_error}")
+        if lib.bf16_error and precision == "bf16" and conv_path == "direct-dnnl":
+            raise DeviceError(f"precision bf16 with conv path direct-dnnl runs oneDNN's bf16 convolutions, which "
+                              f"this CPU lacks ({lib.bf16_error}); conv path auto runs bf16 on emulated GEMMs here")
         return lib, lib.bf16_error
 
     def _take_saved_cols(self, size):
@@ -359,6 +365,8 @@ class CpuDevice(ConvPathChoice, GemmPaths, Device):
         precision = self.precision
         if self.precision == "auto" and self.bf16_missing:
             precision += f" (float32 only: {'no oneDNN' if self._dnnl is None else 'no bf16 GEMM on this CPU'})"
+        if self.bf16_emulated:
+            precision += " (emulated: no bf16 GEMM on this CPU; the same sums, slower than float32)"
         return (f"cpu ({self.threads} thread{'s' if self.threads > 1 else ''}, BLAS {', '.join(blas) or 'unknown'}"
                 f"{gemm}, precision {precision})")
 
