@@ -85,6 +85,12 @@ def use_threads(threads, deterministic):
     return threads
 
 
+def current_threads():
+    """The thread count this thread's Numba kernels run on."""
+    import numba
+    return numba.get_num_threads()
+
+
 def record(head_threads):
     """What the metrics and the plan keep of the runtimes: the head's threads, the threading
     layer and OMP_DYNAMIC as this process runs them."""

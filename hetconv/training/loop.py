@@ -718,6 +718,19 @@ def _reproducible(cfg, engine, specs, log, resumed_meta=None):
     return cfg
 
 
+def _head_threads(cfg, engine):
+    """The threads of the head's GEMMs and of this thread's Numba kernels (head_gemm follows
+    Numba's count), set here: under --deterministic the command's count (runtimes.threads_for);
+    beside workers every core this process may use, as Numba's default gave before its pool was
+    sized past the affinity mask (runtimes.pin); --local keeps its device's, which opening it set
+    on this thread."""
+    if cfg.deterministic:
+        return runtimes.use_threads(runtimes.threads_for(cfg.threads, True), True)
+    if getattr(engine, "peers", None) is not None:
+        return runtimes.use_threads(runtimes.threads_for(0, False), False)
+    return runtimes.current_threads()
+
+
 def threads_record(cfg, engine, head_threads):
     """The thread counts a run's sums split by, as its plan record keeps them (--plan FILE
     carries them, cli/coordinator takes "device"): "device", what a CPU device runs where the
@@ -776,9 +789,7 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
     if cfg.steps:
         total_steps = cfg.steps
     cfg = _reproducible(cfg, engine, specs, log, None if resume is None else resume[0])
-    # the head's GEMMs and this thread's Numba kernels: a count from the command (fixed under
-    # --deterministic, runtimes.threads_for), set here since Numba's default is its pool's size
-    head_threads = runtimes.use_threads(runtimes.threads_for(cfg.threads, cfg.deterministic), cfg.deterministic)
+    head_threads = _head_threads(cfg, engine)
     metrics.write("config", config=cfg.to_json(), data=repr(ds), network=network.to_json(),
                   runtime=runtimes.record(head_threads), **metrics_extra)
 
