@@ -169,3 +169,25 @@ def test_a_lost_worker_under_deterministic_says_the_bits_now_differ(deterministi
     assert len(said) == (1 if deterministic else 0)
     if deterministic:
         assert said[0].startswith("--deterministic: lost b, so the run's bits now differ from an uninterrupted run's")
+
+
+def test_a_deterministic_cpu_worker_takes_a_fixed_thread_count_and_refuses_a_dynamic_openmp(monkeypatch):
+    """What it says at HELLO (the plan's record) is the count it runs, never its cores; and an
+    environment that would split its sums otherwise ends it with one line."""
+    from hetconv.cli import worker as worker_cli
+    from hetconv.worker import WorkerExit
+    from hetconv.worker.serve import _check_args
+    monkeypatch.setenv("OMP_DYNAMIC", "false")
+    monkeypatch.setenv("NUMBA_THREADING_LAYER", "omp")
+
+    def checked(*argv):
+        args = worker_cli.build_parser().parse_args(["--connect", "tcp://127.0.0.1:5555", *argv])
+        _check_args(args)
+        return args.threads
+
+    assert checked("--device", "cpu", "--deterministic") == runtimes.DETERMINISTIC_THREADS
+    assert checked("--device", "cpu:2", "--deterministic") == 2
+    assert checked("--device", "cpu") == 0                   # without --deterministic: every core, as before
+    monkeypatch.setenv("OMP_DYNAMIC", "TRUE")
+    with pytest.raises(WorkerExit, match="^OMP_DYNAMIC=TRUE lets OpenMP run a region on fewer threads than asked"):
+        checked("--device", "cpu", "--deterministic")
