@@ -3,7 +3,11 @@ proportion to measured device speed; the fully connected layers stay on the coor
 
 From Python (hetconv.api): train, load, load_dataset, and the Run and Model they return.
 """
+from hetconv import runtimes as _runtimes
+
 __version__ = "0.1.0"
+# before any module here imports Numba or loads oneDNN: the settings that decide how reductions split
+_runtimes.pin()
 
 # The API is loaded on first use: it imports the commands, the coordinator and Numba, which a
 # process importing any other hetconv module (a worker, a data reader) must not pay for.

@@ -8,10 +8,11 @@ import sys
 import numpy as np
 import pytest
 
+from _bf16 import needs_dnnl
 from test_data_parallel import KERNELS, NET
 from hetconv.cli import coordinator
 from hetconv.coordinator.remote import RemoteEngine
-from hetconv.devices import dnnl, open_device
+from hetconv.devices import open_device
 from hetconv.engine.local import LocalEngine
 from hetconv.engine.contract import wire_record
 from hetconv.engine.planner import fixed_plan
@@ -22,8 +23,6 @@ from hetconv.training.config import Config
 from hetconv.training.loop import train
 from hetconv.transport.wire import carried_dtype, decode, encode, value_bytes, wire_for
 
-BF16_MISSING = dnnl.unavailable_reason() or dnnl.load().bf16_error
-needs_bf16 = pytest.mark.skipif(bool(BF16_MISSING), reason=f"no bf16 GEMM here: {BF16_MISSING}")
 
 
 def quiet(*_):
@@ -157,7 +156,7 @@ def test_the_plan_record_carries_the_wire_and_what_each_worker_computes_in(tmp_p
     assert wire_record(object()) == {}
 
 
-@needs_bf16
+@needs_dnnl
 def test_local_bf16_says_its_wire(capsys, tmp_path):
     metrics = tmp_path / "m.jsonl"
     assert coordinator.main(["--local", "--threads", "1", "--precision", "bf16", "--metrics", str(metrics),
@@ -226,7 +225,7 @@ def assert_bytes_as_priced(metrics, modes):
             assert want["sent"] <= sent <= want["sent"] + 128 * want["messages"], (w, sent, want)
 
 
-@needs_bf16
+@needs_dnnl
 def test_a_distributed_bf16_step_rounds_where_locals_does(tmp_path):
     """Two bf16 workers and --local at bf16, both with the bf16 wire auto gives them: images, every
     layer's output and gradient are rounded elementwise at each layer boundary in both, so a plan

@@ -6,14 +6,12 @@ slower."""
 import numpy as np
 import pytest
 
+from _bf16 import INSTRUCTIONS_MISSING, emulated, needs_dnnl, needs_instructions
 from hetconv.devices import DeviceError, cpu_path_choice, dnnl, open_device
 from hetconv.devices.base import ConvBlock, empty_channels_last
 from hetconv.net import reference as R
 
 MISSING = dnnl.unavailable_reason()
-BF16_MISSING = MISSING or dnnl.load().bf16_error
-needs_dnnl = pytest.mark.skipif(bool(MISSING), reason=f"oneDNN is an optional extra: {MISSING}")
-needs_bf16 = pytest.mark.skipif(bool(BF16_MISSING), reason=f"no bf16 GEMM here: {BF16_MISSING}")
 
 # (N, C, H, W, K, kh, kw, stride, padding): odd sizes, 1x1 to 5x5 kernels, strides 1 and 2
 CONVS = [
@@ -73,8 +71,10 @@ def block_reference_bf16(x, w, b, block, dout):
 # with a saved input and once recomputing it (the config's saved-cols budget)
 FLOAT32_PATHS = [("im2col-dnnl", "im2col-dnnl", c) for c in CONFIGS] + [
     ("direct-dnnl", "direct-dnnl", c) for c in ("1thread", "2threads-chunked-recomputed")]
-BF16_FORCED = [("auto", "im2col-bf16", c) for c in CONFIGS] + [
-    ("direct-dnnl", "direct-bf16", c) for c in ("1thread", "2threads-chunked-recomputed")]
+# ... and whether its bf16 GEMMs run on the emulation (on any CPU) rather than the CPU's own
+BF16_FORCED = [("auto", "im2col-bf16", c, False) for c in CONFIGS] + [
+    ("direct-dnnl", "direct-bf16", c, False) for c in ("1thread", "2threads-chunked-recomputed")] + [
+    ("auto", "im2col-bf16", c, True) for c in ("1thread", "2threads-chunked-recomputed")]
 
 
 @pytest.fixture(scope="module", params=FLOAT32_PATHS, ids=lambda p: f"{p[0]}-{p[2]}")
@@ -87,12 +87,15 @@ def dnnl_cpu(request):
     return cpu
 
 
-@pytest.fixture(scope="module", params=BF16_FORCED, ids=lambda p: f"{p[1]}-{p[2]}")
+@pytest.fixture(scope="module", params=BF16_FORCED, ids=lambda p: f"{p[1]}-{p[2]}" + ("-emulated" if p[3] else ""))
 def bf16_cpu(request):
-    if BF16_MISSING:
-        pytest.skip(f"no bf16 GEMM here: {BF16_MISSING}")
-    conv_path, runs, config = request.param
-    cpu = open_device("cpu", precision="bf16", conv_path=conv_path, **CONFIGS[config])
+    conv_path, runs, config, on_emulation = request.param
+    if MISSING:
+        pytest.skip(f"oneDNN is an optional extra: {MISSING}")
+    if runs == "direct-bf16" and INSTRUCTIONS_MISSING:
+        pytest.skip(f"oneDNN's bf16 convolutions need the CPU's bf16 instructions: {INSTRUCTIONS_MISSING}")
+    options = dict(precision="bf16", conv_path=conv_path, **CONFIGS[config])
+    cpu = emulated(**options) if on_emulation else open_device("cpu", **options)
     cpu.expected_path = runs
     return cpu
 
@@ -175,10 +178,12 @@ def test_bf16_blocks_round_only_the_gemm_operands(bf16_cpu, block):
     assert set(bf16_cpu.conv_paths().values()) == {bf16_cpu.expected_path}
 
 
-@needs_bf16
+@needs_dnnl
 @pytest.mark.parametrize("conv_path", ["auto", "direct-dnnl"])
 @pytest.mark.parametrize("conv", CONVS[1:4], ids=str)
 def test_bf16_conv_agrees_with_pytorchs_bf16_autocast(conv, conv_path):
+    if conv_path == "direct-dnnl" and INSTRUCTIONS_MISSING:
+        pytest.skip(f"oneDNN's bf16 convolutions need the CPU's bf16 instructions: {INSTRUCTIONS_MISSING}")
     torch = pytest.importorskip("torch", reason="PyTorch is an optional extra")
     F = torch.nn.functional
     x, w, b, rng = tensors(conv, 4)
@@ -266,7 +271,7 @@ SLOWER_BF16 = {"im2col": 1.0, "shifted": 1.2, "fft": 3.0, "im2col-dnnl": 0.9, "i
                "shifted-dnnl": 1.1, "shifted-bf16": 0.97, "direct-dnnl": 0.92, "direct-bf16": 0.96}
 
 
-@needs_bf16
+@needs_instructions
 @pytest.mark.parametrize("seconds,chosen", [
     (SLOWER_BF16, "im2col-dnnl"),                                   # bf16 slower than the best fp32 path
     ({**SLOWER_BF16, "im2col-bf16": 0.88}, "im2col-dnnl"),          # faster, but within its margin
@@ -285,7 +290,48 @@ def test_auto_takes_bf16_only_where_it_times_faster(seconds, chosen):
     assert all(set(c["seconds"]) == set(seconds) for c in cpu.conv_path_choices())
 
 
-@needs_bf16
+@needs_dnnl
+@pytest.mark.parametrize("conv", [(2, 4, 9, 9, 3, 3, 3), (2, 4, 9, 9, 4, 3, 3, 1, 1, 2)], ids=["dense", "grouped"])
+def test_auto_on_a_cpu_without_bf16_times_and_takes_exactly_the_float32_choice(conv):
+    """The emulation is for correctness, never speed: auto neither times nor takes it, even where
+    its timings would be the fastest, and chooses as precision fp32 does."""
+    groups = conv[9] if len(conv) > 9 else 1
+    block = ConvBlock(groups=groups, activation="none", pool="none")
+    n, c, h, wd, k, kh, kw = conv[:7]
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((n, c, h, wd)).astype(np.float32)
+    w = rng.standard_normal((k, c // groups, kh, kw)).astype(np.float32)
+    b = rng.standard_normal(k).astype(np.float32)
+    seconds = {**SLOWER_BF16, "im2col-bf16": 0.01, "shifted-bf16": 0.01, "direct-bf16": 0.01, "depthwise": 2.0}
+    choices = {}
+    for precision in ("auto", "fp32"):
+        timed = []
+        cpu = emulated(threads=1, precision=precision, auto_timed_min_flops=0,
+                       auto_timer=lambda path, run: timed.append(path) or seconds[path])
+        cpu.conv_block(x, w, b, block)
+        assert not [p for p in timed if p.endswith("-bf16")], timed
+        choices[precision] = (sorted(timed), cpu.conv_paths())
+    assert choices["auto"] == choices["fp32"]
+    assert cpu.describe().endswith("precision fp32)")
+    auto = emulated(threads=1, precision="auto")
+    assert auto.describe().endswith("precision auto (float32 only: no bf16 GEMM on this CPU))")
+
+
+@needs_dnnl
+def test_bf16_on_a_cpu_without_bf16_runs_emulated_gemms_and_refuses_onednns_bf16_convolutions():
+    cpu = emulated(threads=1, precision="bf16")
+    assert cpu.describe().endswith("precision bf16 (emulated: no bf16 GEMM on this CPU; the same sums, slower than "
+                                   "float32))")
+    x, w, b, _ = tensors((2, 4, 9, 9, 3, 3, 3), 13)
+    close(cpu.conv2d(x, w, b), R.conv2d(bf16(x), bf16(w), b, 1, 0), rtol=1e-5)
+    assert set(cpu.conv_paths().values()) == {"im2col-bf16"}
+    with pytest.raises(DeviceError, match=r"^precision bf16 with conv path direct-dnnl runs oneDNN's bf16 "
+                                          r"convolutions, which this CPU lacks \(.*\); conv path auto runs bf16 on "
+                                          r"emulated GEMMs here$"):
+        emulated(threads=1, precision="bf16", conv_path="direct-dnnl")
+
+
+@needs_dnnl
 def test_fp32_never_times_bf16_and_small_calls_stay_float32():
     cpu = _faked("fp32", {**SLOWER_BF16, "im2col-bf16": 0.01, "shifted-bf16": 0.01, "direct-bf16": 0.01})
     x, w, b, _ = tensors((2, 4, 9, 9, 3, 3, 3), 7)
@@ -335,7 +381,7 @@ def test_a_multi_thread_device_with_onednn_times_no_openblas_path():
     assert {i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"} == {2}
 
 
-@needs_bf16
+@needs_dnnl
 def test_a_conv_onednn_cannot_run_is_named_where_forced_and_left_out_of_auto(monkeypatch):
     from hetconv.devices.dnnl_conv import DirectConvs
     monkeypatch.setattr(DirectConvs, "declines", lambda self, *call: "no implementation of it here")
@@ -385,7 +431,7 @@ def test_what_onednn_has_no_kernel_for_is_named_and_a_wrong_array_never_reaches_
     assert not convs.declines((2, 3, 6, 6), (4, 3, 5, 5), (1, 1), (2, 2))
 
 
-@needs_bf16
+@needs_dnnl
 def test_a_library_without_a_cpu_engine_declines_the_direct_paths_and_keeps_its_gemms(monkeypatch):
     """A SYCL build of oneDNN has no CPU engine where no SYCL CPU device is installed: the device
     still opens, its im2col/shifted bf16 paths run, and a forced direct path says why it cannot."""

@@ -94,15 +94,62 @@ def test_sgemm_every_layout_matches_numpy(lib, trans_a, trans_b, beta):
 @pytest.mark.parametrize("beta", [0.0, 1.0])
 def test_bf16_gemm_sums_the_rounded_operands_in_float32(lib, trans_a, trans_b, beta):
     """Exact to float32 rounding against the product of the bf16 operands: only the operands are
-    bf16, never the sum."""
+    bf16, never the sum. Needs the CPU's instructions (the emulation's own test is below)."""
     if lib.bf16_error:
-        pytest.skip(f"no bf16 GEMM here: {lib.bf16_error}")
+        pytest.skip(f"needs the CPU's bf16 GEMM: {lib.bf16_error}")
     a, b, a_view, b_view, c = _operands(trans_a, trans_b, k=300)
     want = dnnl.round_to_bf16(a).astype(np.float64) @ dnnl.round_to_bf16(b) + beta * c
     lib.gemm_bf16(dnnl.to_bf16(a_view), dnnl.to_bf16(b_view), c, beta)
     np.testing.assert_allclose(c, want, rtol=1e-5, atol=1e-4)
     fp32 = a.astype(np.float64) @ b + beta * c
     assert np.abs(c - fp32).max() > 1e-3                    # and they were rounded: not an sgemm
+
+
+@pytest.mark.parametrize("trans_a", [False, True])
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_the_emulated_bf16_gemm_is_sgemm_on_the_rounded_operands_on_any_cpu(lib, trans_a, trans_b, beta):
+    """The emulation (what runs where the CPU has no bf16 GEMM) is bit for bit oneDNN's sgemm of
+    the operands rounded to bf16, in every layout: the same products, float32 sums, and not the
+    float32 product of the unrounded operands."""
+    a, b, a_view, b_view, c = _operands(trans_a, trans_b, k=300)
+    a_bits, b_bits = dnnl.to_bf16(a_view), dnnl.to_bf16(b_view)
+    want, c0 = c.copy(), c.copy()
+    lib.sgemm(dnnl.from_bf16(a_bits), dnnl.from_bf16(b_bits), want, beta)     # widened in the bits' layout
+    lib.emulated_gemm_bf16(a_bits, b_bits, c, beta)
+    np.testing.assert_array_equal(c, want)
+    a16, b16 = dnnl.round_to_bf16(a), dnnl.round_to_bf16(b)
+    np.testing.assert_allclose(c, a16.astype(np.float64) @ b16 + beta * c0, rtol=1e-5, atol=1e-4)
+    assert np.abs(c - (a.astype(np.float64) @ b)).max() > 1e-3                # the operands were rounded
+
+
+def test_the_emulated_bf16_gemm_takes_windows_and_names_bad_operands(lib):
+    rng = np.random.default_rng(5)
+    a = dnnl.to_bf16(rng.standard_normal((20, 50)).astype(np.float32))
+    b = dnnl.to_bf16(rng.standard_normal((60, 30)).astype(np.float32))
+    out = np.zeros((25, 40), np.float32)
+    lib.emulated_gemm_bf16(a[:15, 5:45], b[10:50, 2:22], out[5:20, 10:30])
+    want = dnnl.from_bf16(a[:15, 5:45]).astype(np.float64) @ dnnl.from_bf16(b[10:50, 2:22])
+    np.testing.assert_allclose(out[5:20, 10:30], want, rtol=1e-5, atol=1e-5)
+    assert not out[:5].any() and not out[:, :10].any() and not out[:, 30:].any()
+    with pytest.raises(ValueError, match="gemm_bf16: a must be a 2-D uint16 view, got float32"):
+        lib.emulated_gemm_bf16(np.zeros((3, 4), np.float32), np.zeros((4, 2), np.uint16), np.zeros((3, 2), np.float32))
+
+
+def test_the_emulation_agrees_with_the_cpus_bf16_gemm(lib):
+    """Where the CPU has the instructions: the same products, summed in another order, so equal to
+    the float32 rounding of the sums: within 2^-20 of the sum of the products' magnitudes (k = 3000
+    float32 additions, each off by at most 2^-24 of a partial sum, bound that by 2^-24 * 3000)."""
+    if lib.bf16_error:
+        pytest.skip(f"needs the CPU's bf16 GEMM to compare with: {lib.bf16_error}")
+    rng = np.random.default_rng(6)
+    a = dnnl.to_bf16(rng.standard_normal((40, 3000)).astype(np.float32))
+    b = dnnl.to_bf16(rng.standard_normal((3000, 30)).astype(np.float32))
+    hardware, emulated = np.empty((40, 30), np.float32), np.empty((40, 30), np.float32)
+    lib.gemm_bf16(a, b, hardware)
+    lib.emulated_gemm_bf16(a, b, emulated)
+    magnitude = np.abs(dnnl.from_bf16(a)).astype(np.float64) @ np.abs(dnnl.from_bf16(b))
+    assert (np.abs(hardware.astype(np.float64) - emulated) <= 2.0 ** -20 * magnitude).all()
 
 
 def test_windows_of_wider_buffers_as_operands_and_output(lib):

@@ -10,8 +10,9 @@ import sys
 import numpy as np
 import pytest
 
+from _bf16 import needs_dnnl, needs_instructions
 from hetconv.cli import coordinator
-from hetconv.devices import dnnl, open_device
+from hetconv.devices import open_device
 from hetconv.devices import wisdom as W
 from hetconv.engine.conv_precision import PrecisionReport, checked_choices, precision_line
 from hetconv.engine.local import LocalEngine
@@ -21,8 +22,6 @@ from hetconv.training.config import Config
 from hetconv.training.loop import train
 from hetconv.transport import protocol as P
 
-BF16_MISSING = dnnl.unavailable_reason() or dnnl.load().bf16_error
-needs_bf16 = pytest.mark.skipif(bool(BF16_MISSING), reason=f"no bf16 GEMM here: {BF16_MISSING}")
 TINY = ["--conv", "3,4", "--fc", "8", "--batch-size", "8", "--synthetic-train", "16", "--synthetic-test", "8",
         "--steps", "1", "--eval-batches", "1", "--seed", "3"]
 # the paper's two layers on 32x32x3 images: conv1 3 -> 6 (5x5, 28x28 out, pooled to 14x14), conv2 6 -> 12
@@ -122,7 +121,7 @@ def trained(precision, device, shards=1, tmp_path=None):
     return lines, [r for r in records if r["event"] == "precision"]
 
 
-@needs_bf16
+@needs_instructions
 def test_local_auto_says_per_layer_what_the_first_step_ran(tmp_path):
     device = open_device("cpu", threads=1, precision="auto", auto_timed_min_flops=0, wisdom=LayerWisdom())
     lines, records = trained("auto", device, tmp_path=tmp_path)
@@ -133,7 +132,7 @@ def test_local_auto_says_per_layer_what_the_first_step_ran(tmp_path):
         {"layer": "conv2", "precision": "bf16", "paths": {"s0": ["direct-bf16"]}}]}]
 
 
-@needs_bf16
+@needs_instructions
 def test_a_timed_choice_is_reported_and_shards_of_one_device_agree(tmp_path):
     """A fake timer: direct-bf16 is the fastest everywhere, so every layer runs it."""
     seconds = {"im2col": 1.0, "shifted": 1.2, "fft": 3.0, "im2col-dnnl": 0.9, "im2col-bf16": 0.95,
@@ -151,7 +150,7 @@ def test_fp32_and_bf16_say_nothing_per_layer(tmp_path):
     assert records == [] and not any(line.startswith("precision auto") for line in lines)
 
 
-@needs_bf16
+@needs_dnnl
 def test_a_local_run_says_it(capsys, tmp_path):
     metrics = tmp_path / "m.jsonl"
     assert coordinator.main(["--local", "--threads", "1", "--precision", "auto", "--metrics", str(metrics), *TINY]) == 0
@@ -164,7 +163,7 @@ def test_a_local_run_says_it(capsys, tmp_path):
                                                   for r in record["layers"])
 
 
-@needs_bf16
+@needs_dnnl
 def test_spawned_workers_say_it_after_calibration(tmp_path):
     metrics = tmp_path / "m.jsonl"
     r = subprocess.run([sys.executable, "-m", "hetconv.cli.coordinator", "--spawn", "cpu,cpu", "--threads", "1",

@@ -1,14 +1,17 @@
 """The shifted path on oneDNN's GEMMs: shifted-dnnl (fp32) against the numpy reference at the fp32
 tolerances, shifted-bf16 to float32 rounding against the reference on bf16-rounded operands; and
 which of them the device's timing may choose, for which calls."""
+import contextlib
+
 import numpy as np
 import pytest
 
 from hetconv.devices import cpu_path_choice, open_device
 from hetconv.devices.base import ConvBlock
 from hetconv.net import reference as R
-from test_cpu_precision import (BF16_MISSING, BLOCKS, CONFIGS, CONVS, MISSING, bf16, bf16_close,
-                                block_reference_bf16, close, needs_bf16, tensors)
+from _bf16 import INSTRUCTIONS_MISSING, bf16_emulated, needs_dnnl, needs_instructions
+from test_cpu_precision import (BLOCKS, CONFIGS, CONVS, MISSING, bf16, bf16_close, block_reference_bf16, close,
+                                tensors)
 
 
 def chosen(path, precision, **options):
@@ -25,11 +28,17 @@ def dnnl_cpu(request):
     return chosen("shifted-dnnl", "fp32", **CONFIGS[request.param])
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
+# each config on the CPU's bf16 GEMM (its emulation where it has none), one on the emulation everywhere
+@pytest.fixture(scope="module", params=[(c, False) for c in CONFIGS] + [("2threads-chunked", True)],
+                ids=lambda p: p[0] + ("-emulated" if p[1] else ""))
 def bf16_cpu(request):
-    if BF16_MISSING:
-        pytest.skip(f"no bf16 GEMM here: {BF16_MISSING}")
-    return chosen("shifted-bf16", "bf16", **CONFIGS[request.param])
+    config, on_emulation = request.param
+    if MISSING:
+        pytest.skip(f"oneDNN is an optional extra: {MISSING}")
+    if on_emulation:
+        with bf16_emulated():
+            return chosen("shifted-bf16", "bf16", **CONFIGS[config])
+    return chosen("shifted-bf16", "bf16", **CONFIGS[config])
 
 
 def expected_path(path, stride, fallback, device=None):
@@ -109,7 +118,7 @@ def test_shifted_bf16_blocks_round_only_the_gemm_operands(bf16_cpu, block):
     assert list(bf16_cpu.conv_paths().values())[-1] == expected_path("shifted-bf16", block.stride, "im2col-bf16")
 
 
-@needs_bf16
+@needs_dnnl
 def test_both_bf16_layouts_give_the_same_values():
     """Each rounds the same operands (elementwise, to nearest even): only the order of the
     float32 sums differs."""
@@ -125,25 +134,31 @@ def test_both_bf16_layouts_give_the_same_values():
         np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-4)
 
 
-@needs_bf16
-def test_precision_bf16_times_the_shifted_path_at_stride_1_only():
+@needs_dnnl
+@pytest.mark.parametrize("on_emulation", [False, True], ids=["cpus-own", "emulated"])
+def test_precision_bf16_times_the_shifted_path_at_stride_1_only(on_emulation):
+    """And oneDNN's bf16 convolutions (direct-bf16) only where the CPU has the instructions: the
+    emulation has GEMMs only."""
     timed = []
     seconds = {"im2col-bf16": 1.0, "shifted-bf16": 0.5, "direct-bf16": 0.7}
-    dev = open_device("cpu", threads=1, precision="bf16", auto_timed_min_flops=0,
-                      auto_timer=lambda p, run: timed.append(p) or seconds[p])
+    with bf16_emulated() if on_emulation else contextlib.nullcontext():
+        dev = open_device("cpu", threads=1, precision="bf16", auto_timed_min_flops=0,
+                          auto_timer=lambda p, run: timed.append(p) or seconds[p])
+    direct = [] if dev.bf16_missing else ["direct-bf16"]
+    assert bool(dev.bf16_missing) == (on_emulation or bool(INSTRUCTIONS_MISSING))
     x, w, b, _ = tensors((2, 4, 9, 9, 3, 3, 3), 16)
     dev.conv2d(x, w, b, stride=1, padding=1)
-    assert set(timed) == set(seconds)
+    assert set(timed) == {"im2col-bf16", "shifted-bf16", *direct}
     timed.clear()
     dev.conv2d(x, w, b, stride=2, padding=1)
-    assert set(timed) == {"im2col-bf16", "direct-bf16"}
-    assert [c["path"] for c in dev.conv_path_choices()] == ["shifted-bf16", "direct-bf16"]
+    assert set(timed) == ({"im2col-bf16", *direct} if direct else set())      # one candidate: none timed
+    assert [c["path"] for c in dev.conv_path_choices()] == ["shifted-bf16", (direct or ["im2col-bf16"])[0]]
     untimed = open_device("cpu", threads=1, precision="bf16")        # under the timed size: the rule
     untimed.conv2d(x, w, b, stride=1, padding=1)
     assert set(untimed.conv_paths().values()) == {"im2col-bf16"}
 
 
-@pytest.mark.skipif(bool(BF16_MISSING), reason=f"no bf16 GEMM here: {BF16_MISSING}")
+@needs_instructions
 def test_auto_times_the_shifted_onednn_paths_at_stride_1():
     timed = []
     seconds = {"im2col": 1.0, "shifted": 1.0, "fft": 3.0, "im2col-dnnl": 1.0, "im2col-bf16": 1.0,

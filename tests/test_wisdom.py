@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import _hostile_checkpoints as hostile
+from _bf16 import DNNL_MISSING
 from hetconv.cli import coordinator
 from hetconv.devices import wisdom as W
 from hetconv.devices.cpu import CpuDevice
@@ -327,9 +328,8 @@ def test_deterministic_takes_the_rule_and_no_clock_nor_wisdom(tmp_path, w_shape,
 def test_deterministic_bf16_takes_the_float32_rules_layout_on_bf16_operands(w_shape, rule):
     """im2col-bf16, or shifted-bf16 where the float32 rule takes shifted: im2col's col2im made
     resnet18's deterministic bf16 step 1.5x slower (0.845 s against 0.557, 2 threads)."""
-    probe = CpuDevice(threads=1)
-    if probe.bf16_missing:
-        pytest.skip(f"no bf16 path here: {probe.bf16_missing}")
+    if DNNL_MISSING:         # on a CPU without bf16 instructions, the emulated GEMMs: the same rule
+        pytest.skip(f"precision bf16 needs oneDNN: {DNNL_MISSING}")
     w = RNG.standard_normal(w_shape).astype(np.float32)
     x = RNG.standard_normal((2, w_shape[1], 10, 10)).astype(np.float32)
     dev = device(never, precision="bf16", deterministic=True)
@@ -357,8 +357,8 @@ DEPTHWISE = ConvBlock(padding=1, groups=4, activation="none", pool="none")
                                                      ("bf16", "depthwise-bf16", "direct-bf16")])
 def test_a_depthwise_conv_takes_onednns_direct_path_untimed_and_the_depthwise_path_deterministic(precision, rule,
                                                                                                  direct):
-    if precision == "bf16" and CpuDevice(threads=1).bf16_missing:
-        pytest.skip(f"no bf16 path here: {CpuDevice(threads=1).bf16_missing}")
+    if precision == "bf16" and DNNL_MISSING:
+        pytest.skip(f"precision bf16 needs oneDNN: {DNNL_MISSING}")
     untimed = CpuDevice(threads=1, precision=precision)                  # under the timed size
     untimed.conv_block(DEPTHWISE_X, DEPTHWISE_W, None, DEPTHWISE)
     # oneDNN's depthwise kernels where oneDNN is installed and runs the call; the depthwise path else

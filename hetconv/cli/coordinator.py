@@ -17,6 +17,7 @@ import sys
 import threading
 import traceback
 
+from hetconv import runtimes
 from hetconv.coordinator.ray import RayLauncher, check_address, import_ray
 from hetconv.coordinator.remote import RemoteEngine, WorkerError, WorkerLost, spawned_worker_names
 from hetconv.data import DataError, load_dataset
@@ -294,6 +295,37 @@ def _check_given(args, cfg, given):
     return notes
 
 
+def _deterministic_threads(cfg):
+    """Under --deterministic, the CPU threads the run's sums split by, in its config (saved with
+    it): --threads; else the count a --plan FILE's run gave its CPU devices (its plan record's
+    threads.device); else runtimes.DETERMINISTIC_THREADS, said in a note. Never a share of the
+    cores this process may use, which the host's affinity mask or cgroup decides. An environment
+    that would split the sums otherwise (runtimes.deterministic_problem) is refused. -> (cfg, a
+    note or '')."""
+    if not cfg.deterministic:
+        return cfg, ""
+    problem = runtimes.deterministic_problem()
+    if problem:
+        raise ValueError(problem)
+    recorded = 0
+    if cfg.plan:
+        threads = last_plan_record(cfg.plan).get("threads")
+        device = threads.get("device") if isinstance(threads, dict) else None
+        recorded = device if isinstance(device, int) and not isinstance(device, bool) and device > 0 else 0
+    if cfg.threads:
+        if recorded and recorded != cfg.threads:
+            raise ValueError(f"--threads {cfg.threads}: --plan {cfg.plan} ran its CPU devices on {recorded} thread(s), "
+                             f"and another count changes the sums under --deterministic (give --threads {recorded}, "
+                             f"or leave it out)")
+        return cfg, ""
+    if recorded:
+        return dataclasses.replace(cfg, threads=recorded), ""
+    fixed = runtimes.DETERMINISTIC_THREADS
+    return dataclasses.replace(cfg, threads=fixed), (
+        f"note: --deterministic runs {fixed} thread(s) per CPU device and for the head where --threads is not given "
+        f"(a count from the cores this process may use would change the sums with the host); --threads N for more")
+
+
 def _check_network_flags(cfg, network, given):
     """Flags given that the run's network (a LoadedNet) would ignore, refused naming the flag."""
     if "bn_ghost_batch" in given and not any(layer.type == "batchnorm" for layer in network.spec.layers):
@@ -345,6 +377,8 @@ def prepare(args, argv):
         for name, reason in resumed.skipped:        # said before any worker starts: the run is not the newest
             print(f"resuming {resumed.meta['path']}: skipped the newer {name}: {reason}")
     notes = _check_given(args, cfg, given)
+    cfg, note = _deterministic_threads(cfg)
+    notes += [note] if note else []
     spawn = [] if args.local or args.workers else _spawn_list(args)
     ds = _load_data(cfg, resumed, given)
     _check_data_flags(cfg)
@@ -439,7 +473,8 @@ def run(args, prepared):
                                       exchange=cfg.exchange, wire=cfg.wire_dtype, curve=args.curve,
                                       insecure=args.insecure, message_limit=limit, launcher=launcher,
                                       verbose=args.verbose, worker_args=_conv_path_flags(cfg),
-                                      conv_paths=_resumed_conv_paths(prepared.resumed))
+                                      conv_paths=_resumed_conv_paths(prepared.resumed),
+                                      deterministic=cfg.deterministic)
             except SystemExit as e:
                 # RemoteEngine ends the command on an address it cannot bind; from Python that is
                 # the ConnectionError it is (the command prints the same line)

@@ -26,6 +26,7 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from hetconv import runtimes
 from hetconv.devices.wisdom import DETERMINISTIC, machine_wisdom
 from hetconv.engine.contract import ShardEngine, WorkerError, WorkerLost  # noqa: F401  (raised here, caught by callers)
 from hetconv.engine.conv_precision import checked_choices as _conv_path_choices, computed_precision
@@ -142,8 +143,10 @@ class RemoteEngine(ShardEngine):
     def __init__(self, bind, expected_workers, spawn=(), threads=0, worker_timeout=10.0,
                  connect_timeout=60.0, op_timeout=600.0, pin=True, log=print, exchange="peer", wire="float32",
                  curve="", insecure=False, message_limit=0, launcher=None, verbose=False, worker_args=(),
-                 conv_paths=()):
-        """`worker_args`: flags every spawned worker gets (its conv path options). `conv_paths`:
+                 conv_paths=(), deterministic=False):
+        """`worker_args`: flags every spawned worker gets (its conv path options). `deterministic`:
+        a spawned `cpu` worker's threads are `threads`, else runtimes.DETERMINISTIC_THREADS, never
+        a share of this process's cores (which the host's affinity mask decides). `conv_paths`:
         the conv path records of the checkpoint a run resumes from (checkpoint.recorded_conv_paths),
         told every worker in its WELCOME: a device whose machine key is a record's runs its paths."""
         super().__init__()
@@ -169,6 +172,7 @@ class RemoteEngine(ShardEngine):
         # a send then waits at most one request's deadline and the worker counts as lost.
         self.sock.sndtimeo = int(op_timeout * 1000)
         self.processes = []                                 # (label, Popen or a launcher's look-alike)
+        self.spawn_threads = 0                              # threads of a spawned `cpu` worker (0: none spawned)
         self.launcher = launcher                            # None: spawned here; else e.g. launch_ray.RayLauncher
         self.peers = {}                                     # name -> _Peer, in plan order
         self._chain_pass = (None, None)                     # (its key, the GraphPass a chain's peer step runs)
@@ -242,14 +246,14 @@ class RemoteEngine(ShardEngine):
         self._probe_until = 0.0                             # probe for vanished workers until then
         atexit.register(self.close)
         try:
-            self._spawn(spawn, threads, pin)
+            self._spawn(spawn, threads, pin, deterministic)
             self._await_workers(expected_workers + len(spawn))
         except BaseException:
             self.close()
             raise
 
     # ---- processes ---------------------------------------------------------------------------
-    def _spawn(self, devices, threads, pin):
+    def _spawn(self, devices, threads, pin, deterministic=False):
         if not devices:
             return
         if self.launcher is not None:                       # placed elsewhere; pinning is the launcher's
@@ -260,7 +264,9 @@ class RemoteEngine(ShardEngine):
             return
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
         plain = [i for i, d in enumerate(devices) if d == "cpu"]
-        per_worker = threads or max(1, len(cores) // max(1, len(plain)))
+        per_worker = (runtimes.threads_for(threads, True) if deterministic
+                      else threads or max(1, len(cores) // max(1, len(plain))))
+        self.spawn_threads = per_worker                     # a plan record keeps it (loop.threads_record)
         # each CPU worker's threads: `cpu` shares the cores (or --threads), `cpu:N` asked for N;
         # pinned to consecutive cores of their own where they all fit, else left to the scheduler
         cpu_threads = {i: per_worker if d == "cpu" else int(d.split(":", 1)[1])

@@ -59,6 +59,7 @@ import numpy as np
 from numba import prange
 from threadpoolctl import ThreadpoolController, threadpool_info, threadpool_limits
 
+from hetconv import runtimes
 from hetconv.devices import activation_math as am
 from hetconv.devices import cpu_channels_last, cpu_channelwise, dnnl
 from hetconv.channelwise import Activation, Pool
@@ -229,8 +230,9 @@ class CpuDevice(ConvPathChoice, GemmPaths, Device):
         """`wisdom`: a devices.wisdom.Wisdom whose stored choices this device reuses and where
         it keeps what it times (None: none; the command lines give the machine's file,
         wisdom.machine_wisdom(), so a device made here touches no file unless told). `retime`:
-        time every call shape again and store the result over the wisdom's. `deterministic`:
-        choose by a fixed rule, never timing and never reading or writing the wisdom: a depthwise
+        time every call shape again and store the result over the wisdom's. `threads`: None, every
+        core this process may use, or under `deterministic` runtimes.DETERMINISTIC_THREADS (the
+        sums split by the count). `deterministic`: choose by a fixed rule, never timing and never reading or writing the wisdom: a depthwise
         conv its depthwise path (depthwise-bf16 under precision bf16); else the untimed rule
         (shifted where C*kw is long enough and the kernels few enough, see
         cpu_path_choice.SHIFTED_MIN_REDUCTION, else im2col): under precision bf16 on bf16
@@ -239,11 +241,14 @@ class CpuDevice(ConvPathChoice, GemmPaths, Device):
         Slower than the timed choice where another path is faster, and the same bits every
         run. Choices a checkpoint recorded (preload_conv_paths) come before the wisdom and
         timing, after the forced path and `deterministic`."""
-        available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        if threads is None:
-            threads = available
+        if threads is None:         # under `deterministic` a fixed count, never the affinity mask's
+            threads = runtimes.threads_for(0, deterministic)
         if not isinstance(threads, (int, np.integer)) or threads < 1:
             raise DeviceError(f"threads must be a positive integer, got {threads!r}")
+        if deterministic and threads > numba.config.NUMBA_NUM_THREADS:
+            raise DeviceError(f"threads {threads}: this process runs at most {numba.config.NUMBA_NUM_THREADS} Numba "
+                              f"threads (NUMBA_NUM_THREADS), and deterministic cannot run fewer without changing "
+                              f"the sums")
         if conv_path not in CONV_PATHS:
             raise DeviceError(f"conv_path must be one of {CONV_PATHS!r}, got {conv_path!r}")
         if precision not in PRECISIONS:
@@ -277,6 +282,10 @@ class CpuDevice(ConvPathChoice, GemmPaths, Device):
         self._depthwise = {"depthwise": DepthwiseConvs(bf16=False), "depthwise-bf16": DepthwiseConvs(bf16=True)}
         # onednn: None, its paths where it is installed; False, OpenBLAS's only (as without it)
         self._dnnl, self.bf16_missing = self._open_dnnl(conv_path, precision, onednn)
+        # precision bf16 where the CPU has no bf16 GEMM: the GEMM paths on its emulation (the same
+        # products, float32 sums; dnnl.Dnnl.emulated_gemm_bf16), for correctness, not speed.
+        # Never under precision auto, which takes exactly the float32 choice there.
+        self.bf16_emulated = bool(self.bf16_missing) and precision == "bf16"
         # the direct paths' GEMMs all on oneDNN's OpenMP threads, OpenBLAS on one (see
         # cpu_path_choice.OPENBLAS_PATHS)
         self.openmp_gemms_only = self._dnnl is not None and self.threads > 1 and conv_path == "auto"
@@ -292,9 +301,10 @@ class CpuDevice(ConvPathChoice, GemmPaths, Device):
             self._path_gemms["im2col-dnnl"] = DnnlGemms(self, self._dnnl)
             self._shifted_gemms["shifted-dnnl"] = ShiftedDnnlGemms(self, self._dnnl)
             self._direct["direct-dnnl"] = DirectConvs(self._dnnl, self.threads, bf16=False)
+            if not self.bf16_missing or self.bf16_emulated:
+                self._path_gemms["im2col-bf16"] = Bf16Gemms(self, self._dnnl, self.bf16_emulated)
+                self._shifted_gemms["shifted-bf16"] = ShiftedBf16Gemms(self, self._dnnl, self.bf16_emulated)
             if not self.bf16_missing:
-                self._path_gemms["im2col-bf16"] = Bf16Gemms(self, self._dnnl)
-                self._shifted_gemms["shifted-bf16"] = ShiftedBf16Gemms(self, self._dnnl)
                 self._direct["direct-bf16"] = DirectConvs(self._dnnl, self.threads, bf16=True)
 
     @staticmethod
@@ -314,8 +324,9 @@ class CpuDevice(ConvPathChoice, GemmPaths, Device):
             lib = dnnl.load()
         except DeviceError as e:
             raise DeviceError(f"{asked} needs oneDNN: {e}") from None
-        if lib.bf16_error and precision == "bf16":
-            raise DeviceError(f"precision bf16 cannot run here: {lib.bf16_error}")
+        if lib.bf16_error and precision == "bf16" and conv_path == "direct-dnnl":
+            raise DeviceError(f"precision bf16 with conv path direct-dnnl runs oneDNN's bf16 convolutions, which "
+                              f"this CPU lacks ({lib.bf16_error}); conv path auto runs bf16 on emulated GEMMs here")
         return lib, lib.bf16_error
 
     def _take_saved_cols(self, size):
@@ -354,6 +365,8 @@ class CpuDevice(ConvPathChoice, GemmPaths, Device):
         precision = self.precision
         if self.precision == "auto" and self.bf16_missing:
             precision += f" (float32 only: {'no oneDNN' if self._dnnl is None else 'no bf16 GEMM on this CPU'})"
+        if self.bf16_emulated:
+            precision += " (emulated: no bf16 GEMM on this CPU; the same sums, slower than float32)"
         return (f"cpu ({self.threads} thread{'s' if self.threads > 1 else ''}, BLAS {', '.join(blas) or 'unknown'}"
                 f"{gemm}, precision {precision})")
 

@@ -94,10 +94,15 @@ class DnnlGemms(BlasGemms):
 
 
 class Bf16Gemms(DnnlGemms):
-    """bf16 operands, float32 sums: oneDNN's gemm_bf16bf16f32."""
+    """bf16 operands, float32 sums: oneDNN's gemm_bf16bf16f32, or where the CPU has none
+    (`emulated`) its emulation, dnnl.Dnnl.emulated_gemm_bf16."""
 
     path = "im2col-bf16"
     cols_dtype = np.uint16
+
+    def __init__(self, device, lib, emulated=False):
+        super().__init__(device, lib)
+        self.gemm_bf16 = lib.emulated_gemm_bf16 if emulated else lib.gemm_bf16
 
     def input(self, x):
         return dnnl.to_bf16(x, scratch16(self.device, "x_bf16", x.shape))
@@ -109,15 +114,15 @@ class Bf16Gemms(DnnlGemms):
         return dnnl.to_bf16(dy, scratch16(self.device, "dy_bf16", dy.shape))
 
     def forward(self, w2, cols, y):
-        self.lib.gemm_bf16(w2, cols.T, y, 0.0, self.device.threads)
+        self.gemm_bf16(w2, cols.T, y, 0.0, self.device.threads)
 
     def weight_grad(self, dy, cols, dw, add):
-        self.lib.gemm_bf16(dy, cols, dw, 1.0 if add else 0.0, self.device.threads)
+        self.gemm_bf16(dy, cols, dw, 1.0 if add else 0.0, self.device.threads)
 
     def data_grad(self, dy, w2, cols):
         dcols = self.device._scratch("dcols", cols.shape)
-        self.lib.gemm_bf16(dy.T, w2, dcols, 0.0, self.device.threads)
+        self.gemm_bf16(dy.T, w2, dcols, 0.0, self.device.threads)
         return dcols
 
     def data_grad_into(self, dy, w2, dcols):
-        self.lib.gemm_bf16(dy.T, w2, dcols, 0.0, self.device.threads)
+        self.gemm_bf16(dy.T, w2, dcols, 0.0, self.device.threads)

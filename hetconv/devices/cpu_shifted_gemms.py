@@ -73,10 +73,15 @@ class ShiftedDnnlGemms(ShiftedBlasGemms):
 
 
 class ShiftedBf16Gemms(ShiftedDnnlGemms):
-    """bf16 operands, float32 sums: oneDNN's gemm_bf16bf16f32."""
+    """bf16 operands, float32 sums: oneDNN's gemm_bf16bf16f32, or where the CPU has none
+    (`emulated`) its emulation, dnnl.Dnnl.emulated_gemm_bf16."""
 
     path = "shifted-bf16"
     dtype = np.uint16
+
+    def __init__(self, device, lib, emulated=False):
+        super().__init__(device, lib)
+        self.gemm_bf16 = lib.emulated_gemm_bf16 if emulated else lib.gemm_bf16
 
     def input(self, x):
         return dnnl.to_bf16(x, scratch16(self.device, "x_bf16", x.shape))
@@ -94,4 +99,4 @@ class ShiftedBf16Gemms(ShiftedDnnlGemms):
         return self.device._scratch("dcols", xv.shape)
 
     def gemm(self, a, b, out, beta, work):
-        self.lib.gemm_bf16(a, b, out, beta, self.device.threads)
+        self.gemm_bf16(a, b, out, beta, self.device.threads)

@@ -121,6 +121,15 @@ def from_bf16(bits):
     return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
+def _widened(bits):
+    """A 2-D bf16 operand (row-major, or a transposed view of a row-major block) as a compact
+    float32 array in the same orientation, which sgemm then reads the same way."""
+    order = "F" if bits.strides[0] == bits.itemsize and bits.shape[0] > 1 else "C"
+    wide = np.asarray(bits).astype(np.uint32, order=order)
+    wide <<= 16
+    return wide.view(np.float32)
+
+
 def round_to_bf16(a):
     """float32 -> float32 holding the nearest bf16 (what a bf16 GEMM's operands are)."""
     return from_bf16(to_bf16(np.ascontiguousarray(a, np.float32)))
@@ -244,11 +253,26 @@ class Dnnl:
 
     def gemm_bf16(self, a, b, c, beta=0.0, threads=1):
         """c = a @ b + beta * c, a and b bf16 bits (np.uint16) as sgemm takes them, products
-        summed in float32 into c."""
+        summed in float32 into c: the CPU's bf16 instructions (DeviceError where it has none,
+        `bf16_error`; emulated_gemm_bf16 computes the same there)."""
         if self.bf16_error:
             gemm_operands("gemm_bf16", a, b, c, beta, np.uint16)   # a bad operand is named first
             raise DeviceError(self.bf16_error)
         return self._call("gemm_bf16", self._bf16, a, b, c, beta, threads, np.uint16)
+
+    def emulated_gemm_bf16(self, a, b, c, beta=0.0, threads=1):
+        """What gemm_bf16 computes, on any CPU: the bf16 operands widened to float32 (exactly: a
+        bf16 is the upper half of a float32) and multiplied by sgemm. Every product of two bf16 is
+        exact in float32 (8-bit significands), and the sums are float32 as the hardware path's
+        are; only their order is sgemm's, not the bf16 kernel's, so the two agree to the float32
+        rounding of the sums (tests/test_dnnl.py states the tolerance), not bit for bit. The
+        same operands and threads give the same bits every run. For correctness where the CPU has
+        no bf16 GEMM (the bf16 lines tested on every CPU), not speed: each operand is widened into
+        a float32 copy first, and the product runs at sgemm's speed; `--precision auto` never
+        times or takes it (CpuDevice)."""
+        if gemm_operands("gemm_bf16", a, b, c, beta, np.uint16) is None:
+            return c
+        return self.sgemm(_widened(a), _widened(b), c, beta, threads)
 
 
 def _self_check(lib):

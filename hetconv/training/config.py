@@ -94,7 +94,8 @@ class Config:
                                     "whole batch, whatever the split and the micro-batches")
     seed: int = option(0, "initial weights and data order")
     # devices
-    threads: int = option(0, "threads per CPU device (0: every core this process may use)")
+    threads: int = option(0, "threads per CPU device (0: every core this process may use; under --deterministic "
+                             "a --plan's recorded count, else 1)")
     cpu_conv_path: str = option("auto", "a CPU device's conv path: 'auto' (per layer and share, the fastest by timing on "
                                         "first use), or forced: 'im2col', 'shifted' or 'fft' (stride-1 layers), or "
                                         "'im2col-dnnl' (oneDNN's sgemm), 'direct-dnnl' (oneDNN's own convolutions), "
@@ -102,7 +103,7 @@ class Config:
                                         "(F(4x4,3x3) on 3x3 stride-1 convs; others by the rule)")
     precision: str = option("fp32", "a CPU device's conv GEMMs: fp32; bf16 (operands rounded to bf16, sums and "
                                     "everything else in fp32, as PyTorch's autocast; needs oneDNN: pip install "
-                                    "'hetconv[onednn]'); auto (bf16 where the device's timing finds it faster, per "
+                                    "'hetconv[onednn]'; emulated, slower, on a CPU without bf16 instructions); auto (bf16 where the device's timing finds it faster, per "
                                     "layer and share, else fp32; the log and the metrics' precision records say "
                                     "per layer which ran). GPU devices run fp32")
     retime: bool = option(False, "time every CPU device's conv paths again, and store the result over the "

@@ -8,7 +8,8 @@ final one before evaluation) is kept as the snapshot too, so the snapshot is nev
 checkpoint this run wrote. When a worker is lost, during a step or anything else that talks to
 workers, the survivors are re-planned from their calibration, reloaded from the snapshot, and the
 steps since it are replayed: the run ends with the weights an uninterrupted run would have, up to
-float rounding (a different plan sums partial dX in another grouping). A worker that connects
+float rounding (a different plan sums partial dX in another grouping; under --deterministic a line
+says that the bits now differ from an uninterrupted run's). A worker that connects
 mid-run is told how long until the next snapshot, then calibrated and admitted right after it.
 
 What it costs: a snapshot gathers every conv weight and momentum over the workers' links (the
@@ -98,6 +99,7 @@ class Elastic:
             self.metrics.write("plan", reason="worker joined", step=step, **plan.to_json(),
                                **micro_choice_record(self.engine), **wire_record(self.engine))
             self.log("a worker joined:\n" + plan.table())
+            self._say_bits_differ("a worker joined")
             return WorkersJoined(plan)
         return None
 
@@ -139,7 +141,16 @@ class Elastic:
                            **micro_choice_record(self.engine), **wire_record(self.engine))
         self.log(f"going on with {left} worker(s) from the snapshot at step {self.snapshot.step} "
                  f"(replaying {step - self.snapshot.step} step(s)):\n" + plan.table())
+        self._say_bits_differ(f"lost {', '.join(error.workers)}")
         return self.snapshot.step, plan
+
+    def _say_bits_differ(self, what):
+        """Under --deterministic, the line saying that a new plan's sums group otherwise: the same
+        command without the loss or join gives other bits from here on (a replay on the old plan's
+        split would need the lost worker's share recomputed as it was, which no survivor holds)."""
+        if self.cfg.deterministic:
+            self.log(f"--deterministic: {what}, so the run's bits now differ from an uninterrupted run's (the new "
+                     f"plan sums partial results in another grouping)")
 
     def checkpoint(self, step):
         """A checkpoint of the run at `step` in --checkpoint-dir (the conv weights gathered, or

@@ -9,6 +9,7 @@ import time
 import numpy as np
 from tqdm.auto import tqdm
 
+from hetconv import runtimes
 from hetconv.data import load_dataset, test_batches
 from hetconv.data.loader import open_loader
 from hetconv.data.photos import bad_list
@@ -711,6 +712,34 @@ def _reproducible(cfg, engine, specs, log, resumed_meta=None):
     return cfg
 
 
+def _head_threads(cfg, engine):
+    """The threads of the head's GEMMs and of this thread's Numba kernels (head_gemm follows
+    Numba's count), set here: under --deterministic the command's count (runtimes.threads_for);
+    beside workers every core this process may use, as Numba's default gave before its pool was
+    sized past the affinity mask (runtimes.pin); --local keeps its device's, which opening it set
+    on this thread."""
+    if cfg.deterministic:
+        return runtimes.use_threads(runtimes.threads_for(cfg.threads, True), True)
+    if getattr(engine, "peers", None) is not None:
+        return runtimes.use_threads(runtimes.threads_for(0, False), False)
+    return runtimes.current_threads()
+
+
+def threads_record(cfg, engine, head_threads):
+    """The thread counts a run's sums split by, as its plan record keeps them (--plan FILE
+    carries them, cli/coordinator takes "device"): "device", what a CPU device runs where the
+    command names no count (`cpu` in --spawn, --local); "head", the coordinator's; "workers",
+    each worker's as it said at HELLO (0: a GPU, or a CPU worker's every core, not fixed)."""
+    peers = getattr(engine, "peers", None)
+    if peers is not None:
+        workers = {name: peer.threads for name, peer in peers.items()}
+    else:
+        workers = {name: getattr(getattr(getattr(server, "shard", None), "device", None), "threads", 0)
+                   for name, server in getattr(engine, "servers", {}).items()}
+    device = getattr(engine, "spawn_threads", 0) or (next(iter(workers.values())) if peers is None and workers else 0)
+    return {"device": int(device or cfg.threads), "head": int(head_threads), "workers": workers}
+
+
 def _run_given_plan(cfg, engine, plan, micro_batches, source, log):
     """`plan` fixed on the engine, and its recorded micro-batch count (or None) where
     --micro-batches is auto; the config the run goes on with."""
@@ -755,7 +784,9 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
     if cfg.steps:
         total_steps = cfg.steps
     cfg = _reproducible(cfg, engine, specs, log, None if resume is None else resume[0])
-    metrics.write("config", config=cfg.to_json(), data=repr(ds), network=network.to_json(), **metrics_extra)
+    head_threads = _head_threads(cfg, engine)
+    metrics.write("config", config=cfg.to_json(), data=repr(ds), network=network.to_json(),
+                  runtime=runtimes.record(head_threads), **metrics_extra)
 
     rng = np.random.default_rng(cfg.seed)
     head = [op.layer.to_json() for op in network.head() if op.type != "flatten"]
@@ -800,7 +831,8 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
     wire = wire_record(engine)
     if wire and (wire["wire"]["dtype"] != "float32" or cfg.precision != "fp32"):
         log(f"feature maps and gradients between layers: {wire['wire']['dtype']} ({wire['wire']['reason']})")
-    metrics.write("plan", **plan.to_json(), **choice, **micro_choice_record(engine), **wire)
+    metrics.write("plan", **plan.to_json(), **choice, **micro_choice_record(engine), **wire,
+                  threads=threads_record(cfg, engine, head_threads))
     run = _Run(cfg, engine, net, elastic, ds, specs, start_step, total_steps, steps_per_epoch, log, metrics)
     # the photo loader's processes end with the run, however it ends (train's finally closes it)
     run.loader = open_loader(ds, cfg.batch_size, run.augment, cfg.seed, cfg.loader_workers, log)

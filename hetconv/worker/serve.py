@@ -19,7 +19,7 @@ import uuid
 
 import zmq
 
-from hetconv import __version__
+from hetconv import __version__, runtimes
 from hetconv.devices import DeviceError, open_device, parse_device_list
 from hetconv.devices.wisdom import machine_wisdom
 from hetconv.engine.shard import ConvShard, ShardServer
@@ -62,6 +62,13 @@ def _check_args(args):
             raise WorkerExit(f"--device {args.device} and --threads {args.threads} disagree: give one of them")
         args.threads = entry.threads
     args.device = entry.device
+    if args.deterministic and args.device == "cpu":
+        problem = runtimes.deterministic_problem()
+        if problem:
+            raise WorkerExit(problem)
+        # a fixed count, which the HELLO then tells the coordinator (its plan records it), never
+        # a share of the cores this process may use
+        args.threads = runtimes.threads_for(args.threads, True)
     if args.heartbeat >= args.idle_timeout:
         raise WorkerExit(f"--heartbeat {args.heartbeat} must be shorter than --idle-timeout {args.idle_timeout}")
 
