@@ -11,7 +11,8 @@ PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 # A place may import from places on lower floors only (and from itself).
 FLOORS = {
-    "sizes": 0, "update": 0, "params": 0, "flags": 0, "__init__": 0, "jit": 0,
+    "sizes": 0, "update": 0, "params": 0, "flags": 0, "jit": 0, "runtimes": 0,
+    "__init__": 1,      # pins the runtimes (runtimes.py) before anything below loads Numba
     "channelwise": 1,
     "geometry": 2,
     "devices": 3, "net": 3, "data": 3, "transport": 3,
@@ -30,7 +31,10 @@ DEFERRED_OK = ("torch", "ray", "PIL", "simplejpeg", "matplotlib", "onnx", "onnxr
 LAZY_UP = {("__init__.py", "hetconv.api")}
 # The photo decoder's compiled resize loads Numba in the processes that decode photos only, not in
 # those that list a folder or check its headers.
-DEFERRED_PLACES = {("cli/worker.py", "hetconv.worker.serve"), ("data/photos.py", "hetconv.data.resample"), *LAZY_UP}
+# The runtimes' pinning sets Numba's environment before Numba is imported, so it asks Numba only
+# from inside its functions, after that.
+DEFERRED_PLACES = {("cli/worker.py", "hetconv.worker.serve"), ("data/photos.py", "hetconv.data.resample"),
+                   ("runtimes.py", "numba"), *LAZY_UP}
 
 
 def modules():
