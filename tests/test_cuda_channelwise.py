@@ -9,6 +9,7 @@ os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+import _cuda_sim  # noqa: E402
 from _cuda_sim import dev, short_thread_switches  # noqa: E402,F401
 from hetconv import channelwise as cw  # noqa: E402
 from hetconv.devices import open_device  # noqa: E402
@@ -59,3 +60,35 @@ def test_channel_scale_matches_reference(dev):
 
 def test_a_piece_with_no_images(dev):
     cases.check_a_piece_with_no_images(dev)
+
+
+@pytest.mark.skipif(not _cuda_sim.cuda_config.ENABLE_CUDASIM, reason="the simulator's shared memory only")
+def test_the_simulated_threads_of_a_block_share_one_static_array():
+    """Two threads of one simulated block switched between the lookup and the insert (forced here
+    by a lookup that sleeps) get one array, as the block's threads on a GPU do."""
+    import threading
+    import time
+
+    from numba.cuda.simulator import kernelapi
+
+    import hetconv.devices.cuda_channelwise  # noqa: F401  (installs the lookup under the simulator)
+
+    class SlowLookup(dict):
+        def get(self, *args):
+            found = super().get(*args)
+            time.sleep(0.02)
+            return found
+
+    shared = kernelapi.FakeCUDAShared(0)
+    shared._allocations = SlowLookup()
+    got = []
+
+    def take():
+        got.append(shared.array(8, np.float64))
+
+    threads = [threading.Thread(target=take) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(got) == 2 and got[0] is got[1]

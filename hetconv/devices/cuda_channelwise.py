@@ -24,6 +24,9 @@ from hetconv.devices import activation_math as am
 from hetconv.devices.base import DeviceError
 
 SIMULATED = bool(cuda_config.ENABLE_CUDASIM)
+if SIMULATED:
+    from hetconv.devices.cuda_simulator import share_static_arrays_per_block
+    share_static_arrays_per_block()
 ELEMENTWISE_THREADS = 32 if SIMULATED else 256     # block of the elementwise kernels
 REDUCE_THREADS = 8 if SIMULATED else 256           # block of the per-channel sums: a power of two
 GRID_YZ_LIMIT = 65535                              # CUDA's grid limit along y and z
