@@ -43,35 +43,7 @@ NETS = ("resnet50", "mobilenet_v2")
 HETCONV_ROWS = {"hetconv fp32": "fp32", "hetconv auto": "auto"}
 BF16_ISA = ("avx512_bf16", "amx_tile")
 
-TORCH_STEP = """
-import json, sys, time
-import numpy as np
-import torch
-sys.path.insert(0, sys.argv[1])
-import imagenet_nets
-net, data, steps, layout, dtype, out = sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6], sys.argv[7]
-torch.set_num_threads(2)
-torch.manual_seed(0)
-with np.load(data) as f:
-    x = torch.from_numpy(f["x"].astype(np.float32) / 255.0)
-    y = torch.from_numpy(f["y"].astype(np.int64))
-module = getattr(imagenet_nets, net)(num_classes=1000)
-if layout == "channels_last":
-    module = module.to(memory_format=torch.channels_last)
-opt = torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9)
-seconds = []
-for _ in range(steps):
-    t0 = time.perf_counter()
-    xs = x.contiguous(memory_format=torch.channels_last) if layout == "channels_last" else x
-    opt.zero_grad()
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
-        loss = torch.nn.functional.cross_entropy(module(xs), y)
-    loss.backward()
-    opt.step()
-    seconds.append(time.perf_counter() - t0)
-with open(out, "w") as f:
-    json.dump({"seconds": seconds, "info": [torch.__version__, torch.__config__.parallel_info().splitlines()[:6]]}, f)
-"""
+TORCH_STEP = os.path.join(HERE, "_torch_step.py")
 
 
 # --profile: where a step's time goes, by kind of work. hetconv's side wraps the device methods each
@@ -126,49 +98,6 @@ with open(out, "w") as f:
     json.dump({k: v / (steps - warmup) for k, v in spent.items()}, f)
 """
 
-TORCH_PROFILE = """
-import collections, json, sys, time
-import numpy as np
-import torch
-sys.path.insert(0, sys.argv[1])
-import imagenet_nets
-net, data, steps, warmup, layout, out = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6], sys.argv[7]
-torch.set_num_threads(2)
-with np.load(data) as f:
-    x = torch.from_numpy(f["x"].astype(np.float32) / 255.0)
-    y = torch.from_numpy(f["y"].astype(np.int64))
-module = getattr(imagenet_nets, net)(num_classes=1000)
-if layout == "channels_last":
-    module = module.to(memory_format=torch.channels_last)
-opt = torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9)
-def step():
-    xs = x.contiguous(memory_format=torch.channels_last) if layout == "channels_last" else x
-    opt.zero_grad()
-    torch.nn.functional.cross_entropy(module(xs), y).backward()
-    opt.step()
-for _ in range(warmup):
-    step()
-with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-    t0 = time.perf_counter()
-    for _ in range(steps - warmup):
-        step()
-    whole = time.perf_counter() - t0
-KINDS = [("conv backward", ("convolution_backward",)), ("conv forward", ("convolution", "conv2d")),
-         ("batchnorm backward", ("batch_norm_backward",)), ("batchnorm forward", ("batch_norm",)),
-         ("activation", ("relu", "hardtanh", "threshold_backward", "clamp")),
-         ("pool", ("pool", "adaptive_avg", "mean")), ("joins (add, concat)", ("add", "cat")),
-         ("update", ("sgd", "foreach", "_fused", "mul_", "add_")), ("reorders", ("copy_", "contiguous", "to_dense", "clone"))]
-spent = collections.Counter()
-for e in prof.key_averages():
-    name = e.key.lower()
-    kind = next((k for k, words in KINDS if any(w in name for w in words)), "other")
-    spent[kind] += e.self_cpu_time_total / 1e6
-spent["whole step"] = whole
-with open(out, "w") as f:
-    json.dump({k: v / (steps - warmup) for k, v in spent.items()}, f)
-"""
-
-
 def profile_rows(net, data, steps, warmup, batch, cache, workdir):
     """{row: {kind: seconds a step}} for hetconv fp32 and PyTorch's two fp32 layouts."""
     rows = {}
@@ -185,12 +114,10 @@ def profile_rows(net, data, steps, warmup, batch, cache, workdir):
         raise SystemExit(f"hetconv profile {net} failed: {done.stderr[-2000:]}")
     with open(out) as f:
         rows["hetconv fp32"] = json.load(f)
-    script = os.path.join(workdir, "torch_profile.py")
-    with open(script, "w") as f:
-        f.write(TORCH_PROFILE)
     for layout in T.LAYOUTS:
         out = os.path.join(workdir, f"profile-{net}-{layout}.json")
-        cmd, _ = prioritized([sys.executable, script, HERE, net, data, str(steps), str(warmup), layout, out])
+        cmd, _ = prioritized([sys.executable, TORCH_STEP, "--module", f"imagenet_nets:{net}", "--data", data,
+                              "--steps", str(steps), "--layout", layout, "--profile", str(warmup), "--out", out])
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
         if done.returncode != 0:
             raise SystemExit(f"torch profile {net} {layout} failed: {done.stderr[-2000:]}")
@@ -245,10 +172,8 @@ def hetconv_row(net, data, precision, steps, batch, cache, workdir):
 
 def torch_row(net, data, layout, dtype, steps, workdir):
     out = os.path.join(workdir, f"torch-{net}-{layout}-{dtype}.json")
-    script = os.path.join(workdir, "torch_step.py")
-    with open(script, "w") as f:
-        f.write(TORCH_STEP)
-    cmd, raised = prioritized([sys.executable, script, HERE, net, data, str(steps), layout, dtype, out])
+    cmd, raised = prioritized([sys.executable, TORCH_STEP, "--module", f"imagenet_nets:{net}", "--data", data,
+                               "--steps", str(steps), "--layout", layout, "--dtype", dtype, "--out", out])
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise SystemExit(f"torch {net} {layout} {dtype} failed: {done.stderr[-2000:]}")

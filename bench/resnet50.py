@@ -34,32 +34,7 @@ import _torch_twin as T  # noqa: E402
 STEM = "resnet50"
 HETCONV = {"hetconv local 2 threads": ["--local", "--threads", "2"],
            "hetconv 2 workers x 1 thread": ["--spawn", "cpu:1,cpu:1", "--threads", "1", "--use-all"]}
-TORCH_ROW = """
-import json, sys, time
-import numpy as np
-import torch
-from hetconv.net import preset
-from hetconv.net.torch_import import to_torch
-size, batch, steps, layout, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
-torch.set_num_threads(2)
-spec = preset("resnet50", (3, size, size), 10)
-module = to_torch(spec, *spec.init_params(np.random.default_rng(0)))
-g = torch.Generator().manual_seed(0)
-x, y = torch.rand(batch, 3, size, size, generator=g), torch.randint(0, 10, (batch,), generator=g)
-if layout == "channels_last":
-    module = module.to(memory_format=torch.channels_last)
-opt = torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9)
-seconds = []
-for _ in range(steps):
-    t0 = time.perf_counter()
-    xs = x.contiguous(memory_format=torch.channels_last) if layout == "channels_last" else x
-    opt.zero_grad()
-    loss = torch.nn.functional.cross_entropy(module(xs), y)
-    loss.backward()
-    opt.step()
-    seconds.append(time.perf_counter() - t0)
-json.dump({"step_s": seconds, "loss": loss.item()}, open(out, "w"))
-"""
+TORCH_STEP = os.path.join(HERE, "_torch_step.py")
 
 
 def hetconv_row(args, flags, work, cache, steps):
@@ -80,15 +55,15 @@ def hetconv_row(args, flags, work, cache, steps):
 
 def torch_row(args, layout, work):
     out = os.path.join(work, f"t{time.monotonic_ns()}.json")
-    script = os.path.join(work, "torch_row.py")
-    with open(script, "w") as f:
-        f.write(TORCH_ROW)
     env = dict(os.environ, OMP_NUM_THREADS="2")
-    done = subprocess.run([sys.executable, script, str(args.image_size), str(args.batch_size), str(args.steps + 2),
-                           layout, out], env=env, capture_output=True, text=True, timeout=args.timeout)
+    done = subprocess.run([sys.executable, TORCH_STEP, "--preset", "resnet50", "--image-size", str(args.image_size),
+                           "--batch", str(args.batch_size), "--steps", str(args.steps + 2), "--layout", layout,
+                           "--out", out], env=env, capture_output=True, text=True, timeout=args.timeout)
     if done.returncode != 0:
         raise SystemExit(f"PyTorch row ({layout}) failed:\n{done.stderr[-3000:]}")
-    return json.load(open(out))
+    with open(out) as f:
+        got = json.load(f)
+    return {"step_s": got["seconds"], "loss": got["loss"]}
 
 
 def main(argv=None):
