@@ -221,3 +221,42 @@ def test_a_layer_of_todays_sources_replaces_a_stale_shared_index_but_not_one_of_
     assert _KeyNamedIndex(str(shared), "mod.f-1.py311", today).load(KEY_B) == "code B"
     assert merge_cache_layer(_layer(tmp_path / "2", shared, ("g.py", today[1]), KEY_A, "code A")) == 0
     assert _KeyNamedIndex(str(shared), "mod.f-1.py311", today).load(KEY_B) == "code B"
+
+
+FUSED_KERNELS = textwrap.dedent("""
+    import gc
+    import numpy as np
+    from hetconv import channelwise as cw
+    from hetconv.devices import open_device
+    from hetconv.devices.base import as_channels_last
+    from hetconv.jit import _VerifiedCache
+    dev = open_device("cpu", threads=1)
+    rng = np.random.default_rng(0)
+    ones, zeros = np.ones(3, np.float32), np.zeros(3, np.float32)
+    # silu's backward reads its output: the kernels recompute it, the widest of the fused kernels
+    x, dy = (as_channels_last(a) for a in rng.standard_normal((2, 2, 3, 4, 4)).astype(np.float32))
+    y, ctx = dev.batchnorm_apply(x, zeros, ones, ones, zeros, activation=cw.Activation("silu"))
+    dev.batchnorm_backward(ctx, dy, *dev.batchnorm_grad_sums(ctx, dy), 32)
+    compiled = {d.py_func.__qualname__ for d in gc.get_objects()
+                if isinstance(getattr(d, "_cache", None), _VerifiedCache) and sum(d.stats.cache_misses.values())}
+    print("compiled:", *sorted(compiled), flush=True)
+""")
+
+
+def test_a_second_process_compiles_none_of_the_kernels_the_first_cached(tmp_path):
+    """Numba keys a cached closure by its cells' pickled contents: a kernel closing over a jitted
+    function (which pickles differently in every process) was compiled again by every process,
+    every worker's start paying for BatchNorm fused with each activation of its network."""
+    from hetconv.jit import merge_cache_layer
+    layer = tmp_path / "layer"
+    env = dict(os.environ, HETCONV_NUMBA_CACHE_LAYER=str(layer))
+
+    def compiled():
+        done = subprocess.run([sys.executable, "-c", FUSED_KERNELS], env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout.split("compiled:")[-1].split()
+
+    compiled()                                  # whatever the suite's cache lacked, compiled into the layer
+    merge_cache_layer(str(layer))
+    assert compiled() == []

@@ -84,16 +84,23 @@ def rows_sums(a, b, shift):
 
 
 # ---- per-code kernels: an activation fused into BatchNorm, in each layout --------------------------
+@cached_njit(inline="always", nogil=True)
+def _gradient_at(code, saves_output, z, g, p1, p2):
+    """The activation's gradient of g at its input z (its output recomputed first where its
+    backward reads the output)."""
+    saved = am.forward(code, z, p1, p2) if saves_output else z
+    return am.backward(code, saved, g, p1, p2)
+
+
 def _kernels(code):
     """The kernels of one activation code (a constant inside each, so the dispatch folds away):
     BatchNorm + activation forward, the sums and dx of their backward, on channels-last rows
-    (R, C) and on NCHW planes (N, C, H*W); and the activation alone on rows."""
+    (R, C) and on NCHW planes (N, C, H*W); and the activation alone on rows. They close over
+    plain values only (an int, a bool): Numba's cache keys a closure by its cells' pickled
+    contents, and a cell holding a jitted function pickles differently in every process, so a
+    kernel closing over one was compiled again by every process (four parallel kernels per
+    activation and layout, some 30 s at each worker's start)."""
     saves_output = code in am.SAVES_OUTPUT
-
-    @cached_njit(inline="always", nogil=True)
-    def grad(z, g, p1, p2):
-        saved = am.forward(code, z, p1, p2) if saves_output else z
-        return am.backward(code, saved, g, p1, p2)
 
     @_jit
     def norm_act_rows(x, mean, scale, shift, p1, p2, y):
@@ -130,7 +137,8 @@ def _kernels(code):
                 for c in range(c1 - c0):
                     k = c0 + c
                     xv = x[n, r, k]
-                    g = np.float64(grad((xv - mean[k]) * scale[k] + shift[k], dy[n, r, k], p1, p2))
+                    z = (xv - mean[k]) * scale[k] + shift[k]
+                    g = np.float64(_gradient_at(code, saves_output, z, dy[n, r, k], p1, p2))
                     s1[c] += g
                     s2[c] += g * (np.float64(xv) - np.float64(mean[k]))
             first[n, c0:c1] = s1
@@ -148,7 +156,7 @@ def _kernels(code):
             s2 = 0.0
             for j in range(size):
                 xv = x[n, c, j]
-                g = np.float64(grad((xv - m) * s + b, dy[n, c, j], p1, p2))
+                g = np.float64(_gradient_at(code, saves_output, (xv - m) * s + b, dy[n, c, j], p1, p2))
                 s1 += g
                 s2 += g * (np.float64(xv) - m64)
             first[n, c] = s1
@@ -162,7 +170,7 @@ def _kernels(code):
             for r in range(t * _ROWS_PER_TASK, min(rows, (t + 1) * _ROWS_PER_TASK)):
                 for c in range(channels):
                     xv = x[r, c]
-                    g = grad((xv - mean[c]) * scale[c] + shift[c], dy[r, c], p1, p2)
+                    g = _gradient_at(code, saves_output, (xv - mean[c]) * scale[c] + shift[c], dy[r, c], p1, p2)
                     dx[r, c] = (g - mean_dy[c] - (xv - mean[c]) * k[c]) * a[c]
 
     @_jit
@@ -174,7 +182,7 @@ def _kernels(code):
             m, s, b, md, kc, ac = mean[c], scale[c], shift[c], mean_dy[c], k[c], a[c]
             for j in range(size):
                 xv = x[n, c, j]
-                g = grad((xv - m) * s + b, dy[n, c, j], p1, p2)
+                g = _gradient_at(code, saves_output, (xv - m) * s + b, dy[n, c, j], p1, p2)
                 dx[n, c, j] = (g - md - (xv - m) * kc) * ac
 
     return {"norm_act_rows": norm_act_rows, "norm_act_planes": norm_act_planes,
