@@ -226,6 +226,7 @@ def test_a_layer_of_todays_sources_replaces_a_stale_shared_index_but_not_one_of_
 FUSED_KERNELS = textwrap.dedent("""
     import gc
     import numpy as np
+    from numba.core.dispatcher import Dispatcher
     from hetconv import channelwise as cw
     from hetconv.devices import open_device
     from hetconv.devices.base import as_channels_last
@@ -238,7 +239,7 @@ FUSED_KERNELS = textwrap.dedent("""
     y, ctx = dev.batchnorm_apply(x, zeros, ones, ones, zeros, activation=cw.Activation("silu"))
     dev.batchnorm_backward(ctx, dy, *dev.batchnorm_grad_sums(ctx, dy), 32)
     compiled = {d.py_func.__qualname__ for d in gc.get_objects()
-                if isinstance(getattr(d, "_cache", None), _VerifiedCache) and sum(d.stats.cache_misses.values())}
+                if isinstance(d, Dispatcher) and isinstance(d._cache, _VerifiedCache) and sum(d.stats.cache_misses.values())}
     print("compiled:", *sorted(compiled), flush=True)
 """)
 
