@@ -6,10 +6,16 @@ import pytest
 
 from hetconv.engine.costmodel import LayerCost
 from hetconv.geometry import conv_specs
-from hetconv.engine.shard import CALIBRATION_FLOOR_S, CALIBRATION_MAX_CALLS, ConvShard
+from hetconv.engine.shard import CALIBRATION_FLOOR_S, CALIBRATION_MAX_CALLS, FLOOR_ENV, ConvShard, ShardError
 
 # Times that are exact in binary floating point, so sums of them are exact too.
 MS = 2.0 ** -10                    # about a millisecond
+
+
+@pytest.fixture(autouse=True)
+def product_floor(monkeypatch):
+    """The floor a user's run takes (the suite's conftest shortens it for every other test)."""
+    monkeypatch.delenv(FLOOR_ENV, raising=False)
 
 
 class FakeClock:
@@ -121,3 +127,16 @@ def test_tiny_calls_stop_at_the_cap_and_long_calls_are_not_repeated_beyond_repea
     long = FakeDevice(clock, lambda k: 0.125, lambda k: 0.125)         # 4 s a call at batch 16
     _, (timing,) = calibrate(long, clock, kernels=2, repeats=3)
     assert long.calls.count((2, 16)) == 1 + 3 and timing["forward_s"] == [2.0, 2.0]
+
+
+def test_the_floor_from_the_environment_sets_each_window_and_a_bad_one_is_named(monkeypatch):
+    clock = FakeClock()
+    device = FakeDevice(clock, lambda k: MS / 16 + k * MS / 256, lambda k: 2 * (MS / 16 + k * MS / 256))
+    monkeypatch.setenv(FLOOR_ENV, "0.0625")
+    calibrate(device, clock)
+    timed = device.calls.count((64, 16)) - 1             # the first is the warm-up
+    assert timed == int(np.ceil(0.0625 / (15 * MS))) < int(np.ceil(CALIBRATION_FLOOR_S / (15 * MS)))
+    for bad in ("fast", "0", "-1", "nan", "100"):
+        monkeypatch.setenv(FLOOR_ENV, bad)
+        with pytest.raises(ShardError, match=rf"{FLOOR_ENV}={bad!r}: expected the seconds"):
+            calibrate(FakeDevice(clock, lambda k: MS, lambda k: MS), clock)

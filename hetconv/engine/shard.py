@@ -4,6 +4,7 @@ This is the code a worker runs for every FORWARD / BACKWARD it serves, and the c
 runs in-process, so the single-device baseline and a distributed run differ only in transport.
 """
 import dataclasses
+import os
 import time
 
 import numpy as np
@@ -31,6 +32,25 @@ from hetconv.transport.wire import carried_dtype, decode, encode
 # outweighs them, to a fraction of a second.
 CALIBRATION_FLOOR_S = 0.25
 CALIBRATION_MAX_CALLS = 1000
+# HETCONV_CALIBRATION_FLOOR_S (seconds) sets another floor, for every process that inherits it: a
+# shorter window calibrates faster and reads a shared core's speed less surely. The test suite,
+# whose runs check a plan's arithmetic rather than its speed, sets 0.02.
+FLOOR_ENV = "HETCONV_CALIBRATION_FLOOR_S"
+
+
+def calibration_floor_s():
+    """The floor a calibration point's window takes: CALIBRATION_FLOOR_S unless FLOOR_ENV says."""
+    raw = os.environ.get(FLOOR_ENV)
+    if not raw:
+        return CALIBRATION_FLOOR_S
+    try:
+        floor = float(raw)
+    except ValueError:
+        floor = float("nan")
+    if not 0 < floor <= 10:
+        raise ShardError(f"{FLOOR_ENV}={raw!r}: expected the seconds a calibration point is timed over, above 0 "
+                         f"and at most 10 (default {CALIBRATION_FLOOR_S})")
+    return floor
 
 
 class ShardError(ValueError):
@@ -266,7 +286,7 @@ class ConvShard:
         The same two counts on half the batch (`half_batch`) separate what a call costs apart
         from its images, per kernel and not: what micro-batches add, and what a data-parallel
         layer (every kernel on a part of the images) pays. Each is the mean over a block of at
-        least `repeats` calls and at least CALIBRATION_FLOOR_S (see there), one point after the
+        least `repeats` calls and at least the floor (CALIBRATION_FLOOR_S), one point after the
         other.
 
         Returns (kernels/s per layer at kernels[i], per-layer timing dicts)."""
@@ -305,13 +325,13 @@ class ConvShard:
     def _mean_times(self, timers, min_calls):
         """Each timer (a call that returns a tuple of seconds, one per phase) once untimed, then
         in a block of calls of its own until the block has run at least `min_calls` calls and
-        CALIBRATION_FLOOR_S, or CALIBRATION_MAX_CALLS calls. -> per timer, each phase's mean:
+        the floor (calibration_floor_s), or CALIBRATION_MAX_CALLS calls. -> per timer, each phase's mean:
         the block's time over its calls, split between the phases as they measured. A block is
         the window a core shared by time slices averages over: every stall in it is counted once
         (in the gaps between timed phases too) and its edges miss at most one slice. Calls of
         several timers alternated one by one would share the stalls by where the slices happen
         to fall in the round, not by their length."""
-        means = []
+        means, floor = [], calibration_floor_s()
         for timer in timers:
             timer()                                # warm-up: JIT compilation, buffer growth
             totals, calls = None, 0
@@ -321,7 +341,7 @@ class ConvShard:
                 totals = seconds if totals is None else tuple(a + b for a, b in zip(totals, seconds))
                 calls += 1
                 block = self.clock() - start
-                if calls >= max(1, min_calls) and (block >= CALIBRATION_FLOOR_S or calls >= CALIBRATION_MAX_CALLS):
+                if calls >= max(1, min_calls) and (block >= floor or calls >= CALIBRATION_MAX_CALLS):
                     break
             measured = sum(totals)
             scale = block / measured if measured > 0 else 1.0
