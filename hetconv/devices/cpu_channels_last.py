@@ -97,9 +97,9 @@ def _kernels(code):
     BatchNorm + activation forward, the sums and dx of their backward, on channels-last rows
     (R, C) and on NCHW planes (N, C, H*W); and the activation alone on rows. They close over
     plain values only (an int, a bool): Numba's cache keys a closure by its cells' pickled
-    contents, and a cell holding a jitted function pickles differently in every process, so a
-    kernel closing over one was compiled again by every process (four parallel kernels per
-    activation and layout, some 30 s at each worker's start)."""
+    contents, and a cell holding a jitted function pickles differently in every process: a kernel
+    closing over one would be compiled again by every process, each worker's start paying four
+    parallel kernels per activation and layout (tests/test_jit_cache.py holds this)."""
     saves_output = code in am.SAVES_OUTPUT
 
     @_jit
