@@ -82,6 +82,9 @@ def run_to_end(cmd, env, log_path, timeout):
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
             return "timeout"
+        except BaseException:                           # the soak itself stopped: leave no run behind
+            _end_group(p)
+            raise
 
 
 def interrupted_run(cmd, env, log_path, metrics, at_step, signum, timeout):
@@ -102,6 +105,18 @@ def interrupted_run(cmd, env, log_path, metrics, at_step, signum, timeout):
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
             return "timeout", reached(metrics)
+        except BaseException:
+            _end_group(p)
+            raise
+
+
+def _end_group(p):
+    """SIGKILL to a run's process group (its spawned workers too), if it still runs."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait()
 
 
 def final_state(ckpt_dir):
@@ -167,6 +182,9 @@ def main(argv=None):
                PYTHONFAULTHANDLER="1", LIBC_FATAL_STDERR_="1")
     if malloc_debug:
         env.update(LD_PRELOAD=MALLOC_DEBUG, MALLOC_CHECK_="3", MALLOC_PERTURB_="165")
+    # SIGTERM ends the soak as Ctrl-C does: through the clean-up below (the busy process, the run
+    # in flight and its workers), keeping the rounds already written
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
     busy = None if args.no_busy else subprocess.Popen([sys.executable, "-c", "while True: pass"],
                                                        start_new_session=True)
     rng = random.Random(args.seed)
