@@ -25,6 +25,7 @@ SAVES_OUTPUT says which.
 import math
 
 import numba
+import numba.extending
 import numpy as np
 
 from hetconv.jit import cached_njit
@@ -322,23 +323,91 @@ def backward(code, saved, g, param, param2):
     return g
 
 
+# ---- the CPU loops' dispatch: the code a constant of the loop, chosen when the loop is typed ----------
+# forward_of, backward_of and gradient_of compute what forward and backward do. A CPU loop closes
+# over its code (an int) and passes it: Numba types that constant as a literal, and the overloads
+# below give the loop that one activation's function alone. Inlining forward's whole chain
+# instead put every activation's IR into every loop, where Numba's parallel passes copy it again
+# and again before LLVM prunes it: twice the compile of a parallel loop. A jitted caller must pass
+# a constant code (the CUDA kernels, whose code is an argument, call forward and backward).
+def forward_of(code, v, param, param2):
+    return forward(code, v, param, param2)
+
+
+def backward_of(code, saved, g, param, param2):
+    return backward(code, saved, g, param, param2)
+
+
+def gradient_of(code, z, g, param, param2):
+    """The activation's gradient of g at its input z: its output recomputed first where its
+    backward reads the output."""
+    return backward(code, forward(code, z, param, param2) if code in SAVES_OUTPUT else z, g, param, param2)
+
+
+def _literal(code):
+    return code.literal_value if isinstance(code, numba.types.IntegerLiteral) else None
+
+
+@numba.extending.overload(forward_of, inline="always")
+def _forward_of(code, v, param, param2):
+    c = _literal(code)
+    if c is None:
+        return None
+    one = {RELU: relu, GELU: gelu, GELU_TANH: gelu_tanh, SILU: silu, LEAKY_RELU: leaky_relu, ELU: elu, CELU: celu,
+           HARDSWISH: hardswish, HARDSIGMOID: hardsigmoid}.get(c)
+    if one is not None:
+        return lambda code, v, param, param2: one(v, param)
+    if c == TANH:
+        return lambda code, v, param, param2: tanh(v)
+    if c == SIGMOID:
+        return lambda code, v, param, param2: sigmoid(v)
+    if c == HARDTANH:
+        return lambda code, v, param, param2: hardtanh(v, param, param2)
+    return lambda code, v, param, param2: v
+
+
+@numba.extending.overload(backward_of, inline="always")
+def _backward_of(code, saved, g, param, param2):
+    c = _literal(code)
+    if c is None:
+        return None
+    one = {RELU: relu_backward, GELU: gelu_backward, GELU_TANH: gelu_tanh_backward, SILU: silu_backward,
+           LEAKY_RELU: leaky_relu_backward, ELU: elu_backward, CELU: celu_backward, TANH: tanh_backward,
+           SIGMOID: sigmoid_backward, HARDSWISH: hardswish_backward, HARDSIGMOID: hardsigmoid_backward}.get(c)
+    if one is not None:
+        return lambda code, saved, g, param, param2: one(saved, g, param)
+    if c == HARDTANH:
+        return lambda code, saved, g, param, param2: hardtanh_backward(saved, g, param, param2)
+    return lambda code, saved, g, param, param2: g
+
+
+@numba.extending.overload(gradient_of, inline="always")
+def _gradient_of(code, z, g, param, param2):
+    c = _literal(code)
+    if c is None:
+        return None
+    if c in SAVES_OUTPUT:
+        return lambda code, z, g, param, param2: backward_of(code, forward_of(code, z, param, param2), g, param, param2)
+    return lambda code, z, g, param, param2: backward_of(code, z, g, param, param2)
+
+
 def _cpu_kernels(code):
     """(forward, backward) parallel loops over flat float32 arrays for the CPU device, made per
-    code: `code` is a constant inside each, so the inlined dispatch below folds away and each
-    loop is its activation's own few instructions (relu, leaky_relu, the hard ones, identity and
-    the exp-based ones vectorise). They close over the code alone (an int), which Numba's cache
-    keys them by; closing over the functions themselves missed the cache in every process. They
-    live in this file because Numba's cache knows only the file of the function it caches: a
-    loop cached elsewhere would keep an inlined copy of these functions after they change."""
+    code: `code` is a constant inside each, so each loop is its activation's own few instructions
+    (relu, leaky_relu, the hard ones, identity and the exp-based ones vectorise). They close over
+    the code alone (an int), which Numba's cache keys them by (a closure's cells are its key: a
+    jitted function in one pickles differently in every process). They live in this file because
+    Numba's cache knows only the file of the function it caches: a loop cached elsewhere would
+    keep an inlined copy of these functions after they change."""
     @cached_njit(parallel=True, nogil=True)
     def forward_loop(param, param2, x, y):
         for i in numba.prange(x.shape[0]):
-            y[i] = forward(code, x[i], param, param2)
+            y[i] = forward_of(code, x[i], param, param2)
 
     @cached_njit(parallel=True, nogil=True)
     def backward_loop(param, param2, saved, dy, dx):
         for i in numba.prange(saved.shape[0]):
-            dx[i] = backward(code, saved[i], dy[i], param, param2)
+            dx[i] = backward_of(code, saved[i], dy[i], param, param2)
 
     return forward_loop, backward_loop
 

@@ -84,24 +84,14 @@ def rows_sums(a, b, shift):
 
 
 # ---- per-code kernels: an activation fused into BatchNorm, in each layout --------------------------
-@cached_njit(inline="always", nogil=True)
-def _gradient_at(code, saves_output, z, g, p1, p2):
-    """The activation's gradient of g at its input z (its output recomputed first where its
-    backward reads the output)."""
-    saved = am.forward(code, z, p1, p2) if saves_output else z
-    return am.backward(code, saved, g, p1, p2)
-
-
 def _kernels(code):
-    """The kernels of one activation code (a constant inside each, so the dispatch folds away):
-    BatchNorm + activation forward, the sums and dx of their backward, on channels-last rows
-    (R, C) and on NCHW planes (N, C, H*W); and the activation alone on rows. They close over
-    plain values only (an int, a bool): Numba's cache keys a closure by its cells' pickled
-    contents, and a cell holding a jitted function pickles differently in every process: a kernel
-    closing over one would be compiled again by every process, each worker's start paying four
-    parallel kernels per activation and layout (tests/test_jit_cache.py holds this)."""
-    saves_output = code in am.SAVES_OUTPUT
-
+    """The kernels of one activation code (a constant inside each: activation_math's *_of
+    functions give each kernel that activation's arithmetic alone): BatchNorm + activation
+    forward, the sums and dx of their backward, on channels-last rows (R, C) and on NCHW planes
+    (N, C, H*W). They close over the code alone: Numba's cache keys a closure by its cells'
+    pickled contents, and a cell holding a jitted function pickles differently in every process:
+    a kernel closing over one would be compiled again by every process, each worker's start paying
+    four parallel kernels per activation and layout (tests/test_jit_cache.py holds this)."""
     @_jit
     def norm_act_rows(x, mean, scale, shift, p1, p2, y):
         rows, channels = x.shape
@@ -109,7 +99,7 @@ def _kernels(code):
         for t in prange(tasks):
             for r in range(t * _ROWS_PER_TASK, min(rows, (t + 1) * _ROWS_PER_TASK)):
                 for c in range(channels):
-                    y[r, c] = am.forward(code, (x[r, c] - mean[c]) * scale[c] + shift[c], p1, p2)
+                    y[r, c] = am.forward_of(code, (x[r, c] - mean[c]) * scale[c] + shift[c], p1, p2)
 
     @_jit
     def norm_act_planes(x, mean, scale, shift, p1, p2, y):
@@ -119,7 +109,7 @@ def _kernels(code):
             c = t % channels
             m, s, b = mean[c], scale[c], shift[c]
             for j in range(size):
-                y[n, c, j] = am.forward(code, (x[n, c, j] - m) * s + b, p1, p2)
+                y[n, c, j] = am.forward_of(code, (x[n, c, j] - m) * s + b, p1, p2)
 
     @_jit
     def grad_sums_rows(x, dy, mean, scale, shift, p1, p2, first, second):
@@ -138,7 +128,7 @@ def _kernels(code):
                     k = c0 + c
                     xv = x[n, r, k]
                     z = (xv - mean[k]) * scale[k] + shift[k]
-                    g = np.float64(_gradient_at(code, saves_output, z, dy[n, r, k], p1, p2))
+                    g = np.float64(am.gradient_of(code, z, dy[n, r, k], p1, p2))
                     s1[c] += g
                     s2[c] += g * (np.float64(xv) - np.float64(mean[k]))
             first[n, c0:c1] = s1
@@ -156,7 +146,7 @@ def _kernels(code):
             s2 = 0.0
             for j in range(size):
                 xv = x[n, c, j]
-                g = np.float64(_gradient_at(code, saves_output, (xv - m) * s + b, dy[n, c, j], p1, p2))
+                g = np.float64(am.gradient_of(code, (xv - m) * s + b, dy[n, c, j], p1, p2))
                 s1 += g
                 s2 += g * (np.float64(xv) - m64)
             first[n, c] = s1
@@ -170,7 +160,7 @@ def _kernels(code):
             for r in range(t * _ROWS_PER_TASK, min(rows, (t + 1) * _ROWS_PER_TASK)):
                 for c in range(channels):
                     xv = x[r, c]
-                    g = _gradient_at(code, saves_output, (xv - mean[c]) * scale[c] + shift[c], dy[r, c], p1, p2)
+                    g = am.gradient_of(code, (xv - mean[c]) * scale[c] + shift[c], dy[r, c], p1, p2)
                     dx[r, c] = (g - mean_dy[c] - (xv - mean[c]) * k[c]) * a[c]
 
     @_jit
@@ -182,7 +172,7 @@ def _kernels(code):
             m, s, b, md, kc, ac = mean[c], scale[c], shift[c], mean_dy[c], k[c], a[c]
             for j in range(size):
                 xv = x[n, c, j]
-                g = _gradient_at(code, saves_output, (xv - m) * s + b, dy[n, c, j], p1, p2)
+                g = am.gradient_of(code, (xv - m) * s + b, dy[n, c, j], p1, p2)
                 dx[n, c, j] = (g - md - (xv - m) * kc) * ac
 
     return {"norm_act_rows": norm_act_rows, "norm_act_planes": norm_act_planes,
