@@ -6,8 +6,9 @@ The simulator's `cuda.shared.array` finds a block's static array by looking its 
 a dict the block's threads share and inserting a new array when absent: a check, then a set. Two
 simulated threads switched between the two each get an array of their own, and a reduction
 through shared memory then adds half its values (one channel's BatchNorm sums wrong, on a host
-busy enough to switch threads there). `dict.setdefault` is one step under the GIL, so every thread of a block gets one
-array, as on a GPU. It also skips the simulator's `traceback.extract_stack` per call.
+busy enough to switch threads there). `dict.setdefault` is one step under the GIL, so every
+thread of a block gets one array, as on a GPU. It also skips the simulator's
+`traceback.extract_stack` per call.
 """
 import sys
 
