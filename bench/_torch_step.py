@@ -63,8 +63,8 @@ def main(argv=None):
     p.add_argument("--profile", type=int, default=None, metavar="WARMUP")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    if args.module and not args.data:
-        p.error("--module needs --data")
+    if args.module and (not args.data or args.module.count(":") != 1):
+        p.error(f"--module FILE:FUNCTION with --data NPZ, got --module {args.module!r} --data {args.data!r}")
     import torch
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -10,7 +10,6 @@ import pytest
 pytest.importorskip("numba_cuda", reason="numba-cuda is not installed (pip install 'hetconv[cuda]')")
 
 from numba import cuda  # noqa: E402
-from numba.cuda.core import config as cuda_config  # noqa: E402,F401
 
 from hetconv.devices import open_device  # noqa: E402
 

@@ -9,8 +9,9 @@ os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-import _cuda_sim  # noqa: E402
 from _cuda_sim import dev, short_thread_switches  # noqa: E402,F401
+from numba.cuda.core import config as cuda_config  # noqa: E402
+
 from hetconv import channelwise as cw  # noqa: E402
 from hetconv.devices import open_device  # noqa: E402
 
@@ -62,7 +63,7 @@ def test_a_piece_with_no_images(dev):
     cases.check_a_piece_with_no_images(dev)
 
 
-@pytest.mark.skipif(not _cuda_sim.cuda_config.ENABLE_CUDASIM, reason="the simulator's shared memory only")
+@pytest.mark.skipif(not cuda_config.ENABLE_CUDASIM, reason="the simulator's shared memory only")
 def test_the_simulated_threads_of_a_block_share_one_static_array():
     """Two threads of one simulated block switched between the lookup and the insert (forced here
     by a lookup that sleeps) get one array, as the block's threads on a GPU do."""

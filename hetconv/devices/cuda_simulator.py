@@ -25,7 +25,9 @@ def _shared_array_once_per_block(original):
         if isinstance(dtype, numba_types.Type):
             dtype = numpy_support.as_dtype(dtype)
         caller = sys._getframe(1)
-        return self._allocations.setdefault((caller.f_code.co_filename, caller.f_lineno), np.empty(shape, dtype))
+        key = caller.f_code.co_filename, caller.f_lineno
+        found = self._allocations.get(key)             # the block's array once one thread made it
+        return found if found is not None else self._allocations.setdefault(key, np.empty(shape, dtype))
 
     array.unpatched = original
     return array
