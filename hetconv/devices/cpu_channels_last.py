@@ -17,6 +17,12 @@ forward's, bit for bit: the same float32 operations in the same order (no fused 
 Sums: per image and channel, over the image's rows in order, in float64 (an NCHW plane's sum adds
 the same values in the same order); the images' sums are added in order by the caller. So the
 totals do not depend on the thread count. Every kernel runs `parallel=True` over images or rows.
+
+An inner loop indexes only with its own loop variable, on a row sliced out before it
+(`x_row = x[n, r, c0:c1]; x_row[c]`): an index computed in the loop (`x[n, r, c0 + c]`) may be
+negative as far as Numba knows, and the wraparound test it then adds per element keeps LLVM from
+vectorising the loop. The sums kernels ran 8-10x slower that way (BatchNorm's backward sums were
+a fifth of MobileNetV2's step).
 """
 import numpy as np
 from numba import prange
@@ -66,10 +72,11 @@ def _rows_sums(a, b, shift, first, second):
         s2 = np.zeros(c1 - c0)
         sh = shift[c0:c1].astype(np.float64)
         for r in range(rows):
+            a_row, b_row = a[n, r, c0:c1], b[n, r, c0:c1]
             for c in range(c1 - c0):
-                av = np.float64(a[n, r, c0 + c])
+                av = np.float64(a_row[c])
                 s1[c] += av
-                s2[c] += av * (np.float64(b[n, r, c0 + c]) - sh[c])
+                s2[c] += av * (np.float64(b_row[c]) - sh[c])
         first[n, c0:c1] = s1
         second[n, c0:c1] = s2
 
@@ -123,14 +130,14 @@ def _kernels(code):
             c1 = min(channels, c0 + _CHANNEL_BLOCK)
             s1 = np.zeros(c1 - c0)
             s2 = np.zeros(c1 - c0)
+            m, sc, sh = mean[c0:c1], scale[c0:c1], shift[c0:c1]
             for r in range(rows):
+                x_row, dy_row = x[n, r, c0:c1], dy[n, r, c0:c1]
                 for c in range(c1 - c0):
-                    k = c0 + c
-                    xv = x[n, r, k]
-                    z = (xv - mean[k]) * scale[k] + shift[k]
-                    g = np.float64(am.gradient_of(code, z, dy[n, r, k], p1, p2))
+                    xv = x_row[c]
+                    g = np.float64(am.gradient_of(code, (xv - m[c]) * sc[c] + sh[c], dy_row[c], p1, p2))
                     s1[c] += g
-                    s2[c] += g * (np.float64(xv) - np.float64(mean[k]))
+                    s2[c] += g * (np.float64(xv) - np.float64(m[c]))
             first[n, c0:c1] = s1
             second[n, c0:c1] = s2
 
