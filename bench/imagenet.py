@@ -59,16 +59,28 @@ from hetconv.engine.shard import ConvShard
 from hetconv.cli import coordinator
 spent = collections.Counter()
 stack = []
-def timed(kind, f):
+def conv_form(w):
+    k, cin_per_group, kh, kw = w.shape
+    if cin_per_group == 1 and k > 1:
+        return "(depthwise)"
+    return "(1x1)" if kh == kw == 1 else f"({kh}x{kw})"
+def timed(kind, f, outermost=False):
     def call(*args, **kwargs):
+        if outermost:                           # the whole step: the kinds inside it count apart
+            t0 = time.perf_counter()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                spent[kind] += time.perf_counter() - t0
         if stack:                               # nested: the outer call's kind has it
             return f(*args, **kwargs)
         stack.append(kind)
+        named = kind + " " + conv_form(args[2]) if kind.startswith("conv") else kind   # (self, x or ctx, w, ...)
         t0 = time.perf_counter()
         try:
             return f(*args, **kwargs)
         finally:
-            spent[kind] += time.perf_counter() - t0
+            spent[named] += time.perf_counter() - t0
             stack.pop()
     return call
 KINDS = {"conv forward": ["conv_block"], "conv backward": ["conv_block_backward"],
@@ -83,7 +95,7 @@ for cls in (CpuDevice, HostArrays):
                 setattr(cls, name, timed(kind, getattr(cls, name)))
 GraphPass._node_forward = timed("joins (add, concat)", GraphPass._node_forward)
 GraphPass._node_backward = timed("joins (add, concat)", GraphPass._node_backward)
-Network.train_step = timed("whole step", Network.train_step)
+Network.train_step = timed("whole step", Network.train_step, outermost=True)
 steps, warmup, out = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 seen = []
 original = Network.train_step
@@ -95,7 +107,9 @@ def counted(*a, **k):
 Network.train_step = counted
 coordinator.main(sys.argv[5:])
 with open(out, "w") as f:
-    json.dump({k: v / (steps - warmup) for k, v in spent.items()}, f)
+    per_step = {k: v / (steps - warmup) for k, v in spent.items()}
+    per_step["other"] = per_step["whole step"] - sum(v for k, v in per_step.items() if k != "whole step")
+    json.dump(per_step, f)
 """
 
 def profile_rows(net, data, steps, warmup, batch, cache, workdir):
