@@ -256,6 +256,12 @@ class CpuDevice(ConvPathChoice, GemmPaths, Device):
         if precision == "bf16" and conv_path not in ("auto", "direct-dnnl"):
             raise DeviceError(f"precision bf16 runs every conv on a bf16 path: conv path {conv_path!r} "
                               f"cannot be forced with it (direct-dnnl can: oneDNN's convolutions in bf16)")
+        try:
+            # a step frees and allocates the same large maps: keep their pages rather than fault
+            # them in again every step (runtimes.keep_freed_memory says what it costs)
+            self.allocator = runtimes.keep_freed_memory()
+        except ValueError as e:
+            raise DeviceError(str(e)) from None
         self.conv_path = conv_path
         self.precision = precision
         self.threads = int(min(threads, numba.config.NUMBA_NUM_THREADS))
@@ -368,7 +374,7 @@ class CpuDevice(ConvPathChoice, GemmPaths, Device):
         if self.bf16_emulated:
             precision += " (emulated: no bf16 GEMM on this CPU; the same sums, slower than float32)"
         return (f"cpu ({self.threads} thread{'s' if self.threads > 1 else ''}, BLAS {', '.join(blas) or 'unknown'}"
-                f"{gemm}, precision {precision})")
+                f"{gemm}, {self.allocator}, precision {precision})")
 
     def _matmul_add(self, a, b, out, work):
         """out += a @ b: in one sgemm with beta = 1 where the BLAS can be called so, else through
