@@ -461,11 +461,14 @@ class DirectConvs:
                 bd_dy = plan.operand("bd_diff_dst", "y", plan.bd_diff_dst, dy)
             weights = plan.operand("bd_weights", "w", plan.bd_weights, w)
             dx = empty_channels_last(x.shape) if x_cl else np.empty(x.shape, np.float32)
-            diff_src = plan.result("diff_src", plan.bd_diff_src, "x", _memory_of(dx))
+            # one view of dx for both: deliver copies wherever `written` is another object, and a
+            # second view of the same memory would be copied onto itself, a whole pass over dx
+            dx_memory = _memory_of(dx)
+            diff_src = plan.result("diff_src", plan.bd_diff_src, "x", dx_memory)
             plan.backward_data.run([(ARG_DIFF_DST, plan.bd_diff_dst.at(bd_dy)),
                                     (ARG_WEIGHTS, plan.bd_weights.at(weights)),
                                     (ARG_DIFF_SRC, plan.bd_diff_src.at(diff_src))])
-            plan.deliver(plan.bd_diff_src, "x", diff_src, _memory_of(dx))
+            plan.deliver(plan.bd_diff_src, "x", diff_src, dx_memory)
             if on_dx is not None:
                 on_dx(dx)
         if saved_src is not None and plan.bw_src.same_layout(plan.src):
