@@ -215,6 +215,24 @@ def test_direct_block_on_channels_last_matches_reference(input_layout, block, mo
 
 
 @needs_dnnl
+def test_a_block_without_a_bias_adds_none_and_its_db_is_zero():
+    dev = open_device("cpu", threads=2, conv_path="direct-dnnl")
+    rng = np.random.default_rng(3)
+    block = ConvBlock(padding=1, activation="none", pool="none")
+    x, w = as_channels_last(cases.f32(rng, 3, 8, 9, 10)), cases.f32(rng, 16, 8, 3, 3, scale=0.3)
+    out, ctx = dev.conv_block(x, w, None, block)
+    zero = np.zeros(16, np.float32)
+    cases.close(out, R.conv_block(np.ascontiguousarray(x), w, zero, block), "forward")
+    dout = cases.f32(rng, *out.shape)
+    dx, dw, db = dev.conv_block_backward(ctx, w, dout)
+    dx_ref, dw_ref, db_ref = R.conv_block_backward(np.ascontiguousarray(x), w, zero, block, dout)
+    cases.close(dx, dx_ref, "dx")
+    cases.close(dw, dw_ref, "dw")
+    assert np.abs(db_ref).max() > 0.1           # what a bias would have been given
+    assert db.shape == (16,) and db.dtype == np.float32 and not db.any()
+
+
+@needs_dnnl
 def test_the_plain_contract_on_the_direct_path_still_gives_nchw():
     dev = open_device("cpu", threads=1, conv_path="direct-dnnl")
     rng = np.random.default_rng(2)

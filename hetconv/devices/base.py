@@ -402,7 +402,8 @@ class Device:
     # ---- the fused form workers run ------------------------------------------------------------
     def conv_block(self, x, w, b, block):
         """Returns (out (N, K, Hp, Wp) numpy float32, ctx for the backward): conv + bias, then the
-        block's activation and pool. w and b may be device-resident (uploaded) arrays."""
+        block's activation and pool. w and b may be device-resident (uploaded) arrays; b None: no
+        bias, and the backward's db is zeros (a device may skip summing dY for it)."""
         x = _as_f32("x", x, 4, self.channels_last)
         out_shape = block_output_shape(x.shape, self._shape(w), block)
         out, ctx = self._conv_block(x, w, b, block)

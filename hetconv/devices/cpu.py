@@ -460,10 +460,11 @@ class CpuDevice(ConvPathChoice, GemmPaths, Device):
         """The block on its path: oneDNN's convolutions take x in either layout and give a
         channels-last output; every other path runs on NCHW (a channels-last x reordered first)."""
         w = np.ascontiguousarray(w, np.float32)
+        has_bias = b is not None
         b = self._check_bias(b, w.shape[0])
         path = self._path(x, w, block.stride, block.padding, block)
         if path in self._direct and getattr(self._direct[path], "channels_last", False):
-            return self._channels_last_block(x, w, b, block, self._direct[path])
+            return self._channels_last_block(x, w, b, block, self._direct[path], has_bias)
         x = np.ascontiguousarray(x)
         if path == "fft":
             return self._fft_block(x, w, b, block)
@@ -509,11 +510,14 @@ class CpuDevice(ConvPathChoice, GemmPaths, Device):
             raise TypeError(f"dw_out must be a C-contiguous float32 numpy array, got {type(dw_out).__name__}")
         return w
 
-    def _channels_last_block(self, x, w, b, block, convs):
+    def _channels_last_block(self, x, w, b, block, convs, has_bias=True):
         """The block on channels-last maps: the conv (bias added by the primitive) straight into
         the output where the block has no activation and no pool, else into a map the activation
         (kept for backward, as its own kernel keeps it) and the pool read; the input in the
-        primitive's layout kept for backward within the saved-cols budget where it is not x's."""
+        primitive's layout kept for backward within the saved-cols budget where it is not x's.
+        Without a bias (`has_bias` False: the caller gave none) backward's db is zeros, not the
+        sums of dY, a pass over the conv's whole output that a conv followed by BatchNorm (every
+        conv of ResNet-50 and MobileNetV2) would pay for nothing."""
         stride, padding, shape = block.stride, block.padding, dict(dilation=block.dilation, groups=block.groups)
         ho, wo = _conv_hw(x.shape, w.shape, stride, padding, block.dilation)
         nbytes = convs.src_nbytes(x.shape, w.shape, stride, padding, **shape, x_channels_last=is_channels_last(x))
@@ -532,6 +536,7 @@ class CpuDevice(ConvPathChoice, GemmPaths, Device):
         ctx = _DirectBlockContext(x, w, block, (ho, wo), pool, argmax if pool else None,
                                   act_saved if act else None, out.shape, convs, saved, saved_src)
         ctx.activation = act
+        ctx.has_bias = has_bias
         return out, ctx
 
     def _channels_last_block_backward(self, ctx, w, dout, need_dx, dw_out, accumulate, on_dx=None):
@@ -541,7 +546,8 @@ class CpuDevice(ConvPathChoice, GemmPaths, Device):
             dy = cpu_channels_last.pool_backward(ctx.pool, ctx.argmax, (x.shape[0], w.shape[0], ho, wo), dy)
         if ctx.activation is not None:
             dy = cpu_channelwise.activation_backward(ctx.activation, ctx.mask, dy)
-        db = cpu_channels_last.rows_sums(dy, dy, np.zeros(dy.shape[1], np.float32))[0].astype(np.float32)
+        db = (cpu_channels_last.channel_totals(dy) if ctx.has_bias
+              else np.zeros(dy.shape[1], np.float32))
         saved, saved_src = ctx.saved, ctx.saved_src
         ctx.saved = ctx.saved_src = None        # the buffer goes back to the pool: a second backward reorders x
         into = dw_out if dw_out is not None and not accumulate else np.empty(w.shape, np.float32)

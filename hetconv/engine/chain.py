@@ -126,7 +126,8 @@ class LayerChain:
                     sl.ctx[m] = x.shape
                 done(m, np.zeros((0, sl.stop - sl.start) + sl.spec.output_hw(*x.shape[2:]), np.float32))
                 continue
-            y, ctx = dev.conv_block(sl.conv_input(x), sl.w, sl.b, sl.block)
+            # a conv without a bias is told so: its device need not sum dY for a db nobody trains
+            y, ctx = dev.conv_block(sl.conv_input(x), sl.w, sl.b if sl.spec.bias else None, sl.block)
             ctxs = [ctx] + [None] * len(tail)
             rows[m] = slice(row0, row0 + len(x))
             segments[m] = statistics_segments(rows[m], batch, ghost)
