@@ -113,6 +113,19 @@ def spawned_worker_names(devices):
     return [f"w{i}-{d}" for i, d in enumerate(devices)]
 
 
+def _placed_features(parts, senders, m, images, shape):
+    """Micro-batch m's features, whole: the one sender's, or each sender's rows and channels of
+    them placed together."""
+    if len(senders) == 1:
+        return next(iter(parts.values()))
+    h = np.empty((images,) + tuple(shape), np.float32)
+    for name in senders:
+        held = senders[name][m]
+        for i, (r0, r1, c0, c1) in enumerate(held):
+            h[r0:r1, c0:c1] = parts[name][index_in(held[i], held, i)]
+    return h
+
+
 class _Peer:
     """A worker as its HELLO describes it; planning reads it as a policy.Place (host_key, device,
     threads, cores, host)."""
@@ -188,22 +201,43 @@ class RemoteEngine(ShardEngine):
         self.message_limit = int(message_limit)
         if self.message_limit:
             keys.set_message_limit(self.sock, self.message_limit)
-        # Keys: --curve DIR admits the workers whose public keys DIR/authorized holds; --spawn
-        # without --curve makes a keypair for this run's own workers (removed at close), so no
-        # other process can join even on loopback; --insecure turns keys off.
         self.auth, self._key_tmp, self.worker_keydir = None, None, ""
         try:
-            if spawn and not curve and not insecure:
-                self._key_tmp = keys.private_temp_dir()
-                curve, self.worker_keydir = keys.ephemeral_keys(self._key_tmp)
-            elif spawn and curve:
-                self.worker_keydir = keys.first_worker_dir(curve)
-            self.curve = curve
-            if curve:
-                self.auth = keys.serve_curve(self.ctx, self.sock, curve, log=self.log, also=(self.heartbeats,))
+            self._start_keys(spawn, curve, insecure)
         except BaseException:
             self.close()
             raise
+        self._bind(bind)
+        self._listen()
+        self.joining = {}                                   # routing id -> HELLO fields, admitted at a snapshot
+        self.joiners_refused = 0                            # HELLOs refused since the last admission: joining was full
+        self.step_bounds = {}                               # PEERS' micro_batches and early_bytes (_note_step_bounds)
+        self.join_wait_s = 0.0                              # what a joiner is told to wait, beyond its own timeout
+        self._probe_until = 0.0                             # probe for vanished workers until then
+        atexit.register(self.close)
+        try:
+            self._spawn(spawn, threads, pin, deterministic)
+            self._await_workers(expected_workers + len(spawn))
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_keys(self, spawn, curve, insecure):
+        """Keys: --curve DIR admits the workers whose public keys DIR/authorized holds; --spawn
+        without --curve makes a keypair for this run's own workers (removed at close), so no other
+        process can join even on loopback; --insecure turns keys off."""
+        if spawn and not curve and not insecure:
+            self._key_tmp = keys.private_temp_dir()
+            curve, self.worker_keydir = keys.ephemeral_keys(self._key_tmp)
+        elif spawn and curve:
+            self.worker_keydir = keys.first_worker_dir(curve)
+        self.curve = curve
+        if curve:
+            self.auth = keys.serve_curve(self.ctx, self.sock, curve, log=self.log, also=(self.heartbeats,))
+
+    def _bind(self, bind):
+        """The ROUTER on --bind (a random port for :0 or :*): SystemExit naming the address and
+        the likely cause where it cannot be bound."""
         try:
             if bind.endswith(":0") or bind.endswith(":*"):
                 port = self.sock.bind_to_random_port(bind.rsplit(":", 1)[0])
@@ -217,19 +251,23 @@ class RemoteEngine(ShardEngine):
                    else "is that address one of this host's? --bind takes tcp://ADDRESS:PORT of a local interface, "
                         "tcp://0.0.0.0:PORT for all of them, or ipc://PATH")
             raise SystemExit(f"hetconv-coordinator: cannot bind {bind}: {e.strerror} ({why})") from None
-        # Heartbeats ride a connection of their own: on a slow link a big reply (a snapshot's
-        # 150 MB of weights takes 12 s at 100 Mbit/s) holds back everything behind it on the
-        # worker's main connection, and a live worker would look silent. A PULL costs one more
-        # port and one small message per worker per second.
+
+    def _listen(self):
+        """Bind the heartbeats' socket beside the ROUTER, and poll both and the ROUTER's monitor.
+
+        Heartbeats ride a connection of their own: on a slow link a big reply (a snapshot's
+        150 MB of weights takes 12 s at 100 Mbit/s) holds back everything behind it on the
+        worker's main connection, and a live worker would look silent. A PULL costs one more
+        port and one small message per worker per second.
+        A killed worker's TCP connection closes at once: the monitor hears it long before a
+        heartbeat is missed, and a probe (ROUTER_MANDATORY) tells which worker it was. With keys,
+        a failed handshake is heard there too, with the peer's address."""
         if self.address.startswith("tcp://"):
             self.heartbeat_port = self.heartbeats.bind_to_random_port(self.address.rsplit(":", 1)[0])
             self.heartbeat_endpoint = ""
         else:
             self.heartbeat_port, self.heartbeat_endpoint = 0, self.address + ".heartbeat"
             self.heartbeats.bind(self.heartbeat_endpoint)
-        # A killed worker's TCP connection closes at once: the monitor hears it long before a
-        # heartbeat is missed, and a probe (ROUTER_MANDATORY) tells which worker it was.
-        # With keys, a failed handshake is heard there too, with the peer's address.
         events = zmq.EVENT_DISCONNECTED
         if self.auth is not None:
             events |= (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -239,18 +277,6 @@ class RemoteEngine(ShardEngine):
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
         self.poller.register(self.heartbeats, zmq.POLLIN)
-        self.joining = {}                                   # routing id -> HELLO fields, admitted at a snapshot
-        self.joiners_refused = 0                            # HELLOs refused since the last admission: joining was full
-        self.step_bounds = {}                               # PEERS' micro_batches and early_bytes (_note_step_bounds)
-        self.join_wait_s = 0.0                              # what a joiner is told to wait, beyond its own timeout
-        self._probe_until = 0.0                             # probe for vanished workers until then
-        atexit.register(self.close)
-        try:
-            self._spawn(spawn, threads, pin, deterministic)
-            self._await_workers(expected_workers + len(spawn))
-        except BaseException:
-            self.close()
-            raise
 
     # ---- processes ---------------------------------------------------------------------------
     def _spawn(self, devices, threads, pin, deterministic=False):
@@ -900,29 +926,11 @@ class RemoteEngine(ShardEngine):
             if msg.fields.get("step") != step:
                 continue                                       # from an abandoned step
             if msg.op == "FEATURES":
-                m = msg.fields.get("micro")
-                known = isinstance(m, int) and not isinstance(m, bool) and 0 <= m < micros and peer.name in senders
-                got = tuple(msg.arrays[0].shape) if msg.arrays else ()
-                want = None
-                if known:
-                    want = pieces_shape(senders[peer.name][m]) + tuple(shape[1:])
-                if not known or got != want or msg.arrays[0].dtype != features_dtype or peer.name in parts[m]:
-                    raise WorkerError(peer.label(), doing, "ShapeError",
-                                      f"FEATURES for micro-batch {m!r}: {msg.arrays[0].dtype if msg.arrays else 'no'} "
-                                      f"{got}; the plan expects {features_dtype} {want or 'its part'} for micro-batch "
-                                      f"{m if known else f'0..{micros - 1}'}, from {', '.join(senders)}"
-                                      + (" (once)" if known and peer.name in parts[m] else ""), "")
+                m = self._features_micro(peer, msg, senders, parts, shape, features_dtype, doing)
                 parts[m][peer.name] = decode(msg.arrays[0], features_wire)
                 # in micro-batch order, so the FC gradients add up in the same order as anywhere else
                 while next_micro < micros and len(parts[next_micro]) == len(senders):
-                    if len(senders) == 1:
-                        h = parts[next_micro][names[0]]
-                    else:
-                        h = np.empty((len(xs[next_micro]),) + tuple(shape), np.float32)
-                        for name in senders:
-                            held = senders[name][next_micro]
-                            for i, (r0, r1, c0, c1) in enumerate(held):
-                                h[r0:r1, c0:c1] = parts[next_micro][name][index_in(held[i], held, i)]
+                    h = _placed_features(parts[next_micro], senders, next_micro, len(xs[next_micro]), shape)
                     parts[next_micro] = None
                     if train:
                         grad = np.ascontiguousarray(head(next_micro, h, weights_later=True) if later
@@ -944,6 +952,24 @@ class RemoteEngine(ShardEngine):
                 self._record(peer.name, None, msg.fields, roundtrip_s=time.perf_counter() - sent_at)
                 norms[peer.name] = msg.fields.get("sum_of_squares")
         return self._step_result(features, next_micro, norms, doing, update if clip else None)
+
+    @staticmethod
+    def _features_micro(peer, msg, senders, parts, shape, features_dtype, doing):
+        """The micro-batch a FEATURES message from `peer` is for, once it is checked against the
+        plan (a sender of that micro-batch, its part's shape and the wire's dtype, not yet
+        received), else WorkerError naming what came and what the plan expects."""
+        micros = len(parts)
+        m = msg.fields.get("micro")
+        known = isinstance(m, int) and not isinstance(m, bool) and 0 <= m < micros and peer.name in senders
+        got = tuple(msg.arrays[0].shape) if msg.arrays else ()
+        want = pieces_shape(senders[peer.name][m]) + tuple(shape[1:]) if known else None
+        if not known or got != want or msg.arrays[0].dtype != features_dtype or peer.name in parts[m]:
+            raise WorkerError(peer.label(), doing, "ShapeError",
+                              f"FEATURES for micro-batch {m!r}: {msg.arrays[0].dtype if msg.arrays else 'no'} "
+                              f"{got}; the plan expects {features_dtype} {want or 'its part'} for micro-batch "
+                              f"{m if known else f'0..{micros - 1}'}, from {', '.join(senders)}"
+                              + (" (once)" if known and peer.name in parts[m] else ""), "")
+        return m
 
     def _graph_rows(self, sizes):
         """{worker: [(r0, r1) per micro-batch]}: each worker's rows of the images, the layout a

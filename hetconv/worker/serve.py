@@ -136,6 +136,47 @@ def _serve_compute(ctx, endpoint, requests, device_spec, threads, identity, name
         pair.close(linger=0)
 
 
+def _coordinator_socket(ctx, identity, args, limit):
+    """The DEALER socket to the coordinator, not yet connected: its identity, send timeout, frame
+    limit and CURVE keys are set before connect (libzmq copies them into the connection)."""
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.linger = 0
+    dealer.setsockopt(zmq.IDENTITY, identity.encode())
+    # A backstop for any blocking send: the I/O loop itself sends with NOBLOCK (see _io_loop).
+    dealer.sndtimeo = int(min(args.idle_timeout, 10.0) * 1000)
+    set_message_limit(dealer, limit)
+    if args.curve:
+        connect_curve(dealer, args.curve)          # the handshake proves both sides' keys
+    return dealer
+
+
+def _join(dealer, first, hello, args, limit):
+    """Send the device's first word to the coordinator (its ERROR, or HELLO with `hello`'s fields
+    and the device's description) and wait to be admitted: -> the WELCOME, or None where the
+    coordinator shut down first. WorkerExit where the device failed or the run's frames exceed
+    --message-limit-mb (said to the coordinator first)."""
+    if first.op == "ERROR":
+        dealer.send_multipart(P.pack("ERROR", 0, **first.fields))
+        time.sleep(0.2)                         # let the error leave before the socket closes
+        if args.verbose and first.fields.get("traceback"):
+            print(first.fields["traceback"], file=sys.stderr)
+        raise WorkerExit(f"{first.fields['doing']}: {first.fields['message']}")
+    dealer.send_multipart(P.pack("HELLO", 0, description=first.fields["description"], **hello))
+    welcome = _await_welcome(dealer, args)
+    if welcome is None:
+        return None
+    needed = int(welcome.fields.get("message_limit") or 0)
+    if needed > limit:
+        why = (f"this run moves frames of up to {needed / 1e6:.1f} MB, more than --message-limit-mb "
+               f"{args.message_limit_mb:g} allows: start the worker with --message-limit-mb {-(-needed // 1_000_000)}")
+        # seq -1: not an answer to a request, an error the coordinator raises naming this worker
+        dealer.send_multipart(P.pack("ERROR", -1, name="MessageLimitError", message=why, worker=hello["identity"],
+                                     doing="joining", traceback=""))
+        time.sleep(0.2)                         # let it leave before the socket closes
+        raise WorkerExit(why)
+    return welcome
+
+
 def run(args):
 
 
@@ -155,17 +196,10 @@ def run(args):
     pair = ctx.socket(zmq.PAIR)
     pair.linger = 0
     pair.bind(endpoint)
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.linger = 0
-    dealer.setsockopt(zmq.IDENTITY, identity.encode())
-    # A backstop for any blocking send: the I/O loop itself sends with NOBLOCK (see _io_loop).
-    dealer.sndtimeo = int(min(args.idle_timeout, 10.0) * 1000)
+    limit = int(args.message_limit_mb * 1e6)
+    dealer = _coordinator_socket(ctx, identity, args, limit)
     requests = queue.Queue()
     peer_address = args.peer_address or route_address(args.connect)
-    limit = int(args.message_limit_mb * 1e6)
-    set_message_limit(dealer, limit)               # before connect: libzmq copies it into the connection
-    if args.curve:
-        connect_curve(dealer, args.curve)          # before connect: the handshake proves both sides' keys
     auth = None
     try:
         inbox, peer_endpoints, auth, peer_keys = bind_inbox(ctx, peer_address, args.curve, log=_log, limit=limit)
@@ -186,30 +220,14 @@ def run(args):
             _check_parent(args)
         first = P.unpack(pair.recv_multipart())
         dealer.connect(args.connect)
-        if first.op == "ERROR":
-            dealer.send_multipart(P.pack("ERROR", 0, **first.fields))
-            time.sleep(0.2)                         # let the error leave before the socket closes
-            if args.verbose and first.fields.get("traceback"):
-                print(first.fields["traceback"], file=sys.stderr)
-            raise WorkerExit(f"{first.fields['doing']}: {first.fields['message']}")
-        dealer.send_multipart(P.pack("HELLO", 0, name=label, identity=identity, device=args.device, host=host,
-                                     pid=os.getpid(), version=__version__, threads=args.threads,
-                                     description=first.fields["description"], peer_endpoints=peer_endpoints,
-                                     host_key=host_key(), ipc_token=ipc_token, cores=usable_cores()))
-        welcome = _await_welcome(dealer, args)
-        if welcome is not None and welcome.fields.get("conv_paths"):
-            requests.put(welcome)                   # the compute thread's device takes them first
+        hello = dict(name=label, identity=identity, device=args.device, host=host, pid=os.getpid(),
+                     version=__version__, threads=args.threads, peer_endpoints=peer_endpoints,
+                     host_key=host_key(), ipc_token=ipc_token, cores=usable_cores())
+        welcome = _join(dealer, first, hello, args, limit)
         if welcome is None:
             return                                  # SHUTDOWN while waiting to join
-        needed = int(welcome.fields.get("message_limit") or 0)
-        if needed > limit:
-            why = (f"this run moves frames of up to {needed / 1e6:.1f} MB, more than --message-limit-mb "
-                   f"{args.message_limit_mb:g} allows: start the worker with --message-limit-mb {-(-needed // 1_000_000)}")
-            # seq -1: not an answer to a request, an error the coordinator raises naming this worker
-            dealer.send_multipart(P.pack("ERROR", -1, name="MessageLimitError", message=why, worker=identity,
-                                         doing="joining", traceback=""))
-            time.sleep(0.2)                         # let it leave before the socket closes
-            raise WorkerExit(why)
+        if welcome.fields.get("conv_paths"):
+            requests.put(welcome)                   # the compute thread's device takes them first
         heartbeats = _heartbeat_socket(ctx, args.connect, welcome.fields, args.curve)
         print(f"hetconv-worker {identity}: serving {first.fields['description']} for {args.connect}; "
               f"peers reach it at {' '.join(peer_endpoints)}", flush=True)
