@@ -69,7 +69,7 @@ def keep_freed_memory():
     sizes. glibc serves a block over its mmap threshold (at most 32 MB) with a fresh mmap and
     unmaps it on free, and trims the heap's free top, so every step the kernel faults in and zeroes
     those pages again: on a 2-core Zen 4 that was 0.1 s of MobileNetV2's 0.58 s step at 160 px
-    (BatchNorm's outputs alone), and the whole step ran 15% faster without it. So: no mmap for
+    (BatchNorm's outputs alone), and the whole step ran 15% faster with freed memory kept. So: no mmap for
     blocks (M_MMAP_MAX 0: every block from the heap, where freed blocks are reused) and a trim
     threshold of 2 GB. What it costs: the process holds its peak heap until it exits (the peak
     itself was within 5% of glibc's default on MobileNetV2 and ResNet-50), as a caching allocator
