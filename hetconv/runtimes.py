@@ -16,6 +16,8 @@ oneDNN load (hetconv/__init__.py calls `pin` on the first import of any hetconv 
 A user's own value of any of these is kept; `deterministic_problem` says which of them breaks
 --deterministic.
 """
+import ctypes
+import ctypes.util
 import importlib.util
 import os
 
@@ -68,20 +70,16 @@ def keep_freed_memory():
     Why: a training step allocates and frees the same maps every step, tens of MB each at ImageNet
     sizes. glibc serves a block over its mmap threshold (at most 32 MB) with a fresh mmap and
     unmaps it on free, and trims the heap's free top, so every step the kernel faults in and zeroes
-    those pages again: on a 2-core Zen 4 that was 0.1 s of MobileNetV2's 0.58 s step at 160 px
-    (BatchNorm's outputs alone), and the whole step ran 15% faster with freed memory kept. So: no mmap for
-    blocks (M_MMAP_MAX 0: every block from the heap, where freed blocks are reused) and a trim
-    threshold of 2 GB. What it costs: the process holds its peak heap until it exits (the peak
-    itself was within 5% of glibc's default on MobileNetV2 and ResNet-50), as a caching allocator
-    does. HETCONV_KEEP_FREED_MEMORY=0 leaves the allocator as it is; so do a user's own
+    those pages again, a cost on the order of a pass over every map (docs/bench-log.md has the
+    figures). So: no mmap for blocks (M_MMAP_MAX 0: every block from the heap, where freed blocks
+    are reused) and a trim threshold of 2 GB. What it costs: the process holds its peak heap until
+    it exits, as a caching allocator does (the peak itself stays about glibc's default's). HETCONV_KEEP_FREED_MEMORY=0 leaves the allocator as it is; so do a user's own
     MALLOC_MMAP_*, MALLOC_TRIM_THRESHOLD_ or MALLOC_TOP_PAD_ (or the same in GLIBC_TUNABLES),
     another allocator (jemalloc, tcmalloc by LD_PRELOAD) and any C library other than glibc.
     Once per process; safe to call again."""
     global _allocator
     if _allocator is not None:
         return _allocator
-    import ctypes
-    import ctypes.util
     asked = os.environ.get(KEEP_FREED_MEMORY_ENV, "1").strip()
     if asked not in ("0", "1"):
         raise ValueError(f"{KEEP_FREED_MEMORY_ENV} must be 1 (keep freed memory for reuse, the default) or 0 "

@@ -21,8 +21,7 @@ totals do not depend on the thread count. Every kernel runs `parallel=True` over
 An inner loop indexes only with its own loop variable, on a row sliced out before it
 (`x_row = x[n, r, c0:c1]; x_row[c]`): an index computed in the loop (`x[n, r, c0 + c]`) may be
 negative as far as Numba knows, and the wraparound test it then adds per element keeps LLVM from
-vectorising the loop. The sums kernels ran 8-10x slower that way (BatchNorm's backward sums were
-a fifth of MobileNetV2's step).
+vectorising the loop: the sums kernels ran several times slower that way (docs/bench-log.md).
 """
 import numpy as np
 from numba import prange
