@@ -105,6 +105,11 @@ def keep_freed_memory():
     return _allocator
 
 
+def system_allocator(why):
+    """The line a device without keep_freed_memory gives: malloc as the system's, and why."""
+    return _allocator if _allocator is not None else f"malloc as the system's ({why})"
+
+
 def deterministic_problem():
     """'' where the runtimes split reductions the same way every run, else the one line saying
     which setting does not (a user's own environment)."""

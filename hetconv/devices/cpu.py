@@ -258,8 +258,12 @@ class CpuDevice(ConvPathChoice, GemmPaths, Device):
                               f"cannot be forced with it (direct-dnnl can: oneDNN's convolutions in bf16)")
         try:
             # a step frees and allocates the same large maps: keep their pages rather than fault
-            # them in again every step (runtimes.keep_freed_memory says what it costs)
-            self.allocator = runtimes.keep_freed_memory()
+            # them in again every step (runtimes.keep_freed_memory says what it costs). Not under
+            # `deterministic`: a block from the kept heap sits wherever the run's history of
+            # allocations left room, so its alignment varies from run to run, and a GEMM's kernel
+            # may follow the alignment; glibc's own mmap'd blocks are all page-aligned.
+            self.allocator = (runtimes.system_allocator("--deterministic") if deterministic
+                              else runtimes.keep_freed_memory())
         except ValueError as e:
             raise DeviceError(str(e)) from None
         self.conv_path = conv_path
