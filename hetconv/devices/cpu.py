@@ -550,8 +550,8 @@ class CpuDevice(ConvPathChoice, GemmPaths, Device):
             dy = cpu_channels_last.pool_backward(ctx.pool, ctx.argmax, (x.shape[0], w.shape[0], ho, wo), dy)
         if ctx.activation is not None:
             dy = cpu_channelwise.activation_backward(ctx.activation, ctx.mask, dy)
-        db = (cpu_channels_last.channel_totals(dy) if ctx.has_bias
-              else np.zeros(dy.shape[1], np.float32))
+        db = (cpu_channels_last.rows_sums(dy, dy, np.zeros(dy.shape[1], np.float32))[0].astype(np.float32)
+              if ctx.has_bias else np.zeros(dy.shape[1], np.float32))
         saved, saved_src = ctx.saved, ctx.saved_src
         ctx.saved = ctx.saved_src = None        # the buffer goes back to the pool: a second backward reorders x
         into = dw_out if dw_out is not None and not accumulate else np.empty(w.shape, np.float32)

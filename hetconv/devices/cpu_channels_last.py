@@ -89,32 +89,6 @@ def rows_sums(a, b, shift):
     return first.sum(axis=0), second.sum(axis=0)
 
 
-@_jit
-def _rows_totals(a, first):
-    """first[n, c] = sum of a[n, :, c], float64, over (N, R, C) rows in order."""
-    n_images, rows, channels = a.shape
-    blocks = (channels + _CHANNEL_BLOCK - 1) // _CHANNEL_BLOCK
-    for t in prange(n_images * blocks):
-        n = t // blocks
-        c0 = (t % blocks) * _CHANNEL_BLOCK
-        c1 = min(channels, c0 + _CHANNEL_BLOCK)
-        s1 = np.zeros(c1 - c0)
-        for r in range(rows):
-            a_row = a[n, r, c0:c1]
-            for c in range(c1 - c0):
-                s1[c] += np.float64(a_row[c])
-        first[n, c0:c1] = s1
-
-
-def channel_totals(a):
-    """Per channel, float32 of the float64 sums: the totals of a channels-last map over images,
-    height and width (a conv's bias gradient), the first of rows_sums' two, in the same order."""
-    n, c = a.shape[:2]
-    first = np.empty((n, c))
-    _rows_totals(rows_view(a), first)
-    return first.sum(axis=0).astype(np.float32)
-
-
 # ---- per-code kernels: an activation fused into BatchNorm, in each layout --------------------------
 def _kernels(code):
     """The kernels of one activation code (a constant inside each: activation_math's *_of
