@@ -246,18 +246,19 @@ def run_header(doc):
     return lines
 
 
-def train_on_spawned_workers(cfg, spawn, worker_args=(), **train_kwargs):
-    """`cfg` trained on the workers `spawn` names (a --spawn text, started as the CLI starts them),
-    its metrics at cfg.metrics -> (train()'s summary, wall seconds, the run's eval records, its
-    first plan record, its step records)."""
+def train_on_spawned_workers(cfg, spawn, precision="fp32", **train_kwargs):
+    """`cfg` trained on the workers `spawn` names (a --spawn text, started as the CLI starts them,
+    their conv GEMMs in `precision`), its metrics at cfg.metrics -> (train()'s summary, wall
+    seconds, the run's eval records, its first plan record, its step records)."""
     from hetconv.coordinator.remote import RemoteEngine
     from hetconv.devices import parse_device_list
+    from hetconv.devices.cpu_options import CpuOptions
     from hetconv.training.loop import train
     labels = [e.label for e in parse_device_list("--spawn", spawn) for _ in range(e.count)]
     lines = []
     engine = RemoteEngine("tcp://127.0.0.1:0", 0, labels, threads=cfg.threads, log=lines.append,
                           exchange=cfg.exchange, wire=cfg.wire_dtype,
-                          worker_args=["--cpu-conv-path", cfg.cpu_conv_path, *worker_args])
+                          cpu=CpuOptions(conv_path=cfg.cpu_conv_path, precision=precision, use_wisdom=True))
     t0 = time.perf_counter()
     try:
         summary = train(cfg, engine, log=lines.append, **train_kwargs)

@@ -52,7 +52,7 @@ def run_hetconv(args, seed, precision, scratch):
     """One training run with --spawn's workers at `precision`; -> a row."""
     metrics = os.path.join(scratch, f"seed{seed}-{precision}.jsonl")
     cfg = make_config(args, seed, precision, metrics)
-    summary, wall, evals, plan, steps = _common.train_on_spawned_workers(cfg, args.spawn, ["--precision", cfg.precision])
+    summary, wall, evals, plan, steps = _common.train_on_spawned_workers(cfg, args.spawn, precision=cfg.precision)
     return {"precision": precision, "seed": seed, "test_accuracy": summary["test_accuracy"],
             "test_loss": summary["test_loss"], "test_images": summary["test_images"],
             "final_loss": summary["final_loss"], "steps": summary["step"],

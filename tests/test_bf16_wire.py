@@ -13,6 +13,7 @@ from test_data_parallel import KERNELS, NET
 from hetconv.cli import coordinator
 from hetconv.coordinator.remote import RemoteEngine
 from hetconv.devices import open_device
+from hetconv.devices.cpu_options import CpuOptions
 from hetconv.engine.local import LocalEngine
 from hetconv.engine.contract import wire_record
 from hetconv.engine.planner import fixed_plan
@@ -210,7 +211,8 @@ def assert_bytes_as_priced(metrics, modes):
     """What each worker sent among the workers each step is what the cost model prices on the
     bf16 wire: a model first layer's images gathered in it (they came in it), the data layers'
     weight gradients in float32; the payload, and a header of at most 128 bytes a message."""
-    from hetconv.engine.costmodel import DeviceProfile, LayerCost, Link, chain_shape, predict_any
+    from hetconv.engine.costmodel import DeviceProfile, LayerCost, Link, chain_shape
+    from hetconv.engine.steptasks import predict_any
     from hetconv.net.spec import NetSpec
     specs = [ConvSpec.from_layer(layer) for layer in NetSpec.from_json(NET).conv_layers()]
     flat = DeviceProfile("d", "cpu", "", (LayerCost(0.0, 1e-6, 0.0, 1e-6),) * len(specs))
@@ -236,7 +238,7 @@ def test_a_distributed_bf16_step_rounds_where_locals_does(tmp_path):
     shards' rounded partials) is what it equals, and --local is near."""
     local_losses, local_ckpt = bf16_local(bf16_config(tmp_path, "local"))
     engine = RemoteEngine("tcp://127.0.0.1:0", 0, ["cpu", "cpu"], threads=1, connect_timeout=60, worker_timeout=10.0,
-                          log=quiet, wire="auto", worker_args=["--precision", "bf16"])
+                          log=quiet, wire="auto", cpu=CpuOptions(precision="bf16", use_wisdom=True))
     try:
         for modes in (["data", "data", "data"], ["model", "data", "data"]):
             name = "-".join(m[0] for m in modes)

@@ -11,6 +11,7 @@ from hetconv.cli import worker as worker_cli
 from hetconv.coordinator import remote as remote_module
 from hetconv.devices import open_device
 from hetconv.devices.cpu import CONV_PATHS
+from hetconv.devices.cpu_options import CpuOptions
 from hetconv.engine.measure import calibrate_local
 from hetconv.engine.shard import ConvShard, ShardServer
 from hetconv.geometry import ConvSpec
@@ -44,7 +45,8 @@ def test_calibration_says_which_path_a_forced_device_runs():
 
 def test_hetconv_plans_in_process_calibration_names_the_path():
     spec = ConvSpec.paper(3, 4, 3, 0)
-    profile = calibrate_local("cpu", [spec], [(2, 3, 10, 10)], [4], threads=1, repeats=1, conv_path="shifted")
+    profile = calibrate_local("cpu", [spec], [(2, 3, 10, 10)], [4], threads=1, repeats=1,
+                              cpu=CpuOptions(conv_path="shifted"))
     assert profile.description.endswith("; conv paths shifted")
 
 

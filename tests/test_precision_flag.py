@@ -15,6 +15,7 @@ from hetconv.cli import worker as worker_cli
 from hetconv.engine.conv_precision import computed_precision as conv_precision
 from hetconv.devices import open_device
 from hetconv.devices.cpu import CONV_PATHS, PRECISIONS
+from hetconv.devices.cpu_options import CpuOptions
 from hetconv.engine.measure import calibrate_local
 from hetconv.engine.shard import ConvShard, ShardServer
 from hetconv.geometry import ConvSpec
@@ -69,7 +70,8 @@ def test_calibration_reports_the_bf16_path():
     op, _, fields = server.handle("CALIBRATE", [], {"layers": [{"spec": spec.to_json(), "input_shape": [2, 3, 10, 10],
                                                                 "kernels": 4}], "repeats": 1})
     assert op == "CALIBRATED" and conv_precision(fields["conv_paths"]) == "bf16"
-    profile = calibrate_local("cpu", [spec], [(2, 3, 10, 10)], [4], threads=1, repeats=1, precision="bf16")
+    profile = calibrate_local("cpu", [spec], [(2, 3, 10, 10)], [4], threads=1, repeats=1,
+                              cpu=CpuOptions(precision="bf16"))
     assert says_bf16(profile.description) and profile.description.endswith("; conv paths im2col-bf16")
 
 

@@ -7,6 +7,7 @@ import types
 import numba
 import pytest
 
+from hetconv.devices.cpu_options import CpuOptions
 from hetconv.engine.costmodel import DeviceProfile, LayerCost, Link
 from hetconv.engine.planner import Plan, PlanError, make_plan, price_plan
 from hetconv.engine.policy import CoresTogether, WorkersPlan, choose_plan, cpu_groups, price_cores_together
@@ -196,7 +197,7 @@ def _coordinator(monkeypatch, together_per_kernel, calibration_s=1.0, hosts=("he
     plan = chosen.plan
     planned = WorkersPlan(chosen, LINK, LINK, "float32", "--wire-dtype float32", {w: ("cpu", "fp32") for w in peers})
     engine = types.SimpleNamespace(peers=peers, calibration=calibration, calibration_s=calibration_s,
-                                   workers_plan=planned, exchange="peer", wire="float32",
+                                   workers_plan=planned, exchange="peer", wire="float32", cpu=CpuOptions(),
                                    log=logged.append, _graph_shape=lambda: None)
     cfg = Config(net="paper", batch_size=BATCH, link="1gbit").validate()
     shapes = [(BATCH,) + IMAGE, (BATCH, 500, 14, 14)]
@@ -245,7 +246,7 @@ def test_calibration_rounds_time_a_device_per_thread_count_and_give_the_threads_
     shapes, _ = layer_input_shapes(specs, 2, IMAGE)
     before = numba.get_num_threads()
     one, whole, two = calibrate_rounds([("cpu", 1, [2, 2]), ("cpu", 1, [4, 4]), ("cpu", 2, [4, 4])], specs, shapes,
-                                       repeats=1, conv_path="im2col")
+                                       repeats=1, cpu=CpuOptions(conv_path="im2col"))
     assert numba.get_num_threads() == before
     assert (one.name, whole.name, two.name) == ("cpu:1", "cpu:1", "cpu:2")
     assert "(1 thread," in one.description and "(2 threads," in two.description

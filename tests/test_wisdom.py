@@ -15,6 +15,7 @@ import _hostile_checkpoints as hostile
 from _bf16 import DNNL_MISSING
 from hetconv.cli import coordinator
 from hetconv.devices import wisdom as W
+from hetconv.devices.cpu_options import CpuOptions
 from hetconv.devices.cpu import CpuDevice
 from hetconv.engine.local import LocalEngine
 from hetconv.engine.planner import fixed_plan
@@ -584,9 +585,9 @@ def test_a_worker_runs_the_records_its_welcome_carries_and_gives_its_own_back_at
 
 def test_the_flags_reach_spawned_workers_and_the_worker_takes_them():
     from hetconv.cli import worker as worker_cli
-    assert coordinator._conv_path_flags(Config(retime=True, deterministic=True)) == [
+    assert CpuOptions.of(Config(retime=True, deterministic=True)).worker_flags() == [
         "--cpu-conv-path", "auto", "--precision", "fp32", "--retime", "--deterministic"]
-    assert coordinator._conv_path_flags(Config()) == ["--cpu-conv-path", "auto", "--precision", "fp32"]
+    assert CpuOptions.of(Config()).worker_flags() == ["--cpu-conv-path", "auto", "--precision", "fp32"]
     args = worker_cli.build_parser().parse_args(["--device", "cpu", "--retime", "--deterministic"])
     assert args.retime and args.deterministic
     args = coordinator.build_parser().parse_args(["--local", "--retime", "--deterministic"])

@@ -22,7 +22,7 @@ from hetconv.coordinator.ray import RayLauncher, check_address, import_ray
 from hetconv.coordinator.remote import RemoteEngine, WorkerError, WorkerLost, spawned_worker_names
 from hetconv.data import DataError, load_dataset
 from hetconv.devices import DeviceError, cuda_extra_missing, open_device, parse_device_list
-from hetconv.devices.wisdom import machine_wisdom
+from hetconv.devices.cpu_options import CpuOptions
 from hetconv.engine.local import LocalEngine
 from hetconv.engine.planner import PlanError, forced_modes, given_plan, recorded_worker_names
 from hetconv.engine.shard import ConvShard
@@ -427,12 +427,6 @@ def _resumed_conv_paths(resumed):
     return records
 
 
-def _conv_path_flags(cfg):
-    """The hetconv-worker flags that give a spawned worker this run's conv path options."""
-    return (["--cpu-conv-path", cfg.cpu_conv_path, "--precision", cfg.precision] + (["--retime"] if cfg.retime else [])
-            + (["--deterministic"] if cfg.deterministic else []))
-
-
 def run(args, prepared):
     """Start the engine (and its workers), train, and return train()'s summary. Whatever way it
     ends (done, a stop, an exception, KeyboardInterrupt), every worker it started has ended and
@@ -450,9 +444,7 @@ def run(args, prepared):
     try:
         if args.local:
             progress = show_progress()                 # the device's conv path timing, on the first steps
-            device = open_device("cpu", threads=cfg.threads or None, conv_path=cfg.cpu_conv_path,
-                                 precision=cfg.precision, verbose=args.verbose, wisdom=machine_wisdom(),
-                                 retime=cfg.retime, deterministic=cfg.deterministic)
+            device = open_device("cpu", verbose=args.verbose, **CpuOptions.of(cfg).device_options(cfg.threads))
             device.preload_conv_paths(_resumed_conv_paths(prepared.resumed))
             print(f"local: {device.describe()}")
             engine = LocalEngine({"local": ConvShard(device)}, wire=cfg.wire_dtype)
@@ -472,9 +464,8 @@ def run(args, prepared):
                                       op_timeout=args.op_timeout, pin=not args.no_pin,
                                       exchange=cfg.exchange, wire=cfg.wire_dtype, curve=args.curve,
                                       insecure=args.insecure, message_limit=limit, launcher=launcher,
-                                      verbose=args.verbose, worker_args=_conv_path_flags(cfg),
-                                      conv_paths=_resumed_conv_paths(prepared.resumed),
-                                      deterministic=cfg.deterministic)
+                                      verbose=args.verbose, cpu=CpuOptions.of(cfg),
+                                      conv_paths=_resumed_conv_paths(prepared.resumed))
             except SystemExit as e:
                 # RemoteEngine ends the command on an address it cannot bind; from Python that is
                 # the ConnectionError it is (the command prints the same line)

@@ -21,8 +21,9 @@ import sys
 import time
 
 from hetconv.devices import DeviceError, open_device, parse_device_list
-from hetconv.devices.wisdom import machine_wisdom
-from hetconv.engine.costmodel import Link, dominant_term, parse_bandwidth, predict_any, predict_local
+from hetconv.devices.cpu_options import CpuOptions
+from hetconv.engine.costmodel import Link, dominant_term, parse_bandwidth, predict_local
+from hetconv.engine.steptasks import predict_any
 from hetconv.engine.graph import graph_pass
 from hetconv.engine.measure import (calibrate_rounds, load_profiles, measure_coordinator_s, measure_join_s,
                                    measure_loopback)
@@ -40,12 +41,6 @@ from hetconv.transport.wire import value_bytes
 NETWORK_FLAGS = ("net", "conv", "fc", "ksize", "padding", "batch_size", "calibration_batch", "split", "use_all",
                  "exchange", "micro_batches", "wire_dtype", "parallel", "cpu_conv_path", "precision", "retime",
                  "deterministic")
-
-
-def _conv_path_options(cfg):
-    """A CPU device's options for reusing conv paths: this machine's wisdom (timed once, reused by
-    every later run here), --retime and --deterministic as hetconv-coordinator takes them."""
-    return {"wisdom": machine_wisdom(), "retime": cfg.retime, "deterministic": cfg.deterministic}
 
 
 def build_parser():
@@ -168,7 +163,7 @@ def _calibrate_devices(cfg, entries, saved, specs, cal_shapes, together):
     n_total = sum(e.count * (len(saved[e.profile]) if e.profile else 1) for e in entries)
     share = [-(-s.kernels // n_total) for s in specs]
     whole_kernels = [s.kernels for s in specs]
-    first, options = entries[0], _conv_path_options(cfg)
+    first, cpu = entries[0], CpuOptions.of(cfg)
     profiles, order, places, whole_profile, together_profile, calibration_s = {}, [], {}, None, None, 0.0
     for entry in entries:
         if entry.profile:
@@ -196,8 +191,7 @@ def _calibrate_devices(cfg, entries, saved, specs, cal_shapes, together):
                 t0 = time.perf_counter()
                 try:
                     with still_working(f"calibrating {entry.label}: {len(specs)} conv layers{what}, in rounds"):
-                        got = calibrate_rounds(runs, specs, cal_shapes, conv_path=cfg.cpu_conv_path,
-                                               precision=cfg.precision, **options)
+                        got = calibrate_rounds(runs, specs, cal_shapes, cpu=cpu)
                 except Exception as e:
                     print(f"hetconv-plan: {entry.label}: {e}", file=sys.stderr)
                     return 2
@@ -218,7 +212,7 @@ def _calibrate_together(cfg, specs, cal_shapes, threads):
           file=sys.stderr, flush=True)
     with still_working(f"calibrating {label}: {len(specs)} conv layers, whole"):
         return calibrate_rounds([("cpu", threads, [s.kernels for s in specs])], specs, cal_shapes,
-                                conv_path=cfg.cpu_conv_path, precision=cfg.precision, **_conv_path_options(cfg))[0]
+                                cpu=CpuOptions.of(cfg))[0]
 
 
 def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shapes, link, network=None):

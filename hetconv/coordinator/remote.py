@@ -27,7 +27,8 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from hetconv import runtimes
-from hetconv.devices.wisdom import DETERMINISTIC, machine_wisdom
+from hetconv.devices.cpu_options import CpuOptions
+from hetconv.devices.wisdom import DETERMINISTIC
 from hetconv.engine.contract import ShardEngine, WorkerError, WorkerLost  # noqa: F401  (raised here, caught by callers)
 from hetconv.engine.conv_precision import checked_choices as _conv_path_choices, computed_precision
 from hetconv.engine.costmodel import Link, parse_bandwidth, profiles_from_calibration
@@ -155,11 +156,14 @@ class _Peer:
 class RemoteEngine(ShardEngine):
     def __init__(self, bind, expected_workers, spawn=(), threads=0, worker_timeout=10.0,
                  connect_timeout=60.0, op_timeout=600.0, pin=True, log=print, exchange="peer", wire="float32",
-                 curve="", insecure=False, message_limit=0, launcher=None, verbose=False, worker_args=(),
-                 conv_paths=(), deterministic=False):
-        """`worker_args`: flags every spawned worker gets (its conv path options). `deterministic`:
-        a spawned `cpu` worker's threads are `threads`, else runtimes.DETERMINISTIC_THREADS, never
-        a share of this process's cores (which the host's affinity mask decides). `conv_paths`:
+                 curve="", insecure=False, message_limit=0, launcher=None, verbose=False,
+                 cpu=CpuOptions(use_wisdom=True), conv_paths=()):
+        """`cpu`: the run's CPU device options (devices.cpu_options.CpuOptions, by default the
+        workers' own defaults with this machine's wisdom): every spawned worker's flags, and the
+        device this process calibrates with its workers' cores together.
+        Under its `deterministic`, a spawned `cpu` worker's threads are `threads`, else
+        runtimes.DETERMINISTIC_THREADS, never a share of this process's cores (which the host's
+        affinity mask decides). `conv_paths`:
         the conv path records of the checkpoint a run resumes from (checkpoint.recorded_conv_paths),
         told every worker in its WELCOME: a device whose machine key is a record's runs its paths."""
         super().__init__()
@@ -173,7 +177,7 @@ class RemoteEngine(ShardEngine):
         self.zmq = zmq
         self.log = log
         self.verbose = verbose                              # spawned workers' own start-up lines too
-        self.worker_args = list(worker_args)                # flags every spawned worker gets (--cpu-conv-path)
+        self.cpu = cpu                                      # CPU device options, spawned workers' and this process's
         self.resume_conv_paths = list(conv_paths)           # what WELCOME tells each worker's device to run
         self.worker_timeout, self.connect_timeout, self.op_timeout = worker_timeout, connect_timeout, op_timeout
         self.ctx = zmq.Context()
@@ -216,7 +220,7 @@ class RemoteEngine(ShardEngine):
         self._probe_until = 0.0                             # probe for vanished workers until then
         atexit.register(self.close)
         try:
-            self._spawn(spawn, threads, pin, deterministic)
+            self._spawn(spawn, threads, pin)
             self._await_workers(expected_workers + len(spawn))
         except BaseException:
             self.close()
@@ -279,7 +283,7 @@ class RemoteEngine(ShardEngine):
         self.poller.register(self.heartbeats, zmq.POLLIN)
 
     # ---- processes ---------------------------------------------------------------------------
-    def _spawn(self, devices, threads, pin, deterministic=False):
+    def _spawn(self, devices, threads, pin):
         if not devices:
             return
         if self.launcher is not None:                       # placed elsewhere; pinning is the launcher's
@@ -290,7 +294,7 @@ class RemoteEngine(ShardEngine):
             return
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
         plain = [i for i, d in enumerate(devices) if d == "cpu"]
-        per_worker = (runtimes.threads_for(threads, True) if deterministic
+        per_worker = (runtimes.threads_for(threads, True) if self.cpu.deterministic
                       else threads or max(1, len(cores) // max(1, len(plain))))
         self.spawn_threads = per_worker                     # a plan record keeps it (loop.threads_record)
         # each CPU worker's threads: `cpu` shares the cores (or --threads), `cpu:N` asked for N;
@@ -381,9 +385,9 @@ class RemoteEngine(ShardEngine):
 
     def _limit_args(self):
         """The worker flags of a spawned worker: this run's frame limit (rounded up to 1 kB), and
-        the caller's `worker_args` (e.g. --cpu-conv-path)."""
+        its CPU device's options (--cpu-conv-path, ...)."""
         limit = ["--message-limit-mb", f"{-(-self.message_limit // 1000) / 1000:.3f}"] if self.message_limit else []
-        return limit + list(self.worker_args)
+        return limit + self.cpu.worker_flags()
 
     def _welcome(self, peer):
         """Admit a worker and tell it where to send heartbeats (a port on the host it reached us
@@ -755,8 +759,7 @@ class RemoteEngine(ShardEngine):
                      f"cpu:{threads} in this process ...")
             return calibrate_local("cpu", specs, [(batch,) + tuple(s[1:]) for s in input_shapes],
                                    [s.kernels for s in specs], threads=threads, repeats=CALIBRATION_REPEATS,
-                                   conv_path=cfg.cpu_conv_path, precision=cfg.precision, wisdom=machine_wisdom(),
-                                   retime=cfg.retime, deterministic=cfg.deterministic)
+                                   cpu=self.cpu)
 
         record = cores_together_record(
             specs, tuple(input_shapes[0][1:]), cfg.batch_size, self.workers_plan,

@@ -13,6 +13,7 @@ import zmq
 
 from hetconv.devices.cpu import HostArrays
 from hetconv.devices import open_device
+from hetconv.devices.cpu_options import CpuOptions
 from hetconv.engine.contract import ShardEngine
 from hetconv.engine.conv_precision import computed_precision
 from hetconv.engine.costmodel import DeviceProfile, LayerCost, layer_geometry
@@ -179,41 +180,34 @@ def measure_loopback(megabytes=64, repeats=3):
         ctx.destroy(linger=0)
 
 
-def calibrate_local(device_spec, specs, input_shapes, kernels, threads=None, repeats=3, also=None, conv_path="auto",
-                    precision="fp32", wisdom=None, retime=False, deterministic=False):
+def calibrate_local(device_spec, specs, input_shapes, kernels, threads=None, repeats=3, also=None, cpu=CpuOptions()):
     """A DeviceProfile for a device in this process (what a worker on it would report). With
     `also` (other kernel counts), two profiles from calibrations that alternate round by round,
     each value the median over rounds: a host whose speed drifts (other tenants) then skews both
-    alike, and their ratio (a speedup) stays put. A CPU device's conv paths (`conv_path`, auto:
-    timed per layer and share, or as `wisdom` kept them, see calibrate_rounds) and its
-    `precision` are named in the profile's description, since its times are theirs."""
+    alike, and their ratio (a speedup) stays put. A CPU device's conv paths and precision (`cpu`,
+    devices.cpu_options.CpuOptions, see calibrate_rounds) are named in the profile's
+    description, since its times are theirs."""
     runs = [(device_spec, threads, kernels)] + ([] if also is None else [(device_spec, threads, also)])
-    got = calibrate_rounds(runs, specs, input_shapes, repeats=repeats, conv_path=conv_path, precision=precision,
-                           wisdom=wisdom, retime=retime, deterministic=deterministic)
+    got = calibrate_rounds(runs, specs, input_shapes, repeats=repeats, cpu=cpu)
     return got[0] if also is None else tuple(got)
 
 
-def calibrate_rounds(runs, specs, input_shapes, repeats=3, conv_path="auto", precision="fp32", wisdom=None,
-                     retime=False, deterministic=False):
+def calibrate_rounds(runs, specs, input_shapes, repeats=3, cpu=CpuOptions()):
     """A DeviceProfile per run (device_spec, threads or None, kernels per layer), from
     calibrations in this process that alternate run by run, round by round, each value the
     median over `repeats` rounds (one round: a single calibration). Runs of the same device and
     threads share one opened device; a CPU device of other threads is a device of its own (one
     thread against all the cores, say), its Numba and BLAS thread counts set again before each of
     its calibrations, since both are the process's. The caller's thread counts are back as they
-    were on return. A CPU device takes `wisdom`, `retime` and `deterministic` as CpuDevice does:
-    the command lines give the machine's wisdom (devices.wisdom.machine_wisdom), so calibration
-    runs the paths a training run on this machine would."""
+    were on return. A CPU device opens with `cpu` (devices.cpu_options.CpuOptions): the command
+    lines give the run's, with the machine's wisdom, so calibration runs the paths a training run
+    on this machine would."""
     devices, opened = [], {}
     with _threads_kept():
         for device_spec, threads, _ in runs:
             key = (device_spec, threads if device_spec == "cpu" else None)
             if key not in opened:
-                options = {"threads": threads} if device_spec == "cpu" and threads else {}
-                if device_spec == "cpu":
-                    options.update(conv_path=conv_path, precision=precision, wisdom=wisdom, retime=retime,
-                                   deterministic=deterministic)
-                device = open_device(device_spec, **options)
+                device = open_device(device_spec, **(cpu.device_options(threads) if device_spec == "cpu" else {}))
                 name = f"{device_spec}:{threads}" if device_spec == "cpu" and threads else device_spec
                 opened[key] = (device, ConvShard(device), name, device_spec)
             devices.append(opened[key])

@@ -8,7 +8,7 @@ import numpy as np
 
 from hetconv.data import CIFAR10_CLASSES, CIFAR10_MEAN, CIFAR10_STD, load_dataset
 from hetconv.devices import open_device
-from hetconv.devices.wisdom import machine_wisdom
+from hetconv.devices.cpu_options import CpuOptions
 from hetconv.devices.cpu import HostArrays
 from hetconv.engine.graph import graph_pass
 from hetconv.engine.local import LocalEngine
@@ -153,7 +153,7 @@ class InProcessModel:
         specs = [ConvSpec.from_layer(layer) for layer in spec.conv_layers()]
         kernels = [s.kernels for s in specs]
         # the paths this machine timed before (devices.wisdom), as the run's own devices took them
-        device = open_device("cpu", wisdom=machine_wisdom(), **({"threads": threads} if threads else {}))
+        device = open_device("cpu", **CpuOptions(use_wisdom=True).device_options(threads))
         engine = LocalEngine({"local": ConvShard(device)})
         engine.graph = graph_pass(spec, HostArrays())       # before load: it keeps the BatchNorm nodes' states
         engine.load(fixed_plan(kernels, {"local": kernels}), specs, model.conv_states())

@@ -21,7 +21,7 @@ import zmq
 
 from hetconv import __version__, runtimes
 from hetconv.devices import DeviceError, open_device, parse_device_list
-from hetconv.devices.wisdom import machine_wisdom
+from hetconv.devices.cpu_options import CpuOptions
 from hetconv.engine.shard import ConvShard, ShardServer
 from hetconv.flags import check_endpoint, check_range, threads_note, usable_cores
 from hetconv.transport import protocol as P
@@ -74,20 +74,18 @@ def _check_args(args):
 
 
 def _serve_compute(ctx, endpoint, requests, device_spec, threads, identity, name, keydir="", peer_keys=None,
-                   cpu_conv_path="auto", precision="fp32", retime=False, deterministic=False):
+                   cpu=CpuOptions()):
     """The compute thread: one request (a Message the I/O thread already checked) in from the
     `requests` queue, its reply out over the PAIR socket, strictly in order; None stops it. A
-    STEP reads its further messages (INPUT, GRAD, peers' SLICEs) from the same queue."""
+    STEP reads its further messages (INPUT, GRAD, peers' SLICEs) from the same queue. `cpu`: a
+    CPU device's options (devices.cpu_options.CpuOptions, the command's flags)."""
 
 
     pair = ctx.socket(zmq.PAIR)
     pair.linger = 0
     pair.connect(endpoint)
     try:
-        options = ({"threads": threads or None, "conv_path": cpu_conv_path, "precision": precision,
-                    "wisdom": machine_wisdom(), "retime": retime, "deterministic": deterministic}
-                   if device_spec == "cpu" else {})
-        device = open_device(device_spec, **options)
+        device = open_device(device_spec, **(cpu.device_options(threads) if device_spec == "cpu" else {}))
         shard = ConvShard(device)
         server = ShardServer(shard)
         pair.send_multipart(P.pack("HELLO", 0, description=device.describe()))
@@ -208,8 +206,7 @@ def run(args):
     ipc_token = write_ipc_token(peer_endpoints)   # "" : no ipc path proved, peers reach this worker over tcp
     compute = threading.Thread(target=_serve_compute,
                                args=(ctx, endpoint, requests, args.device, args.threads, identity, label,
-                                     args.curve, peer_keys, args.cpu_conv_path, args.precision, args.retime,
-                                     args.deterministic),
+                                     args.curve, peer_keys, CpuOptions.of(args)),
                                name="compute", daemon=True)
     compute.start()
     heartbeats = None
