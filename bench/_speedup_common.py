@@ -26,7 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def _cost_prediction(specs, fc, image, batch, counts, profiles, link, n_workers, local_profile=None,
                      exchange="peer", micro_batches=1, wire="float32", coordinator_s=None):
-    from hetconv.engine import costmodel as cm
+    from hetconv.engine import costmodel as cm, steptasks
     from hetconv.engine.measure import measure_coordinator_s
     from hetconv.transport.wire import value_bytes
     if coordinator_s is None:
@@ -35,7 +35,7 @@ def _cost_prediction(specs, fc, image, batch, counts, profiles, link, n_workers,
     if local_profile is not None:
         return {"step_s": cm.predict_local(specs, batch, local_profile, coordinator_s),
                 "coordinator_s": coordinator_s, "workers": {}}
-    pred = cm.predict_any(exchange, specs, image, batch, counts, profiles, link, coordinator_s, micro_batches,
+    pred = steptasks.predict_any(exchange, specs, image, batch, counts, profiles, link, coordinator_s, micro_batches,
                           value_bytes(wire))
     out = pred.to_json()
     out["dominant"] = list(cm.dominant_term(pred))

@@ -314,7 +314,7 @@ def predict_parallel(args, batch, plan, calibration, rate, wire_cpu_s_per_byte, 
     `value_bytes`: a feature-map value's bytes on the run's wire."""
     from threadpoolctl import threadpool_limits
 
-    from hetconv.engine import costmodel as cm
+    from hetconv.engine import costmodel as cm, steptasks
     from hetconv.engine.graph import graph_pass
     from hetconv.engine.measure import measure_coordinator_s, measure_join_s
     from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES, ConvSpec
@@ -337,7 +337,7 @@ def predict_parallel(args, batch, plan, calibration, rate, wire_cpu_s_per_byte, 
     modes = [layer.get("mode", "model") for layer in plan["layers"]]
     link = C.model_link(rate, "tbf", wire_cpu_s_per_byte)
     graph = None if net.is_chain() else graph_pass(net, None).shape()
-    pred = cm.predict_any("peer", specs, net.input_shape, batch, counts, profiles, link, coordinator_cache[key],
+    pred = steptasks.predict_any("peer", specs, net.input_shape, batch, counts, profiles, link, coordinator_cache[key],
                           micro, value_bytes, modes=modes, images=images, graph=graph,
                           join_s=coordinator_cache[("joins", batch)])
     out = pred.to_json()
@@ -542,7 +542,7 @@ def main(argv=None):
 def repredict(path, wire_cpu_ns=None):
     """The saved rows against this version's model: what a model change does to a measured run,
     without measuring again (the host's speed that day stays in both the steps and the profiles)."""
-    from hetconv.engine import costmodel as cm
+    from hetconv.engine import costmodel as cm, steptasks
     from hetconv.geometry import IMAGE_SHAPE, conv_specs
     from hetconv.transport.wire import value_bytes
     try:
@@ -580,7 +580,7 @@ def repredict(path, wire_cpu_ns=None):
         else:
             profiles = {w: cm.DeviceProfile.from_json(p) for w, p in r["profiles"].items()}
             link = C.model_link(r["rate"], "tbf", wire_cpu_ns * 1e-9)
-            new = cm.predict_any(r["exchange"], specs, IMAGE_SHAPE, r["batch_size"], r["counts"], profiles, link,
+            new = steptasks.predict_any(r["exchange"], specs, IMAGE_SHAPE, r["batch_size"], r["counts"], profiles, link,
                                  coordinator_s, r["micro_batches"], value_bytes(r["wire"])).step_s
         err = lambda pred: 100.0 * (pred - r["step_s"]) / r["step_s"]   # noqa: E731
         lines.append(f"| {r['rate']} | {r['kind']} | {r.get('micro_batches', '')} | {r.get('wire', '')} | "

@@ -85,7 +85,7 @@ def test_fit_separates_a_calls_per_kernel_cost_from_its_images():
 
 
 def test_updates_once_per_step_and_gradient_sums_per_extra_micro_batch():
-    from hetconv.engine.costmodel import predict_any
+    from hetconv.engine.steptasks import predict_any
     cost = LayerCost.fit({"batch": 4, "kernels": [10, 5], "forward_s": [1.0, 0.5], "backward_s": [2.0, 1.0],
                           "update_kernels": 10, "update_s": 0.3, "accumulate_s": 0.1})
     assert cost.update_s(20) == pytest.approx(0.6) and cost.accumulate_s(20) == pytest.approx(0.2)
@@ -114,7 +114,7 @@ def test_calibration_times_calls_updates_and_sums():
 
 
 def test_micro_batches_pay_one_call_each_in_the_peer_model():
-    from hetconv.engine.costmodel import predict_any
+    from hetconv.engine.steptasks import predict_any
     with_calls = DeviceProfile("a", "cpu", "", (LayerCost(0.0, 1e-4, 0.0, 1e-4, 0.02, 0.03),) * 2)
     without = DeviceProfile("a", "cpu", "", (LayerCost(0.0, 1e-4, 0.0, 1e-4),) * 2)
     fast = Link(1e15, 0.0)
@@ -217,7 +217,7 @@ def _even_counts(n):
 
 
 def test_peer_model_keeps_the_coordinators_bytes_flat_and_beats_the_star_on_a_shared_link():
-    from hetconv.engine.costmodel import predict_any
+    from hetconv.engine.steptasks import predict_any
     link = parse_bandwidth("1gbit")
     bytes_by_n, speedups = {}, {}
     for n in (2, 4, 8):
@@ -235,7 +235,7 @@ def test_peer_model_keeps_the_coordinators_bytes_flat_and_beats_the_star_on_a_sh
 
 
 def test_peer_model_with_a_free_link_is_the_compute_and_micro_batches_hide_the_coordinator():
-    from hetconv.engine.costmodel import predict_any
+    from hetconv.engine.steptasks import predict_any
     counts = _even_counts(2)
     profiles = {w: flat_profile(w, 1e-4) for w in counts}
     free = Link(1e15, 0.0)
@@ -248,7 +248,8 @@ def test_peer_model_with_a_free_link_is_the_compute_and_micro_batches_hide_the_c
 
 
 def test_dominant_term_names_the_bottleneck():
-    from hetconv.engine.costmodel import dominant_term, predict_any
+    from hetconv.engine.costmodel import dominant_term
+    from hetconv.engine.steptasks import predict_any
     counts = _even_counts(4)
     profiles = {w: flat_profile(w, 1e-4) for w in counts}
     star = predict_any("star", PAPER, IMAGE, 32, counts, profiles, parse_bandwidth("100mbit"), 0.05)
@@ -259,7 +260,7 @@ def test_dominant_term_names_the_bottleneck():
 
 
 def test_the_cost_model_agrees_with_the_device_set_the_planner_picks():
-    from hetconv.engine.costmodel import predict_any
+    from hetconv.engine.steptasks import predict_any
     from hetconv.engine.planner import plan_from_lines
     batch = 32
     gpu = DeviceProfile("gpu", "cuda:0", "", (LayerCost(0.0002, 0.000006, 0.0002, 0.000006),) * 2)
@@ -339,7 +340,7 @@ def test_wire_cpu_hides_in_the_wait_without_overlap_and_slows_compute_with_it():
     what the busiest host was charged."""
     from dataclasses import replace
 
-    from hetconv.engine.costmodel import predict_any
+    from hetconv.engine.steptasks import predict_any
     counts = _even_counts(2)
     profiles = {w: flat_profile(w, 1e-4) for w in counts}
     slow = Link(12.5e6, 0.0)                          # 100 Mbit/s: 80 ns a byte on the wire
@@ -363,7 +364,7 @@ def test_wire_cpu_hides_in_the_wait_without_overlap_and_slows_compute_with_it():
         everything = sum(charged.values()) + 0.5 * cpu * paid.coordinator_bytes
         assert 0.5 * max(charged.values()) < paid.step_s - free.step_s <= everything + 1e-9, m
     # the star is not charged: it overlaps nothing
-    from hetconv.engine.costmodel import predict_any
+    from hetconv.engine.steptasks import predict_any
     star = [predict_any("star", PAPER, IMAGE, 32, counts, profiles, replace(fast, host_cpu_s_per_byte=c), 0.05).step_s
             for c in (0.0, cpu)]
     assert star[0] == star[1]
@@ -395,7 +396,8 @@ def test_bandwidth_repredict_uses_the_saved_calibrations_and_names_a_bad_file(tm
     import os
     from dataclasses import replace
 
-    from hetconv.engine.costmodel import TBF_FRAMING, predict_any
+    from hetconv.engine.costmodel import TBF_FRAMING
+    from hetconv.engine.steptasks import predict_any
     bench = os.path.join(os.path.dirname(__file__), "..", "bench", "bandwidth.py")
     counts = _even_counts(2)
     profiles = {w: flat_profile(w, 1e-4) for w in counts}
@@ -431,7 +433,7 @@ def test_bandwidth_tables_each_layers_measured_compute_against_its_price():
         import bandwidth
     finally:
         sys.path.pop(0)
-    from hetconv.engine.costmodel import predict_any
+    from hetconv.engine.steptasks import predict_any
     from hetconv.geometry import ConvSpec
     specs = [ConvSpec(3, 4, 3, 3), ConvSpec(4, 6, 3, 3)]
     cost = LayerCost.fit({"batch": 8, "kernels": [2, 1], "forward_s": [0.02, 0.012], "backward_s": [0.04, 0.024]})
@@ -469,7 +471,8 @@ def test_a_batchnorm_layer_is_priced_as_a_barrier_and_a_data_layers_sums_as_byte
     worker also sends its per-channel sums to every peer, forward and backward."""
     import dataclasses
     from hetconv.channelwise import BatchNorm
-    from hetconv.engine.costmodel import batchnorm_sum_bytes, predict_any
+    from hetconv.engine.costmodel import batchnorm_sum_bytes
+    from hetconv.engine.steptasks import predict_any
     with_bn = [dataclasses.replace(s, tail=(BatchNorm(),)) for s in PAPER]
     profiles = {"a": flat_profile("a", 1e-4), "b": flat_profile("b", 1e-4)}
     link = parse_bandwidth("1gbit")
@@ -488,7 +491,7 @@ def test_a_network_is_priced_the_same_however_it_was_written(micro_batches):
     """One cost model: the paper network given as a chain of conv specs (graph None) and as the
     graph of its NetSpec (whose nodes are numbered otherwise) are the same step, seconds and
     bytes, all-model and with a data first layer."""
-    from hetconv.engine.costmodel import predict_any
+    from hetconv.engine.steptasks import predict_any
     from hetconv.engine.graph import GraphPass
     from hetconv.geometry import ConvSpec
     from hetconv.net import preset
@@ -510,7 +513,7 @@ def test_a_network_is_priced_the_same_however_it_was_written(micro_batches):
 def test_the_peer_model_overlaps_a_micro_batchs_wire_with_the_next_ones_compute():
     """Micro-batch by micro-batch: on a link whose every transfer is shorter than a micro-batch's
     compute, two micro-batches hide the gathers and the head's round trip that one pays in full."""
-    from hetconv.engine.costmodel import predict_any
+    from hetconv.engine.steptasks import predict_any
     counts = _even_counts(2)
     profiles = {w: flat_profile(w, 1e-4) for w in counts}
     link = parse_bandwidth("1gbit")
@@ -527,7 +530,7 @@ def test_each_worker_pays_for_the_joins_on_its_part_of_the_tensor(micro_batches)
     pays a join's whole-batch seconds times the fraction of the tensor it holds, forward and
     backward: all-data, its rows (20 and 12 of 32 images); all-model, the whole tensor on every
     worker, except where a join keeps a model block's channels (its kernels' fraction)."""
-    from hetconv.engine.costmodel import predict_any
+    from hetconv.engine.steptasks import predict_any
     from hetconv.engine.graph import GraphPass
     from hetconv.engine.layouts import WHOLE, is_channels, tensor_layouts
     from hetconv.geometry import ConvSpec
@@ -563,15 +566,22 @@ def test_the_weight_gradients_take_the_link_time_the_other_messages_leave():
     """On their own connection the weight gradients never hold up the step's other messages, and
     they move only in the time those leave on both hosts' directions: the link carries one
     thing at a time whichever connection it is on."""
-    from hetconv.engine.costmodel import _Timeline
-    link = Link(1000.0, 0.0)
-    t = _Timeline()
-    assert t.send("a", "b", 1000, 0.0, link) == pytest.approx(1.0)         # a out, b in: [0, 1]
-    assert t.send("c", "b", 1000, 2.0, link) == pytest.approx(3.0)         # b in: [2, 3]
-    # 2 s of gradients from a to b, issued at 0: in [1, 2] and [3, 4]
-    assert t.send_behind("a", "b", 2000, 0.0, link) == pytest.approx(4.0)
-    # the next on that connection queues behind it; one between other hosts moves at once
-    assert t.send_behind("a", "b", 500, 0.0, link) == pytest.approx(4.5)
-    assert t.send_behind("c", "d", 500, 0.0, link) == pytest.approx(0.5)
+    from hetconv.engine.steptasks import StepTasks, Task, price
+    step = StepTasks([], ["a", "b", "c", "d"], 0)
+
+    def send(what, src, dst, nbytes, after=()):
+        lanes = ("out", "in") if what == "send" else ("bulk out", "bulk in")
+        return step.add(Task(what, (f"{src} {lanes[0]}", f"{dst} {lanes[1]}"), after, worker=src, to=dst,
+                             nbytes=nbytes))[0]
+
+    at_2, at_3 = step.add(Task("forward", ("x",), (), 2.0)), step.add(Task("forward", ("y",), (), 3.0))
+    first = send("send", "a", "b", 1000)                  # a out, b in: [0, 1]
+    second = send("send", "c", "b", 1000, at_2)           # b in: [2, 3]
+    # 2 s of gradients from a to b, issued at 0: in [1, 2] and [3, 4]; the next on that connection
+    # queues behind it; one between other hosts moves at once
+    gradients = [send("bulk", "a", "b", 2000), send("bulk", "a", "b", 500), send("bulk", "c", "d", 500)]
     # and a later message of the step's own is not held up by them
-    assert t.send("a", "b", 1000, 3.0, link) == pytest.approx(4.0)
+    later = send("send", "a", "b", 1000, at_3)
+    end = price(step, Link(1000.0, 0.0)).end
+    assert [end[first], end[second], end[later]] == pytest.approx([1.0, 3.0, 4.0])
+    assert [end[g] for g in gradients] == pytest.approx([4.0, 4.5, 0.5])

@@ -90,7 +90,8 @@ def test_data_parallel_plans_train_like_local(local_run, tmp_path, counts, image
     The chain runs through the one peer step (each tensor in its layout between the workers), and
     what each worker sends among them is what the layout step's cost model prices for the chain
     taken as a graph: the payload, and a header of at most 128 bytes a message."""
-    from hetconv.engine.costmodel import DeviceProfile, LayerCost, Link, predict_any
+    from hetconv.engine.costmodel import DeviceProfile, LayerCost, Link
+    from hetconv.engine.steptasks import predict_any
     from hetconv.engine.costmodel import chain_shape
     from hetconv.geometry import ConvSpec
     from hetconv.net.spec import NetSpec
@@ -447,7 +448,8 @@ def test_a_peer_that_began_the_step_first_is_heard_up_to_its_first_exchange():
 def test_a_plan_whose_data_layers_split_the_images_differently_is_refused_when_it_arrives():
     """PEERS refuses it, the cost model will not price it, and a STEP without its image counts
     names what is missing."""
-    from hetconv.engine.costmodel import DeviceProfile, LayerCost, Link, predict_any
+    from hetconv.engine.costmodel import DeviceProfile, LayerCost, Link
+    from hetconv.engine.steptasks import predict_any
     from hetconv.engine.costmodel import chain_shape
     from hetconv.geometry import ConvSpec
     from hetconv.net.spec import NetSpec

@@ -8,7 +8,8 @@ import pytest
 
 from hetconv.devices import dnnl, open_device
 from hetconv.devices.base import ConvBlock
-from hetconv.engine.costmodel import LayerCost, predict_any, DeviceProfile, Link
+from hetconv.engine.costmodel import LayerCost, DeviceProfile, Link
+from hetconv.engine.steptasks import predict_any
 from hetconv.engine.shard import ConvShard
 from hetconv.geometry import ConvSpec
 

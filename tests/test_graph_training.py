@@ -178,7 +178,8 @@ def assert_each_worker_sent_what_is_priced(metrics, cfg, workers_images, modes):
     cost model prices for the run's plan (even counts, `workers_images` {worker: images}, modes
     a "MD" text): its payload, the measured count adding each message's ~100-byte header.
     Returns the prediction."""
-    from hetconv.engine.costmodel import DeviceProfile, LayerCost, Link, predict_any
+    from hetconv.engine.costmodel import DeviceProfile, LayerCost, Link
+    from hetconv.engine.steptasks import predict_any
     from hetconv.engine.graph import GraphPass
     from hetconv.devices.cpu import HostArrays
     from hetconv.geometry import ConvSpec
@@ -450,7 +451,8 @@ def test_the_cost_model_prices_each_graph_block_as_the_graph_step_moves_it():
     each tensor in its layout: all-data moves the fewest bytes, a plan priced alike that moves
     fewer is taken, and all-model sums each partial dX into its input's channels."""
     from test_parallel_plan import cpu_profile
-    from hetconv.engine.costmodel import GraphShape, parse_bandwidth, predict_any, predict_peer_step
+    from hetconv.engine.costmodel import GraphShape, parse_bandwidth
+    from hetconv.engine.steptasks import predict_any, predict_peer_step
     from hetconv.engine.graph import graph_pass
     from hetconv.engine.planner import TRAFFIC_TIE, choose_modes, mode_shares, one_image_split
     from hetconv.geometry import ConvSpec

@@ -185,7 +185,8 @@ def _preset_specs(name):
 def _step_s(specs, image, batch, profiles, link, modes, micro_batches=1):
     """What the one step of these modes costs (costmodel.predict_peer_step of the chain, its data
     layers splitting the images once): how a chain's plans are priced, as a graph's are."""
-    from hetconv.engine.costmodel import chain_shape, predict_peer_step
+    from hetconv.engine.costmodel import chain_shape
+    from hetconv.engine.steptasks import predict_peer_step
     from hetconv.engine.planner import mode_shares, one_image_split
     counts, _ = mode_shares(specs, batch, profiles, micro_batches)
     split = one_image_split(specs, batch, profiles, micro_batches)
@@ -290,7 +291,8 @@ def test_a_data_layers_compute_and_wire():
 
 
 def test_the_step_timeline_with_data_layers_agrees_with_the_choice():
-    from hetconv.engine.costmodel import parse_bandwidth, predict_any
+    from hetconv.engine.costmodel import parse_bandwidth
+    from hetconv.engine.steptasks import predict_any
     from hetconv.engine.planner import mode_shares
     link = parse_bandwidth("1gbit")
     specs, image = _preset_specs("vgg-small")
@@ -400,7 +402,8 @@ def test_cost_lines_give_plan_from_lines_what_a_data_layer_splits_by():
 
 
 def test_the_step_timeline_names_missing_images_or_bad_modes():
-    from hetconv.engine.costmodel import DeviceProfile, LayerCost, Link, predict_any
+    from hetconv.engine.costmodel import DeviceProfile, LayerCost, Link
+    from hetconv.engine.steptasks import predict_any
     from hetconv.geometry import conv_specs
     flat = DeviceProfile("d", "cpu", "", (LayerCost(0.0, 1e-4, 0.0, 1e-4),) * 2)
     args = (conv_specs([4, 8]), (3, 32, 32), 8, {"a": [2, 4], "b": [2, 4]}, {"a": flat, "b": flat}, Link(1e9), 0.0)

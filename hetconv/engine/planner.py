@@ -17,7 +17,8 @@ import math
 
 # PlanError and check_modes are the planner's words; the cost model, which checks modes too, holds them
 from hetconv.engine.costmodel import (FLOAT_BYTES, MODES, PlanError, chain_shape, check_modes,  # noqa: F401  (MODES too)
-                                     graph_mode_costs, largest_remainder, mode_costs, predict_any, predict_peer_step)
+                                     graph_mode_costs, largest_remainder, mode_costs)
+from hetconv.engine.steptasks import predict_any, predict_peer_step
 
 POLICIES = ("proportional", "equal")
 
