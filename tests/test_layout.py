@@ -151,3 +151,25 @@ def test_the_rule_catches_an_upward_import(tmp_path):
     test_imports_go_down_only("__init__.py", "hetconv", ast.parse("def f():\n    from hetconv import api\n"))
     with pytest.raises(AssertionError, match="inside a function"):
         test_imports_sit_at_the_top("train/x.py", "hetconv.training.x", ast.parse("def f():\n    import json\n"))
+
+
+# The engine, the workers and the coordinator carry the step and its plan: a function there that
+# one reader cannot hold at once (over 80 lines, its docstring included) is split into named parts.
+LONGEST_FUNCTION = 80
+SHORT_PLACES = ("engine", "worker", "coordinator")
+
+
+@pytest.mark.parametrize("rel,dotted,tree", [m for m in ALL if place(m[1]) in SHORT_PLACES],
+                         ids=[r for r, d, _ in ALL if place(d) in SHORT_PLACES])
+def test_functions_of_the_engine_workers_and_coordinator_stay_short(rel, dotted, tree):
+    long = [f"{node.name} ({node.end_lineno - node.lineno + 1} lines, line {node.lineno})" for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > LONGEST_FUNCTION]
+    assert not long, f"{rel}: {', '.join(long)} over {LONGEST_FUNCTION} lines: split into named parts"
+
+
+def test_the_length_rule_catches_a_long_function():
+    body = "def f():\n" + "    x = 1\n" * LONGEST_FUNCTION
+    with pytest.raises(AssertionError, match="over 80 lines"):
+        test_functions_of_the_engine_workers_and_coordinator_stay_short("engine/x.py", "hetconv.engine.x",
+                                                                        ast.parse(body))

@@ -313,6 +313,8 @@ class Prediction:
              "phases": [{"phase": p, "layer": l, "seconds": s} for p, l, s in self.phases]}
         if getattr(self, "bytes_by_kind", None):
             d["bytes_by_kind"] = dict(self.bytes_by_kind)     # a graph's step: what its bytes carry
+        if getattr(self, "priced", None) is not None:
+            d["critical_path_s"] = self.priced.critical_seconds()  # a peer step: what it waits on
         return d
 
 

@@ -100,6 +100,19 @@ class PricedStep:
             path.append(j)
             i = j
 
+    def critical_seconds(self):
+        """{what: seconds} of the step's critical path, by what each of its tasks is (a block's
+        forward, its dX, its dW, a join, the head, an update; a message by what it carries, its
+        CPU work): what the step waits on. The seconds sum to the step's."""
+        out, before = {}, 0.0
+        for i in self.critical_path():
+            task = self.step.tasks[i]
+            label = (f"{task.kind} (message)" if task.what in MESSAGES else "message CPU" if task.what == "wire cpu"
+                     else task.what)
+            out[label] = out.get(label, 0.0) + self.end[i] - before
+            before = self.end[i]
+        return out
+
 
 def price(step, link):
     """The priced step (PricedStep): list scheduling of `step`'s tasks in their order over
@@ -121,12 +134,12 @@ def price(step, link):
                 continue
             s = max([ready] + [free.get(r, 0.0) for r in task.resources])
             e = s + seconds
-            blocking = [owner[r] for r in task.resources if r in owner and free[r] > ready and free[r] == s]
-            if blocking:
-                held_by[i] = blocking[0]
             if task.what == "send":
                 for r in task.resources:
                     sent.setdefault(r, []).append((s, e))
+        blocking = [owner[r] for r in task.resources if r in owner and free[r] > ready and free[r] == s]
+        if blocking:
+            held_by[i] = blocking[0]
         for r in task.resources:
             if task.what != "bulk" or task.nbytes:
                 free[r] = e
