@@ -83,6 +83,7 @@ def run_one(spec):
 
     from hetconv.engine import costmodel as cm
     from hetconv.engine import measure as planning
+    from hetconv.engine.policy import PlanSettings
     from hetconv.training.config import Config
     from hetconv.geometry import conv_specs, layer_input_shapes
     from hetconv.training.loop import train
@@ -172,7 +173,7 @@ def run_one(spec):
         else:
             row["calibration_before"] = engine.calibration
             before = cm.profiles_from_calibration(engine.calibration)
-            engine.calibrate(specs, layer_input_shapes(specs, batch, image)[0], cfg)
+            engine.calibrate(specs, layer_input_shapes(specs, batch, image)[0], PlanSettings.of(cfg))
             after = cm.profiles_from_calibration(engine.calibration)
             counts = engine.plan.counts()
             bracketed = {w: bracket(before[w], after[w], counts[w], batch) for w in counts}

@@ -701,10 +701,10 @@ def lost_while_joiner_calibrates(workdir):
         join_during_step(run, 2, "--connect-timeout", 60, "--idle-timeout", 120)
         real_calibrate = engine._calibrate_some
 
-        def calibrate_some(specs, input_shapes, cfg, names):
+        def calibrate_some(specs, input_shapes, settings, names):
             if "late" in names and not killed:
                 killed.append(kill_spawned(engine, 1))
-            return real_calibrate(specs, input_shapes, cfg, names)
+            return real_calibrate(specs, input_shapes, settings, names)
         engine._calibrate_some = calibrate_some
     run.run(inject)
     facts, held = recovered(run, ref, killed, steps)

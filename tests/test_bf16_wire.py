@@ -17,6 +17,7 @@ from hetconv.devices.cpu_options import CpuOptions
 from hetconv.engine.local import LocalEngine
 from hetconv.engine.contract import wire_record
 from hetconv.engine.planner import fixed_plan
+from hetconv.engine.policy import PlanSettings
 from hetconv.engine.shard import ConvShard, ShardError, ShardServer
 from hetconv.geometry import ConvSpec
 from hetconv.training import checkpoint
@@ -80,14 +81,15 @@ def test_local_decides_from_the_precision_and_loads_the_plan_with_it():
     for precision, wire in (("fp32", "float32"), ("bf16", "bfloat16")):
         shard = ConvShard(open_device("cpu", threads=1))
         engine = LocalEngine({"local": shard}, wire="auto")
-        plan = engine.plan_for(SPECS, [(2, 3, 10, 10), (2, 4, 4, 4)], Config(conv="4,6", precision=precision))
+        plan = engine.plan_for(SPECS, [(2, 3, 10, 10), (2, 4, 4, 4)],
+                               PlanSettings.of(Config(conv="4,6", precision=precision)))
         engine.load(plan, SPECS, [s.initial_state(np.zeros((s.kernels, s.in_channels, 3, 3), np.float32)) for s in SPECS])
         assert engine.wire == wire
         assert shard.wire == "float32"          # in one process the engine rounds; the shard takes float32
         assert engine.wire_choice["workers"] == {"local": {"computed": precision, "carried": wire}}
     # an engine made with a dtype keeps it, whatever the precision (the API's callers name theirs)
     engine = LocalEngine({"local": ConvShard(open_device("cpu", threads=1))})
-    engine.plan_for(SPECS, [(2, 3, 10, 10), (2, 4, 4, 4)], Config(conv="4,6", precision="bf16"))
+    engine.plan_for(SPECS, [(2, 3, 10, 10), (2, 4, 4, 4)], PlanSettings.of(Config(conv="4,6", precision="bf16")))
     assert engine.wire == "float32"
 
 
@@ -98,7 +100,7 @@ def test_local_rounds_each_map_once_and_its_own_output_not_again(monkeypatch):
     monkeypatch.setattr(local_module, "rounded", lambda a, wire: calls.append(a.shape) or rounded(a, wire))
     shard = ConvShard(open_device("cpu", threads=1))
     engine = LocalEngine({"local": shard}, wire="bfloat16")
-    plan = engine.plan_for(SPECS, [(2, 3, 10, 10), (2, 4, 4, 4)], Config(conv="4,6"))
+    plan = engine.plan_for(SPECS, [(2, 3, 10, 10), (2, 4, 4, 4)], PlanSettings.of(Config(conv="4,6")))
     engine.load(plan, SPECS, [s.initial_state(np.full((s.kernels, s.in_channels, 3, 3), 0.1, np.float32))
                               for s in SPECS])
     x = np.random.default_rng(0).standard_normal((2, 3, 10, 10)).astype(np.float32)
@@ -129,16 +131,16 @@ def test_the_coordinator_decides_once_the_workers_precision_is_known_and_again_w
     engine = calibrated_engine({"w0": ("cpu", "bf16"), "w1": ("cpu", "bf16"), "g": ("cuda:0", "fp32")})
     said = []
     engine.log = said.append
-    cfg = Config(conv="4,6", batch_size=4, precision="bf16", parallel="model").validate()
+    settings = PlanSettings.of(Config(conv="4,6", batch_size=4, precision="bf16", parallel="model").validate())
     speeds = {w: [100.0, 100.0] for w in engine.peers}
-    engine._plan_from_calibration(SPECS, [(4, 3, 10, 10), (4, 4, 4, 4)], speeds, cfg)
+    engine._plan_from_calibration(SPECS, [(4, 3, 10, 10), (4, 4, 4, 4)], speeds, settings)
     assert engine.wire == "bfloat16" and not said
     assert engine.wire_choice["workers"] == {"w0": {"computed": "bf16", "carried": "bfloat16"},
                                              "w1": {"computed": "bf16", "carried": "bfloat16"},
                                              "g": {"computed": "fp32", "carried": "bfloat16"}}
     # a CPU worker that computes in float32 joins: the next plan's wire is float32, and it is said
     engine.calibration["w2"] = dict(engine.calibration["w0"], precision="fp32")
-    engine._plan_from_calibration(SPECS, [(4, 3, 10, 10), (4, 4, 4, 4)], {**speeds, "w2": [100.0, 100.0]}, cfg)
+    engine._plan_from_calibration(SPECS, [(4, 3, 10, 10), (4, 4, 4, 4)], {**speeds, "w2": [100.0, 100.0]}, settings)
     assert engine.wire == "float32"
     assert said == ["feature maps and gradients between layers: float32 from this plan on, was bfloat16 (not every "
                     "CPU worker computes in bf16: w2 computes in fp32)"]

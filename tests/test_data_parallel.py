@@ -16,6 +16,7 @@ from hetconv.coordinator.remote import RemoteEngine
 from hetconv.devices import open_device
 from hetconv.engine.local import LocalEngine
 from hetconv.engine.planner import LayerPlan, PlanError, fixed_plan
+from hetconv.engine.policy import PlanSettings
 from hetconv.engine.shard import ConvShard
 from hetconv.training import checkpoint
 from hetconv.training.config import Config
@@ -489,7 +490,7 @@ def test_a_calibration_too_noisy_for_cost_lines_splits_by_measured_speed(monkeyp
     cfg = Config(conv="8,8", batch_size=8, parallel=parallel).validate()
     specs = [ConvSpec.paper(3, 8, 5, 0), ConvSpec.paper(8, 8, 5, 0)]
     plan = engine._plan_from_calibration(specs, [(8, 3, 32, 32), (8, 8, 14, 14)],
-                                         {"a": [300.0, 300.0], "b": [100.0, 100.0]}, cfg)
+                                         {"a": [300.0, 300.0], "b": [100.0, 100.0]}, PlanSettings.of(cfg))
     assert any("splitting by measured speed" in line for line in said)
     if parallel == "model":
         assert [lp.count("a") for lp in plan.layers] == [6, 6]            # 3:1, by speed

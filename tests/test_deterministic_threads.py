@@ -20,6 +20,7 @@ from conftest import python_cmd
 from hetconv import runtimes
 from hetconv.cli.coordinator import _deterministic_threads
 from hetconv.devices.cpu import CpuDevice
+from hetconv.engine.policy import PlanSettings
 from hetconv.training import checkpoint
 from hetconv.training.config import Config
 from hetconv.training.elastic import Elastic, Snapshot
@@ -148,7 +149,7 @@ class _Survivors:
     def drop(self, names):
         self.workers = [w for w in self.workers if w not in names]
 
-    def replan(self, specs, input_shapes, cfg):
+    def replan(self, specs, input_shapes, settings):
         return types.SimpleNamespace(to_json=lambda: {"workers": self.workers}, table=lambda: "(plan)")
 
     def load(self, plan, specs, conv):
@@ -162,7 +163,7 @@ def test_a_lost_worker_under_deterministic_says_the_bits_now_differ(deterministi
     cfg = dataclasses.replace(Config(), deterministic=deterministic, min_workers=1)
     net = types.SimpleNamespace(fc_state=lambda: [], load_fc_state=lambda state: None)
     metrics = types.SimpleNamespace(write=lambda *a, **k: None)
-    elastic = Elastic(cfg, _Survivors(), net, [], [], 10, lines.append, metrics)
+    elastic = Elastic(cfg, _Survivors(), net, [], [], PlanSettings.of(cfg), 10, lines.append, metrics)
     elastic.enabled, elastic.snapshot = True, Snapshot(2, [], [])
     assert elastic.recover(WorkerLost("gone", ["b"]), 4)[0] == 2
     said = [line for line in lines if "bits now differ" in line]

@@ -4,6 +4,7 @@ import pytest
 from hetconv.coordinator.remote import RemoteEngine
 from hetconv.engine.microbatch import FEWER_MICRO_MARGIN, cheapest_micro_batches, micro_batch_count, priced_text
 from hetconv.engine.planner import make_plan
+from hetconv.engine.policy import PlanSettings
 from hetconv.geometry import conv_specs
 from hetconv.training.config import Config
 from hetconv.training.loop import resolve_micro_batches
@@ -55,7 +56,7 @@ def test_the_coordinator_picks_the_count_its_cost_model_prices_fastest(call_per_
     engine = engine_with(timing(call_per_kernel, 2e-5))
     cfg = Config(conv="8,16", batch_size=32, link=link, parallel="model").validate()
     speeds = {"a": [1.0, 1.0], "b": [1.0, 1.0]}
-    plan = engine._plan_from_calibration(SPECS, SHAPES, speeds, cfg)
+    plan = engine._plan_from_calibration(SPECS, SHAPES, speeds, PlanSettings.of(cfg))
     assert plan.counts() == make_plan([8, 16], speeds).counts()       # identical workers: an even split
     choice = engine.micro_choice
     assert micro_batch_count(0, 32, "peer", 2) == 2
@@ -67,8 +68,8 @@ def test_the_coordinator_picks_the_count_its_cost_model_prices_fastest(call_per_
     assert resolve_micro_batches(cfg, engine) == 1
     # a count set by hand is never second-guessed
     engine.peers = {"a": None, "b": None}
-    engine._plan_from_calibration(SPECS, SHAPES, speeds, Config(conv="8,16", batch_size=32, link=link,
-                                                                parallel="model", micro_batches=2).validate())
+    engine._plan_from_calibration(SPECS, SHAPES, speeds, PlanSettings.of(Config(
+        conv="8,16", batch_size=32, link=link, parallel="model", micro_batches=2).validate()))
     assert engine.micro_choice is None
     assert resolve_micro_batches(Config(conv="8,16", batch_size=32, micro_batches=3).validate(), engine) == 3
 

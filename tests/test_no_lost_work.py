@@ -171,10 +171,10 @@ def test_a_worker_killed_while_a_joiner_calibrates_is_survived_and_the_joiner_is
     join_during_step(engine, procs, 2)
     real_calibrate = engine._calibrate_some
 
-    def calibrate_some(specs, input_shapes, cfg, names):
+    def calibrate_some(specs, input_shapes, settings, names):
         if "late" in names and engine.processes[1][1].poll() is None:
             kill(engine, 1)
-        return real_calibrate(specs, input_shapes, cfg, names)
+        return real_calibrate(specs, input_shapes, settings, names)
     engine._calibrate_some = calibrate_some
     metrics = tmp_path / "m.jsonl"
     try:

@@ -9,9 +9,10 @@ import pytest
 
 from hetconv.cli import plan as plan_cli
 from hetconv.coordinator.remote import RemoteEngine
+from hetconv.devices.cpu_options import CpuOptions
 from hetconv.engine.costmodel import LayerCost, profiles_from_calibration
 from hetconv.engine.microbatch import micro_batch_count
-from hetconv.engine.policy import SHARED_CORES_WIRE_CPU_S_PER_BYTE
+from hetconv.engine.policy import SHARED_CORES_WIRE_CPU_S_PER_BYTE, PlanSettings
 from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES, ConvSpec, layer_input_shapes
 from hetconv.training.config import Config
 from test_parallel_plan import cpu_profile
@@ -51,7 +52,7 @@ def coordinator_plan(cfg, specs, input_shapes, calibration):
     engine.calibration = dict(calibration)
     said = []
     engine.log = said.append
-    return engine.replan(specs, input_shapes, cfg), engine, said
+    return engine.replan(specs, input_shapes, PlanSettings.of(cfg)), engine, said
 
 
 def hetconv_plan_row(monkeypatch, capsys, tmp_path, calibration, flags):
@@ -133,7 +134,7 @@ def test_moving_bytes_costs_compute_where_a_hosts_workers_use_every_core():
     then charges each byte moved to their compute; with a core free, or a cost given, the link is
     priced as it is."""
     from hetconv.engine.costmodel import parse_bandwidth
-    from hetconv.engine.policy import SHARED_CORES_WIRE_CPU_S_PER_BYTE, link_for_cores
+    from hetconv.engine.policy import SHARED_CORES_WIRE_CPU_S_PER_BYTE, PlanSettings, link_for_cores
     link = parse_bandwidth("1gbit")
     assert link_for_cores(link, [1, 1], 2).host_cpu_s_per_byte == SHARED_CORES_WIRE_CPU_S_PER_BYTE
     assert link_for_cores(link, [0], 8).host_cpu_s_per_byte == SHARED_CORES_WIRE_CPU_S_PER_BYTE   # 0: every core
@@ -164,7 +165,7 @@ def test_the_coordinator_charges_the_wire_cpu_where_another_hosts_cpu_workers_fi
     coordinator's workers are read as places (HELLO's fields, by the same names)."""
     from hetconv.coordinator.remote import _Peer
     from hetconv.engine.costmodel import parse_bandwidth
-    from hetconv.engine.policy import SHARED_CORES_WIRE_CPU_S_PER_BYTE, Place, priced_link
+    from hetconv.engine.policy import SHARED_CORES_WIRE_CPU_S_PER_BYTE, PlanSettings, Place, priced_link
 
     def peer(key, threads, cores, device="cpu"):
         return _Peer(b"w", {"host_key": key, "device": device, "threads": threads, "cores": cores})
@@ -252,16 +253,17 @@ def test_hetconv_plan_plans_as_the_coordinator_with_shared_cores_and_precision_a
     engine = RemoteEngine.__new__(RemoteEngine)
     engine.exchange, engine.wire, engine.fixed_plan = cfg.exchange, cfg.wire_dtype, None
     engine.mode_choice = engine.micro_choice = None
+    engine.cpu = CpuOptions.of(cfg)
     engine.peers = {n: _Peer(n.encode(), {"name": n, "device": "cpu", "host": "box", "host_key": "here",
                                           "threads": 1, "cores": 2}) for n in names}
     engine.calibration, engine.calibration_s = {}, 0.0
     engine.log = lambda line: None
 
-    def calibrate(specs, input_shapes, cfg):
+    def calibrate(specs, input_shapes, settings):
         engine.calibration.update({n: dict(one) for n in names})
         return {n: list(one["speeds"]) for n in names}
     engine.calibrate = calibrate
-    plan = engine.plan_for(specs, input_shapes, cfg)
+    plan = engine.plan_for(specs, input_shapes, PlanSettings.of(cfg))
 
     row = data["rows"][-1]
     assert engine.wire == wire and row["wire"] == wire and data["wire"] == wire

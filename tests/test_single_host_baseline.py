@@ -10,7 +10,8 @@ import pytest
 from hetconv.devices.cpu_options import CpuOptions
 from hetconv.engine.costmodel import DeviceProfile, LayerCost, Link
 from hetconv.engine.planner import Plan, PlanError, make_plan, price_plan
-from hetconv.engine.policy import CoresTogether, WorkersPlan, choose_plan, cpu_groups, price_cores_together
+from hetconv.engine.policy import (CoresTogether, PlanSettings, WorkersPlan, choose_plan, cpu_groups,
+                                   price_cores_together)
 from hetconv.geometry import conv_specs
 
 PAPER = conv_specs([500, 1500])
@@ -201,7 +202,7 @@ def _coordinator(monkeypatch, together_per_kernel, calibration_s=1.0, hosts=("he
                                    log=logged.append, _graph_shape=lambda: None)
     cfg = Config(net="paper", batch_size=BATCH, link="1gbit").validate()
     shapes = [(BATCH,) + IMAGE, (BATCH, 500, 14, 14)]
-    got = remote.RemoteEngine._price_cores_together(engine, plan, PAPER, shapes, cfg)
+    got = remote.RemoteEngine._price_cores_together(engine, plan, PAPER, shapes, PlanSettings.of(cfg))
     return got, logged, asked
 
 

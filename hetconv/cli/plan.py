@@ -29,7 +29,7 @@ from hetconv.engine.measure import (calibrate_rounds, load_profiles, measure_coo
                                    measure_loopback)
 from hetconv.engine.microbatch import micro_batch_count
 from hetconv.engine.planner import Plan, PlanError, check_profiles, choose_modes
-from hetconv.engine.policy import (SHARED_CORES_WIRE_CPU_S_PER_BYTE, PlanFlags, Place, check_exchange,
+from hetconv.engine.policy import (SHARED_CORES_WIRE_CPU_S_PER_BYTE, PlanSettings, Place, check_exchange,
                                    cores_together_record, plan_workers)
 from hetconv.flags import HelpFormatter, add_version, check_output_file, show_progress, still_working, usable_cores
 from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES, ConvSpec, layer_input_shapes
@@ -105,7 +105,7 @@ def main(argv=None):
         if args.wire_cpu_ns is not None and not 0 <= args.wire_cpu_ns < 1e6:
             raise ValueError(f"--wire-cpu-ns {args.wire_cpu_ns}: expected nanoseconds per byte, 0 or more "
                              f"(about 1 on a current x86 core over TCP)")
-        check_exchange(PlanFlags.of(cfg), len(specs))
+        check_exchange(PlanSettings.of(cfg).flags, len(specs))
         if args.link != "loopback":
             try:
                 link = parse_bandwidth(args.link)
@@ -266,7 +266,7 @@ def _calibrate_and_price(args, cfg, entries, saved, specs, fc, image, input_shap
                                  f"the whole layers" + ("" if first.profile else f" in the same rounds as {first.label}"),
                           "description": together_profile.description})
     stronger = min(baselines, key=lambda b: b["step_s"])
-    flags = PlanFlags.of(cfg)
+    flags = PlanSettings.of(cfg).flags
     rows, planned = [], None
     for n in range(1, len(names) + 1):
         # one device alone is the baseline's profile: calibrated on the whole layers where it could be

@@ -37,7 +37,7 @@ from hetconv.engine.measure import calibrate_local, measure_loopback
 from hetconv.engine.layouts import WHOLE, index_in, pieces, pieces_shape, tensor_layouts
 from hetconv.engine.microbatch import priced_text
 from hetconv.engine.planner import PlanError, layout_rows
-from hetconv.engine.policy import (PlanFlags, check_exchange, check_plannable, cores_together_record,
+from hetconv.engine.policy import (check_exchange, check_plannable, cores_together_record,
                                    head_weights_later, plan_workers, step_bounds)
 from hetconv.flags import usable_cores
 from hetconv.transport import keys
@@ -627,7 +627,7 @@ class RemoteEngine(ShardEngine):
         if self.calibration:
             self.calibration = {n: c for n, c in self.calibration.items() if n in self.peers}
 
-    def admit(self, specs, input_shapes, cfg):
+    def admit(self, specs, input_shapes, settings):
         """Workers that said HELLO mid-run join now: welcomed, calibrated, and given a plan with
         everyone. A joiner that has gone or fails on the way (an ERROR, a frame limit too small)
         is dropped, once, and never touches the running plan. Returns the new plan, or None when
@@ -648,7 +648,7 @@ class RemoteEngine(ShardEngine):
             new.append(name)
         while new:
             try:
-                self._calibrate_some(specs, input_shapes, cfg, new)
+                self._calibrate_some(specs, input_shapes, settings, new)
                 break
             except (WorkerLost, WorkerError) as e:
                 failed = [n for n in e.workers if n in new]
@@ -662,17 +662,17 @@ class RemoteEngine(ShardEngine):
         for name in new:
             self.log(f"worker {self.peers[name].label()} joined: {self.peers[name].description}")
         self.fixed_plan = None                              # a hand-set plan does not cover the newcomers
-        return self.replan(specs, input_shapes, cfg)
+        return self.replan(specs, input_shapes, settings)
 
-    def replan(self, specs, input_shapes, cfg):
+    def replan(self, specs, input_shapes, settings):
         """A plan over the workers there are now, from their calibration; a worker without one
         (it joined while another was lost) is calibrated first, never planned blind."""
-        self._note_step_bounds(specs, input_shapes, cfg)
+        self._note_step_bounds(specs, input_shapes, settings)
         missing = [name for name in self.peers if name not in self.calibration]
         if missing:
-            self._calibrate_some(specs, input_shapes, cfg, missing)
+            self._calibrate_some(specs, input_shapes, settings, missing)
         return self._plan_from_calibration(specs, input_shapes,
-                                           {name: self.calibration[name]["speeds"] for name in self.peers}, cfg)
+                                           {name: self.calibration[name]["speeds"] for name in self.peers}, settings)
 
     def _unique_name(self, name):
         base, k = name, 2
@@ -685,13 +685,13 @@ class RemoteEngine(ShardEngine):
     def workers(self):
         return list(self.peers)
 
-    def calibrate(self, specs, input_shapes, cfg):
+    def calibrate(self, specs, input_shapes, settings):
         """Each worker times its fused kernels on the real layer shapes, its equal share of kernels,
         after a JIT warm-up. Returns {worker: [kernels/s per layer]}."""
-        return self._calibrate_some(specs, input_shapes, cfg, list(self.peers))
+        return self._calibrate_some(specs, input_shapes, settings, list(self.peers))
 
-    def _calibrate_some(self, specs, input_shapes, cfg, names):
-        batch = min(cfg.calibration_batch, cfg.batch_size)
+    def _calibrate_some(self, specs, input_shapes, settings, names):
+        batch = settings.calibration_batch
         n = len(self.peers)
         layers = [{"spec": s.to_json(), "input_shape": [batch] + list(shape[1:]), "kernels": -(-s.kernels // n)}
                   for s, shape in zip(specs, input_shapes)]
@@ -709,28 +709,28 @@ class RemoteEngine(ShardEngine):
             self.calibration[name]["precision"] = computed_precision(self.calibration[name]["conv_paths"])
         return {name: list(checked[name][0]) for name in names}
 
-    def _note_step_bounds(self, specs, input_shapes, cfg):
+    def _note_step_bounds(self, specs, input_shapes, settings):
         """What PEERS tells the workers a step of this run can need (policy.step_bounds)."""
-        self.step_bounds = step_bounds(cfg.micro_batches, cfg.batch_size, specs, input_shapes[0][1:])
+        self.step_bounds = step_bounds(settings.flags.micro_batches, settings.batch_size, specs, input_shapes[0][1:])
 
-    def plan_for(self, specs, input_shapes, cfg):
-        self._note_step_bounds(specs, input_shapes, cfg)
-        flags = PlanFlags.of(cfg, self.exchange)
+    def plan_for(self, specs, input_shapes, settings):
+        self._note_step_bounds(specs, input_shapes, settings)
+        flags = settings.flags_for(self.exchange)
         check_exchange(flags, len(specs))
         if self.fixed_plan is not None:             # checked when it was made: its data layers need no kernel each
-            self.decide_wire(cfg)
+            self.decide_wire(settings)
             return self.fixed_plan
         check_plannable([s.kernels for s in specs], len(self.peers), flags)
         self.log(f"calibrating {len(self.peers)} worker(s): each times its share of every conv layer on the real "
                  f"shapes, after a warm-up (seconds to a minute) ...")
-        speeds = self.calibrate(specs, input_shapes, cfg)
+        speeds = self.calibrate(specs, input_shapes, settings)
         self.log(f"calibrated {len(self.peers)} worker(s) in {self.calibration_s:.1f}s")
         for name in sorted(self.calibration):
             # one line a worker: which paths its device runs, by timing or as told (each call shape's
             # choice, with every path's time, is in the metrics' calibration record)
             chosen = self.calibration[name]["conv_paths"]
             if (not any(c["why"] in ("timed", "forced", "wisdom", "checkpoint", DETERMINISTIC) or c["path"] == "fft"
-                        for c in chosen) and cfg.precision == "fp32"):
+                        for c in chosen) and settings.precision == "fp32"):
                 continue                                 # the rule's untimed choices on small layers
             # (timed in this run, or earlier: this machine's wisdom, the checkpoint resumed from)
             how = ("forced" if all(c["why"] == "forced" for c in chosen) else
@@ -740,10 +740,10 @@ class RemoteEngine(ShardEngine):
             self.log(f"  {name} conv paths ({how}): " + ", ".join(
                 f"{path} for {n} call shape{'s' if n > 1 else ''}" for path, n in sorted(counts.items()))
                 + f"; precision {self.calibration[name]['precision']}")
-        plan = self._plan_from_calibration(specs, input_shapes, speeds, cfg)
-        return self._price_cores_together(plan, specs, input_shapes, cfg)
+        plan = self._plan_from_calibration(specs, input_shapes, speeds, settings)
+        return self._price_cores_together(plan, specs, input_shapes, settings)
 
-    def _price_cores_together(self, plan, specs, input_shapes, cfg):
+    def _price_cores_together(self, plan, specs, input_shapes, settings):
         """`plan`, with its `cores_together` record (policy.cores_together_record, its line logged):
         where two or more of its CPU workers run on this host, one device with their cores
         together priced in their place. That device is calibrated here, in this process, while
@@ -752,7 +752,7 @@ class RemoteEngine(ShardEngine):
         calibrated together from here."""
         if not all(w in self.calibration for w in plan.workers):
             return plan
-        batch = min(cfg.calibration_batch, cfg.batch_size)
+        batch = settings.calibration_batch
 
         def calibrate_together(threads, workers):
             self.log(f"pricing one worker with the {threads} cores of {', '.join(workers)} together: calibrating "
@@ -762,14 +762,14 @@ class RemoteEngine(ShardEngine):
                                    cpu=self.cpu)
 
         record = cores_together_record(
-            specs, tuple(input_shapes[0][1:]), cfg.batch_size, self.workers_plan,
+            specs, tuple(input_shapes[0][1:]), settings.batch_size, self.workers_plan,
             profiles_from_calibration({w: self.calibration[w] for w in plan.workers}), self.peers,
-            PlanFlags.of(cfg, self.exchange), calibrate_together, self.calibration_s,
+            settings.flags_for(self.exchange), calibrate_together, self.calibration_s,
             lambda: Link(measure_loopback(), name="loopback (measured)"), host_key(), usable_cores(),
             self._graph_shape(), self.log)
         return dataclasses.replace(plan, cores_together=record) if record else plan
 
-    def _plan_from_calibration(self, specs, input_shapes, speeds, cfg):
+    def _plan_from_calibration(self, specs, input_shapes, speeds, settings):
         """The plan policy.plan_workers makes from the workers' calibration (`speeds`: {worker:
         measured kernels/s per layer}, in worker order: what the split falls back to where the
         cost lines are too noisy), with its mode choice in `mode_choice`, its micro-batch choice
@@ -777,13 +777,14 @@ class RemoteEngine(ShardEngine):
         said where it changed."""
         before = self.wire_choice["dtype"] if self.wire_choice else None
         profiles = profiles_from_calibration({name: self.calibration[name] for name in speeds})
-        planned = plan_workers(specs, tuple(input_shapes[0][1:]), cfg.batch_size, profiles, parse_bandwidth(cfg.link),
-                               self.peers, PlanFlags.of(cfg, self.exchange), self.asked_wire(cfg), cfg.precision,
+        planned = plan_workers(specs, tuple(input_shapes[0][1:]), settings.batch_size, profiles,
+                               parse_bandwidth(settings.link), self.peers, settings.flags_for(self.exchange),
+                               self.asked_wire(settings), settings.precision,
                                self._graph_shape(), host_key(), usable_cores(), speeds)
         choice = planned.choice
         for note in choice.notes:
             self.log(note)
-        self.decide_wire(cfg, planned.computed, choice.plan.workers)
+        self.decide_wire(settings, planned.computed, choice.plan.workers)
         if before is not None and before != self.wire:
             self.log(f"feature maps and gradients between layers: {self.wire} from this plan on, was {before} "
                      f"({self.wire_choice['reason']})")

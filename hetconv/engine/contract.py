@@ -107,8 +107,9 @@ class Engine(Protocol):
     mode_choice: object         # planner.ModeChoice behind the plan's modes, or None where none was made
     micro_choice: object        # {micro_batches, predicted_s} the cost model picked for the plan, or None
 
-    def plan_for(self, specs, input_shapes, cfg):
-        """-> Plan; calibrates where there is something to measure."""
+    def plan_for(self, specs, input_shapes, settings):
+        """-> Plan; calibrates where there is something to measure. `settings`: what planning
+        reads of the run's configuration (engine.policy.PlanSettings)."""
 
     def load(self, plan, specs, params):
         """Slices every layer's whole state ({name: array}) onto the shards."""
@@ -156,10 +157,10 @@ class ElasticEngine(Engine, Protocol):
     def drop(self, names):
         """Forget workers that were lost."""
 
-    def replan(self, specs, input_shapes, cfg):
+    def replan(self, specs, input_shapes, settings):
         """-> a Plan over the workers left (calibrating any that were never measured)."""
 
-    def admit(self, specs, input_shapes, cfg):
+    def admit(self, specs, input_shapes, settings):
         """-> a Plan that includes the workers waiting to join, or None when none waits."""
 
     def keep_joiners_waiting(self, seconds):
@@ -199,33 +200,33 @@ class ShardEngine:
         """requests: {worker: (op, arrays, fields)} -> {worker: (arrays, fields)}, every reply in."""
         raise NotImplementedError
 
-    def plan_for(self, specs, input_shapes, cfg):
+    def plan_for(self, specs, input_shapes, settings):
         """Shards that cannot be measured apart (one process): an equal split, unless set by hand."""
-        self.decide_wire(cfg)
+        self.decide_wire(settings)
         if self.fixed_plan is not None:
             return self.fixed_plan
         return make_plan([s.kernels for s in specs], {name: None for name in self.workers}, "equal")
 
-    def decide_wire(self, cfg, computed=None, names=None):
+    def decide_wire(self, settings, computed=None, names=None):
         """The wire of the plan being made (transport.wire.wire_for), before anything prices or
         loads it: the engine's own where it was made with a dtype; for auto, --wire-dtype and
         --precision with what each worker computes in (`computed`: {name: (device, precision)}
         from calibration, or None). Kept in `wire_choice` for the log and the plan record, with
         each worker's side of it (`names`: the workers, default every one): what it computes in
         (without a calibration, the --precision asked) and what the wire carries to it."""
-        self.wire, reason = wire_for(self.asked_wire(cfg), cfg.precision, computed)
+        self.wire, reason = wire_for(self.asked_wire(settings), settings.precision, computed)
         names = list(self.workers if names is None else names)
         self.wire_choice = {"dtype": self.wire, "reason": reason, "workers": {
-            name: {"computed": computed[name][1] if computed else cfg.precision, "carried": self.wire}
+            name: {"computed": computed[name][1] if computed else settings.precision, "carried": self.wire}
             for name in names}}
         return self.wire
 
-    def asked_wire(self, cfg):
+    def asked_wire(self, settings):
         """The wire asked for: the engine's own where it was made with a dtype, else --wire-dtype
         (a dtype, or auto: wire_for decides it from what the workers compute in)."""
         if self.wire_asked is None:
             self.wire_asked = self.wire
-        return self.wire_asked if self.wire_asked != "auto" else cfg.wire_dtype
+        return self.wire_asked if self.wire_asked != "auto" else settings.wire_dtype
 
     def close(self):
         pass

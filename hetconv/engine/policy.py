@@ -58,12 +58,31 @@ class PlanFlags:
     micro_batches: int = 0          # pieces a step is cut into as asked (0: auto, the rule's or fewer)
     exchange: str = "peer"          # "peer" (workers trade maps) or "star" (every layer through the coordinator)
 
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """What an engine's planning and calibration read of a run's configuration, and nothing else:
+    built once from it (PlanSettings.of) and handed to Engine.plan_for, replan and admit, so no
+    engine reads the configuration itself."""
+    batch_size: int                 # images a training step
+    calibration_batch: int          # images each layer is timed on at calibration (at most a step's)
+    link: str                       # the link between hosts as --link gives it (costmodel.parse_bandwidth)
+    precision: str                  # what the workers' conv GEMMs compute in (--precision): fp32, bf16 or auto
+    wire_dtype: str                 # the wire asked for (--wire-dtype): a dtype, or auto
+    flags: PlanFlags = PlanFlags()  # split, modes, workers kept, micro-batches, exchange
+
     @classmethod
-    def of(cls, cfg, exchange=None):
-        """The flags of a training.config.Config (read by name: the engine does not import the
-        training package); `exchange` where the engine's own differs from cfg's."""
-        return cls(cfg.split, cfg.parallel, bool(getattr(cfg, "use_all", False)), cfg.micro_batches,
-                   exchange if exchange is not None else cfg.exchange)
+    def of(cls, cfg):
+        """The settings of a training.config.Config (read by name: the engine does not import the
+        training package)."""
+        flags = PlanFlags(cfg.split, cfg.parallel, bool(getattr(cfg, "use_all", False)), cfg.micro_batches,
+                          cfg.exchange)
+        return cls(cfg.batch_size, min(cfg.calibration_batch, cfg.batch_size), cfg.link, cfg.precision,
+                   cfg.wire_dtype, flags)
+
+    def flags_for(self, exchange):
+        """The flags, with the exchange of an engine made with its own."""
+        return replace(self.flags, exchange=exchange)
 
 
 @dataclass(frozen=True)

@@ -38,11 +38,12 @@ class Snapshot:
 class Elastic:
     """Owned by the training loop; a no-op for engines that cannot lose workers (--local)."""
 
-    def __init__(self, cfg, engine, net, specs, input_shapes, steps_per_epoch, log, metrics, network=None,
+    def __init__(self, cfg, engine, net, specs, input_shapes, settings, steps_per_epoch, log, metrics, network=None,
                  data=None):
         self.cfg, self.engine, self.net = cfg, engine, net
         self.steps_per_epoch = steps_per_epoch
         self.specs, self.input_shapes = specs, input_shapes
+        self.settings = settings                            # engine.policy.PlanSettings every re-plan reads
         self.log, self.metrics = log, metrics
         self.network = network                              # the NetSpec's JSON, stored in every checkpoint
         self.data = data                                    # the data set's meta (classes, normalisation), too
@@ -92,7 +93,7 @@ class Elastic:
             self.every = max(1, math.ceil(self.snapshot_s / (SNAPSHOT_BUDGET * max(step_s, 1e-9))))
             self.log(f"a lost worker costs at most {self.every} step(s) of work: the weights are copied here every "
                      f"{self.every} step(s), {self.snapshot_s:.2f} s a copy against {step_s:.2f} s a step")
-        plan = self.engine.admit(self.specs, self.input_shapes, self.cfg)
+        plan = self.engine.admit(self.specs, self.input_shapes, self.settings)
         if plan is not None:
             self.engine.load(plan, self.specs, self.snapshot.conv)
             self.metrics.write("worker_joined", step=step, workers=list(plan.workers))
@@ -129,7 +130,7 @@ class Elastic:
                                  f"saved step {self.snapshot.step} to {path}; resume with --resume {path}",
                                  error.workers) from None
             try:
-                plan = self.engine.replan(self.specs, self.input_shapes, self.cfg)
+                plan = self.engine.replan(self.specs, self.input_shapes, self.settings)
                 self.engine.load(plan, self.specs, self.snapshot.conv)
                 break
             except WorkerLost as again:          # another one went while the survivors were reloaded

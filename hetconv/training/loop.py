@@ -19,7 +19,7 @@ from hetconv.engine.conv_precision import PrecisionReport, precision_line
 from hetconv.engine.microbatch import recorded_micro_batches
 from hetconv.engine.graph import graph_pass
 from hetconv.engine.planner import PlanError, given_plan, recorded_worker_names
-from hetconv.engine.policy import MAX_REBALANCES, rebalances, run_micro_batches
+from hetconv.engine.policy import MAX_REBALANCES, PlanSettings, rebalances, run_micro_batches
 from hetconv.flags import say_in_handler
 from hetconv.geometry import ConvSpec
 from hetconv.net import LoadedNet, NetSpec
@@ -388,9 +388,10 @@ def checkpoint_dir_for(cfg, resume):
 
 
 def train(cfg, engine, log=print, resume=None, metrics_extra=None, dataset=None, stop_grace=20.0, network=None):
-    """Train per `cfg` with conv layers on `engine`. `engine.plan_for(specs, input_shapes, cfg)`
-    returns the kernel split; the loop is otherwise transport-agnostic. `dataset`, when given, is
-    cfg.data already loaded (the command line loads it before starting workers). `resume`: a
+    """Train per `cfg` with conv layers on `engine`. `engine.plan_for(specs, input_shapes, settings)`
+    (`settings`: what planning reads of `cfg`, engine.policy.PlanSettings) returns the kernel
+    split; the loop is otherwise transport-agnostic. `dataset`, when given, is cfg.data already
+    loaded (the command line loads it before starting workers). `resume`: a
     checkpoint file or directory (the checkpoints it skips are logged), or what
     checkpoint.load_newest_valid returned for one (the caller says what it skipped); `cfg` is
     the whole config (hetconv.cli.coordinator takes the checkpoint's with resumed_config). `stop_grace`:
@@ -815,12 +816,13 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
         metrics.write("resume", path=meta["path"], step=start_step,
                       skipped=[{"file": name, "reason": reason} for name, reason in skipped])
 
-    plan = engine.plan_for(specs, input_shapes, cfg)
+    settings = PlanSettings.of(cfg)             # what the engine plans by, now and at every re-plan
+    plan = engine.plan_for(specs, input_shapes, settings)
     if engine.calibration:              # each worker's speeds and timings, and the conv paths its device chose
         metrics.write("calibration", workers=engine.calibration)
     engine.load(plan, specs, conv_params)
-    elastic = Elastic(cfg, engine, net, specs, input_shapes, steps_per_epoch, log, metrics, network.to_json(),
-                      data_meta(ds))
+    elastic = Elastic(cfg, engine, net, specs, input_shapes, settings, steps_per_epoch, log, metrics,
+                      network.to_json(), data_meta(ds))
     elastic.start(start_step, conv_params)      # the first snapshot (kept only where a worker can be lost)
     del conv_params                             # the shards own the conv weights from here on
     if len(plan.workers) > 1 or elastic.enabled:      # one device in-process: nothing is split
