@@ -442,6 +442,10 @@ def test_hetconv_plan_prices_a_graphs_blocks_in_the_modes_asked_naming_them(tmp_
     out = capsys.readouterr().out
     assert "\nconv1 " in out and "model (prep.conv)" in out
     assert "by what they carry: images and features (coordinator)" in out and "partial input gradients" in out
+    # what the step waits on: its critical path, by what each task on it is, adding up to the step
+    waits = row["prediction"]["critical_path_s"]
+    assert sum(waits.values()) == pytest.approx(row["step_s"]) and waits["forward"] > 0
+    assert "waits on (its critical path" in out and "backward dw" in out
 
 
 def test_the_cost_model_prices_each_graph_block_as_the_graph_step_moves_it():

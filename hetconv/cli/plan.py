@@ -368,6 +368,12 @@ def _print_rows(rows, specs, note):
     if by_kind:
         print(f"a step's bytes with {len(rows[-1]['plan']['workers'])} device(s), by what they carry: "
               + ", ".join(f"{kind} {moved / 1e6:.1f} MB" for kind, moved in by_kind.items()))
+    waits = rows[-1]["prediction"].get("critical_path_s")
+    if waits:
+        # the chain of tasks that sets the step's length (engine/steptasks.py): what to make faster
+        print(f"what a step with {len(rows[-1]['plan']['workers'])} device(s) waits on (its critical path, "
+              f"{sum(waits.values()):.3f} s): " + ", ".join(
+                  f"{what} {seconds:.3f} s" for what, seconds in sorted(waits.items(), key=lambda kv: -kv[1])))
 
 
 def _modes_priced(planned, cfg, specs, image, profiles, graph):
