@@ -11,6 +11,7 @@ from conftest import python_cmd
 from hetconv.transport import protocol as P
 from hetconv.geometry import conv_specs, largest_array_bytes, message_limit_bytes
 from hetconv.coordinator.remote import RemoteEngine
+from hetconv.engine.policy import PlanSettings
 from test_distributed import free_port, quiet
 
 
@@ -253,5 +254,6 @@ def test_peers_tells_the_workers_the_most_a_step_of_the_run_needs():
     specs, shapes = conv_specs([6, 12]), [(8, 3, 32, 32), (8, 6, 14, 14)]
     for micro, batch, expected in ((0, 128, 4), (0, 32, 2), (0, 8, 1), (16, 32, 16)):
         stub = SimpleNamespace()
-        RemoteEngine._note_step_bounds(stub, specs, shapes, Config(micro_batches=micro, batch_size=batch))
+        RemoteEngine._note_step_bounds(stub, specs, shapes, PlanSettings.of(Config(micro_batches=micro,
+                                                                                  batch_size=batch)))
         assert stub.step_bounds == {"micro_batches": expected, "early_bytes": 2 * largest_array_bytes(specs, batch)}
