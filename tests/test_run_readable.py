@@ -1,6 +1,7 @@
 """A run you can read: evaluation during training (and redone when a worker is lost during it),
 --augment, --steps beyond the epochs, what the coordinator prints, Ray's colour codes,
 hetconv-plan's name and hetconv-report."""
+import importlib.util
 import io
 import json
 import os
@@ -299,3 +300,23 @@ def test_report_summarises_a_real_run_without_plots(tmp_path):
     text = summary_markdown(run, str(metrics))
     assert f"| final training loss | {summary['final_loss']:.4f} |" in text
     assert "| workers | local |" in text
+
+
+def test_report_shows_a_traced_step_per_worker_and_refuses_bad_spans(tmp_path):
+    from hetconv.cli import report
+    metrics = tmp_path / "m.jsonl"
+    traced = step_record(5, 1.9)
+    traced["workers"]["w0-cpu"]["trace"] = {"spans": [
+        ["forward", 0, -1, 0.0, 0.4], ["wait gather", 3, 1, 0.1, 0.25], ["backward", 0, -1, 0.6, 1.2],
+        ["wait GRAD", -1, 0, 0.4, 0.6], ["updates", -1, -1, 1.2, 1.3],
+        ["forward", "x", 0, 0, 1], ["wait BN", 0, 0, 0.5, 0.1], "junk", [1, 2, 3, 4, 5]]}     # left out
+    traced["workers"]["w1-cpu"]["trace"] = "not a trace"
+    metrics.write_text(json.dumps(step_record(4, 2.0)) + "\n" + json.dumps(traced) + "\n")
+    run = report.extract(report.read_records(metrics))
+    assert list(run.traces) == [5] and list(run.traces[5]) == ["w0-cpu"]
+    assert len(run.traces[5]["w0-cpu"]) == 5
+    summary = report.summary_markdown(run, str(metrics))
+    assert "| w0-cpu | 1.300 | 0.400 | 0.600 | 0.100 | GRAD 0.200, gather 0.150 |" in summary, summary
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert report.main([str(metrics), "--out", str(tmp_path / "r")]) == 0
+        assert (tmp_path / "r" / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -6,7 +6,10 @@
 DIR/summary.md: steps, final training loss, best and final test accuracy, median step time,
 images per second, the workers. With matplotlib (pip install 'hetconv[report]') also:
 loss.png (training loss and test loss over steps), accuracy.png (test accuracy over steps),
-images_per_s.png, and workers.png (per worker and step: compute, wire and wait seconds).
+images_per_s.png, workers.png (per worker and step: compute, wire and wait seconds), and
+timeline.png where the run traced a step (hetconv-coordinator --trace-step): each worker's
+blocks forward and backward, the waits inside them for what they read, and its updates, on one
+time axis from the step's start.
 
 Per worker and step, from the step records: compute is the time its device computed; wire is
 the rest of its requests' round trips (messages, the peer exchange, queues); wait is the rest of
@@ -39,6 +42,7 @@ class RunRecord:
     config: dict = field(default_factory=dict)
     done: dict | None = None
     lost: list = field(default_factory=list)             # (step, worker)
+    traces: dict = field(default_factory=dict)           # step -> {worker: [(what, layer, micro, start, end)]}
 
 
 def read_records(path):
@@ -101,6 +105,9 @@ def extract(records):
         for name, stats in workers.items():
             if not isinstance(stats, dict):
                 continue
+            spans = trace_spans(stats.get("trace"))
+            if spans:
+                run.traces.setdefault(step, {})[str(name)] = spans
             compute, roundtrip = _number(stats.get("compute_s")), _number(stats.get("roundtrip_s"))
             if compute is None:
                 continue
@@ -112,6 +119,40 @@ def extract(records):
             w["wait_s"].append(max(0.0, step_s - roundtrip) if roundtrip else max(0.0, step_s - compute))
     run.evals = [evals[s] for s in sorted(evals)]
     return run
+
+
+def trace_spans(trace):
+    """A worker's traced step (worker.graph_step.StepTrace.to_json) as [(what, layer, micro, start,
+    end)], keeping only well-formed spans (the file is not trusted)."""
+    spans = trace.get("spans") if isinstance(trace, dict) else None
+    out = []
+    for span in spans if isinstance(spans, list) else ():
+        if not (isinstance(span, list) and len(span) == 5 and isinstance(span[0], str)):
+            continue
+        layer, micro, start, end = (_number(v) for v in span[1:])
+        if None not in (layer, micro, start, end) and 0 <= start <= end:
+            out.append((span[0][:40], int(layer), int(micro), start, end))
+    return out
+
+
+def trace_table(step, spans_by_worker):
+    """Markdown lines of a traced step: per worker, its seconds in blocks' forward and backward,
+    updates, and waiting, by what it waited for."""
+    lines = ["", f"Step {step}, traced (seconds from the step's start; waits fall inside the blocks that read "
+                 f"what they wait for):", "", "| worker | ends at | forward | backward | updates | waiting, by what |",
+             "|---|---|---|---|---|---|"]
+    for name, spans in spans_by_worker.items():
+        total, waits = {}, {}
+        for what, _, _, start, end in spans:
+            if what.startswith("wait "):
+                waits[what[5:]] = waits.get(what[5:], 0.0) + end - start
+            else:
+                total[what] = total.get(what, 0.0) + end - start
+        waited = ", ".join(f"{k} {v:.3f}" for k, v in sorted(waits.items(), key=lambda kv: -kv[1])) or "none"
+        lines.append(f"| {name} | {max(end for *_, end in spans):.3f} | {total.get('forward', 0.0):.3f} | "
+                     f"{total.get('backward', 0.0):.3f} | "
+                     f"{total.get('updates', 0.0) + total.get('after backward', 0.0):.3f} | {waited} |")
+    return lines
 
 
 def summary_markdown(run, source):
@@ -152,6 +193,9 @@ def summary_markdown(run, source):
         for name, w in run.workers.items():
             lines.append(f"| {name} | {len(w['steps'])} | {statistics.median(w['compute_s']):.3f} | "
                          f"{statistics.median(w['wire_s']):.3f} | {statistics.median(w['wait_s']):.3f} |")
+    if run.traces:
+        step = max(run.traces)
+        lines += trace_table(step, run.traces[step])
     return "\n".join(lines + [""])
 
 
@@ -211,7 +255,38 @@ def write_plots(run, out):
         axes[0, 0].legend(loc="upper right", fontsize="small")
         axes[-1, 0].set_xlabel("step")
         save(fig, "workers.png")
+    if run.traces:
+        step = max(run.traces)
+        save(timeline_figure(plt, step, run.traces[step]), "timeline.png")
     return paths
+
+
+# a traced span's colour by what it is; every wait is grey, drawn in a lane of its own
+TIMELINE_COLOURS = {"forward": "tab:blue", "backward": "tab:orange", "after backward": "tab:green",
+                    "updates": "tab:purple"}
+
+
+def timeline_figure(plt, step, spans_by_worker):
+    """One traced step: per worker a lane of its blocks' forward and backward and its updates, and
+    below it a lane of its waits."""
+    names = list(spans_by_worker)
+    fig, ax = plt.subplots(figsize=(10, 1.0 + 0.8 * len(names)))
+    labelled = set()
+    for row, name in enumerate(names):
+        y = len(names) - 1 - row
+        for what, layer, _, start, end in spans_by_worker[name]:
+            waiting = what.startswith("wait ")
+            colour = "0.6" if waiting else TIMELINE_COLOURS.get(what, "tab:red")
+            kind = "wait" if waiting else what
+            label = kind if kind not in labelled else None          # one legend entry a kind
+            labelled.add(kind)
+            ax.broken_barh([(start, max(end - start, 1e-5))], (y + (0.05 if waiting else 0.4), 0.3 if waiting else 0.5),
+                           facecolors=colour, edgecolors="white", linewidth=0.3, label=label)
+    ax.set_yticks([len(names) - 1 - i + 0.5 for i in range(len(names))], names)
+    ax.set(xlabel="seconds from the step's start", title=f"step {step}: each worker's blocks (top) and waits (below)")
+    ax.set_ylim(0, len(names) + 0.5)
+    ax.legend(loc="upper right", fontsize="small", ncol=5, frameon=False)
+    return fig
 
 
 def build_parser():

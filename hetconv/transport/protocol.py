@@ -57,6 +57,7 @@ FIELDS = {
 # Fields a request may carry beside those, each checked for its type where present.
 OPTIONAL_FIELDS = {
     "FETCH": {"conv_paths": bool, "conv_path_choices": bool, "norms": bool},
+    "STEP": {"trace": bool},            # the worker's spans of the step back in STEP_DONE (graph_step.StepTrace)
 }
 
 

@@ -38,6 +38,32 @@ def _rounded(x, wire):
     return decode(encode(np.ascontiguousarray(x, np.float32), wire), wire)
 
 
+class StepTrace:
+    """What one worker did in a step, as spans from the step's start: each block's forward and
+    backward (its compute, and inside it the waits for what it reads), each wait for a message
+    (named by the message's phase, block and micro-batch), the updates. The coordinator asks for
+    it on the steps it traces (STEP's `trace`); it comes back in STEP_DONE's fields, to the
+    metrics, for hetconv-report's timeline of the step. A wait shorter than SHORTEST_WAIT_S is
+    left out (a message that had already come), and at most MAX_SPANS spans are kept."""
+    SHORTEST_WAIT_S = 1e-4
+    MAX_SPANS = 20000
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+        self.spans = []
+
+    def span(self, what, layer, micro, t0, t1):
+        if len(self.spans) < self.MAX_SPANS:
+            self.spans.append([what, int(layer), int(micro), round(t0 - self.t0, 6), round(t1 - self.t0, 6)])
+
+    def wait(self, phase, layer, micro, t0, t1):
+        if t1 - t0 >= self.SHORTEST_WAIT_S:
+            self.span(f"wait {phase}", layer, micro, t0, t1)
+
+    def to_json(self):
+        return {"spans": self.spans, "fields": ["what", "layer", "micro", "start_s", "end_s"]}
+
+
 class ArrivingParts:
     """A tensor's parts per micro-batch, each received (`fetch(m)`) when it is first read, so its
     reader computes micro-batch m while m + 1 is still on the wire. Seconds spent receiving add
@@ -206,7 +232,10 @@ class LayoutBlocks:
         features = self.on_features is not None and node == self.links.graph.feature
         t0, waited = time.perf_counter(), self.waiting[0]
         shard.forward_layer(layer, inputs(), train, self._reduce(layer), emit, self.dropout, batch=self.batch)
-        self.compute[layer] += time.perf_counter() - t0 - (self.waiting[0] - waited)
+        t1 = time.perf_counter()
+        self.compute[layer] += t1 - t0 - (self.waiting[0] - waited)
+        if self.links.trace is not None:
+            self.links.trace.span("forward", layer, -1, t0, t1)
         self.sent_ahead.update(("gather", key, want) for want in ahead)
         return [out[m] for m in range(len(xs))]
 
@@ -243,10 +272,16 @@ class LayoutBlocks:
         shard.backward_layer(layer, ((m, _rounded(g, self.wire)) for m, g in enumerate(grads)), need_dx,
                              self._reduce(layer), emit)
         shard.device.synchronize()
-        self.compute[layer] += time.perf_counter() - t0 - (self.waiting[0] - waited)
+        t1 = time.perf_counter()
+        self.compute[layer] += t1 - t0 - (self.waiting[0] - waited)
+        trace = self.links.trace
+        if trace is not None:
+            trace.span("backward", layer, -1, t0, t1)
         if self.rule is not None:
             self.links._after_backward(self.step, layer, self.rule, self.rule.max_norm > 0, self.deferred,
                                        self.updates, self.compute)
+            if trace is not None:
+                trace.span("after backward", layer, -1, t1, time.perf_counter())
         if not need_dx:
             return [None] * len(grads), into if model else ROWS
         if not model:
@@ -282,6 +317,7 @@ def run_graph_step(links, seq, fields, step, micros, train, rule, sizes):
     block's weight gradients summed among the workers as its backward ends, then the step's
     updates. -> STEP_DONE's fields."""
     graph, wire = links.graph, links.shard.wire
+    links.trace = StepTrace() if fields.get("trace") else None
     rows = rows_of_step(links, step, sizes)
     compute = [0.0] * len(links.layer_plans)
     layouts = tensor_layouts(graph.steps, [lp.mode for lp in links.layer_plans], graph.norms)
@@ -318,7 +354,12 @@ def run_graph_step(links, seq, fields, step, micros, train, rule, sizes):
         grads = ArrivingParts(len(features), gradient, engine.waiting)
         graph.backward(engine, grads)
         if rule is not None:
+            t0 = time.perf_counter()
             done.update(links._apply_updates(step, rule, engine.deferred, engine.updates, compute))
+            if links.trace is not None:
+                links.trace.span("updates", -1, -1, t0, time.perf_counter())
+    if links.trace is not None:
+        done["trace"] = links.trace.to_json()
     return {**done, "layer_compute_s": compute, "compute_s": sum(compute), "peer_wait_s": links.wait_s,
             "peer_bytes_sent": links.bytes_sent}
 

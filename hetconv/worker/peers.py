@@ -104,6 +104,7 @@ class PeerLinks:
         self.deferred = []                       # a request that ended a step early, to serve next
         self.bytes_sent = 0                      # this step's, sent to peers
         self.wait_s = 0.0                        # this step's, waiting for peers' slices
+        self.trace = None                        # graph_step.StepTrace of a step the coordinator asked to trace
         self.timeout = 600.0
 
     def connect(self, fields, arrays=()):
@@ -304,7 +305,11 @@ class PeerLinks:
                 self._drop(msg, "duplicate", f"a second {key[1]} for layer {key[2]}, micro-batch {key[3]}")
             elif key[0] == step or self._within_early_budget(msg, key):
                 self.held[key] = msg.arrays[0]
-        self.wait_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.wait_s += t1 - t0
+        if self.trace is not None and wanted:
+            _, phase, layer, micro, _ = min(wanted, key=str)
+            self.trace.wait(phase, layer, micro, t0, t1)
         return got
 
     def _note_head_norm(self, step, value):
@@ -443,6 +448,7 @@ class PeerLinks:
         self.held = {k: v for k, v in self.held.items() if k[0] == step and k[3] < micros}
         self.bytes_sent = 0
         self.wait_s = 0.0
+        self.trace = None
 
     # ---- the step ------------------------------------------------------------------------------
     def _sizes(self, fields, step, micros):
