@@ -79,7 +79,7 @@ def check_same_start(spec, conv, fc, module, ds, batch_size):
     engine = LocalEngine({"local": ConvShard(open_device("cpu", threads=1))})
     engine.load(fixed_plan([s.kernels for s in specs], {"local": [s.kernels for s in specs]}), specs,
                 [{k: np.array(v, copy=True) for k, v in state.items()} for state in conv])
-    engine.graph = graph_pass(spec, HostArrays())
+    engine.configure(graph_pass(spec, HostArrays()))
     head = [op.layer.to_json() for op in spec.head() if op.type != "flatten"]
     net = Network(specs, head, engine, None, spec.feature_shape(), fc_params=fc, host=HostArrays())
     module.eval()

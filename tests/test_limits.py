@@ -165,7 +165,7 @@ def test_a_graphs_features_of_the_wrong_shape_are_named(procs):
     procs([sys.executable, "-c", _LYING_WORKER, "--device", "cpu", "--connect", address, "--threads", "1",
            "--name", "liar"])
     engine = RemoteEngine(address, 1, threads=1, connect_timeout=60, worker_timeout=10.0, log=quiet, exchange="peer")
-    engine.graph = graph_pass(spec, HostArrays())
+    engine.configure(graph_pass(spec, HostArrays()))
     try:
         rng = np.random.default_rng(0)
         params = [(rng.standard_normal((s.kernels, s.in_channels, s.kh, s.kw)).astype(np.float32),

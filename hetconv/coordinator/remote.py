@@ -154,6 +154,8 @@ class _Peer:
 
 
 class RemoteEngine(ShardEngine):
+    in_process = False          # the shards are in hetconv-worker processes
+
     def __init__(self, bind, expected_workers, spawn=(), threads=0, worker_timeout=10.0,
                  connect_timeout=60.0, op_timeout=600.0, pin=True, log=print, exchange="peer", wire="float32",
                  curve="", insecure=False, message_limit=0, launcher=None, verbose=False,
@@ -296,7 +298,7 @@ class RemoteEngine(ShardEngine):
         plain = [i for i, d in enumerate(devices) if d == "cpu"]
         per_worker = (runtimes.threads_for(threads, True) if self.cpu.deterministic
                       else threads or max(1, len(cores) // max(1, len(plain))))
-        self.spawn_threads = per_worker                     # a plan record keeps it (loop.threads_record)
+        self.spawn_threads = per_worker                     # a plan record keeps it (thread_counts)
         # each CPU worker's threads: `cpu` shares the cores (or --threads), `cpu:N` asked for N;
         # pinned to consecutive cores of their own where they all fit, else left to the scheduler
         cpu_threads = {i: per_worker if d == "cpu" else int(d.split(":", 1)[1])
@@ -519,6 +521,10 @@ class RemoteEngine(ShardEngine):
             replies[peer.name] = (msg.arrays, msg.fields)
             self._record(peer.name, layer, msg.fields, roundtrip_s=time.perf_counter() - sent_at[peer.name])
         return replies
+
+    def thread_counts(self):
+        """A spawned `cpu` worker's threads (0: none spawned), and each worker's as it said at HELLO."""
+        return self.spawn_threads, {name: peer.threads for name, peer in self.peers.items()}
 
     def step_stats(self):
         stats = super().step_stats()

@@ -99,13 +99,21 @@ class Engine(Protocol):
 
     workers: list               # names of the shards, in plan order
     plan: object                # the loaded Plan (None before load)
-    fixed_plan: object          # a plan set by hand (tests, experiments): no calibration, no rebalancing
+    fixed_plan: object          # a plan the loop (--plan, a resume) or a test sets: plan_for returns it, never re-split
+    graph: object               # engine.graph.GraphPass joining a non-chain network's blocks, else None (configure)
+    optimizer: str              # whose slots every layer's state holds: "sgd", "adamw" or "adam" (configure)
+    bn_ghost_batch: int         # images per BatchNorm statistics group, 0: the whole batch (configure)
+    in_process: bool            # every shard runs in this process (--local), on the threads the head runs on
     exchange: str               # "star" (every layer through this process) or "peer" (workers trade slices)
     wire: str                   # dtype of feature maps and gradients between devices, fixed per plan
     wire_choice: object         # {dtype, reason, workers: {name: {computed, carried}}} of the plan, or None
     calibration: dict           # worker -> {device, description, speeds, layers: timings, conv_paths}
     mode_choice: object         # planner.ModeChoice behind the plan's modes, or None where none was made
     micro_choice: object        # {micro_batches, predicted_s} the cost model picked for the plan, or None
+
+    def configure(self, graph=None, optimizer="sgd", bn_ghost_batch=0):
+        """The network's joins between blocks (`graph`), the optimizer and the BatchNorm groups the
+        shards' states and steps follow: set once, before plan_for and load."""
 
     def plan_for(self, specs, input_shapes, settings):
         """-> Plan; calibrates where there is something to measure. `settings`: what planning
@@ -138,6 +146,11 @@ class Engine(Protocol):
 
     def step_stats(self):
         """Per worker, since the last call: compute, wire, bytes."""
+
+    def thread_counts(self):
+        """-> (device, {worker: threads}): the threads of a CPU device where the command names no
+        count (a spawned `cpu` worker's, --local's; 0 where none is fixed here), and each worker's
+        (0: a GPU, or a CPU worker on every core it may use). A plan record keeps them."""
 
     def reset_layer_timings(self):
         """Start measuring per-layer compute afresh (rebalancing skips the warm-up steps)."""
@@ -174,9 +187,10 @@ class ShardEngine:
     wire_asked = None           # the wire the engine was made with (a dtype, or auto), once a plan decided it
     wire_choice = None          # {dtype, reason, workers: {name: {computed, carried}}}: what decide_wire chose
     exchange = "star"           # every layer's slices meet here; RemoteEngine may run the peer step
-    optimizer = "sgd"           # whose slots every layer's state holds; the loop sets the run's
-    bn_ghost_batch = 0          # images per BatchNorm statistics group (0: the whole batch); the run's
+    optimizer = "sgd"           # whose slots every layer's state holds (configure sets the run's)
+    bn_ghost_batch = 0          # images per BatchNorm statistics group (0: the whole batch; configure sets the run's)
     graph = None                # engine.graph.GraphPass where the network is not a chain: what joins its blocks
+    in_process = True           # every shard in this process; RemoteEngine's are in worker processes
 
     def __init__(self):
         self.plan = None
@@ -199,6 +213,9 @@ class ShardEngine:
     def _call(self, requests, doing, layer=None):
         """requests: {worker: (op, arrays, fields)} -> {worker: (arrays, fields)}, every reply in."""
         raise NotImplementedError
+
+    def configure(self, graph=None, optimizer="sgd", bn_ghost_batch=0):
+        self.graph, self.optimizer, self.bn_ghost_batch = graph, optimizer, bn_ghost_batch
 
     def plan_for(self, specs, input_shapes, settings):
         """Shards that cannot be measured apart (one process): an equal split, unless set by hand."""
@@ -482,6 +499,10 @@ class ShardEngine:
             per_layer[li] = per_layer.get(li, 0.0) + seconds
             step_layers.extend([0.0] * (li + 1 - len(step_layers)))
             step_layers[li] += seconds
+
+    def thread_counts(self):
+        """Shards reached through `_call` alone: no thread count known here."""
+        return 0, {}
 
     def step_stats(self):
         """Per worker, since the last call: compute seconds, round-trip seconds, bytes each way."""

@@ -59,6 +59,11 @@ class LocalEngine(ShardEngine):
             self._record(name, layer, {"compute_s": time.perf_counter() - t0})
         return replies
 
+    def thread_counts(self):
+        """Each in-process device's threads; the first one's are the device's a plan record keeps."""
+        workers = {name: getattr(server.shard.device, "threads", 0) for name, server in self.servers.items()}
+        return next(iter(workers.values()), 0), workers
+
     def conv_path_records(self):
         """Each in-process device's conv path record, read from it now: no gather needed."""
         records = []

@@ -104,7 +104,7 @@ def measure_coordinator_s(specs, head, image_shape, batch, n_workers, repeats=3,
     else:
         engine = _timing_engine(specs, image_shape, batch, n_workers, rng)
         if network is not None:
-            engine.graph = graph_pass(network, HostArrays())
+            engine.configure(graph_pass(network, HostArrays()))
     net = Network(specs, head, engine, rng, feature_shape, host=HostArrays())
     x = np.zeros((batch,) + tuple(image_shape), np.float32)
     labels = rng.integers(0, 10, batch)

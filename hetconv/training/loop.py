@@ -721,7 +721,7 @@ def _head_threads(cfg, engine):
     on this thread."""
     if cfg.deterministic:
         return runtimes.use_threads(runtimes.threads_for(cfg.threads, True), True)
-    if getattr(engine, "peers", None) is not None:
+    if not engine.in_process:
         return runtimes.use_threads(runtimes.threads_for(0, False), False)
     return runtimes.current_threads()
 
@@ -731,13 +731,7 @@ def threads_record(cfg, engine, head_threads):
     carries them, cli/coordinator takes "device"): "device", what a CPU device runs where the
     command names no count (`cpu` in --spawn, --local); "head", the coordinator's; "workers",
     each worker's as it said at HELLO (0: a GPU, or a CPU worker's every core, not fixed)."""
-    peers = getattr(engine, "peers", None)
-    if peers is not None:
-        workers = {name: peer.threads for name, peer in peers.items()}
-    else:
-        workers = {name: getattr(getattr(getattr(server, "shard", None), "device", None), "threads", 0)
-                   for name, server in getattr(engine, "servers", {}).items()}
-    device = getattr(engine, "spawn_threads", 0) or (next(iter(workers.values())) if peers is None and workers else 0)
+    device, workers = engine.thread_counts()
     return {"device": int(device or cfg.threads), "head": int(head_threads), "workers": workers}
 
 
@@ -769,7 +763,8 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
     specs = [ConvSpec.from_layer(layer) for layer in network.conv_layers()]
     input_shapes = [(cfg.batch_size,) + layer.input_shape for layer in network.conv_layers()]
     feature_shape = network.feature_shape()
-    engine.graph = graph_pass(network, HostArrays())
+    # the graph before planning (its joins are priced) and loading (its BatchNorm nodes' states)
+    engine.configure(graph_pass(network, HostArrays()), cfg.optimizer, cfg.bn_ghost_batch)
     if engine.graph is not None:
         log("the network is a graph; its conv blocks, as the plan names them: " + ", ".join(
             f"conv{n + 1} = {network.names[b.index]}" for n, b in enumerate(network.conv_layers())))
@@ -791,7 +786,6 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
 
     rng = np.random.default_rng(cfg.seed)
     head = [op.layer.to_json() for op in network.head() if op.type != "flatten"]
-    engine.optimizer, engine.bn_ghost_batch = cfg.optimizer, cfg.bn_ghost_batch
     norms = network.norm_specs()                  # BatchNorms between blocks: their states follow the blocks'
     if loaded.params is not None:                 # a PyTorch module's own weights are the starting weights
         conv_given, fc_given = loaded.params

@@ -155,7 +155,7 @@ class InProcessModel:
         # the paths this machine timed before (devices.wisdom), as the run's own devices took them
         device = open_device("cpu", **CpuOptions(use_wisdom=True).device_options(threads))
         engine = LocalEngine({"local": ConvShard(device)})
-        engine.graph = graph_pass(spec, HostArrays())       # before load: it keeps the BatchNorm nodes' states
+        engine.configure(graph_pass(spec, HostArrays()))    # before load: it keeps the BatchNorm nodes' states
         engine.load(fixed_plan(kernels, {"local": kernels}), specs, model.conv_states())
         head = [op.layer.to_json() for op in spec.head() if op.type != "flatten"]
         self.net = Network(specs, head, engine, np.random.default_rng(0), spec.feature_shape(), fc_params=model.fc)
