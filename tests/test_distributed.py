@@ -554,6 +554,18 @@ def test_a_bad_split_is_rebalanced_from_measured_steps_without_changing_the_math
     # w0 was given 8 of 256 kernels on a core as fast as w1's: kernels move to it (how far depends on
     # the calibrated fixed costs, which are real measurements; the direction does not)
     assert plans[1]["layers"][1]["kernels"]["w0-cpu"] > 8 and final["w0-cpu"] > 8, (plans[1], final)
+    # step 3 (--trace-step's default) was traced: each worker's blocks forward and backward, in
+    # time order, its updates last; no other step was
+    steps = {r["step"]: r for r in map(json.loads, open(tmp_path / "m.jsonl")) if r["event"] == "step"}
+    assert [s for s, r in steps.items() if any("trace" in w for w in r["workers"].values())] == [3]
+    for name, stats in steps[3]["workers"].items():
+        spans = stats["trace"]["spans"]
+        blocks = [(what, layer) for what, layer, _, _, _ in spans if what in ("forward", "backward")]
+        assert blocks == [("forward", 0), ("forward", 1), ("backward", 1), ("backward", 0)], (name, spans)
+        assert spans[-1][0] == "updates" and all(0 <= s[3] <= s[4] <= spans[-1][4] for s in spans)
+    # the worker with 8 of conv2's 256 kernels waits for the other's partial dX
+    waits = [what for what, *_ in steps[3]["workers"]["w0-cpu"]["trace"]["spans"] if what.startswith("wait ")]
+    assert "wait backward" in waits, waits
 
 
 def test_rebalance_after_one_step_is_refused():

@@ -872,10 +872,12 @@ class RemoteEngine(ShardEngine):
     def _start_step(self, step, xs, train, update, train_step, doing):
         """STEP to every worker of the plan -> {seq: worker}, the replies the step waits for."""
         pending = {}
+        # the metrics number a training step from 1, train_step from 0
+        traced = {"trace": True} if train and self.trace_step == int(train_step[0]) + 1 else {}
         for name in self.plan.workers:
             seq = self._send(self.peers[name], "STEP", doing=doing, step=step, micro_batches=len(xs), train=train,
                              update=None if update is None else update.to_json(), sizes=[len(x) for x in xs],
-                             train_step=int(train_step[0]), seed=int(train_step[1]))
+                             train_step=int(train_step[0]), seed=int(train_step[1]), **traced)
             pending[seq] = name
         return pending
 

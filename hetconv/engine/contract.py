@@ -103,6 +103,7 @@ class Engine(Protocol):
     graph: object               # engine.graph.GraphPass joining a non-chain network's blocks, else None (configure)
     optimizer: str              # whose slots every layer's state holds: "sgd", "adamw" or "adam" (configure)
     bn_ghost_batch: int         # images per BatchNorm statistics group, 0: the whole batch (configure)
+    trace_step: int             # the training step whose timeline the workers record, 0: none (configure)
     in_process: bool            # every shard runs in this process (--local), on the threads the head runs on
     exchange: str               # "star" (every layer through this process) or "peer" (workers trade slices)
     wire: str                   # dtype of feature maps and gradients between devices, fixed per plan
@@ -111,9 +112,11 @@ class Engine(Protocol):
     mode_choice: object         # planner.ModeChoice behind the plan's modes, or None where none was made
     micro_choice: object        # {micro_batches, predicted_s} the cost model picked for the plan, or None
 
-    def configure(self, graph=None, optimizer="sgd", bn_ghost_batch=0):
+    def configure(self, graph=None, optimizer="sgd", bn_ghost_batch=0, trace_step=0):
         """The network's joins between blocks (`graph`), the optimizer and the BatchNorm groups the
-        shards' states and steps follow: set once, before plan_for and load."""
+        shards' states and steps follow, and the training step (numbered as the metrics number
+        it) whose spans each worker records, where its step can (the peer exchange): set once,
+        before plan_for and load."""
 
     def plan_for(self, specs, input_shapes, settings):
         """-> Plan; calibrates where there is something to measure. `settings`: what planning
@@ -190,6 +193,7 @@ class ShardEngine:
     optimizer = "sgd"           # whose slots every layer's state holds (configure sets the run's)
     bn_ghost_batch = 0          # images per BatchNorm statistics group (0: the whole batch; configure sets the run's)
     graph = None                # engine.graph.GraphPass where the network is not a chain: what joins its blocks
+    trace_step = 0              # the training step whose timeline the workers record (configure sets the run's)
     in_process = True           # every shard in this process; RemoteEngine's are in worker processes
 
     def __init__(self):
@@ -214,8 +218,9 @@ class ShardEngine:
         """requests: {worker: (op, arrays, fields)} -> {worker: (arrays, fields)}, every reply in."""
         raise NotImplementedError
 
-    def configure(self, graph=None, optimizer="sgd", bn_ghost_batch=0):
+    def configure(self, graph=None, optimizer="sgd", bn_ghost_batch=0, trace_step=0):
         self.graph, self.optimizer, self.bn_ghost_batch = graph, optimizer, bn_ghost_batch
+        self.trace_step = trace_step
 
     def plan_for(self, specs, input_shapes, settings):
         """Shards that cannot be measured apart (one process): an equal split, unless set by hand."""
@@ -485,6 +490,8 @@ class ShardEngine:
         for key in ("peer_bytes_sent", "peer_bytes_recv", "peer_wait_s"):
             if key in fields:
                 stats[key] = stats.get(key, 0) + fields[key]
+        if isinstance(fields.get("trace"), dict):        # a traced step's spans, for the metrics (hetconv-report)
+            stats["trace"] = fields["trace"]
         per_layer = self.layer_compute.setdefault(name, {})
         if "layer_compute_s" in fields:                  # a whole step's worth, from the peer step
             booked = [(li, float(seconds)) for li, seconds in enumerate(fields["layer_compute_s"])]

@@ -135,6 +135,9 @@ class Config:
     min_workers: int = option(1, "below this many workers, checkpoint and stop instead of going on")
     # output
     metrics: str = option("", "JSON-lines metrics file ('' for none)")
+    trace_step: int = option(3, "the training step (from 1) whose timeline each worker records in the metrics, where "
+                                "workers trade slices (--exchange peer): its blocks' forward and backward, its waits "
+                                "for what they read, its updates; hetconv-report draws it (0: none)")
     checkpoint_dir: str = option("", "where checkpoints go ('' for none)")
     checkpoint_every: int = option(0, "steps between checkpoints (0: only at the end)")
     keep_checkpoints: int = option(3, "newest checkpoints kept; older ones are deleted after each save")
@@ -233,7 +236,7 @@ class Config:
                   ("--loader-workers", self.loader_workers, 0),
                   ("--rebalance-after", self.rebalance_after, 0), ("--micro-batches", self.micro_batches, 0),
                   ("--snapshot-every", self.snapshot_every, 0), ("--min-workers", self.min_workers, 1),
-                  ("--seed", self.seed, 0)]
+                  ("--seed", self.seed, 0), ("--trace-step", self.trace_step, 0)]
         for flag, value, lowest in checks:
             if value < lowest:
                 raise ValueError(f"{flag} must be >= {lowest}, got {value}")

@@ -764,7 +764,7 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
     input_shapes = [(cfg.batch_size,) + layer.input_shape for layer in network.conv_layers()]
     feature_shape = network.feature_shape()
     # the graph before planning (its joins are priced) and loading (its BatchNorm nodes' states)
-    engine.configure(graph_pass(network, HostArrays()), cfg.optimizer, cfg.bn_ghost_batch)
+    engine.configure(graph_pass(network, HostArrays()), cfg.optimizer, cfg.bn_ghost_batch, cfg.trace_step)
     if engine.graph is not None:
         log("the network is a graph; its conv blocks, as the plan names them: " + ", ".join(
             f"conv{n + 1} = {network.names[b.index]}" for n, b in enumerate(network.conv_layers())))
