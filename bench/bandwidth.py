@@ -398,10 +398,22 @@ def run_parallel(switch, kind, rate, args, common, coordinator_cache):
             row["workers"][name] = {"compute_s": med("compute_s"), "sent": int(med("bytes_sent")),
                                     "recv": int(med("bytes_recv")), "peer_sent": int(med("peer_bytes_sent")),
                                     "layer_compute_s": [float(statistics.median(col)) for col in zip(*per_layer)]}
+        row["trace"] = traced_step(records)
         row["ok"] = True
     except (OSError, RuntimeError, ValueError, KeyError, StopIteration) as e:
         row["error"] = f"exit {code}: {type(e).__name__}: {e}"
     return row
+
+
+def traced_step(records):
+    """The run's traced step (--trace-step) per worker: when it ended, its forward, backward and
+    update seconds and its waits by what it waited for (hetconv-report's table), or None."""
+    from hetconv.cli.report import trace_spans, trace_summary
+    for r in records:
+        if r["event"] == "step" and any("trace" in w for w in (r.get("workers") or {}).values()):
+            return {"step": r["step"], "step_s": r["step_s"],
+                    "workers": {name: trace_summary(trace_spans(w.get("trace"))) for name, w in r["workers"].items()}}
+    return None
 
 
 def main(argv=None):
@@ -700,10 +712,33 @@ def write_parallel(out_dir, result, stem):
                      f"{micro_text} | {', '.join(images)} | {choice_text} | {r.get('foreign_load_cores', 0):.2f} |")
     lines += layer_compute_table(rows)
     lines += bytes_table(rows)
+    lines += trace_table(rows)
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
         f.write(text)
     print("\n" + text)
+
+
+def trace_table(rows):
+    """Each run's traced step beside its priced one: per worker when it ended, its forward,
+    backward and updates and what it waited for (the trace), and what the cost model's critical
+    path for the run's plan waits on."""
+    mine = [r for r in rows if r.get("ok") and r.get("trace")]
+    if not mine:
+        return []
+    lines = ["", "The traced step of each run (hetconv-coordinator --trace-step; seconds; waits fall inside the "
+                 "blocks that read what they wait for) beside the priced step's critical path:", "",
+             "| round | link | row | step | step s | worker | ends | forward | backward | updates | waited for | "
+             "priced critical path |", "|---:|---|---|---:|---:|---|---:|---:|---:|---:|---|---|"]
+    for r in mine:
+        path = (r.get("prediction") or {}).get("critical_path_s") or {}
+        path_text = ", ".join(f"{k} {v:.3f}" for k, v in sorted(path.items(), key=lambda kv: -kv[1])[:4])
+        for i, (name, t) in enumerate(r["trace"]["workers"].items()):
+            waited = ", ".join(f"{k} {v:.3f}" for k, v in list(t["waits_s"].items())[:4]) or "none"
+            lines.append(f"| {r.get('round', 0) + 1} | {r.get('rate')} | {r['kind']} | {r['trace']['step']} | "
+                         f"{r['trace']['step_s']:.3f} | {name} | {t['ends_s']:.3f} | {t['forward_s']:.3f} | "
+                         f"{t['backward_s']:.3f} | {t['updates_s']:.3f} | {waited} | {path_text if i == 0 else ''} |")
+    return lines
 
 
 def bytes_table(rows):

@@ -135,6 +135,22 @@ def trace_spans(trace):
     return out
 
 
+def trace_summary(spans):
+    """A worker's traced step in seconds: when it ended, its blocks' forward and backward, its
+    updates (after each backward and at the end), and its waits by what it waited for (inside
+    the blocks' spans: a block waits for what it reads)."""
+    total, waits = {}, {}
+    for what, _, _, start, end in spans:
+        if what.startswith("wait "):
+            waits[what[5:]] = waits.get(what[5:], 0.0) + end - start
+        else:
+            total[what] = total.get(what, 0.0) + end - start
+    return {"ends_s": max((end for *_, end in spans), default=0.0), "forward_s": total.get("forward", 0.0),
+            "backward_s": total.get("backward", 0.0),
+            "updates_s": total.get("updates", 0.0) + total.get("after backward", 0.0),
+            "waits_s": dict(sorted(waits.items(), key=lambda kv: -kv[1]))}
+
+
 def trace_table(step, spans_by_worker):
     """Markdown lines of a traced step: per worker, its seconds in blocks' forward and backward,
     updates, and waiting, by what it waited for."""
@@ -142,16 +158,10 @@ def trace_table(step, spans_by_worker):
                  f"what they wait for):", "", "| worker | ends at | forward | backward | updates | waiting, by what |",
              "|---|---|---|---|---|---|"]
     for name, spans in spans_by_worker.items():
-        total, waits = {}, {}
-        for what, _, _, start, end in spans:
-            if what.startswith("wait "):
-                waits[what[5:]] = waits.get(what[5:], 0.0) + end - start
-            else:
-                total[what] = total.get(what, 0.0) + end - start
-        waited = ", ".join(f"{k} {v:.3f}" for k, v in sorted(waits.items(), key=lambda kv: -kv[1])) or "none"
-        lines.append(f"| {name} | {max(end for *_, end in spans):.3f} | {total.get('forward', 0.0):.3f} | "
-                     f"{total.get('backward', 0.0):.3f} | "
-                     f"{total.get('updates', 0.0) + total.get('after backward', 0.0):.3f} | {waited} |")
+        t = trace_summary(spans)
+        waited = ", ".join(f"{k} {v:.3f}" for k, v in t["waits_s"].items()) or "none"
+        lines.append(f"| {name} | {t['ends_s']:.3f} | {t['forward_s']:.3f} | {t['backward_s']:.3f} | "
+                     f"{t['updates_s']:.3f} | {waited} |")
     return lines
 
 
