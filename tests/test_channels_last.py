@@ -345,3 +345,65 @@ def test_calibration_times_a_later_layer_on_the_layout_its_device_keeps():
     assert first_layer_alone and not any(first_layer_alone)      # the wire's NCHW images
     first_nhwc = seen.index(True)                                  # layer 1's calls, then layer 2's
     assert first_nhwc > 0 and all(seen[first_nhwc:]) and not any(seen[:first_nhwc])
+
+
+def test_a_map_kept_on_its_worker_keeps_its_layout_and_is_rounded_as_the_wire_would():
+    """Between two blocks on one worker of the peer step, a channels-last map is handed on as it
+    is (float32) or rounded in place of a reorder (a 16-bit wire): the values the wire would
+    carry, in the layout the next block reads."""
+    from hetconv.transport.wire import decode, encode
+    from hetconv.worker.graph_step import _rounded
+    x = as_channels_last(np.random.default_rng(0).standard_normal((2, 5, 3, 4), dtype=np.float32))
+    assert _rounded(x, "float32") is x
+    for wire in ("bfloat16", "float16"):
+        got = _rounded(x, wire)
+        assert is_channels_last(got) and got is not x
+        np.testing.assert_array_equal(got, decode(encode(np.ascontiguousarray(x), wire), wire))
+    nchw = np.ascontiguousarray(x)
+    assert _rounded(nchw, "float32") is nchw and _rounded(nchw, "bfloat16").flags.c_contiguous
+
+
+@needs_dnnl
+@pytest.mark.parametrize("wire,modes", [("float32", "DDDDDMMM"), ("bfloat16", "MMMMMMMM")])
+def test_the_peer_step_on_channels_last_maps_equals_one_process(tmp_path, wire, modes):
+    """oneDNN's direct path on two workers, two micro-batches: each block's channels-last output
+    stays on its worker in its layout. Data blocks with uneven images, then model blocks, equal
+    --local's run; on a 16-bit wire, model blocks give bit for bit what the same split gives in
+    one process (the rounding points of test_bf16_wire's; data blocks' sums, in another order,
+    can round a value the other way, which the steps after amplify)."""
+    pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install 'hetconv[torch]')")
+    from _module_runs import assert_equal_runs, config, quiet
+    from test_graph_training import MODULE
+    from hetconv.coordinator.remote import RemoteEngine
+    from hetconv.devices.cpu_options import CpuOptions
+    from hetconv.engine.local import LocalEngine
+    from hetconv.engine.planner import fixed_plan
+    from hetconv.engine.shard import ConvShard
+    from hetconv.net import load_net
+    from hetconv.training import checkpoint
+    from hetconv.training.config import Config
+    from hetconv.training.loop import train
+
+    (tmp_path / "mynet.py").write_text(MODULE)
+    cfg = config(f"{tmp_path / 'mynet.py'}:build", tmp_path / "one", wire_dtype=wire, micro_batches=2,
+                 cpu_conv_path="direct-dnnl")
+    kernels = [b.kernels for b in load_net(cfg.net, (3, 16, 16), 10).spec.conv_layers()]
+    counts = {w: [k // 2 + (1 if i < k % 2 else 0) for k in kernels] for i, w in enumerate(("w0-cpu", "w1-cpu"))}
+    shards = {"local": None} if "D" in modes else counts
+    local = LocalEngine({w: ConvShard(open_device("cpu", threads=1, conv_path="direct-dnnl")) for w in shards},
+                        wire=wire)
+    if "D" not in modes:
+        local.fixed_plan = fixed_plan(kernels, counts)
+    losses = train(cfg, local, log=quiet)["losses"]
+    engine = RemoteEngine("tcp://127.0.0.1:0", 0, ["cpu"] * 2, threads=1, connect_timeout=60, log=quiet, wire=wire,
+                          cpu=CpuOptions(conv_path="direct-dnnl"))
+    engine.fixed_plan = fixed_plan(kernels, counts, modes=[{"D": "data", "M": "model"}[m] for m in modes],
+                                   images={"w0-cpu": 6, "w1-cpu": 10} if "D" in modes else None)
+    try:
+        summary = train(Config(**{**cfg.to_json(), "checkpoint_dir": str(tmp_path / "ck"), "use_all": True}), engine,
+                        log=quiet)
+    finally:
+        engine.close()
+    exact = {"rtol": 0, "atol": 0} if wire != "float32" else {}
+    np.testing.assert_allclose(summary["losses"], losses, rtol=exact.get("rtol", 1e-5))
+    assert_equal_runs(checkpoint.load(str(tmp_path / "ck")), checkpoint.load(str(tmp_path / "one" / "ck")), **exact)

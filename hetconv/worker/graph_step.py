@@ -24,18 +24,26 @@ import time
 
 import numpy as np
 
+from hetconv.devices.base import as_layout_kept, is_channels_last
 from hetconv.engine.chain import DropoutDraw
 from hetconv.engine.contract import sum_in_order
 from hetconv.engine.layouts import (ROWS, WHOLE, channel_blocks, covered, index_in, meeting, pieces, pieces_shape,
                                     read_in, step_reads, tensor_layouts)
 from hetconv.engine.planner import layout_rows
 from hetconv.transport import protocol
-from hetconv.transport.wire import decode, encode
+from hetconv.transport.wire import decode, encode, rounded
 
 
 def _rounded(x, wire):
-    """x as it would arrive over the wire (x itself for float32)."""
-    return decode(encode(np.ascontiguousarray(x, np.float32), wire), wire)
+    """x as it would arrive over the wire, in the layout it is in (x itself for float32): a
+    channels-last map a device made stays channels-last for the next block on this worker, which
+    reads it in place (a C-contiguous copy would cost a reorder into NCHW and one back)."""
+    x = as_layout_kept(np.asarray(x, np.float32))
+    if wire == "float32":
+        return x
+    if is_channels_last(x):
+        return rounded(x.transpose(0, 2, 3, 1), wire).transpose(0, 3, 1, 2)
+    return rounded(x, wire)
 
 
 class StepTrace:
@@ -221,8 +229,10 @@ class LayoutBlocks:
         def emit(m, y):
             t0 = time.perf_counter()
             shard.device.synchronize()
-            sent = encode(np.ascontiguousarray(y, np.float32), self.wire)
-            out[m] = decode(sent, self.wire)
+            # what leaves travels C-contiguous; what stays here keeps the device's layout
+            sending = bool(ahead) or features
+            sent = encode(np.ascontiguousarray(y, np.float32), self.wire) if sending else None
+            out[m] = decode(sent, self.wire) if sending and self.wire != "float32" else _rounded(y, self.wire)
             for want in ahead:
                 self._send_part("gather", key, m, sent, self.layouts[node], want)
             if features:
@@ -261,11 +271,12 @@ class LayoutBlocks:
                 dx_own[m] = self.links._send_blocks(self.step, "backward", layer, m,
                                                     np.ascontiguousarray(dx, np.float32), [(0, n, 0, channels)],
                                                     self._blocks(into, m, channels), self.wire)
-            else:
+            elif ahead:
                 sent = encode(np.ascontiguousarray(dx, np.float32), self.wire)
-                dx_own[m] = decode(sent, self.wire)
-                if ahead:
-                    self._send_part("gather_grad", key, m, sent, ROWS, into)
+                dx_own[m] = decode(sent, self.wire) if self.wire != "float32" else _rounded(dx, self.wire)
+                self._send_part("gather_grad", key, m, sent, ROWS, into)
+            else:
+                dx_own[m] = _rounded(dx, self.wire)
             self.waiting[0] += time.perf_counter() - t0
 
         t0, waited = time.perf_counter(), self.waiting[0]
