@@ -192,7 +192,7 @@ def calibrate_local(device_spec, specs, input_shapes, kernels, threads=None, rep
     return got[0] if also is None else tuple(got)
 
 
-def calibrate_rounds(runs, specs, input_shapes, repeats=3, cpu=CpuOptions()):
+def calibrate_rounds(runs, specs, input_shapes, repeats=3, cpu=CpuOptions(), whole=None):
     """A DeviceProfile per run (device_spec, threads or None, kernels per layer), from
     calibrations in this process that alternate run by run, round by round, each value the
     median over `repeats` rounds (one round: a single calibration). Runs of the same device and
@@ -201,7 +201,8 @@ def calibrate_rounds(runs, specs, input_shapes, repeats=3, cpu=CpuOptions()):
     its calibrations, since both are the process's. The caller's thread counts are back as they
     were on return. A CPU device opens with `cpu` (devices.cpu_options.CpuOptions): the command
     lines give the run's, with the machine's wisdom, so calibration runs the paths a training run
-    on this machine would."""
+    on this machine would. `whole` (every layer's kernels): a run whose share is less also times
+    the whole layer, as a worker of a plan of several does (ConvShard.calibrate)."""
     devices, opened = [], {}
     with _threads_kept():
         for device_spec, threads, _ in runs:
@@ -213,13 +214,13 @@ def calibrate_rounds(runs, specs, input_shapes, repeats=3, cpu=CpuOptions()):
             devices.append(opened[key])
         if len(runs) == 1:
             shard = devices[0][1]
-            speeds, timings = shard.calibrate(specs, input_shapes, runs[0][2], repeats=repeats)
+            speeds, timings = shard.calibrate(specs, input_shapes, runs[0][2], repeats=repeats, whole=whole)
             return [_profile(devices[0], timings, speeds)]
         rounds = [[] for _ in runs]
         for _ in range(repeats):
             for i, ((device, shard, _, _), (_, _, kernels)) in enumerate(zip(devices, runs)):
                 with _threads_of(device):
-                    rounds[i].append(shard.calibrate(specs, input_shapes, kernels, repeats=1))
+                    rounds[i].append(shard.calibrate(specs, input_shapes, kernels, repeats=1, whole=whole))
         return [_profile(d, [_median_of(layer) for layer in zip(*(t for _, t in r))],
                          [float(np.median(layer)) for layer in zip(*(s for s, _ in r))])
                 for d, r in zip(devices, rounds)]
