@@ -140,38 +140,3 @@ def test_the_floor_from_the_environment_sets_each_window_and_a_bad_one_is_named(
         monkeypatch.setenv(FLOOR_ENV, bad)
         with pytest.raises(ShardError, match=rf"{FLOOR_ENV}={bad!r}: expected the seconds"):
             calibrate(FakeDevice(clock, lambda k: MS, lambda k: MS), clock)
-
-
-def test_a_share_is_timed_beside_the_whole_layer_where_a_plan_may_ask_for_either():
-    """A worker of a plan of several times its equal share and every kernel of the layer (what a
-    data-parallel block runs): a device whose time is not linear in kernels is priced at both
-    exactly, where the share and half of it would put the whole layer on an extrapolated line.
-    The speed stays the share's. A whole count the layer does not have is refused."""
-    from hetconv.engine.shard import ShardServer
-    from hetconv.geometry import ConvSpec
-    clock = FakeClock()
-
-    def forward(k):                      # a path whose kernels past 32 cost half (another blocking)
-        return MS / 64 * (k if k <= 32 else 32 + (k - 32) / 2)
-
-    device = FakeDevice(clock, forward, lambda k: 2 * forward(k))
-    spec = conv_specs([64], ksize=3)[0]
-    speeds, (timing,) = ConvShard(device, clock=clock).calibrate([spec], [(16, 3, 8, 8)], [32], whole=[64])
-    assert timing["kernels"] == [64, 32] and timing["half_batch"]["kernels"] == [64, 32]
-    cost = LayerCost.fit(timing)
-    for k in (32, 64):
-        assert cost.forward_s(k, 16) == pytest.approx(forward(k) * 16)
-        assert cost.backward_s(k, 16) == pytest.approx(2 * forward(k) * 16)
-    assert speeds[0] == pytest.approx(32 / (3 * forward(32) * 16))
-    _, (alone,) = ConvShard(device, clock=clock).calibrate([spec], [(16, 3, 8, 8)], [32])
-    assert alone["kernels"] == [32, 16]                        # no whole: its share and half of it
-    # whose line, through the share and half of it, prices the whole layer a third too dear
-    assert LayerCost.fit(alone).forward_s(64, 16) == pytest.approx(forward(64) * 16 * 4 / 3)
-    device.conv_path_choices = lambda: []
-    server = ShardServer(ConvShard(device, clock=clock))
-    layer = {"spec": spec.to_json(), "input_shape": [16, 3, 8, 8], "kernels": 32}
-    _, _, reply = server.handle("CALIBRATE", [], {"layers": [{**layer, "whole_kernels": 64}], "repeats": 1})
-    assert reply["timings"][0]["kernels"] == [64, 32]
-    for bad in (65, 16, "64", True):
-        with pytest.raises(ShardError, match="whole_kernels"):
-            server.handle("CALIBRATE", [], {"layers": [{**layer, "whole_kernels": bad}], "repeats": 1})

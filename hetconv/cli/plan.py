@@ -191,8 +191,7 @@ def _calibrate_devices(cfg, entries, saved, specs, cal_shapes, together):
                 t0 = time.perf_counter()
                 try:
                     with still_working(f"calibrating {entry.label}: {len(specs)} conv layers{what}, in rounds"):
-                        got = calibrate_rounds(runs, specs, cal_shapes, cpu=cpu,
-                                               whole=whole_kernels if n_total > 1 else None)
+                        got = calibrate_rounds(runs, specs, cal_shapes, cpu=cpu)
                 except Exception as e:
                     print(f"hetconv-plan: {entry.label}: {e}", file=sys.stderr)
                     return 2

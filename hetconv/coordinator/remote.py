@@ -699,10 +699,8 @@ class RemoteEngine(ShardEngine):
     def _calibrate_some(self, specs, input_shapes, settings, names):
         batch = settings.calibration_batch
         n = len(self.peers)
-        # each worker times its equal share and the whole layer: a plan may give it either (a
-        # model block's share, a data block's every kernel), and both are then measured
-        layers = [{"spec": s.to_json(), "input_shape": [batch] + list(shape[1:]), "kernels": -(-s.kernels // n),
-                   "whole_kernels": s.kernels if n > 1 else 0} for s, shape in zip(specs, input_shapes)]
+        layers = [{"spec": s.to_json(), "input_shape": [batch] + list(shape[1:]), "kernels": -(-s.kernels // n)}
+                  for s, shape in zip(specs, input_shapes)]
         t0 = time.perf_counter()
         request = ("CALIBRATE", [], {"layers": layers, "repeats": CALIBRATION_REPEATS})
         replies = self._call({name: request for name in names}, "calibration")

@@ -192,7 +192,7 @@ def calibrate_local(device_spec, specs, input_shapes, kernels, threads=None, rep
     return got[0] if also is None else tuple(got)
 
 
-def calibrate_rounds(runs, specs, input_shapes, repeats=3, cpu=CpuOptions(), whole=None):
+def calibrate_rounds(runs, specs, input_shapes, repeats=3, cpu=CpuOptions()):
     """A DeviceProfile per run (device_spec, threads or None, kernels per layer), from
     calibrations in this process that alternate run by run, round by round, each value the
     median over `repeats` rounds (one round: a single calibration). Runs of the same device and
@@ -201,8 +201,7 @@ def calibrate_rounds(runs, specs, input_shapes, repeats=3, cpu=CpuOptions(), who
     its calibrations, since both are the process's. The caller's thread counts are back as they
     were on return. A CPU device opens with `cpu` (devices.cpu_options.CpuOptions): the command
     lines give the run's, with the machine's wisdom, so calibration runs the paths a training run
-    on this machine would. `whole` (every layer's kernels): a run whose share is less also times
-    the whole layer, as a worker of a plan of several does (ConvShard.calibrate)."""
+    on this machine would."""
     devices, opened = [], {}
     with _threads_kept():
         for device_spec, threads, _ in runs:
@@ -214,13 +213,13 @@ def calibrate_rounds(runs, specs, input_shapes, repeats=3, cpu=CpuOptions(), who
             devices.append(opened[key])
         if len(runs) == 1:
             shard = devices[0][1]
-            speeds, timings = shard.calibrate(specs, input_shapes, runs[0][2], repeats=repeats, whole=whole)
+            speeds, timings = shard.calibrate(specs, input_shapes, runs[0][2], repeats=repeats)
             return [_profile(devices[0], timings, speeds)]
         rounds = [[] for _ in runs]
         for _ in range(repeats):
             for i, ((device, shard, _, _), (_, _, kernels)) in enumerate(zip(devices, runs)):
                 with _threads_of(device):
-                    rounds[i].append(shard.calibrate(specs, input_shapes, kernels, repeats=1, whole=whole))
+                    rounds[i].append(shard.calibrate(specs, input_shapes, kernels, repeats=1))
         return [_profile(d, [_median_of(layer) for layer in zip(*(t for _, t in r))],
                          [float(np.median(layer)) for layer in zip(*(s for s, _ in r))])
                 for d, r in zip(devices, rounds)]

@@ -278,15 +278,11 @@ class ConvShard:
         out.update({name: np.array(a, copy=True) for name, a in sl.host.items()})
         return out
 
-    def calibrate(self, specs, input_shapes, kernels, repeats=3, whole=None):
+    def calibrate(self, specs, input_shapes, kernels, repeats=3):
         """Time the fused forward and backward on each layer's real input shape at two kernel
-        counts, after a warm-up of each that absorbs JIT compilation and buffer growth: this
-        device's share `kernels[i]` and, where `whole` gives the layer's every kernel and that is
-        more, the whole layer (what a data-parallel worker runs), else half the share. Both ends
-        of what a plan can ask of the device are then measured, not extrapolated: a layer's time
-        is not linear in its kernels where the conv path or its blocking changes with them. Two
-        points separate the per-kernel cost from the part every shard pays whatever its share
-        (im2col, the input's trip through memory), which the cost model needs.
+        counts, `kernels[i]` and half of it, after a warm-up of each that absorbs JIT compilation
+        and buffer growth. Two points separate the per-kernel cost from the part every shard pays
+        whatever its share (im2col, the input's trip through memory), which the cost model needs.
         The same two counts on half the batch (`half_batch`) separate what a call costs apart
         from its images, per kernel and not: what micro-batches add, and what a data-parallel
         layer (every kernel on a part of the images) pays. Each is the mean over a block of at
@@ -296,19 +292,16 @@ class ConvShard:
         Returns (kernels/s per layer at kernels[i], per-layer timing dicts)."""
         rng = np.random.default_rng(0)
         speeds, timings = [], []
-        whole = list(whole) if whole is not None else [0] * len(specs)
         for li, spec in enumerate(specs):           # every layer this device cannot run, before timing any
             self._check_runs(li, spec)
-        for li, (spec, shape, k, most) in enumerate(zip(specs, input_shapes, kernels, whole)):
+        for li, (spec, shape, k) in enumerate(zip(specs, input_shapes, kernels)):
             x = rng.standard_normal(shape, dtype=np.float32)
             if li > 0 and getattr(self.device, "channels_last", False):
                 # a layer past the first gets its input in the layout the device's last layer left
                 # it in (channels-last where the device keeps it): its price without a reorder the
                 # step does not pay
                 x = as_channels_last(x)
-            share = spec.whole_groups(max(1, int(k)))
-            other = spec.whole_groups(int(most)) if int(most) > share else spec.whole_groups(max(1, int(k) // 2))
-            counts = sorted({share, other}, reverse=True)
+            counts = sorted({spec.whole_groups(max(1, int(k))), spec.whole_groups(max(1, int(k) // 2))}, reverse=True)
             slices = [self._calibration_slice(spec, count, rng) for count in counts]
             need_dx = li > 0
             timers = [self._call_timer(sl, x, need_dx) for sl in slices]
@@ -319,8 +312,7 @@ class ConvShard:
             means = self._mean_times(timers, repeats)
             fwd = [f for f, _, _ in means[:len(counts)]]
             bwd = [b_dx + b_rest for _, b_dx, b_rest in means[:len(counts)]]
-            at = counts.index(share)
-            speeds.append(share / (fwd[at] + bwd[at]))
+            speeds.append(counts[0] / (fwd[0] + bwd[0]))
             timing = {"batch": int(shape[0]), "kernels": counts, "forward_s": fwd, "backward_s": bwd}
             if need_dx:             # how much of backward came before dX was handed over
                 timing["backward_dx_s"] = [b_dx for _, b_dx, _ in means[:len(counts)]]
@@ -448,12 +440,7 @@ class ShardServer:
         specs = [ConvSpec.from_json(layer["spec"]) for layer in f["layers"]]
         shapes = [tuple(layer["input_shape"]) for layer in f["layers"]]
         kernels = [int(layer["kernels"]) for layer in f["layers"]]
-        whole = [layer.get("whole_kernels", 0) for layer in f["layers"]]
-        for spec, k, most in zip(specs, kernels, whole):
-            if not isinstance(most, int) or isinstance(most, bool) or not (most == 0 or k <= most <= spec.kernels):
-                raise ShardError(f"CALIBRATE whole_kernels {most!r:.40}: expected 0 or the layer's kernel count "
-                                 f"({spec.kernels}), at least the {k} kernels timed")
-        speeds, timings = self.shard.calibrate(specs, shapes, kernels, repeats=f["repeats"], whole=whole)
+        speeds, timings = self.shard.calibrate(specs, shapes, kernels, repeats=f["repeats"])
         return "CALIBRATED", [], {"speeds": speeds, "timings": timings,
                                   "conv_paths": self.shard.device.conv_path_choices()}
 
