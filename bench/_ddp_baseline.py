@@ -5,6 +5,8 @@ the same network, global batch and synthetic data shapes as hetconv's bandwidth 
                                     "batch_size": 32, "conv": "500,1500", "fc": "256", "warmup": 1,
                                     "steps": 2, "threads": 1}' OUT.json
     ... "net": "vgg-small" ...     a hetconv --net text (preset, NAME@WIDTH, .json) instead of conv/fc
+    ... "module": "bench/imagenet_nets.py:resnet50", "image_size": 160, "classes": 1000 ...
+                                   a user's file's PyTorch module, on images of that size
 
 Each rank trains on batch_size / world images a step (data parallel: the global batch is the
 same as hetconv's), `threads` CPU threads, SGD with momentum; DDP all-reduces every gradient (conv
@@ -64,7 +66,8 @@ def main(spec, out_path):
             return x
 
     torch.manual_seed(0)
-    net = torch_net(spec["net"]) if spec.get("net") else Net()
+    net = user_module(spec["module"]) if spec.get("module") else torch_net(spec["net"]) if spec.get("net") else Net()
+    size, classes = int(spec.get("image_size", 32)), int(spec.get("classes", 10))
     layout = spec.get("layout", "NCHW")
     net, _ = in_layout(torch, layout, net)
     model = nn.parallel.DistributedDataParallel(net) if world > 1 else net     # every DDP option its default
@@ -73,8 +76,8 @@ def main(spec, out_path):
     gen = torch.Generator().manual_seed(rank)
     times = []
     for step in range(int(spec["warmup"]) + int(spec["steps"])):
-        x = torch.randn(local_batch, 3, 32, 32, generator=gen)
-        y = torch.randint(0, 10, (local_batch,), generator=gen)
+        x = torch.randn(local_batch, 3, size, size, generator=gen)
+        y = torch.randint(0, classes, (local_batch,), generator=gen)
         if world > 1:
             dist.barrier()
         t0 = time.perf_counter()
@@ -97,6 +100,13 @@ def main(spec, out_path):
         with open(tmp, "w") as f:
             json.dump(row, f)
         os.replace(tmp, out_path)
+
+
+def user_module(target):
+    """FILE.py:FUNCTION's module, as hetconv's --net FILE.py:FUNCTION builds it."""
+    import runpy
+    path, func = target.rsplit(":", 1)
+    return runpy.run_path(path)[func]()
 
 
 def torch_net(text):
