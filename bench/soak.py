@@ -57,15 +57,16 @@ def coordinator(*args):
 
 
 def records(path):
-    if not os.path.exists(path):
-        return []
     out = []
-    with open(path) as f:
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass                                   # a line cut by the signal
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass                               # a line cut by the signal
+    except FileNotFoundError:                          # not written yet (or gone between two polls)
+        return []
     return out
 
 
