@@ -73,7 +73,8 @@ def keep_freed_memory():
     those pages again, a cost on the order of a pass over every map (docs/bench-log.md has the
     figures). So: no mmap for blocks (M_MMAP_MAX 0: every block from the heap, where freed blocks
     are reused) and a trim threshold of 2 GB. What it costs: the process holds its peak heap until
-    it exits, as a caching allocator does (the peak itself stays about glibc's default's). HETCONV_KEEP_FREED_MEMORY=0 leaves the allocator as it is; so do a user's own
+    it exits, as a caching allocator does (the peak itself stays about glibc's default's).
+    HETCONV_KEEP_FREED_MEMORY=0 leaves the allocator as it is; so do a user's own
     MALLOC_MMAP_*, MALLOC_TRIM_THRESHOLD_ or MALLOC_TOP_PAD_ (or the same in GLIBC_TUNABLES),
     another allocator (jemalloc, tcmalloc by LD_PRELOAD) and any C library other than glibc.
     Once per process; safe to call again."""

@@ -80,3 +80,20 @@ def test_the_critical_path_names_the_link_where_the_link_sets_the_step():
         on_link = sum(s for what, s in seconds.items() if what.endswith("(message)"))
         assert (on_link > 0.5 * pred.step_s) == waits_on_link, seconds
         assert pred.to_json()["critical_path_s"] == seconds
+
+
+def test_a_workers_trace_reaches_the_step_stats_only_as_a_bounded_list_of_spans():
+    """STEP_DONE's `trace` comes from the network: the coordinator keeps its spans, at most
+    MAX_TRACE_SPANS of them, and nothing else of it; a trace that is not a map of a list is
+    dropped (hetconv-report checks every span it draws)."""
+    from hetconv.devices import open_device
+    from hetconv.engine.contract import MAX_TRACE_SPANS
+    from hetconv.engine.local import LocalEngine
+    from hetconv.engine.shard import ConvShard
+    engine = LocalEngine({"w": ConvShard(open_device("cpu", threads=1))})
+    span = ["forward", 0, -1, 0.0, 0.1]
+    engine._record("w", None, {"compute_s": 0.1, "trace": {"spans": [span] * (MAX_TRACE_SPANS + 5), "extra": "x"}})
+    assert engine.step_stats()["w"]["trace"] == {"spans": [span] * MAX_TRACE_SPANS}
+    for bad in ("not a trace", {"spans": "nope"}, {"other": []}, None):
+        engine._record("w", None, {"compute_s": 0.1, "trace": bad})
+        assert "trace" not in engine.step_stats()["w"], bad

@@ -21,6 +21,8 @@ from hetconv.update import clip_factor
 from hetconv.geometry import layer_state
 from hetconv.transport.wire import decode, encode, wire_for
 
+# the most spans of a traced step a worker sends (worker.graph_step.StepTrace) and the metrics keep
+MAX_TRACE_SPANS = 20000
 
 def moved_bytes(stats):
     """Bytes both ways over every worker's link, from an Engine.step_stats()."""
@@ -490,8 +492,9 @@ class ShardEngine:
         for key in ("peer_bytes_sent", "peer_bytes_recv", "peer_wait_s"):
             if key in fields:
                 stats[key] = stats.get(key, 0) + fields[key]
-        if isinstance(fields.get("trace"), dict):        # a traced step's spans, for the metrics (hetconv-report)
-            stats["trace"] = fields["trace"]
+        spans = fields["trace"].get("spans") if isinstance(fields.get("trace"), dict) else None
+        if isinstance(spans, list):         # a traced step's spans, for the metrics: hetconv-report checks each
+            stats["trace"] = {"spans": spans[:MAX_TRACE_SPANS]}
         per_layer = self.layer_compute.setdefault(name, {})
         if "layer_compute_s" in fields:                  # a whole step's worth, from the peer step
             booked = [(li, float(seconds)) for li, seconds in enumerate(fields["layer_compute_s"])]

@@ -24,7 +24,7 @@ import bisect
 import heapq
 import math
 
-from hetconv.engine.costmodel import (FLOAT_BYTES, GraphShape, Prediction, batchnorm_sum_bytes, chain_shape,
+from hetconv.engine.costmodel import (FLOAT_BYTES, Prediction, batchnorm_sum_bytes, chain_shape,
                                       check_modes, largest_remainder, layer_geometry, predict_step, split_sizes,
                                       weight_gradient_bytes)
 from hetconv.engine.layouts import (ROWS, WHOLE, channel_blocks, conversion_source, covered, input_layout,
@@ -52,7 +52,10 @@ class Task:
     to: str = ""                # a message's receiver
     nbytes: float = 0.0
     kind: str = ""              # a message's kind: what its bytes carry
-    counted: bool = True        # a message among workers (their sent and received bytes)
+
+    def among_workers(self):
+        """A message between two workers (theirs to count), not to or from the coordinator."""
+        return self.what in MESSAGES and COORDINATOR not in (self.worker, self.to)
 
 
 @dataclass
@@ -62,7 +65,6 @@ class StepTasks:
     tasks: list
     workers: list
     layers: int
-    coordinator_bytes: float = 0.0
 
     def add(self, task):
         self.tasks.append(task)
@@ -92,9 +94,8 @@ class PricedStep:
         while True:
             task = self.step.tasks[i]
             waited = [j for j in task.after if self.end[j] >= self.start[i]]
-            before = self.held_by.get(i)
-            j = (before if before is not None and (not waited or self.end[before] >= max(self.end[k] for k in waited))
-                 else max(waited, key=lambda k: self.end[k]) if waited else None)
+            # a task started late either for a task it waited for or for its resources, never both
+            j = self.held_by.get(i, max(waited, key=self.end.__getitem__, default=None))
             if j is None:
                 return path[::-1]
             path.append(j)
@@ -202,9 +203,11 @@ def prediction_of(priced, coordinator_s):
     names, layers = step.workers, step.layers
     totals = {w: {"compute_s": 0.0, "sent": 0, "recv": 0, "layer_compute_s": [0.0] * layers, "messages": 0}
               for w in names}
-    kinds = {}
+    kinds, coordinator_bytes = {}, 0.0
     for task in step.tasks:
-        if task.what in MESSAGES and task.counted:
+        if task.what == "send" and COORDINATOR in (task.worker, task.to):
+            coordinator_bytes += task.nbytes
+        elif task.among_workers():
             totals[task.worker]["sent"] += task.nbytes
             totals[task.to]["recv"] += task.nbytes
             totals[task.worker]["messages"] += 1
@@ -220,8 +223,8 @@ def prediction_of(priced, coordinator_s):
                    "layer_compute_s": t["layer_compute_s"], "messages": t["messages"]}
                for w, t in totals.items()}
     pred = Prediction(step_s, coordinator_s, workers, [("step", -1, step_s)])
-    pred.bytes_by_kind = {"images and features (coordinator)": step.coordinator_bytes, **kinds}
-    pred.coordinator_bytes = step.coordinator_bytes
+    pred.bytes_by_kind = {"images and features (coordinator)": coordinator_bytes, **kinds}
+    pred.coordinator_bytes = coordinator_bytes
     pred.busy = dict(priced.busy)
     pred.priced = priced
     return pred
@@ -357,13 +360,13 @@ class _PeerStep:
         return self.share(self.part(layout, w, m), self.part(WHOLE, w, m), m)
 
     # ---- tasks ---------------------------------------------------------------------------------------
-    def send(self, src, dst, nbytes, ready, kind, counted=True):
+    def send(self, src, dst, nbytes, ready, kind):
         """A message (and its CPU work at both ends) -> when it has arrived."""
         if src == dst or nbytes <= 0:
             return ready
         self.wire_cpu(src, dst, nbytes, ready)
         return self.out.add(Task("send", (f"{src} out", f"{dst} in"), ready, worker=src, to=dst, nbytes=nbytes,
-                                 kind=kind, counted=counted))
+                                 kind=kind))
 
     def wire_cpu(self, src, dst, nbytes, ready):
         for host in (src, dst):
@@ -420,8 +423,7 @@ class _PeerStep:
         arrived = []
         for m, b in enumerate(self.sizes):
             nbytes = {w: self.fraction(ROWS, w, m) * b * image_floats * self.images_value for w in self.names}
-            self.out.coordinator_bytes += sum(nbytes.values())
-            arrived.append({w: self.send(COORDINATOR, w, nbytes[w], (), "images", counted=False) for w in self.names})
+            arrived.append({w: self.send(COORDINATOR, w, nbytes[w], (), "images") for w in self.names})
         return arrived
 
     def convert(self, j, held, have, want, issued, per_value, kind):
@@ -500,16 +502,14 @@ class _PeerStep:
         nbytes = [{w: self.fraction(layouts[feature], w, m) * self.sizes[m] * self.graph.feature_floats
                    * self.feature_value for w in names} for m in range(self.M)]
         senders = names if layouts[feature] != WHOLE else names[:1]
-        self.out.coordinator_bytes += sum(sum(b.values()) for b in nbytes)
-        self.out.coordinator_bytes += sum(nbytes[m][w] for m in range(self.M) for w in senders)
         grad = []
         for m, b in enumerate(self.sizes):
             arrived = _latest(*(self.send(w, COORDINATOR, nbytes[m][w], made[m][w] if feature in self.block_outputs
-                                          else _latest(self.pc[w], made[m][w]), "features", counted=False)
+                                          else _latest(self.pc[w], made[m][w]), "features")
                                 for w in senders))
             head = self.out.add(Task("head", (COORDINATOR,), arrived, coordinator_s * b / self.batch,
                                      worker=COORDINATOR, micro=m))
-            grad.append({w: self.send(COORDINATOR, w, nbytes[m][w], head, "feature gradients", counted=False)
+            grad.append({w: self.send(COORDINATOR, w, nbytes[m][w], head, "feature gradients")
                          for w in names})
         return grad
 
@@ -654,6 +654,3 @@ def predict_any(exchange, specs, image_shape, batch, counts, profiles, link, coo
     pred.coordinator_bytes = sum(v["sent"] + v["recv"] for v in workers.values())
     return pred
 
-
-__all__ = ["COORDINATOR", "GraphShape", "PricedStep", "StepTasks", "Task", "describe_peer_step", "predict_any",
-           "predict_peer_step", "price"]

@@ -26,7 +26,7 @@ import numpy as np
 
 from hetconv.devices.base import as_layout_kept, is_channels_last
 from hetconv.engine.chain import DropoutDraw
-from hetconv.engine.contract import sum_in_order
+from hetconv.engine.contract import MAX_TRACE_SPANS, sum_in_order
 from hetconv.engine.layouts import (ROWS, WHOLE, channel_blocks, covered, index_in, meeting, pieces, pieces_shape,
                                     read_in, step_reads, tensor_layouts)
 from hetconv.engine.planner import layout_rows
@@ -52,16 +52,15 @@ class StepTrace:
     (named by the message's phase, block and micro-batch), the updates. The coordinator asks for
     it on the steps it traces (STEP's `trace`); it comes back in STEP_DONE's fields, to the
     metrics, for hetconv-report's timeline of the step. A wait shorter than SHORTEST_WAIT_S is
-    left out (a message that had already come), and at most MAX_SPANS spans are kept."""
+    left out (a message that had already come), and at most MAX_TRACE_SPANS spans are kept."""
     SHORTEST_WAIT_S = 1e-4
-    MAX_SPANS = 20000
 
     def __init__(self):
         self.t0 = time.perf_counter()
         self.spans = []
 
     def span(self, what, layer, micro, t0, t1):
-        if len(self.spans) < self.MAX_SPANS:
+        if len(self.spans) < MAX_TRACE_SPANS:
             self.spans.append([what, int(layer), int(micro), round(t0 - self.t0, 6), round(t1 - self.t0, 6)])
 
     def wait(self, phase, layer, micro, t0, t1):
