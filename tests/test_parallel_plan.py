@@ -8,7 +8,8 @@ import re
 from hypothesis import assume, given, settings, strategies as st
 import pytest
 
-from hetconv.engine.planner import Plan, PlanError, fixed_plan, image_ranges, make_plan, plan_from_lines, replan
+from hetconv.engine.planner import (Plan, PlanError, fixed_plan, image_ranges, make_plan, plan_from_lines, replan,
+                                    step_calls)
 
 
 @settings(max_examples=200, deadline=None)
@@ -27,6 +28,19 @@ def test_image_ranges_are_contiguous_sum_to_n_and_proportional(weights, n):
     assert start == n
     # the whole batch splits exactly as the plan's shares
     assert {w: hi - lo for w, (lo, hi) in image_ranges(plan.layers[0], sum(weights)).items()} == dict(zip(names, weights))
+
+
+def test_a_steps_call_shapes_are_each_workers_rows_and_kernels_per_micro_batch():
+    """A data layer: the worker's rows of each micro-batch on every kernel; a model layer: every
+    image of each micro-batch on the worker's kernels; each shape once, none with no rows."""
+    from hetconv.geometry import ConvSpec
+    specs = [ConvSpec(3, 8), ConvSpec(8, 6)]
+    plan = fixed_plan([8, 6], {"a": [None, 4], "b": [None, 2]}, modes=["data", "model"], images={"a": 3, "b": 1})
+    calls = step_calls(plan, specs, [(0, 3, 10, 10), (0, 8, 5, 5)], 10, 3)       # micro-batches of 4, 3, 3
+    shapes = {w: [(layer, shape, k) for layer, _, shape, k in c] for w, c in calls.items()}
+    assert shapes == {"a": [(0, (3, 3, 10, 10), 8), (0, (2, 3, 10, 10), 8), (1, (4, 8, 5, 5), 4), (1, (3, 8, 5, 5), 4)],
+                      "b": [(0, (1, 3, 10, 10), 8), (1, (4, 8, 5, 5), 2), (1, (3, 8, 5, 5), 2)]}
+    assert all(spec is specs[layer] for c in calls.values() for layer, spec, _, _ in c)
 
 
 def test_a_micro_batch_smaller_than_the_workers_leaves_some_with_no_rows():

@@ -125,6 +125,57 @@ def test_a_stored_timing_serves_the_layers_other_shares_as_a_timing_made_here_wo
     assert whys[0] == "wisdom" and whys[1].startswith("as timed for x (2, 3, 10, 10) w (8, 3, 3, 3)")
 
 
+BLOCK = ConvBlock(padding=(1, 1))
+
+
+def test_whether_a_call_would_be_timed_is_answered_without_timing_and_a_choice_made_so_is_kept(tmp_path):
+    """conv_block_needs_timing: True for a shape the device would time (the timer never asked),
+    False once it ran; a shape the wisdom or the rule chooses is chosen by the question itself."""
+    path = tmp_path / "conv-paths.json"
+    timer = Timer("im2col")
+    dev = device(timer, W.Wisdom(path))
+    assert dev.conv_block_needs_timing(X.shape, WEIGHTS.shape, BLOCK) and timer.calls == 0
+    assert dev.conv_path_choices() == []
+    dev.conv_block(X, WEIGHTS, None, BLOCK)
+    assert timer.calls > 0 and not dev.conv_block_needs_timing(X.shape, WEIGHTS.shape, BLOCK)
+    second = device(never, W.Wisdom(path))          # this machine's wisdom has the shape
+    assert not second.conv_block_needs_timing(X.shape, WEIGHTS.shape, BLOCK)
+    assert choice(second) == ("im2col", "wisdom")
+    ruled = device(never, deterministic=True)
+    assert not ruled.conv_block_needs_timing(X.shape, WEIGHTS.shape, BLOCK) and choice(ruled)[1] == "rule (deterministic)"
+    small = CpuDevice(threads=1, auto_timer=never, wisdom=None)   # under the timed size: the rule's
+    assert not small.conv_block_needs_timing(X.shape, WEIGHTS.shape, BLOCK)
+    assert choice(small)[1].startswith("rule: ")
+
+
+def test_a_plans_call_shapes_are_timed_before_its_first_step_and_no_step_times_one(tmp_path, monkeypatch):
+    """A --local run times its step's call shapes before the step (a "prepare" record, step 0),
+    and no training step times any: a timing inside the step would raise."""
+    in_step = [False]
+
+    def timer(path, run):
+        assert not in_step[0], f"timed {path} inside a training step"
+        return 1.0 if path == "im2col" else 2.0
+
+    real_open, real_step = coordinator.open_device, LocalEngine.conv_step
+
+    def step(self, *args, **kwargs):
+        in_step[0] = True
+        try:
+            return real_step(self, *args, **kwargs)
+        finally:
+            in_step[0] = False
+    monkeypatch.setattr(coordinator, "open_device",
+                        lambda spec, **o: real_open(spec, auto_timed_min_flops=0, auto_timer=timer, **o))
+    monkeypatch.setattr(LocalEngine, "conv_step", step)
+    metrics = tmp_path / "m.jsonl"
+    assert coordinator.main([*TINY, "--steps", "2", "--eval-every", "0", "--metrics", str(metrics)]) == 0
+    (prepared,) = events(metrics, "prepare")
+    assert prepared["step"] == 0 and prepared["workers"]["local"]["ran"] == 2 == prepared["workers"]["local"]["calls"]
+    assert [r["event"] for r in map(json.loads, open(metrics))].index("prepare") < \
+        [r["event"] for r in map(json.loads, open(metrics))].index("step")
+
+
 # ---- the file ----------------------------------------------------------------------------------------
 
 def test_a_store_replaces_the_file_whole_or_not_at_all(tmp_path, monkeypatch, capsys):

@@ -630,6 +630,13 @@ class Device:
         mid-step."""
         return ""
 
+    def conv_block_needs_timing(self, x_shape, w_shape, block):
+        """Whether the first conv_block call with these shapes would time the device's paths (a
+        CPU device's "auto" choice, seconds per call shape): a step that meets such a shape takes
+        that long once, so the engine runs it before the step (ShardEngine.prepare_calls).
+        Devices with one path per call shape never time one."""
+        return False
+
     def conv_paths(self):
         """{conv call shape: the path it runs}, for devices with more than one path."""
         return {}

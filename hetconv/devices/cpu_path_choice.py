@@ -173,6 +173,10 @@ def _describe_call(key):
     return f"x {x_shape} w {w_shape} stride {stride} padding {padding}, {form}"
 
 
+class _WouldTime(Exception):
+    """A path choice that would time the paths, raised where conv_block_needs_timing asks."""
+
+
 class ConvPathChoice:
     """The path of each conv call of a CpuDevice, and what the device reports of its choices."""
 
@@ -193,6 +197,7 @@ class ConvPathChoice:
         self._timed = []                # (layer less its batch, images, kernels, call, choice) per timing
         self._warm_flops = {}           # path -> the largest call (forward FLOPs) it has run while timed
         self._trial_path = None         # the path forced while "auto" times the candidates
+        self._choosing_untimed = False  # conv_block_needs_timing: a choice that would time raises _WouldTime
 
     def conv_paths(self):
         """{call shape: the path it runs}, one entry per (input shape, weights shape, stride,
@@ -270,6 +275,24 @@ class ConvPathChoice:
             return choice.describe()
         kernels = ", ".join(f"{d} {name}" for d, name in self._direct_kernels(key, choice).items())
         return f"{choice.describe()}; oneDNN {kernels}"
+
+    def conv_block_needs_timing(self, x_shape, w_shape, block):
+        """Whether the first call of this shape would time the paths (see Device): not where the
+        shape is chosen already, nor where the rule, a forced path, a checkpoint's record or the
+        wisdom chooses it; those choices are made here and kept, as the call would make them."""
+        key = (tuple(x_shape), tuple(w_shape), block.stride, block.padding, block)
+        if key in self._choices:
+            return False
+        # shapes only: the choice reads no values
+        x, w = np.broadcast_to(np.float32(0), key[0]), np.broadcast_to(np.float32(0), key[1])
+        self._choosing_untimed = True
+        try:
+            self._choices[key] = self._choose_path(x, w, block.stride, block.padding, block)
+        except _WouldTime:
+            return True
+        finally:
+            self._choosing_untimed = False
+        return False
 
     def _path(self, x, w, stride, padding, block=None):
         """The conv path of this call, "fft", "shifted" or "im2col": chosen on the first call with
@@ -468,6 +491,8 @@ class ConvPathChoice:
                 return _PathChoice(_fastest({p: s for p, s in timed.seconds.items() if p in candidates}),
                                    f"as timed for {_describe_call(timed_key)}, but fft declined: {declined}",
                                    measured=True)
+        if self._choosing_untimed:
+            raise _WouldTime()
         progress.info(f"cpu device: timing conv paths {', '.join(candidates)} on x {tuple(x.shape)} w {tuple(w.shape)}"
                       f"{f' stride {stride}' if stride != (1, 1) else ''}{f' padding {padding}' if any(padding) else ''}"
                       f" (once per call shape) ...")

@@ -16,7 +16,7 @@ import numpy as np
 from hetconv.devices.wisdom import MAX_RECORD_CHOICES, checked_record
 from hetconv.engine.conv_precision import checked_choices
 from hetconv.engine.costmodel import profiles_from_calibration
-from hetconv.engine.planner import PlanError, cost_lines, make_plan, replan, whole_groups
+from hetconv.engine.planner import PlanError, cost_lines, make_plan, replan, step_calls, whole_groups
 from hetconv.update import clip_factor
 from hetconv.geometry import layer_state
 from hetconv.transport.wire import decode, encode, wire_for
@@ -126,6 +126,11 @@ class Engine(Protocol):
 
     def load(self, plan, specs, params):
         """Slices every layer's whole state ({name: array}) onto the shards."""
+
+    def prepare_calls(self, input_shapes, batch, micro_batches):
+        """Each worker runs the conv call shapes of the loaded plan's training step (`batch`
+        images in `micro_batches`) whose first call would time its device's paths, before the
+        step would meet them -> {worker: {calls, ran, seconds}}."""
 
     def conv_step(self, xs, head, update, step=(0, 0), head_sum_of_squares=None):
         """One training step's conv work over micro-batches xs: forward, head(m, features) ->
@@ -282,6 +287,14 @@ class ShardEngine:
                                                     "bn_ghost_batch": self.bn_ghost_batch})
             self._call(requests, f"loading conv{lp.layer + 1}")
         self.step_stats()
+
+    def prepare_calls(self, input_shapes, batch, micro_batches):
+        calls = step_calls(self.plan, self.specs, input_shapes, batch, micro_batches)
+        requests = {name: ("PREPARE", [], {"calls": [{"layer": layer, "spec": spec.to_json(), "input_shape": list(shape),
+                                                      "kernels": kernels} for layer, spec, shape, kernels in mine]})
+                    for name, mine in calls.items() if mine}
+        replies = self._call(requests, "running the plan's new conv call shapes")
+        return {name: fields for name, (_, fields) in replies.items()}
 
     def _shard_wire(self):
         """The wire dtype the shards' LOADs name: what their requests and replies carry."""

@@ -17,7 +17,7 @@ import math
 
 # PlanError and check_modes are the planner's words; the cost model, which checks modes too, holds them
 from hetconv.engine.costmodel import (FLOAT_BYTES, MODES, PlanError, chain_shape, check_modes,  # noqa: F401  (MODES too)
-                                     graph_mode_costs, largest_remainder, mode_costs)
+                                     graph_mode_costs, largest_remainder, mode_costs, split_sizes)
 from hetconv.engine.steptasks import predict_any, predict_peer_step
 
 POLICIES = ("proportional", "equal")
@@ -79,6 +79,24 @@ def layout_rows(layer_plans, sizes):
         for w in workers:
             rows[w].append(first[w])
     return rows
+
+
+def step_calls(plan, specs, input_shapes, batch, micro_batches):
+    """{worker: [(layer, spec, input shape, kernels)]}: the conv calls a training step of `plan`
+    makes on each worker, each shape once: per micro-batch of `batch` images (cut as
+    numpy.array_split cuts them), a model layer's every image on the worker's kernels, a data
+    layer's rows of the worker (image_ranges) on every kernel. `input_shapes`: each layer's
+    input (its batch dimension ignored)."""
+    calls = {w: [] for w in plan.workers}
+    sizes = split_sizes(int(batch), int(micro_batches))
+    for lp, spec, shape in zip(plan.layers, specs, input_shapes):
+        for w, (start, stop) in lp.ranges.items():
+            kernels = lp.kernels if lp.mode == "data" else stop - start
+            rows = ([e - s for s, e in (image_ranges(lp, n)[w] for n in sizes)] if lp.mode == "data" else sizes)
+            for n in sorted(set(rows), reverse=True):
+                if n > 0 and kernels > 0 and w in calls:
+                    calls[w].append((lp.layer, spec, (n,) + tuple(shape[1:]), kernels))
+    return calls
 
 
 def whole_groups(plan, specs):

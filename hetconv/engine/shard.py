@@ -322,6 +322,29 @@ class ConvShard:
             timings.append(timing)
         return speeds, timings
 
+    def prepare_calls(self, calls):
+        """Run once each call shape of `calls` ((layer, spec, input shape, kernels) a step of the
+        plan will run) whose first call would time the device's paths, on a slice of fresh
+        weights: the timing happens here, announced, and not inside the training step that meets
+        the shape first (a CPU device times its paths once per call shape, seconds each). The
+        loaded slices, their statistics and gradients are not touched. Returns (call shapes
+        asked, shapes run, seconds)."""
+        rng = np.random.default_rng(0)
+        t0, ran = time.perf_counter(), 0
+        for layer, spec, shape, k in calls:
+            self._check_runs(layer, spec)
+            sl = self._calibration_slice(spec, k, rng)
+            c0, c1 = sl.channels
+            x_shape = (shape[0], c1 - c0) + tuple(shape[2:])
+            if not self.device.conv_block_needs_timing(x_shape, tuple(sl.w.shape), sl.block):
+                continue
+            x = rng.standard_normal(tuple(shape), dtype=np.float32)
+            if layer > 0 and getattr(self.device, "channels_last", False):
+                x = as_channels_last(x)             # as the step hands it on (see calibrate)
+            self._call_timer(sl, x, layer > 0)()
+            ran += 1
+        return len(calls), ran, time.perf_counter() - t0
+
     def _mean_times(self, timers, min_calls):
         """Each timer (a call that returns a tuple of seconds, one per phase) once untimed, then
         in a block of calls of its own until the block has run at least `min_calls` calls and
@@ -425,7 +448,7 @@ class ShardServer:
 
     def __init__(self, shard):
         self.shard = shard
-        self.handlers = {"CALIBRATE": self.calibrate, "LOAD": self.load, "FORWARD": self.forward,
+        self.handlers = {"CALIBRATE": self.calibrate, "PREPARE": self.prepare, "LOAD": self.load, "FORWARD": self.forward,
                          "BACKWARD": self.backward, "UPDATE": self.update, "NORM": self.norm, "FETCH": self.fetch}
 
     def handle(self, op, arrays, fields):
@@ -443,6 +466,21 @@ class ShardServer:
         speeds, timings = self.shard.calibrate(specs, shapes, kernels, repeats=f["repeats"])
         return "CALIBRATED", [], {"speeds": speeds, "timings": timings,
                                   "conv_paths": self.shard.device.conv_path_choices()}
+
+    def prepare(self, arrays, f):
+        calls = []
+        for i, call in enumerate(f["calls"]):
+            try:
+                layer, spec = int(call["layer"]), ConvSpec.from_json(call["spec"])
+                shape, kernels = [int(v) for v in call["input_shape"]], int(call["kernels"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise ShardError(f"PREPARE call {i}: {e!r:.120}: expected layer, spec, input_shape and kernels")
+            if len(shape) != 4 or min(shape) < 1 or shape[1] != spec.in_channels or not 1 <= kernels <= spec.kernels:
+                raise ShardError(f"PREPARE call {i}: input shape {shape!r:.80} and {kernels} kernels do not fit conv "
+                                 f"layer {layer + 1} ({spec.in_channels} input channels, {spec.kernels} kernels)")
+            calls.append((layer, spec, shape, kernels))
+        asked, ran, seconds = self.shard.prepare_calls(calls)
+        return "PREPARED", [], {"calls": asked, "ran": ran, "seconds": seconds}
 
     def load(self, arrays, f):
         names = f["names"]

@@ -430,6 +430,7 @@ class _Run:
         self.precision_counted = True           # the report's call counts are the devices' (nothing ran since)
         self.precision_bytes = 0                # what asking the counts before a step moved
         self.micro_batches = resolve_micro_batches(cfg, engine)
+        self.calls_due = True                   # the plan's call shapes, run before its first step (prepare_calls)
         self.rebalance_at, self.rebalances = 0, 0
         self.bar = None
         self._last_line = time.monotonic()
@@ -484,6 +485,8 @@ class _Run:
 
     def one_step(self, epoch, x, y, data_wait_s=0.0):
         cfg = self.cfg
+        if self.calls_due:
+            self.prepare_calls(len(x))
         if self.precision_due:
             self.count_precision()
         t0 = time.perf_counter()
@@ -582,7 +585,7 @@ class _Run:
         self.elastic.keep(self.step, conv)                       # a loss while the kernels move replays nothing
         self.engine.load(plan, self.specs, conv)
         self.rebalances += 1
-        self.precision_due = True                                # new shares: new call shapes
+        self.precision_due = self.calls_due = True               # new shares: new call shapes
         self.log("rebalanced from measured step times:\n" + plan.table())
         self.metrics.write("plan", reason="rebalance", step=self.step, bytes=moved_bytes(self.engine.step_stats()),
                            **plan.to_json(), **wire_record(self.engine))
@@ -605,6 +608,7 @@ class _Run:
         rebalancing starts over."""
         self.micro_batches = resolve_micro_batches(self.cfg, self.engine)
         self.precision_due, self.precision_counted = True, False     # a step cut short ran some calls
+        self.calls_due = True
         self.arm_rebalance()
 
     # ---- saving ---------------------------------------------------------------------------------
@@ -625,6 +629,24 @@ class _Run:
         if any(r["choices"] for r in records) and records != self.conv_paths_written:
             self.metrics.write("conv_paths", step=self.step, devices=records)
             self.conv_paths_written = records
+
+    def prepare_calls(self, batch):
+        """Before a plan's first step: each worker runs the step's conv call shapes whose first
+        call would time its device's paths (engine.prepare_calls), so no training step pays for
+        timing them unannounced. Said in the log where it took a second or more, kept as a
+        "prepare" metrics record where anything ran."""
+        self.calls_due = False
+        t0 = time.perf_counter()
+        prepared = self.engine.prepare_calls(self.elastic.input_shapes, batch, self.micro_batches)
+        seconds = time.perf_counter() - t0
+        ran = sum(int(p.get("ran", 0)) for p in prepared.values())
+        moved = moved_bytes(self.engine.step_stats())                   # no step's
+        self.precision_counted = False                                  # calls ran since the counts
+        if ran:
+            self.metrics.write("prepare", step=self.step, seconds=seconds, bytes=moved, workers=prepared)
+        if seconds >= 1.0:
+            self.log(f"ran the plan's {ran} new conv call shape(s) before step {self.step + 1}, {seconds:.1f}s: each "
+                     f"device timed its conv paths for them (once per shape; this machine's wisdom keeps the choice)")
 
     def count_precision(self):
         """Before the step a report follows: each device's calls so far, so that the report says

@@ -13,12 +13,12 @@ import traceback
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 # Coordinator -> worker requests, worker -> coordinator replies and notices, worker -> worker.
-REQUESTS = ("WELCOME", "CALIBRATE", "LOAD", "FORWARD", "BACKWARD", "UPDATE", "NORM", "FETCH", "SHUTDOWN",
+REQUESTS = ("WELCOME", "CALIBRATE", "PREPARE", "LOAD", "FORWARD", "BACKWARD", "UPDATE", "NORM", "FETCH", "SHUTDOWN",
             "PEERS", "STEP", "INPUT", "GRAD", "WAIT")
-REPLIES = ("HELLO", "HEARTBEAT", "CALIBRATED", "LOADED", "FORWARD_DONE", "BACKWARD_DONE", "UPDATED", "NORMED",
+REPLIES = ("HELLO", "HEARTBEAT", "CALIBRATED", "PREPARED", "LOADED", "FORWARD_DONE", "BACKWARD_DONE", "UPDATED", "NORMED",
            "SHARD", "BYE", "ERROR", "PEERS_OK", "FEATURES", "STEP_DONE")
 PEER_OPS = ("SLICE",)
 OPS = frozenset(REQUESTS + REPLIES + PEER_OPS)
@@ -37,6 +37,7 @@ MAX_ARRAY_BYTES = 4 << 30         # 4 GiB: far above any layer this project send
 _OPTIONAL_MAP = (dict, type(None))
 FIELDS = {
     "CALIBRATE": {"layers": list, "repeats": int},
+    "PREPARE": {"calls": list},
     "LOAD": {"layer": int, "spec": dict, "start": int, "stop": int, "wire": str, "optimizer": str, "names": list,
              "bn_ghost_batch": int},
     "FORWARD": {"layer": int, "micros": list, "rows": list, "batch": int, "train": bool, "train_step": int,
