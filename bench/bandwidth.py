@@ -8,6 +8,9 @@
         --out bench/results/graph --name resnet18_layouts      # a graph's rows and layouts beside DDP
     sudo python bench/bandwidth.py --net resnet18 --rates 10gbit --rows auto,ddp --busy-last-worker ...
         # a heterogeneous pair: a busy process shares the last worker's core in every networked row
+    sudo python bench/bandwidth.py --net bench/imagenet_nets.py:resnet50 --data r50.npz --rates 1gbit,10gbit \
+        --rows auto,ddp --precision auto --ddp-layout channels_last --warmup 2 --steps 4 --rounds 2 \
+        --out bench/results/resnet50 --name resnet50_links    # a user's file on 160 px images (imagenet.make_data)
     python bench/bandwidth.py --render bench/results/bandwidth.json   # rewrite the .md (and .png) only
 
 Set-up (made here, removed in a finally, on Ctrl-C and SIGTERM too): one network namespace per
@@ -30,9 +33,13 @@ Rows per rate (--rows picks):
               forced: how a layer's mode is checked against the cost model's choice
 - ddp:        PyTorch DistributedDataParallel (gloo), one rank per worker host, the same network and
               global batch, 1 thread each: what a user would otherwise pick
---net (a hetconv --net text: vgg-small, vgg-small@0.5, paper, ...) takes the network from hetconv's
-presets instead of --conv/--fc; it runs the rows model, data, auto, chains and ddp (the others build the
-paper family only). --rounds N repeats every row N times, rows alternating within a round (the
+--net (a hetconv --net text: vgg-small, vgg-small@0.5, paper, a user's FILE.py:FUNCTION, ...) takes the
+network from there instead of --conv/--fc; it runs the rows model, data, auto, chains and ddp (the others
+build the paper family only). --data NPZ trains the hetconv rows on that file's images (no
+augmentation) instead of synthetic CIFAR-sized ones, and DDP on random images of its size and class
+count; a FILE.py:FUNCTION network is then the file's PyTorch module in the DDP row, as the user wrote
+it. --precision is hetconv's (auto takes bf16 where calibration measures it faster); --ddp-layout the
+DDP row's memory layout (NCHW, PyTorch's default, or channels_last). --rounds N repeats every row N times, rows alternating within a round (the
 order reversed every other round), the baseline in each round: a ratio is taken within a round.
 The single-device baseline (hetconv --local, one pinned core) runs once a round, in this run. Every
 star/peer row also carries the cost model's prediction from the run's own calibration, with links
@@ -234,7 +241,7 @@ def run_ddp(switch, rate, args, common):
             h = switch.hosts[rank + 1]
             spec = {"rank": rank, "world": args.workers, "master": master, "port": port, "threads": 1, "net": args.net,
                     "batch_size": args.batch_size, "conv": args.conv, "fc": args.fc, "warmup": args.warmup,
-                    "steps": args.steps}
+                    "steps": args.steps, "layout": args.ddp_layout, **ddp_data(args)}
             cmd = [*switch.prefix(h), "taskset", "-c", str(cores[rank % len(cores)]), sys.executable,
                    os.path.join(HERE, "_ddp_baseline.py"), json.dumps(spec), out]
             procs.append(subprocess.Popen(cmd, env={**env, "GLOO_SOCKET_IFNAME": h["inner"]}, start_new_session=True))
@@ -242,6 +249,31 @@ def run_ddp(switch, rate, args, common):
     row.update(kind="ddp", rate=rate or "unshaped", batch_size=args.batch_size, devices=["cpu"] * args.workers,
                foreign_load_cores=load.cores)
     return row
+
+
+def user_net(net):
+    """Whether --net names a user's file (FILE.py:FUNCTION) rather than a preset or a .json."""
+    return ".py:" in net
+
+
+def data_shape(path):
+    """(image size, classes) of an .npz of square images (x_train (N, 3, S, S), classes)."""
+    import numpy as np
+    with np.load(path) as f:
+        x = f["x_train"]
+        classes = len(f["classes"]) if "classes" in f.files else int(f["y_train"].max()) + 1
+    if x.ndim != 4 or x.shape[2] != x.shape[3]:
+        raise SystemExit(f"--data {path}: x_train of shape {x.shape}, expected (N, C, S, S) square images")
+    return int(x.shape[2]), int(classes)
+
+
+def ddp_data(args):
+    """What the DDP row trains on beside --data: random images of its size and classes, and a
+    user's file's own PyTorch module (nothing where the rows train synthetic CIFAR-sized data)."""
+    if not args.data:
+        return {}
+    size, classes = data_shape(args.data)
+    return {"image_size": size, "classes": classes, **({"module": args.net, "net": ""} if user_net(args.net) else {})}
 
 
 # ---- rows of hetconv-coordinator itself: --parallel model | data | auto ---------------------------
@@ -254,9 +286,11 @@ def coordinator_flags(args, metrics):
     """The flags every hetconv-coordinator row shares: the network, batch, steps of synthetic data
     (warm-up + timed), 1 thread, one test batch, the calibrated split kept (no rebalancing)."""
     steps = args.warmup + args.steps
-    return [*network_flags(args), "--batch-size", str(args.batch_size), "--steps", str(steps),
-            "--synthetic-train", str(args.batch_size * steps), "--synthetic-test", str(args.batch_size),
-            "--eval-batches", "1", "--rebalance-after", "0", "--threads", "1", "--metrics", metrics]
+    data = (["--data", args.data, "--augment", "none", "--eval-every", "0"] if args.data else
+            ["--synthetic-train", str(args.batch_size * steps), "--synthetic-test", str(args.batch_size)])
+    return [*network_flags(args), "--batch-size", str(args.batch_size), "--steps", str(steps), *data,
+            "--eval-batches", "1", "--rebalance-after", "0", "--threads", "1",
+            "--precision", args.precision, "--metrics", metrics]
 
 
 def read_metrics(path):
@@ -319,8 +353,12 @@ def predict_parallel(args, batch, plan, calibration, rate, wire_cpu_s_per_byte, 
     from hetconv.engine.measure import measure_coordinator_s, measure_join_s
     from hetconv.geometry import IMAGE_SHAPE, NUM_CLASSES, ConvSpec
     from hetconv.training.config import Config
+    image_shape, classes = IMAGE_SHAPE, NUM_CLASSES
+    if getattr(args, "data", ""):
+        size, classes = data_shape(args.data)
+        image_shape = (3, size, size)
     net = Config(net=args.net, conv=args.conv if not args.net else Config.conv,
-                 fc=args.fc if not args.net else Config.fc).network(IMAGE_SHAPE, NUM_CLASSES).spec
+                 fc=args.fc if not args.net else Config.fc).network(image_shape, classes).spec
     specs = [ConvSpec.from_layer(layer) for layer in net.conv_layers()]
     workers = plan["workers"]
     key = (batch, len(workers))
@@ -385,8 +423,11 @@ def run_parallel(switch, kind, rate, args, common, coordinator_cache):
         row["micro_batches"] = (int(plan["micro_choice"]["micro_batches"]) if plan.get("micro_choice") else
                                 micro_batch_count(args.micro_batches, args.batch_size, "peer", len(plan["workers"])))
         row["calibration"] = calibration
+        wire = (plan.get("wire") or {}).get("dtype", "float32")
+        row["wire"] = wire
         pred = predict_parallel(args, args.batch_size, plan, calibration, rate or "10gbit",
-                                common.get("wire_cpu_s_per_byte", 0.0), row["micro_batches"], coordinator_cache)
+                                common.get("wire_cpu_s_per_byte", 0.0), row["micro_batches"], coordinator_cache,
+                                value_bytes=2 if wire == "bfloat16" else 4)
         row["prediction"] = pred
         row["predicted_step_s"] = pred["step_s"]
         row["model_error_pct"] = 100.0 * (pred["step_s"] - row["step_s"]) / row["step_s"]
@@ -434,6 +475,10 @@ def main(argv=None):
     p.add_argument("--micro-batches", type=int, default=0,
                    help="--micro-batches of the hetconv-coordinator rows (0: automatic, as training picks)")
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--data", default="", help="an .npz of images the hetconv rows train on (default: synthetic "
+                                              "CIFAR-sized); DDP trains on random images of its size")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "auto"), help="hetconv's --precision")
+    p.add_argument("--ddp-layout", default="NCHW", choices=("NCHW", "channels_last"), help="the DDP row's layout")
     p.add_argument("--busy-last-worker", action="store_true",
                    help="a heterogeneous pair: a busy process shares the last worker's core (its DDP rank's too) "
                         "during every networked row; the --local baseline runs without it")
