@@ -176,6 +176,19 @@ def test_a_plans_call_shapes_are_timed_before_its_first_step_and_no_step_times_o
         [r["event"] for r in map(json.loads, open(metrics))].index("step")
 
 
+@pytest.mark.parametrize("call,expected", [
+    ({"layer": 0, "input_shape": [2, 3, 10, 10], "kernels": 4}, "expected layer, spec, input_shape and kernels"),
+    ({"layer": 0, "spec": ConvSpec(3, 4).to_json(), "input_shape": [2, 5, 10, 10], "kernels": 4},
+     "do not fit conv layer 1 \\(3 input channels, 4 kernels\\)"),
+    ({"layer": 0, "spec": ConvSpec(3, 4).to_json(), "input_shape": [2, 3, 10, 10], "kernels": 9}, "9 kernels do not fit"),
+    ({"layer": 0, "spec": ConvSpec(3, 4).to_json(), "input_shape": [0, 3, 10, 10], "kernels": 4}, "do not fit"),
+], ids=["no spec", "other channels", "too many kernels", "no images"])
+def test_a_prepare_call_that_does_not_fit_its_layer_is_refused_by_name(call, expected):
+    server = ShardServer(ConvShard(device(never)))
+    with pytest.raises(Exception, match=f"PREPARE call 0: .*{expected}"):
+        server.handle("PREPARE", [], {"calls": [call]})
+
+
 # ---- the file ----------------------------------------------------------------------------------------
 
 def test_a_store_replaces_the_file_whole_or_not_at_all(tmp_path, monkeypatch, capsys):
