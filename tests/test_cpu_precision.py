@@ -268,7 +268,7 @@ def _faked(precision, seconds, **options):
 
 
 SLOWER_BF16 = {"im2col": 1.0, "shifted": 1.2, "fft": 3.0, "im2col-dnnl": 0.9, "im2col-bf16": 0.95,
-               "shifted-dnnl": 1.1, "shifted-bf16": 0.97, "direct-dnnl": 0.92, "direct-bf16": 0.96}
+               "shifted-dnnl": 1.1, "shifted-bf16": 0.97, "direct-dnnl": 1.15, "direct-bf16": 0.96}
 
 
 @needs_instructions
@@ -276,6 +276,8 @@ SLOWER_BF16 = {"im2col": 1.0, "shifted": 1.2, "fft": 3.0, "im2col-dnnl": 0.9, "i
     (SLOWER_BF16, "im2col-dnnl"),                                   # bf16 slower than the best fp32 path
     ({**SLOWER_BF16, "im2col-bf16": 0.88}, "im2col-dnnl"),          # faster, but within its margin
     ({**SLOWER_BF16, "im2col-bf16": 0.5}, "im2col-bf16"),           # well faster
+    ({**SLOWER_BF16, "direct-dnnl": 0.95}, "direct-dnnl"),          # im2col-dnnl (NCHW) within the layout margin
+    ({**SLOWER_BF16, "im2col-bf16": 0.5, "direct-bf16": 0.55}, "direct-bf16"),   # the same among bf16 paths
     ({**SLOWER_BF16, "im2col-bf16": 0.5, "fft": 0.4}, "fft"),      # FFT faster still
     ({**SLOWER_BF16, "direct-dnnl": 0.6}, "direct-dnnl"),           # oneDNN's own convolution
     ({**SLOWER_BF16, "direct-dnnl": 0.6, "direct-bf16": 0.3}, "direct-bf16"),
@@ -351,6 +353,11 @@ def test_the_choice_among_timed_paths():
     assert fastest({"im2col": 1.0, "im2col-dnnl": 0.6, "im2col-bf16": 0.59}) == "im2col-dnnl"
     assert fastest({"im2col": 1.0, "fft": 0.9, "im2col-bf16": 0.8}) == "im2col-bf16"
     assert fastest({"im2col": 1.0, "fft": 0.7, "im2col-bf16": 0.8}) == "fft"
+    # an NCHW path over oneDNN's channels-last convolution only past AUTO_LAYOUT_MARGIN
+    assert fastest({"shifted": 0.9, "direct-dnnl": 1.0}) == "direct-dnnl"
+    assert fastest({"shifted": 0.8, "direct-dnnl": 1.0}) == "shifted"
+    assert fastest({"shifted": 0.9, "direct-dnnl": 1.0, "direct-bf16": 0.5}) == "direct-bf16"
+    assert fastest({"shifted-bf16": 0.45, "direct-bf16": 0.5}) == "direct-bf16"
 
 
 @needs_dnnl

@@ -94,6 +94,14 @@ AUTO_FFT_MARGIN = 0.04
 # 10x a direct sum's float32 rounding (relative error ~1e-5 where a direct conv's is ~1e-6), which
 # is taken only for a real gain. Timed on 3x3 stride-1 dense calls, float32 only.
 AUTO_WINOGRAD_MARGIN = 0.04
+# ... and where one of oneDNN's own convolutions runs the call on channels-last maps (DIRECT_PATHS),
+# a path that runs on NCHW is taken only where it beats the fastest of those by this margin: its
+# timing counts the reorder of its input into NCHW, not what its NCHW output costs the work around
+# it (the block's tail runs on NCHW, the next conv reorders it back, and so do dY and dX in the
+# backward). ResNet-50's layer2.0.conv1 on a one-thread worker (16 images, 1x1, 256 -> 128 at
+# 40x40): the shifted path timed 0.089 s against direct-dnnl's 0.096 s, and ran 0.130 s in the
+# step, where calibration priced direct-dnnl at 0.059 s.
+AUTO_LAYOUT_MARGIN = 0.15
 # ... and only where the layer has at least this many input channels and kernels (its share of
 # them on a worker): its GEMMs are (K, C) @ (C, tiles), and with fewer the memory-bound transforms
 # outweigh what they save (resnet18's 64-channel 32x32 layer at batch 16 on one Zen 4 core: 1.05x
@@ -152,14 +160,29 @@ class _PathChoice:
 def _fastest(seconds):
     """The path to run from {path: seconds}: the fastest direct float32 path, or FFT or a bf16
     path where it beats that by its margin (the fastest of those that do); where every path is
-    bf16 (precision bf16), the fastest."""
+    bf16 (precision bf16), the fastest. Among direct paths, or bf16 ones, a path on NCHW is taken
+    over one on channels-last maps only where it beats it by AUTO_LAYOUT_MARGIN (_layout_kept)."""
     direct = [p for p in seconds if p not in ("fft", "winograd") and p not in BF16_PATHS]
     if not direct:
-        return min(seconds, key=seconds.get)
-    direct = min(direct, key=seconds.get)
+        return _layout_kept(seconds, list(seconds))
+    direct = _layout_kept(seconds, direct)
     margins = {"fft": AUTO_FFT_MARGIN, "winograd": AUTO_WINOGRAD_MARGIN, **dict.fromkeys(BF16_PATHS, AUTO_BF16_MARGIN)}
     better = [p for p, m in margins.items() if p in seconds and seconds[p] < (1.0 - m) * seconds[direct]]
+    bf16 = [p for p in better if p in BF16_PATHS]
+    if bf16 and min(better, key=seconds.get) in BF16_PATHS:
+        return _layout_kept(seconds, bf16)
     return min(better, key=seconds.get) if better else direct
+
+
+def _layout_kept(seconds, paths):
+    """The fastest of `paths`, unless it runs on NCHW and one of oneDNN's channels-last
+    convolutions among them is within AUTO_LAYOUT_MARGIN of it: then the fastest of those."""
+    fastest = min(paths, key=seconds.get)
+    kept = [p for p in paths if p in DIRECT_PATHS]
+    if fastest in DIRECT_PATHS or not kept:
+        return fastest
+    home = min(kept, key=seconds.get)
+    return fastest if seconds[fastest] < (1.0 - AUTO_LAYOUT_MARGIN) * seconds[home] else home
 
 
 def _conv_shape(block):
@@ -449,7 +472,12 @@ class ConvPathChoice:
         machine, call = self._machine_key()[1], wisdom_keys.canonical(wisdom_keys.call_key(*key))
         entry = None if self.retime else self.wisdom.lookup(machine, call)
         if entry is not None and entry["path"] in candidates:
-            found = _PathChoice(entry["path"], "wisdom", entry.get("seconds"), measured=True)
+            stored = entry.get("seconds") or {}
+            # a stored timing of these very paths is read by today's margins (_fastest), as a
+            # timing made here would be
+            path = _fastest(stored) if stored and entry["path"] in stored and set(stored) <= set(candidates) \
+                else entry["path"]
+            found = _PathChoice(path, "wisdom", entry.get("seconds"), measured=True)
             if found.seconds and set(found.seconds) <= set(candidates):
                 # as if timed here: calls of the same layer within AUTO_REUSE_FACTOR take it too
                 layer = (tuple(x.shape[1:]), tuple(w.shape[1:]), stride, padding, block)
