@@ -160,29 +160,18 @@ class _PathChoice:
 def _fastest(seconds):
     """The path to run from {path: seconds}: the fastest direct float32 path, or FFT or a bf16
     path where it beats that by its margin (the fastest of those that do); where every path is
-    bf16 (precision bf16), the fastest. Among direct paths, or bf16 ones, a path on NCHW is taken
-    over one on channels-last maps only where it beats it by AUTO_LAYOUT_MARGIN (_layout_kept)."""
+    bf16 (precision bf16), the fastest. Where one of oneDNN's channels-last convolutions is among
+    them, every path on NCHW maps is compared at its seconds over 1 - AUTO_LAYOUT_MARGIN: the
+    share of a call its layout is taken to cost the work around it."""
+    if any(p in DIRECT_PATHS for p in seconds):
+        seconds = {p: s if p in DIRECT_PATHS else s / (1.0 - AUTO_LAYOUT_MARGIN) for p, s in seconds.items()}
     direct = [p for p in seconds if p not in ("fft", "winograd") and p not in BF16_PATHS]
     if not direct:
-        return _layout_kept(seconds, list(seconds))
-    direct = _layout_kept(seconds, direct)
+        return min(seconds, key=seconds.get)
+    direct = min(direct, key=seconds.get)
     margins = {"fft": AUTO_FFT_MARGIN, "winograd": AUTO_WINOGRAD_MARGIN, **dict.fromkeys(BF16_PATHS, AUTO_BF16_MARGIN)}
     better = [p for p, m in margins.items() if p in seconds and seconds[p] < (1.0 - m) * seconds[direct]]
-    bf16 = [p for p in better if p in BF16_PATHS]
-    if bf16 and min(better, key=seconds.get) in BF16_PATHS:
-        return _layout_kept(seconds, bf16)
     return min(better, key=seconds.get) if better else direct
-
-
-def _layout_kept(seconds, paths):
-    """The fastest of `paths`, unless it runs on NCHW and one of oneDNN's channels-last
-    convolutions among them is within AUTO_LAYOUT_MARGIN of it: then the fastest of those."""
-    fastest = min(paths, key=seconds.get)
-    kept = [p for p in paths if p in DIRECT_PATHS]
-    if fastest in DIRECT_PATHS or not kept:
-        return fastest
-    home = min(kept, key=seconds.get)
-    return fastest if seconds[fastest] < (1.0 - AUTO_LAYOUT_MARGIN) * seconds[home] else home
 
 
 def _conv_shape(block):
