@@ -333,11 +333,12 @@ class ConvShard:
         t0, ran = time.perf_counter(), 0
         for layer, spec, shape, k in calls:
             self._check_runs(layer, spec)
-            sl = self._calibration_slice(spec, k, rng)
-            c0, c1 = sl.channels
+            k = spec.whole_groups(k)
+            block, (c0, c1) = spec.kernel_slice(0, k)            # the calibration slice's, before its weights
             x_shape = (shape[0], c1 - c0) + tuple(shape[2:])
-            if not self.device.conv_block_needs_timing(x_shape, tuple(sl.w.shape), sl.block):
+            if not self.device.conv_block_needs_timing(x_shape, (k,) + tuple(spec.weight_shape[1:]), block):
                 continue
+            sl = self._calibration_slice(spec, k, rng)
             x = rng.standard_normal(tuple(shape), dtype=np.float32)
             if layer > 0 and getattr(self.device, "channels_last", False):
                 x = as_channels_last(x)             # as the step hands it on (see calibrate)
