@@ -39,7 +39,8 @@ build the paper family only). --data NPZ trains the hetconv rows on that file's 
 augmentation) instead of synthetic CIFAR-sized ones, and DDP on random images of its size and class
 count; a FILE.py:FUNCTION network is then the file's PyTorch module in the DDP row, as the user wrote
 it. --precision is hetconv's (auto takes bf16 where calibration measures it faster); --ddp-layout the
-DDP row's memory layout (NCHW, PyTorch's default, or channels_last). --rounds N repeats every row N times, rows alternating within a round (the
+DDP row's memory layout (NCHW, PyTorch's default, or channels_last).
+--rounds N repeats every row N times, rows alternating within a round (the
 order reversed every other round), the baseline in each round: a ratio is taken within a round.
 The single-device baseline (hetconv --local, one pinned core) runs once a round, in this run. Every
 star/peer row also carries the cost model's prediction from the run's own calibration, with links

@@ -1,7 +1,9 @@
 """Is this checkout's training step slower than an earlier revision's? The paper network's step,
-`--local`, the two checkouts run one after the other in alternating rounds, in one run.
+`--local`, the two checkouts run one after the other in alternating rounds, in one run
+(`--net`: another network, as hetconv-coordinator's --net takes it).
 
     python bench/versus.py --base b780387 --out bench/results
+    python bench/versus.py --base HEAD~1 --net vgg-small --batch-size 32 --steps 8 --out DIR --name vgg_small
     python bench/versus.py --render bench/results/versus.json
 
 Each side is `hetconv-coordinator --local --threads T --batch-size N --steps S` from its own
@@ -51,7 +53,7 @@ def one_run(tree, work, args, tag):
     cmd = [sys.executable, os.path.join(work, "runner.py"), module, "--local", "--threads",
            str(args.threads), "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--synthetic-train",
            str(args.batch_size * (args.steps + 1)), "--synthetic-test", str(args.batch_size), "--eval-batches", "1",
-           "--metrics", metrics]
+           "--metrics", metrics] + (["--net", args.net] if args.net else [])
     t0 = time.perf_counter()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=work)
     wall = time.perf_counter() - t0
@@ -86,7 +88,8 @@ def markdown(doc):
     r = doc["result"]
     lines = ["# This checkout's step against an earlier revision's", ""] + _common.run_header(doc)
     lines += [f"ISA: {doc['isa']}. BLAS: {doc['blas']}.", "",
-              f"The paper network, `--local --threads {doc['threads']} --batch-size {doc['batch_size']} --steps "
+              f"{doc.get('net') or 'The paper network'}, `--local --threads {doc['threads']} "
+              f"--batch-size {doc['batch_size']} --steps "
               f"{doc['steps']}`, from exported trees of {r['this']} (this) and {r['base']} (base), in alternating "
               f"rounds. Per round: the median step after the first, and the process's wall time. Ratios are this "
               f"over base (above 1: slower).", ""]
@@ -106,17 +109,21 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--net", default="", help="a hetconv --net text (default: the paper network)")
+    p.add_argument("--name", default=STEM, help="OUT/NAME.json and NAME.md")
     p.add_argument("--out", default="")
     p.add_argument("--render", default="", help="rewrite the .md beside a saved JSON, running nothing")
     args = p.parse_args(argv)
     if args.render:
-        print(f"wrote {_common.render_saved(args.render, STEM, markdown)}")
+        stem = os.path.splitext(os.path.basename(args.render))[0]
+        print(f"wrote {_common.render_saved(args.render, stem, markdown)}")
         return 0
     t0, load_start = time.time(), _common.load_average()
     result = run(args)
     doc = {**_common.run_facts("versus.py", sys.argv[1:] if argv is None else argv, t0, load_start),
-           "threads": args.threads, "batch_size": args.batch_size, "steps": args.steps, "result": result}
-    _common.save_or_print(args.out, STEM, doc, markdown)
+           "threads": args.threads, "batch_size": args.batch_size, "steps": args.steps, "net": args.net,
+           "result": result}
+    _common.save_or_print(args.out, args.name, doc, markdown)
     return 0
 
 
