@@ -637,6 +637,11 @@ class Device:
         Devices with one path per call shape never time one."""
         return False
 
+    def choose_conv_path(self, x, w, block):
+        """Make the choice the first conv_block call of x's and w's shapes would make (timing the
+        paths where it times them), without running the call: what ShardEngine.prepare_calls
+        asks for a shape conv_block_needs_timing named. The values of x and w do not matter."""
+
     def conv_paths(self):
         """{conv call shape: the path it runs}, for devices with more than one path."""
         return {}

@@ -306,6 +306,9 @@ class ConvPathChoice:
             self._choosing_untimed = False
         return False
 
+    def choose_conv_path(self, x, w, block):
+        self._path(x, np.ascontiguousarray(w, np.float32), block.stride, block.padding, block)
+
     def _path(self, x, w, stride, padding, block=None):
         """The conv path of this call, "fft", "shifted" or "im2col": chosen on the first call with
         its shapes (see AUTO_TIMED_MIN_FLOPS), the same from then on."""

@@ -323,26 +323,26 @@ class ConvShard:
         return speeds, timings
 
     def prepare_calls(self, calls):
-        """Run once each call shape of `calls` ((layer, spec, input shape, kernels) a step of the
-        plan will run) whose first call would time the device's paths, on a slice of fresh
-        weights: the timing happens here, announced, and not inside the training step that meets
-        the shape first (a CPU device times its paths once per call shape, seconds each). The
-        loaded slices, their statistics and gradients are not touched. Returns (call shapes
-        asked, shapes run, seconds)."""
-        rng = np.random.default_rng(0)
+        """Choose the conv path of each call shape of `calls` ((layer, spec, input shape, kernels)
+        a step of the plan will run) whose first call would time the device's paths: the timing
+        happens here, announced, and not inside the training step that meets the shape first (a
+        CPU device times its paths once per call shape, seconds each). The device's timing runs
+        the paths on zeros of the call's shapes; no layer runs, and the loaded slices, their
+        statistics and gradients are not touched. Returns (call shapes asked, shapes timed,
+        seconds)."""
         t0, ran = time.perf_counter(), 0
         for layer, spec, shape, k in calls:
             self._check_runs(layer, spec)
             k = spec.whole_groups(k)
-            block, (c0, c1) = spec.kernel_slice(0, k)            # the calibration slice's, before its weights
+            block, (c0, c1) = spec.kernel_slice(0, k)            # a slice of the layer's first k kernels
             x_shape = (shape[0], c1 - c0) + tuple(shape[2:])
-            if not self.device.conv_block_needs_timing(x_shape, (k,) + tuple(spec.weight_shape[1:]), block):
+            w_shape = (k,) + tuple(spec.weight_shape[1:])
+            if not self.device.conv_block_needs_timing(x_shape, w_shape, block):
                 continue
-            sl = self._calibration_slice(spec, k, rng)
-            x = rng.standard_normal(tuple(shape), dtype=np.float32)
+            x = np.zeros(x_shape, np.float32)
             if layer > 0 and getattr(self.device, "channels_last", False):
                 x = as_channels_last(x)             # as the step hands it on (see calibrate)
-            self._call_timer(sl, x, layer > 0)()
+            self.device.choose_conv_path(x, np.zeros(w_shape, np.float32), block)
             ran += 1
         return len(calls), ran, time.perf_counter() - t0
 
