@@ -54,6 +54,7 @@ bandwidth.md and bandwidth.png rendered from it.
 """
 import argparse
 import contextlib
+import functools
 import json
 import os
 import re
@@ -257,6 +258,7 @@ def user_net(net):
     return ".py:" in net
 
 
+@functools.lru_cache(maxsize=None)
 def data_shape(path):
     """(image size, classes) of an .npz of square images (x_train (N, 3, S, S), classes)."""
     import numpy as np

@@ -189,6 +189,14 @@ def test_a_prepare_call_that_does_not_fit_its_layer_is_refused_by_name(call, exp
         server.handle("PREPARE", [], {"calls": [call]})
 
 
+def test_the_workers_prepared_fields_are_kept_only_where_well_formed():
+    from hetconv.training.loop import prepared_record
+    got = prepared_record({"a": {"calls": 3, "ran": 2, "seconds": 1.5, "extra": "x" * 10},
+                           "b": {"calls": "3", "ran": True, "seconds": float("nan")}, "c": {}})
+    assert got == {"a": {"calls": 3, "ran": 2, "seconds": 1.5}, "b": {"calls": 0, "ran": 0, "seconds": 0.0},
+                   "c": {"calls": 0, "ran": 0, "seconds": 0.0}}
+
+
 # ---- the file ----------------------------------------------------------------------------------------
 
 def test_a_store_replaces_the_file_whole_or_not_at_all(tmp_path, monkeypatch, capsys):

@@ -465,12 +465,12 @@ class ConvPathChoice:
         entry = None if self.retime else self.wisdom.lookup(machine, call)
         if entry is not None and entry["path"] in candidates:
             stored = entry.get("seconds") or {}
+            timed_alike = bool(stored) and set(stored) <= set(candidates)
             # a stored timing of these very paths is read by today's margins (_fastest), as a
             # timing made here would be
-            path = _fastest(stored) if stored and entry["path"] in stored and set(stored) <= set(candidates) \
-                else entry["path"]
-            found = _PathChoice(path, "wisdom", entry.get("seconds"), measured=True)
-            if found.seconds and set(found.seconds) <= set(candidates):
+            found = _PathChoice(_fastest(stored) if timed_alike else entry["path"], "wisdom", entry.get("seconds"),
+                                measured=True)
+            if timed_alike:
                 # as if timed here: calls of the same layer within AUTO_REUSE_FACTOR take it too
                 layer = (tuple(x.shape[1:]), tuple(w.shape[1:]), stride, padding, block)
                 self._timed.append((layer, x.shape[0], w.shape[0], key, found))

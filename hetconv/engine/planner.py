@@ -90,12 +90,12 @@ def step_calls(plan, specs, input_shapes, batch, micro_batches):
     calls = {w: [] for w in plan.workers}
     sizes = split_sizes(int(batch), int(micro_batches))
     for lp, spec, shape in zip(plan.layers, specs, input_shapes):
+        cuts = [image_ranges(lp, n) for n in sizes] if lp.mode == "data" else None
         for w, (start, stop) in lp.ranges.items():
-            kernels = lp.kernels if lp.mode == "data" else stop - start
-            rows = ([e - s for s, e in (image_ranges(lp, n)[w] for n in sizes)] if lp.mode == "data" else sizes)
-            for n in sorted(set(rows), reverse=True):
-                if n > 0 and kernels > 0 and w in calls:
-                    calls[w].append((lp.layer, spec, (n,) + tuple(shape[1:]), kernels))
+            kernels = lp.kernels if cuts else stop - start
+            rows = [cut[w][1] - cut[w][0] for cut in cuts] if cuts else sizes
+            calls[w] += [(lp.layer, spec, (n,) + tuple(shape[1:]), kernels)
+                         for n in sorted(set(rows), reverse=True) if n > 0 and kernels > 0]
     return calls
 
 

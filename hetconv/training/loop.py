@@ -322,6 +322,15 @@ def network_for(cfg, ds, resume=None):
     return cfg.network(input_shape, len(ds.classes))
 
 
+def prepared_record(replies):
+    """{worker: {calls, ran, seconds}} of the workers' PREPARED fields, each a count or seconds
+    where the worker sent a well-formed one, else 0: what the log and the metrics keep of them."""
+    def number(v, kind):
+        return v if isinstance(v, kind) and not isinstance(v, bool) and v >= 0 and math.isfinite(v) else kind(0)
+    return {name: {"calls": number(f.get("calls"), int), "ran": number(f.get("ran"), int),
+                   "seconds": number(f.get("seconds"), float)} for name, f in replies.items()}
+
+
 def resolve_micro_batches(cfg, engine):
     """The run's micro-batch count with this engine's workers and plan (policy.run_micro_batches)."""
     return run_micro_batches(cfg.micro_batches, cfg.batch_size, engine.exchange, len(engine.workers),
@@ -637,9 +646,9 @@ class _Run:
         "prepare" metrics record where anything ran."""
         self.calls_due = False
         t0 = time.perf_counter()
-        prepared = self.engine.prepare_calls(self.elastic.input_shapes, batch, self.micro_batches)
+        prepared = prepared_record(self.engine.prepare_calls(self.elastic.input_shapes, batch, self.micro_batches))
         seconds = time.perf_counter() - t0
-        ran = sum(int(p.get("ran", 0)) for p in prepared.values())
+        ran = sum(p["ran"] for p in prepared.values())
         moved = moved_bytes(self.engine.step_stats())                   # no step's
         self.precision_counted = False                                  # calls ran since the counts
         if ran:
