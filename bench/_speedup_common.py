@@ -129,8 +129,7 @@ def run_one(spec):
             local_before = planning.calibrate_local("cpu", specs, cal_shapes, [s.kernels for s in specs], threads=threads)
             local_calibration_s = time.perf_counter() - t0
         summary = train(cfg, engine, log=log)
-        from hetconv.training.loop import resolve_micro_batches
-        micro = resolve_micro_batches(cfg, engine)
+        micro = engine.run_micro_batches(cfg.micro_batches, cfg.batch_size)
         row.update(exchange=cfg.exchange, micro_batches=micro, wire=cfg.wire_dtype)
         # ---- measured ---------------------------------------------------------------------
         with open(metrics) as f:

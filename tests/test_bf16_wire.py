@@ -17,13 +17,13 @@ from hetconv.devices.cpu_options import CpuOptions
 from hetconv.engine.local import LocalEngine
 from hetconv.engine.contract import wire_record
 from hetconv.engine.planner import fixed_plan
-from hetconv.engine.policy import PlanSettings
+from hetconv.engine.policy import PlanSettings, wire_for
 from hetconv.engine.shard import ConvShard, ShardError, ShardServer
 from hetconv.geometry import ConvSpec
 from hetconv.training import checkpoint
 from hetconv.training.config import Config
 from hetconv.training.loop import train
-from hetconv.transport.wire import carried_dtype, decode, encode, value_bytes, wire_for
+from hetconv.transport.wire import carried_dtype, decode, encode, value_bytes
 
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hetconv.cli import worker as worker_cli
-from hetconv.coordinator import remote as remote_module
+from hetconv.engine.conv_precision import checked_choices
 from hetconv.devices import open_device
 from hetconv.devices.cpu import CONV_PATHS
 from hetconv.devices.cpu_options import CpuOptions
@@ -64,13 +64,13 @@ def test_spawned_workers_run_the_path_the_coordinator_was_given(tmp_path):
 
 def test_a_workers_malformed_conv_path_report_is_dropped_not_trusted():
     good = {"call": "x (2, 3, 8, 8)", "path": "fft", "why": "timed", "seconds": {"fft": 0.5, "im2col": 1, "x": "slow"}}
-    got = remote_module._conv_path_choices([good, "fft", {"path": 3}, {**good, "seconds": None}, None])
+    got = checked_choices([good, "fft", {"path": 3}, {**good, "seconds": None}, None])
     assert got == [{"call": good["call"], "path": "fft", "why": "timed", "seconds": {"fft": 0.5, "im2col": 1.0}}]
-    assert remote_module._conv_path_choices("everything") == []
-    assert len(remote_module._conv_path_choices([good] * 100)) == 64
+    assert checked_choices("everything") == []
+    assert len(checked_choices([good] * 100)) == 64
     direct = {**good, "path": "direct-bf16", "kernels": {"forward": "jit_bf16:avx512_core_bf16", "backward-data": 7,
                                                           "x" * 99: "y" * 99, "four": "a", "five": "b"}}
-    kernels = remote_module._conv_path_choices([direct])[0]["kernels"]
+    kernels = checked_choices([direct])[0]["kernels"]
     assert kernels == {"forward": "jit_bf16:avx512_core_bf16", "x" * 20: "y" * 60}    # strings, 3 entries, cut
 
 

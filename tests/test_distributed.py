@@ -468,8 +468,8 @@ def test_cuda_worker_joins_and_matches_local(tmp_path, monkeypatch):
         pytest.skip("numba reports no GPU and the simulator is off")
     # one timed call a calibration point instead of three: under the simulator a call takes about a
     # second, and the split this test checks needs only the order of the two devices' speeds
-    import hetconv.coordinator.remote
-    monkeypatch.setattr(hetconv.coordinator.remote, "CALIBRATION_REPEATS", 1)
+    import hetconv.engine.calibrated
+    monkeypatch.setattr(hetconv.engine.calibrated, "CALIBRATION_REPEATS", 1)
     # under the simulator (conftest's default) CUDA is very slow, so calibration gives it a small share
     # 10x10 crops and 3x3 kernels keep the simulated GPU's share of work to seconds
     cfg = Config(**{**TINY, "conv": "4,6", "fc": "8", "batch_size": 4, "synthetic_train": 64, "synthetic_test": 8,

@@ -183,7 +183,7 @@ def test_a_malformed_calibration_is_named_before_the_cost_model_reads_it():
     what is wrong, instead of failing deep inside the cost model's fit."""
     import copy
 
-    from hetconv.coordinator.remote import _checked_calibration
+    from hetconv.engine.calibrated import checked_calibration as _checked_calibration
     from hetconv.devices import open_device
     from hetconv.engine.contract import WorkerError
     from hetconv.engine.shard import ConvShard

@@ -7,7 +7,6 @@ from hetconv.engine.planner import make_plan
 from hetconv.engine.policy import PlanSettings
 from hetconv.geometry import conv_specs
 from hetconv.training.config import Config
-from hetconv.training.loop import resolve_micro_batches
 
 SPECS = conv_specs([8, 16])
 SHAPES = [(32, 3, 32, 32), (32, 8, 14, 14)]
@@ -63,15 +62,15 @@ def test_the_coordinator_picks_the_count_its_cost_model_prices_fastest(call_per_
     assert choice["micro_batches"] == expected and set(choice["predicted_s"]) == {1, 2}
     assert choice["predicted_s"][expected] == min(choice["predicted_s"].values())
     # the run follows it, never above the rule for the workers there are now
-    assert resolve_micro_batches(cfg, engine) == expected
+    assert engine.run_micro_batches(cfg.micro_batches, cfg.batch_size) == expected
     engine.peers = {"a": None}
-    assert resolve_micro_batches(cfg, engine) == 1
+    assert engine.run_micro_batches(cfg.micro_batches, cfg.batch_size) == 1
     # a count set by hand is never second-guessed
     engine.peers = {"a": None, "b": None}
     engine._plan_from_calibration(SPECS, SHAPES, speeds, PlanSettings.of(Config(
         conv="8,16", batch_size=32, link=link, parallel="model", micro_batches=2).validate()))
     assert engine.micro_choice is None
-    assert resolve_micro_batches(Config(conv="8,16", batch_size=32, micro_batches=3).validate(), engine) == 3
+    assert engine.run_micro_batches(3, 32) == 3
 
 
 def test_a_plan_gives_the_cost_model_its_kernels_and_images_per_worker():

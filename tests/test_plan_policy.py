@@ -232,8 +232,8 @@ def test_hetconv_plan_plans_as_the_coordinator_with_shared_cores_and_precision_a
     same link (each byte costing the shared cores compute) with the same wire (bfloat16, from what
     the devices computed in), the same fallback speeds, and the same price of one device with
     both cores in their place."""
-    from hetconv.coordinator import remote
     from hetconv.coordinator.remote import _Peer
+    from hetconv.engine import calibrated
     flags = ["--conv", "16,64,512", "--ksize", "3", "--padding", "1", "--fc", "16", "--batch-size", "64",
              "--link", "1gbit", "--parallel", "auto", "--precision", precision]
     cfg, specs, input_shapes = network({"conv": "16,64,512", "ksize": 3, "padding": 1, "fc": "16", "batch_size": 64,
@@ -248,8 +248,8 @@ def test_hetconv_plan_plans_as_the_coordinator_with_shared_cores_and_precision_a
     data = hetconv_plan_here(monkeypatch, capsys, "cpu:1x2", lambda threads, kernels: profile[threads], flags)
     names = ["d0-cpu:1", "d1-cpu:1"]                  # the coordinator's workers named as hetconv-plan names them
 
-    fake_here(monkeypatch, remote)
-    monkeypatch.setattr(remote, "calibrate_local", lambda *a, threads=None, **kw: profile[threads])
+    fake_here(monkeypatch, calibrated)
+    monkeypatch.setattr(calibrated, "calibrate_local", lambda *a, threads=None, **kw: profile[threads])
     engine = RemoteEngine.__new__(RemoteEngine)
     engine.exchange, engine.wire, engine.fixed_plan = cfg.exchange, cfg.wire_dtype, None
     engine.mode_choice = engine.micro_choice = None

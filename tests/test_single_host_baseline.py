@@ -174,11 +174,11 @@ def test_hetconv_plan_has_one_baseline_where_one_device_has_every_core(monkeypat
 def _coordinator(monkeypatch, together_per_kernel, calibration_s=1.0, hosts=("here", "here")):
     """A RemoteEngine's state as plan_for leaves it after calibrating two one-thread CPU workers,
     this process's calibration of their cores together faked (None: it fails)."""
-    from hetconv.coordinator import remote
+    from hetconv.engine import calibrated
     from hetconv.training.config import Config
-    monkeypatch.setattr(remote, "host_key", lambda: "here")
-    monkeypatch.setattr(remote, "usable_cores", lambda: 2)
-    monkeypatch.setattr(remote, "measure_loopback", lambda: 20e9)
+    monkeypatch.setattr(calibrated, "host_key", lambda: "here")
+    monkeypatch.setattr(calibrated, "usable_cores", lambda: 2)
+    monkeypatch.setattr(calibrated, "measure_loopback", lambda: 20e9)
     asked = []
 
     def fake_calibrate(device, specs, shapes, kernels, threads=None, **options):
@@ -187,13 +187,13 @@ def _coordinator(monkeypatch, together_per_kernel, calibration_s=1.0, hosts=("he
             raise MemoryError("no room")
         return _profile(f"cpu:{threads}", together_per_kernel, 0.05)
 
-    monkeypatch.setattr(remote, "calibrate_local", fake_calibrate)
+    monkeypatch.setattr(calibrated, "calibrate_local", fake_calibrate)
     logged = []
     peers = {w: types.SimpleNamespace(host_key=h, device="cpu", threads=1, host="box") for w, h in zip(("w0", "w1"), hosts)}
     one = _profile("cpu:1", 1e-6, 0.05)
     calibration = {w: {"device": "cpu", "description": "", "speeds": [1.0, 1.0],
                        "layers": [{"forward": [[1, 1, 1.0]], "backward": [[1, 1, 1.0]]}]} for w in peers}
-    monkeypatch.setattr(remote, "profiles_from_calibration", lambda cal: {w: one for w in cal})
+    monkeypatch.setattr(calibrated, "profiles_from_calibration", lambda cal: {w: one for w in cal})
     chosen = choose_plan(PAPER, IMAGE, BATCH, {"w0": one, "w1": one}, LINK)
     plan = chosen.plan
     planned = WorkersPlan(chosen, LINK, LINK, "float32", "--wire-dtype float32", {w: ("cpu", "fp32") for w in peers})
@@ -202,7 +202,7 @@ def _coordinator(monkeypatch, together_per_kernel, calibration_s=1.0, hosts=("he
                                    log=logged.append, _graph_shape=lambda: None)
     cfg = Config(net="paper", batch_size=BATCH, link="1gbit").validate()
     shapes = [(BATCH,) + IMAGE, (BATCH, 500, 14, 14)]
-    got = remote.RemoteEngine._price_cores_together(engine, plan, PAPER, shapes, PlanSettings.of(cfg))
+    got = calibrated.CalibratedEngine._price_cores_together(engine, plan, PAPER, shapes, PlanSettings.of(cfg))
     return got, logged, asked
 
 

@@ -228,7 +228,7 @@ def test_a_stop_now_while_the_rescue_saves_the_snapshot_stops_at_once_and_says_s
     engine = SimpleNamespace(exchange="peer", workers=["a", "b"])
     lines = []
     run = _Run(Config(**TINY, checkpoint_dir="ck").validate(), engine, None, elastic, None, [], 0, 6, 10,
-               lines.append, None)
+               lines.append, None, 2)
     run.last_ckpt = "ck/ckpt-step0000002.npz"
     assert run.rescue("the stop did not complete within --stop-grace 2s") == "ck/ckpt-step0000002.npz"
     assert lines == ["the stop did not complete within --stop-grace 2s; SIGTERM again while the snapshot of "

@@ -13,8 +13,6 @@ Two ways through a training step (`exchange`):
   here, layer by layer (ShardEngine.conv_step): the first design, kept for comparison.
 """
 import atexit
-import collections
-import dataclasses
 import errno
 import math
 import os
@@ -28,18 +26,12 @@ from zmq.utils.monitor import recv_monitor_message
 
 from hetconv import runtimes
 from hetconv.devices.cpu_options import CpuOptions
-from hetconv.devices.wisdom import DETERMINISTIC
-from hetconv.engine.contract import ShardEngine, WorkerError, WorkerLost  # noqa: F401  (raised here, caught by callers)
-from hetconv.engine.conv_precision import checked_choices as _conv_path_choices, computed_precision
-from hetconv.engine.costmodel import Link, parse_bandwidth, profiles_from_calibration
-from hetconv.engine.graph import GraphPass, norm_states_from
-from hetconv.engine.measure import calibrate_local, measure_loopback
+from hetconv.engine.calibrated import CalibratedEngine
+from hetconv.engine.contract import WorkerError, WorkerLost  # noqa: F401  (raised here, caught by callers)
+from hetconv.engine.graph import norm_states_from
 from hetconv.engine.layouts import WHOLE, index_in, pieces, pieces_shape, tensor_layouts
-from hetconv.engine.microbatch import priced_text
 from hetconv.engine.planner import PlanError, layout_rows
-from hetconv.engine.policy import (check_exchange, check_plannable, cores_together_record,
-                                   head_weights_later, plan_workers, step_bounds)
-from hetconv.flags import usable_cores
+from hetconv.engine.policy import head_weights_later
 from hetconv.transport import keys
 from hetconv.transport import protocol as P
 from hetconv.transport.keys import authenticated_key, handshake_refusal, read_key_folder
@@ -51,61 +43,6 @@ from hetconv.update import clip_factor
 EXCHANGES = ("peer", "star")
 DISCONNECT_PROBE_S = 5.0     # how long after a dropped connection the workers are probed
 MAX_JOINING = 32             # HELLOs kept from workers waiting to join a run, until its next snapshot
-
-
-CALIBRATION_REPEATS = 3          # calls per timed block: each block also lasts at least 0.25 s (engine.shard)
-
-
-def _is_seconds(x):
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
-
-
-def _check_timing_points(where, d):
-    """`d`'s batch, kernels and per-kernel forward_s and backward_s (see _checked_calibration)."""
-    if not isinstance(d, dict):
-        raise ValueError(f"{where} is {type(d).__name__}, not a map")
-    batch, ks = d.get("batch"), d.get("kernels")
-    if not (isinstance(batch, int) and not isinstance(batch, bool) and batch > 0):
-        raise ValueError(f"{where}: batch {batch!r}, expected a positive integer")
-    if not (isinstance(ks, list) and 1 <= len(ks) <= 2
-            and all(isinstance(k, int) and not isinstance(k, bool) and k > 0 for k in ks)):
-        raise ValueError(f"{where}: kernels {ks!r}, expected one or two positive integers")
-    for key in ("forward_s", "backward_s"):
-        # a real run takes time: a zero would make a free device, whose share the planner
-        # cannot size (it divides by the time a kernel takes)
-        ts = d.get(key)
-        if not (isinstance(ts, list) and len(ts) == len(ks) and all(_is_seconds(t) and t > 0 for t in ts)):
-            raise ValueError(f"{where}: {key} {ts!r}, expected {len(ks)} positive finite seconds, one per "
-                             f"kernel count")
-
-
-def _checked_calibration(label, fields, layers):
-    """A worker's CALIBRATED fields, checked before the cost model fits them (they come from the
-    network): `speeds`, a positive finite number per conv layer; `timings`, per layer a batch,
-    one or two kernel counts and a positive forward and backward time for each, the same again on half
-    the batch where there is one (`half_batch`), and finite update and gradient-sum times.
-    -> (speeds, timings), or WorkerError naming the worker and the first thing wrong."""
-    try:
-        speeds, timings = fields.get("speeds"), fields.get("timings")
-        if not (isinstance(speeds, list) and len(speeds) == layers
-                and all(_is_seconds(v) and v > 0 for v in speeds)):
-            raise ValueError(f"speeds {speeds!r:.200}, expected {layers} positive finite numbers")
-        if not (isinstance(timings, list) and len(timings) == layers):
-            raise ValueError(f"timings for {len(timings) if isinstance(timings, list) else 'no'} layers, "
-                             f"expected {layers}")
-        for li, timing in enumerate(timings):
-            _check_timing_points(f"conv{li + 1}", timing)
-            if "half_batch" in timing:
-                _check_timing_points(f"conv{li + 1} half_batch", timing["half_batch"])
-            for key in ("update_s", "accumulate_s"):
-                if key in timing and not _is_seconds(timing[key]):
-                    raise ValueError(f"conv{li + 1}: {key} {timing[key]!r}, expected finite non-negative seconds")
-            if "update_kernels" in timing and not (isinstance(timing["update_kernels"], int)
-                                                   and not isinstance(timing["update_kernels"], bool)):
-                raise ValueError(f"conv{li + 1}: update_kernels {timing['update_kernels']!r}, expected an integer")
-    except ValueError as e:
-        raise WorkerError(label, "calibration", "CalibrationError", f"a malformed calibration: {e}") from None
-    return list(speeds), list(timings)
 
 
 def spawned_worker_names(devices):
@@ -153,7 +90,7 @@ class _Peer:
         return f"{self.name} ({self.device} on {self.host}, pid {self.pid})"
 
 
-class RemoteEngine(ShardEngine):
+class RemoteEngine(CalibratedEngine):
     in_process = False          # the shards are in hetconv-worker processes
 
     def __init__(self, bind, expected_workers, spawn=(), threads=0, worker_timeout=10.0,
@@ -168,18 +105,14 @@ class RemoteEngine(ShardEngine):
         affinity mask decides). `conv_paths`:
         the conv path records of the checkpoint a run resumes from (checkpoint.recorded_conv_paths),
         told every worker in its WELCOME: a device whose machine key is a record's runs its paths."""
-        super().__init__()
+        super().__init__(log=log, cpu=cpu)          # self.peers: name -> _Peer, in plan order
         if exchange not in EXCHANGES:
             raise ValueError(f"--exchange must be one of {', '.join(EXCHANGES)}, got {exchange!r}")
         self.exchange, self.wire = exchange, check_wire_dtype(wire)     # auto: decided with each plan
-        self.plan_choice = None     # policy.PlanChoice of the last plan made from calibration
-        self.workers_plan = None    # policy.WorkersPlan behind it: its wire and priced link too
         self.step_id = 0
         self.head_weights_later = False     # load() decides, per plan
         self.zmq = zmq
-        self.log = log
         self.verbose = verbose                              # spawned workers' own start-up lines too
-        self.cpu = cpu                                      # CPU device options, spawned workers' and this process's
         self.resume_conv_paths = list(conv_paths)           # what WELCOME tells each worker's device to run
         self.worker_timeout, self.connect_timeout, self.op_timeout = worker_timeout, connect_timeout, op_timeout
         self.ctx = zmq.Context()
@@ -193,11 +126,8 @@ class RemoteEngine(ShardEngine):
         self.processes = []                                 # (label, Popen or a launcher's look-alike)
         self.spawn_threads = 0                              # threads of a spawned `cpu` worker (0: none spawned)
         self.launcher = launcher                            # None: spawned here; else e.g. launch_ray.RayLauncher
-        self.peers = {}                                     # name -> _Peer, in plan order
-        self._chain_pass = (None, None)                     # (its key, the GraphPass a chain's peer step runs)
         self.by_identity = {}
         self.seq = 0
-        self.calibration_s = 0.0
         self._sent_bytes, self._recv_bytes = {}, {}
         self.heartbeats = self.ctx.socket(zmq.PULL)
         self.heartbeats.linger = 0
@@ -217,7 +147,6 @@ class RemoteEngine(ShardEngine):
         self._listen()
         self.joining = {}                                   # routing id -> HELLO fields, admitted at a snapshot
         self.joiners_refused = 0                            # HELLOs refused since the last admission: joining was full
-        self.step_bounds = {}                               # PEERS' micro_batches and early_bytes (_note_step_bounds)
         self.join_wait_s = 0.0                              # what a joiner is told to wait, beyond its own timeout
         self._probe_until = 0.0                             # probe for vanished workers until then
         atexit.register(self.close)
@@ -670,16 +599,6 @@ class RemoteEngine(ShardEngine):
         self.fixed_plan = None                              # a hand-set plan does not cover the newcomers
         return self.replan(specs, input_shapes, settings)
 
-    def replan(self, specs, input_shapes, settings):
-        """A plan over the workers there are now, from their calibration; a worker without one
-        (it joined while another was lost) is calibrated first, never planned blind."""
-        self._note_step_bounds(specs, input_shapes, settings)
-        missing = [name for name in self.peers if name not in self.calibration]
-        if missing:
-            self._calibrate_some(specs, input_shapes, settings, missing)
-        return self._plan_from_calibration(specs, input_shapes,
-                                           {name: self.calibration[name]["speeds"] for name in self.peers}, settings)
-
     def _unique_name(self, name):
         base, k = name, 2
         while name in self.peers:                            # labels need not be unique; names in plans must
@@ -690,120 +609,6 @@ class RemoteEngine(ShardEngine):
     @property
     def workers(self):
         return list(self.peers)
-
-    def calibrate(self, specs, input_shapes, settings):
-        """Each worker times its fused kernels on the real layer shapes, its equal share of kernels,
-        after a JIT warm-up. Returns {worker: [kernels/s per layer]}."""
-        return self._calibrate_some(specs, input_shapes, settings, list(self.peers))
-
-    def _calibrate_some(self, specs, input_shapes, settings, names):
-        batch = settings.calibration_batch
-        n = len(self.peers)
-        layers = [{"spec": s.to_json(), "input_shape": [batch] + list(shape[1:]), "kernels": -(-s.kernels // n)}
-                  for s, shape in zip(specs, input_shapes)]
-        t0 = time.perf_counter()
-        request = ("CALIBRATE", [], {"layers": layers, "repeats": CALIBRATION_REPEATS})
-        replies = self._call({name: request for name in names}, "calibration")
-        self.calibration_s = time.perf_counter() - t0
-        checked = {name: _checked_calibration(self.peers[name].label(), fields, len(specs))
-                   for name, (_, fields) in replies.items()}
-        self.calibration.update({name: {"device": self.peers[name].device, "description": self.peers[name].description,
-                                        "speeds": speeds, "layers": timings,
-                                        "conv_paths": _conv_path_choices(replies[name][1].get("conv_paths"))}
-                                 for name, (speeds, timings) in checked.items()})
-        for name in checked:
-            self.calibration[name]["precision"] = computed_precision(self.calibration[name]["conv_paths"])
-        return {name: list(checked[name][0]) for name in names}
-
-    def _note_step_bounds(self, specs, input_shapes, settings):
-        """What PEERS tells the workers a step of this run can need (policy.step_bounds)."""
-        self.step_bounds = step_bounds(settings.flags.micro_batches, settings.batch_size, specs, input_shapes[0][1:])
-
-    def plan_for(self, specs, input_shapes, settings):
-        self._note_step_bounds(specs, input_shapes, settings)
-        flags = settings.flags_for(self.exchange)
-        check_exchange(flags, len(specs))
-        if self.fixed_plan is not None:             # checked when it was made: its data layers need no kernel each
-            self.decide_wire(settings)
-            return self.fixed_plan
-        check_plannable([s.kernels for s in specs], len(self.peers), flags)
-        self.log(f"calibrating {len(self.peers)} worker(s): each times its share of every conv layer on the real "
-                 f"shapes, after a warm-up (seconds to a minute) ...")
-        speeds = self.calibrate(specs, input_shapes, settings)
-        self.log(f"calibrated {len(self.peers)} worker(s) in {self.calibration_s:.1f}s")
-        for name in sorted(self.calibration):
-            # one line a worker: which paths its device runs, by timing or as told (each call shape's
-            # choice, with every path's time, is in the metrics' calibration record)
-            chosen = self.calibration[name]["conv_paths"]
-            if (not any(c["why"] in ("timed", "forced", "wisdom", "checkpoint", DETERMINISTIC) or c["path"] == "fft"
-                        for c in chosen) and settings.precision == "fp32"):
-                continue                                 # the rule's untimed choices on small layers
-            # (timed in this run, or earlier: this machine's wisdom, the checkpoint resumed from)
-            how = ("forced" if all(c["why"] == "forced" for c in chosen) else
-                   "by rule, --deterministic" if all(c["why"] == DETERMINISTIC for c in chosen) else
-                   "timed where a call is big enough")
-            counts = collections.Counter(c["path"] for c in chosen)
-            self.log(f"  {name} conv paths ({how}): " + ", ".join(
-                f"{path} for {n} call shape{'s' if n > 1 else ''}" for path, n in sorted(counts.items()))
-                + f"; precision {self.calibration[name]['precision']}")
-        plan = self._plan_from_calibration(specs, input_shapes, speeds, settings)
-        return self._price_cores_together(plan, specs, input_shapes, settings)
-
-    def _price_cores_together(self, plan, specs, input_shapes, settings):
-        """`plan`, with its `cores_together` record (policy.cores_together_record, its line logged):
-        where two or more of its CPU workers run on this host, one device with their cores
-        together priced in their place. That device is calibrated here, in this process, while
-        the workers wait: this process can open a device on those cores, a worker pinned to its
-        own cannot. Workers together on another host are not priced so: their cores cannot be
-        calibrated together from here."""
-        if not all(w in self.calibration for w in plan.workers):
-            return plan
-        batch = settings.calibration_batch
-
-        def calibrate_together(threads, workers):
-            self.log(f"pricing one worker with the {threads} cores of {', '.join(workers)} together: calibrating "
-                     f"cpu:{threads} in this process ...")
-            return calibrate_local("cpu", specs, [(batch,) + tuple(s[1:]) for s in input_shapes],
-                                   [s.kernels for s in specs], threads=threads, repeats=CALIBRATION_REPEATS,
-                                   cpu=self.cpu)
-
-        record = cores_together_record(
-            specs, tuple(input_shapes[0][1:]), settings.batch_size, self.workers_plan,
-            profiles_from_calibration({w: self.calibration[w] for w in plan.workers}), self.peers,
-            settings.flags_for(self.exchange), calibrate_together, self.calibration_s,
-            lambda: Link(measure_loopback(), name="loopback (measured)"), host_key(), usable_cores(),
-            self._graph_shape(), self.log)
-        return dataclasses.replace(plan, cores_together=record) if record else plan
-
-    def _plan_from_calibration(self, specs, input_shapes, speeds, settings):
-        """The plan policy.plan_workers makes from the workers' calibration (`speeds`: {worker:
-        measured kernels/s per layer}, in worker order: what the split falls back to where the
-        cost lines are too noisy), with its mode choice in `mode_choice`, its micro-batch choice
-        in `micro_choice`, and its wire (`decide_wire`, from what the plan's workers computed in),
-        said where it changed."""
-        before = self.wire_choice["dtype"] if self.wire_choice else None
-        profiles = profiles_from_calibration({name: self.calibration[name] for name in speeds})
-        planned = plan_workers(specs, tuple(input_shapes[0][1:]), settings.batch_size, profiles,
-                               parse_bandwidth(settings.link), self.peers, settings.flags_for(self.exchange),
-                               self.asked_wire(settings), settings.precision,
-                               self._graph_shape(), host_key(), usable_cores(), speeds)
-        choice = planned.choice
-        for note in choice.notes:
-            self.log(note)
-        self.decide_wire(settings, planned.computed, choice.plan.workers)
-        if before is not None and before != self.wire:
-            self.log(f"feature maps and gradients between layers: {self.wire} from this plan on, was {before} "
-                     f"({self.wire_choice['reason']})")
-        self.workers_plan = planned
-        self.plan_choice, self.mode_choice, self.micro_choice = choice, choice.mode_choice, choice.micro_choice
-        if self.micro_choice is not None and self.micro_choice["micro_batches"] < max(self.micro_choice["predicted_s"]):
-            self.log(f"micro-batches: {self.micro_choice['micro_batches']}, the cheapest predicted step "
-                     f"({priced_text(self.micro_choice['predicted_s'])})")
-        return choice.plan
-
-    def _graph_shape(self):
-        """What the cost model prices this network's blocks with where it is a graph, else None."""
-        return None if self.graph is None else self.graph.shape()
 
     def load(self, plan, specs, params):
         super().load(plan, specs, params)
@@ -916,7 +721,7 @@ class RemoteEngine(ShardEngine):
         step, names, micros = self.step_id, self.plan.workers, len(xs)
         train = head is not None
         doing = f"{'training' if train else 'inference'} step {step}"
-        graph = self._step_graph(tuple(xs[0].shape[2:]))
+        graph = self.step_graph(tuple(xs[0].shape[2:]))
         shape = graph.feature_shape
         images_wire = self.wire if graph.images_exact else "float32"
         features_wire = self.wire if graph.features_exact else "float32"
@@ -991,19 +796,6 @@ class RemoteEngine(ShardEngine):
             raise PlanError("the plan's data blocks split the images differently; a graph's data blocks split "
                             "them alike (planner.plan_from_lines with one_split)")
         return rows
-
-    def _step_graph(self, image_hw):
-        """The GraphPass the peer step runs: the network's graph, or a chain's (GraphPass.chain,
-        its features the last layer's pooled output for images of `image_hw`)."""
-        if self.graph is not None:
-            return self.graph
-        hw = image_hw
-        for layer in range(len(self.specs)):
-            hw = self.pooled_output_hw(layer, hw)
-        key = (len(self.specs), self.specs[-1].kernels) + tuple(hw)
-        if self._chain_pass[0] != key:
-            self._chain_pass = (key, GraphPass.chain(len(self.specs), (self.specs[-1].kernels,) + tuple(hw)))
-        return self._chain_pass[1]
 
     def _graph_feature_blocks(self, graph, sizes, rows):
         """({worker: [its blocks (r0, r1, c0, c1) of each micro-batch's features, side by side in

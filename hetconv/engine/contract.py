@@ -4,10 +4,14 @@
 nothing else. `ElasticEngine` adds what an engine whose workers can come and go offers the
 loop's membership handling (train.elastic). `ShardEngine` writes the contract once over one
 abstract `_call` (a batch of requests to the shards): slicing by plan, concatenation of channel
-slices, the sum of partial dX in plan order, gather. A transport implements only `_call` and
-`plan_for`: in-process (engine.local.LocalEngine), over ZeroMQ (coordinator.remote.RemoteEngine,
-which also runs the peer-exchange step), or not at all (the cost model's timing engine).
+slices, the sum of partial dX in plan order, gather, and the step through this process (every
+network, a chain too, as its engine.graph.GraphPass: one walk of blocks and joins). A transport
+implements only `_call`: in-process (engine.local.LocalEngine, an equal split of shards that
+cannot be measured apart), over ZeroMQ (coordinator.remote.RemoteEngine, planned from its
+workers' calibration by engine.calibrated.CalibratedEngine, and running the peer-exchange step
+too), or not at all (the cost model's timing engine).
 """
+from dataclasses import dataclass
 import math
 from typing import Protocol, runtime_checkable
 
@@ -16,10 +20,12 @@ import numpy as np
 from hetconv.devices.wisdom import MAX_RECORD_CHOICES, checked_record
 from hetconv.engine.conv_precision import checked_choices
 from hetconv.engine.costmodel import profiles_from_calibration
+from hetconv.engine.graph import GraphPass
 from hetconv.engine.planner import PlanError, cost_lines, make_plan, replan, step_calls, whole_groups
+from hetconv.engine.policy import run_micro_batches, wire_for
 from hetconv.update import clip_factor
 from hetconv.geometry import layer_state
-from hetconv.transport.wire import decode, encode, wire_for
+from hetconv.transport.wire import decode, encode
 
 # the most spans of a traced step a worker sends (worker.graph_step.StepTrace) and the metrics keep
 MAX_TRACE_SPANS = 20000
@@ -83,6 +89,42 @@ def wire_record(engine):
     return {"wire": choice} if choice else {}
 
 
+def threads_record(engine, device_threads, head_threads):
+    """The thread counts a run's sums split by, as its plan record keeps them (--plan FILE
+    carries them, cli/coordinator takes "device"): "device", what a CPU device runs where the
+    command names no count (`cpu` in --spawn, --local; `device_threads`, the command's --threads,
+    where the engine fixed none); "head", the coordinator's (`head_threads`); "workers", each
+    worker's as it said at HELLO (0: a GPU, or a CPU worker's every core, not fixed)."""
+    device, workers = engine.thread_counts()
+    return {"device": int(device or device_threads), "head": int(head_threads), "workers": workers}
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """What a run says of the plan an engine made and loaded: its table and lines for the log,
+    the fields of its "plan" metrics record, and the calibration behind it."""
+    table: str                  # the plan's table (planner.Plan.table)
+    lines: tuple                # its modes and its wire, where there is something to say
+    record: dict                # the "plan" record: the plan, its mode and micro-batch choices, wire, threads
+    calibration: dict           # {worker: its calibration record}, every worker measured ({}: none)
+    micro_batches: int          # a step's micro-batch count under the plan (Engine.run_micro_batches)
+
+
+def plan_report(engine, plan, precision, device_threads, head_threads, requested_micro, batch):
+    """The PlanReport of `plan`, just made by `engine` (`precision`: --precision; `requested_micro`:
+    --micro-batches, 0 for auto; `batch`: a step's images)."""
+    choice, wire = mode_choice_record(engine), wire_record(engine)
+    lines = []
+    if choice:
+        lines.append(f"modes: {', '.join(choice['mode_choice']['modes'])} ({choice['mode_choice']['reason']})")
+    if wire and (wire["wire"]["dtype"] != "float32" or precision != "fp32"):
+        lines.append(f"feature maps and gradients between layers: {wire['wire']['dtype']} ({wire['wire']['reason']})")
+    record = {**plan.to_json(), **choice, **micro_choice_record(engine), **wire,
+              "threads": threads_record(engine, device_threads, head_threads)}
+    return PlanReport(plan.table(), tuple(lines), record, dict(engine.calibration or {}),
+                      engine.run_micro_batches(requested_micro, batch))
+
+
 def sum_in_order(parts):
     """Partial dX in plan order -> their sum, added left to right: the same float result whatever
     order the parts arrived in, and the same as every other engine's sum. One float32 part is
@@ -126,6 +168,11 @@ class Engine(Protocol):
 
     def load(self, plan, specs, params):
         """Slices every layer's whole state ({name: array}) onto the shards."""
+
+    def run_micro_batches(self, requested, batch):
+        """-> the micro-batches a step of `batch` images is cut into under the loaded plan:
+        `requested` (--micro-batches) where set, else the rule's count or the plan's cheaper one
+        (policy.run_micro_batches)."""
 
     def prepare_calls(self, input_shapes, batch, micro_batches):
         """Each worker runs the conv call shapes of the loaded plan's training step (`batch`
@@ -212,6 +259,7 @@ class ShardEngine:
         self.mode_choice = None     # planner.ModeChoice behind the plan's modes, where one was made
         self.micro_choice = None    # {micro_batches, predicted_s}: auto micro-batches as the cost model picked them
         self._conv_path_records = {}    # worker -> its device's conv path record, as of the last gather
+        self._chain_pass = (None, None)     # (its key, the GraphPass a chain's step runs: step_graph)
         self.batch = 0
         self.reset_layer_timings()
         self._stats = {}
@@ -237,7 +285,7 @@ class ShardEngine:
         return make_plan([s.kernels for s in specs], {name: None for name in self.workers}, "equal")
 
     def decide_wire(self, settings, computed=None, names=None):
-        """The wire of the plan being made (transport.wire.wire_for), before anything prices or
+        """The wire of the plan being made (policy.wire_for), before anything prices or
         loads it: the engine's own where it was made with a dtype; for auto, --wire-dtype and
         --precision with what each worker computes in (`computed`: {name: (device, precision)}
         from calibration, or None). Kept in `wire_choice` for the log and the plan record, with
@@ -287,6 +335,9 @@ class ShardEngine:
                                                     "bn_ghost_batch": self.bn_ghost_batch})
             self._call(requests, f"loading conv{lp.layer + 1}")
         self.step_stats()
+
+    def run_micro_batches(self, requested, batch):
+        return run_micro_batches(requested, batch, self.exchange, len(self.workers), self.micro_choice)
 
     def prepare_calls(self, input_shapes, batch, micro_batches):
         calls = step_calls(self.plan, self.specs, input_shapes, batch, micro_batches)
@@ -384,36 +435,36 @@ class ShardEngine:
         backward; then the one update of the step (`update`, an UpdateRule). Where it clips
         (max_norm), `head_sum_of_squares()` is the head's part of the global norm. Returns the
         factor every gradient was scaled by (1.0 without clipping)."""
-        layers = len(self.plan.layers)
         self.batch = sum(len(x) for x in xs)
-        if self.graph is not None:
-            self.graph.train(self, xs, head, step)
-        else:
-            hs = list(xs)
-            for layer in range(layers):
-                hs = self.forward_layer(layer, hs, True, step)
-            grads = [head(m, h) for m, h in enumerate(hs)]
-            for layer in reversed(range(layers)):
-                grads = self.backward_layer(layer, grads, need_dx=layer > 0)
+        graph = self.step_graph(tuple(xs[0].shape[2:]))
+        graph.train(self, xs, head, step)
         factor = 1.0
         if update is not None and update.max_norm > 0:
-            norms = self.graph.norm_sum_of_squares() if self.graph is not None else 0.0
-            factor = clip_factor(self.sum_of_squares() + norms + head_sum_of_squares(), update.max_norm)
+            factor = clip_factor(self.sum_of_squares() + graph.norm_sum_of_squares() + head_sum_of_squares(),
+                                 update.max_norm)
             update = update.scaled(factor)
         if update is not None:
             self.update_layers(update)
-            if self.graph is not None:
-                self.graph.update_norms(update)
+            graph.update_norms(update)
         self.close_measured_step()
         return factor
 
     def predict(self, x):
+        return self.step_graph(tuple(x.shape[2:])).predict(self, x)
+
+    def step_graph(self, image_hw):
+        """The GraphPass a step runs, whatever the exchange: the network's graph, or a chain's
+        (GraphPass.chain: each block reads the one before; its features the last layer's pooled
+        output for images of `image_hw`), made once per shape."""
         if self.graph is not None:
-            return self.graph.predict(self, x)
-        h = x
-        for layer in range(len(self.plan.layers)):
-            h = self.forward_layer(layer, [h], False)[0]
-        return h
+            return self.graph
+        hw = image_hw
+        for layer in range(len(self.specs)):
+            hw = self.pooled_output_hw(layer, hw)
+        key = (len(self.specs), self.specs[-1].kernels) + tuple(hw)
+        if self._chain_pass[0] != key:
+            self._chain_pass = (key, GraphPass.chain(len(self.specs), (self.specs[-1].kernels,) + tuple(hw)))
+        return self._chain_pass[1]
 
     def gather(self):
         """Per layer its whole state {name: array}: a model layer's slices concatenated in plan

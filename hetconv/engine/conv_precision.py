@@ -60,7 +60,7 @@ def computed_precision(choices):
     """What a device's conv GEMMs run in, from its conv path choices ([{path, ...}], as a worker
     reports them at calibration): "fp32", "bf16", or "bf16 on N of M call shapes" (`--precision
     auto` where its timing took bf16 on some call shapes only). What the wire of a plan follows
-    (transport.wire.wire_for)."""
+    (engine.policy.wire_for)."""
     bf16 = sum(_is_bf16(c["path"]) for c in choices)
     if bf16 == 0 or bf16 == len(choices):
         return "bf16" if bf16 else "fp32"

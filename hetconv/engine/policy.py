@@ -22,7 +22,7 @@ from hetconv.engine.microbatch import FEWER_MICRO_MARGIN, cheapest_micro_batches
 from hetconv.engine.planner import (PlanError, check_kernels_per_worker, check_profiles, choose_modes, cost_lines,
                                     forced_modes, make_plan, plan_from_lines, price_plan, whole_groups)
 from hetconv.geometry import largest_array_bytes
-from hetconv.transport.wire import value_bytes as wire_value_bytes, wire_for
+from hetconv.transport.wire import check_wire_dtype, value_bytes as wire_value_bytes
 
 SPEED_FALLBACK = "splitting by measured speed, not by cost lines"
 # Re-splits from measured steps a run makes (training.loop schedules them, each after
@@ -277,6 +277,38 @@ def is_cpu_device(device):
     return device == "cpu" or str(device).startswith("cpu:")
 
 
+def wire_for(asked, precision, computed=None):
+    """The wire dtype of a plan, and why: -> (dtype, reason).
+
+    `asked`: --wire-dtype (a dtype is taken as it is); `precision`: --precision; `computed`:
+    {worker: (device, what its conv GEMMs ran in at calibration: "fp32", "bf16" or "bf16 on N
+    of M call shapes")}, or None where nothing was calibrated (--local, a plan set by hand).
+    auto gives bfloat16 where every CPU worker computes in bf16 (a GPU worker's kernels are
+    float32: it decodes the bf16 it gets), and without a calibration where --precision bf16 is
+    asked for; float32 otherwise. A worker that took bf16 on only some calls keeps float32: its
+    other calls would see maps rounded that its float32 GEMMs would have used whole."""
+    if check_wire_dtype(asked) != "auto":
+        return asked, f"--wire-dtype {asked}"
+    if computed is None:
+        if precision == "bf16":
+            return "bfloat16", "--precision bf16: the conv GEMMs take bf16 operands"
+        if precision == "auto":
+            return "float32", ("--precision auto decides per layer as the device runs, after the wire is fixed: "
+                               "float32")
+        return "float32", f"--precision {precision}"
+    cpus = {name: what for name, (device, what) in computed.items() if is_cpu_device(device)}
+    if not cpus:
+        return "float32", "no CPU worker: GPU kernels compute in float32"
+    fp32 = [f"{name} computes in {what}" for name, what in cpus.items() if what != "bf16"]
+    if fp32:
+        return "float32", "not every CPU worker computes in bf16: " + ", ".join(fp32[:3]) + (
+            f" and {len(fp32) - 3} more" if len(fp32) > 3 else "")
+    others = [name for name in computed if name not in cpus]
+    return "bfloat16", (f"every CPU worker's conv GEMMs run bf16 ({', '.join(list(cpus)[:4])}"
+                        f"{' ...' if len(cpus) > 4 else ''})"
+                        + (f"; {', '.join(others[:4])} computes in float32 from what the wire carries" if others else ""))
+
+
 def cpu_groups(workers):
     """The CPU workers that share a host: {host_key: [names in plan order]} for each host with two
     or more of them. workers: {name: (host_key, device)}; a device is a CPU one where it is "cpu"
@@ -405,7 +437,7 @@ class WorkersPlan:
     choice: PlanChoice          # the plan, its modes and micro-batches, and their price
     link: object                # costmodel.Link as priced for the workers (priced_link)
     asked_link: object          # ... and as asked (--link)
-    wire: str                   # the plan's wire dtype (transport.wire.wire_for)
+    wire: str                   # the plan's wire dtype (wire_for)
     wire_reason: str            # ... and why, in words
     computed: dict              # {worker of the plan: (device, what its conv GEMMs ran in)}
 
@@ -426,12 +458,12 @@ def plan_workers(specs, image_shape, batch, profiles, link, places, flags=PlanFl
     the workers there); the modes with every worker's wire, the micro-batches and the run with
     the plan's (wire_for of what its workers computed in: --wire-dtype auto follows them).
     `speeds`: what a split falls back to (None: profile_speeds). -> WorkersPlan."""
+    priced = priced_link(link, places, list(profiles), here, here_cores)
     computed = {w: (p.device, p.precision) for w, p in profiles.items()}
 
     def wire_bytes(names):
         return wire_value_bytes(wire_for(wire, precision, {n: computed[n] for n in names})[0])
 
-    priced = priced_link(link, places, list(profiles), here, here_cores)
     choice = choose_plan(specs, image_shape, batch, profiles, priced, flags, wire_bytes, graph, speeds)
     kept = {n: computed[n] for n in choice.plan.workers}
     dtype, reason = wire_for(wire, precision, kept)

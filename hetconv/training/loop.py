@@ -14,12 +14,12 @@ from hetconv.data import load_dataset, test_batches
 from hetconv.data.loader import open_loader
 from hetconv.data.photos import bad_list
 from hetconv.devices.cpu import HostArrays
-from hetconv.engine.contract import WorkerLost, micro_choice_record, mode_choice_record, moved_bytes, wire_record
+from hetconv.engine.contract import WorkerLost, moved_bytes, plan_report, wire_record
 from hetconv.engine.conv_precision import PrecisionReport, precision_line
 from hetconv.engine.microbatch import recorded_micro_batches
 from hetconv.engine.graph import graph_pass
 from hetconv.engine.planner import PlanError, given_plan, recorded_worker_names
-from hetconv.engine.policy import MAX_REBALANCES, PlanSettings, rebalances, run_micro_batches
+from hetconv.engine.policy import MAX_REBALANCES, PlanSettings, rebalances
 from hetconv.flags import say_in_handler
 from hetconv.geometry import ConvSpec
 from hetconv.net import LoadedNet, NetSpec
@@ -331,12 +331,6 @@ def prepared_record(replies):
                    "seconds": number(f.get("seconds"), float)} for name, f in replies.items()}
 
 
-def resolve_micro_batches(cfg, engine):
-    """The run's micro-batch count with this engine's workers and plan (policy.run_micro_batches)."""
-    return run_micro_batches(cfg.micro_batches, cfg.batch_size, engine.exchange, len(engine.workers),
-                             getattr(engine, "micro_choice", None))
-
-
 def center_crop(x, size):
     """(N, C, H, W) -> (N, C, size, size), C-contiguous; size 0 keeps the image whole."""
     if not size or size == x.shape[2]:
@@ -425,7 +419,8 @@ class _Run:
     schedule of rebalances, the per-step records, and the progress bar. Membership changes
     (a worker lost, a worker joined) arrive here through `recover` and `replanned`."""
 
-    def __init__(self, cfg, engine, net, elastic, ds, specs, start_step, total_steps, steps_per_epoch, log, metrics):
+    def __init__(self, cfg, engine, net, elastic, ds, specs, start_step, total_steps, steps_per_epoch, log, metrics,
+                 micro_batches):
         self.cfg, self.engine, self.net, self.elastic, self.ds, self.specs = cfg, engine, net, elastic, ds, specs
         self.log, self.metrics = log, metrics
         self.start_step, self.step, self.total_steps = start_step, start_step, total_steps
@@ -438,7 +433,7 @@ class _Run:
         self.precision, self.precision_due = None, True
         self.precision_counted = True           # the report's call counts are the devices' (nothing ran since)
         self.precision_bytes = 0                # what asking the counts before a step moved
-        self.micro_batches = resolve_micro_batches(cfg, engine)
+        self.micro_batches = micro_batches      # a step's pieces under the plan (Engine.run_micro_batches)
         self.calls_due = True                   # the plan's call shapes, run before its first step (prepare_calls)
         self.rebalance_at, self.rebalances = 0, 0
         self.bar = None
@@ -615,7 +610,7 @@ class _Run:
     def replanned(self):
         """Another set of workers (lost or joined): the micro-batch count follows it, and
         rebalancing starts over."""
-        self.micro_batches = resolve_micro_batches(self.cfg, self.engine)
+        self.micro_batches = self.engine.run_micro_batches(self.cfg.micro_batches, self.cfg.batch_size)
         self.precision_due, self.precision_counted = True, False     # a step cut short ran some calls
         self.calls_due = True
         self.arm_rebalance()
@@ -757,15 +752,6 @@ def _head_threads(cfg, engine):
     return runtimes.current_threads()
 
 
-def threads_record(cfg, engine, head_threads):
-    """The thread counts a run's sums split by, as its plan record keeps them (--plan FILE
-    carries them, cli/coordinator takes "device"): "device", what a CPU device runs where the
-    command names no count (`cpu` in --spawn, --local); "head", the coordinator's; "workers",
-    each worker's as it said at HELLO (0: a GPU, or a CPU worker's every core, not fixed)."""
-    device, workers = engine.thread_counts()
-    return {"device": int(device or cfg.threads), "head": int(head_threads), "workers": workers}
-
-
 def _run_given_plan(cfg, engine, plan, micro_batches, source, log):
     """`plan` fixed on the engine, and its recorded micro-batch count (or None) where
     --micro-batches is auto; the config the run goes on with."""
@@ -843,32 +829,29 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
 
     settings = PlanSettings.of(cfg)             # what the engine plans by, now and at every re-plan
     plan = engine.plan_for(specs, input_shapes, settings)
-    if engine.calibration:              # each worker's speeds and timings, and the conv paths its device chose
-        metrics.write("calibration", workers=engine.calibration)
+    report = plan_report(engine, plan, cfg.precision, cfg.threads, head_threads, cfg.micro_batches, cfg.batch_size)
     engine.load(plan, specs, conv_params)
+    if report.calibration:              # each worker's speeds and timings, and the conv paths its device chose
+        metrics.write("calibration", workers=report.calibration)
     elastic = Elastic(cfg, engine, net, specs, input_shapes, settings, steps_per_epoch, log, metrics,
                       network.to_json(), data_meta(ds))
     elastic.start(start_step, conv_params)      # the first snapshot (kept only where a worker can be lost)
     del conv_params                             # the shards own the conv weights from here on
     if len(plan.workers) > 1 or elastic.enabled:      # one device in-process: nothing is split
-        log(plan.table())
-    choice = mode_choice_record(engine)
-    if choice:
-        log(f"modes: {', '.join(choice['mode_choice']['modes'])} ({choice['mode_choice']['reason']})")
-    wire = wire_record(engine)
-    if wire and (wire["wire"]["dtype"] != "float32" or cfg.precision != "fp32"):
-        log(f"feature maps and gradients between layers: {wire['wire']['dtype']} ({wire['wire']['reason']})")
-    metrics.write("plan", **plan.to_json(), **choice, **micro_choice_record(engine), **wire,
-                  threads=threads_record(cfg, engine, head_threads))
-    run = _Run(cfg, engine, net, elastic, ds, specs, start_step, total_steps, steps_per_epoch, log, metrics)
+        log(report.table)
+    for line in report.lines:
+        log(line)
+    metrics.write("plan", **report.record)
+    run = _Run(cfg, engine, net, elastic, ds, specs, start_step, total_steps, steps_per_epoch, log, metrics,
+               report.micro_batches)
     # the photo loader's processes end with the run, however it ends (train's finally closes it)
     run.loader = open_loader(ds, cfg.batch_size, run.augment, cfg.seed, cfg.loader_workers, log)
     opened.append(run.loader)
     if cfg.precision == "auto":
         run.precision = PrecisionReport(specs, input_shapes)
-        if engine.calibration:          # the workers' choices at calibration; the first step's follow
-            run.report_precision({name: engine.calibration[name] for name in plan.workers
-                                  if name in engine.calibration})
+        if report.calibration:          # the workers' choices at calibration; the first step's follow
+            run.report_precision({name: report.calibration[name] for name in plan.workers
+                                  if name in report.calibration})
             run.precision_due = True    # its counts stand as the first step's start (nothing runs between)
     setup_s = time.perf_counter() - t_setup
     log(f"{ds!r}; {max(0, total_steps - start_step)} steps of {cfg.batch_size} images "

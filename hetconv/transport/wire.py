@@ -15,8 +15,8 @@ a bf16 step pays them at every block's input, output, gradient and partial dX, `
 `--wire-dtype auto` (the default) follows the compute: bfloat16 where every CPU worker's conv
 GEMMs run bf16 (their operands are rounded to bf16 anyway, so the wire halves the bytes and
 rounds a map once more only where it was not yet bf16), float32 elsewhere. It is decided once per
-plan, when what the workers compute in is known (calibration), and every LOAD of the plan names
-the dtype it chose (`wire_for`).
+plan, when what the workers compute in is known (calibration: engine.policy.wire_for), and
+every LOAD of the plan names the dtype it chose.
 """
 import numpy as np
 from numba import prange
@@ -28,7 +28,7 @@ WIRE_CHOICES = ("auto",) + WIRE_DTYPES                   # what --wire-dtype tak
 
 
 def check_wire_dtype(name):
-    """--wire-dtype's value: a dtype, or auto (decided with each plan, see wire_for)."""
+    """--wire-dtype's value: a dtype, or auto (decided with each plan: engine.policy.wire_for)."""
     if name not in WIRE_CHOICES:
         raise ValueError(f"--wire-dtype must be one of {', '.join(WIRE_CHOICES)}, got {name!r}")
     return name
@@ -44,42 +44,6 @@ def carried_dtype(name):
 def value_bytes(wire):
     """Bytes one feature-map value takes on `wire`: what the cost model charges per value."""
     return 4 if carried_dtype(wire) == "float32" else 2
-
-
-def _is_cpu(device):
-    return str(device).split(":")[0] == "cpu"
-
-
-def wire_for(asked, precision, computed=None):
-    """The wire dtype of a plan, and why: -> (dtype, reason).
-
-    `asked`: --wire-dtype (a dtype is taken as it is); `precision`: --precision; `computed`:
-    {worker: (device, what its conv GEMMs ran in at calibration: "fp32", "bf16" or "bf16 on N
-    of M call shapes")}, or None where nothing was calibrated (--local, a plan set by hand).
-    auto gives bfloat16 where every CPU worker computes in bf16 (a GPU worker's kernels are
-    float32: it decodes the bf16 it gets), and without a calibration where --precision bf16 is
-    asked for; float32 otherwise. A worker that took bf16 on only some calls keeps float32: its
-    other calls would see maps rounded that its float32 GEMMs would have used whole."""
-    if check_wire_dtype(asked) != "auto":
-        return asked, f"--wire-dtype {asked}"
-    if computed is None:
-        if precision == "bf16":
-            return "bfloat16", "--precision bf16: the conv GEMMs take bf16 operands"
-        if precision == "auto":
-            return "float32", ("--precision auto decides per layer as the device runs, after the wire is fixed: "
-                               "float32")
-        return "float32", f"--precision {precision}"
-    cpus = {name: what for name, (device, what) in computed.items() if _is_cpu(device)}
-    if not cpus:
-        return "float32", "no CPU worker: GPU kernels compute in float32"
-    fp32 = [f"{name} computes in {what}" for name, what in cpus.items() if what != "bf16"]
-    if fp32:
-        return "float32", "not every CPU worker computes in bf16: " + ", ".join(fp32[:3]) + (
-            f" and {len(fp32) - 3} more" if len(fp32) > 3 else "")
-    others = [name for name in computed if name not in cpus]
-    return "bfloat16", (f"every CPU worker's conv GEMMs run bf16 ({', '.join(list(cpus)[:4])}"
-                        f"{' ...' if len(cpus) > 4 else ''})"
-                        + (f"; {', '.join(others[:4])} computes in float32 from what the wire carries" if others else ""))
 
 
 def encode(a, wire):
