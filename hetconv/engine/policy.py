@@ -18,9 +18,11 @@ for it to log.
 from dataclasses import dataclass, replace
 
 from hetconv.engine.costmodel import FLOAT_BYTES
-from hetconv.engine.microbatch import FEWER_MICRO_MARGIN, cheapest_micro_batches, micro_batch_count
+from hetconv.engine.microbatch import (FEWER_MICRO_MARGIN, cheapest_micro_batches, micro_batch_count,
+                                       recorded_micro_batches)
 from hetconv.engine.planner import (PlanError, check_kernels_per_worker, check_profiles, choose_modes, cost_lines,
-                                    forced_modes, make_plan, plan_from_lines, price_plan, whole_groups)
+                                    forced_modes, given_plan, make_plan, plan_from_lines, price_plan,
+                                    recorded_worker_names, whole_groups)
 from hetconv.geometry import largest_array_bytes
 from hetconv.transport.wire import check_wire_dtype, value_bytes as wire_value_bytes
 
@@ -47,6 +49,41 @@ def run_micro_batches(requested, batch, exchange, workers, micro_choice=None):
     if requested or not micro_choice:
         return most
     return max(1, min(most, int(micro_choice["micro_batches"])))
+
+
+@dataclass(frozen=True)
+class RecordedPlan:
+    """A plan a run fixes on its engine instead of calibrating one (no calibrated split, no
+    rebalancing): --plan's, or the checkpoint's it resumes from."""
+    plan: object                # planner.Plan
+    micro_batches: object       # the micro-batch count recorded with it (None: none recorded)
+    source: str                 # where it came from, in words
+
+
+def recorded_run_plan(layer_kernels, batch, workers, given=None, given_source="", resumed=None,
+                      resumed_micro=None, resumed_source=""):
+    """-> (RecordedPlan or None, a note for the log or ""): the plan a run fixes, where it has
+    one. `given` (a "plan" metrics record of --plan FILE, `given_source` naming it) is run as
+    it is, or refused (PlanError) where it does not fit the network, the batch or `workers`.
+    Else the checkpoint's (`resumed`, its record; `resumed_micro` its micro-batch count) is run
+    again where `workers` are the same ones (by name) and more than one: a plan the checkpoint
+    cannot give again is said in the note, and one is calibrated. Else None: plan_for
+    calibrates a plan."""
+    if given is not None:
+        return RecordedPlan(given_plan(given, layer_kernels, batch, workers, given_source),
+                            given.get("micro_batches"), f"--plan {given_source}"), ""
+    if not (isinstance(resumed, dict) and len(workers) > 1 and recorded_worker_names(resumed) == sorted(workers)):
+        return None, ""
+    try:
+        plan = given_plan(resumed, layer_kernels, batch, workers, resumed_source)
+    except PlanError as e:
+        return None, f"the checkpoint's plan is not run again ({e}): calibrating a new one"
+    return RecordedPlan(plan, recorded_micro_batches(resumed_micro), "the same workers as the checkpoint's"), ""
+
+
+# What --deterministic runs without a recorded plan: the equal split over every worker, never
+# re-split from step times (a split from timing would change the sums' order from run to run).
+DETERMINISTIC_FLAGS = {"split": "equal", "use_all": True, "rebalance_after": 0}
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,8 @@ from hetconv.data.photos import bad_list
 from hetconv.devices.cpu import HostArrays
 from hetconv.engine.contract import WorkerLost, moved_bytes, plan_report, wire_record
 from hetconv.engine.conv_precision import PrecisionReport, precision_line
-from hetconv.engine.microbatch import recorded_micro_batches
 from hetconv.engine.graph import graph_pass
-from hetconv.engine.planner import PlanError, given_plan, recorded_worker_names
-from hetconv.engine.policy import MAX_REBALANCES, PlanSettings, rebalances
+from hetconv.engine.policy import DETERMINISTIC_FLAGS, MAX_REBALANCES, PlanSettings, rebalances, recorded_run_plan
 from hetconv.flags import say_in_handler
 from hetconv.geometry import ConvSpec
 from hetconv.net import LoadedNet, NetSpec
@@ -710,29 +708,28 @@ class _Run:
 
 
 def _reproducible(cfg, engine, specs, log, resumed_meta=None):
-    """--plan and --deterministic on this run: a given plan is fixed on the engine (no calibrated
-    split, no rebalancing), with its micro-batch count where --micro-batches is auto; so is the
-    plan of the checkpoint a run resumes from, where the same workers (names) came back and the
-    caller set no plan of its own; --deterministic without either takes the split that no timing
-    decides: equal, every worker kept, never re-split from step times (the returned config,
-    saved with the run, says so)."""
-    layer_kernels = [s.kernels for s in specs]
-    if cfg.plan:
-        record = last_plan_record(cfg.plan)
-        plan = given_plan(record, layer_kernels, cfg.batch_size, engine.workers, cfg.plan)
-        return _run_given_plan(cfg, engine, plan, record.get("micro_batches"), f"--plan {cfg.plan}", log)
-    saved = (resumed_meta or {}).get("plan")
-    if (isinstance(saved, dict) and getattr(engine, "fixed_plan", None) is None and len(engine.workers) > 1
-            and recorded_worker_names(saved) == sorted(engine.workers)):
-        try:
-            plan = given_plan(saved, layer_kernels, cfg.batch_size, engine.workers, resumed_meta["path"])
-        except PlanError as e:
-            log(f"the checkpoint's plan is not run again ({e}): calibrating a new one")
-        else:
-            return _run_given_plan(cfg, engine, plan, recorded_micro_batches(resumed_meta.get("micro_batches")),
-                                   "the same workers as the checkpoint's", log)
-    if cfg.deterministic and (cfg.split, cfg.use_all, cfg.rebalance_after) != ("equal", True, 0):
-        cfg = dataclasses.replace(cfg, split="equal", use_all=True, rebalance_after=0)
+    """--plan and --deterministic on this run: a recorded plan (--plan's, or the checkpoint's
+    where the same workers came back and the caller fixed none: policy.recorded_run_plan) is
+    fixed on the engine, with its micro-batch count where --micro-batches is auto;
+    --deterministic without one takes policy.DETERMINISTIC_FLAGS (the returned config, saved
+    with the run, says so)."""
+    resumed = resumed_meta or {}
+    recorded, note = recorded_run_plan(
+        [s.kernels for s in specs], cfg.batch_size, engine.workers,
+        given=last_plan_record(cfg.plan) if cfg.plan else None, given_source=cfg.plan,
+        resumed=resumed.get("plan") if engine.fixed_plan is None else None,
+        resumed_micro=resumed.get("micro_batches"), resumed_source=resumed.get("path", ""))
+    if note:
+        log(note)
+    if recorded is not None:            # its micro-batch count too, where --micro-batches is auto
+        engine.fixed_plan = recorded.plan
+        taken = recorded.micro_batches if recorded.micro_batches and not cfg.micro_batches else None
+        log(f"{recorded.source}: running its plan" + (f" and its {taken} micro-batches" if taken else "")
+            + " (no calibrated split, no rebalancing)")
+        return dataclasses.replace(cfg, micro_batches=taken) if taken else cfg
+    flags = DETERMINISTIC_FLAGS
+    if cfg.deterministic and (cfg.split, cfg.use_all, cfg.rebalance_after) != tuple(flags.values()):
+        cfg = dataclasses.replace(cfg, **flags)
         if len(engine.workers) > 1:
             log("--deterministic: the equal split over every worker, never re-split (a split from timing would change "
                 "the sums' order from run to run); --plan METRICS repeats an earlier run's calibrated plan")
@@ -750,18 +747,6 @@ def _head_threads(cfg, engine):
     if not engine.in_process:
         return runtimes.use_threads(runtimes.threads_for(0, False), False)
     return runtimes.current_threads()
-
-
-def _run_given_plan(cfg, engine, plan, micro_batches, source, log):
-    """`plan` fixed on the engine, and its recorded micro-batch count (or None) where
-    --micro-batches is auto; the config the run goes on with."""
-    engine.fixed_plan = plan
-    taken = micro_batches if micro_batches and not cfg.micro_batches else None
-    if taken:
-        cfg = dataclasses.replace(cfg, micro_batches=taken)
-    log(f"{source}: running its plan" + (f" and its {taken} micro-batches" if taken else "")
-        + " (no calibrated split, no rebalancing)")
-    return cfg
 
 
 def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loaded, opened):
@@ -796,8 +781,8 @@ def _train(cfg, engine, log, resume, metrics, metrics_extra, ds, stop_grace, loa
         cfg = dataclasses.replace(cfg, epochs=epochs)
     if cfg.steps:
         total_steps = cfg.steps
+    head_threads = _head_threads(cfg, engine)         # --deterministic and --threads: no recorded plan changes them
     cfg = _reproducible(cfg, engine, specs, log, None if resume is None else resume[0])
-    head_threads = _head_threads(cfg, engine)
     metrics.write("config", config=cfg.to_json(), data=repr(ds), network=network.to_json(),
                   runtime=runtimes.record(head_threads), **metrics_extra)
 
