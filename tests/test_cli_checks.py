@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from _in_process import run_main
+from hetconv.cli import coordinator
 from hetconv.training.config import Config
 from hetconv.flags import check_endpoint, check_output_dir, check_output_file
 from hetconv.devices import DeviceEntry, DeviceError, parse_device_list
@@ -60,8 +62,14 @@ def test_worker_flags_are_checked_before_it_connects(args, message):
     (["--spawn", "cpu,cpu", "--parallel", "DMD"], "--parallel DMD: 3 letter(s) for a network of 2 conv layer(s)"),
     (["--spawn", "cpu,cpu", "--parallel", "DX"], "--parallel must be one of auto, model, data, or a letter per conv"),
 ])
-def test_coordinator_flags_are_checked_before_any_work(args, message):
-    assert_one_line_error(run("hetconv.cli.coordinator", *TINY, "--steps", "2", *args, timeout=60), message)
+def test_coordinator_flags_are_checked_before_any_work(args, message, capsys):
+    assert_one_line_error(run_main(coordinator.main, [*TINY, "--steps", "2", *args], capsys), message)
+
+
+def test_the_coordinator_process_refuses_a_flag_in_one_line_with_status_2():
+    """The matrix above runs main() in this process; the command's own process says the same."""
+    assert_one_line_error(run("hetconv.cli.coordinator", *TINY, "--steps", "2", "--workers", "0", timeout=60),
+                          "--workers must be >= 1, got 0")
 
 
 def test_output_paths_that_are_a_file_or_a_directory_are_refused(tmp_path):

@@ -4,6 +4,8 @@ import sys
 
 import pytest
 
+from _in_process import run_main
+from hetconv.cli import plan as plan_cli
 from hetconv.engine.costmodel import (
     DeviceProfile, LayerCost, Link, chain_shape, parse_bandwidth, predict_local, predict_step, profiles_from_calibration,
     wire_bytes)
@@ -278,9 +280,12 @@ def test_the_cost_model_agrees_with_the_device_set_the_planner_picks():
     assert alone.step_s < both.step_s
 
 
+PLAN_FLAGS = ["--conv", "4,8", "--fc", "8", "--batch-size", "8", "--bandwidth", "1gbit"]
+
+
 def plan_command(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "hetconv.cli.plan", "--conv", "4,8", "--fc", "8", "--batch-size", "8",
-                           "--bandwidth", "1gbit", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "hetconv.cli.plan", *PLAN_FLAGS, *args], capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def saved_profile(name, layers=2):
@@ -304,10 +309,10 @@ def test_every_profile_in_a_file_loads_and_a_path_may_contain_x(tmp_path):
     ("[1, 2]", "not a saved profile"),
     ("{", "not a saved profile (not JSON"),
 ])
-def test_a_bad_profile_file_is_named_in_one_line(tmp_path, content, message):
+def test_a_bad_profile_file_is_named_in_one_line(tmp_path, content, message, capsys):
     path = tmp_path / "bad.json"
     path.write_text(content if isinstance(content, str) else json.dumps(content))
-    result = plan_command("--devices", f"@{path}")
+    result = run_main(plan_cli.main, [*PLAN_FLAGS, "--devices", f"@{path}"], capsys)
     assert result.returncode == 2 and f"hetconv-plan: {path}: {message}" in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
 
@@ -321,8 +326,8 @@ def test_a_bad_profile_file_is_named_in_one_line(tmp_path, content, message):
     # refused before calibrating (no 'calibrating' line)
     (["--save-profiles", "/proc/x/p.json"], "--save-profiles '/proc/x/p.json' cannot be written"),
 ])
-def test_plan_ranges_are_checked_up_front(args, message):
-    result = plan_command(*args)
+def test_plan_ranges_are_checked_up_front(args, message, capsys):
+    result = run_main(plan_cli.main, [*PLAN_FLAGS, *args], capsys)
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert "calibrating" not in result.stderr and "Traceback" not in result.stderr
 

@@ -8,6 +8,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from _in_process import run_main
+from hetconv.cli import coordinator as coordinator_cli
 from hetconv.training import checkpoint
 from hetconv.training.config import Config
 from hetconv.devices import open_device
@@ -133,8 +135,8 @@ def test_cli_bad_input_gets_a_clear_error(args, message):
     (["--local", "--rebalance-after", "1"], "--rebalance-after must be 0 (never) or at least 2"),
     (["--local", "--crop", "40"], "--crop 40 is larger than the data set's 32x32 images"),
 ])
-def test_cli_mode_flags_are_checked(args, message):
-    result = run_cli("--steps", "1", *args)
+def test_cli_mode_flags_are_checked(args, message, capsys):
+    result = run_main(coordinator_cli.main, ["--steps", "1", *args], capsys)
     assert result.returncode == 2 and message in result.stderr, result.stderr
 
 
