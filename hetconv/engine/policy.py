@@ -3,13 +3,15 @@ batch, the link and the run's flags, which workers take part (one that slows the
 out, with the reason), each conv layer's mode, the kernel and image shares, the micro-batch
 count and the step the cost model predicts for it.
 
-The coordinator calls plan_workers for its first plan and for every re-plan after a worker is
-lost or joins; hetconv-plan calls it for each set of devices it prices. From the same profiles
+The coordinator's engine (engine.calibrated.CalibratedEngine) calls plan_workers for its first
+plan and for every re-plan after a worker is lost or joins; hetconv-plan calls it for each set of
+devices it prices. From the same profiles
 (their calibrated precision and speeds), link, places (which host, how many cores) and flags both
 get the same plan, wire and priced link, so hetconv-plan prints the plan a run would train with.
 The rules around a plan are here too: the cores-together price and when it is worth
-calibrating, the head's weights-later choice, what a step can need (step_bounds) and how many
-times a run re-splits from measured steps.
+calibrating, the head's weights-later choice, the wire a plan carries (wire_for), which recorded
+plan a run fixes (recorded_run_plan) and what --deterministic runs, what a step can need
+(step_bounds) and how many times a run re-splits from measured steps.
 
 Pure: no sockets, no clocks, no devices (a caller hands in what measures: calibrate_together,
 local_link). What the caller should say about a plan (a fallback taken) comes back in `notes`,
