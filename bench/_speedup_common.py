@@ -114,9 +114,12 @@ def run_one(spec):
     try:
         if spec.get("local"):
             from hetconv.devices import open_device
+            from hetconv.devices.cpu_options import CpuOptions
             from hetconv.engine.local import LocalEngine
             from hetconv.engine.shard import ConvShard
-            device = open_device("cpu", threads=threads, conv_path=conv_path)
+            # with this machine's wisdom, as `hetconv-coordinator --local` opens it: without it the
+            # baseline timed its conv paths again in every run (the paper network: 50 s a run)
+            device = open_device("cpu", **CpuOptions(conv_path=conv_path, use_wisdom=True).device_options(threads))
             engine = LocalEngine({"local": ConvShard(device)})
         else:
             from hetconv.coordinator.remote import RemoteEngine
