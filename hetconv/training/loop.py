@@ -727,9 +727,8 @@ def _reproducible(cfg, engine, specs, log, resumed_meta=None):
         log(f"{recorded.source}: running its plan" + (f" and its {taken} micro-batches" if taken else "")
             + " (no calibrated split, no rebalancing)")
         return dataclasses.replace(cfg, micro_batches=taken) if taken else cfg
-    flags = DETERMINISTIC_FLAGS
-    if cfg.deterministic and (cfg.split, cfg.use_all, cfg.rebalance_after) != tuple(flags.values()):
-        cfg = dataclasses.replace(cfg, **flags)
+    if cfg.deterministic and any(getattr(cfg, name) != value for name, value in DETERMINISTIC_FLAGS.items()):
+        cfg = dataclasses.replace(cfg, **DETERMINISTIC_FLAGS)
         if len(engine.workers) > 1:
             log("--deterministic: the equal split over every worker, never re-split (a split from timing would change "
                 "the sums' order from run to run); --plan METRICS repeats an earlier run's calibrated plan")
